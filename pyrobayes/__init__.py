@@ -1,0 +1,35 @@
+"""pyrobayes: Bayesian fine-tuning of pretrained networks with Pyro.
+
+Declare a posterior over adapter parameters as a Pyro guide, fit it with the objective of its
+family, predict with the posterior predictive, measure calibration and OOD detection, and export
+to ArviZ.
+"""
+
+from __future__ import annotations
+
+from . import guides, metrics, models
+from .api import posterior
+from .infer.loop import FitResult, fit
+from .io import load, save
+from .predictive import Prediction, predict
+from .registry import available_guides, register_guide
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # building blocks
+    "models",
+    "guides",
+    "metrics",
+    # workflow
+    "posterior",
+    "fit",
+    "FitResult",
+    "predict",
+    "Prediction",
+    # I/O and registry
+    "save",
+    "load",
+    "register_guide",
+    "available_guides",
+]

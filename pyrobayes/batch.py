@@ -1,0 +1,75 @@
+"""Batches: split inputs from targets, move to a device, expand S-fold for batched samples.
+
+A batch is either a Hugging Face dict (``{"input_ids", "attention_mask", ..., "labels"}``) or a
+tensor / tuple ``(x, y)`` / ``(x,)``. Targets are kept apart from the inputs so the network never
+computes its own loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["split_batch", "to_device", "expand_samples", "batch_size"]
+
+
+def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | None]:
+    """Return ``(inputs, targets)``; ``targets`` is ``None`` when the batch carries none."""
+    if isinstance(batch, Mapping):
+        inputs = {k: v for k, v in batch.items() if k != label_key}
+        return inputs, batch.get(label_key)
+    if isinstance(batch, Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 1:
+            return batch[0], None
+        if len(batch) == 2:
+            return batch[0], batch[1]
+    raise TypeError(
+        "Expected a batch as a dict of tensors (Hugging Face style, targets under "
+        f"{label_key!r}), a tensor, or a tuple (x, y) but got {type(batch).__name__}."
+    )
+
+
+def to_device(obj: Any, device: torch.device | str | None) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if device is None:
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def expand_samples(inputs: Any, num_samples: int) -> Any:
+    """Sample-major S-fold expansion: row ``s * B + b`` of the result is row ``b`` of the input."""
+    if num_samples == 1:
+        return inputs
+    if isinstance(inputs, Tensor):
+        if inputs.dim() == 0:
+            return inputs
+        return inputs.unsqueeze(0).expand(num_samples, *inputs.shape).reshape(-1, *inputs.shape[1:])
+    if isinstance(inputs, Mapping):
+        return {k: expand_samples(v, num_samples) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(expand_samples(v, num_samples) for v in inputs)
+    return inputs
+
+
+def batch_size(inputs: Any) -> int:
+    """Number of examples in ``inputs`` (the leading size of its first tensor)."""
+    if isinstance(inputs, Tensor):
+        return int(inputs.shape[0])
+    if isinstance(inputs, Mapping):
+        for v in inputs.values():
+            if isinstance(v, Tensor) and v.dim() > 0:
+                return int(v.shape[0])
+    if isinstance(inputs, (tuple, list)):
+        return batch_size(inputs[0])
+    raise TypeError(f"Cannot tell the batch size of {type(inputs).__name__}.")

@@ -1,0 +1,273 @@
+"""The training loop behind :func:`pyrobayes.fit`.
+
+It runs the guide family's objective (or the one given) with a torch optimizer over the guide's
+parameters and the model's point-estimated parameters, with a progress bar, logging, seeding,
+atomic checkpoints and the family hooks (``fit_begin`` / ``epoch_end`` / ``fit_end``). A non-finite
+loss stops training *before* the parameters are touched, so the last checkpoint stays good.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pyro
+import torch
+from tqdm.auto import tqdm
+
+from ..batch import to_device
+from .objectives import make_objective
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FitResult", "fit"]
+
+
+class FitResult(NamedTuple):
+    """What :func:`fit` returns.
+
+    - **guide** - the fitted guide (the posterior).
+    - **losses** - ``Tensor (num_steps,)``: the objective at every step (dataset-sum convention).
+    - **state** - ``dict``: ``step``, ``epoch``, ``elapsed`` seconds, ``objective`` name.
+    """
+
+    guide: Any
+    losses: torch.Tensor
+    state: dict[str, Any]
+
+
+def _make_optimizer(
+    optimizer: Any, params: list[torch.nn.Parameter], lr: float, guide: Any
+) -> torch.optim.Optimizer:
+    if optimizer is None:
+        make = getattr(guide, "default_optimizer", None)
+        if make is not None:
+            return make(params, lr)
+        return torch.optim.Adam(params, lr=lr)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer(params, lr=lr)
+    if callable(optimizer):
+        return optimizer(params)
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer, an Optimizer class, or a callable "
+        f"params -> Optimizer; got {type(optimizer).__name__}."
+    )
+
+
+def _trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
+    params = [p for p in guide.parameters() if p.requires_grad]
+    point = getattr(model, "point_params", {})
+    seen = {id(p) for p in params}
+    params += [p for p in point.values() if id(p) not in seen]
+    return params
+
+
+def _save_checkpoint(
+    directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer, meta: dict[str, Any]
+) -> None:
+    """Write ``directory/last`` atomically (temp folder + rename); the old one stays until then."""
+    from ..io import save  # local: io imports the guide registry
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=directory))
+    save(guide, tmp / "posterior.safetensors", model=model)
+    torch.save(optim.state_dict(), tmp / "optimizer.pt")
+    torch.save(
+        {"torch": torch.get_rng_state(), "pyro_seed_state": None}, tmp / "rng.pt"
+    )
+    (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+    final = directory / "last"
+    old = directory / ".last-old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _load_checkpoint(
+    directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    from ..io import load_state
+
+    final = directory / "last"
+    load_state(guide, final / "posterior.safetensors", model=model)
+    optim.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
+    torch.set_rng_state(torch.load(final / "rng.pt", weights_only=True)["torch"])
+    return json.loads((final / "state.json").read_text())
+
+
+def fit(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    epochs: int | None = None,
+    num_steps: int | None = None,
+    loss: Any = None,
+    optimizer: Any = None,
+    lr: float = 1e-2,
+    device: str | torch.device | None = None,
+    seed: int | None = None,
+    progress_bar: bool = False,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    callback: Callable[[int, float], None] | None = None,
+) -> FitResult:
+    """Fit ``guide`` (the posterior) to ``model`` on ``data``.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : PosteriorGuide
+    data : iterable of batches
+        A ``DataLoader`` (re-iterated each epoch) or any re-iterable of batches.
+    epochs, num_steps : int
+        Train for this many passes over ``data`` or this many steps (one of them; with both,
+        whichever ends first).
+    loss : str, pyro.infer.ELBO or object with ``loss(model, guide, batch)``, optional
+        Defaults to the guide family's objective (``guide.default_objective``).
+    optimizer : torch optimizer, class or factory, optional
+        Defaults to the family's (``guide.default_optimizer``) or Adam.
+    lr : float
+        Learning rate for the default optimizer.
+    device : str or torch.device, optional
+        Move model, guide and batches there.
+    seed : int, optional
+        Seeds torch and Pyro (``pyro.set_rng_seed``).
+    progress_bar : bool
+        Show a tqdm bar with the running loss.
+    checkpoint_dir : path, optional
+        Write ``<dir>/last`` (guide + head + optimizer + RNG + position) atomically every
+        ``checkpoint_every`` steps and at each epoch end.
+    resume : bool
+        Continue from ``<checkpoint_dir>/last`` if it exists (restores guide, optimizer, RNG and
+        the step counter; steps already done are not repeated).
+    callback : callable(step, loss), optional
+
+    Returns
+    -------
+    FitResult
+
+    Raises
+    ------
+    FloatingPointError
+        On a non-finite loss, before any parameter is updated (checkpoints stay good).
+    """
+    if epochs is None and num_steps is None:
+        raise ValueError("Pass epochs=... or num_steps=... to fit().")
+    if (epochs is not None and epochs < 0) or (num_steps is not None and num_steps < 0):
+        raise ValueError(f"Expected non-negative epochs/num_steps but got {epochs}/{num_steps}.")
+    if seed is not None:
+        pyro.set_rng_seed(seed)
+    if device is not None:
+        model.to(device)
+        guide.to(device)
+    model.train(True)
+    objective = make_objective(loss, guide)
+    if not guide.sites:  # a guide over a plain Pyro model sets up from its first batch
+        first = to_device(next(iter(data)), device)
+        with pyro.poutine.block(), pyro.poutine.trace():
+            guide(first)
+    guide.fit_begin(model, data)
+    params = _trainable_parameters(model, guide)
+    optim = _make_optimizer(optimizer, params, lr, guide)
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    step, epoch, losses = 0, 0, []
+    if resume and ckpt is not None and (ckpt / "last").exists():
+        meta = _load_checkpoint(ckpt, guide, model, optim)
+        step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
+        logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
+    try:
+        steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
+    except TypeError:
+        steps_per_epoch = None
+    total = num_steps
+    if epochs is not None and steps_per_epoch is not None:
+        total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
+    bar = tqdm(total=total, initial=step, disable=not progress_bar, desc=type(guide).__name__)
+    start = time.perf_counter()
+    step_in_epoch_done = step - epoch * steps_per_epoch if steps_per_epoch else 0
+
+    def _meta() -> dict[str, Any]:
+        return {"step": step, "epoch": epoch, "losses": losses}
+
+    try:
+        while (epochs is None or epoch < epochs) and (num_steps is None or step < num_steps):
+            i_last_step_count = step
+            for i, batch in enumerate(data):
+                if i < step_in_epoch_done:  # resuming mid-epoch: skip what was done
+                    continue
+                if num_steps is not None and step >= num_steps:
+                    break
+                batch = to_device(batch, device)
+                optim.zero_grad(set_to_none=True)
+                value = _step(objective, model, guide, batch, optim)
+                if not math.isfinite(value):
+                    raise FloatingPointError(
+                        f"Non-finite loss ({value}) at step {step} (epoch {epoch}); parameters "
+                        "were not updated. Lower the learning rate or the init_scale"
+                        + (f"; the last checkpoint in {ckpt} is intact." if ckpt else ".")
+                    )
+                losses.append(value)
+                step += 1
+                bar.update(1)
+                if progress_bar and step % max(1, (total or 100) // 20) == 0:
+                    window = losses[-max(1, len(losses) // 10) :]
+                    bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{sum(window) / len(window):.4g}")
+                if callback is not None:
+                    callback(step, value)
+                if ckpt is not None and checkpoint_every and step % checkpoint_every == 0:
+                    _save_checkpoint(ckpt, guide, model, optim, _meta())
+            else:
+                if i_last_step_count == step:
+                    raise ValueError("fit(): data yielded no batches.")
+                step_in_epoch_done = 0
+                guide.epoch_end(model, epoch)
+                epoch += 1
+                if ckpt is not None:
+                    _save_checkpoint(ckpt, guide, model, optim, _meta())
+                continue
+            break  # num_steps reached inside the epoch
+    finally:
+        bar.close()
+    guide.fit_end(model, data)
+    model.train(False)
+    elapsed = time.perf_counter() - start
+    logger.info("fit: %d steps in %.1fs, final loss %.4g", step, elapsed, losses[-1] if losses else float("nan"))
+    state = {"step": step, "epoch": epoch, "elapsed": elapsed, "objective": type(objective).__name__}
+    return FitResult(guide, torch.tensor(losses), state)
+
+
+def _step(objective: Any, model: Any, guide: Any, batch: Any, optim: torch.optim.Optimizer) -> float:
+    """One optimisation step; the optimizer may re-evaluate the loss through the closure (IVON)."""
+    if getattr(optim, "needs_closure", False):
+
+        def closure() -> torch.Tensor:
+            optim.zero_grad(set_to_none=True)
+            loss = objective.loss(model, guide, batch)
+            loss.backward()
+            return loss
+
+        loss = optim.step(closure)
+        return float(loss)
+    loss = objective.loss(model, guide, batch)
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        return value
+    loss.backward()
+    optim.step()
+    return value

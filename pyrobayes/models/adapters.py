@@ -1,0 +1,293 @@
+"""Adapter configurations (LoRA, LoRA-XS) and their injection into a network.
+
+An adapter config is a small validated dataclass, as peft's ``LoraConfig``. ``inject`` replaces
+each targeted ``nn.Linear`` / GPT-2 ``Conv1D`` by a pyrobayes layer from :mod:`.layers` and returns
+the latent tensors as :class:`SiteSpec` records with stable, readable site names derived from the
+module path (``<module path>.core`` for a LoRA-XS core, ``<module path>.lora_A`` / ``.lora_B``
+for LoRA).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, base_weight_in_out
+from .projections import PROJECTIONS, collect_input_moments, project
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SiteSpec", "LoRA", "LoRAXS", "find_target_modules", "inject_adapter", "make_latent"]
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """One latent tensor of the network.
+
+    Attributes
+    ----------
+    site : str
+        Pyro sample-site name, e.g. ``"bert.encoder.layer.0.attention.self.query.core"``.
+    param_name : str
+        Key of the tensor for ``torch.func.functional_call`` (``"<path>.core.weight"``).
+    module_path : str
+        Path of the adapted module inside the network.
+    shape : tuple[int, ...]
+        Shape of one parameter set.
+    kind : str
+        ``"lora_xs_core"``, ``"lora_A"``, ``"lora_B"``, ``"weight"`` or ``"bias"``.
+    """
+
+    site: str
+    param_name: str
+    module_path: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+def _is_adaptable(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or (
+        type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    )
+
+
+def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> list[str]:
+    """Paths of the linear modules of ``net`` that ``target_modules`` selects.
+
+    A list matches a module whose path equals an entry or ends with ``"." + entry`` (peft's rule);
+    a string is a regular expression that must match the whole path.
+
+    Raises
+    ------
+    ValueError
+        When nothing matches; the message lists the candidate module names.
+    """
+    candidates = [
+        name
+        for name, m in net.named_modules()
+        if name and _is_adaptable(m) and not isinstance(m, (LoRALinear, LoRAXSLinear))
+    ]
+    if isinstance(target_modules, str):
+        pattern = re.compile(target_modules)
+        chosen = [n for n in candidates if pattern.fullmatch(n)]
+    else:
+        targets = list(target_modules)
+        chosen = [n for n in candidates if any(n == t or n.endswith("." + t) for t in targets)]
+    if not chosen:
+        leaf_names = sorted({n.rsplit(".", 1)[-1] for n in candidates})
+        raise ValueError(
+            f"target_modules={target_modules!r} matched no linear module of "
+            f"{type(net).__name__}. Candidate module names: {leaf_names} "
+            f"(full paths, e.g. {candidates[:4]}). Pass some of these, or a regex over full paths."
+        )
+    return chosen
+
+
+def _set_submodule(net: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, child = path.rpartition(".")
+    parent = net.get_submodule(parent_path) if parent_path else net
+    setattr(parent, child, module)
+
+
+@dataclass
+class LoRA:
+    """LoRA adapter: ``W = W0 + (α/r) B A`` with ``A ∈ R^{r×d_in}``, ``B ∈ R^{d_out×r}``.
+
+    Parameters
+    ----------
+    rank : int
+        r, the adapter rank.
+    alpha : float, optional
+        Scaling numerator; defaults to ``rank`` (scaling 1).
+    target_modules : list of str or str
+        Module names (suffix match) or a regex over full module paths.
+    """
+
+    rank: int = 8
+    alpha: float | None = None
+    target_modules: Sequence[str] | str = field(default_factory=lambda: ["query", "value"])
+    kind: str = field(default="lora", init=False)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"Expected rank >= 1 but got rank={self.rank}.")
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    @classmethod
+    def from_peft(cls, config: Any) -> LoRA:
+        """Build from a ``peft.LoraConfig``."""
+        targets = config.target_modules
+        if isinstance(targets, set):
+            targets = sorted(targets)
+        return cls(rank=int(config.r), alpha=float(config.lora_alpha), target_modules=targets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "target_modules": self.target_modules
+            if isinstance(self.target_modules, str)
+            else list(self.target_modules),
+        }
+
+
+@dataclass
+class LoRAXS:
+    """LoRA-XS adapter: ``W = W0 + (α/r) A R B`` with frozen bases and a trainable r×r core R.
+
+    Parameters
+    ----------
+    rank : int
+        r; the core has r² parameters per layer.
+    alpha : float, optional
+        Scaling numerator (default ``rank``: scaling 1; the papers use 16 for RoBERTa).
+    projection : {"svd", "wsvd", "dct", "random"}
+        How the frozen bases are built from W0 (see :mod:`pyrobayes.models.projections`).
+        ``"wsvd"`` needs input statistics: pass ``calibration_data`` to ``FineTuneModel``.
+    target_modules : list of str or str
+        Module names (suffix match) or a regex over full module paths.
+    init_scale : float
+        Initial core entries are drawn from N(0, init_scale²) (1e-5: the pretrained function).
+    moment : {"centered", "second"}
+        Which input statistic whitens W-SVD.
+    seed : int
+        Seed of the random (Haar) projection.
+    """
+
+    rank: int = 8
+    alpha: float | None = None
+    projection: str = "svd"
+    target_modules: Sequence[str] | str = field(default_factory=lambda: ["query", "value"])
+    init_scale: float = 1e-5
+    moment: str = "centered"
+    seed: int = 0
+    kind: str = field(default="lora_xs", init=False)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"Expected rank >= 1 but got rank={self.rank}.")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(
+                f"Expected projection in {PROJECTIONS} but got projection={self.projection!r}."
+            )
+        if self.moment not in ("centered", "second"):
+            raise ValueError(f"Expected moment 'centered' or 'second' but got {self.moment!r}.")
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "projection": self.projection,
+            "target_modules": self.target_modules
+            if isinstance(self.target_modules, str)
+            else list(self.target_modules),
+            "init_scale": self.init_scale,
+            "moment": self.moment,
+            "seed": self.seed,
+        }
+
+
+def adapter_from_dict(config: dict[str, Any]) -> LoRA | LoRAXS:
+    """Inverse of ``to_dict`` (used by posterior I/O and the command line)."""
+    config = dict(config)
+    kind = config.pop("kind")
+    return {"lora": LoRA, "lora_xs": LoRAXS}[kind](**config)
+
+
+def inject_adapter(
+    net: nn.Module,
+    adapter: LoRA | LoRAXS,
+    *,
+    calibration_batches: Iterable[Any] | None = None,
+    calibration_forward: Callable[[nn.Module, Any], Any] | None = None,
+    calibration_mask: Callable[[Any], torch.Tensor | None] | None = None,
+    max_calibration_batches: int | None = None,
+) -> list[SiteSpec]:
+    """Replace the targeted modules of ``net`` in place and return the latent sites."""
+    paths = find_target_modules(net, adapter.target_modules)
+    sites: list[SiteSpec] = []
+    if isinstance(adapter, LoRA):
+        for path in paths:
+            layer = LoRALinear(net.get_submodule(path), adapter.rank, scaling=adapter.scaling)
+            _set_submodule(net, path, layer)
+            for role in ("lora_A", "lora_B"):
+                shape = tuple(getattr(layer, role).weight.shape)
+                sites.append(SiteSpec(f"{path}.{role}", f"{path}.{role}.weight", path, shape, role))
+        return sites
+    if not isinstance(adapter, LoRAXS):
+        raise TypeError(f"Expected a LoRA or LoRAXS adapter config but got {type(adapter)}.")
+    covariances: dict[str, torch.Tensor] = {}
+    if adapter.projection == "wsvd":
+        if calibration_batches is None or calibration_forward is None:
+            raise ValueError(
+                "LoRAXS(projection='wsvd') needs input statistics of the targeted layers: pass "
+                "calibration_data=<your training DataLoader> to FineTuneModel."
+            )
+        moments = collect_input_moments(
+            net,
+            paths,
+            calibration_batches,
+            forward=calibration_forward,
+            mask_fn=calibration_mask,
+            max_batches=max_calibration_batches,
+        )
+        covariances = {p: m.covariance(moment=adapter.moment) for p, m in moments.items()}
+    generator = torch.Generator().manual_seed(adapter.seed)
+    for path in paths:
+        base = net.get_submodule(path)
+        w0 = base_weight_in_out(base)  # (d_in, d_out)
+        rank = min(adapter.rank, *w0.shape)
+        if rank < adapter.rank:
+            logger.info("LoRA-XS rank %d > layer size at %s; using %d", adapter.rank, path, rank)
+        a, b = project(
+            w0.float().cpu(),
+            rank,
+            adapter.projection,
+            covariance=covariances.get(path),
+            generator=generator,
+        )  # A (d_in, r), B (r, d_out)
+        down = a.T.to(dtype=w0.dtype, device=w0.device)
+        up = b.T.to(dtype=w0.dtype, device=w0.device)
+        layer = LoRAXSLinear(base, down, up, scaling=adapter.scaling, init_scale=adapter.init_scale)
+        _set_submodule(net, path, layer)
+        sites.append(SiteSpec(f"{path}.core", f"{path}.core.weight", path, (rank, rank), "core"))
+    return sites
+
+
+def make_latent(net: nn.Module, module_paths: Sequence[str]) -> list[SiteSpec]:
+    """Turn whole ``nn.Linear`` modules (e.g. a classifier head) into latent sites.
+
+    Each becomes a :class:`BatchedLinear` with sites ``<path>.weight`` and ``<path>.bias``.
+    """
+    sites: list[SiteSpec] = []
+    for path in module_paths:
+        module = net.get_submodule(path)
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"latent_modules: {path!r} is a {type(module).__name__}; only nn.Linear modules "
+                "can be made latent."
+            )
+        layer = BatchedLinear.from_linear(module)
+        _set_submodule(net, path, layer)
+        for role in ("weight", "bias"):
+            p = getattr(layer, role)
+            if p is None:
+                continue
+            p.requires_grad_(False)
+            sites.append(SiteSpec(f"{path}.{role}", f"{path}.{role}", path, tuple(p.shape), role))
+    return sites

@@ -1,0 +1,323 @@
+r"""``FineTuneModel``: a Pyro model over the adapter parameters of a pretrained network.
+
+.. math::
+
+    θ_l \sim \mathcal N(0, s_p^2 I) \text{ for each adapter site } l, \qquad
+    y_i \mid x_i, θ \sim p(y_i \mid f(x_i; θ)),\ i \in \text{plate("data", N, subsample=B)}
+
+The frozen backbone is held outside Pyro (never in the param store, never changed); the sampled
+adapter values enter the network through ``torch.func.functional_call``. Other trainable parts
+(a classifier head) are point estimates registered with ``pyro.param`` unless made latent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch import Tensor, nn
+
+from ..batch import batch_size, expand_samples, split_batch
+from .adapters import LoRA, LoRAXS, SiteSpec, inject_adapter, make_latent
+from .layers import LoRALinear, LoRAXSLinear
+from .likelihoods import Likelihood, make_likelihood, network_output
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FineTuneModel", "HEAD_NAMES"]
+
+#: Module names treated as the task head of Hugging Face models (trained as point estimates).
+HEAD_NAMES = ("classifier", "score", "qa_outputs", "pre_classifier")
+
+
+def _peft_to_pyrobayes(net: nn.Module) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
+    """Unwrap a ``peft.PeftModel`` with LoRA layers: base network, LoRA config, trained weights."""
+    config = net.peft_config[net.active_adapter]
+    adapter = LoRA.from_peft(config)
+    weights: dict[str, Tensor] = {}
+    prefix = "base_model.model."
+    for name, module in net.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if isinstance(lora_a, nn.ModuleDict) and net.active_adapter in lora_a:
+            path = name[len(prefix) :] if name.startswith(prefix) else name
+            weights[f"{path}.lora_A.weight"] = lora_a[net.active_adapter].weight.detach().clone()
+            lora_b = module.lora_B[net.active_adapter]
+            weights[f"{path}.lora_B.weight"] = lora_b.weight.detach().clone()
+    base = net.unload()
+    return base, adapter, weights
+
+
+class FineTuneModel(nn.Module):
+    """Pyro model over the adapter (or LoRA-XS core) parameters of a network.
+
+    Parameters
+    ----------
+    net : nn.Module
+        A Hugging Face model, a plain ``nn.Module``, or a ``peft.PeftModel`` with LoRA adapters
+        (its trained LoRA weights become the starting point). Modified in place: targeted
+        modules are replaced by pyrobayes adapter layers; all original weights are frozen.
+    adapter : LoRA or LoRAXS or peft.LoraConfig, optional
+        Which adapter to inject. ``None`` with ``latent_modules`` gives a Bayesian network over
+        whole linear layers (e.g. a small MLP).
+    likelihood : {"categorical", "gaussian", "multiple_choice"} or Likelihood
+    prior_scale : float
+        ``s_p`` of the isotropic prior ``N(0, s_p² I)`` on every latent site.
+    num_data : int, optional
+        N, the training-set size; the data plate scales minibatch log-likelihoods by N/B.
+    trainable_modules : list of str or "auto"
+        Module paths (suffix match) whose parameters are point-estimated (``pyro.param``).
+        ``"auto"`` picks the Hugging Face task head (``classifier``, ``score``, ...).
+    latent_modules : list of str
+        ``nn.Linear`` modules whose weight and bias become latent sites instead.
+    obs_scale : float
+        σ of the Gaussian likelihood.
+    choice_token_ids : list of int, optional
+        Token ids of the answer choices for ``likelihood="multiple_choice"``.
+    calibration_data : iterable of batches, optional
+        Input batches for the W-SVD input covariance (padding masked by ``attention_mask``).
+    max_calibration_batches : int, optional
+        Use at most this many calibration batches.
+    label_key : str
+        Key of the targets in dict batches.
+    train_backbone_mode : bool
+        Keep dropout active in the backbone during fitting (default off: deterministic network).
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    >>> model = FineTuneModel(net, LoRAXS(rank=2, target_modules=["0"]), num_data=100)
+    >>> list(model.latent_sites)
+    ['0.core']
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        adapter: LoRA | LoRAXS | Any | None = None,
+        *,
+        likelihood: str | Likelihood = "categorical",
+        prior_scale: float = 1.0,
+        num_data: int | None = None,
+        trainable_modules: Sequence[str] | str = "auto",
+        latent_modules: Sequence[str] = (),
+        obs_scale: float = 1.0,
+        choice_token_ids: Sequence[int] | None = None,
+        calibration_data: Iterable[Any] | None = None,
+        max_calibration_batches: int | None = None,
+        label_key: str = "labels",
+        train_backbone_mode: bool = False,
+    ) -> None:
+        super().__init__()
+        if prior_scale <= 0:
+            raise ValueError(f"Expected prior_scale > 0 but got {prior_scale}.")
+        if num_data is not None and num_data < 1:
+            raise ValueError(f"Expected num_data >= 1 but got {num_data}.")
+        peft_weights: dict[str, Tensor] = {}
+        if hasattr(net, "peft_config") and hasattr(net, "unload"):
+            net, peft_adapter, peft_weights = _peft_to_pyrobayes(net)
+            adapter = adapter if isinstance(adapter, (LoRA, LoRAXS)) else peft_adapter
+        elif adapter is not None and type(adapter).__name__ == "LoraConfig":
+            adapter = LoRA.from_peft(adapter)
+        if adapter is None and not latent_modules:
+            raise ValueError(
+                "FineTuneModel needs something to be Bayesian about: pass adapter=LoRAXS(...) or "
+                "LoRA(...), or latent_modules=[...] naming nn.Linear modules."
+            )
+        self.label_key = label_key
+        self.prior_scale = float(prior_scale)
+        self.num_data = num_data
+        self.adapter = adapter
+        self.train_backbone_mode = train_backbone_mode
+        lik_kwargs: dict[str, Any] = {}
+        if likelihood == "gaussian":
+            lik_kwargs["obs_scale"] = obs_scale
+        if likelihood == "multiple_choice":
+            if choice_token_ids is None:
+                raise ValueError("likelihood='multiple_choice' needs choice_token_ids=[...].")
+            lik_kwargs["choice_token_ids"] = choice_token_ids
+        self.likelihood = make_likelihood(likelihood, **lik_kwargs)
+
+        for p in net.parameters():
+            p.requires_grad_(False)
+        net.train(train_backbone_mode)
+        self.net = net
+
+        specs: list[SiteSpec] = []
+        if adapter is not None:
+            specs += inject_adapter(
+                net,
+                adapter,
+                calibration_batches=calibration_data,
+                calibration_forward=lambda m, b: self._call_net(m, split_batch(b, label_key)[0]),
+                calibration_mask=lambda b: b.get("attention_mask") if isinstance(b, Mapping) else None,
+                max_calibration_batches=max_calibration_batches,
+            )
+        if latent_modules:
+            specs += make_latent(net, list(latent_modules))
+        # adapter weights are sampled, never trained in place
+        for m in net.modules():
+            if isinstance(m, (LoRALinear, LoRAXSLinear)):
+                for p in m.parameters():
+                    p.requires_grad_(False)
+        if peft_weights:
+            state = net.state_dict()
+            for k, v in peft_weights.items():
+                state[k].copy_(v)
+        self.latent_sites: dict[str, SiteSpec] = {s.site: s for s in specs}
+        if len(self.latent_sites) != len(specs):
+            raise RuntimeError("Duplicate site names; please report this as a pyrobayes bug.")
+        self.point_params: dict[str, nn.Parameter] = self._select_point_params(
+            trainable_modules, {s.module_path for s in specs if s.kind in ("weight", "bias")}
+        )
+
+    # ------------------------------------------------------------------ structure
+    def _select_point_params(
+        self, trainable_modules: Sequence[str] | str, latent_paths: set[str]
+    ) -> dict[str, nn.Parameter]:
+        if trainable_modules == "auto":
+            names = [n for n, _ in self.net.named_modules() if n.rsplit(".", 1)[-1] in HEAD_NAMES]
+        elif isinstance(trainable_modules, str):
+            names = [trainable_modules]
+        else:
+            names = list(trainable_modules)
+        chosen: dict[str, nn.Parameter] = {}
+        module_paths = [n for n, _ in self.net.named_modules() if n]
+        for target in names:
+            matched = [p for p in module_paths if p == target or p.endswith("." + target)]
+            if not matched and trainable_modules != "auto":
+                raise ValueError(
+                    f"trainable_modules: {target!r} matches no module. Some module names: "
+                    f"{sorted({p.rsplit('.', 1)[-1] for p in module_paths})[:30]}."
+                )
+            for path in matched:
+                if path in latent_paths:
+                    continue
+                for pname, p in self.net.get_submodule(path).named_parameters():
+                    full = f"{path}.{pname}"
+                    if full not in chosen:
+                        p.requires_grad_(True)
+                        chosen[full] = p
+        return chosen
+
+    def site_prior(self, site: str) -> dist.Distribution:
+        """``N(0, s_p² I)`` over one site, event-shaped like the site."""
+        spec = self.latent_sites[site]
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return dist.Normal(zero, self.prior_scale).expand(spec.shape).to_event(len(spec.shape))
+
+    @property
+    def device(self) -> torch.device:
+        for t in self.net.parameters():
+            return t.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for spec in self.latent_sites.values():
+            return self.net.get_parameter(spec.param_name).dtype
+        return torch.get_default_dtype()
+
+    def site_value(self, site: str) -> Tensor:
+        """The tensor currently stored in the network for ``site`` (its initial value)."""
+        return self.net.get_parameter(self.latent_sites[site].param_name).detach()
+
+    def init_values(self) -> dict[str, Tensor]:
+        return {s: self.site_value(s) for s in self.latent_sites}
+
+    def train(self, mode: bool = True) -> FineTuneModel:
+        # the backbone keeps its own mode (dropout off unless train_backbone_mode)
+        self.training = mode
+        self.net.train(mode and self.train_backbone_mode)
+        return self
+
+    # ------------------------------------------------------------------ evaluation
+    @staticmethod
+    def _call_net(net: nn.Module, inputs: Any) -> Any:
+        if isinstance(inputs, Mapping):
+            return net(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return net(*inputs)
+        return net(inputs)
+
+    def output(
+        self,
+        inputs: Any,
+        values: Mapping[str, Tensor],
+        overrides: Mapping[str, Tensor] | None = None,
+    ) -> Tensor:
+        """Likelihood parameters for one parameter set (or a sample-major batch): ``(B, ...)``."""
+        params = {self.latent_sites[s].param_name: v for s, v in values.items()}
+        if overrides:
+            params.update(overrides)
+        out = self._functional(inputs, params)
+        return self.likelihood.params(network_output(out), inputs)
+
+    def _functional(self, inputs: Any, params: dict[str, Tensor]) -> Any:
+        if isinstance(inputs, Mapping):
+            return torch.func.functional_call(self.net, params, args=(), kwargs=dict(inputs))
+        if isinstance(inputs, (tuple, list)):
+            return torch.func.functional_call(self.net, params, tuple(inputs))
+        return torch.func.functional_call(self.net, params, (inputs,))
+
+    def batched_output(self, inputs: Any, values: Mapping[str, Tensor]) -> Tensor:
+        """Likelihood parameters for S parameter sets in ONE forward: ``(S, B, ...)``.
+
+        ``values[site]`` has shape ``(S, *site_shape)``. The input batch is expanded S-fold
+        (sample-major) and each adapter layer applies its own sample to its slice.
+        """
+        num_samples = _num_samples(values)
+        num_rows = batch_size(inputs)
+        if num_samples == 1:
+            out = self.output(inputs, {s: v[0] for s, v in values.items()})
+            return out.unsqueeze(0)
+        expanded = expand_samples(inputs, num_samples)
+        out = self.output(expanded, values)
+        return out.reshape(num_samples, num_rows, *out.shape[1:])
+
+    def log_likelihood(self, params: Tensor, targets: Tensor) -> Tensor:
+        """Pointwise ``log p(y_i | θ_s)``: params ``(S, B, ...)`` → ``(S, B)``."""
+        return self.likelihood.dist(params).log_prob(targets)
+
+    def log_prior(self, values: Mapping[str, Tensor]) -> Tensor:
+        """``Σ_sites log N(θ; 0, s_p² I)`` per sample: values ``(S, ...)`` → ``(S,)``."""
+        total = None
+        for site, v in values.items():
+            lp = self.site_prior(site).log_prob(v)
+            total = lp if total is None else total + lp
+        assert total is not None
+        return total
+
+    # ------------------------------------------------------------------ Pyro program
+    def forward(self, batch: Any) -> Tensor:
+        """Run the model as a Pyro program on one minibatch (targets observed when present)."""
+        inputs, targets = split_batch(batch, self.label_key)
+        values = {site: pyro.sample(site, self.site_prior(site)) for site in self.latent_sites}
+        overrides = {}
+        for name, p in self.point_params.items():
+            stored = pyro.param(name, p)
+            if stored is not p:  # the param store already held this name: it wins, as in Pyro
+                overrides[name] = stored
+        params = self.output(inputs, values, overrides)
+        size = batch_size(inputs)
+        num_data = self.num_data or size
+        with pyro.plate("data", num_data, subsample_size=size, dim=-1):
+            return pyro.sample("obs", self.likelihood.dist(params), obs=targets)
+
+    def extra_repr(self) -> str:
+        return (
+            f"sites={len(self.latent_sites)}, latent_numel="
+            f"{sum(int(torch.Size(s.shape).numel()) for s in self.latent_sites.values())}, "
+            f"likelihood={self.likelihood.name}, prior_scale={self.prior_scale}, "
+            f"num_data={self.num_data}"
+        )
+
+
+def _num_samples(values: Mapping[str, Tensor]) -> int:
+    sizes = {int(v.shape[0]) for v in values.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"Expected one sample count across sites but got {sorted(sizes)}.")
+    return sizes.pop()

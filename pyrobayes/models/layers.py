@@ -1,0 +1,178 @@
+"""Sample-batched adapter layers.
+
+Every latent weight in pyrobayes lives in one of these layers. Each accepts either an ordinary
+weight (one parameter set) or a weight with a leading sample axis ``(S, ...)``; in the latter case
+the input batch is *sample-major expanded* — row ``s * B + b`` of the input belongs to sample ``s``
+— and each sample's slice is multiplied by its own weight with one ``bmm``. The frozen base matmul is
+shared work. This is what lets S posterior samples, K particles or M members run in ONE forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["batched_linear", "LoRAXSLinear", "LoRALinear", "BatchedLinear", "base_weight_in_out"]
+
+
+def batched_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``y = x Wᵀ + b`` where ``W`` may carry a leading sample axis.
+
+    Parameters
+    ----------
+    x : Tensor `(S * B, ..., d_in)`
+        Sample-major expanded input (or any input when ``weight`` is 2-D).
+    weight : Tensor `(d_out, d_in)` or `(S, d_out, d_in)`
+    bias : Tensor `(d_out,)` or `(S, d_out)`, optional
+    """
+    if weight.dim() == 2:
+        return F.linear(x, weight, bias if bias is None or bias.dim() == 1 else bias[0])
+    num_samples = weight.shape[0]
+    if x.shape[0] % num_samples != 0:
+        raise RuntimeError(
+            f"Expected the input's leading size to be a multiple of the {num_samples} parameter "
+            f"samples (a sample-major expanded batch) but got input shape {tuple(x.shape)}."
+        )
+    xs = x.reshape(num_samples, -1, x.shape[-1])  # (S, B*..., d_in)
+    if bias is None:
+        out = torch.bmm(xs, weight.transpose(-1, -2))
+    elif bias.dim() == 1:
+        out = torch.bmm(xs, weight.transpose(-1, -2)) + bias
+    else:
+        out = torch.baddbmm(bias.unsqueeze(1), xs, weight.transpose(-1, -2))
+    return out.reshape(*x.shape[:-1], weight.shape[-2])  # (S*B, ..., d_out)
+
+
+def base_weight_in_out(base: nn.Module) -> Tensor:
+    """The frozen weight of ``base`` in row-vector orientation ``W0 ∈ R^{d_in×d_out}``.
+
+    ``nn.Linear`` stores ``(d_out, d_in)``; transformers' GPT-2 ``Conv1D`` stores ``(d_in, d_out)``.
+    """
+    if isinstance(base, nn.Linear):
+        return base.weight.detach().T
+    if type(base).__name__ == "Conv1D" and hasattr(base, "nf"):
+        return base.weight.detach()
+    raise TypeError(
+        f"Expected an nn.Linear or transformers Conv1D module but got {type(base).__name__}."
+    )
+
+
+class _AdapterBase(nn.Module):
+    """A frozen base map plus a low-rank update; ``self.base`` is never trained."""
+
+    def __init__(self, base: nn.Module, scaling: float) -> None:
+        super().__init__()
+        self.base = base
+        self.scaling = float(scaling)
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        w = base_weight_in_out(base)
+        self.in_features, self.out_features = int(w.shape[0]), int(w.shape[1])
+
+
+class LoRAXSLinear(_AdapterBase):
+    r"""LoRA-XS layer: ``y = base(x) + (α/r) · B (R (A x))`` with frozen ``A``, ``B``.
+
+    In row-vector notation ``y = x W0 + (α/r) x A R B``; here ``down = Aᵀ`` `(r, d_in)`,
+    ``up = Bᵀ`` `(d_out, r)` are buffers and the trainable core is ``core = nn.Linear(r, r)``
+    whose weight is ``Rᵀ``. Keeping R an ordinary linear layer lets Kronecker curvature treat it
+    as one (both factors r×r).
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        down: Tensor,
+        up: Tensor,
+        *,
+        scaling: float,
+        init_scale: float = 1e-5,
+    ) -> None:
+        super().__init__(base, scaling)
+        rank = down.shape[0]
+        if down.shape != (rank, self.in_features) or up.shape != (self.out_features, rank):
+            raise ValueError(
+                f"Expected down {(rank, self.in_features)} and up {(self.out_features, rank)} "
+                f"but got {tuple(down.shape)} and {tuple(up.shape)}."
+            )
+        dtype, device = down.dtype, down.device
+        self.register_buffer("down", down.detach().clone())
+        self.register_buffer("up", up.detach().clone())
+        self.core = nn.Linear(rank, rank, bias=False, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.core.weight.normal_(0.0, init_scale)
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.base(x)
+        h = F.linear(x.to(self.down.dtype), self.down)  # (..., r), shared across samples
+        weight = self.core.weight
+        h = self.core(h) if weight.dim() == 2 else batched_linear(h, weight)  # (..., r)
+        return result + (self.scaling * F.linear(h, self.up)).to(result.dtype)
+
+    def delta_weight(self, core: Tensor | None = None) -> Tensor:
+        """``ΔW = (α/r) up · core · down`` in torch orientation `(d_out, d_in)`."""
+        core = self.core.weight if core is None else core
+        return self.scaling * self.up @ core @ self.down
+
+
+class LoRALinear(_AdapterBase):
+    r"""LoRA layer: ``y = base(x) + (α/r) · B_lora (A_lora x)``.
+
+    ``lora_A = nn.Linear(d_in, r)`` (Kaiming-uniform init, as peft) and
+    ``lora_B = nn.Linear(r, d_out)`` (zeros), so the model starts at the pretrained function.
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        rank: int,
+        *,
+        scaling: float,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(base, scaling)
+        w = base_weight_in_out(base)
+        kw = {"dtype": dtype or w.dtype, "device": w.device}
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_A.weight.shape[-2])
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.base(x)
+        h = batched_linear(x.to(self.lora_A.weight.dtype), self.lora_A.weight)  # (..., r)
+        delta = batched_linear(h, self.lora_B.weight)  # (..., d_out)
+        return result + (self.scaling * delta).to(result.dtype)
+
+    def delta_weight(self, lora_A: Tensor | None = None, lora_B: Tensor | None = None) -> Tensor:
+        """``ΔW = (α/r) B_lora A_lora`` `(d_out, d_in)`."""
+        a = self.lora_A.weight if lora_A is None else lora_A
+        b = self.lora_B.weight if lora_B is None else lora_B
+        return self.scaling * b @ a
+
+
+class BatchedLinear(nn.Linear):
+    """``nn.Linear`` whose weight and bias may carry a leading sample axis (latent layers)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> BatchedLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return batched_linear(x, self.weight, self.bias)

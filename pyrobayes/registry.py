@@ -1,0 +1,57 @@
+"""Family name → guide class, validated and collision-checked (as peft's ``register_peft_method``).
+
+Third-party guides join with :func:`register_guide` without inheriting from pyrobayes classes,
+as long as they honour the contract in :mod:`pyrobayes.guides.base`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["register_guide", "get_guide_class", "available_guides"]
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_guide(name: str, cls: type, *, aliases: tuple[str, ...] = ()) -> type:
+    """Register ``cls`` under ``name`` (lower-case, unique; ``KeyError`` on collision)."""
+    for key in (name, *aliases):
+        if not re.fullmatch(r"[a-z][a-z0-9_-]*", key):
+            raise ValueError(f"Expected a lower-case guide name like 'kron-ivon' but got {key!r}.")
+        if key in _REGISTRY and _REGISTRY[key] is not cls:
+            raise KeyError(
+                f"Guide name {key!r} is already registered to {_REGISTRY[key].__name__}."
+            )
+        _REGISTRY[key] = cls
+    return cls
+
+
+def get_guide_class(name: str) -> type:
+    """The class registered under ``name``."""
+    try:
+        return _REGISTRY[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"Unknown posterior family {name!r}. Available: {available_guides()}."
+        ) from None
+
+
+def available_guides() -> list[str]:
+    """Registered family names (canonical names first, then aliases)."""
+    canonical = sorted({getattr(c, "family", "") for c in _REGISTRY.values()} - {""})
+    return canonical + sorted(k for k in _REGISTRY if k not in canonical)
+
+
+def family_of(guide: Any) -> str:
+    """The registry name of a guide instance."""
+    family = getattr(type(guide), "family", "")
+    if family and _REGISTRY.get(family) is type(guide):
+        return family
+    for key, cls in _REGISTRY.items():
+        if cls is type(guide):
+            return key
+    raise ValueError(
+        f"{type(guide).__name__} is not registered; call pyrobayes.register_guide(name, cls) "
+        "so it can be saved and loaded by name."
+    )
