@@ -7,7 +7,7 @@ to ArviZ.
 
 from __future__ import annotations
 
-from . import guides, metrics, models
+from . import guides, infer, metrics, models
 from .api import posterior
 from .infer.loop import FitResult, fit
 from .io import load, save
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     # building blocks
     "models",
+    "infer",
     "guides",
     "metrics",
     # workflow

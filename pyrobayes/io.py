@@ -39,7 +39,9 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def save(guide: Any, path: str | Path, *, model: Any = None, extra: dict[str, Any] | None = None) -> Path:
+def save(
+    guide: Any, path: str | Path, *, model: Any = None, extra: dict[str, Any] | None = None
+) -> Path:
     """Write ``guide`` (and ``model``'s point parameters, if given) to ``path`` atomically.
 
     Parameters

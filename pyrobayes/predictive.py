@@ -138,4 +138,6 @@ def predict(
     target = torch.cat(targets, 0) if targets else None
     if classification:
         return Prediction(log_probs=stacked, targets=target)
-    return Prediction(loc=stacked, scale=getattr(model.likelihood, "obs_scale", None), targets=target)
+    return Prediction(
+        loc=stacked, scale=getattr(model.likelihood, "obs_scale", None), targets=target
+    )

@@ -6,10 +6,12 @@ from operator import attrgetter
 from typing import Any
 
 import pyro.distributions as dist
+import torch
 from pyro.distributions import constraints
 from pyro.infer.autoguide.utils import deep_setattr
 from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
+from torch.distributions import transform_to
 
 from .base import PosteriorGuide
 
@@ -61,6 +63,20 @@ class MeanFieldGuide(PosteriorGuide):
         deep_setattr(
             self.scales, site, PyroParam(scale, self.scale_constraint, event_dim=len(init.shape))
         )
+
+    def set_site(
+        self, site: str, *, loc: Tensor | None = None, scale: Tensor | None = None
+    ) -> None:
+        """Overwrite q's parameters at ``site`` (post-hoc fitters and tests)."""
+        parent, _, leaf = site.rpartition(".")
+        with torch.no_grad():
+            if loc is not None:
+                holder = self.locs.get_submodule(parent) if parent else self.locs
+                getattr(holder, leaf + "_unconstrained").copy_(loc)
+            if scale is not None:
+                holder = self.scales.get_submodule(parent) if parent else self.scales
+                raw = transform_to(self.scale_constraint).inv(scale)
+                getattr(holder, leaf + "_unconstrained").copy_(raw)
 
     def loc(self, site: str) -> Tensor:
         return attrgetter(site)(self.locs)

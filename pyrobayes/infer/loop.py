@@ -82,9 +82,7 @@ def _save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=directory))
     save(guide, tmp / "posterior.safetensors", model=model)
     torch.save(optim.state_dict(), tmp / "optimizer.pt")
-    torch.save(
-        {"torch": torch.get_rng_state(), "pyro_seed_state": None}, tmp / "rng.pt"
-    )
+    torch.save({"torch": torch.get_rng_state(), "pyro_seed_state": None}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps(meta, indent=2))
     final = directory / "last"
     old = directory / ".last-old"
@@ -247,12 +245,24 @@ def fit(
     guide.fit_end(model, data)
     model.train(False)
     elapsed = time.perf_counter() - start
-    logger.info("fit: %d steps in %.1fs, final loss %.4g", step, elapsed, losses[-1] if losses else float("nan"))
-    state = {"step": step, "epoch": epoch, "elapsed": elapsed, "objective": type(objective).__name__}
+    logger.info(
+        "fit: %d steps in %.1fs, final loss %.4g",
+        step,
+        elapsed,
+        losses[-1] if losses else float("nan"),
+    )
+    state = {
+        "step": step,
+        "epoch": epoch,
+        "elapsed": elapsed,
+        "objective": type(objective).__name__,
+    }
     return FitResult(guide, torch.tensor(losses), state)
 
 
-def _step(objective: Any, model: Any, guide: Any, batch: Any, optim: torch.optim.Optimizer) -> float:
+def _step(
+    objective: Any, model: Any, guide: Any, batch: Any, optim: torch.optim.Optimizer
+) -> float:
     """One optimisation step; the optimizer may re-evaluate the loss through the closure (IVON)."""
     if getattr(optim, "needs_closure", False):
 

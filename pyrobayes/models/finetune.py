@@ -153,7 +153,9 @@ class FineTuneModel(nn.Module):
                 adapter,
                 calibration_batches=calibration_data,
                 calibration_forward=lambda m, b: self._call_net(m, split_batch(b, label_key)[0]),
-                calibration_mask=lambda b: b.get("attention_mask") if isinstance(b, Mapping) else None,
+                calibration_mask=lambda b: (
+                    b.get("attention_mask") if isinstance(b, Mapping) else None
+                ),
                 max_calibration_batches=max_calibration_batches,
             )
         if latent_modules:

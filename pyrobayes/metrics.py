@@ -1,0 +1,718 @@
+r"""Predictive metrics for Bayesian and ensemble classifiers and regressors.
+
+Classification metrics take per-sample predictive probabilities ``probs`` of shape ``(S, N, C)``
+(``S`` posterior samples, particles or ensemble members; ``S = 1`` for a point model, for which a
+2-D ``(N, C)`` tensor is also accepted), and integer ``labels`` of shape ``(N,)``. Wherever it
+matters for precision, log-probabilities ``log_probs`` of the same shape can be given instead.
+The posterior predictive is the sample average
+
+.. math:: \bar p_{nc} = \frac1S \sum_s p_{s,nc},
+
+and every metric is computed from it (never from averaged logits). :func:`report` also accepts any
+object with a ``probs`` attribute (and optionally ``log_probs``), such as a prediction container.
+
+Tensors go in; per-example quantities come back as tensors of shape ``(N,)`` and aggregate
+metrics as Python floats.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CalibrationError",
+    "accuracy",
+    "auroc",
+    "brier_score",
+    "calibration_error",
+    "disagreement",
+    "ece",
+    "expected_entropy",
+    "gaussian_nll",
+    "gaussian_rmse",
+    "max_prob_score",
+    "mean_probs",
+    "mutual_information",
+    "nll",
+    "ood_auroc",
+    "pairwise_kl",
+    "predictive_entropy",
+    "predictive_log_probs",
+    "report",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# input handling
+# --------------------------------------------------------------------------------------------
+
+
+def _as_3d(values: Tensor, name: str) -> Tensor:
+    """Return ``values`` as ``(S, N, C)``, promoting a 2-D ``(N, C)`` point prediction to S = 1."""
+    if not isinstance(values, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() == 2:
+        values = values.unsqueeze(0)
+    if values.dim() != 3:
+        raise ValueError(f"{name} must have shape (S, N, C) or (N, C), got {tuple(values.shape)}")
+    if not values.is_floating_point():
+        values = values.to(torch.get_default_dtype())
+    return values
+
+
+def _resolve(probs: Tensor | None, log_probs: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Return ``(probs, log_probs)`` as (S, N, C), deriving whichever one is missing."""
+    if probs is None and log_probs is None:
+        raise ValueError("give probs or log_probs")
+    if log_probs is not None:
+        log_probs = _as_3d(log_probs, "log_probs")
+    if probs is not None:
+        probs = _as_3d(probs, "probs")
+    if probs is None:
+        assert log_probs is not None
+        probs = log_probs.exp()
+    if log_probs is None:
+        log_probs = probs.log()
+    if probs.shape != log_probs.shape:
+        raise ValueError(
+            f"probs {tuple(probs.shape)} and log_probs {tuple(log_probs.shape)} differ in shape"
+        )
+    return probs, log_probs
+
+
+def _check_labels(labels: Tensor, num_examples: int, num_classes: int) -> Tensor:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dim() != 1 or labels.shape[0] != num_examples:
+        raise ValueError(f"labels must have shape ({num_examples},), got {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    labels = labels.long()
+    if num_examples and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(
+            f"labels must lie in [0, {num_classes}), got range "
+            f"[{int(labels.min())}, {int(labels.max())}]"
+        )
+    return labels
+
+
+def _unpack(prediction: Any) -> tuple[Tensor, Tensor | None]:
+    """Duck-typed access to ``(probs, log_probs)`` of a tensor or a prediction object."""
+    if isinstance(prediction, Tensor):
+        return prediction, None
+    if hasattr(prediction, "probs"):
+        probs = prediction.probs
+        log_probs = getattr(prediction, "log_probs", None)
+        if not isinstance(probs, Tensor) or not (
+            log_probs is None or isinstance(log_probs, Tensor)
+        ):
+            raise TypeError("prediction.probs (and log_probs, if set) must be torch.Tensor")
+        return probs, log_probs
+    raise TypeError(
+        "expected a (S, N, C) probability tensor or an object with a `probs` attribute, got "
+        f"{type(prediction).__name__}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# predictive distribution
+# --------------------------------------------------------------------------------------------
+
+
+def mean_probs(probs: Tensor) -> Tensor:
+    r"""Posterior predictive probabilities :math:`\bar p_{nc} = \frac1S\sum_s p_{s,nc}`.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+
+    Returns
+    -------
+    Tensor
+        Shape ``(N, C)``.
+    """
+    return _as_3d(probs, "probs").mean(dim=0)
+
+
+def predictive_log_probs(log_probs: Tensor) -> Tensor:
+    r"""Log posterior predictive in log space.
+
+    .. math:: \log \bar p_{nc} = \operatorname{logsumexp}_s \log p_{s,nc} - \log S
+
+    Parameters
+    ----------
+    log_probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``), per-sample log-probabilities.
+
+    Returns
+    -------
+    Tensor
+        Shape ``(N, C)``.
+    """
+    log_probs = _as_3d(log_probs, "log_probs")
+    return torch.logsumexp(log_probs, dim=0) - math.log(log_probs.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# proper scores and accuracy
+# --------------------------------------------------------------------------------------------
+
+
+def accuracy(probs: Tensor, labels: Tensor) -> float:
+    r"""Accuracy of the posterior predictive mode.
+
+    .. math:: \mathrm{acc} = \frac1N \sum_n 1[\arg\max_c \bar p_{nc} = y_n]
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+    labels : Tensor
+        Shape ``(N,)``, integer class labels.
+
+    Returns
+    -------
+    float
+    """
+    p_bar = mean_probs(probs)
+    labels = _check_labels(labels, *p_bar.shape)
+    return (p_bar.argmax(dim=-1) == labels).double().mean().item()
+
+
+def nll(probs: Tensor | None, labels: Tensor, *, log_probs: Tensor | None = None) -> float:
+    r"""Negative log-likelihood of the posterior predictive (mean over examples).
+
+    Computed in log space from per-sample log-probabilities,
+
+    .. math:: \mathrm{NLL} = -\frac1N \sum_n \Big[\operatorname{logsumexp}_s
+        \log p_s(y_n \mid x_n) - \log S\Big] = -\frac1N\sum_n \log \bar p_{n, y_n},
+
+    which is *not* the mean of per-sample log-likelihoods (that would be larger, by Jensen).
+
+    Parameters
+    ----------
+    probs : Tensor or None
+        Shape ``(S, N, C)`` (or ``(N, C)``); may be ``None`` if ``log_probs`` is given.
+    labels : Tensor
+        Shape ``(N,)``, integer class labels.
+    log_probs : Tensor, optional
+        Per-sample log-probabilities of the same shape; used instead of ``probs.log()`` when
+        given, which is more precise for tiny probabilities.
+
+    Returns
+    -------
+    float
+    """
+    _, log_p = _resolve(probs, log_probs)
+    labels = _check_labels(labels, log_p.shape[1], log_p.shape[2])
+    index = labels.view(1, -1, 1).expand(log_p.shape[0], -1, 1)
+    log_lik = log_p.gather(-1, index).squeeze(-1)  # (S, N)
+    log_pred = torch.logsumexp(log_lik, dim=0) - math.log(log_p.shape[0])
+    return (-log_pred.mean()).item()
+
+
+def brier_score(probs: Tensor, labels: Tensor) -> float:
+    r"""Multi-class Brier score of the posterior predictive.
+
+    .. math:: \mathrm{BS} = \frac1N \sum_n \sum_c (\bar p_{nc} - 1[y_n = c])^2 \in [0, 2]
+
+    For two classes this is twice the customary binary Brier score
+    :math:`\frac1N\sum_n(\bar p_{n1} - y_n)^2`.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+    labels : Tensor
+        Shape ``(N,)``, integer class labels.
+
+    Returns
+    -------
+    float
+    """
+    p_bar = mean_probs(probs)
+    labels = _check_labels(labels, *p_bar.shape)
+    one_hot = torch.nn.functional.one_hot(labels, p_bar.shape[-1]).to(p_bar.dtype)
+    return (p_bar - one_hot).pow(2).sum(dim=-1).mean().item()
+
+
+# --------------------------------------------------------------------------------------------
+# calibration
+# --------------------------------------------------------------------------------------------
+
+
+class CalibrationError(NamedTuple):
+    r"""Binned top-label calibration error and its bins.
+
+    Attributes
+    ----------
+    ece : float
+        Expected calibration error :math:`\sum_b \frac{|B_b|}{N}|\mathrm{acc}_b-\mathrm{conf}_b|`.
+    mce : float
+        Maximum calibration error :math:`\max_{b: |B_b| > 0} |\mathrm{acc}_b - \mathrm{conf}_b|`.
+    num_bins : int
+        Number of equal-width confidence bins :math:`B`.
+    bin_counts : Tensor
+        Shape ``(B,)``, number of examples per bin (long).
+    bin_accuracy : Tensor
+        Shape ``(B,)``, accuracy per bin (0 for empty bins).
+    bin_confidence : Tensor
+        Shape ``(B,)``, mean confidence per bin (0 for empty bins).
+    """
+
+    ece: float
+    mce: float
+    num_bins: int
+    bin_counts: Tensor
+    bin_accuracy: Tensor
+    bin_confidence: Tensor
+
+
+def calibration_error(probs: Tensor, labels: Tensor, *, num_bins: int = 15) -> CalibrationError:
+    r"""Expected and maximum top-label calibration error with equal-width bins.
+
+    With confidence :math:`\mathrm{conf}_n = \max_c \bar p_{nc}` and prediction
+    :math:`\hat y_n = \arg\max_c \bar p_{nc}`, example :math:`n` falls in bin
+    :math:`b \in \{1..B\}` with :math:`\mathrm{conf}_n \in ((b-1)/B,\, b/B]` (confidence 0 in
+    bin 1). Per bin, :math:`\mathrm{acc}_b = \frac{1}{|B_b|}\sum_{n \in B_b} 1[\hat y_n = y_n]`
+    and :math:`\mathrm{conf}_b = \frac{1}{|B_b|}\sum_{n\in B_b}\mathrm{conf}_n`;
+
+    .. math:: \mathrm{ECE} = \sum_b \frac{|B_b|}{N}\,|\mathrm{acc}_b - \mathrm{conf}_b|,
+        \qquad \mathrm{MCE} = \max_{b: |B_b|>0} |\mathrm{acc}_b - \mathrm{conf}_b|.
+
+    Empty bins contribute 0.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+    labels : Tensor
+        Shape ``(N,)``, integer class labels.
+    num_bins : int, default 15
+        Number of bins :math:`B`.
+
+    Returns
+    -------
+    CalibrationError
+    """
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be positive, got {num_bins}")
+    p_bar = mean_probs(probs)
+    labels = _check_labels(labels, *p_bar.shape)
+    if p_bar.shape[0] == 0:
+        raise ValueError("calibration error needs at least one example")
+    confidence, prediction = p_bar.max(dim=-1)
+    correct = (prediction == labels).to(p_bar.dtype)
+    boundaries = torch.linspace(0.0, 1.0, num_bins + 1, dtype=p_bar.dtype, device=p_bar.device)
+    # bucketize(right=False) gives i with boundaries[i-1] < conf <= boundaries[i]: bin i - 1.
+    bins = (torch.bucketize(confidence, boundaries, right=False) - 1).clamp(0, num_bins - 1)
+    counts = torch.bincount(bins, minlength=num_bins)
+    sum_correct = torch.zeros(num_bins, dtype=p_bar.dtype, device=p_bar.device)
+    sum_conf = torch.zeros_like(sum_correct)
+    sum_correct.index_add_(0, bins, correct)
+    sum_conf.index_add_(0, bins, confidence)
+    nonempty = counts > 0
+    safe_counts = counts.clamp(min=1).to(p_bar.dtype)
+    bin_accuracy = torch.where(nonempty, sum_correct / safe_counts, torch.zeros_like(sum_conf))
+    bin_confidence = torch.where(nonempty, sum_conf / safe_counts, torch.zeros_like(sum_conf))
+    gap = (bin_accuracy - bin_confidence).abs()
+    ece_value = (counts.to(p_bar.dtype) / p_bar.shape[0] * gap).sum().item()
+    mce_value = gap[nonempty].max().item()
+    return CalibrationError(
+        ece=ece_value,
+        mce=mce_value,
+        num_bins=num_bins,
+        bin_counts=counts,
+        bin_accuracy=bin_accuracy,
+        bin_confidence=bin_confidence,
+    )
+
+
+def ece(probs: Tensor, labels: Tensor, *, num_bins: int = 15) -> float:
+    """Expected calibration error; see :func:`calibration_error` for the definition.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+    labels : Tensor
+        Shape ``(N,)``, integer class labels.
+    num_bins : int, default 15
+        Number of equal-width confidence bins.
+
+    Returns
+    -------
+    float
+    """
+    return calibration_error(probs, labels, num_bins=num_bins).ece
+
+
+# --------------------------------------------------------------------------------------------
+# uncertainty scores
+# --------------------------------------------------------------------------------------------
+
+
+def _entropy(p: Tensor, dim: int = -1) -> Tensor:
+    r""":math:`-\sum_c p_c \log p_c` with :math:`0 \log 0 = 0`."""
+    return -torch.special.xlogy(p, p).sum(dim=dim)
+
+
+def predictive_entropy(probs: Tensor) -> Tensor:
+    r"""Entropy of the posterior predictive, per example.
+
+    .. math:: \mathcal H[\bar p_n] = -\sum_c \bar p_{nc} \log \bar p_{nc}
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+
+    Returns
+    -------
+    Tensor
+        Shape ``(N,)``, in nats.
+    """
+    return _entropy(mean_probs(probs))
+
+
+def expected_entropy(probs: Tensor) -> Tensor:
+    r"""Expected per-sample entropy (aleatoric part), per example.
+
+    .. math:: \frac1S \sum_s \mathcal H[p_{s,n}]
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+
+    Returns
+    -------
+    Tensor
+        Shape ``(N,)``, in nats.
+    """
+    return _entropy(_as_3d(probs, "probs")).mean(dim=0)
+
+
+def mutual_information(probs: Tensor) -> Tensor:
+    r"""Mutual information between label and parameters (epistemic part, BALD), per example.
+
+    .. math:: \mathrm{MI}_n = \mathcal H[\bar p_n] - \frac1S\sum_s \mathcal H[p_{s,n}] \ge 0
+
+    It is 0 for :math:`S = 1`; round-off below 0 is clamped to 0.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+
+    Returns
+    -------
+    Tensor
+        Shape ``(N,)``, in nats.
+    """
+    return (predictive_entropy(probs) - expected_entropy(probs)).clamp(min=0.0)
+
+
+def max_prob_score(probs: Tensor) -> Tensor:
+    r"""Maximum-probability uncertainty score, per example (higher = more uncertain).
+
+    .. math:: 1 - \max_c \bar p_{nc}
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``).
+
+    Returns
+    -------
+    Tensor
+        Shape ``(N,)``.
+    """
+    return 1.0 - mean_probs(probs).max(dim=-1).values
+
+
+# --------------------------------------------------------------------------------------------
+# OOD detection
+# --------------------------------------------------------------------------------------------
+
+
+def _average_ranks(values: Tensor) -> Tensor:
+    """1-based ranks of a 1-D tensor, ties receiving the average of their ranks."""
+    sorted_values, order = torch.sort(values, stable=True)
+    _, inverse, counts = torch.unique_consecutive(
+        sorted_values, return_inverse=True, return_counts=True
+    )
+    ends = torch.cumsum(counts, dim=0).to(torch.float64)  # last 1-based rank of each tie group
+    group_rank = ends - (counts.to(torch.float64) - 1.0) / 2.0
+    ranks = torch.empty_like(group_rank[inverse])
+    ranks[order] = group_rank[inverse]
+    return ranks
+
+
+def auroc(scores: Tensor, labels: Tensor) -> float:
+    r"""Area under the ROC curve by the Mann-Whitney statistic (ties count one half).
+
+    Scores are higher for the positive class (label 1, e.g. out-of-distribution). With average
+    ranks :math:`R_i` of all :math:`n_0 + n_1` scores,
+
+    .. math:: \mathrm{AUROC} = \frac{\sum_{i: y_i = 1} R_i - n_1(n_1 + 1)/2}{n_0\, n_1}
+        = \frac{1}{n_0 n_1}\sum_{i: y_i=1}\sum_{j: y_j=0}
+        \big(1[s_i > s_j] + \tfrac12 1[s_i = s_j]\big).
+
+    Parameters
+    ----------
+    scores : Tensor
+        Shape ``(N,)``, higher = more likely positive (OOD).
+    labels : Tensor
+        Shape ``(N,)``, 0 (negative / in-distribution) or 1 (positive / OOD).
+
+    Returns
+    -------
+    float
+    """
+    if scores.dim() != 1 or labels.shape != scores.shape:
+        raise ValueError(
+            f"scores and labels must be 1-D of equal length, got {tuple(scores.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
+    if torch.isnan(scores.double()).any():
+        raise ValueError("scores contain NaN")
+    positive = labels.bool()
+    if not torch.equal(positive.long(), labels.long()):
+        raise ValueError("labels must be 0 or 1")
+    n_pos = int(positive.sum())
+    n_neg = scores.shape[0] - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUROC needs at least one positive and one negative example")
+    ranks = _average_ranks(scores.detach().double())
+    u_statistic = ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0
+    return (u_statistic / (n_pos * n_neg)).item()
+
+
+def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:
+    """AUROC for separating in-distribution (label 0) from OOD (label 1) scores.
+
+    See :func:`auroc`; higher scores must mean "more OOD".
+
+    Parameters
+    ----------
+    id_scores : Tensor
+        Shape ``(N,)``, scores of in-distribution examples.
+    ood_scores : Tensor
+        Shape ``(M,)``, scores of out-of-distribution examples.
+
+    Returns
+    -------
+    float
+    """
+    scores = torch.cat([id_scores.flatten(), ood_scores.flatten().to(id_scores.dtype)])
+    labels = torch.cat(
+        [
+            torch.zeros(id_scores.numel(), dtype=torch.long, device=scores.device),
+            torch.ones(ood_scores.numel(), dtype=torch.long, device=scores.device),
+        ]
+    )
+    return auroc(scores, labels)
+
+
+# --------------------------------------------------------------------------------------------
+# ensemble diversity
+# --------------------------------------------------------------------------------------------
+
+
+def disagreement(probs: Tensor) -> float:
+    r"""Mean pairwise disagreement of the members' predicted classes.
+
+    .. math:: \frac{1}{S(S-1)} \sum_{s \ne s'} \frac1N \sum_n
+        1[\arg\max_c p_{s,nc} \ne \arg\max_c p_{s',nc}]
+
+    computed from the per-example class vote counts :math:`v_{nc}` as
+    :math:`1 - \frac1N\sum_n \sum_c v_{nc}(v_{nc}-1) / (S(S-1))`. Zero for :math:`S = 1`.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)``.
+
+    Returns
+    -------
+    float
+    """
+    probs = _as_3d(probs, "probs")
+    num_samples, _, num_classes = probs.shape
+    if num_samples < 2:
+        return 0.0
+    votes = torch.nn.functional.one_hot(probs.argmax(dim=-1), num_classes).sum(dim=0)  # (N, C)
+    votes = votes.to(torch.float64)
+    agree = (votes * (votes - 1.0)).sum(dim=-1) / (num_samples * (num_samples - 1))
+    return (1.0 - agree).mean().item()
+
+
+def pairwise_kl(probs: Tensor | None, *, log_probs: Tensor | None = None) -> float:
+    r"""Mean pairwise Kullback-Leibler divergence between members.
+
+    .. math:: \frac{1}{S(S-1)} \sum_{s \ne s'} \frac1N \sum_n
+        \mathrm{KL}(p_{s,n} \,\|\, p_{s',n}), \quad
+        \mathrm{KL}(p\|q) = \sum_c p_c (\log p_c - \log q_c),
+
+    evaluated in :math:`O(SNC)` as
+    :math:`\sum_{s,s'} \mathrm{KL}(p_s\|p_{s'}) = S\sum_s\sum_c p_{s,c}\log p_{s,c}
+    - \sum_c (\sum_s p_{s,c})(\sum_{s'} \log p_{s',c})` (terms with :math:`\sum_s p_{s,c} = 0`
+    are 0). Zero for :math:`S = 1`; infinite if some member gives zero probability to a class
+    another member supports.
+
+    Parameters
+    ----------
+    probs : Tensor or None
+        Shape ``(S, N, C)``; may be ``None`` if ``log_probs`` is given.
+    log_probs : Tensor, optional
+        Per-sample log-probabilities, used instead of ``probs.log()`` when given.
+
+    Returns
+    -------
+    float
+    """
+    probs, log_probs = _resolve(probs, log_probs)
+    num_samples, num_examples, _ = probs.shape
+    if num_samples < 2:
+        return 0.0
+    self_term = num_samples * torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=(0, 2))
+    prob_sum = probs.sum(dim=0)  # (N, C)
+    log_sum = log_probs.sum(dim=0)
+    cross = torch.where(prob_sum > 0, prob_sum * log_sum, 0.0).sum(dim=-1)
+    total = (self_term - cross) / (num_samples * (num_samples - 1))
+    return total.mean().clamp(min=0.0).item() if num_examples else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# regression
+# --------------------------------------------------------------------------------------------
+
+
+def _as_2d_means(means: Tensor, targets: Tensor) -> Tensor:
+    if means.dim() == 1:
+        means = means.unsqueeze(0)
+    if means.dim() != 2 or targets.dim() != 1 or means.shape[1] != targets.shape[0]:
+        raise ValueError(
+            f"means must be (S, N) or (N,) and targets (N,), got {tuple(means.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    return means
+
+
+def gaussian_rmse(means: Tensor, targets: Tensor) -> float:
+    r"""Root-mean-square error of the predictive mean.
+
+    .. math:: \mathrm{RMSE} = \sqrt{\frac1N \sum_n (\bar\mu_n - y_n)^2},
+        \quad \bar\mu_n = \frac1S\sum_s \mu_{s,n}
+
+    Parameters
+    ----------
+    means : Tensor
+        Shape ``(S, N)`` (or ``(N,)``), per-sample predictive means.
+    targets : Tensor
+        Shape ``(N,)``.
+
+    Returns
+    -------
+    float
+    """
+    means = _as_2d_means(means, targets)
+    return (means.mean(dim=0) - targets).pow(2).mean().sqrt().item()
+
+
+def gaussian_nll(means: Tensor, targets: Tensor, noise_scale: Tensor | float) -> float:
+    r"""Negative log-likelihood of the Gaussian-mixture posterior predictive (mean over examples).
+
+    .. math:: \mathrm{NLL} = -\frac1N \sum_n \Big[\operatorname{logsumexp}_s
+        \log \mathcal N(y_n \mid \mu_{s,n}, \sigma_{s,n}^2) - \log S\Big]
+
+    Parameters
+    ----------
+    means : Tensor
+        Shape ``(S, N)`` (or ``(N,)``), per-sample predictive means.
+    targets : Tensor
+        Shape ``(N,)``.
+    noise_scale : Tensor or float
+        Observation noise standard deviation :math:`\sigma`, broadcastable to ``(S, N)``
+        (a scalar, per-sample ``(S, 1)``, per-example ``(N,)`` or full ``(S, N)``).
+
+    Returns
+    -------
+    float
+    """
+    means = _as_2d_means(means, targets)
+    scale = torch.as_tensor(noise_scale, dtype=means.dtype, device=means.device)
+    if (scale <= 0).any():
+        raise ValueError("noise_scale must be positive")
+    scale = torch.broadcast_to(scale, means.shape)
+    log_lik = torch.distributions.Normal(means, scale).log_prob(targets.to(means.dtype))
+    log_pred = torch.logsumexp(log_lik, dim=0) - math.log(means.shape[0])
+    return (-log_pred.mean()).item()
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def report(
+    probs_or_prediction: Any,
+    labels: Tensor,
+    *,
+    ood_probs: Any = None,
+    num_bins: int = 15,
+) -> dict[str, float]:
+    """All standard classification metrics in one dictionary.
+
+    Parameters
+    ----------
+    probs_or_prediction : Tensor or object
+        A ``(S, N, C)`` probability tensor, or any object with attribute ``probs`` of that shape
+        and optionally ``log_probs`` (used for the NLL when present and not ``None``).
+    labels : Tensor
+        Shape ``(N,)``, integer class labels.
+    ood_probs : Tensor or object, optional
+        Predictions on out-of-distribution inputs, ``(S, M, C)`` or an object as above. When
+        given, OOD-detection AUROCs (in-distribution = 0, OOD = 1) are added for three scores:
+        predictive entropy, :func:`max_prob_score` and mutual information.
+    num_bins : int, default 15
+        Number of calibration bins.
+
+    Returns
+    -------
+    dict of str to float
+        Keys ``accuracy``, ``nll``, ``ece``, ``ece_bins`` (the number of bins), ``brier``,
+        ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
+        ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``.
+    """
+    probs, log_probs = _unpack(probs_or_prediction)
+    probs = _as_3d(probs, "probs")
+    calibration = calibration_error(probs, labels, num_bins=num_bins)
+    result: dict[str, float] = {
+        "accuracy": accuracy(probs, labels),
+        "nll": nll(probs, labels, log_probs=log_probs),
+        "ece": calibration.ece,
+        "ece_bins": float(calibration.num_bins),
+        "brier": brier_score(probs, labels),
+        "entropy": predictive_entropy(probs).mean().item(),
+        "mutual_information": mutual_information(probs).mean().item(),
+    }
+    if ood_probs is not None:
+        ood, _ = _unpack(ood_probs)
+        ood = _as_3d(ood, "ood_probs")
+        if ood.shape[2] != probs.shape[2]:
+            raise ValueError(f"ood_probs has {ood.shape[2]} classes, probs has {probs.shape[2]}")
+        result["auroc_entropy"] = ood_auroc(predictive_entropy(probs), predictive_entropy(ood))
+        result["auroc_maxprob"] = ood_auroc(max_prob_score(probs), max_prob_score(ood))
+        result["auroc_mi"] = ood_auroc(mutual_information(probs), mutual_information(ood))
+    logger.debug("metrics report: %s", result)
+    return result

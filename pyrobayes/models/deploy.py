@@ -1,0 +1,126 @@
+"""Deployment exports: a posterior mean or draw back to a peft adapter, or merged into the weights.
+
+``to_peft`` turns LoRA sites into a ``peft.PeftModel`` (so the usual ``merge_and_unload`` and
+``save_pretrained`` work); ``merged_network`` folds any adapter (LoRA or LoRA-XS) into a copy of
+the base weights, ``W = W0 + ΔW``, for a plain network with no pyrobayes layers.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
+
+__all__ = ["to_peft", "merged_network", "unwrapped_network"]
+
+
+def _set_submodule(net: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, child = path.rpartition(".")
+    parent = net.get_submodule(parent_path) if parent_path else net
+    setattr(parent, child, module)
+
+
+def unwrapped_network(model: Any) -> nn.Module:
+    """A deep copy of the network with every pyrobayes adapter layer replaced by its base."""
+    net = copy.deepcopy(model.net)
+    for path, module in list(net.named_modules()):
+        if isinstance(module, (LoRALinear, LoRAXSLinear)):
+            _set_submodule(net, path, module.base)
+        elif isinstance(module, BatchedLinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            plain.weight, plain.bias = module.weight, module.bias
+            _set_submodule(net, path, plain)
+    return net
+
+
+def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn.Module:
+    """Copy of the network with the adapter folded into the frozen weights.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    values : dict, optional
+        One parameter set ``{site: Tensor(*shape)}`` (e.g. ``guide.mean()``); defaults to the
+        values stored in the network.
+    """
+    values = dict(values or model.init_values())
+    net = unwrapped_network(model)
+    by_module: dict[str, dict[str, Tensor]] = {}
+    for site, v in values.items():
+        spec = model.latent_sites[site]
+        by_module.setdefault(spec.module_path, {})[spec.kind] = v
+    with torch.no_grad():
+        for path, roles in by_module.items():
+            layer = model.net.get_submodule(path)
+            base = net.get_submodule(path)
+            if isinstance(layer, LoRAXSLinear):
+                delta = layer.delta_weight(roles["core"])  # (d_out, d_in)
+            elif isinstance(layer, LoRALinear):
+                delta = layer.delta_weight(roles.get("lora_A"), roles.get("lora_B"))
+            else:  # a latent nn.Linear: the draw *is* the weight
+                if "weight" in roles:
+                    base.weight.copy_(roles["weight"])
+                if "bias" in roles:
+                    base.bias.copy_(roles["bias"])
+                continue
+            if isinstance(base, nn.Linear):
+                base.weight.add_(delta.to(base.weight.dtype))
+            else:  # GPT-2 Conv1D stores (d_in, d_out)
+                base.weight.add_(delta.T.to(base.weight.dtype))
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return net
+
+
+def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
+    """A ``peft.PeftModel`` carrying the LoRA sites' values (posterior mean or one draw).
+
+    Raises
+    ------
+    TypeError
+        When the model's adapter is not LoRA (LoRA-XS has no peft layout: use
+        :func:`merged_network`).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from .adapters import LoRA
+
+    adapter = model.adapter
+    if not isinstance(adapter, LoRA):
+        raise TypeError(
+            f"to_peft needs a LoRA adapter but the model has {type(adapter).__name__}; "
+            "use pyrobayes.models.deploy.merged_network(model, values) instead."
+        )
+    values = dict(values or model.init_values())
+    net = unwrapped_network(model)
+    paths = sorted(
+        {s.module_path for s in model.latent_sites.values() if s.kind.startswith("lora")}
+    )
+    config = LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha if adapter.alpha is not None else adapter.rank,
+        target_modules=paths,
+        lora_dropout=0.0,
+        bias="none",
+        init_lora_weights=False,
+        modules_to_save=None,
+    )
+    peft_model = get_peft_model(net, config)
+    state = {}
+    for site, v in values.items():
+        spec = model.latent_sites[site]
+        if spec.kind in ("lora_A", "lora_B"):
+            state[f"base_model.model.{spec.module_path}.{spec.kind}.default.weight"] = v
+    missing = set(state) - set(dict(peft_model.named_parameters()))
+    if missing:
+        raise RuntimeError(f"peft layout mismatch; missing {sorted(missing)[:3]}")
+    with torch.no_grad():
+        params = dict(peft_model.named_parameters())
+        for k, v in state.items():
+            params[k].copy_(v)
+    return peft_model

@@ -1,0 +1,391 @@
+"""Tests for pyrobayes.metrics: hand-computed examples and reference implementations."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sklearn.metrics import accuracy_score, brier_score_loss, roc_auc_score
+from torch.distributions import Categorical, MixtureSameFamily, Normal, kl_divergence
+from torchmetrics.classification import MulticlassCalibrationError
+
+from pyrobayes.metrics import (
+    CalibrationError,
+    accuracy,
+    auroc,
+    brier_score,
+    calibration_error,
+    disagreement,
+    ece,
+    expected_entropy,
+    gaussian_nll,
+    gaussian_rmse,
+    max_prob_score,
+    mean_probs,
+    mutual_information,
+    nll,
+    ood_auroc,
+    pairwise_kl,
+    predictive_entropy,
+    predictive_log_probs,
+    report,
+)
+
+# Two members (S = 2), two examples (N = 2), three classes:
+#   p_1 = [[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]],  p_2 = [[0.4, 0.5, 0.1], [0.3, 0.3, 0.4]]
+#   p_bar = [[0.55, 0.35, 0.10], [0.20, 0.30, 0.50]],  labels y = [0, 1]
+P1 = [[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]
+P2 = [[0.4, 0.5, 0.1], [0.3, 0.3, 0.4]]
+
+
+def hand_probs() -> torch.Tensor:
+    return torch.tensor([P1, P2])
+
+
+def hand_labels() -> torch.Tensor:
+    return torch.tensor([0, 1])
+
+
+def entropy(p: list[float]) -> float:
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+def random_probs(num_samples: int, num_examples: int, num_classes: int) -> torch.Tensor:
+    logits = 2.0 * torch.randn(num_samples, num_examples, num_classes)
+    return torch.softmax(logits + torch.randn(1, num_examples, num_classes), dim=-1)
+
+
+def labels_from(probs: torch.Tensor) -> torch.Tensor:
+    """Labels drawn from the predictive itself, so the model is roughly calibrated."""
+    return torch.distributions.Categorical(probs=probs.mean(0)).sample()
+
+
+# ----------------------------------------------------------------------------------------------
+# hand-computed examples
+# ----------------------------------------------------------------------------------------------
+
+
+def test_mean_and_log_predictive() -> None:
+    expected = torch.tensor([[0.55, 0.35, 0.10], [0.20, 0.30, 0.50]])
+    assert torch.allclose(mean_probs(hand_probs()), expected, atol=1e-15)
+    assert torch.allclose(predictive_log_probs(hand_probs().log()), expected.log(), atol=1e-14)
+
+
+def test_accuracy_hand() -> None:
+    # argmax p_bar = [0, 2] vs y = [0, 1] -> [correct, wrong] -> 0.5
+    assert accuracy(hand_probs(), hand_labels()) == 0.5
+    # a point model given as (N, C): argmax p_2 = [1, 2] -> both wrong
+    assert accuracy(torch.tensor(P2), hand_labels()) == 0.0
+
+
+def test_nll_hand() -> None:
+    # -(log 0.55 + log 0.30) / 2
+    expected = -(math.log(0.55) + math.log(0.30)) / 2
+    assert nll(hand_probs(), hand_labels()) == pytest.approx(expected, rel=1e-14)
+    assert nll(None, hand_labels(), log_probs=hand_probs().log()) == pytest.approx(
+        expected, rel=1e-14
+    )
+
+
+def test_nll_is_log_mean_exp_not_mean_log() -> None:
+    # p_1(y) = 0.9, p_2(y) = 0.1: the predictive gives y probability 0.5, so NLL = log 2 = 0.693,
+    # while the mean per-sample NLL is -(log 0.9 + log 0.1) / 2 = 1.204 (Jensen).
+    probs = torch.tensor([[[0.9, 0.1]], [[0.1, 0.9]]])
+    labels = torch.tensor([0])
+    assert nll(probs, labels) == pytest.approx(math.log(2.0), rel=1e-14)
+    mean_of_logs = -(math.log(0.9) + math.log(0.1)) / 2
+    assert abs(nll(probs, labels) - mean_of_logs) > 0.5
+
+
+def test_nll_from_log_probs_survives_underflow() -> None:
+    # log p_s(y) = -1000, -1001: exp underflows to 0 (NLL from probs = inf), but in log space
+    # NLL = -(logsumexp(-1000, -1001) - log 2) = 1000 - log((1 + e^-1) / 2).
+    log_probs = torch.tensor([[[-1000.0, 0.0]], [[-1001.0, 0.0]]])
+    labels = torch.tensor([0])
+    expected = 1000.0 - math.log((1.0 + math.exp(-1.0)) / 2.0)
+    assert nll(None, labels, log_probs=log_probs) == pytest.approx(expected, rel=1e-14)
+    assert nll(log_probs.exp(), labels) == math.inf
+
+
+def test_brier_hand() -> None:
+    # row 1: (0.55 - 1)^2 + 0.35^2 + 0.1^2 = 0.2025 + 0.1225 + 0.01 = 0.335
+    # row 2: 0.2^2 + (0.3 - 1)^2 + 0.5^2 = 0.04 + 0.49 + 0.25 = 0.78      -> mean 0.5575
+    assert brier_score(hand_probs(), hand_labels()) == pytest.approx(0.5575, rel=1e-13)
+    # perfect and maximally wrong one-hot predictions hit the ends of [0, 2]
+    one_hot = torch.eye(3).unsqueeze(0)
+    assert brier_score(one_hot, torch.tensor([0, 1, 2])) == 0.0
+    assert brier_score(one_hot, torch.tensor([1, 2, 0])) == 2.0
+
+
+def test_entropies_and_mutual_information_hand() -> None:
+    h_pred = torch.tensor([entropy([0.55, 0.35, 0.10]), entropy([0.20, 0.30, 0.50])])
+    h_exp = torch.tensor(
+        [(entropy(P1[0]) + entropy(P2[0])) / 2, (entropy(P1[1]) + entropy(P2[1])) / 2]
+    )
+    assert torch.allclose(predictive_entropy(hand_probs()), h_pred, atol=1e-14)
+    assert torch.allclose(expected_entropy(hand_probs()), h_exp, atol=1e-14)
+    assert torch.allclose(mutual_information(hand_probs()), h_pred - h_exp, atol=1e-14)
+    assert torch.all(h_pred - h_exp > 0.01)  # the members disagree, so MI is clearly positive
+    # 1 - max p_bar = [1 - 0.55, 1 - 0.5]
+    assert torch.allclose(max_prob_score(hand_probs()), torch.tensor([0.45, 0.5]), atol=1e-15)
+    # uniform predictions have maximal entropy log C
+    assert predictive_entropy(torch.full((1, 1, 4), 0.25)).item() == pytest.approx(math.log(4))
+
+
+def test_mutual_information_zero_for_point_model_and_nonnegative() -> None:
+    probs = random_probs(1, 500, 5)
+    assert torch.all(mutual_information(probs) == 0.0)
+    assert torch.all(mutual_information(probs[0]) == 0.0)  # (N, C) input is S = 1
+    many = random_probs(8, 500, 5)
+    mi = mutual_information(many)
+    assert mi.shape == (500,)
+    assert torch.all(mi >= 0.0)
+    assert mi.mean() > 0.01
+    assert torch.all(mi <= predictive_entropy(many) + 1e-12)  # MI <= H[p_bar]
+    # identical members carry no epistemic uncertainty
+    same = probs.expand(4, -1, -1)
+    assert torch.allclose(mutual_information(same), torch.zeros(500), atol=1e-12)
+
+
+def test_calibration_error_hand() -> None:
+    # Point model, 2 bins (0, 0.5] and (0.5, 1]:
+    #   conf 0.5  pred 0 y 0 correct -> bin 1 (0.5 is the right edge of bin 1)
+    #   conf 0.4  pred 0 y 1 wrong   -> bin 1
+    #   conf 0.6  pred 1 y 1 correct -> bin 2
+    #   conf 0.9  pred 0 y 2 wrong   -> bin 2
+    #   conf 1.0  pred 1 y 1 correct -> bin 2
+    # bin 1: n 2, acc 1/2, conf 0.45, gap 0.05; bin 2: n 3, acc 2/3, conf 2.5/3, gap 1/6
+    # ECE = 2/5 * 0.05 + 3/5 * 1/6 = 0.02 + 0.1 = 0.12; MCE = 1/6
+    probs = torch.tensor(
+        [
+            [0.5, 0.3, 0.2],
+            [0.4, 0.35, 0.25],
+            [0.1, 0.6, 0.3],
+            [0.9, 0.05, 0.05],
+            [0.0, 1.0, 0.0],
+        ]
+    )
+    labels = torch.tensor([0, 1, 1, 2, 1])
+    result = calibration_error(probs, labels, num_bins=2)
+    assert isinstance(result, CalibrationError)
+    assert result.num_bins == 2
+    assert result.bin_counts.tolist() == [2, 3]
+    assert torch.allclose(result.bin_accuracy, torch.tensor([0.5, 2 / 3]), atol=1e-15)
+    assert torch.allclose(result.bin_confidence, torch.tensor([0.45, 2.5 / 3]), atol=1e-15)
+    assert result.ece == pytest.approx(0.12, rel=1e-13)
+    assert result.mce == pytest.approx(1 / 6, rel=1e-13)
+    assert ece(probs, labels, num_bins=2) == result.ece
+
+
+def test_calibration_error_bins_and_empty_bins() -> None:
+    # default 15 bins, stored; all 3 examples at conf 0.9 -> bin 14 = (13/15, 14/15]
+    probs = torch.tensor([[0.9, 0.1]] * 3)
+    result = calibration_error(probs, torch.tensor([0, 0, 1]))
+    assert result.num_bins == 15 and result.bin_counts.shape == (15,)
+    assert result.bin_counts[13] == 3 and result.bin_counts.sum() == 3
+    # empty bins report 0 and contribute nothing: ECE = |2/3 - 0.9|
+    assert torch.all(result.bin_accuracy[result.bin_counts == 0] == 0)
+    assert result.ece == pytest.approx(0.9 - 2 / 3, rel=1e-13)
+    assert result.mce == pytest.approx(0.9 - 2 / 3, rel=1e-13)
+    # confidence 0 (degenerate all-zero row) goes to bin 1
+    zero = calibration_error(torch.zeros(1, 2), torch.tensor([0]), num_bins=4)
+    assert zero.bin_counts.tolist() == [1, 0, 0, 0]
+
+
+def test_auroc_hand_with_ties() -> None:
+    # ID [0.1, 0.4, 0.35, 0.8], OOD [0.8, 0.9, 0.4]; count OOD > ID pairs, ties 1/2:
+    #   0.8: beats 0.1, 0.4, 0.35, ties 0.8 -> 3.5;  0.9: beats all -> 4;
+    #   0.4: beats 0.1, 0.35, ties 0.4 -> 2.5;   AUROC = (3.5 + 4 + 2.5) / 12 = 10/12
+    id_scores = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    ood_scores = torch.tensor([0.8, 0.9, 0.4])
+    assert ood_auroc(id_scores, ood_scores) == pytest.approx(10 / 12, rel=1e-14)
+    assert ood_auroc(ood_scores, id_scores) == pytest.approx(2 / 12, rel=1e-14)
+    assert ood_auroc(torch.ones(3), torch.ones(5)) == 0.5  # all tied
+
+
+def test_diversity_hand() -> None:
+    # argmax p_1 = [0, 2], argmax p_2 = [1, 2]: the pair disagrees on 1 of 2 examples -> 0.5
+    assert disagreement(hand_probs()) == pytest.approx(0.5, rel=1e-14)
+    # mean over the two ordered pairs and both examples of KL(p_s || p_s')
+    kls = [
+        sum(a * math.log(a / b) for a, b in zip(P[n], Q[n], strict=True))
+        for P, Q in ((P1, P2), (P2, P1))
+        for n in range(2)
+    ]
+    assert pairwise_kl(hand_probs()) == pytest.approx(sum(kls) / 4, rel=1e-12)
+    assert pairwise_kl(None, log_probs=hand_probs().log()) == pytest.approx(sum(kls) / 4, rel=1e-12)
+    # one member, or identical members: no diversity
+    assert disagreement(hand_probs()[:1]) == 0.0 and pairwise_kl(hand_probs()[:1]) == 0.0
+    same = hand_probs()[:1].expand(3, -1, -1)
+    assert disagreement(same) == 0.0
+    assert pairwise_kl(same) == pytest.approx(0.0, abs=1e-14)
+    # a member that rules out a class another one supports: infinite KL
+    assert pairwise_kl(torch.tensor([[[1.0, 0.0]], [[0.5, 0.5]]])) == math.inf
+
+
+def test_gaussian_metrics_hand() -> None:
+    # means (S=2, N=2) = [[0, 1], [2, 3]], y = [1, 1], sigma = 1
+    # predictive mean [1, 2] -> RMSE = sqrt((0 + 1) / 2)
+    means = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    targets = torch.tensor([1.0, 1.0])
+    assert gaussian_rmse(means, targets) == pytest.approx(math.sqrt(0.5), rel=1e-14)
+    # n = 1: both components at distance 1 -> log N = -log(2 pi)/2 - 1/2
+    # n = 2: distances 0 and 2 -> -log(2 pi)/2 + log((1 + e^-2) / 2)
+    half_log_2pi = 0.5 * math.log(2 * math.pi)
+    lp1 = -half_log_2pi - 0.5
+    lp2 = -half_log_2pi + math.log((1 + math.exp(-2.0)) / 2)
+    assert gaussian_nll(means, targets, 1.0) == pytest.approx(-(lp1 + lp2) / 2, rel=1e-14)
+
+
+def test_gaussian_nll_matches_mixture_density() -> None:
+    means = torch.randn(6, 50)
+    targets = torch.randn(50)
+    scales = 0.3 + torch.rand(6, 1)  # per-sample noise scale, broadcast over examples
+    mixture = MixtureSameFamily(
+        Categorical(logits=torch.zeros(50, 6)), Normal(means.T, scales.T.expand(50, 6))
+    )
+    expected = -mixture.log_prob(targets).mean().item()
+    assert gaussian_nll(means, targets, scales) == pytest.approx(expected, rel=1e-12)
+    # a point model, (N,) means: plain Gaussian NLL
+    point = -Normal(means[0], 0.5).log_prob(targets).mean().item()
+    assert gaussian_nll(means[0], targets, 0.5) == pytest.approx(point, rel=1e-12)
+    with pytest.raises(ValueError):
+        gaussian_nll(means, targets, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# reference implementations on random data
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_bins", [15, 7])
+def test_calibration_matches_torchmetrics(num_bins: int) -> None:
+    # torchmetrics bins [lo, hi) where we bin (lo, hi], and casts confidences to float32; both only
+    # matter for confidences within ~1e-7 of a bin edge, which continuous random data avoids
+    # (about 2000 * 14 * 1.2e-7 ~ 3e-3 chance per data set). float32 round-off in the binned
+    # means is <= 1e-7, so atol 1e-6.
+    probs = random_probs(5, 2000, 4)
+    labels = labels_from(probs)
+    p_bar = probs.mean(0)
+    ours = calibration_error(probs, labels, num_bins=num_bins)
+    for norm, value in (("l1", ours.ece), ("max", ours.mce)):
+        metric = MulticlassCalibrationError(num_classes=4, n_bins=num_bins, norm=norm)
+        assert value == pytest.approx(metric(p_bar, labels).item(), abs=1e-6)
+    assert ours.bin_counts.sum().item() == 2000
+    assert 0.0 < ours.ece < ours.mce
+
+
+def test_brier_and_accuracy_match_sklearn() -> None:
+    probs = random_probs(3, 1000, 5)
+    labels = labels_from(probs)
+    p_bar = probs.mean(0).numpy()
+    # multi-class: sklearn's sum_c (p_c - y_c)^2 over [0, 2] when not halved
+    sk_brier = brier_score_loss(labels.numpy(), p_bar, labels=list(range(5)), scale_by_half=False)
+    assert brier_score(probs, labels) == pytest.approx(sk_brier, rel=1e-12)
+    assert accuracy(probs, labels) == pytest.approx(
+        accuracy_score(labels.numpy(), p_bar.argmax(-1)), rel=1e-15
+    )
+    # binary: sklearn's default is (p_1 - y)^2 in [0, 1]; ours sums both classes,
+    # (p_0 - [y=0])^2 + (p_1 - [y=1])^2 = 2 (p_1 - y)^2, so ours / 2 equals sklearn's.
+    binary = random_probs(3, 1000, 2)
+    y = labels_from(binary)
+    sk_binary = brier_score_loss(y.numpy(), binary.mean(0)[:, 1].numpy())
+    assert brier_score(binary, y) / 2 == pytest.approx(sk_binary, rel=1e-12)
+
+
+def test_auroc_matches_sklearn_with_ties() -> None:
+    # rounding to one decimal makes heavy ties (only ~20 distinct values for 700 scores)
+    id_scores = torch.round(torch.randn(400), decimals=1)
+    ood_scores = torch.round(torch.randn(300) + 0.7, decimals=1)
+    scores = torch.cat([id_scores, ood_scores])
+    labels = torch.cat([torch.zeros(400, dtype=torch.long), torch.ones(300, dtype=torch.long)])
+    expected = roc_auc_score(labels.numpy(), scores.numpy())
+    assert auroc(scores, labels) == pytest.approx(expected, rel=1e-13)
+    assert ood_auroc(id_scores, ood_scores) == pytest.approx(expected, rel=1e-13)
+    # a random permutation does not change the statistic
+    perm = torch.randperm(700)
+    assert auroc(scores[perm], labels[perm]) == pytest.approx(expected, rel=1e-13)
+    with pytest.raises(ValueError):
+        auroc(scores, torch.zeros(700, dtype=torch.long))
+
+
+def test_diversity_matches_brute_force() -> None:
+    probs = random_probs(5, 300, 4)
+    preds = probs.argmax(-1)
+    pairs = [(s, t) for s in range(5) for t in range(5) if s != t]
+    brute_dis = sum((preds[s] != preds[t]).double().mean() for s, t in pairs) / len(pairs)
+    brute_kl = sum(
+        kl_divergence(Categorical(probs=probs[s]), Categorical(probs=probs[t])).mean()
+        for s, t in pairs
+    ) / len(pairs)
+    assert disagreement(probs) == pytest.approx(brute_dis.item(), rel=1e-12)
+    assert pairwise_kl(probs) == pytest.approx(brute_kl.item(), rel=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+
+
+def test_report_tensor_and_duck_typed_prediction() -> None:
+    probs = random_probs(4, 300, 3)
+    labels = labels_from(probs)
+    result = report(probs, labels)
+    assert set(result) == {
+        "accuracy",
+        "nll",
+        "ece",
+        "ece_bins",
+        "brier",
+        "entropy",
+        "mutual_information",
+    }
+    assert all(isinstance(v, float) for v in result.values())
+    assert result["accuracy"] == accuracy(probs, labels)
+    assert result["nll"] == pytest.approx(nll(probs, labels), rel=1e-12)
+    assert result["ece"] == ece(probs, labels)
+    assert result["ece_bins"] == 15.0
+    assert result["brier"] == brier_score(probs, labels)
+    assert result["entropy"] == pytest.approx(predictive_entropy(probs).mean().item())
+    assert result["mutual_information"] == pytest.approx(mutual_information(probs).mean().item())
+    # an object with probs / log_probs: the log-probs drive the NLL
+    log_probs = probs.log()
+    prediction = SimpleNamespace(probs=probs, log_probs=log_probs)
+    from_object = report(prediction, labels, num_bins=10)
+    assert from_object["ece_bins"] == 10.0
+    assert from_object["nll"] == pytest.approx(nll(None, labels, log_probs=log_probs), rel=1e-12)
+    underflow = SimpleNamespace(probs=log_probs.exp(), log_probs=log_probs - 2000.0)
+    assert report(underflow, labels)["nll"] == pytest.approx(result["nll"] + 2000.0, rel=1e-12)
+    with pytest.raises(TypeError):
+        report([[0.5, 0.5]], labels)
+
+
+def test_report_ood_aurocs() -> None:
+    # ID: members agree on a confident class; OOD: members are confident about different
+    # classes, so p_bar is near uniform and MI is large -> all three scores separate well.
+    id_logits = torch.zeros(4, 200, 3)
+    id_logits[..., 0] = 6.0
+    id_probs = torch.softmax(id_logits + 0.3 * torch.randn(4, 200, 3), -1)
+    ood_logits = 6.0 * torch.eye(3)[torch.arange(4) % 3].unsqueeze(1).expand(4, 150, 3)
+    ood_probs = torch.softmax(ood_logits + 0.3 * torch.randn(4, 150, 3), -1)
+    labels = torch.zeros(200, dtype=torch.long)
+    result = report(id_probs, labels, ood_probs=SimpleNamespace(probs=ood_probs))
+    for key in ("auroc_entropy", "auroc_maxprob", "auroc_mi"):
+        assert result[key] > 0.99
+    assert result["accuracy"] == 1.0
+    # swapping the roles flips the AUROC to 1 - AUROC
+    swapped = report(ood_probs, torch.zeros(150, dtype=torch.long), ood_probs=id_probs)
+    assert swapped["auroc_mi"] == pytest.approx(1.0 - result["auroc_mi"], abs=1e-12)
+
+
+def test_input_validation() -> None:
+    with pytest.raises(TypeError):
+        accuracy(hand_probs(), torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError):
+        accuracy(hand_probs(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError):
+        nll(hand_probs(), torch.tensor([0, 3]))
+    with pytest.raises(ValueError):
+        brier_score(torch.ones(2, 2, 2, 2), hand_labels())
