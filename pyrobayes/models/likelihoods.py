@@ -59,21 +59,26 @@ class Categorical(Likelihood):
 
 
 class Gaussian(Likelihood):
-    """``y ~ N(f(x; θ), σ²)`` with a fixed observation scale σ (``obs_scale``)."""
+    """``y ~ N(f(x; θ), σ²)`` with a fixed observation scale σ (``obs_scale``).
+
+    A ``(B, 1)`` output predicts a scalar target; a ``(B, D)`` output a D-vector target (the D
+    outputs form one event, so the data plate stays over examples).
+    """
 
     name = "gaussian"
     is_classification = False
 
-    def __init__(self, obs_scale: float = 1.0, event_dim: int = 0) -> None:
+    def __init__(self, obs_scale: float = 1.0) -> None:
         if obs_scale <= 0:
             raise ValueError(f"Expected obs_scale > 0 but got {obs_scale}.")
         self.obs_scale = float(obs_scale)
-        self.event_dim = int(event_dim)
+        self.event_dim = 0
 
     def params(self, output: Tensor, inputs: Any) -> Tensor:
-        # a (B, 1) regression head predicts a scalar target
-        if self.event_dim == 0 and output.dim() >= 2 and output.shape[-1] == 1:
+        if output.dim() == 2 and output.shape[-1] == 1:
             output = output.squeeze(-1)
+        # output is (rows, *event): every dim after the leading row dim is part of one target
+        self.event_dim = output.dim() - 1
         return output
 
     def dist(self, params: Tensor) -> dist.Distribution:
@@ -81,7 +86,7 @@ class Gaussian(Likelihood):
         return d.to_event(self.event_dim) if self.event_dim else d
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "obs_scale": self.obs_scale, "event_dim": self.event_dim}
+        return {"name": self.name, "obs_scale": self.obs_scale}
 
 
 class MultipleChoice(Likelihood):
