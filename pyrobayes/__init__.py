@@ -8,7 +8,6 @@ to ArviZ.
 from __future__ import annotations
 
 from . import guides, infer, metrics, models
-from .accounting import count_parameters
 from .api import posterior
 from .infer.loop import FitResult, fit
 from .io import load, save
@@ -34,5 +33,4 @@ __all__ = [
     "load",
     "register_guide",
     "available_guides",
-    "count_parameters",
 ]
