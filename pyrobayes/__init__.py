@@ -8,7 +8,10 @@ to ArviZ.
 from __future__ import annotations
 
 from . import guides, infer, metrics, models
+from .accounting import count_parameters
 from .api import posterior
+from .diagnostics import Diagnostics, diagnose
+from .export import to_datatree, to_inference_data
 from .infer.loop import FitResult, fit
 from .io import load, save
 from .predictive import Prediction, predict
@@ -28,9 +31,15 @@ __all__ = [
     "FitResult",
     "predict",
     "Prediction",
+    # ArviZ export and diagnostics
+    "to_datatree",
+    "to_inference_data",
+    "diagnose",
+    "Diagnostics",
     # I/O and registry
     "save",
     "load",
     "register_guide",
     "available_guides",
+    "count_parameters",
 ]

@@ -58,7 +58,7 @@ def test_map_objective_equals_trace_elbo_with_delta_guide():
     g2 = torch.autograd.grad(
         pyro.infer.Trace_ELBO().differentiable_loss(model, guide, batch), list(guide.parameters())
     )
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 

@@ -1,0 +1,49 @@
+"""Parameter accounting: what a fine-tuning method trains and what its posterior stores."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .models.layers import LoRAXSLinear
+
+__all__ = ["count_parameters"]
+
+
+def count_parameters(guide_or_model: Any) -> dict[str, int]:
+    """Count trainable numbers and posterior storage of a guide (or a model alone).
+
+    Parameters
+    ----------
+    guide_or_model : PosteriorGuide or FineTuneModel
+
+    Returns
+    -------
+    dict
+        - ``latent``: numbers in the latent sites (``Σ_l r_l²`` for LoRA-XS cores);
+        - ``head``: point-estimated parameters of the model (e.g. the classifier);
+        - ``trainable``: ``latent + head``;
+        - ``lora_same_rank``: trainable adapter numbers a LoRA of the same rank on the same
+          layers would have (``Σ_l r_l (d_in + d_out)``; 0 when no LoRA-XS layer is present);
+        - ``posterior_storage``: numbers that describe q (only for a guide: the family's
+          ``posterior_storage()`` when defined, else the size of the guide's state).
+    """
+    is_guide = hasattr(guide_or_model, "sites") and hasattr(guide_or_model, "model")
+    model = guide_or_model.model if is_guide else guide_or_model
+    sites = getattr(model, "latent_sites", {})
+    latent = sum(int(torch.Size(s.shape).numel()) for s in sites.values())
+    head = sum(int(p.numel()) for p in getattr(model, "point_params", {}).values())
+    lora = 0
+    net = getattr(model, "net", None)
+    if net is not None:
+        for module in net.modules():
+            if isinstance(module, LoRAXSLinear):
+                lora += module.rank * (module.in_features + module.out_features)
+    out = {"latent": latent, "head": head, "trainable": latent + head, "lora_same_rank": lora}
+    if is_guide:
+        storage = getattr(guide_or_model, "posterior_storage", None)
+        out["posterior_storage"] = (
+            int(storage()) if callable(storage) else int(guide_or_model.num_posterior_parameters())
+        )
+    return out

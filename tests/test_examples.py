@@ -1,0 +1,30 @@
+"""Every example runs with --smoke (NumPyro's test_examples pattern)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted(
+    p for p in (Path(__file__).parents[1] / "examples").glob("*.py") if not p.name.startswith("_")
+)
+
+
+def test_there_are_examples():
+    assert {"map.py", "meanfield.py"} <= {p.name for p in EXAMPLES}
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+def test_example_smoke(script):
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=script.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "accuracy" in proc.stdout  # the metrics report was printed
