@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-import pyrobayes as pb
 from _digits import parse_args, report, setup
+
+import pyrobayes as pb
 
 args = parse_args(__doc__)
 model, train, test, x_ood = setup(args.smoke, args.seed)

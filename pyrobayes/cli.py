@@ -14,9 +14,10 @@ import logging
 import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 __all__ = ["main"]
 
