@@ -1,0 +1,232 @@
+r"""How far can a fitted guide be trusted? PSIS :math:`\hat k`, importance ESS, ELBO, calibration.
+
+For draws :math:`θ_s \sim q`, :math:`s = 1..S`, on the full data set :math:`D`, the log
+importance ratios of the guide against the posterior are
+
+.. math:: r_s = \log p(θ_s, D) - \log q(θ_s), \qquad
+    \log p(θ, D) = \sum_i \log p(y_i \mid x_i, θ) + \log p(θ),
+
+and (Yao, Vehtari, Simpson & Gelman, 2018, *Yes, but did it work?: Evaluating variational
+inference*, ICML) the Pareto shape :math:`\hat k` of their upper tail tells whether :math:`q` is
+close to the posterior: :math:`\hat k < 0.5` good, :math:`0.5 \le \hat k < 0.7` usable,
+:math:`\hat k \ge 0.7` unreliable. :math:`\frac1S\sum_s r_s` estimates the ELBO and
+:math:`\log \frac1S \sum_s e^{r_s}` the log evidence :math:`\log p(D)` (from below, in
+expectation). :math:`\hat k` is meaningful for small latent spaces (a LoRA-XS core with
+:math:`r \le 4`, a logistic regression); for thousands of parameters :math:`\hat k \gg 0.7` is
+the rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .export import DEFAULT_MAX_SITE_NUMEL, _evaluate
+from .metrics import report
+from .predictive import Prediction
+from .psis import importance_ess, psis_smooth
+
+__all__ = ["Diagnostics", "diagnose", "khat_interpretation", "khat_threshold"]
+
+logger = logging.getLogger(__name__)
+
+
+def khat_threshold(num_samples: int) -> float:
+    r"""Sample-size-dependent reliability threshold :math:`\min(1 - 1/\log_{10} S,\ 0.7)`.
+
+    Vehtari et al. (2024), *Pareto smoothed importance sampling*, JMLR 25(72).
+    """
+    if num_samples <= 10:
+        return -math.inf  # 1 - 1/log10(S) <= 0: no tail can be trusted with so few draws
+    return min(1.0 - 1.0 / math.log10(num_samples), 0.7)
+
+
+def khat_interpretation(k: float, num_samples: int | None = None) -> str:
+    r"""Plain-text reading of a Pareto :math:`\hat k` (Yao et al., 2018 thresholds).
+
+    Parameters
+    ----------
+    k : float
+        :math:`\hat k` of the log importance ratios of ``q`` against the posterior.
+    num_samples : int, optional
+        S; when given, the PSIS (2024) threshold :math:`\min(1 - 1/\log_{10} S, 0.7)` is also
+        checked.
+
+    Returns
+    -------
+    str
+        One sentence starting with ``"good"``, ``"ok"``, ``"bad"`` or ``"undefined"``.
+    """
+    if math.isnan(k):
+        return "undefined: k-hat is NaN (point-mass guide or no log-density)"
+    if k == -math.inf:
+        return "good: all importance ratios are equal, q matches the posterior up to a constant"
+    if k < 0.5:
+        text = "good (k-hat < 0.5): q is close to the posterior; VI estimates can be trusted"
+    elif k < 0.7:
+        text = (
+            "ok (0.5 <= k-hat < 0.7): q is usable but needs improvement; PSIS-correct expectations"
+        )
+    else:
+        text = (
+            "bad (k-hat >= 0.7): q is far from the posterior; do not trust VI estimates, nor "
+            "their PSIS correction"
+        )
+    if num_samples is not None and math.isfinite(k):
+        threshold = khat_threshold(num_samples)
+        if 0.5 <= k < 0.7 and k >= threshold:
+            text += f"; above the S = {num_samples} threshold {threshold:.2f}: use more draws"
+    return text
+
+
+@dataclass
+class Diagnostics:
+    r"""Diagnostics of a guide on a data set (see :func:`diagnose`).
+
+    Attributes
+    ----------
+    khat : float
+        Pareto :math:`\hat k` of :math:`r_s = \log p(θ_s, D) - \log q(θ_s)`.
+    interpretation : str
+        :func:`khat_interpretation` of ``khat``.
+    khat_threshold : float
+        :math:`\min(1 - 1/\log_{10} S, 0.7)`.
+    ess : float
+        Effective sample size of the PSIS-smoothed importance weights, in ``[1, S]``.
+    ess_raw : float
+        Effective sample size of the raw weights :math:`e^{r_s}`.
+    elbo : float
+        :math:`\frac1S \sum_s r_s`, Monte Carlo estimate of the full-data ELBO.
+    log_evidence : float
+        :math:`\log\frac1S\sum_s e^{r_s}`, importance-sampling estimate of :math:`\log p(D)`.
+    num_samples : int
+        S.
+    num_examples : int
+        Examples in the data set.
+    calibration : dict
+        :func:`pyrobayes.metrics.report` of the posterior predictive (classification only),
+        with ``num_predictive_samples`` draws.
+    log_ratios : numpy.ndarray
+        :math:`r_s`, shape ``(S,)`` (not in :meth:`to_dict`).
+    """
+
+    khat: float
+    interpretation: str
+    khat_threshold: float
+    ess: float
+    ess_raw: float
+    elbo: float
+    log_evidence: float
+    num_samples: int
+    num_examples: int
+    calibration: dict[str, float] = field(default_factory=dict)
+    log_ratios: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (everything except ``log_ratios``)."""
+        out = asdict(self)
+        out.pop("log_ratios")
+        out["calibration"] = {k: float(v) for k, v in self.calibration.items()}
+        return out
+
+
+def diagnose(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    num_samples: int = 1000,
+    seed: int | None = 0,
+    num_bins: int = 15,
+    num_predictive_samples: int = 200,
+    samples_per_forward: int | None = None,
+) -> Diagnostics:
+    r"""PSIS :math:`\hat k`, importance ESS, ELBO and calibration of ``guide`` on ``data``.
+
+    Draws :math:`θ_s \sim q` (S of them, jointly), evaluates the full-data log joint
+    :math:`\log p(θ_s, D) = \sum_i \log p(y_i\mid x_i, θ_s) + \log p(θ_s)` over every batch of
+    ``data`` and forms :math:`r_s = \log p(θ_s, D) - \log q(θ_s)`; :math:`\hat k` is the Pareto
+    shape of the upper tail of :math:`e^{r_s}` (:func:`pyrobayes.psis.psis_smooth`).
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : PosteriorGuide
+    data : iterable of batches
+        The FULL data set the posterior is conditioned on (the training set), not a minibatch.
+    num_samples : int
+        S; use S >= 1000 for a stable :math:`\hat k`.
+    seed : int, optional
+    num_bins : int
+        Calibration bins of the ECE.
+    num_predictive_samples : int
+        The first this-many draws (the same draws as for :math:`\hat k`) give the posterior
+        predictive whose calibration is reported (classification likelihoods only).
+    samples_per_forward : int, optional
+
+    Returns
+    -------
+    Diagnostics
+    """
+    deterministic = bool(getattr(guide, "is_deterministic", False))
+    if deterministic:
+        num_samples = 1
+    ev = _evaluate(
+        model,
+        guide,
+        data,
+        num_samples=num_samples,
+        seed=seed,
+        sites=[],
+        max_site_numel=DEFAULT_MAX_SITE_NUMEL,
+        pointwise=False,
+        predictive=False,
+        summarise_omitted=False,
+        num_class_samples=num_predictive_samples,
+        samples_per_forward=samples_per_forward,
+    )
+    log_joint = ev.log_joint
+    if log_joint is None or ev.log_q is None:
+        raise ValueError("diagnose needs targets in the data (the log joint needs y).")
+    log_ratios = log_joint - ev.log_q  # (S,)
+    if deterministic or not np.isfinite(log_ratios).all():
+        if not deterministic:
+            logger.warning("Non-finite log importance ratios; k-hat is undefined.")
+        k_hat, ess, ess_raw = math.nan, math.nan, math.nan
+    else:
+        smoothed, k_hat = psis_smooth(log_ratios)
+        ess = importance_ess(smoothed)
+        ess_raw = importance_ess(log_ratios)
+    top = float(np.max(log_ratios))
+    log_evidence = top + math.log(float(np.mean(np.exp(log_ratios - top))))
+    calibration: dict[str, float] = {}
+    if ev.class_log_probs is not None and ev.targets is not None:
+        prediction = Prediction(log_probs=ev.class_log_probs, targets=ev.targets)
+        calibration = report(prediction, ev.targets, num_bins=num_bins)
+        calibration["num_predictive_samples"] = float(ev.class_log_probs.shape[0])
+    result = Diagnostics(
+        khat=float(k_hat),
+        interpretation=khat_interpretation(float(k_hat), num_samples),
+        khat_threshold=khat_threshold(num_samples),
+        ess=float(ess),
+        ess_raw=float(ess_raw),
+        elbo=float(np.mean(log_ratios)),
+        log_evidence=log_evidence,
+        num_samples=num_samples,
+        num_examples=ev.num_examples,
+        calibration=calibration,
+        log_ratios=log_ratios,
+    )
+    logger.info(
+        "diagnose: k-hat = %.3f (%s), ESS = %.1f / %d",
+        k_hat,
+        result.interpretation,
+        ess,
+        num_samples,
+    )
+    return result

@@ -1,0 +1,503 @@
+r"""Export a fitted posterior to ArviZ (``InferenceData`` on arviz 0.x, ``DataTree`` on 1.x).
+
+Draws :math:`θ_s \sim q`, :math:`s = 1..S`, are taken once from the guide and evaluated on the
+batched path (``model.batched_output``), giving per draw and per example
+
+.. math::
+
+    \log p(y_i \mid x_i, θ_s)\ \text{(log_likelihood)},\qquad
+    \tilde y_{s,i} \sim p(\cdot \mid x_i, θ_s)\ \text{(posterior_predictive)},
+
+    \log q(θ_s)\ \text{(sample_stats.log_q)},\qquad
+    \log p(θ_s, D) = \sum_i \log p(y_i \mid x_i, θ_s) + \log p(θ_s)\ \text{(sample_stats.log_joint)}.
+
+``log_joint − log_q`` are the PSIS log importance ratios of the guide (see
+:mod:`pyrobayes.diagnostics`). ArviZ 1.x has no Pyro converter and arviz 0.x's ``from_pyro`` only
+reads ``pyro.infer.MCMC``, so pyrobayes builds plain ``dict[group, dict[var, ndarray]]`` itself and
+hands them to ``from_dict`` through one adapter, :func:`_to_arviz`.
+
+Group layout (``chain`` has size 1, ``draw`` size S):
+
+==========================  ================================================================
+``posterior``               one variable per chosen site, dims ``(chain, draw, <site>_row,
+                            <site>_col)`` for matrices, ``<site>_dim_k`` otherwise; omitted
+                            (too large) sites appear as ``<site>_norm``, the Frobenius norm
+``posterior_predictive``    ``obs``, dims ``(chain, draw, obs_dim_0, ...)``
+``log_likelihood``          ``obs``, dims ``(chain, draw, obs_dim_0)``, one value per example
+``observed_data``           ``obs``, dims ``(obs_dim_0, ...)``
+``sample_stats``            ``log_q``, ``log_joint``, ``lp`` (= ``log_joint``, ArviZ's name)
+``optimization``            ``loss`` over dim ``step`` (only with ``losses=``)
+==========================  ================================================================
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .batch import batch_size, split_batch, to_device
+from .predictive import default_samples_per_forward
+
+__all__ = ["to_datatree", "to_inference_data", "select_sites"]
+
+logger = logging.getLogger(__name__)
+
+#: Default cap on the number of posterior scalars per draw exported to the ``posterior`` group.
+DEFAULT_MAX_SITE_NUMEL = 10_000
+_SAMPLE_DIMS = ("chain", "draw")
+
+
+# --------------------------------------------------------------------------------------------
+# site selection
+# --------------------------------------------------------------------------------------------
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def _site_shapes(model: Any, guide: Any) -> dict[str, torch.Size]:
+    guide._require_setup()
+    shapes = dict(guide.sites)
+    if not shapes:
+        shapes = {s: torch.Size(spec.shape) for s, spec in model.latent_sites.items()}
+    return {s: torch.Size(v) for s, v in shapes.items()}
+
+
+def select_sites(
+    shapes: dict[str, torch.Size],
+    sites: Sequence[str] | None = None,
+    max_site_numel: int = DEFAULT_MAX_SITE_NUMEL,
+) -> tuple[list[str], list[str]]:
+    """Split latent sites into exported (full values) and summarised (norm only) ones.
+
+    With ``sites=None`` sites are taken in declaration order while their cumulative ``numel``
+    stays within ``max_site_numel``; the rest are summarised. An explicit ``sites`` list is
+    exported as asked (unknown names raise ``KeyError``).
+
+    Parameters
+    ----------
+    shapes : dict
+        ``{site: shape}`` of every latent site.
+    sites : sequence of str, optional
+    max_site_numel : int
+
+    Returns
+    -------
+    chosen, omitted : list of str
+    """
+    if sites is not None:
+        unknown = [s for s in sites if s not in shapes]
+        if unknown:
+            raise KeyError(f"Unknown sites {unknown}; the latent sites are {list(shapes)}.")
+        chosen = list(dict.fromkeys(sites))
+        return chosen, [s for s in shapes if s not in chosen]
+    chosen, omitted, used = [], [], 0
+    for site, shape in shapes.items():
+        if used + _numel(shape) <= max_site_numel:
+            chosen.append(site)
+            used += _numel(shape)
+        else:
+            omitted.append(site)
+    return chosen, omitted
+
+
+# --------------------------------------------------------------------------------------------
+# the batched evaluation shared by export and diagnostics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Evaluation:
+    """Everything computed from S guide draws on a data set (NumPy, float64 unless stated)."""
+
+    num_samples: int
+    chosen: list[str]
+    omitted: list[str]
+    site_values: dict[str, np.ndarray] = field(default_factory=dict)  # (S, *shape)
+    site_norms: dict[str, np.ndarray] = field(default_factory=dict)  # (S,)
+    log_q: np.ndarray | None = None  # (S,)
+    log_prior: np.ndarray | None = None  # (S,)
+    log_lik_sum: np.ndarray | None = None  # (S,)
+    pointwise: np.ndarray | None = None  # (S, N)
+    predictive: np.ndarray | None = None  # (S, N, ...)
+    observed: np.ndarray | None = None  # (N, ...)
+    class_log_probs: Tensor | None = None  # (P, N, C)
+    targets: Tensor | None = None  # (N, ...)
+    num_examples: int = 0
+
+    @property
+    def log_joint(self) -> np.ndarray | None:
+        if self.log_lik_sum is None or self.log_prior is None:
+            return None
+        return self.log_lik_sum + self.log_prior
+
+
+def _np(t: Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.is_floating_point():
+        t = t.to(torch.float64)
+    return t.numpy()
+
+
+def _draw_chunk(num_samples: int, total_numel: int, max_site_numel: int) -> int:
+    """Draws per ``sample_posterior`` call: at most ``max(S·max_site_numel, total)`` scalars."""
+    if total_numel <= max_site_numel:
+        return num_samples
+    return max(1, min(num_samples, (num_samples * max_site_numel) // max(total_numel, 1)))
+
+
+#: CPU work budget of one batched forward: (draws × rows × backbone parameters).
+_CPU_FORWARD_BUDGET = 2e8
+
+
+def _auto_samples_per_forward(model: Any, num_samples: int, num_rows: int) -> int:
+    """Draws per forward: all on an accelerator; on CPU as many as fit a work budget.
+
+    :func:`pyrobayes.predict` evaluates one draw per forward on CPU, which is right for a
+    transformer but makes the S >= 1000 draws of a diagnostic on a small network take
+    thousands of forwards; sizing by ``S_chunk · B · numel(net) <= 2e8`` keeps both fast.
+    """
+    dev = model.device
+    if dev.type != "cpu":
+        return default_samples_per_forward(num_samples, dev)
+    numel = sum(int(p.numel()) for p in model.net.parameters())
+    return max(1, min(num_samples, int(_CPU_FORWARD_BUDGET // max(1, num_rows * numel))))
+
+
+def _evaluate(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    num_samples: int,
+    seed: int | None,
+    sites: Sequence[str] | None = None,
+    max_site_numel: int = DEFAULT_MAX_SITE_NUMEL,
+    pointwise: bool = True,
+    predictive: bool = True,
+    summarise_omitted: bool = True,
+    num_class_samples: int = 0,
+    samples_per_forward: int | None = None,
+) -> _Evaluation:
+    """Draw S joint samples from ``guide`` and evaluate the model on every batch of ``data``.
+
+    The draws are taken in chunks of ``_draw_chunk`` samples (one chunk when the whole posterior
+    is within ``max_site_numel`` scalars); every chunk is evaluated on all batches before the
+    next is drawn, so ``data`` must be re-iterable when the posterior is large.
+    """
+    if num_samples < 1:
+        raise ValueError(f"Expected num_samples >= 1 but got {num_samples}.")
+    if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
+        data = list(data)
+    model.train(False)
+    dev = model.device
+    shapes = _site_shapes(model, guide)
+    chosen, omitted = select_sites(shapes, sites, max_site_numel)
+    if not summarise_omitted:
+        omitted = []
+    if omitted:
+        logger.info(
+            "Posterior export keeps only the Frobenius norm of sites %s (%d scalars per draw; "
+            "max_site_numel=%d). Pass sites=[...] to export them in full.",
+            omitted,
+            sum(_numel(shapes[s]) for s in omitted),
+            max_site_numel,
+        )
+    total = sum(_numel(s) for s in shapes.values())
+    chunk = _draw_chunk(num_samples, total, max_site_numel)
+    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    classification = bool(model.likelihood.is_classification)
+    result = _Evaluation(num_samples=num_samples, chosen=chosen, omitted=omitted)
+    values_out: dict[str, list[np.ndarray]] = {s: [] for s in chosen}
+    norms_out: dict[str, list[np.ndarray]] = {s: [] for s in omitted}
+    log_q, log_prior, ll_sum, ll_point, pp, class_lp = [], [], [], [], [], []
+    observed: list[Tensor] = []
+    has_targets = True
+    for start in range(0, num_samples, chunk):
+        n = min(chunk, num_samples - start)
+        values = guide.sample_posterior(n, generator=generator)
+        values = {k: v.detach().to(dev) for k, v in values.items()}
+        for s in chosen:
+            values_out[s].append(_np(values[s]))
+        for s in omitted:
+            norms_out[s].append(_np(values[s].reshape(n, -1).norm(dim=-1)))
+        with torch.no_grad():
+            try:
+                log_q.append(_np(guide.log_prob(values)))
+            except NotImplementedError:
+                logger.info("%s has no log_prob; log_q is NaN.", type(guide).__name__)
+                log_q.append(np.full(n, np.nan))
+            log_prior.append(_np(model.log_prior(values)))
+        pp_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else None
+        keep_class = max(0, min(n, num_class_samples - start)) if classification else 0
+        chunk_sum = torch.zeros(n, dtype=torch.float64)
+        chunk_point, chunk_pp, chunk_lp = [], [], []
+        devices = [dev] if dev.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            if pp_seed is not None:
+                torch.manual_seed(pp_seed)
+            for batch in data:
+                inputs, y = split_batch(to_device(batch, dev), model.label_key)
+                if y is None:
+                    has_targets = False
+                if start == 0 and y is not None:
+                    observed.append(y.detach().cpu())
+                parts_ll, parts_pp, parts_lp = [], [], []
+                spf = samples_per_forward or _auto_samples_per_forward(model, n, batch_size(inputs))
+                for s0 in range(0, n, spf):
+                    sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
+                    params = model.batched_output(inputs, sub)  # (s, B, ...)
+                    s_here = int(params.shape[0])
+                    if y is not None:
+                        ll = model.log_likelihood(params, y)  # (s, B, [event...])
+                        parts_ll.append(ll.reshape(s_here, ll.shape[1], -1).sum(-1).double())
+                    likelihood_dist = model.likelihood.dist(params)
+                    if predictive:
+                        parts_pp.append(likelihood_dist.sample().cpu())
+                    if keep_class > s0:
+                        logits = likelihood_dist.logits[: keep_class - s0]
+                        parts_lp.append(torch.log_softmax(logits, dim=-1).cpu())
+                if parts_ll:
+                    ll_batch = torch.cat(parts_ll, 0).cpu()  # (n, B)
+                    chunk_sum += ll_batch.sum(1)
+                    if pointwise:
+                        chunk_point.append(ll_batch)
+                if parts_pp:
+                    chunk_pp.append(torch.cat(parts_pp, 0))
+                if parts_lp:
+                    chunk_lp.append(torch.cat(parts_lp, 0))
+        if has_targets:
+            ll_sum.append(chunk_sum.numpy())
+            if pointwise:
+                ll_point.append(torch.cat(chunk_point, 1).numpy())
+        if chunk_pp:
+            pp.append(_np(torch.cat(chunk_pp, 1)))
+        if chunk_lp:
+            class_lp.append(torch.cat(chunk_lp, 1))
+        del values
+    result.site_values = {s: np.concatenate(v, 0) for s, v in values_out.items()}
+    result.site_norms = {s: np.concatenate(v, 0) for s, v in norms_out.items()}
+    result.log_q = np.concatenate(log_q)
+    result.log_prior = np.concatenate(log_prior)
+    if has_targets and observed:
+        target = torch.cat(observed, 0)
+        result.targets = target
+        result.observed = _np(target)
+        result.num_examples = int(target.shape[0])
+        result.log_lik_sum = np.concatenate(ll_sum)
+        if pointwise:
+            result.pointwise = np.concatenate(ll_point, 0)
+        num_data = getattr(model, "num_data", None)
+        if num_data is not None and num_data != result.num_examples:
+            logger.warning(
+                "model.num_data=%d but the data has %d examples: log_joint is the log joint "
+                "of THIS data set, not of the training posterior.",
+                num_data,
+                result.num_examples,
+            )
+    if pp:
+        result.predictive = np.concatenate(pp, 0)
+    if class_lp:
+        result.class_log_probs = torch.cat(class_lp, 0)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# ArviZ adapter (the only place that knows the ArviZ API)
+# --------------------------------------------------------------------------------------------
+
+
+def _arviz_major() -> int:
+    """Major version of the installed ``arviz`` (1 when only ``arviz-base`` is installed)."""
+    try:
+        return int(importlib.metadata.version("arviz").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        importlib.metadata.version("arviz-base")  # raises if neither is installed
+        return 1
+
+
+def _to_arviz(
+    groups: dict[str, dict[str, np.ndarray]],
+    *,
+    dims: dict[str, list[str]],
+    attrs: dict[str, Any],
+    extra_groups: dict[str, Any] | None = None,
+) -> Any:
+    """Hand plain group dicts to ArviZ's ``from_dict``: InferenceData (0.x) or DataTree (1.x).
+
+    ``groups`` hold sample-shaped arrays ``(chain, draw, ...)`` (``observed_data``: no sample
+    dims); ``extra_groups`` are ready ``xarray.Dataset`` objects without sample dimensions (the
+    ``optimization`` group) that are attached unchanged.
+    """
+    extra_groups = extra_groups or {}
+    if _arviz_major() >= 1:
+        # ArviZ >= 1 (arviz-base): UNTESTED here (this machine has arviz 0.23.4); written from
+        # arviz_base.io_dict.from_dict(data, *, sample_dims, dims, attrs={group|"/": {...}}).
+        import xarray as xr
+        from arviz_base import from_dict
+
+        tree = from_dict(
+            groups,
+            sample_dims=list(_SAMPLE_DIMS),
+            dims=dims,
+            attrs={"/": dict(attrs), **{g: dict(attrs) for g in groups}},
+        )
+        for name, dataset in extra_groups.items():
+            tree[name] = xr.DataTree(dataset=dataset)
+        return tree
+    import arviz as az
+
+    # `attrs` goes on the InferenceData itself (and observed_data); `<group>_attrs` on each group
+    group_attrs = {f"{g}_attrs": dict(attrs) for g in groups if g != "observed_data"}
+    idata = az.from_dict(**groups, dims=dims, attrs=dict(attrs), **group_attrs)
+    if extra_groups:
+        idata.add_groups(extra_groups)
+    return idata
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str]:
+    import pyro
+
+    from . import __version__
+
+    return {
+        "inference_library": "pyro",
+        "inference_library_version": str(pyro.__version__),
+        "creation_library": "pyrobayes",
+        "creation_library_version": str(__version__),
+    }
+
+
+def _site_dims(site: str, shape: torch.Size) -> list[str]:
+    if len(shape) == 2:
+        return [f"{site}_row", f"{site}_col"]
+    return [f"{site}_dim_{k}" for k in range(len(shape))]
+
+
+def to_datatree(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    num_samples: int = 100,
+    seed: int | None = 0,
+    sites: Sequence[str] | None = None,
+    max_site_numel: int = DEFAULT_MAX_SITE_NUMEL,
+    losses: Sequence[float] | Tensor | np.ndarray | None = None,
+    samples_per_forward: int | None = None,
+) -> Any:
+    r"""Export S posterior draws and their predictions on ``data`` to ArviZ.
+
+    For :math:`θ_s \sim q` (one chain of S draws) this stores the chosen sites, the pointwise
+    log-likelihood :math:`\log p(y_i \mid x_i, θ_s)` over every batch of ``data`` (so
+    ``az.loo`` / ``az.waic`` work), posterior-predictive draws
+    :math:`\tilde y_{s,i} \sim p(\cdot\mid x_i, θ_s)`, the observed targets, and per draw
+    :math:`\log q(θ_s)` and :math:`\log p(θ_s, D) = \sum_i \log p(y_i\mid x_i,θ_s) + \log p(θ_s)`.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : PosteriorGuide
+    data : iterable of batches
+        The data set (re-iterable, e.g. a DataLoader or a list, when the posterior is larger
+        than ``max_site_numel``: it is then traversed once per chunk of draws).
+    num_samples : int
+        S, the number of draws (the ``draw`` dimension; ``chain`` has size 1).
+    seed : int, optional
+        Seed of the draws and of the posterior-predictive sampling.
+    sites : sequence of str, optional
+        Sites to export in full. Default: all, as long as their total ``numel`` is at most
+        ``max_site_numel`` (taken in declaration order); the others are exported as per-draw
+        Frobenius norms ``<site>_norm`` and named in an INFO log and in the attribute
+        ``omitted_sites``.
+    max_site_numel : int
+        Budget of exported posterior scalars per draw. It also bounds memory: one
+        ``guide.sample_posterior`` call draws at most ``max(S · max_site_numel, numel(θ))``
+        scalars, so a very large adapter is drawn a few samples at a time and never kept.
+    losses : sequence of float, optional
+        The loss trace of the fit (``FitResult.losses``), stored as group ``optimization``,
+        variable ``loss`` over dimension ``step``.
+    samples_per_forward : int, optional
+        Draws evaluated per forward pass (default: all on an accelerator; on CPU as many as keep
+        ``draws · rows · numel(net)`` under 2e8).
+
+    Returns
+    -------
+    arviz.InferenceData or xarray.DataTree
+        ``InferenceData`` with arviz 0.x, ``DataTree`` with ArviZ >= 1 (the latter path is not
+        exercised by the test-suite).
+
+    Examples
+    --------
+    >>> idata = pyrobayes.to_inference_data(model, guide, test_loader, num_samples=200)  # doctest: +SKIP
+    >>> az.loo(idata)                                                                    # doctest: +SKIP
+    """
+    ev = _evaluate(
+        model,
+        guide,
+        data,
+        num_samples=num_samples,
+        seed=seed,
+        sites=sites,
+        max_site_numel=max_site_numel,
+        samples_per_forward=samples_per_forward,
+    )
+    shapes = _site_shapes(model, guide)
+
+    def chained(a: np.ndarray) -> np.ndarray:
+        return a[None, ...]  # (1, S, ...): one chain
+
+    posterior = {s: chained(v) for s, v in ev.site_values.items()}
+    posterior.update({f"{s}_norm": chained(v) for s, v in ev.site_norms.items()})
+    dims = {s: _site_dims(s, shapes[s]) for s in ev.chosen}
+    groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior}
+    sample_stats = {"log_q": chained(ev.log_q)}
+    log_joint = ev.log_joint
+    if log_joint is not None:
+        sample_stats["log_joint"] = chained(log_joint)
+        sample_stats["lp"] = chained(log_joint)
+        sample_stats["log_prior"] = chained(ev.log_prior)
+    groups["sample_stats"] = sample_stats
+    if ev.predictive is not None:
+        groups["posterior_predictive"] = {"obs": chained(ev.predictive)}
+    if ev.pointwise is not None and ev.observed is not None:
+        groups["log_likelihood"] = {"obs": chained(ev.pointwise)}
+        groups["observed_data"] = {"obs": ev.observed}
+    attrs: dict[str, Any] = {
+        **_versions(),
+        "guide_family": str(getattr(guide, "family", "") or type(guide).__name__),
+        "guide_class": type(guide).__name__,
+        "likelihood": str(model.likelihood.name),
+        "num_data": int(model.num_data or ev.num_examples),
+        "seed": -1 if seed is None else int(seed),
+        "omitted_sites": ",".join(ev.omitted),
+    }
+    extra: dict[str, Any] = {}
+    if losses is not None:
+        import xarray as xr
+
+        loss = np.asarray(torch.as_tensor(losses).detach().cpu().double().numpy()).reshape(-1)
+        extra["optimization"] = xr.Dataset(
+            {"loss": (("step",), loss)},
+            coords={"step": np.arange(loss.size)},
+            attrs=dict(attrs),
+        )
+    # obs keeps ArviZ's default names obs_dim_0, ... (the same in every group that holds it)
+    return _to_arviz(groups, dims=dims, attrs=attrs, extra_groups=extra)
+
+
+#: Alias of :func:`to_datatree` (the name used by arviz 0.x converters).
+to_inference_data = to_datatree

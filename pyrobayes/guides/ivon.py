@@ -1,0 +1,382 @@
+r"""IVON posterior (Shen et al., ICML 2024): ``q(θ) = N(m, diag(1/(λ(h + δ))))`` per site.
+
+The mean ``m`` is the optimised tensor (a Pyro param); the Hessian estimate ``h`` is a buffer that
+only :class:`~pyrobayes.infer.ivon.IVONOptimizer` writes. The guide is a proper Normal, so
+``pyro.infer.Predictive(model, guide=guide, num_samples=S)`` works unchanged.
+
+Objective (SPECS 5(a)): ``E_q[lbar(θ)] + (1/λ) KL(q ‖ N(0, (λδ)⁻¹ I))``; the fitter only ever
+evaluates the **per-example mean** data NLL at sampled θ (:class:`IVONLoss`), the prior and the
+entropy enter through ``δ`` and the Newton-like update.
+"""
+
+from __future__ import annotations
+
+import math
+from operator import attrgetter
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.infer.autoguide.utils import deep_setattr
+from pyro.nn import PyroModule, PyroParam
+from torch import Tensor
+
+from ..batch import batch_size, split_batch
+from ..infer.ivon import (
+    IVONOptimizer,
+    IVONState,
+    all_reduce_mean_,
+    gradsq_hessian,
+    ivon_step,
+    price_hessian,
+    state_dtype_for,
+)
+from .base import PosteriorGuide
+
+__all__ = ["IVONGuide", "IVONLoss"]
+
+
+class IVONLoss:
+    r"""IVON's training objective: the per-example mean data NLL at ``S`` sampled θ.
+
+    .. math:: \hat\ell = \frac{1}{S}\sum_{s=1}^S \frac1B \sum_{b=1}^B -\log p(y_b\mid x_b, θ_s),
+              \qquad θ_s = m + σ ε_s
+
+    No prior and no entropy term (SPECS 5(e): they enter through ``weight_decay`` δ and the
+    update; adding them here would count the prior twice). Per-example **mean**, not the
+    dataset sum of Pyro's ELBOs (SPECS §7 rule 4): ``pyrobayes.fit(...).losses`` then holds
+    mean NLLs. All ``S`` samples run in one batched forward.
+
+    Parameters
+    ----------
+    mc_samples : int, optional
+        ``S``; defaults to the guide's ``mc_samples``.
+    """
+
+    def __init__(self, mc_samples: int | None = None) -> None:
+        if mc_samples is not None and mc_samples < 1:
+            raise ValueError(f"Expected mc_samples >= 1 but got {mc_samples}.")
+        self.mc_samples = mc_samples
+
+    def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
+        num = self.mc_samples or getattr(guide, "mc_samples", 1)
+        sampler = getattr(guide, "training_sample", None)
+        values = sampler(num) if sampler is not None else guide.rsample(num)
+        inputs, targets = split_batch(batch, model.label_key)
+        if targets is None:
+            raise ValueError(
+                f"Training batches must carry targets (under {model.label_key!r} for dict "
+                "batches, or as (x, y) tuples)."
+            )
+        params = model.batched_output(inputs, values)  # (S, B, ...)
+        nll = _per_example_nll(model, params, targets, num, batch_size(inputs))
+        extra = getattr(guide, "_curvature_passes", None)
+        if extra is not None:
+            extra(model, params, targets)
+        return nll.mean()
+
+
+def _per_example_nll(model: Any, params: Tensor, targets: Tensor, num: int, size: int) -> Tensor:
+    """``−log p(y_b | θ_s)`` summed over any per-example trailing dims → ``(S, B)``."""
+    return -model.log_likelihood(params, targets).reshape(num, size, -1).sum(-1)
+
+
+class IVONGuide(PosteriorGuide):
+    r"""Diagonal Gaussian fitted by IVON (improved variational online Newton).
+
+    .. math:: q(θ) = \mathcal N\big(m,\ \operatorname{diag}(1/(λ(h+δ)))\big)
+
+    per site, with ``λ = ess`` and ``δ = weight_decay``. Fitted by :func:`pyrobayes.fit`: the
+    default objective is :class:`IVONLoss` (per-example mean data NLL at sampled θ) and the
+    default optimizer is :class:`~pyrobayes.infer.ivon.IVONOptimizer`, which samples
+    ``θ = m + σ ε`` in the closure, estimates ``ĥ`` with the Price (reparameterization)
+    estimator and applies Algorithm 1 of Shen et al. (2024) to ``(m, h)``.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    ess : float, optional
+        λ, the effective sample size; default ``model.num_data`` (the Bayesian posterior).
+    hess_init : float
+        h0, the initial ``h`` (initial σ = 1/sqrt(λ(h0 + δ))). Default 1.0.
+    beta1 : float
+        Gradient momentum (0.9).
+    beta2 : float
+        Hessian EMA (0.99999).
+    weight_decay : float, optional
+        δ, the prior precision per unit ess. Default ``1/(ess · prior_scale²)``, i.e. the model's
+        own prior ``N(0, prior_scale²)`` (ivon-opt's package default is 1e-4).
+    mc_samples : int
+        S, samples per step (1), evaluated in one batched forward.
+    hess_approx : {"price", "gradsq"}
+        Hessian estimator: ``ĝ (θ−m)/σ²`` (default) or ``λ ĝ²``.
+    clip_radius : float, optional
+        Elementwise clip of the preconditioned step (None: no clip).
+    debias : bool
+        Momentum bias correction (True).
+    rescale_lr : bool
+        Use ``α (h0 + δ)`` as the step size (True, as ivon-opt).
+    lr : float, optional
+        α; overrides the ``lr`` given to :func:`pyrobayes.fit` when set.
+    init_loc : {"model", "zero"}
+        Start ``m`` at the model's current values or at 0.
+
+    Notes
+    -----
+    Weights in half precision / bfloat16 keep ``m``, ``h`` and the momentum in float32; samples
+    are cast to the weight dtype. Under ``torch.distributed`` the gradient and Hessian
+    statistics are averaged across processes every step.
+
+    Examples
+    --------
+    >>> guide = IVONGuide(model, hess_init=0.5, mc_samples=2)          # doctest: +SKIP
+    >>> pyrobayes.fit(model, guide, loader, epochs=3, lr=0.1)          # doctest: +SKIP
+    """
+
+    family = "ivon"
+    is_deterministic = False
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        ess: float | None = None,
+        hess_init: float = 1.0,
+        beta1: float = 0.9,
+        beta2: float = 0.99999,
+        weight_decay: float | None = None,
+        mc_samples: int = 1,
+        hess_approx: str = "price",
+        clip_radius: float | None = None,
+        debias: bool = True,
+        rescale_lr: bool = True,
+        lr: float | None = None,
+        init_loc: str = "model",
+        **extra: Any,
+    ) -> None:
+        if ess is None:
+            ess = getattr(model, "num_data", None)
+            if ess is None:
+                raise ValueError(
+                    f"{type(self).__name__} needs ess=... (usually N) or a model with num_data."
+                )
+        if ess <= 0:
+            raise ValueError(f"Expected ess > 0 but got {ess}.")
+        if weight_decay is None:
+            prior_scale = getattr(model, "prior_scale", None)
+            weight_decay = 1.0 / (ess * prior_scale**2) if prior_scale else 1e-4
+        checks = {
+            "hess_init": hess_init > 0,
+            "weight_decay": weight_decay >= 0,
+            "mc_samples": mc_samples >= 1,
+            "beta1": 0.0 <= beta1 <= 1.0,
+            "beta2": 0.0 <= beta2 <= 1.0,
+            "clip_radius": clip_radius is None or clip_radius > 0,
+            "lr": lr is None or lr >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"Invalid {name}: {locals()[name]!r}.")
+        if hess_approx not in ("price", "gradsq"):
+            raise ValueError(f"Expected hess_approx 'price' or 'gradsq' but got {hess_approx!r}.")
+        if init_loc not in ("model", "zero"):
+            raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
+        self.ess = float(ess)
+        self.weight_decay = float(weight_decay)
+        self.mc_samples = int(mc_samples)
+        self.lr = lr
+        self.hyper: dict[str, Any] = {
+            "ess": self.ess,
+            "hess_init": float(hess_init),
+            "beta1": float(beta1),
+            "beta2": float(beta2),
+            "weight_decay": self.weight_decay,
+            "hess_approx": hess_approx,
+            "clip_radius": math.inf if clip_radius is None else float(clip_radius),
+            "debias": bool(debias),
+            "rescale_lr": bool(rescale_lr),
+        }
+        self._init_loc = init_loc
+        self._index: dict[str, int] = {}
+        self._param_dtype: dict[str, torch.dtype] = {}
+        self._train_noise: dict[str, Tensor] = {}
+        self._num_samples_drawn = 0
+        self.state_dtype = torch.get_default_dtype()
+        config = dict(
+            ess=ess,
+            hess_init=hess_init,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            mc_samples=mc_samples,
+            hess_approx=hess_approx,
+            clip_radius=clip_radius,
+            debias=debias,
+            rescale_lr=rescale_lr,
+            lr=lr,
+            init_loc=init_loc,
+            **extra,
+        )
+        super().__init__(model, **config)
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_site(self, site: str, init: Tensor) -> None:
+        if not hasattr(self, "locs"):
+            self.locs = PyroModule()
+        i = len(self._index)
+        self._index[site] = i
+        self._param_dtype[site] = init.dtype
+        self.state_dtype = state_dtype_for(init.dtype)
+        loc = init.detach().clone() if self._init_loc == "model" else torch.zeros_like(init)
+        loc = loc.to(self.state_dtype)
+        deep_setattr(self.locs, site, PyroParam(loc, constraints.real, event_dim=loc.dim()))
+        self._setup_curvature(site, i, loc)
+
+    def _setup_curvature(self, site: str, i: int, loc: Tensor) -> None:
+        self.register_buffer(f"hess_{i}", torch.full_like(loc, self.hyper["hess_init"]))
+
+    # ------------------------------------------------------------------ accessors
+    def loc_param(self, site: str) -> Tensor:
+        """The optimised tensor holding ``m`` for ``site`` (state dtype)."""
+        parent, _, leaf = site.rpartition(".")
+        holder = self.locs.get_submodule(parent) if parent else self.locs
+        return getattr(holder, leaf + "_unconstrained")
+
+    def loc(self, site: str) -> Tensor:
+        return attrgetter(site)(self.locs)
+
+    def hess(self, site: str) -> Tensor:
+        """IVON's ``h`` for ``site`` (a buffer)."""
+        return getattr(self, f"hess_{self._index[site]}")
+
+    def scale(self, site: str) -> Tensor:
+        """``σ = 1/sqrt(λ (h + δ))``."""
+        return (self.ess * (self.hess(site) + self.weight_decay)).rsqrt()
+
+    def get_posterior(self, site: str) -> dist.Distribution:
+        dtype = self._param_dtype[site]
+        loc = self.loc(site)
+        return dist.Normal(loc.to(dtype), self.scale(site).to(dtype)).to_event(loc.dim())
+
+    def set_site(self, site: str, *, loc: Tensor | None = None, hess: Tensor | None = None) -> None:
+        """Overwrite ``m`` and/or ``h`` at ``site`` (tests, warm starts)."""
+        with torch.no_grad():
+            if loc is not None:
+                self.loc_param(site).copy_(loc)
+            if hess is not None:
+                self.hess(site).copy_(hess)
+
+    # ------------------------------------------------------------------ fitting
+    @property
+    def default_objective(self) -> IVONLoss:  # type: ignore[override]
+        return IVONLoss()
+
+    def default_optimizer(self, params: Any, lr: float) -> IVONOptimizer:
+        """:class:`~pyrobayes.infer.ivon.IVONOptimizer` over ``params`` (guide ``lr`` wins)."""
+        return IVONOptimizer(params, self, self.lr if self.lr is not None else lr)
+
+    def diag_step_kwargs(self) -> dict[str, Any]:
+        hp = self.hyper
+        return {
+            k: hp[k]
+            for k in (
+                "hess_init",
+                "beta1",
+                "beta2",
+                "weight_decay",
+                "clip_radius",
+                "debias",
+                "rescale_lr",
+            )
+        }
+
+    def _perturbation(self, site: str, eps: Tensor) -> Tensor:
+        """``θ − m`` for standard-normal ``eps`` of the site's shape, ``(S, *shape)``."""
+        return eps / (self.ess * (self.hess(site) + self.weight_decay)).sqrt()
+
+    def training_sample(self, num_samples: int = 1) -> dict[str, Tensor]:
+        r"""Draw ``θ_s = m + σ ε_s`` for training and remember ``θ_s − m`` for the update.
+
+        The perturbations are leaf tensors that require grad, so after ``backward`` their
+        ``.grad`` holds the per-sample gradients. RNG use: one ``randn`` over all sites
+        (concatenated in site order, state dtype) per sample, as ivon-opt does for one
+        parameter group — the same seed gives the same noise.
+
+        Returns
+        -------
+        dict
+            ``{site: (num_samples, *shape)}`` in the weight dtype; differentiable in ``m``.
+        """
+        self._require_setup()
+        sites = list(self.sites)
+        numels = [int(torch.Size(self.sites[s]).numel()) for s in sites]
+        device = self.loc_param(sites[0]).device
+        draws = torch.stack(
+            [
+                torch.randn(sum(numels), dtype=self.state_dtype, device=device)
+                for _ in range(num_samples)
+            ]
+        )
+        values: dict[str, Tensor] = {}
+        self._train_noise = {}
+        for site, eps in zip(sites, draws.split(numels, dim=1), strict=True):
+            shape = self.sites[site]
+            with torch.no_grad():
+                noise = self._perturbation(site, eps.reshape(num_samples, *shape))
+            noise.requires_grad_(True)
+            self._train_noise[site] = noise
+            values[site] = (self.loc(site).unsqueeze(0) + noise).to(self._param_dtype[site])
+        self._num_samples_drawn = num_samples
+        return values
+
+    def _begin_step(self) -> None:
+        self._train_noise = {}
+
+    def _end_step(self) -> None:
+        pass
+
+    def _site_grads(self, site: str) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients ``ĝ_s`` and perturbations ``θ_s − m`` recorded in the closure."""
+        noise = self._train_noise.get(site)
+        if noise is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the closure drew no training sample for site {site!r}; "
+                "fit it with its default objective (IVONLoss), which calls training_sample()."
+            )
+        num = noise.shape[0]
+        grads = torch.zeros_like(noise) if noise.grad is None else noise.grad * num
+        return grads.detach(), noise.detach()
+
+    @torch.no_grad()
+    def ivon_update(self, optimizer: Any, lr: float) -> None:
+        """Apply one IVON step to every site from the statistics of the last closure."""
+        hp = self.hyper
+        for site in self.sites:
+            self._diag_update(optimizer, site, lr, hp["beta2"])
+        self._train_noise = {}
+
+    def _diag_update(self, optimizer: Any, site: str, lr: float, beta2: float) -> None:
+        hp = self.hyper
+        grads, noise = self._site_grads(site)
+        hess = self.hess(site)
+        grad = grads.mean(0)
+        if hp["hess_approx"] == "price":
+            hhat = price_hessian(grads, noise, hess, hp["ess"], hp["weight_decay"])
+        else:
+            hhat = gradsq_hessian(grads, hp["ess"])
+        all_reduce_mean_([grad, hhat])
+        p = self.loc_param(site)
+        st = optimizer.state[p]
+        if "momentum" not in st:
+            st["momentum"] = torch.zeros_like(hess)
+            st["step"] = torch.tensor(0)
+        kwargs = self.diag_step_kwargs()
+        kwargs["beta2"] = beta2
+        new_m, state = ivon_step(
+            p, IVONState(st["momentum"], hess, int(st["step"])), grad, hhat, lr=lr, **kwargs
+        )
+        p.copy_(new_m)
+        hess.copy_(state.hess)
+        st["momentum"] = state.momentum
+        st["step"] = torch.tensor(state.step)

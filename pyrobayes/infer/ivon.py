@@ -1,0 +1,404 @@
+r"""Variational online Newton updates: diagonal IVON and Kronecker IVON (SPECS 5, 5b).
+
+The updates are written twice over:
+
+* as **pure functions on explicit state** (``ivon_init`` / ``ivon_step`` for the diagonal family,
+  ``kron_init`` / ``kron_factor_update`` / ``kron_step`` for the Kronecker family), which tests and
+  other fitters can call directly, and
+* as :class:`IVONOptimizer`, a ``torch.optim.Optimizer`` with ``needs_closure = True`` that
+  :func:`pyrobayes.fit` drives. It asks the guide (an :class:`~pyrobayes.guides.IVONGuide` or
+  :class:`~pyrobayes.guides.KroneckerIVONGuide`) for the noise it used to sample θ and for the
+  curvature statistics its hooks recorded, then applies the updates.
+
+Loss convention (SPECS §7 rule 4): every gradient here is the gradient of the **per-example
+mean** minibatch data NLL ``lhat(θ) = (1/B) Σ_b −log p(y_b | x_b, θ)``, as in IVON. The prior
+enters only through the weight decay ``δ`` (prior precision per unit ``ess``), never through
+the loss: adding a prior term on top would count it twice.
+
+Diagonal update (Algorithm 1 of Shen et al., 2024), with ``θ_s = m + σ ε_s``,
+``σ = 1/sqrt(λ(h+δ))``::
+
+    ĝ = mean_s ∇lhat(θ_s)
+    ĥ = mean_s ∇lhat(θ_s) ⊙ (θ_s − m) ⊙ λ(h+δ)        ("price")   or  λ mean_s ∇lhat(θ_s)² ("gradsq")
+    g ← β1 g + (1−β1) ĝ
+    h ← β2 h + (1−β2) ĥ + ½(1−β2)² (h−ĥ)² / (h+δ)
+    m ← m − α (h0+δ) clip((g/(1−β1^t) + δ m)/(h+δ), −r, r)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+
+__all__ = [
+    "IVONState",
+    "ivon_init",
+    "price_hessian",
+    "gradsq_hessian",
+    "ivon_hess_update",
+    "ivon_step",
+    "KronState",
+    "kron_init",
+    "kron_factor_update",
+    "eigh_factor",
+    "kron_precondition",
+    "kron_step",
+    "all_reduce_mean_",
+    "state_dtype_for",
+    "IVONOptimizer",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Statistics dtype for weights of ``dtype``: float32 for half/bfloat16, else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
+    """Average ``tensors`` in place across processes when ``torch.distributed`` is initialised.
+
+    A no-op in a single process (or a world of size 1), so fitters call it unconditionally.
+    """
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return
+    world = torch_dist.get_world_size()
+    if world == 1:
+        return
+    for t in tensors:
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        t.div_(world)
+
+
+# --------------------------------------------------------------------------- diagonal IVON
+class IVONState(NamedTuple):
+    """Diagonal IVON state for one tensor: ``momentum`` g, Hessian estimate ``hess`` h, ``step`` t."""
+
+    momentum: Tensor
+    hess: Tensor
+    step: int
+
+
+def ivon_init(param: Tensor, hess_init: float = 1.0, dtype: torch.dtype | None = None) -> IVONState:
+    """``g = 0``, ``h = h0``, ``t = 0`` in ``dtype`` (default: :func:`state_dtype_for` the param)."""
+    if hess_init <= 0:
+        raise ValueError(f"Expected hess_init > 0 but got {hess_init}.")
+    dtype = dtype or state_dtype_for(param.dtype)
+    zeros = torch.zeros(param.shape, dtype=dtype, device=param.device)
+    return IVONState(zeros, torch.full_like(zeros, float(hess_init)), 0)
+
+
+def price_hessian(
+    grads: Tensor, noise: Tensor, hess: Tensor, ess: float, weight_decay: float
+) -> Tensor:
+    r"""Reparameterization (Price / Stein) estimate ``ĥ = mean_s ĝ_s ⊙ (θ_s − m) ⊙ λ(h+δ)``.
+
+    Parameters
+    ----------
+    grads : Tensor `(S, *shape)`
+        Per-sample gradients ``ĝ_s = ∇lhat(θ_s)``.
+    noise : Tensor `(S, *shape)`
+        The perturbations ``θ_s − m = σ ε_s``.
+    hess : Tensor `(*shape)`
+        The current ``h`` (before this step's update).
+    """
+    return (grads * noise).mean(0) * (hess + weight_decay) * ess
+
+
+def gradsq_hessian(grads: Tensor, ess: float) -> Tensor:
+    r"""Squared-gradient estimate ``ĥ = λ mean_s ĝ_s²``; ``grads`` is `(S, *shape)`."""
+    return grads.square().mean(0) * ess
+
+
+def ivon_hess_update(hess: Tensor, hess_hat: Tensor, beta2: float, weight_decay: float) -> Tensor:
+    r"""``h ← β2 h + (1−β2) ĥ + ½(1−β2)² (h−ĥ)²/(h+δ)`` (keeps ``h + δ > 0``)."""
+    return (
+        beta2 * hess
+        + (1.0 - beta2) * hess_hat
+        + 0.5 * (1.0 - beta2) ** 2 * (hess - hess_hat).square() / (hess + weight_decay)
+    )
+
+
+def _mean_step(
+    m: Tensor,
+    precondition: Callable[[Tensor], Tensor],
+    momentum: Tensor,
+    step: int,
+    *,
+    lr: float,
+    hess_init: float,
+    beta1: float,
+    weight_decay: float,
+    clip_radius: float,
+    debias: bool,
+    rescale_lr: bool,
+) -> Tensor:
+    debiased = momentum / (1.0 - math.pow(beta1, step)) if debias else momentum
+    direction = precondition(debiased + weight_decay * m)
+    if math.isfinite(clip_radius):
+        direction = direction.clamp(-clip_radius, clip_radius)
+    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
+    return m - scale * direction
+
+
+def ivon_step(
+    m: Tensor,
+    state: IVONState,
+    grad: Tensor,
+    hess_hat: Tensor,
+    *,
+    lr: float,
+    hess_init: float = 1.0,
+    beta1: float = 0.9,
+    beta2: float = 0.99999,
+    weight_decay: float = 1e-4,
+    clip_radius: float = math.inf,
+    debias: bool = True,
+    rescale_lr: bool = True,
+) -> tuple[Tensor, IVONState]:
+    """One step of Algorithm 1 given ``ĝ`` (``grad``, the sample mean) and ``ĥ``.
+
+    Returns the new mean (in the state's dtype) and the new state; nothing is modified in place.
+    """
+    dtype = state.hess.dtype
+    m = m.to(dtype)
+    t = state.step + 1
+    momentum = beta1 * state.momentum + (1.0 - beta1) * grad.to(dtype)
+    hess = ivon_hess_update(state.hess, hess_hat.to(dtype), beta2, weight_decay)
+    new_m = _mean_step(
+        m,
+        lambda d: d / (hess + weight_decay),
+        momentum,
+        t,
+        lr=lr,
+        hess_init=hess_init,
+        beta1=beta1,
+        weight_decay=weight_decay,
+        clip_radius=clip_radius,
+        debias=debias,
+        rescale_lr=rescale_lr,
+    )
+    return new_m, IVONState(momentum, hess, t)
+
+
+# --------------------------------------------------------------------------- Kronecker IVON
+class KronState(NamedTuple):
+    r"""Kronecker IVON state for one ``(d_out, d_in)`` weight.
+
+    ``A`` `(d_in, d_in)` and ``G`` `(d_out, d_out)` are the factor EMAs; the curvature of the
+    mean loss is approximated by ``A ⊗ G`` (column-stacking vec), i.e. ``G ⊗ A`` over
+    ``W.reshape(-1)``.
+    """
+
+    momentum: Tensor
+    A: Tensor
+    G: Tensor
+    step: int
+
+
+def kron_init(
+    shape: Sequence[int],
+    hess_init: float = 1.0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> KronState:
+    """``A = G = sqrt(h0) I`` so that ``A ⊗ G = h0 I`` (SPECS 5b.2 defaults); momentum 0."""
+    if hess_init <= 0:
+        raise ValueError(f"Expected hess_init > 0 but got {hess_init}.")
+    d_out, d_in = int(shape[0]), int(shape[1])
+    root = math.sqrt(hess_init)
+    eye = torch.eye
+    return KronState(
+        torch.zeros(d_out, d_in, dtype=dtype, device=device),
+        root * eye(d_in, dtype=dtype, device=device),
+        root * eye(d_out, dtype=dtype, device=device),
+        0,
+    )
+
+
+def kron_factor_update(
+    A: Tensor, G: Tensor, A_hat: Tensor, G_hat: Tensor, beta2: float
+) -> tuple[Tensor, Tensor]:
+    """``A ← β2 A + (1−β2) Â``, ``G ← β2 G + (1−β2) Ĝ`` (PSD-preserving, no correction term)."""
+    return beta2 * A + (1.0 - beta2) * A_hat.to(A.dtype), beta2 * G + (1.0 - beta2) * G_hat.to(
+        G.dtype
+    )
+
+
+def eigh_factor(F: Tensor, *, float64_max_dim: int = 2048) -> tuple[Tensor, Tensor]:
+    """``(eigenvalues clamped ≥ 0, eigenvectors)`` of a symmetric factor, in ``F``'s dtype.
+
+    Factors up to ``float64_max_dim`` wide are decomposed in float64.
+    """
+    work = F.double() if F.shape[-1] <= float64_max_dim else F.float()
+    work = 0.5 * (work + work.mT)
+    vals, vecs = torch.linalg.eigh(work)
+    return vals.clamp_min(0.0).to(F.dtype), vecs.to(F.dtype)
+
+
+def damped_eigenvalues(a: Tensor, g: Tensor, weight_decay: float, damping: str = "exact") -> Tensor:
+    r"""Eigenvalues ``(d_out, d_in)`` of the damped curvature ``A ⊗ G + δ`` in the Kronecker basis.
+
+    ``"exact"``: ``γ aᵀ + δ``. ``"factored"`` (Noisy K-FAC π-damping): ``(γ + √δ/π)(a + π√δ)ᵀ``
+    with ``π = sqrt((tr A/d_in)/(tr G/d_out))``.
+    """
+    if damping == "exact":
+        return g.unsqueeze(-1) * a.unsqueeze(-2) + weight_decay
+    if damping == "factored":
+        tiny = torch.finfo(a.dtype).tiny
+        pi = ((a.mean(-1)).clamp_min(tiny) / (g.mean(-1)).clamp_min(tiny)).sqrt()
+        root = math.sqrt(weight_decay)
+        return (g + root / pi).unsqueeze(-1) * (a + pi * root).unsqueeze(-2)
+    raise ValueError(f"Expected damping 'exact' or 'factored' but got {damping!r}.")
+
+
+def kron_precondition(
+    delta: Tensor, eig_in: tuple[Tensor, Tensor], eig_out: tuple[Tensor, Tensor], damped: Tensor
+) -> Tensor:
+    r"""``Q_G [(Q_Gᵀ Δ Q_A) ⊘ D] Q_Aᵀ`` — with ``D = γaᵀ + δ`` this is ``(A⊗G + δI)⁻¹ vec Δ``."""
+    _, Q_A = eig_in
+    _, Q_G = eig_out
+    return Q_G @ ((Q_G.mT @ delta @ Q_A) / damped) @ Q_A.mT
+
+
+def kron_step(
+    M: Tensor,
+    momentum: Tensor,
+    step: int,
+    grad: Tensor,
+    eig_in: tuple[Tensor, Tensor],
+    eig_out: tuple[Tensor, Tensor],
+    *,
+    lr: float,
+    hess_init: float = 1.0,
+    beta1: float = 0.9,
+    weight_decay: float = 1e-4,
+    clip_radius: float = math.inf,
+    debias: bool = True,
+    rescale_lr: bool = True,
+    damping: str = "exact",
+) -> tuple[Tensor, Tensor]:
+    r"""Steps 4-5 of SPECS 5b.2: momentum, then ``M ← M − α(h0+δ) clip(P(ḡ + δM))``.
+
+    ``eig_in = (a, Q_A)`` and ``eig_out = (γ, Q_G)`` are the (cached) eigendecompositions of the
+    factors. Returns ``(new M, new momentum)`` in the momentum's dtype.
+    """
+    dtype = momentum.dtype
+    M = M.to(dtype)
+    momentum = beta1 * momentum + (1.0 - beta1) * grad.to(dtype)
+    damped = damped_eigenvalues(eig_in[0], eig_out[0], weight_decay, damping)
+    new_M = _mean_step(
+        M,
+        lambda d: kron_precondition(d, eig_in, eig_out, damped),
+        momentum,
+        step + 1,
+        lr=lr,
+        hess_init=hess_init,
+        beta1=beta1,
+        weight_decay=weight_decay,
+        clip_radius=clip_radius,
+        debias=debias,
+        rescale_lr=rescale_lr,
+    )
+    return new_M, momentum
+
+
+# --------------------------------------------------------------------------- optimizer
+class IVONOptimizer(torch.optim.Optimizer):
+    r"""IVON / Kronecker-IVON as a closure-driven ``torch.optim.Optimizer``.
+
+    Built by ``guide.default_optimizer(params, lr)``; :func:`pyrobayes.fit` sees
+    ``needs_closure = True`` and passes a closure that evaluates the guide's objective
+    (:class:`~pyrobayes.guides.ivon.IVONLoss`) and back-propagates. Inside the closure the guide
+    draws ``θ_s = m + σ ε_s`` and keeps the perturbations ``θ_s − m`` as leaf tensors, so after
+    the backward their ``.grad`` holds the per-sample gradients the Price estimator needs; the
+    Kronecker guide's hooks also record the factor statistics.
+
+    Parameters other than the guide's means (model point parameters such as a classifier head)
+    are updated by diagonal IVON too, ivon-opt style: perturbed in place with one draw per step
+    and restored after the closure; their ``h`` lives in this optimizer's state (not in the
+    guide), so their point estimate is the IVON mean.
+
+    A non-finite loss skips the update (so :func:`pyrobayes.fit` stops with the parameters
+    untouched).
+
+    Parameters
+    ----------
+    params : iterable of Parameters
+        The guide's means and any extra parameters.
+    guide : IVONGuide or KroneckerIVONGuide
+    lr : float
+        α (nominal; multiplied by ``h0 + δ`` when ``rescale_lr``).
+    """
+
+    needs_closure = True
+
+    def __init__(self, params: Any, guide: Any, lr: float) -> None:
+        if lr < 0:
+            raise ValueError(f"Expected lr >= 0 but got {lr}.")
+        super().__init__(params, {"lr": float(lr)})
+        self.guide = guide
+        self._site_of = {id(guide.loc_param(s)): s for s in guide.sites}
+
+    def _extras(self) -> list[Tensor]:
+        return [
+            p for group in self.param_groups for p in group["params"] if id(p) not in self._site_of
+        ]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:  # type: ignore[override]
+        if closure is None:
+            raise RuntimeError(
+                "IVONOptimizer.step needs a closure that evaluates the loss and calls backward "
+                "(pyrobayes.fit passes one)."
+            )
+        guide = self.guide
+        hp = guide.hyper
+        lr = self.param_groups[0]["lr"]
+        # --- extras: one in-place perturbation per step (ivon-opt style)
+        extras = self._extras()
+        saved = []
+        for p in extras:
+            st = self.state[p]
+            if "hess" not in st:
+                init = ivon_init(p, hp["hess_init"], guide.state_dtype)
+                st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
+            sigma = (hp["ess"] * (st["hess"] + hp["weight_decay"])).rsqrt()
+            noise = torch.randn(p.shape, dtype=st["hess"].dtype, device=p.device) * sigma
+            saved.append((p.detach().clone(), noise))
+            p.add_(noise.to(p.dtype))
+        guide._begin_step()
+        try:
+            with torch.enable_grad():
+                loss = closure()
+        finally:
+            guide._end_step()
+            for p, (mean, _) in zip(extras, saved, strict=True):
+                p.copy_(mean)
+        loss = loss.detach()
+        if not math.isfinite(float(loss)):
+            for p in extras:
+                p.grad = None
+            return loss
+        guide.ivon_update(self, lr)
+        for p, (_, noise) in zip(extras, saved, strict=True):
+            st = self.state[p]
+            grad = torch.zeros_like(noise) if p.grad is None else p.grad.to(noise.dtype)
+            if hp["hess_approx"] == "price":
+                hhat = price_hessian(
+                    grad[None], noise[None], st["hess"], hp["ess"], hp["weight_decay"]
+                )
+            else:
+                hhat = gradsq_hessian(grad[None], hp["ess"])
+            all_reduce_mean_([grad, hhat])
+            state = IVONState(st["momentum"], st["hess"], int(st["step"]))
+            new_m, state = ivon_step(p, state, grad, hhat, lr=lr, **guide.diag_step_kwargs())
+            p.copy_(new_m.to(p.dtype))
+            st.update(momentum=state.momentum, hess=state.hess, step=torch.tensor(state.step))
+        return loss

@@ -1,0 +1,108 @@
+r"""Plots: reliability diagram of a predictive, posterior summary of an ArviZ export.
+
+Both work headless (they never call ``plt.show``; pick the Agg backend in scripts with
+``MPLBACKEND=Agg``) and return the :class:`matplotlib.figure.Figure`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from .metrics import calibration_error
+
+__all__ = ["reliability_diagram", "plot_posterior_summary"]
+
+logger = logging.getLogger(__name__)
+
+
+def reliability_diagram(probs: Tensor, labels: Tensor, num_bins: int = 15, ax: Any = None) -> Any:
+    r"""Reliability diagram: accuracy per confidence bin against the diagonal.
+
+    Examples fall in equal-width bins of confidence :math:`\max_c \bar p_{nc}` (as
+    :func:`pyrobayes.metrics.calibration_error`); bar :math:`b` has height
+    :math:`\mathrm{acc}_b` (0 for an empty bin), the dots mark :math:`\mathrm{conf}_b`, and the
+    gap to the diagonal is the calibration error of the bin. The title carries the ECE.
+
+    Parameters
+    ----------
+    probs : Tensor
+        ``(S, N, C)`` per-sample probabilities (or ``(N, C)``).
+    labels : Tensor
+        ``(N,)`` integer labels.
+    num_bins : int
+    ax : matplotlib.axes.Axes, optional
+        Draw into this axes (its figure is returned); a new figure otherwise.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Its first axes holds one bar per bin, in bin order (``ax.patches``).
+    """
+    from matplotlib.figure import Figure
+
+    calib = calibration_error(probs, labels, num_bins=num_bins)
+    if ax is None:
+        fig = Figure(figsize=(4.0, 4.0))  # no pyplot: no global state, works on any backend
+        ax = fig.add_subplot(1, 1, 1)
+    else:
+        fig = ax.figure
+    width = 1.0 / num_bins
+    lefts = [b * width for b in range(num_bins)]
+    accuracy = calib.bin_accuracy.detach().cpu().double().tolist()
+    confidence = calib.bin_confidence.detach().cpu().double().tolist()
+    counts = calib.bin_counts.detach().cpu().tolist()
+    ax.bar(lefts, accuracy, width=width, align="edge", edgecolor="black", label="accuracy")
+    centres = [left + width / 2 for left, c in zip(lefts, counts, strict=True) if c > 0]
+    conf = [v for v, c in zip(confidence, counts, strict=True) if c > 0]
+    ax.plot(centres, conf, "o", color="tab:red", label="mean confidence")
+    ax.plot([0.0, 1.0], [0.0, 1.0], "--", color="gray", label="perfect calibration")
+    ax.set_xlim(0.0, 1.0)
+    ax.set_ylim(0.0, 1.0)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"ECE = {calib.ece:.3f} ({num_bins} bins)")
+    ax.legend(loc="upper left")
+    return fig
+
+
+def plot_posterior_summary(
+    idata: Any, path: str | Path, *, var_names: list[str] | None = None, kind: str = "forest"
+) -> Path:
+    """Plot the posterior group of an export and save it as a PNG.
+
+    Parameters
+    ----------
+    idata : arviz.InferenceData or xarray.DataTree
+        The result of :func:`pyrobayes.to_inference_data`.
+    path : str or Path
+        Output file (``.png``).
+    var_names : list of str, optional
+        Variables of the ``posterior`` group to show (default: all).
+    kind : {"forest", "posterior"}
+        ``az.plot_forest`` (one row per scalar, compact for matrices) or ``az.plot_posterior``
+        (one density panel per scalar).
+
+    Returns
+    -------
+    Path
+        ``path``.
+    """
+    import arviz as az
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    if kind == "forest":
+        axes = az.plot_forest(idata, var_names=var_names, combined=True)
+    elif kind == "posterior":
+        axes = az.plot_posterior(idata, var_names=var_names)
+    else:
+        raise ValueError(f"Expected kind 'forest' or 'posterior' but got {kind!r}.")
+    first = axes.flat[0] if hasattr(axes, "flat") else axes
+    fig = first.figure
+    fig.savefig(path, format="png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,174 @@
+"""PSIS k-hat of guides on the conjugate LoRA-XS core, calibration report, reliability diagram."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pyrobayes as pb
+from pyrobayes.diagnostics import Diagnostics, diagnose, khat_interpretation, khat_threshold
+from pyrobayes.guides import DeltaGuide, MeanFieldGuide
+from pyrobayes.metrics import calibration_error, report
+from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.plots import reliability_diagram
+
+from .common import conjugate_core
+
+NUM_DRAWS = 1000  # S >= 1000 for a stable k-hat (SPECS 6, step 1)
+
+
+@pytest.fixture(scope="module")
+def core3():
+    return conjugate_core()  # 3×3 core: 9 latent dimensions
+
+
+@pytest.fixture(scope="module")
+def core5():
+    return conjugate_core(rank=5)  # 5×5 core: 25 latent dimensions
+
+
+def _guide(prob, variance_ratio: float) -> MeanFieldGuide:
+    """Exact posterior mean, posterior variance divided by ``variance_ratio`` (c in SPECS 6)."""
+    guide = MeanFieldGuide(prob.model)
+    guide.set_site(prob.site, loc=prob.post_loc, scale=prob.post_scale / math.sqrt(variance_ratio))
+    return guide
+
+
+def test_exact_guide_on_conjugate_core(core3):
+    """q = p(θ | D): log ratios are the constant log p(D), so k-hat < 0.5, ESS = S, ELBO = log Z.
+
+    The fixture's closed form matches the model to ~1e-6 nats (measured spread of r_s 2.6e-6),
+    hence the 1e-4 tolerances. k-hat is then fitted to round-off-level noise; measured -0.13.
+    """
+    result = diagnose(core3.model, _guide(core3, 1.0), [(core3.x, core3.y)], num_samples=NUM_DRAWS)
+    assert result.khat < 0.5
+    assert result.interpretation.startswith("good")
+    assert result.ess > 0.999 * NUM_DRAWS
+    assert result.elbo == pytest.approx(core3.log_evidence, abs=1e-4)
+    assert result.log_evidence == pytest.approx(core3.log_evidence, abs=1e-4)
+    assert np.ptp(result.log_ratios) < 1e-4
+    assert result.num_examples == core3.x.shape[0]
+    assert result.calibration == {}  # Gaussian likelihood: no classification metrics
+    summary = result.to_dict()
+    assert "log_ratios" not in summary and summary["khat"] == result.khat
+    json.dumps(summary)
+
+
+def test_overdispersed_guide_is_good(core3):
+    """σ_q = 1.2 σ_post per coordinate (c = 1/1.44 < 1): the weights are bounded, k < 0.
+
+    Measured over 40 seeds (S = 1000, 9 dims): k-hat mean -0.12, sd 0.08, max 0.04, so
+    k-hat < 0.5 has a margin of 7.6 sd. Being a worse fit than the exact guide, its ELBO is
+    lower than log p(D), and log Z estimated by importance sampling is close to the truth.
+    """
+    result = diagnose(
+        core3.model, _guide(core3, 1 / 1.44), [(core3.x, core3.y)], num_samples=NUM_DRAWS
+    )
+    assert result.khat < 0.5
+    assert result.elbo < core3.log_evidence - 0.1  # KL(q‖p) = 9·(1.44 - 1 - ln 1.44)/2 = 0.34
+    # E_q[w²]/E_q[w]² = ∫p²/q = (a/√(2 - 1/a²))^d with a = 1.2, d = 9: 1.050^9 = 1.55, so
+    # ESS/S ≈ 1/1.55 = 0.645 (measured 0.657); the relative sd of the log Z estimate is
+    # √(0.55/S) = 0.023, so the 0.1 tolerance is > 4 sd.
+    assert 0.5 * NUM_DRAWS < result.ess < 0.8 * NUM_DRAWS
+    assert result.log_evidence == pytest.approx(core3.log_evidence, abs=0.1)
+
+
+def test_underdispersed_guide_is_flagged(core5):
+    """Variance shrunk by c = 3 per coordinate (σ_q = σ_post/√3) in 25 dimensions.
+
+    Analytic anchor (SPECS 6): for p = N(0, 1), q = N(0, 1/c) the weights have Pareto tail index
+    k = 1 - 1/c = 2/3 per coordinate, and in many dimensions the pre-asymptotic k-hat at
+    S = 1000 is larger (d = 10: median 0.93, sd 0.14 per single fit). Single fits are too noisy
+    for a hard test (measured here, 40 seeds: d = 9 mean 0.92 sd 0.16, min 0.57; d = 16 mean
+    1.03 sd 0.20). With d = 25 (5×5 core): mean 1.195, sd 0.193 over 40 seeds. The mean of
+    R = 4 independent fits has sd 0.193/√4 = 0.097, so "mean k-hat > 0.7" holds with a margin
+    of (1.195 - 0.7)/0.097 = 5.1 sd.
+    """
+    guide = _guide(core5, 3.0)
+    data = [(core5.x, core5.y)]
+    fits = [diagnose(core5.model, guide, data, num_samples=NUM_DRAWS, seed=s) for s in range(4)]
+    k_mean = float(np.mean([f.khat for f in fits]))
+    assert k_mean > 0.7
+    assert all(f.interpretation.startswith(("bad", "ok")) for f in fits if f.khat >= 0.5)
+    # the importance weights are dominated by a few draws: ESS far below S
+    assert max(f.ess for f in fits) < 0.5 * NUM_DRAWS
+    # underdispersion lowers the ELBO below log Z (KL(q‖p) = 25·(1/3 - 1 + ln 3)/2 = 5.4)
+    assert all(f.elbo < core5.log_evidence - 2.0 for f in fits)
+
+
+def test_khat_interpretation_thresholds():
+    assert khat_interpretation(0.3).startswith("good")
+    assert khat_interpretation(-math.inf).startswith("good")
+    assert khat_interpretation(0.6).startswith("ok")
+    assert khat_interpretation(0.7).startswith("bad")
+    assert khat_interpretation(1.3).startswith("bad")
+    assert khat_interpretation(math.nan).startswith("undefined")
+    # 1 - 1/log10(S): S = 100 -> 0.5, S = 1000 -> 0.667, large S -> capped at 0.7
+    assert khat_threshold(100) == pytest.approx(0.5)
+    assert khat_threshold(1000) == pytest.approx(2 / 3)
+    assert khat_threshold(10**6) == 0.7
+    assert "threshold" in khat_interpretation(0.6, num_samples=100)
+    assert "threshold" not in khat_interpretation(0.6, num_samples=10**6)
+
+
+def _classifier():
+    g = torch.Generator().manual_seed(1)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(60, 5, generator=g)
+    y = torch.randint(0, 4, (60,), generator=g)
+    model = FineTuneModel(net, LoRAXS(rank=2, target_modules=["0"]), num_data=60)
+    return model, [(x[:32], y[:32]), (x[32:], y[32:])], y
+
+
+def test_calibration_report_of_the_same_draws():
+    """Diagnose with S = P draws reports metrics.report of pb.predict with the same seed."""
+    model, data, y = _classifier()
+    guide = MeanFieldGuide(model, init_scale=0.5)
+    result = diagnose(model, guide, data, num_samples=50, seed=4, num_predictive_samples=50)
+    pred = pb.predict(model, guide, data, num_samples=50, seed=4, samples_per_forward=50)
+    expected = report(pred, y, num_bins=10)
+    result10 = diagnose(model, guide, data, num_samples=50, seed=4, num_bins=10)
+    for key, value in expected.items():
+        assert result10.calibration[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    assert result.calibration["ece_bins"] == 15.0
+    assert result.calibration["num_predictive_samples"] == 50.0
+    assert isinstance(result, Diagnostics)
+    assert math.isfinite(result.khat) and 1.0 <= result.ess <= 50.0
+
+
+def test_point_mass_guide_has_undefined_khat():
+    model, data, _ = _classifier()
+    result = diagnose(model, DeltaGuide(model), data, num_samples=100)
+    assert math.isnan(result.khat)
+    assert result.interpretation.startswith("undefined")
+    assert result.num_samples == 1
+    assert 0.0 <= result.calibration["accuracy"] <= 1.0
+
+
+def test_reliability_diagram_bars_are_bin_accuracies():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3.0 * torch.randn(4, 300, 5, generator=g), dim=-1)  # (S, N, C)
+    labels = torch.randint(0, 5, (300,), generator=g)
+    calib = calibration_error(probs, labels, num_bins=12)
+    fig = reliability_diagram(probs, labels, num_bins=12)
+    assert isinstance(fig, Figure)
+    bars = fig.axes[0].patches
+    assert len(bars) == 12
+    heights = np.array([bar.get_height() for bar in bars])
+    np.testing.assert_allclose(heights, calib.bin_accuracy.numpy(), atol=1e-12)
+    assert (calib.bin_counts > 0).sum() >= 5  # several non-empty bins: a non-trivial check
+    assert f"{calib.ece:.3f}" in fig.axes[0].get_title()
+    # drawing into a given axes returns that axes' figure
+    fig2 = Figure()
+    ax = fig2.add_subplot(1, 1, 1)
+    assert reliability_diagram(probs, labels, ax=ax) is fig2
