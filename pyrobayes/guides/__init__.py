@@ -5,9 +5,19 @@ from __future__ import annotations
 from ..registry import register_guide
 from .base import PosteriorGuide
 from .delta import DeltaGuide
+from .ivon import IVONGuide
+from .kron import KroneckerIVONGuide
 from .meanfield import MeanFieldGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
 register_guide("map", DeltaGuide, aliases=("delta",))
+register_guide("ivon", IVONGuide)
+register_guide("kron-ivon", KroneckerIVONGuide, aliases=("kron_ivon", "kronecker-ivon"))
 
-__all__ = ["PosteriorGuide", "MeanFieldGuide", "DeltaGuide"]
+__all__ = [
+    "PosteriorGuide",
+    "MeanFieldGuide",
+    "DeltaGuide",
+    "IVONGuide",
+    "KroneckerIVONGuide",
+]
