@@ -8,11 +8,15 @@ from .delta import DeltaGuide
 from .ivon import IVONGuide
 from .kron import KroneckerIVONGuide
 from .meanfield import MeanFieldGuide
+from .lowrank import SWAGGuide
+from .laplace import LaplaceGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
 register_guide("map", DeltaGuide, aliases=("delta",))
 register_guide("ivon", IVONGuide)
 register_guide("kron-ivon", KroneckerIVONGuide, aliases=("kron_ivon", "kronecker-ivon"))
+register_guide("swag", SWAGGuide, aliases=("b-lora-xs",))
+register_guide("laplace", LaplaceGuide, aliases=("l-lora-xs",))
 
 __all__ = [
     "PosteriorGuide",
@@ -20,4 +24,6 @@ __all__ = [
     "DeltaGuide",
     "IVONGuide",
     "KroneckerIVONGuide",
+    "SWAGGuide",
+    "LaplaceGuide",
 ]

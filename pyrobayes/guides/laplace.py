@@ -1,0 +1,243 @@
+r"""Post-hoc Laplace posterior over the latent sites (L-LoRA-XS when the sites are cores).
+
+.. math:: q(θ) = \mathcal N\big(θ_{\rm MAP},\ (H_{\rm GGN} + τ I)^{-1}\big)
+
+``H_GGN`` is the generalized Gauss–Newton of the summed negative log-likelihood with respect to
+the sites only (head fixed at its MAP value), diagonal (``DIAG``) or Kronecker-factored per site
+(``KRON``: for a LoRA-XS core ``R`` the factors are ``r×r``). It is computed by laplace-torch;
+``τ`` is a scalar prior precision chosen by the Laplace marginal likelihood over a bounded range.
+"""
+
+from __future__ import annotations
+
+import logging
+from operator import attrgetter
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.infer.autoguide.utils import deep_setattr
+from pyro.nn import PyroModule, PyroParam
+from torch import Tensor
+
+from ..distributions import KronEigenNormal
+from .base import PosteriorGuide
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LaplaceGuide"]
+
+
+class LaplaceGuide(PosteriorGuide):
+    r"""Laplace approximation at the MAP (L-LoRA-XS over LoRA-XS cores).
+
+    .. math::
+
+        q(θ) = \prod_{\text{sites } l} \mathcal N\big(θ_{l,\rm MAP},\ (H_l + τ I)^{-1}\big),\qquad
+        H_l \approx \sum_i J_{il}^\top Λ_i J_{il}
+
+    (block-diagonal across sites). ``pyrobayes.fit(model, guide, data, epochs=E)`` first optimises
+    the MAP objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's point ``θ`` (and the
+    head); ``fit_end`` then fits ``H`` over ``data`` and picks ``τ`` (see
+    :func:`pyrobayes.infer.laplace.fit_laplace`). ``structure="diag"`` gives
+    ``Normal(θ_MAP, (h + τ)^{-1/2})``; ``"kron"`` gives a
+    :class:`~pyrobayes.distributions.KronEigenNormal` per site with precision
+    ``(Q_G ⊗ Q_A) diag(γ aᵀ + τ) (Q_G ⊗ Q_A)ᵀ``. Sampling (``pyrobayes.predict``) is the "NN"
+    predictive; :func:`pyrobayes.infer.laplace.glm_predict` is the linearized one.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    structure : {"kron", "diag"}
+    prior_precision : "marglik", "model" or float
+        τ: tuned by the Laplace marginal likelihood over ``log τ ∈ log_prior_bounds``, the model's
+        ``1/s_p²``, or fixed.
+    log_prior_bounds : (float, float)
+        Natural-log bounds of the τ search (default ``(-5, 10)``).
+    temperature : float
+        T in ``H/T`` (1: the Bayesian posterior).
+
+    Examples
+    --------
+    >>> guide = LaplaceGuide(model, structure="kron")                  # doctest: +SKIP
+    >>> pyrobayes.fit(model, guide, loader, epochs=20, lr=1e-2)        # doctest: +SKIP
+    >>> pred = glm_predict(model, guide, test_loader, link="probit")   # doctest: +SKIP
+    """
+
+    family = "laplace"
+    default_objective = "map"
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        structure: str = "kron",
+        prior_precision: str | float = "marglik",
+        log_prior_bounds: tuple[float, float] | list[float] = (-5.0, 10.0),
+        temperature: float = 1.0,
+    ) -> None:
+        if structure not in ("kron", "diag"):
+            raise ValueError(f"Expected structure 'kron' or 'diag' but got {structure!r}.")
+        if isinstance(prior_precision, str):
+            if prior_precision not in ("marglik", "model"):
+                raise ValueError(
+                    "Expected prior_precision 'marglik', 'model' or a positive float but got "
+                    f"{prior_precision!r}."
+                )
+        elif prior_precision <= 0:
+            raise ValueError(f"Expected prior_precision > 0 but got {prior_precision}.")
+        lo, hi = (float(b) for b in log_prior_bounds)
+        if not lo < hi:
+            raise ValueError(f"Expected log_prior_bounds (lo, hi) with lo < hi, got {(lo, hi)}.")
+        if temperature <= 0:
+            raise ValueError(f"Expected temperature > 0 but got {temperature}.")
+        self.structure = structure
+        self.prior_precision_spec = prior_precision
+        self.log_prior_bounds = (lo, hi)
+        self.temperature = float(temperature)
+        self._fitting = False
+        self._index: dict[str, int] = {}
+        super().__init__(
+            model,
+            structure=structure,
+            prior_precision=prior_precision,
+            log_prior_bounds=[lo, hi],
+            temperature=temperature,
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_site(self, site: str, init: Tensor) -> None:
+        if not hasattr(self, "locs"):
+            self.locs = PyroModule()
+            self.register_buffer("lap_prior_precision", init.new_ones(()))
+            self.register_buffer("lap_fitted", torch.zeros((), dtype=torch.bool))
+        deep_setattr(
+            self.locs,
+            site,
+            PyroParam(init.detach().clone(), constraints.real, event_dim=len(init.shape)),
+        )
+        i = len(self._index)
+        self._index[site] = i
+        shape = init.shape
+        # curvature: diag GGN (same shape as the site) or the Kronecker eigenvalue products γ aᵀ
+        self.register_buffer(f"curv_{i}", init.new_zeros(shape))
+        if self.structure == "kron":
+            if len(shape) != 2:
+                raise ValueError(
+                    f"structure='kron' needs matrix sites (a core or a Linear weight); site "
+                    f"{site!r} has shape {tuple(shape)}. Use structure='diag'."
+                )
+            m, n = shape
+            self.register_buffer(f"eigvecs_out_{i}", torch.eye(m, dtype=init.dtype))
+            self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
+
+    # ------------------------------------------------------------------ accessors
+    def loc(self, site: str) -> Tensor:
+        """The MAP estimate at ``site``."""
+        return attrgetter(site)(self.locs)
+
+    @property
+    def is_fitted(self) -> bool:
+        return bool(self.sites) and bool(self.lap_fitted)
+
+    @property
+    def prior_precision(self) -> float:
+        """τ."""
+        return float(self.lap_prior_precision)
+
+    def curvature(self, site: str) -> Tensor:
+        """Diagonal GGN or the Kronecker eigenvalue products ``γ aᵀ`` (scaled by ``1/T``)."""
+        return getattr(self, f"curv_{self._index[site]}")
+
+    def eigvecs(self, site: str) -> tuple[Tensor, Tensor]:
+        """``(Q_G, Q_A)``: eigenvectors of the output and input Kronecker factors."""
+        i = self._index[site]
+        return getattr(self, f"eigvecs_out_{i}"), getattr(self, f"eigvecs_in_{i}")
+
+    def set_curvature(
+        self,
+        site: str,
+        curvature: Tensor,
+        eigvecs_out: Tensor | None = None,
+        eigvecs_in: Tensor | None = None,
+    ) -> None:
+        """Store a site's curvature (used by :func:`~pyrobayes.infer.laplace.fit_laplace`)."""
+        i = self._index[site]
+        with torch.no_grad():
+            getattr(self, f"curv_{i}").copy_(curvature)
+            if self.structure == "kron":
+                assert eigvecs_out is not None and eigvecs_in is not None
+                getattr(self, f"eigvecs_out_{i}").copy_(eigvecs_out)
+                getattr(self, f"eigvecs_in_{i}").copy_(eigvecs_in)
+
+    def set_prior_precision(self, value: float) -> None:
+        with torch.no_grad():
+            self.lap_prior_precision.fill_(float(value))
+
+    def mark_fitted(self, fitted: bool = True) -> None:
+        self.lap_fitted.fill_(fitted)
+
+    def _require_fitted(self) -> None:
+        self._require_setup()
+        if not self.is_fitted:
+            raise RuntimeError(
+                "LaplaceGuide is not fitted; run pyrobayes.fit(model, guide, data, epochs=...) (or "
+                "pyrobayes.infer.laplace.fit_laplace(model, guide, data) at a trained MAP), or "
+                "load a fitted posterior."
+            )
+
+    def posterior_precision(self, site: str) -> Tensor:
+        """Dense ``H + τ I`` over ``site.reshape(-1)`` (row-major), ``(numel, numel)``."""
+        self._require_fitted()
+        prec = self.curvature(site) + self.lap_prior_precision
+        if self.structure == "diag":
+            return torch.diag(prec.reshape(-1))
+        q_out, q_in = self.eigvecs(site)
+        return KronEigenNormal(self.loc(site), q_in, q_out, prec).to_dense_precision(row_major=True)
+
+    # ------------------------------------------------------------------ guide contract
+    def get_posterior(self, site: str) -> dist.Distribution:
+        loc = self.loc(site)
+        if self._fitting:
+            return dist.Delta(loc, event_dim=loc.dim())
+        self._require_fitted()
+        prec = self.curvature(site) + self.lap_prior_precision
+        if self.structure == "diag":
+            return dist.Normal(loc, prec.rsqrt()).to_event(loc.dim())
+        q_out, q_in = self.eigvecs(site)
+        return KronEigenNormal(loc, q_in, q_out, prec)
+
+    def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
+        self._require_setup()
+        if self._fitting:
+            return {s: self.loc(s).expand(num_samples, *self.sites[s]) for s in self.sites}
+        return super().rsample(num_samples)
+
+    def mean(self) -> dict[str, Tensor]:
+        self._require_setup()
+        return {s: self.loc(s).detach().clone() for s in self.sites}
+
+    def kl_to_prior(self, model: Any) -> Tensor:
+        raise NotImplementedError("The Laplace posterior is fitted post hoc, not by an ELBO.")
+
+    def posterior_storage(self) -> int:
+        """Numbers that describe q: the MAP, the curvature, the eigenbases (KRON) and τ."""
+        self._require_setup()
+        total = 1
+        for shape in self.sites.values():
+            total += 2 * int(torch.Size(shape).numel())
+            if self.structure == "kron":
+                total += shape[0] ** 2 + shape[1] ** 2
+        return total
+
+    # ------------------------------------------------------------------ fitting hooks
+    def fit_begin(self, model: Any, data: Any) -> None:
+        self._fitting = True
+        self.mark_fitted(False)
+
+    def fit_end(self, model: Any, data: Any) -> None:
+        from ..infer.laplace import fit_laplace
+
+        self._fitting = False
+        fit_laplace(model, self, data)

@@ -1,0 +1,182 @@
+"""Laplace (L-LoRA-XS) guide: exact curvature, agreement with laplace-torch, predictives, I/O."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pyrobayes as pb
+from pyrobayes.guides import LaplaceGuide
+from pyrobayes.infer.laplace import fit_laplace, glm_moments, glm_predict
+from pyrobayes.models import FineTuneModel, LoRAXS
+from tests.common import conjugate_core
+
+laplace = pytest.importorskip("laplace")
+
+
+def _linear_one_output(num_data: int = 40, noise: float = 0.3):
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1))
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=3, target_modules=["0"]),
+        likelihood="gaussian",
+        obs_scale=noise,
+        num_data=num_data,
+        trainable_modules=[],
+    )
+    x = torch.randn(num_data, 6)
+    y = torch.randn(num_data)
+    return model, x, y, DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def _mlp(num_data: int = 60):
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = FineTuneModel(
+        net, LoRAXS(rank=3, target_modules=["0", "2"]), num_data=num_data, trainable_modules=["4"]
+    )
+    x = torch.randn(num_data, 5)
+    y = torch.randint(0, 3, (num_data,))
+    return model, x, y, DataLoader(TensorDataset(x, y), batch_size=20)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_ggn_equals_exact_hessian_linear_gaussian(structure: str) -> None:
+    """SPECS 2(d) 5: f is linear in R with one output, so GGN = Hessian and K-FAC is exact."""
+    model, x, y, loader = _linear_one_output()
+    tau = 0.7
+    guide = LaplaceGuide(model, structure=structure, prior_precision=tau)
+    site = next(iter(guide.sites))
+    with torch.no_grad():
+        guide.loc(site).copy_(0.1 * torch.randn(3, 3))
+    fit_laplace(model, guide, loader)
+
+    def neg_log_joint(core: torch.Tensor) -> torch.Tensor:
+        f = model.output(x, {site: core})
+        nll = -torch.distributions.Normal(f, 0.3).log_prob(y).sum()
+        return nll + 0.5 * tau * core.square().sum()
+
+    hess = torch.autograd.functional.hessian(neg_log_joint, guide.loc(site).detach())
+    hess = hess.reshape(9, 9)
+    ours = guide.posterior_precision(site)
+    if structure == "kron":
+        torch.testing.assert_close(ours, hess, rtol=1e-5, atol=1e-5 * hess.abs().max())
+    else:
+        torch.testing.assert_close(ours.diagonal(), hess.diagonal(), rtol=1e-5, atol=0.0)
+    assert hess.abs().max() > 10 * tau  # the data term dominates: the check is not just τI
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_exact_posterior_on_conjugate_core(structure: str) -> None:
+    """At the exact posterior mean, Laplace with τ = 1/s_p² is the exact (diagonal) posterior."""
+    prob = conjugate_core()
+    guide = LaplaceGuide(prob.model, structure=structure, prior_precision="model")
+    with torch.no_grad():
+        guide.loc(prob.site).copy_(prob.post_loc)
+    fit_laplace(prob.model, guide, DataLoader(TensorDataset(prob.x, prob.y), batch_size=16))
+    q = guide.get_posterior(prob.site)
+    torch.testing.assert_close(q.variance.sqrt(), prob.post_scale, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(q.mean, prob.post_loc)
+
+
+def _direct_laplace(model, guide, loader, structure):
+    """laplace-torch run by hand on model.net at the guide's MAP, cores only, head fixed."""
+    net = model.net
+    for p in net.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        for s in guide.sites:
+            p = net.get_parameter(model.latent_sites[s].param_name)
+            p.copy_(guide.loc(s))
+            p.requires_grad_(True)
+    la = laplace.Laplace(
+        net, "classification", subset_of_weights="all", hessian_structure=structure
+    )
+    la.fit(loader)
+    la.prior_precision = torch.tensor(guide.prior_precision)
+    return la
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_agrees_with_laplace_torch(structure: str) -> None:
+    model, x, y, loader = _mlp()
+    guide = LaplaceGuide(model, structure=structure)
+    pb.fit(model, guide, loader, epochs=10, lr=0.05)  # MAP stage, then curvature + marglik τ
+    assert guide.is_fitted
+    lo, hi = guide.log_prior_bounds
+    assert math.exp(lo) <= guide.prior_precision <= math.exp(hi)
+    la = _direct_laplace(model, guide, loader, structure)
+    # posterior precision, block by block (sites in network order = laplace-torch's order)
+    if structure == "kron":
+        dense = la.posterior_precision.to_matrix()
+    else:
+        dense = torch.diag(la.posterior_precision)
+    blocks = torch.block_diag(*[guide.posterior_precision(s) for s in guide.sites])
+    torch.testing.assert_close(blocks, dense, rtol=1e-6, atol=1e-8)
+
+    # the chosen τ maximises laplace-torch's marginal likelihood over the bounded range
+    def marglik(t: float) -> float:
+        return float(la.log_marginal_likelihood(prior_precision=torch.tensor(t)))
+
+    grid = torch.linspace(lo, hi, 301).exp()
+    assert marglik(guide.prior_precision) >= max(marglik(float(t)) for t in grid) - 1e-6
+    la.prior_precision = torch.tensor(guide.prior_precision)
+    # GLM predictive: moments and probit probabilities
+    f_mu, f_var = la._glm_predictive_distribution(x)
+    mean, cov = glm_moments(model, guide, x)
+    torch.testing.assert_close(mean, f_mu, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(cov, f_var, rtol=1e-6, atol=1e-10)
+    probs = la(x, pred_type="glm", link_approx="probit")
+    ours = glm_predict(model, guide, loader, link="probit")
+    torch.testing.assert_close(ours.mean_probs, probs, rtol=1e-6, atol=1e-8)
+
+
+def test_predictives_and_save_load(tmp_path) -> None:
+    model, x, y, loader = _mlp()
+    guide = LaplaceGuide(model, structure="kron")
+    with pytest.raises(RuntimeError, match="LaplaceGuide is not fitted"):
+        guide.sample_posterior(2)
+    pb.fit(model, guide, loader, epochs=8, lr=0.05)
+    nn_pred = pb.predict(model, guide, loader, num_samples=8)
+    mc = glm_predict(model, guide, loader, link="mc", num_samples=2000)
+    probit = glm_predict(model, guide, loader, link="probit")
+    assert nn_pred.log_probs.shape == (8, 60, 3) and mc.log_probs.shape == (2000, 60, 3)
+    # probit is an approximation of the MC GLM predictive: close, not equal
+    assert (mc.mean_probs - probit.mean_probs).abs().max() < 0.05
+    path = pb.save(guide, tmp_path / "laplace.safetensors")
+    loaded = pb.load(path, model)
+    assert isinstance(loaded, LaplaceGuide) and loaded.prior_precision == guide.prior_precision
+    for s in guide.sites:
+        torch.testing.assert_close(loaded.posterior_precision(s), guide.posterior_precision(s))
+    torch.testing.assert_close(glm_predict(model, loaded, loader).mean_probs, probit.mean_probs)
+    counts = pb.count_parameters(loaded)
+    assert counts["latent"] == 18 and counts["head"] == 27
+    assert counts["posterior_storage"] == 1 + 2 * (2 * 9 + 9 + 9)
+
+
+def test_dict_batches_tiny_bert() -> None:
+    from pyrobayes.data import tiny_bert
+
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_bert(num_labels=2), LoRAXS(rank=2, target_modules=["query"]), num_data=16
+    )
+    batches = [
+        {
+            "input_ids": torch.randint(1, 90, (8, 6)),
+            "attention_mask": torch.ones(8, 6, dtype=torch.long),
+            "labels": torch.randint(0, 2, (8,)),
+        }
+        for _ in range(2)
+    ]
+    guide = LaplaceGuide(model, structure="kron")
+    pb.fit(model, guide, batches, epochs=2, lr=0.01)
+    assert guide.is_fitted
+    pred = glm_predict(model, guide, batches)
+    assert pred.log_probs.shape == (1, 16, 2)
+    assert torch.isfinite(pred.log_probs).all()
