@@ -7,9 +7,9 @@ from .base import PosteriorGuide
 from .delta import DeltaGuide
 from .ivon import IVONGuide
 from .kron import KroneckerIVONGuide
-from .meanfield import MeanFieldGuide
-from .lowrank import SWAGGuide
 from .laplace import LaplaceGuide
+from .lowrank import SWAGGuide
+from .meanfield import MeanFieldGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
 register_guide("map", DeltaGuide, aliases=("delta",))
