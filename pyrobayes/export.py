@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .batch import batch_size, split_batch, to_device
+from .batch import split_batch, to_device
 from .predictive import default_samples_per_forward
 
 __all__ = ["to_datatree", "to_inference_data", "select_sites"]
@@ -154,23 +154,6 @@ def _draw_chunk(num_samples: int, total_numel: int, max_site_numel: int) -> int:
     return max(1, min(num_samples, (num_samples * max_site_numel) // max(total_numel, 1)))
 
 
-#: CPU work budget of one batched forward: (draws × rows × backbone parameters).
-_CPU_FORWARD_BUDGET = 2e8
-
-
-def _auto_samples_per_forward(model: Any, num_samples: int, num_rows: int) -> int:
-    """Draws per forward: all on an accelerator; on CPU as many as fit a work budget.
-
-    :func:`pyrobayes.predict` evaluates one draw per forward on CPU, which is right for a
-    transformer but makes the S >= 1000 draws of a diagnostic on a small network take
-    thousands of forwards; sizing by ``S_chunk · B · numel(net) <= 2e8`` keeps both fast.
-    """
-    dev = model.device
-    if dev.type != "cpu":
-        return default_samples_per_forward(num_samples, dev)
-    numel = sum(int(p.numel()) for p in model.net.parameters())
-    return max(1, min(num_samples, int(_CPU_FORWARD_BUDGET // max(1, num_rows * numel))))
-
 
 def _evaluate(
     model: Any,
@@ -251,7 +234,7 @@ def _evaluate(
                 if start == 0 and y is not None:
                     observed.append(y.detach().cpu())
                 parts_ll, parts_pp, parts_lp = [], [], []
-                spf = samples_per_forward or _auto_samples_per_forward(model, n, batch_size(inputs))
+                spf = samples_per_forward or default_samples_per_forward(n, model.device, inputs)
                 for s0 in range(0, n, spf):
                     sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
                     params = model.batched_output(inputs, sub)  # (s, B, ...)

@@ -7,6 +7,7 @@ set inside a Pyro plate and S samples at once in the batched path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,8 +46,19 @@ class Likelihood:
     def dist(self, params: Tensor) -> dist.Distribution:
         raise NotImplementedError
 
+    def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
+        """Pointwise ``log p(y | params)`` with the leading shape of ``params`` (hot path)."""
+        return self.dist(params).log_prob(targets)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name}
+
+
+def _categorical_log_prob(logits: Tensor, targets: Tensor) -> Tensor:
+    # = Categorical(logits=logits).log_prob(targets), without argument validation
+    log_probs = torch.log_softmax(logits, dim=-1)
+    index = targets.long().expand(logits.shape[:-1]).unsqueeze(-1)
+    return log_probs.gather(-1, index).squeeze(-1)
 
 
 class Categorical(Likelihood):
@@ -56,6 +68,9 @@ class Categorical(Likelihood):
 
     def dist(self, params: Tensor) -> dist.Distribution:
         return dist.Categorical(logits=params)
+
+    def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
+        return _categorical_log_prob(params, targets)
 
 
 class Gaussian(Likelihood):
@@ -84,6 +99,11 @@ class Gaussian(Likelihood):
     def dist(self, params: Tensor) -> dist.Distribution:
         d = dist.Normal(params, self.obs_scale)
         return d.to_event(self.event_dim) if self.event_dim else d
+
+    def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
+        z = (targets - params) / self.obs_scale
+        lp = -0.5 * z.pow(2) - math.log(self.obs_scale) - 0.5 * math.log(2 * math.pi)
+        return lp.flatten(-self.event_dim).sum(-1) if self.event_dim else lp
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "obs_scale": self.obs_scale}
@@ -123,6 +143,9 @@ class MultipleChoice(Likelihood):
 
     def dist(self, params: Tensor) -> dist.Distribution:
         return dist.Categorical(logits=params)
+
+    def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
+        return _categorical_log_prob(params, targets)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "choice_token_ids": self.choice_token_ids}
