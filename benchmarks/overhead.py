@@ -1,0 +1,464 @@
+"""Overhead of ``pyrobayes.fit`` / ``pyrobayes.predict`` against hand-written PyTorch (issue 2).
+
+Two adapters, measured in one run:
+
+* **mlp** - ``Linear(64,256)-ReLU-Linear(256,256)-ReLU-Linear(256,10)`` with LoRA-XS r=8 on the
+  two hidden layers, the last layer a point-estimated head, Gaussian likelihood (10-d target,
+  σ=1), batch 64.
+* **minilm** - ``all-MiniLM-L6-v2`` with LoRA-XS r=8 on ``query``/``value`` (12 cores), a
+  2-class point-estimated head, categorical likelihood, batch 16, sequence length 64 (tokenized
+  text).
+
+(a) fit step. ``pb.fit(model, MeanFieldGuide, batches, num_steps=n)`` (default ELBO, 1 particle,
+Adam) wall time / n, nothing subtracted, against a plain reparameterized step with the same maths:
+``σ = softplus(ρ)``, ``θ = μ + σ ε``, the same network forward with ``θ`` injected
+(``torch.func.functional_call`` into the same LoRA-XS layers; for the MLP also a fully hand-written
+``F.linear`` forward), ``−(N/B) log p(y|θ) + KL(q‖p)`` analytic, backward, Adam step. Pyro's own
+``SVI(model, guide, Adam, Trace_ELBO())`` on the same guide is the reference.
+
+(b) predict with S=16. ``pb.predict(..., samples_per_forward=k)`` for k in {1, 4, 16} against
+the two plain ways to run the network S times (S forwards at batch B; one forward at batch S*B
+with per-sample cores in the batched layers) and against sequential
+``pyro.infer.Predictive(model, guide=guide, num_samples=16, parallel=False)``.
+
+Timing: ``time.perf_counter`` (CUDA synchronised), one warm-up, variants interleaved round-robin,
+medians over repeats. ``torch.set_num_threads(2)`` unless ``--threads``.
+
+Run::
+
+    .venv/bin/python benchmarks/overhead.py            # full (a few minutes on 2 CPU cores)
+    .venv/bin/python benchmarks/overhead.py --quick    # fewer repeats
+    .venv/bin/python benchmarks/overhead.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyro
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import pyrobayes as pb
+from pyrobayes.batch import expand_samples, split_batch
+from pyrobayes.guides import MeanFieldGuide
+from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.models.layers import LoRAXSLinear
+from pyrobayes.models.likelihoods import Gaussian, network_output
+
+RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
+NUM_SAMPLES = 16
+CHUNKS = (1, 4, 16)
+INIT_SCALE = 1e-2
+PRIOR_SCALE = 1.0
+LR = 1e-3
+
+WORDS = (
+    "the a movie film plot actor story was is not very quite really good bad great boring "
+    "terrible wonderful fun slow long short scene music ending character script acting director "
+    "and but or with without I you we they it this that loved hated enjoyed watched again never "
+    "always best worst year time people performance beautiful awful funny sad"
+).split()
+
+
+# ------------------------------------------------------------------------------------ timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_round_robin(
+    fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, per_call: dict[str, int]
+) -> dict[str, dict[str, float]]:
+    """Median / min seconds per unit (call time / ``per_call[name]``), variants interleaved."""
+    for fn in fns.values():  # warm-up
+        fn()
+    _sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) / per_call[name])
+            cpu[name].append((time.process_time() - c0) / per_call[name])
+    return {
+        k: {
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "cpu_median_s": statistics.median(cpu[k]),
+            "repeats": len(v),
+        }
+        for k, v in times.items()
+    }
+
+
+# ------------------------------------------------------------------------------------ setups
+def build_mlp(device: torch.device, num_batches: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    batch = 64
+    num_data = batch * 100
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=8, target_modules=["0", "2"]),
+        likelihood="gaussian",
+        obs_scale=1.0,
+        prior_scale=PRIOR_SCALE,
+        num_data=num_data,
+        trainable_modules=["4"],
+    ).to(device)
+    batches = [
+        (torch.randn(batch, 64, device=device), torch.randn(batch, 10, device=device))
+        for _ in range(num_batches)
+    ]
+    return {"name": "mlp", "model": model, "batches": batches, "num_data": num_data}
+
+
+def build_minilm(device: torch.device, num_batches: int) -> dict[str, Any]:
+    from pyrobayes.data import load_minilm_classifier
+
+    torch.manual_seed(0)
+    net, tokenizer = load_minilm_classifier(2)
+    batch, seq = 16, 64
+    num_data = batch * 100
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=8, target_modules=["query", "value"]),
+        prior_scale=PRIOR_SCALE,
+        num_data=num_data,
+    ).to(device)
+    rng = random.Random(0)
+    batches = []
+    for _ in range(num_batches):
+        texts = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 70))) for _ in range(batch)
+        ]
+        enc = tokenizer(
+            texts, padding="max_length", truncation=True, max_length=seq, return_tensors="pt"
+        )
+        b = {k: v.to(device) for k, v in enc.items()}
+        b["labels"] = torch.randint(0, 2, (batch,), device=device)
+        batches.append(b)
+    return {"name": "minilm", "model": model, "batches": batches, "num_data": num_data}
+
+
+# ------------------------------------------------------------------------------------ plain code
+class PlainMeanField:
+    """Hand-written mean-field reparameterized VI over the same sites (no pyrobayes, no Pyro)."""
+
+    def __init__(self, model: FineTuneModel, num_data: int, manual_forward: bool = False) -> None:
+        self.model = copy.deepcopy(model)  # its own head parameters
+        self.net = self.model.net
+        self.num_data = num_data
+        self.names = [s.param_name for s in self.model.latent_sites.values()]
+        self.locs = [
+            self.net.get_parameter(n).detach().clone().requires_grad_() for n in self.names
+        ]
+        rho0 = math.log(math.expm1(INIT_SCALE))
+        self.rhos = [torch.full_like(loc, rho0).requires_grad_() for loc in self.locs]
+        self.head = [p for p in self.net.parameters() if p.requires_grad]
+        self.optim = torch.optim.Adam(self.locs + self.rhos + self.head, lr=LR)
+        self.gaussian = isinstance(self.model.likelihood, Gaussian)
+        self.obs_scale = getattr(self.model.likelihood, "obs_scale", 1.0)
+        self.manual_forward = manual_forward
+        if manual_forward:  # MLP only: the whole forward written with F.linear
+            # (layer, base W, base b, down, up, scaling, site param name) per module
+            self.layers = []
+            for path, layer in self.net.named_children():
+                if isinstance(layer, LoRAXSLinear):
+                    b = layer.base
+                    spec = (
+                        b.weight,
+                        b.bias,
+                        layer.down,
+                        layer.up,
+                        layer.scaling,
+                        f"{path}.core.weight",
+                    )
+                    self.layers.append((layer, spec))
+                else:
+                    self.layers.append((layer, None))
+
+    def _forward(self, inputs: Any, params: dict[str, Tensor]) -> Tensor:
+        if self.manual_forward:
+            h = inputs
+            for layer, spec in self.layers:
+                if spec is not None:
+                    w, b, down, up, scaling, name = spec
+                    h = F.linear(h, w, b) + scaling * F.linear(
+                        F.linear(F.linear(h, down), params[name]), up
+                    )
+                else:
+                    h = layer(h)
+            return h
+        if isinstance(inputs, dict):
+            out = torch.func.functional_call(self.net, params, args=(), kwargs=inputs)
+        else:
+            out = torch.func.functional_call(self.net, params, (inputs,))
+        return network_output(out)
+
+    def _log_lik(self, out: Tensor, targets: Tensor) -> Tensor:
+        if self.gaussian:
+            s = self.obs_scale
+            return (
+                -0.5 * ((targets - out) / s) ** 2 - math.log(s) - 0.5 * math.log(2 * math.pi)
+            ).sum()
+        return out.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).sum()
+
+    def step(self, batch: Any) -> float:
+        inputs, targets = split_batch(batch, "labels")
+        self.optim.zero_grad(set_to_none=True)
+        params, kl = {}, 0.0
+        s2 = PRIOR_SCALE**2
+        for name, loc, rho in zip(self.names, self.locs, self.rhos, strict=True):
+            sigma = F.softplus(rho)
+            params[name] = loc + sigma * torch.randn_like(loc)
+            kl = (
+                kl
+                + (math.log(PRIOR_SCALE) - sigma.log() + (sigma**2 + loc**2) / (2 * s2) - 0.5).sum()
+            )
+        out = self._forward(inputs, params)
+        loss = -(self.num_data / targets.shape[0]) * self._log_lik(out, targets) + kl
+        value = float(loss.detach())
+        loss.backward()
+        self.optim.step()
+        return value
+
+    def fit(self, batches: list[Any], num_steps: int) -> None:
+        for i in range(num_steps):
+            self.step(batches[i % len(batches)])
+
+    # -------------------------------------------------------------- prediction
+    def draws(self, num_samples: int) -> list[Tensor]:
+        with torch.no_grad():
+            return [
+                loc + F.softplus(rho) * torch.randn(num_samples, *loc.shape, device=loc.device)
+                for loc, rho in zip(self.locs, self.rhos, strict=True)
+            ]
+
+    def _post(self, out: Tensor) -> Tensor:
+        return out if self.gaussian else out.log_softmax(-1)
+
+    def predict_loop(self, batches: list[Any], num_samples: int) -> Tensor:
+        """S forwards at batch B."""
+        theta = self.draws(num_samples)
+        outs = []
+        with torch.no_grad():
+            for batch in batches:
+                inputs, _ = split_batch(batch, "labels")
+                per = [
+                    self._post(
+                        self._forward(
+                            inputs, {n: t[s] for n, t in zip(self.names, theta, strict=True)}
+                        )
+                    )
+                    for s in range(num_samples)
+                ]
+                outs.append(torch.stack(per))
+        return torch.cat(outs, 1)
+
+    def predict_wide(self, batches: list[Any], num_samples: int) -> Tensor:
+        """One forward at batch S*B with per-sample cores (the batched LoRA-XS layers)."""
+        theta = self.draws(num_samples)
+        params = dict(zip(self.names, theta, strict=True))
+        outs = []
+        with torch.no_grad():
+            for batch in batches:
+                inputs, _ = split_batch(batch, "labels")
+                rows = targets_rows(inputs)
+                out = self._forward(expand_samples(inputs, num_samples), params)
+                outs.append(self._post(out.reshape(num_samples, rows, *out.shape[1:])))
+        return torch.cat(outs, 1)
+
+
+def targets_rows(inputs: Any) -> int:
+    if isinstance(inputs, dict):
+        return int(next(iter(inputs.values())).shape[0])
+    return int(inputs.shape[0])
+
+
+# ------------------------------------------------------------------------------------ cases
+def fit_case(setup: dict[str, Any], steps: int, repeats: int, device: torch.device) -> dict:
+    model, batches, num_data = setup["model"], setup["batches"], setup["num_data"]
+    pyro.clear_param_store()
+    guide = MeanFieldGuide(model, init_scale=INIT_SCALE).to(device)
+    plain = PlainMeanField(model, num_data)
+    fns: dict[str, Callable[[], Any]] = {
+        "pb.fit": lambda: pb.fit(model, guide, batches, num_steps=steps, lr=LR),
+        "plain (functional_call)": lambda: plain.fit(batches, steps),
+    }
+    if setup["name"] == "mlp":
+        manual = PlainMeanField(model, num_data, manual_forward=True)
+        fns["plain (hand-written F.linear fwd)"] = lambda: manual.fit(batches, steps)
+    svi_model = copy.deepcopy(model)
+    svi_guide = MeanFieldGuide(svi_model, init_scale=INIT_SCALE).to(device)
+    svi = pyro.infer.SVI(
+        svi_model, svi_guide, pyro.optim.Adam({"lr": LR}), loss=pyro.infer.Trace_ELBO()
+    )
+
+    def run_svi() -> None:
+        svi_model.train(True)
+        for i in range(steps):
+            svi.step(batches[i % len(batches)])
+
+    fns["pyro SVI(Trace_ELBO)"] = run_svi
+    res = time_round_robin(fns, repeats, device, dict.fromkeys(fns, steps))
+    plain_keys = [k for k in res if k.startswith("plain")]
+    ref = min(plain_keys, key=lambda k: res[k]["median_s"])
+    for k in res:
+        res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
+    return {"steps_per_call": steps, "reference": ref, "variants": res}
+
+
+def predict_case(setup: dict[str, Any], num_pred_batches: int, repeats: int, device) -> dict:
+    model, num_data = setup["model"], setup["num_data"]
+    batches = setup["batches"][:num_pred_batches]
+    pyro.clear_param_store()
+    guide = MeanFieldGuide(model, init_scale=INIT_SCALE).to(device)
+    plain = PlainMeanField(model, num_data)
+    model.train(False)
+    fns: dict[str, Callable[[], Any]] = {}
+    for k in CHUNKS:
+        fns[f"pb.predict k={k}"] = lambda k=k: pb.predict(
+            model, guide, batches, num_samples=NUM_SAMPLES, samples_per_forward=k
+        )
+    fns["pb.predict default"] = lambda: pb.predict(model, guide, batches, num_samples=NUM_SAMPLES)
+    fns["plain S forwards at B"] = lambda: plain.predict_loop(batches, NUM_SAMPLES)
+    fns["plain 1 forward at S*B"] = lambda: plain.predict_wide(batches, NUM_SAMPLES)
+    predictive = pyro.infer.Predictive(
+        model, guide=guide, num_samples=NUM_SAMPLES, parallel=False, return_sites=["obs"]
+    )
+    inputs_only = [split_batch(b, model.label_key)[0] for b in batches]
+    inputs_only = [x if isinstance(x, dict) else (x,) for x in inputs_only]
+
+    def run_predictive() -> None:
+        with torch.no_grad():
+            for x in inputs_only:
+                predictive(x)
+
+    fns["pyro Predictive (sequential)"] = run_predictive
+    res = time_round_robin(fns, repeats, device, dict.fromkeys(fns, 1))
+    ref = min(("plain S forwards at B", "plain 1 forward at S*B"), key=lambda k: res[k]["median_s"])
+    for k in res:
+        res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
+        res[k]["ratio_vs_predictive"] = (
+            res[k]["median_s"] / res["pyro Predictive (sequential)"]["median_s"]
+        )
+    best_k = min(CHUNKS, key=lambda k: res[f"pb.predict k={k}"]["median_s"])
+    return {
+        "num_samples": NUM_SAMPLES,
+        "batches_per_call": len(batches),
+        "reference": ref,
+        "best_samples_per_forward": best_k,
+        "variants": res,
+    }
+
+
+# ------------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--only", choices=["mlp", "minilm"], default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    pyro.set_rng_seed(0)
+    q = args.quick
+    plans = {
+        # steps per timed fit call, fit repeats, predict batches per call, predict repeats
+        "mlp": (20 if q else 50, 3 if q else 9, 4, 3 if q else 9),
+        "minilm": (2 if q else 4, 2 if q else 5, 1, 2 if q else 4),
+    }
+    if device.type == "cuda":
+        plans["minilm"] = (10 if q else 20, 3 if q else 7, 4, 3 if q else 7)
+    results: dict[str, Any] = {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "load_average_at_start": os.getloadavg(),
+            "device": str(device)
+            + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "pyro": pyro.__version__,
+            "pyrobayes": pb.__version__,
+        },
+        "args": {"quick": q, "device": args.device, "threads": args.threads},
+        "cases": {},
+    }
+    builders = {"mlp": build_mlp, "minilm": build_minilm}
+    for name, build in builders.items():
+        if args.only and name != args.only:
+            continue
+        steps, fit_rep, pred_batches, pred_rep = plans[name]
+        setup = build(device, max(pred_batches, 4))
+        print(f"[{name}] fit: {steps} steps x {fit_rep} repeats ...", flush=True)
+        fit_res = fit_case(setup, steps, fit_rep, device)
+        print(f"[{name}] predict: S={NUM_SAMPLES}, {pred_rep} repeats ...", flush=True)
+        pred_res = predict_case(setup, pred_batches, pred_rep, device)
+        results["cases"][name] = {"fit": fit_res, "predict": pred_res}
+
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+def print_table(results: dict[str, Any]) -> None:
+    m = results["machine"]
+    print(
+        f"\n{results['date']}  {m['device']}  threads={m['threads']}  "
+        f"torch {results['versions']['torch']}  load avg (1 min) "
+        f"{m['load_average_at_start'][0]:.1f} -> {m['load_average_at_end'][0]:.1f}"
+    )
+    header = (
+        f"{'case':<7} {'part':<8} {'variant':<36} {'wall ms':>9} {'min ms':>9} {'cpu ms':>9} "
+        f"{'x plain':>8} {'x Pred.':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for case, parts in results["cases"].items():
+        for part, r in parts.items():
+            for variant, v in r["variants"].items():
+                mark = " *" if variant == r["reference"] else ""
+                xp = v.get("ratio_vs_predictive")
+                print(
+                    f"{case:<7} {part:<8} {variant + mark:<36} {1e3 * v['median_s']:>9.2f} "
+                    f"{1e3 * v['min_s']:>9.2f} {1e3 * v['cpu_median_s']:>9.2f} "
+                    f"{v['ratio_vs_fastest_plain']:>8.3f} {'' if xp is None else f'{xp:.3f}':>8}"
+                )
+    print(
+        "(* fastest plain reference; ratios are of wall-clock medians; fit: per step, "
+        "predict: per call over the batches)"
+    )
+
+
+if __name__ == "__main__":
+    main()
