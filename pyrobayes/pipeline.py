@@ -87,7 +87,8 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "meanfield": {"options": {"init_scale": 1e-3}},
     "ivon": {},
     "kron-ivon": {},
-    "swag": {"epochs_extra": 1},
+    # one extra epoch, collecting every 4 steps after the first (SWALR-free: Adam at the run's lr)
+    "swag": {"epochs_extra": 1, "options": {"rank": 5, "start_epoch": 1, "collect_every_steps": 4}},
     "laplace": {},
 }
 

@@ -240,3 +240,13 @@ def test_frozen_weights_never_in_param_store_and_unchanged_by_fit():
     losses = result.losses
     assert torch.isfinite(losses).all()
     assert losses[-5:].mean() < losses[:5].mean()
+
+
+def test_lora_config_is_accepted_as_adapter():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=8, target_modules=["query"])
+    model = FineTuneModel(tiny_bert(), config)
+    assert isinstance(model.adapter, LoRA) and model.adapter.scaling == 4.0
+    assert [s for s in model.latent_sites if s.endswith("lora_B")] == [
+        f"bert.encoder.layer.{i}.attention.self.query.lora_B" for i in range(2)
+    ]
