@@ -241,14 +241,15 @@ class IVONGuide(PosteriorGuide):
         """The optimised tensor holding ``m`` for ``site`` (state dtype)."""
         parent, _, leaf = site.rpartition(".")
         holder = self.locs.get_submodule(parent) if parent else self.locs
-        return getattr(holder, leaf + "_unconstrained")
+        # direct dict read: what getattr returns for a plain Parameter, minus PyroModule.__getattr__
+        return holder._parameters[leaf + "_unconstrained"]
 
     def loc(self, site: str) -> Tensor:
         return attrgetter(site)(self.locs)
 
     def hess(self, site: str) -> Tensor:
         """IVON's ``h`` for ``site`` (a buffer)."""
-        return getattr(self, f"hess_{self._index[site]}")
+        return self._buffers[f"hess_{self._index[site]}"]  # getattr minus PyroModule overhead
 
     def scale(self, site: str) -> Tensor:
         """``σ = 1/sqrt(λ (h + δ))``."""

@@ -346,6 +346,15 @@ class IVONOptimizer(torch.optim.Optimizer):
         self.guide = guide
         self._site_of = {id(guide.loc_param(s)): s for s in guide.sites}
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; the ``set_to_none`` path skips its overhead."""
+        if not set_to_none:
+            super().zero_grad(set_to_none=False)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
     def _extras(self) -> list[Tensor]:
         return [
             p for group in self.param_groups for p in group["params"] if id(p) not in self._site_of

@@ -1,0 +1,400 @@
+"""IVON and Kronecker IVON against AdamW MAP and the ivon-opt reference optimizer (issue 4).
+
+Four methods fine-tune the *same* LoRA-XS network for the same number of epochs on the same
+batches:
+
+* ``ivon``      - ``pb.posterior(model, "ivon")`` fitted by its default objective/optimizer
+  (``IVONLoss`` + ``IVONOptimizer``), the way ``pb.fit`` drives it;
+* ``kron-ivon`` - ``pb.posterior(model, "kron-ivon")`` likewise;
+* ``map``       - ``pb.posterior(model, "map")`` (MAP objective) with ``torch.optim.AdamW``;
+* ``ivon-opt``  - ivon-opt's ``ivon.IVON`` optimizer (GPL, used here only as an external
+  reference; ``pip install ivon-opt``) over the MAP guide's parameters + the point-estimated head,
+  the loss the per-example mean NLL at the weights drawn by ``optimizer.sampled_params(train=True)``.
+  Same hyperparameters as ``ivon`` (ess, h0, β1, β2, δ, lr), so both are the same algorithm.
+
+Tasks:
+
+* **digits** - sklearn digits, an MLP 64-128-128-5 pretrained on digits 0-4, then LoRA-XS r=4 cores
+  on its two hidden layers and a point-estimated head (as ``examples/_digits.py``), fine-tuned on
+  ``--digits-train`` images, several seeds.
+* **text** - ``all-MiniLM-L6-v2`` with LoRA-XS r=8 on query/value (12 cores of 8x8) and a new
+  2-class head (point estimate), VADER movieReviewSnippets binary, ``--text-train`` sentences,
+  max_length 48, 256 test sentences.
+
+Metrics: accuracy, NLL, ECE (15 bins) of the predictive (``pyrobayes.metrics.report``) on the test
+split, ``--samples`` posterior draws for the three IVON variants (ivon-opt draws *all* its
+parameters, head included, through ``sampled_params()``, as its README does; the pyrobayes guides
+draw the latent cores and keep the head at its mean).
+
+Timing: one optimisation step (zero_grad, forward, backward, update) per method, measured with
+``time.perf_counter`` and interleaved round-robin on every batch (the order rotates each round) so
+machine load hits all methods alike. Step-time ratios are reported against ivon-opt as the median
+over rounds of the per-round ratio and as the ratio of mean step times; the first round is a
+warm-up and is dropped.
+
+Run::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ivon.py                 # digits + text
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ivon.py --quick --task digits
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# This file is named ivon.py: keep its folder off sys.path so ``import ivon`` finds ivon-opt.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import datetime as _dt  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pyro  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+import pyrobayes as pb  # noqa: E402
+from pyrobayes.batch import split_batch  # noqa: E402
+from pyrobayes.data import load_digits_split  # noqa: E402
+from pyrobayes.infer.loop import _make_optimizer, _step, _trainable_parameters  # noqa: E402
+from pyrobayes.infer.objectives import make_objective  # noqa: E402
+from pyrobayes.predictive import Prediction  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "ivon.json"
+METHODS = ("ivon", "kron-ivon", "map", "ivon-opt")
+
+
+# ------------------------------------------------------------------------------------ methods
+class PyrobayesMethod:
+    """A guide fitted exactly as ``pb.fit`` does, one step at a time (so steps can interleave)."""
+
+    def __init__(
+        self, model: Any, guide: Any, lr: float, optimizer: Any = None, num_samples: int = 16
+    ) -> None:
+        self.model, self.guide, self.num_samples = model, guide, num_samples
+        self.objective = make_objective(None, guide)
+        guide.fit_begin(model, None)
+        self.optim = _make_optimizer(optimizer, _trainable_parameters(model, guide), lr, guide)
+        self.epoch = 0
+
+    def step(self, batch: Any) -> float:
+        self.model.train(True)
+        self.optim.zero_grad(set_to_none=True)
+        return _step(self.objective, self.model, self.guide, batch, self.optim)
+
+    def epoch_end(self) -> None:
+        self.guide.epoch_end(self.model, self.epoch)
+        self.epoch += 1
+
+    def finish(self) -> None:
+        self.guide.fit_end(self.model, None)
+        self.model.train(False)
+
+    def predict(self, test: list[Any]) -> Prediction:
+        return pb.predict(self.model, self.guide, test, num_samples=self.num_samples, seed=0)
+
+
+class IvonOptMethod:
+    """ivon-opt's ``IVON`` over the MAP guide's parameters and the model's point parameters."""
+
+    def __init__(self, model: Any, hyper: dict[str, Any], lr: float, num_samples: int) -> None:
+        import ivon
+
+        self.model, self.num_samples = model, num_samples
+        self.guide = pb.posterior(model, "map")
+        params = _trainable_parameters(model, self.guide)
+        self.optim = ivon.IVON(params, lr=lr, **hyper)
+
+    def _values(self) -> dict[str, Tensor]:
+        return {s: self.guide.loc(s).unsqueeze(0) for s in self.guide.sites}
+
+    def step(self, batch: Any) -> float:
+        model = self.model
+        model.train(True)
+        inputs, targets = split_batch(batch, model.label_key)
+        with self.optim.sampled_params(train=True):
+            self.optim.zero_grad(set_to_none=True)
+            params = model.batched_output(inputs, self._values())
+            loss = -model.log_likelihood(params, targets).mean()
+            loss.backward()
+        self.optim.step()
+        return float(loss.detach())
+
+    def epoch_end(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.model.train(False)
+
+    def predict(self, test: list[Any]) -> Prediction:
+        torch.manual_seed(0)
+        parts = []
+        for _ in range(self.num_samples):
+            with self.optim.sampled_params():
+                parts.append(pb.predict(self.model, self.guide, test, num_samples=1))
+        return Prediction(
+            log_probs=torch.cat([p.log_probs for p in parts]), targets=parts[0].targets
+        )
+
+
+# ------------------------------------------------------------------------------------ tasks
+def digits_task(seed: int, num_train: int, batch: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    split = load_digits_split(seed=seed, dtype=torch.float32)
+    net = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
+    )
+    optim = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(60):  # pretraining on the full in-distribution train split (examples/_digits)
+        for i in range(0, len(split.x_train), 64):
+            loss = nn.functional.cross_entropy(
+                net(split.x_train[i : i + 64]), split.y_train[i : i + 64]
+            )
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+    # fine-tuning set: a random subset (the pretraining saw it too, as in examples/_digits.py)
+    idx = torch.randperm(len(split.x_train))[:num_train]
+    x, y = split.x_train[idx], split.y_train[idx]
+    model = pb.models.FineTuneModel(
+        net,
+        pb.models.LoRAXS(rank=4, projection="svd", target_modules=["0", "2"]),
+        num_data=num_train,
+        trainable_modules=["4"],
+    )
+    test = [
+        (split.x_test[i : i + 128], split.y_test[i : i + 128])
+        for i in range(0, len(split.x_test), 128)
+    ]
+
+    def epoch_batches(gen: torch.Generator) -> list[Any]:
+        perm = torch.randperm(num_train, generator=gen)
+        return [
+            (x[perm[i : i + batch]], y[perm[i : i + batch]]) for i in range(0, num_train, batch)
+        ]
+
+    return {"model": model, "test": test, "batches": epoch_batches, "num_data": num_train}
+
+
+def text_task(seed: int, num_train: int, batch: int, max_length: int = 48) -> dict[str, Any]:
+    from pyrobayes.data import load_minilm_classifier, load_vader, text_loader
+
+    torch.manual_seed(seed)
+    ds = load_vader("movieReviewSnippets")
+    train_ds, test_ds = ds.split([num_train, 256], seed=seed)
+    net, tokenizer = load_minilm_classifier(2)
+    model = pb.models.FineTuneModel(
+        net, pb.models.LoRAXS(rank=8, target_modules=["query", "value"]), num_data=num_train
+    )
+    loader = text_loader(
+        train_ds, tokenizer, batch_size=batch, max_length=max_length, shuffle=True, seed=seed
+    )
+    test = list(text_loader(test_ds, tokenizer, batch_size=64, max_length=max_length))
+
+    def epoch_batches(gen: torch.Generator) -> list[Any]:
+        return list(loader)
+
+    return {"model": model, "test": test, "batches": epoch_batches, "num_data": num_train}
+
+
+# ------------------------------------------------------------------------------------ runner
+def build_methods(task: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    base = task["model"]
+    S = cfg["samples"]
+    ivon_kw = dict(hess_init=cfg["hess_init"], beta2=cfg["beta2"])
+    methods: dict[str, Any] = {}
+    for name in METHODS:
+        pyro.clear_param_store()
+        model = copy.deepcopy(base)
+        if name == "ivon":
+            guide = pb.posterior(model, "ivon", **ivon_kw)
+            methods[name] = PyrobayesMethod(model, guide, cfg["lr_ivon"], num_samples=S)
+        elif name == "kron-ivon":
+            guide = pb.posterior(model, "kron-ivon", hess_init=cfg["hess_init"])
+            methods[name] = PyrobayesMethod(model, guide, cfg["lr_kron"], num_samples=S)
+        elif name == "map":
+            guide = pb.posterior(model, "map")
+            lr_map = cfg["lr_map"]
+            methods[name] = PyrobayesMethod(
+                model, guide, lr_map, optimizer=lambda p, lr=lr_map: torch.optim.AdamW(p, lr=lr)
+            )
+        else:
+            ref = pb.posterior(copy.deepcopy(base), "ivon", **ivon_kw)  # same δ as the guide
+            hyper = dict(
+                ess=ref.ess,
+                hess_init=cfg["hess_init"],
+                beta1=0.9,
+                beta2=cfg["beta2"],
+                weight_decay=ref.weight_decay,
+            )
+            methods[name] = IvonOptMethod(model, hyper, cfg["lr_ivon"], S)
+    return methods
+
+
+def run_task(task: dict[str, Any], cfg: dict[str, Any], seed: int) -> dict[str, Any]:
+    methods = build_methods(task, cfg)
+    names = list(methods)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    losses: dict[str, list[float]] = {k: [] for k in names}
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    rnd = 0
+    for _ in range(cfg["epochs"]):
+        for batch in task["batches"](gen):
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            for name in order:
+                t0 = time.perf_counter()
+                value = methods[name].step(batch)
+                times[name].append(time.perf_counter() - t0)
+                losses[name].append(value)
+            rnd += 1
+        for m in methods.values():
+            m.epoch_end()
+    out: dict[str, Any] = {}
+    for name, m in methods.items():
+        m.finish()
+        t0 = time.perf_counter()
+        pred = m.predict(task["test"])
+        metrics = pb.metrics.report(pred, pred.targets, num_bins=15)
+        out[name] = {
+            "accuracy": metrics["accuracy"],
+            "nll": metrics["nll"],
+            "ece": metrics["ece"],
+            "final_train_loss": statistics.fmean(losses[name][-5:]),
+            "step_ms_mean": 1e3 * statistics.fmean(times[name][1:]),
+            "step_ms_median": 1e3 * statistics.median(times[name][1:]),
+            "predict_s": time.perf_counter() - t0,
+        }
+    ref = times["ivon-opt"]
+    for name in names:
+        per_round = [a / b for a, b in zip(times[name][1:], ref[1:], strict=True)]
+        out[name]["ratio_median_of_rounds"] = statistics.median(per_round)
+        out[name]["ratio_of_means"] = statistics.fmean(times[name][1:]) / statistics.fmean(ref[1:])
+    out["_steps"] = rnd
+    return out
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [k for k in runs[0][METHODS[0]] if isinstance(runs[0][METHODS[0]][k], float)]
+    agg: dict[str, Any] = {}
+    for name in METHODS:
+        agg[name] = {}
+        for k in keys:
+            vals = [r[name][k] for r in runs]
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            agg[name][k] = {"mean": statistics.fmean(vals), "sd": sd}
+    return agg
+
+
+def table(agg: dict[str, Any], num_seeds: int) -> str:
+    rows = [
+        "| method | accuracy | NLL | ECE | step ms (median) | step / ivon-opt "
+        "(median of rounds) | step / ivon-opt (means) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(v: dict[str, float], scale: float = 1.0, digits: int = 3) -> str:
+        if num_seeds > 1:
+            return f"{scale * v['mean']:.{digits}f} ± {scale * v['sd']:.{digits}f}"
+        return f"{scale * v['mean']:.{digits}f}"
+
+    for name in METHODS:
+        a = agg[name]
+        rows.append(
+            f"| {name} | {fmt(a['accuracy'], 100, 1)} | {fmt(a['nll'])} | {fmt(a['ece'])} | "
+            f"{fmt(a['step_ms_median'], 1, 2)} | {fmt(a['ratio_median_of_rounds'], 1, 2)} | "
+            f"{fmt(a['ratio_of_means'], 1, 2)} |"
+        )
+    return "\n".join(rows)
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "digits": dict(
+        epochs=30,
+        batch=32,
+        num_train=300,
+        seeds=[0, 1, 2],
+        samples=32,
+        lr_ivon=0.2,
+        lr_kron=0.2,
+        lr_map=1e-2,
+        hess_init=2.0,
+        beta2=0.99999,
+    ),
+    "text": dict(
+        epochs=2,
+        batch=16,
+        num_train=256,
+        seeds=[0],
+        samples=4,
+        lr_ivon=0.1,
+        lr_kron=0.1,
+        lr_map=5e-3,
+        hess_init=0.5,
+        beta2=0.99999,
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=["digits", "text", "all"], default="all")
+    parser.add_argument("--quick", action="store_true", help="fewer epochs / seeds / samples")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--set", nargs="*", default=[], help="override config: task.key=value")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        torch.set_default_device(device)
+    tasks = ["digits", "text"] if args.task == "all" else [args.task]
+    builders: dict[str, Callable[..., dict[str, Any]]] = {"digits": digits_task, "text": text_task}
+    results: dict[str, Any] = {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "pyro": pyro.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}",
+        "device": str(device),
+        "threads": args.threads,
+        "loadavg_start": os.getloadavg(),
+        "quick": args.quick,
+    }
+    for spec in args.set:
+        key, value = spec.split("=", 1)
+        t, k = key.split(".", 1)
+        CONFIGS[t][k] = type(CONFIGS[t][k])(json.loads(value))
+    for name in tasks:
+        cfg = dict(CONFIGS[name])
+        if args.quick:
+            cfg.update(epochs=max(1, cfg["epochs"] // 3), seeds=cfg["seeds"][:1])
+            cfg["samples"] = max(4, cfg["samples"] // 2)
+        runs = []
+        t0 = time.perf_counter()
+        for seed in cfg["seeds"]:
+            task = builders[name](seed, cfg["num_train"], cfg["batch"])
+            runs.append(run_task(task, cfg, seed))
+            print(f"[{name} seed {seed}] done at {time.perf_counter() - t0:.0f}s", flush=True)
+        agg = aggregate(runs)
+        results[name] = {"config": cfg, "runs": runs, "summary": agg}
+        print(f"\n## {name} ({len(cfg['seeds'])} seed(s), {cfg['epochs']} epochs)")
+        print(table(agg, len(cfg["seeds"])), flush=True)
+    results["loadavg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
