@@ -23,15 +23,7 @@ from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 
 from ..batch import batch_size, split_batch
-from ..infer.ivon import (
-    IVONOptimizer,
-    IVONState,
-    all_reduce_mean_,
-    gradsq_hessian,
-    ivon_step,
-    price_hessian,
-    state_dtype_for,
-)
+from ..infer.ivon import IVONOptimizer, state_dtype_for
 from .base import PosteriorGuide
 
 __all__ = ["IVONGuide", "IVONLoss"]
@@ -200,7 +192,8 @@ class IVONGuide(PosteriorGuide):
         self._init_loc = init_loc
         self._index: dict[str, int] = {}
         self._param_dtype: dict[str, torch.dtype] = {}
-        self._train_noise: dict[str, Tensor] = {}
+        self._noise: Tensor | None = None  # the (S, T) leaf of the last training_sample
+        self._layout_cache: _Layout | None = None
         self._num_samples_drawn = 0
         self.state_dtype = torch.get_default_dtype()
         config = dict(
@@ -296,88 +289,164 @@ class IVONGuide(PosteriorGuide):
         """``θ − m`` for standard-normal ``eps`` of the site's shape, ``(S, *shape)``."""
         return eps / (self.ess * (self.hess(site) + self.weight_decay)).sqrt()
 
+    def _layout(self) -> _Layout:
+        """Flat layout of all sites (site order), built once after set-up."""
+        lay = self._layout_cache
+        if lay is None:
+            self._require_setup()
+            lay = self._layout_cache = _Layout(self)
+        return lay
+
+    def _is_diag(self, site: str) -> bool:
+        return True
+
+    def _diag_beta2(self) -> float:
+        """β2 of the diagonal Hessian EMA (sites and the optimizer's extra parameters)."""
+        return self.hyper["beta2"]
+
+    def _flat_perturbation(self, eps: Tensor) -> Tensor:
+        """``θ − m`` for standard-normal ``eps`` `(S, T)` over the flat layout (all diagonal)."""
+        hess = _flat(self._layout().hess_tensors(self))
+        return eps / (self.ess * (hess + self.weight_decay)).sqrt()
+
     def training_sample(self, num_samples: int = 1) -> dict[str, Tensor]:
         r"""Draw ``θ_s = m + σ ε_s`` for training and remember ``θ_s − m`` for the update.
 
-        The perturbations are leaf tensors that require grad, so after ``backward`` their
-        ``.grad`` holds the per-sample gradients. RNG use: one ``randn`` over all sites
-        (concatenated in site order, state dtype) per sample, as ivon-opt does for one
-        parameter group — the same seed gives the same noise.
+        The perturbations of all sites form one flat leaf tensor `(S, T)` that requires grad, so
+        after ``backward`` its ``.grad`` holds the per-sample gradients. RNG use: one ``randn``
+        over all sites (concatenated in site order, state dtype) per sample, as ivon-opt does
+        for one parameter group — the same seed gives the same noise.
 
         Returns
         -------
         dict
             ``{site: (num_samples, *shape)}`` in the weight dtype; differentiable in ``m``.
         """
-        self._require_setup()
-        sites = list(self.sites)
-        numels = [int(torch.Size(self.sites[s]).numel()) for s in sites]
-        device = self.loc_param(sites[0]).device
-        draws = torch.stack(
-            [
-                torch.randn(sum(numels), dtype=self.state_dtype, device=device)
-                for _ in range(num_samples)
-            ]
-        )
+        lay = self._layout()
+        locs = lay.loc_tensors()
+        device = locs[0].device
+        dtype = self.state_dtype
+        if num_samples == 1:
+            eps = torch.randn(lay.total, dtype=dtype, device=device).unsqueeze(0)
+        else:
+            eps = torch.stack(
+                [torch.randn(lay.total, dtype=dtype, device=device) for _ in range(num_samples)]
+            )
+        with torch.no_grad():
+            noise = self._flat_perturbation(eps)
+        noise.requires_grad_(True)
+        self._noise = noise
         values: dict[str, Tensor] = {}
-        self._train_noise = {}
-        for site, eps in zip(sites, draws.split(numels, dim=1), strict=True):
-            shape = self.sites[site]
-            with torch.no_grad():
-                noise = self._perturbation(site, eps.reshape(num_samples, *shape))
-            noise.requires_grad_(True)
-            self._train_noise[site] = noise
-            values[site] = (self.loc(site).unsqueeze(0) + noise).to(self._param_dtype[site])
+        for site, loc, (a, b), shape, pdtype in zip(
+            lay.sites, locs, lay.bounds, lay.shapes, lay.param_dtypes, strict=True
+        ):
+            value = loc.unsqueeze(0) + noise[:, a:b].view(num_samples, *shape)
+            values[site] = value if pdtype == value.dtype else value.to(pdtype)
         self._num_samples_drawn = num_samples
         return values
 
     def _begin_step(self) -> None:
-        self._train_noise = {}
+        self._noise = None
 
     def _end_step(self) -> None:
         pass
 
-    def _site_grads(self, site: str) -> tuple[Tensor, Tensor]:
-        """Per-sample gradients ``ĝ_s`` and perturbations ``θ_s − m`` recorded in the closure."""
-        noise = self._train_noise.get(site)
+    def _flat_grads(self) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients ``ĝ_s`` `(S, T)` and perturbations ``θ_s − m`` of the closure."""
+        noise = self._noise
         if noise is None:
             raise RuntimeError(
-                f"{type(self).__name__}: the closure drew no training sample for site {site!r}; "
-                "fit it with its default objective (IVONLoss), which calls training_sample()."
+                f"{type(self).__name__}: the closure drew no training sample; fit it with its "
+                "default objective (IVONLoss), which calls training_sample()."
             )
         num = noise.shape[0]
         grads = torch.zeros_like(noise) if noise.grad is None else noise.grad * num
         return grads.detach(), noise.detach()
 
+    def _site_grads(self, site: str) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients ``ĝ_s`` and perturbations ``θ_s − m`` for one site."""
+        grads, noise = self._flat_grads()
+        lay = self._layout()
+        j = lay.position[site]
+        a, b = lay.bounds[j]
+        shape = (noise.shape[0], *lay.shapes[j])
+        return grads[:, a:b].view(shape), noise[:, a:b].view(shape)
+
+    def diag_statistics(self) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
+        r"""Flat closure statistics of the diagonal sites for one IVON step (site order).
+
+        Returns ``(means, hess, h, ĝ_s, θ_s − m)``: the mean tensors and ``h`` buffers to update
+        in place, ``h`` concatenated `(T,)`, and the per-sample gradients and perturbations
+        `(S, T)` over the diagonal sites. Empty when there are none.
+        """
+        lay = self._layout()
+        grads, noise = self._flat_grads()
+        hess_list = lay.hess_tensors(self)
+        if not hess_list:
+            empty = noise.new_zeros(0)
+            return [], [], empty, noise.new_zeros(noise.shape[0], 0), empty
+        if lay.diag_slice is not None:
+            a, b = lay.diag_slice
+            if (a, b) != (0, lay.total):
+                grads, noise = grads[:, a:b], noise[:, a:b]
+        else:
+            grads = torch.cat([grads[:, a:b] for a, b in lay.diag_bounds], 1)
+            noise = torch.cat([noise[:, a:b] for a, b in lay.diag_bounds], 1)
+        return lay.diag_locs(), hess_list, _flat(hess_list), grads, noise
+
     @torch.no_grad()
     def ivon_update(self, optimizer: Any, lr: float) -> None:
-        """Apply one IVON step to every site from the statistics of the last closure."""
-        hp = self.hyper
-        for site in self.sites:
-            self._diag_update(optimizer, site, lr, hp["beta2"])
-        self._train_noise = {}
+        """Finish the step after :meth:`IVONOptimizer` applied the flat diagonal update.
 
-    def _diag_update(self, optimizer: Any, site: str, lr: float, beta2: float) -> None:
-        hp = self.hyper
-        grads, noise = self._site_grads(site)
-        hess = self.hess(site)
-        grad = grads.mean(0)
-        if hp["hess_approx"] == "price":
-            hhat = price_hessian(grads, noise, hess, hp["ess"], hp["weight_decay"])
-        else:
-            hhat = gradsq_hessian(grads, hp["ess"])
-        all_reduce_mean_([grad, hhat])
-        p = self.loc_param(site)
-        st = optimizer.state[p]
-        if "momentum" not in st:
-            st["momentum"] = torch.zeros_like(hess)
-            st["step"] = torch.tensor(0)
-        kwargs = self.diag_step_kwargs()
-        kwargs["beta2"] = beta2
-        new_m, state = ivon_step(
-            p, IVONState(st["momentum"], hess, int(st["step"])), grad, hhat, lr=lr, **kwargs
-        )
-        p.copy_(new_m)
-        hess.copy_(state.hess)
-        st["momentum"] = state.momentum
-        st["step"] = torch.tensor(state.step)
+        Every site of this guide is diagonal, so nothing is left to do but forget the noise.
+        """
+        self._noise = None
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    """``cat`` of the flattened tensors (a view when there is only one)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+class _Layout:
+    """Where each site lives in the flat vector, plus direct handles on its tensors.
+
+    Handles are dictionaries and keys (``holder._parameters``, ``guide._buffers``), read at use
+    time, so a replaced parameter or buffer (``load_state_dict``, ``.to``) is always seen.
+    """
+
+    def __init__(self, guide: IVONGuide) -> None:
+        self.sites = list(guide.sites)
+        self.position = {s: j for j, s in enumerate(self.sites)}
+        self.shapes = [torch.Size(guide.sites[s]) for s in self.sites]
+        self.param_dtypes = [guide._param_dtype[s] for s in self.sites]
+        self.bounds: list[tuple[int, int]] = []
+        offset = 0
+        for shape in self.shapes:
+            self.bounds.append((offset, offset + shape.numel()))
+            offset += shape.numel()
+        self.total = offset
+        self._loc_refs = []
+        for site in self.sites:
+            parent, _, leaf = site.rpartition(".")
+            holder = guide.locs.get_submodule(parent) if parent else guide.locs
+            self._loc_refs.append((holder._parameters, leaf + "_unconstrained"))
+        diag = [j for j, s in enumerate(self.sites) if guide._is_diag(s)]
+        self.diag = diag
+        self._diag_loc_refs = [self._loc_refs[j] for j in diag]
+        self._hess_keys = [f"hess_{guide._index[self.sites[j]]}" for j in diag]
+        self.diag_bounds = [self.bounds[j] for j in diag]
+        contiguous = diag == list(range(diag[0], diag[-1] + 1)) if diag else False
+        self.diag_slice = (self.diag_bounds[0][0], self.diag_bounds[-1][1]) if contiguous else None
+
+    def loc_tensors(self) -> list[Tensor]:
+        return [d[k] for d, k in self._loc_refs]
+
+    def diag_locs(self) -> list[Tensor]:
+        return [d[k] for d, k in self._diag_loc_refs]
+
+    def hess_tensors(self, guide: IVONGuide) -> list[Tensor]:
+        buffers = guide._buffers
+        return [buffers[k] for k in self._hess_keys]

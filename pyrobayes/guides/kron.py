@@ -28,7 +28,6 @@ from ..infer.ivon import (
     all_reduce_mean_,
     damped_eigenvalues,
     eigh_factor,
-    kron_factor_update,
     kron_step,
 )
 from .ivon import IVONGuide
@@ -103,6 +102,7 @@ class KroneckerIVONGuide(IVONGuide):
         self._capture_G = False
         self._t = 0
         self._hooks: list[Any] = []
+        self._root_cache: dict[str, tuple[tuple[int, ...], Tensor]] = {}
         specs = getattr(model, "latent_sites", {}) or {}
         for site, spec in specs.items():
             if spec.kind in _KRON_KINDS and len(spec.shape) == 2:
@@ -153,12 +153,29 @@ class KroneckerIVONGuide(IVONGuide):
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-decompose every factor (done every ``T_inv`` steps and at the end of ``fit``)."""
-        for site in self._kron:
+        self._decompose(list(self._kron))
+
+    def _decompose(self, sites: list[str]) -> None:
+        """Eigendecompose the factors of ``sites``; same-shape factors share one batched ``eigh``."""
+        factors: list[Tensor] = []
+        targets: list[tuple[Tensor, Tensor]] = []
+        for site in sites:
             A, G = self.factors(site)
             (a, qa), (g, qg) = self.eigen(site)
-            va, Qa = eigh_factor(A)
-            vg, Qg = eigh_factor(G)
-            a.copy_(va), qa.copy_(Qa), g.copy_(vg), qg.copy_(Qg)
+            factors += [A, G]
+            targets += [(a, qa), (g, qg)]
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for k, F_ in enumerate(factors):
+            groups.setdefault((F_.shape, F_.dtype, F_.device), []).append(k)
+        for idx in groups.values():
+            if len(idx) == 1:
+                vals, vecs = eigh_factor(factors[idx[0]])
+                vals, vecs = vals[None], vecs[None]
+            else:
+                vals, vecs = eigh_factor(torch.stack([factors[k] for k in idx]))
+            for j, k in enumerate(idx):
+                targets[k][0].copy_(vals[j])
+                targets[k][1].copy_(vecs[j])
 
     def damped(self, site: str) -> Tensor:
         """Eigenvalues of ``A ⊗ G + δ`` (as damped) in the Kronecker basis, ``(d_out, d_in)``."""
@@ -188,8 +205,31 @@ class KroneckerIVONGuide(IVONGuide):
     def _perturbation(self, site: str, eps: Tensor) -> Tensor:
         if site not in self._kron:
             return super()._perturbation(site, eps)
-        (_, Qa), (_, Qg) = self.eigen(site)
-        return Qg @ (eps / (self.ess * self.damped(site)).sqrt()) @ Qa.mT
+        (a, Qa), (g, Qg) = self.eigen(site)
+        # sqrt(λ D) only changes when the eigenvalues do: cache it on their version counters
+        key = (id(a), a._version, id(g), g._version)
+        hit = self._root_cache.get(site)
+        if hit is None or hit[0] != key:
+            hit = (key, (self.ess * self.damped(site)).sqrt())
+            self._root_cache[site] = hit
+        return Qg @ (eps / hit[1]) @ Qa.mT
+
+    def _is_diag(self, site: str) -> bool:
+        return site not in self._kron
+
+    def _diag_beta2(self) -> float:
+        return self.diag_beta2
+
+    def _flat_perturbation(self, eps: Tensor) -> Tensor:
+        if not self._kron:
+            return super()._flat_perturbation(eps)
+        lay = self._layout()
+        num = eps.shape[0]
+        parts = [
+            self._perturbation(site, eps[:, a:b].view(num, *shape)).reshape(num, -1)
+            for site, (a, b), shape in zip(lay.sites, lay.bounds, lay.shapes, strict=True)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self, model: Any) -> None:
@@ -240,7 +280,7 @@ class KroneckerIVONGuide(IVONGuide):
         """Extra backward passes for ``fisher="mc"`` / ``"ggn"`` (called by :class:`IVONLoss`)."""
         if not self._recording or self.fisher == "empirical":
             return
-        leaves = [n for n in self._train_noise.values()]
+        leaves = [self._noise]
         rows = params.shape[0] * params.shape[1]  # S·B expanded examples
         self._capture_G = True
         try:
@@ -260,62 +300,70 @@ class KroneckerIVONGuide(IVONGuide):
     # ------------------------------------------------------------------ update
     @torch.no_grad()
     def ivon_update(self, optimizer: Any, lr: float) -> None:
+        """Update the Kronecker sites (the diagonal ones went through the optimizer's flat step)."""
         hp = self.hyper
-        recorded = self._recording_done
-        for site in self.sites:
-            if site not in self._kron:
-                self._diag_update(optimizer, site, lr, self.diag_beta2)
-                continue
-            grads, _ = self._site_grads(site)
-            grad = grads.mean(0)
-            A, G = self.factors(site)
-            if recorded:
-                st = self._stats.get(site)
-                if st is None or not st["rows"] or isinstance(st["G"], float):
-                    raise RuntimeError(
-                        f"KroneckerIVONGuide: no curvature statistics were recorded for {site!r}; "
-                        "fit with the default IVONLoss objective so the module hooks see the "
-                        "sampled weights."
-                    )
-                A_hat, G_hat = st["A"] / st["rows"], st["G"]
-                all_reduce_mean_([grad, A_hat, G_hat])
-                newA, newG = kron_factor_update(A, G, A_hat, G_hat, hp["beta2"])
-                A.copy_(newA), G.copy_(newG)
+        if self._kron:
+            lay = self._layout()
+            grads_all, _ = self._flat_grads()
+            num = grads_all.shape[0]
+            sites = [s for s in lay.sites if s in self._kron]
+            grads = []
+            for site in sites:
+                j = lay.position[site]
+                a, b = lay.bounds[j]
+                grads.append(grads_all[:, a:b].view(num, *lay.shapes[j]).mean(0))
+            factors = [F_ for site in sites for F_ in self.factors(site)]
+            if self._recording_done:
+                hats = []
+                for site in sites:
+                    st = self._stats.get(site)
+                    if st is None or not st["rows"] or isinstance(st["G"], float):
+                        raise RuntimeError(
+                            "KroneckerIVONGuide: no curvature statistics were recorded for "
+                            f"{site!r}; fit with the default IVONLoss objective so the module "
+                            "hooks see the sampled weights."
+                        )
+                    hats += [st["A"] / st["rows"], st["G"]]
+                all_reduce_mean_(grads + hats)
+                # A ← β2 A + (1−β2) Â, G ← β2 G + (1−β2) Ĝ for every factor at once
+                beta2 = hp["beta2"]
+                hats = [h.to(F_.dtype) for h, F_ in zip(hats, factors, strict=True)]
+                torch._foreach_mul_(factors, beta2)
+                torch._foreach_add_(factors, torch._foreach_mul(hats, 1.0 - beta2))
             else:
-                all_reduce_mean_([grad])
-            p = self.loc_param(site)
-            state = optimizer.state[p]
-            if "momentum" not in state:
-                state["momentum"] = torch.zeros_like(p)
-                state["step"] = torch.tensor(0)
+                all_reduce_mean_(grads)
             if (self._t + 1) % self.T_inv == 0 or self._t == 0:
-                (a, qa), (g, qg) = self.eigen(site)
-                va, Qa = eigh_factor(A)
-                vg, Qg = eigh_factor(G)
-                a.copy_(va), qa.copy_(Qa), g.copy_(vg), qg.copy_(Qg)
-            eig_in, eig_out = self.eigen(site)
-            new_M, mom = kron_step(
-                p,
-                state["momentum"],
-                int(state["step"]),
-                grad,
-                eig_in,
-                eig_out,
-                lr=lr,
-                hess_init=hp["hess_init"],
-                beta1=hp["beta1"],
-                weight_decay=hp["weight_decay"],
-                clip_radius=hp["clip_radius"],
-                debias=hp["debias"],
-                rescale_lr=hp["rescale_lr"],
-                damping=self.damping,
-            )
-            p.copy_(new_M)
-            state["momentum"] = mom
-            state["step"] = torch.tensor(int(state["step"]) + 1)
+                self._decompose(sites)
+            for site, grad in zip(sites, grads, strict=True):
+                p = self.loc_param(site)
+                state = optimizer.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p)
+                    state["step"] = torch.tensor(0)
+                eig_in, eig_out = self.eigen(site)
+                step = int(state["step"])
+                new_M, mom = kron_step(
+                    p,
+                    state["momentum"],
+                    step,
+                    grad,
+                    eig_in,
+                    eig_out,
+                    lr=lr,
+                    hess_init=hp["hess_init"],
+                    beta1=hp["beta1"],
+                    weight_decay=hp["weight_decay"],
+                    clip_radius=hp["clip_radius"],
+                    debias=hp["debias"],
+                    rescale_lr=hp["rescale_lr"],
+                    damping=self.damping,
+                )
+                p.copy_(new_M)
+                state["momentum"] = mom
+                state["step"] = torch.tensor(step + 1)
         self._t += 1
         self._stats = {}
-        self._train_noise = {}
+        self._noise = None
 
     @property
     def _recording_done(self) -> bool:

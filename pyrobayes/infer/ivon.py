@@ -345,6 +345,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         super().__init__(params, {"lr": float(lr)})
         self.guide = guide
         self._site_of = {id(guide.loc_param(s)): s for s in guide.sites}
+        self._flat: _FlatCache | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; the ``set_to_none`` path skips its overhead."""
@@ -370,44 +371,252 @@ class IVONOptimizer(torch.optim.Optimizer):
         guide = self.guide
         hp = guide.hyper
         lr = self.param_groups[0]["lr"]
-        # --- extras: one in-place perturbation per step (ivon-opt style)
+        # --- extras: one in-place perturbation per step (ivon-opt style), one randn per tensor
         extras = self._extras()
-        saved = []
-        for p in extras:
-            st = self.state[p]
-            if "hess" not in st:
-                init = ivon_init(p, hp["hess_init"], guide.state_dtype)
-                st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
-            sigma = (hp["ess"] * (st["hess"] + hp["weight_decay"])).rsqrt()
-            noise = torch.randn(p.shape, dtype=st["hess"].dtype, device=p.device) * sigma
-            saved.append((p.detach().clone(), noise))
-            p.add_(noise.to(p.dtype))
+        noises: list[Tensor] = []
+        means: list[Tensor] = []
+        versions = [p._version for p in extras]  # to tell our own in-place writes from others'
+        if extras:
+            hess = []
+            for p in extras:
+                st = self.state[p]
+                if "hess" not in st:
+                    init = ivon_init(p, hp["hess_init"], guide.state_dtype)
+                    st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
+                hess.append(st["hess"])
+            sigmas = torch._foreach_rsqrt(
+                torch._foreach_mul(torch._foreach_add(hess, hp["weight_decay"]), hp["ess"])
+            )
+            eps = [
+                torch.randn(p.shape, dtype=h.dtype, device=p.device)
+                for p, h in zip(extras, hess, strict=True)
+            ]
+            noises = torch._foreach_mul(eps, sigmas)
+            means = [p.detach().clone() for p in extras]
+            if all(p.dtype == n.dtype for p, n in zip(extras, noises, strict=True)):
+                torch._foreach_add_(extras, noises)
+            else:
+                for p, n in zip(extras, noises, strict=True):
+                    p.add_(n.to(p.dtype))
         guide._begin_step()
         try:
             with torch.enable_grad():
                 loss = closure()
         finally:
             guide._end_step()
-            for p, (mean, _) in zip(extras, saved, strict=True):
-                p.copy_(mean)
+            if extras:
+                torch._foreach_copy_(extras, means)
         loss = loss.detach()
         if not math.isfinite(float(loss)):
             for p in extras:
                 p.grad = None
             return loss
+        self._diag_update(extras, noises, lr, versions)
         guide.ivon_update(self, lr)
-        for p, (_, noise) in zip(extras, saved, strict=True):
-            st = self.state[p]
-            grad = torch.zeros_like(noise) if p.grad is None else p.grad.to(noise.dtype)
-            if hp["hess_approx"] == "price":
-                hhat = price_hessian(
-                    grad[None], noise[None], st["hess"], hp["ess"], hp["weight_decay"]
-                )
-            else:
-                hhat = gradsq_hessian(grad[None], hp["ess"])
-            all_reduce_mean_([grad, hhat])
-            state = IVONState(st["momentum"], st["hess"], int(st["step"]))
-            new_m, state = ivon_step(p, state, grad, hhat, lr=lr, **guide.diag_step_kwargs())
-            p.copy_(new_m.to(p.dtype))
-            st.update(momentum=state.momentum, hess=state.hess, step=torch.tensor(state.step))
         return loss
+
+    def _diag_update(
+        self,
+        extras: list[Tensor],
+        noises: list[Tensor],
+        lr: float,
+        versions: list[int] | None = None,
+    ) -> None:
+        """One flat Algorithm-1 step over the guide's diagonal sites and the extra parameters.
+
+        Everything is concatenated into single vectors (``m``, ``h``, momentum, ``ĝ``, ``ĥ``), so
+        the cost is a fixed handful of kernels whatever the number of tensors.
+        """
+        guide = self.guide
+        params, hess_list, hess, grads, noise = guide.diag_statistics()
+        if extras:
+            hess_e = [self.state[p]["hess"] for p in extras]
+            dtype = hess_e[0].dtype
+            grads_e = [
+                torch.zeros_like(n) if p.grad is None else p.grad
+                for p, n in zip(extras, noises, strict=True)
+            ]
+            if any(g.dtype != dtype for g in grads_e):
+                grads_e = [g.to(dtype) for g in grads_e]
+            if not params:
+                grads, noise, hess = _flat(grads_e)[None], _flat(noises)[None], _flat(hess_e)
+            elif grads.shape[0] == 1 and grads.dtype == dtype:  # one sample: one flat vector
+                grads = torch.cat([grads.reshape(-1)] + [g.reshape(-1) for g in grads_e])[None]
+                noise = torch.cat([noise.reshape(-1)] + [n.reshape(-1) for n in noises])[None]
+                hess = torch.cat([hess] + [h.reshape(-1) for h in hess_e])
+            else:  # S samples for the sites, one for the extras: the means differ
+                g_e, n_e, h_e = _flat(grads_e), _flat(noises), _flat(hess_e)
+                grad_s, hhat_s = self._estimates(grads, noise, hess)
+                grad_e, hhat_e = self._estimates(g_e[None], n_e[None], h_e)
+                grad = torch.cat([grad_s.to(dtype), grad_e])
+                hhat = torch.cat([hhat_s.to(dtype), hhat_e])
+                hess = torch.cat([hess.to(dtype), h_e])
+                grads = None
+            params = list(params) + extras
+            hess_list = list(hess_list) + hess_e
+        if not params:
+            return
+        if grads is not None:
+            grad, hhat = self._estimates(grads, noise, hess)
+        all_reduce_mean_([grad, hhat])
+        states = []
+        for p in params:
+            st = self.state[p]
+            if "momentum" not in st:
+                st["momentum"] = torch.zeros(p.shape, dtype=hess.dtype, device=p.device)
+                st["step"] = torch.tensor(0)
+            states.append(st)
+        steps = [int(st["step"]) for st in states]
+        numels = [p.numel() for p in params]
+        kwargs = guide.diag_step_kwargs()
+        kwargs["beta2"] = guide._diag_beta2()
+        if all(t == steps[0] for t in steps) and all(
+            p.dtype == hess.dtype for p in params
+        ):  # fast path: persistent flat m, h, momentum, updated in place
+            n_sites = len(params) - len(extras)
+            cache = self._flat
+            if cache is None or not cache.valid(params, hess_list, states, n_sites, versions):
+                cache = self._flat = _FlatCache(params, hess_list, states)
+            new_m, state = ivon_step(
+                cache.m, IVONState(cache.momentum, hess, steps[0]), grad, hhat, lr=lr, **kwargs
+            )
+            cache.write(new_m, state)
+            return
+        m = torch.cat([p.detach().reshape(-1) for p in params])
+        if m.dtype != hess.dtype:
+            m = m.to(hess.dtype)
+        momentum = _flat([st["momentum"] for st in states])
+        self._flat = None
+        if all(t == steps[0] for t in steps):
+            new_m, state = ivon_step(
+                m, IVONState(momentum, hess, steps[0]), grad, hhat, lr=lr, **kwargs
+            )
+            self._scatter(params, hess_list, states, numels, new_m, state, range(len(params)))
+            return
+        # tensors that joined late: one flat step per distinct step count
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        for t in sorted(set(steps)):
+            idx = [i for i, u in enumerate(steps) if u == t]
+            sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx]).to(m.device)
+            new_m, state = ivon_step(
+                m[sel],
+                IVONState(momentum[sel], hess[sel], t),
+                grad[sel],
+                hhat[sel],
+                lr=lr,
+                **kwargs,
+            )
+            self._scatter(params, hess_list, states, numels, new_m, state, idx)
+
+    def _estimates(self, grads: Tensor, noise: Tensor, hess: Tensor) -> tuple[Tensor, Tensor]:
+        """``(ĝ, ĥ)`` from per-sample gradients and perturbations `(S, T)`."""
+        hp = self.guide.hyper
+        if hp["hess_approx"] == "price":
+            hhat = price_hessian(grads, noise, hess, hp["ess"], hp["weight_decay"])
+        else:
+            hhat = gradsq_hessian(grads, hp["ess"])
+        return grads.mean(0), hhat
+
+    @staticmethod
+    def _scatter(
+        params: list[Tensor],
+        hess_list: list[Tensor],
+        states: list[dict[str, Any]],
+        numels: list[int],
+        new_m: Tensor,
+        state: IVONState,
+        idx: Sequence[int],
+    ) -> None:
+        sizes = [numels[i] for i in idx]
+        shapes = [params[i].shape for i in idx]
+        targets_m = [params[i] for i in idx]
+        targets_h = [hess_list[i] for i in idx]
+        torch._foreach_copy_(
+            targets_m, [v.view(s) for v, s in zip(new_m.split(sizes), shapes, strict=True)]
+        )
+        torch._foreach_copy_(
+            targets_h, [v.view(s) for v, s in zip(state.hess.split(sizes), shapes, strict=True)]
+        )
+        step = torch.tensor(state.step)
+        for i, v, s in zip(idx, state.momentum.split(sizes), shapes, strict=True):
+            st = states[i]
+            st["momentum"] = v.view(s)
+            st["step"] = step
+
+
+class _FlatCache:
+    """Flat ``m``, ``h`` and momentum over the diagonal tensors, updated in place.
+
+    The per-tensor parameters and ``h`` buffers stay the source of truth (so ``state_dict``,
+    saving and ``.to`` behave as before); the flat copies are reused while nobody else has
+    written to those tensors (same objects, unchanged ``_version``), else rebuilt. The
+    optimizer's per-parameter ``momentum`` entries are views of the flat momentum.
+    """
+
+    def __init__(self, params: list[Tensor], hess: list[Tensor], states: list[dict]) -> None:
+        dtype = hess[0].dtype
+        self.params, self.hess, self.states = list(params), list(hess), states
+        self.m = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
+        self.h = torch.cat([h.reshape(-1) for h in hess])
+        self.momentum = torch.cat([st["momentum"].reshape(-1).to(dtype) for st in states])
+        sizes = [p.numel() for p in params]
+        shapes = [p.shape for p in params]
+
+        def views(flat: Tensor) -> list[Tensor]:
+            return [v.view(s) for v, s in zip(flat.split(sizes), shapes, strict=True)]
+
+        self.m_views, self.h_views, self.mom_views = (
+            views(self.m),
+            views(self.h),
+            views(self.momentum),
+        )
+        for st, v in zip(states, self.mom_views, strict=True):
+            st["momentum"] = v
+        self._record()
+
+    def _record(self) -> None:
+        self.versions = [p._version for p in self.params]
+        self.hess_versions = [h._version for h in self.hess]
+
+    def valid(
+        self,
+        params: list[Tensor],
+        hess: list[Tensor],
+        states: list[dict],
+        n_sites: int,
+        extra_versions: list[int] | None,
+    ) -> bool:
+        if len(params) != len(self.params):
+            return False
+        if not all(a is b for a, b in zip(params, self.params, strict=True)):
+            return False
+        if not all(a is b for a, b in zip(hess, self.hess, strict=True)):
+            return False
+        if not all(st["momentum"] is v for st, v in zip(states, self.mom_views, strict=True)):
+            return False
+        if [h._version for h in hess] != self.hess_versions:
+            return False
+        # the guide's means are untouched by the step itself; the extras were perturbed and
+        # restored in place, so compare their versions from before the perturbation
+        now = [p._version for p in params[:n_sites]] + list(extra_versions or [])
+        return len(now) == len(self.versions) and now == self.versions
+
+    def write(self, new_m: Tensor, state: IVONState) -> None:
+        self.m.copy_(new_m)
+        self.h.copy_(state.hess)
+        self.momentum.copy_(state.momentum)
+        torch._foreach_copy_(self.params, self.m_views)
+        torch._foreach_copy_(self.hess, self.h_views)
+        step = torch.tensor(state.step)
+        for st in self.states:
+            st["step"] = step
+        self._record()
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    """``cat`` of the flattened tensors (a view when there is only one)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
