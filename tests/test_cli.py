@@ -60,7 +60,7 @@ def test_demo_smoke_writes_a_run_folder_that_evaluates_to_the_same_metrics(tmp_p
     for r in records:
         assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["nll"]) and 0 <= r["ece"] <= 1
         assert 0.0 <= r["auroc_tweets"] <= 1.0
-        assert r["trainable_parameters"] == 12 * 8 * 8 + 384 * 2 + 2  # 12 cores r=8 + head
+        assert r["trainable_parameters"] == 6 * 8 * 8 + 384 * 2 + 2  # 6 cores r=8 + head
     assert (out / "config.json").exists() and (out / "table.md").exists()
     assert (out / "guides" / "meanfield.safetensors").exists()
     assert (out / "posterior.nc").exists()
