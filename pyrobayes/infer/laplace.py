@@ -243,7 +243,17 @@ def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
 
     with torch.no_grad():
         mean = f(values)
-    jac = torch.func.jacrev(f)(values)
+    # forward mode costs one JVP per site number, reverse mode one VJP per output (B·C): the
+    # reverse-mode Jacobian of a batched function is O(B²C), so use forward mode when it needs fewer
+    # passes and every op supports it (e.g. CPU flash attention does not)
+    jac = None
+    if sum(int(v.numel()) for v in values.values()) < mean.numel():
+        try:
+            jac = torch.func.jacfwd(f)(values)
+        except NotImplementedError:
+            logger.debug("forward-mode AD unavailable; using reverse mode for the GLM Jacobian")
+    if jac is None:
+        jac = torch.func.jacrev(f)(values)
     return mean.detach(), _functional_variance(guide, {s: j.detach() for s, j in jac.items()})
 
 

@@ -151,8 +151,14 @@ class LoRALinear(_AdapterBase):
 
     def forward(self, x: Tensor) -> Tensor:
         result = self.base(x)
-        h = batched_linear(x.to(self.lora_A.weight.dtype), self.lora_A.weight)  # (..., r)
-        delta = batched_linear(h, self.lora_B.weight)  # (..., d_out)
+        x = x.to(self.lora_A.weight.dtype)
+        if self.lora_A.weight.dim() == 2 and self.lora_B.weight.dim() == 2:
+            # one parameter set: call the nn.Linear modules, so curvature hooks (laplace-torch
+            # KRON, Kronecker IVON) see ordinary linear layers
+            delta = self.lora_B(self.lora_A(x))  # (..., d_out)
+        else:
+            h = batched_linear(x, self.lora_A.weight)  # (..., r)
+            delta = batched_linear(h, self.lora_B.weight)  # (..., d_out)
         return result + (self.scaling * delta).to(result.dtype)
 
     def delta_weight(self, lora_A: Tensor | None = None, lora_B: Tensor | None = None) -> Tensor:

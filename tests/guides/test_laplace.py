@@ -180,3 +180,25 @@ def test_dict_batches_tiny_bert() -> None:
     pred = glm_predict(model, guide, batches)
     assert pred.log_probs.shape == (1, 16, 2)
     assert torch.isfinite(pred.log_probs).all()
+
+
+def test_kron_laplace_over_plain_lora_factors() -> None:
+    # LoRA's A and B are called as nn.Linear modules for one parameter set, so laplace-torch's
+    # Kronecker backend sees their inputs (it raised KeyError on lora_A before)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = FineTuneModel(
+        net, pb.models.LoRA(rank=2, target_modules=["0"]), num_data=64, trainable_modules=["2"]
+    )
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    guide = LaplaceGuide(model, structure="kron")
+    pb.fit(model, guide, loader, epochs=3, lr=1e-2)
+    assert set(guide.sites) == {"0.lora_A", "0.lora_B"}
+    for site, shape in guide.sites.items():
+        precision = guide.posterior_precision(site)
+        n = int(torch.Size(shape).numel())
+        assert precision.shape == (n, n)
+        assert torch.linalg.eigvalsh(precision).min() > 0  # a proper Gaussian
+    draws = guide.sample_posterior(3, generator=torch.Generator().manual_seed(0))
+    assert draws["0.lora_A"].shape == (3, 2, 6) and torch.isfinite(draws["0.lora_B"]).all()
