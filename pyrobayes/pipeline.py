@@ -66,13 +66,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "ood": ["vader:tweets", "chatterbot"],
         "num_train": 768,
         "num_test": 256,
-        "num_ood": 256,
+        "num_ood": 192,
         "batch_size": 32,
         "seed": 0,
     },
     "families": ["map", "meanfield", "ivon", "kron-ivon", "swag", "laplace"],
-    "training": {"epochs": 2, "lr": 3e-3, "seed": 0, "device": "cpu"},
-    "predict": {"num_samples": 8},
+    "training": {"epochs": 2, "lr": 1e-2, "seed": 0, "device": "cpu"},
+    "predict": {"num_samples": 6},
     "export": {"num_samples": 50, "num_batches": 2},
 }
 
