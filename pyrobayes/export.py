@@ -154,7 +154,6 @@ def _draw_chunk(num_samples: int, total_numel: int, max_site_numel: int) -> int:
     return max(1, min(num_samples, (num_samples * max_site_numel) // max(total_numel, 1)))
 
 
-
 def _evaluate(
     model: Any,
     guide: Any,

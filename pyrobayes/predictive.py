@@ -58,6 +58,13 @@ class Prediction:
         """Posterior-predictive probabilities ``p̄`` `(N, C)` (probabilities averaged)."""
         return self.probs.mean(0)
 
+    @classmethod
+    def from_outputs(cls, outputs: Tensor, targets: Tensor | None, likelihood: Any) -> Prediction:
+        """Wrap stacked per-sample outputs: log-probabilities or Gaussian means."""
+        if likelihood.is_classification:
+            return cls(log_probs=outputs, targets=targets)
+        return cls(loc=outputs, scale=getattr(likelihood, "obs_scale", None), targets=targets)
+
     @property
     def num_samples(self) -> int:
         ref = self.log_probs if self.log_probs is not None else self.loc
@@ -152,10 +159,5 @@ def predict(
             outputs.append(torch.cat(parts, 0))
             if y is not None:
                 targets.append(y)
-    stacked = torch.cat(outputs, 1)
     target = torch.cat(targets, 0) if targets else None
-    if classification:
-        return Prediction(log_probs=stacked, targets=target)
-    return Prediction(
-        loc=stacked, scale=getattr(model.likelihood, "obs_scale", None), targets=target
-    )
+    return Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)

@@ -22,8 +22,9 @@ from pyro.infer.autoguide.utils import deep_setattr
 from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 
-from ..batch import batch_size, split_batch
+from ..batch import batch_size
 from ..infer.ivon import IVONOptimizer, state_dtype_for
+from ..infer.objectives import split_training_batch
 from .base import PosteriorGuide
 
 __all__ = ["IVONGuide", "IVONLoss"]
@@ -55,12 +56,7 @@ class IVONLoss:
         num = self.mc_samples or getattr(guide, "mc_samples", 1)
         sampler = getattr(guide, "training_sample", None)
         values = sampler(num) if sampler is not None else guide.rsample(num)
-        inputs, targets = split_batch(batch, model.label_key)
-        if targets is None:
-            raise ValueError(
-                f"Training batches must carry targets (under {model.label_key!r} for dict "
-                "batches, or as (x, y) tuples)."
-            )
+        inputs, targets = split_training_batch(model, batch)
         params = model.batched_output(inputs, values)  # (S, B, ...)
         nll = _per_example_nll(model, params, targets, num, batch_size(inputs))
         extra = getattr(guide, "_curvature_passes", None)

@@ -310,10 +310,5 @@ def glm_predict(
         outputs.append(out.detach())
         if y is not None:
             targets.append(y)
-    stacked = torch.cat(outputs, 1)
     target = torch.cat(targets, 0) if targets else None
-    if classification:
-        return Prediction(log_probs=stacked, targets=target)
-    return Prediction(
-        loc=stacked, scale=getattr(model.likelihood, "obs_scale", None), targets=target
-    )
+    return Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)

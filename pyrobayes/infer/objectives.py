@@ -26,14 +26,20 @@ class Objective(Protocol):
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor: ...
 
 
-def scaled_log_likelihood(model: Any, values: dict[str, Tensor], batch: Any) -> Tensor:
-    r"""``(N/B) Σ_b mean_s log p(y_b | θ_s)`` on the batched path."""
+def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
+    """``(inputs, targets)`` of a training batch; a clear error when it carries no targets."""
     inputs, targets = split_batch(batch, model.label_key)
     if targets is None:
         raise ValueError(
             f"Training batches must carry targets (under {model.label_key!r} for dict batches, "
             "or as (x, y) tuples)."
         )
+    return inputs, targets
+
+
+def scaled_log_likelihood(model: Any, values: dict[str, Tensor], batch: Any) -> Tensor:
+    r"""``(N/B) Σ_b mean_s log p(y_b | θ_s)`` on the batched path."""
+    inputs, targets = split_training_batch(model, batch)
     params = model.batched_output(inputs, values)  # (S, B, ...)
     log_lik = model.log_likelihood(params, targets)  # (S, B)
     size = batch_size(inputs)

@@ -14,15 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .adapters import _set_submodule
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 
 __all__ = ["to_peft", "merged_network", "unwrapped_network"]
-
-
-def _set_submodule(net: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, child = path.rpartition(".")
-    parent = net.get_submodule(parent_path) if parent_path else net
-    setattr(parent, child, module)
 
 
 def unwrapped_network(model: Any) -> nn.Module:
