@@ -78,10 +78,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 #: ``--quick``: the same job at a size that finishes in about two minutes on 2 CPU cores.
 QUICK_OVERRIDES: dict[str, Any] = {
-    "data": {"num_train": 256, "num_test": 96, "num_ood": 96},
+    "data": {"num_train": 256, "num_test": 64, "num_ood": 64},
     "training": {"epochs": 1},
     "predict": {"num_samples": 4},
-    "export": {"num_samples": 20},
+    "export": {"num_samples": 20, "num_batches": 1},
 }
 
 #: Per-family fit settings and constructor options that differ from the run's ``training``.
