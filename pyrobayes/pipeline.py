@@ -80,8 +80,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
 QUICK_OVERRIDES: dict[str, Any] = {
     "data": {"num_train": 256, "num_test": 64, "num_ood": 64},
     "training": {"epochs": 1},
-    "predict": {"num_samples": 4},
-    "export": {"num_samples": 20, "num_batches": 1},
+    "predict": {"num_samples": 3},
+    "export": {"num_samples": 10, "num_batches": 1},
 }
 
 #: Per-family fit settings and constructor options that differ from the run's ``training``.
