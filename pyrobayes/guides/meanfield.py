@@ -108,25 +108,22 @@ class MeanFieldGuide(PosteriorGuide):
     def kl_to_prior(self, model: Any) -> Tensor:
         r"""``Σ ½(σ²/s² + (μ−m)²/s² − 1 − log σ²/s²)`` against a Normal prior ``N(m, s²)``.
 
-        Other priors (or an overridden ``get_posterior``) go through ``kl_divergence``.
+        The prior's ``(m, s)`` come from ``model.prior_loc_scale(site)`` when the model offers it
+        (no distribution objects on the hot path); other priors (or an overridden
+        ``get_posterior``) go through ``kl_divergence``.
         """
         if not self._plain_normal():
+            return super().kl_to_prior(model)
+        prior_loc_scale = getattr(model, "prior_loc_scale", None)
+        if prior_loc_scale is None:
             return super().kl_to_prior(model)
         total = None
         for site in self.sites:
             loc, scale = self.loc(site), self.scale(site)
-            prior = model.site_prior(site)
-            base = prior.base_dist if isinstance(prior, dist.Independent) else prior
-            if (
-                type(base) is not dist.Normal
-                or prior.event_shape != loc.shape
-                or prior.batch_shape != torch.Size()
-            ):
-                return super().kl_to_prior(model)
-            var_ratio = (scale / base.scale).pow(2)
-            t1 = ((loc - base.loc) / base.scale).pow(2)
-            kl = 0.5 * (var_ratio + t1 - 1 - var_ratio.log())
-            kl = kl.reshape(-1).sum(-1) if loc.dim() else kl
+            prior_loc, prior_scale = prior_loc_scale(site)
+            var_ratio = (scale / prior_scale).pow(2)
+            t1 = ((loc - prior_loc) / prior_scale).pow(2)
+            kl = (0.5 * (var_ratio + t1 - 1 - var_ratio.log())).sum()
             total = kl if total is None else total + kl
         assert total is not None
         return total

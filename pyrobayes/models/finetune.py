@@ -209,9 +209,14 @@ class FineTuneModel(nn.Module):
     def site_prior(self, site: str) -> dist.Distribution:
         """``N(0, s_p² I)`` over one site, event-shaped like the site."""
         spec = self.latent_sites[site]
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        ref = self.net.get_parameter(spec.param_name)  # dtype/device without walking the network
+        zero = torch.zeros((), dtype=ref.dtype, device=ref.device)
         prior = dist.Normal(zero, self.prior_scale, validate_args=False)
         return prior.expand(spec.shape).to_event(len(spec.shape))
+
+    def prior_loc_scale(self, site: str) -> tuple[float, float]:
+        """``(loc, scale)`` of the isotropic Gaussian prior of ``site`` (closed-form KL, log p)."""
+        return 0.0, self.prior_scale
 
     @property
     def device(self) -> torch.device:
