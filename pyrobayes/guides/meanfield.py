@@ -84,6 +84,31 @@ class MeanFieldGuide(PosteriorGuide):
     def scale(self, site: str) -> Tensor:
         return attrgetter(site)(self.scales)
 
+    def _raw_params(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{site: (loc, unconstrained scale)}``, the module's own tensors (no Pyro lookups)."""
+        cache = self.__dict__.get("_raw_cache")
+        if cache is None:
+            cache = {}
+            for site in self.sites:
+                parent, _, leaf = site.rpartition(".")
+                locs = self.locs.get_submodule(parent) if parent else self.locs
+                scales = self.scales.get_submodule(parent) if parent else self.scales
+                cache[site] = (
+                    locs._parameters[leaf + "_unconstrained"],
+                    scales._parameters[leaf + "_unconstrained"],
+                )
+            self.__dict__["_raw_cache"] = cache
+        return cache
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_raw_cache"] = None  # .to(device) may replace the parameter objects
+        return super()._apply(fn, *args, **kwargs)
+
+    def _loc_scale(self, site: str) -> tuple[Tensor, Tensor]:
+        # what loc(site) / scale(site) return outside a Pyro context, minus PyroModule.__getattr__
+        loc, raw_scale = self._raw_params()[site]
+        return loc, transform_to(self.scale_constraint)(raw_scale)
+
     def get_posterior(self, site: str) -> dist.Distribution:
         loc = self.loc(site)
         return dist.Normal(loc, self.scale(site)).to_event(loc.dim())
@@ -100,7 +125,7 @@ class MeanFieldGuide(PosteriorGuide):
         self._require_setup()
         out = {}
         for site in self.sites:
-            loc, scale = self.loc(site), self.scale(site)
+            loc, scale = self._loc_scale(site)
             eps = torch.empty((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
             out[site] = loc + eps.normal_() * scale
         return out
@@ -119,7 +144,7 @@ class MeanFieldGuide(PosteriorGuide):
             return super().kl_to_prior(model)
         total = None
         for site in self.sites:
-            loc, scale = self.loc(site), self.scale(site)
+            loc, scale = self._loc_scale(site)
             prior_loc, prior_scale = prior_loc_scale(site)
             var_ratio = (scale / prior_scale).pow(2)
             t1 = ((loc - prior_loc) / prior_scale).pow(2)
