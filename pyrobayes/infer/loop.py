@@ -82,7 +82,7 @@ def _save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=directory))
     save(guide, tmp / "posterior.safetensors", model=model)
     torch.save(optim.state_dict(), tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state(), "pyro_seed_state": None}, tmp / "rng.pt")
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps(meta, indent=2))
     final = directory / "last"
     old = directory / ".last-old"
