@@ -2,6 +2,7 @@ r"""Mean-field Gaussian posterior: ``q(θ) = Π_i N(θ_i; μ_i, σ_i²)``."""
 
 from __future__ import annotations
 
+import math
 from operator import attrgetter
 from typing import Any
 
@@ -107,7 +108,14 @@ class MeanFieldGuide(PosteriorGuide):
     def _loc_scale(self, site: str) -> tuple[Tensor, Tensor]:
         # what loc(site) / scale(site) return outside a Pyro context, minus PyroModule.__getattr__
         loc, raw_scale = self._raw_params()[site]
-        return loc, transform_to(self.scale_constraint)(raw_scale)
+        return loc, self._scale_transform()(raw_scale)
+
+    def _scale_transform(self) -> Any:
+        transform = self.__dict__.get("_scale_transform_cache")
+        if transform is None:
+            transform = transform_to(self.scale_constraint)
+            self.__dict__["_scale_transform_cache"] = transform
+        return transform
 
     def get_posterior(self, site: str) -> dist.Distribution:
         loc = self.loc(site)
@@ -137,18 +145,39 @@ class MeanFieldGuide(PosteriorGuide):
         (no distribution objects on the hot path); other priors (or an overridden
         ``get_posterior``) go through ``kl_divergence``.
         """
-        if not self._plain_normal():
+        if not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None:
             return super().kl_to_prior(model)
-        prior_loc_scale = getattr(model, "prior_loc_scale", None)
-        if prior_loc_scale is None:
-            return super().kl_to_prior(model)
-        total = None
+        return self._closed_form(model, None)[1]
+
+    def rsample_with_kl(self, num_samples: int, model: Any) -> tuple[dict[str, Tensor], Tensor]:
+        """``(rsample(num_samples), kl_to_prior(model))`` sharing one scale transform per site.
+
+        The same draws and values as the two calls (the ELBO's hot path on small networks).
+        """
+        if not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None:
+            kl = self.kl_to_prior(model)  # first: it may raise NotImplementedError
+            return self.rsample(num_samples), kl
+        self._require_setup()
+        draws, kl = self._closed_form(model, num_samples)
+        assert draws is not None
+        return draws, kl
+
+    def _closed_form(
+        self, model: Any, num_samples: int | None
+    ) -> tuple[dict[str, Tensor] | None, Tensor]:
+        # per site: (Σσ² + Σ(μ−m)²)/(2s²) − Σ log σ + n (log s − ½); sums first, scalars last
+        draws: dict[str, Tensor] | None = None if num_samples is None else {}
+        total, const = None, 0.0
         for site in self.sites:
             loc, scale = self._loc_scale(site)
-            prior_loc, prior_scale = prior_loc_scale(site)
-            var_ratio = (scale / prior_scale).pow(2)
-            t1 = ((loc - prior_loc) / prior_scale).pow(2)
-            kl = (0.5 * (var_ratio + t1 - 1 - var_ratio.log())).sum()
+            if draws is not None:
+                eps = torch.empty((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
+                draws[site] = loc + eps.normal_() * scale
+            prior_loc, prior_scale = model.prior_loc_scale(site)
+            diff = loc if prior_loc == 0 else loc - prior_loc
+            quad = scale.square().sum() + diff.square().sum()
+            kl = quad * (0.5 / prior_scale**2) - scale.log().sum()
+            const += loc.numel() * (math.log(prior_scale) - 0.5)
             total = kl if total is None else total + kl
         assert total is not None
-        return total
+        return draws, total + const

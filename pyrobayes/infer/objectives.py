@@ -74,6 +74,14 @@ class ELBO:
         self.analytic_kl = analytic_kl
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
+        joint = getattr(guide, "rsample_with_kl", None) if self.analytic_kl else None
+        if joint is not None:  # draws and the analytic KL in one pass (mean-field)
+            try:
+                values, kl = joint(self.num_particles, model)
+            except NotImplementedError:
+                pass
+            else:
+                return kl - scaled_log_likelihood(model, values, batch)
         values = guide.rsample(self.num_particles)
         nll = -scaled_log_likelihood(model, values, batch)
         if self.analytic_kl:

@@ -66,3 +66,33 @@ def test_elbo_at_exact_posterior_equals_log_evidence():
     # Normal log-probs are normalized, so −loss estimates log p(y) directly. MC sd of the data term with 4000 draws: the term's sd per
     # draw is ≈ √(2·r²) ≈ 4 nats here, so 4000 draws give ≈ 0.07 nats; 4σ ≈ 0.3.
     assert abs(-float(negative_elbo) - prob.log_evidence) < 0.3
+
+
+def test_meanfield_joint_draws_and_kl_equal_the_separate_calls() -> None:
+    # rsample_with_kl (the ELBO hot path) = rsample + kl_to_prior on the same RNG stream, and the
+    # closed form equals torch's Normal-Normal KL for a non-zero prior mean and scale
+    from torch.distributions import Normal, kl_divergence
+
+    prob = conjugate_core()
+    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.3)
+
+    class ShiftedPrior:
+        def __getattr__(self, name):
+            return getattr(prob.model, name)
+
+        def prior_loc_scale(self, site):
+            return 0.7, 2.5
+
+    shifted = ShiftedPrior()
+    torch.manual_seed(3)
+    draws, kl = guide.rsample_with_kl(4, shifted)
+    torch.manual_seed(3)
+    draws_ref = guide.rsample(4)
+    for site in guide.sites:
+        torch.testing.assert_close(draws[site], draws_ref[site], rtol=0, atol=0)
+    torch.testing.assert_close(kl, guide.kl_to_prior(shifted), rtol=1e-12, atol=1e-12)
+    ref = sum(
+        kl_divergence(Normal(guide.loc(s), guide.scale(s)), Normal(0.7, 2.5)).sum()
+        for s in guide.sites
+    )
+    torch.testing.assert_close(kl, ref, rtol=1e-10, atol=1e-10)
