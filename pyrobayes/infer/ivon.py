@@ -406,7 +406,8 @@ class IVONOptimizer(torch.optim.Optimizer):
             guide._end_step()
             if extras:
                 torch._foreach_copy_(extras, means)
-        loss = loss.detach()
+        loss = loss.detach().clone().reshape(())
+        all_reduce_mean_([loss])  # every rank sees the same value, so all stop on a NaN together
         if not math.isfinite(float(loss)):
             for p in extras:
                 p.grad = None

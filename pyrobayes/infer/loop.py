@@ -4,6 +4,14 @@ It runs the guide family's objective (or the one given) with a torch optimizer o
 parameters and the model's point-estimated parameters, with a progress bar, logging, seeding,
 atomic checkpoints and the family hooks (``fit_begin`` / ``epoch_end`` / ``fit_end``). A non-finite
 loss stops training *before* the parameters are touched, so the last checkpoint stays good.
+
+Under ``torch.distributed`` (launched with ``torchrun``; gloo on CPU, NCCL on GPUs) it behaves as
+DDP: rank 0's parameters are broadcast at the start, every rank evaluates the objective on its own
+minibatch (a ``DistributedSampler``; the model's ``num_data`` is the *global* N, so each rank's
+``N/B``-scaled loss is an unbiased estimate), gradients are averaged over ranks (closure-driven
+optimizers such as IVON all-reduce their own statistics), the logged loss is the mean over ranks,
+and only rank 0 writes checkpoints and shows the progress bar. With equal per-rank batch sizes, R
+ranks on batches of B equal one process on the union batch of R·B (tested with gloo).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any, NamedTuple
 
 import pyro
 import torch
+import torch.distributed as torch_dist
 from tqdm.auto import tqdm
 
 from ..batch import to_device
@@ -70,6 +79,39 @@ def _trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
     seen = {id(p) for p in params}
     params += [p for p in point.values() if id(p) not in seen]
     return params
+
+
+def _world() -> tuple[int, int]:
+    """``(world_size, rank)`` under an initialised ``torch.distributed`` group, else ``(1, 0)``."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_world_size(), torch_dist.get_rank()
+    return 1, 0
+
+
+def _broadcast_(tensors: list[torch.Tensor]) -> None:
+    """Copy rank 0's values into every rank (as DDP does when it wraps a module)."""
+    with torch.no_grad():
+        for t in tensors:
+            torch_dist.broadcast(t.data, src=0)
+
+
+def _all_reduce_grads_(params: list[torch.nn.Parameter]) -> None:
+    """Average ``.grad`` over ranks in one flat buffer per dtype (a missing grad counts as 0)."""
+    world = torch_dist.get_world_size()
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in groups.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)
+        flat.div_(world)
+        offset = 0
+        for p in group:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
 
 
 def _save_checkpoint(
@@ -183,12 +225,18 @@ def fit(
     guide.fit_begin(model, data)
     params = _trainable_parameters(model, guide)
     optim = _make_optimizer(optimizer, params, lr, guide)
+    world, rank = _world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     step, epoch, losses = 0, 0, []
     if resume and ckpt is not None and (ckpt / "last").exists():
         meta = _load_checkpoint(ckpt, guide, model, optim)
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
         logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
+    if world > 1:
+        state = [b for b in guide.buffers() if b.is_floating_point()]
+        ids = {id(p) for p in params}
+        _broadcast_(params + [p for p in guide.parameters() if id(p) not in ids] + state)
+    write_checkpoints = ckpt is not None and rank == 0
     try:
         steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
     except TypeError:
@@ -196,7 +244,12 @@ def fit(
     total = num_steps
     if epochs is not None and steps_per_epoch is not None:
         total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
-    bar = tqdm(total=total, initial=step, disable=not progress_bar, desc=type(guide).__name__)
+    bar = tqdm(
+        total=total,
+        initial=step,
+        disable=not progress_bar or rank != 0,
+        desc=type(guide).__name__,
+    )
     start = time.perf_counter()
     step_in_epoch_done = step - epoch * steps_per_epoch if steps_per_epoch else 0
 
@@ -213,7 +266,7 @@ def fit(
                     break
                 batch = to_device(batch, device)
                 optim.zero_grad(set_to_none=True)
-                value = _step(objective, model, guide, batch, optim)
+                value = _step(objective, model, guide, batch, optim, params if world > 1 else None)
                 if not math.isfinite(value):
                     raise FloatingPointError(
                         f"Non-finite loss ({value}) at step {step} (epoch {epoch}); parameters "
@@ -228,7 +281,7 @@ def fit(
                     bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{sum(window) / len(window):.4g}")
                 if callback is not None:
                     callback(step, value)
-                if ckpt is not None and checkpoint_every and step % checkpoint_every == 0:
+                if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
                     _save_checkpoint(ckpt, guide, model, optim, _meta())
             else:
                 if i_last_step_count == step:
@@ -236,7 +289,7 @@ def fit(
                 step_in_epoch_done = 0
                 guide.epoch_end(model, epoch)
                 epoch += 1
-                if ckpt is not None:
+                if write_checkpoints:
                     _save_checkpoint(ckpt, guide, model, optim, _meta())
                 continue
             break  # num_steps reached inside the epoch
@@ -261,9 +314,19 @@ def fit(
 
 
 def _step(
-    objective: Any, model: Any, guide: Any, batch: Any, optim: torch.optim.Optimizer
+    objective: Any,
+    model: Any,
+    guide: Any,
+    batch: Any,
+    optim: torch.optim.Optimizer,
+    sync: list[torch.nn.Parameter] | None = None,
 ) -> float:
-    """One optimisation step; the optimizer may re-evaluate the loss through the closure (IVON)."""
+    """One optimisation step; the optimizer may re-evaluate the loss through the closure (IVON).
+
+    ``sync``: under ``torch.distributed``, the parameters whose gradients are averaged over ranks
+    (closure-driven optimizers reduce their own statistics). The loss is averaged before the
+    finiteness check, so every rank stops together.
+    """
     if getattr(optim, "needs_closure", False):
 
         def closure() -> torch.Tensor:
@@ -275,9 +338,16 @@ def _step(
         loss = optim.step(closure)
         return float(loss)
     loss = objective.loss(model, guide, batch)
-    value = float(loss.detach())
+    if sync is None:
+        value = float(loss.detach())
+    else:
+        mean = loss.detach().clone().reshape(1)
+        torch_dist.all_reduce(mean, op=torch_dist.ReduceOp.SUM)
+        value = float(mean) / torch_dist.get_world_size()
     if not math.isfinite(value):
         return value
     loss.backward()
+    if sync is not None:
+        _all_reduce_grads_(sync)
     optim.step()
     return value
