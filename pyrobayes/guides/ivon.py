@@ -331,18 +331,18 @@ class IVONGuide(PosteriorGuide):
         with torch.no_grad():
             noise = self._flat_perturbation(eps)
         noise.requires_grad_(True)
-        self._noise = noise
+        self.__dict__["_noise"] = noise
         values: dict[str, Tensor] = {}
         for site, loc, (a, b), shape, pdtype in zip(
             lay.sites, locs, lay.bounds, lay.shapes, lay.param_dtypes, strict=True
         ):
             value = loc.unsqueeze(0) + noise[:, a:b].view(num_samples, *shape)
             values[site] = value if pdtype == value.dtype else value.to(pdtype)
-        self._num_samples_drawn = num_samples
+        self.__dict__["_num_samples_drawn"] = num_samples
         return values
 
     def _begin_step(self) -> None:
-        self._noise = None
+        self.__dict__["_noise"] = None
 
     def _end_step(self) -> None:
         pass
@@ -396,7 +396,7 @@ class IVONGuide(PosteriorGuide):
 
         Every site of this guide is diagonal, so nothing is left to do but forget the noise.
         """
-        self._noise = None
+        self.__dict__["_noise"] = None
 
 
 def _flat(tensors: list[Tensor]) -> Tensor:

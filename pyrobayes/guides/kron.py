@@ -20,7 +20,6 @@ from typing import Any
 
 import pyro.distributions as dist
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..distributions import KronEigenNormal, MatrixNormal
@@ -140,14 +139,16 @@ class KroneckerIVONGuide(IVONGuide):
     def factors(self, site: str) -> tuple[Tensor, Tensor]:
         """``(A, G)`` of a Kronecker site."""
         i = self._index[site]
-        return getattr(self, f"A_{i}"), getattr(self, f"G_{i}")
+        buffers = self._buffers  # direct reads: PyroModule.__getattr__ costs µs per call
+        return buffers[f"A_{i}"], buffers[f"G_{i}"]
 
     def eigen(self, site: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """Cached ``((a, Q_A), (γ, Q_G))``."""
         i = self._index[site]
+        b = self._buffers
         return (
-            (getattr(self, f"eigval_in_{i}"), getattr(self, f"eigvec_in_{i}")),
-            (getattr(self, f"eigval_out_{i}"), getattr(self, f"eigvec_out_{i}")),
+            (b[f"eigval_in_{i}"], b[f"eigvec_in_{i}"]),
+            (b[f"eigval_out_{i}"], b[f"eigvec_out_{i}"]),
         )
 
     @torch.no_grad()
@@ -223,43 +224,80 @@ class KroneckerIVONGuide(IVONGuide):
     def _flat_perturbation(self, eps: Tensor) -> Tensor:
         if not self._kron:
             return super()._flat_perturbation(eps)
-        lay = self._layout()
         num = eps.shape[0]
-        parts = [
-            self._perturbation(site, eps[:, a:b].view(num, *shape)).reshape(num, -1)
-            for site, (a, b), shape in zip(lay.sites, lay.bounds, lay.shapes, strict=True)
-        ]
+        parts = []
+        for sites, (a, b), shape in self._runs():
+            if len(sites) == 1:
+                part = self._perturbation(sites[0], eps[:, a:b].view(num, *shape))
+            else:  # K same-shape Kronecker sites side by side: one batched product
+                part = self._stacked_perturbation(sites, eps[:, a:b].view(num, len(sites), *shape))
+            parts.append(part.reshape(num, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def _runs(self) -> list[tuple[list[str], tuple[int, int], torch.Size]]:
+        """Consecutive sites of the flat layout grouped into runs of same-shape Kronecker sites."""
+        runs = self.__dict__.get("_runs_cache")
+        if runs is None:
+            lay = self._layout()
+            runs = []
+            for site, (a, b), shape in zip(lay.sites, lay.bounds, lay.shapes, strict=True):
+                last = runs[-1] if runs else None
+                if (
+                    last is not None
+                    and site in self._kron
+                    and last[0][-1] in self._kron
+                    and last[2] == shape
+                    and self._param_dtype[site] == self._param_dtype[last[0][-1]]
+                ):
+                    runs[-1] = (last[0] + [site], (last[1][0], b), shape)
+                else:
+                    runs.append(([site], (a, b), shape))
+            self.__dict__["_runs_cache"] = runs
+        return runs
+
+    def _stacked_perturbation(self, sites: list[str], eps: Tensor) -> Tensor:
+        """``Q_G (ε ⊘ sqrt(λD)) Q_Aᵀ`` for K stacked sites, ``eps`` `(S, K, d_out, d_in)`."""
+        (a, Qa), (g, Qg) = self._stacked_eigen(sites)
+        key = tuple(sites)
+        cache = self.__dict__.setdefault("_stacked_root_cache", {})
+        hit = cache.get(key)
+        if hit is None or hit[0] is not a:  # the stacked eigenvalues are rebuilt on change
+            damped = damped_eigenvalues(a, g, self.weight_decay, self.damping)
+            hit = (a, (self.ess * damped).sqrt())
+            cache[key] = hit
+        return Qg @ (eps / hit[1]) @ Qa.mT
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self, model: Any) -> None:
         net = getattr(model, "net", None)
         for site, (kind, path) in self._kron.items():
-            module = net.get_submodule(path)
-            self._hooks.append(module.register_forward_hook(self._make_hook(site, kind)))
+            # a LoRA-XS core is its own (batched) linear layer: its input is a = down·x and its
+            # output s = R a, so the hook reads both factors' statistics without recomputing them
+            module = net.get_submodule(f"{path}.core" if kind in ("core", "lora_xs_core") else path)
+            self._hooks.append(module.register_forward_hook(self._make_hook(site)))
 
-    def _make_hook(self, site: str, kind: str) -> Any:
+    def _make_hook(self, site: str) -> Any:
         def hook(module: Any, inputs: Any, output: Tensor) -> None:
             if not (self._recording and torch.is_grad_enabled() and output.requires_grad):
                 return
             x = inputs[0]
-            if kind in ("core", "lora_xs_core"):
-                a = F.linear(x.to(module.down.dtype), module.down)
-            else:
-                a = x
             num_examples = int(x.shape[0])
-            a = a.detach().reshape(-1, a.shape[-1]).to(self.state_dtype)
-            st = self._stats.setdefault(site, {"A": 0.0, "rows": 0, "G": 0.0})
-            st["A"] = st["A"] + a.mT @ a
-            st["rows"] += a.shape[0]
+            a = x.detach().reshape(-1, x.shape[-1])
+            if a.dtype != self.state_dtype:
+                a = a.to(self.state_dtype)
+            st = self._stats.get(site)
+            if st is None:
+                st = self._stats[site] = {"A": a.mT @ a, "rows": a.shape[0], "G": 0.0}
+            else:
+                st["A"] = st["A"] + a.mT @ a
+                st["rows"] += a.shape[0]
 
             def grad_hook(grad: Tensor) -> None:
                 if not self._capture_G:
                     return
-                gs = grad.detach()
-                if kind in ("core", "lora_xs_core"):
-                    gs = module.scaling * gs.to(module.up.dtype) @ module.up
-                gs = gs.reshape(-1, gs.shape[-1]).to(self.state_dtype)
+                gs = grad.detach().reshape(-1, grad.shape[-1])
+                if gs.dtype != self.state_dtype:
+                    gs = gs.to(self.state_dtype)
                 st["G"] = st["G"] + num_examples * (gs.mT @ gs)
 
             output.register_hook(grad_hook)
@@ -268,13 +306,13 @@ class KroneckerIVONGuide(IVONGuide):
 
     def _begin_step(self) -> None:
         super()._begin_step()
-        self._stats = {}
-        self._recording = bool(self._kron) and self._t % self.T_stats == 0
-        self._capture_G = self._recording and self.fisher == "empirical"
+        self.__dict__["_stats"] = {}
+        self.__dict__["_recording"] = bool(self._kron) and self._t % self.T_stats == 0
+        self.__dict__["_capture_G"] = self._recording and self.fisher == "empirical"
 
     def _end_step(self) -> None:
-        self._recording = False
-        self._capture_G = False
+        self.__dict__["_recording"] = False
+        self.__dict__["_capture_G"] = False
 
     def _curvature_passes(self, model: Any, params: Tensor, targets: Tensor) -> None:
         """Extra backward passes for ``fisher="mc"`` / ``"ggn"`` (called by :class:`IVONLoss`)."""
@@ -282,7 +320,7 @@ class KroneckerIVONGuide(IVONGuide):
             return
         leaves = [self._noise]
         rows = params.shape[0] * params.shape[1]  # S·B expanded examples
-        self._capture_G = True
+        self.__dict__["_capture_G"] = True
         try:
             if self.fisher == "mc":
                 with torch.no_grad():
@@ -295,7 +333,7 @@ class KroneckerIVONGuide(IVONGuide):
                         params, leaves, grad_outputs=v / rows, retain_graph=True, allow_unused=True
                     )
         finally:
-            self._capture_G = False
+            self.__dict__["_capture_G"] = False
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -334,36 +372,82 @@ class KroneckerIVONGuide(IVONGuide):
                 all_reduce_mean_(grads)
             if (self._t + 1) % self.T_inv == 0 or self._t == 0:
                 self._decompose(sites)
-            for site, grad in zip(sites, grads, strict=True):
-                p = self.loc_param(site)
-                state = optimizer.state[p]
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros_like(p)
-                    state["step"] = torch.tensor(0)
-                eig_in, eig_out = self.eigen(site)
-                step = int(state["step"])
-                new_M, mom = kron_step(
-                    p,
-                    state["momentum"],
-                    step,
-                    grad,
-                    eig_in,
-                    eig_out,
-                    lr=lr,
-                    hess_init=hp["hess_init"],
-                    beta1=hp["beta1"],
-                    weight_decay=hp["weight_decay"],
-                    clip_radius=hp["clip_radius"],
-                    debias=hp["debias"],
-                    rescale_lr=hp["rescale_lr"],
-                    damping=self.damping,
-                )
-                p.copy_(new_M)
-                state["momentum"] = mom
-                state["step"] = torch.tensor(step + 1)
-        self._t += 1
-        self._stats = {}
-        self._noise = None
+            self._kron_mean_update(optimizer, lr, sites, grads)
+        self.__dict__["_t"] = self._t + 1  # plain attributes: skip nn.Module.__setattr__
+        self.__dict__["_stats"] = {}
+        self.__dict__["_noise"] = None
+
+    def _kron_mean_update(
+        self, optimizer: Any, lr: float, sites: list[str], grads: list[Tensor]
+    ) -> None:
+        """SPECS 5b.2 steps 4-5 for every Kronecker site; same-shape sites in ONE batched step.
+
+        ``kron_step`` broadcasts over a leading axis, so K cores of the same shape cost one set of
+        kernels (stacked means, momenta, gradients and eigenbases) instead of K.
+        """
+        hp = self.hyper
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        lay = self._layout()
+        locs = lay.loc_tensors()
+        params = [locs[lay.position[site]] for site in sites]
+        for k, p in enumerate(params):
+            groups.setdefault((p.shape, p.dtype, p.device), []).append(k)
+        for idx in groups.values():
+            ps = [params[k] for k in idx]
+            states = [optimizer.state[p] for p in ps]
+            for p, st in zip(ps, states, strict=True):
+                if "momentum" not in st:
+                    st["momentum"] = torch.zeros_like(p)
+                    st["step"] = torch.tensor(0)
+            steps = {int(st["step"]) for st in states}
+            if len(steps) != 1:  # e.g. a site added later: fall back to one group per site
+                if len(idx) > 1:
+                    for k in idx:
+                        self._kron_mean_update(optimizer, lr, [sites[k]], [grads[k]])
+                    continue
+            step = steps.pop()
+            eig_in, eig_out = self._stacked_eigen([sites[k] for k in idx])
+            new_M, mom = kron_step(
+                torch.stack(ps),
+                torch.stack([st["momentum"] for st in states]),
+                step,
+                torch.stack([grads[k] for k in idx]),
+                eig_in,
+                eig_out,
+                lr=lr,
+                hess_init=hp["hess_init"],
+                beta1=hp["beta1"],
+                weight_decay=hp["weight_decay"],
+                clip_radius=hp["clip_radius"],
+                debias=hp["debias"],
+                rescale_lr=hp["rescale_lr"],
+                damping=self.damping,
+            )
+            torch._foreach_copy_(ps, list(new_M.unbind(0)))
+            for j, st in enumerate(states):
+                st["momentum"] = mom[j]  # a view of the stacked momenta (re-stacked next step)
+                st["step"] = torch.tensor(step + 1)
+
+    def _stacked_eigen(
+        self, sites: list[str]
+    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """``((a, Q_A), (γ, Q_G))`` of ``sites`` stacked on a leading axis, cached on versions."""
+        eig = [self.eigen(site) for site in sites]
+        if len(sites) == 1:
+            (a, qa), (g, qg) = eig[0]
+            return (a[None], qa[None]), (g[None], qg[None])
+        key = tuple((id(t), t._version) for e in eig for pair in e for t in pair)
+        cache = self.__dict__.setdefault("_stack_cache", {})
+        hit = cache.get(tuple(sites))
+        if hit is None or hit[0] != key:
+            stacked = tuple(
+                tuple(torch.stack([e[side][part] for e in eig]) for part in range(2))
+                for side in range(2)
+            )
+            hit = (key, stacked)
+            cache[tuple(sites)] = hit
+        (a, qa), (g, qg) = hit[1]
+        return (a, qa), (g, qg)
 
     @property
     def _recording_done(self) -> bool:

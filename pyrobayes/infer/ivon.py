@@ -252,7 +252,10 @@ def damped_eigenvalues(a: Tensor, g: Tensor, weight_decay: float, damping: str =
         return g.unsqueeze(-1) * a.unsqueeze(-2) + weight_decay
     if damping == "factored":
         tiny = torch.finfo(a.dtype).tiny
-        pi = ((a.mean(-1)).clamp_min(tiny) / (g.mean(-1)).clamp_min(tiny)).sqrt()
+        # (..., 1): one π per factor pair, also for stacked (K, d) eigenvalues
+        pi = (
+            a.mean(-1, keepdim=True).clamp_min(tiny) / g.mean(-1, keepdim=True).clamp_min(tiny)
+        ).sqrt()
         root = math.sqrt(weight_decay)
         return (g + root / pi).unsqueeze(-1) * (a + pi * root).unsqueeze(-2)
     raise ValueError(f"Expected damping 'exact' or 'factored' but got {damping!r}.")

@@ -77,9 +77,9 @@ class LoRAXSLinear(_AdapterBase):
     r"""LoRA-XS layer: ``y = base(x) + (α/r) · B (R (A x))`` with frozen ``A``, ``B``.
 
     In row-vector notation ``y = x W0 + (α/r) x A R B``; here ``down = Aᵀ`` `(r, d_in)`,
-    ``up = Bᵀ`` `(d_out, r)` are buffers and the trainable core is ``core = nn.Linear(r, r)``
-    whose weight is ``Rᵀ``. Keeping R an ordinary linear layer lets Kronecker curvature treat it
-    as one (both factors r×r).
+    ``up = Bᵀ`` `(d_out, r)` are buffers and the trainable core is ``core``, an ``nn.Linear(r, r)``
+    (:class:`BatchedLinear`) whose weight is ``Rᵀ``. Keeping R an ordinary linear layer lets
+    Kronecker curvature treat it as one (both factors r×r).
     """
 
     def __init__(
@@ -101,7 +101,9 @@ class LoRAXSLinear(_AdapterBase):
         dtype, device = down.dtype, down.device
         self.register_buffer("down", down.detach().clone())
         self.register_buffer("up", up.detach().clone())
-        self.core = nn.Linear(rank, rank, bias=False, dtype=dtype, device=device)
+        # an nn.Linear that also takes a sampled (S, r, r) weight: hooks on it (Kronecker curvature
+        # in laplace-torch and Kronecker IVON) see R as an ordinary linear layer in every mode
+        self.core = BatchedLinear(rank, rank, bias=False, dtype=dtype, device=device)
         with torch.no_grad():
             self.core.weight.normal_(0.0, init_scale)
 
@@ -112,8 +114,7 @@ class LoRAXSLinear(_AdapterBase):
     def forward(self, x: Tensor) -> Tensor:
         result = self.base(x)
         h = F.linear(x.to(self.down.dtype), self.down)  # (..., r), shared across samples
-        weight = self.core.weight
-        h = self.core(h) if weight.dim() == 2 else batched_linear(h, weight)  # (..., r)
+        h = self.core(h)  # (..., r); per-sample cores on a sample-major expanded batch
         return result + (self.scaling * F.linear(h, self.up)).to(result.dtype)
 
     def delta_weight(self, core: Tensor | None = None) -> Tensor:

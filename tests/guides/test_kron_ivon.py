@@ -201,3 +201,67 @@ def test_kron_guide_with_frozen_isotropic_factors_equals_ivon_guide():
         runs[1][1].get_posterior("0.weight").log_prob(w),
         runs[0][1].get_posterior("0.weight").log_prob(w),
     )
+
+
+def _three_cores():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = FineTuneModel(
+        net,
+        pb.models.LoRAXS(rank=3, target_modules=["0", "2"]),
+        latent_modules=["4"],
+        num_data=40,
+        trainable_modules=[],
+    )
+    return model  # two 3x3 cores (one run of the flat layout) + a 3x8 weight and its bias
+
+
+@pytest.mark.parametrize("damping", ["exact", "factored"])
+def test_same_shape_sites_batched_equal_one_by_one(damping):
+    # the batched perturbation and mean update over same-shape cores equal the per-site formulas
+    model = _three_cores()
+    guide = KroneckerIVONGuide(model, damping=damping, T_inv=1)
+    g = torch.Generator().manual_seed(1)
+    for site in guide.sites:  # distinct SPD factors per site
+        if guide.is_kron(site):
+            for F_ in guide.factors(site):
+                m = torch.randn(F_.shape[0], F_.shape[0], generator=g)
+                F_.copy_(m @ m.T + 0.1 * torch.eye(F_.shape[0]))
+    guide.refresh()
+    runs = guide._runs()
+    assert [len(sites) for sites, _, _ in runs][0] == 2  # the two cores form one run
+    eps = torch.randn(5, guide._layout().total, generator=g)
+    batched = guide._flat_perturbation(eps)
+    lay = guide._layout()
+    one_by_one = torch.cat(
+        [
+            guide._perturbation(site, eps[:, a:b].view(5, *shape)).reshape(5, -1)
+            for site, (a, b), shape in zip(lay.sites, lay.bounds, lay.shapes, strict=True)
+        ],
+        1,
+    )
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=1e-12)
+    # stacked kron_step = kron_step per site
+    sites = [s for s in lay.sites if guide.is_kron(s) and guide.sites[s] == (3, 3)]
+    M = [torch.randn(3, 3, generator=g) for _ in sites]
+    mom = [torch.randn(3, 3, generator=g) for _ in sites]
+    grad = [torch.randn(3, 3, generator=g) for _ in sites]
+    kw = dict(lr=0.3, hess_init=0.5, weight_decay=0.01, damping=damping)
+    eig_in, eig_out = guide._stacked_eigen(sites)
+    new_M, new_mom = kron_step(
+        torch.stack(M), torch.stack(mom), 4, torch.stack(grad), eig_in, eig_out, **kw
+    )
+    for k, site in enumerate(sites):
+        ref_M, ref_mom = kron_step(M[k], mom[k], 4, grad[k], *guide.eigen(site), **kw)
+        torch.testing.assert_close(new_M[k], ref_M, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(new_mom[k], ref_mom, rtol=1e-12, atol=1e-12)
+
+
+def test_factored_damping_broadcasts_one_pi_per_stacked_pair():
+    g = torch.Generator().manual_seed(2)
+    a, gam = torch.rand(4, 3, generator=g) + 0.1, torch.rand(4, 3, generator=g) + 0.1
+    stacked = damped_eigenvalues(a, gam, 0.05, "factored")
+    for k in range(4):
+        torch.testing.assert_close(
+            stacked[k], damped_eigenvalues(a[k], gam[k], 0.05, "factored"), rtol=1e-14, atol=0
+        )
