@@ -117,6 +117,15 @@ class KroneckerIVONGuide(IVONGuide):
             **kwargs,
         )
         self._register_hooks(model)
+        # the step counter drives the T_stats / T_inv schedule: saved with the guide, so a resumed
+        # fit re-decomposes on the same steps as an uninterrupted one
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.long))
+
+    def _load_from_state_dict(
+        self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.__dict__["_t"] = int(self._buffers["num_updates"])
 
     # ------------------------------------------------------------------ set-up
     def _setup_curvature(self, site: str, i: int, loc: Tensor) -> None:
@@ -374,6 +383,7 @@ class KroneckerIVONGuide(IVONGuide):
                 self._decompose(sites)
             self._kron_mean_update(optimizer, lr, sites, grads)
         self.__dict__["_t"] = self._t + 1  # plain attributes: skip nn.Module.__setattr__
+        self._buffers["num_updates"].fill_(self._t)
         self.__dict__["_stats"] = {}
         self.__dict__["_noise"] = None
 

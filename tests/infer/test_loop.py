@@ -34,20 +34,30 @@ def test_epochs_and_steps_and_seed():
         pb.fit(prob.model, g1, data)
 
 
-def test_resume_continues_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("family", ["meanfield", "map", "ivon", "kron-ivon", "swag"])
+def test_resume_continues_where_it_stopped(tmp_path, family):
+    kw = {"T_inv": 3} if family == "kron-ivon" else {}  # a re-decomposition between the halves
+    lr = 0.05 if "ivon" in family else 1e-2
     torch.manual_seed(0)
     prob = conjugate_core()
     data = _data(prob)
-    full = pb.fit(prob.model, pb.guides.MeanFieldGuide(prob.model), data, epochs=4, seed=0)
+    full = pb.fit(prob.model, pb.posterior(prob.model, family, **kw), data, epochs=4, seed=0, lr=lr)
     torch.manual_seed(0)
     prob_b = conjugate_core()
-    guide_b = pb.guides.MeanFieldGuide(prob_b.model)
-    pb.fit(prob_b.model, guide_b, data, epochs=2, seed=0, checkpoint_dir=tmp_path)
+    guide_b = pb.posterior(prob_b.model, family, **kw)
+    pb.fit(prob_b.model, guide_b, data, epochs=2, seed=0, checkpoint_dir=tmp_path, lr=lr)
     torch.manual_seed(0)
     prob_c = conjugate_core()
-    guide_c = pb.guides.MeanFieldGuide(prob_c.model)
+    guide_c = pb.posterior(prob_c.model, family, **kw)
     resumed = pb.fit(
-        prob_c.model, guide_c, data, epochs=4, seed=123, checkpoint_dir=tmp_path, resume=True
+        prob_c.model,
+        guide_c,
+        data,
+        epochs=4,
+        seed=123,
+        checkpoint_dir=tmp_path,
+        resume=True,
+        lr=lr,
     )
     # guide state, optimizer moments and RNG state restored: the same trajectory to round-off
     torch.testing.assert_close(resumed.losses, full.losses, rtol=1e-10, atol=1e-8)
