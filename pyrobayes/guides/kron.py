@@ -9,9 +9,10 @@ with ``A ≈ E[a aᵀ]``, ``G ≈ E[∇_s l ∇_s lᵀ]`` (EMAs with rate ``1−
 (:class:`~pyrobayes.distributions.KronEigenNormal`); ``damping="factored"`` is the Noisy K-FAC
 π-damping, a true :class:`~pyrobayes.distributions.MatrixNormal`.
 
-Covered sites: LoRA-XS cores (``a = down·x``, ``∂s = scaling·upᵀ ∂y``) and whole latent
-``nn.Linear`` weights. LoRA A/B factors, biases (the weight is not augmented with its bias:
-the bias is its own site) and every other site use diagonal IVON (Section 5).
+Covered sites: LoRA-XS cores (``a = down·x``, ``s = R a``), LoRA factors ``A`` (``a = x``,
+``s = A x``) and ``B`` (``a = A x``, ``s = B a``), and whole latent ``nn.Linear`` weights. Biases
+(the weight is not augmented with its bias: the bias is its own site) and every other site use
+diagonal IVON (Section 5).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .ivon import IVONGuide
 
 __all__ = ["KroneckerIVONGuide"]
 
-_KRON_KINDS = ("core", "lora_xs_core", "weight")
+_KRON_KINDS = ("core", "lora_xs_core", "weight", "lora_A", "lora_B")
 
 
 class KroneckerIVONGuide(IVONGuide):
@@ -282,7 +283,11 @@ class KroneckerIVONGuide(IVONGuide):
         for site, (kind, path) in self._kron.items():
             # a LoRA-XS core is its own (batched) linear layer: its input is a = down·x and its
             # output s = R a, so the hook reads both factors' statistics without recomputing them
-            module = net.get_submodule(f"{path}.core" if kind in ("core", "lora_xs_core") else path)
+            if kind in ("core", "lora_xs_core"):
+                path = f"{path}.core"
+            elif kind in ("lora_A", "lora_B"):  # LoRA factors are linear layers of their own
+                path = f"{path}.{kind}"
+            module = net.get_submodule(path)
             self._hooks.append(module.register_forward_hook(self._make_hook(site)))
 
     def _make_hook(self, site: str) -> Any:

@@ -127,7 +127,8 @@ class LoRALinear(_AdapterBase):
     r"""LoRA layer: ``y = base(x) + (α/r) · B_lora (A_lora x)``.
 
     ``lora_A = nn.Linear(d_in, r)`` (Kaiming-uniform init, as peft) and
-    ``lora_B = nn.Linear(r, d_out)`` (zeros), so the model starts at the pretrained function.
+    ``lora_B = nn.Linear(r, d_out)`` (zeros), so the model starts at the pretrained function; both
+    are :class:`BatchedLinear` (a weight may carry a leading sample axis).
     """
 
     def __init__(
@@ -141,8 +142,10 @@ class LoRALinear(_AdapterBase):
         super().__init__(base, scaling)
         w = base_weight_in_out(base)
         kw = {"dtype": dtype or w.dtype, "device": w.device}
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
+        # nn.Linear subclasses that also take sampled (S, ...) weights: always called as modules,
+        # so curvature hooks see ordinary linear layers with one draw and with S draws
+        self.lora_A = BatchedLinear(self.in_features, rank, bias=False, **kw)
+        self.lora_B = BatchedLinear(rank, self.out_features, bias=False, **kw)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
 
@@ -153,13 +156,7 @@ class LoRALinear(_AdapterBase):
     def forward(self, x: Tensor) -> Tensor:
         result = self.base(x)
         x = x.to(self.lora_A.weight.dtype)
-        if self.lora_A.weight.dim() == 2 and self.lora_B.weight.dim() == 2:
-            # one parameter set: call the nn.Linear modules, so curvature hooks (laplace-torch
-            # KRON, Kronecker IVON) see ordinary linear layers
-            delta = self.lora_B(self.lora_A(x))  # (..., d_out)
-        else:
-            h = batched_linear(x, self.lora_A.weight)  # (..., r)
-            delta = batched_linear(h, self.lora_B.weight)  # (..., d_out)
+        delta = self.lora_B(self.lora_A(x))  # (..., d_out); per-sample A, B on an expanded batch
         return result + (self.scaling * delta).to(result.dtype)
 
     def delta_weight(self, lora_A: Tensor | None = None, lora_B: Tensor | None = None) -> Tensor:

@@ -265,3 +265,31 @@ def test_factored_damping_broadcasts_one_pi_per_stacked_pair():
         torch.testing.assert_close(
             stacked[k], damped_eigenvalues(a[k], gam[k], 0.05, "factored"), rtol=1e-14, atol=0
         )
+
+
+def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
+    # LoRA A and B are linear layers of their own: A's input factor is E[x xᵀ] over the batch
+    # (no dependence on the sampled weights), with β2 = 0 it is exactly xᵀx / B after one step
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model = FineTuneModel(
+        net, pb.models.LoRA(rank=2, target_modules=["0"]), num_data=32, trainable_modules=["2"]
+    )
+    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1)
+    sites = {model.latent_sites[s].kind: s for s in guide.sites}
+    assert set(sites) == {"lora_A", "lora_B"} and all(guide.is_kron(s) for s in sites.values())
+    x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
+    pb.fit(model, guide, [(x, y)], num_steps=1, lr=0.1, seed=0)
+    A_in, G_A = guide.factors(sites["lora_A"])
+    assert A_in.shape == (5, 5) and G_A.shape == (2, 2)
+    torch.testing.assert_close(A_in, x.T @ x / 32, rtol=1e-12, atol=1e-12)
+    A_B, G_B = guide.factors(sites["lora_B"])
+    assert A_B.shape == (2, 2) and G_B.shape == (7, 7)
+    for F_ in (G_A, A_B, G_B):  # recorded (not the isotropic init) and PSD
+        assert not torch.allclose(F_, F_[0, 0] * torch.eye(F_.shape[0]))
+        assert torch.linalg.eigvalsh(F_).min() > -1e-12
+    # and it fits: the loss goes down over a few epochs, predictions are finite
+    result = pb.fit(model, guide, [(x, y)], num_steps=30, lr=0.5, seed=1)
+    assert result.losses[-5:].mean() < result.losses[:5].mean()
+    pred = pb.predict(model, guide, [(x, y)], num_samples=4)
+    assert torch.isfinite(pred.log_probs).all()
