@@ -355,15 +355,15 @@ class KroneckerIVONGuide(IVONGuide):
         """Update the Kronecker sites (the diagonal ones went through the optimizer's flat step)."""
         hp = self.hyper
         if self._kron:
-            lay = self._layout()
             grads_all, _ = self._flat_grads()
             num = grads_all.shape[0]
-            sites = [s for s in lay.sites if s in self._kron]
-            grads = []
-            for site in sites:
-                j = lay.position[site]
-                a, b = lay.bounds[j]
-                grads.append(grads_all[:, a:b].view(num, *lay.shapes[j]).mean(0))
+            runs = [run for run in self._runs() if run[0][0] in self._kron]
+            # ḡ per run of same-shape sites: one view and one mean over the samples, (K, *shape)
+            grads = [
+                grads_all[:, a:b].view(num, len(sites), *shape).mean(0)
+                for sites, (a, b), shape in runs
+            ]
+            sites = [site for run in runs for site in run[0]]
             factors = [F_ for site in sites for F_ in self.factors(site)]
             if self._recording_done:
                 hats = []
@@ -379,69 +379,64 @@ class KroneckerIVONGuide(IVONGuide):
                 all_reduce_mean_(grads + hats)
                 # A ← β2 A + (1−β2) Â, G ← β2 G + (1−β2) Ĝ for every factor at once
                 beta2 = hp["beta2"]
-                hats = [h.to(F_.dtype) for h, F_ in zip(hats, factors, strict=True)]
+                if any(h.dtype != F_.dtype for h, F_ in zip(hats, factors, strict=True)):
+                    hats = [h.to(F_.dtype) for h, F_ in zip(hats, factors, strict=True)]
                 torch._foreach_mul_(factors, beta2)
-                torch._foreach_add_(factors, torch._foreach_mul(hats, 1.0 - beta2))
+                torch._foreach_add_(factors, hats, alpha=1.0 - beta2)
             else:
                 all_reduce_mean_(grads)
             if (self._t + 1) % self.T_inv == 0 or self._t == 0:
                 self._decompose(sites)
-            self._kron_mean_update(optimizer, lr, sites, grads)
+            for (run_sites, _, _), grad in zip(runs, grads, strict=True):
+                self._kron_mean_update(optimizer, lr, run_sites, grad)
         self.__dict__["_t"] = self._t + 1  # plain attributes: skip nn.Module.__setattr__
         self._buffers["num_updates"].fill_(self._t)
         self.__dict__["_stats"] = {}
         self.__dict__["_noise"] = None
 
-    def _kron_mean_update(
-        self, optimizer: Any, lr: float, sites: list[str], grads: list[Tensor]
-    ) -> None:
-        """SPECS 5b.2 steps 4-5 for every Kronecker site; same-shape sites in ONE batched step.
+    def _kron_mean_update(self, optimizer: Any, lr: float, sites: list[str], grad: Tensor) -> None:
+        """SPECS 5b.2 steps 4-5 for K same-shape Kronecker sites in ONE batched step.
 
         ``kron_step`` broadcasts over a leading axis, so K cores of the same shape cost one set of
-        kernels (stacked means, momenta, gradients and eigenbases) instead of K.
+        kernels (stacked means, momenta, gradients `(K, *shape)` and eigenbases) instead of K.
         """
         hp = self.hyper
-        groups: dict[tuple[Any, ...], list[int]] = {}
         lay = self._layout()
         locs = lay.loc_tensors()
-        params = [locs[lay.position[site]] for site in sites]
-        for k, p in enumerate(params):
-            groups.setdefault((p.shape, p.dtype, p.device), []).append(k)
-        for idx in groups.values():
-            ps = [params[k] for k in idx]
-            states = [optimizer.state[p] for p in ps]
-            for p, st in zip(ps, states, strict=True):
-                if "momentum" not in st:
-                    st["momentum"] = torch.zeros_like(p)
-                    st["step"] = torch.tensor(0)
-            steps = {int(st["step"]) for st in states}
-            if len(steps) != 1:  # e.g. a site added later: fall back to one group per site
-                if len(idx) > 1:
-                    for k in idx:
-                        self._kron_mean_update(optimizer, lr, [sites[k]], [grads[k]])
-                    continue
-            step = steps.pop()
-            eig_in, eig_out = self._stacked_eigen([sites[k] for k in idx])
-            new_M, mom = kron_step(
-                torch.stack(ps),
-                torch.stack([st["momentum"] for st in states]),
-                step,
-                torch.stack([grads[k] for k in idx]),
-                eig_in,
-                eig_out,
-                lr=lr,
-                hess_init=hp["hess_init"],
-                beta1=hp["beta1"],
-                weight_decay=hp["weight_decay"],
-                clip_radius=hp["clip_radius"],
-                debias=hp["debias"],
-                rescale_lr=hp["rescale_lr"],
-                damping=self.damping,
-            )
-            torch._foreach_copy_(ps, list(new_M.unbind(0)))
-            for j, st in enumerate(states):
-                st["momentum"] = mom[j]  # a view of the stacked momenta (re-stacked next step)
-                st["step"] = torch.tensor(step + 1)
+        ps = [locs[lay.position[site]] for site in sites]
+        states = [optimizer.state[p] for p in ps]
+        for p, st in zip(ps, states, strict=True):
+            if "momentum" not in st:
+                st["momentum"] = torch.zeros_like(p)
+                st["step"] = torch.tensor(0)
+        steps = {int(st["step"]) for st in states}
+        if len(steps) != 1:  # sites with different histories (one joined later): one at a time
+            for k, site in enumerate(sites):
+                self._kron_mean_update(optimizer, lr, [site], grad[k : k + 1])
+            return
+        step = steps.pop()
+        eig_in, eig_out = self._stacked_eigen(sites)
+        new_M, mom = kron_step(
+            torch.stack(ps),
+            torch.stack([st["momentum"] for st in states]),
+            step,
+            grad,
+            eig_in,
+            eig_out,
+            lr=lr,
+            hess_init=hp["hess_init"],
+            beta1=hp["beta1"],
+            weight_decay=hp["weight_decay"],
+            clip_radius=hp["clip_radius"],
+            debias=hp["debias"],
+            rescale_lr=hp["rescale_lr"],
+            damping=self.damping,
+        )
+        torch._foreach_copy_(ps, list(new_M.unbind(0)))
+        counter = step + 1
+        for j, st in enumerate(states):
+            st["momentum"] = mom[j]  # a view of the stacked momenta (re-stacked next step)
+            st["step"] = torch.tensor(counter)
 
     def _stacked_eigen(
         self, sites: list[str]
