@@ -73,7 +73,7 @@ class Prediction:
 
 
 #: On CPU, evaluate at most this many input rows (tokens for sequence inputs) per forward.
-CPU_MAX_ROWS_PER_FORWARD = 32768
+CPU_MAX_ROWS_PER_FORWARD = 1024
 
 
 def _rows(inputs: Any) -> int:
@@ -85,10 +85,13 @@ def _rows(inputs: Any) -> int:
 
 def default_samples_per_forward(num_samples: int, device: torch.device, inputs: Any = None) -> int:
     """Draws per forward: all of them on an accelerator; on CPU as many as keep the expanded
-    batch within :data:`CPU_MAX_ROWS_PER_FORWARD` rows.
+    batch within :data:`CPU_MAX_ROWS_PER_FORWARD` work units (rows, or rows × tokens).
 
-    Measured on 2 CPU cores (``benchmarks/overhead.py``): one forward over all S = 16 draws was
-    2–3× faster than 16 forwards, for a small MLP and for MiniLM alike; the cap only bounds memory.
+    Measured on an idle 2-core CPU (``benchmarks/overhead.py``, S = 16): for a small MLP (64 rows)
+    one wide forward was 0.83× the time of 16 narrow ones (per-call overhead dominates); for MiniLM
+    (16 × 64 tokens per batch) 16 narrow forwards were fastest and one wide forward cost 1.3×
+    (a compute-bound forward gains nothing from a wider batch on CPU, and its activations leave
+    the cache). The cap of 1,024 units per forward serves both regimes.
     """
     if device.type != "cpu" or inputs is None:
         return num_samples
