@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from ..distributions import KronEigenNormal, MatrixNormal
+from ..infer.distributed import all_reduce_mean_
 from ..infer.ivon import (
-    all_reduce_mean_,
     damped_eigenvalues,
     eigh_factor,
     kron_step,

@@ -134,8 +134,7 @@ class MeanFieldGuide(PosteriorGuide):
         out = {}
         for site in self.sites:
             loc, scale = self._loc_scale(site)
-            eps = torch.empty((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
-            out[site] = loc + eps.normal_() * scale
+            out[site] = _draw(loc, scale, num_samples)
         return out
 
     def kl_to_prior(self, model: Any) -> Tensor:
@@ -170,9 +169,8 @@ class MeanFieldGuide(PosteriorGuide):
         total, const = None, 0.0
         for site in self.sites:
             loc, scale = self._loc_scale(site)
-            if draws is not None:
-                eps = torch.empty((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
-                draws[site] = loc + eps.normal_() * scale
+            if draws is not None and num_samples is not None:
+                draws[site] = _draw(loc, scale, num_samples)
             prior_loc, prior_scale = model.prior_loc_scale(site)
             diff = loc if prior_loc == 0 else loc - prior_loc
             quad = scale.square().sum() + diff.square().sum()
@@ -181,3 +179,9 @@ class MeanFieldGuide(PosteriorGuide):
             total = kl if total is None else total + kl
         assert total is not None
         return draws, total + const
+
+
+def _draw(loc: Tensor, scale: Tensor, num_samples: int) -> Tensor:
+    """``μ + σ ε``, ``ε ~ N(0, I)`` of shape ``(S, *loc.shape)``: the draws of ``Normal.rsample``."""
+    eps = torch.empty((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
+    return loc + eps.normal_() * scale

@@ -32,8 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as torch_dist
 from torch import Tensor
+
+from .distributed import all_reduce_mean_
 
 __all__ = [
     "IVONState",
@@ -58,21 +59,6 @@ __all__ = [
 def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Statistics dtype for weights of ``dtype``: float32 for half/bfloat16, else ``dtype``."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
-    """Average ``tensors`` in place across processes when ``torch.distributed`` is initialised.
-
-    A no-op in a single process (or a world of size 1), so fitters call it unconditionally.
-    """
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return
-    world = torch_dist.get_world_size()
-    if world == 1:
-        return
-    for t in tensors:
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
-        t.div_(world)
 
 
 # --------------------------------------------------------------------------- diagonal IVON

@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 
 import pyro
 import torch
-import torch.distributed as torch_dist
 from tqdm.auto import tqdm
 
 from ..batch import to_device
+from .distributed import all_reduce_grads_, all_reduce_mean_, broadcast_, world
 from .objectives import make_objective
 
 logger = logging.getLogger(__name__)
@@ -79,39 +79,6 @@ def _trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
     seen = {id(p) for p in params}
     params += [p for p in point.values() if id(p) not in seen]
     return params
-
-
-def _world() -> tuple[int, int]:
-    """``(world_size, rank)`` under an initialised ``torch.distributed`` group, else ``(1, 0)``."""
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        return torch_dist.get_world_size(), torch_dist.get_rank()
-    return 1, 0
-
-
-def _broadcast_(tensors: list[torch.Tensor]) -> None:
-    """Copy rank 0's values into every rank (as DDP does when it wraps a module)."""
-    with torch.no_grad():
-        for t in tensors:
-            torch_dist.broadcast(t.data, src=0)
-
-
-def _all_reduce_grads_(params: list[torch.nn.Parameter]) -> None:
-    """Average ``.grad`` over ranks in one flat buffer per dtype (a missing grad counts as 0)."""
-    world = torch_dist.get_world_size()
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in groups.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)
-        flat.div_(world)
-        offset = 0
-        for p in group:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
 
 
 def _save_checkpoint(
@@ -225,17 +192,17 @@ def fit(
     guide.fit_begin(model, data)
     params = _trainable_parameters(model, guide)
     optim = _make_optimizer(optimizer, params, lr, guide)
-    world, rank = _world()
+    world_size, rank = world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     step, epoch, losses = 0, 0, []
     if resume and ckpt is not None and (ckpt / "last").exists():
         meta = _load_checkpoint(ckpt, guide, model, optim)
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
         logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
-    if world > 1:
+    if world_size > 1:
         state = [b for b in guide.buffers() if b.is_floating_point()]
         ids = {id(p) for p in params}
-        _broadcast_(params + [p for p in guide.parameters() if id(p) not in ids] + state)
+        broadcast_(params + [p for p in guide.parameters() if id(p) not in ids] + state)
     write_checkpoints = ckpt is not None and rank == 0
     try:
         steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
@@ -266,7 +233,9 @@ def fit(
                     break
                 batch = to_device(batch, device)
                 optim.zero_grad(set_to_none=True)
-                value = _step(objective, model, guide, batch, optim, params if world > 1 else None)
+                value = _step(
+                    objective, model, guide, batch, optim, params if world_size > 1 else None
+                )
                 if not math.isfinite(value):
                     raise FloatingPointError(
                         f"Non-finite loss ({value}) at step {step} (epoch {epoch}); parameters "
@@ -341,13 +310,13 @@ def _step(
     if sync is None:
         value = float(loss.detach())
     else:
-        mean = loss.detach().clone().reshape(1)
-        torch_dist.all_reduce(mean, op=torch_dist.ReduceOp.SUM)
-        value = float(mean) / torch_dist.get_world_size()
+        mean = loss.detach().clone()
+        all_reduce_mean_([mean])
+        value = float(mean)
     if not math.isfinite(value):
         return value
     loss.backward()
     if sync is not None:
-        _all_reduce_grads_(sync)
+        all_reduce_grads_(sync)
     optim.step()
     return value

@@ -1,0 +1,62 @@
+"""``torch.distributed`` collectives shared by :func:`pyrobayes.fit` and the IVON fitters.
+
+Every function is a no-op in a single process (or a world of size 1), so callers use them
+unconditionally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+
+__all__ = ["world", "broadcast_", "all_reduce_mean_", "all_reduce_grads_"]
+
+
+def world() -> tuple[int, int]:
+    """``(world_size, rank)`` under an initialised ``torch.distributed`` group, else ``(1, 0)``."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_world_size(), torch_dist.get_rank()
+    return 1, 0
+
+
+def broadcast_(tensors: Sequence[Tensor]) -> None:
+    """Copy rank 0's values into every rank in place (as DDP does when it wraps a module)."""
+    if world()[0] == 1:
+        return
+    with torch.no_grad():
+        for t in tensors:
+            torch_dist.broadcast(t.data, src=0)
+
+
+def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
+    """Average ``tensors`` in place across processes."""
+    size = world()[0]
+    if size == 1:
+        return
+    for t in tensors:
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        t.div_(size)
+
+
+def all_reduce_grads_(params: Sequence[Tensor]) -> None:
+    """Average ``.grad`` over ranks through one flat buffer per dtype/device (missing grad = 0)."""
+    if world()[0] == 1:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in groups.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        all_reduce_mean_([flat])
+        torch._foreach_copy_(
+            [p.grad for p in group],
+            [
+                v.view_as(p)
+                for v, p in zip(flat.split([p.numel() for p in group]), group, strict=True)
+            ],
+        )
