@@ -12,6 +12,7 @@ never branch on the family:
 ``sample_posterior(num_samples, generator=None)``  joint draws without gradients, reproducible
 ``log_prob(values)``                               joint ``log q(θ_s)`` per draw ``(S,)``
 ``mean()`` / ``median()``                          point summaries per site
+``validation_values()``                            draws ``(S, *shape)`` to validate on mid-fit
 ``config()``                                       JSON-able constructor options (for I/O)
 =================================================  ==============================================
 
@@ -172,6 +173,20 @@ class PosteriorGuide(AutoGuide):
     def median(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         """Posterior median per site (the mean for the symmetric families)."""
         return self.mean()
+
+    def validation_values(self) -> dict[str, Tensor]:
+        """Parameter values ``{site: (S, *shape)}`` that :func:`pyrobayes.fit` validates on.
+
+        The point the optimizer is moving, ``loc`` (S = 1), so it is valid before a post-hoc
+        family (SWAG, Laplace) is fitted; a mixture of particles or an ensemble returns its K
+        members (S = K), whose average is its predictive.
+        """
+        self._require_setup()
+        loc = getattr(self, "loc", None)
+        with torch.no_grad():
+            if callable(loc):
+                return {s: loc(s).detach().unsqueeze(0) for s in self.sites}
+            return {s: v.unsqueeze(0) for s, v in self.mean().items()}
 
     def num_posterior_parameters(self) -> int:
         """Numbers stored to describe the posterior (the guide's state)."""

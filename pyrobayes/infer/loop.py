@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..batch import to_device
 from .distributed import all_reduce_grads_, all_reduce_mean_, broadcast_, world
 from .objectives import make_objective
+from .selection import SELECT_BY, Snapshot, validation_score
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,12 @@ def _trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
 
 
 def _save_checkpoint(
-    directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer, meta: dict[str, Any]
+    directory: Path,
+    guide: Any,
+    model: Any,
+    optim: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    best: Snapshot | None = None,
 ) -> None:
     """Write ``directory/last`` atomically (temp folder + rename); the old one stays until then."""
     from ..io import save  # local: io imports the guide registry
@@ -92,6 +98,8 @@ def _save_checkpoint(
     save(guide, tmp / "posterior.safetensors", model=model)
     torch.save(optim.state_dict(), tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    if best is not None:
+        torch.save(best.to_dict(), tmp / "best.pt")
     (tmp / "state.json").write_text(json.dumps(meta, indent=2))
     final = directory / "last"
     old = directory / ".last-old"
@@ -106,14 +114,17 @@ def _save_checkpoint(
 
 def _load_checkpoint(
     directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Snapshot | None]:
     from ..io import load_state
 
     final = directory / "last"
     load_state(guide, final / "posterior.safetensors", model=model)
     optim.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
     torch.set_rng_state(torch.load(final / "rng.pt", weights_only=True)["torch"])
-    return json.loads((final / "state.json").read_text())
+    best = None
+    if (final / "best.pt").exists():
+        best = Snapshot.from_dict(torch.load(final / "best.pt", weights_only=True))
+    return json.loads((final / "state.json").read_text()), best
 
 
 def fit(
@@ -133,6 +144,8 @@ def fit(
     checkpoint_every: int | None = None,
     resume: bool = False,
     callback: Callable[[int, float], None] | None = None,
+    val_data: Iterable[Any] | None = None,
+    select_by: str = "nll",
 ) -> FitResult:
     """Fit ``guide`` (the posterior) to ``model`` on ``data``.
 
@@ -164,6 +177,15 @@ def fit(
         Continue from ``<checkpoint_dir>/last`` if it exists (restores guide, optimizer, RNG and
         the step counter; steps already done are not repeated).
     callback : callable(step, loss), optional
+    val_data : iterable of batches, optional
+        Held-out data scored at the end of every epoch at the guide's
+        ``validation_values()`` (its current ``loc``); the best epoch's guide state and point
+        parameters are restored when training ends, before the family's ``fit_end`` (so Laplace
+        fits its curvature at the selected MAP). ``FitResult.state`` records ``best_epoch``
+        (0-based) and the ``validation`` history.
+    select_by : {"nll", "accuracy", "rmse"}
+        The validation criterion: predictive NLL (any likelihood), accuracy (classification;
+        ties broken by NLL) or RMSE (regression).
 
     Returns
     -------
@@ -178,6 +200,8 @@ def fit(
         raise ValueError("Pass epochs=... or num_steps=... to fit().")
     if (epochs is not None and epochs < 0) or (num_steps is not None and num_steps < 0):
         raise ValueError(f"Expected non-negative epochs/num_steps but got {epochs}/{num_steps}.")
+    if select_by not in SELECT_BY:
+        raise ValueError(f"fit(select_by=...) must be one of {SELECT_BY}; got {select_by!r}.")
     if seed is not None:
         pyro.set_rng_seed(seed)
     if device is not None:
@@ -195,9 +219,12 @@ def fit(
     world_size, rank = world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     step, epoch, losses = 0, 0, []
+    best: Snapshot | None = None  # best validated state so far (with val_data)
+    history: list[dict[str, Any]] = []
     if resume and ckpt is not None and (ckpt / "last").exists():
-        meta = _load_checkpoint(ckpt, guide, model, optim)
+        meta, best = _load_checkpoint(ckpt, guide, model, optim)
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
+        history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
     if world_size > 1:
         state = [b for b in guide.buffers() if b.is_floating_point()]
@@ -221,7 +248,10 @@ def fit(
     step_in_epoch_done = step - epoch * steps_per_epoch if steps_per_epoch else 0
 
     def _meta() -> dict[str, Any]:
-        return {"step": step, "epoch": epoch, "losses": losses}
+        return {"step": step, "epoch": epoch, "losses": losses, "validation": history}
+
+    def _best_index() -> int:
+        return min(range(len(history)), key=lambda i: tuple(history[i]["key"]))
 
     try:
         while (epochs is None or epoch < epochs) and (num_steps is None or step < num_steps):
@@ -257,13 +287,28 @@ def fit(
                     raise ValueError("fit(): data yielded no batches.")
                 step_in_epoch_done = 0
                 guide.epoch_end(model, epoch)
+                if val_data is not None:
+                    key, measured = validation_score(model, guide, val_data, select_by)
+                    if world_size > 1:  # every rank scores its shard: agree on the mean
+                        mean_key = torch.tensor(key, dtype=torch.float64, device=model.device)
+                        all_reduce_mean_([mean_key])
+                        key = tuple(mean_key.tolist())
+                    history.append({"epoch": epoch, "key": list(key), **measured})
+                    if _best_index() == len(history) - 1:
+                        best = Snapshot.capture(model, guide)
+                    logger.info("epoch %d validation: %s", epoch, measured)
                 epoch += 1
                 if write_checkpoints:
-                    _save_checkpoint(ckpt, guide, model, optim, _meta())
+                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best)
                 continue
             break  # num_steps reached inside the epoch
     finally:
         bar.close()
+    best_epoch = None
+    if best is not None:
+        best_epoch = history[_best_index()]["epoch"]
+        best.restore(model, guide)
+        logger.info("fit: restored the best validated epoch %d (%s)", best_epoch, select_by)
     guide.fit_end(model, data)
     model.train(False)
     elapsed = time.perf_counter() - start
@@ -279,6 +324,8 @@ def fit(
         "elapsed": elapsed,
         "objective": type(objective).__name__,
     }
+    if val_data is not None:
+        state.update(best_epoch=best_epoch, validation=history)
     return FitResult(guide, torch.tensor(losses), state)
 
 

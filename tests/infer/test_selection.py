@@ -1,0 +1,136 @@
+"""pb.fit(val_data=...): the best validated epoch is restored (SPECS 2(b) TRAIN_MAP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pyrobayes as pb
+from tests.common import conjugate_core
+
+
+def _data(x, y, batch: int = 16):
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+
+
+def _run(family: str, epochs: int, val: str | None, select_by: str = "nll", **kw):
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    train = _data(prob.x, prob.y)
+    if val == "train":  # the fit improves it every epoch: the last epoch is the best
+        val_data = train
+    elif val == "flipped":  # targets of the opposite sign: the fit worsens it every epoch
+        val_data = _data(prob.x, 2 * prob.model.net[0].base(prob.x).detach() - prob.y)
+    else:
+        val_data = None
+    guide = pb.posterior(prob.model, family)
+    result = pb.fit(
+        prob.model,
+        guide,
+        train,
+        epochs=epochs,
+        seed=0,
+        lr=0.05,
+        val_data=val_data,
+        select_by=select_by,
+        **kw,
+    )
+    return guide, result
+
+
+def _state(guide) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in guide.state_dict().items()}
+
+
+def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("family", ["map", "meanfield", "ivon"])
+def test_worsening_validation_restores_the_first_epoch(family):
+    guide, result = _run(family, epochs=4, val="flipped")
+    history = result.state["validation"]
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3]
+    nll = [h["nll"] for h in history]
+    assert nll == sorted(nll) and nll[0] < nll[-1], nll  # validation got worse every epoch
+    assert result.state["best_epoch"] == 0
+    # the restored state is the state after one epoch of the same run (validation draws no
+    # random numbers, so the trajectory is the one without val_data)
+    one_epoch, _ = _run(family, epochs=1, val=None)
+    _assert_same_state(_state(guide), _state(one_epoch))
+    assert len(result.losses) == 4 * 4  # training itself ran all four epochs
+
+
+def test_improving_validation_keeps_the_last_epoch():
+    guide, result = _run("map", epochs=3, val="train", select_by="rmse")
+    rmse = [h["rmse"] for h in result.state["validation"]]
+    assert rmse == sorted(rmse, reverse=True) and rmse[-1] < rmse[0], rmse
+    assert result.state["best_epoch"] == 2
+    plain, _ = _run("map", epochs=3, val=None)
+    _assert_same_state(_state(guide), _state(plain))
+
+
+def test_laplace_fits_its_curvature_at_the_selected_map():
+    lap, result = _run("laplace", epochs=3, val="flipped")
+    assert result.state["best_epoch"] == 0 and lap.is_fitted
+    ref, _ = _run("laplace", epochs=1, val=None)
+    for site in lap.sites:
+        torch.testing.assert_close(lap.loc(site), ref.loc(site), rtol=0, atol=0)
+        torch.testing.assert_close(lap.posterior_precision(site), ref.posterior_precision(site))
+
+
+def test_selection_survives_resume(tmp_path):
+    full, full_result = _run("map", epochs=4, val="flipped")
+    _run("map", epochs=2, val="flipped", checkpoint_dir=tmp_path)
+    resumed, resumed_result = _run(
+        "map", epochs=4, val="flipped", checkpoint_dir=tmp_path, resume=True
+    )
+    assert resumed_result.state["best_epoch"] == full_result.state["best_epoch"] == 0
+    assert [h["nll"] for h in resumed_result.state["validation"]] == pytest.approx(
+        [h["nll"] for h in full_result.state["validation"]], rel=1e-10
+    )
+    _assert_same_state(_state(resumed), _state(full))
+
+
+def test_point_parameters_are_restored_too():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = pb.models.FineTuneModel(
+        net,
+        pb.models.LoRAXS(rank=2, target_modules=["0"]),
+        num_data=48,
+        trainable_modules=["2"],
+    )
+    x, y = torch.randn(48, 4), torch.randint(0, 3, (48,))
+    train = _data(x, y)
+    val = _data(x, (y + 1) % 3)  # other labels: fitting the train labels hurts these
+    head_before = net[2].weight.detach().clone()
+    guide = pb.posterior(model, "map")
+    result = pb.fit(
+        model, guide, train, epochs=5, lr=0.05, seed=0, val_data=val, select_by="accuracy"
+    )
+    best = result.state["best_epoch"]
+    accuracies = [h["accuracy"] for h in result.state["validation"]]
+    assert accuracies[best] == max(accuracies)
+    torch.manual_seed(0)
+    net2 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    model2 = pb.models.FineTuneModel(
+        net2, pb.models.LoRAXS(rank=2, target_modules=["0"]), num_data=48, trainable_modules=["2"]
+    )
+    pb.fit(model2, pb.posterior(model2, "map"), train, epochs=best + 1, lr=0.05, seed=0)
+    assert not torch.equal(net2[2].weight, head_before)  # the head did train
+    torch.testing.assert_close(net[2].weight, net2[2].weight, rtol=0, atol=0)
+
+
+def test_bad_select_by_is_named():
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "map")
+    data = _data(prob.x, prob.y)
+    with pytest.raises(ValueError, match="select_by"):
+        pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="f1")
+    with pytest.raises(ValueError, match="classification"):
+        pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="accuracy")
