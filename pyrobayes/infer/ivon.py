@@ -172,6 +172,41 @@ def ivon_step(
     return new_m, IVONState(momentum, hess, t)
 
 
+def ivon_step_(
+    m: Tensor,
+    momentum: Tensor,
+    hess: Tensor,
+    grad: Tensor,
+    hess_hat: Tensor,
+    step: int,
+    *,
+    lr: float,
+    hess_init: float = 1.0,
+    beta1: float = 0.9,
+    beta2: float = 0.99999,
+    weight_decay: float = 1e-4,
+    clip_radius: float = math.inf,
+    debias: bool = True,
+    rescale_lr: bool = True,
+) -> None:
+    """:func:`ivon_step` in place on same-dtype state tensors ``m``, ``momentum``, ``hess``.
+
+    The optimizer's fast path over its persistent flat vectors: the same recurrence with a third
+    of the temporaries (equal to :func:`ivon_step` up to rounding; tested).
+    """
+    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    correction = (hess - hess_hat).square_().div_(hess + weight_decay)
+    hess.mul_(beta2).add_(hess_hat, alpha=1.0 - beta2).add_(
+        correction, alpha=0.5 * (1.0 - beta2) ** 2
+    )
+    bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
+    direction = torch.add(momentum, m, alpha=weight_decay * bias).div_(hess + weight_decay)
+    if math.isfinite(clip_radius):  # clip((ḡ/bias + δm)/(h+δ)): the bias is folded in below
+        direction.clamp_(-clip_radius * bias, clip_radius * bias)
+    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
+    m.sub_(direction, alpha=scale / bias)
+
+
 # --------------------------------------------------------------------------- Kronecker IVON
 class KronState(NamedTuple):
     r"""Kronecker IVON state for one ``(d_out, d_in)`` weight.
@@ -467,10 +502,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             cache = self._flat
             if cache is None or not cache.valid(params, hess_list, states, n_sites, versions):
                 cache = self._flat = _FlatCache(params, hess_list, states)
-            new_m, state = ivon_step(
-                cache.m, IVONState(cache.momentum, hess, steps[0]), grad, hhat, lr=lr, **kwargs
-            )
-            cache.write(new_m, state)
+            cache.step_(grad, hhat, steps[0], lr, kwargs)
             return
         m = torch.cat([p.detach().reshape(-1) for p in params])
         if m.dtype != hess.dtype:
@@ -593,15 +625,14 @@ class _FlatCache:
         now = [p._version for p in params[:n_sites]] + list(extra_versions or [])
         return len(now) == len(self.versions) and now == self.versions
 
-    def write(self, new_m: Tensor, state: IVONState) -> None:
-        self.m.copy_(new_m)
-        self.h.copy_(state.hess)
-        self.momentum.copy_(state.momentum)
+    def step_(self, grad: Tensor, hess_hat: Tensor, step: int, lr: float, kwargs: dict) -> None:
+        """One :func:`ivon_step_` on the flat vectors, then write ``m`` and ``h`` back."""
+        ivon_step_(self.m, self.momentum, self.h, grad, hess_hat, step, lr=lr, **kwargs)
         torch._foreach_copy_(self.params, self.m_views)
         torch._foreach_copy_(self.hess, self.h_views)
-        step = torch.tensor(state.step)
+        counter = torch.tensor(step + 1)
         for st in self.states:
-            st["step"] = step
+            st["step"] = counter
         self._record()
 
 

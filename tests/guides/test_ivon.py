@@ -12,7 +12,7 @@ from torch import nn
 import pyrobayes as pb
 from pyrobayes.guides import IVONGuide
 from pyrobayes.guides.ivon import IVONLoss
-from pyrobayes.infer.ivon import IVONOptimizer, ivon_init, ivon_step
+from pyrobayes.infer.ivon import IVONOptimizer, IVONState, ivon_init, ivon_step
 from pyrobayes.models import FineTuneModel
 from tests.common import conjugate_core
 
@@ -92,6 +92,41 @@ def test_ivon_step_matches_algorithm_1_by_hand():
         rescale_lr=False,
     )
     torch.testing.assert_close(m_clip, torch.tensor([m0 - lr * 1e-3]))
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"clip_radius": 0.05},
+        {"debias": False, "rescale_lr": False},
+        {"clip_radius": 0.01, "debias": False},
+    ],
+)
+def test_in_place_step_equals_the_functional_step(knobs):
+    from pyrobayes.infer.ivon import ivon_step_
+
+    torch.manual_seed(0)
+    n = 50
+    m, mom = torch.randn(n), 0.1 * torch.randn(n)
+    hess = torch.rand(n) + 0.1
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, beta2=0.9, weight_decay=0.1, **knobs)
+    for step in (0, 4):
+        g, hhat = torch.randn(n), 3 * torch.randn(n)  # negative ĥ too: the correction term
+        ref_m, ref = ivon_step(m, IVONState(mom, hess, step), g, hhat, **kw)
+        m_, mom_, hess_ = m.clone(), mom.clone(), hess.clone()
+        ivon_step_(m_, mom_, hess_, g, hhat, step, **kw)
+        torch.testing.assert_close(mom_, ref.momentum, rtol=1e-14, atol=1e-15)
+        torch.testing.assert_close(hess_, ref.hess, rtol=1e-14, atol=1e-15)
+        torch.testing.assert_close(m_, ref_m, rtol=1e-13, atol=1e-14)
+        if "clip_radius" in knobs:  # the clip binds: every |Δm| ≤ α(h0+δ)c, some equal to it
+            bound = (0.3 * (0.5 + 0.1) if knobs.get("rescale_lr", True) else 0.3) * knobs[
+                "clip_radius"
+            ]
+            moved = (ref_m - m).abs()
+            assert (moved <= bound * (1 + 1e-9)).all()
+            assert (moved >= bound * (1 - 1e-9)).any()
+        m, mom, hess = ref_m, ref.momentum, ref.hess
 
 
 def test_price_estimator_is_unbiased_on_a_quadratic():
