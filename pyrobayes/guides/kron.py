@@ -28,7 +28,7 @@ from ..infer.distributed import all_reduce_mean_
 from ..infer.ivon import (
     damped_eigenvalues,
     eigh_factor,
-    kron_step,
+    kron_step_,
 )
 from .ivon import IVONGuide
 
@@ -97,7 +97,9 @@ class KroneckerIVONGuide(IVONGuide):
         self.T_inv = int(T_inv)
         self.diag_beta2 = float(diag_beta2)
         self._kron: dict[str, tuple[str, str]] = {}  # site -> (kind, module_path)
-        self._stats: dict[str, dict[str, Any]] = {}
+        # per step: site -> [(core input, core output)], and G sums of the extra Fisher passes
+        self._stats: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        self._G_acc: dict[str, Tensor] = {}
         self._recording = False
         self._capture_G = False
         self._t = 0
@@ -294,33 +296,17 @@ class KroneckerIVONGuide(IVONGuide):
         def hook(module: Any, inputs: Any, output: Tensor) -> None:
             if not (self._recording and torch.is_grad_enabled() and output.requires_grad):
                 return
-            x = inputs[0]
-            num_examples = int(x.shape[0])
-            a = x.detach().reshape(-1, x.shape[-1])
-            if a.dtype != self.state_dtype:
-                a = a.to(self.state_dtype)
-            st = self._stats.get(site)
-            if st is None:
-                st = self._stats[site] = {"A": a.mT @ a, "rows": a.shape[0], "G": 0.0}
-            else:
-                st["A"] = st["A"] + a.mT @ a
-                st["rows"] += a.shape[0]
-
-            def grad_hook(grad: Tensor) -> None:
-                if not self._capture_G:
-                    return
-                gs = grad.detach().reshape(-1, grad.shape[-1])
-                if gs.dtype != self.state_dtype:
-                    gs = gs.to(self.state_dtype)
-                st["G"] = st["G"] + num_examples * (gs.mT @ gs)
-
-            output.register_hook(grad_hook)
+            if self._capture_G:  # empirical Fisher: the closure's backward fills output.grad
+                output.retain_grad()
+            # the Gram matrices aᵀa and gᵀg are formed at update time, batched over sites
+            self._stats.setdefault(site, []).append((inputs[0].detach(), output))
 
         return hook
 
     def _begin_step(self) -> None:
         super()._begin_step()
         self.__dict__["_stats"] = {}
+        self.__dict__["_G_acc"] = {}
         self.__dict__["_recording"] = bool(self._kron) and self._t % self.T_stats == 0
         self.__dict__["_capture_G"] = self._recording and self.fisher == "empirical"
 
@@ -329,25 +315,94 @@ class KroneckerIVONGuide(IVONGuide):
         self.__dict__["_capture_G"] = False
 
     def _curvature_passes(self, model: Any, params: Tensor, targets: Tensor) -> None:
-        """Extra backward passes for ``fisher="mc"`` / ``"ggn"`` (called by :class:`IVONLoss`)."""
+        """Extra backward passes for ``fisher="mc"`` / ``"ggn"`` (called by :class:`IVONLoss`).
+
+        Each pass asks autograd for the gradients at the recorded core outputs directly and adds
+        their ``B·gᵀg`` to the site's ``G`` estimate.
+        """
         if not self._recording or self.fisher == "empirical":
             return
-        leaves = [self._noise]
+        records = [(site, x, out) for site, recs in self._stats.items() for x, out in recs]
+        outputs = [out for _, _, out in records]
         rows = params.shape[0] * params.shape[1]  # S·B expanded examples
-        self.__dict__["_capture_G"] = True
-        try:
-            if self.fisher == "mc":
-                with torch.no_grad():
-                    y = model.likelihood.dist(params.detach()).sample()
-                lmc = -model.log_likelihood(params, y).reshape(rows, -1).sum(-1).mean()
-                torch.autograd.grad(lmc, leaves, retain_graph=True, allow_unused=True)
-            else:
-                for v in _output_hessian_roots(model.likelihood, params):
-                    torch.autograd.grad(
-                        params, leaves, grad_outputs=v / rows, retain_graph=True, allow_unused=True
+        if self.fisher == "mc":
+            with torch.no_grad():
+                y = model.likelihood.dist(params.detach()).sample()
+            lmc = -model.log_likelihood(params, y).reshape(rows, -1).sum(-1).mean()
+            passes = [torch.autograd.grad(lmc, outputs, retain_graph=True, allow_unused=True)]
+        else:
+            passes = [
+                torch.autograd.grad(
+                    params, outputs, grad_outputs=v / rows, retain_graph=True, allow_unused=True
+                )
+                for v in _output_hessian_roots(model.likelihood, params)
+            ]
+        acc = self.__dict__.setdefault("_G_acc", {})
+        for grads in passes:
+            for (site, x, _), g in zip(records, grads, strict=True):
+                if g is None:
+                    continue
+                gs = g.detach().reshape(-1, g.shape[-1]).to(self.state_dtype)
+                term = int(x.shape[0]) * (gs.mT @ gs)
+                acc[site] = term if site not in acc else acc[site] + term
+
+    def _factor_estimates(self, sites: list[str]) -> list[Tensor]:
+        """``[Â_1, Ĝ_1, Â_2, Ĝ_2, ...]`` for ``sites`` from this step's recordings.
+
+        ``Â = Σ aᵀa / rows`` over the core inputs; ``Ĝ = B Σ gᵀg`` over the gradients of the mean
+        loss at the core outputs (so ``Ĝ`` estimates the per-example ``E[g gᵀ]``). Sites with one
+        recording of the same shape share one batched product.
+        """
+        recs = []
+        for site in sites:
+            rec = self._stats.get(site)
+            if not rec:
+                raise RuntimeError(
+                    "KroneckerIVONGuide: no curvature statistics were recorded for "
+                    f"{site!r}; fit with the default IVONLoss objective so the module "
+                    "hooks see the sampled weights."
+                )
+            recs.append(rec)
+        empirical = self.fisher == "empirical"
+
+        def grad_of(out: Tensor) -> Tensor:
+            if out.grad is None:
+                raise RuntimeError(
+                    "KroneckerIVONGuide: the recorded core output got no gradient; the loss "
+                    "must depend on every Kronecker site."
+                )
+            return out.grad
+
+        dtype = self.state_dtype
+        if empirical and all(len(r) == 1 for r in recs) and len({r[0][0].shape for r in recs}) == 1:
+            x = torch.stack([r[0][0] for r in recs])
+            g = torch.stack([grad_of(r[0][1]) for r in recs])
+            num = int(x.shape[1])
+            x = x.reshape(len(recs), -1, x.shape[-1]).to(dtype)
+            g = g.reshape(len(recs), -1, g.shape[-1]).to(dtype)
+            A = (x.mT @ x).div_(x.shape[1])
+            G = (g.mT @ g).mul_(num)
+            return [t for pair in zip(A.unbind(0), G.unbind(0), strict=True) for t in pair]
+        hats: list[Tensor] = []
+        acc = self.__dict__.get("_G_acc", {})
+        for site, rec in zip(sites, recs, strict=True):
+            a = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in rec]).to(dtype)
+            if empirical:
+                G = sum(
+                    int(x.shape[0]) * (g.mT @ g)
+                    for x, g in (
+                        (x, grad_of(out).reshape(-1, out.shape[-1]).to(dtype)) for x, out in rec
                     )
-        finally:
-            self.__dict__["_capture_G"] = False
+                )
+            else:
+                if site not in acc:
+                    raise RuntimeError(
+                        f"KroneckerIVONGuide: fisher={self.fisher!r} recorded no output "
+                        f"gradient for {site!r}."
+                    )
+                G = acc[site]
+            hats += [(a.mT @ a) / a.shape[0], G]
+        return hats
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -366,16 +421,7 @@ class KroneckerIVONGuide(IVONGuide):
             sites = [site for run in runs for site in run[0]]
             factors = [F_ for site in sites for F_ in self.factors(site)]
             if self._recording_done:
-                hats = []
-                for site in sites:
-                    st = self._stats.get(site)
-                    if st is None or not st["rows"] or isinstance(st["G"], float):
-                        raise RuntimeError(
-                            "KroneckerIVONGuide: no curvature statistics were recorded for "
-                            f"{site!r}; fit with the default IVONLoss objective so the module "
-                            "hooks see the sampled weights."
-                        )
-                    hats += [st["A"] / st["rows"], st["G"]]
+                hats = self._factor_estimates(sites)
                 all_reduce_mean_(grads + hats)
                 # A ← β2 A + (1−β2) Â, G ← β2 G + (1−β2) Ĝ for every factor at once
                 beta2 = hp["beta2"]
@@ -392,13 +438,15 @@ class KroneckerIVONGuide(IVONGuide):
         self.__dict__["_t"] = self._t + 1  # plain attributes: skip nn.Module.__setattr__
         self._buffers["num_updates"].fill_(self._t)
         self.__dict__["_stats"] = {}
+        self.__dict__["_G_acc"] = {}
         self.__dict__["_noise"] = None
 
     def _kron_mean_update(self, optimizer: Any, lr: float, sites: list[str], grad: Tensor) -> None:
         """SPECS 5b.2 steps 4-5 for K same-shape Kronecker sites in ONE batched step.
 
-        ``kron_step`` broadcasts over a leading axis, so K cores of the same shape cost one set of
-        kernels (stacked means, momenta, gradients `(K, *shape)` and eigenbases) instead of K.
+        ``kron_step_`` broadcasts over a leading axis, so K cores of the same shape cost one set
+        of kernels. The stacked means and momenta `(K, *shape)` persist between steps (the
+        per-site tensors stay the source of truth: rebuilt when anyone else writes them).
         """
         hp = self.hyper
         lay = self._layout()
@@ -415,14 +463,22 @@ class KroneckerIVONGuide(IVONGuide):
                 self._kron_mean_update(optimizer, lr, [site], grad[k : k + 1])
             return
         step = steps.pop()
-        eig_in, eig_out = self._stacked_eigen(sites)
-        new_M, mom = kron_step(
-            torch.stack(ps),
-            torch.stack([st["momentum"] for st in states]),
+        (_, Q_A), (_, Q_G) = self._stacked_eigen(sites)
+        damped = self._stacked_damped(sites)
+        key = tuple(sites)
+        caches = self.__dict__.setdefault("_mean_stacks", {})
+        stack = caches.get(key)
+        if stack is None or not stack.valid(ps, states):
+            stack = caches[key] = _MeanStack(ps, states)
+        dtype = stack.momentum.dtype
+        kron_step_(
+            stack.M,
+            stack.momentum,
             step,
-            grad,
-            eig_in,
-            eig_out,
+            grad if grad.dtype == dtype else grad.to(dtype),
+            Q_A,
+            Q_G,
+            damped,
             lr=lr,
             hess_init=hp["hess_init"],
             beta1=hp["beta1"],
@@ -430,22 +486,24 @@ class KroneckerIVONGuide(IVONGuide):
             clip_radius=hp["clip_radius"],
             debias=hp["debias"],
             rescale_lr=hp["rescale_lr"],
-            damping=self.damping,
         )
-        torch._foreach_copy_(ps, list(new_M.unbind(0)))
-        counter = step + 1
-        for j, st in enumerate(states):
-            st["momentum"] = mom[j]  # a view of the stacked momenta (re-stacked next step)
-            st["step"] = torch.tensor(counter)
+        stack.write(ps, states, step + 1)
+
+    def _stacked_damped(self, sites: list[str]) -> Tensor:
+        """Damped eigenvalues `(K, d_out, d_in)` of ``sites``, cached until the factors change."""
+        (a, _), (g, _) = self._stacked_eigen(sites)
+        cache = self.__dict__.setdefault("_damped_cache", {})
+        hit = cache.get(tuple(sites))
+        if hit is None or hit[0] is not a or hit[1] is not g:
+            hit = (a, g, damped_eigenvalues(a, g, self.weight_decay, self.damping))
+            cache[tuple(sites)] = hit
+        return hit[2]
 
     def _stacked_eigen(
         self, sites: list[str]
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """``((a, Q_A), (γ, Q_G))`` of ``sites`` stacked on a leading axis, cached on versions."""
         eig = [self.eigen(site) for site in sites]
-        if len(sites) == 1:
-            (a, qa), (g, qg) = eig[0]
-            return (a[None], qa[None]), (g[None], qg[None])
         key = tuple((id(t), t._version) for e in eig for pair in e for t in pair)
         cache = self.__dict__.setdefault("_stack_cache", {})
         hit = cache.get(tuple(sites))
@@ -492,3 +550,38 @@ def _output_hessian_roots(likelihood: Any, params: Tensor) -> list[Tensor]:
         f"fisher='ggn' supports gaussian and categorical likelihoods, not {name!r}; "
         "use fisher='empirical' or 'mc'."
     )
+
+
+class _MeanStack:
+    """Stacked means ``M`` and momenta `(K, *shape)` of a run of same-shape Kronecker sites.
+
+    Reused while the per-site tensors are the same objects with unchanged ``_version`` and the
+    optimizer's ``momentum`` entries are still views of this stack; else rebuilt from them.
+    """
+
+    def __init__(self, ps: list[Tensor], states: list[dict]) -> None:
+        self.M = torch.stack([p.detach() for p in ps]).to(states[0]["momentum"].dtype)
+        self.momentum = torch.stack([st["momentum"] for st in states])
+        self.params = list(ps)
+        self.views = list(self.momentum.unbind(0))
+        for st, v in zip(states, self.views, strict=True):
+            st["momentum"] = v
+        self.versions = [p._version for p in ps]
+
+    def valid(self, ps: list[Tensor], states: list[dict]) -> bool:
+        return (
+            all(a is b for a, b in zip(ps, self.params, strict=True))
+            and [p._version for p in ps] == self.versions
+            and all(st["momentum"] is v for st, v in zip(states, self.views, strict=True))
+        )
+
+    def write(self, ps: list[Tensor], states: list[dict], counter: int) -> None:
+        if self.M.dtype == ps[0].dtype:
+            torch._foreach_copy_(ps, list(self.M.unbind(0)))
+        else:
+            for p, v in zip(ps, self.M.unbind(0), strict=True):
+                p.copy_(v)
+        step = torch.tensor(counter)
+        for st in states:
+            st["step"] = step
+        self.versions = [p._version for p in ps]

@@ -333,6 +333,38 @@ def kron_step(
     return new_M, momentum
 
 
+def kron_step_(
+    M: Tensor,
+    momentum: Tensor,
+    step: int,
+    grad: Tensor,
+    Q_A: Tensor,
+    Q_G: Tensor,
+    damped: Tensor,
+    *,
+    lr: float,
+    hess_init: float = 1.0,
+    beta1: float = 0.9,
+    weight_decay: float = 1e-4,
+    clip_radius: float = math.inf,
+    debias: bool = True,
+    rescale_lr: bool = True,
+) -> None:
+    r""":func:`kron_step` in place on ``M`` and ``momentum`` (same dtype), given the eigenbases
+    and the damped eigenvalues ``damped`` (:func:`damped_eigenvalues`, cached by the caller).
+
+    The preconditioner is linear, so the debiasing ``1/(1−β1ᵗ)`` is applied after it.
+    """
+    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
+    delta = torch.add(momentum, M, alpha=weight_decay * bias)
+    direction = Q_G @ (Q_G.mT @ delta @ Q_A).div_(damped) @ Q_A.mT
+    if math.isfinite(clip_radius):
+        direction.clamp_(-clip_radius * bias, clip_radius * bias)
+    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
+    M.sub_(direction, alpha=scale / bias)
+
+
 # --------------------------------------------------------------------------- optimizer
 class IVONOptimizer(torch.optim.Optimizer):
     r"""IVON / Kronecker-IVON as a closure-driven ``torch.optim.Optimizer``.

@@ -293,3 +293,85 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
     assert result.losses[-5:].mean() < result.losses[:5].mean()
     pred = pb.predict(model, guide, [(x, y)], num_samples=4)
     assert torch.isfinite(pred.log_probs).all()
+
+
+@pytest.mark.parametrize("adapter", ["loraxs", "lora"])
+def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
+    # β2 = 0: after one step A = Â = Σ aᵀa / rows over the core inputs and G = Ĝ = B Σ gᵀg over
+    # the gradients of the mean NLL at the core outputs, at the weights the step drew. LoRA-XS:
+    # two same-shape cores (the batched path); LoRA: A (r, d_in) and B (d_out, r) (per site).
+    from pyrobayes.guides.ivon import _per_example_nll
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    if adapter == "loraxs":
+        adapt, suffixes = pb.models.LoRAXS(rank=2, target_modules=["0", "2"]), ["core"]
+    else:
+        adapt, suffixes = pb.models.LoRA(rank=2, target_modules=["0"]), ["lora_A", "lora_B"]
+    model = FineTuneModel(net, adapt, num_data=40, trainable_modules=[])  # cores only
+    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1, mc_samples=2)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    drawn: dict[str, torch.Tensor] = {}
+    sample = guide.training_sample
+
+    def keep_the_draw(num: int) -> dict[str, torch.Tensor]:
+        values = sample(num)
+        drawn.update({k: v.detach().clone() for k, v in values.items()})
+        return values
+
+    guide.training_sample = keep_the_draw
+    pb.fit(model, guide, [(x, y)], num_steps=1, lr=0.1, seed=0)
+    del guide.training_sample
+    # the reference: the same forward at the drawn weights, with plain hooks and retain_grad
+    seen: dict[str, list] = {}
+    handles = []
+    for site, (_, path) in guide._kron.items():
+        suffix = suffixes[0] if adapter == "loraxs" else site.rsplit(".", 1)[-1]
+        module = model.net.get_submodule(f"{path}.{suffix}")
+
+        def hook(mod, inputs, out, site=site):
+            out.retain_grad()
+            seen[site] = [inputs[0].detach(), out]
+
+        handles.append(module.register_forward_hook(hook))
+    params = model.batched_output(x, {k: v.requires_grad_() for k, v in drawn.items()})
+    _per_example_nll(model, params, y, 2, 10).mean().backward()
+    for h in handles:
+        h.remove()
+    assert len(seen) == len(guide._kron) == 2
+    for site, (a, out) in seen.items():
+        a = a.reshape(-1, a.shape[-1])
+        g = out.grad.reshape(-1, out.shape[-1])
+        A, G = guide.factors(site)
+        torch.testing.assert_close(A, a.T @ a / a.shape[0], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(G, seen[site][0].shape[0] * (g.T @ g), rtol=1e-12, atol=1e-14)
+        assert G.abs().max() > 0  # a real gradient, not an empty statistic
+
+
+@pytest.mark.parametrize("damping", ["exact", "factored"])
+@pytest.mark.parametrize(
+    "knobs", [{}, {"clip_radius": 0.02}, {"debias": False, "rescale_lr": False}]
+)
+def test_in_place_kron_step_equals_kron_step(damping, knobs):
+    from pyrobayes.infer.ivon import kron_step_
+
+    torch.manual_seed(0)
+    K, d_out, d_in = 2, 3, 4
+    eig_in = eigh_factor(_spd(K, d_in))
+    eig_out = eigh_factor(_spd(K, d_out))
+    M, mom = torch.randn(K, d_out, d_in), 0.1 * torch.randn(K, d_out, d_in)
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, weight_decay=0.1, **knobs)
+    for step in (0, 3):
+        grad = torch.randn(K, d_out, d_in)
+        ref_M, ref_mom = kron_step(M, mom, step, grad, eig_in, eig_out, damping=damping, **kw)
+        M_, mom_ = M.clone(), mom.clone()
+        damped = damped_eigenvalues(eig_in[0], eig_out[0], kw["weight_decay"], damping)
+        kron_step_(M_, mom_, step, grad, eig_in[1], eig_out[1], damped, **kw)
+        torch.testing.assert_close(mom_, ref_mom, rtol=1e-13, atol=1e-14)
+        torch.testing.assert_close(M_, ref_M, rtol=1e-12, atol=1e-13)
+        M, mom = ref_M, ref_mom
+
+
+def _spd(K: int, d: int) -> torch.Tensor:
+    X = torch.randn(K, 3 * d, d)
+    return X.mT @ X / (3 * d)
