@@ -267,6 +267,15 @@ class KroneckerIVONGuide(IVONGuide):
             self.__dict__["_runs_cache"] = runs
         return runs
 
+    def _kron_runs(self) -> tuple[list[tuple[list[str], tuple[int, int], torch.Size]], list[str]]:
+        """The runs of Kronecker sites (see :meth:`_runs`) and their sites in order (cached)."""
+        hit = self.__dict__.get("_kron_runs_cache")
+        if hit is None:
+            runs = [run for run in self._runs() if run[0][0] in self._kron]
+            hit = (runs, [site for run in runs for site in run[0]])
+            self.__dict__["_kron_runs_cache"] = hit
+        return hit
+
     def _stacked_perturbation(self, sites: list[str], eps: Tensor) -> Tensor:
         """``Q_G (ε ⊘ sqrt(λD)) Q_Aᵀ`` for K stacked sites, ``eps`` `(S, K, d_out, d_in)`."""
         (a, Qa), (g, Qg) = self._stacked_eigen(sites)
@@ -412,13 +421,12 @@ class KroneckerIVONGuide(IVONGuide):
         if self._kron:
             grads_all, _ = self._flat_grads()
             num = grads_all.shape[0]
-            runs = [run for run in self._runs() if run[0][0] in self._kron]
+            runs, sites = self._kron_runs()
             # ḡ per run of same-shape sites: one view and one mean over the samples, (K, *shape)
             grads = [
                 grads_all[:, a:b].view(num, len(sites), *shape).mean(0)
                 for sites, (a, b), shape in runs
             ]
-            sites = [site for run in runs for site in run[0]]
             factors = [F_ for site in sites for F_ in self.factors(site)]
             if self._recording_done:
                 hats = self._factor_estimates(sites)
@@ -427,8 +435,7 @@ class KroneckerIVONGuide(IVONGuide):
                 beta2 = hp["beta2"]
                 if any(h.dtype != F_.dtype for h, F_ in zip(hats, factors, strict=True)):
                     hats = [h.to(F_.dtype) for h, F_ in zip(hats, factors, strict=True)]
-                torch._foreach_mul_(factors, beta2)
-                torch._foreach_add_(factors, hats, alpha=1.0 - beta2)
+                torch._foreach_lerp_(factors, hats, 1.0 - beta2)
             else:
                 all_reduce_mean_(grads)
             if (self._t + 1) % self.T_inv == 0 or self._t == 0:
