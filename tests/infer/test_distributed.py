@@ -22,9 +22,10 @@ from torch import nn
 
 import pyrobayes as pb
 
-FAMILIES = ("map", "meanfield", "ivon", "kron-ivon")
+# "map+val": MAP with validation selection; the ranks hold opposite halves of the validation set
+FAMILIES = ("map", "meanfield", "ivon", "kron-ivon", "map+val")
 NUM_DATA, BATCH, STEPS = 96, 16, 12
-LR = {"map": 1e-2, "meanfield": 1e-2, "ivon": 0.05, "kron-ivon": 0.05}
+LR = {"map": 1e-2, "meanfield": 1e-2, "ivon": 0.05, "kron-ivon": 0.05, "map+val": 5e-2}
 
 
 def _problem(
@@ -53,9 +54,25 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
             (x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half])
             for x, y in batches
         ]
-    guide = pb.posterior(model, family)
-    pb.fit(model, guide, batches, num_steps=STEPS, lr=LR[family], seed=3)
-    state = {f"guide.{k}": v.detach().clone() for k, v in guide.state_dict().items()}
+    guide = pb.posterior(model, family.removesuffix("+val"))
+    if family == "map+val":
+        # half 0 has the training rule's labels (improves with training), half 1 other labels
+        # (worsens): alone, half 0 selects the last epoch and half 1 the first (measured), so
+        # ranks that did not average their scores would restore different states
+        g = torch.Generator().manual_seed(2)
+        vx = torch.randn(2 * BATCH, 5, generator=g)
+        vy = (vx[:, 0] + vx[:, 1] > 0).long() + (vx[:, 2] > 1).long()
+        vy[BATCH:] = (vy[BATCH:] + 1) % 3
+        halves = [(vx[:BATCH], vy[:BATCH]), (vx[BATCH:], vy[BATCH:])]
+        val = [halves[rank]] if rank is not None else [(vx, vy)]
+        result = pb.fit(
+            model, guide, batches, epochs=6, lr=LR[family], seed=3, val_data=val, select_by="nll"
+        )
+        state = {"best_epoch": torch.tensor(result.state["best_epoch"])}
+    else:
+        pb.fit(model, guide, batches, num_steps=STEPS, lr=LR[family], seed=3)
+        state = {}
+    state |= {f"guide.{k}": v.detach().clone() for k, v in guide.state_dict().items()}
     state.update({f"model.{k}": v.detach().clone() for k, v in model.point_params.items()})
     return state
 
