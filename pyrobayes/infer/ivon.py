@@ -43,12 +43,14 @@ __all__ = [
     "gradsq_hessian",
     "ivon_hess_update",
     "ivon_step",
+    "ivon_step_",
     "KronState",
     "kron_init",
     "kron_factor_update",
     "eigh_factor",
     "kron_precondition",
     "kron_step",
+    "kron_step_",
     "all_reduce_mean_",
     "state_dtype_for",
     "IVONOptimizer",
@@ -194,14 +196,50 @@ def ivon_step_(
     The optimizer's fast path over its persistent flat vectors: the same recurrence with a third
     of the temporaries (equal to :func:`ivon_step` up to rounding; tested).
     """
-    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     correction = (hess - hess_hat).square_().div_(hess + weight_decay)
     hess.mul_(beta2).add_(hess_hat, alpha=1.0 - beta2).add_(
         correction, alpha=0.5 * (1.0 - beta2) ** 2
     )
+    _mean_step_(
+        m,
+        momentum,
+        grad,
+        step,
+        lambda d: d.div_(hess + weight_decay),
+        lr=lr,
+        hess_init=hess_init,
+        beta1=beta1,
+        weight_decay=weight_decay,
+        clip_radius=clip_radius,
+        debias=debias,
+        rescale_lr=rescale_lr,
+    )
+
+
+def _mean_step_(
+    m: Tensor,
+    momentum: Tensor,
+    grad: Tensor,
+    step: int,
+    precondition_: Callable[[Tensor], Tensor],
+    *,
+    lr: float,
+    hess_init: float,
+    beta1: float,
+    weight_decay: float,
+    clip_radius: float,
+    debias: bool,
+    rescale_lr: bool,
+) -> None:
+    """In place: momentum, then ``m ← m − α(h0+δ) clip(P(ḡ/(1−β1ᵗ) + δm))`` for a linear ``P``.
+
+    ``P`` is applied to ``momentum + (1−β1ᵗ) δ m`` (it may work in place on that temporary) and
+    the debiasing is folded into the step size and the clip radius.
+    """
+    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
-    direction = torch.add(momentum, m, alpha=weight_decay * bias).div_(hess + weight_decay)
-    if math.isfinite(clip_radius):  # clip((ḡ/bias + δm)/(h+δ)): the bias is folded in below
+    direction = precondition_(torch.add(momentum, m, alpha=weight_decay * bias))
+    if math.isfinite(clip_radius):  # clip(direction/bias) = clip(direction, c·bias)/bias
         direction.clamp_(-clip_radius * bias, clip_radius * bias)
     scale = lr * (hess_init + weight_decay) if rescale_lr else lr
     m.sub_(direction, alpha=scale / bias)
@@ -355,14 +393,20 @@ def kron_step_(
 
     The preconditioner is linear, so the debiasing ``1/(1−β1ᵗ)`` is applied after it.
     """
-    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-    bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
-    delta = torch.add(momentum, M, alpha=weight_decay * bias)
-    direction = Q_G @ (Q_G.mT @ delta @ Q_A).div_(damped) @ Q_A.mT
-    if math.isfinite(clip_radius):
-        direction.clamp_(-clip_radius * bias, clip_radius * bias)
-    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
-    M.sub_(direction, alpha=scale / bias)
+    _mean_step_(
+        M,
+        momentum,
+        grad,
+        step,
+        lambda d: Q_G @ (Q_G.mT @ d @ Q_A).div_(damped) @ Q_A.mT,
+        lr=lr,
+        hess_init=hess_init,
+        beta1=beta1,
+        weight_decay=weight_decay,
+        clip_radius=clip_radius,
+        debias=debias,
+        rescale_lr=rescale_lr,
+    )
 
 
 # --------------------------------------------------------------------------- optimizer
