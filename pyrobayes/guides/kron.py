@@ -383,7 +383,8 @@ class KroneckerIVONGuide(IVONGuide):
             return out.grad
 
         dtype = self.state_dtype
-        if empirical and all(len(r) == 1 for r in recs) and len({r[0][0].shape for r in recs}) == 1:
+        same_shapes = len({(r[0][0].shape, r[0][1].shape) for r in recs}) == 1
+        if empirical and all(len(r) == 1 for r in recs) and same_shapes:
             x = torch.stack([r[0][0] for r in recs])
             g = torch.stack([grad_of(r[0][1]) for r in recs])
             num = int(x.shape[1])
@@ -424,8 +425,8 @@ class KroneckerIVONGuide(IVONGuide):
             runs, sites = self._kron_runs()
             # ḡ per run of same-shape sites: one view and one mean over the samples, (K, *shape)
             grads = [
-                grads_all[:, a:b].view(num, len(sites), *shape).mean(0)
-                for sites, (a, b), shape in runs
+                grads_all[:, a:b].view(num, len(run_sites), *shape).mean(0)
+                for run_sites, (a, b), shape in runs
             ]
             factors = [F_ for site in sites for F_ in self.factors(site)]
             if self._recording_done:

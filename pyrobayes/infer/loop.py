@@ -222,7 +222,8 @@ def fit(
     best: Snapshot | None = None  # best validated state so far (with val_data)
     history: list[dict[str, Any]] = []
     if resume and ckpt is not None and (ckpt / "last").exists():
-        meta, best = _load_checkpoint(ckpt, guide, model, optim)
+        meta, saved_best = _load_checkpoint(ckpt, guide, model, optim)
+        best = saved_best if val_data is not None else None
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
         history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
@@ -281,7 +282,7 @@ def fit(
                 if callback is not None:
                     callback(step, value)
                 if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
-                    _save_checkpoint(ckpt, guide, model, optim, _meta())
+                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best)
             else:
                 if i_last_step_count == step:
                     raise ValueError("fit(): data yielded no batches.")

@@ -375,3 +375,18 @@ def test_in_place_kron_step_equals_kron_step(damping, knobs):
 def _spd(K: int, d: int) -> torch.Tensor:
     X = torch.randn(K, 3 * d, d)
     return X.mT @ X / (3 * d)
+
+
+def test_sites_with_equal_inputs_and_different_outputs():
+    # same input width, different output widths: the Gram matrices are formed per site (the
+    # batched path needs equal input *and* output shapes)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = FineTuneModel(net, latent_modules=["0", "2"], num_data=20, trainable_modules=[])
+    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1)
+    x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
+    pb.fit(model, guide, [(x, y)], num_steps=2, lr=0.1, seed=0)
+    assert len(guide._kron) == 2  # the two weights (the biases are diagonal sites)
+    shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide._kron}
+    assert sorted(shapes.values()) == [(3, 3), (6, 6)]
+    assert all(F.abs().max() > 0 for s in guide._kron for F in guide.factors(s))

@@ -134,3 +134,25 @@ def test_bad_select_by_is_named():
         pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="f1")
     with pytest.raises(ValueError, match="classification"):
         pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="accuracy")
+
+
+def test_best_state_survives_a_mid_epoch_interrupt(tmp_path):
+    # step checkpoints carry the best snapshot too: interrupted in epoch 2 (best = epoch 0)
+    full, full_result = _run("map", epochs=4, val="flipped")
+
+    def interrupt(step: int, loss: float) -> None:
+        if step == 10:  # 4 steps per epoch: the checkpoint of step 10 is mid-epoch 2
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(
+            "map",
+            epochs=4,
+            val="flipped",
+            checkpoint_dir=tmp_path,
+            checkpoint_every=1,
+            callback=interrupt,
+        )
+    resumed, result = _run("map", epochs=4, val="flipped", checkpoint_dir=tmp_path, resume=True)
+    assert result.state["best_epoch"] == full_result.state["best_epoch"] == 0
+    _assert_same_state(_state(resumed), _state(full))
