@@ -52,6 +52,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import datetime as _dt  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -183,7 +184,13 @@ def digits_task(seed: int, num_train: int, batch: int) -> dict[str, Any]:
             (x[perm[i : i + batch]], y[perm[i : i + batch]]) for i in range(0, num_train, batch)
         ]
 
-    return {"model": model, "test": test, "batches": epoch_batches, "num_data": num_train}
+    return {
+        "model": model,
+        "test": test,
+        "batches": epoch_batches,
+        "num_data": num_train,
+        "steps_per_epoch": -(-num_train // batch),
+    }
 
 
 def text_task(seed: int, num_train: int, batch: int, max_length: int = 48) -> dict[str, Any]:
@@ -204,7 +211,13 @@ def text_task(seed: int, num_train: int, batch: int, max_length: int = 48) -> di
     def epoch_batches(gen: torch.Generator) -> list[Any]:
         return list(loader)
 
-    return {"model": model, "test": test, "batches": epoch_batches, "num_data": num_train}
+    return {
+        "model": model,
+        "test": test,
+        "batches": epoch_batches,
+        "num_data": num_train,
+        "steps_per_epoch": len(loader),
+    }
 
 
 # ------------------------------------------------------------------------------------ runner
@@ -260,8 +273,17 @@ def run_task(
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     rnd = 0
+    # learning-rate schedule, the same for every method: "constant" or "cosine" (per step from
+    # the base lr to 0 over the run, as in the IVON paper's experiments)
+    total = cfg["epochs"] * task["steps_per_epoch"]
+    base_lrs = {k: [g["lr"] for g in m.optim.param_groups] for k, m in methods.items()}
     for _ in range(cfg["epochs"]):
         for batch in task["batches"](gen):
+            if cfg.get("schedule", "constant") == "cosine":
+                factor = 0.5 * (1.0 + math.cos(math.pi * rnd / total))
+                for k, m in methods.items():
+                    for g, lr0 in zip(m.optim.param_groups, base_lrs[k], strict=True):
+                        g["lr"] = lr0 * factor
             order = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in order:
                 t0 = time.perf_counter()
@@ -344,6 +366,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         hess_init=2.0,
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
+        schedule="constant",  # or "cosine" (every method, per step, to 0 over the run)
     ),
     # the demo's text configuration (768 sentences, batch 32, 2 epochs = 48 steps, IVON lr 3.0,
     # h0 0.5, AdamW-MAP lr 1e-2); lr 0.1 left IVON at chance in 32-48 steps (docs/benchmarks.md)
@@ -359,6 +382,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         hess_init=0.5,
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
+        schedule="constant",  # or "cosine" (every method, per step, to 0 over the run)
     ),
 }
 

@@ -67,7 +67,10 @@ class IVONLoss:
 
 def _per_example_nll(model: Any, params: Tensor, targets: Tensor, num: int, size: int) -> Tensor:
     """``−log p(y_b | θ_s)`` summed over any per-example trailing dims → ``(S, B)``."""
-    return -model.log_likelihood(params, targets).reshape(num, size, -1).sum(-1)
+    log_lik = model.log_likelihood(params, targets)
+    if log_lik.shape != (num, size):
+        log_lik = log_lik.reshape(num, size, -1).sum(-1)
+    return -log_lik
 
 
 class IVONGuide(PosteriorGuide):
@@ -301,7 +304,15 @@ class IVONGuide(PosteriorGuide):
         return self.hyper["beta2"]
 
     def _flat_perturbation(self, eps: Tensor) -> Tensor:
-        """``θ − m`` for standard-normal ``eps`` `(S, T)` over the flat layout (all diagonal)."""
+        """``θ − m`` for standard-normal ``eps`` `(S, T)` over the flat layout (all diagonal).
+
+        Inside an optimizer step, :class:`~pyrobayes.infer.ivon.IVONOptimizer` may hand over
+        ``σ = (λ(h + δ))^{-1/2}`` over all ``T`` entries (``_step_sigma``, computed once from
+        its flat ``h``); otherwise σ is computed here from the ``h`` buffers.
+        """
+        sigma = self.__dict__.get("_step_sigma")
+        if sigma is not None and sigma.shape[-1] == eps.shape[-1]:
+            return eps * sigma
         hess = _flat(self._layout().hess_tensors(self))
         return eps / (self.ess * (hess + self.weight_decay)).sqrt()
 
@@ -356,7 +367,10 @@ class IVONGuide(PosteriorGuide):
                 "default objective (IVONLoss), which calls training_sample()."
             )
         num = noise.shape[0]
-        grads = torch.zeros_like(noise) if noise.grad is None else noise.grad * num
+        if noise.grad is None:
+            grads = torch.zeros_like(noise)
+        else:  # the loss averages the S samples: undo the 1/S (exact, so skipped for S = 1)
+            grads = noise.grad if num == 1 else noise.grad * num
         return grads.detach(), noise.detach()
 
     def _site_grads(self, site: str) -> tuple[Tensor, Tensor]:
@@ -368,6 +382,27 @@ class IVONGuide(PosteriorGuide):
         shape = (noise.shape[0], *lay.shapes[j])
         return grads[:, a:b].view(shape), noise[:, a:b].view(shape)
 
+    def diag_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The diagonal sites' mean tensors and ``h`` buffers (site order), updated in place."""
+        lay = self._layout()
+        return lay.diag_locs(), lay.hess_tensors(self)
+
+    def diag_grads(self) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients ``ĝ_s`` and perturbations ``θ_s − m`` `(S, T_diag)` of the
+        closure over the diagonal sites (flat, site order)."""
+        lay = self._layout()
+        grads, noise = self._flat_grads()
+        if lay.diag_slice is not None:
+            a, b = lay.diag_slice
+            if (a, b) != (0, lay.total):
+                grads, noise = grads[:, a:b], noise[:, a:b]
+        elif lay.diag:
+            grads = torch.cat([grads[:, a:b] for a, b in lay.diag_bounds], 1)
+            noise = torch.cat([noise[:, a:b] for a, b in lay.diag_bounds], 1)
+        else:
+            grads, noise = grads[:, :0], noise[:, :0]
+        return grads, noise
+
     def diag_statistics(self) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
         r"""Flat closure statistics of the diagonal sites for one IVON step (site order).
 
@@ -375,20 +410,11 @@ class IVONGuide(PosteriorGuide):
         in place, ``h`` concatenated `(T,)`, and the per-sample gradients and perturbations
         `(S, T)` over the diagonal sites. Empty when there are none.
         """
-        lay = self._layout()
-        grads, noise = self._flat_grads()
-        hess_list = lay.hess_tensors(self)
+        grads, noise = self.diag_grads()
+        locs, hess_list = self.diag_tensors()
         if not hess_list:
-            empty = noise.new_zeros(0)
-            return [], [], empty, noise.new_zeros(noise.shape[0], 0), empty
-        if lay.diag_slice is not None:
-            a, b = lay.diag_slice
-            if (a, b) != (0, lay.total):
-                grads, noise = grads[:, a:b], noise[:, a:b]
-        else:
-            grads = torch.cat([grads[:, a:b] for a, b in lay.diag_bounds], 1)
-            noise = torch.cat([noise[:, a:b] for a, b in lay.diag_bounds], 1)
-        return lay.diag_locs(), hess_list, _flat(hess_list), grads, noise
+            return [], [], noise.new_zeros(0), grads, noise.new_zeros(0)
+        return locs, hess_list, _flat(hess_list), grads, noise
 
     @torch.no_grad()
     def ivon_update(self, optimizer: Any, lr: float) -> None:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .distributed import all_reduce_mean_
+from .distributed import all_reduce_mean_, world
 
 __all__ = [
     "IVONState",
@@ -471,8 +471,11 @@ class IVONOptimizer(torch.optim.Optimizer):
         guide = self.guide
         hp = guide.hyper
         lr = self.param_groups[0]["lr"]
-        # --- extras: one in-place perturbation per step (ivon-opt style), one randn per tensor
         extras = self._extras()
+        cache = self._valid_cache(extras)
+        if cache is not None:
+            return self._flat_step(closure, cache, extras, lr)
+        # --- extras: one in-place perturbation per step (ivon-opt style), one randn per tensor
         noises: list[Tensor] = []
         means: list[Tensor] = []
         versions = [p._version for p in extras]  # to tell our own in-place writes from others'
@@ -513,6 +516,95 @@ class IVONOptimizer(torch.optim.Optimizer):
                 p.grad = None
             return loss
         self._diag_update(extras, noises, lr, versions)
+        guide.ivon_update(self, lr)
+        return loss
+
+    def _valid_cache(self, extras: list[Tensor]) -> _FlatCache | None:
+        """The flat cache of the previous step if nobody has written the tensors since."""
+        cache = self._flat
+        if cache is None:
+            return None
+        locs, hess_list = self.guide.diag_tensors()
+        state = self.state
+        params = locs + extras
+        hess_list = hess_list + [state[p].get("hess") for p in extras]
+        states = [state[p] for p in params]
+        if not cache.valid(params, hess_list, states, len(params), None):
+            return None
+        return cache
+
+    def _flat_step(
+        self, closure: Callable[[], Tensor], cache: _FlatCache, extras: list[Tensor], lr: float
+    ) -> Tensor:
+        """:meth:`step` on the persistent flat vectors of the previous step (same arithmetic).
+
+        ``σ = (λ(h+δ))^{-1/2}`` is formed once over all diagonal entries (sites and extras) and
+        handed to the guide's sampler; the extras' noise stays flat; their means are restored
+        from the flat ``m``; ``ĝ`` and ``ĥ`` are formed on flat vectors with the flat ``h``.
+        RNG use is the same as the general path (one ``randn`` per extra, in order, then the
+        guide's draw), so both paths give the same trajectory.
+        """
+        guide = self.guide
+        hp = guide.hyper
+        n_site = cache.site_numel
+        prec = (cache.h + hp["weight_decay"]).mul_(hp["ess"])  # λ(h + δ)
+        sigma = prec.rsqrt()
+        noise_e: Tensor | None = None
+        if extras:
+            dtype, device = cache.h.dtype, cache.h.device
+            noise_e = torch.cat(
+                [torch.randn(p.shape, dtype=dtype, device=device).reshape(-1) for p in extras]
+            ).mul_(sigma[n_site:])
+            torch._foreach_add_(extras, cache.extra_views(noise_e))
+        guide._begin_step()
+        guide.__dict__["_step_sigma"] = sigma[:n_site]
+        try:
+            with torch.enable_grad():
+                loss = closure()
+        finally:
+            guide._end_step()
+            guide.__dict__["_step_sigma"] = None
+            if extras:
+                torch._foreach_copy_(extras, cache.m_views[cache.n_sites :])
+        loss = loss.detach().reshape(())
+        if world()[0] > 1:  # every rank sees the same value, so all stop on a NaN together
+            loss = loss.clone()
+            all_reduce_mean_([loss])
+        if not math.isfinite(float(loss)):
+            for p in extras:
+                p.grad = None
+            return loss
+        grads, noise = guide.diag_grads()  # (S, T_sites)
+        num = grads.shape[0]
+        price = hp["hess_approx"] == "price"
+        if extras:
+            grads_e = _flat([torch.zeros_like(p) if p.grad is None else p.grad for p in extras])
+            if grads_e.dtype != cache.h.dtype:
+                grads_e = grads_e.to(cache.h.dtype)
+        if num == 1:
+            grad = grads.reshape(-1)
+            noise = noise.reshape(-1)
+            if extras:
+                grad = torch.cat([grad, grads_e])
+                noise = torch.cat([noise, noise_e])
+            hhat = torch.mul(grad, noise).mul_(prec) if price else grad.square().mul_(hp["ess"])
+        else:  # S samples for the sites, one for the extras
+            grad = grads.mean(0)
+            hhat = (
+                (grads * noise).mean(0) * prec[:n_site]
+                if price
+                else grads.square().mean(0) * hp["ess"]
+            )
+            if extras:
+                hhat_e = (
+                    grads_e * noise_e * prec[n_site:] if price else grads_e.square() * hp["ess"]
+                )
+                grad = torch.cat([grad, grads_e])
+                hhat = torch.cat([hhat, hhat_e])
+        all_reduce_mean_([grad, hhat])
+        kwargs = guide.diag_step_kwargs()
+        kwargs["beta2"] = guide._diag_beta2()
+        cache.step_(grad, hhat, cache.step, lr, kwargs)
         guide.ivon_update(self, lr)
         return loss
 
@@ -577,7 +669,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             n_sites = len(params) - len(extras)
             cache = self._flat
             if cache is None or not cache.valid(params, hess_list, states, n_sites, versions):
-                cache = self._flat = _FlatCache(params, hess_list, states)
+                cache = self._flat = _FlatCache(params, hess_list, states, n_sites)
             cache.step_(grad, hhat, steps[0], lr, kwargs)
             return
         m = torch.cat([p.detach().reshape(-1) for p in params])
@@ -653,9 +745,15 @@ class _FlatCache:
     optimizer's per-parameter ``momentum`` entries are views of the flat momentum.
     """
 
-    def __init__(self, params: list[Tensor], hess: list[Tensor], states: list[dict]) -> None:
+    def __init__(
+        self, params: list[Tensor], hess: list[Tensor], states: list[dict], n_sites: int
+    ) -> None:
         dtype = hess[0].dtype
         self.params, self.hess, self.states = list(params), list(hess), states
+        self.n_sites = n_sites  # the first n_sites tensors are the guide's, the rest extras
+        self.site_numel = sum(p.numel() for p in params[:n_sites])
+        self.step = int(states[0]["step"])  # all equal (the optimizer's fast-path condition)
+        self.counter = torch.tensor(self.step)
         self.m = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
         self.h = torch.cat([h.reshape(-1) for h in hess])
         self.momentum = torch.cat([st["momentum"].reshape(-1).to(dtype) for st in states])
@@ -670,9 +768,19 @@ class _FlatCache:
             views(self.h),
             views(self.momentum),
         )
+        self._extra_sizes = sizes[n_sites:]
+        self._extra_shapes = shapes[n_sites:]
         for st, v in zip(states, self.mom_views, strict=True):
             st["momentum"] = v
+            st["step"] = self.counter
         self._record()
+
+    def extra_views(self, flat: Tensor) -> list[Tensor]:
+        """``flat`` (the extras' part of a flat vector) split into the extras' shapes."""
+        return [
+            v.view(s)
+            for v, s in zip(flat.split(self._extra_sizes), self._extra_shapes, strict=True)
+        ]
 
     def _record(self) -> None:
         self.versions = [p._version for p in self.params]
@@ -694,6 +802,8 @@ class _FlatCache:
             return False
         if not all(st["momentum"] is v for st, v in zip(states, self.mom_views, strict=True)):
             return False
+        if not all(st.get("step") is self.counter for st in states):
+            return False
         if [h._version for h in hess] != self.hess_versions:
             return False
         # the guide's means are untouched by the step itself; the extras were perturbed and
@@ -706,7 +816,8 @@ class _FlatCache:
         ivon_step_(self.m, self.momentum, self.h, grad, hess_hat, step, lr=lr, **kwargs)
         torch._foreach_copy_(self.params, self.m_views)
         torch._foreach_copy_(self.hess, self.h_views)
-        counter = torch.tensor(step + 1)
+        self.step = step + 1
+        self.counter = counter = torch.tensor(step + 1)
         for st in self.states:
             st["step"] = counter
         self._record()

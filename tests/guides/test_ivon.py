@@ -334,3 +334,61 @@ def test_bfloat16_weights_keep_float32_statistics():
     # bf16 forward: ~3 significant digits per activation; 25 % on σ, 1.5 sd on the mean
     assert ((scale - sd).abs() / sd).max() < 0.25, scale / sd
     assert ((loc - prob.post_loc.float()).abs() / sd).max() < 1.5
+
+
+@pytest.mark.parametrize(
+    "family,mc_samples,hess_approx",
+    [
+        ("ivon", 1, "price"),
+        ("ivon", 3, "price"),
+        ("ivon", 1, "gradsq"),
+        ("kron-ivon", 1, "price"),
+        ("kron-ivon", 2, "price"),
+    ],
+)
+def test_flat_fast_path_equals_general_path(monkeypatch, family, mc_samples, hess_approx):
+    # From the second step on, IVONOptimizer steps on its persistent flat vectors (σ formed once
+    # and handed to the sampler, flat noise for the head, means restored from the flat m). It must
+    # give the general path's trajectory: same RNG use, same arithmetic up to rounding order.
+    def run(fast: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+        model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (30,), generator=g)
+        data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+        guide = pb.posterior(
+            model, family, mc_samples=mc_samples, hess_approx=hess_approx, hess_init=0.3
+        )
+        calls = []
+        with monkeypatch.context() as patch:
+            if fast:
+                flat_step = IVONOptimizer._flat_step
+
+                def counted(self, *args, **kwargs):
+                    calls.append(1)
+                    return flat_step(self, *args, **kwargs)
+
+                patch.setattr(IVONOptimizer, "_flat_step", counted)
+            else:
+                patch.setattr(IVONOptimizer, "_valid_cache", lambda self, extras: None)
+            traj: list[torch.Tensor] = []
+
+            def record(step: int, value: float) -> None:
+                traj.append(
+                    torch.cat(
+                        [guide.loc(s).detach().reshape(-1) for s in guide.sites]
+                        + [p.detach().reshape(-1) for p in model.net[2].parameters()]
+                    )
+                )
+
+            pb.fit(model, guide, data, num_steps=15, lr=0.1, seed=3, callback=record)
+        return traj, len(calls)
+
+    fast, num_fast = run(True)
+    general, num_general = run(False)
+    assert num_fast == 14 and num_general == 0  # every step after the first took the fast path
+    for a, b in zip(fast, general, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert (fast[-1] - fast[0]).abs().max() > 1e-3  # the walk moved
