@@ -156,12 +156,13 @@ class KroneckerIVONGuide(IVONGuide):
 
     def eigen(self, site: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """Cached ``((a, Q_A), (γ, Q_G))``."""
-        i = self._index[site]
+        names = self.__dict__.setdefault("_eig_names", {}).get(site)
+        if names is None:
+            i = self._index[site]
+            names = (f"eigval_in_{i}", f"eigvec_in_{i}", f"eigval_out_{i}", f"eigvec_out_{i}")
+            self._eig_names[site] = names
         b = self._buffers
-        return (
-            (b[f"eigval_in_{i}"], b[f"eigvec_in_{i}"]),
-            (b[f"eigval_out_{i}"], b[f"eigvec_out_{i}"]),
-        )
+        return (b[names[0]], b[names[1]]), (b[names[2]], b[names[3]])
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -385,9 +386,17 @@ class KroneckerIVONGuide(IVONGuide):
         dtype = self.state_dtype
         same_shapes = len({(r[0][0].shape, r[0][1].shape) for r in recs}) == 1
         if empirical and all(len(r) == 1 for r in recs) and same_shapes:
-            x = torch.stack([r[0][0] for r in recs])
-            g = torch.stack([grad_of(r[0][1]) for r in recs])
-            num = int(x.shape[1])
+            xs = [r[0][0] for r in recs]
+            gs = [grad_of(r[0][1]) for r in recs]
+            num = int(xs[0].shape[0])
+            if xs[0].shape == gs[0].shape:  # square cores: [x_1, g_1, x_2, ...] in ONE product
+                z = torch.stack([t for pair in zip(xs, gs, strict=True) for t in pair])
+                z = z.reshape(z.shape[0], -1, z.shape[-1])
+                z = z if z.dtype == dtype else z.to(dtype)
+                scale = self._factor_scales(len(recs), z.shape[1], num, z)
+                return list((z.mT @ z).mul_(scale).unbind(0))
+            x = torch.stack(xs)
+            g = torch.stack(gs)
             x = x.reshape(len(recs), -1, x.shape[-1]).to(dtype)
             g = g.reshape(len(recs), -1, g.shape[-1]).to(dtype)
             A = (x.mT @ x).div_(x.shape[1])
@@ -414,6 +423,16 @@ class KroneckerIVONGuide(IVONGuide):
             hats += [(a.mT @ a) / a.shape[0], G]
         return hats
 
+    def _factor_scales(self, num_sites: int, rows: int, num: int, like: Tensor) -> Tensor:
+        """``[1/rows, num, 1/rows, num, ...]`` `(2K, 1, 1)`: Â = aᵀa/rows, Ĝ = num·gᵀg (cached)."""
+        key = (num_sites, rows, num, like.dtype, like.device)
+        hit = self.__dict__.get("_scale_cache")
+        if hit is None or hit[0] != key:
+            scale = torch.tensor([1.0 / rows, float(num)] * num_sites, dtype=like.dtype)
+            hit = (key, scale.to(like.device).view(-1, 1, 1))
+            self.__dict__["_scale_cache"] = hit
+        return hit[1]
+
     # ------------------------------------------------------------------ update
     @torch.no_grad()
     def ivon_update(self, optimizer: Any, lr: float) -> None:
@@ -426,6 +445,8 @@ class KroneckerIVONGuide(IVONGuide):
             # ḡ per run of same-shape sites: one view and one mean over the samples, (K, *shape)
             grads = [
                 grads_all[:, a:b].view(num, len(run_sites), *shape).mean(0)
+                if num > 1
+                else grads_all[0, a:b].view(len(run_sites), *shape)
                 for run_sites, (a, b), shape in runs
             ]
             factors = [F_ for site in sites for F_ in self.factors(site)]
@@ -461,23 +482,24 @@ class KroneckerIVONGuide(IVONGuide):
         locs = lay.loc_tensors()
         ps = [locs[lay.position[site]] for site in sites]
         states = [optimizer.state[p] for p in ps]
-        for p, st in zip(ps, states, strict=True):
-            if "momentum" not in st:
-                st["momentum"] = torch.zeros_like(p)
-                st["step"] = torch.tensor(0)
-        steps = {int(st["step"]) for st in states}
-        if len(steps) != 1:  # sites with different histories (one joined later): one at a time
-            for k, site in enumerate(sites):
-                self._kron_mean_update(optimizer, lr, [site], grad[k : k + 1])
-            return
-        step = steps.pop()
-        (_, Q_A), (_, Q_G) = self._stacked_eigen(sites)
-        damped = self._stacked_damped(sites)
         key = tuple(sites)
         caches = self.__dict__.setdefault("_mean_stacks", {})
         stack = caches.get(key)
         if stack is None or not stack.valid(ps, states):
-            stack = caches[key] = _MeanStack(ps, states)
+            for p, st in zip(ps, states, strict=True):
+                if "momentum" not in st:
+                    st["momentum"] = torch.zeros_like(p)
+                    st["step"] = torch.tensor(0)
+            steps = {int(st["step"]) for st in states}
+            if len(steps) != 1:  # sites with different histories (one joined later): one by one
+                for k, site in enumerate(sites):
+                    self._kron_mean_update(optimizer, lr, [site], grad[k : k + 1])
+                return
+            stack = caches[key] = _MeanStack(ps, states, steps.pop())
+        step = stack.step
+        eig = self._stacked_eigen(sites)
+        (_, Q_A), (_, Q_G) = eig
+        damped = self._stacked_damped(sites, eig)
         dtype = stack.momentum.dtype
         kron_step_(
             stack.M,
@@ -497,9 +519,12 @@ class KroneckerIVONGuide(IVONGuide):
         )
         stack.write(ps, states, step + 1)
 
-    def _stacked_damped(self, sites: list[str]) -> Tensor:
-        """Damped eigenvalues `(K, d_out, d_in)` of ``sites``, cached until the factors change."""
-        (a, _), (g, _) = self._stacked_eigen(sites)
+    def _stacked_damped(self, sites: list[str], eig: Any = None) -> Tensor:
+        """Damped eigenvalues `(K, d_out, d_in)` of ``sites``, cached until the factors change.
+
+        ``eig``: the result of ``_stacked_eigen(sites)`` when the caller already has it.
+        """
+        (a, _), (g, _) = self._stacked_eigen(sites) if eig is None else eig
         cache = self.__dict__.setdefault("_damped_cache", {})
         hit = cache.get(tuple(sites))
         if hit is None or hit[0] is not a or hit[1] is not g:
@@ -567,29 +592,34 @@ class _MeanStack:
     optimizer's ``momentum`` entries are still views of this stack; else rebuilt from them.
     """
 
-    def __init__(self, ps: list[Tensor], states: list[dict]) -> None:
+    def __init__(self, ps: list[Tensor], states: list[dict], step: int) -> None:
         self.M = torch.stack([p.detach() for p in ps]).to(states[0]["momentum"].dtype)
         self.momentum = torch.stack([st["momentum"] for st in states])
         self.params = list(ps)
         self.views = list(self.momentum.unbind(0))
+        self.m_views = list(self.M.unbind(0))
+        self.step = step
+        self.counter = torch.tensor(step)  # shared by the sites' optimizer states
         for st, v in zip(states, self.views, strict=True):
             st["momentum"] = v
+            st["step"] = self.counter
         self.versions = [p._version for p in ps]
 
     def valid(self, ps: list[Tensor], states: list[dict]) -> bool:
         return (
-            all(a is b for a, b in zip(ps, self.params, strict=True))
+            len(ps) == len(self.params)
+            and all(a is b for a, b in zip(ps, self.params, strict=True))
             and [p._version for p in ps] == self.versions
-            and all(st["momentum"] is v for st, v in zip(states, self.views, strict=True))
+            and all(st.get("momentum") is v for st, v in zip(states, self.views, strict=True))
+            and all(st.get("step") is self.counter for st in states)
         )
 
     def write(self, ps: list[Tensor], states: list[dict], counter: int) -> None:
         if self.M.dtype == ps[0].dtype:
-            torch._foreach_copy_(ps, list(self.M.unbind(0)))
+            torch._foreach_copy_(ps, self.m_views)
         else:
-            for p, v in zip(ps, self.M.unbind(0), strict=True):
+            for p, v in zip(ps, self.m_views, strict=True):
                 p.copy_(v)
-        step = torch.tensor(counter)
-        for st in states:
-            st["step"] = step
+        self.step = counter
+        self.counter.fill_(counter)
         self.versions = [p._version for p in ps]

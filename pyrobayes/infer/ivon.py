@@ -551,11 +551,11 @@ class IVONOptimizer(torch.optim.Optimizer):
         sigma = prec.rsqrt()
         noise_e: Tensor | None = None
         if extras:
-            dtype, device = cache.h.dtype, cache.h.device
-            noise_e = torch.cat(
-                [torch.randn(p.shape, dtype=dtype, device=device).reshape(-1) for p in extras]
-            ).mul_(sigma[n_site:])
-            torch._foreach_add_(extras, cache.extra_views(noise_e))
+            # one randn per extra, in order, written straight into the flat noise buffer
+            for view in cache.noise_views:
+                torch.randn(view.shape, out=view)
+            noise_e = cache.noise_e.mul_(sigma[n_site:])
+            torch._foreach_add_(extras, cache.noise_views)
         guide._begin_step()
         guide.__dict__["_step_sigma"] = sigma[:n_site]
         try:
@@ -768,19 +768,16 @@ class _FlatCache:
             views(self.h),
             views(self.momentum),
         )
-        self._extra_sizes = sizes[n_sites:]
-        self._extra_shapes = shapes[n_sites:]
+        # the extras' noise: a flat buffer and its per-tensor views, refilled every step
+        self.noise_e = self.h.new_empty(sum(sizes[n_sites:]))
+        self.noise_views = [
+            v.view(s)
+            for v, s in zip(self.noise_e.split(sizes[n_sites:]), shapes[n_sites:], strict=True)
+        ]
         for st, v in zip(states, self.mom_views, strict=True):
             st["momentum"] = v
             st["step"] = self.counter
         self._record()
-
-    def extra_views(self, flat: Tensor) -> list[Tensor]:
-        """``flat`` (the extras' part of a flat vector) split into the extras' shapes."""
-        return [
-            v.view(s)
-            for v, s in zip(flat.split(self._extra_sizes), self._extra_shapes, strict=True)
-        ]
 
     def _record(self) -> None:
         self.versions = [p._version for p in self.params]
