@@ -52,7 +52,6 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import datetime as _dt  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -69,6 +68,7 @@ from pyrobayes.batch import split_batch  # noqa: E402
 from pyrobayes.data import load_digits_split  # noqa: E402
 from pyrobayes.infer.loop import _make_optimizer, _step, _trainable_parameters  # noqa: E402
 from pyrobayes.infer.objectives import make_objective  # noqa: E402
+from pyrobayes.infer.schedule import make_scheduler  # noqa: E402
 from pyrobayes.predictive import Prediction  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ivon.json"
@@ -273,22 +273,23 @@ def run_task(
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     rnd = 0
-    # learning-rate schedule, the same for every method: "constant" or "cosine" (per step from
-    # the base lr to 0 over the run, as in the IVON paper's experiments)
+    # learning-rate schedule, the same for every method and the same as pb.fit(scheduler=...):
+    # "constant", "cosine" or "linear", per step over the run
     total = cfg["epochs"] * task["steps_per_epoch"]
-    base_lrs = {k: [g["lr"] for g in m.optim.param_groups] for k, m in methods.items()}
+    schedule = cfg.get("schedule", "constant")
+    scheds = {
+        k: make_scheduler(None if schedule == "constant" else schedule, m.optim, total)
+        for k, m in methods.items()
+    }
     for _ in range(cfg["epochs"]):
         for batch in task["batches"](gen):
-            if cfg.get("schedule", "constant") == "cosine":
-                factor = 0.5 * (1.0 + math.cos(math.pi * rnd / total))
-                for k, m in methods.items():
-                    for g, lr0 in zip(m.optim.param_groups, base_lrs[k], strict=True):
-                        g["lr"] = lr0 * factor
             order = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in order:
                 t0 = time.perf_counter()
                 value = methods[name].step(batch)
                 times[name].append(time.perf_counter() - t0)
+                if scheds[name] is not None:
+                    scheds[name].step()
                 losses[name].append(value)
             rnd += 1
         for m in methods.values():
@@ -366,7 +367,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         hess_init=2.0,
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
-        schedule="constant",  # or "cosine" (every method, per step, to 0 over the run)
+        schedule="constant",  # or "cosine" / "linear" (every method, per step, to 0 over the run)
     ),
     # the demo's text configuration (768 sentences, batch 32, 2 epochs = 48 steps, IVON lr 3.0,
     # h0 0.5, AdamW-MAP lr 1e-2); lr 0.1 left IVON at chance in 32-48 steps (docs/benchmarks.md)
@@ -382,7 +383,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         hess_init=0.5,
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
-        schedule="constant",  # or "cosine" (every method, per step, to 0 over the run)
+        schedule="constant",  # or "cosine" / "linear" (every method, per step, to 0 over the run)
     ),
 }
 

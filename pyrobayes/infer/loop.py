@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..batch import to_device
 from .distributed import all_reduce_grads_, all_reduce_mean_, broadcast_, world
 from .objectives import make_objective
+from .schedule import make_scheduler
 from .selection import SELECT_BY, Snapshot, validation_score
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def _save_checkpoint(
     optim: torch.optim.Optimizer,
     meta: dict[str, Any],
     best: Snapshot | None = None,
+    scheduler: Any = None,
 ) -> None:
     """Write ``directory/last`` atomically (temp folder + rename); the old one stays until then."""
     from ..io import save  # local: io imports the guide registry
@@ -100,6 +102,8 @@ def _save_checkpoint(
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     if best is not None:
         torch.save(best.to_dict(), tmp / "best.pt")
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     (tmp / "state.json").write_text(json.dumps(meta, indent=2))
     final = directory / "last"
     old = directory / ".last-old"
@@ -113,7 +117,7 @@ def _save_checkpoint(
 
 
 def _load_checkpoint(
-    directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer
+    directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer, scheduler: Any = None
 ) -> tuple[dict[str, Any], Snapshot | None]:
     from ..io import load_state
 
@@ -121,6 +125,8 @@ def _load_checkpoint(
     load_state(guide, final / "posterior.safetensors", model=model)
     optim.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
     torch.set_rng_state(torch.load(final / "rng.pt", weights_only=True)["torch"])
+    if scheduler is not None and (final / "scheduler.pt").exists():
+        scheduler.load_state_dict(torch.load(final / "scheduler.pt", weights_only=True))
     best = None
     if (final / "best.pt").exists():
         best = Snapshot.from_dict(torch.load(final / "best.pt", weights_only=True))
@@ -146,6 +152,7 @@ def fit(
     callback: Callable[[int, float], None] | None = None,
     val_data: Iterable[Any] | None = None,
     select_by: str = "nll",
+    scheduler: str | Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> FitResult:
     """Fit ``guide`` (the posterior) to ``model`` on ``data``.
 
@@ -186,6 +193,11 @@ def fit(
     select_by : {"nll", "accuracy", "rmse"}
         The validation criterion: predictive NLL (any likelihood), accuracy (classification;
         ties broken by NLL) or RMSE (regression).
+    scheduler : {"cosine", "linear"} or callable, optional
+        Learning-rate schedule, stepped after every optimizer step: ``"cosine"``
+        (``α_t = α·½(1 + cos(π t/T))``) or ``"linear"`` (``α_t = α(1 − t/T)``) over the run's
+        ``T`` steps, or a factory ``optimizer -> LRScheduler``. Saved in checkpoints. Not with
+        ``SWAGGuide(swa_lr=...)``, which anneals the learning rate itself.
 
     Returns
     -------
@@ -216,13 +228,26 @@ def fit(
     guide.fit_begin(model, data)
     params = _trainable_parameters(model, guide)
     optim = _make_optimizer(optimizer, params, lr, guide)
+    try:
+        steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
+    except TypeError:
+        steps_per_epoch = None
+    total = num_steps
+    if epochs is not None and steps_per_epoch is not None:
+        total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
+    if scheduler is not None and getattr(guide, "swa_lr", None) is not None:
+        raise ValueError(
+            f"fit(scheduler={scheduler!r}) with {type(guide).__name__}(swa_lr=...): the guide "
+            "anneals the learning rate itself. Pass one of the two."
+        )
+    sched = make_scheduler(scheduler, optim, total)
     world_size, rank = world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     step, epoch, losses = 0, 0, []
     best: Snapshot | None = None  # best validated state so far (with val_data)
     history: list[dict[str, Any]] = []
     if resume and ckpt is not None and (ckpt / "last").exists():
-        meta, saved_best = _load_checkpoint(ckpt, guide, model, optim)
+        meta, saved_best = _load_checkpoint(ckpt, guide, model, optim, sched)
         best = saved_best if val_data is not None else None
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
         history = list(meta.get("validation", []))
@@ -232,13 +257,6 @@ def fit(
         ids = {id(p) for p in params}
         broadcast_(params + [p for p in guide.parameters() if id(p) not in ids] + state)
     write_checkpoints = ckpt is not None and rank == 0
-    try:
-        steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
-    except TypeError:
-        steps_per_epoch = None
-    total = num_steps
-    if epochs is not None and steps_per_epoch is not None:
-        total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
     bar = tqdm(
         total=total,
         initial=step,
@@ -275,6 +293,8 @@ def fit(
                     )
                 losses.append(value)
                 step += 1
+                if sched is not None:
+                    sched.step()
                 bar.update(1)
                 if progress_bar and step % max(1, (total or 100) // 20) == 0:
                     window = losses[-max(1, len(losses) // 10) :]
@@ -282,7 +302,7 @@ def fit(
                 if callback is not None:
                     callback(step, value)
                 if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
-                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best)
+                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best, sched)
             else:
                 if i_last_step_count == step:
                     raise ValueError("fit(): data yielded no batches.")
@@ -300,7 +320,7 @@ def fit(
                     logger.info("epoch %d validation: %s", epoch, measured)
                 epoch += 1
                 if write_checkpoints:
-                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best)
+                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best, sched)
                 continue
             break  # num_steps reached inside the epoch
     finally:

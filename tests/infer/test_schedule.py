@@ -1,0 +1,112 @@
+"""pb.fit(scheduler=...): per-step learning-rate schedules for every family, saved on resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pyrobayes as pb
+from tests.common import conjugate_core
+
+
+def _data(x, y, batch: int = 16):
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+
+
+def _fit(family: str, epochs: int = 3, lr: float = 0.05, **kw):
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, family)
+    result = pb.fit(prob.model, guide, _data(prob.x, prob.y), epochs=epochs, seed=0, lr=lr, **kw)
+    return guide, result
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear"])
+def test_named_schedules_set_the_lr_of_every_step(name):
+    # the lr an optimizer step uses, read inside the optimizer's own step
+    used: list[float] = []
+
+    class RecordingAdam(torch.optim.Adam):
+        def step(self, closure=None):  # type: ignore[override]
+            used.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    def adam(params):
+        return RecordingAdam(params, lr=0.05)
+
+    _, result = _fit("map", optimizer=adam, scheduler=name)
+    total = len(result.losses)  # 4 batches x 3 epochs
+    assert total == 12
+    expected = [
+        0.05 * (0.5 * (1 + math.cos(math.pi * t / total)) if name == "cosine" else 1 - t / total)
+        for t in range(total)
+    ]
+    assert used == pytest.approx(expected, rel=1e-12)
+
+
+def test_ivon_follows_the_schedule():
+    # IVON's closure-driven optimizer reads lr from param_groups every step: with lr 0 from step
+    # 6 on the means stop moving (h keeps updating), and before that they move
+    locs: list[torch.Tensor] = []
+
+    def record(step: int, value: float) -> None:
+        locs.append(torch.cat([guide.loc(s).detach().reshape(-1) for s in guide.sites]))
+
+    def stop_at_6(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 if t < 6 else 0.0)
+
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "ivon")
+    pb.fit(
+        prob.model,
+        guide,
+        _data(prob.x, prob.y),
+        epochs=3,
+        seed=0,
+        lr=0.05,
+        scheduler=stop_at_6,
+        callback=record,
+    )
+    moves = [float((b - a).abs().max()) for a, b in zip(locs, locs[1:], strict=False)]
+    assert min(moves[:5]) > 0  # steps 2..6 moved the mean
+    assert max(moves[5:]) == 0  # steps 7..12 ran at lr 0
+
+
+def test_schedule_survives_resume(tmp_path):
+    full, full_result = _fit("map", scheduler="cosine")
+
+    def interrupt(step: int, loss: float) -> None:
+        if step == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _fit(
+            "map",
+            scheduler="cosine",
+            checkpoint_dir=tmp_path,
+            checkpoint_every=1,
+            callback=interrupt,
+        )
+    resumed, result = _fit("map", scheduler="cosine", checkpoint_dir=tmp_path, resume=True)
+    torch.testing.assert_close(result.losses, full_result.losses, rtol=0, atol=0)
+    for k, v in full.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_bad_schedules_are_named():
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "map")
+    data = _data(prob.x, prob.y)
+    with pytest.raises(ValueError, match="scheduler=.*'cosine', 'linear'"):
+        pb.fit(prob.model, guide, data, epochs=1, scheduler="step")
+    with pytest.raises(ValueError, match="number of steps"):  # no len(), no num_steps
+        pb.fit(prob.model, guide, iter(data), epochs=1, scheduler="cosine")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with pytest.raises(TypeError, match="factory"):
+        pb.fit(prob.model, guide, data, epochs=1, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    swag = pb.posterior(prob.model, "swag", swa_lr=1e-3)
+    with pytest.raises(ValueError, match="swa_lr"):
+        pb.fit(prob.model, swag, data, epochs=1, scheduler="cosine")
