@@ -193,15 +193,22 @@ def digits_task(seed: int, num_train: int, batch: int) -> dict[str, Any]:
     }
 
 
-def text_task(seed: int, num_train: int, batch: int, max_length: int = 48) -> dict[str, Any]:
+def text_task(
+    seed: int, num_train: int, batch: int, max_length: int = 48, latent_head: bool = False
+) -> dict[str, Any]:
     from pyrobayes.data import load_minilm_classifier, load_vader, text_loader
 
     torch.manual_seed(seed)
     ds = load_vader("movieReviewSnippets")
     train_ds, test_ds = ds.split([num_train, 256], seed=seed)
     net, tokenizer = load_minilm_classifier(2)
+    # latent_head: the new classifier is a latent site too (every guide gives it a posterior and
+    # the predictive samples it), else a point parameter (IVON: ivon-opt-style mean update)
     model = pb.models.FineTuneModel(
-        net, pb.models.LoRAXS(rank=8, target_modules=["query", "value"]), num_data=num_train
+        net,
+        pb.models.LoRAXS(rank=8, target_modules=["query", "value"]),
+        num_data=num_train,
+        **({"latent_modules": ["classifier"], "trainable_modules": []} if latent_head else {}),
     )
     loader = text_loader(
         train_ds, tokenizer, batch_size=batch, max_length=max_length, shuffle=True, seed=seed
@@ -384,6 +391,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
         schedule="constant",  # or "cosine" / "linear" (every method, per step, to 0 over the run)
+        latent_head=False,  # True: the classifier is a latent site (sampled in the predictive)
     ),
 }
 
@@ -430,7 +438,8 @@ def main() -> None:
         runs = []
         t0 = time.perf_counter()
         for seed in cfg["seeds"]:
-            task = builders[name](seed, cfg["num_train"], cfg["batch"])
+            extra = {"latent_head": cfg["latent_head"]} if name == "text" else {}
+            task = builders[name](seed, cfg["num_train"], cfg["batch"], **extra)
             runs.append(run_task(task, cfg, seed, names))
             print(f"[{name} seed {seed}] done at {time.perf_counter() - t0:.0f}s", flush=True)
         agg = aggregate(runs)
