@@ -153,6 +153,7 @@ def fit(
     val_data: Iterable[Any] | None = None,
     select_by: str = "nll",
     scheduler: str | Callable[[torch.optim.Optimizer], Any] | None = None,
+    warmup: float = 0,
 ) -> FitResult:
     """Fit ``guide`` (the posterior) to ``model`` on ``data``.
 
@@ -198,6 +199,9 @@ def fit(
         (``α_t = α·½(1 + cos(π t/T))``) or ``"linear"`` (``α_t = α(1 − t/T)``) over the run's
         ``T`` steps, or a factory ``optimizer -> LRScheduler``. Saved in checkpoints. Not with
         ``SWAGGuide(swa_lr=...)``, which anneals the learning rate itself.
+    warmup : int or float
+        Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
+        steps (an int), or that fraction of the run (a float < 1; 0.06 is LoRA-XS's GLUE recipe).
 
     Returns
     -------
@@ -240,7 +244,7 @@ def fit(
             f"fit(scheduler={scheduler!r}) with {type(guide).__name__}(swa_lr=...): the guide "
             "anneals the learning rate itself. Pass one of the two."
         )
-    sched = make_scheduler(scheduler, optim, total)
+    sched = make_scheduler(scheduler, optim, total, warmup)
     world_size, rank = world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     step, epoch, losses = 0, 0, []

@@ -1,8 +1,10 @@
 """Learning-rate schedules for :func:`pyrobayes.fit`, stepped once per optimizer step.
 
 ``fit(scheduler=...)`` takes ``"cosine"`` (``α_t = α·½(1 + cos(π t/T))``), ``"linear"``
-(``α_t = α·(1 − t/T)``), with ``T`` the run's number of steps, or a factory
-``optimizer -> torch.optim.lr_scheduler.LRScheduler`` for anything else (warm-up, one-cycle).
+(``α_t = α·(1 − t/T)``), with ``T`` the run's number of steps and an optional linear warm-up
+(``fit(warmup=W)``: ``α_t = α·t/W`` for ``t < W``, then the decay over the remaining ``T − W``
+steps, as Hugging Face's ``get_*_schedule_with_warmup``), or a factory
+``optimizer -> torch.optim.lr_scheduler.LRScheduler`` for anything else (one-cycle, steps).
 Every family's optimizer reads its learning rate from ``param_groups`` at each step, IVON's
 closure-driven one included, so one schedule works for all.
 """
@@ -29,8 +31,12 @@ def make_scheduler(
     spec: str | Callable[[torch.optim.Optimizer], Any] | None,
     optimizer: torch.optim.Optimizer,
     total_steps: int | None,
+    warmup: float = 0,
 ) -> Any:
-    """The scheduler for ``fit(scheduler=spec)``; ``None`` for no schedule.
+    """The scheduler for ``fit(scheduler=spec, warmup=warmup)``; ``None`` for no schedule.
+
+    ``warmup``: warm-up steps (an int ≥ 1) or a fraction of ``total_steps`` (a float < 1);
+    named schedules only.
 
     Raises
     ------
@@ -40,8 +46,16 @@ def make_scheduler(
     TypeError
         When a factory returns something without ``step()`` and ``state_dict()``.
     """
-    if spec is None:
-        return None
+    if warmup < 0:
+        raise ValueError(f"fit(warmup=...) must be >= 0; got {warmup}.")
+    if spec is None or (not isinstance(spec, str) and warmup):
+        if warmup:
+            raise ValueError(
+                "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "
+                "a scheduler factory builds its own warm-up."
+            )
+        if spec is None:
+            return None
     if isinstance(spec, str):
         if spec not in SCHEDULES:
             raise ValueError(
@@ -53,8 +67,19 @@ def make_scheduler(
                 f"fit(scheduler={spec!r}) needs the number of steps: pass num_steps=..., or "
                 "epochs=... with a data loader that has a length."
             )
-        multiplier = SCHEDULES[spec]
-        return LambdaLR(optimizer, lambda t: multiplier(t, total_steps))
+        num_warmup = int(round(warmup * total_steps)) if warmup < 1 else int(warmup)
+        if num_warmup >= total_steps:
+            raise ValueError(
+                f"fit(warmup={warmup}) covers the whole run of {total_steps} steps; use fewer."
+            )
+        decay = SCHEDULES[spec]
+
+        def multiplier(t: int) -> float:
+            if t < num_warmup:
+                return t / num_warmup
+            return decay(t - num_warmup, total_steps - num_warmup)
+
+        return LambdaLR(optimizer, multiplier)
     if isinstance(spec, LRScheduler) or not callable(spec):
         raise TypeError(
             "fit(scheduler=...) takes a name or a factory optimizer -> LRScheduler (fit builds "

@@ -46,6 +46,20 @@ def test_named_schedules_set_the_lr_of_every_step(name):
     assert used == pytest.approx(expected, rel=1e-12)
 
 
+def test_warmup_then_decay():
+    used: list[float] = []
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[override]
+            used.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    _fit("map", optimizer=lambda p: RecordingSGD(p, lr=0.05), scheduler="linear", warmup=0.25)
+    # 12 steps, 3 of warm-up (0, 1/3, 2/3 of α), then linear decay over the remaining 9
+    expected = [0.05 * t / 3 for t in range(3)] + [0.05 * (1 - k / 9) for k in range(9)]
+    assert used == pytest.approx(expected, rel=1e-12)
+
+
 def test_ivon_follows_the_schedule():
     # IVON's closure-driven optimizer reads lr from param_groups every step: with lr 0 from step
     # 6 on the means stop moving (h keeps updating), and before that they move
@@ -107,6 +121,10 @@ def test_bad_schedules_are_named():
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     with pytest.raises(TypeError, match="factory"):
         pb.fit(prob.model, guide, data, epochs=1, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    with pytest.raises(ValueError, match="whole run"):
+        pb.fit(prob.model, guide, data, epochs=1, scheduler="cosine", warmup=4)
+    with pytest.raises(ValueError, match="named schedule"):
+        pb.fit(prob.model, guide, data, epochs=1, warmup=2)
     swag = pb.posterior(prob.model, "swag", swa_lr=1e-3)
     with pytest.raises(ValueError, match="swa_lr"):
         pb.fit(prob.model, swag, data, epochs=1, scheduler="cosine")
