@@ -263,6 +263,9 @@ def run(
             seed=int(config["training"]["seed"]),
             device=device,
             progress_bar=progress_bar,
+            # training.scheduler / training.warmup (pb.fit's), per family overridable
+            scheduler=settings.get("scheduler", config["training"].get("scheduler")),
+            warmup=settings.get("warmup", config["training"].get("warmup", 0)),
         )
         fit_time = time.perf_counter() - start
         fitted[family] = (

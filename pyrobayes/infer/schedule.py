@@ -62,7 +62,9 @@ def make_scheduler(
                 f"fit(scheduler=...) must be one of {tuple(SCHEDULES)} or a factory "
                 f"optimizer -> LRScheduler; got {spec!r}."
             )
-        if not total_steps:
+        if total_steps == 0:  # nothing to schedule (e.g. a post-hoc family's zero epochs)
+            return None
+        if total_steps is None:
             raise ValueError(
                 f"fit(scheduler={spec!r}) needs the number of steps: pass num_steps=..., or "
                 "epochs=... with a data loader that has a length."
