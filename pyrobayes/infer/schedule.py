@@ -48,14 +48,13 @@ def make_scheduler(
     """
     if warmup < 0:
         raise ValueError(f"fit(warmup=...) must be >= 0; got {warmup}.")
-    if spec is None or (not isinstance(spec, str) and warmup):
-        if warmup:
-            raise ValueError(
-                "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "
-                "a scheduler factory builds its own warm-up."
-            )
-        if spec is None:
-            return None
+    if warmup and not isinstance(spec, str):
+        raise ValueError(
+            "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "
+            "a scheduler factory builds its own warm-up."
+        )
+    if spec is None:
+        return None
     if isinstance(spec, str):
         if spec not in SCHEDULES:
             raise ValueError(
