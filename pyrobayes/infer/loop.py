@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..batch import to_device
 from .distributed import all_reduce_grads_, all_reduce_mean_, broadcast_, world
 from .objectives import make_objective
-from .schedule import make_scheduler
+from .schedule import check_schedule, make_scheduler
 from .selection import SELECT_BY, Snapshot, validation_score
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,20 @@ def fit(
         raise ValueError(f"Expected non-negative epochs/num_steps but got {epochs}/{num_steps}.")
     if select_by not in SELECT_BY:
         raise ValueError(f"fit(select_by=...) must be one of {SELECT_BY}; got {select_by!r}.")
+    try:
+        steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
+    except TypeError:
+        steps_per_epoch = None
+    total = num_steps
+    if epochs is not None and steps_per_epoch is not None:
+        total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
+    # schedule errors before anything is touched (fit_begin resets a guide's collected state)
+    check_schedule(scheduler, total, warmup)
+    if scheduler is not None and getattr(guide, "swa_lr", None) is not None:
+        raise ValueError(
+            f"fit(scheduler={scheduler!r}) with {type(guide).__name__}(swa_lr=...): the guide "
+            "anneals the learning rate itself. Pass one of the two."
+        )
     if seed is not None:
         pyro.set_rng_seed(seed)
     if device is not None:
@@ -232,18 +246,6 @@ def fit(
     guide.fit_begin(model, data)
     params = _trainable_parameters(model, guide)
     optim = _make_optimizer(optimizer, params, lr, guide)
-    try:
-        steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
-    except TypeError:
-        steps_per_epoch = None
-    total = num_steps
-    if epochs is not None and steps_per_epoch is not None:
-        total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
-    if scheduler is not None and getattr(guide, "swa_lr", None) is not None:
-        raise ValueError(
-            f"fit(scheduler={scheduler!r}) with {type(guide).__name__}(swa_lr=...): the guide "
-            "anneals the learning rate itself. Pass one of the two."
-        )
     sched = make_scheduler(scheduler, optim, total, warmup)
     world_size, rank = world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None

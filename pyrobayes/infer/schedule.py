@@ -18,13 +18,66 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-__all__ = ["SCHEDULES", "make_scheduler"]
+__all__ = ["SCHEDULES", "check_schedule", "make_scheduler"]
 
 #: The named schedules; the multiplier of the base learning rate at step ``t`` of ``T``.
 SCHEDULES: dict[str, Callable[[int, int], float]] = {
     "cosine": lambda t, T: 0.5 * (1.0 + math.cos(math.pi * min(t, T) / T)),
     "linear": lambda t, T: max(0.0, 1.0 - t / T),
 }
+
+
+def check_schedule(
+    spec: str | Callable[[torch.optim.Optimizer], Any] | None,
+    total_steps: int | None,
+    warmup: float = 0,
+) -> int:
+    """Validate ``fit(scheduler=spec, warmup=warmup)`` before anything is touched.
+
+    Returns the number of warm-up steps. ``warmup``: steps (an int ≥ 1) or a fraction of
+    ``total_steps`` (a float < 1); named schedules only.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name, a named schedule when the number of steps is unknown (pass
+        ``num_steps``, or ``epochs`` with a data loader that has a length), or a bad warm-up.
+    TypeError
+        For a scheduler instance or anything else that is neither a name nor a factory.
+    """
+    if warmup < 0:
+        raise ValueError(f"fit(warmup=...) must be >= 0; got {warmup}.")
+    if warmup and not isinstance(spec, str):
+        raise ValueError(
+            "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "
+            "a scheduler factory builds its own warm-up."
+        )
+    if spec is None:
+        return 0
+    if not isinstance(spec, str):
+        if isinstance(spec, LRScheduler) or not callable(spec):
+            raise TypeError(
+                "fit(scheduler=...) takes a name or a factory optimizer -> LRScheduler (fit "
+                "builds the optimizer), e.g. lambda opt: torch.optim.lr_scheduler.OneCycleLR("
+                f"opt, ...); got {type(spec).__name__}."
+            )
+        return 0
+    if spec not in SCHEDULES:
+        raise ValueError(
+            f"fit(scheduler=...) must be one of {tuple(SCHEDULES)} or a factory "
+            f"optimizer -> LRScheduler; got {spec!r}."
+        )
+    if total_steps is None:
+        raise ValueError(
+            f"fit(scheduler={spec!r}) needs the number of steps: pass num_steps=..., or "
+            "epochs=... with a data loader that has a length."
+        )
+    num_warmup = int(round(warmup * total_steps)) if warmup < 1 else int(warmup)
+    if total_steps and num_warmup >= total_steps:
+        raise ValueError(
+            f"fit(warmup={warmup}) covers the whole run of {total_steps} steps; use fewer."
+        )
+    return num_warmup
 
 
 def make_scheduler(
@@ -35,58 +88,27 @@ def make_scheduler(
 ) -> Any:
     """The scheduler for ``fit(scheduler=spec, warmup=warmup)``; ``None`` for no schedule.
 
-    ``warmup``: warm-up steps (an int ≥ 1) or a fraction of ``total_steps`` (a float < 1);
-    named schedules only.
+    Validates with :func:`check_schedule` (same errors). A run of zero steps (e.g. a post-hoc
+    family's zero epochs) has nothing to schedule.
 
     Raises
     ------
-    ValueError
-        For an unknown name, or a named schedule when the number of steps is unknown (pass
-        ``num_steps``, or ``epochs`` with a data loader that has a length).
     TypeError
         When a factory returns something without ``step()`` and ``state_dict()``.
     """
-    if warmup < 0:
-        raise ValueError(f"fit(warmup=...) must be >= 0; got {warmup}.")
-    if warmup and not isinstance(spec, str):
-        raise ValueError(
-            "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "
-            "a scheduler factory builds its own warm-up."
-        )
-    if spec is None:
+    num_warmup = check_schedule(spec, total_steps, warmup)
+    if spec is None or total_steps == 0:
         return None
     if isinstance(spec, str):
-        if spec not in SCHEDULES:
-            raise ValueError(
-                f"fit(scheduler=...) must be one of {tuple(SCHEDULES)} or a factory "
-                f"optimizer -> LRScheduler; got {spec!r}."
-            )
-        if total_steps == 0:  # nothing to schedule (e.g. a post-hoc family's zero epochs)
-            return None
-        if total_steps is None:
-            raise ValueError(
-                f"fit(scheduler={spec!r}) needs the number of steps: pass num_steps=..., or "
-                "epochs=... with a data loader that has a length."
-            )
-        num_warmup = int(round(warmup * total_steps)) if warmup < 1 else int(warmup)
-        if num_warmup >= total_steps:
-            raise ValueError(
-                f"fit(warmup={warmup}) covers the whole run of {total_steps} steps; use fewer."
-            )
         decay = SCHEDULES[spec]
+        total = int(total_steps)  # type: ignore[arg-type]  # checked above
 
         def multiplier(t: int) -> float:
             if t < num_warmup:
                 return t / num_warmup
-            return decay(t - num_warmup, total_steps - num_warmup)
+            return decay(t - num_warmup, total - num_warmup)
 
         return LambdaLR(optimizer, multiplier)
-    if isinstance(spec, LRScheduler) or not callable(spec):
-        raise TypeError(
-            "fit(scheduler=...) takes a name or a factory optimizer -> LRScheduler (fit builds "
-            "the optimizer), e.g. lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, ...); "
-            f"got {type(spec).__name__}."
-        )
     scheduler = spec(optimizer)
     if not (hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")):
         raise TypeError(

@@ -128,3 +128,18 @@ def test_bad_schedules_are_named():
     swag = pb.posterior(prob.model, "swag", swa_lr=1e-3)
     with pytest.raises(ValueError, match="swa_lr"):
         pb.fit(prob.model, swag, data, epochs=1, scheduler="cosine")
+
+
+def test_bad_schedule_leaves_a_fitted_guide_untouched():
+    # the arguments are checked before fit_begin, which would reset SWAG's collected moments
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = _data(prob.x, prob.y)
+    swag = pb.posterior(prob.model, "swag", start_epoch=1)
+    pb.fit(prob.model, swag, data, epochs=3, seed=0, lr=0.05)
+    before = {k: v.clone() for k, v in swag.state_dict().items()}
+    assert int(swag.swag_num_collected) > 0
+    with pytest.raises(ValueError, match="scheduler="):
+        pb.fit(prob.model, swag, data, epochs=1, scheduler="step")
+    for k, v in before.items():
+        torch.testing.assert_close(swag.state_dict()[k], v, rtol=0, atol=0, msg=k)
