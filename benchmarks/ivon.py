@@ -16,7 +16,8 @@ Tasks:
 
 * **digits** - sklearn digits, an MLP 64-128-128-5 pretrained on digits 0-4, then LoRA-XS r=4 cores
   on its two hidden layers and a point-estimated head (as ``examples/_digits.py``), fine-tuned on
-  ``--digits-train`` images, several seeds.
+  ``digits.num_train`` images of the same digits, several seeds. ``--set 'digits.protocol="shift"'``:
+  the transfer task of SPECS 2(d) 6 instead (a new 10-class head, fine-tuned on all ten digits).
 * **text** - ``all-MiniLM-L6-v2`` with LoRA-XS r=8 on query/value (12 cores of 8x8) and a new
   2-class head (point estimate), VADER movieReviewSnippets binary, ``--text-train`` sentences,
   max_length 48, 256 test sentences.
@@ -149,34 +150,54 @@ class IvonOptMethod:
 
 
 # ------------------------------------------------------------------------------------ tasks
-def digits_task(seed: int, num_train: int, batch: int) -> dict[str, Any]:
+def digits_task(
+    seed: int, num_train: int, batch: int, protocol: str = "same", evaluate: str = "test"
+) -> dict[str, Any]:
+    """``protocol="same"``: pretrain on digits 0-4 and fine-tune on a subset of the same images
+    and classes (at the accuracy ceiling). ``"shift"``: SPECS 2(d) 6's transfer task - pretrain on
+    0-4, replace the head by a new 10-class one, fine-tune on ``num_train`` images of all digits.
+    ``evaluate="val"`` scores on up to 450 training images outside the fine-tuning set instead of
+    the test split (for choosing hyperparameters without looking at the test split).
+    """
+    if protocol not in ("same", "shift"):
+        raise ValueError(f"digits.protocol must be 'same' or 'shift', got {protocol!r}")
     torch.manual_seed(seed)
-    split = load_digits_split(seed=seed, dtype=torch.float32)
+    classes = range(5) if protocol == "same" else range(10)
+    split = load_digits_split(seed=seed, id_classes=classes, dtype=torch.float32)
+    # "shift" pretrains on the 0-4 images of the 10-class training split, so no test image is seen
+    keep = split.y_train < 5
+    x_pre, y_pre = split.x_train[keep], split.y_train[keep]
     net = nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
     )
     optim = torch.optim.Adam(net.parameters(), lr=1e-3)
     for _ in range(60):  # pretraining on the full in-distribution train split (examples/_digits)
-        for i in range(0, len(split.x_train), 64):
-            loss = nn.functional.cross_entropy(
-                net(split.x_train[i : i + 64]), split.y_train[i : i + 64]
-            )
+        for i in range(0, len(x_pre), 64):
+            loss = nn.functional.cross_entropy(net(x_pre[i : i + 64]), y_pre[i : i + 64])
             optim.zero_grad()
             loss.backward()
             optim.step()
-    # fine-tuning set: a random subset (the pretraining saw it too, as in examples/_digits.py)
-    idx = torch.randperm(len(split.x_train))[:num_train]
+    if protocol == "shift":
+        net[4] = nn.Linear(128, 10)  # the new 10-class head
+    # fine-tuning set: a random subset (under "same" the pretraining saw it too, as in
+    # examples/_digits.py; under "shift" it includes the five unseen digits)
+    perm = torch.randperm(len(split.x_train))
+    idx, rest = perm[:num_train], perm[num_train : num_train + 450]
     x, y = split.x_train[idx], split.y_train[idx]
+    if evaluate not in ("test", "val"):
+        raise ValueError(f"digits.evaluate must be 'test' or 'val', got {evaluate!r}")
+    x_eval, y_eval = (
+        (split.x_test, split.y_test)
+        if evaluate == "test"
+        else (split.x_train[rest], split.y_train[rest])
+    )
     model = pb.models.FineTuneModel(
         net,
         pb.models.LoRAXS(rank=4, projection="svd", target_modules=["0", "2"]),
         num_data=num_train,
         trainable_modules=["4"],
     )
-    test = [
-        (split.x_test[i : i + 128], split.y_test[i : i + 128])
-        for i in range(0, len(split.x_test), 128)
-    ]
+    test = [(x_eval[i : i + 128], y_eval[i : i + 128]) for i in range(0, len(x_eval), 128)]
 
     def epoch_batches(gen: torch.Generator) -> list[Any]:
         perm = torch.randperm(num_train, generator=gen)
@@ -375,6 +396,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
         schedule="constant",  # or "cosine" / "linear" (every method, per step, to 0 over the run)
+        protocol="same",  # or "shift": new 10-class head, fine-tune on all digits (SPECS 2(d) 6)
+        evaluate="test",  # or "val": score on held-out training images (hyperparameter choice)
     ),
     # the demo's text configuration (768 sentences, batch 32, 2 epochs = 48 steps, IVON lr 3.0,
     # h0 0.5, AdamW-MAP lr 1e-2); lr 0.1 left IVON at chance in 32-48 steps (docs/benchmarks.md)
@@ -438,7 +461,8 @@ def main() -> None:
         runs = []
         t0 = time.perf_counter()
         for seed in cfg["seeds"]:
-            extra = {"latent_head": cfg["latent_head"]} if name == "text" else {}
+            keys = ("latent_head",) if name == "text" else ("protocol", "evaluate")
+            extra = {k: cfg[k] for k in keys}
             task = builders[name](seed, cfg["num_train"], cfg["batch"], **extra)
             runs.append(run_task(task, cfg, seed, names))
             print(f"[{name} seed {seed}] done at {time.perf_counter() - t0:.0f}s", flush=True)
