@@ -255,7 +255,7 @@ def inject_adapter(
         if rank < adapter.rank:
             logger.info("LoRA-XS rank %d > layer size at %s; using %d", adapter.rank, path, rank)
         a, b = project(
-            w0.float().cpu(),
+            w0.detach().cpu(),  # project() computes in float64 whatever the dtype
             rank,
             adapter.projection,
             covariance=covariances.get(path),

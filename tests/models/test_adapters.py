@@ -250,3 +250,21 @@ def test_lora_config_is_accepted_as_adapter():
     assert [s for s in model.latent_sites if s.endswith("lora_B")] == [
         f"bert.encoder.layer.{i}.attention.self.query.lora_B" for i in range(2)
     ]
+
+
+@pytest.mark.parametrize("projection", ["svd", "random"])
+def test_full_rank_lora_xs_reconstructs_float64_weights(projection):
+    # with r = min(d_in, d_out) the frozen bases span W0 exactly (SPECS 2(d) 1): A B = W0. The
+    # projection runs in float64, so a float64 model must get its bases to float64 round-off
+    # (1e-12), not float32's (~1e-7: the error when the weight was cast to float32 first)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 6, dtype=torch.float64))
+    w0 = net[0].weight.detach().clone()
+    model = FineTuneModel(
+        net, LoRAXS(rank=6, projection=projection, target_modules=["0"]), num_data=10
+    )
+    layer = model.net[0]
+    assert layer.down.dtype == torch.float64
+    # row convention W0 (d_in, d_out) ≈ A B with A = downᵀ, B = upᵀ; torch weight = (A B)ᵀ
+    recon = (layer.down.T @ layer.up.T).T
+    torch.testing.assert_close(recon, w0, rtol=0, atol=1e-12)
