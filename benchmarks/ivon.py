@@ -19,8 +19,12 @@ Tasks:
   ``digits.num_train`` images of the same digits, several seeds. ``--set 'digits.protocol="shift"'``:
   the transfer task of SPECS 2(d) 6 instead (a new 10-class head, fine-tuned on all ten digits).
 * **text** - ``all-MiniLM-L6-v2`` with LoRA-XS r=8 on query/value (12 cores of 8x8) and a new
-  2-class head (point estimate), VADER movieReviewSnippets binary, ``--text-train`` sentences,
+  2-class head (point estimate), VADER movieReviewSnippets binary, ``text.num_train`` sentences,
   max_length 48, 256 test sentences.
+
+Options (``--set task.key=value``, see ``CONFIGS``): ``evaluate="val"`` scores on held-out
+training data instead of the test split (for choosing hyperparameters), ``latent_head=true``
+makes the head a latent site, ``kron={...}`` passes options to ``KroneckerIVONGuide``.
 
 Metrics: accuracy, NLL, ECE (15 bins) of the predictive (``pyrobayes.metrics.report``) on the test
 split, ``--samples`` posterior draws for the three IVON variants (ivon-opt draws *all* its
