@@ -182,9 +182,11 @@ def build_model(
     ``calibration_data`` (training batches) feeds the W-SVD input statistics when the adapter's
     projection is ``"wsvd"`` (at most 16 batches, padding masked).
     """
+    # seeded before loading: the new head's random init is then the same for every family and
+    # every process (it used to depend on whatever had drawn from the global RNG before)
+    torch.manual_seed(int(config["training"]["seed"]))
     net, tokenizer = _load_network(config)
     adapter = adapter_from_dict(config["adapter"])
-    torch.manual_seed(int(config["training"]["seed"]))
     model = FineTuneModel(
         net,
         adapter,
