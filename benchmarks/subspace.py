@@ -131,6 +131,7 @@ def _encode(dataset: Any, tok: Any, max_length: int) -> dict[str, Any]:
 
 def load_data(args: argparse.Namespace) -> dict[str, Any]:
     """Network (with its fresh head) and tokenised sets; tokenisation is cached on disk."""
+    torch.manual_seed(args.seed)  # the fresh head's init is then a function of --seed
     net, tok = pbdata.load_minilm_classifier(2)
     key = json.dumps([args.num_train, args.num_test, args.num_ood, args.max_length, args.seed])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
