@@ -171,6 +171,8 @@ def digits_task(
     """
     if protocol not in ("same", "shift"):
         raise ValueError(f"digits.protocol must be 'same' or 'shift', got {protocol!r}")
+    if evaluate not in ("test", "val"):
+        raise ValueError(f"digits.evaluate must be 'test' or 'val', got {evaluate!r}")
     torch.manual_seed(seed)
     classes = range(5) if protocol == "same" else range(10)
     split = load_digits_split(seed=seed, id_classes=classes, dtype=torch.float32)
@@ -194,8 +196,6 @@ def digits_task(
     perm = torch.randperm(len(split.x_train))
     idx, rest = perm[:num_train], perm[num_train : num_train + 450]
     x, y = split.x_train[idx], split.y_train[idx]
-    if evaluate not in ("test", "val"):
-        raise ValueError(f"digits.evaluate must be 'test' or 'val', got {evaluate!r}")
     x_eval, y_eval = (
         (split.x_test, split.y_test)
         if evaluate == "test"

@@ -517,7 +517,7 @@ class KroneckerIVONGuide(IVONGuide):
             debias=hp["debias"],
             rescale_lr=hp["rescale_lr"],
         )
-        stack.write(ps, states, step + 1)
+        stack.write(ps, step + 1)
 
     def _stacked_damped(self, sites: list[str], eig: Any = None) -> Tensor:
         """Damped eigenvalues `(K, d_out, d_in)` of ``sites``, cached until the factors change.
@@ -614,7 +614,7 @@ class _MeanStack:
             and all(st.get("step") is self.counter for st in states)
         )
 
-    def write(self, ps: list[Tensor], states: list[dict], counter: int) -> None:
+    def write(self, ps: list[Tensor], counter: int) -> None:
         if self.M.dtype == ps[0].dtype:
             torch._foreach_copy_(ps, self.m_views)
         else:

@@ -45,8 +45,11 @@ def check_schedule(
     TypeError
         For a scheduler instance or anything else that is neither a name nor a factory.
     """
-    if warmup < 0:
-        raise ValueError(f"fit(warmup=...) must be >= 0; got {warmup}.")
+    if warmup < 0 or (warmup >= 1 and warmup != int(warmup)):
+        raise ValueError(
+            "fit(warmup=...) is a number of steps (an int >= 1) or a fraction of the run "
+            f"(a float < 1); got {warmup}."
+        )
     if warmup and not isinstance(spec, str):
         raise ValueError(
             "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "

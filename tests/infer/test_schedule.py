@@ -123,6 +123,8 @@ def test_bad_schedules_are_named():
         pb.fit(prob.model, guide, data, epochs=1, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
     with pytest.raises(ValueError, match="whole run"):
         pb.fit(prob.model, guide, data, epochs=1, scheduler="cosine", warmup=4)
+    with pytest.raises(ValueError, match="number of steps .* or a fraction"):  # not 1 step
+        pb.fit(prob.model, guide, data, epochs=1, scheduler="cosine", warmup=1.5)
     with pytest.raises(ValueError, match="named schedule"):
         pb.fit(prob.model, guide, data, epochs=1, warmup=2)
     swag = pb.posterior(prob.model, "swag", swa_lr=1e-3)
