@@ -198,6 +198,18 @@ def build_model(
     return model, tokenizer
 
 
+def _rewind(loader: Any, seed: int) -> None:
+    """Restart ``loader``'s shuffling from ``seed``.
+
+    The run shares one training loader between families; rewound before each family, every
+    family (and its W-SVD calibration) sees the same batches in the same order, whatever ran
+    before it. Without it the k-th family saw the shuffles of epochs after the earlier families'.
+    """
+    generator = getattr(loader, "generator", None)
+    if generator is not None:
+        generator.manual_seed(seed)
+
+
 # ---------------------------------------------------------------------------------------- run
 def _evaluate(
     model: Any, guide: Any, loaders: dict[str, Any], num_samples: int, device: str
@@ -243,6 +255,7 @@ def run(
     fitted: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]] = {}
     for family in families:
         settings = FAMILY_SETTINGS.get(family, {})
+        _rewind(loaders["train"], int(config["data"]["seed"]))
         model, _ = build_model(config, loaders["num_train"], loaders["train"])
         epochs = int(settings.get("epochs", config["training"]["epochs"]))
         source = settings.get("warm_start")
@@ -391,6 +404,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     loaders = build_data(config, _load_tokenizer(config))
     records = []
     for path in sorted((run_dir / "guides").glob("*.safetensors")):
+        _rewind(loaders["train"], int(config["data"]["seed"]))  # the W-SVD calibration of run()
         model, _ = build_model(config, loaders["num_train"], loaders["train"])
         guide = load(path, model)
         metrics, _ = _evaluate(model, guide, loaders, int(config["predict"]["num_samples"]), device)
