@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["split_batch", "to_device", "expand_samples", "batch_size"]
+__all__ = ["split_batch", "to_device", "expand_samples", "batch_size", "token_mask"]
 
 
 def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | None]:
@@ -73,3 +73,15 @@ def batch_size(inputs: Any) -> int:
     if isinstance(inputs, (tuple, list)):
         return batch_size(inputs[0])
     raise TypeError(f"Cannot tell the batch size of {type(inputs).__name__}.")
+
+
+def token_mask(inputs: Any) -> Tensor | None:
+    """The batch's ``attention_mask`` (``(B, T)``, nonzero on real tokens), or ``None``.
+
+    Curvature and input statistics over token activations ``(B, T, d)`` skip the padded
+    positions with it: padding is not data.
+    """
+    if isinstance(inputs, Mapping):
+        mask = inputs.get("attention_mask")
+        return mask if isinstance(mask, Tensor) else None
+    return None

@@ -57,6 +57,9 @@ class IVONLoss:
         sampler = getattr(guide, "training_sample", None)
         values = sampler(num) if sampler is not None else guide.rsample(num)
         inputs, targets = split_training_batch(model, batch)
+        observe = getattr(guide, "_observe_inputs", None)  # Kronecker IVON: the token mask
+        if observe is not None:
+            observe(inputs)
         params = model.batched_output(inputs, values)  # (S, B, ...)
         nll = _per_example_nll(model, params, targets, num, batch_size(inputs))
         extra = getattr(guide, "_curvature_passes", None)

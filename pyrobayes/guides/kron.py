@@ -23,6 +23,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import token_mask
 from ..distributions import KronEigenNormal, MatrixNormal
 from ..infer.distributed import all_reduce_mean_
 from ..infer.ivon import (
@@ -316,6 +317,8 @@ class KroneckerIVONGuide(IVONGuide):
     def _begin_step(self) -> None:
         super()._begin_step()
         self.__dict__["_stats"] = {}
+        self.__dict__["_token_mask"] = None
+        self.__dict__["_row_masks"] = {}
         self.__dict__["_G_acc"] = {}
         self.__dict__["_recording"] = bool(self._kron) and self._t % self.T_stats == 0
         self.__dict__["_capture_G"] = self._recording and self.fisher == "empirical"
@@ -323,6 +326,37 @@ class KroneckerIVONGuide(IVONGuide):
     def _end_step(self) -> None:
         self.__dict__["_recording"] = False
         self.__dict__["_capture_G"] = False
+
+    def _observe_inputs(self, inputs: Any) -> None:
+        """Keep the batch's token mask (called by :class:`IVONLoss` before the forward): ``Â``
+        averages over real tokens only, since padded positions are not data."""
+        if self._recording:
+            mask = token_mask(inputs)
+            self.__dict__["_token_mask"] = None if mask is None else mask.bool()
+
+    def _real_rows(self, x: Tensor) -> tuple[Tensor, int]:
+        """``x`` `(S·B, T, d)` with its padded token rows zeroed, and the number of real rows.
+
+        The mask of the sample-major expanded batch is the batch's ``(B, T)`` mask tiled S
+        times. Inputs without the mask's token axes (a pooled layer, non-sequence data) are
+        kept whole.
+        """
+        rows = x.numel() // x.shape[-1]
+        mask = self.__dict__.get("_token_mask")
+        if (
+            mask is None
+            or x.dim() != mask.dim() + 1
+            or x.shape[1:-1] != mask.shape[1:]
+            or x.shape[0] % mask.shape[0]
+        ):
+            return x, rows
+        cache = self.__dict__.setdefault("_row_masks", {})
+        hit = cache.get((x.shape, x.dtype))
+        if hit is None:
+            tiled = mask.repeat(x.shape[0] // mask.shape[0], *(1,) * (mask.dim() - 1))
+            hit = cache[(x.shape, x.dtype)] = (tiled.unsqueeze(-1).to(x.dtype), int(tiled.sum()))
+        weights, real = hit
+        return (x, rows) if real == rows else (x * weights, real)
 
     def _curvature_passes(self, model: Any, params: Tensor, targets: Tensor) -> None:
         """Extra backward passes for ``fisher="mc"`` / ``"ggn"`` (called by :class:`IVONLoss`).
@@ -359,9 +393,10 @@ class KroneckerIVONGuide(IVONGuide):
     def _factor_estimates(self, sites: list[str]) -> list[Tensor]:
         """``[Â_1, Ĝ_1, Â_2, Ĝ_2, ...]`` for ``sites`` from this step's recordings.
 
-        ``Â = Σ aᵀa / rows`` over the core inputs; ``Ĝ = B Σ gᵀg`` over the gradients of the mean
-        loss at the core outputs (so ``Ĝ`` estimates the per-example ``E[g gᵀ]``). Sites with one
-        recording of the same shape share one batched product.
+        ``Â = Σ aᵀa / rows`` over the core inputs' real (non-padding) rows; ``Ĝ = B Σ gᵀg`` over
+        the gradients of the mean loss at the core outputs (so ``Ĝ`` estimates the per-example
+        ``E[g gᵀ]``; padded positions get no gradient). Sites with one recording of the same
+        shape share one batched product.
         """
         recs = []
         for site in sites:
@@ -386,26 +421,30 @@ class KroneckerIVONGuide(IVONGuide):
         dtype = self.state_dtype
         same_shapes = len({(r[0][0].shape, r[0][1].shape) for r in recs}) == 1
         if empirical and all(len(r) == 1 for r in recs) and same_shapes:
-            xs = [r[0][0] for r in recs]
+            num = int(recs[0][0][0].shape[0])
+            real = [self._real_rows(r[0][0]) for r in recs]
+            xs = [x for x, _ in real]
+            rows = real[0][1]  # one batch, one shape: the same count for every site
             gs = [grad_of(r[0][1]) for r in recs]
-            num = int(xs[0].shape[0])
             if xs[0].shape == gs[0].shape:  # square cores: [x_1, g_1, x_2, ...] in ONE product
                 z = torch.stack([t for pair in zip(xs, gs, strict=True) for t in pair])
                 z = z.reshape(z.shape[0], -1, z.shape[-1])
                 z = z if z.dtype == dtype else z.to(dtype)
-                scale = self._factor_scales(len(recs), z.shape[1], num, z)
+                scale = self._factor_scales(len(recs), rows, num, z)
                 return list((z.mT @ z).mul_(scale).unbind(0))
             x = torch.stack(xs)
             g = torch.stack(gs)
             x = x.reshape(len(recs), -1, x.shape[-1]).to(dtype)
             g = g.reshape(len(recs), -1, g.shape[-1]).to(dtype)
-            A = (x.mT @ x).div_(x.shape[1])
+            A = (x.mT @ x).div_(rows)
             G = (g.mT @ g).mul_(num)
             return [t for pair in zip(A.unbind(0), G.unbind(0), strict=True) for t in pair]
         hats: list[Tensor] = []
         acc = self.__dict__.get("_G_acc", {})
         for site, rec in zip(sites, recs, strict=True):
-            a = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in rec]).to(dtype)
+            real = [self._real_rows(x) for x, _ in rec]
+            a = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in real]).to(dtype)
+            rows = sum(n for _, n in real)
             if empirical:
                 G = sum(
                     int(x.shape[0]) * (g.mT @ g)
@@ -420,7 +459,7 @@ class KroneckerIVONGuide(IVONGuide):
                         f"gradient for {site!r}."
                     )
                 G = acc[site]
-            hats += [(a.mT @ a) / a.shape[0], G]
+            hats += [(a.mT @ a) / rows, G]
         return hats
 
     def _factor_scales(self, num_sites: int, rows: int, num: int, like: Tensor) -> Tensor:

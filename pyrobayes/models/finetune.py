@@ -23,7 +23,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor, nn
 
-from ..batch import batch_size, expand_samples, split_batch
+from ..batch import batch_size, expand_samples, split_batch, token_mask
 from .adapters import LoRA, LoRAXS, SiteSpec, inject_adapter, make_latent
 from .layers import LoRALinear, LoRAXSLinear
 from .likelihoods import Likelihood, make_likelihood, network_output
@@ -155,9 +155,7 @@ class FineTuneModel(nn.Module):
                 adapter,
                 calibration_batches=calibration_data,
                 calibration_forward=lambda m, b: self._call_net(m, split_batch(b, label_key)[0]),
-                calibration_mask=lambda b: (
-                    b.get("attention_mask") if isinstance(b, Mapping) else None
-                ),
+                calibration_mask=token_mask,
                 max_calibration_batches=max_calibration_batches,
             )
         if latent_modules:

@@ -390,3 +390,69 @@ def test_sites_with_equal_inputs_and_different_outputs():
     shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide._kron}
     assert sorted(shapes.values()) == [(3, 3), (6, 6)]
     assert all(F.abs().max() > 0 for s in guide._kron for F in guide.factors(s))
+
+
+def test_input_factor_skips_padded_tokens():
+    # token batches (tiny BERT, LoRA-XS on query/value): with β2 = 0 one step leaves
+    # A = Â = Σ aᵀa / (real rows) over the non-padding token rows of the S-fold expanded batch
+    # (the (B, T) mask tiled S times, sample-major), and G = B Σ gᵀg over all rows, padded rows
+    # carrying no gradient. Padding is not data: counting it biases Â towards the pad activations.
+    from pyrobayes.data import tiny_bert
+    from pyrobayes.guides.ivon import _per_example_nll
+
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_bert(num_labels=2),
+        pb.models.LoRAXS(rank=2, target_modules=["query", "value"]),
+        num_data=40,
+        trainable_modules=[],
+    )
+    S, B, T = 2, 6, 7
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 4:] = 0
+    mask[3, 2:] = 0
+    batch = {
+        "input_ids": torch.randint(1, 90, (B, T)),
+        "attention_mask": mask,
+        "labels": torch.randint(0, 2, (B,)),
+    }
+    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1, mc_samples=S)
+    drawn: dict[str, torch.Tensor] = {}
+    sample = guide.training_sample
+
+    def keep_the_draw(num: int) -> dict[str, torch.Tensor]:
+        values = sample(num)
+        drawn.update({k: v.detach().clone() for k, v in values.items()})
+        return values
+
+    guide.training_sample = keep_the_draw
+    pb.fit(model, guide, [batch], num_steps=1, lr=0.1, seed=0)
+    del guide.training_sample
+    seen: dict[str, list] = {}
+    handles = []
+    for site, (_, path) in guide._kron.items():
+
+        def hook(mod, inputs, out, site=site):
+            out.retain_grad()
+            seen[site] = [inputs[0].detach(), out]
+
+        handles.append(model.net.get_submodule(f"{path}.core").register_forward_hook(hook))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    params = model.batched_output(inputs, {k: v.requires_grad_() for k, v in drawn.items()})
+    _per_example_nll(model, params, batch["labels"], S, B).mean().backward()
+    for h in handles:
+        h.remove()
+    real = mask.bool().repeat(S, 1)  # (S·B, T): row s·B + b is example b
+    assert len(seen) == 4
+    for site, (a, out) in seen.items():
+        assert a.shape[:2] == (S * B, T)
+        A, G = guide.factors(site)
+        kept = a[real]
+        torch.testing.assert_close(A, kept.T @ kept / kept.shape[0], rtol=1e-12, atol=1e-14)
+        every = a.reshape(-1, a.shape[-1])
+        assert not torch.allclose(A, every.T @ every / every.shape[0], rtol=1e-3)
+        g = out.grad
+        assert torch.equal(g[~real], torch.zeros_like(g[~real]))  # padding gets no gradient
+        g = g.reshape(-1, g.shape[-1])
+        torch.testing.assert_close(G, S * B * (g.T @ g), rtol=1e-12, atol=1e-14)
+        assert G.abs().max() > 0
