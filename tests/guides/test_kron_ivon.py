@@ -295,6 +295,22 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
     assert torch.isfinite(pred.log_probs).all()
 
 
+def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
+    """One ``pb.fit`` step on ``batch``; returns the weights its training sample drew."""
+    drawn: dict[str, torch.Tensor] = {}
+    sample = guide.training_sample
+
+    def keep_the_draw(num: int) -> dict[str, torch.Tensor]:
+        values = sample(num)
+        drawn.update({k: v.detach().clone() for k, v in values.items()})
+        return values
+
+    guide.training_sample = keep_the_draw
+    pb.fit(model, guide, [batch], num_steps=1, lr=0.1, seed=0)
+    del guide.training_sample
+    return drawn
+
+
 @pytest.mark.parametrize("adapter", ["loraxs", "lora"])
 def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
     # β2 = 0: after one step A = Â = Σ aᵀa / rows over the core inputs and G = Ĝ = B Σ gᵀg over
@@ -311,17 +327,7 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
     model = FineTuneModel(net, adapt, num_data=40, trainable_modules=[])  # cores only
     guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1, mc_samples=2)
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
-    drawn: dict[str, torch.Tensor] = {}
-    sample = guide.training_sample
-
-    def keep_the_draw(num: int) -> dict[str, torch.Tensor]:
-        values = sample(num)
-        drawn.update({k: v.detach().clone() for k, v in values.items()})
-        return values
-
-    guide.training_sample = keep_the_draw
-    pb.fit(model, guide, [(x, y)], num_steps=1, lr=0.1, seed=0)
-    del guide.training_sample
+    drawn = _one_step_keeping_the_draw(model, guide, (x, y))
     # the reference: the same forward at the drawn weights, with plain hooks and retain_grad
     seen: dict[str, list] = {}
     handles = []
@@ -417,17 +423,7 @@ def test_input_factor_skips_padded_tokens():
         "labels": torch.randint(0, 2, (B,)),
     }
     guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1, mc_samples=S)
-    drawn: dict[str, torch.Tensor] = {}
-    sample = guide.training_sample
-
-    def keep_the_draw(num: int) -> dict[str, torch.Tensor]:
-        values = sample(num)
-        drawn.update({k: v.detach().clone() for k, v in values.items()})
-        return values
-
-    guide.training_sample = keep_the_draw
-    pb.fit(model, guide, [batch], num_steps=1, lr=0.1, seed=0)
-    del guide.training_sample
+    drawn = _one_step_keeping_the_draw(model, guide, batch)
     seen: dict[str, list] = {}
     handles = []
     for site, (_, path) in guide._kron.items():
