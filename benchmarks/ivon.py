@@ -24,7 +24,8 @@ Tasks:
 
 Options (``--set task.key=value``, see ``CONFIGS``): ``evaluate="val"`` scores on held-out
 training data instead of the test split (for choosing hyperparameters), ``latent_head=true``
-makes the head a latent site, ``kron={...}`` passes options to ``KroneckerIVONGuide``.
+makes the head a latent site, ``kron={...}`` passes options to ``KroneckerIVONGuide``,
+``ivon={...}`` to ``IVONGuide`` and (where ivon-opt has the same argument) to ivon-opt.
 
 Metrics: accuracy, NLL, ECE (15 bins) of the predictive (``pyrobayes.metrics.report``) on the test
 split, ``--samples`` posterior draws for the three IVON variants (ivon-opt draws *all* its
@@ -282,7 +283,8 @@ def build_methods(
     ess = cfg.get("ess_scale", 1.0) * num_data
     delta = 1.0 / (num_data * base.prior_scale**2)
     common = dict(ess=ess, hess_init=cfg["hess_init"], weight_decay=delta)
-    ivon_kw = dict(common, beta2=cfg["beta2"])
+    # extra IVON options (clip_radius, hess_approx, ...): the same for the guide and ivon-opt
+    ivon_kw = dict(common, beta2=cfg["beta2"], **cfg.get("ivon", {}))
     methods: dict[str, Any] = {}
     for name in names:
         pyro.clear_param_store()
@@ -307,9 +309,14 @@ def build_methods(
                 beta1=0.9,
                 beta2=cfg["beta2"],
                 weight_decay=ref.weight_decay,
+                **{k: v for k, v in cfg.get("ivon", {}).items() if k in _IVON_OPT_KEYS},
             )
             methods[name] = IvonOptMethod(model, hyper, cfg["lr_ivon"], S)
     return methods
+
+
+#: ``ivon={...}`` options that ivon-opt's ``IVON`` takes under the same name
+_IVON_OPT_KEYS = ("hess_approx", "clip_radius", "debias", "rescale_lr")
 
 
 def run_task(
@@ -421,6 +428,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         evaluate="test",  # or "val": score on held-out training images (hyperparameter choice)
         latent_head=False,  # True: the head is a latent site (sampled in the predictive)
         kron={},  # extra KroneckerIVONGuide options, e.g. {"beta2": 0.999, "T_inv": 1}
+        ivon={},  # extra IVONGuide (and ivon-opt) options, e.g. {"clip_radius": 0.01}
     ),
     # the demo's text configuration (768 sentences, batch 32, 2 epochs = 48 steps, IVON lr 3.0,
     # h0 0.5, AdamW-MAP lr 1e-2); lr 0.1 left IVON at chance in 32-48 steps (docs/benchmarks.md)
@@ -440,6 +448,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         latent_head=False,  # True: the classifier is a latent site (sampled in the predictive)
         evaluate="test",  # or "val": score on 256 held-out sentences (hyperparameter choice)
         kron={},  # extra KroneckerIVONGuide options, e.g. {"beta2": 0.999, "T_inv": 1}
+        ivon={},  # extra IVONGuide (and ivon-opt) options, e.g. {"clip_radius": 0.01}
     ),
 }
 
