@@ -68,7 +68,9 @@ class KroneckerIVONGuide(IVONGuide):
     The factor statistics assume the per-example mean loss of :class:`IVONLoss`: with ``B``
     examples (``S·B`` rows after the sample expansion) and ``R`` rows per module input,
     ``Â = (1/R) Σ ā āᵀ`` and ``Ĝ = (S·B) Σ_rows ∂L/∂s ∂L/∂sᵀ = (1/(S·B)) Σ ∇_s l ∇_s lᵀ``
-    (SPECS "expand" convention for sequences).
+    (SPECS "expand" convention for sequences). For token inputs ``(B, T, d)`` the rows of ``Â``
+    are the real tokens only: :class:`IVONLoss` hands the batch's ``attention_mask`` to the guide
+    before the forward (a custom objective that does not keeps every row).
     """
 
     family = "kron-ivon"
