@@ -302,6 +302,12 @@ def build_methods(
                 model, guide, lr_map, optimizer=lambda p, lr=lr_map: torch.optim.AdamW(p, lr=lr)
             )
         else:
+            unmirrored = set(cfg.get("ivon", {})) - set(_IVON_OPT_KEYS)
+            if unmirrored:  # ivon-opt would silently run another configuration than "ivon"
+                raise ValueError(
+                    f"ivon={{...}} options {sorted(unmirrored)} have no ivon-opt counterpart in "
+                    "this benchmark; drop ivon-opt from --methods to use them."
+                )
             ref = pb.posterior(copy.deepcopy(base), "ivon", **ivon_kw)  # same ess, δ as the guide
             hyper = dict(
                 ess=ref.ess,
