@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..batch import token_mask
 from ..distributions import KronEigenNormal, MatrixNormal
-from ..infer.distributed import all_reduce_mean_
+from ..infer.distributed import all_reduce_mean_, world
 from ..infer.ivon import (
     damped_eigenvalues,
     eigh_factor,
@@ -392,8 +392,9 @@ class KroneckerIVONGuide(IVONGuide):
                 term = int(x.shape[0]) * (gs.mT @ gs)
                 acc[site] = term if site not in acc else acc[site] + term
 
-    def _factor_estimates(self, sites: list[str]) -> list[Tensor]:
-        """``[Â_1, Ĝ_1, Â_2, Ĝ_2, ...]`` for ``sites`` from this step's recordings.
+    def _factor_estimates(self, sites: list[str]) -> tuple[list[Tensor], list[int]]:
+        """``[Â_1, Ĝ_1, Â_2, Ĝ_2, ...]`` for ``sites`` from this step's recordings, and the
+        number of real rows behind each ``Â``.
 
         ``Â = Σ aᵀa / rows`` over the core inputs' real (non-padding) rows; ``Ĝ = B Σ gᵀg`` over
         the gradients of the mean loss at the core outputs (so ``Ĝ`` estimates the per-example
@@ -433,15 +434,17 @@ class KroneckerIVONGuide(IVONGuide):
                 z = z.reshape(z.shape[0], -1, z.shape[-1])
                 z = z if z.dtype == dtype else z.to(dtype)
                 scale = self._factor_scales(len(recs), rows, num, z)
-                return list((z.mT @ z).mul_(scale).unbind(0))
+                return list((z.mT @ z).mul_(scale).unbind(0)), [rows] * len(recs)
             x = torch.stack(xs)
             g = torch.stack(gs)
             x = x.reshape(len(recs), -1, x.shape[-1]).to(dtype)
             g = g.reshape(len(recs), -1, g.shape[-1]).to(dtype)
             A = (x.mT @ x).div_(rows)
             G = (g.mT @ g).mul_(num)
-            return [t for pair in zip(A.unbind(0), G.unbind(0), strict=True) for t in pair]
+            pairs = zip(A.unbind(0), G.unbind(0), strict=True)
+            return [t for pair in pairs for t in pair], [rows] * len(recs)
         hats: list[Tensor] = []
+        counts: list[int] = []
         acc = self.__dict__.get("_G_acc", {})
         for site, rec in zip(sites, recs, strict=True):
             real = [self._real_rows(x) for x, _ in rec]
@@ -462,7 +465,8 @@ class KroneckerIVONGuide(IVONGuide):
                     )
                 G = acc[site]
             hats += [(a.mT @ a) / rows, G]
-        return hats
+            counts.append(rows)
+        return hats, counts
 
     def _factor_scales(self, num_sites: int, rows: int, num: int, like: Tensor) -> Tensor:
         """``[1/rows, num, 1/rows, num, ...]`` `(2K, 1, 1)`: Â = aᵀa/rows, Ĝ = num·gᵀg (cached)."""
@@ -492,7 +496,9 @@ class KroneckerIVONGuide(IVONGuide):
             ]
             factors = [F_ for site in sites for F_ in self.factors(site)]
             if self._recording_done:
-                hats = self._factor_estimates(sites)
+                hats, rows = self._factor_estimates(sites)
+                if world()[0] > 1:
+                    _pool_rows_(hats[0::2], rows)
                 all_reduce_mean_(grads + hats)
                 # A ← β2 A + (1−β2) Â, G ← β2 G + (1−β2) Ĝ for every factor at once
                 beta2 = hp["beta2"]
@@ -597,6 +603,21 @@ class KroneckerIVONGuide(IVONGuide):
 
     def fit_end(self, model: Any, data: Any) -> None:
         self.refresh()
+
+
+def _pool_rows_(input_factors: list[Tensor], rows: list[int]) -> None:
+    """Rescale this rank's ``Â_k = S_k / n_k`` in place so that the mean over ranks is the
+    pooled ``Σ_r S_k,r / Σ_r n_k,r``: multiply by ``n_k / mean_r n_k,r``.
+
+    Ranks whose batches hold different numbers of real (non-padding) tokens then count each token
+    once, as one process on the union batch does, instead of weighting every rank equally.
+    """
+    counts = torch.tensor(rows, dtype=torch.float64, device=input_factors[0].device)
+    mean = counts.clone()
+    all_reduce_mean_([mean])
+    for A, w in zip(input_factors, (counts / mean).tolist(), strict=True):
+        if w != 1.0:
+            A.mul_(w)
 
 
 def _output_hessian_roots(likelihood: Any, params: Tensor) -> list[Tensor]:

@@ -5,7 +5,9 @@ one process on the whole batch: each rank's loss is ``(N/B) Σ_{b∈rank} log p 
 and the average of the two ranks' gradients is the gradient of ``(N/2B) Σ_b log p + ...``, the
 single-process loss on the union batch. The draws are the same on both ranks (same seed), so the
 stochastic families (mean-field ELBO, IVON, Kronecker IVON, whose curvature statistics are
-all-reduced) reduce exactly too. Agreement is to float64 round-off, accumulated over the steps
+all-reduced) reduce exactly too. "kron-ivon+pad" runs Kronecker IVON on padded token batches
+(tiny BERT) whose halves hold different numbers of real tokens: the input factor must pool the
+ranks' token rows (Σ aᵀa / Σ rows), as one process does, not average the ranks' Â. Agreement is to float64 round-off, accumulated over the steps
 (the two ways sum the batch in a different order): rtol 1e-7.
 """
 
@@ -23,9 +25,43 @@ from torch import nn
 import pyrobayes as pb
 
 # "map+val": MAP with validation selection; the ranks hold opposite halves of the validation set
-FAMILIES = ("map", "meanfield", "ivon", "kron-ivon", "map+val")
+FAMILIES = ("map", "meanfield", "ivon", "kron-ivon", "map+val", "kron-ivon+pad")
 NUM_DATA, BATCH, STEPS = 96, 16, 12
 LR = {"map": 1e-2, "meanfield": 1e-2, "ivon": 0.05, "kron-ivon": 0.05, "map+val": 5e-2}
+LR["kron-ivon+pad"] = 0.05
+HEAD = {"kron-ivon+pad": "classifier.weight"}  # a point parameter the fit must move
+
+
+def _token_problem() -> tuple[pb.models.FineTuneModel, list[dict[str, torch.Tensor]]]:
+    from pyrobayes.data import tiny_bert
+
+    torch.manual_seed(0)
+    net = tiny_bert(num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = pb.models.FineTuneModel(
+        net,
+        pb.models.LoRAXS(rank=2, target_modules=["query", "value"], init_scale=0.1),
+        trainable_modules=["classifier"],
+        num_data=NUM_DATA,
+    )
+    g = torch.Generator().manual_seed(1)
+    T = 9
+    ids = torch.randint(1, 90, (NUM_DATA, T), generator=g)
+    # first half of every batch (rank 0's share) short sentences, second half long ones
+    lengths = torch.tensor([2, 3, 4, 3, 2, 4, 3, 2, 9, 8, 9, 7, 9, 8, 9, 9]).repeat(
+        NUM_DATA // BATCH
+    )
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    ids = ids * mask
+    labels = (ids[:, 0] % 2).long()
+    batches = [
+        {
+            "input_ids": ids[i : i + BATCH],
+            "attention_mask": mask[i : i + BATCH],
+            "labels": labels[i : i + BATCH],
+        }
+        for i in range(0, NUM_DATA, BATCH)
+    ]
+    return model, batches
 
 
 def _problem(
@@ -47,14 +83,14 @@ def _problem(
 
 
 def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
-    model, batches = _problem(family)
+    model, batches = _token_problem() if family.endswith("+pad") else _problem(family)
     if rank is not None:  # this rank's half of every batch (a DistributedSampler's share)
-        half = BATCH // 2
+        part = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
         batches = [
-            (x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half])
-            for x, y in batches
+            {k: v[part] for k, v in b.items()} if isinstance(b, dict) else (b[0][part], b[1][part])
+            for b in batches
         ]
-    guide = pb.posterior(model, family.removesuffix("+val"))
+    guide = pb.posterior(model, family.removesuffix("+val").removesuffix("+pad"))
     if family == "map+val":
         # half 0 has the training rule's labels (improves with training), half 1 other labels
         # (worsens): alone, half 0 selects the last epoch and half 1 the first (measured), so
@@ -108,9 +144,10 @@ def test_two_gloo_ranks_equal_one_process_on_the_union_batch(distributed_results
         torch.testing.assert_close(r0[key], r1[key], rtol=0, atol=0, msg=f"ranks differ: {key}")
         torch.testing.assert_close(r0[key], value, rtol=1e-7, atol=1e-10, msg=key)
     # the fit moved the parameters: the comparison is not between two untouched inits
-    model, _ = _problem(family)
-    head = model.point_params["4.weight"]
-    assert (single["model.4.weight"] - head).abs().max() > 1e-3
+    model, _ = _token_problem() if family.endswith("+pad") else _problem(family)
+    name = HEAD.get(family, "4.weight")
+    head = model.point_params[name]
+    assert (single[f"model.{name}"] - head).abs().max() > 1e-3
 
 
 def test_nonfinite_loss_stops_every_rank(tmp_path: Path) -> None:
