@@ -101,6 +101,12 @@ class IVONGuide(PosteriorGuide):
     weight_decay : float, optional
         δ, the prior precision per unit ess. Default ``1/(ess · prior_scale²)``, i.e. the model's
         own prior ``N(0, prior_scale²)`` (ivon-opt's package default is 1e-4).
+    point_weight_decay : float, optional
+        δ for the model's point-estimated parameters that the IVON optimizer updates alongside
+        the sites (``trainable_modules``, e.g. a classifier head); default ``weight_decay`` (as
+        ivon-opt, one δ for everything). ``δ m`` pulls them towards 0, which suits a new head;
+        for a *pretrained* head, 0 keeps it from shrinking (it enters their σ, ``ĥ``, ``h`` and
+        step exactly as δ does for the sites, as an ivon-opt parameter group of its own).
     mc_samples : int
         S, samples per step (1), evaluated in one batched forward.
     hess_approx : {"price", "gradsq"}
@@ -140,6 +146,7 @@ class IVONGuide(PosteriorGuide):
         beta1: float = 0.9,
         beta2: float = 0.99999,
         weight_decay: float | None = None,
+        point_weight_decay: float | None = None,
         mc_samples: int = 1,
         hess_approx: str = "price",
         clip_radius: float | None = None,
@@ -160,9 +167,12 @@ class IVONGuide(PosteriorGuide):
         if weight_decay is None:
             prior_scale = getattr(model, "prior_scale", None)
             weight_decay = 1.0 / (ess * prior_scale**2) if prior_scale else 1e-4
+        if point_weight_decay is None:
+            point_weight_decay = weight_decay
         checks = {
             "hess_init": hess_init > 0,
             "weight_decay": weight_decay >= 0,
+            "point_weight_decay": point_weight_decay >= 0,
             "mc_samples": mc_samples >= 1,
             "beta1": 0.0 <= beta1 <= 1.0,
             "beta2": 0.0 <= beta2 <= 1.0,
@@ -186,6 +196,7 @@ class IVONGuide(PosteriorGuide):
             "beta1": float(beta1),
             "beta2": float(beta2),
             "weight_decay": self.weight_decay,
+            "point_weight_decay": float(point_weight_decay),
             "hess_approx": hess_approx,
             "clip_radius": math.inf if clip_radius is None else float(clip_radius),
             "debias": bool(debias),
@@ -204,6 +215,7 @@ class IVONGuide(PosteriorGuide):
             beta1=beta1,
             beta2=beta2,
             weight_decay=weight_decay,
+            point_weight_decay=point_weight_decay,
             mc_samples=mc_samples,
             hess_approx=hess_approx,
             clip_radius=clip_radius,

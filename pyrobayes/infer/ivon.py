@@ -82,7 +82,7 @@ def ivon_init(param: Tensor, hess_init: float = 1.0, dtype: torch.dtype | None =
 
 
 def price_hessian(
-    grads: Tensor, noise: Tensor, hess: Tensor, ess: float, weight_decay: float
+    grads: Tensor, noise: Tensor, hess: Tensor, ess: float, weight_decay: float | Tensor
 ) -> Tensor:
     r"""Reparameterization (Price / Stein) estimate ``ĥ = mean_s ĝ_s ⊙ (θ_s − m) ⊙ λ(h+δ)``.
 
@@ -103,7 +103,9 @@ def gradsq_hessian(grads: Tensor, ess: float) -> Tensor:
     return grads.square().mean(0) * ess
 
 
-def ivon_hess_update(hess: Tensor, hess_hat: Tensor, beta2: float, weight_decay: float) -> Tensor:
+def ivon_hess_update(
+    hess: Tensor, hess_hat: Tensor, beta2: float, weight_decay: float | Tensor
+) -> Tensor:
     r"""``h ← β2 h + (1−β2) ĥ + ½(1−β2)² (h−ĥ)²/(h+δ)`` (keeps ``h + δ > 0``)."""
     return (
         beta2 * hess
@@ -121,7 +123,7 @@ def _mean_step(
     lr: float,
     hess_init: float,
     beta1: float,
-    weight_decay: float,
+    weight_decay: float | Tensor,
     clip_radius: float,
     debias: bool,
     rescale_lr: bool,
@@ -144,7 +146,7 @@ def ivon_step(
     hess_init: float = 1.0,
     beta1: float = 0.9,
     beta2: float = 0.99999,
-    weight_decay: float = 1e-4,
+    weight_decay: float | Tensor = 1e-4,
     clip_radius: float = math.inf,
     debias: bool = True,
     rescale_lr: bool = True,
@@ -186,7 +188,7 @@ def ivon_step_(
     hess_init: float = 1.0,
     beta1: float = 0.9,
     beta2: float = 0.99999,
-    weight_decay: float = 1e-4,
+    weight_decay: float | Tensor = 1e-4,
     clip_radius: float = math.inf,
     debias: bool = True,
     rescale_lr: bool = True,
@@ -226,7 +228,7 @@ def _mean_step_(
     lr: float,
     hess_init: float,
     beta1: float,
-    weight_decay: float,
+    weight_decay: float | Tensor,
     clip_radius: float,
     debias: bool,
     rescale_lr: bool,
@@ -238,9 +240,15 @@ def _mean_step_(
     """
     momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
-    direction = precondition_(torch.add(momentum, m, alpha=weight_decay * bias))
+    if isinstance(weight_decay, Tensor):  # one δ per entry
+        direction = precondition_(torch.addcmul(momentum, m, weight_decay, value=bias))
+    else:
+        direction = precondition_(torch.add(momentum, m, alpha=weight_decay * bias))
     if math.isfinite(clip_radius):  # clip(direction/bias) = clip(direction, c·bias)/bias
         direction.clamp_(-clip_radius * bias, clip_radius * bias)
+    if rescale_lr and isinstance(weight_decay, Tensor):
+        m.sub_(direction.mul_((weight_decay + hess_init).mul_(lr / bias)))
+        return
     scale = lr * (hess_init + weight_decay) if rescale_lr else lr
     m.sub_(direction, alpha=scale / bias)
 
@@ -456,6 +464,27 @@ class IVONOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 p.grad = None
 
+    def _decay(self, n_site: int, n_extra: int, like: Tensor) -> float | Tensor:
+        """δ over a flat vector of ``n_site`` site entries followed by ``n_extra`` extra entries.
+
+        A float when they share one δ (``point_weight_decay`` equal to ``weight_decay``, or one
+        of the two parts empty), else a cached vector in ``like``'s dtype and device.
+        """
+        hp = self.guide.hyper
+        delta, point = hp["weight_decay"], hp.get("point_weight_decay", hp["weight_decay"])
+        if n_extra == 0 or point == delta:
+            return delta
+        if n_site == 0:
+            return point
+        key = (n_site, n_extra, point, delta, like.dtype, like.device)
+        hit = self.__dict__.get("_decay_cache")
+        if hit is None or hit[0] != key:
+            vec = like.new_empty(n_site + n_extra)
+            vec[:n_site] = delta
+            vec[n_site:] = point
+            hit = self.__dict__["_decay_cache"] = (key, vec)
+        return hit[1]
+
     def _extras(self) -> list[Tensor]:
         return [
             p for group in self.param_groups for p in group["params"] if id(p) not in self._site_of
@@ -487,8 +516,9 @@ class IVONOptimizer(torch.optim.Optimizer):
                     init = ivon_init(p, hp["hess_init"], guide.state_dtype)
                     st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
                 hess.append(st["hess"])
+            point = hp.get("point_weight_decay", hp["weight_decay"])
             sigmas = torch._foreach_rsqrt(
-                torch._foreach_mul(torch._foreach_add(hess, hp["weight_decay"]), hp["ess"])
+                torch._foreach_mul(torch._foreach_add(hess, point), hp["ess"])
             )
             eps = [
                 torch.randn(p.shape, dtype=h.dtype, device=p.device)
@@ -547,7 +577,8 @@ class IVONOptimizer(torch.optim.Optimizer):
         guide = self.guide
         hp = guide.hyper
         n_site = cache.site_numel
-        prec = (cache.h + hp["weight_decay"]).mul_(hp["ess"])  # λ(h + δ)
+        delta = self._decay(n_site, cache.h.numel() - n_site, cache.h)
+        prec = (cache.h + delta).mul_(hp["ess"])  # λ(h + δ)
         sigma = prec.rsqrt()
         noise_e: Tensor | None = None
         if extras:
@@ -604,6 +635,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         all_reduce_mean_([grad, hhat])
         kwargs = guide.diag_step_kwargs()
         kwargs["beta2"] = guide._diag_beta2()
+        kwargs["weight_decay"] = delta
         cache.step_(grad, hhat, cache.step, lr, kwargs)
         guide.ivon_update(self, lr)
         return loss
@@ -622,6 +654,9 @@ class IVONOptimizer(torch.optim.Optimizer):
         """
         guide = self.guide
         params, hess_list, hess, grads, noise = guide.diag_statistics()
+        n_site = sum(p.numel() for p in params)
+        n_extra = sum(p.numel() for p in extras)
+        delta = self._decay(n_site, n_extra, hess)
         if extras:
             hess_e = [self.state[p]["hess"] for p in extras]
             dtype = hess_e[0].dtype
@@ -639,8 +674,10 @@ class IVONOptimizer(torch.optim.Optimizer):
                 hess = torch.cat([hess] + [h.reshape(-1) for h in hess_e])
             else:  # S samples for the sites, one for the extras: the means differ
                 g_e, n_e, h_e = _flat(grads_e), _flat(noises), _flat(hess_e)
-                grad_s, hhat_s = self._estimates(grads, noise, hess)
-                grad_e, hhat_e = self._estimates(g_e[None], n_e[None], h_e)
+                hp = guide.hyper
+                point = hp.get("point_weight_decay", hp["weight_decay"])
+                grad_s, hhat_s = self._estimates(grads, noise, hess, hp["weight_decay"])
+                grad_e, hhat_e = self._estimates(g_e[None], n_e[None], h_e, point)
                 grad = torch.cat([grad_s.to(dtype), grad_e])
                 hhat = torch.cat([hhat_s.to(dtype), hhat_e])
                 hess = torch.cat([hess.to(dtype), h_e])
@@ -650,7 +687,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         if not params:
             return
         if grads is not None:
-            grad, hhat = self._estimates(grads, noise, hess)
+            grad, hhat = self._estimates(grads, noise, hess, delta)
         all_reduce_mean_([grad, hhat])
         states = []
         for p in params:
@@ -663,6 +700,9 @@ class IVONOptimizer(torch.optim.Optimizer):
         numels = [p.numel() for p in params]
         kwargs = guide.diag_step_kwargs()
         kwargs["beta2"] = guide._diag_beta2()
+        if isinstance(delta, Tensor) and delta.dtype != hess.dtype:
+            delta = delta.to(hess.dtype)
+        kwargs["weight_decay"] = delta
         if all(t == steps[0] for t in steps) and all(
             p.dtype == hess.dtype for p in params
         ):  # fast path: persistent flat m, h, momentum, updated in place
@@ -690,21 +730,24 @@ class IVONOptimizer(torch.optim.Optimizer):
         for t in sorted(set(steps)):
             idx = [i for i, u in enumerate(steps) if u == t]
             sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx]).to(m.device)
+            part = dict(kwargs, weight_decay=delta[sel] if isinstance(delta, Tensor) else delta)
             new_m, state = ivon_step(
                 m[sel],
                 IVONState(momentum[sel], hess[sel], t),
                 grad[sel],
                 hhat[sel],
                 lr=lr,
-                **kwargs,
+                **part,
             )
             self._scatter(params, hess_list, states, numels, new_m, state, idx)
 
-    def _estimates(self, grads: Tensor, noise: Tensor, hess: Tensor) -> tuple[Tensor, Tensor]:
+    def _estimates(
+        self, grads: Tensor, noise: Tensor, hess: Tensor, weight_decay: float | Tensor
+    ) -> tuple[Tensor, Tensor]:
         """``(ĝ, ĥ)`` from per-sample gradients and perturbations `(S, T)`."""
         hp = self.guide.hyper
         if hp["hess_approx"] == "price":
-            hhat = price_hessian(grads, noise, hess, hp["ess"], hp["weight_decay"])
+            hhat = price_hessian(grads, noise, hess, hp["ess"], weight_decay)
         else:
             hhat = gradsq_hessian(grads, hp["ess"])
         return grads.mean(0), hhat

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pyro
@@ -203,6 +204,74 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
     assert (ours[-1][0] - model.net[0].weight).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("point_weight_decay", [0.0, 0.2])
+def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_weight_decay):
+    # a latent layer (the guide's sites) and a point head (updated by the optimizer, ivon-opt
+    # style) with its own δ equal ivon-opt with two parameter groups, the head's first: both
+    # draw the head's noise first (one randn of its size), then the sites' (one randn over the
+    # flat sites), so the trajectories agree to float64 round-off. δ enters the head's σ, ĥ, the
+    # h update, the step direction and the rescaled step size α(h0+δ).
+    ivon = pytest.importorskip("ivon", reason="oracle test needs ivon-opt (pip install ivon-opt)")
+    g = torch.Generator().manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.4 * torch.randn(p.shape, generator=g))
+    ref = copy.deepcopy(net)
+    model = FineTuneModel(
+        net,
+        latent_modules=["0"],
+        likelihood="gaussian",
+        obs_scale=0.5,
+        num_data=40,
+        trainable_modules=["2"],
+    )
+    x = torch.randn(40, 4, generator=g)
+    y = torch.sin(x[:, :3]) + 0.5 * torch.randn(40, 3, generator=g)
+    hyper = dict(ess=40.0, hess_init=0.7, beta1=0.9, beta2=0.995, weight_decay=3e-2)
+    guide = IVONGuide(model, point_weight_decay=point_weight_decay, **hyper)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)]
+    steps, lr = 40, 0.2
+    opt = ivon.IVON(
+        [
+            {"params": [ref[2].weight], "weight_decay": point_weight_decay},
+            {"params": [ref[0].weight, ref[0].bias]},
+        ],
+        lr=lr,
+        **hyper,
+    )
+    torch.manual_seed(7)
+    ref_traj = []
+    for step in range(steps):
+        bx, by = batches[step % len(batches)]
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            loss = -torch.distributions.Normal(ref(bx), 0.5).log_prob(by).sum(-1).mean()
+            loss.backward()
+        opt.step()
+        ref_traj.append([t.detach().clone() for t in (ref[2].weight, ref[0].weight, ref[0].bias)])
+    ours = []
+
+    def record(step: int, value: float) -> None:
+        ours.append(
+            [
+                t.detach().clone()
+                for t in (
+                    model.point_params["2.weight"],
+                    guide.loc("0.weight"),
+                    guide.loc("0.bias"),
+                )
+            ]
+        )
+
+    pb.fit(model, guide, batches, num_steps=steps, lr=lr, seed=7, callback=record)
+    assert len(ours) == steps
+    for mine, theirs in zip(ours, ref_traj, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+    assert (ours[-1][0] - ours[0][0]).abs().max() > 1e-2  # the head moved
+
+
 # ---------------------------------------------------------------------------- exact posteriors
 def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0):
     locs, scales = [], []
@@ -337,19 +406,25 @@ def test_bfloat16_weights_keep_float32_statistics():
 
 
 @pytest.mark.parametrize(
-    "family,mc_samples,hess_approx",
+    "family,mc_samples,hess_approx,point_weight_decay",
     [
-        ("ivon", 1, "price"),
-        ("ivon", 3, "price"),
-        ("ivon", 1, "gradsq"),
-        ("kron-ivon", 1, "price"),
-        ("kron-ivon", 2, "price"),
+        ("ivon", 1, "price", None),
+        ("ivon", 3, "price", None),
+        ("ivon", 1, "gradsq", None),
+        ("kron-ivon", 1, "price", None),
+        ("kron-ivon", 2, "price", None),
+        ("ivon", 1, "price", 0.0),
+        ("ivon", 3, "price", 0.5),
+        ("kron-ivon", 2, "price", 0.0),
     ],
 )
-def test_flat_fast_path_equals_general_path(monkeypatch, family, mc_samples, hess_approx):
+def test_flat_fast_path_equals_general_path(
+    monkeypatch, family, mc_samples, hess_approx, point_weight_decay
+):
     # From the second step on, IVONOptimizer steps on its persistent flat vectors (σ formed once
     # and handed to the sampler, flat noise for the head, means restored from the flat m). It must
     # give the general path's trajectory: same RNG use, same arithmetic up to rounding order.
+    # With the head's own δ (point_weight_decay) both paths use a per-entry δ vector.
     def run(fast: bool) -> tuple[list[torch.Tensor], int]:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
@@ -359,7 +434,12 @@ def test_flat_fast_path_equals_general_path(monkeypatch, family, mc_samples, hes
         y = torch.randint(0, 3, (30,), generator=g)
         data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
         guide = pb.posterior(
-            model, family, mc_samples=mc_samples, hess_approx=hess_approx, hess_init=0.3
+            model,
+            family,
+            mc_samples=mc_samples,
+            hess_approx=hess_approx,
+            hess_init=0.3,
+            point_weight_decay=point_weight_decay,
         )
         calls = []
         with monkeypatch.context() as patch:
