@@ -120,6 +120,14 @@ class IvonOptMethod:
         self.model, self.num_samples = model, num_samples
         self.guide = pb.posterior(model, "map")
         params = _trainable_parameters(model, self.guide)
+        hyper = dict(hyper)
+        point = hyper.pop("point_weight_decay", None)
+        if point is not None:  # IVONGuide(point_weight_decay=...): the point params' own group
+            ids = {id(p) for p in model.point_params.values()}
+            params = [
+                {"params": [p for p in params if id(p) in ids], "weight_decay": point},
+                {"params": [p for p in params if id(p) not in ids]},
+            ]
         self.optim = ivon.IVON(params, lr=lr, **hyper)
 
     def _values(self) -> dict[str, Tensor]:
@@ -167,7 +175,8 @@ def digits_task(
     and classes (at the accuracy ceiling). ``"shift"``: SPECS 2(d) 6's transfer task - pretrain on
     0-4, replace the head by a new 10-class one, fine-tune on ``num_train`` images of all digits.
     ``evaluate="val"`` scores on up to 450 training images outside the fine-tuning set instead of
-    the test split (for choosing hyperparameters without looking at the test split).
+    the test split (for choosing hyperparameters without looking at the test split); under
+    ``"same"`` 225 of them, left out of the pretraining as well.
     ``latent_head``: the head is a latent site (as for the text task), else a point parameter.
     """
     if protocol not in ("same", "shift"):
@@ -183,6 +192,18 @@ def digits_task(
     net = nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
     )
+    num_eval = 450
+    if protocol == "same" and evaluate == "val":
+        # the validation images must be unseen by the pretraining too, as the test split is:
+        # draw the fine-tuning permutation below ahead of time (nothing between here and there
+        # uses the RNG under "same") and pretrain without its validation part. The "same"
+        # training split has 675 images, so a third (225) is held out and 450 pretrain.
+        num_eval = 225
+        state = torch.get_rng_state()
+        held = torch.randperm(len(split.x_train))[num_train : num_train + num_eval]
+        torch.set_rng_state(state)
+        keep[held] = False
+        x_pre, y_pre = split.x_train[keep], split.y_train[keep]
     optim = torch.optim.Adam(net.parameters(), lr=1e-3)
     for _ in range(60):  # pretraining on the full in-distribution train split (examples/_digits)
         for i in range(0, len(x_pre), 64):
@@ -195,7 +216,9 @@ def digits_task(
     # fine-tuning set: a random subset (under "same" the pretraining saw it too, as in
     # examples/_digits.py; under "shift" it includes the five unseen digits)
     perm = torch.randperm(len(split.x_train))
-    idx, rest = perm[:num_train], perm[num_train : num_train + 450]
+    idx, rest = perm[:num_train], perm[num_train : num_train + num_eval]
+    if protocol == "same" and evaluate == "val":
+        assert torch.equal(rest, held), "the held-out images must be the validation images"
     x, y = split.x_train[idx], split.y_train[idx]
     x_eval, y_eval = (
         (split.x_test, split.y_test)
@@ -321,8 +344,9 @@ def build_methods(
     return methods
 
 
-#: ``ivon={...}`` options that ivon-opt's ``IVON`` takes under the same name
-_IVON_OPT_KEYS = ("hess_approx", "clip_radius", "debias", "rescale_lr")
+#: ``ivon={...}`` options that ivon-opt's ``IVON`` takes under the same name (and
+#: ``point_weight_decay``, which becomes a parameter group of the point parameters)
+_IVON_OPT_KEYS = ("hess_approx", "clip_radius", "debias", "rescale_lr", "point_weight_decay")
 
 
 def run_task(
