@@ -91,7 +91,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "map": {},
     "meanfield": {"options": {"init_scale": 1e-3}},
     # IVON's step is α·(h0+δ)·m̂/(h+δ) on a per-example-mean loss: α ≈ 3 learns in 48 steps here
-    # (α = 0.1 stayed at chance; benchmarks/ivon_text_lr.py, docs/benchmarks.md "Main job")
+    # (α = 0.1 stayed at chance; docs/benchmarks.md "Main job")
     "ivon": {"lr": 3.0, "options": {"hess_init": 0.5}},
     # factor EMA 0.999 (the fine-tuning recommendation of docs/methods/ivon.md): on this config
     # it lowered the NLL on 3 of 3 data orders against the default 0.99 (.578/.616/.599 vs
