@@ -170,6 +170,7 @@ def digits_task(
     protocol: str = "same",
     evaluate: str = "test",
     latent_head: bool = False,
+    prior_scale: float = 1.0,
 ) -> dict[str, Any]:
     """``protocol="same"``: pretrain on digits 0-4 and fine-tune on a subset of the same images
     and classes (at the accuracy ceiling). ``"shift"``: SPECS 2(d) 6's transfer task - pretrain on
@@ -230,6 +231,7 @@ def digits_task(
         pb.models.LoRAXS(rank=4, projection="svd", target_modules=["0", "2"]),
         num_data=num_train,
         latent_modules=["4"] if latent_head else [],
+        prior_scale=prior_scale,
         trainable_modules=[] if latent_head else ["4"],
     )
     test = [(x_eval[i : i + 128], y_eval[i : i + 128]) for i in range(0, len(x_eval), 128)]
@@ -316,7 +318,7 @@ def build_methods(
             guide = pb.posterior(model, "ivon", **ivon_kw)
             methods[name] = PyrobayesMethod(model, guide, cfg["lr_ivon"], num_samples=S)
         elif name == "kron-ivon":
-            guide = pb.posterior(model, "kron-ivon", **common, **cfg.get("kron", {}))
+            guide = pb.posterior(model, "kron-ivon", **{**common, **cfg.get("kron", {})})
             methods[name] = PyrobayesMethod(model, guide, cfg["lr_kron"], num_samples=S)
         elif name == "map":
             guide = pb.posterior(model, "map")
@@ -457,6 +459,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         protocol="same",  # or "shift": new 10-class head, fine-tune on all digits (SPECS 2(d) 6)
         evaluate="test",  # or "val": score on held-out training images (hyperparameter choice)
         latent_head=False,  # True: the head is a latent site (sampled in the predictive)
+        prior_scale=1.0,  # the model's N(0, s²) prior: MAP's prior, δ = 1/(N s²) for the IVONs
         kron={},  # extra KroneckerIVONGuide options, e.g. {"beta2": 0.999, "T_inv": 1}
         ivon={},  # extra IVONGuide (and ivon-opt) options, e.g. {"clip_radius": 0.01}
     ),
@@ -525,7 +528,8 @@ def main() -> None:
         runs = []
         t0 = time.perf_counter()
         for seed in cfg["seeds"]:
-            keys = ("latent_head", "evaluate") + (() if name == "text" else ("protocol",))
+            keys = ("latent_head", "evaluate")
+            keys += () if name == "text" else ("protocol", "prior_scale")
             extra = {k: cfg[k] for k in keys}
             task = builders[name](seed, cfg["num_train"], cfg["batch"], **extra)
             runs.append(run_task(task, cfg, seed, names))
