@@ -32,17 +32,18 @@ LR["kron-ivon+pad"] = 0.05
 HEAD = {"kron-ivon+pad": "classifier.weight"}  # a point parameter the fit must move
 
 
+def _adapted(net: nn.Module, rank: int, targets: list[str], head: str) -> pb.models.FineTuneModel:
+    """``net`` with LoRA-XS cores on ``targets`` and the point-estimated ``head``."""
+    lora = pb.models.LoRAXS(rank=rank, target_modules=targets, init_scale=0.1)
+    return pb.models.FineTuneModel(net, lora, trainable_modules=[head], num_data=NUM_DATA)
+
+
 def _token_problem() -> tuple[pb.models.FineTuneModel, list[dict[str, torch.Tensor]]]:
     from pyrobayes.data import tiny_bert
 
     torch.manual_seed(0)
     net = tiny_bert(num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = pb.models.FineTuneModel(
-        net,
-        pb.models.LoRAXS(rank=2, target_modules=["query", "value"], init_scale=0.1),
-        trainable_modules=["classifier"],
-        num_data=NUM_DATA,
-    )
+    model = _adapted(net, 2, ["query", "value"], "classifier")
     g = torch.Generator().manual_seed(1)
     T = 9
     ids = torch.randint(1, 90, (NUM_DATA, T), generator=g)
@@ -69,12 +70,7 @@ def _problem(
 ) -> tuple[pb.models.FineTuneModel, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-    model = pb.models.FineTuneModel(
-        net,
-        pb.models.LoRAXS(rank=3, target_modules=["0", "2"], init_scale=0.1),
-        trainable_modules=["4"],
-        num_data=NUM_DATA,
-    )
+    model = _adapted(net, 3, ["0", "2"], "4")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(NUM_DATA, 5, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
