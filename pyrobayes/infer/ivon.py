@@ -471,7 +471,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         of the two parts empty), else a cached vector in ``like``'s dtype and device.
         """
         hp = self.guide.hyper
-        delta, point = hp["weight_decay"], hp.get("point_weight_decay", hp["weight_decay"])
+        delta, point = hp["weight_decay"], hp["point_weight_decay"]
         if n_extra == 0 or point == delta:
             return delta
         if n_site == 0:
@@ -516,7 +516,7 @@ class IVONOptimizer(torch.optim.Optimizer):
                     init = ivon_init(p, hp["hess_init"], guide.state_dtype)
                     st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
                 hess.append(st["hess"])
-            point = hp.get("point_weight_decay", hp["weight_decay"])
+            point = hp["point_weight_decay"]
             sigmas = torch._foreach_rsqrt(
                 torch._foreach_mul(torch._foreach_add(hess, point), hp["ess"])
             )
@@ -675,7 +675,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             else:  # S samples for the sites, one for the extras: the means differ
                 g_e, n_e, h_e = _flat(grads_e), _flat(noises), _flat(hess_e)
                 hp = guide.hyper
-                point = hp.get("point_weight_decay", hp["weight_decay"])
+                point = hp["point_weight_decay"]
                 grad_s, hhat_s = self._estimates(grads, noise, hess, hp["weight_decay"])
                 grad_e, hhat_e = self._estimates(g_e[None], n_e[None], h_e, point)
                 grad = torch.cat([grad_s.to(dtype), grad_e])
