@@ -472,3 +472,21 @@ def test_flat_fast_path_equals_general_path(
     for a, b in zip(fast, general, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     assert (fast[-1] - fast[0]).abs().max() > 1e-3  # the walk moved
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("hess_init", 0.0),
+        ("weight_decay", -1e-3),
+        ("point_weight_decay", -1e-3),
+        ("mc_samples", 0),
+        ("beta2", 1.5),
+        ("clip_radius", 0.0),
+        ("hess_approx", "fisher"),
+    ],
+)
+def test_bad_options_are_refused_by_name(option, value):
+    model, _, _ = _linear_model()
+    with pytest.raises(ValueError, match=option):
+        IVONGuide(model, **{option: value})
