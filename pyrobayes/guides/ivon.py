@@ -107,6 +107,11 @@ class IVONGuide(PosteriorGuide):
         ivon-opt, one δ for everything). ``δ m`` pulls them towards 0, which suits a new head;
         for a *pretrained* head, 0 keeps it from shrinking (it enters their σ, ``ĥ``, ``h`` and
         step exactly as δ does for the sites, as an ivon-opt parameter group of its own).
+    point_prior_loc : {"zero", "init"}
+        μ0 of those point parameters' prior ``N(μ0, 1/(λδ))``: 0 (default, as ivon-opt) or
+        their values when fitting starts (L2-SP, Li et al. 2018), so that ``δ (m − μ0)`` pulls a
+        *pretrained* head towards where it started rather than towards 0. The sites' prior mean
+        is 0 either way.
     mc_samples : int
         S, samples per step (1), evaluated in one batched forward.
     hess_approx : {"price", "gradsq"}
@@ -147,6 +152,7 @@ class IVONGuide(PosteriorGuide):
         beta2: float = 0.99999,
         weight_decay: float | None = None,
         point_weight_decay: float | None = None,
+        point_prior_loc: str = "zero",
         mc_samples: int = 1,
         hess_approx: str = "price",
         clip_radius: float | None = None,
@@ -184,6 +190,10 @@ class IVONGuide(PosteriorGuide):
                 raise ValueError(f"Invalid {name}: {locals()[name]!r}.")
         if hess_approx not in ("price", "gradsq"):
             raise ValueError(f"Expected hess_approx 'price' or 'gradsq' but got {hess_approx!r}.")
+        if point_prior_loc not in ("zero", "init"):
+            raise ValueError(
+                f"Expected point_prior_loc 'zero' or 'init' but got {point_prior_loc!r}."
+            )
         if init_loc not in ("model", "zero"):
             raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
         self.ess = float(ess)
@@ -197,6 +207,7 @@ class IVONGuide(PosteriorGuide):
             "beta2": float(beta2),
             "weight_decay": self.weight_decay,
             "point_weight_decay": float(point_weight_decay),
+            "point_prior_loc": point_prior_loc,
             "hess_approx": hess_approx,
             "clip_radius": math.inf if clip_radius is None else float(clip_radius),
             "debias": bool(debias),
@@ -216,6 +227,7 @@ class IVONGuide(PosteriorGuide):
             beta2=beta2,
             weight_decay=weight_decay,
             point_weight_decay=point_weight_decay,
+            point_prior_loc=point_prior_loc,
             mc_samples=mc_samples,
             hess_approx=hess_approx,
             clip_radius=clip_radius,

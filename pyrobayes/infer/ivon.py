@@ -127,9 +127,11 @@ def _mean_step(
     clip_radius: float,
     debias: bool,
     rescale_lr: bool,
+    prior_loc: Tensor | None = None,
 ) -> Tensor:
     debiased = momentum / (1.0 - math.pow(beta1, step)) if debias else momentum
-    direction = precondition(debiased + weight_decay * m)
+    centred = m if prior_loc is None else m - prior_loc
+    direction = precondition(debiased + weight_decay * centred)
     if math.isfinite(clip_radius):
         direction = direction.clamp(-clip_radius, clip_radius)
     scale = lr * (hess_init + weight_decay) if rescale_lr else lr
@@ -150,9 +152,12 @@ def ivon_step(
     clip_radius: float = math.inf,
     debias: bool = True,
     rescale_lr: bool = True,
+    prior_loc: Tensor | None = None,
 ) -> tuple[Tensor, IVONState]:
     """One step of Algorithm 1 given ``ĝ`` (``grad``, the sample mean) and ``ĥ``.
 
+    ``prior_loc`` (default 0) is the prior mean ``μ0`` the decay pulls towards: the step uses
+    ``δ (m − μ0)`` in place of ``δ m`` (``h`` and ``σ`` do not depend on it).
     Returns the new mean (in the state's dtype) and the new state; nothing is modified in place.
     """
     dtype = state.hess.dtype
@@ -172,6 +177,7 @@ def ivon_step(
         clip_radius=clip_radius,
         debias=debias,
         rescale_lr=rescale_lr,
+        prior_loc=None if prior_loc is None else prior_loc.to(dtype),
     )
     return new_m, IVONState(momentum, hess, t)
 
@@ -192,6 +198,7 @@ def ivon_step_(
     clip_radius: float = math.inf,
     debias: bool = True,
     rescale_lr: bool = True,
+    prior_loc: Tensor | None = None,
 ) -> None:
     """:func:`ivon_step` in place on same-dtype state tensors ``m``, ``momentum``, ``hess``.
 
@@ -215,6 +222,7 @@ def ivon_step_(
         clip_radius=clip_radius,
         debias=debias,
         rescale_lr=rescale_lr,
+        prior_loc=prior_loc,
     )
 
 
@@ -232,18 +240,21 @@ def _mean_step_(
     clip_radius: float,
     debias: bool,
     rescale_lr: bool,
+    prior_loc: Tensor | None = None,
 ) -> None:
-    """In place: momentum, then ``m ← m − α(h0+δ) clip(P(ḡ/(1−β1ᵗ) + δm))`` for a linear ``P``.
+    """In place: momentum, then ``m ← m − α(h0+δ) clip(P(ḡ/(1−β1ᵗ) + δ(m−μ0)))``, ``P`` linear.
 
-    ``P`` is applied to ``momentum + (1−β1ᵗ) δ m`` (it may work in place on that temporary) and
-    the debiasing is folded into the step size and the clip radius.
+    ``P`` is applied to ``momentum + (1−β1ᵗ) δ (m − μ0)`` (it may work in place on that
+    temporary) and the debiasing is folded into the step size and the clip radius. ``μ0`` is
+    ``prior_loc`` (default 0).
     """
     momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
+    centred = m if prior_loc is None else torch.sub(m, prior_loc)
     if isinstance(weight_decay, Tensor):  # one δ per entry
-        direction = precondition_(torch.addcmul(momentum, m, weight_decay, value=bias))
+        direction = precondition_(torch.addcmul(momentum, centred, weight_decay, value=bias))
     else:
-        direction = precondition_(torch.add(momentum, m, alpha=weight_decay * bias))
+        direction = precondition_(torch.add(momentum, centred, alpha=weight_decay * bias))
     if math.isfinite(clip_radius):  # clip(direction/bias) = clip(direction, c·bias)/bias
         direction.clamp_(-clip_radius * bias, clip_radius * bias)
     if rescale_lr and isinstance(weight_decay, Tensor):
@@ -485,6 +496,30 @@ class IVONOptimizer(torch.optim.Optimizer):
             hit = self.__dict__["_decay_cache"] = (key, vec)
         return hit[1]
 
+    def _prior_loc(self, n_site: int, extras: list[Tensor], like: Tensor) -> Tensor | None:
+        """μ0 over a flat vector of ``n_site`` site entries followed by the extras' entries.
+
+        ``None`` (μ0 = 0 everywhere) unless ``point_prior_loc="init"``; then 0 for the sites and,
+        for each extra, its value when this optimizer first stepped it (kept in its state, so
+        checkpoints carry it), as a cached vector in ``like``'s dtype and device.
+        """
+        if not extras or self.guide.hyper["point_prior_loc"] == "zero":
+            return None
+        locs = [self.state[p].get("prior_loc") for p in extras]
+        if any(t is None for t in locs):
+            raise RuntimeError(
+                "IVONOptimizer: point_prior_loc='init' but a point parameter's optimizer state has "
+                "no prior_loc (it was started with point_prior_loc='zero'); start a new fit or "
+                "keep the guide's point_prior_loc as it was."
+            )
+        key = (n_site, tuple((id(t), t._version) for t in locs), like.dtype, like.device)
+        hit = self.__dict__.get("_prior_loc_cache")
+        if hit is None or hit[0] != key:
+            vec = like.new_zeros(n_site + sum(t.numel() for t in locs))
+            vec[n_site:] = _flat(locs).to(like.dtype)
+            hit = self.__dict__["_prior_loc_cache"] = (key, vec)
+        return hit[1]
+
     def _extras(self) -> list[Tensor]:
         return [
             p for group in self.param_groups for p in group["params"] if id(p) not in self._site_of
@@ -515,6 +550,8 @@ class IVONOptimizer(torch.optim.Optimizer):
                 if "hess" not in st:
                     init = ivon_init(p, hp["hess_init"], guide.state_dtype)
                     st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
+                    if hp["point_prior_loc"] == "init":  # μ0: the value before any step
+                        st["prior_loc"] = p.detach().to(init.hess.dtype, copy=True)
                 hess.append(st["hess"])
             point = hp["point_weight_decay"]
             sigmas = torch._foreach_rsqrt(
@@ -636,6 +673,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         kwargs = guide.diag_step_kwargs()
         kwargs["beta2"] = guide._diag_beta2()
         kwargs["weight_decay"] = delta
+        kwargs["prior_loc"] = self._prior_loc(n_site, extras, cache.h)
         cache.step_(grad, hhat, cache.step, lr, kwargs)
         guide.ivon_update(self, lr)
         return loss
@@ -703,6 +741,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         if isinstance(delta, Tensor) and delta.dtype != hess.dtype:
             delta = delta.to(hess.dtype)
         kwargs["weight_decay"] = delta
+        prior_loc = kwargs["prior_loc"] = self._prior_loc(n_site, extras, hess)
         if all(t == steps[0] for t in steps) and all(
             p.dtype == hess.dtype for p in params
         ):  # fast path: persistent flat m, h, momentum, updated in place
@@ -731,6 +770,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             idx = [i for i, u in enumerate(steps) if u == t]
             sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx]).to(m.device)
             part = dict(kwargs, weight_decay=delta[sel] if isinstance(delta, Tensor) else delta)
+            part["prior_loc"] = None if prior_loc is None else prior_loc[sel]
             new_m, state = ivon_step(
                 m[sel],
                 IVONState(momentum[sel], hess[sel], t),

@@ -102,6 +102,8 @@ def test_ivon_step_matches_algorithm_1_by_hand():
         {"clip_radius": 0.05},
         {"debias": False, "rescale_lr": False},
         {"clip_radius": 0.01, "debias": False},
+        {"prior_loc": "random"},
+        {"prior_loc": "random", "weight_decay": "per-entry", "clip_radius": 0.05},
     ],
 )
 def test_in_place_step_equals_the_functional_step(knobs):
@@ -111,7 +113,13 @@ def test_in_place_step_equals_the_functional_step(knobs):
     n = 50
     m, mom = torch.randn(n), 0.1 * torch.randn(n)
     hess = torch.rand(n) + 0.1
-    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, beta2=0.9, weight_decay=0.1, **knobs)
+    knobs = dict(knobs)
+    if knobs.get("prior_loc") == "random":
+        knobs["prior_loc"] = torch.randn(n)
+    if knobs.get("weight_decay") == "per-entry":
+        knobs["weight_decay"] = 0.2 * torch.rand(n)
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, beta2=0.9, weight_decay=0.1)
+    kw.update(knobs)
     for step in (0, 4):
         g, hhat = torch.randn(n), 3 * torch.randn(n)  # negative ĥ too: the correction term
         ref_m, ref = ivon_step(m, IVONState(mom, hess, step), g, hhat, **kw)
@@ -120,7 +128,8 @@ def test_in_place_step_equals_the_functional_step(knobs):
         torch.testing.assert_close(mom_, ref.momentum, rtol=1e-14, atol=1e-15)
         torch.testing.assert_close(hess_, ref.hess, rtol=1e-14, atol=1e-15)
         torch.testing.assert_close(m_, ref_m, rtol=1e-13, atol=1e-14)
-        if "clip_radius" in knobs:  # the clip binds: every |Δm| ≤ α(h0+δ)c, some equal to it
+        if "clip_radius" in knobs and "prior_loc" not in knobs:  # the clip binds: every
+            # |Δm| ≤ α(h0+δ)c, some equal to it
             bound = (0.3 * (0.5 + 0.1) if knobs.get("rescale_lr", True) else 0.3) * knobs[
                 "clip_radius"
             ]
@@ -128,6 +137,30 @@ def test_in_place_step_equals_the_functional_step(knobs):
             assert (moved <= bound * (1 + 1e-9)).all()
             assert (moved >= bound * (1 - 1e-9)).any()
         m, mom, hess = ref_m, ref.momentum, ref.hess
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_prior_loc_translates_the_mean_step(in_place):
+    # A prior N(μ0, ·) in place of N(0, ·): the step of m with δ(m − μ0) is the step of m − μ0
+    # with δ(m − μ0) = δm', translated back by μ0 (h, momentum and σ do not see μ0).
+    from pyrobayes.infer.ivon import ivon_step_
+
+    torch.manual_seed(1)
+    n = 40
+    m, mom, mu0 = torch.randn(n), 0.1 * torch.randn(n), 2.0 * torch.randn(n)
+    hess = torch.rand(n) + 0.1
+    g, hhat = torch.randn(n), torch.rand(n)
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, beta2=0.9, weight_decay=0.4, clip_radius=0.5)
+    if in_place:
+        got, ref = m.clone(), m - mu0
+        ivon_step_(got, mom.clone(), hess.clone(), g, hhat, 2, prior_loc=mu0, **kw)
+        ivon_step_(ref, mom.clone(), hess.clone(), g, hhat, 2, **kw)
+    else:
+        got, _ = ivon_step(m, IVONState(mom, hess, 2), g, hhat, prior_loc=mu0, **kw)
+        ref, _ = ivon_step(m - mu0, IVONState(mom, hess, 2), g, hhat, **kw)
+    torch.testing.assert_close(got, ref + mu0, rtol=1e-12, atol=1e-12)
+    plain, _ = ivon_step(m, IVONState(mom, hess, 2), g, hhat, **kw)
+    assert (got - plain).abs().max() > 1e-2  # μ0 matters: the check is not vacuous
 
 
 def test_price_estimator_is_unbiased_on_a_quadratic():
@@ -416,6 +449,9 @@ def test_bfloat16_weights_keep_float32_statistics():
         ("ivon", 1, "price", 0.0),
         ("ivon", 3, "price", 0.5),
         ("kron-ivon", 2, "price", 0.0),
+        ("ivon", 1, "price", "init"),
+        ("ivon", 3, "price", "init"),
+        ("kron-ivon", 2, "price", "init"),
     ],
 )
 def test_flat_fast_path_equals_general_path(
@@ -424,7 +460,14 @@ def test_flat_fast_path_equals_general_path(
     # From the second step on, IVONOptimizer steps on its persistent flat vectors (σ formed once
     # and handed to the sampler, flat noise for the head, means restored from the flat m). It must
     # give the general path's trajectory: same RNG use, same arithmetic up to rounding order.
-    # With the head's own δ (point_weight_decay) both paths use a per-entry δ vector.
+    # With the head's own δ (point_weight_decay) both paths use a per-entry δ vector; "init"
+    # keeps the default δ and centres the head's prior at its start (point_prior_loc="init").
+    options = (
+        {"point_prior_loc": "init"}
+        if point_weight_decay == "init"
+        else {"point_weight_decay": point_weight_decay}
+    )
+
     def run(fast: bool) -> tuple[list[torch.Tensor], int]:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
@@ -439,7 +482,7 @@ def test_flat_fast_path_equals_general_path(
             mc_samples=mc_samples,
             hess_approx=hess_approx,
             hess_init=0.3,
-            point_weight_decay=point_weight_decay,
+            **options,
         )
         calls = []
         with monkeypatch.context() as patch:
@@ -480,6 +523,7 @@ def test_flat_fast_path_equals_general_path(
         ("hess_init", 0.0),
         ("weight_decay", -1e-3),
         ("point_weight_decay", -1e-3),
+        ("point_prior_loc", "pretrained"),
         ("mc_samples", 0),
         ("beta2", 1.5),
         ("clip_radius", 0.0),
@@ -490,3 +534,107 @@ def test_bad_options_are_refused_by_name(option, value):
     model, _, _ = _linear_model()
     with pytest.raises(ValueError, match=option):
         IVONGuide(model, **{option: value})
+
+
+class _OffsetLinear(nn.Module):
+    """``W = W0 + ΔW`` with ``W0`` a buffer and ``ΔW`` the parameter (starting at 0)."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("weight0", base.weight.detach().clone())
+        self.register_buffer("bias0", base.bias.detach().clone())
+        self.weight = nn.Parameter(torch.zeros_like(base.weight))
+        self.bias = nn.Parameter(torch.zeros_like(base.bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight0 + self.weight, self.bias0 + self.bias)
+
+
+@pytest.mark.parametrize("family,mc_samples", [("ivon", 1), ("ivon", 3), ("kron-ivon", 2)])
+def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples):
+    # point_prior_loc="init" puts the point head's prior at its start W0: N(W0, 1/(λδ)). That is
+    # the default prior N(0, 1/(λδ)) on the offset ΔW = W − W0 of a head that computes
+    # (W0 + ΔW) x: same gradients, same h, same noise (one randn per tensor, in the same order),
+    # so W_t = W0 + ΔW_t at every step, to float64 round-off.
+    def run(offset: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+        with torch.no_grad():  # a "pretrained" head far from 0, so the centre matters
+            net[2].weight.add_(2.0)
+            net[2].bias.sub_(1.5)
+        if offset:
+            net[2] = _OffsetLinear(net[2])
+        model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (30,), generator=g)
+        data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+        guide = pb.posterior(
+            model,
+            family,
+            mc_samples=mc_samples,
+            hess_init=0.3,
+            weight_decay=0.5,
+            point_prior_loc="zero" if offset else "init",
+        )
+        traj: list[torch.Tensor] = []
+
+        def record(step: int, value: float) -> None:
+            head = net[2]
+            w, b = head.weight.detach(), head.bias.detach()
+            if offset:
+                w, b = w + head.weight0, b + head.bias0
+            traj.append(torch.cat([w.reshape(-1), b]))
+
+        pb.fit(model, guide, data, num_steps=20, lr=0.2, seed=3, callback=record)
+        return traj
+
+    centred, offset = run(False), run(True)
+    for a, b in zip(centred, offset, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # and it is not the default prior at 0, which shrinks the head towards 0 instead
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    with torch.no_grad():
+        net[2].weight.add_(2.0)
+        net[2].bias.sub_(1.5)
+    start = net[2].weight.detach().clone()
+    model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (30,), generator=g)
+    data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+    guide = pb.posterior(model, family, mc_samples=mc_samples, hess_init=0.3, weight_decay=0.5)
+    pb.fit(model, guide, data, num_steps=20, lr=0.2, seed=3)
+    zero_prior = net[2].weight.detach()
+    centred_w = centred[-1][:12].reshape(3, 4)
+    assert zero_prior.norm() < centred_w.norm()  # the zero prior shrank the head more
+    assert (centred_w - start).norm() < (zero_prior - start).norm()
+
+
+def test_point_prior_loc_survives_resume(tmp_path):
+    # the head's μ0 lives in the optimizer state, so a resumed fit pulls towards the original
+    # start, not towards wherever the head was when the run stopped: same trajectory.
+    def problem():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+        with torch.no_grad():
+            net[2].weight.add_(2.0)
+        model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (30,), generator=g)
+        data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+        guide = pb.posterior(model, "ivon", hess_init=0.3, weight_decay=2.0, point_prior_loc="init")
+        return model, guide, data
+
+    model, guide, data = problem()
+    full = pb.fit(model, guide, data, epochs=6, seed=0, lr=0.2)
+    model_b, guide_b, data = problem()
+    pb.fit(model_b, guide_b, data, epochs=3, seed=0, lr=0.2, checkpoint_dir=tmp_path)
+    model_c, guide_c, data = problem()
+    resumed = pb.fit(
+        model_c, guide_c, data, epochs=6, seed=1, lr=0.2, checkpoint_dir=tmp_path, resume=True
+    )
+    torch.testing.assert_close(resumed.losses, full.losses, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(model_c.net[2].weight, model.net[2].weight, rtol=1e-10, atol=1e-12)
