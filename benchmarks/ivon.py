@@ -24,7 +24,8 @@ Tasks:
 
 Options (``--set task.key=value``, see ``CONFIGS``): ``evaluate="val"`` scores on held-out
 training data instead of the test split (for choosing hyperparameters), ``latent_head=true``
-makes the head a latent site, ``kron={...}`` passes options to ``KroneckerIVONGuide``,
+makes the head a latent site, ``pretrain_holdout=true`` (digits ``"same"``) tests the model that
+``evaluate="val"`` chose its settings on (pretrained without the validation images), ``kron={...}`` passes options to ``KroneckerIVONGuide``,
 ``ivon={...}`` to ``IVONGuide`` and (where ivon-opt has the same argument) to ivon-opt.
 
 Metrics: accuracy, NLL, ECE (15 bins) of the predictive (``pyrobayes.metrics.report``) on the test
@@ -171,6 +172,7 @@ def digits_task(
     evaluate: str = "test",
     latent_head: bool = False,
     prior_scale: float = 1.0,
+    pretrain_holdout: bool = False,
 ) -> dict[str, Any]:
     """``protocol="same"``: pretrain on digits 0-4 and fine-tune on a subset of the same images
     and classes (at the accuracy ceiling). ``"shift"``: SPECS 2(d) 6's transfer task - pretrain on
@@ -179,6 +181,9 @@ def digits_task(
     the test split (for choosing hyperparameters without looking at the test split); under
     ``"same"`` 225 of them, left out of the pretraining as well.
     ``latent_head``: the head is a latent site (as for the text task), else a point parameter.
+    ``pretrain_holdout`` (``"same"`` only): pretrain without those 225 images when testing too,
+    so the test-mode model is the one its hyperparameters were chosen on (the validation run's
+    backbone: 450 pretraining images, not 675).
     """
     if protocol not in ("same", "shift"):
         raise ValueError(f"digits.protocol must be 'same' or 'shift', got {protocol!r}")
@@ -194,14 +199,14 @@ def digits_task(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
     )
     num_eval = 450
-    if protocol == "same" and evaluate == "val":
+    if protocol == "same" and (evaluate == "val" or pretrain_holdout):
         # the validation images must be unseen by the pretraining too, as the test split is:
         # draw the fine-tuning permutation below ahead of time (nothing between here and there
         # uses the RNG under "same") and pretrain without its validation part. The "same"
         # training split has 675 images, so a third (225) is held out and 450 pretrain.
-        num_eval = 225
+        num_eval = 225 if evaluate == "val" else num_eval
         state = torch.get_rng_state()
-        held = torch.randperm(len(split.x_train))[num_train : num_train + num_eval]
+        held = torch.randperm(len(split.x_train))[num_train : num_train + 225]
         torch.set_rng_state(state)
         keep[held] = False
         x_pre, y_pre = split.x_train[keep], split.y_train[keep]
@@ -460,6 +465,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         evaluate="test",  # or "val": score on held-out training images (hyperparameter choice)
         latent_head=False,  # True: the head is a latent site (sampled in the predictive)
         prior_scale=1.0,  # the model's N(0, s²) prior: MAP's prior, δ = 1/(N s²) for the IVONs
+        pretrain_holdout=False,  # "same": test on the validation runs' backbone (see digits_task)
         kron={},  # extra KroneckerIVONGuide options, e.g. {"beta2": 0.999, "T_inv": 1}
         ivon={},  # extra IVONGuide (and ivon-opt) options, e.g. {"clip_radius": 0.01}
     ),
@@ -529,7 +535,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for seed in cfg["seeds"]:
             keys = ("latent_head", "evaluate")
-            keys += () if name == "text" else ("protocol", "prior_scale")
+            keys += () if name == "text" else ("protocol", "prior_scale", "pretrain_holdout")
             extra = {k: cfg[k] for k in keys}
             task = builders[name](seed, cfg["num_train"], cfg["batch"], **extra)
             runs.append(run_task(task, cfg, seed, names))
