@@ -469,13 +469,7 @@ def test_flat_fast_path_equals_general_path(
     )
 
     def run(fast: bool) -> tuple[list[torch.Tensor], int]:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-        model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(30, 4, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 3, (30,), generator=g)
-        data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+        _, model, data = _head_problem()
         guide = pb.posterior(
             model,
             family,
@@ -536,6 +530,28 @@ def test_bad_options_are_refused_by_name(option, value):
         IVONGuide(model, **{option: value})
 
 
+def _head_problem(pretrained: bool = False, offset: bool = False):
+    """A float64 MLP with a latent first layer and a point head, and three batches of 10.
+
+    ``pretrained`` moves the head far from 0 (so a prior's centre matters); ``offset`` then
+    computes it as ``(W0 + ΔW) x`` with ``ΔW`` the parameter (:class:`_OffsetLinear`).
+    """
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    if pretrained:
+        with torch.no_grad():
+            net[2].weight.add_(2.0)
+            net[2].bias.sub_(1.5)
+    if offset:
+        net[2] = _OffsetLinear(net[2])
+    model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (30,), generator=g)
+    data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+    return net, model, data
+
+
 class _OffsetLinear(nn.Module):
     """``W = W0 + ΔW`` with ``W0`` a buffer and ``ΔW`` the parameter (starting at 0)."""
 
@@ -557,18 +573,7 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
     # (W0 + ΔW) x: same gradients, same h, same noise (one randn per tensor, in the same order),
     # so W_t = W0 + ΔW_t at every step, to float64 round-off.
     def run(offset: bool) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-        with torch.no_grad():  # a "pretrained" head far from 0, so the centre matters
-            net[2].weight.add_(2.0)
-            net[2].bias.sub_(1.5)
-        if offset:
-            net[2] = _OffsetLinear(net[2])
-        model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(30, 4, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 3, (30,), generator=g)
-        data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+        net, model, data = _head_problem(pretrained=True, offset=offset)
         guide = pb.posterior(
             model,
             family,
@@ -593,17 +598,8 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
     for a, b in zip(centred, offset, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     # and it is not the default prior at 0, which shrinks the head towards 0 instead
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-    with torch.no_grad():
-        net[2].weight.add_(2.0)
-        net[2].bias.sub_(1.5)
+    net, model, data = _head_problem(pretrained=True)
     start = net[2].weight.detach().clone()
-    model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(30, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (30,), generator=g)
-    data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
     guide = pb.posterior(model, family, mc_samples=mc_samples, hess_init=0.3, weight_decay=0.5)
     pb.fit(model, guide, data, num_steps=20, lr=0.2, seed=3)
     zero_prior = net[2].weight.detach()
@@ -616,15 +612,7 @@ def test_point_prior_loc_survives_resume(tmp_path):
     # the head's μ0 lives in the optimizer state, so a resumed fit pulls towards the original
     # start, not towards wherever the head was when the run stopped: same trajectory.
     def problem():
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-        with torch.no_grad():
-            net[2].weight.add_(2.0)
-        model = FineTuneModel(net, latent_modules=["0"], trainable_modules=["2"], num_data=30)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(30, 4, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 3, (30,), generator=g)
-        data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 30, 10)]
+        _, model, data = _head_problem(pretrained=True)
         guide = pb.posterior(model, "ivon", hess_init=0.3, weight_decay=2.0, point_prior_loc="init")
         return model, guide, data
 
