@@ -104,9 +104,9 @@ class IVONGuide(PosteriorGuide):
     point_weight_decay : float, optional
         δ for the model's point-estimated parameters that the IVON optimizer updates alongside
         the sites (``trainable_modules``, e.g. a classifier head); default ``weight_decay`` (as
-        ivon-opt, one δ for everything). ``δ m`` pulls them towards 0, which suits a new head;
-        for a *pretrained* head, 0 keeps it from shrinking (it enters their σ, ``ĥ``, ``h`` and
-        step exactly as δ does for the sites, as an ivon-opt parameter group of its own).
+        ivon-opt, one δ for everything). It enters their σ, ``ĥ``, ``h`` and step exactly as δ
+        does for the sites, as an ivon-opt parameter group of its own. ``δ m`` pulls them
+        towards 0, which suits a new head; for a *pretrained* head see ``point_prior_loc``.
     point_prior_loc : {"zero", "init"}
         μ0 of those point parameters' prior ``N(μ0, 1/(λδ))``: 0 (default, as ivon-opt) or
         their values when fitting starts (L2-SP, Li et al. 2018), so that ``δ (m − μ0)`` pulls a
