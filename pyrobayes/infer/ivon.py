@@ -487,14 +487,14 @@ class IVONOptimizer(torch.optim.Optimizer):
             return delta
         if n_site == 0:
             return point
-        key = (n_site, n_extra, point, delta, like.dtype, like.device)
-        hit = self.__dict__.get("_decay_cache")
-        if hit is None or hit[0] != key:
+
+        def build() -> Tensor:
             vec = like.new_empty(n_site + n_extra)
             vec[:n_site] = delta
             vec[n_site:] = point
-            hit = self.__dict__["_decay_cache"] = (key, vec)
-        return hit[1]
+            return vec
+
+        return self._cached("_decay_cache", (n_site, n_extra, point, delta), like, build)
 
     def _prior_loc(self, n_site: int, extras: list[Tensor], like: Tensor) -> Tensor | None:
         """μ0 over a flat vector of ``n_site`` site entries followed by the extras' entries.
@@ -512,12 +512,21 @@ class IVONOptimizer(torch.optim.Optimizer):
                 "no prior_loc (it was started with point_prior_loc='zero'); start a new fit or "
                 "keep the guide's point_prior_loc as it was."
             )
-        key = (n_site, tuple((id(t), t._version) for t in locs), like.dtype, like.device)
-        hit = self.__dict__.get("_prior_loc_cache")
-        if hit is None or hit[0] != key:
+
+        def build() -> Tensor:
             vec = like.new_zeros(n_site + sum(t.numel() for t in locs))
             vec[n_site:] = _flat(locs).to(like.dtype)
-            hit = self.__dict__["_prior_loc_cache"] = (key, vec)
+            return vec
+
+        key = (n_site, tuple((id(t), t._version) for t in locs))
+        return self._cached("_prior_loc_cache", key, like, build)
+
+    def _cached(self, slot: str, key: tuple, like: Tensor, build: Callable[[], Tensor]) -> Tensor:
+        """``build()``'s vector, kept in ``slot`` until ``key`` or ``like``'s dtype/device change."""
+        key = (*key, like.dtype, like.device)
+        hit = self.__dict__.get(slot)
+        if hit is None or hit[0] != key:
+            hit = self.__dict__[slot] = (key, build())
         return hit[1]
 
     def _extras(self) -> list[Tensor]:

@@ -626,3 +626,14 @@ def test_point_prior_loc_survives_resume(tmp_path):
     )
     torch.testing.assert_close(resumed.losses, full.losses, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(model_c.net[2].weight, model.net[2].weight, rtol=1e-10, atol=1e-12)
+
+
+def test_resuming_with_a_changed_point_prior_loc_is_refused_by_name(tmp_path):
+    # a checkpoint written with the prior at 0 holds no μ0: resuming it with "init" must not
+    # silently take the current head as μ0
+    _, model, data = _head_problem(pretrained=True)
+    pb.fit(model, pb.posterior(model, "ivon"), data, epochs=1, seed=0, checkpoint_dir=tmp_path)
+    _, model_b, data = _head_problem(pretrained=True)
+    guide_b = pb.posterior(model_b, "ivon", point_prior_loc="init")
+    with pytest.raises(RuntimeError, match="point_prior_loc"):
+        pb.fit(model_b, guide_b, data, epochs=2, seed=0, checkpoint_dir=tmp_path, resume=True)
