@@ -8,12 +8,12 @@ to ArviZ.
 from __future__ import annotations
 
 from . import guides, infer, metrics, models
-from .accounting import count_parameters
 from .api import posterior
 from .diagnostics import Diagnostics, diagnose
 from .export import to_datatree, to_inference_data
 from .infer.loop import FitResult, fit
 from .io import load, save
+from .models.accounting import count_parameters
 from .predictive import Prediction, predict
 from .registry import available_guides, register_guide
 

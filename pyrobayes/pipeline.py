@@ -29,11 +29,11 @@ import torch
 
 from . import data as pbdata
 from . import metrics as pbmetrics
-from .accounting import count_parameters
 from .api import posterior
 from .infer.loop import fit
 from .io import load, save
 from .models import FineTuneModel
+from .models.accounting import count_parameters
 from .models.adapters import adapter_from_dict
 from .predictive import predict
 from .registry import available_guides

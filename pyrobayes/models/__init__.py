@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .accounting import count_parameters
 from .adapters import LoRA, LoRAXS, SiteSpec, find_target_modules
 from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
@@ -20,4 +21,5 @@ __all__ = [
     "Categorical",
     "Gaussian",
     "MultipleChoice",
+    "count_parameters",
 ]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .models.layers import LoRAXSLinear
+from .layers import LoRAXSLinear
 
 __all__ = ["count_parameters"]
 
