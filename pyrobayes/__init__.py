@@ -8,16 +8,14 @@ to ArviZ.
 from __future__ import annotations
 
 from . import guides, infer, metrics, models
+from ._version import __version__ as __version__
 from .api import posterior
-from .diagnostics import Diagnostics, diagnose
-from .export import to_datatree, to_inference_data
+from .diagnostics import Diagnostics, diagnose, to_datatree, to_inference_data
 from .infer.loop import FitResult, fit
 from .io import load, save
 from .models.accounting import count_parameters
 from .predictive import Prediction, predict
 from .registry import available_guides, register_guide
-
-__version__ = "0.1.0"
 
 __all__ = [
     # building blocks

@@ -329,7 +329,7 @@ def _plots(out: Path, family: str, pred: Any) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        from .plots import reliability_diagram
+        from .diagnostics.plots import reliability_diagram
 
         fig = reliability_diagram(pred.probs, pred.targets)
         fig.savefig(out / "plots" / f"reliability_{family}.png", dpi=100)
@@ -344,7 +344,7 @@ def _export(
     out: Path, model: Any, guide: Any, loaders: dict[str, Any], config: dict[str, Any], losses: Any
 ) -> bool:
     try:
-        from .export import to_inference_data
+        from .diagnostics.export import to_inference_data
 
         export_data = list(itertools.islice(loaders["test"], int(config["export"]["num_batches"])))
         idata = to_inference_data(
@@ -356,7 +356,7 @@ def _export(
         )
         idata.to_netcdf(str(out / "posterior.nc"))
         try:
-            from .plots import plot_posterior_summary
+            from .diagnostics.plots import plot_posterior_summary
 
             plot_posterior_summary(idata, out / "plots" / "posterior_summary.png")
         except Exception as err:

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
-from pyrobayes.diagnostics import Diagnostics, diagnose, khat_interpretation, khat_threshold
+from pyrobayes.diagnostics.khat import Diagnostics, diagnose, khat_interpretation, khat_threshold
+from pyrobayes.diagnostics.plots import reliability_diagram
 from pyrobayes.guides import DeltaGuide, MeanFieldGuide
 from pyrobayes.metrics import calibration_error, report
 from pyrobayes.models import FineTuneModel, LoRAXS
-from pyrobayes.plots import reliability_diagram
 
 from .common import conjugate_core
 

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
-from pyrobayes.export import select_sites, to_datatree, to_inference_data
+from pyrobayes.diagnostics.export import select_sites, to_datatree, to_inference_data
+from pyrobayes.diagnostics.plots import plot_posterior_summary
 from pyrobayes.guides import MeanFieldGuide
 from pyrobayes.models import FineTuneModel, LoRAXS
-from pyrobayes.plots import plot_posterior_summary
 
 from .common import conjugate_core
 
@@ -179,7 +179,7 @@ def test_large_posterior_is_summarised_and_drawn_in_chunks(caplog):
 
     guide.sample_posterior = spy  # type: ignore[method-assign]
     total = 8  # two 2×2 cores
-    with caplog.at_level(logging.INFO, logger="pyrobayes.export"):
+    with caplog.at_level(logging.INFO, logger="pyrobayes.diagnostics.export"):
         # one-shot iterator: the batches must be kept for the second chunk of draws
         idata = to_datatree(model, guide, iter(data), num_samples=10, max_site_numel=5)
     # greedy in declaration order: 0.core (4) fits in 5, 2.core does not

@@ -1,4 +1,4 @@
-"""Tests for pyrobayes.psis: Pareto k-hat anchors, agreement with ArviZ, smoothing and ESS."""
+"""Tests for pyrobayes.diagnostics.psis: Pareto k-hat anchors, agreement with ArviZ, smoothing and ESS."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributions import Independent, Normal
 
-from pyrobayes.psis import importance_ess, pareto_khat, psis_smooth, psis_tail_length
+from pyrobayes.diagnostics.psis import importance_ess, pareto_khat, psis_smooth, psis_tail_length
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # ArviZ 0.x announces its refactor with a FutureWarning
@@ -59,7 +59,7 @@ def test_exact_proposal_gives_uniform_weights() -> None:
     theta = dist.sample((4000,))
     log_ratios = dist.log_prob(theta) - dist.log_prob(theta)
     log_weights, k_hat = psis_smooth(log_ratios)
-    assert k_hat == -math.inf  # ArviZ returns +inf here (empty tail); see pyrobayes.psis
+    assert k_hat == -math.inf  # ArviZ: +inf here (empty tail); see pyrobayes.diagnostics.psis
     assert k_hat < 0.5
     assert torch.allclose(log_weights, torch.full((4000,), -math.log(4000)), rtol=0, atol=1e-12)
     assert importance_ess(log_weights) == pytest.approx(4000, rel=1e-12)

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .export import DEFAULT_MAX_SITE_NUMEL, _evaluate
-from .metrics import report
-from .predictive import Prediction
+from ..metrics import report
+from ..predictive import Prediction
+from .export import DEFAULT_MAX_SITE_NUMEL, evaluate_draws
 from .psis import importance_ess, psis_smooth
 
 __all__ = ["Diagnostics", "diagnose", "khat_interpretation", "khat_threshold"]
@@ -151,7 +151,7 @@ def diagnose(
     Draws :math:`θ_s \sim q` (S of them, jointly), evaluates the full-data log joint
     :math:`\log p(θ_s, D) = \sum_i \log p(y_i\mid x_i, θ_s) + \log p(θ_s)` over every batch of
     ``data`` and forms :math:`r_s = \log p(θ_s, D) - \log q(θ_s)`; :math:`\hat k` is the Pareto
-    shape of the upper tail of :math:`e^{r_s}` (:func:`pyrobayes.psis.psis_smooth`).
+    shape of the upper tail of :math:`e^{r_s}` (:func:`pyrobayes.diagnostics.psis.psis_smooth`).
 
     Parameters
     ----------
@@ -176,7 +176,7 @@ def diagnose(
     deterministic = bool(getattr(guide, "is_deterministic", False))
     if deterministic:
         num_samples = 1
-    ev = _evaluate(
+    ev = evaluate_draws(
         model,
         guide,
         data,

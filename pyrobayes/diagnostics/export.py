@@ -12,7 +12,7 @@ batched path (``model.batched_output``), giving per draw and per example
     \log p(θ_s, D) = \sum_i \log p(y_i \mid x_i, θ_s) + \log p(θ_s)\ \text{(sample_stats.log_joint)}.
 
 ``log_joint − log_q`` are the PSIS log importance ratios of the guide (see
-:mod:`pyrobayes.diagnostics`). ArviZ 1.x has no Pyro converter and arviz 0.x's ``from_pyro`` only
+:mod:`pyrobayes.diagnostics.khat`, which evaluates the draws with :func:`evaluate_draws` too). ArviZ 1.x has no Pyro converter and arviz 0.x's ``from_pyro`` only
 reads ``pyro.infer.MCMC``, so pyrobayes builds plain ``dict[group, dict[var, ndarray]]`` itself and
 hands them to ``from_dict`` through one adapter, :func:`_to_arviz`.
 
@@ -42,10 +42,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .batch import split_batch, to_device
-from .predictive import default_samples_per_forward
+from .._version import __version__
+from ..batch import split_batch, to_device
+from ..predictive import default_samples_per_forward
 
-__all__ = ["to_datatree", "to_inference_data", "select_sites"]
+__all__ = [
+    "to_datatree",
+    "to_inference_data",
+    "select_sites",
+    "evaluate_draws",
+    "DrawEvaluation",
+    "DEFAULT_MAX_SITE_NUMEL",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +118,47 @@ def select_sites(
 
 
 # --------------------------------------------------------------------------------------------
-# the batched evaluation shared by export and diagnostics
+# the batched evaluation shared by the export and the k-hat diagnostics (khat.diagnose)
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass
-class _Evaluation:
-    """Everything computed from S guide draws on a data set (NumPy, float64 unless stated)."""
+class DrawEvaluation:
+    r"""Everything computed from S guide draws on a data set (NumPy, float64 unless stated).
+
+    The result of :func:`evaluate_draws`. Fields that were not asked for, or that need targets
+    the data did not have, are ``None``.
+
+    Attributes
+    ----------
+    num_samples : int
+        S.
+    chosen, omitted : list of str
+        Sites kept in full (``site_values``) and sites summarised by their norm (``site_norms``),
+        as :func:`select_sites` split them.
+    site_values : dict of str to numpy.ndarray
+        ``(S, *shape)`` draws of every chosen site.
+    site_norms : dict of str to numpy.ndarray
+        ``(S,)`` Frobenius norms of the draws of every omitted site.
+    log_q, log_prior : numpy.ndarray or None
+        ``(S,)`` :math:`\log q(θ_s)` (NaN when the guide has no ``log_prob``) and
+        :math:`\log p(θ_s)`.
+    log_lik_sum : numpy.ndarray or None
+        ``(S,)`` :math:`\sum_i \log p(y_i \mid x_i, θ_s)` over the whole data set.
+    pointwise : numpy.ndarray or None
+        ``(S, N)`` per-example log-likelihoods (``pointwise=True``).
+    predictive : numpy.ndarray or None
+        ``(S, N, ...)`` posterior-predictive draws (``predictive=True``).
+    observed : numpy.ndarray or None
+        ``(N, ...)`` targets.
+    class_log_probs : Tensor or None
+        ``(P, N, C)`` class log-probabilities of the first ``P = num_class_samples`` draws
+        (classification likelihoods only).
+    targets : Tensor or None
+        ``(N, ...)`` targets as a tensor.
+    num_examples : int
+        N (0 without targets).
+    """
 
     num_samples: int
     chosen: list[str]
@@ -135,6 +177,7 @@ class _Evaluation:
 
     @property
     def log_joint(self) -> np.ndarray | None:
+        r"""``(S,)`` :math:`\log p(θ_s, D)` = ``log_lik_sum + log_prior`` (None without targets)."""
         if self.log_lik_sum is None or self.log_prior is None:
             return None
         return self.log_lik_sum + self.log_prior
@@ -154,7 +197,7 @@ def _draw_chunk(num_samples: int, total_numel: int, max_site_numel: int) -> int:
     return max(1, min(num_samples, (num_samples * max_site_numel) // max(total_numel, 1)))
 
 
-def _evaluate(
+def evaluate_draws(
     model: Any,
     guide: Any,
     data: Iterable[Any],
@@ -168,12 +211,42 @@ def _evaluate(
     summarise_omitted: bool = True,
     num_class_samples: int = 0,
     samples_per_forward: int | None = None,
-) -> _Evaluation:
+) -> DrawEvaluation:
     """Draw S joint samples from ``guide`` and evaluate the model on every batch of ``data``.
 
-    The draws are taken in chunks of ``_draw_chunk`` samples (one chunk when the whole posterior
-    is within ``max_site_numel`` scalars); every chunk is evaluated on all batches before the
-    next is drawn, so ``data`` must be re-iterable when the posterior is large.
+    The one batched pass behind :func:`to_datatree` and :func:`pyrobayes.diagnostics.diagnose`.
+    The draws are taken in chunks (one chunk when the whole posterior is within
+    ``max_site_numel`` scalars, else about ``S · max_site_numel / numel(θ)`` draws at a time);
+    every chunk is evaluated on all batches before the next is drawn, so ``data`` must be
+    re-iterable when the posterior is large.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : PosteriorGuide
+    data : iterable of batches
+    num_samples : int
+        S (>= 1).
+    seed : int or None
+        Seed of the draws and of the posterior-predictive sampling.
+    sites : sequence of str, optional
+        Sites to keep in full (see :func:`select_sites`); ``[]`` keeps none.
+    max_site_numel : int
+        Budget of kept scalars per draw, and the chunking bound above.
+    pointwise : bool
+        Keep the ``(S, N)`` per-example log-likelihoods.
+    predictive : bool
+        Draw posterior-predictive samples.
+    summarise_omitted : bool
+        Keep the per-draw norms of the sites not kept in full.
+    num_class_samples : int
+        Keep the class log-probabilities of this many first draws (classification only).
+    samples_per_forward : int, optional
+        Draws per forward pass (default: ``pyrobayes.predictive.default_samples_per_forward``).
+
+    Returns
+    -------
+    DrawEvaluation
     """
     if num_samples < 1:
         raise ValueError(f"Expected num_samples >= 1 but got {num_samples}.")
@@ -197,7 +270,7 @@ def _evaluate(
     chunk = _draw_chunk(num_samples, total, max_site_numel)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     classification = bool(model.likelihood.is_classification)
-    result = _Evaluation(num_samples=num_samples, chosen=chosen, omitted=omitted)
+    result = DrawEvaluation(num_samples=num_samples, chosen=chosen, omitted=omitted)
     values_out: dict[str, list[np.ndarray]] = {s: [] for s in chosen}
     norms_out: dict[str, list[np.ndarray]] = {s: [] for s in omitted}
     log_q, log_prior, ll_sum, ll_point, pp, class_lp = [], [], [], [], [], []
@@ -353,8 +426,6 @@ def _to_arviz(
 def _versions() -> dict[str, str]:
     import pyro
 
-    from . import __version__
-
     return {
         "inference_library": "pyro",
         "inference_library_version": str(pyro.__version__),
@@ -427,7 +498,7 @@ def to_datatree(
     >>> idata = pyrobayes.to_inference_data(model, guide, test_loader, num_samples=200)  # doctest: +SKIP
     >>> az.loo(idata)                                                                    # doctest: +SKIP
     """
-    ev = _evaluate(
+    ev = evaluate_draws(
         model,
         guide,
         data,

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .metrics import calibration_error
+from ..metrics import calibration_error
 
 __all__ = ["reliability_diagram", "plot_posterior_summary"]
 
