@@ -115,11 +115,6 @@ def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
 
 
 def _load_guide_state(guide: Any, state: dict[str, torch.Tensor]) -> None:
-    # post-hoc families may hold buffers whose shapes are only known after fitting
-    own = guide.state_dict()
-    for key, value in state.items():
-        if key in own and own[key].shape != value.shape and hasattr(guide, "_resize_state"):
-            guide._resize_state(key, value.shape)
     device = guide._device()
     guide.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
 

@@ -18,27 +18,36 @@ never branch on the family:
 
 Joint structure lives in ``rsample`` / ``log_prob`` / ``_pyro_sample_sites``: a mixture of particles
 or an ensemble draws a component once for all sites (an auxiliary Pyro site), and a permutation
-wrapper symmetrizes ``log_prob``. A family that is fitted by its own procedure (SWAG, Laplace,
-IVON) names it with ``default_objective`` and implements the hooks ``fit_begin`` /
-``epoch_end`` / ``fit_end`` that :func:`pyrobayes.fit` calls.
+wrapper symmetrizes ``log_prob``. The contract is written as protocols in
+:mod:`pyrobayes.guides.contract`. A guide is only the posterior: how it is fitted lives in
+:mod:`pyrobayes.infer`, and the guide names its fitter with ``default_fitter``.
+
+The base class also owns the per-site parameter boilerplate (:meth:`PosteriorGuide._add_param`,
+``loc(site)``, ``loc_param(site)``) and records its constructor's options for :meth:`config`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide.utils import deep_setattr
+from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 from torch.distributions import kl_divergence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PosteriorGuide"]
+__all__ = ["PosteriorGuide", "SitewiseKL"]
 
 
 class PosteriorGuide(AutoGuide):
@@ -54,14 +63,42 @@ class PosteriorGuide(AutoGuide):
 
     #: registry name of the family
     family: ClassVar[str] = ""
-    #: objective :func:`pyrobayes.fit` uses by default ("elbo", "map", or a family's own)
+    #: the fitter that fits this family by default (a key of ``pyrobayes.infer.FITTERS``)
+    default_fitter: ClassVar[str] = "svi"
+    #: the objective of the ``"svi"`` fitter: ``"elbo"`` or ``"map"``
     default_objective: ClassVar[str] = "elbo"
     #: True for point-mass guides: one draw is the whole posterior
     is_deterministic: ClassVar[bool] = False
 
-    def __init__(self, model: Any, **config: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # record the options of the outermost constructor call for config(): a family's
+        # __init__ never re-passes its keyword arguments to the base
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_records_config", False):
+            return
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def recording_init(self: Any, *args: Any, **kw: Any) -> None:
+            if "_config" not in self.__dict__:
+                bound = signature.bind(self, *args, **kw).arguments
+                options: dict[str, Any] = {}
+                for name, value in list(bound.items())[2:]:  # past self and model
+                    kind = signature.parameters[name].kind
+                    if kind is inspect.Parameter.VAR_KEYWORD:
+                        options.update(value)
+                    elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                        options[name] = value
+                self.__dict__["_config"] = options
+            init(self, *args, **kw)
+
+        recording_init._records_config = True  # type: ignore[attr-defined]
+        cls.__init__ = recording_init  # type: ignore[method-assign]
+
+    def __init__(self, model: Any, **_transitional: Any) -> None:  # TODO: drop once IVON moves
         super().__init__(model)
-        self._config = dict(config)
+        self.__dict__.setdefault("_config", {})
         self.sites: dict[str, torch.Size] = {}
         latent_sites = getattr(model, "latent_sites", None)
         if latent_sites:
@@ -94,7 +131,38 @@ class PosteriorGuide(AutoGuide):
 
     def config(self) -> dict[str, Any]:
         """JSON-able constructor options; ``type(guide)(model, **guide.config())`` rebuilds it."""
-        return dict(self._config)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._config.items()}
+
+    # ------------------------------------------------------------------ per-site parameters
+    def _add_param(
+        self,
+        holder: str,
+        site: str,
+        value: Tensor,
+        constraint: constraints.Constraint = constraints.real,
+    ) -> None:
+        """Register ``value`` as the Pyro parameter ``<holder>.<site>`` (e.g. ``locs.<site>``)."""
+        if holder not in self._modules:
+            setattr(self, holder, PyroModule())
+        deep_setattr(
+            getattr(self, holder), site, PyroParam(value, constraint, event_dim=value.dim())
+        )
+
+    def _raw_param(self, holder: str, site: str) -> Tensor:
+        """The unconstrained tensor behind ``<holder>.<site>`` (no Pyro lookup)."""
+        parent, _, leaf = site.rpartition(".")
+        module = self._modules[holder]
+        assert module is not None
+        holder_module = module.get_submodule(parent) if parent else module
+        return holder_module._parameters[leaf + "_unconstrained"]  # type: ignore[return-value]
+
+    def loc(self, site: str) -> Tensor:
+        """The location parameter at ``site`` (families with a per-site ``locs`` holder)."""
+        return attrgetter(site)(self.locs)
+
+    def loc_param(self, site: str) -> Tensor:
+        """The trainable tensor behind :meth:`loc` (what an optimizer updates)."""
+        return self._raw_param("locs", site)
 
     # ------------------------------------------------------------------ Pyro contract
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
@@ -155,15 +223,6 @@ class PosteriorGuide(AutoGuide):
         assert total is not None
         return total
 
-    def kl_to_prior(self, model: Any) -> Tensor:
-        """Analytic ``KL(q || p)`` summed over sites; ``NotImplementedError`` if unavailable."""
-        total = None
-        for site in self.sites:
-            kl = kl_divergence(self.get_posterior(site), model.site_prior(site))
-            total = kl if total is None else total + kl
-        assert total is not None
-        return total
-
     def mean(self) -> dict[str, Tensor]:
         """Posterior mean per site."""
         self._require_setup()
@@ -182,10 +241,9 @@ class PosteriorGuide(AutoGuide):
         members (S = K), whose average is its predictive.
         """
         self._require_setup()
-        loc = getattr(self, "loc", None)
         with torch.no_grad():
-            if callable(loc):
-                return {s: loc(s).detach().unsqueeze(0) for s in self.sites}
+            if "locs" in self._modules:
+                return {s: self.loc(s).detach().unsqueeze(0) for s in self.sites}
             return {s: v.unsqueeze(0) for s, v in self.mean().items()}
 
     def num_posterior_parameters(self) -> int:
@@ -197,12 +255,26 @@ class PosteriorGuide(AutoGuide):
             return t.device
         return torch.device("cpu")
 
-    # ------------------------------------------------------------------ fitting hooks
-    def fit_begin(self, model: Any, data: Any) -> None:
-        """Called by :func:`pyrobayes.fit` before the first step."""
 
-    def epoch_end(self, model: Any, epoch: int) -> None:
-        """Called by :func:`pyrobayes.fit` after each epoch (SWAG collects moments here)."""
+class SitewiseKL(PosteriorGuide):
+    r"""A posterior that factorises over sites, with ``KL(q ‖ p) = Σ_sites KL(q_site ‖ p_site)``.
 
-    def fit_end(self, model: Any, data: Any) -> None:
-        """Called by :func:`pyrobayes.fit` after training (Laplace fits its curvature here)."""
+    Gives a family the :class:`~pyrobayes.guides.contract.AnalyticKL` capability through
+    ``torch.distributions.kl_divergence`` of each site's marginal against the model's prior
+    (``NotImplementedError`` when no formula is registered for the pair).
+    """
+
+    def kl_to_prior(self, model: Any) -> Tensor:
+        """``Σ_sites KL(q_site ‖ p_site)``."""
+        self._require_setup()
+        total = None
+        for site in self.sites:
+            kl = kl_divergence(self.get_posterior(site), model.site_prior(site))
+            total = kl if total is None else total + kl
+        assert total is not None
+        return total
+
+    def rsample_with_kl(self, num_samples: int, model: Any) -> tuple[dict[str, Tensor], Tensor]:
+        """``(rsample(num_samples), kl_to_prior(model))``; the KL first (it may raise)."""
+        kl = self.kl_to_prior(model)
+        return self.rsample(num_samples), kl

@@ -3,14 +3,10 @@ r"""Point-mass posterior (MAP): ``q(θ) = δ(θ − θ̂)``."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from operator import attrgetter
 from typing import Any
 
 import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
-from pyro.infer.autoguide.utils import deep_setattr
-from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 
 from .base import PosteriorGuide
@@ -37,16 +33,7 @@ class DeltaGuide(PosteriorGuide):
         super().__init__(model)
 
     def _setup_site(self, site: str, init: Tensor) -> None:
-        if not hasattr(self, "locs"):
-            self.locs = PyroModule()
-        deep_setattr(
-            self.locs,
-            site,
-            PyroParam(init.detach().clone(), constraints.real, event_dim=len(init.shape)),
-        )
-
-    def loc(self, site: str) -> Tensor:
-        return attrgetter(site)(self.locs)
+        self._add_param("locs", site, init.detach().clone())
 
     def get_posterior(self, site: str) -> dist.Distribution:
         loc = self.loc(site)

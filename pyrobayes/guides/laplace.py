@@ -11,14 +11,10 @@ the sites only (head fixed at its MAP value), diagonal (``DIAG``) or Kronecker-f
 from __future__ import annotations
 
 import logging
-from operator import attrgetter
 from typing import Any
 
 import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
-from pyro.infer.autoguide.utils import deep_setattr
-from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 
 from ..distributions import KronEigenNormal
@@ -37,10 +33,10 @@ class LaplaceGuide(PosteriorGuide):
         q(θ) = \prod_{\text{sites } l} \mathcal N\big(θ_{l,\rm MAP},\ (H_l + τ I)^{-1}\big),\qquad
         H_l \approx \sum_i J_{il}^\top Λ_i J_{il}
 
-    (block-diagonal across sites). ``pyrobayes.fit(model, guide, data, epochs=E)`` first optimises
-    the MAP objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's point ``θ`` (and the
-    head); ``fit_end`` then fits ``H`` over ``data`` and picks ``τ`` (see
-    :func:`pyrobayes.infer.laplace.fit_laplace`). ``structure="diag"`` gives
+    (block-diagonal across sites). Fitted by :class:`~pyrobayes.infer.laplace.LaplaceFitter`
+    (what ``pyrobayes.fit(model, guide, data, epochs=E)`` uses): it first optimises the MAP
+    objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's point ``θ`` (and the head),
+    then fits ``H`` over ``data`` and picks ``τ`` (:func:`pyrobayes.infer.laplace.fit_laplace`). ``structure="diag"`` gives
     ``Normal(θ_MAP, (h + τ)^{-1/2})``; ``"kron"`` gives a
     :class:`~pyrobayes.distributions.KronEigenNormal` per site with precision
     ``(Q_G ⊗ Q_A) diag(γ aᵀ + τ) (Q_G ⊗ Q_A)ᵀ``. Sampling (``pyrobayes.predict``) is the "NN"
@@ -66,6 +62,7 @@ class LaplaceGuide(PosteriorGuide):
     """
 
     family = "laplace"
+    default_fitter = "laplace"
     default_objective = "map"
 
     def __init__(
@@ -96,27 +93,15 @@ class LaplaceGuide(PosteriorGuide):
         self.prior_precision_spec = prior_precision
         self.log_prior_bounds = (lo, hi)
         self.temperature = float(temperature)
-        self._fitting = False
         self._index: dict[str, int] = {}
-        super().__init__(
-            model,
-            structure=structure,
-            prior_precision=prior_precision,
-            log_prior_bounds=[lo, hi],
-            temperature=temperature,
-        )
+        super().__init__(model)
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:
-        if not hasattr(self, "locs"):
-            self.locs = PyroModule()
+        if not self._index:
             self.register_buffer("lap_prior_precision", init.new_ones(()))
             self.register_buffer("lap_fitted", torch.zeros((), dtype=torch.bool))
-        deep_setattr(
-            self.locs,
-            site,
-            PyroParam(init.detach().clone(), constraints.real, event_dim=len(init.shape)),
-        )
+        self._add_param("locs", site, init.detach().clone())
         i = len(self._index)
         self._index[site] = i
         shape = init.shape
@@ -133,10 +118,6 @@ class LaplaceGuide(PosteriorGuide):
             self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
 
     # ------------------------------------------------------------------ accessors
-    def loc(self, site: str) -> Tensor:
-        """The MAP estimate at ``site``."""
-        return attrgetter(site)(self.locs)
-
     @property
     def is_fitted(self) -> bool:
         return bool(self.sites) and bool(self.lap_fitted)
@@ -176,7 +157,12 @@ class LaplaceGuide(PosteriorGuide):
             self.lap_prior_precision.fill_(float(value))
 
     def mark_fitted(self, fitted: bool = True) -> None:
+        """Declare the curvature and τ final (or not)."""
         self.lap_fitted.fill_(fitted)
+
+    def reset(self) -> None:
+        """Forget the fit: the guide is unfitted until its curvature is fitted again."""
+        self.mark_fitted(False)
 
     def _require_fitted(self) -> None:
         self._require_setup()
@@ -199,8 +185,6 @@ class LaplaceGuide(PosteriorGuide):
     # ------------------------------------------------------------------ guide contract
     def get_posterior(self, site: str) -> dist.Distribution:
         loc = self.loc(site)
-        if self._fitting:
-            return dist.Delta(loc, event_dim=loc.dim())
         self._require_fitted()
         prec = self.curvature(site) + self.lap_prior_precision
         if self.structure == "diag":
@@ -208,20 +192,11 @@ class LaplaceGuide(PosteriorGuide):
         q_out, q_in = self.eigvecs(site)
         return KronEigenNormal(loc, q_in, q_out, prec)
 
-    def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
-        self._require_setup()
-        if self._fitting:
-            return {s: self.loc(s).expand(num_samples, *self.sites[s]) for s in self.sites}
-        return super().rsample(num_samples)
-
     def mean(self) -> dict[str, Tensor]:
         self._require_setup()
         return {s: self.loc(s).detach().clone() for s in self.sites}
 
-    def kl_to_prior(self, model: Any) -> Tensor:
-        raise NotImplementedError("The Laplace posterior is fitted post hoc, not by an ELBO.")
-
-    def posterior_storage(self) -> int:
+    def num_posterior_parameters(self) -> int:
         """Numbers that describe q: the MAP, the curvature, the eigenbases (KRON) and τ."""
         self._require_setup()
         total = 1
@@ -230,14 +205,3 @@ class LaplaceGuide(PosteriorGuide):
             if self.structure == "kron":
                 total += shape[0] ** 2 + shape[1] ** 2
         return total
-
-    # ------------------------------------------------------------------ fitting hooks
-    def fit_begin(self, model: Any, data: Any) -> None:
-        self._fitting = True
-        self.mark_fitted(False)
-
-    def fit_end(self, model: Any, data: Any) -> None:
-        from ..infer.laplace import fit_laplace
-
-        self._fitting = False
-        fit_laplace(model, self, data)

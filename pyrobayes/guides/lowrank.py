@@ -6,31 +6,84 @@ r"""SWAG posterior (B-LoRA-XS): a low-rank-plus-diagonal Gaussian over the conca
 
 over ``θ = concat_l vec(R_l)`` (every site the guide covers), i.e. Pyro's
 ``LowRankMultivariateNormal(loc=θ̄, cov_factor=sqrt(s/(K−1))·D̂, cov_diag=s·Σ_diag)``. The moments
-come from the SGD/Adam iterates of the MAP objective (see :mod:`pyrobayes.infer.swag`).
+come from the SGD/Adam iterates of the MAP objective (collected by
+:class:`pyrobayes.infer.swag.SWAGFitter`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
-from pyro.infer.autoguide.utils import deep_setattr
-from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 from torch.distributions.transforms import ReshapeTransform
 
-from ..infer.swag import SwagState, swag_posterior, swag_step
 from .base import PosteriorGuide
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SWAGGuide"]
+__all__ = ["SWAGGuide", "SwagState", "swag_posterior", "VAR_FLOOR"]
+
+#: floor of the diagonal variance (SPECS 2(a))
+VAR_FLOOR = 1e-30
+
+
+class SwagState(NamedTuple):
+    """SWAG moments of ``d`` coordinates with room for ``K`` deviations.
+
+    - **num_collected** - ``Tensor ()`` long: n, iterates collected so far.
+    - **mean** - ``Tensor (d,)``: θ̄.
+    - **sq_mean** - ``Tensor (d,)``: θ²̄.
+    - **deviations** - ``Tensor (K, d)``: the last ``min(n, K)`` deviations in the *last* rows,
+      oldest first (unfilled rows are zero).
+    """
+
+    num_collected: Tensor
+    mean: Tensor
+    sq_mean: Tensor
+    deviations: Tensor
+
+    @property
+    def rank(self) -> int:
+        """K, the capacity of the deviation buffer."""
+        return int(self.deviations.shape[0])
+
+    @property
+    def num_deviations(self) -> int:
+        """Number of stored deviations ``min(n, K)``."""
+        return min(int(self.num_collected), self.rank)
+
+    @property
+    def diag_variance(self) -> Tensor:
+        """``Σ_diag = max(θ²̄ − θ̄², 1e-30)`` `(d,)`."""
+        return (self.sq_mean - self.mean.square()).clamp_min(VAR_FLOOR)
+
+    @property
+    def deviation_matrix(self) -> Tensor:
+        """``D̂`` `(d, k)` with the ``k = min(n, K)`` stored deviations as columns (oldest first)."""
+        k = self.num_deviations
+        return self.deviations[self.rank - k :].T
+
+
+def swag_posterior(state: SwagState, scale: float = 0.5) -> dist.LowRankMultivariateNormal:
+    r"""``N(θ̄, s Σ_diag + s D̂ D̂ᵀ/(K−1))`` as a ``LowRankMultivariateNormal`` over ``d``.
+
+    ``K`` is the number of stored deviations (``K − 1`` is floored at 1); with fewer than two
+    collected iterates the covariance is degenerate (a warning is logged).
+    """
+    if int(state.num_collected) < 2:
+        logger.warning("SWAG posterior from %d iterate(s) is degenerate.", int(state.num_collected))
+    k = state.num_deviations
+    factor = state.deviation_matrix * (scale / max(k - 1, 1)) ** 0.5
+    if k == 0:
+        factor = state.mean.new_zeros(state.mean.shape[0], 1)
+    return dist.LowRankMultivariateNormal(state.mean, factor, scale * state.diag_variance)
+
+
 
 
 class SWAGGuide(PosteriorGuide):
@@ -41,12 +94,13 @@ class SWAGGuide(PosteriorGuide):
         q(θ) = \mathcal N\big(\bar θ,\ s\,Σ_{\rm diag} + s\,\hat D\hat D^\top/(K-1)\big),
         \quad Σ_{\rm diag} = \max(\overline{θ^2} - \bar θ^2, 10^{-30})
 
-    ``pyrobayes.fit(model, guide, data, epochs=E)`` optimises the MAP objective
-    ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's iterate ``θ`` (and the head), and
-    collects ``θ`` after every ``collect_every``-th epoch once ``start_epoch`` epochs are done (or
-    every ``collect_every_steps`` optimizer steps). With ``swa_lr`` set, the learning rate of the
-    guide's default optimizer is annealed to it by ``torch.optim.swa_utils.SWALR`` over
-    ``anneal_epochs`` epochs from ``start_epoch`` on. ``fit_end`` finalises the posterior.
+    Fitted by :class:`~pyrobayes.infer.swag.SWAGFitter` (what ``pyrobayes.fit`` uses): it
+    optimises the MAP objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's iterate
+    ``θ`` (and the head), and collects ``θ`` after every ``collect_every``-th epoch once
+    ``start_epoch`` epochs are done (or every ``collect_every_steps`` optimizer steps). With
+    ``swa_lr`` set, the learning rate of the default optimizer is annealed to it by
+    ``torch.optim.swa_utils.SWALR`` over ``anneal_epochs`` epochs from ``start_epoch`` on. The
+    collection options are the fitter's; they are given here so one line declares the family.
 
     Parameters
     ----------
@@ -78,6 +132,7 @@ class SWAGGuide(PosteriorGuide):
     """
 
     family = "swag"
+    default_fitter = "swag"
     default_objective = "map"
 
     def __init__(
@@ -113,33 +168,11 @@ class SWAGGuide(PosteriorGuide):
         self.anneal_epochs = int(anneal_epochs)
         self.anneal_strategy = anneal_strategy
         self.optimizer_name = optimizer
-        self._fitting = False
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._scheduler: Any = None
-        self._epochs_done = 0
-        self._steps = 0
-        super().__init__(
-            model,
-            rank=rank,
-            scale=scale,
-            start_epoch=start_epoch,
-            collect_every=collect_every,
-            collect_every_steps=collect_every_steps,
-            swa_lr=swa_lr,
-            anneal_epochs=anneal_epochs,
-            anneal_strategy=anneal_strategy,
-            optimizer=optimizer,
-        )
+        super().__init__(model)
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:
-        if not hasattr(self, "locs"):
-            self.locs = PyroModule()
-        deep_setattr(
-            self.locs,
-            site,
-            PyroParam(init.detach().clone(), constraints.real, event_dim=len(init.shape)),
-        )
+        self._add_param("locs", site, init.detach().clone())
 
     def _setup_sites(self, inits: Mapping[str, Tensor]) -> None:
         super()._setup_sites(inits)
@@ -160,31 +193,30 @@ class SWAGGuide(PosteriorGuide):
     # ------------------------------------------------------------------ state
     @property
     def state(self) -> SwagState:
-        """The collected moments as a :class:`~pyrobayes.infer.swag.SwagState`."""
+        """The collected moments as a :class:`SwagState`."""
         return SwagState(
             self.swag_num_collected, self.swag_mean, self.swag_sq_mean, self.swag_deviations
         )
+
+    def set_state(self, state: SwagState) -> None:
+        """Overwrite the moments (the fitter's collection writes here)."""
+        with torch.no_grad():
+            self.swag_num_collected.copy_(state.num_collected)
+            self.swag_mean.copy_(state.mean)
+            self.swag_sq_mean.copy_(state.sq_mean)
+            self.swag_deviations.copy_(state.deviations)
 
     @property
     def is_fitted(self) -> bool:
         return bool(self.sites) and bool(self.swag_fitted)
 
-    def loc(self, site: str) -> Tensor:
-        """The current iterate (the SGD/Adam point) at ``site``."""
-        return attrgetter(site)(self.locs)
+    def mark_fitted(self, fitted: bool = True) -> None:
+        """Declare the moments final (the fitter does this at the end of a fit)."""
+        self.swag_fitted.fill_(fitted)
 
     def iterate(self) -> Tensor:
-        """The concatenated current iterate ``θ`` `(d,)`."""
+        """The concatenated current iterate ``θ`` `(d,)` (the point ``loc`` of every site)."""
         return torch.cat([self.loc(s).detach().reshape(-1) for s in self.sites])
-
-    def collect(self) -> None:
-        """Add the current iterate to the SWAG moments."""
-        new = swag_step(self.state, self.iterate())
-        with torch.no_grad():
-            self.swag_num_collected.copy_(new.num_collected)
-            self.swag_mean.copy_(new.mean)
-            self.swag_sq_mean.copy_(new.sq_mean)
-            self.swag_deviations.copy_(new.deviations)
 
     def reset(self) -> None:
         """Forget the collected moments (the guide becomes unfitted)."""
@@ -223,9 +255,6 @@ class SWAGGuide(PosteriorGuide):
     # ------------------------------------------------------------------ guide contract
     def get_posterior(self, site: str) -> dist.Distribution:
         shape = self.sites[site]
-        if self._fitting:
-            loc = self.loc(site)
-            return dist.Delta(loc, event_dim=loc.dim())
         full = self.posterior()
         a, b = self._offsets[site]
         marginal = dist.LowRankMultivariateNormal(
@@ -236,8 +265,6 @@ class SWAGGuide(PosteriorGuide):
         )
 
     def _pyro_sample_sites(self) -> dict[str, Tensor]:
-        if self._fitting:
-            return super()._pyro_sample_sites()
         flat = pyro.sample(
             f"_{self._pyro_name}_latent", self.posterior(), infer={"is_auxiliary": True}
         )
@@ -248,8 +275,6 @@ class SWAGGuide(PosteriorGuide):
 
     def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
         self._require_setup()
-        if self._fitting:
-            return {s: self.loc(s).expand(num_samples, *self.sites[s]) for s in self.sites}
         return self._split(self.posterior().rsample((num_samples,)))
 
     def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
@@ -259,82 +284,8 @@ class SWAGGuide(PosteriorGuide):
         self._require_fitted()
         return {s: v.detach().clone() for s, v in self._split(self.swag_mean).items()}
 
-    def kl_to_prior(self, model: Any) -> Tensor:
-        raise NotImplementedError("SWAG is fitted from SGD moments, not by an ELBO.")
-
-    def posterior_storage(self) -> int:
+    def num_posterior_parameters(self) -> int:
         """Numbers that describe q: ``d`` (mean) + ``d`` (diagonal) + ``K d`` (deviations)."""
         self._require_setup()
         d = int(self.swag_mean.numel())
         return d * (2 + self.rank)
-
-    # ------------------------------------------------------------------ fitting hooks
-    def default_optimizer(
-        self, params: list[torch.nn.Parameter], lr: float
-    ) -> torch.optim.Optimizer:
-        if self.optimizer_name == "sgd":
-            optim: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr)
-        else:
-            optim = torch.optim.Adam(params, lr=lr)
-        self._optimizer = optim
-        if self.collect_every_steps is not None:
-            optim.register_step_post_hook(self._after_step)
-        return optim
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._steps += 1
-        if (
-            self._epochs_done >= self.start_epoch
-            and self.collect_every_steps is not None
-            and self._steps % self.collect_every_steps == 0
-        ):
-            self.collect()
-
-    def _maybe_start_annealing(self) -> None:
-        if self.swa_lr is None or self._scheduler is not None:
-            return
-        if self._optimizer is None:
-            logger.warning("SWAGGuide: swa_lr needs the guide's default optimizer; not annealing.")
-            return
-        from torch.optim.swa_utils import SWALR
-
-        self._scheduler = SWALR(
-            self._optimizer,
-            swa_lr=self.swa_lr,
-            anneal_epochs=max(self.anneal_epochs, 1),
-            anneal_strategy=self.anneal_strategy,
-        )
-
-    def fit_begin(self, model: Any, data: Any) -> None:
-        self.reset()
-        self._fitting = True
-        self._optimizer, self._scheduler = None, None
-        self._epochs_done, self._steps = 0, 0
-
-    def epoch_end(self, model: Any, epoch: int) -> None:
-        self._epochs_done = epoch + 1
-        since = self._epochs_done - self.start_epoch
-        if since == 0:
-            self._maybe_start_annealing()
-        if since <= 0:
-            return
-        if self.collect_every_steps is None and since % self.collect_every == 0:
-            self.collect()
-        self._maybe_start_annealing()
-        if self._scheduler is not None:
-            self._scheduler.step()
-
-    def fit_end(self, model: Any, data: Any) -> None:
-        self._fitting = False
-        self._optimizer, self._scheduler = None, None
-        if int(self.swag_num_collected) == 0 and self.sites:
-            self.collect()  # a short run (num_steps < one epoch): keep at least the last iterate
-        n = int(self.swag_num_collected)
-        if n < 2:
-            logger.warning(
-                "SWAGGuide collected %d iterate(s); train for more epochs after start_epoch=%d.",
-                n,
-                self.start_epoch,
-            )
-        self.swag_fitted.fill_(n >= 1)
-        logger.info("SWAG: %d iterates collected, rank %d, scale %g", n, self.rank, self.scale)

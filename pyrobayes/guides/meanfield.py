@@ -9,17 +9,15 @@ from typing import Any
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
-from pyro.infer.autoguide.utils import deep_setattr
-from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 from torch.distributions import transform_to
 
-from .base import PosteriorGuide
+from .base import SitewiseKL
 
 __all__ = ["MeanFieldGuide"]
 
 
-class MeanFieldGuide(PosteriorGuide):
+class MeanFieldGuide(SitewiseKL):
     r"""Fully factorised Gaussian over every latent site.
 
     .. math:: q(θ) = \prod_i \mathcal N(θ_i;\ μ_i,\ σ_i^2),\qquad σ_i = \mathrm{softplus}(ρ_i)
@@ -52,35 +50,24 @@ class MeanFieldGuide(PosteriorGuide):
             raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
         self._init_scale = float(init_scale)
         self._init_loc = init_loc
-        super().__init__(model, init_scale=init_scale, init_loc=init_loc)
+        super().__init__(model)
 
     def _setup_site(self, site: str, init: Tensor) -> None:
-        if not hasattr(self, "locs"):
-            self.locs = PyroModule()
-            self.scales = PyroModule()
         loc = init.detach().clone() if self._init_loc == "model" else init.new_zeros(init.shape)
-        deep_setattr(self.locs, site, PyroParam(loc, constraints.real, event_dim=len(init.shape)))
+        self._add_param("locs", site, loc)
         scale = init.new_full(init.shape, self._init_scale)
-        deep_setattr(
-            self.scales, site, PyroParam(scale, self.scale_constraint, event_dim=len(init.shape))
-        )
+        self._add_param("scales", site, scale, self.scale_constraint)
 
     def set_site(
         self, site: str, *, loc: Tensor | None = None, scale: Tensor | None = None
     ) -> None:
         """Overwrite q's parameters at ``site`` (post-hoc fitters and tests)."""
-        parent, _, leaf = site.rpartition(".")
         with torch.no_grad():
             if loc is not None:
-                holder = self.locs.get_submodule(parent) if parent else self.locs
-                getattr(holder, leaf + "_unconstrained").copy_(loc)
+                self.loc_param(site).copy_(loc)
             if scale is not None:
-                holder = self.scales.get_submodule(parent) if parent else self.scales
                 raw = transform_to(self.scale_constraint).inv(scale)
-                getattr(holder, leaf + "_unconstrained").copy_(raw)
-
-    def loc(self, site: str) -> Tensor:
-        return attrgetter(site)(self.locs)
+                self._raw_param("scales", site).copy_(raw)
 
     def scale(self, site: str) -> Tensor:
         return attrgetter(site)(self.scales)
@@ -89,15 +76,10 @@ class MeanFieldGuide(PosteriorGuide):
         """``{site: (loc, unconstrained scale)}``, the module's own tensors (no Pyro lookups)."""
         cache = self.__dict__.get("_raw_cache")
         if cache is None:
-            cache = {}
-            for site in self.sites:
-                parent, _, leaf = site.rpartition(".")
-                locs = self.locs.get_submodule(parent) if parent else self.locs
-                scales = self.scales.get_submodule(parent) if parent else self.scales
-                cache[site] = (
-                    locs._parameters[leaf + "_unconstrained"],
-                    scales._parameters[leaf + "_unconstrained"],
-                )
+            cache = {
+                site: (self.loc_param(site), self._raw_param("scales", site))
+                for site in self.sites
+            }
             self.__dict__["_raw_cache"] = cache
         return cache
 

@@ -1,9 +1,36 @@
-"""Objectives and fitters: ELBOs on the batched path, the fit loop, family-specific fitters."""
+"""Objectives and fitters: ELBOs on the batched path, the public step API, the fit loop.
+
+A guide is a posterior; a :class:`Fitter` fits it (:func:`make_fitter` picks the family's from
+:data:`FITTERS` by the guide's ``default_fitter``) and :func:`fit` is a loop over one.
+"""
 
 from __future__ import annotations
 
-from . import objectives
+from . import ivon, laplace, objectives, swag
+from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
+from .laplace import LaplaceFitter
 from .loop import FitResult, fit
 from .objectives import ELBO, MAP
+from .swag import SWAGFitter
 
-__all__ = ["objectives", "fit", "FitResult", "ELBO", "MAP"]
+register_fitter("swag", SWAGFitter)
+register_fitter("laplace", LaplaceFitter)
+
+__all__ = [
+    "objectives",
+    "ivon",
+    "laplace",
+    "swag",
+    "fit",
+    "FitResult",
+    "Fitter",
+    "SVIFitter",
+    "SWAGFitter",
+    "LaplaceFitter",
+    "FITTERS",
+    "register_fitter",
+    "make_fitter",
+    "trainable_parameters",
+    "ELBO",
+    "MAP",
+]

@@ -32,10 +32,37 @@ from torch import Tensor, nn
 from ..batch import batch_size, split_batch, to_device
 from ..models.likelihoods import network_output
 from ..predictive import Prediction
+from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fit_laplace", "tune_prior_precision", "glm_moments", "glm_predict", "LaplaceNet"]
+__all__ = [
+    "LaplaceFitter",
+    "fit_laplace",
+    "tune_prior_precision",
+    "glm_moments",
+    "glm_predict",
+    "LaplaceNet",
+]
+
+
+class LaplaceFitter(Fitter):
+    r"""Fits a :class:`~pyrobayes.guides.LaplaceGuide`: MAP training of its point, then the
+    curvature and τ at the end (:func:`fit_laplace` over the training data).
+
+    The objective is the MAP objective at the guide's point; the optimizer is Adam.
+    """
+
+    def default_objective(self) -> str:
+        return "map"
+
+    def begin(self, data: Iterable[Any] | None = None) -> None:
+        self.guide.reset()
+
+    def end(self, data: Iterable[Any] | None = None) -> None:
+        if data is None:
+            raise ValueError("LaplaceFitter.end(data) needs the training data for the curvature.")
+        fit_laplace(self.model, self.guide, data)
 
 
 class LaplaceNet(nn.Module):

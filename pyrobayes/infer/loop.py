@@ -1,9 +1,9 @@
 """The training loop behind :func:`pyrobayes.fit`.
 
-It runs the guide family's objective (or the one given) with a torch optimizer over the guide's
-parameters and the model's point-estimated parameters, with a progress bar, logging, seeding,
-atomic checkpoints and the family hooks (``fit_begin`` / ``epoch_end`` / ``fit_end``). A non-finite
-loss stops training *before* the parameters are touched, so the last checkpoint stays good.
+A short loop over the family's :class:`~pyrobayes.infer.fitter.Fitter` (``begin``, ``step`` per
+batch, ``epoch_end``, ``end``) with a progress bar, logging, seeding, validation-based selection,
+learning-rate schedules, atomic checkpoints and resume. A non-finite loss stops training *before*
+the parameters are touched, so the last checkpoint stays good.
 
 Under ``torch.distributed`` (launched with ``torchrun``; gloo on CPU, NCCL on GPUs) it behaves as
 DDP: rank 0's parameters are broadcast at the start, every rank evaluates the objective on its own
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -32,10 +31,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batch import to_device
-from .distributed import all_reduce_grads_, all_reduce_mean_, broadcast_, world
-from .objectives import make_objective
+from .distributed import broadcast_, world
+from .fitter import Fitter, make_fitter
 from .schedule import check_schedule, make_scheduler
-from .selection import SELECT_BY, Snapshot, validation_score
+from .selection import Selection, Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -55,39 +54,11 @@ class FitResult(NamedTuple):
     state: dict[str, Any]
 
 
-def _make_optimizer(
-    optimizer: Any, params: list[torch.nn.Parameter], lr: float, guide: Any
-) -> torch.optim.Optimizer:
-    if optimizer is None:
-        make = getattr(guide, "default_optimizer", None)
-        if make is not None:
-            return make(params, lr)
-        return torch.optim.Adam(params, lr=lr)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        return optimizer(params, lr=lr)
-    if callable(optimizer):
-        return optimizer(params)
-    raise TypeError(
-        "optimizer must be a torch.optim.Optimizer, an Optimizer class, or a callable "
-        f"params -> Optimizer; got {type(optimizer).__name__}."
-    )
-
-
-def _trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
-    params = [p for p in guide.parameters() if p.requires_grad]
-    point = getattr(model, "point_params", {})
-    seen = {id(p) for p in params}
-    params += [p for p in point.values() if id(p) not in seen]
-    return params
-
-
 def _save_checkpoint(
     directory: Path,
     guide: Any,
     model: Any,
-    optim: torch.optim.Optimizer,
+    fitter: Fitter,
     meta: dict[str, Any],
     best: Snapshot | None = None,
     scheduler: Any = None,
@@ -98,7 +69,7 @@ def _save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=directory))
     save(guide, tmp / "posterior.safetensors", model=model)
-    torch.save(optim.state_dict(), tmp / "optimizer.pt")
+    torch.save(fitter.state_dict(), tmp / "fitter.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     if best is not None:
         torch.save(best.to_dict(), tmp / "best.pt")
@@ -117,13 +88,13 @@ def _save_checkpoint(
 
 
 def _load_checkpoint(
-    directory: Path, guide: Any, model: Any, optim: torch.optim.Optimizer, scheduler: Any = None
+    directory: Path, guide: Any, model: Any, fitter: Fitter, scheduler: Any = None
 ) -> tuple[dict[str, Any], Snapshot | None]:
     from ..io import load_state
 
     final = directory / "last"
     load_state(guide, final / "posterior.safetensors", model=model)
-    optim.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
+    fitter.load_state_dict(torch.load(final / "fitter.pt", weights_only=True))
     torch.set_rng_state(torch.load(final / "rng.pt", weights_only=True)["torch"])
     if scheduler is not None and (final / "scheduler.pt").exists():
         scheduler.load_state_dict(torch.load(final / "scheduler.pt", weights_only=True))
@@ -167,9 +138,9 @@ def fit(
         Train for this many passes over ``data`` or this many steps (one of them; with both,
         whichever ends first).
     loss : str, pyro.infer.ELBO or object with ``loss(model, guide, batch)``, optional
-        Defaults to the guide family's objective (``guide.default_objective``).
+        Defaults to the family's objective (its fitter's ``default_objective()``).
     optimizer : torch optimizer, class or factory, optional
-        Defaults to the family's (``guide.default_optimizer``) or Adam.
+        Defaults to the family's (its fitter's ``default_optimizer``; Adam for SVI).
     lr : float
         Learning rate for the default optimizer.
     device : str or torch.device, optional
@@ -179,7 +150,7 @@ def fit(
     progress_bar : bool
         Show a tqdm bar with the running loss.
     checkpoint_dir : path, optional
-        Write ``<dir>/last`` (guide + head + optimizer + RNG + position) atomically every
+        Write ``<dir>/last`` (guide + head + fitter state + RNG + position) atomically every
         ``checkpoint_every`` steps and at each epoch end.
     resume : bool
         Continue from ``<checkpoint_dir>/last`` if it exists (restores guide, optimizer, RNG and
@@ -197,8 +168,8 @@ def fit(
     scheduler : {"cosine", "linear"} or callable, optional
         Learning-rate schedule, stepped after every optimizer step: ``"cosine"``
         (``α_t = α·½(1 + cos(π t/T))``) or ``"linear"`` (``α_t = α(1 − t/T)``) over the run's
-        ``T`` steps, or a factory ``optimizer -> LRScheduler``. Saved in checkpoints. Not with
-        ``SWAGGuide(swa_lr=...)``, which anneals the learning rate itself.
+        ``T`` steps, or a factory ``optimizer -> LRScheduler``. Saved in checkpoints. Not with a
+        fitter that schedules the learning rate itself (``SWAGGuide(swa_lr=...)``).
     warmup : int or float
         Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
         steps (an int), or that fraction of the run (a float < 1; 0.06 is LoRA-XS's GLUE recipe).
@@ -216,8 +187,7 @@ def fit(
         raise ValueError("Pass epochs=... or num_steps=... to fit().")
     if (epochs is not None and epochs < 0) or (num_steps is not None and num_steps < 0):
         raise ValueError(f"Expected non-negative epochs/num_steps but got {epochs}/{num_steps}.")
-    if select_by not in SELECT_BY:
-        raise ValueError(f"fit(select_by=...) must be one of {SELECT_BY}; got {select_by!r}.")
+    selection = Selection(val_data, select_by) if val_data is not None else None
     try:
         steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
     except TypeError:
@@ -225,43 +195,38 @@ def fit(
     total = num_steps
     if epochs is not None and steps_per_epoch is not None:
         total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
-    # schedule errors before anything is touched (fit_begin resets a guide's collected state)
+    # argument errors before anything is touched (begin() resets what a fitter collects)
     check_schedule(scheduler, total, warmup)
-    if scheduler is not None and getattr(guide, "swa_lr", None) is not None:
-        raise ValueError(
-            f"fit(scheduler={scheduler!r}) with {type(guide).__name__}(swa_lr=...): the guide "
-            "anneals the learning rate itself. Pass one of the two."
-        )
     if seed is not None:
         pyro.set_rng_seed(seed)
     if device is not None:
         model.to(device)
         guide.to(device)
     model.train(True)
-    objective = make_objective(loss, guide)
     if not guide.sites:  # a guide over a plain Pyro model sets up from its first batch
         first = to_device(next(iter(data)), device)
         with pyro.poutine.block(), pyro.poutine.trace():
             guide(first)
-    guide.fit_begin(model, data)
-    params = _trainable_parameters(model, guide)
-    optim = _make_optimizer(optimizer, params, lr, guide)
-    sched = make_scheduler(scheduler, optim, total, warmup)
+    fitter = make_fitter(model, guide, loss=loss, optimizer=optimizer, lr=lr)
+    if scheduler is not None and fitter.manages_lr:
+        raise ValueError(
+            f"fit(scheduler={scheduler!r}) with {type(fitter).__name__}, which schedules the "
+            f"learning rate itself ({type(guide).__name__}(swa_lr=...)). Pass one of the two."
+        )
+    fitter.begin(data)
+    sched = make_scheduler(scheduler, fitter.optimizer, total, warmup)
     world_size, rank = world()
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     step, epoch, losses = 0, 0, []
-    best: Snapshot | None = None  # best validated state so far (with val_data)
-    history: list[dict[str, Any]] = []
     if resume and ckpt is not None and (ckpt / "last").exists():
-        meta, saved_best = _load_checkpoint(ckpt, guide, model, optim, sched)
-        best = saved_best if val_data is not None else None
+        meta, saved_best = _load_checkpoint(ckpt, guide, model, fitter, sched)
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
-        history = list(meta.get("validation", []))
+        if selection is not None:
+            selection.best = saved_best
+            selection.history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
     if world_size > 1:
-        state = [b for b in guide.buffers() if b.is_floating_point()]
-        ids = {id(p) for p in params}
-        broadcast_(params + [p for p in guide.parameters() if id(p) not in ids] + state)
+        broadcast_(fitter.broadcast_tensors())
     write_checkpoints = ckpt is not None and rank == 0
     bar = tqdm(
         total=total,
@@ -272,11 +237,11 @@ def fit(
     start = time.perf_counter()
     step_in_epoch_done = step - epoch * steps_per_epoch if steps_per_epoch else 0
 
-    def _meta() -> dict[str, Any]:
-        return {"step": step, "epoch": epoch, "losses": losses, "validation": history}
-
-    def _best_index() -> int:
-        return min(range(len(history)), key=lambda i: tuple(history[i]["key"]))
+    def _checkpoint() -> None:
+        history = selection.history if selection is not None else []
+        meta = {"step": step, "epoch": epoch, "losses": losses, "validation": history}
+        best = selection.best if selection is not None else None
+        _save_checkpoint(ckpt, guide, model, fitter, meta, best, sched)  # type: ignore[arg-type]
 
     try:
         while (epochs is None or epoch < epochs) and (num_steps is None or step < num_steps):
@@ -287,16 +252,14 @@ def fit(
                 if num_steps is not None and step >= num_steps:
                     break
                 batch = to_device(batch, device)
-                optim.zero_grad(set_to_none=True)
-                value = _step(
-                    objective, model, guide, batch, optim, params if world_size > 1 else None
-                )
-                if not math.isfinite(value):
+                try:
+                    value = fitter.step(batch)
+                except FloatingPointError as err:
                     raise FloatingPointError(
-                        f"Non-finite loss ({value}) at step {step} (epoch {epoch}); parameters "
-                        "were not updated. Lower the learning rate or the init_scale"
+                        f"{err} (fit step {step}, epoch {epoch}). Lower the learning rate or the "
+                        "init_scale"
                         + (f"; the last checkpoint in {ckpt} is intact." if ckpt else ".")
-                    )
+                    ) from None
                 losses.append(value)
                 step += 1
                 if sched is not None:
@@ -308,35 +271,26 @@ def fit(
                 if callback is not None:
                     callback(step, value)
                 if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
-                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best, sched)
+                    _checkpoint()
             else:
                 if i_last_step_count == step:
                     raise ValueError("fit(): data yielded no batches.")
                 step_in_epoch_done = 0
-                guide.epoch_end(model, epoch)
-                if val_data is not None:
-                    key, measured = validation_score(model, guide, val_data, select_by)
-                    if world_size > 1:  # every rank scores its shard: agree on the mean
-                        mean_key = torch.tensor(key, dtype=torch.float64, device=model.device)
-                        all_reduce_mean_([mean_key])
-                        key = tuple(mean_key.tolist())
-                    history.append({"epoch": epoch, "key": list(key), **measured})
-                    if _best_index() == len(history) - 1:
-                        best = Snapshot.capture(model, guide)
+                fitter.epoch_end(epoch)
+                if selection is not None:
+                    measured = selection.score(model, guide, epoch)
                     logger.info("epoch %d validation: %s", epoch, measured)
                 epoch += 1
                 if write_checkpoints:
-                    _save_checkpoint(ckpt, guide, model, optim, _meta(), best, sched)
+                    _checkpoint()
                 continue
             break  # num_steps reached inside the epoch
     finally:
         bar.close()
-    best_epoch = None
-    if best is not None:
-        best_epoch = history[_best_index()]["epoch"]
-        best.restore(model, guide)
+    best_epoch = selection.restore_best(model, guide) if selection is not None else None
+    if best_epoch is not None:
         logger.info("fit: restored the best validated epoch %d (%s)", best_epoch, select_by)
-    guide.fit_end(model, data)
+    fitter.end(data)
     model.train(False)
     elapsed = time.perf_counter() - start
     logger.info(
@@ -349,48 +303,9 @@ def fit(
         "step": step,
         "epoch": epoch,
         "elapsed": elapsed,
-        "objective": type(objective).__name__,
+        "objective": type(fitter.objective).__name__,
+        "fitter": type(fitter).__name__,
     }
-    if val_data is not None:
-        state.update(best_epoch=best_epoch, validation=history)
+    if selection is not None:
+        state.update(best_epoch=best_epoch, validation=selection.history)
     return FitResult(guide, torch.tensor(losses), state)
-
-
-def _step(
-    objective: Any,
-    model: Any,
-    guide: Any,
-    batch: Any,
-    optim: torch.optim.Optimizer,
-    sync: list[torch.nn.Parameter] | None = None,
-) -> float:
-    """One optimisation step; the optimizer may re-evaluate the loss through the closure (IVON).
-
-    ``sync``: under ``torch.distributed``, the parameters whose gradients are averaged over ranks
-    (closure-driven optimizers reduce their own statistics). The loss is averaged before the
-    finiteness check, so every rank stops together.
-    """
-    if getattr(optim, "needs_closure", False):
-
-        def closure() -> torch.Tensor:
-            optim.zero_grad(set_to_none=True)
-            loss = objective.loss(model, guide, batch)
-            loss.backward()
-            return loss
-
-        loss = optim.step(closure)
-        return float(loss)
-    loss = objective.loss(model, guide, batch)
-    if sync is None:
-        value = float(loss.detach())
-    else:
-        mean = loss.detach().clone()
-        all_reduce_mean_([mean])
-        value = float(mean)
-    if not math.isfinite(value):
-        return value
-    loss.backward()
-    if sync is not None:
-        all_reduce_grads_(sync)
-    optim.step()
-    return value

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from ..batch import batch_size, split_batch
+from ..guides.contract import AnalyticKL, PostHoc
 
 __all__ = ["Objective", "ELBO", "MAP", "PyroObjective", "make_objective", "scaled_log_likelihood"]
 
@@ -74,30 +75,32 @@ class ELBO:
         self.analytic_kl = analytic_kl
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
-        joint = getattr(guide, "rsample_with_kl", None) if self.analytic_kl else None
-        if joint is not None:  # draws and the analytic KL in one pass (mean-field)
-            try:
-                values, kl = joint(self.num_particles, model)
-            except NotImplementedError:
+        if self.analytic_kl and isinstance(guide, AnalyticKL):
+            try:  # draws and the analytic KL in one pass
+                values, kl = guide.rsample_with_kl(self.num_particles, model)
+            except NotImplementedError:  # no formula for this prior: Monte Carlo below
                 pass
             else:
                 return kl - scaled_log_likelihood(model, values, batch)
         values = guide.rsample(self.num_particles)
         nll = -scaled_log_likelihood(model, values, batch)
-        if self.analytic_kl:
-            try:
-                return nll + guide.kl_to_prior(model)
-            except NotImplementedError:
-                pass
         kl = (guide.log_prob(values) - model.log_prior(values)).mean()
         return nll + kl
 
 
 class MAP:
-    r"""Negative log joint at the point estimate: ``−(N/B) Σ_b log p(y_b|θ̂) − log p(θ̂)``."""
+    r"""Negative log joint at the point estimate: ``−(N/B) Σ_b log p(y_b|θ̂) − log p(θ̂)``.
+
+    ``θ̂`` is the point of a :class:`~pyrobayes.guides.contract.PostHoc` posterior (its ``loc``,
+    which SWAG and Laplace train before their posterior exists), else one draw of the guide
+    (the point itself for :class:`~pyrobayes.guides.DeltaGuide`).
+    """
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
-        values = guide.rsample(1)
+        if isinstance(guide, PostHoc):
+            values = {s: guide.loc(s).unsqueeze(0) for s in guide.sites}
+        else:
+            values = guide.rsample(1)
         return -scaled_log_likelihood(model, values, batch) - model.log_prior(values).sum()
 
 
@@ -111,10 +114,8 @@ class PyroObjective:
         return self.elbo.differentiable_loss(model, guide, batch)
 
 
-def make_objective(spec: Any, guide: Any) -> Any:
-    """Resolve ``None`` (the guide family's default), a name, a ``pyro.infer.ELBO`` or an object."""
-    if spec is None:
-        spec = getattr(guide, "default_objective", "elbo")
+def make_objective(spec: Any) -> Any:
+    """Resolve a name (``"elbo"``, ``"map"``), a ``pyro.infer.ELBO`` or an object with ``loss``."""
     if isinstance(spec, str):
         table = {"elbo": ELBO, "map": MAP}
         if spec not in table:

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from .. import metrics
+from .distributed import all_reduce_mean_, world
 
-__all__ = ["SELECT_BY", "Snapshot", "validation_score"]
+__all__ = ["SELECT_BY", "Snapshot", "Selection", "validation_score"]
 
 SELECT_BY = ("nll", "accuracy", "rmse")
 
@@ -89,3 +90,46 @@ class Snapshot:
     @classmethod
     def from_dict(cls, d: dict[str, dict[str, Tensor]]) -> Snapshot:
         return cls(d["guide"], d["point"])
+
+
+class Selection:
+    """The validation history of a fit and the best state so far (``fit(val_data=...)``).
+
+    Parameters
+    ----------
+    data : iterable of batches
+        The held-out data.
+    select_by : {"nll", "accuracy", "rmse"}
+    """
+
+    def __init__(self, data: Iterable[Any], select_by: str) -> None:
+        if select_by not in SELECT_BY:
+            raise ValueError(f"fit(select_by=...) must be one of {SELECT_BY}; got {select_by!r}.")
+        self.data, self.select_by = data, select_by
+        self.history: list[dict[str, Any]] = []
+        self.best: Snapshot | None = None
+
+    def score(self, model: Any, guide: Any, epoch: int) -> dict[str, float]:
+        """Score ``guide`` at the end of ``epoch``; keep a snapshot when it is the best so far.
+
+        Under ``torch.distributed`` every rank scores its shard and the ranks agree on the mean.
+        """
+        key, measured = validation_score(model, guide, self.data, self.select_by)
+        if world()[0] > 1:
+            mean_key = torch.tensor(key, dtype=torch.float64, device=model.device)
+            all_reduce_mean_([mean_key])
+            key = tuple(mean_key.tolist())
+        self.history.append({"epoch": epoch, "key": list(key), **measured})
+        if self.best_index() == len(self.history) - 1:
+            self.best = Snapshot.capture(model, guide)
+        return measured
+
+    def best_index(self) -> int:
+        return min(range(len(self.history)), key=lambda i: tuple(self.history[i]["key"]))
+
+    def restore_best(self, model: Any, guide: Any) -> int | None:
+        """Restore the best state; returns its epoch (``None`` when nothing was scored)."""
+        if self.best is None:
+            return None
+        self.best.restore(model, guide)
+        return int(self.history[self.best_index()]["epoch"])

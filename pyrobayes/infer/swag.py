@@ -9,63 +9,39 @@ After each collection ``n ← n + 1`` and
     \hat D \leftarrow [\hat D,\ θ - \bar θ]_{\text{last } K}
 
 The deviation is taken against the running mean *at collection time* (as in Maddox's code), not
-the final mean. The posterior built from the state is
-``N(θ̄, s·(Σ_diag + D̂ D̂ᵀ/(K−1)))`` with ``Σ_diag = max(θ²̄ − θ̄², 1e-30)`` and ``K`` the number of
-stored deviations; ``s = 0.5`` is Maddox's ½.
+the final mean. The posterior built from the state
+(:func:`pyrobayes.guides.lowrank.swag_posterior`) is ``N(θ̄, s·(Σ_diag + D̂ D̂ᵀ/(K−1)))`` with
+``Σ_diag = max(θ²̄ − θ̄², 1e-30)`` and ``K`` the number of stored deviations; ``s = 0.5`` is
+Maddox's ½.
+
+:class:`SWAGFitter` trains the guide's iterate with the MAP objective and collects it on the
+schedule the :class:`~pyrobayes.guides.SWAGGuide` declares.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any
 
 import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..guides.lowrank import VAR_FLOOR, SwagState, swag_posterior
+from .fitter import Fitter
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["SwagState", "swag_init", "swag_step", "swag_posterior", "SwagCollector", "VAR_FLOOR"]
-
-#: floor of the diagonal variance (SPECS 2(a))
-VAR_FLOOR = 1e-30
-
-
-class SwagState(NamedTuple):
-    """SWAG moments of ``d`` coordinates with room for ``K`` deviations.
-
-    - **num_collected** - ``Tensor ()`` long: n, iterates collected so far.
-    - **mean** - ``Tensor (d,)``: θ̄.
-    - **sq_mean** - ``Tensor (d,)``: θ²̄.
-    - **deviations** - ``Tensor (K, d)``: the last ``min(n, K)`` deviations in the *last* rows,
-      oldest first (unfilled rows are zero).
-    """
-
-    num_collected: Tensor
-    mean: Tensor
-    sq_mean: Tensor
-    deviations: Tensor
-
-    @property
-    def rank(self) -> int:
-        """K, the capacity of the deviation buffer."""
-        return int(self.deviations.shape[0])
-
-    @property
-    def num_deviations(self) -> int:
-        """Number of stored deviations ``min(n, K)``."""
-        return min(int(self.num_collected), self.rank)
-
-    @property
-    def diag_variance(self) -> Tensor:
-        """``Σ_diag = max(θ²̄ − θ̄², 1e-30)`` `(d,)`."""
-        return (self.sq_mean - self.mean.square()).clamp_min(VAR_FLOOR)
-
-    @property
-    def deviation_matrix(self) -> Tensor:
-        """``D̂`` `(d, k)` with the ``k = min(n, K)`` stored deviations as columns (oldest first)."""
-        k = self.num_deviations
-        return self.deviations[self.rank - k :].T
+__all__ = [
+    "SwagState",
+    "swag_init",
+    "swag_step",
+    "swag_posterior",
+    "SwagCollector",
+    "SWAGFitter",
+    "VAR_FLOOR",
+]
 
 
 def swag_init(
@@ -96,21 +72,6 @@ def swag_step(state: SwagState, theta: Tensor) -> SwagState:
     return SwagState(n, mean, sq_mean, deviations)
 
 
-def swag_posterior(state: SwagState, scale: float = 0.5) -> dist.LowRankMultivariateNormal:
-    r"""``N(θ̄, s Σ_diag + s D̂ D̂ᵀ/(K−1))`` as a ``LowRankMultivariateNormal`` over ``d``.
-
-    ``K`` is the number of stored deviations (``K − 1`` is floored at 1); with fewer than two
-    collected iterates the covariance is degenerate (a warning is logged).
-    """
-    if int(state.num_collected) < 2:
-        logger.warning("SWAG posterior from %d iterate(s) is degenerate.", int(state.num_collected))
-    k = state.num_deviations
-    factor = state.deviation_matrix * (scale / max(k - 1, 1)) ** 0.5
-    if k == 0:
-        factor = state.mean.new_zeros(state.mean.shape[0], 1)
-    return dist.LowRankMultivariateNormal(state.mean, factor, scale * state.diag_variance)
-
-
 class SwagCollector:
     """Stateful convenience wrapper: ``c = SwagCollector(d, K); c.step(θ); c.posterior(s)``."""
 
@@ -130,3 +91,114 @@ class SwagCollector:
 
     def posterior(self, scale: float = 0.5) -> dist.LowRankMultivariateNormal:
         return swag_posterior(self.state, scale)
+
+
+class SWAGFitter(Fitter):
+    r"""Fits a :class:`~pyrobayes.guides.SWAGGuide`: MAP training of its iterate plus collection.
+
+    The objective is the MAP objective at the guide's iterate; the optimizer is Adam or SGD
+    (``SWAGGuide(optimizer=...)``). The iterate is collected after every ``collect_every``-th
+    epoch from ``start_epoch`` on, or every ``collect_every_steps`` optimizer steps; with
+    ``swa_lr`` the learning rate is annealed by ``torch.optim.swa_utils.SWALR`` (then
+    :func:`pyrobayes.fit` refuses a scheduler of its own). :meth:`end` keeps at least the last
+    iterate and marks the posterior fitted.
+    """
+
+    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
+        super().__init__(model, guide, **kwargs)
+        self._default_optim = kwargs.get("optimizer") is None
+        self._swalr: Any = None
+        self.epochs_done = 0
+
+    @property
+    def manages_lr(self) -> bool:  # type: ignore[override]
+        return self.guide.swa_lr is not None
+
+    def default_objective(self) -> str:
+        return "map"
+
+    def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
+        if self.guide.optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr)
+
+    def begin(self, data: Iterable[Any] | None = None) -> None:
+        self.guide.reset()
+        self._swalr, self.epochs_done = None, 0
+        if not self._default_optim and (
+            self.guide.collect_every_steps is not None or self.guide.swa_lr is not None
+        ):
+            logger.warning(
+                "SWAGFitter: collect_every_steps and swa_lr need the guide's default optimizer; "
+                "collecting per epoch without annealing."
+            )
+
+    def _collect(self) -> None:
+        self.guide.set_state(swag_step(self.guide.state, self.guide.iterate()))
+
+    def _after_step(self) -> None:
+        every = self.guide.collect_every_steps
+        if (
+            every is not None
+            and self._default_optim
+            and self.epochs_done >= self.guide.start_epoch
+            and self.num_steps % every == 0
+        ):
+            self._collect()
+
+    def _anneal(self) -> None:
+        guide = self.guide
+        if guide.swa_lr is None or self._swalr is not None or not self._default_optim:
+            return
+        from torch.optim.swa_utils import SWALR
+
+        self._swalr = SWALR(
+            self.optimizer,
+            swa_lr=guide.swa_lr,
+            anneal_epochs=max(guide.anneal_epochs, 1),
+            anneal_strategy=guide.anneal_strategy,
+        )
+
+    def epoch_end(self, epoch: int) -> None:
+        guide = self.guide
+        self.epochs_done = epoch + 1
+        since = self.epochs_done - guide.start_epoch
+        if since == 0:
+            self._anneal()
+        if since <= 0:
+            return
+        by_epoch = guide.collect_every_steps is None or not self._default_optim
+        if by_epoch and since % guide.collect_every == 0:
+            self._collect()
+        self._anneal()
+        if self._swalr is not None:
+            self._swalr.step()
+
+    def end(self, data: Iterable[Any] | None = None) -> None:
+        guide = self.guide
+        if int(guide.swag_num_collected) == 0:
+            self._collect()  # a short run (num_steps < one epoch): keep at least the last iterate
+        n = int(guide.swag_num_collected)
+        if n < 2:
+            logger.warning(
+                "SWAGGuide collected %d iterate(s); train for more epochs after start_epoch=%d.",
+                n,
+                guide.start_epoch,
+            )
+        guide.mark_fitted(n >= 1)
+        logger.info("SWAG: %d iterates collected, rank %d, scale %g", n, guide.rank, guide.scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["epochs_done"] = self.epochs_done
+        if self._swalr is not None:
+            state["swalr"] = self._swalr.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.epochs_done = int(state.get("epochs_done", 0))
+        if "swalr" in state:
+            self._anneal()
+            if self._swalr is not None:
+                self._swalr.load_state_dict(state["swalr"])

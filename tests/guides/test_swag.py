@@ -30,13 +30,19 @@ def _two_core_model(num_data: int = 48) -> tuple[FineTuneModel, DataLoader]:
 
 
 def _fit_recording(model, guide, loader, epochs, lr=0.05):
+    """A hand-written loop over the public step API, recording every iterate and lr."""
     iterates, lrs = [], []
-
-    def record(step: int, loss: float) -> None:
-        iterates.append(guide.iterate().clone())
-        lrs.append(guide._optimizer.param_groups[0]["lr"])
-
-    pb.fit(model, guide, loader, epochs=epochs, lr=lr, callback=record)
+    fitter = pb.infer.make_fitter(model, guide, lr=lr)
+    assert isinstance(fitter, pb.infer.SWAGFitter)
+    model.train(True)
+    fitter.begin(loader)
+    for epoch in range(epochs):
+        for batch in loader:
+            fitter.step(batch)
+            iterates.append(guide.iterate().clone())
+            lrs.append(fitter.optimizer.param_groups[0]["lr"])
+        fitter.epoch_end(epoch)
+    fitter.end(loader)
     return torch.stack(iterates), lrs
 
 

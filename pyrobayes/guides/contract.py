@@ -1,0 +1,166 @@
+r"""The guide contract, written down: what every posterior offers and the optional capabilities.
+
+Every pyrobayes posterior is a Pyro guide (an :class:`~pyro.infer.autoguide.AutoGuide`) that also
+satisfies :class:`Posterior`. Prediction, metrics, export, I/O and the objectives use only these
+names, so they never branch on the family. A third-party family joins by satisfying
+:class:`Posterior` (inheriting :class:`~pyrobayes.guides.PosteriorGuide` is the easy way) and
+registering with :func:`pyrobayes.register_guide`.
+
+Optional capabilities are separate protocols, checked with ``isinstance`` where they are used:
+
+=========================  =====================================================================
+:class:`AnalyticKL`        closed-form ``KL(q ‖ p)``; the ELBO uses it instead of a Monte Carlo KL
+:class:`PostHoc`           fitted after (Laplace) or along (SWAG) a MAP run over its point ``loc``
+:class:`OnlineNewton`      a Gaussian whose mean and curvature a variational online Newton fitter
+                           (IVON, Kronecker IVON) updates in a closure-driven step
+=========================  =====================================================================
+
+How a family is *fitted* is not part of the posterior: the guide names its fitter
+(``default_fitter``, a key of :data:`pyrobayes.infer.FITTERS`) and :mod:`pyrobayes.infer` holds
+the statistics, hooks and optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+
+__all__ = ["Posterior", "AnalyticKL", "PostHoc", "OnlineNewton"]
+
+
+@runtime_checkable
+class Posterior(Protocol):
+    r"""What every posterior offers: ``q(θ)`` over the latent sites of a model.
+
+    Attributes
+    ----------
+    family : str
+        The registry name (``"meanfield"``, ``"kron-ivon"``, ...).
+    default_fitter : str
+        The key of :data:`pyrobayes.infer.FITTERS` that fits this family by default.
+    default_objective : str
+        The objective the ``"svi"`` fitter uses (``"elbo"`` or ``"map"``).
+    is_deterministic : bool
+        True for point masses: one draw is the whole posterior.
+    sites : dict
+        ``{site: shape}`` of the latent sites q covers (empty until set up).
+    """
+
+    family: ClassVar[str]
+    default_fitter: ClassVar[str]
+    default_objective: ClassVar[str]
+    is_deterministic: ClassVar[bool]
+    sites: dict[str, torch.Size]
+
+    def get_posterior(self, site: str) -> dist.Distribution:
+        """q's marginal over ``site`` (event shape = the site's shape)."""
+        ...
+
+    def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
+        """Differentiable joint draws ``{site: (num_samples, *shape)}``."""
+        ...
+
+    def sample_posterior(
+        self, num_samples: int, *, generator: torch.Generator | None = None
+    ) -> dict[str, Tensor]:
+        """Joint draws without gradients; the same ``generator`` state gives the same values."""
+        ...
+
+    def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
+        """Joint ``log q(θ_s)`` of draws ``values[site]: (S, *shape)`` → ``(S,)``."""
+        ...
+
+    def mean(self) -> dict[str, Tensor]:
+        """Posterior mean per site."""
+        ...
+
+    def median(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """Posterior median per site."""
+        ...
+
+    def validation_values(self) -> dict[str, Tensor]:
+        """Parameter values ``{site: (S, *shape)}`` to validate on mid-fit."""
+        ...
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able constructor options: ``type(guide)(model, **guide.config())`` rebuilds it."""
+        ...
+
+    def num_posterior_parameters(self) -> int:
+        """Numbers stored to describe q (what a saved posterior holds, less bookkeeping)."""
+        ...
+
+
+@runtime_checkable
+class AnalyticKL(Protocol):
+    r"""A posterior with a closed-form ``KL(q ‖ p)`` to the model's prior.
+
+    ``kl_to_prior`` may still raise ``NotImplementedError`` for a prior it has no formula for;
+    the ELBO then falls back to the Monte Carlo estimate ``E_q[log q − log p]``.
+    """
+
+    def kl_to_prior(self, model: Any) -> Tensor:
+        """``Σ_sites KL(q ‖ p)``."""
+        ...
+
+    def rsample_with_kl(self, num_samples: int, model: Any) -> tuple[dict[str, Tensor], Tensor]:
+        """``(rsample(num_samples), kl_to_prior(model))`` in one pass (the ELBO's hot path)."""
+        ...
+
+
+@runtime_checkable
+class PostHoc(Protocol):
+    r"""A posterior built from a MAP run over its point ``loc`` (SWAG, Laplace).
+
+    While it is being fitted the MAP objective trains ``loc``; the posterior itself is available
+    once ``is_fitted`` (before that, sampling raises a clear error).
+    """
+
+    @property
+    def is_fitted(self) -> bool:
+        """Whether the posterior has been fitted (or loaded)."""
+        ...
+
+    def loc(self, site: str) -> Tensor:
+        """The point (a trainable parameter) at ``site``."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the fitted state: the guide is unfitted until its fitter finishes again."""
+        ...
+
+
+@runtime_checkable
+class OnlineNewton(Protocol):
+    r"""A Gaussian ``N(m, [λ(H + δ)]^{-1})`` whose mean ``m`` and curvature ``H`` a variational
+    online Newton fitter updates (Shen et al., 2024).
+
+    The guide owns ``m`` (trainable parameters), the curvature (buffers) and the map from
+    standard-normal noise to ``θ − m``; the fitter owns the gradient and curvature statistics,
+    the momentum and the update.
+
+    Attributes
+    ----------
+    ess : float
+        λ, the effective sample size.
+    weight_decay : float
+        δ, the prior precision per unit ``ess``.
+    hyper : dict
+        The fitter's hyperparameters as the guide was built with them.
+    """
+
+    ess: float
+    weight_decay: float
+    hyper: dict[str, Any]
+
+    def loc_param(self, site: str) -> Tensor:
+        """The trainable tensor holding ``m`` at ``site``."""
+        ...
+
+    def hess(self, site: str) -> Tensor:
+        """The diagonal curvature ``h`` at a diagonal ``site`` (a buffer, updated in place)."""
+        ...

@@ -1,0 +1,244 @@
+r"""The public step API: a :class:`Fitter` fits a guide to a model one minibatch at a time.
+
+:func:`pyrobayes.fit` is a loop over it (progress bar, validation, checkpoints, resume); a
+hand-written loop or a trainer (``transformers.Trainer``, Lightning) drives it directly::
+
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-2)   # the family's fitter
+    fitter.begin(loader)
+    for epoch in range(epochs):
+        for batch in loader:
+            loss = fitter.step(batch)                        # one update
+        fitter.epoch_end(epoch)
+    fitter.end(loader)                                       # post-hoc families finish here
+
+Every family has a fitter (:data:`FITTERS`, keyed by the guide's ``default_fitter``):
+``"svi"`` minimises an objective (ELBO, MAP, a Pyro ELBO) with a torch optimizer; the IVON
+families, SWAG and Laplace have their own (see :mod:`pyrobayes.infer.ivon`,
+:mod:`pyrobayes.infer.swag`, :mod:`pyrobayes.infer.laplace`). A fitter owns the objective, the
+optimizer and its state, and any statistics or hooks of its family; the guide holds only the
+posterior. ``state_dict`` / ``load_state_dict`` save and restore everything the fitter owns, so a
+checkpoint is ``(guide state, model point parameters, fitter state)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from .distributed import all_reduce_grads_, all_reduce_mean_, world
+from .objectives import make_objective
+
+__all__ = [
+    "Fitter",
+    "SVIFitter",
+    "FITTERS",
+    "register_fitter",
+    "make_fitter",
+    "trainable_parameters",
+]
+
+
+def trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
+    """The guide's trainable parameters, then the model's point-estimated ones (e.g. a head)."""
+    params = [p for p in guide.parameters() if p.requires_grad]
+    seen = {id(p) for p in params}
+    params += [p for p in getattr(model, "point_params", {}).values() if id(p) not in seen]
+    return params
+
+
+class Fitter:
+    r"""Fits ``guide`` to ``model`` one minibatch at a time (the base of every family's fitter).
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : PosteriorGuide
+        Set up (built from a ``FineTuneModel``, or called once on a batch for a plain Pyro model).
+    loss : str, pyro.infer.ELBO or object with ``loss(model, guide, batch)``, optional
+        The objective; default the family's (:meth:`default_objective`).
+    optimizer : torch optimizer, Optimizer class or callable ``params -> Optimizer``, optional
+        Default the family's (:meth:`default_optimizer`).
+    lr : float
+        Learning rate of the default optimizer (or of an Optimizer class).
+
+    Attributes
+    ----------
+    objective
+        The resolved objective.
+    optimizer : torch.optim.Optimizer
+    params : list of Parameter
+        What the optimizer updates: the guide's trainable parameters and the model's point ones.
+    num_steps : int
+        Updates applied so far.
+    manages_lr : bool
+        True when the fitter schedules the learning rate itself (then
+        :func:`pyrobayes.fit` refuses a ``scheduler``).
+    """
+
+    manages_lr: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: Any,
+        guide: Any,
+        *,
+        loss: Any = None,
+        optimizer: Any = None,
+        lr: float = 1e-2,
+    ) -> None:
+        if not guide.sites:
+            raise RuntimeError(
+                f"{type(guide).__name__} has no sites yet: build it from a FineTuneModel, or call "
+                "it once on a batch (guide(batch)) before making its fitter."
+            )
+        if lr < 0:
+            raise ValueError(f"Expected lr >= 0 but got {lr}.")
+        self.model = model
+        self.guide = guide
+        self.objective = make_objective(self.default_objective() if loss is None else loss)
+        self.params = trainable_parameters(model, guide)
+        self.optimizer = self._build_optimizer(optimizer, lr)
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ the family's defaults
+    def default_objective(self) -> Any:
+        """The family's objective (a name such as ``"elbo"``, or an object with ``loss``)."""
+        return self.guide.default_objective
+
+    def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
+        """The family's optimizer over ``params``; Adam here."""
+        return torch.optim.Adam(params, lr=lr)
+
+    def _build_optimizer(self, spec: Any, lr: float) -> torch.optim.Optimizer:
+        if spec is None:
+            return self.default_optimizer(self.params, lr)  # type: ignore[no-any-return]
+        if isinstance(spec, torch.optim.Optimizer):
+            return spec
+        if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+            return spec(self.params, lr=lr)
+        if callable(spec):
+            return spec(self.params)  # type: ignore[no-any-return]
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer, an Optimizer class, or a callable "
+            f"params -> Optimizer; got {type(spec).__name__}."
+        )
+
+    # ------------------------------------------------------------------ the step API
+    def begin(self, data: Iterable[Any] | None = None) -> None:
+        """Called once before the first step (a family resets what it collects here)."""
+
+    def step(self, batch: Any) -> float:
+        """One update on ``batch``; returns the objective's value before the update.
+
+        Under ``torch.distributed`` the value is the mean over ranks and the gradients are
+        averaged over ranks (closure-driven optimizers reduce their own statistics).
+
+        Raises
+        ------
+        FloatingPointError
+            On a non-finite loss, before any parameter is touched.
+        """
+        value = self._update(batch)
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"Non-finite loss ({value}) at step {self.num_steps}; parameters were not updated."
+            )
+        self.num_steps += 1
+        self._after_step()
+        return value
+
+    def _update(self, batch: Any) -> float:
+        """Evaluate the objective, back-propagate and apply the optimizer; return the loss."""
+        optim = self.optimizer
+        model, guide, objective = self.model, self.guide, self.objective
+        if getattr(optim, "needs_closure", False):
+
+            def closure() -> torch.Tensor:
+                optim.zero_grad(set_to_none=True)
+                loss = objective.loss(model, guide, batch)
+                loss.backward()
+                return loss  # type: ignore[no-any-return]
+
+            return float(optim.step(closure))  # type: ignore[arg-type]
+        optim.zero_grad(set_to_none=True)
+        loss = objective.loss(model, guide, batch)
+        distributed = world()[0] > 1
+        mean = loss.detach().clone() if distributed else loss.detach()
+        if distributed:
+            all_reduce_mean_([mean])
+        value = float(mean)
+        if not math.isfinite(value):
+            return value
+        loss.backward()
+        if distributed:
+            all_reduce_grads_(self.params)
+        optim.step()
+        return value
+
+    def _after_step(self) -> None:
+        """Called after every successful update (SWAG collects step-wise here)."""
+
+    def epoch_end(self, epoch: int) -> None:
+        """Called after each pass over the data (``epoch`` counts from 0)."""
+
+    def end(self, data: Iterable[Any] | None = None) -> None:
+        """Called once after the last step (post-hoc families fit their posterior here)."""
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the fitter owns: the optimizer state, the step count and the family's
+        own counters (the guide's state is saved with the guide)."""
+        return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_steps = int(state.get("num_steps", 0))
+
+    def broadcast_tensors(self) -> Sequence[torch.Tensor]:
+        """What rank 0 broadcasts at the start of a distributed fit: the trainable parameters,
+        the guide's other parameters and its floating-point buffers."""
+        ids = {id(p) for p in self.params}
+        rest = [p for p in self.guide.parameters() if id(p) not in ids]
+        buffers = [b for b in self.guide.buffers() if b.is_floating_point()]
+        return [*self.params, *rest, *buffers]
+
+
+class SVIFitter(Fitter):
+    r"""Stochastic variational inference: minimise the objective with a torch optimizer.
+
+    The default fitter (``default_fitter = "svi"``): the guide's ``default_objective``
+    (``"elbo"``: the reparameterized negative ELBO; ``"map"``: the negative log joint at a
+    point) with Adam.
+    """
+
+
+#: Fitter classes by name; a guide's ``default_fitter`` is a key.
+FITTERS: dict[str, type[Fitter]] = {"svi": SVIFitter}
+
+
+def register_fitter(name: str, cls: type[Fitter]) -> type[Fitter]:
+    """Register a :class:`Fitter` subclass under ``name`` (``KeyError`` on a collision)."""
+    if name in FITTERS and FITTERS[name] is not cls:
+        raise KeyError(f"Fitter name {name!r} is already registered to {FITTERS[name].__name__}.")
+    FITTERS[name] = cls
+    return cls
+
+
+def make_fitter(model: Any, guide: Any, **kwargs: Any) -> Fitter:
+    """The fitter of ``guide``'s family (``FITTERS[guide.default_fitter]``) over ``model``.
+
+    ``kwargs`` (``loss``, ``optimizer``, ``lr``) go to its constructor.
+    """
+    name = guide.default_fitter
+    try:
+        cls = FITTERS[name]
+    except KeyError:
+        raise ValueError(
+            f"{type(guide).__name__}.default_fitter = {name!r} is not a registered fitter "
+            f"({sorted(FITTERS)}); register it with pyrobayes.infer.register_fitter."
+        ) from None
+    return cls(model, guide, **kwargs)
