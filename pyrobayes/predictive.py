@@ -139,7 +139,7 @@ def predict(
     model.train(False)
     dev = model.device
     if values is None:
-        if getattr(guide, "is_deterministic", False):
+        if guide.is_deterministic:  # the Posterior protocol (guides/contract.py)
             num_samples = 1
         generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         values = guide.sample_posterior(num_samples, generator=generator)
