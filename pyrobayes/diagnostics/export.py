@@ -531,7 +531,7 @@ def to_datatree(
         groups["observed_data"] = {"obs": ev.observed}
     attrs: dict[str, Any] = {
         **_versions(),
-        "guide_family": str(getattr(guide, "family", "") or type(guide).__name__),
+        "guide_family": str(guide.family or type(guide).__name__),
         "guide_class": type(guide).__name__,
         "likelihood": str(model.likelihood.name),
         "num_data": int(model.num_data or ev.num_examples),

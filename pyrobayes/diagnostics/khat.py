@@ -173,7 +173,7 @@ def diagnose(
     -------
     Diagnostics
     """
-    deterministic = bool(getattr(guide, "is_deterministic", False))
+    deterministic = bool(guide.is_deterministic)
     if deterministic:
         num_samples = 1
     ev = evaluate_draws(

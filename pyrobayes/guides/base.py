@@ -81,16 +81,18 @@ class PosteriorGuide(AutoGuide):
 
         @functools.wraps(init)
         def recording_init(self: Any, *args: Any, **kw: Any) -> None:
-            if "_config" not in self.__dict__:
-                bound = signature.bind(self, *args, **kw).arguments
-                options: dict[str, Any] = {}
-                for name, value in list(bound.items())[2:]:  # past self and model
-                    kind = signature.parameters[name].kind
-                    if kind is inspect.Parameter.VAR_KEYWORD:
-                        options.update(value)
-                    elif kind is not inspect.Parameter.VAR_POSITIONAL:
-                        options[name] = value
-                self.__dict__["_config"] = options
+            # every level of the constructor chain adds its options (defaults included); the
+            # outermost call's values win
+            bound = signature.bind(self, *args, **kw)
+            bound.apply_defaults()
+            options = self.__dict__.setdefault("_config", {})
+            for name, value in list(bound.arguments.items())[2:]:  # past self and model
+                kind = signature.parameters[name].kind
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    for key, item in value.items():
+                        options.setdefault(key, item)
+                elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                    options.setdefault(name, value)
             init(self, *args, **kw)
 
         recording_init._records_config = True  # type: ignore[attr-defined]

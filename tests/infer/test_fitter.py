@@ -1,0 +1,169 @@
+"""The public step API (``pb.infer.Fitter``) and the written guide contract (protocols)."""
+
+from __future__ import annotations
+
+import copy
+
+import pyro
+import pytest
+import torch
+from torch import nn
+
+import pyrobayes as pb
+from pyrobayes.guides.contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
+from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.registry import _REGISTRY
+
+FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
+
+
+def _problem(seed: int = 0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = FineTuneModel(
+        net, LoRAXS(rank=2, target_modules=["0"]), num_data=48, trainable_modules=["2"]
+    )
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 5, generator=g)
+    y = torch.randint(0, 3, (48,), generator=g)
+    return model, [(x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16)]
+
+
+def _state(model, guide):
+    return {
+        **{f"g.{k}": v.detach().clone() for k, v in guide.state_dict().items()},
+        **{f"m.{k}": p.detach().clone() for k, p in model.point_params.items()},
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hand_written_loop_over_the_fitter_is_fit(family):
+    """pb.fit is a loop over the public step API: the same calls give the same posterior."""
+    pyro.clear_param_store()
+    model, data = _problem()
+    guide = pb.posterior(model, family)
+    result = pb.fit(model, guide, data, epochs=3, lr=1e-2, seed=5)
+    fitted = _state(model, guide)
+
+    pyro.clear_param_store()
+    model_b, data_b = _problem()
+    guide_b = pb.posterior(model_b, family)
+    pyro.set_rng_seed(5)
+    fitter = pb.infer.make_fitter(model_b, guide_b, lr=1e-2)
+    assert isinstance(fitter, pb.infer.FITTERS[guide_b.default_fitter])
+    model_b.train(True)
+    fitter.begin(data_b)
+    losses = []
+    for epoch in range(3):
+        for batch in data_b:
+            losses.append(fitter.step(batch))
+        fitter.epoch_end(epoch)
+    fitter.end(data_b)
+    assert fitter.num_steps == len(losses) == 9
+    assert torch.equal(torch.tensor(losses), result.losses)
+    assert result.state["fitter"] == type(fitter).__name__
+    looped = _state(model_b, guide_b)
+    assert looped.keys() == fitted.keys()
+    for key, value in fitted.items():
+        assert torch.equal(looped[key], value), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_satisfies_the_contract(family):
+    pyro.clear_param_store()
+    model, _ = _problem()
+    guide = pb.posterior(model, family)
+    assert isinstance(guide, Posterior)
+    assert guide.family == family
+    assert guide.default_fitter in pb.infer.FITTERS
+    # the optional capabilities, as each family declares them
+    expected = {
+        "meanfield": {AnalyticKL},
+        "ivon": {AnalyticKL, OnlineNewton},
+        "kron-ivon": {AnalyticKL, OnlineNewton},
+        "swag": {PostHoc},
+        "laplace": {PostHoc},
+        "map": set(),
+    }
+    has = {p for p in (AnalyticKL, PostHoc, OnlineNewton) if isinstance(guide, p)}
+    assert has == expected.get(family, has), family
+
+
+def test_fitter_state_dict_round_trip_continues_the_trajectory():
+    """A fitter rebuilt from state_dict (plus the guide's state) takes the same next steps."""
+    pyro.clear_param_store()
+    model, data = _problem()
+    guide = pb.posterior(model, "meanfield")
+    fitter = pb.infer.make_fitter(model, guide, lr=0.05)
+    model.train(True)
+    for batch in data:
+        fitter.step(batch)
+    saved_guide = {k: v.clone() for k, v in guide.state_dict().items()}
+    saved_head = {k: p.detach().clone() for k, p in model.point_params.items()}
+    saved_fitter = copy.deepcopy(fitter.state_dict())
+    torch.manual_seed(7)
+    expected = [fitter.step(b) for b in data]
+    guide.load_state_dict(saved_guide)
+    with torch.no_grad():
+        for k, p in model.point_params.items():
+            p.copy_(saved_head[k])
+    fresh = pb.infer.make_fitter(model, guide, lr=0.05)
+    fresh.load_state_dict(saved_fitter)
+    assert fresh.num_steps == len(data)
+    torch.manual_seed(7)
+    assert [fresh.step(b) for b in data] == expected
+
+
+def test_a_non_finite_loss_raises_before_the_update():
+    pyro.clear_param_store()
+    model, data = _problem()
+    guide = pb.posterior(model, "meanfield")
+    fitter = pb.infer.make_fitter(model, guide)
+    before = _state(model, guide)
+    x, y = data[0]
+    with pytest.raises(FloatingPointError, match="not updated"):
+        fitter.step((x * float("nan"), y))
+    assert fitter.num_steps == 0
+    for key, value in _state(model, guide).items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_bad_fitter_requests_are_refused_by_name():
+    pyro.clear_param_store()
+    model, _ = _problem()
+    guide = pb.posterior(model, "meanfield")
+    with pytest.raises(KeyError, match="'svi' is already registered"):
+        pb.infer.register_fitter("svi", type("Other", (pb.infer.Fitter,), {}))
+    with pytest.raises(TypeError, match="optimizer must be"):
+        pb.infer.make_fitter(model, guide, optimizer=3)
+
+    class Unfitted(pb.guides.MeanFieldGuide):
+        default_fitter = "no-such-fitter"
+
+    with pytest.raises(ValueError, match="'no-such-fitter' is not a registered fitter"):
+        pb.infer.make_fitter(model, Unfitted(model))
+    bare = pb.guides.MeanFieldGuide(lambda: None)  # a plain Pyro model: no sites until traced
+    with pytest.raises(RuntimeError, match="no sites yet"):
+        pb.infer.make_fitter(model, bare)
+
+
+def test_config_records_the_constructor_options():
+    """config() holds what the user passed (and rebuilds the same guide) without re-passing."""
+    pyro.clear_param_store()
+    model, _ = _problem()
+    guide = pb.guides.SWAGGuide(model, rank=3, scale=2.0)
+    assert guide.config() == {
+        "rank": 3,
+        "scale": 2.0,
+        "start_epoch": 0,
+        "collect_every": 1,
+        "collect_every_steps": None,
+        "swa_lr": None,
+        "anneal_epochs": 5,
+        "anneal_strategy": "linear",
+        "optimizer": "adam",
+    }
+    rebuilt = pb.guides.SWAGGuide(model, **guide.config())
+    assert rebuilt.config() == guide.config()
+    lap = pb.guides.LaplaceGuide(model, structure="diag", log_prior_bounds=(-2.0, 3.0))
+    assert lap.config()["log_prior_bounds"] == [-2.0, 3.0]  # JSON-able
