@@ -1,10 +1,10 @@
 """SWAG and Laplace over LoRA-XS cores against LoRA-SWAG and LoRA-Laplace on text (issue 5).
 
-Task (the demo's, ``pyrobayes.pipeline.DEFAULT_CONFIG``): ``all-MiniLM-L6-v2`` with a new 2-class
+Task (the demo's, ``pyrobayes.demo.pipeline.DEFAULT_CONFIG``): ``all-MiniLM-L6-v2`` with a new 2-class
 head (a point estimate), VADER movieReviewSnippets binary (``--num-train`` training sentences,
 ``--num-test`` test sentences, max_length 48), OOD = ``--num-ood`` VADER tweets. Adapters on
 ``query``/``value`` of the top half of the layers (``--targets``; 6 adapted maps), α = 16
-(PEFT's ``lora_alpha``, SPECS 2(a)), so the scaling α/r is 4, 2, 1 at r = 4, 8, 16.
+(PEFT's ``lora_alpha``; Bałazy et al., 2024, LoRA-XS), so the scaling α/r is 4, 2, 1 at r = 4, 8, 16.
 
 Cells (one MAP training run per cell, shared by the three methods):
 
@@ -66,7 +66,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import pyrobayes as pb  # noqa: E402
-from pyrobayes import data as pbdata  # noqa: E402
+from pyrobayes.demo import data as pbdata  # noqa: E402
 from pyrobayes.guides import LaplaceGuide, SWAGGuide  # noqa: E402
 from pyrobayes.infer.laplace import glm_predict  # noqa: E402
 from pyrobayes.models import LoRA, LoRAXS  # noqa: E402

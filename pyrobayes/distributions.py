@@ -5,9 +5,9 @@ Two Pyro distributions over matrices (event shape ``(m, n)``, event_dim 2):
 * :class:`MatrixNormal` — the matrix normal ``MN(M, U, V)``, parameterised by Cholesky factors of
   the among-row covariance ``U`` and the among-column covariance ``V``.
 * :class:`KronEigenNormal` — a Gaussian whose precision is diagonal in a Kronecker eigenbasis
-  ``Q_A ⊗ Q_G`` (the exact-damping posterior of Kron-IVON / Laplace-KRON, SPECS 5b.2).
+  ``Q_A ⊗ Q_G`` (the exact-damping posterior of Kron-IVON / Laplace-KRON; Zhang et al., 2018; Martens & Grosse, 2015).
 
-Vectorisation conventions (SPECS 0.4)
+Vectorisation conventions
 -------------------------------------
 ``vec(X)`` stacks the *columns* of ``X``. PyTorch's row-major ``X.reshape(-1)`` stacks the rows,
 i.e. ``X.reshape(-1) == vec(Xᵀ)``. For ``X ∈ R^{m×n}``, ``(A ⊗ G) vec(X) = vec(G X Aᵀ)``, and
@@ -245,7 +245,7 @@ class KronEigenNormal(TorchDistribution):
                     + \tfrac12 \sum_{ij} \log P_{ij},
 
     and samples are ``W = M + Q_G (E ⊘ sqrt(P)) Q_Aᵀ`` with ``E_ij ~ N(0, 1)``. For exact damping
-    (SPECS 5b.2) ``P = λ (γ aᵀ + δ)``; see :meth:`from_factors`. If ``P`` is a rank-one outer
+    (eigenbasis damping of Noisy K-FAC, Zhang et al., 2018) ``P = λ (γ aᵀ + δ)``; see :meth:`from_factors`. If ``P`` is a rank-one outer
     product this is a matrix normal, otherwise it is not.
 
     Parameters
@@ -321,7 +321,7 @@ class KronEigenNormal(TorchDistribution):
         damping: Literal["exact", "factored"] = "exact",
         validate_args: bool | None = None,
     ) -> KronEigenNormal:
-        r"""Build the Kron-IVON / Laplace-KRON posterior from K-FAC factors (SPECS 5b.2).
+        r"""Build the Kron-IVON / Laplace-KRON posterior from K-FAC factors (Martens & Grosse, 2015).
 
         With ``λ = num_data`` and ``δ = prior_precision / num_data`` (so ``λδ`` is the absolute
         prior precision of every weight), and eigendecompositions ``A = Q_A diag(a) Q_Aᵀ``,
@@ -435,7 +435,7 @@ class KronEigenNormal(TorchDistribution):
         """``Λ⁻¹ g`` in matrix form: ``Q_G [(Q_Gᵀ g Q_A) ⊘ P] Q_Aᵀ`` (shape of ``grad``).
 
         With ``P = λ(γ aᵀ + δ)`` this is ``λ⁻¹ (A ⊗ G + δ I)⁻¹ vec(g)``; multiply by ``λ`` to get
-        the SPECS 5b.2 step-5 preconditioner.
+        the Kronecker IVON mean-step preconditioner.
         """
         return self._from_eig(self._to_eig(grad) / self.precision_eig)
 

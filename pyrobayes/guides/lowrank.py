@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SWAGGuide", "SwagState", "swag_posterior", "VAR_FLOOR"]
 
-#: floor of the diagonal variance (SPECS 2(a))
+#: floor of the diagonal variance (Maddox et al., 2019)
 VAR_FLOOR = 1e-30
 
 

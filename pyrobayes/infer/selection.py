@@ -1,4 +1,4 @@
-r"""Checkpoint selection on held-out data (SPECS 2(b) TRAIN_MAP: "select by validation").
+r"""Checkpoint selection on held-out data ("select by validation", as the LoRA-XS recipes do).
 
 At the end of every epoch :func:`pyrobayes.fit` scores the guide's
 :meth:`~pyrobayes.guides.base.PosteriorGuide.validation_values` on ``val_data`` and keeps an
