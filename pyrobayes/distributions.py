@@ -5,10 +5,11 @@ Two Pyro distributions over matrices (event shape ``(m, n)``, event_dim 2):
 * :class:`MatrixNormal` — the matrix normal ``MN(M, U, V)``, parameterised by Cholesky factors of
   the among-row covariance ``U`` and the among-column covariance ``V``.
 * :class:`KronEigenNormal` — a Gaussian whose precision is diagonal in a Kronecker eigenbasis
-  ``Q_A ⊗ Q_G`` (the exact-damping posterior of Kron-IVON / Laplace-KRON; Zhang et al., 2018; Martens & Grosse, 2015).
+  ``Q_A ⊗ Q_G`` (the exact-damping posterior of Kron-IVON / Laplace-KRON; Zhang et al., 2018;
+  Martens & Grosse, 2015).
 
 Vectorisation conventions
--------------------------------------
+-------------------------
 ``vec(X)`` stacks the *columns* of ``X``. PyTorch's row-major ``X.reshape(-1)`` stacks the rows,
 i.e. ``X.reshape(-1) == vec(Xᵀ)``. For ``X ∈ R^{m×n}``, ``(A ⊗ G) vec(X) = vec(G X Aᵀ)``, and
 ``(G ⊗ A) X.reshape(-1) = (G X Aᵀ).reshape(-1)``. Dense matrices returned by
