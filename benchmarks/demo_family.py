@@ -18,7 +18,7 @@ import sys
 import time
 
 import pyrobayes as pb
-from pyrobayes import pipeline as pl
+from pyrobayes.demo import pipeline as pl
 
 
 def main(family: str, specs: list[str]) -> None:

@@ -72,7 +72,7 @@ from torch import Tensor, nn  # noqa: E402
 
 import pyrobayes as pb  # noqa: E402
 from pyrobayes.batch import split_batch  # noqa: E402
-from pyrobayes.data import load_digits_split  # noqa: E402
+from pyrobayes.demo.data import load_digits_split  # noqa: E402
 from pyrobayes.infer.loop import _make_optimizer, _step, _trainable_parameters  # noqa: E402
 from pyrobayes.infer.objectives import make_objective  # noqa: E402
 from pyrobayes.infer.schedule import make_scheduler  # noqa: E402
@@ -264,7 +264,7 @@ def text_task(
     latent_head: bool = False,
     evaluate: str = "test",
 ) -> dict[str, Any]:
-    from pyrobayes.data import load_minilm_classifier, load_vader, text_loader
+    from pyrobayes.demo.data import load_minilm_classifier, load_vader, text_loader
 
     if evaluate not in ("test", "val"):
         raise ValueError(f"text.evaluate must be 'test' or 'val', got {evaluate!r}")

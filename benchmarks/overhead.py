@@ -145,7 +145,7 @@ def build_mlp(device: torch.device, num_batches: int) -> dict[str, Any]:
 
 
 def build_minilm(device: torch.device, num_batches: int) -> dict[str, Any]:
-    from pyrobayes.data import load_minilm_classifier
+    from pyrobayes.demo.data import load_minilm_classifier
 
     torch.manual_seed(0)
     net, tokenizer = load_minilm_classifier(2)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
-from pyrobayes.data import load_digits_split
+from pyrobayes.demo.data import load_digits_split
 
 
 def parse_args(description: str) -> argparse.Namespace:

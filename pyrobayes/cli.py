@@ -3,7 +3,7 @@
 ``pyrobayes demo`` runs the main job (MiniLM + LoRA-XS on the VADER movie sentences, OOD on
 tweets and chatterbot dialogue) for every posterior family and prints the comparison table.
 ``pyrobayes fit config.toml`` runs the same pipeline from a TOML config (sections as in
-``pyrobayes.pipeline.DEFAULT_CONFIG``); ``pyrobayes evaluate runs/<run>`` reloads the saved
+``pyrobayes.demo.pipeline.DEFAULT_CONFIG``); ``pyrobayes evaluate runs/<run>`` reloads the saved
 posteriors and recomputes their metrics.
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 
 import tomllib
 
+from .demo.pipeline import evaluate, format_table, resolve_config, run
+
 __all__ = ["main"]
 
 
@@ -29,16 +31,12 @@ def _out_dir(arg: str | None, name: str) -> Path:
 
 
 def _print_records(records: list[dict[str, Any]], out: Path | None) -> None:
-    from .pipeline import format_table
-
     print(format_table(records))
     if out is not None:
         print(f"run folder: {out}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .pipeline import resolve_config, run
-
     user: dict[str, Any] = {"training": {"device": args.device}}
     if args.families:
         user["families"] = args.families.split(",")
@@ -55,8 +53,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    from .pipeline import resolve_config, run
-
     path = Path(args.config)
     if not path.exists():
         print(f"error: config file {path} does not exist", file=sys.stderr)
@@ -73,8 +69,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from .pipeline import evaluate
-
     records = evaluate(args.run_dir, device=args.device)
     _print_records(records, None)
     return 0

@@ -1,8 +1,10 @@
-"""Shared fixtures: a LoRA-XS linear-Gaussian problem with a closed-form posterior over the core."""
+"""Shared test helpers: a LoRA-XS linear-Gaussian problem with a closed-form posterior over the
+core, and tiny randomly initialised transformers (BERT, GPT-2, LLaMA) built from a config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,3 +76,104 @@ def conjugate_core(
         centred
     )
     return ConjugateCore(model, x, y, post_loc, post_scale.clone(), site, float(log_evidence))
+
+
+# ------------------------------------------------------------------------------------------------
+# tiny transformers (no download)
+# ------------------------------------------------------------------------------------------------
+
+_TINY_VOCAB = 99
+
+
+def tiny_bert(num_labels: int = 2, **overrides: Any) -> Any:
+    """Randomly initialised two-layer ``BertForSequenceClassification`` (hidden size 32, vocab 99).
+
+    Parameters
+    ----------
+    num_labels : int
+        Classes of the head.
+    **overrides
+        ``BertConfig`` fields that replace the defaults.
+
+    Returns
+    -------
+    transformers.BertForSequenceClassification
+    """
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg: dict[str, Any] = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        vocab_size=_TINY_VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        num_labels=num_labels,
+    )
+    cfg.update(overrides)
+    return BertForSequenceClassification(BertConfig(**cfg))
+
+
+def tiny_gpt2(num_labels: int = 2, **overrides: Any) -> Any:
+    """Randomly initialised two-layer ``GPT2ForSequenceClassification`` (n_embd 32, vocab 99).
+
+    Token 0 is the pad token (``pad_token_id=0``), so the classifier reads the last non-pad
+    position; BOS/EOS are token 98.
+
+    Parameters
+    ----------
+    num_labels : int
+        Classes of the head.
+    **overrides
+        ``GPT2Config`` fields that replace the defaults.
+
+    Returns
+    -------
+    transformers.GPT2ForSequenceClassification
+    """
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    cfg: dict[str, Any] = dict(
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        vocab_size=_TINY_VOCAB,
+        pad_token_id=0,
+        bos_token_id=_TINY_VOCAB - 1,
+        eos_token_id=_TINY_VOCAB - 1,
+        num_labels=num_labels,
+    )
+    cfg.update(overrides)
+    return GPT2ForSequenceClassification(GPT2Config(**cfg))
+
+
+def tiny_llama(**overrides: Any) -> Any:
+    """Randomly initialised two-layer ``LlamaForCausalLM`` (hidden size 32, vocab 99).
+
+    Parameters
+    ----------
+    **overrides
+        ``LlamaConfig`` fields that replace the defaults.
+
+    Returns
+    -------
+    transformers.LlamaForCausalLM
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg: dict[str, Any] = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=37,
+        vocab_size=_TINY_VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg))

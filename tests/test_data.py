@@ -1,4 +1,4 @@
-"""Tests for :mod:`pyrobayes.data`: datasets, splits, the tokenised loader and model factories.
+"""Tests for :mod:`pyrobayes.demo.data` (data sets, splits, tokenised loader) and the tiny models.
 
 The offline tests build everything they need (a tiny word-piece vocabulary, fake VADER files and
 archives, a fake chatterbot corpus). Tests marked ``hf`` use the real VADER archive (fetched from
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyrobayes import data as D
-from pyrobayes.data import TextDataset
+from pyrobayes.demo import data as D
+from pyrobayes.demo.data import TextDataset
+from tests.common import tiny_bert, tiny_gpt2, tiny_llama
 
 WORDS = "the a movie was good bad great awful i it very not plot acting fun boring".split()
 
@@ -159,7 +160,7 @@ def test_text_loader_needs_pad_token() -> None:
 
 
 def test_loader_feeds_tiny_bert(tokenizer) -> None:
-    model = D.tiny_bert(num_labels=3)
+    model = tiny_bert(num_labels=3)
     assert model.config.vocab_size >= len(tokenizer)
     batch = next(iter(D.text_loader(toy_dataset(5), tokenizer, batch_size=5)))
     labels = batch.pop("labels")
@@ -195,7 +196,7 @@ def test_digits_split() -> None:
 
 
 def test_tiny_bert_forward() -> None:
-    model = D.tiny_bert(num_labels=4, hidden_dropout_prob=0.0)
+    model = tiny_bert(num_labels=4, hidden_dropout_prob=0.0)
     assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 2
     assert model.config.hidden_dropout_prob == 0.0
     ids = torch.randint(1, 99, (3, 7))
@@ -204,7 +205,7 @@ def test_tiny_bert_forward() -> None:
 
 
 def test_tiny_gpt2_forward_uses_last_non_pad_token() -> None:
-    model = D.tiny_gpt2(num_labels=3).eval()
+    model = tiny_gpt2(num_labels=3).eval()
     assert model.config.pad_token_id == 0 and model.config.n_embd == 32
     ids = torch.randint(1, 98, (2, 6))
     padded = torch.cat([ids, torch.zeros(2, 3, dtype=torch.long)], dim=1)
@@ -217,7 +218,7 @@ def test_tiny_gpt2_forward_uses_last_non_pad_token() -> None:
 
 
 def test_tiny_llama_forward() -> None:
-    model = D.tiny_llama()
+    model = tiny_llama()
     assert model.config.hidden_size == 32 and model.config.vocab_size == 99
     ids = torch.randint(3, 99, (2, 5))
     out = model(input_ids=ids, labels=ids)

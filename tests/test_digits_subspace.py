@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
-from pyrobayes.data import load_digits_split
+from pyrobayes.demo.data import load_digits_split
 from pyrobayes.guides import LaplaceGuide, SWAGGuide
 from pyrobayes.infer.laplace import glm_predict
 from pyrobayes.models import FineTuneModel, LoRAXS

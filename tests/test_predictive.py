@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from pyrobayes.data import tiny_bert
-from tests.common import conjugate_core
+from tests.common import conjugate_core, tiny_bert
 
 
 def _bert_problem():

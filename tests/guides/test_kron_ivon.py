@@ -403,8 +403,8 @@ def test_input_factor_skips_padded_tokens():
     # A = Â = Σ aᵀa / (real rows) over the non-padding token rows of the S-fold expanded batch
     # (the (B, T) mask tiled S times, sample-major), and G = B Σ gᵀg over all rows, padded rows
     # carrying no gradient. Padding is not data: counting it biases Â towards the pad activations.
-    from pyrobayes.data import tiny_bert
     from pyrobayes.guides.ivon import _per_example_nll
+    from tests.common import tiny_bert
 
     torch.manual_seed(0)
     model = FineTuneModel(

@@ -160,7 +160,7 @@ def test_predictives_and_save_load(tmp_path) -> None:
 
 
 def test_dict_batches_tiny_bert() -> None:
-    from pyrobayes.data import tiny_bert
+    from tests.common import tiny_bert
 
     torch.manual_seed(0)
     model = FineTuneModel(

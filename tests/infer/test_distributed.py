@@ -39,7 +39,7 @@ def _adapted(net: nn.Module, rank: int, targets: list[str], head: str) -> pb.mod
 
 
 def _token_problem() -> tuple[pb.models.FineTuneModel, list[dict[str, torch.Tensor]]]:
-    from pyrobayes.data import tiny_bert
+    from tests.common import tiny_bert
 
     torch.manual_seed(0)
     net = tiny_bert(num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

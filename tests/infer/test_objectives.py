@@ -11,7 +11,7 @@ from tests.common import conjugate_core
 
 
 def _classification_problem():
-    from pyrobayes.data import tiny_bert
+    from tests.common import tiny_bert
 
     torch.manual_seed(0)
     model = pb.models.FineTuneModel(

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
-from pyrobayes.data import tiny_bert, tiny_gpt2, tiny_llama
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
 from pyrobayes.models.deploy import merged_network, to_peft
+from tests.common import tiny_bert, tiny_gpt2, tiny_llama
 
 
 def _bert_batch(batch_size: int = 5, seq: int = 7, vocab: int = 99) -> dict[str, torch.Tensor]:

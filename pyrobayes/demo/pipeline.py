@@ -27,16 +27,18 @@ from typing import Any
 
 import torch
 
+from .. import metrics as pbmetrics
+from ..api import posterior
+from ..diagnostics.export import to_inference_data
+from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
+from ..infer.loop import fit
+from ..io import load, save
+from ..models import FineTuneModel
+from ..models.accounting import count_parameters
+from ..models.adapters import adapter_from_dict
+from ..predictive import predict
+from ..registry import available_guides
 from . import data as pbdata
-from . import metrics as pbmetrics
-from .api import posterior
-from .infer.loop import fit
-from .io import load, save
-from .models import FineTuneModel
-from .models.accounting import count_parameters
-from .models.adapters import adapter_from_dict
-from .predictive import predict
-from .registry import available_guides
 
 logger = logging.getLogger(__name__)
 
@@ -329,8 +331,6 @@ def _plots(out: Path, family: str, pred: Any) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        from .diagnostics.plots import reliability_diagram
-
         fig = reliability_diagram(pred.probs, pred.targets)
         fig.savefig(out / "plots" / f"reliability_{family}.png", dpi=100)
         import matplotlib.pyplot as plt
@@ -344,8 +344,6 @@ def _export(
     out: Path, model: Any, guide: Any, loaders: dict[str, Any], config: dict[str, Any], losses: Any
 ) -> bool:
     try:
-        from .diagnostics.export import to_inference_data
-
         export_data = list(itertools.islice(loaders["test"], int(config["export"]["num_batches"])))
         idata = to_inference_data(
             model,
@@ -356,8 +354,6 @@ def _export(
         )
         idata.to_netcdf(str(out / "posterior.nc"))
         try:
-            from .diagnostics.plots import plot_posterior_summary
-
             plot_posterior_summary(idata, out / "plots" / "posterior_summary.png")
         except Exception as err:
             logger.warning("posterior summary plot failed: %s", err)
