@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow demo lint bench clean install
+.PHONY: test test-slow demo lint bench docs clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) benchmarks/overhead.py
+
+# API reference and docs (mkdocs.yml); --strict fails on any warning, docstrings included.
+docs: $(STAMP)
+	$(PY) -m pip install -e '.[docs]'
+	$(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) runs
