@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyro
 import torch
 from torch import Tensor
 
@@ -424,8 +425,6 @@ def _to_arviz(
 
 
 def _versions() -> dict[str, str]:
-    import pyro
-
     return {
         "inference_library": "pyro",
         "inference_library_version": str(pyro.__version__),
