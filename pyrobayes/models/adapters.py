@@ -263,8 +263,10 @@ def inject_adapter(
         )  # A (d_in, r), B (r, d_out)
         down = a.T.to(dtype=w0.dtype, device=w0.device)
         up = b.T.to(dtype=w0.dtype, device=w0.device)
-        layer = LoRAXSLinear(base, down, up, scaling=adapter.scaling, init_scale=adapter.init_scale)
-        _set_submodule(net, path, layer)
+        xs_layer = LoRAXSLinear(
+            base, down, up, scaling=adapter.scaling, init_scale=adapter.init_scale
+        )
+        _set_submodule(net, path, xs_layer)
         sites.append(SiteSpec(f"{path}.core", f"{path}.core.weight", path, (rank, rank), "core"))
     return sites
 

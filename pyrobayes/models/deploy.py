@@ -57,16 +57,19 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
                 delta = layer.delta_weight(roles["core"])  # (d_out, d_in)
             elif isinstance(layer, LoRALinear):
                 delta = layer.delta_weight(roles.get("lora_A"), roles.get("lora_B"))
-            else:  # a latent nn.Linear: the draw *is* the weight
+            else:  # a latent nn.Linear (make_latent takes nothing else): the draw *is* the weight
+                assert isinstance(base, nn.Linear)
                 if "weight" in roles:
                     base.weight.copy_(roles["weight"])
                 if "bias" in roles:
                     base.bias.copy_(roles["bias"])
                 continue
+            weight = base.weight
+            assert isinstance(weight, Tensor)  # an adapter's base: nn.Linear or GPT-2 Conv1D
             if isinstance(base, nn.Linear):
-                base.weight.add_(delta.to(base.weight.dtype))
+                weight.add_(delta.to(weight.dtype))
             else:  # GPT-2 Conv1D stores (d_in, d_out)
-                base.weight.add_(delta.T.to(base.weight.dtype))
+                weight.add_(delta.T.to(weight.dtype))
     for p in net.parameters():
         p.requires_grad_(False)
     return net
@@ -98,7 +101,8 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     )
     config = LoraConfig(
         r=adapter.rank,
-        lora_alpha=adapter.alpha if adapter.alpha is not None else adapter.rank,
+        # peft annotates lora_alpha as int but only divides by it: a float alpha is kept exact
+        lora_alpha=adapter.alpha if adapter.alpha is not None else adapter.rank,  # type: ignore[arg-type]
         target_modules=paths,
         lora_dropout=0.0,
         bias="none",

@@ -36,8 +36,11 @@ __all__ = ["FineTuneModel", "HEAD_NAMES"]
 HEAD_NAMES = ("classifier", "score", "qa_outputs", "pre_classifier")
 
 
-def _peft_to_pyrobayes(net: nn.Module) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
-    """Unwrap a ``peft.PeftModel`` with LoRA layers: base network, LoRA config, trained weights."""
+def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
+    """Unwrap a ``peft.PeftModel`` with LoRA layers: base network, LoRA config, trained weights.
+
+    ``net`` is duck-typed (``peft_config``, ``active_adapter``, ``unload``), as the caller checks.
+    """
     config = net.peft_config[net.active_adapter]
     adapter = LoRA.from_peft(config)
     weights: dict[str, Tensor] = {}
@@ -46,9 +49,12 @@ def _peft_to_pyrobayes(net: nn.Module) -> tuple[nn.Module, LoRA, dict[str, Tenso
         lora_a = getattr(module, "lora_A", None)
         if isinstance(lora_a, nn.ModuleDict) and net.active_adapter in lora_a:
             path = name[len(prefix) :] if name.startswith(prefix) else name
-            weights[f"{path}.lora_A.weight"] = lora_a[net.active_adapter].weight.detach().clone()
-            lora_b = module.lora_B[net.active_adapter]
-            weights[f"{path}.lora_B.weight"] = lora_b.weight.detach().clone()
+            lora_b = module.get_submodule("lora_B")
+            assert isinstance(lora_b, nn.ModuleDict)  # a peft LoRA layer holds both dicts
+            for role, holder in (("lora_A", lora_a), ("lora_B", lora_b)):
+                weight = holder[net.active_adapter].weight
+                assert isinstance(weight, Tensor)
+                weights[f"{path}.{role}.weight"] = weight.detach().clone()
     base = net.unload()
     return base, adapter, weights
 
@@ -205,7 +211,7 @@ class FineTuneModel(nn.Module):
                         chosen[full] = p
         return chosen
 
-    def site_prior(self, site: str) -> dist.Distribution:
+    def site_prior(self, site: str) -> dist.TorchDistribution:
         """``N(0, s_p² I)`` over one site, event-shaped like the site."""
         spec = self.latent_sites[site]
         ref = self.net.get_parameter(spec.param_name)  # dtype/device without walking the network

@@ -53,7 +53,7 @@ def base_weight_in_out(base: nn.Module) -> Tensor:
     """
     if isinstance(base, nn.Linear):
         return base.weight.detach().T
-    if type(base).__name__ == "Conv1D" and hasattr(base, "nf"):
+    if type(base).__name__ == "Conv1D" and hasattr(base, "nf") and isinstance(base.weight, Tensor):
         return base.weight.detach()
     raise TypeError(
         f"Expected an nn.Linear or transformers Conv1D module but got {type(base).__name__}."
@@ -81,6 +81,9 @@ class LoRAXSLinear(_AdapterBase):
     (:class:`BatchedLinear`) whose weight is ``Rᵀ``. Keeping R an ordinary linear layer lets
     Kronecker curvature treat it as one (both factors r×r).
     """
+
+    down: Tensor  # buffer (r, d_in)
+    up: Tensor  # buffer (d_out, r)
 
     def __init__(
         self,

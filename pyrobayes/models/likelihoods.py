@@ -43,7 +43,7 @@ class Likelihood:
     def params(self, output: Tensor, inputs: Any) -> Tensor:
         return output
 
-    def dist(self, params: Tensor) -> dist.Distribution:
+    def dist(self, params: Tensor) -> dist.TorchDistribution:
         raise NotImplementedError
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
@@ -66,7 +66,7 @@ class Categorical(Likelihood):
 
     name = "categorical"
 
-    def dist(self, params: Tensor) -> dist.Distribution:
+    def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
@@ -96,7 +96,7 @@ class Gaussian(Likelihood):
         self.event_dim = output.dim() - 1
         return output
 
-    def dist(self, params: Tensor) -> dist.Distribution:
+    def dist(self, params: Tensor) -> dist.TorchDistribution:
         d = dist.Normal(params, self.obs_scale)
         return d.to_event(self.event_dim) if self.event_dim else d
 
@@ -141,7 +141,7 @@ class MultipleChoice(Likelihood):
         ids = torch.as_tensor(self.choice_token_ids, device=output.device)
         return output[rows, pos][:, ids]  # (B, num_choices)
 
-    def dist(self, params: Tensor) -> dist.Distribution:
+    def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
