@@ -156,7 +156,7 @@ class MatrixNormal(TorchDistribution):
         return du.unsqueeze(-1) * dv.unsqueeze(-2)
 
     # ----------------------------------------------------------------- sampling / density
-    def rsample(self, sample_shape: torch.Size | tuple = ()) -> torch.Tensor:
+    def rsample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = ()) -> torch.Tensor:
         """Reparameterised sample ``M + L_U E L_Vᵀ``, shape ``sample_shape + batch + (m, n)``."""
         shape = self._extended_shape(torch.Size(sample_shape))
         eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
@@ -394,7 +394,7 @@ class KronEigenNormal(TorchDistribution):
         return self.eigvecs_out.pow(2) @ self.precision_eig.reciprocal() @ self.eigvecs_in.pow(2).mT
 
     # ----------------------------------------------------------------- sampling / density
-    def rsample(self, sample_shape: torch.Size | tuple = ()) -> torch.Tensor:
+    def rsample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = ()) -> torch.Tensor:
         """Reparameterised sample ``M + Q_G (E ⊘ sqrt(P)) Q_Aᵀ``."""
         shape = self._extended_shape(torch.Size(sample_shape))
         eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)

@@ -109,6 +109,7 @@ class PosteriorGuide(AutoGuide):
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         super()._setup_prototype(*args, **kwargs)
+        assert self.prototype_trace is not None  # set by AutoGuide._setup_prototype
         inits = {
             name: site["value"].detach()
             for name, site in self.prototype_trace.iter_stochastic_nodes()
@@ -156,7 +157,9 @@ class PosteriorGuide(AutoGuide):
         module = self._modules[holder]
         assert module is not None
         holder_module = module.get_submodule(parent) if parent else module
-        return holder_module._parameters[leaf + "_unconstrained"]  # type: ignore[return-value]
+        param = holder_module._parameters[leaf + "_unconstrained"]
+        assert param is not None  # PyroParam stores <leaf>_unconstrained as a Parameter
+        return param
 
     def loc(self, site: str) -> Tensor:
         """The location parameter at ``site`` (families with a per-site ``locs`` holder)."""
@@ -176,7 +179,7 @@ class PosteriorGuide(AutoGuide):
         """Emit one ``pyro.sample`` per site; joint families override this."""
         return {site: pyro.sample(site, self.get_posterior(site)) for site in self.sites}
 
-    def get_posterior(self, site: str) -> dist.Distribution:
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
         """q's marginal over ``site``, with event shape equal to the site's shape."""
         raise NotImplementedError
 

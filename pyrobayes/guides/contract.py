@@ -56,7 +56,7 @@ class Posterior(Protocol):
     is_deterministic: ClassVar[bool]
     sites: dict[str, torch.Size]
 
-    def get_posterior(self, site: str) -> dist.Distribution:
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
         """q's marginal over ``site`` (event shape = the site's shape)."""
         ...
 

@@ -35,7 +35,7 @@ class DeltaGuide(PosteriorGuide):
     def _setup_site(self, site: str, init: Tensor) -> None:
         self._add_param("locs", site, init.detach().clone())
 
-    def get_posterior(self, site: str) -> dist.Distribution:
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
         loc = self.loc(site)
         return dist.Delta(loc, event_dim=loc.dim())
 

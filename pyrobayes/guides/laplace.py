@@ -183,7 +183,7 @@ class LaplaceGuide(PosteriorGuide):
         return KronEigenNormal(self.loc(site), q_in, q_out, prec).to_dense_precision(row_major=True)
 
     # ------------------------------------------------------------------ guide contract
-    def get_posterior(self, site: str) -> dist.Distribution:
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
         loc = self.loc(site)
         self._require_fitted()
         prec = self.curvature(site) + self.lap_prior_precision

@@ -84,8 +84,6 @@ def swag_posterior(state: SwagState, scale: float = 0.5) -> dist.LowRankMultivar
     return dist.LowRankMultivariateNormal(state.mean, factor, scale * state.diag_variance)
 
 
-
-
 class SWAGGuide(PosteriorGuide):
     r"""SWAG (Maddox et al., 2019) over the latent sites (B-LoRA-XS when the sites are cores).
 
@@ -178,11 +176,13 @@ class SWAGGuide(PosteriorGuide):
         super()._setup_sites(inits)
         ref = next(iter(inits.values()))
         dim = sum(int(v.numel()) for v in inits.values())
-        kw = {"dtype": ref.dtype, "device": ref.device}
+        dtype, device = ref.dtype, ref.device
         self.register_buffer("swag_num_collected", torch.zeros((), dtype=torch.long))
-        self.register_buffer("swag_mean", torch.zeros(dim, **kw))
-        self.register_buffer("swag_sq_mean", torch.zeros(dim, **kw))
-        self.register_buffer("swag_deviations", torch.zeros(self.rank, dim, **kw))
+        self.register_buffer("swag_mean", torch.zeros(dim, dtype=dtype, device=device))
+        self.register_buffer("swag_sq_mean", torch.zeros(dim, dtype=dtype, device=device))
+        self.register_buffer(
+            "swag_deviations", torch.zeros(self.rank, dim, dtype=dtype, device=device)
+        )
         self.register_buffer("swag_fitted", torch.zeros((), dtype=torch.bool))
         self._offsets: dict[str, tuple[int, int]] = {}
         start = 0
@@ -253,7 +253,7 @@ class SWAGGuide(PosteriorGuide):
         return torch.cat(parts, -1)
 
     # ------------------------------------------------------------------ guide contract
-    def get_posterior(self, site: str) -> dist.Distribution:
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
         shape = self.sites[site]
         full = self.posterior()
         a, b = self._offsets[site]

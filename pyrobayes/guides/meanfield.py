@@ -77,8 +77,7 @@ class MeanFieldGuide(SitewiseKL):
         cache = self.__dict__.get("_raw_cache")
         if cache is None:
             cache = {
-                site: (self.loc_param(site), self._raw_param("scales", site))
-                for site in self.sites
+                site: (self.loc_param(site), self._raw_param("scales", site)) for site in self.sites
             }
             self.__dict__["_raw_cache"] = cache
         return cache
@@ -99,7 +98,7 @@ class MeanFieldGuide(SitewiseKL):
             self.__dict__["_scale_transform_cache"] = transform
         return transform
 
-    def get_posterior(self, site: str) -> dist.Distribution:
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
         loc = self.loc(site)
         return dist.Normal(loc, self.scale(site)).to_event(loc.dim())
 
