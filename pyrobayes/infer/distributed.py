@@ -49,14 +49,14 @@ def all_reduce_grads_(params: Sequence[Tensor]) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in groups.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in groups.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce_mean_([flat])
         torch._foreach_copy_(
-            [p.grad for p in group],
+            grads,
             [
-                v.view_as(p)
-                for v, p in zip(flat.split([p.numel() for p in group]), group, strict=True)
+                v.view_as(g)
+                for v, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
             ],
         )

@@ -23,8 +23,8 @@ checkpoint is ``(guide state, model point parameters, fitter state)``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -78,8 +78,6 @@ class Fitter:
         :func:`pyrobayes.fit` refuses a ``scheduler``).
     """
 
-    manages_lr: ClassVar[bool] = False
-
     def __init__(
         self,
         model: Any,
@@ -103,6 +101,11 @@ class Fitter:
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
 
+    @property
+    def manages_lr(self) -> bool:
+        """True when the fitter schedules the learning rate itself (none here)."""
+        return False
+
     # ------------------------------------------------------------------ the family's defaults
     def default_objective(self) -> Any:
         """The family's objective (a name such as ``"elbo"``, or an object with ``loss``)."""
@@ -114,13 +117,15 @@ class Fitter:
 
     def _build_optimizer(self, spec: Any, lr: float) -> torch.optim.Optimizer:
         if spec is None:
-            return self.default_optimizer(self.params, lr)  # type: ignore[no-any-return]
+            return self.default_optimizer(self.params, lr)
         if isinstance(spec, torch.optim.Optimizer):
             return spec
         if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
-            return spec(self.params, lr=lr)
+            # every concrete optimizer takes lr (the abstract base takes a defaults dict)
+            optimizer_class: Callable[..., torch.optim.Optimizer] = spec
+            return optimizer_class(self.params, lr=lr)
         if callable(spec):
-            return spec(self.params)  # type: ignore[no-any-return]
+            return spec(self.params)
         raise TypeError(
             "optimizer must be a torch.optim.Optimizer, an Optimizer class, or a callable "
             f"params -> Optimizer; got {type(spec).__name__}."
@@ -160,8 +165,9 @@ class Fitter:
                 optim.zero_grad(set_to_none=True)
                 loss = objective.loss(model, guide, batch)
                 loss.backward()
-                return loss  # type: ignore[no-any-return]
+                return loss
 
+            # torch types the closure as returning float; closures return the loss tensor
             return float(optim.step(closure))  # type: ignore[arg-type]
         optim.zero_grad(set_to_none=True)
         loss = objective.loss(model, guide, batch)

@@ -91,9 +91,9 @@ class _Loader:
 
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
         self.model, self.data, self.device = model, data, device
-        dataset = getattr(data, "dataset", None)
+        dataset: Any = getattr(data, "dataset", None)
         try:
-            n = len(dataset)  # type: ignore[arg-type]
+            n = len(dataset)  # None or an unsized dataset: TypeError
         except TypeError:
             n = sum(batch_size(split_batch(b, model.label_key)[0]) for b in data)
         self.dataset = range(n)
@@ -155,7 +155,8 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
     laplace-torch (``hessian_structure=guide.structure``), stores the curvature in the guide, picks
     τ, and restores the network. Returns the laplace-torch object (at the chosen τ).
     """
-    from laplace import Laplace
+    from laplace import DiagLaplace, KronLaplace, Laplace
+    from laplace.utils import KronDecomposed
 
     guide._require_setup()
     net = model.net
@@ -193,9 +194,11 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
             dict_key_y=model.label_key,
             **kwargs,
         )
-        la.fit(_Loader(model, data, model.device))
+        # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
+        la.fit(_Loader(model, data, model.device))  # type: ignore[arg-type]
         factor = float(la._H_factor)
         if guide.structure == "diag":
+            assert isinstance(la, DiagLaplace)  # subset "all" + structure "diag"
             h = la.H.detach() * factor
             start = 0
             for s in order:
@@ -203,7 +206,9 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
                 guide.set_curvature(s, h[start : start + n].reshape(guide.sites[s]))
                 start += n
         else:
+            assert isinstance(la, KronLaplace)  # subset "all" + structure "kron"
             decomposed = la.H
+            assert isinstance(decomposed, KronDecomposed)  # what KronLaplace.fit leaves
             for s, vecs, vals in zip(
                 order, decomposed.eigenvectors, decomposed.eigenvalues, strict=True
             ):

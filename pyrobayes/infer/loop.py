@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -189,8 +189,8 @@ def fit(
         raise ValueError(f"Expected non-negative epochs/num_steps but got {epochs}/{num_steps}.")
     selection = Selection(val_data, select_by) if val_data is not None else None
     try:
-        steps_per_epoch: int | None = len(data)  # type: ignore[arg-type]
-    except TypeError:
+        steps_per_epoch: int | None = len(data) if isinstance(data, Sized) else None
+    except TypeError:  # a DataLoader over an IterableDataset has a __len__ that raises
         steps_per_epoch = None
     total = num_steps
     if epochs is not None and steps_per_epoch is not None:
@@ -241,7 +241,8 @@ def fit(
         history = selection.history if selection is not None else []
         meta = {"step": step, "epoch": epoch, "losses": losses, "validation": history}
         best = selection.best if selection is not None else None
-        _save_checkpoint(ckpt, guide, model, fitter, meta, best, sched)  # type: ignore[arg-type]
+        assert ckpt is not None  # called only when write_checkpoints
+        _save_checkpoint(ckpt, guide, model, fitter, meta, best, sched)
 
     try:
         while (epochs is None or epoch < epochs) and (num_steps is None or step < num_steps):

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from ..batch import batch_size, split_batch
-from ..guides.contract import AnalyticKL, PostHoc
+from ..guides.contract import AnalyticKL, Posterior, PostHoc
 
 __all__ = ["Objective", "ELBO", "MAP", "PyroObjective", "make_objective", "scaled_log_likelihood"]
 
@@ -96,7 +96,7 @@ class MAP:
     (the point itself for :class:`~pyrobayes.guides.DeltaGuide`).
     """
 
-    def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
+    def loss(self, model: Any, guide: Posterior, batch: Any) -> Tensor:
         if isinstance(guide, PostHoc):
             values = {s: guide.loc(s).unsqueeze(0) for s in guide.sites}
         else:

@@ -104,7 +104,8 @@ def make_scheduler(
         return None
     if isinstance(spec, str):
         decay = SCHEDULES[spec]
-        total = int(total_steps)  # type: ignore[arg-type]  # checked above
+        assert total_steps is not None  # check_schedule refuses a named schedule without it
+        total = int(total_steps)
 
         def multiplier(t: int) -> float:
             if t < num_warmup:

@@ -56,6 +56,11 @@ def validation_score(
         raise ValueError(
             "fit(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
         )
+    assert pred.loc is not None  # no log_probs: a regression prediction carries loc
+    if pred.scale is None:
+        raise ValueError(
+            "fit(val_data=...): a regression likelihood needs an obs_scale to score the NLL."
+        )
     loc, targets = pred.loc.flatten(1), pred.targets.flatten()
     measured = {
         "nll": metrics.gaussian_nll(loc, targets, pred.scale),

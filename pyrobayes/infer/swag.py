@@ -50,12 +50,12 @@ def swag_init(
     """Empty SWAG state over ``dim`` coordinates keeping ``rank`` deviations."""
     if rank < 1:
         raise ValueError(f"Expected rank >= 1 but got {rank}.")
-    kw = {"dtype": dtype or torch.get_default_dtype(), "device": device}
+    dtype = dtype or torch.get_default_dtype()
     return SwagState(
         torch.zeros((), dtype=torch.long, device=device),
-        torch.zeros(dim, **kw),
-        torch.zeros(dim, **kw),
-        torch.zeros(rank, dim, **kw),
+        torch.zeros(dim, dtype=dtype, device=device),
+        torch.zeros(dim, dtype=dtype, device=device),
+        torch.zeros(rank, dim, dtype=dtype, device=device),
     )
 
 
@@ -111,7 +111,7 @@ class SWAGFitter(Fitter):
         self.epochs_done = 0
 
     @property
-    def manages_lr(self) -> bool:  # type: ignore[override]
+    def manages_lr(self) -> bool:
         return self.guide.swa_lr is not None
 
     def default_objective(self) -> str:
