@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the tomli backport (same API)
+    import tomli as tomllib
 
 from .demo.pipeline import evaluate, format_table, resolve_config, run
 

@@ -59,7 +59,7 @@ def save(
     tensors = {f"guide.{k}": v.detach().contiguous().cpu() for k, v in guide.state_dict().items()}
     for name, p in getattr(model, "point_params", {}).items():
         tensors[f"model.{name}"] = p.detach().contiguous().cpu()
-    adapter = getattr(model, "adapter", None)
+    adapter: Any = getattr(model, "adapter", None)  # LoRA, LoRAXS or None (duck-typed)
     header = {
         "format_version": FORMAT_VERSION,
         "family": family_of(guide),

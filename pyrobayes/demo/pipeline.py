@@ -162,10 +162,12 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     full = _load_text(d["train"], num_labels=num_labels)
     seed = int(d["seed"])
     train, test = full.split([int(d["num_train"]), int(d["num_test"])], seed=seed)[:2]
-    kw = {"batch_size": int(d["batch_size"]), "max_length": int(config["model"]["max_length"])}
+    size, length = int(d["batch_size"]), int(config["model"]["max_length"])
     loaders: dict[str, Any] = {
-        "train": pbdata.text_loader(train, tokenizer, shuffle=True, seed=seed, **kw),
-        "test": pbdata.text_loader(test, tokenizer, **kw),
+        "train": pbdata.text_loader(
+            train, tokenizer, batch_size=size, max_length=length, shuffle=True, seed=seed
+        ),
+        "test": pbdata.text_loader(test, tokenizer, batch_size=size, max_length=length),
         "num_train": len(train),
     }
     for spec in d.get("ood", []):
@@ -175,7 +177,9 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
             logger.warning("OOD set %s skipped: %s", spec, err)
             continue
         ood.labels = None
-        loaders[f"ood/{spec.split(':')[-1]}"] = pbdata.text_loader(ood, tokenizer, **kw)
+        loaders[f"ood/{spec.split(':')[-1]}"] = pbdata.text_loader(
+            ood, tokenizer, batch_size=size, max_length=length
+        )
     return loaders
 
 
@@ -220,6 +224,7 @@ def _evaluate(
     model: Any, guide: Any, loaders: dict[str, Any], num_samples: int, device: str
 ) -> tuple[dict[str, float], Any]:
     pred = predict(model, guide, loaders["test"], num_samples=num_samples, seed=0, device=device)
+    assert pred.targets is not None  # the test split is labelled (build_data)
     result = pbmetrics.report(pred, pred.targets)
     id_entropy = pbmetrics.predictive_entropy(pred.probs)
     for key, loader in loaders.items():

@@ -413,7 +413,8 @@ def _to_arviz(
 
     # `attrs` goes on the InferenceData itself (and observed_data); `<group>_attrs` on each group
     group_attrs = {f"{g}_attrs": dict(attrs) for g in groups if g != "observed_data"}
-    idata = az.from_dict(**groups, dims=dims, attrs=dict(attrs), **group_attrs)
+    arguments: dict[str, Any] = {**groups, **group_attrs}  # keyword arguments of from_dict
+    idata = az.from_dict(dims=dims, attrs=dict(attrs), **arguments)
     if extra_groups:
         idata.add_groups(extra_groups)
     return idata
@@ -516,6 +517,7 @@ def to_datatree(
     posterior.update({f"{s}_norm": chained(v) for s, v in ev.site_norms.items()})
     dims = {s: _site_dims(s, shapes[s]) for s in ev.chosen}
     groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior}
+    assert ev.log_q is not None and ev.log_prior is not None  # evaluate_draws fills both
     sample_stats = {"log_q": chained(ev.log_q)}
     log_joint = ev.log_joint
     if log_joint is not None:
