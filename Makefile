@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow demo lint bench docs clean install
+.PHONY: test test-slow demo lint typecheck bench docs clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check pyrobayes tests examples benchmarks
+
+# static types of the package ([tool.mypy] in pyproject.toml)
+typecheck: $(STAMP)
+	$(PY) -m pip install mypy
+	$(PY) -m mypy pyrobayes
 
 bench: $(STAMP)
 	$(PY) -m pip install -e '.[bench]'
