@@ -24,6 +24,13 @@ NUM_DATA = 48
 NUM_CLASSES = 3
 
 
+# az.loo on a few dozen draws: ArviZ's k-hat threshold 1 - 1/log10(S) (0.38 at S = 40) is below
+# the k-hat of some points; these tests check that LOO runs on the export, not its reliability
+_FEW_DRAWS_LOO = pytest.mark.filterwarnings(
+    "ignore:Estimated shape parameter of Pareto distribution:UserWarning:arviz.stats.stats\\Z"
+)
+
+
 def _classifier(seed: int = 0):
     """MLP 6 -> 10 -> 3 with LoRA-XS cores (rank 2) on both layers, random data, 3 classes."""
     g = torch.Generator().manual_seed(seed)
@@ -41,6 +48,7 @@ def _classifier(seed: int = 0):
     return model, guide, data, y
 
 
+@_FEW_DRAWS_LOO
 def test_classification_export_groups_dims_and_values():
     model, guide, data, y = _classifier()
     losses = torch.tensor([5.0, 4.0, 3.5])
@@ -131,6 +139,7 @@ def test_alias_and_reproducibility():
     assert not np.array_equal(a.posterior["0.core"].values, c.posterior["0.core"].values)
 
 
+@_FEW_DRAWS_LOO
 def test_conjugate_gaussian_export_is_consistent_with_exact_posterior():
     """With q = the exact posterior, log p(θ_s, D) − log q(θ_s) = log p(D) for every draw.
 
