@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow demo lint typecheck bench docs clean install
+.PHONY: test test-fast test-slow demo lint typecheck bench docs clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# quick local loop: no process-spawning tests (CLI, examples, gloo ranks); CI runs `make test`
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu and not integration" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -60,6 +60,7 @@ def smoke_run(tmp_path_factory):
 
 
 @pytest.mark.hf
+@pytest.mark.integration
 def test_demo_smoke_writes_a_run_folder_that_evaluates_to_the_same_metrics(smoke_run):
     out = smoke_run
     records = json.loads((out / "metrics.json").read_text())
@@ -81,6 +82,7 @@ def test_demo_smoke_writes_a_run_folder_that_evaluates_to_the_same_metrics(smoke
 
 
 @pytest.mark.hf
+@pytest.mark.integration
 def test_a_family_sees_the_same_batches_whatever_ran_before_it(smoke_run, tmp_path):
     # the families share one shuffling training loader: without a rewind before each family,
     # mean-field (second in the smoke run) trained on the shuffles after MAP's epochs, so its row

@@ -381,6 +381,7 @@ def test_minilm_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.hf
+@pytest.mark.integration  # pip download of the VADER archive when it is not cached
 def test_vader_movie_reviews_real() -> None:
     try:
         ds = D.load_vader("movieReviewSnippets")

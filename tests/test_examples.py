@@ -18,6 +18,7 @@ def test_there_are_examples():
     assert {"map", "meanfield", "ivon_diag", "kron_ivon", "swag", "laplace_kron"} <= names
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
 def test_example_smoke(script):
     # examples are named so they never shadow a package (an examples/laplace.py would hide laplace-torch)

@@ -24,6 +24,8 @@ from torch import nn
 
 import pyrobayes as pb
 
+pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
+
 # "map+val": MAP with validation selection; the ranks hold opposite halves of the validation set
 FAMILIES = ("map", "meanfield", "ivon", "kron-ivon", "map+val", "kron-ivon+pad")
 NUM_DATA, BATCH, STEPS = 96, 16, 12
