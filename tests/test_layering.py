@@ -261,6 +261,27 @@ def test_only_the_cli_imports_the_demo():
     assert not bad, "only demo/ and cli.py may import the demo application:\n" + "\n".join(bad)
 
 
+def test_diagnostics_and_demo_import_no_private_names():
+    # what one module needs from another is a public, documented function of that module
+    bad = []
+    for name, path in modules().items():
+        if not (_in(name, f"{PACKAGE}.diagnostics") or _in(name, f"{PACKAGE}.demo")):
+            continue
+        source = path.read_text(encoding="utf-8")
+        for node, _ in _imports(ast.parse(source)):
+            if not isinstance(node, ast.ImportFrom) or not _resolve(name, node):
+                continue
+            private = [
+                a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")
+            ]
+            if private:
+                statement = " ".join(ast.get_source_segment(source, node).split())
+                bad.append(
+                    f"{name} ({path.relative_to(ROOT.parent).as_posix()}:{node.lineno}) `{statement}` imports {private}"
+                )
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
 @pytest.mark.xfail(strict=True, reason="guides still import infer until the fitter move lands")
 def test_guides_import_nothing_from_infer():
     bad = _violations(_under(f"{PACKAGE}.guides"), (f"{PACKAGE}.infer",))
