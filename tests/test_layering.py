@@ -276,9 +276,8 @@ def test_diagnostics_and_demo_import_no_private_names():
             ]
             if private:
                 statement = " ".join(ast.get_source_segment(source, node).split())
-                bad.append(
-                    f"{name} ({path.relative_to(ROOT.parent).as_posix()}:{node.lineno}) `{statement}` imports {private}"
-                )
+                where = f"{path.relative_to(ROOT.parent).as_posix()}:{node.lineno}"
+                bad.append(f"{name} ({where}) `{statement}` imports {private}")
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
