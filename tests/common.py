@@ -1,13 +1,19 @@
 """Shared test helpers: a LoRA-XS linear-Gaussian problem with a closed-form posterior over the
-core, and tiny randomly initialised transformers (BERT, GPT-2, LLaMA) built from a config."""
+core, and tiny randomly initialised transformers (BERT, GPT-2, LLaMA) built from a config.
+
+Small MLPs with adapters and random data (``mlp_problem``), and their batches, are built here too.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from pyrobayes.models import FineTuneModel, LoRAXS
 
@@ -177,3 +183,98 @@ def tiny_llama(**overrides: Any) -> Any:
     )
     cfg.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
+# ------------------------------------------------------------------------------------------------
+# small MLPs with adapters, and their data
+# ------------------------------------------------------------------------------------------------
+
+
+def mlp(*widths: int, activation: type[nn.Module] | None = nn.Tanh) -> nn.Sequential:
+    """``Linear(widths[0], widths[1]), activation(), ..., Linear(widths[-2], widths[-1])``.
+
+    With an activation the linear layers are the even-numbered modules ("0", "2", ...), the names
+    ``target_modules`` and ``trainable_modules`` refer to; ``activation=None`` stacks the linear
+    layers alone. The weights are the global RNG's next draws.
+    """
+    layers: list[nn.Module] = []
+    for i, (d_in, d_out) in enumerate(pairwise(widths)):
+        if i and activation is not None:
+            layers.append(activation())
+        layers.append(nn.Linear(d_in, d_out))
+    return nn.Sequential(*layers)
+
+
+@dataclass
+class MLPProblem:
+    """A small MLP with adapters as a ``FineTuneModel``, and a random data set ``(x, y)``."""
+
+    model: FineTuneModel
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def mlp_problem(
+    widths: Sequence[int],
+    adapter: Any,
+    *,
+    num_data: int,
+    seed: int | None = None,
+    data_seed: int | None = None,
+    activation: type[nn.Module] | None = nn.Tanh,
+    likelihood: str = "categorical",
+    **model_kw: Any,
+) -> MLPProblem:
+    """An MLP of ``widths`` with ``adapter`` (LoRA-XS cores or LoRA factors) and random data.
+
+    Parameters
+    ----------
+    widths : sequence of int
+        Layer widths, input first (see :func:`mlp`).
+    adapter : LoRAXS or LoRA
+        The model's adapter configuration.
+    num_data : int
+        Examples drawn, and the model's ``num_data``.
+    seed : int, optional
+        ``torch.manual_seed(seed)`` first. Either way the network's and the adapter's initial
+        values are the global RNG's next draws.
+    data_seed : int, optional
+        Draw ``x`` and ``y`` from a ``torch.Generator`` seeded with it; without one they are the
+        global RNG's draws after the model's.
+    activation : type of nn.Module or None
+        Between the linear layers.
+    likelihood : {"categorical", "gaussian"}
+        Categorical: ``y`` uniform over the ``widths[-1]`` classes. Gaussian: ``y`` standard
+        normal, ``(num_data,)`` for one output and ``(num_data, widths[-1])`` otherwise.
+    **model_kw
+        Further ``FineTuneModel`` arguments (``trainable_modules``, ``obs_scale``, ...).
+
+    Returns
+    -------
+    MLPProblem
+        ``x`` is ``(num_data, widths[0])`` standard normal.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    net = mlp(*widths, activation=activation)
+    model = FineTuneModel(net, adapter, likelihood=likelihood, num_data=num_data, **model_kw)
+    g = None if data_seed is None else torch.Generator().manual_seed(data_seed)
+    x = torch.randn(num_data, widths[0], generator=g)
+    if likelihood == "gaussian":
+        shape = (num_data,) if widths[-1] == 1 else (num_data, widths[-1])
+        y = torch.randn(shape, generator=g)
+    else:
+        y = torch.randint(0, widths[-1], (num_data,), generator=g)
+    return MLPProblem(model, x, y)
+
+
+def split_batches(
+    x: torch.Tensor, y: torch.Tensor, size: int = 16
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, y)`` in consecutive batches of ``size`` examples (the last one may be smaller)."""
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+
+def tensor_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
+    """``DataLoader(TensorDataset(x, y), batch_size)``: unshuffled batches of tensors."""
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
