@@ -5,26 +5,25 @@ from __future__ import annotations
 import pyro
 import pytest
 import torch
-from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.models import FineTuneModel, LoRAXS
 from pyrobayes.registry import _REGISTRY
+from tests.common import mlp, mlp_problem, split_batches
 
 FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
 
 
 def _problem(seed: int = 0):
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
-    model = FineTuneModel(
-        net, LoRAXS(rank=3, target_modules=["0", "2"]), num_data=48, trainable_modules=["4"]
+    prob = mlp_problem(
+        (5, 12, 12, 3),
+        LoRAXS(rank=3, target_modules=["0", "2"]),
+        num_data=48,
+        trainable_modules=["4"],
+        seed=seed,
+        data_seed=seed,
     )
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(48, 5, generator=g)
-    y = torch.randint(0, 3, (48,), generator=g)
-    data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16)]
-    return model, data
+    return prob.model, split_batches(prob.x, prob.y, 16)
 
 
 def _fitted(family: str, seed: int = 0):
@@ -119,10 +118,6 @@ def test_predict_shapes_and_probabilities(fitted):
 def test_load_rejects_other_sites(fitted, tmp_path):
     _, _, guide, _ = fitted
     path = pb.save(guide, tmp_path / "p.safetensors")
-    other = FineTuneModel(
-        nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 3)),
-        LoRAXS(rank=3, target_modules=["0"]),
-        num_data=10,
-    )
+    other = FineTuneModel(mlp(5, 12, 3), LoRAXS(rank=3, target_modules=["0"]), num_data=10)
     with pytest.raises(RuntimeError, match="different sites"):
         pb.load(path, other)

@@ -6,43 +6,39 @@ import math
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
 from pyrobayes.guides import LaplaceGuide
 from pyrobayes.infer.laplace import fit_laplace, glm_moments, glm_predict
 from pyrobayes.models import FineTuneModel, LoRAXS
-from tests.common import conjugate_core
+from tests.common import conjugate_core, mlp_problem, split_batches, tensor_loader
 
 laplace = pytest.importorskip("laplace")
 
 
 def _linear_one_output(num_data: int = 40, noise: float = 0.3):
-    torch.manual_seed(2)
-    net = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1))
-    model = FineTuneModel(
-        net,
+    prob = mlp_problem(
+        (6, 4, 1),
         LoRAXS(rank=3, target_modules=["0"]),
+        num_data=num_data,
+        seed=2,
+        activation=None,
         likelihood="gaussian",
         obs_scale=noise,
-        num_data=num_data,
         trainable_modules=[],
     )
-    x = torch.randn(num_data, 6)
-    y = torch.randn(num_data)
-    return model, x, y, DataLoader(TensorDataset(x, y), batch_size=16)
+    return prob.model, prob.x, prob.y, tensor_loader(prob.x, prob.y, 16)
 
 
 def _mlp(num_data: int = 60):
-    torch.manual_seed(3)
-    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
-    model = FineTuneModel(
-        net, LoRAXS(rank=3, target_modules=["0", "2"]), num_data=num_data, trainable_modules=["4"]
+    prob = mlp_problem(
+        (5, 8, 8, 3),
+        LoRAXS(rank=3, target_modules=["0", "2"]),
+        num_data=num_data,
+        seed=3,
+        trainable_modules=["4"],
     )
-    x = torch.randn(num_data, 5)
-    y = torch.randint(0, 3, (num_data,))
-    return model, x, y, DataLoader(TensorDataset(x, y), batch_size=20)
+    return prob.model, prob.x, prob.y, tensor_loader(prob.x, prob.y, 20)
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag"])
@@ -78,7 +74,7 @@ def test_exact_posterior_on_conjugate_core(structure: str) -> None:
     guide = LaplaceGuide(prob.model, structure=structure, prior_precision="model")
     with torch.no_grad():
         guide.loc(prob.site).copy_(prob.post_loc)
-    fit_laplace(prob.model, guide, DataLoader(TensorDataset(prob.x, prob.y), batch_size=16))
+    fit_laplace(prob.model, guide, tensor_loader(prob.x, prob.y, 16))
     q = guide.get_posterior(prob.site)
     torch.testing.assert_close(q.variance.sqrt(), prob.post_scale, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(q.mean, prob.post_loc)
@@ -185,13 +181,14 @@ def test_dict_batches_tiny_bert() -> None:
 def test_kron_laplace_over_plain_lora_factors() -> None:
     # LoRA's A and B are called as nn.Linear modules for one parameter set, so laplace-torch's
     # Kronecker backend sees their inputs (it raised KeyError on lora_A before)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-    model = FineTuneModel(
-        net, pb.models.LoRA(rank=2, target_modules=["0"]), num_data=64, trainable_modules=["2"]
+    prob = mlp_problem(
+        (6, 16, 3),
+        pb.models.LoRA(rank=2, target_modules=["0"]),
+        num_data=64,
+        seed=0,
+        trainable_modules=["2"],
     )
-    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    model, loader = prob.model, split_batches(prob.x, prob.y, 16)
     guide = LaplaceGuide(model, structure="kron")
     pb.fit(model, guide, loader, epochs=3, lr=1e-2)
     assert set(guide.sites) == {"0.lora_A", "0.lora_B"}

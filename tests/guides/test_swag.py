@@ -5,28 +5,24 @@ from __future__ import annotations
 import pyro
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
 from pyrobayes.guides import SWAGGuide
 from pyrobayes.infer.swag import SwagCollector, swag_init, swag_step
 from pyrobayes.models import FineTuneModel, LoRAXS
-from tests.common import conjugate_core
+from tests.common import conjugate_core, mlp_problem, tensor_loader
 
 
 def _two_core_model(num_data: int = 48) -> tuple[FineTuneModel, DataLoader]:
-    torch.manual_seed(1)
-    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-    model = FineTuneModel(
-        net,
+    prob = mlp_problem(
+        (6, 5, 3),
         LoRAXS(rank=2, target_modules=["0", "2"]),
         num_data=num_data,
+        seed=1,
         trainable_modules=[],
     )
-    x = torch.randn(num_data, 6)
-    y = torch.randint(0, 3, (num_data,))
-    return model, DataLoader(TensorDataset(x, y), batch_size=12)
+    return prob.model, tensor_loader(prob.x, prob.y, 12)
 
 
 def _fit_recording(model, guide, loader, epochs, lr=0.05):
