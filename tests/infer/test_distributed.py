@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pyrobayes as pb
+from tests.common import mlp, split_batches
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -71,13 +72,11 @@ def _problem(
     family: str,
 ) -> tuple[pb.models.FineTuneModel, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-    model = _adapted(net, 3, ["0", "2"], "4")
+    model = _adapted(mlp(5, 16, 16, 3), 3, ["0", "2"], "4")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(NUM_DATA, 5, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
-    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, NUM_DATA, BATCH)]
-    return model, batches
+    return model, split_batches(x, y, BATCH)
 
 
 def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:

@@ -9,17 +9,13 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from tests.common import conjugate_core
-
-
-def _data(prob, batch: int = 16):
-    return [(prob.x[i : i + batch], prob.y[i : i + batch]) for i in range(0, len(prob.x), batch)]
+from tests.common import conjugate_core, split_batches
 
 
 def test_epochs_and_steps_and_seed():
     torch.manual_seed(0)  # the cores' N(0, 1e-5²) init draws from the global RNG
     prob = conjugate_core()
-    data = _data(prob)
+    data = split_batches(prob.x, prob.y)
     g1 = pb.guides.MeanFieldGuide(prob.model)
     r1 = pb.fit(prob.model, g1, data, epochs=2, seed=3)
     assert len(r1.losses) == 2 * len(data) and r1.state["epoch"] == 2
@@ -40,7 +36,7 @@ def test_resume_continues_where_it_stopped(tmp_path, family):
     lr = 0.05 if "ivon" in family else 1e-2
     torch.manual_seed(0)
     prob = conjugate_core()
-    data = _data(prob)
+    data = split_batches(prob.x, prob.y)
     full = pb.fit(prob.model, pb.posterior(prob.model, family, **kw), data, epochs=4, seed=0, lr=lr)
     torch.manual_seed(0)
     prob_b = conjugate_core()
@@ -65,7 +61,7 @@ def test_resume_continues_where_it_stopped(tmp_path, family):
 
 def test_non_finite_loss_stops_before_update_and_keeps_checkpoint(tmp_path):
     prob = conjugate_core()
-    data = _data(prob)
+    data = split_batches(prob.x, prob.y)
     guide = pb.guides.MeanFieldGuide(prob.model)
     pb.fit(prob.model, guide, data, epochs=1, checkpoint_dir=tmp_path)
     saved = pb.io.read_header(tmp_path / "last" / "posterior.safetensors")

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from tests.common import conjugate_core
-
-
-def _data(x, y, batch: int = 16):
-    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+from tests.common import conjugate_core, split_batches
 
 
 def _fit(family: str, epochs: int = 3, lr: float = 0.05, **kw):
     torch.manual_seed(0)
     prob = conjugate_core()
     guide = pb.posterior(prob.model, family)
-    result = pb.fit(prob.model, guide, _data(prob.x, prob.y), epochs=epochs, seed=0, lr=lr, **kw)
+    result = pb.fit(
+        prob.model, guide, split_batches(prob.x, prob.y), epochs=epochs, seed=0, lr=lr, **kw
+    )
     return guide, result
 
 
@@ -77,7 +75,7 @@ def test_ivon_follows_the_schedule():
     pb.fit(
         prob.model,
         guide,
-        _data(prob.x, prob.y),
+        split_batches(prob.x, prob.y),
         epochs=3,
         seed=0,
         lr=0.05,
@@ -113,7 +111,7 @@ def test_schedule_survives_resume(tmp_path):
 def test_bad_schedules_are_named():
     prob = conjugate_core()
     guide = pb.posterior(prob.model, "map")
-    data = _data(prob.x, prob.y)
+    data = split_batches(prob.x, prob.y)
     with pytest.raises(ValueError, match="scheduler=.*'cosine', 'linear'"):
         pb.fit(prob.model, guide, data, epochs=1, scheduler="step")
     with pytest.raises(ValueError, match="number of steps"):  # no len(), no num_steps
@@ -136,7 +134,7 @@ def test_bad_schedule_leaves_a_fitted_guide_untouched():
     # the arguments are checked before fit_begin, which would reset SWAG's collected moments
     torch.manual_seed(0)
     prob = conjugate_core()
-    data = _data(prob.x, prob.y)
+    data = split_batches(prob.x, prob.y)
     swag = pb.posterior(prob.model, "swag", start_epoch=1)
     pb.fit(prob.model, swag, data, epochs=3, seed=0, lr=0.05)
     before = {k: v.clone() for k, v in swag.state_dict().items()}

@@ -7,21 +7,17 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
-from tests.common import conjugate_core
-
-
-def _data(x, y, batch: int = 16):
-    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+from tests.common import conjugate_core, mlp, mlp_problem, split_batches
 
 
 def _run(family: str, epochs: int, val: str | None, select_by: str = "nll", **kw):
     torch.manual_seed(0)
     prob = conjugate_core()
-    train = _data(prob.x, prob.y)
+    train = split_batches(prob.x, prob.y)
     if val == "train":  # the fit improves it every epoch: the last epoch is the best
         val_data = train
     elif val == "flipped":  # targets of the opposite sign: the fit worsens it every epoch
-        val_data = _data(prob.x, 2 * prob.model.net[0].base(prob.x).detach() - prob.y)
+        val_data = split_batches(prob.x, 2 * prob.model.net[0].base(prob.x).detach() - prob.y)
     else:
         val_data = None
     guide = pb.posterior(prob.model, family)
@@ -96,17 +92,17 @@ def test_selection_survives_resume(tmp_path):
 
 
 def test_point_parameters_are_restored_too():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    model = pb.models.FineTuneModel(
-        net,
+    prob = mlp_problem(
+        (4, 8, 3),
         pb.models.LoRAXS(rank=2, target_modules=["0"]),
         num_data=48,
+        seed=0,
+        activation=nn.ReLU,
         trainable_modules=["2"],
     )
-    x, y = torch.randn(48, 4), torch.randint(0, 3, (48,))
-    train = _data(x, y)
-    val = _data(x, (y + 1) % 3)  # other labels: fitting the train labels hurts these
+    model, net, x, y = prob.model, prob.model.net, prob.x, prob.y
+    train = split_batches(x, y)
+    val = split_batches(x, (y + 1) % 3)  # other labels: fitting the train labels hurts these
     head_before = net[2].weight.detach().clone()
     guide = pb.posterior(model, "map")
     result = pb.fit(
@@ -116,7 +112,7 @@ def test_point_parameters_are_restored_too():
     accuracies = [h["accuracy"] for h in result.state["validation"]]
     assert accuracies[best] == max(accuracies)
     torch.manual_seed(0)
-    net2 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    net2 = mlp(4, 8, 3, activation=nn.ReLU)
     model2 = pb.models.FineTuneModel(
         net2, pb.models.LoRAXS(rank=2, target_modules=["0"]), num_data=48, trainable_modules=["2"]
     )
@@ -129,7 +125,7 @@ def test_bad_select_by_is_named():
     torch.manual_seed(0)
     prob = conjugate_core()
     guide = pb.posterior(prob.model, "map")
-    data = _data(prob.x, prob.y)
+    data = split_batches(prob.x, prob.y)
     with pytest.raises(ValueError, match="select_by"):
         pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="f1")
     with pytest.raises(ValueError, match="classification"):
