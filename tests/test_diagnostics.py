@@ -8,16 +8,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.diagnostics.khat import Diagnostics, diagnose, khat_interpretation, khat_threshold
 from pyrobayes.diagnostics.plots import reliability_diagram
 from pyrobayes.guides import DeltaGuide, MeanFieldGuide
 from pyrobayes.metrics import calibration_error, report
-from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.models import LoRAXS
 
-from .common import conjugate_core
+from .common import conjugate_core, mlp_problem, split_batches
 
 NUM_DRAWS = 1000  # S >= 1000 for a stable k-hat (SPECS 6, step 1)
 
@@ -117,12 +116,8 @@ def test_khat_interpretation_thresholds():
 
 
 def _classifier():
-    g = torch.Generator().manual_seed(1)
-    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4))
-    x = torch.randn(60, 5, generator=g)
-    y = torch.randint(0, 4, (60,), generator=g)
-    model = FineTuneModel(net, LoRAXS(rank=2, target_modules=["0"]), num_data=60)
-    return model, [(x[:32], y[:32]), (x[32:], y[32:])], y
+    prob = mlp_problem((5, 8, 4), LoRAXS(rank=2, target_modules=["0"]), num_data=60, data_seed=1)
+    return prob.model, split_batches(prob.x, prob.y, 32), prob.y
 
 
 def test_calibration_report_of_the_same_draws():

@@ -17,7 +17,7 @@ from pyrobayes.diagnostics.plots import plot_posterior_summary
 from pyrobayes.guides import MeanFieldGuide
 from pyrobayes.models import FineTuneModel, LoRAXS
 
-from .common import conjugate_core
+from .common import conjugate_core, mlp_problem
 
 NUM_SAMPLES = 40
 NUM_DATA = 48
@@ -33,16 +33,14 @@ _FEW_DRAWS_LOO = pytest.mark.filterwarnings(
 
 def _classifier(seed: int = 0):
     """MLP 6 -> 10 -> 3 with LoRA-XS cores (rank 2) on both layers, random data, 3 classes."""
-    g = torch.Generator().manual_seed(seed)
-    net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, NUM_CLASSES))
-    x = torch.randn(NUM_DATA, 6, generator=g)
-    y = torch.randint(0, NUM_CLASSES, (NUM_DATA,), generator=g)
-    model = FineTuneModel(
-        net,
+    prob = mlp_problem(
+        (6, 10, NUM_CLASSES),
         LoRAXS(rank=2, target_modules=["0", "2"]),
         num_data=NUM_DATA,
+        data_seed=seed,
         trainable_modules=[],
     )
+    model, x, y = prob.model, prob.x, prob.y
     guide = MeanFieldGuide(model, init_scale=0.3)
     data = [(x[:20], y[:20]), (x[20:], y[20:])]
     return model, guide, data, y

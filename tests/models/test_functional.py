@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
+from tests.common import mlp
 
 
 def _mlp_model() -> pb.models.FineTuneModel:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 3))
+    net = mlp(6, 12, 12, 3, activation=nn.ReLU)
     return pb.models.FineTuneModel(
         net, pb.models.LoRAXS(rank=2, target_modules=["0", "2"]), trainable_modules=["4"]
     )
