@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import Mapping
 from operator import attrgetter
@@ -47,7 +48,22 @@ from torch.distributions import kl_divergence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PosteriorGuide", "SitewiseKL"]
+__all__ = ["PosteriorGuide", "SitewiseKL", "unique_pyro_name", "forget_pyro_params"]
+
+_INSTANCES = itertools.count()
+
+
+def unique_pyro_name(prefix: str) -> str:
+    """``"<prefix>_<n>"``, unique within the process: the param-store name of one instance."""
+    return f"{prefix}_{next(_INSTANCES)}"
+
+
+def forget_pyro_params(name: str) -> None:
+    """Drop the param store's entries under ``name.`` (the store re-adopts the module's tensors
+    on the next Pyro call)."""
+    store = pyro.get_param_store()
+    for key in [k for k in store.keys() if k.startswith(name + ".")]:
+        del store[key]
 
 
 class PosteriorGuide(AutoGuide):
@@ -100,6 +116,9 @@ class PosteriorGuide(AutoGuide):
 
     def __init__(self, model: Any, **_transitional: Any) -> None:  # TODO: drop once IVON moves
         super().__init__(model)
+        # a name of its own: Pyro's param store keys this guide's parameters by it, so another
+        # guide (of any family, on any model) can never swap its tensors into this one
+        self._pyro_name = unique_pyro_name(type(self).__name__)
         self.__dict__.setdefault("_config", {})
         self.sites: dict[str, torch.Size] = {}
         latent_sites = getattr(model, "latent_sites", None)
@@ -254,6 +273,14 @@ class PosteriorGuide(AutoGuide):
     def num_posterior_parameters(self) -> int:
         """Numbers stored to describe the posterior (the guide's state)."""
         return sum(int(t.numel()) for t in self.state_dict().values())
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # .to(device) / .double() replace the parameter objects: forget the param store's
+        # entries of this guide, so the next Pyro call adopts the new tensors instead of
+        # swapping the old ones back in
+        result = super()._apply(fn, *args, **kwargs)
+        forget_pyro_params(self._pyro_name)
+        return result
 
     def _device(self) -> torch.device:
         for t in self.state_dict().values():

@@ -13,6 +13,7 @@ adapter values are swapped into the network for the duration of one forward (as
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -57,6 +58,9 @@ def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
                 weights[f"{path}.{role}.weight"] = weight.detach().clone()
     base = net.unload()
     return base, adapter, weights
+
+
+_INSTANCES = itertools.count()
 
 
 class FineTuneModel(nn.Module):
@@ -120,6 +124,9 @@ class FineTuneModel(nn.Module):
         train_backbone_mode: bool = False,
     ) -> None:
         super().__init__()
+        # the param-store prefix of this model's point parameters: unique, so an earlier model's
+        # head in Pyro's global store is never taken for this one's
+        self._pyro_name = f"{type(self).__name__}_{next(_INSTANCES)}"
         if prior_scale <= 0:
             raise ValueError(f"Expected prior_scale > 0 but got {prior_scale}.")
         if num_data is not None and num_data < 1:
@@ -346,14 +353,23 @@ class FineTuneModel(nn.Module):
         values = {site: pyro.sample(site, self.site_prior(site)) for site in self.latent_sites}
         overrides = {}
         for name, p in self.point_params.items():
-            stored = pyro.param(name, p)
-            if stored is not p:  # the param store already held this name: it wins, as in Pyro
+            stored = pyro.param(f"{self._pyro_name}.{name}", p)
+            if stored is not p:  # the store holds this model's parameter elsewhere: it wins
                 overrides[name] = stored
         params = self.output(inputs, values, overrides)
         size = batch_size(inputs)
         num_data = self.num_data or size
         with pyro.plate("data", num_data, subsample_size=size, dim=-1):
             return pyro.sample("obs", self.likelihood.dist(params), obs=targets)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # .to(device) replaces the head's parameter objects: drop their param-store entries so
+        # the next Pyro call registers the new ones
+        result = super()._apply(fn, *args, **kwargs)
+        store = pyro.get_param_store()
+        for key in [k for k in store.keys() if k.startswith(self._pyro_name + ".")]:
+            del store[key]
+        return result
 
     def extra_repr(self) -> str:
         return (

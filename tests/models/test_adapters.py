@@ -231,9 +231,11 @@ def test_frozen_weights_never_in_param_store_and_unchanged_by_fit():
     svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), pyro.infer.Trace_ELBO())
     svi.step(batch)
     store = set(pyro.get_param_store().keys())
-    assert store == {"classifier.weight", "classifier.bias"} | {
-        f"MeanFieldGuide.{kind}.{s}" for s in model.latent_sites for kind in ("locs", "scales")
+    # each instance keys its parameters by a name of its own (never shared with another guide)
+    assert store == {f"{model._pyro_name}.classifier.{p}" for p in ("weight", "bias")} | {
+        f"{guide._pyro_name}.{kind}.{s}" for s in model.latent_sites for kind in ("locs", "scales")
     }
+    assert guide._pyro_name.startswith("MeanFieldGuide_")
     for n, p in model.net.named_parameters():
         if n in frozen_before:
             assert torch.equal(p, frozen_before[n]), n
