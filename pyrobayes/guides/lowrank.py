@@ -2,12 +2,14 @@ r"""SWAG posterior (B-LoRA-XS): a low-rank-plus-diagonal Gaussian over the conca
 
 .. math::
 
-    q(θ) = \mathcal N\big(\bar θ,\ s\,Σ_{\rm diag} + \tfrac{s}{K-1}\hat D \hat D^\top\big)
+    q(θ) = \mathcal N\big(\bar θ,\ s\,Σ_{\rm diag} + \tfrac{s}{K-1}\hat D \hat D^\top\big),
+    \qquad Σ_{\rm diag} = \max(M_2/n, 10^{-30})
 
 over ``θ = concat_l vec(R_l)`` (every site the guide covers), i.e. Pyro's
 ``LowRankMultivariateNormal(loc=θ̄, cov_factor=sqrt(s/(K−1))·D̂, cov_diag=s·Σ_diag)``. The moments
 come from the SGD/Adam iterates of the MAP objective (collected by
-:class:`pyrobayes.infer.swag.SWAGFitter`).
+:class:`pyrobayes.infer.swag.SWAGFitter`); ``M_2 = Σ_i (θ_i − θ̄)²`` is kept by Welford's (1962)
+running update.
 """
 
 from __future__ import annotations
@@ -37,14 +39,17 @@ class SwagState(NamedTuple):
 
     - **num_collected** - ``Tensor ()`` long: n, iterates collected so far.
     - **mean** - ``Tensor (d,)``: θ̄.
-    - **sq_mean** - ``Tensor (d,)``: θ²̄.
+    - **m2** - ``Tensor (d,)``: ``M_2 = Σ_i (θ_i − θ̄)²``, the sum of squared deviations from
+      the mean, kept by Welford's (1962) update (:func:`pyrobayes.infer.swag.swag_step`).
     - **deviations** - ``Tensor (K, d)``: the last ``min(n, K)`` deviations in the *last* rows,
       oldest first (unfilled rows are zero).
+
+    The raw second moment ``θ²̄ = M_2/n + θ̄²`` is the derived :attr:`sq_mean`.
     """
 
     num_collected: Tensor
     mean: Tensor
-    sq_mean: Tensor
+    m2: Tensor
     deviations: Tensor
 
     @property
@@ -59,8 +64,15 @@ class SwagState(NamedTuple):
 
     @property
     def diag_variance(self) -> Tensor:
-        """``Σ_diag = max(θ²̄ − θ̄², 1e-30)`` `(d,)`."""
-        return (self.sq_mean - self.mean.square()).clamp_min(VAR_FLOOR)
+        """``Σ_diag = max(M_2/n, 1e-30)`` `(d,)` (``= max(θ²̄ − θ̄², 1e-30)`` in exact arithmetic)."""
+        n = self.num_collected.clamp_min(1).to(self.m2.dtype)
+        return (self.m2 / n).clamp_min(VAR_FLOOR)
+
+    @property
+    def sq_mean(self) -> Tensor:
+        """``θ²̄ = M_2/n + θ̄²`` `(d,)`, the raw second moment (zero before any collection)."""
+        n = self.num_collected.clamp_min(1).to(self.m2.dtype)
+        return self.m2 / n + self.mean.square()
 
     @property
     def deviation_matrix(self) -> Tensor:
@@ -90,7 +102,7 @@ class SWAGGuide(PosteriorGuide):
     .. math::
 
         q(θ) = \mathcal N\big(\bar θ,\ s\,Σ_{\rm diag} + s\,\hat D\hat D^\top/(K-1)\big),
-        \quad Σ_{\rm diag} = \max(\overline{θ^2} - \bar θ^2, 10^{-30})
+        \quad Σ_{\rm diag} = \max(M_2/n, 10^{-30}),\quad M_2 = \textstyle\sum_i (θ_i - \bar θ)^2
 
     Fitted by :class:`~pyrobayes.infer.swag.SWAGFitter` (what ``pyrobayes.fit`` uses): it
     optimises the MAP objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's iterate
@@ -121,6 +133,15 @@ class SWAGGuide(PosteriorGuide):
     optimizer : {"adam", "sgd"}
         The default optimizer :func:`pyrobayes.fit` uses (another one can be passed to ``fit``;
         then neither SWALR nor step-wise collection is available).
+
+    Notes
+    -----
+    ``state_dict`` keys (besides the iterate ``locs.*``): ``swag_num_collected`` (n, long),
+    ``swag_mean`` (θ̄ `(d,)`), ``swag_m2`` (``M_2`` `(d,)`, Welford's sum of squared deviations),
+    ``swag_deviations`` (``D̂ᵀ`` `(K, d)`, oldest first) and ``swag_fitted`` (bool). Files saved
+    before ``swag_m2`` hold the raw second moment ``swag_sq_mean`` (θ²̄) instead; loading converts
+    it to ``M_2 = n·max(θ²̄ − θ̄², 0)``, which reproduces the old ``Σ_diag`` (with the old
+    rounding: the cancellation already happened when that file was written).
 
     Examples
     --------
@@ -179,7 +200,7 @@ class SWAGGuide(PosteriorGuide):
         dtype, device = ref.dtype, ref.device
         self.register_buffer("swag_num_collected", torch.zeros((), dtype=torch.long))
         self.register_buffer("swag_mean", torch.zeros(dim, dtype=dtype, device=device))
-        self.register_buffer("swag_sq_mean", torch.zeros(dim, dtype=dtype, device=device))
+        self.register_buffer("swag_m2", torch.zeros(dim, dtype=dtype, device=device))
         self.register_buffer(
             "swag_deviations", torch.zeros(self.rank, dim, dtype=dtype, device=device)
         )
@@ -195,7 +216,7 @@ class SWAGGuide(PosteriorGuide):
     def state(self) -> SwagState:
         """The collected moments as a :class:`SwagState`."""
         return SwagState(
-            self.swag_num_collected, self.swag_mean, self.swag_sq_mean, self.swag_deviations
+            self.swag_num_collected, self.swag_mean, self.swag_m2, self.swag_deviations
         )
 
     def set_state(self, state: SwagState) -> None:
@@ -203,8 +224,31 @@ class SWAGGuide(PosteriorGuide):
         with torch.no_grad():
             self.swag_num_collected.copy_(state.num_collected)
             self.swag_mean.copy_(state.mean)
-            self.swag_sq_mean.copy_(state.sq_mean)
+            self.swag_m2.copy_(state.m2)
             self.swag_deviations.copy_(state.deviations)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # files written before Welford's update hold the raw second moment θ²̄: M_2 = n (θ²̄ − θ̄²)
+        old, new = prefix + "swag_sq_mean", prefix + "swag_m2"
+        if old in state_dict and new not in state_dict:
+            mean = state_dict.get(prefix + "swag_mean")
+            count = state_dict.get(prefix + "swag_num_collected")
+            if mean is not None and count is not None:  # else the strict check reports them
+                sq_mean = state_dict.pop(old)
+                n = torch.as_tensor(count).to(sq_mean.dtype)
+                state_dict[new] = n * (sq_mean - mean.to(sq_mean).square()).clamp_min(0.0)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     @property
     def is_fitted(self) -> bool:
@@ -221,7 +265,7 @@ class SWAGGuide(PosteriorGuide):
     def reset(self) -> None:
         """Forget the collected moments (the guide becomes unfitted)."""
         with torch.no_grad():
-            for buf in (self.swag_mean, self.swag_sq_mean, self.swag_deviations):
+            for buf in (self.swag_mean, self.swag_m2, self.swag_deviations):
                 buf.zero_()
             self.swag_num_collected.zero_()
             self.swag_fitted.fill_(False)

@@ -1,21 +1,33 @@
 r"""SWAG moment collection (Maddox et al., 2019) as an explicit ``init`` / ``step`` state.
 
-After each collection ``n ← n + 1`` and
+The moments are kept by Welford's (1962) running update: after each collection ``n ← n + 1`` and
 
 .. math::
 
-    \bar θ \leftarrow \bar θ + (θ - \bar θ)/n,\qquad
-    \overline{θ^2} \leftarrow \overline{θ^2} + (θ^2 - \overline{θ^2})/n,\qquad
+    δ = θ - \bar θ_{\rm old},\qquad
+    \bar θ \leftarrow \bar θ_{\rm old} + δ/n,\qquad
+    M_2 \leftarrow M_2 + δ\,(θ - \bar θ),\qquad
     \hat D \leftarrow [\hat D,\ θ - \bar θ]_{\text{last } K}
+
+so ``M_2 = Σ_i (θ_i − θ̄_n)²`` is the sum of squared deviations from the current mean. Unlike the
+raw second moment ``θ²̄`` (the variance as ``θ²̄ − θ̄²``), it does not cancel when ``|θ̄| ≫ sd``: in
+float32 at ``|θ̄|/sd = 1000`` the raw-moment variance is wrong by order one, Welford's by ~1e-4.
+In exact arithmetic both give the same ``M_2/n = θ²̄ − θ̄²``.
 
 The deviation is taken against the running mean *at collection time* (as in Maddox's code), not
 the final mean. The posterior built from the state
 (:func:`pyrobayes.guides.lowrank.swag_posterior`) is ``N(θ̄, s·(Σ_diag + D̂ D̂ᵀ/(K−1)))`` with
-``Σ_diag = max(θ²̄ − θ̄², 1e-30)`` and ``K`` the number of stored deviations; ``s = 0.5`` is
+``Σ_diag = max(M_2/n, 1e-30)`` and ``K`` the number of stored deviations; ``s = 0.5`` is
 Maddox's ½.
 
 :class:`SWAGFitter` trains the guide's iterate with the MAP objective and collects it on the
 schedule the :class:`~pyrobayes.guides.SWAGGuide` declares.
+
+References
+----------
+B. P. Welford, "Note on a method for calculating corrected sums of squares and products",
+Technometrics 4(3), 1962.
+W. J. Maddox et al., "A simple baseline for Bayesian uncertainty in deep learning", NeurIPS 2019.
 """
 
 from __future__ import annotations
@@ -60,16 +72,22 @@ def swag_init(
 
 
 def swag_step(state: SwagState, theta: Tensor) -> SwagState:
-    """Collect one iterate ``theta`` `(d,)`; returns the new state (the old one is unchanged)."""
+    r"""Collect one iterate ``theta`` `(d,)`; returns the new state (the old one is unchanged).
+
+    Welford's update: ``δ = θ − θ̄``, ``θ̄ ← θ̄ + δ/n``, ``M_2 ← M_2 + δ (θ − θ̄)`` (new ``θ̄``), and
+    the deviation ``θ − θ̄`` (new ``θ̄``) enters ``D̂``.
+    """
     theta = theta.detach().reshape(-1).to(state.mean)
     if theta.shape != state.mean.shape:
         raise ValueError(f"Expected an iterate of shape {tuple(state.mean.shape)}.")
     n = state.num_collected + 1
     w = 1.0 / n.to(state.mean.dtype)
-    mean = state.mean + (theta - state.mean) * w
-    sq_mean = state.sq_mean + (theta.square() - state.sq_mean) * w
-    deviations = torch.cat([state.deviations[1:], (theta - mean).unsqueeze(0)], 0)
-    return SwagState(n, mean, sq_mean, deviations)
+    delta = theta - state.mean
+    mean = state.mean + delta * w
+    deviation = theta - mean
+    m2 = state.m2 + delta * deviation
+    deviations = torch.cat([state.deviations[1:], deviation.unsqueeze(0)], 0)
+    return SwagState(n, mean, m2, deviations)
 
 
 class SwagCollector:
@@ -106,6 +124,10 @@ class SWAGFitter(Fitter):
 
     def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
         super().__init__(model, guide, **kwargs)
+        self._refuse_variational(
+            "SWAG's posterior is built from the MAP trajectory of its point, not fitted by an "
+            "ELBO (its q does not exist until the moments are collected)."
+        )
         self._default_optim = kwargs.get("optimizer") is None
         self._swalr: Any = None
         self.epochs_done = 0

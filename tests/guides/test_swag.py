@@ -53,6 +53,95 @@ def test_collector_functional_state() -> None:
     assert c.state.deviation_matrix.shape == (3, 2)
 
 
+def _raw_moments(iterates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The former collection: running θ̄ and raw θ²̄, ``Σ_diag = max(θ²̄ − θ̄², 1e-30)``."""
+    mean = torch.zeros_like(iterates[0])
+    sq_mean = torch.zeros_like(iterates[0])
+    for i, theta in enumerate(iterates):
+        w = 1.0 / (i + 1)
+        mean = mean + (theta - mean) * w
+        sq_mean = sq_mean + (theta.square() - sq_mean) * w
+    return mean, sq_mean, (sq_mean - mean.square()).clamp_min(1e-30)
+
+
+def test_welford_equals_raw_moments_in_float64() -> None:
+    """Welford's M_2/n is the former θ²̄ − θ̄² in float64; θ̄ and D̂ are unchanged bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    d, rank, n = 50, 4, 300
+    # |θ̄|/sd ≤ ~6: the raw-moment formula's own float64 rounding (~eps·(θ̄/sd)²) stays ≪ 1e-12
+    loc = torch.randn(d, generator=g, dtype=torch.float64)
+    sd = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
+    iterates = loc + sd * torch.randn(n, d, generator=g, dtype=torch.float64)
+    state = swag_init(d, rank, dtype=torch.float64)
+    for theta in iterates:
+        state = swag_step(state, theta)
+    mean, sq_mean, diag = _raw_moments(iterates)
+    assert torch.equal(state.mean, mean)
+    torch.testing.assert_close(state.diag_variance, diag, rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(state.sq_mean, sq_mean, rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(state.m2, n * iterates.var(0, unbiased=False), rtol=1e-12, atol=0.0)
+    # deviations against the running mean at collection time, as before
+    running = torch.stack([iterates[: i + 1].mean(0) for i in range(n - rank, n)])
+    torch.testing.assert_close(state.deviation_matrix.T, iterates[n - rank :] - running)
+
+
+def test_float32_variance_far_from_zero() -> None:
+    """|θ̄|/sd = 1000 in float32: Welford's variance is within 1% of float64; θ²̄ − θ̄² is not."""
+    g = torch.Generator().manual_seed(1)
+    d, n = 500, 256
+    sd = torch.exp(torch.randn(d, generator=g, dtype=torch.float64))  # sd over ~e^±3
+    sign = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    iterates = (
+        1000.0 * sd * sign + sd * torch.randn(n, d, generator=g, dtype=torch.float64)
+    ).float()
+    exact = iterates.double().var(0, unbiased=False)  # the float32 iterates' variance, in float64
+    state = swag_init(d, 2, dtype=torch.float32)
+    for theta in iterates:
+        state = swag_step(state, theta)
+    new_err = ((state.diag_variance.double() - exact).abs() / exact).max()
+    assert new_err < 0.01  # measured: 1.2e-4 (median 1.1e-5)
+    # the former raw-moment formula in float32 cancels: order-one errors, some variances floored
+    _, _, old = _raw_moments(iterates)
+    old_err = (old.double() - exact).abs() / exact
+    assert old_err.max() > 0.5 and old_err.median() > 0.1  # measured: max 2.3, median 0.32
+    assert (old <= 1e-29).any()  # measured: 3.8% of the variances collapse to the 1e-30 floor
+    torch.testing.assert_close(state.mean.double(), iterates.double().mean(0), rtol=1e-6, atol=0.0)
+
+
+def test_load_state_saved_with_raw_second_moment(tmp_path) -> None:
+    """Files from before Welford's update hold ``swag_sq_mean``; loading converts it to M_2."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model, loader = _two_core_model()
+    guide = SWAGGuide(model, rank=3, start_epoch=1)
+    iterates, _ = _fit_recording(model, guide, loader, epochs=6, lr=0.05)
+    collected = iterates[len(loader) - 1 :: len(loader)][1:]  # epoch ends 2..6
+    assert int(guide.swag_num_collected) == collected.shape[0] == 5
+    mean, sq_mean, old_diag = _raw_moments(collected)
+    path = pb.save(guide, tmp_path / "new.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = f.metadata()
+    assert "guide.swag_m2" in tensors and "guide.swag_sq_mean" not in tensors
+    del tensors["guide.swag_m2"]
+    tensors["guide.swag_mean"], tensors["guide.swag_sq_mean"] = mean, sq_mean  # the old layout
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta)
+    loaded = pb.load(tmp_path / "old.safetensors", model)
+    assert "swag_m2" in loaded.state_dict() and "swag_sq_mean" not in loaded.state_dict()
+    torch.testing.assert_close(loaded.state.diag_variance, old_diag, rtol=1e-14, atol=0.0)
+    torch.testing.assert_close(loaded.state.diag_variance, guide.state.diag_variance)
+    torch.testing.assert_close(
+        loaded.posterior().covariance_matrix, guide.posterior().covariance_matrix
+    )
+    # an in-memory state dict of the old layout converts the same way (strict load)
+    state = {k: v for k, v in guide.state_dict().items() if k != "swag_m2"}
+    state["swag_sq_mean"] = sq_mean
+    fresh = SWAGGuide(model, rank=3, start_epoch=1)
+    fresh.load_state_dict(state, strict=True)
+    torch.testing.assert_close(fresh.swag_m2, guide.swag_m2, rtol=1e-12, atol=1e-15)
+
+
 def test_moments_match_stored_iterates() -> None:
     """SPECS 2(d) 4: constant-lr SGD on the linear-Gaussian core problem; steps collected."""
     prob = conjugate_core(num_data=64)
