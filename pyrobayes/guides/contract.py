@@ -137,11 +137,14 @@ class PostHoc(Protocol):
 @runtime_checkable
 class OnlineNewton(Protocol):
     r"""A Gaussian ``N(m, [λ(H + δ)]^{-1})`` whose mean ``m`` and curvature ``H`` a variational
-    online Newton fitter updates (Shen et al., 2024).
+    online Newton fitter updates (IVON, Shen et al., 2024; Kronecker IVON with ``H = A ⊗ G`` per
+    weight, as Noisy K-FAC, Zhang et al., 2018).
 
-    The guide owns ``m`` (trainable parameters), the curvature (buffers) and the map from
-    standard-normal noise to ``θ − m``; the fitter owns the gradient and curvature statistics,
-    the momentum and the update.
+    The guide owns ``m`` (trainable parameters), the curvature (buffers: the diagonal ``h``, or
+    the Kronecker factors and their eigendecompositions) and the map from standard-normal noise
+    to ``θ − m``; the fitter (:mod:`pyrobayes.infer.ivon`, :mod:`pyrobayes.infer.kron`) owns the
+    gradient and curvature statistics, the momentum and the update, and writes ``m`` and the
+    curvature in place.
 
     Attributes
     ----------
@@ -149,13 +152,25 @@ class OnlineNewton(Protocol):
         λ, the effective sample size.
     weight_decay : float
         δ, the prior precision per unit ``ess``.
+    mc_samples : int
+        S, the draws per step.
+    lr : float or None
+        α; when set it overrides the learning rate the fitter is given.
     hyper : dict
         The fitter's hyperparameters as the guide was built with them.
+    state_dtype : torch.dtype
+        The dtype of ``m`` and the curvature (float32 for half-precision weights).
+    param_dtype : dict
+        The weight dtype per site (draws are cast to it).
     """
 
     ess: float
     weight_decay: float
+    mc_samples: int
+    lr: float | None
     hyper: dict[str, Any]
+    state_dtype: torch.dtype
+    param_dtype: dict[str, torch.dtype]
 
     def loc_param(self, site: str) -> Tensor:
         """The trainable tensor holding ``m`` at ``site``."""
@@ -163,4 +178,16 @@ class OnlineNewton(Protocol):
 
     def hess(self, site: str) -> Tensor:
         """The diagonal curvature ``h`` at a diagonal ``site`` (a buffer, updated in place)."""
+        ...
+
+    def is_kron(self, site: str) -> bool:
+        """Whether ``site``'s curvature is Kronecker-factored (else diagonal)."""
+        ...
+
+    def tensors(self) -> tuple[list[Tensor], list[Tensor | None]]:
+        """``m`` and ``h`` (``None`` at a Kronecker site) of every site, in site order."""
+        ...
+
+    def perturbation(self, eps: Tensor) -> Tensor:
+        """``θ − m`` for standard-normal ``eps`` `(S, T)` over all sites laid flat."""
         ...

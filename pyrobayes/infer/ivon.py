@@ -1,124 +1,90 @@
-r"""Variational online Newton updates: diagonal IVON and Kronecker IVON (SPECS 5, 5b).
+r"""IVON, improved variational online Newton (Shen et al., 2024), as a :class:`Fitter`.
 
-The updates are written twice over:
+Shen et al., 2024, "Variational Learning is Effective for Large Deep Networks" (ICML),
+Algorithm 1: with ``θ_s = m + σ ε_s``, ``σ = (λ(h+δ))^{-1/2}`` and ``ℓ̄`` the **per-example
+mean** minibatch NLL (the prior enters through δ only, never through the loss)
 
-* as **pure functions on explicit state** (``ivon_init`` / ``ivon_step`` for the diagonal family,
-  ``kron_init`` / ``kron_factor_update`` / ``kron_step`` for the Kronecker family), which tests and
-  other fitters can call directly, and
-* as :class:`IVONOptimizer`, a ``torch.optim.Optimizer`` with ``needs_closure = True`` that
-  :func:`pyrobayes.fit` drives. It asks the guide (an :class:`~pyrobayes.guides.IVONGuide` or
-  :class:`~pyrobayes.guides.KroneckerIVONGuide`) for the noise it used to sample θ and for the
-  curvature statistics its hooks recorded, then applies the updates.
+.. math::
+    ĝ = \tfrac1S Σ_s ∇ℓ̄(θ_s),\quad ĥ = \tfrac1S Σ_s ∇ℓ̄(θ_s) ⊙ (θ_s − m)\, λ(h+δ),\quad
+    g ← β_1 g + (1−β_1) ĝ,\quad h ← β_2 h + (1−β_2) ĥ + \tfrac12 (1−β_2)^2 \tfrac{(h−ĥ)^2}{h+δ},
 
-Loss convention (SPECS §7 rule 4): every gradient here is the gradient of the **per-example
-mean** minibatch data NLL ``lhat(θ) = (1/B) Σ_b −log p(y_b | x_b, θ)``, as in IVON. The prior
-enters only through the weight decay ``δ`` (prior precision per unit ``ess``), never through
-the loss: adding a prior term on top would count it twice.
+    m ← m − α (h_0+δ)\, \operatorname{clip}\Big(\frac{g/(1−β_1^t) + δ (m − μ_0)}{h+δ},\ ±r\Big)
 
-Diagonal update (Algorithm 1 of Shen et al., 2024), with ``θ_s = m + σ ε_s``,
-``σ = 1/sqrt(λ(h+δ))``::
-
-    ĝ = mean_s ∇lhat(θ_s)
-    ĥ = mean_s ∇lhat(θ_s) ⊙ (θ_s − m) ⊙ λ(h+δ)        ("price")   or  λ mean_s ∇lhat(θ_s)² ("gradsq")
-    g ← β1 g + (1−β1) ĝ
-    h ← β2 h + (1−β2) ĥ + ½(1−β2)² (h−ĥ)² / (h+δ)
-    m ← m − α (h0+δ) clip((g/(1−β1^t) + δ m)/(h+δ), −r, r)
+(``hess_approx="gradsq"``: ``ĥ = λ mean_s ∇ℓ̄(θ_s)²``). :class:`IVONOptimizer` keeps ``m``,
+``h`` and ``g`` as single flat vectors over the guide's sites and the model's point parameters
+(ivon-opt style) and applies the update in place (:func:`ivon_step_`); :class:`IVONFitter` is
+the ``"ivon"`` fitter. The Kronecker sites of a
+:class:`~pyrobayes.guides.KroneckerIVONGuide` are :mod:`pyrobayes.infer.kron`'s.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..batch import batch_size
 from .distributed import all_reduce_mean_, world
+from .fitter import Fitter, register_fitter
+from .objectives import split_training_batch
 
-__all__ = [
-    "IVONState",
-    "ivon_init",
-    "price_hessian",
-    "gradsq_hessian",
-    "ivon_hess_update",
-    "ivon_step",
-    "ivon_step_",
-    "KronState",
-    "kron_init",
-    "kron_factor_update",
-    "eigh_factor",
-    "kron_precondition",
-    "kron_step",
-    "kron_step_",
-    "all_reduce_mean_",
-    "state_dtype_for",
-    "IVONOptimizer",
-]
+__all__ = ["IVONLoss", "IVONOptimizer", "IVONFitter", "ivon_step_", "mean_step_"]
 
 
-# --------------------------------------------------------------------------- helpers
-def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Statistics dtype for weights of ``dtype``: float32 for half/bfloat16, else ``dtype``."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+class IVONLoss:
+    r"""IVON's training objective: the per-example mean data NLL at ``S`` sampled θ.
 
+    .. math:: \hat\ell = \frac{1}{S}\sum_{s=1}^S \frac1B \sum_{b=1}^B -\log p(y_b\mid x_b, θ_s),
+              \qquad θ_s = m + σ ε_s
 
-# --------------------------------------------------------------------------- diagonal IVON
-class IVONState(NamedTuple):
-    """Diagonal IVON state for one tensor: ``momentum`` g, Hessian estimate ``hess`` h, ``step`` t."""
-
-    momentum: Tensor
-    hess: Tensor
-    step: int
-
-
-def ivon_init(param: Tensor, hess_init: float = 1.0, dtype: torch.dtype | None = None) -> IVONState:
-    """``g = 0``, ``h = h0``, ``t = 0`` in ``dtype`` (default: :func:`state_dtype_for` the param)."""
-    if hess_init <= 0:
-        raise ValueError(f"Expected hess_init > 0 but got {hess_init}.")
-    dtype = dtype or state_dtype_for(param.dtype)
-    zeros = torch.zeros(param.shape, dtype=dtype, device=param.device)
-    return IVONState(zeros, torch.full_like(zeros, float(hess_init)), 0)
-
-
-def price_hessian(
-    grads: Tensor, noise: Tensor, hess: Tensor, ess: float, weight_decay: float | Tensor
-) -> Tensor:
-    r"""Reparameterization (Price / Stein) estimate ``ĥ = mean_s ĝ_s ⊙ (θ_s − m) ⊙ λ(h+δ)``.
+    No prior and no entropy term: they enter through ``weight_decay`` δ and the update (adding
+    them here would count the prior twice). Per-example **mean**, not the dataset sum of Pyro's
+    ELBOs, so ``pyrobayes.fit(...).losses`` holds mean NLLs. All ``S`` samples run in one
+    batched forward. Inside an :class:`IVONFitter` the fitter draws θ (``sampler``); elsewhere
+    the guide's ``rsample`` does.
 
     Parameters
     ----------
-    grads : Tensor `(S, *shape)`
-        Per-sample gradients ``ĝ_s = ∇lhat(θ_s)``.
-    noise : Tensor `(S, *shape)`
-        The perturbations ``θ_s − m = σ ε_s``.
-    hess : Tensor `(*shape)`
-        The current ``h`` (before this step's update).
+    mc_samples : int, optional
+        ``S``; defaults to the guide's ``mc_samples``.
     """
-    return (grads * noise).mean(0) * (hess + weight_decay) * ess
+
+    def __init__(self, mc_samples: int | None = None) -> None:
+        if mc_samples is not None and mc_samples < 1:
+            raise ValueError(f"Expected mc_samples >= 1 but got {mc_samples}.")
+        self.mc_samples = mc_samples
+        self.sampler: IVONOptimizer | None = None
+
+    def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
+        num = self.mc_samples if self.mc_samples else int(getattr(guide, "mc_samples", 1))
+        inputs, targets = split_training_batch(model, batch)
+        sampler = self.sampler
+        values = guide.rsample(num) if sampler is None else sampler.training_sample(num, inputs)
+        params = model.batched_output(inputs, values)  # (S, B, ...)
+        nll = per_example_nll(model, params, targets, num, batch_size(inputs))
+        if sampler is not None and sampler.curvature is not None:
+            sampler.curvature.passes(model, params, targets)
+        return nll.mean()
 
 
-def gradsq_hessian(grads: Tensor, ess: float) -> Tensor:
-    r"""Squared-gradient estimate ``ĥ = λ mean_s ĝ_s²``; ``grads`` is `(S, *shape)`."""
-    return grads.square().mean(0) * ess
+def per_example_nll(model: Any, params: Tensor, targets: Tensor, num: int, size: int) -> Tensor:
+    """``−log p(y_b | θ_s)`` summed over any per-example trailing dims → ``(S, B)``."""
+    log_lik = model.log_likelihood(params, targets)
+    if log_lik.shape != (num, size):
+        log_lik = log_lik.reshape(num, size, -1).sum(-1)
+    return -log_lik
 
 
-def ivon_hess_update(
-    hess: Tensor, hess_hat: Tensor, beta2: float, weight_decay: float | Tensor
-) -> Tensor:
-    r"""``h ← β2 h + (1−β2) ĥ + ½(1−β2)² (h−ĥ)²/(h+δ)`` (keeps ``h + δ > 0``)."""
-    return (
-        beta2 * hess
-        + (1.0 - beta2) * hess_hat
-        + 0.5 * (1.0 - beta2) ** 2 * (hess - hess_hat).square() / (hess + weight_decay)
-    )
-
-
-def _mean_step(
+def mean_step_(
     m: Tensor,
-    precondition: Callable[[Tensor], Tensor],
     momentum: Tensor,
+    grad: Tensor,
     step: int,
+    precondition_: Callable[[Tensor], Tensor],
     *,
     lr: float,
     hess_init: float,
@@ -128,58 +94,29 @@ def _mean_step(
     debias: bool,
     rescale_lr: bool,
     prior_loc: Tensor | None = None,
-) -> Tensor:
-    debiased = momentum / (1.0 - math.pow(beta1, step)) if debias else momentum
-    centred = m if prior_loc is None else m - prior_loc
-    direction = precondition(debiased + weight_decay * centred)
-    if math.isfinite(clip_radius):
-        direction = direction.clamp(-clip_radius, clip_radius)
-    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
-    return m - scale * direction
+) -> None:
+    r"""In place: ``g ← β1 g + (1−β1) ĝ``, then
+    ``m ← m − α(h0+δ) clip(P(g/(1−β1ᵗ) + δ(m − μ0)), ±r)`` with ``t = step + 1``.
 
-
-def ivon_step(
-    m: Tensor,
-    state: IVONState,
-    grad: Tensor,
-    hess_hat: Tensor,
-    *,
-    lr: float,
-    hess_init: float = 1.0,
-    beta1: float = 0.9,
-    beta2: float = 0.99999,
-    weight_decay: float | Tensor = 1e-4,
-    clip_radius: float = math.inf,
-    debias: bool = True,
-    rescale_lr: bool = True,
-    prior_loc: Tensor | None = None,
-) -> tuple[Tensor, IVONState]:
-    """One step of Algorithm 1 given ``ĝ`` (``grad``, the sample mean) and ``ĥ``.
-
-    ``prior_loc`` (default 0) is the prior mean ``μ0`` the decay pulls towards: the step uses
-    ``δ (m − μ0)`` in place of ``δ m`` (``h`` and ``σ`` do not depend on it).
-    Returns the new mean (in the state's dtype) and the new state; nothing is modified in place.
+    ``P`` is linear (``1/(h+δ)`` for IVON, the damped Kronecker inverse for Kronecker IVON) and
+    may work in place on its argument; the debiasing is folded into the step size and the clip
+    radius. ``weight_decay`` may be a tensor (one δ per entry); ``prior_loc`` μ0 defaults to 0.
     """
-    dtype = state.hess.dtype
-    m = m.to(dtype)
-    t = state.step + 1
-    momentum = beta1 * state.momentum + (1.0 - beta1) * grad.to(dtype)
-    hess = ivon_hess_update(state.hess, hess_hat.to(dtype), beta2, weight_decay)
-    new_m = _mean_step(
-        m,
-        lambda d: d / (hess + weight_decay),
-        momentum,
-        t,
-        lr=lr,
-        hess_init=hess_init,
-        beta1=beta1,
-        weight_decay=weight_decay,
-        clip_radius=clip_radius,
-        debias=debias,
-        rescale_lr=rescale_lr,
-        prior_loc=None if prior_loc is None else prior_loc.to(dtype),
-    )
-    return new_m, IVONState(momentum, hess, t)
+    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
+    centred = m if prior_loc is None else torch.sub(m, prior_loc)
+    if isinstance(weight_decay, Tensor):
+        direction = precondition_(torch.addcmul(momentum, centred, weight_decay, value=bias))
+    else:
+        direction = precondition_(torch.add(momentum, centred, alpha=weight_decay * bias))
+    if math.isfinite(clip_radius):  # clip(d/bias, ±r) = clip(d, ±r·bias)/bias
+        direction.clamp_(-clip_radius * bias, clip_radius * bias)
+    if not rescale_lr:
+        m.sub_(direction, alpha=lr / bias)
+    elif isinstance(weight_decay, Tensor):
+        m.sub_(direction.mul_((weight_decay + hess_init).mul_(lr / bias)))
+    else:
+        m.sub_(direction, alpha=lr * (hess_init + weight_decay) / bias)
 
 
 def ivon_step_(
@@ -200,16 +137,16 @@ def ivon_step_(
     rescale_lr: bool = True,
     prior_loc: Tensor | None = None,
 ) -> None:
-    """:func:`ivon_step` in place on same-dtype state tensors ``m``, ``momentum``, ``hess``.
+    r"""One step of Algorithm 1 in place on same-dtype ``m``, ``momentum`` and ``hess``.
 
-    The optimizer's fast path over its persistent flat vectors: the same recurrence with a third
-    of the temporaries (equal to :func:`ivon_step` up to rounding; tested).
+    ``h ← β2 h + (1−β2) ĥ + ½(1−β2)² (h−ĥ)²/(h+δ)`` (which keeps ``h + δ > 0``), then
+    :func:`mean_step_` with ``P = 1/(h+δ)`` at the new ``h``. ``grad`` is ``ĝ`` (the sample
+    mean), ``step`` the number of steps taken before this one.
     """
     correction = (hess - hess_hat).square_().div_(hess + weight_decay)
-    hess.mul_(beta2).add_(hess_hat, alpha=1.0 - beta2).add_(
-        correction, alpha=0.5 * (1.0 - beta2) ** 2
-    )
-    _mean_step_(
+    hess.mul_(beta2).add_(hess_hat, alpha=1.0 - beta2)
+    hess.add_(correction, alpha=0.5 * (1.0 - beta2) ** 2)
+    mean_step_(
         m,
         momentum,
         grad,
@@ -226,314 +163,184 @@ def ivon_step_(
     )
 
 
-def _mean_step_(
-    m: Tensor,
-    momentum: Tensor,
-    grad: Tensor,
-    step: int,
-    precondition_: Callable[[Tensor], Tensor],
-    *,
-    lr: float,
-    hess_init: float,
-    beta1: float,
-    weight_decay: float | Tensor,
-    clip_radius: float,
-    debias: bool,
-    rescale_lr: bool,
-    prior_loc: Tensor | None = None,
-) -> None:
-    """In place: momentum, then ``m ← m − α(h0+δ) clip(P(ḡ/(1−β1ᵗ) + δ(m−μ0)))``, ``P`` linear.
-
-    ``P`` is applied to ``momentum + (1−β1ᵗ) δ (m − μ0)`` (it may work in place on that
-    temporary) and the debiasing is folded into the step size and the clip radius. ``μ0`` is
-    ``prior_loc`` (default 0).
-    """
-    momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-    bias = 1.0 - math.pow(beta1, step + 1) if debias else 1.0
-    centred = m if prior_loc is None else torch.sub(m, prior_loc)
-    if isinstance(weight_decay, Tensor):  # one δ per entry
-        direction = precondition_(torch.addcmul(momentum, centred, weight_decay, value=bias))
-    else:
-        direction = precondition_(torch.add(momentum, centred, alpha=weight_decay * bias))
-    if math.isfinite(clip_radius):  # clip(direction/bias) = clip(direction, c·bias)/bias
-        direction.clamp_(-clip_radius * bias, clip_radius * bias)
-    if rescale_lr and isinstance(weight_decay, Tensor):
-        m.sub_(direction.mul_((weight_decay + hess_init).mul_(lr / bias)))
-        return
-    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
-    m.sub_(direction, alpha=scale / bias)
-
-
-# --------------------------------------------------------------------------- Kronecker IVON
-class KronState(NamedTuple):
-    r"""Kronecker IVON state for one ``(d_out, d_in)`` weight.
-
-    ``A`` `(d_in, d_in)` and ``G`` `(d_out, d_out)` are the factor EMAs; the curvature of the
-    mean loss is approximated by ``A ⊗ G`` (column-stacking vec), i.e. ``G ⊗ A`` over
-    ``W.reshape(-1)``.
-    """
-
-    momentum: Tensor
-    A: Tensor
-    G: Tensor
-    step: int
-
-
-def kron_init(
-    shape: Sequence[int],
-    hess_init: float = 1.0,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> KronState:
-    """``A = G = sqrt(h0) I`` so that ``A ⊗ G = h0 I`` (SPECS 5b.2 defaults); momentum 0."""
-    if hess_init <= 0:
-        raise ValueError(f"Expected hess_init > 0 but got {hess_init}.")
-    d_out, d_in = int(shape[0]), int(shape[1])
-    root = math.sqrt(hess_init)
-    eye = torch.eye
-    return KronState(
-        torch.zeros(d_out, d_in, dtype=dtype, device=device),
-        root * eye(d_in, dtype=dtype, device=device),
-        root * eye(d_out, dtype=dtype, device=device),
-        0,
-    )
-
-
-def kron_factor_update(
-    A: Tensor, G: Tensor, A_hat: Tensor, G_hat: Tensor, beta2: float
-) -> tuple[Tensor, Tensor]:
-    """``A ← β2 A + (1−β2) Â``, ``G ← β2 G + (1−β2) Ĝ`` (PSD-preserving, no correction term)."""
-    return beta2 * A + (1.0 - beta2) * A_hat.to(A.dtype), beta2 * G + (1.0 - beta2) * G_hat.to(
-        G.dtype
-    )
-
-
-def eigh_factor(F: Tensor, *, float64_max_dim: int = 2048) -> tuple[Tensor, Tensor]:
-    """``(eigenvalues clamped ≥ 0, eigenvectors)`` of a symmetric factor, in ``F``'s dtype.
-
-    Factors up to ``float64_max_dim`` wide are decomposed in float64.
-    """
-    work = F.double() if F.shape[-1] <= float64_max_dim else F.float()
-    work = 0.5 * (work + work.mT)
-    vals, vecs = torch.linalg.eigh(work)
-    return vals.clamp_min(0.0).to(F.dtype), vecs.to(F.dtype)
-
-
-def damped_eigenvalues(a: Tensor, g: Tensor, weight_decay: float, damping: str = "exact") -> Tensor:
-    r"""Eigenvalues ``(d_out, d_in)`` of the damped curvature ``A ⊗ G + δ`` in the Kronecker basis.
-
-    ``"exact"``: ``γ aᵀ + δ``. ``"factored"`` (Noisy K-FAC π-damping): ``(γ + √δ/π)(a + π√δ)ᵀ``
-    with ``π = sqrt((tr A/d_in)/(tr G/d_out))``.
-    """
-    if damping == "exact":
-        return g.unsqueeze(-1) * a.unsqueeze(-2) + weight_decay
-    if damping == "factored":
-        tiny = torch.finfo(a.dtype).tiny
-        # (..., 1): one π per factor pair, also for stacked (K, d) eigenvalues
-        pi = (
-            a.mean(-1, keepdim=True).clamp_min(tiny) / g.mean(-1, keepdim=True).clamp_min(tiny)
-        ).sqrt()
-        root = math.sqrt(weight_decay)
-        return (g + root / pi).unsqueeze(-1) * (a + pi * root).unsqueeze(-2)
-    raise ValueError(f"Expected damping 'exact' or 'factored' but got {damping!r}.")
-
-
-def kron_precondition(
-    delta: Tensor, eig_in: tuple[Tensor, Tensor], eig_out: tuple[Tensor, Tensor], damped: Tensor
-) -> Tensor:
-    r"""``Q_G [(Q_Gᵀ Δ Q_A) ⊘ D] Q_Aᵀ`` — with ``D = γaᵀ + δ`` this is ``(A⊗G + δI)⁻¹ vec Δ``."""
-    _, Q_A = eig_in
-    _, Q_G = eig_out
-    return Q_G @ ((Q_G.mT @ delta @ Q_A) / damped) @ Q_A.mT
-
-
-def kron_step(
-    M: Tensor,
-    momentum: Tensor,
-    step: int,
-    grad: Tensor,
-    eig_in: tuple[Tensor, Tensor],
-    eig_out: tuple[Tensor, Tensor],
-    *,
-    lr: float,
-    hess_init: float = 1.0,
-    beta1: float = 0.9,
-    weight_decay: float = 1e-4,
-    clip_radius: float = math.inf,
-    debias: bool = True,
-    rescale_lr: bool = True,
-    damping: str = "exact",
-) -> tuple[Tensor, Tensor]:
-    r"""Steps 4-5 of SPECS 5b.2: momentum, then ``M ← M − α(h0+δ) clip(P(ḡ + δM))``.
-
-    ``eig_in = (a, Q_A)`` and ``eig_out = (γ, Q_G)`` are the (cached) eigendecompositions of the
-    factors. Returns ``(new M, new momentum)`` in the momentum's dtype.
-    """
-    dtype = momentum.dtype
-    M = M.to(dtype)
-    momentum = beta1 * momentum + (1.0 - beta1) * grad.to(dtype)
-    damped = damped_eigenvalues(eig_in[0], eig_out[0], weight_decay, damping)
-    new_M = _mean_step(
-        M,
-        lambda d: kron_precondition(d, eig_in, eig_out, damped),
-        momentum,
-        step + 1,
-        lr=lr,
-        hess_init=hess_init,
-        beta1=beta1,
-        weight_decay=weight_decay,
-        clip_radius=clip_radius,
-        debias=debias,
-        rescale_lr=rescale_lr,
-    )
-    return new_M, momentum
-
-
-def kron_step_(
-    M: Tensor,
-    momentum: Tensor,
-    step: int,
-    grad: Tensor,
-    Q_A: Tensor,
-    Q_G: Tensor,
-    damped: Tensor,
-    *,
-    lr: float,
-    hess_init: float = 1.0,
-    beta1: float = 0.9,
-    weight_decay: float = 1e-4,
-    clip_radius: float = math.inf,
-    debias: bool = True,
-    rescale_lr: bool = True,
-) -> None:
-    r""":func:`kron_step` in place on ``M`` and ``momentum`` (same dtype), given the eigenbases
-    and the damped eigenvalues ``damped`` (:func:`damped_eigenvalues`, cached by the caller).
-
-    The preconditioner is linear, so the debiasing ``1/(1−β1ᵗ)`` is applied after it.
-    """
-    _mean_step_(
-        M,
-        momentum,
-        grad,
-        step,
-        lambda d: Q_G @ (Q_G.mT @ d @ Q_A).div_(damped) @ Q_A.mT,
-        lr=lr,
-        hess_init=hess_init,
-        beta1=beta1,
-        weight_decay=weight_decay,
-        clip_radius=clip_radius,
-        debias=debias,
-        rescale_lr=rescale_lr,
-    )
-
-
-# --------------------------------------------------------------------------- optimizer
 class IVONOptimizer(torch.optim.Optimizer):
-    r"""IVON / Kronecker-IVON as a closure-driven ``torch.optim.Optimizer``.
+    r"""IVON over one flat state, closure-driven (``needs_closure = True``).
 
-    Built by ``guide.default_optimizer(params, lr)``; :func:`pyrobayes.fit` sees
-    ``needs_closure = True`` and passes a closure that evaluates the guide's objective
-    (:class:`~pyrobayes.guides.ivon.IVONLoss`) and back-propagates. Inside the closure the guide
-    draws ``θ_s = m + σ ε_s`` and keeps the perturbations ``θ_s − m`` as leaf tensors, so after
-    the backward their ``.grad`` holds the per-sample gradients the Price estimator needs; the
-    Kronecker guide's hooks also record the factor statistics.
-
-    Parameters other than the guide's means (model point parameters such as a classifier head)
-    are updated by diagonal IVON too, ivon-opt style: perturbed in place with one draw per step
-    and restored after the closure; their ``h`` lives in this optimizer's state (not in the
-    guide), so their point estimate is the IVON mean.
-
-    A non-finite loss skips the update (so :func:`pyrobayes.fit` stops with the parameters
-    untouched).
+    The flat vectors ``m``, ``h`` and the momentum are laid out as ``[point parameters |
+    diagonal sites | Kronecker sites]`` (``h`` over the first two). Each :meth:`step` perturbs
+    the point parameters in place (ivon-opt style; one ``randn`` per tensor), runs the closure,
+    whose :class:`IVONLoss` draws the sites' ``θ_s = m + σ ε_s`` from :meth:`training_sample`
+    (one ``randn`` over all sites in site order per sample, as ivon-opt does for a parameter
+    group), restores the point parameters and applies :func:`ivon_step_` to the diagonal
+    entries; ``curvature`` (:class:`~pyrobayes.infer.kron.KronCurvature`) updates the Kronecker
+    block. The guide's means and ``h`` buffers stay the source of truth: ``m`` and ``h`` are
+    re-read whenever someone else wrote them (loading a checkpoint, ``set_site``) and written
+    back after every step. A non-finite loss leaves everything untouched.
 
     Parameters
     ----------
-    params : iterable of Parameters
-        The guide's means and any extra parameters.
-    guide : IVONGuide or KroneckerIVONGuide
+    params : iterable of Parameter
+        The guide's means and the model's point parameters (e.g. a head), which get diagonal
+        IVON with ``point_weight_decay`` and ``point_prior_loc``, their ``h`` kept here.
+    guide : IVONGuide
     lr : float
         α (nominal; multiplied by ``h0 + δ`` when ``rescale_lr``).
+    curvature : KronCurvature, optional
+        The Kronecker statistics and update (required when the guide has Kronecker sites).
     """
 
     needs_closure = True
 
-    def __init__(self, params: Any, guide: Any, lr: float) -> None:
+    def __init__(
+        self, params: Iterable[Tensor], guide: Any, lr: float, curvature: Any = None
+    ) -> None:
         if lr < 0:
             raise ValueError(f"Expected lr >= 0 but got {lr}.")
         super().__init__(params, {"lr": float(lr)})
-        self.guide = guide
-        self._site_of = {id(guide.loc_param(s)): s for s in guide.sites}
-        self._flat: _FlatCache | None = None
+        self.guide, self.curvature = guide, curvature
+        locs, hess = guide.tensors()
+        ids = {id(p) for p in locs}
+        self.extras = [p for g in self.param_groups for p in g["params"] if id(p) not in ids]
+        sites = list(guide.sites)
+        order = [j for j, h in enumerate(hess) if h is not None]
+        self._num_diag = len(order)
+        order += [j for j, h in enumerate(hess) if h is None]
+        if (len(order) > self._num_diag) != (curvature is not None):
+            raise ValueError(
+                "IVONOptimizer needs a curvature exactly when there are Kronecker sites."
+            )
+        self._order = order
+        self._sites = [sites[j] for j in order]
+        self._shapes = [guide.sites[s] for s in self._sites]
+        self._dtypes = [guide.param_dtype[s] for s in self._sites]
+        self._numels = [shape.numel() for shape in self._shapes]
+        self._extra_numels = [p.numel() for p in self.extras]
+        self._n_extra = sum(self._extra_numels)
+        self._n_diag = sum(self._numels[: self._num_diag])
+        starts = [0]
+        for shape in guide.sites.values():
+            starts.append(starts[-1] + shape.numel())
+        # where the flat order [diagonal | Kronecker sites] reads the site-order draw
+        perm = [i for j in order for i in range(starts[j], starts[j + 1])]
+        self._perm = None if order == sorted(order) else torch.tensor(perm)
+        self._flat: dict[str, Any] | None = None
+        self._sigma: Tensor | None = None  # σ of the sites during a step
+        self._leaf: Tensor | None = None  # θ_s − m of the closure's draw, (S, T_sites)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; the ``set_to_none`` path skips its overhead."""
         if not set_to_none:
-            super().zero_grad(set_to_none=False)
-            return
+            return super().zero_grad(set_to_none=False)
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
 
-    def _decay(self, n_site: int, n_extra: int, like: Tensor) -> float | Tensor:
-        """δ over a flat vector of ``n_site`` site entries followed by ``n_extra`` extra entries.
-
-        A float when they share one δ (``point_weight_decay`` equal to ``weight_decay``, or one
-        of the two parts empty), else a cached vector in ``like``'s dtype and device.
-        """
-        hp = self.guide.hyper
-        delta, point = hp["weight_decay"], hp["point_weight_decay"]
-        if n_extra == 0 or point == delta:
-            return delta
-        if n_site == 0:
-            return point
-
-        def build() -> Tensor:
-            vec = like.new_empty(n_site + n_extra)
-            vec[:n_site] = delta
-            vec[n_site:] = point
-            return vec
-
-        return self._cached("_decay_cache", (n_site, n_extra, point, delta), like, build)
-
-    def _prior_loc(self, n_site: int, extras: list[Tensor], like: Tensor) -> Tensor | None:
-        """μ0 over a flat vector of ``n_site`` site entries followed by the extras' entries.
-
-        ``None`` (μ0 = 0 everywhere) unless ``point_prior_loc="init"``; then 0 for the sites and,
-        for each extra, its value when this optimizer first stepped it (kept in its state, so
-        checkpoints carry it), as a cached vector in ``like``'s dtype and device.
-        """
-        if not extras or self.guide.hyper["point_prior_loc"] == "zero":
-            return None
-        locs = [self.state[p].get("prior_loc") for p in extras]
-        if any(t is None for t in locs):
+    # ------------------------------------------------------------------ the flat state
+    def _sync(self) -> dict[str, Any]:
+        """The flat ``m`` and ``h`` (and their per-tensor views), re-read if anyone else wrote
+        the guide's tensors or the point parameters since the last step."""
+        locs, hess = self.guide.tensors()
+        targets = [*self.extras, *(locs[j] for j in self._order)]
+        targets += [hess[j] for j in self._order[: self._num_diag]]
+        state = self.state["ivon"]  # type: ignore[index]  # one entry for the flat state
+        flat = self._flat
+        if (
+            flat is not None
+            and flat["state"] is state
+            and all(
+                t is u and t._version == v for t, (u, v) in zip(targets, flat["seen"], strict=True)
+            )
+        ):
+            return flat
+        hp, P, D = self.guide.hyper, self._n_extra, self._n_extra + self._n_diag
+        dtype, n_m = self.guide.state_dtype, len(targets) - self._num_diag
+        m = torch.cat([t.detach().reshape(-1).to(dtype) for t in targets[:n_m]])
+        if not state:  # a fresh state: g = 0, h = h0 for the point parameters, μ0 = their start
+            state.update(
+                step=0, momentum=torch.zeros_like(m), hess=m.new_full((D,), hp["hess_init"])
+            )
+            if hp["point_prior_loc"] == "init" and P:
+                state["prior_loc"] = torch.cat([m[:P], m.new_zeros(D - P)])
+        elif hp["point_prior_loc"] == "init" and P and "prior_loc" not in state:
             raise RuntimeError(
-                "IVONOptimizer: point_prior_loc='init' but a point parameter's optimizer state has "
-                "no prior_loc (it was started with point_prior_loc='zero'); start a new fit or "
+                "IVONOptimizer: point_prior_loc='init' but the saved optimizer state has no "
+                "prior_loc (it was started with point_prior_loc='zero'); start a new fit or "
                 "keep the guide's point_prior_loc as it was."
             )
-
-        def build() -> Tensor:
-            vec = like.new_zeros(n_site + sum(t.numel() for t in locs))
-            vec[n_site:] = _flat(locs).to(like.dtype)
-            return vec
-
-        key = (n_site, tuple((id(t), t._version) for t in locs))
-        return self._cached("_prior_loc_cache", key, like, build)
-
-    def _cached(self, slot: str, key: tuple, like: Tensor, build: Callable[[], Tensor]) -> Tensor:
-        """``build()``'s vector, kept in ``slot`` until ``key`` or ``like``'s dtype/device change."""
-        key = (*key, like.dtype, like.device)
-        hit = self.__dict__.get(slot)
-        if hit is None or hit[0] != key:
-            hit = self.__dict__[slot] = (key, build())
-        return hit[1]
-
-    def _extras(self) -> list[Tensor]:
-        return [
-            p for group in self.param_groups for p in group["params"] if id(p) not in self._site_of
+        h = state["hess"]
+        if self._num_diag:
+            h[P:] = torch.cat([t.reshape(-1) for t in targets[n_m:]])
+        sizes = self._extra_numels + self._numels
+        views = [v.view_as(t) for v, t in zip(m.split(sizes), targets[:n_m], strict=True)]
+        h_parts = h[P:].split(self._numels[: self._num_diag])
+        views += [v.view_as(t) for v, t in zip(h_parts, targets[n_m:], strict=True)]
+        delta, point = hp["weight_decay"], hp["point_weight_decay"]
+        if P and D > P and point != delta:  # one δ per entry: the point parameters' and the sites'
+            delta = torch.cat([m.new_full((P,), point), m.new_full((D - P,), delta)])
+        elif P and D == P:
+            delta = point
+        use_prior = hp["point_prior_loc"] == "init" and P
+        noise_e = m.new_empty(P)
+        noise_views = [
+            v.view_as(p)
+            for v, p in zip(noise_e.split(self._extra_numels), self.extras, strict=True)
         ]
+        flat = self._flat = {
+            "state": state,
+            "m": m,
+            "targets": targets,
+            "views": views,
+            "delta": delta,
+            "prior_loc": state["prior_loc"] if use_prior else None,
+            "noise_e": noise_e,
+            "noise_views": noise_views,
+        }
+        self._record(flat)
+        return flat
 
+    @staticmethod
+    def _record(flat: dict[str, Any]) -> None:
+        flat["seen"] = [(t, t._version) for t in flat["targets"]]
+
+    # ------------------------------------------------------------------ sampling
+    def training_sample(self, num: int, inputs: Any = None) -> dict[str, Tensor]:
+        r"""Draw ``θ_s = m + σ ε_s`` at every site for the closure of :meth:`step`.
+
+        One ``randn`` over all sites (site order, state dtype) per sample; the perturbations
+        ``θ_s − m`` form one leaf `(S, T)` whose ``.grad`` after the backward holds the
+        per-sample gradients. ``inputs`` (the batch) gives the Kronecker statistics their token
+        mask. Returns ``{site: (num, *shape)}`` in the weight dtype.
+        """
+        sigma, flat = self._sigma, self._flat
+        if sigma is None or flat is None:
+            raise RuntimeError("training_sample() is called by IVONLoss inside IVONOptimizer.step.")
+        T, dtype, device = sum(self._numels), sigma.dtype, sigma.device
+        with torch.no_grad():
+            if num == 1:
+                eps = torch.randn(T, dtype=dtype, device=device).unsqueeze(0)
+            else:
+                eps = torch.stack([torch.randn(T, dtype=dtype, device=device) for _ in range(num)])
+            if self._perm is not None:
+                self._perm = self._perm.to(sigma.device)
+                eps = eps[:, self._perm]
+            curvature, Dn = self.curvature, self._n_diag
+            if curvature is None:
+                noise = eps.mul_(sigma)
+            else:
+                curvature.observe(inputs)
+                noise = torch.cat([eps[:, :Dn] * sigma, curvature.perturbation(eps[:, Dn:])], 1)
+        self._leaf = noise.requires_grad_(True)
+        theta = flat["m"][self._n_extra :] + noise
+        values = {}
+        parts = theta.split(self._numels, 1)
+        for site, part, shape, dtype in zip(
+            self._sites, parts, self._shapes, self._dtypes, strict=True
+        ):
+            value = part.view(num, *shape)
+            values[site] = value if dtype == value.dtype else value.to(dtype)
+        return values
+
+    # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:  # type: ignore[override]
         if closure is None:
@@ -541,379 +348,123 @@ class IVONOptimizer(torch.optim.Optimizer):
                 "IVONOptimizer.step needs a closure that evaluates the loss and calls backward "
                 "(pyrobayes.fit passes one)."
             )
-        guide = self.guide
-        hp = guide.hyper
-        lr = self.param_groups[0]["lr"]
-        extras = self._extras()
-        cache = self._valid_cache(extras)
-        if cache is not None:
-            return self._flat_step(closure, cache, extras, lr)
-        # --- extras: one in-place perturbation per step (ivon-opt style), one randn per tensor
-        noises: list[Tensor] = []
-        means: list[Tensor] = []
-        versions = [p._version for p in extras]  # to tell our own in-place writes from others'
-        if extras:
-            hess = []
-            for p in extras:
-                st = self.state[p]
-                if "hess" not in st:
-                    init = ivon_init(p, hp["hess_init"], guide.state_dtype)
-                    st.update(momentum=init.momentum, hess=init.hess, step=torch.tensor(0))
-                    if hp["point_prior_loc"] == "init":  # μ0: the value before any step
-                        st["prior_loc"] = p.detach().to(init.hess.dtype, copy=True)
-                hess.append(st["hess"])
-            point = hp["point_weight_decay"]
-            sigmas = torch._foreach_rsqrt(
-                torch._foreach_mul(torch._foreach_add(hess, point), hp["ess"])
-            )
-            eps = [
-                torch.randn(p.shape, dtype=h.dtype, device=p.device)
-                for p, h in zip(extras, hess, strict=True)
-            ]
-            noises = torch._foreach_mul(eps, sigmas)
-            means = [p.detach().clone() for p in extras]
-            if all(p.dtype == n.dtype for p, n in zip(extras, noises, strict=True)):
-                torch._foreach_add_(extras, noises)
-            else:
-                for p, n in zip(extras, noises, strict=True):
-                    p.add_(n.to(p.dtype))
-        guide._begin_step()
-        try:
-            with torch.enable_grad():
-                loss = closure()
-        finally:
-            guide._end_step()
-            if extras:
-                torch._foreach_copy_(extras, means)
-        loss = loss.detach().clone().reshape(())
-        all_reduce_mean_([loss])  # every rank sees the same value, so all stop on a NaN together
-        if not math.isfinite(float(loss)):
-            for p in extras:
-                p.grad = None
-            return loss
-        self._diag_update(extras, noises, lr, versions)
-        guide.ivon_update(self, lr)
-        return loss
-
-    def _valid_cache(self, extras: list[Tensor]) -> _FlatCache | None:
-        """The flat cache of the previous step if nobody has written the tensors since."""
-        cache = self._flat
-        if cache is None:
-            return None
-        locs, hess_list = self.guide.diag_tensors()
-        state = self.state
-        params = locs + extras
-        hess_list = hess_list + [state[p].get("hess") for p in extras]
-        states = [state[p] for p in params]
-        if not cache.valid(params, hess_list, states, len(params), None):
-            return None
-        return cache
-
-    def _flat_step(
-        self, closure: Callable[[], Tensor], cache: _FlatCache, extras: list[Tensor], lr: float
-    ) -> Tensor:
-        """:meth:`step` on the persistent flat vectors of the previous step (same arithmetic).
-
-        ``σ = (λ(h+δ))^{-1/2}`` is formed once over all diagonal entries (sites and extras) and
-        handed to the guide's sampler; the extras' noise stays flat; their means are restored
-        from the flat ``m``; ``ĝ`` and ``ĥ`` are formed on flat vectors with the flat ``h``.
-        RNG use is the same as the general path (one ``randn`` per extra, in order, then the
-        guide's draw), so both paths give the same trajectory.
-        """
-        guide = self.guide
-        hp = guide.hyper
-        n_site = cache.site_numel
-        delta = self._decay(n_site, cache.h.numel() - n_site, cache.h)
-        prec = (cache.h + delta).mul_(hp["ess"])  # λ(h + δ)
+        flat = self._sync()
+        state, m, hp = flat["state"], flat["m"], self.guide.hyper
+        P, D, extras = self._n_extra, self._n_extra + self._n_diag, self.extras
+        h, t = state["hess"], state["step"]
+        prec = (h + flat["delta"]).mul_(hp["ess"])  # λ(h + δ)
         sigma = prec.rsqrt()
-        noise_e: Tensor | None = None
-        if extras:
-            # one randn per extra, in order, written straight into the flat noise buffer
-            for view in cache.noise_views:
+        noise_e = flat["noise_e"]
+        if P:  # the point parameters, perturbed in place: one randn per tensor, in order
+            for view in flat["noise_views"]:
                 torch.randn(view.shape, out=view)
-            noise_e = cache.noise_e.mul_(sigma[n_site:])
-            torch._foreach_add_(extras, cache.noise_views)
-        guide._begin_step()
-        guide.__dict__["_step_sigma"] = sigma[:n_site]
+            noise_e.mul_(sigma[:P])
+            torch._foreach_add_(extras, flat["noise_views"])
+        self._sigma, self._leaf = sigma[P:D], None
+        curvature = self.curvature
+        if curvature is not None:
+            curvature.start(t)
         try:
             with torch.enable_grad():
                 loss = closure()
+        except BaseException:
+            self._restore()
+            raise
         finally:
-            guide._end_step()
-            guide.__dict__["_step_sigma"] = None
-            if extras:
-                torch._foreach_copy_(extras, cache.m_views[cache.n_sites :])
+            self._sigma = None
+            if curvature is not None:
+                curvature.stop()
         loss = loss.detach().reshape(())
         if world()[0] > 1:  # every rank sees the same value, so all stop on a NaN together
             loss = loss.clone()
             all_reduce_mean_([loss])
         if not math.isfinite(float(loss)):
+            self._restore()
             for p in extras:
                 p.grad = None
             return loss
-        grads, noise = guide.diag_grads()  # (S, T_sites)
-        num = grads.shape[0]
-        price = hp["hess_approx"] == "price"
-        if extras:
-            grads_e = _flat([torch.zeros_like(p) if p.grad is None else p.grad for p in extras])
-            if grads_e.dtype != cache.h.dtype:
-                grads_e = grads_e.to(cache.h.dtype)
-        if num == 1:
-            grad = grads.reshape(-1)
-            noise = noise.reshape(-1)
-            if extras:
-                grad = torch.cat([grad, grads_e])
-                noise = torch.cat([noise, noise_e])
-            hhat = torch.mul(grad, noise).mul_(prec) if price else grad.square().mul_(hp["ess"])
-        else:  # S samples for the sites, one for the extras
-            grad = grads.mean(0)
-            hhat = (
-                (grads * noise).mean(0) * prec[:n_site]
-                if price
-                else grads.square().mean(0) * hp["ess"]
+        leaf, self._leaf = self._leaf, None
+        if leaf is None:
+            self._restore()
+            raise RuntimeError(
+                "IVONOptimizer: the closure drew no training sample; fit with the default "
+                "objective (IVONLoss), which calls training_sample()."
             )
-            if extras:
-                hhat_e = (
-                    grads_e * noise_e * prec[n_site:] if price else grads_e.square() * hp["ess"]
-                )
-                grad = torch.cat([grad, grads_e])
-                hhat = torch.cat([hhat, hhat_e])
+        grads = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+        noise, num = leaf.detach(), leaf.shape[0]
+        # ĝ over all entries; Σ_s because the loss averages the S samples (∂/∂θ_s carries 1/S)
+        grad = grads[0] if num == 1 else grads.sum(0)
+        price = hp["hess_approx"] == "price"
+        gd = grads[:, : D - P]
+        hhat = gd * (noise[:, : D - P] if price else gd)
+        hhat = hhat[0] if num == 1 else hhat.sum(0) if price else hhat.sum(0).mul_(num)
+        if P:
+            g_e = [torch.zeros_like(p) if p.grad is None else p.grad for p in extras]
+            g_e = torch.cat([g.reshape(-1) for g in g_e]).to(m.dtype)
+            grad = torch.cat([g_e, grad])
+            hhat = torch.cat([g_e * (noise_e if price else g_e), hhat])
+        hhat = hhat.mul_(prec) if price else hhat.mul_(hp["ess"])
         all_reduce_mean_([grad, hhat])
-        kwargs = guide.diag_step_kwargs()
-        kwargs["beta2"] = guide._diag_beta2()
-        kwargs["weight_decay"] = delta
-        kwargs["prior_loc"] = self._prior_loc(n_site, extras, cache.h)
-        cache.step_(grad, hhat, cache.step, lr, kwargs)
-        guide.ivon_update(self, lr)
+        lr = self.param_groups[0]["lr"]
+        momentum = state["momentum"]
+        ivon_step_(
+            m[:D],
+            momentum[:D],
+            h,
+            grad[:D],
+            hhat,
+            t,
+            lr=lr,
+            hess_init=hp["hess_init"],
+            beta1=hp["beta1"],
+            beta2=hp["diag_beta2"],
+            weight_decay=flat["delta"],
+            clip_radius=hp["clip_radius"],
+            debias=hp["debias"],
+            rescale_lr=hp["rescale_lr"],
+            prior_loc=flat["prior_loc"],
+        )
+        if curvature is not None:
+            curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
+        state["step"] = t + 1
+        torch._foreach_copy_(flat["targets"], flat["views"])
+        self._record(flat)
         return loss
 
-    def _diag_update(
-        self,
-        extras: list[Tensor],
-        noises: list[Tensor],
-        lr: float,
-        versions: list[int] | None = None,
-    ) -> None:
-        """One flat Algorithm-1 step over the guide's diagonal sites and the extra parameters.
-
-        Everything is concatenated into single vectors (``m``, ``h``, momentum, ``ĝ``, ``ĥ``), so
-        the cost is a fixed handful of kernels whatever the number of tensors.
-        """
-        guide = self.guide
-        params, hess_list, hess, grads, noise = guide.diag_statistics()
-        n_site = sum(p.numel() for p in params)
-        n_extra = sum(p.numel() for p in extras)
-        delta = self._decay(n_site, n_extra, hess)
-        if extras:
-            hess_e = [self.state[p]["hess"] for p in extras]
-            dtype = hess_e[0].dtype
-            grads_e = [
-                torch.zeros_like(n) if p.grad is None else p.grad
-                for p, n in zip(extras, noises, strict=True)
-            ]
-            if any(g.dtype != dtype for g in grads_e):
-                grads_e = [g.to(dtype) for g in grads_e]
-            if not params:
-                grads, noise, hess = _flat(grads_e)[None], _flat(noises)[None], _flat(hess_e)
-            elif grads.shape[0] == 1 and grads.dtype == dtype:  # one sample: one flat vector
-                grads = torch.cat([grads.reshape(-1)] + [g.reshape(-1) for g in grads_e])[None]
-                noise = torch.cat([noise.reshape(-1)] + [n.reshape(-1) for n in noises])[None]
-                hess = torch.cat([hess] + [h.reshape(-1) for h in hess_e])
-            else:  # S samples for the sites, one for the extras: the means differ
-                g_e, n_e, h_e = _flat(grads_e), _flat(noises), _flat(hess_e)
-                hp = guide.hyper
-                point = hp["point_weight_decay"]
-                grad_s, hhat_s = self._estimates(grads, noise, hess, hp["weight_decay"])
-                grad_e, hhat_e = self._estimates(g_e[None], n_e[None], h_e, point)
-                grad = torch.cat([grad_s.to(dtype), grad_e])
-                hhat = torch.cat([hhat_s.to(dtype), hhat_e])
-                hess = torch.cat([hess.to(dtype), h_e])
-                grads = None
-            params = list(params) + extras
-            hess_list = list(hess_list) + hess_e
-        if not params:
-            return
-        if grads is not None:
-            grad, hhat = self._estimates(grads, noise, hess, delta)
-        all_reduce_mean_([grad, hhat])
-        states = []
-        for p in params:
-            st = self.state[p]
-            if "momentum" not in st:
-                st["momentum"] = torch.zeros(p.shape, dtype=hess.dtype, device=p.device)
-                st["step"] = torch.tensor(0)
-            states.append(st)
-        steps = [int(st["step"]) for st in states]
-        numels = [p.numel() for p in params]
-        kwargs = guide.diag_step_kwargs()
-        kwargs["beta2"] = guide._diag_beta2()
-        if isinstance(delta, Tensor) and delta.dtype != hess.dtype:
-            delta = delta.to(hess.dtype)
-        kwargs["weight_decay"] = delta
-        prior_loc = kwargs["prior_loc"] = self._prior_loc(n_site, extras, hess)
-        if all(t == steps[0] for t in steps) and all(
-            p.dtype == hess.dtype for p in params
-        ):  # fast path: persistent flat m, h, momentum, updated in place
-            n_sites = len(params) - len(extras)
-            cache = self._flat
-            if cache is None or not cache.valid(params, hess_list, states, n_sites, versions):
-                cache = self._flat = _FlatCache(params, hess_list, states, n_sites)
-            cache.step_(grad, hhat, steps[0], lr, kwargs)
-            return
-        m = torch.cat([p.detach().reshape(-1) for p in params])
-        if m.dtype != hess.dtype:
-            m = m.to(hess.dtype)
-        momentum = _flat([st["momentum"] for st in states])
-        self._flat = None
-        if all(t == steps[0] for t in steps):
-            new_m, state = ivon_step(
-                m, IVONState(momentum, hess, steps[0]), grad, hhat, lr=lr, **kwargs
-            )
-            self._scatter(params, hess_list, states, numels, new_m, state, range(len(params)))
-            return
-        # tensors that joined late: one flat step per distinct step count
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
-        for t in sorted(set(steps)):
-            idx = [i for i, u in enumerate(steps) if u == t]
-            sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx]).to(m.device)
-            part = dict(kwargs, weight_decay=delta[sel] if isinstance(delta, Tensor) else delta)
-            part["prior_loc"] = None if prior_loc is None else prior_loc[sel]
-            new_m, state = ivon_step(
-                m[sel],
-                IVONState(momentum[sel], hess[sel], t),
-                grad[sel],
-                hhat[sel],
-                lr=lr,
-                **part,
-            )
-            self._scatter(params, hess_list, states, numels, new_m, state, idx)
-
-    def _estimates(
-        self, grads: Tensor, noise: Tensor, hess: Tensor, weight_decay: float | Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """``(ĝ, ĥ)`` from per-sample gradients and perturbations `(S, T)`."""
-        hp = self.guide.hyper
-        if hp["hess_approx"] == "price":
-            hhat = price_hessian(grads, noise, hess, hp["ess"], weight_decay)
-        else:
-            hhat = gradsq_hessian(grads, hp["ess"])
-        return grads.mean(0), hhat
-
-    @staticmethod
-    def _scatter(
-        params: list[Tensor],
-        hess_list: list[Tensor],
-        states: list[dict[str, Any]],
-        numels: list[int],
-        new_m: Tensor,
-        state: IVONState,
-        idx: Sequence[int],
-    ) -> None:
-        sizes = [numels[i] for i in idx]
-        shapes = [params[i].shape for i in idx]
-        targets_m = [params[i] for i in idx]
-        targets_h = [hess_list[i] for i in idx]
-        torch._foreach_copy_(
-            targets_m, [v.view(s) for v, s in zip(new_m.split(sizes), shapes, strict=True)]
-        )
-        torch._foreach_copy_(
-            targets_h, [v.view(s) for v, s in zip(state.hess.split(sizes), shapes, strict=True)]
-        )
-        step = torch.tensor(state.step)
-        for i, v, s in zip(idx, state.momentum.split(sizes), shapes, strict=True):
-            st = states[i]
-            st["momentum"] = v.view(s)
-            st["step"] = step
+    def _restore(self) -> None:
+        """Put the point parameters back at their means (after the closure's perturbation)."""
+        flat = self._flat
+        if self.extras and flat is not None:
+            n = len(self.extras)
+            torch._foreach_copy_(flat["targets"][:n], flat["views"][:n])
 
 
-class _FlatCache:
-    """Flat ``m``, ``h`` and momentum over the diagonal tensors, updated in place.
+class IVONFitter(Fitter):
+    r"""Fits an :class:`~pyrobayes.guides.IVONGuide`: :class:`IVONLoss` with :class:`IVONOptimizer`.
 
-    The per-tensor parameters and ``h`` buffers stay the source of truth (so ``state_dict``,
-    saving and ``.to`` behave as before); the flat copies are reused while nobody else has
-    written to those tensors (same objects, unchanged ``_version``), else rebuilt. The
-    optimizer's per-parameter ``momentum`` entries are views of the flat momentum.
+    Each :meth:`step` is one step of Algorithm 1 of Shen et al. (2024) (see the module):
+    ``θ_s = m + σ ε_s`` at the sites and the point parameters, the per-example mean NLL
+    ``ℓ̄(θ_s)`` and its gradient, then ``(ĝ, ĥ) → (g, h, m)``. The guide's ``lr`` option, when
+    set, overrides the ``lr`` given here. The state (momentum, the point parameters' ``h`` and
+    μ0, the step count that drives the debiasing) is :meth:`state_dict`'s.
     """
 
-    def __init__(
-        self, params: list[Tensor], hess: list[Tensor], states: list[dict], n_sites: int
-    ) -> None:
-        dtype = hess[0].dtype
-        self.params, self.hess, self.states = list(params), list(hess), states
-        self.n_sites = n_sites  # the first n_sites tensors are the guide's, the rest extras
-        self.site_numel = sum(p.numel() for p in params[:n_sites])
-        self.step = int(states[0]["step"])  # all equal (the optimizer's fast-path condition)
-        self.counter = torch.tensor(self.step)
-        self.m = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
-        self.h = torch.cat([h.reshape(-1) for h in hess])
-        self.momentum = torch.cat([st["momentum"].reshape(-1).to(dtype) for st in states])
-        sizes = [p.numel() for p in params]
-        shapes = [p.shape for p in params]
+    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
+        super().__init__(model, guide, **kwargs)
+        if isinstance(self.objective, IVONLoss) and isinstance(self.optimizer, IVONOptimizer):
+            self.objective = copy.copy(self.objective)  # bound to this fitter's draws
+            self.objective.sampler = self.optimizer
 
-        def views(flat: Tensor) -> list[Tensor]:
-            return [v.view(s) for v, s in zip(flat.split(sizes), shapes, strict=True)]
+    def default_objective(self) -> IVONLoss:
+        return IVONLoss()
 
-        self.m_views, self.h_views, self.mom_views = (
-            views(self.m),
-            views(self.h),
-            views(self.momentum),
-        )
-        # the extras' noise: a flat buffer and its per-tensor views, refilled every step
-        self.noise_e = self.h.new_empty(sum(sizes[n_sites:]))
-        self.noise_views = [
-            v.view(s)
-            for v, s in zip(self.noise_e.split(sizes[n_sites:]), shapes[n_sites:], strict=True)
-        ]
-        for st, v in zip(states, self.mom_views, strict=True):
-            st["momentum"] = v
-            st["step"] = self.counter
-        self._record()
+    def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> IVONOptimizer:
+        lr = lr if self.guide.lr is None else self.guide.lr
+        return IVONOptimizer(params, self.guide, lr, self._curvature())
 
-    def _record(self) -> None:
-        self.versions = [p._version for p in self.params]
-        self.hess_versions = [h._version for h in self.hess]
-
-    def valid(
-        self,
-        params: list[Tensor],
-        hess: list[Tensor],
-        states: list[dict],
-        n_sites: int,
-        extra_versions: list[int] | None,
-    ) -> bool:
-        if len(params) != len(self.params):
-            return False
-        if not all(a is b for a, b in zip(params, self.params, strict=True)):
-            return False
-        if not all(a is b for a, b in zip(hess, self.hess, strict=True)):
-            return False
-        if not all(st["momentum"] is v for st, v in zip(states, self.mom_views, strict=True)):
-            return False
-        if not all(st.get("step") is self.counter for st in states):
-            return False
-        if [h._version for h in hess] != self.hess_versions:
-            return False
-        # the guide's means are untouched by the step itself; the extras were perturbed and
-        # restored in place, so compare their versions from before the perturbation
-        now = [p._version for p in params[:n_sites]] + list(extra_versions or [])
-        return len(now) == len(self.versions) and now == self.versions
-
-    def step_(self, grad: Tensor, hess_hat: Tensor, step: int, lr: float, kwargs: dict) -> None:
-        """One :func:`ivon_step_` on the flat vectors, then write ``m`` and ``h`` back."""
-        ivon_step_(self.m, self.momentum, self.h, grad, hess_hat, step, lr=lr, **kwargs)
-        torch._foreach_copy_(self.params, self.m_views)
-        torch._foreach_copy_(self.hess, self.h_views)
-        self.step = step + 1
-        self.counter = counter = torch.tensor(step + 1)
-        for st in self.states:
-            st["step"] = counter
-        self._record()
+    def _curvature(self) -> Any:
+        """The Kronecker statistics (:class:`~pyrobayes.infer.kron.KronIVONFitter`); none here."""
+        return None
 
 
-def _flat(tensors: list[Tensor]) -> Tensor:
-    """``cat`` of the flattened tensors (a view when there is only one)."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+register_fitter("ivon", IVONFitter)

@@ -12,8 +12,9 @@ from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.guides import IVONGuide
-from pyrobayes.guides.ivon import IVONLoss
-from pyrobayes.infer.ivon import IVONOptimizer, IVONState, ivon_init, ivon_step
+from pyrobayes.infer.fitter import make_fitter
+from pyrobayes.infer.ivon import IVONLoss, IVONOptimizer, ivon_step_
+from pyrobayes.infer.kron import KronIVONFitter
 from pyrobayes.models import FineTuneModel
 from tests.common import conjugate_core
 
@@ -40,59 +41,64 @@ def _linear_model(d_in=4, d_out=3, num_data=40, noise=0.5, bias=True, seed=0):
 
 
 # ---------------------------------------------------------------------------- recurrence
+def _step(m, mom, hess, g, hhat, step, **kw):
+    """``ivon_step_`` on copies: ``(new m, new momentum, new h)``."""
+    m, mom, hess = m.clone(), mom.clone(), hess.clone()
+    ivon_step_(m, mom, hess, g, hhat, step, **kw)
+    return m, mom, hess
+
+
 def test_ivon_step_matches_algorithm_1_by_hand():
-    # a scalar walk through Algorithm 1 (SPECS 5(b)) with every knob non-trivial
+    # a scalar walk through Algorithm 1 of Shen et al. (2024) with every knob non-trivial
     m0, h0, _lam, wd, b1, b2, lr = 0.7, 0.5, 10.0, 0.1, 0.8, 0.9, 0.3
-    state = ivon_init(torch.tensor([m0]), hess_init=h0)
+    start = (torch.tensor([m0]), torch.zeros(1), torch.tensor([h0]))
     g, hhat = torch.tensor([0.4]), torch.tensor([-2.0])
-    m, st = ivon_step(
-        torch.tensor([m0]),
-        state,
-        g,
-        hhat,
-        lr=lr,
-        hess_init=h0,
-        beta1=b1,
-        beta2=b2,
-        weight_decay=wd,
-        clip_radius=math.inf,
-    )
+    kw = dict(lr=lr, hess_init=h0, beta1=b1, beta2=b2, weight_decay=wd)
+    m, mom_, h_ = _step(*start, g, hhat, 0, clip_radius=math.inf, **kw)
     mom = (1 - b1) * 0.4
     h = b2 * h0 + (1 - b2) * -2.0 + 0.5 * (1 - b2) ** 2 * (h0 + 2.0) ** 2 / (h0 + wd)
     m_ref = m0 - lr * (h0 + wd) * (mom / (1 - b1) + wd * m0) / (h + wd)
-    assert st.step == 1
-    torch.testing.assert_close(st.momentum, torch.tensor([mom]))
-    torch.testing.assert_close(st.hess, torch.tensor([h]))
+    torch.testing.assert_close(mom_, torch.tensor([mom]))
+    torch.testing.assert_close(h_, torch.tensor([h]))
     torch.testing.assert_close(m, torch.tensor([m_ref]))
     # the Riemannian correction keeps h + δ ≥ (h_prev + δ)/2 for any ĥ
     for bad in (-1e3, -10.0, -1.0):
-        _, st2 = ivon_step(
-            torch.tensor([m0]),
-            state,
-            g,
-            torch.tensor([bad]),
-            lr=lr,
-            hess_init=h0,
-            beta1=b1,
-            beta2=b2,
-            weight_decay=wd,
-        )
-        assert float(st2.hess + wd) >= 0.5 * (h0 + wd) - 1e-12
+        _, _, h2 = _step(*start, g, torch.tensor([bad]), 0, **kw)
+        assert float(h2 + wd) >= 0.5 * (h0 + wd) - 1e-12
     # clipping and rescale_lr
-    m_clip, _ = ivon_step(
-        torch.tensor([m0]),
-        state,
-        g,
-        hhat,
-        lr=lr,
-        hess_init=h0,
-        beta1=b1,
-        beta2=b2,
-        weight_decay=wd,
-        clip_radius=1e-3,
-        rescale_lr=False,
-    )
+    m_clip, _, _ = _step(*start, g, hhat, 0, clip_radius=1e-3, rescale_lr=False, **kw)
     torch.testing.assert_close(m_clip, torch.tensor([m0 - lr * 1e-3]))
+
+
+def _reference_step(
+    m,
+    mom,
+    hess,
+    g,
+    hhat,
+    step,
+    *,
+    lr,
+    hess_init,
+    beta1,
+    beta2,
+    weight_decay,
+    clip_radius=math.inf,
+    debias=True,
+    rescale_lr=True,
+    prior_loc=None,
+):
+    """Algorithm 1 as ivon-opt writes it (plain torch, out of place)."""
+    mom = beta1 * mom + (1 - beta1) * g
+    h = beta2 * hess + (1 - beta2) * hhat
+    h = h + 0.5 * (1 - beta2) ** 2 * (hess - hhat) ** 2 / (hess + weight_decay)
+    bias = 1 - beta1 ** (step + 1) if debias else 1.0
+    centred = m if prior_loc is None else m - prior_loc
+    direction = ((mom / bias + weight_decay * centred) / (h + weight_decay)).clamp(
+        -clip_radius, clip_radius
+    )
+    scale = lr * (hess_init + weight_decay) if rescale_lr else lr
+    return m - scale * direction, mom, h
 
 
 @pytest.mark.parametrize(
@@ -106,9 +112,7 @@ def test_ivon_step_matches_algorithm_1_by_hand():
         {"prior_loc": "random", "weight_decay": "per-entry", "clip_radius": 0.05},
     ],
 )
-def test_in_place_step_equals_the_functional_step(knobs):
-    from pyrobayes.infer.ivon import ivon_step_
-
+def test_in_place_step_equals_a_plain_torch_reference(knobs):
     torch.manual_seed(0)
     n = 50
     m, mom = torch.randn(n), 0.1 * torch.randn(n)
@@ -122,11 +126,10 @@ def test_in_place_step_equals_the_functional_step(knobs):
     kw.update(knobs)
     for step in (0, 4):
         g, hhat = torch.randn(n), 3 * torch.randn(n)  # negative ĥ too: the correction term
-        ref_m, ref = ivon_step(m, IVONState(mom, hess, step), g, hhat, **kw)
-        m_, mom_, hess_ = m.clone(), mom.clone(), hess.clone()
-        ivon_step_(m_, mom_, hess_, g, hhat, step, **kw)
-        torch.testing.assert_close(mom_, ref.momentum, rtol=1e-14, atol=1e-15)
-        torch.testing.assert_close(hess_, ref.hess, rtol=1e-14, atol=1e-15)
+        ref_m, ref_mom, ref_h = _reference_step(m, mom, hess, g, hhat, step, **kw)
+        m_, mom_, hess_ = _step(m, mom, hess, g, hhat, step, **kw)
+        torch.testing.assert_close(mom_, ref_mom, rtol=1e-14, atol=1e-15)
+        torch.testing.assert_close(hess_, ref_h, rtol=1e-14, atol=1e-15)
         torch.testing.assert_close(m_, ref_m, rtol=1e-13, atol=1e-14)
         if "clip_radius" in knobs and "prior_loc" not in knobs:  # the clip binds: every
             # |Δm| ≤ α(h0+δ)c, some equal to it
@@ -136,30 +139,24 @@ def test_in_place_step_equals_the_functional_step(knobs):
             moved = (ref_m - m).abs()
             assert (moved <= bound * (1 + 1e-9)).all()
             assert (moved >= bound * (1 - 1e-9)).any()
-        m, mom, hess = ref_m, ref.momentum, ref.hess
+        m, mom, hess = ref_m, ref_mom, ref_h
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_prior_loc_translates_the_mean_step(in_place):
+@pytest.mark.parametrize("decay", ["scalar", "per-entry"])
+def test_prior_loc_translates_the_mean_step(decay):
     # A prior N(μ0, ·) in place of N(0, ·): the step of m with δ(m − μ0) is the step of m − μ0
     # with δ(m − μ0) = δm', translated back by μ0 (h, momentum and σ do not see μ0).
-    from pyrobayes.infer.ivon import ivon_step_
-
     torch.manual_seed(1)
     n = 40
     m, mom, mu0 = torch.randn(n), 0.1 * torch.randn(n), 2.0 * torch.randn(n)
     hess = torch.rand(n) + 0.1
     g, hhat = torch.randn(n), torch.rand(n)
-    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, beta2=0.9, weight_decay=0.4, clip_radius=0.5)
-    if in_place:
-        got, ref = m.clone(), m - mu0
-        ivon_step_(got, mom.clone(), hess.clone(), g, hhat, 2, prior_loc=mu0, **kw)
-        ivon_step_(ref, mom.clone(), hess.clone(), g, hhat, 2, **kw)
-    else:
-        got, _ = ivon_step(m, IVONState(mom, hess, 2), g, hhat, prior_loc=mu0, **kw)
-        ref, _ = ivon_step(m - mu0, IVONState(mom, hess, 2), g, hhat, **kw)
+    delta = 0.4 if decay == "scalar" else 0.8 * torch.rand(n)
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, beta2=0.9, weight_decay=delta, clip_radius=0.5)
+    got, _, _ = _step(m, mom, hess, g, hhat, 2, prior_loc=mu0, **kw)
+    ref, _, _ = _step(m - mu0, mom, hess, g, hhat, 2, **kw)
     torch.testing.assert_close(got, ref + mu0, rtol=1e-12, atol=1e-12)
-    plain, _ = ivon_step(m, IVONState(mom, hess, 2), g, hhat, **kw)
+    plain, _, _ = _step(m, mom, hess, g, hhat, 2, **kw)
     assert (got - plain).abs().max() > 1e-2  # μ0 matters: the check is not vacuous
 
 
@@ -382,8 +379,11 @@ def test_posterior_predictive_and_registry():
     assert pred["obs"].shape[-2:] == (5, 3) and pred["obs"].shape[0] == 7
     draws = guide.sample_posterior(3, generator=torch.Generator().manual_seed(1))
     assert draws["0.bias"].shape == (3, 3)
-    assert isinstance(guide.default_objective, IVONLoss)
-    assert isinstance(guide.default_optimizer(list(guide.parameters()), 0.1), IVONOptimizer)
+    assert pb.infer.FITTERS["kron-ivon"] is KronIVONFitter
+    fitter = make_fitter(model, guide, lr=0.1)
+    assert isinstance(fitter, pb.infer.ivon.IVONFitter)
+    assert isinstance(fitter.objective, IVONLoss) and fitter.objective.sampler is fitter.optimizer
+    assert isinstance(fitter.optimizer, IVONOptimizer)
 
 
 def test_save_load_roundtrip(tmp_path):
@@ -454,61 +454,129 @@ def test_bfloat16_weights_keep_float32_statistics():
         ("kron-ivon", 2, "price", "init"),
     ],
 )
-def test_flat_fast_path_equals_general_path(
-    monkeypatch, family, mc_samples, hess_approx, point_weight_decay
-):
-    # From the second step on, IVONOptimizer steps on its persistent flat vectors (σ formed once
-    # and handed to the sampler, flat noise for the head, means restored from the flat m). It must
-    # give the general path's trajectory: same RNG use, same arithmetic up to rounding order.
-    # With the head's own δ (point_weight_decay) both paths use a per-entry δ vector; "init"
-    # keeps the default δ and centres the head's prior at its start (point_prior_loc="init").
+def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, point_weight_decay):
+    # The fitter's one flat path (the head perturbed in place, one randn per tensor; one randn
+    # over the sites per sample, ĝ/ĥ on flat vectors, in-place updates) against Algorithm 1 in
+    # plain torch on the same network (and, for Kronecker IVON, the K-FAC factors of layer 0 and
+    # its Kronecker mean step): same draws, same arithmetic up to rounding order. The head's own
+    # δ (point_weight_decay) makes δ a per-entry vector; "init" keeps the default δ and centres
+    # the head's prior at its start (point_prior_loc="init").
     options = (
         {"point_prior_loc": "init"}
         if point_weight_decay == "init"
         else {"point_weight_decay": point_weight_decay}
     )
+    net, model, data = _head_problem()
+    guide = pb.posterior(
+        model, family, mc_samples=mc_samples, hess_approx=hess_approx, hess_init=0.3, **options
+    )
+    start = copy.deepcopy(net)
+    traj: list[torch.Tensor] = []
 
-    def run(fast: bool) -> tuple[list[torch.Tensor], int]:
-        _, model, data = _head_problem()
-        guide = pb.posterior(
-            model,
-            family,
-            mc_samples=mc_samples,
-            hess_approx=hess_approx,
-            hess_init=0.3,
-            **options,
+    def record(step: int, value: float) -> None:
+        traj.append(
+            torch.cat(
+                [guide.loc(s).detach().reshape(-1) for s in guide.sites]
+                + [p.detach().reshape(-1) for p in model.net[2].parameters()]
+            )
         )
-        calls = []
-        with monkeypatch.context() as patch:
-            if fast:
-                flat_step = IVONOptimizer._flat_step
 
-                def counted(self, *args, **kwargs):
-                    calls.append(1)
-                    return flat_step(self, *args, **kwargs)
-
-                patch.setattr(IVONOptimizer, "_flat_step", counted)
-            else:
-                patch.setattr(IVONOptimizer, "_valid_cache", lambda self, extras: None)
-            traj: list[torch.Tensor] = []
-
-            def record(step: int, value: float) -> None:
-                traj.append(
-                    torch.cat(
-                        [guide.loc(s).detach().reshape(-1) for s in guide.sites]
-                        + [p.detach().reshape(-1) for p in model.net[2].parameters()]
-                    )
-                )
-
-            pb.fit(model, guide, data, num_steps=15, lr=0.1, seed=3, callback=record)
-        return traj, len(calls)
-
-    fast, num_fast = run(True)
-    general, num_general = run(False)
-    assert num_fast == 14 and num_general == 0  # every step after the first took the fast path
-    for a, b in zip(fast, general, strict=True):
+    pb.fit(model, guide, data, num_steps=15, lr=0.1, seed=3, callback=record)
+    reference = _reference_fit(family, guide, start, data, steps=15, lr=0.1, seed=3)
+    for a, b in zip(traj, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    assert (fast[-1] - fast[0]).abs().max() > 1e-3  # the walk moved
+    assert (traj[-1] - traj[0]).abs().max() > 1e-3  # the walk moved
+
+
+def _reference_fit(family, guide, net, data, *, steps, lr, seed):
+    """Plain-torch IVON (Kronecker IVON for layer 0's weight) on :func:`_head_problem`'s net:
+    per step one randn per head tensor, then per sample one randn over the sites in site order."""
+    from pyrobayes.guides.kron import eigh_factor
+
+    hp, S, kron = guide.hyper, guide.mc_samples, family == "kron-ivon"
+    lam, h0, b1, r = hp["ess"], hp["hess_init"], hp["beta1"], hp["clip_radius"]
+    ds, dp = hp["weight_decay"], hp["point_weight_decay"]
+    price = hp["hess_approx"] == "price"
+    kw = dict(lr=lr, hess_init=h0, beta1=b1, beta2=hp["diag_beta2"], clip_radius=r)
+    W1, c1, W2, c2 = (
+        t.detach().clone() for t in (net[0].weight, net[0].bias, *net[2].parameters())
+    )
+    head = torch.cat([W2.reshape(-1), c2])
+    mu0 = head.clone() if hp["point_prior_loc"] == "init" else None
+    sites = torch.cat([W1.reshape(-1), c1])  # site order: 0.weight, 0.bias
+    n_kron = 16 if kron else 0  # the weight is the Kronecker site of kron-ivon
+    mom_e, h_e = torch.zeros_like(head), torch.full_like(head, h0)
+    mom_d, h_d = torch.zeros(20 - n_kron), torch.full((20 - n_kron,), h0)
+    mom_k, root = torch.zeros(4, 4), h0**0.5
+    A, G = root * torch.eye(4), root * torch.eye(4)
+    (a, QA), (g, QG) = (
+        (torch.full((4,), root), torch.eye(4)),
+        (torch.full((4,), root), torch.eye(4)),
+    )
+    torch.manual_seed(seed)
+    out = []
+    for t in range(steps):
+        x, y = data[t % len(data)]
+        noise_e = torch.cat([torch.randn(3, 4).reshape(-1), torch.randn(3)])  # W2, then its bias
+        noise_e = noise_e * (lam * (h_e + dp)).rsqrt()
+        eps = torch.stack([torch.randn(20) for _ in range(S)])
+        noise = eps[:, n_kron:] * (lam * (h_d + ds)).rsqrt()
+        if kron:
+            D = g[:, None] * a[None, :] + ds
+            noise_k = QG @ (eps[:, :16].view(S, 4, 4) * (lam * D).rsqrt()) @ QA.T
+            noise = torch.cat([noise_k.reshape(S, 16), noise], 1)
+        noise.requires_grad_(True)
+        theta = sites + noise
+        W2p = (head[:12] + noise_e[:12]).view(3, 4).requires_grad_(True)
+        c2p = (head[12:] + noise_e[12:]).requires_grad_(True)
+        # layer 0 with each sample's weights (one bmm, as the model batches it), the head on
+        # the S·B rows, the mean NLL over the S·B (sample, example) pairs
+        W1s, c1s = theta[:, :16].view(S, 4, 4), theta[:, 16:]
+        if S == 1:
+            z = nn.functional.linear(x, W1s[0], c1s[0]).unsqueeze(0)
+        else:
+            z = torch.baddbmm(c1s.unsqueeze(1), x.expand(S, -1, -1), W1s.mT)
+        z.retain_grad()
+        logits = nn.functional.linear(torch.tanh(z).reshape(S * len(x), 4), W2p, c2p)
+        nn.functional.cross_entropy(logits, y.repeat(S)).backward()
+        grads = S * noise.grad  # per-sample gradients (the loss averages the S samples)
+        noise = noise.detach()
+        with torch.no_grad():
+            g_e = torch.cat([W2p.grad.reshape(-1), c2p.grad])
+            gd, nd = grads[:, n_kron:], noise[:, n_kron:]
+            if price:
+                hh_e = g_e * noise_e * lam * (h_e + dp)
+                hh_d = (gd * nd).mean(0) * lam * (h_d + ds)
+            else:
+                hh_e, hh_d = lam * g_e**2, lam * (gd**2).mean(0)
+            head, mom_e, h_e = _reference_step(
+                head, mom_e, h_e, g_e, hh_e, t, weight_decay=dp, prior_loc=mu0, **kw
+            )
+            new_d, mom_d, h_d = _reference_step(
+                sites[n_kron:], mom_d, h_d, gd.mean(0), hh_d, t, weight_decay=ds, **kw
+            )
+            if kron:
+                a_rows, g_rows = torch.cat([x] * S), z.grad.reshape(-1, 4)
+                rows = len(a_rows)  # S·B: the layer sees the S-fold expanded batch
+                # the two Gram matrices in one batched product, as the fitter forms them (A's
+                # eigenbasis is ill-conditioned near the isotropic start: one ulp in Â moves Q_A
+                # by ~1e-14, so the reference rounds Â as the fitter does)
+                grams = torch.stack([a_rows, g_rows])
+                A_hat, G_hat = (grams.mT @ grams).unbind(0)
+                A_hat, G_hat = A_hat * (1 / rows), G_hat * rows
+                A = A + (1 - hp["beta2"]) * (A_hat - A)  # the EMA, as torch.lerp forms it
+                G = G + (1 - hp["beta2"]) * (G_hat - G)
+                if t == 0 or (t + 1) % guide.T_inv == 0:
+                    (a, QA), (g, QG) = eigh_factor(A), eigh_factor(G)
+                D = g[:, None] * a[None, :] + ds
+                mom_k = b1 * mom_k + (1 - b1) * grads[:, :16].mean(0).view(4, 4)
+                M = sites[:16].view(4, 4)
+                d = mom_k / (1 - b1 ** (t + 1)) + ds * M
+                step = (QG @ ((QG.T @ d @ QA) / D) @ QA.T).clamp(-r, r)
+                new_d = torch.cat([(M - lr * (h0 + ds) * step).reshape(-1), new_d])
+            sites = new_d
+        out.append(torch.cat([sites, head]))
+    return out
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,9 @@ from torch import nn
 import pyrobayes as pb
 from pyrobayes.distributions import KronEigenNormal, MatrixNormal
 from pyrobayes.guides import IVONGuide, KroneckerIVONGuide
-from pyrobayes.infer.ivon import (
-    IVONState,
-    damped_eigenvalues,
-    eigh_factor,
-    ivon_step,
-    kron_precondition,
-    kron_step,
-)
+from pyrobayes.guides.kron import damped_eigenvalues, eigh_factor
+from pyrobayes.infer.ivon import IVONOptimizer, ivon_step_, mean_step_, per_example_nll
+from pyrobayes.infer.kron import KronCurvature, kron_precondition
 from pyrobayes.models import FineTuneModel
 from tests.common import conjugate_core
 
@@ -148,27 +143,27 @@ def test_diagonal_factors_reduce_to_diagonal_ivon_update():
     d_out, d_in = 3, 4
     a = torch.rand(d_in) + 0.1
     g = torch.rand(d_out) + 0.1
-    eig_in, eig_out = eigh_factor(a.diag()), eigh_factor(g.diag())
-    h = g[:, None] * a[None, :]
+    (a_, Q_A), (g_, Q_G) = eigh_factor(a.diag()), eigh_factor(g.diag())
+    D = damped_eigenvalues(a_, g_, 0.05)
     hyper = dict(lr=0.3, hess_init=0.5, beta1=0.9, weight_decay=0.05, clip_radius=math.inf)
-    M = torch.randn(d_out, d_in)
-    mom = torch.zeros(d_out, d_in)
-    m, state = M.clone(), IVONState(torch.zeros(d_out, d_in), h.clone(), 0)
+    flags = dict(debias=True, rescale_lr=True)
+    M, mom = torch.randn(d_out, d_in), torch.zeros(d_out, d_in)
+    m, mom_d, h = M.clone(), torch.zeros(d_out, d_in), g[:, None] * a[None, :]
     for t in range(20):
         grad = torch.randn(d_out, d_in)
-        M, mom = kron_step(M, mom, t, grad, eig_in, eig_out, **hyper)
-        # β2 = 1: the curvature is held fixed (the estimators differ, SPECS 5b.2)
-        m, state = ivon_step(m, state, grad, torch.zeros_like(h), beta2=1.0, **hyper)
+        mean_step_(M, mom, grad, t, lambda d: kron_precondition(d, Q_A, Q_G, D), **hyper, **flags)
+        # β2 = 1: the curvature is held fixed (the estimators differ)
+        ivon_step_(m, mom_d, h, grad, torch.zeros_like(h), t, beta2=1.0, **hyper)
         torch.testing.assert_close(M, m, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(mom, state.momentum, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mom, mom_d, rtol=1e-12, atol=1e-12)
     # the preconditioner is (A⊗G + δI)⁻¹ exactly, also for non-diagonal factors
     A = torch.randn(d_in, d_in)
     A = A @ A.T
     G = torch.randn(d_out, d_out)
     G = G @ G.T
-    ei, eo = eigh_factor(A), eigh_factor(G)
+    (a_, Q_A), (g_, Q_G) = eigh_factor(A), eigh_factor(G)
     delta = torch.randn(d_out, d_in)
-    P = kron_precondition(delta, ei, eo, damped_eigenvalues(ei[0], eo[0], 0.05))
+    P = kron_precondition(delta.clone(), Q_A, Q_G, damped_eigenvalues(a_, g_, 0.05))
     dense = torch.kron(G, A) + 0.05 * torch.eye(d_in * d_out)  # row-major vec
     torch.testing.assert_close(P.reshape(-1), torch.linalg.solve(dense, delta.reshape(-1)))
 
@@ -228,33 +223,44 @@ def test_same_shape_sites_batched_equal_one_by_one(damping):
                 m = torch.randn(F_.shape[0], F_.shape[0], generator=g)
                 F_.copy_(m @ m.T + 0.1 * torch.eye(F_.shape[0]))
     guide.refresh()
-    runs = guide._runs()
-    assert [len(sites) for sites, _, _ in runs][0] == 2  # the two cores form one run
-    eps = torch.randn(5, guide._layout().total, generator=g)
-    batched = guide._flat_perturbation(eps)
-    lay = guide._layout()
-    one_by_one = torch.cat(
-        [
-            guide._perturbation(site, eps[:, a:b].view(5, *shape)).reshape(5, -1)
-            for site, (a, b), shape in zip(lay.sites, lay.bounds, lay.shapes, strict=True)
-        ],
-        1,
-    )
-    torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=1e-12)
-    # stacked kron_step = kron_step per site
-    sites = [s for s in lay.sites if guide.is_kron(s) and guide.sites[s] == (3, 3)]
-    M = [torch.randn(3, 3, generator=g) for _ in sites]
-    mom = [torch.randn(3, 3, generator=g) for _ in sites]
-    grad = [torch.randn(3, 3, generator=g) for _ in sites]
-    kw = dict(lr=0.3, hess_init=0.5, weight_decay=0.01, damping=damping)
-    eig_in, eig_out = guide._stacked_eigen(sites)
-    new_M, new_mom = kron_step(
-        torch.stack(M), torch.stack(mom), 4, torch.stack(grad), eig_in, eig_out, **kw
-    )
+    curvature = KronCurvature(model, guide)
+    curvature.remove()
+    assert [len(sites) for sites, *_ in curvature.runs] == [2, 1]  # the two cores form one run
+    numel = sum(guide.sites[s].numel() for s in curvature.sites)
+    eps = torch.randn(5, numel, generator=g)
+    batched = curvature.perturbation(eps)
+    one_by_one, offset = [], 0
+    for site in curvature.sites:
+        n, shape = guide.sites[site].numel(), guide.sites[site]
+        e = eps[:, offset : offset + n].reshape(5, 1, *shape)
+        one_by_one.append(guide.kron_perturbation([site], e).reshape(5, -1))
+        offset += n
+    torch.testing.assert_close(batched, torch.cat(one_by_one, 1), rtol=1e-12, atol=1e-12)
+    # and the guide's site-order perturbation (σ ⊙ ε at the diagonal bias) agrees with them
+    eps = torch.randn(5, sum(s.numel() for s in guide.sites.values()), generator=g)
+    flat = guide.perturbation(eps)
+    bias = [s for s in guide.sites if not guide.is_kron(s)]
+    assert len(bias) == 1 and list(guide.sites)[-1] == bias[0]
+    torch.testing.assert_close(flat[:, :numel], curvature.perturbation(eps[:, :numel]))
+    torch.testing.assert_close(flat[:, numel:], eps[:, numel:] * guide.scale(bias[0]))
+    # the stacked mean step = the mean step per site
+    sites = curvature.runs[0][0]
+    M = torch.randn(len(sites), 3, 3, generator=g)
+    mom = torch.randn(len(sites), 3, 3, generator=g)
+    grad = torch.randn(len(sites), 3, 3, generator=g)
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.9, weight_decay=0.01, clip_radius=0.05)
+    kw.update(debias=True, rescale_lr=True)
+    stacked = M.clone(), mom.clone()
+    Q_A, Q_G, D = guide.basis(sites)
+    mean_step_(*stacked, grad, 4, lambda d: kron_precondition(d, Q_A, Q_G, D), **kw)
     for k, site in enumerate(sites):
-        ref_M, ref_mom = kron_step(M[k], mom[k], 4, grad[k], *guide.eigen(site), **kw)
-        torch.testing.assert_close(new_M[k], ref_M, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(new_mom[k], ref_mom, rtol=1e-12, atol=1e-12)
+        basis = guide.basis([site])
+        M_k, mom_k = M[k : k + 1].clone(), mom[k : k + 1].clone()
+        mean_step_(
+            M_k, mom_k, grad[k : k + 1], 4, lambda d, b=basis: kron_precondition(d, *b), **kw
+        )
+        torch.testing.assert_close(stacked[0][k : k + 1], M_k, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(stacked[1][k : k + 1], mom_k, rtol=1e-12, atol=1e-12)
 
 
 def test_factored_damping_broadcasts_one_pi_per_stacked_pair():
@@ -298,16 +304,18 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
 def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
     """One ``pb.fit`` step on ``batch``; returns the weights its training sample drew."""
     drawn: dict[str, torch.Tensor] = {}
-    sample = guide.training_sample
+    sample = IVONOptimizer.training_sample
 
-    def keep_the_draw(num: int) -> dict[str, torch.Tensor]:
-        values = sample(num)
+    def keep_the_draw(self, num, inputs=None):
+        values = sample(self, num, inputs)
         drawn.update({k: v.detach().clone() for k, v in values.items()})
         return values
 
-    guide.training_sample = keep_the_draw
-    pb.fit(model, guide, [batch], num_steps=1, lr=0.1, seed=0)
-    del guide.training_sample
+    IVONOptimizer.training_sample = keep_the_draw
+    try:
+        pb.fit(model, guide, [batch], num_steps=1, lr=0.1, seed=0)
+    finally:
+        IVONOptimizer.training_sample = sample
     return drawn
 
 
@@ -316,8 +324,6 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
     # β2 = 0: after one step A = Â = Σ aᵀa / rows over the core inputs and G = Ĝ = B Σ gᵀg over
     # the gradients of the mean NLL at the core outputs, at the weights the step drew. LoRA-XS:
     # two same-shape cores (the batched path); LoRA: A (r, d_in) and B (d_out, r) (per site).
-    from pyrobayes.guides.ivon import _per_example_nll
-
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     if adapter == "loraxs":
@@ -331,7 +337,8 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
     # the reference: the same forward at the drawn weights, with plain hooks and retain_grad
     seen: dict[str, list] = {}
     handles = []
-    for site, (_, path) in guide._kron.items():
+    for site in guide.kron_sites:
+        path = model.latent_sites[site].module_path
         suffix = suffixes[0] if adapter == "loraxs" else site.rsplit(".", 1)[-1]
         module = model.net.get_submodule(f"{path}.{suffix}")
 
@@ -341,10 +348,10 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
 
         handles.append(module.register_forward_hook(hook))
     params = model.batched_output(x, {k: v.requires_grad_() for k, v in drawn.items()})
-    _per_example_nll(model, params, y, 2, 10).mean().backward()
+    per_example_nll(model, params, y, 2, 10).mean().backward()
     for h in handles:
         h.remove()
-    assert len(seen) == len(guide._kron) == 2
+    assert len(seen) == len(guide.kron_sites) == 2
     for site, (a, out) in seen.items():
         a = a.reshape(-1, a.shape[-1])
         g = out.grad.reshape(-1, out.shape[-1])
@@ -358,21 +365,36 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
 @pytest.mark.parametrize(
     "knobs", [{}, {"clip_radius": 0.02}, {"debias": False, "rescale_lr": False}]
 )
-def test_in_place_kron_step_equals_kron_step(damping, knobs):
-    from pyrobayes.infer.ivon import kron_step_
-
+def test_in_place_kron_step_equals_a_dense_reference(damping, knobs):
+    # the batched in-place Kronecker mean step against the dense formula per stacked site:
+    # g ← β1 g + (1−β1) ĝ, M ← M − α(h0+δ) clip(P⁻¹ vec(g/(1−β1ᵗ) + δM), ±r) with the
+    # preconditioner P = (Q_G ⊗ Q_A) diag(vec D) (Q_G ⊗ Q_A)ᵀ (row-major vec)
     torch.manual_seed(0)
     K, d_out, d_in = 2, 3, 4
-    eig_in = eigh_factor(_spd(K, d_in))
-    eig_out = eigh_factor(_spd(K, d_out))
+    a, Q_A = eigh_factor(_spd(K, d_in))
+    g, Q_G = eigh_factor(_spd(K, d_out))
     M, mom = torch.randn(K, d_out, d_in), 0.1 * torch.randn(K, d_out, d_in)
-    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, weight_decay=0.1, **knobs)
+    kw = dict(lr=0.3, hess_init=0.5, beta1=0.8, weight_decay=0.1)
+    knobs = {"clip_radius": math.inf, "debias": True, "rescale_lr": True, **knobs}
+    D = damped_eigenvalues(a, g, kw["weight_decay"], damping)
     for step in (0, 3):
         grad = torch.randn(K, d_out, d_in)
-        ref_M, ref_mom = kron_step(M, mom, step, grad, eig_in, eig_out, damping=damping, **kw)
+        ref_mom = kw["beta1"] * mom + (1 - kw["beta1"]) * grad
+        bias = 1 - kw["beta1"] ** (step + 1) if knobs["debias"] else 1.0
+        ref_M = torch.empty_like(M)
+        for k in range(K):
+            Q = torch.kron(Q_G[k], Q_A[k])
+            P = Q @ torch.diag(D[k].reshape(-1)) @ Q.T
+            d = torch.linalg.solve(P, (ref_mom[k] / bias + kw["weight_decay"] * M[k]).reshape(-1))
+            d = d.clamp(-knobs["clip_radius"], knobs["clip_radius"]).reshape(d_out, d_in)
+            scale = (
+                kw["lr"] * (kw["hess_init"] + kw["weight_decay"])
+                if knobs["rescale_lr"]
+                else kw["lr"]
+            )
+            ref_M[k] = M[k] - scale * d
         M_, mom_ = M.clone(), mom.clone()
-        damped = damped_eigenvalues(eig_in[0], eig_out[0], kw["weight_decay"], damping)
-        kron_step_(M_, mom_, step, grad, eig_in[1], eig_out[1], damped, **kw)
+        mean_step_(M_, mom_, grad, step, lambda d: kron_precondition(d, Q_A, Q_G, D), **kw, **knobs)
         torch.testing.assert_close(mom_, ref_mom, rtol=1e-13, atol=1e-14)
         torch.testing.assert_close(M_, ref_M, rtol=1e-12, atol=1e-13)
         M, mom = ref_M, ref_mom
@@ -392,10 +414,10 @@ def test_sites_with_equal_inputs_and_different_outputs():
     guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1)
     x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
     pb.fit(model, guide, [(x, y)], num_steps=2, lr=0.1, seed=0)
-    assert len(guide._kron) == 2  # the two weights (the biases are diagonal sites)
-    shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide._kron}
+    assert len(guide.kron_sites) == 2  # the two weights (the biases are diagonal sites)
+    shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide.kron_sites}
     assert sorted(shapes.values()) == [(3, 3), (6, 6)]
-    assert all(F.abs().max() > 0 for s in guide._kron for F in guide.factors(s))
+    assert all(F.abs().max() > 0 for s in guide.kron_sites for F in guide.factors(s))
 
 
 def test_input_factor_skips_padded_tokens():
@@ -403,7 +425,6 @@ def test_input_factor_skips_padded_tokens():
     # A = Â = Σ aᵀa / (real rows) over the non-padding token rows of the S-fold expanded batch
     # (the (B, T) mask tiled S times, sample-major), and G = B Σ gᵀg over all rows, padded rows
     # carrying no gradient. Padding is not data: counting it biases Â towards the pad activations.
-    from pyrobayes.guides.ivon import _per_example_nll
     from tests.common import tiny_bert
 
     torch.manual_seed(0)
@@ -426,7 +447,8 @@ def test_input_factor_skips_padded_tokens():
     drawn = _one_step_keeping_the_draw(model, guide, batch)
     seen: dict[str, list] = {}
     handles = []
-    for site, (_, path) in guide._kron.items():
+    for site in guide.kron_sites:
+        path = model.latent_sites[site].module_path
 
         def hook(mod, inputs, out, site=site):
             out.retain_grad()
@@ -435,7 +457,7 @@ def test_input_factor_skips_padded_tokens():
         handles.append(model.net.get_submodule(f"{path}.core").register_forward_hook(hook))
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     params = model.batched_output(inputs, {k: v.requires_grad_() for k, v in drawn.items()})
-    _per_example_nll(model, params, batch["labels"], S, B).mean().backward()
+    per_example_nll(model, params, batch["labels"], S, B).mean().backward()
     for h in handles:
         h.remove()
     real = mask.bool().repeat(S, 1)  # (S·B, T): row s·B + b is example b
