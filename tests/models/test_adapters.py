@@ -9,7 +9,7 @@ from torch import nn
 import pyrobayes as pb
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
 from pyrobayes.models.deploy import merged_network, to_peft
-from tests.common import tiny_bert, tiny_gpt2, tiny_llama
+from tests.common import mlp, tiny_bert, tiny_gpt2, tiny_llama
 
 
 def _bert_batch(batch_size: int = 5, seq: int = 7, vocab: int = 99) -> dict[str, torch.Tensor]:
@@ -18,12 +18,6 @@ def _bert_batch(batch_size: int = 5, seq: int = 7, vocab: int = 99) -> dict[str,
     mask = torch.ones(batch_size, seq, dtype=torch.long)
     mask[0, 5:] = 0  # one padded example
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 0, 1, 1])}
-
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
-    )
 
 
 def test_site_names_are_stable_and_readable():
@@ -70,7 +64,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="calibration_data"):
         FineTuneModel(tiny_bert(), LoRAXS(rank=2, projection="wsvd"))
     with pytest.raises(ValueError, match="adapter"):
-        FineTuneModel(_mlp())
+        FineTuneModel(mlp(6, 16, 16, 3))
 
 
 @pytest.mark.parametrize("projection", ["svd", "wsvd", "dct", "random"])
@@ -145,7 +139,9 @@ def test_batched_forward_equals_sequential_bert(adapter):
 
 
 def test_batched_forward_equals_sequential_mlp():
-    model = FineTuneModel(_mlp(), LoRAXS(rank=3, target_modules=["0", "2"]), latent_modules=["4"])
+    model = FineTuneModel(
+        mlp(6, 16, 16, 3), LoRAXS(rank=3, target_modules=["0", "2"]), latent_modules=["4"]
+    )
     x = torch.randn(9, 6)
     values = _random_values(model, 5)
     with torch.no_grad():
