@@ -3,8 +3,9 @@
 Four methods fine-tune the *same* LoRA-XS network for the same number of epochs on the same
 batches:
 
-* ``ivon``      - ``pb.posterior(model, "ivon")`` fitted by its default objective/optimizer
-  (``IVONLoss`` + ``IVONOptimizer``), the way ``pb.fit`` drives it;
+* ``ivon``      - ``pb.posterior(model, "ivon")`` fitted by its fitter
+  (``pb.infer.make_fitter``: ``IVONLoss`` + ``IVONOptimizer``), one ``fitter.step`` per batch
+  as ``pb.fit`` drives it;
 * ``kron-ivon`` - ``pb.posterior(model, "kron-ivon")`` likewise;
 * ``map``       - ``pb.posterior(model, "map")`` (MAP objective) with ``torch.optim.AdamW``;
 * ``ivon-opt``  - ivon-opt's ``ivon.IVON`` optimizer (GPL, used here only as an external
@@ -73,8 +74,6 @@ from torch import Tensor, nn  # noqa: E402
 import pyrobayes as pb  # noqa: E402
 from pyrobayes.batch import split_batch  # noqa: E402
 from pyrobayes.demo.data import load_digits_split  # noqa: E402
-from pyrobayes.infer.loop import _make_optimizer, _step, _trainable_parameters  # noqa: E402
-from pyrobayes.infer.objectives import make_objective  # noqa: E402
 from pyrobayes.infer.schedule import make_scheduler  # noqa: E402
 from pyrobayes.predictive import Prediction  # noqa: E402
 
@@ -84,28 +83,28 @@ METHODS = ("ivon", "kron-ivon", "map", "ivon-opt")
 
 # ------------------------------------------------------------------------------------ methods
 class PyrobayesMethod:
-    """A guide fitted exactly as ``pb.fit`` does, one step at a time (so steps can interleave)."""
+    """A guide fitted through the public step API (``pb.infer.make_fitter``), one
+    ``fitter.step`` at a time as ``pb.fit`` does (so the methods' steps can interleave)."""
 
     def __init__(
         self, model: Any, guide: Any, lr: float, optimizer: Any = None, num_samples: int = 16
     ) -> None:
         self.model, self.guide, self.num_samples = model, guide, num_samples
-        self.objective = make_objective(None, guide)
-        guide.fit_begin(model, None)
-        self.optim = _make_optimizer(optimizer, _trainable_parameters(model, guide), lr, guide)
+        self.fitter = pb.infer.make_fitter(model, guide, optimizer=optimizer, lr=lr)
+        self.optim = self.fitter.optimizer  # what a learning-rate schedule steps
+        self.fitter.begin(None)
         self.epoch = 0
 
     def step(self, batch: Any) -> float:
         self.model.train(True)
-        self.optim.zero_grad(set_to_none=True)
-        return _step(self.objective, self.model, self.guide, batch, self.optim)
+        return self.fitter.step(batch)
 
     def epoch_end(self) -> None:
-        self.guide.epoch_end(self.model, self.epoch)
+        self.fitter.epoch_end(self.epoch)
         self.epoch += 1
 
     def finish(self) -> None:
-        self.guide.fit_end(self.model, None)
+        self.fitter.end(None)
         self.model.train(False)
 
     def predict(self, test: list[Any]) -> Prediction:
@@ -120,7 +119,7 @@ class IvonOptMethod:
 
         self.model, self.num_samples = model, num_samples
         self.guide = pb.posterior(model, "map")
-        params = _trainable_parameters(model, self.guide)
+        params = pb.infer.trainable_parameters(model, self.guide)
         hyper = dict(hyper)
         point = hyper.pop("point_weight_decay", None)
         if point is not None:  # IVONGuide(point_weight_decay=...): the point params' own group

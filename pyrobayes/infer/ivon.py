@@ -32,7 +32,7 @@ from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import split_training_batch
 
-__all__ = ["IVONLoss", "IVONOptimizer", "IVONFitter", "ivon_step_", "mean_step_"]
+__all__ = ["IVONLoss", "IVONOptimizer", "IVONFitter", "ivon_step_", "mean_step_", "per_example_nll"]
 
 
 class IVONLoss:
@@ -440,13 +440,20 @@ class IVONOptimizer(torch.optim.Optimizer):
 
 
 class IVONFitter(Fitter):
-    r"""Fits an :class:`~pyrobayes.guides.IVONGuide`: :class:`IVONLoss` with :class:`IVONOptimizer`.
+    r"""Fits an :class:`~pyrobayes.guides.IVONGuide` by IVON (Shen et al., 2024, Algorithm 1).
 
-    Each :meth:`step` is one step of Algorithm 1 of Shen et al. (2024) (see the module):
-    ``θ_s = m + σ ε_s`` at the sites and the point parameters, the per-example mean NLL
-    ``ℓ̄(θ_s)`` and its gradient, then ``(ĝ, ĥ) → (g, h, m)``. The guide's ``lr`` option, when
-    set, overrides the ``lr`` given here. The state (momentum, the point parameters' ``h`` and
-    μ0, the step count that drives the debiasing) is :meth:`state_dict`'s.
+    .. math::
+        m ← m − α (h_0+δ)\, \operatorname{clip}\Big(\frac{g/(1−β_1^t) + δ (m − μ_0)}{h+δ},
+        \ ±r\Big),\quad g ← β_1 g + (1−β_1) ĝ,\quad
+        h ← β_2 h + (1−β_2) ĥ + \tfrac12 (1−β_2)^2 \tfrac{(h−ĥ)^2}{h+δ}
+
+    with ``ĝ``, ``ĥ`` the sample means of ``∇ℓ̄(θ_s)`` and ``∇ℓ̄(θ_s) ⊙ (θ_s − m) λ(h+δ)`` at
+    ``θ_s = m + σ ε_s`` (:class:`IVONLoss`, the per-example mean NLL, drawn by
+    :class:`IVONOptimizer`). The sites and the model's point parameters are updated alike
+    (the latter with ``point_weight_decay`` and ``point_prior_loc``). The guide's ``lr``
+    option, when set, overrides the ``lr`` given here. :meth:`state_dict` holds the momentum,
+    the point parameters' ``h`` and μ0 and the step count (debiasing; Kronecker IVON's
+    ``T_stats`` / ``T_inv``), so a checkpoint resumes exactly.
     """
 
     def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
