@@ -7,26 +7,26 @@ import copy
 import pyro
 import pytest
 import torch
-from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.guides.contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
-from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.models import LoRAXS
 from pyrobayes.registry import _REGISTRY
+from tests.common import mlp_problem, split_batches
 
 FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
 
 
 def _problem(seed: int = 0):
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    model = FineTuneModel(
-        net, LoRAXS(rank=2, target_modules=["0"]), num_data=48, trainable_modules=["2"]
+    prob = mlp_problem(
+        (5, 8, 3),
+        LoRAXS(rank=2, target_modules=["0"]),
+        num_data=48,
+        trainable_modules=["2"],
+        seed=seed,
+        data_seed=seed,
     )
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(48, 5, generator=g)
-    y = torch.randint(0, 3, (48,), generator=g)
-    return model, [(x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16)]
+    return prob.model, split_batches(prob.x, prob.y, 16)
 
 
 def _state(model, guide):
