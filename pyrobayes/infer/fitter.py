@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
-from .objectives import make_objective
+from .objectives import SurrogateObjective, is_variational, make_objective
 
 __all__ = [
     "Fitter",
@@ -111,6 +111,15 @@ class Fitter:
         """The family's objective (a name such as ``"elbo"``, or an object with ``loss``)."""
         return self.guide.default_objective
 
+    def _refuse_variational(self, why: str) -> None:
+        """Raise when the objective is an ELBO: for families fitted by a procedure of their own."""
+        if is_variational(self.objective):
+            raise ValueError(
+                f"{type(self).__name__} cannot fit {type(self.guide).__name__} with "
+                f"{type(getattr(self.objective, 'elbo', self.objective)).__name__}: {why} "
+                "Pass loss=None (the family's own objective)."
+            )
+
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
         """The family's optimizer over ``params``; Adam here."""
         return torch.optim.Adam(params, lr=lr)
@@ -159,10 +168,13 @@ class Fitter:
         """Evaluate the objective, back-propagate and apply the optimizer; return the loss."""
         optim = self.optimizer
         model, guide, objective = self.model, self.guide, self.objective
+        surrogate = isinstance(objective, SurrogateObjective)
         if getattr(optim, "needs_closure", False):
 
             def closure() -> torch.Tensor:
                 optim.zero_grad(set_to_none=True)
+                if surrogate:  # back-propagates itself
+                    return torch.tensor(objective.loss_and_grads(model, guide, batch))
                 loss = objective.loss(model, guide, batch)
                 loss.backward()
                 return loss
@@ -170,15 +182,20 @@ class Fitter:
             # torch types the closure as returning float; closures return the loss tensor
             return float(optim.step(closure))  # type: ignore[arg-type]
         optim.zero_grad(set_to_none=True)
-        loss = objective.loss(model, guide, batch)
         distributed = world()[0] > 1
-        mean = loss.detach().clone() if distributed else loss.detach()
+        if surrogate:  # the gradients are there already; the update waits for the check
+            mean = torch.tensor(objective.loss_and_grads(model, guide, batch))
+            loss = None
+        else:
+            loss = objective.loss(model, guide, batch)
+            mean = loss.detach().clone() if distributed else loss.detach()
         if distributed:
             all_reduce_mean_([mean])
         value = float(mean)
         if not math.isfinite(value):
             return value
-        loss.backward()
+        if loss is not None:
+            loss.backward()
         if distributed:
             all_reduce_grads_(self.params)
         optim.step()

@@ -11,20 +11,39 @@ through Pyro (``loss.differentiable_loss(model, guide, batch)``).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+import pyro
 from torch import Tensor
 
 from ..batch import batch_size, split_batch
 from ..guides.contract import AnalyticKL, Posterior, PostHoc
 
-__all__ = ["Objective", "ELBO", "MAP", "PyroObjective", "make_objective", "scaled_log_likelihood"]
+__all__ = [
+    "is_variational",
+    "Objective",
+    "SurrogateObjective",
+    "ELBO",
+    "MAP",
+    "PyroObjective",
+    "PyroSurrogateObjective",
+    "make_objective",
+    "scaled_log_likelihood",
+]
 
 
 class Objective(Protocol):
-    """``loss(model, guide, batch) -> scalar tensor`` to minimise."""
+    """``loss(model, guide, batch) -> scalar tensor`` to minimise (the fitter back-propagates)."""
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor: ...
+
+
+@runtime_checkable
+class SurrogateObjective(Protocol):
+    """An objective that back-propagates itself (a surrogate loss, e.g. a score-function ELBO):
+    ``loss_and_grads(model, guide, batch) -> float`` leaves the gradients in ``.grad``."""
+
+    def loss_and_grads(self, model: Any, guide: Any, batch: Any) -> float: ...
 
 
 def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
@@ -105,7 +124,9 @@ class MAP:
 
 
 class PyroObjective:
-    """Wrap a ``pyro.infer.ELBO``: ``loss = elbo.differentiable_loss(model, guide, batch)``."""
+    """A ``pyro.infer.ELBO`` with a differentiable loss (``Trace_ELBO``, ``TraceMeanField_ELBO``,
+    ``TraceTailAdaptive_ELBO``, their ``vectorize_particles=True`` forms, user subclasses):
+    ``loss = elbo.differentiable_loss(model, guide, batch)``, run through Pyro's tracing."""
 
     def __init__(self, elbo: Any) -> None:
         self.elbo = elbo
@@ -114,8 +135,37 @@ class PyroObjective:
         return self.elbo.differentiable_loss(model, guide, batch)
 
 
+class PyroSurrogateObjective:
+    """A ``pyro.infer.ELBO`` that only offers ``loss_and_grads`` (``TraceGraph_ELBO``,
+    ``RenyiELBO``, ...): Pyro back-propagates its surrogate loss and returns the ELBO value."""
+
+    def __init__(self, elbo: Any) -> None:
+        self.elbo = elbo
+
+    def loss_and_grads(self, model: Any, guide: Any, batch: Any) -> float:
+        return float(self.elbo.loss_and_grads(model, guide, batch))
+
+
 def make_objective(spec: Any) -> Any:
-    """Resolve a name (``"elbo"``, ``"map"``), a ``pyro.infer.ELBO`` or an object with ``loss``."""
+    """Resolve an objective.
+
+    Parameters
+    ----------
+    spec : str, pyro.infer.ELBO or object
+        ``"elbo"`` or ``"map"``; any ``pyro.infer.ELBO`` instance (with a differentiable loss,
+        or one whose ``loss_and_grads`` back-propagates a surrogate); an object with
+        ``loss(model, guide, batch)`` or ``loss_and_grads(model, guide, batch)``.
+    """
+    if isinstance(spec, pyro.infer.ELBO):
+        if isinstance(spec, pyro.infer.TraceTailAdaptive_ELBO):
+            raise ValueError(
+                "TraceTailAdaptive_ELBO reports no loss value (it returns inf by design) and does "
+                "not support the data subsampling of a FineTuneModel; use Trace_ELBO, "
+                "TraceMeanField_ELBO or RenyiELBO."
+            )
+        if callable(getattr(spec, "differentiable_loss", None)):
+            return PyroObjective(spec)
+        return PyroSurrogateObjective(spec)
     if isinstance(spec, str):
         table = {"elbo": ELBO, "map": MAP}
         if spec not in table:
@@ -124,8 +174,12 @@ def make_objective(spec: Any) -> Any:
                 "pyro.infer.ELBO instance, or an object with loss(model, guide, batch)."
             )
         return table[spec]()
-    if hasattr(spec, "differentiable_loss"):
-        return PyroObjective(spec)
-    if hasattr(spec, "loss"):
+    if hasattr(spec, "loss") or isinstance(spec, SurrogateObjective):
         return spec
     raise TypeError(f"Cannot use {type(spec).__name__} as an objective.")
+
+
+def is_variational(objective: Any) -> bool:
+    """Whether ``objective`` (as resolved by :func:`make_objective`) is an ELBO over q's draws
+    (pyrobayes' or Pyro's), as opposed to an objective at a point (MAP) or a family's own."""
+    return isinstance(objective, (ELBO, PyroObjective, PyroSurrogateObjective))

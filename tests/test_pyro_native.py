@@ -1,0 +1,261 @@
+"""pyrobayes guides under Pyro's own machinery: the param store, SVI with Pyro ELBOs, Predictive.
+
+The exact answers come from the linear-Gaussian LoRA-XS problem (``tests.common.conjugate_core``),
+whose posterior over the core is a known diagonal Gaussian.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.optim
+import pytest
+import torch
+
+import pyrobayes as pb
+from pyrobayes.guides.contract import PostHoc
+from pyrobayes.registry import _REGISTRY
+from tests.common import conjugate_core, split_batches
+
+FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
+
+
+def _state(guide):
+    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_notebook_order_each_guide_keeps_its_own_values(family, tmp_path):
+    """Fit A, use it through Pyro, build and fit B of the same family on the same model: every
+    Pyro call, state_dict, save/load and predict of A and of B shows its own fitted values."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y, 16)
+    x = prob.x[:8]
+    a = pb.posterior(prob.model, family)
+    pb.fit(prob.model, a, data, epochs=3, lr=0.05, seed=1)
+    pyro.infer.Predictive(prob.model, guide=a, num_samples=2)((x, None))  # A's names now stored
+    state_a = _state(a)
+    b = pb.posterior(prob.model, family)
+    pb.fit(prob.model, b, data, epochs=6, lr=0.02, seed=2)
+    state_b = _state(b)
+    assert any(not torch.equal(state_a[k], state_b[k]) for k in state_a)  # A and B differ
+    for guide, state in ((a, state_a), (b, state_b)):
+        # a Pyro call on the guide leaves its tensors as they are
+        samples = pyro.infer.Predictive(prob.model, guide=guide, num_samples=3)((x, None))
+        for key, value in _state(guide).items():
+            assert torch.equal(value, state[key]), (family, key)
+        if guide.is_deterministic:  # the Delta guide's draws are its point: exact
+            loc = state["locs." + prob.site + "_unconstrained"]
+            assert torch.equal(samples[prob.site].reshape(3, 3, 3)[0], loc)
+        # pb.predict and pb.save / pb.load use the same values
+        draws = guide.sample_posterior(4, generator=torch.Generator().manual_seed(0))
+        path = pb.save(guide, tmp_path / f"{id(guide)}.safetensors")
+        loaded = pb.load(path, prob.model)
+        assert _state(loaded).keys() == state.keys()
+        for key, value in _state(loaded).items():
+            assert torch.equal(value, state[key]), (family, key)
+        again = loaded.sample_posterior(4, generator=torch.Generator().manual_seed(0))
+        for site in draws:
+            assert torch.equal(draws[site], again[site])
+    # and B still trains after all of that (a swapped-in tensor would not move)
+    before = _state(b)
+    pb.fit(prob.model, b, data, epochs=1, lr=0.02, seed=3)
+    assert any(not torch.equal(before[k], v) for k, v in _state(b).items()), family
+
+
+def _svi_fit(prob, guide, elbo, steps, lr):
+    """SVI on the full batch; Polyak average of the last half of the iterates."""
+    svi = pyro.infer.SVI(prob.model, guide, pyro.optim.Adam({"lr": lr}), elbo)
+    locs, scales = [], []
+    for step in range(steps):
+        svi.step((prob.x, prob.y))
+        if step >= steps // 2:
+            locs.append(guide.loc(prob.site).detach().clone())
+            if hasattr(guide, "scales"):
+                scales.append(guide.scale(prob.site).detach().clone())
+    return torch.stack(locs).mean(0), torch.stack(scales).mean(0) if scales else None
+
+
+ELBOS = {
+    "Trace_ELBO": lambda: pyro.infer.Trace_ELBO(num_particles=16, vectorize_particles=True),
+    "TraceMeanField_ELBO": lambda: pyro.infer.TraceMeanField_ELBO(
+        num_particles=16, vectorize_particles=True
+    ),
+}
+
+
+@pytest.mark.parametrize("elbo", sorted(ELBOS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pyro_svi_reaches_the_exact_optimum_of_the_family(family, elbo):
+    """Pyro's SVI with Pyro's ELBOs on a pyrobayes guide reaches that family's exact optimum.
+
+    The exact posterior N(μ, diag(s²)) is in the mean-field family, so mean-field's optimum is
+    (μ, s). Every Gaussian family with a fixed covariance (IVON's h, the Kronecker factors) and
+    the point mass have the ELBO-optimal mean μ: E_q[log p] is quadratic in θ. Post-hoc families
+    (SWAG, Laplace) have no q before their fit, so SVI must refuse them clearly.
+    """
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, family)
+    if isinstance(guide, PostHoc):
+        with pytest.raises(RuntimeError, match="not fitted"):
+            pyro.infer.SVI(prob.model, guide, pyro.optim.Adam({"lr": 0.01}), ELBOS[elbo]()).step(
+                (prob.x, prob.y)
+            )
+        return
+    pyro.set_rng_seed(0)
+    loc, scale = _svi_fit(prob, guide, ELBOS[elbo](), steps=1200, lr=0.02)
+    sd = prob.post_scale
+    # Tolerance: posterior sds are 0.05-0.16; Adam at lr 0.02 with 16-particle gradients jitters
+    # by ≲ lr around the optimum and the average of 600 correlated iterates by ≲ 0.2 lr = 4e-3,
+    # i.e. ≤ 0.08 sd; we allow 0.15 sd for the mean and 10% for the scale.
+    assert ((loc - prob.post_loc).abs() / sd).max() < 0.15, (family, loc, prob.post_loc)
+    if scale is not None:
+        assert ((scale - sd).abs() / sd).max() < 0.10, (family, scale, sd)
+
+
+def test_renyi_reaches_its_mean_field_optimum():
+    """With the exact posterior inside the mean-field family every α-divergence is minimised by
+    it, so RenyiELBO(α = 0.5)'s closed-form optimum is (μ, s)."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "meanfield", init_scale=0.1)
+    pyro.set_rng_seed(0)
+    elbo = pyro.infer.RenyiELBO(alpha=0.5, num_particles=16, vectorize_particles=True)
+    loc, scale = _svi_fit(prob, guide, elbo, steps=1200, lr=0.02)
+    sd = prob.post_scale
+    # the same derivation as above; the Rényi gradient is a self-normalised importance-weighted
+    # one (biased for finite particles by O(1/16) relative): 0.15 sd and 15% on the scale
+    assert ((loc - prob.post_loc).abs() / sd).max() < 0.15
+    assert ((scale - sd).abs() / sd).max() < 0.15
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pyro.infer.Trace_ELBO,
+        pyro.infer.TraceMeanField_ELBO,
+        pyro.infer.TraceGraph_ELBO,
+        lambda: pyro.infer.RenyiELBO(alpha=0.5, num_particles=2),
+        lambda: pyro.infer.Trace_ELBO(num_particles=3, vectorize_particles=True),
+    ],
+    ids=["Trace", "TraceMeanField", "TraceGraph", "Renyi", "Trace-vectorized"],
+)
+def test_pb_fit_takes_every_pyro_elbo(make):
+    """pb.fit(loss=<a Pyro ELBO>) trains the guide; its loss is Pyro's (the dataset-sum ELBO)."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "meanfield", init_scale=0.1)
+    data = split_batches(prob.x, prob.y, 16)
+    before = guide.loc(prob.site).detach().clone()
+    result = pb.fit(prob.model, guide, data, epochs=40, lr=0.02, seed=0, loss=make())
+    assert torch.isfinite(result.losses).all()
+    moved = (guide.loc(prob.site).detach() - prob.post_loc).abs().mean()
+    assert moved < 0.5 * (before - prob.post_loc).abs().mean()  # towards the exact mean
+    # Pyro's value and ours estimate the same negative ELBO: a 4000-draw check at the end
+    torch.manual_seed(1)
+    with torch.no_grad():
+        ours = float(pb.infer.ELBO(num_particles=4000).loss(prob.model, guide, data[0]))
+    theirs = [pyro.infer.Trace_ELBO().loss(prob.model, guide, data[0]) for _ in range(200)]
+    # sd of one Pyro draw is ≈ √(2 r²)·N/B ≈ 17 nats here, so 200 draws: ≈ 1.2; 5σ ≈ 6
+    assert abs(sum(theirs) / len(theirs) - ours) < 6.0
+
+
+def test_elbos_a_family_cannot_use_are_refused_by_name():
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y, 16)
+    with pytest.raises(ValueError, match="TraceTailAdaptive_ELBO reports no loss"):
+        pb.fit(
+            prob.model,
+            pb.posterior(prob.model, "meanfield"),
+            data,
+            epochs=1,
+            loss=pyro.infer.TraceTailAdaptive_ELBO(num_particles=2, vectorize_particles=True),
+        )
+    for family in ("swag", "laplace"):
+        with pytest.raises(ValueError, match="cannot fit .* with Trace_ELBO"):
+            pb.fit(
+                prob.model,
+                pb.posterior(prob.model, family),
+                data,
+                epochs=1,
+                loss=pyro.infer.Trace_ELBO(),
+            )
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_predictive_on_more_rows_than_num_data_matches_pb_predict(parallel):
+    """Predictive works for any number of rows, and with parallel=True the samples stay apart
+    from the data plate: its draws match pb.predict's moments within Monte Carlo error."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()  # num_data = 64; the posterior is the exact one
+    guide = pb.posterior(prob.model, "meanfield")
+    guide.set_site(prob.site, loc=prob.post_loc, scale=prob.post_scale)
+    x = torch.cat([prob.x, prob.x])[:80]  # 80 rows > num_data; 80 divisible by S
+    num = 4000
+    pyro.set_rng_seed(0)
+    pred = pyro.infer.Predictive(
+        prob.model, guide=guide, num_samples=num, parallel=parallel, return_sites=["obs", prob.site]
+    )((x, None))
+    obs = pred["obs"]
+    assert obs.shape == (num, 80, 5)
+    # each draw's residual against its own θ is the observation noise σ = 0.5
+    theta = pred[prob.site].reshape(num, 3, 3)
+    f = prob.model.batched_output(x, {prob.site: theta})
+    resid_sd = float((obs - f).std())
+    # sd of a sample sd over n = 4000·80·5 Gaussian draws: σ/√(2n) ≈ 3e-4; 5σ ≈ 1.6e-3
+    assert abs(resid_sd - 0.5) < 1.6e-3, resid_sd
+    # the predictive mean of y equals pb.predict's (same posterior, independent draws)
+    ref = pb.predict(prob.model, guide, [(x, None)], num_samples=num, seed=0)
+    loc = ref.loc.mean(0)
+    spread = ref.loc.var(0)  # Var_θ f
+    # per entry: Var(mean obs) = (Var_θ f + σ²)/S, Var(mean loc) = Var_θ f / S; 5σ per entry
+    # (400 entries: a false alarm has probability < 400 · 6e-7)
+    tol = 5 * ((2 * spread + 0.25) / num).sqrt()
+    assert ((obs.mean(0) - loc).abs() <= tol).all()
+
+
+def test_observed_rows_beyond_num_data_are_an_error():
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "meanfield")
+    x, y = torch.cat([prob.x, prob.x]), torch.cat([prob.y, prob.y])
+    with pytest.raises(ValueError, match="128 observed rows but the model's num_data is 64"):
+        pyro.infer.SVI(
+            prob.model, guide, pyro.optim.Adam({"lr": 0.01}), pyro.infer.Trace_ELBO()
+        ).step((x, y))
+
+
+def test_vectorized_particles_estimate_the_same_elbo():
+    """Trace_ELBO(vectorize_particles=True) runs the particles in one sample-batched forward and
+    estimates the same loss as the sequential particles."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "meanfield", init_scale=0.1)
+    batch = (prob.x[:16], prob.y[:16])
+    pyro.set_rng_seed(0)
+    seq = torch.tensor(
+        [pyro.infer.Trace_ELBO(num_particles=4).loss(prob.model, guide, batch) for _ in range(300)]
+    )
+    vec = torch.tensor(
+        [
+            pyro.infer.Trace_ELBO(num_particles=4, vectorize_particles=True).loss(
+                prob.model, guide, batch
+            )
+            for _ in range(300)
+        ]
+    )
+    # two independent means of 300 draws: 5 standard errors of their difference
+    se = math.sqrt(float(seq.var() + vec.var()) / 300)
+    assert abs(float(seq.mean() - vec.mean())) < 5 * se
