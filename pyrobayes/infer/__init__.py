@@ -6,7 +6,7 @@ A guide is a posterior; a :class:`Fitter` fits it (:func:`make_fitter` picks the
 
 from __future__ import annotations
 
-from . import ivon, laplace, objectives, swag
+from . import ivon, kron, laplace, objectives, swag
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .laplace import LaplaceFitter
 from .loop import FitResult, fit
@@ -19,6 +19,7 @@ register_fitter("laplace", LaplaceFitter)
 __all__ = [
     "objectives",
     "ivon",
+    "kron",
     "laplace",
     "swag",
     "fit",
