@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 PACKAGE = "pyrobayes"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
@@ -281,7 +279,6 @@ def test_diagnostics_and_demo_import_no_private_names():
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="guides still import infer until the fitter move lands")
 def test_guides_import_nothing_from_infer():
     bad = _violations(_under(f"{PACKAGE}.guides"), (f"{PACKAGE}.infer",))
     assert not bad, "guides/ must not depend on infer/:\n" + "\n".join(bad)

@@ -172,6 +172,8 @@ def test_elbos_a_family_cannot_use_are_refused_by_name():
     torch.manual_seed(0)
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y, 16)
+    with pytest.raises(TypeError, match="hess_int"):  # a typo in an option is not swallowed
+        pb.posterior(prob.model, "ivon", hess_int=0.5)
     with pytest.raises(ValueError, match="TraceTailAdaptive_ELBO reports no loss"):
         pb.fit(
             prob.model,
@@ -180,7 +182,7 @@ def test_elbos_a_family_cannot_use_are_refused_by_name():
             epochs=1,
             loss=pyro.infer.TraceTailAdaptive_ELBO(num_particles=2, vectorize_particles=True),
         )
-    for family in ("swag", "laplace"):
+    for family in ("swag", "laplace", "ivon", "kron-ivon"):
         with pytest.raises(ValueError, match="cannot fit .* with Trace_ELBO"):
             pb.fit(
                 prob.model,

@@ -114,7 +114,7 @@ class PosteriorGuide(AutoGuide):
         recording_init._records_config = True  # type: ignore[attr-defined]
         cls.__init__ = recording_init  # type: ignore[method-assign]
 
-    def __init__(self, model: Any, **_transitional: Any) -> None:  # TODO: drop once IVON moves
+    def __init__(self, model: Any) -> None:
         super().__init__(model)
         # a name of its own: Pyro's param store keys this guide's parameters by it, so another
         # guide (of any family, on any model) can never swap its tensors into this one

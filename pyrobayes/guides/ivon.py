@@ -114,7 +114,6 @@ class IVONGuide(SitewiseKL):
         rescale_lr: bool = True,
         lr: float | None = None,
         init_loc: str = "model",
-        **extra: Any,
     ) -> None:
         if ess is None:
             ess = getattr(model, "num_data", None)

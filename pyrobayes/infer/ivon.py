@@ -458,6 +458,10 @@ class IVONFitter(Fitter):
 
     def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
         super().__init__(model, guide, **kwargs)
+        self._refuse_variational(
+            "IVON's update needs the per-example mean NLL at its own draws θ = m + σε "
+            "(IVONLoss); the prior and the entropy enter through δ and the update, not the loss."
+        )
         if isinstance(self.objective, IVONLoss) and isinstance(self.optimizer, IVONOptimizer):
             self.objective = copy.copy(self.objective)  # bound to this fitter's draws
             self.objective.sampler = self.optimizer
