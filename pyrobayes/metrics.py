@@ -9,7 +9,9 @@ The posterior predictive is the sample average
 .. math:: \bar p_{nc} = \frac1S \sum_s p_{s,nc},
 
 and every metric is computed from it (never from averaged logits). :func:`report` also accepts any
-object with a ``probs`` attribute (and optionally ``log_probs``), such as a prediction container.
+object with a ``probs`` attribute (and optionally ``log_probs``), such as a prediction container,
+and a regression prediction (``loc`` and ``scale``, as :func:`pyrobayes.predict` returns for a
+Gaussian likelihood), for which it reports :func:`regression_report`.
 
 Tensors go in; per-example quantities come back as tensors of shape ``(N,)`` and aggregate
 metrics as Python floats.
@@ -23,6 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from .models.likelihoods import check_gaussian_targets
 
 __all__ = [
     "CalibrationError",
@@ -43,6 +47,7 @@ __all__ = [
     "pairwise_kl",
     "predictive_entropy",
     "predictive_log_probs",
+    "regression_report",
     "report",
 ]
 
@@ -597,15 +602,13 @@ def pairwise_kl(probs: Tensor | None, *, log_probs: Tensor | None = None) -> flo
 # --------------------------------------------------------------------------------------------
 
 
-def _as_2d_means(means: Tensor, targets: Tensor) -> Tensor:
+def _as_2d_means(means: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(means (S, N), targets (N,))``; targets ``(N, 1)`` are taken as ``(N,)``."""
     if means.dim() == 1:
         means = means.unsqueeze(0)
-    if means.dim() != 2 or targets.dim() != 1 or means.shape[1] != targets.shape[0]:
-        raise ValueError(
-            f"means must be (S, N) or (N,) and targets (N,), got {tuple(means.shape)} and "
-            f"{tuple(targets.shape)}"
-        )
-    return means
+    if means.dim() != 2:
+        raise ValueError(f"means must be (S, N) or (N,), got {tuple(means.shape)}")
+    return means, check_gaussian_targets(targets, means.shape[1:], what="predictive mean")
 
 
 def gaussian_rmse(means: Tensor, targets: Tensor) -> float:
@@ -619,13 +622,13 @@ def gaussian_rmse(means: Tensor, targets: Tensor) -> float:
     means : Tensor
         Shape ``(S, N)`` (or ``(N,)``), per-sample predictive means.
     targets : Tensor
-        Shape ``(N,)``.
+        Shape ``(N,)`` or ``(N, 1)``.
 
     Returns
     -------
     float
     """
-    means = _as_2d_means(means, targets)
+    means, targets = _as_2d_means(means, targets)
     return (means.mean(dim=0) - targets).pow(2).mean().sqrt().item()
 
 
@@ -640,7 +643,7 @@ def gaussian_nll(means: Tensor, targets: Tensor, noise_scale: Tensor | float) ->
     means : Tensor
         Shape ``(S, N)`` (or ``(N,)``), per-sample predictive means.
     targets : Tensor
-        Shape ``(N,)``.
+        Shape ``(N,)`` or ``(N, 1)``.
     noise_scale : Tensor or float
         Observation noise standard deviation :math:`\sigma`, broadcastable to ``(S, N)``
         (a scalar, per-sample ``(S, 1)``, per-example ``(N,)`` or full ``(S, N)``).
@@ -649,7 +652,7 @@ def gaussian_nll(means: Tensor, targets: Tensor, noise_scale: Tensor | float) ->
     -------
     float
     """
-    means = _as_2d_means(means, targets)
+    means, targets = _as_2d_means(means, targets)
     scale = torch.as_tensor(noise_scale, dtype=means.dtype, device=means.device)
     if (scale <= 0).any():
         raise ValueError("noise_scale must be positive")
@@ -657,6 +660,39 @@ def gaussian_nll(means: Tensor, targets: Tensor, noise_scale: Tensor | float) ->
     log_lik = torch.distributions.Normal(means, scale).log_prob(targets.to(means.dtype))
     log_pred = torch.logsumexp(log_lik, dim=0) - math.log(means.shape[0])
     return (-log_pred.mean()).item()
+
+
+def regression_report(
+    means: Tensor, targets: Tensor, noise_scale: Tensor | float | None = None
+) -> dict[str, float]:
+    """RMSE and (with a noise scale) NLL of a Gaussian predictive, per target entry.
+
+    Parameters
+    ----------
+    means : Tensor
+        Shape ``(S, N, *event)``, per-sample predictive means (``Prediction.loc``).
+    targets : Tensor
+        Shape ``(N, *event)``; for a scalar output ``(N,)`` or ``(N, 1)``. Any other shape raises
+        a ``ValueError`` naming both shapes.
+    noise_scale : Tensor or float, optional
+        Observation noise σ (``Prediction.scale``); without it only the RMSE is reported.
+
+    Returns
+    -------
+    dict of str to float
+        ``rmse`` (:func:`gaussian_rmse`) and ``nll`` (:func:`gaussian_nll`) over the
+        ``N · prod(event)`` target entries.
+    """
+    if not isinstance(means, Tensor) or means.dim() < 2:
+        raise ValueError(f"means must be (S, N, *event), got {tuple(getattr(means, 'shape', ()))}")
+    targets = check_gaussian_targets(
+        targets, means.shape[1:], means.dim() - 2, what="predictive mean"
+    )
+    flat_means, flat_targets = means.reshape(means.shape[0], -1), targets.reshape(-1)
+    result = {"rmse": gaussian_rmse(flat_means, flat_targets)}
+    if noise_scale is not None:
+        result["nll"] = gaussian_nll(flat_means, flat_targets, noise_scale)
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -671,15 +707,18 @@ def report(
     ood_probs: Any = None,
     num_bins: int = 15,
 ) -> dict[str, float]:
-    """All standard classification metrics in one dictionary.
+    """All standard classification metrics in one dictionary (or a regression report).
 
     Parameters
     ----------
     probs_or_prediction : Tensor or object
         A ``(S, N, C)`` probability tensor, or any object with attribute ``probs`` of that shape
-        and optionally ``log_probs`` (used for the NLL when present and not ``None``).
+        and optionally ``log_probs`` (used for the NLL when present and not ``None``). A
+        regression prediction (attribute ``loc`` ``(S, N, ...)`` and ``scale``, no
+        ``log_probs``) gives :func:`regression_report` instead.
     labels : Tensor
-        Shape ``(N,)``, integer class labels.
+        Shape ``(N,)``, integer class labels (regression: targets of ``loc``'s shape per sample;
+        ``(N,)`` or ``(N, 1)`` for a scalar output).
     ood_probs : Tensor or object, optional
         Predictions on out-of-distribution inputs, ``(S, M, C)`` or an object as above. When
         given, OOD-detection AUROCs (in-distribution = 0, OOD = 1) are added for three scores:
@@ -694,6 +733,9 @@ def report(
         ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
         ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``.
     """
+    loc = getattr(probs_or_prediction, "loc", None)
+    if isinstance(loc, Tensor) and getattr(probs_or_prediction, "log_probs", None) is None:
+        return regression_report(loc, labels, getattr(probs_or_prediction, "scale", None))
     probs, log_probs = _unpack(probs_or_prediction)
     probs = _as_3d(probs, "probs")
     calibration = calibration_error(probs, labels, num_bins=num_bins)

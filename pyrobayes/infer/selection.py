@@ -56,16 +56,12 @@ def validation_score(
         raise ValueError(
             "fit(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
         )
-    assert pred.loc is not None  # no log_probs: a regression prediction carries loc
-    if pred.scale is None:
+    if pred.loc is None or pred.scale is None:
         raise ValueError(
             "fit(val_data=...): a regression likelihood needs an obs_scale to score the NLL."
         )
-    loc, targets = pred.loc.flatten(1), pred.targets.flatten()
-    measured = {
-        "nll": metrics.gaussian_nll(loc, targets, pred.scale),
-        "rmse": metrics.gaussian_rmse(loc, targets),
-    }
+    # targets checked against the means: (N,) or (N, 1) for a scalar output, else a ValueError
+    measured = metrics.regression_report(pred.loc, pred.targets, pred.scale)
     return (measured[select_by],), measured
 
 

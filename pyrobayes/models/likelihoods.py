@@ -3,6 +3,10 @@
 Each likelihood maps the raw network output to its parameters (``params``) and builds the
 distribution (``dist``). Both work with any leading shape, so the same code scores one parameter
 set inside a Pyro plate and S samples at once in the batched path.
+
+Targets are checked against the parameters by ``check_targets`` (for the Gaussian likelihood,
+:func:`check_gaussian_targets`: one rule used by the batched log-likelihood, the Pyro program,
+prediction, the metrics and the Laplace loader).
 """
 
 from __future__ import annotations
@@ -13,9 +17,17 @@ from typing import Any
 
 import pyro.distributions as dist
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-__all__ = ["Likelihood", "Categorical", "Gaussian", "MultipleChoice", "make_likelihood"]
+__all__ = [
+    "Likelihood",
+    "Categorical",
+    "Gaussian",
+    "MultipleChoice",
+    "make_likelihood",
+    "check_gaussian_targets",
+]
 
 
 def network_output(out: Any) -> Tensor:
@@ -50,6 +62,10 @@ class Likelihood:
         """Pointwise ``log p(y | params)`` with the leading shape of ``params`` (hot path)."""
         return self.dist(params).log_prob(targets)
 
+    def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
+        """``targets`` in the shape ``dist(params)`` scores, or a ``ValueError`` (here: as given)."""
+        return targets
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name}
 
@@ -73,21 +89,135 @@ class Categorical(Likelihood):
         return _categorical_log_prob(params, targets)
 
 
-class Gaussian(Likelihood):
-    """``y ~ N(f(x; θ), σ²)`` with a fixed observation scale σ (``obs_scale``).
+def _shape(shape: Sequence[int]) -> str:
+    return str(tuple(int(n) for n in shape))
 
-    A ``(B, 1)`` output predicts a scalar target; a ``(B, D)`` output a D-vector target (the D
-    outputs form one event, so the data plate stays over examples).
+
+def check_gaussian_targets(
+    targets: Tensor,
+    output_shape: Sequence[int],
+    event_dim: int | None = None,
+    *,
+    what: str = "network output",
+) -> Tensor:
+    """Targets of a Gaussian likelihood checked against its means; ``(B, 1)`` becomes ``(B,)``.
+
+    The means have shape ``(*lead, B, *event)`` with ``event_dim`` trailing event dims (default:
+    ``len(output_shape) - 1``, no leading sample dims). Accepted targets:
+
+    - ``(B, *event)``, one target per example;
+    - ``(B,)`` or ``(B, 1)`` for a scalar output (``event`` empty), treated identically;
+    - the full shape of the means (per-sample targets, e.g. draws from the likelihood).
+
+    Anything else (``(B, 2)`` targets for a scalar output, ``(B,)`` for a vector output, another
+    batch size) raises a ``ValueError`` that names both shapes and the shape to pass.
+
+    Parameters
+    ----------
+    targets : Tensor
+    output_shape : sequence of int
+        Shape of the means, ``(*lead, B, *event)``.
+    event_dim : int, optional
+        Number of event dims of the output.
+    what : str
+        What the means are called in the error message.
+
+    Returns
+    -------
+    Tensor
+        ``targets``, with a trailing unit dim dropped for a scalar output.
+    """
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"Gaussian likelihood: targets must be a tensor, got {type(targets)}.")
+    out = tuple(int(n) for n in output_shape)
+    event_dim = len(out) - 1 if event_dim is None else int(event_dim)
+    if event_dim < 0 or len(out) < event_dim + 1:
+        raise ValueError(
+            f"Gaussian likelihood: the {what} of shape {_shape(out)} has no batch dim before "
+            f"its {event_dim} event dim(s)."
+        )
+    per_batch = out[len(out) - event_dim - 1 :]  # (B, *event)
+    shape = tuple(int(n) for n in targets.shape)
+    if shape in (per_batch, out):
+        return targets
+    if not event_dim and shape == (*per_batch, 1):
+        return targets.squeeze(-1)
+    rows = per_batch[0]
+    if event_dim:
+        expected = f"{_shape(per_batch)}"
+        output = f"the {what} of shape {_shape(per_batch)}"
+    else:
+        expected = f"({rows},) or ({rows}, 1)"
+        output = f"the {what}, one scalar per example for {rows} examples (shape {expected})"
+    raise ValueError(
+        f"Gaussian likelihood: targets of shape {_shape(shape)} do not match {output}; pass "
+        f"targets of shape {expected}."
+    )
+
+
+def _softplus_inverse(value: float) -> float:
+    """``ρ`` with ``softplus(ρ) = value`` (``value > 0``), stable for large values."""
+    return value + math.log(-math.expm1(-value))
+
+
+class Gaussian(Likelihood):
+    r"""``y ~ N(f(x; θ), σ²)``, σ fixed (``obs_scale``) or learned (``obs_scale="learn"``).
+
+    A ``(B, 1)`` or ``(B,)`` output predicts a scalar target (targets ``(B,)`` or ``(B, 1)``); a
+    ``(B, D)`` output a D-vector target ``(B, D)`` (the D outputs form one event, so the data
+    plate stays over examples). Other target shapes raise (:func:`check_gaussian_targets`).
+
+    Learned noise: :math:`σ = \operatorname{softplus}(ρ)` with ``ρ`` an unconstrained point
+    parameter (:attr:`raw_scale`, starting at ``σ = init_scale``) that the model trains with its
+    other point parameters. :attr:`obs_scale` is then the current value of σ.
+
+    Parameters
+    ----------
+    obs_scale : float or "learn"
+        σ, or ``"learn"``.
+    init_scale : float
+        Initial σ when learned.
     """
 
     name = "gaussian"
     is_classification = False
 
-    def __init__(self, obs_scale: float = 1.0) -> None:
-        if obs_scale <= 0:
-            raise ValueError(f"Expected obs_scale > 0 but got {obs_scale}.")
-        self.obs_scale = float(obs_scale)
+    def __init__(self, obs_scale: float | str = 1.0, *, init_scale: float = 1.0) -> None:
+        #: ``ρ`` of a learned ``σ = softplus(ρ)`` (a 0-dim parameter), or ``None`` for a fixed σ.
+        self.raw_scale: nn.Parameter | None = None
+        if isinstance(obs_scale, str):
+            if obs_scale != "learn":
+                raise ValueError(f"Expected obs_scale > 0 or 'learn' but got {obs_scale!r}.")
+            if not init_scale > 0:
+                raise ValueError(f"Expected init_scale > 0 but got {init_scale}.")
+            self.raw_scale = nn.Parameter(torch.tensor(_softplus_inverse(float(init_scale))))
+            self._fixed_scale = float(init_scale)
+        else:
+            if not obs_scale > 0:
+                raise ValueError(f"Expected obs_scale > 0 but got {obs_scale}.")
+            self._fixed_scale = float(obs_scale)
         self.event_dim = 0
+
+    @property
+    def learned(self) -> bool:
+        """Whether σ is learned (``obs_scale="learn"``)."""
+        return self.raw_scale is not None
+
+    @property
+    def obs_scale(self) -> float:
+        """The current σ (for a learned σ, ``softplus(ρ)`` now, as a float)."""
+        if self.raw_scale is None:
+            return self._fixed_scale
+        return float(F.softplus(self.raw_scale.detach()))
+
+    def scale(self, raw_scale: Tensor | None = None) -> Tensor | float:
+        """σ: the fixed float, or ``softplus(ρ)`` as a tensor differentiable in ``ρ``.
+
+        ``raw_scale`` replaces :attr:`raw_scale` (the Pyro program's param-store value).
+        """
+        if self.raw_scale is None:
+            return self._fixed_scale
+        return F.softplus(self.raw_scale if raw_scale is None else raw_scale)
 
     def params(self, output: Tensor, inputs: Any) -> Tensor:
         if output.dim() == 2 and output.shape[-1] == 1:
@@ -96,17 +226,26 @@ class Gaussian(Likelihood):
         self.event_dim = output.dim() - 1
         return output
 
-    def dist(self, params: Tensor) -> dist.TorchDistribution:
-        d = dist.Normal(params, self.obs_scale)
+    def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
+        """:func:`check_gaussian_targets` against ``params`` ``(*lead, B, *event)``."""
+        return check_gaussian_targets(targets, params.shape, self.event_dim)
+
+    def dist(self, params: Tensor, raw_scale: Tensor | None = None) -> dist.TorchDistribution:
+        d = dist.Normal(params, self.scale(raw_scale))
         return d.to_event(self.event_dim) if self.event_dim else d
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
-        z = (targets - params) / self.obs_scale
-        lp = -0.5 * z.pow(2) - math.log(self.obs_scale) - 0.5 * math.log(2 * math.pi)
+        targets = self.check_targets(params, targets)
+        scale = self.scale()
+        log_scale = torch.log(scale) if isinstance(scale, Tensor) else math.log(scale)
+        z = (targets - params) / scale
+        lp = -0.5 * z.pow(2) - log_scale - 0.5 * math.log(2 * math.pi)
         return lp.flatten(-self.event_dim).sum(-1) if self.event_dim else lp
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "obs_scale": self.obs_scale}
+        if self.raw_scale is None:
+            return {"name": self.name, "obs_scale": self.obs_scale}
+        return {"name": self.name, "obs_scale": "learn", "current_scale": self.obs_scale}
 
 
 class MultipleChoice(Likelihood):
