@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from pyrobayes.guides.contract import PostHoc
+from pyrobayes.contract import PostHoc
 from pyrobayes.registry import _REGISTRY
 from tests.common import conjugate_core, split_batches
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
 from ..registry import register_guide
-from .base import PosteriorGuide
+from .base import PosteriorGuide, SitewiseKL
 from .delta import DeltaGuide
 from .ivon import IVONGuide
 from .kron import KroneckerIVONGuide
@@ -19,7 +20,12 @@ register_guide("swag", SWAGGuide, aliases=("b-lora-xs",))
 register_guide("laplace", LaplaceGuide, aliases=("l-lora-xs",))
 
 __all__ = [
+    "Posterior",
+    "AnalyticKL",
+    "PostHoc",
+    "OnlineNewton",
     "PosteriorGuide",
+    "SitewiseKL",
     "MeanFieldGuide",
     "DeltaGuide",
     "IVONGuide",

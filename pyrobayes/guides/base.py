@@ -19,7 +19,7 @@ never branch on the family:
 Joint structure lives in ``rsample`` / ``log_prob`` / ``_pyro_sample_sites``: a mixture of particles
 or an ensemble draws a component once for all sites (an auxiliary Pyro site), and a permutation
 wrapper symmetrizes ``log_prob``. The contract is written as protocols in
-:mod:`pyrobayes.guides.contract`. A guide is only the posterior: how it is fitted lives in
+:mod:`pyrobayes.contract`. A guide is only the posterior: how it is fitted lives in
 :mod:`pyrobayes.infer`, and the guide names its fitter with ``default_fitter``.
 
 The base class also owns the per-site parameter boilerplate (:meth:`PosteriorGuide._add_param`,
@@ -291,7 +291,7 @@ class PosteriorGuide(AutoGuide):
 class SitewiseKL(PosteriorGuide):
     r"""A posterior that factorises over sites, with ``KL(q ‖ p) = Σ_sites KL(q_site ‖ p_site)``.
 
-    Gives a family the :class:`~pyrobayes.guides.contract.AnalyticKL` capability through
+    Gives a family the :class:`~pyrobayes.contract.AnalyticKL` capability through
     ``torch.distributions.kl_divergence`` of each site's marginal against the model's prior
     (``NotImplementedError`` when no formula is registered for the pair).
     """

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..contract import implements
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .objectives import SurrogateObjective, is_variational, make_objective
 
@@ -168,7 +169,7 @@ class Fitter:
         """Evaluate the objective, back-propagate and apply the optimizer; return the loss."""
         optim = self.optimizer
         model, guide, objective = self.model, self.guide, self.objective
-        surrogate = isinstance(objective, SurrogateObjective)
+        surrogate = implements(objective, SurrogateObjective)
         if getattr(optim, "needs_closure", False):
 
             def closure() -> torch.Tensor:

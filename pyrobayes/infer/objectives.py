@@ -11,13 +11,13 @@ through Pyro (``loss.differentiable_loss(model, guide, batch)``).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import pyro
 from torch import Tensor
 
 from ..batch import batch_size, split_batch
-from ..guides.contract import AnalyticKL, Posterior, PostHoc
+from ..contract import AnalyticKL, Posterior, PostHoc, implements
 
 __all__ = [
     "is_variational",
@@ -94,7 +94,7 @@ class ELBO:
         self.analytic_kl = analytic_kl
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
-        if self.analytic_kl and isinstance(guide, AnalyticKL):
+        if self.analytic_kl and implements(guide, AnalyticKL):
             try:  # draws and the analytic KL in one pass
                 values, kl = guide.rsample_with_kl(self.num_particles, model)
             except NotImplementedError:  # no formula for this prior: Monte Carlo below
@@ -110,14 +110,15 @@ class ELBO:
 class MAP:
     r"""Negative log joint at the point estimate: ``−(N/B) Σ_b log p(y_b|θ̂) − log p(θ̂)``.
 
-    ``θ̂`` is the point of a :class:`~pyrobayes.guides.contract.PostHoc` posterior (its ``loc``,
+    ``θ̂`` is the point of a :class:`~pyrobayes.contract.PostHoc` posterior (its ``loc``,
     which SWAG and Laplace train before their posterior exists), else one draw of the guide
     (the point itself for :class:`~pyrobayes.guides.DeltaGuide`).
     """
 
     def loss(self, model: Any, guide: Posterior, batch: Any) -> Tensor:
-        if isinstance(guide, PostHoc):
-            values = {s: guide.loc(s).unsqueeze(0) for s in guide.sites}
+        if implements(guide, PostHoc):
+            point = cast(PostHoc, guide)
+            values = {s: point.loc(s).unsqueeze(0) for s in guide.sites}
         else:
             values = guide.rsample(1)
         return -scaled_log_likelihood(model, values, batch) - model.log_prior(values).sum()

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..contract import Posterior
 from .layers import LoRAXSLinear
 
 __all__ = ["count_parameters"]
@@ -26,10 +27,10 @@ def count_parameters(guide_or_model: Any) -> dict[str, int]:
         - ``trainable``: ``latent + head``;
         - ``lora_same_rank``: trainable adapter numbers a LoRA of the same rank on the same
           layers would have (``Σ_l r_l (d_in + d_out)``; 0 when no LoRA-XS layer is present);
-        - ``posterior_storage``: numbers that describe q (only for a guide: the family's
-          ``posterior_storage()`` when defined, else the size of the guide's state).
+        - ``posterior_storage``: numbers that describe q (only for a guide, a
+          :class:`~pyrobayes.contract.Posterior`: its ``num_posterior_parameters()``).
     """
-    is_guide = hasattr(guide_or_model, "sites") and hasattr(guide_or_model, "model")
+    is_guide = isinstance(guide_or_model, Posterior)
     model = guide_or_model.model if is_guide else guide_or_model
     sites = getattr(model, "latent_sites", {})
     latent = sum(int(torch.Size(s.shape).numel()) for s in sites.values())
@@ -42,8 +43,5 @@ def count_parameters(guide_or_model: Any) -> dict[str, int]:
                 lora += module.rank * (module.in_features + module.out_features)
     out = {"latent": latent, "head": head, "trainable": latent + head, "lora_same_rank": lora}
     if is_guide:
-        storage = getattr(guide_or_model, "posterior_storage", None)
-        out["posterior_storage"] = (
-            int(storage()) if callable(storage) else int(guide_or_model.num_posterior_parameters())
-        )
+        out["posterior_storage"] = int(guide_or_model.num_posterior_parameters())
     return out

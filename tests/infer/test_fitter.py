@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from pyrobayes.guides.contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
+from pyrobayes.contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
 from pyrobayes.models import LoRAXS
 from pyrobayes.registry import _REGISTRY
 from tests.common import mlp_problem, split_batches

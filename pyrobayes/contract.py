@@ -29,7 +29,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-__all__ = ["Posterior", "AnalyticKL", "PostHoc", "OnlineNewton"]
+__all__ = ["Posterior", "AnalyticKL", "PostHoc", "OnlineNewton", "implements"]
 
 
 @runtime_checkable
@@ -191,3 +191,19 @@ class OnlineNewton(Protocol):
     def perturbation(self, eps: Tensor) -> Tensor:
         """``θ − m`` for standard-normal ``eps`` `(S, T)` over all sites laid flat."""
         ...
+
+
+_IMPLEMENTS: dict[tuple[type, type], bool] = {}
+
+
+def implements(obj: Any, protocol: type) -> bool:
+    """``isinstance(obj, protocol)``, decided once per class (the hot paths ask every step).
+
+    A protocol check inspects every member of the protocol (microseconds); the families'
+    capabilities are their classes' methods, so the first instance's answer holds for its class.
+    """
+    key = (type(obj), protocol)
+    hit = _IMPLEMENTS.get(key)
+    if hit is None:
+        hit = _IMPLEMENTS[key] = isinstance(obj, protocol)
+    return hit
