@@ -5,7 +5,9 @@ r"""Post-hoc Laplace posterior over the latent sites (L-LoRA-XS when the sites a
 ``H_GGN`` is the generalized Gauss–Newton of the summed negative log-likelihood with respect to
 the sites only (head fixed at its MAP value), diagonal (``DIAG``) or Kronecker-factored per site
 (``KRON``: for a LoRA-XS core ``R`` the factors are ``r×r``). It is computed by laplace-torch;
-``τ`` is a scalar prior precision chosen by the Laplace marginal likelihood over a bounded range.
+``τ`` is a scalar prior precision chosen by the Laplace marginal likelihood over a bounded range,
+either post hoc at the trained MAP (``prior_optimization="evidence"``) or alternating with refits
+of the MAP (``"alternate"``, MacKay 1992).
 """
 
 from __future__ import annotations
@@ -36,11 +38,36 @@ class LaplaceGuide(PosteriorGuide):
     (block-diagonal across sites). Fitted by :class:`~pyrobayes.infer.laplace.LaplaceFitter`
     (what ``pyrobayes.fit(model, guide, data, epochs=E)`` uses): it first optimises the MAP
     objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's point ``θ`` (and the head),
-    then fits ``H`` over ``data`` and picks ``τ`` (:func:`pyrobayes.infer.laplace.fit_laplace`). ``structure="diag"`` gives
+    with the model's prior ``N(0, s_p² I)``, i.e. ``τ₀ = 1/s_p²``, then fits ``H`` over ``data``
+    and picks ``τ`` (:func:`pyrobayes.infer.laplace.fit_laplace`). ``structure="diag"`` gives
     ``Normal(θ_MAP, (h + τ)^{-1/2})``; ``"kron"`` gives a
     :class:`~pyrobayes.distributions.KronEigenNormal` per site with precision
     ``(Q_G ⊗ Q_A) diag(γ aᵀ + τ) (Q_G ⊗ Q_A)ᵀ``. Sampling (``pyrobayes.predict``) is the "NN"
     predictive; :func:`pyrobayes.infer.laplace.glm_predict` is the linearized one.
+
+    With ``prior_precision="marglik"``, ``τ`` maximises the Laplace log marginal likelihood
+    (MacKay 1992; Immer et al. 2021)
+
+    .. math::
+
+        \log p(D\mid τ) \approx \log p(D\mid θ^*) - \tfrac τ2 \lVert θ^*\rVert^2
+        - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ
+
+    in one of two ways (``prior_optimization``):
+
+    - ``"evidence"`` (default; laplace-torch's post-hoc marginal likelihood): ``θ*`` and ``H``
+      stay at the MAP trained under the model's prior ``τ₀ = 1/s_p²``, and only ``τ`` moves. The
+      guide then pairs a mean that belongs to ``τ₀`` with a covariance ``(H + τ I)^{-1}`` at the
+      selected ``τ``: when ``τ ≠ τ₀`` the mean is not the MAP under the prior the covariance uses.
+    - ``"alternate"`` (MacKay's evidence iteration): repeat *refit the MAP at the current τ*
+      (``alternate_epochs`` epochs of the fitter's optimizer over the training data with the
+      model's prior set to ``N(0, τ^{-1} I)``), *refit H at it*, *re-maximise τ*, until
+      ``|log τ_new − log τ| < alternate_tol`` or ``alternate_max_iter`` refits. The guide keeps
+      the τ its last MAP and ``H`` were fitted under, so mean and covariance belong to one prior.
+      At convergence τ maximises the Laplace evidence at its own MAP; in a linear-Gaussian model
+      that is a stationary point of the exact evidence. Costs up to ``alternate_max_iter ×
+      alternate_epochs`` more epochs, and the refits move the MAP away from a best epoch that
+      ``pyrobayes.fit(val_data=...)`` selected (they train on the training data only).
 
     Parameters
     ----------
@@ -49,6 +76,16 @@ class LaplaceGuide(PosteriorGuide):
     prior_precision : "marglik", "model" or float
         τ: tuned by the Laplace marginal likelihood over ``log τ ∈ log_prior_bounds``, the model's
         ``1/s_p²``, or fixed.
+    prior_optimization : {"evidence", "alternate"}
+        How ``"marglik"`` tunes τ: post hoc at the fixed MAP, or alternating with MAP refits (see
+        above). ``"alternate"`` needs ``prior_precision="marglik"`` and a model with a
+        ``prior_scale`` (a ``FineTuneModel``).
+    alternate_tol : float
+        Stop alternating when ``|log τ_new − log τ| <`` this (natural log).
+    alternate_max_iter : int
+        At most this many MAP refits.
+    alternate_epochs : int
+        Epochs over the training data per MAP refit (warm-started at the previous MAP).
     log_prior_bounds : (float, float)
         Natural-log bounds of the τ search (default ``(-5, 10)``).
     temperature : float
@@ -73,6 +110,10 @@ class LaplaceGuide(PosteriorGuide):
         prior_precision: str | float = "marglik",
         log_prior_bounds: tuple[float, float] | list[float] = (-5.0, 10.0),
         temperature: float = 1.0,
+        prior_optimization: str = "evidence",
+        alternate_tol: float = 1e-3,
+        alternate_max_iter: int = 20,
+        alternate_epochs: int = 5,
     ) -> None:
         if structure not in ("kron", "diag"):
             raise ValueError(f"Expected structure 'kron' or 'diag' but got {structure!r}.")
@@ -89,10 +130,29 @@ class LaplaceGuide(PosteriorGuide):
             raise ValueError(f"Expected log_prior_bounds (lo, hi) with lo < hi, got {(lo, hi)}.")
         if temperature <= 0:
             raise ValueError(f"Expected temperature > 0 but got {temperature}.")
+        if prior_optimization not in ("evidence", "alternate"):
+            raise ValueError(
+                "Expected prior_optimization 'evidence' or 'alternate' but got "
+                f"{prior_optimization!r}."
+            )
+        if prior_optimization == "alternate" and prior_precision != "marglik":
+            raise ValueError(
+                "prior_optimization='alternate' tunes τ by the marginal likelihood; it needs "
+                f"prior_precision='marglik', not {prior_precision!r}."
+            )
+        if alternate_tol <= 0 or alternate_max_iter < 1 or alternate_epochs < 1:
+            raise ValueError(
+                "Expected alternate_tol > 0, alternate_max_iter >= 1 and alternate_epochs >= 1 but "
+                f"got {alternate_tol}, {alternate_max_iter}, {alternate_epochs}."
+            )
         self.structure = structure
         self.prior_precision_spec = prior_precision
         self.log_prior_bounds = (lo, hi)
         self.temperature = float(temperature)
+        self.prior_optimization = prior_optimization
+        self.alternate_tol = float(alternate_tol)
+        self.alternate_max_iter = int(alternate_max_iter)
+        self.alternate_epochs = int(alternate_epochs)
         self._index: dict[str, int] = {}
         super().__init__(model)
 

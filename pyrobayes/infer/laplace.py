@@ -13,7 +13,9 @@ Prior precision. ``τ`` maximises the Laplace log marginal likelihood
 .. math:: \log p(D\mid τ) ≈ \log p(D\mid θ^*) - \tfrac τ2 \|θ^*\|^2
           - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ
 
-over ``log τ ∈ [lo, hi]`` (natural log, default ``[−5, 10]``): a grid, then golden-section search.
+over ``log τ ∈ [lo, hi]`` (natural log, default ``[−5, 10]``): a grid, then golden-section search,
+with ``θ*`` and ``H`` held at the trained MAP (laplace-torch's post-hoc marginal likelihood,
+Immer et al. 2021), or alternating with MAP refits (MacKay 1992; :class:`LaplaceFitter`).
 
 GLM predictive. ``f(x) ~ N(f(x; θ*), J(x) Σ J(x)ᵀ)``; class probabilities by the probit
 approximation ``softmax(f / sqrt(1 + π/8 · diag(JΣJᵀ)))`` or Monte Carlo over the logits.
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, to_device
-from ..models.likelihoods import network_output
+from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
 from .fitter import Fitter
 
@@ -51,18 +53,106 @@ class LaplaceFitter(Fitter):
     curvature and τ at the end (:func:`fit_laplace` over the training data).
 
     The objective is the MAP objective at the guide's point; the optimizer is Adam.
+
+    With ``LaplaceGuide(prior_optimization="alternate")``, :meth:`end` runs MacKay's (1992)
+    evidence iteration instead of one post-hoc τ: starting from ``τ₀ = 1/s_p²`` (the prior the
+    MAP was trained under) it repeats
+
+    1. fit ``H`` at the current MAP ``θ*_τ`` and ``τ' = argmax_τ log p(D | τ)`` (the Laplace
+       marginal likelihood of :func:`fit_laplace`, ``θ*`` and ``H`` held);
+    2. stop if ``|log τ' − log τ| < alternate_tol``; else ``τ ← τ'`` and refit the MAP under
+       the prior ``N(0, τ^{-1} I)``: ``alternate_epochs`` epochs of this fitter's optimizer over
+       the data, warm-started at the previous MAP.
+
+    The refit sets the model's ``prior_scale`` to ``τ^{-1/2}`` for its duration (restored
+    afterwards), so the fitter's own objective is the MAP objective under τ. The guide keeps the
+    last τ its MAP was refitted under (and ``H`` at that MAP), so mean and covariance share one
+    prior. At a fixed point ``∂/∂τ`` of the Laplace evidence vanishes with ``θ*`` stationary in
+    ``θ``; in a linear-Gaussian model that is a stationary point of the exact evidence.
+    :attr:`prior_precisions` lists the τ of every MAP (``τ₀`` first) and the last ``τ'``.
     """
+
+    prior_precisions: list[float]
+
+    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
+        super().__init__(model, guide, **kwargs)
+        self._refuse_variational(
+            "the Laplace posterior is built at the MAP of its point, not fitted by an ELBO (its "
+            "q does not exist until the curvature is fitted)."
+        )
 
     def default_objective(self) -> str:
         return "map"
 
     def begin(self, data: Iterable[Any] | None = None) -> None:
         self.guide.reset()
+        self.prior_precisions = []
+        if self._alternating:
+            self._model_prior_precision()  # fail before training, not after
+
+    @property
+    def _alternating(self) -> bool:
+        guide = self.guide
+        return guide.prior_precision_spec == "marglik" and guide.prior_optimization == "alternate"
+
+    def _model_prior_precision(self) -> float:
+        scale = getattr(self.model, "prior_scale", None)
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            raise TypeError(
+                "LaplaceGuide(prior_optimization='alternate') refits the MAP under a new prior "
+                "precision through model.prior_scale; this model has none (use a FineTuneModel)."
+            )
+        return 1.0 / float(scale) ** 2
 
     def end(self, data: Iterable[Any] | None = None) -> None:
         if data is None:
             raise ValueError("LaplaceFitter.end(data) needs the training data for the curvature.")
-        fit_laplace(self.model, self.guide, data)
+        self.prior_precisions = []
+        if self._alternating:
+            self._alternate(data)
+        else:
+            fit_laplace(self.model, self.guide, data)
+
+    def _alternate(self, data: Iterable[Any]) -> None:
+        """MacKay's evidence iteration: MAP at τ, H at the MAP, τ by the evidence, until stable."""
+        guide = self.guide
+        tau_map = self._model_prior_precision()  # the prior the trained MAP belongs to
+        fit_laplace(self.model, guide, data)
+        tau = guide.prior_precision
+        self.prior_precisions = [tau_map, tau]
+        refits = 0
+        while abs(math.log(tau) - math.log(tau_map)) >= guide.alternate_tol:
+            if refits == guide.alternate_max_iter:
+                logger.warning(
+                    "Laplace: τ did not settle in %d MAP refits (last τ %.4g → %.4g); raise "
+                    "alternate_max_iter or alternate_epochs.",
+                    refits,
+                    tau_map,
+                    tau,
+                )
+                break
+            tau_map = tau
+            self._refit_map(data, tau_map)
+            fit_laplace(self.model, guide, data)
+            tau = guide.prior_precision
+            self.prior_precisions.append(tau)
+            refits += 1
+        guide.set_prior_precision(tau_map)  # H and the mean were fitted under this τ
+        logger.info("Laplace (alternate): τ = %.4g after %d MAP refits", tau_map, refits)
+
+    def _refit_map(self, data: Iterable[Any], tau: float) -> None:
+        """``alternate_epochs`` epochs of the MAP objective under the prior ``N(0, τ^{-1} I)``."""
+        model = self.model
+        saved, was_training = model.prior_scale, model.training
+        model.prior_scale = tau**-0.5
+        model.train(True)
+        try:
+            for _ in range(self.guide.alternate_epochs):
+                for batch in data:
+                    self.step(to_device(batch, model.device))
+        finally:
+            model.prior_scale = saved
+            model.train(was_training)
 
 
 class LaplaceNet(nn.Module):
@@ -87,10 +177,16 @@ class LaplaceNet(nn.Module):
 
 
 class _Loader:
-    """Re-iterable ``(X, y)`` / dict batches with ``.dataset`` of length N, as laplace-torch wants."""
+    """Re-iterable ``(X, y)`` / dict batches with ``.dataset`` of length N, as laplace-torch wants.
+
+    Regression targets are checked against the network output (``check_gaussian_targets``: a
+    scalar output takes ``(B,)`` or ``(B, 1)``, a ``(B, D)`` output ``(B, D)``, anything else
+    raises) and passed as laplace-torch wants them, ``(B, 1)`` or ``(B, D)``.
+    """
 
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
         self.model, self.data, self.device = model, data, device
+        self._event_shape: tuple[int, ...] | None = None  # of one example's output, once probed
         dataset: Any = getattr(data, "dataset", None)
         try:
             n = len(dataset)  # None or an unsized dataset: TypeError
@@ -100,18 +196,32 @@ class _Loader:
 
     def __iter__(self) -> Iterator[Any]:
         regression = not self.model.likelihood.is_classification
+        key = self.model.label_key
         for batch in self.data:
             batch = to_device(batch, self.device)
+            inputs, y = split_batch(batch, key)
+            if regression and y is not None:
+                y = self._regression_targets(inputs, y)
             if isinstance(batch, Mapping):
-                yield dict(batch)
-                continue
-            inputs, y = split_batch(batch, self.model.label_key)
-            if regression and y is not None and y.dim() == 1:
-                y = y.unsqueeze(-1)
-            yield inputs, y
+                yield {**batch, key: y} if y is not None else dict(batch)
+            else:
+                yield inputs, y
+
+    def _regression_targets(self, inputs: Any, y: Tensor) -> Tensor:
+        """``y`` checked against the output of ``inputs``: ``(B, 1)`` (scalar) or ``(B, *event)``."""
+        model = self.model
+        if self._event_shape is None:  # one probe forward for the output's per-example shape
+            with torch.no_grad():
+                out = model.likelihood.params(
+                    network_output(model._call_net(model.net, inputs)), inputs
+                )
+            self._event_shape = tuple(int(n) for n in out.shape[1:])
+        y = check_gaussian_targets(y, (batch_size(inputs), *self._event_shape))
+        return y if self._event_shape else y.unsqueeze(-1)
 
 
 def _laplace_likelihood(model: Any) -> tuple[str, float]:
+    """laplace-torch's ``likelihood`` and ``sigma_noise`` (a learned σ: its current value)."""
     if model.likelihood.is_classification:
         return "classification", 1.0
     return "regression", float(getattr(model.likelihood, "obs_scale", 1.0))
