@@ -115,7 +115,7 @@ def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
 
 
 def _load_guide_state(guide: Any, state: dict[str, torch.Tensor]) -> None:
-    device = guide._device()
+    device = guide.device
     guide.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
 
 

@@ -73,7 +73,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _site_shapes(model: Any, guide: Any) -> dict[str, torch.Size]:
-    guide._require_setup()
+    guide.require_setup()
     shapes = dict(guide.sites)
     if not shapes:
         shapes = {s: torch.Size(spec.shape) for s, spec in model.latent_sites.items()}

@@ -144,7 +144,8 @@ class PosteriorGuide(AutoGuide):
         """Allocate the parameters of one site (called once per site, with its initial value)."""
         raise NotImplementedError
 
-    def _require_setup(self) -> None:
+    def require_setup(self) -> None:
+        """Raise a clear error when the guide has no sites yet."""
         if not self.sites:
             raise RuntimeError(
                 f"{type(self).__name__} has no sites yet: build it from a FineTuneModel, or call "
@@ -205,7 +206,7 @@ class PosteriorGuide(AutoGuide):
     # ------------------------------------------------------------------ batched queries
     def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
         """Differentiable joint draws ``{site: (num_samples, *shape)}``."""
-        self._require_setup()
+        self.require_setup()
         return {s: self.get_posterior(s).rsample((num_samples,)) for s in self.sites}
 
     def sample_posterior(
@@ -232,14 +233,14 @@ class PosteriorGuide(AutoGuide):
                 return self.rsample(num_samples)
             # torch distributions do not take generators: run their sampler on a forked RNG
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-            devices = [self._device()] if self._device().type == "cuda" else []
+            devices = [self.device] if self.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 return self.rsample(num_samples)
 
     def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
         """Joint ``log q(θ_s)`` for draws ``values[site]: (S, *shape)`` → ``(S,)``."""
-        self._require_setup()
+        self.require_setup()
         total = None
         for site in self.sites:
             lp = self.get_posterior(site).log_prob(values[site])
@@ -249,7 +250,7 @@ class PosteriorGuide(AutoGuide):
 
     def mean(self) -> dict[str, Tensor]:
         """Posterior mean per site."""
-        self._require_setup()
+        self.require_setup()
         with torch.no_grad():
             return {s: self.get_posterior(s).mean.detach() for s in self.sites}
 
@@ -264,7 +265,7 @@ class PosteriorGuide(AutoGuide):
         family (SWAG, Laplace) is fitted; a mixture of particles or an ensemble returns its K
         members (S = K), whose average is its predictive.
         """
-        self._require_setup()
+        self.require_setup()
         with torch.no_grad():
             if "locs" in self._modules:
                 return {s: self.loc(s).detach().unsqueeze(0) for s in self.sites}
@@ -282,7 +283,9 @@ class PosteriorGuide(AutoGuide):
         forget_pyro_params(self._pyro_name)
         return result
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """Where the guide's state lives (CPU when it has none yet)."""
         for t in self.state_dict().values():
             return t.device
         return torch.device("cpu")
@@ -298,7 +301,7 @@ class SitewiseKL(PosteriorGuide):
 
     def kl_to_prior(self, model: Any) -> Tensor:
         """``Σ_sites KL(q_site ‖ p_site)``."""
-        self._require_setup()
+        self.require_setup()
         total = None
         for site in self.sites:
             kl = kl_divergence(self.get_posterior(site), model.site_prior(site))

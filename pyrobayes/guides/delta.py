@@ -40,7 +40,7 @@ class DeltaGuide(PosteriorGuide):
         return dist.Delta(loc, event_dim=loc.dim())
 
     def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
-        self._require_setup()
+        self.require_setup()
         return {s: self.loc(s).expand(num_samples, *self.sites[s]) for s in self.sites}
 
     def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:

@@ -227,7 +227,7 @@ class IVONGuide(SitewiseKL):
         """
         handles = self.__dict__.get("_handles")
         if handles is None:
-            self._require_setup()
+            self.require_setup()
             handles = self.__dict__["_handles"] = (
                 [self.loc_param(s) for s in self.sites],
                 [None if self.is_kron(s) else self.hess(s) for s in self.sites],

@@ -224,8 +224,8 @@ class LaplaceGuide(PosteriorGuide):
         """Forget the fit: the guide is unfitted until its curvature is fitted again."""
         self.mark_fitted(False)
 
-    def _require_fitted(self) -> None:
-        self._require_setup()
+    def require_fitted(self) -> None:
+        self.require_setup()
         if not self.is_fitted:
             raise RuntimeError(
                 "LaplaceGuide is not fitted; run pyrobayes.fit(model, guide, data, epochs=...) (or "
@@ -235,7 +235,7 @@ class LaplaceGuide(PosteriorGuide):
 
     def posterior_precision(self, site: str) -> Tensor:
         """Dense ``H + τ I`` over ``site.reshape(-1)`` (row-major), ``(numel, numel)``."""
-        self._require_fitted()
+        self.require_fitted()
         prec = self.curvature(site) + self.lap_prior_precision
         if self.structure == "diag":
             return torch.diag(prec.reshape(-1))
@@ -245,7 +245,7 @@ class LaplaceGuide(PosteriorGuide):
     # ------------------------------------------------------------------ guide contract
     def get_posterior(self, site: str) -> dist.TorchDistribution:
         loc = self.loc(site)
-        self._require_fitted()
+        self.require_fitted()
         prec = self.curvature(site) + self.lap_prior_precision
         if self.structure == "diag":
             return dist.Normal(loc, prec.rsqrt()).to_event(loc.dim())
@@ -253,12 +253,12 @@ class LaplaceGuide(PosteriorGuide):
         return KronEigenNormal(loc, q_in, q_out, prec)
 
     def mean(self) -> dict[str, Tensor]:
-        self._require_setup()
+        self.require_setup()
         return {s: self.loc(s).detach().clone() for s in self.sites}
 
     def num_posterior_parameters(self) -> int:
         """Numbers that describe q: the MAP, the curvature, the eigenbases (KRON) and τ."""
-        self._require_setup()
+        self.require_setup()
         total = 1
         for shape in self.sites.values():
             total += 2 * int(torch.Size(shape).numel())

@@ -272,11 +272,11 @@ class SWAGGuide(PosteriorGuide):
 
     def posterior(self) -> dist.LowRankMultivariateNormal:
         """The joint ``LowRankMultivariateNormal`` over the concatenated vec of all sites."""
-        self._require_fitted()
+        self.require_fitted()
         return swag_posterior(self.state, self.scale)
 
-    def _require_fitted(self) -> None:
-        self._require_setup()
+    def require_fitted(self) -> None:
+        self.require_setup()
         if not self.is_fitted:
             raise RuntimeError(
                 "SWAGGuide is not fitted; run pyrobayes.fit(model, guide, data, epochs=...) so it "
@@ -318,18 +318,18 @@ class SWAGGuide(PosteriorGuide):
         }
 
     def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
-        self._require_setup()
+        self.require_setup()
         return self._split(self.posterior().rsample((num_samples,)))
 
     def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
         return self.posterior().log_prob(self._flatten(values))
 
     def mean(self) -> dict[str, Tensor]:
-        self._require_fitted()
+        self.require_fitted()
         return {s: v.detach().clone() for s, v in self._split(self.swag_mean).items()}
 
     def num_posterior_parameters(self) -> int:
         """Numbers that describe q: ``d`` (mean) + ``d`` (diagonal) + ``K d`` (deviations)."""
-        self._require_setup()
+        self.require_setup()
         d = int(self.swag_mean.numel())
         return d * (2 + self.rank)

@@ -111,7 +111,7 @@ class MeanFieldGuide(SitewiseKL):
         """``θ_s = μ + σ ε_s``, ``ε_s ~ N(0, I)``: what ``Normal(μ, σ).rsample((S,))`` draws."""
         if not self._plain_normal():
             return super().rsample(num_samples)
-        self._require_setup()
+        self.require_setup()
         out = {}
         for site in self.sites:
             loc, scale = self._loc_scale(site)
@@ -137,7 +137,7 @@ class MeanFieldGuide(SitewiseKL):
         if not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None:
             kl = self.kl_to_prior(model)  # first: it may raise NotImplementedError
             return self.rsample(num_samples), kl
-        self._require_setup()
+        self.require_setup()
         draws, kl = self._closed_form(model, num_samples)
         assert draws is not None
         return draws, kl

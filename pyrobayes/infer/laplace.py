@@ -268,7 +268,7 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
     from laplace import DiagLaplace, KronLaplace, Laplace
     from laplace.utils import KronDecomposed
 
-    guide._require_setup()
+    guide.require_setup()
     net = model.net
     specs = model.latent_sites
     flags = {name: p.requires_grad for name, p in net.named_parameters()}
@@ -376,7 +376,7 @@ def _functional_variance(guide: Any, jac: Mapping[str, Tensor]) -> Tensor:
 
 def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
     """Mean ``f(x; θ*)`` `(B, C)` and covariance ``J Σ Jᵀ`` `(B, C, C)` of the linearized model."""
-    guide._require_fitted()
+    guide.require_fitted()
     values = {s: guide.loc(s).detach() for s in guide.sites}
 
     def f(vals: dict[str, Tensor]) -> Tensor:
