@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
-import warnings
 
+import arviz  # its once-a-day FutureWarning is a named ignore in pyproject.toml
 import numpy as np
 import pytest
 import torch
 from torch.distributions import Independent, Normal
 
 from pyrobayes.diagnostics.psis import importance_ess, pareto_khat, psis_smooth, psis_tail_length
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # ArviZ 0.x announces its refactor with a FutureWarning
-    import arviz
 
 
 def normal_log_ratios(dim: int, c: float, num_draws: int = 4000) -> torch.Tensor:
