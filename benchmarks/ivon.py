@@ -18,7 +18,7 @@ Tasks:
 * **digits** - sklearn digits, an MLP 64-128-128-5 pretrained on digits 0-4, then LoRA-XS r=4 cores
   on its two hidden layers and a point-estimated head (as ``examples/_digits.py``), fine-tuned on
   ``digits.num_train`` images of the same digits, several seeds. ``--set 'digits.protocol="shift"'``:
-  the transfer task of SPECS 2(d) 6 instead (a new 10-class head, fine-tuned on all ten digits).
+  the transfer task of the subspace paper instead (a new 10-class head, fine-tuned on all ten digits).
 * **text** - ``all-MiniLM-L6-v2`` with LoRA-XS r=8 on query/value (12 cores of 8x8) and a new
   2-class head (point estimate), VADER movieReviewSnippets binary, ``text.num_train`` sentences,
   max_length 48, 256 test sentences.
@@ -174,7 +174,7 @@ def digits_task(
     pretrain_holdout: bool = False,
 ) -> dict[str, Any]:
     """``protocol="same"``: pretrain on digits 0-4 and fine-tune on a subset of the same images
-    and classes (at the accuracy ceiling). ``"shift"``: SPECS 2(d) 6's transfer task - pretrain on
+    and classes (at the accuracy ceiling). ``"shift"``: the transfer task - pretrain on
     0-4, replace the head by a new 10-class one, fine-tune on ``num_train`` images of all digits.
     ``evaluate="val"`` scores on up to 450 training images outside the fine-tuning set instead of
     the test split (for choosing hyperparameters without looking at the test split); under
@@ -460,7 +460,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         beta2=0.99999,
         ess_scale=1.0,  # ess = ess_scale * num_train for ivon, kron-ivon and ivon-opt
         schedule="constant",  # or "cosine" / "linear" (every method, per step, to 0 over the run)
-        protocol="same",  # or "shift": new 10-class head, fine-tune on all digits (SPECS 2(d) 6)
+        protocol="same",  # or "shift": new 10-class head, fine-tune on all digits
         evaluate="test",  # or "val": score on held-out training images (hyperparameter choice)
         latent_head=False,  # True: the head is a latent site (sampled in the predictive)
         prior_scale=1.0,  # the model's N(0, s²) prior: MAP's prior, δ = 1/(N s²) for the IVONs
