@@ -39,6 +39,7 @@ class Prediction:
         ``scale``).
     scale : float or None
     targets : Tensor `(N, ...)` or None
+        Regression targets in the shape of ``loc[0]`` (``(N,)`` for a scalar output).
     """
 
     log_probs: Tensor | None = None
@@ -139,13 +140,14 @@ def predict(
     model.train(False)
     dev = model.device
     if values is None:
-        if guide.is_deterministic:  # the Posterior protocol (guides/contract.py)
+        if guide.is_deterministic:  # the Posterior protocol (contract.py)
             num_samples = 1
         generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         values = guide.sample_posterior(num_samples, generator=generator)
     values = {k: v.detach().to(dev) for k, v in values.items()}
     num_samples = int(next(iter(values.values())).shape[0])
     classification = model.likelihood.is_classification
+    check_targets = getattr(model.likelihood, "check_targets", None)
     outputs: list[Tensor] = []
     targets: list[Tensor] = []
     with torch.no_grad():
@@ -160,7 +162,7 @@ def predict(
                     params = torch.log_softmax(model.likelihood.dist(params).logits, dim=-1)
                 parts.append(params)
             outputs.append(torch.cat(parts, 0))
-            if y is not None:
-                targets.append(y)
+            if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
+                targets.append(check_targets(parts[0], y) if check_targets else y)
     target = torch.cat(targets, 0) if targets else None
     return Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)

@@ -9,6 +9,8 @@ The frozen backbone is held outside Pyro (never in the param store, never change
 adapter values are swapped into the network for the duration of one forward (as
 ``torch.func.functional_call`` does, through cached slots). Other trainable parts
 (a classifier head) are point estimates registered with ``pyro.param`` unless made latent.
+With ``likelihood="gaussian", obs_scale="learn"`` the observation noise is one more point
+parameter, ``σ = softplus(ρ)``.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ from torch import Tensor, nn
 from ..batch import batch_size, expand_samples, split_batch, token_mask
 from .adapters import LoRA, LoRAXS, SiteSpec, inject_adapter, make_latent
 from .layers import LoRALinear, LoRAXSLinear
-from .likelihoods import Likelihood, make_likelihood, network_output
+from .likelihoods import Gaussian, Likelihood, make_likelihood, network_output
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FineTuneModel", "HEAD_NAMES"]
+__all__ = ["FineTuneModel", "HEAD_NAMES", "NOISE_PARAM"]
 
 #: Module names treated as the task head of Hugging Face models (trained as point estimates).
 HEAD_NAMES = ("classifier", "score", "qa_outputs", "pre_classifier")
+
+#: ``point_params`` key of a learned Gaussian noise ``ρ`` (``σ = softplus(ρ)``).
+NOISE_PARAM = "likelihood.raw_scale"
 
 
 def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
@@ -64,7 +69,7 @@ _INSTANCES = itertools.count()
 
 
 class FineTuneModel(nn.Module):
-    """Pyro model over the adapter (or LoRA-XS core) parameters of a network.
+    r"""Pyro model over the adapter (or LoRA-XS core) parameters of a network.
 
     Parameters
     ----------
@@ -85,8 +90,12 @@ class FineTuneModel(nn.Module):
         ``"auto"`` picks the Hugging Face task head (``classifier``, ``score``, ...).
     latent_modules : list of str
         ``nn.Linear`` modules whose weight and bias become latent sites instead.
-    obs_scale : float
-        σ of the Gaussian likelihood.
+    obs_scale : float or "learn"
+        σ of the Gaussian likelihood, or ``"learn"``: :math:`σ = \operatorname{softplus}(ρ)`
+        with ``ρ`` a point-estimated parameter (``point_params["likelihood.raw_scale"]``,
+        starting at σ = 1), trained by every fitter with the other point parameters, saved by
+        :func:`pyrobayes.save`, and registered with ``pyro.param`` in the Pyro program. Targets
+        of a scalar output are ``(B,)`` or ``(B, 1)``, of a ``(B, D)`` output ``(B, D)``.
     choice_token_ids : list of int, optional
         Token ids of the answer choices for ``likelihood="multiple_choice"``.
     calibration_data : iterable of batches, optional
@@ -116,7 +125,7 @@ class FineTuneModel(nn.Module):
         num_data: int | None = None,
         trainable_modules: Sequence[str] | str = "auto",
         latent_modules: Sequence[str] = (),
-        obs_scale: float = 1.0,
+        obs_scale: float | str = 1.0,
         choice_token_ids: Sequence[int] | None = None,
         calibration_data: Iterable[Any] | None = None,
         max_calibration_batches: int | None = None,
@@ -188,6 +197,10 @@ class FineTuneModel(nn.Module):
         self.point_params: dict[str, nn.Parameter] = self._select_point_params(
             trainable_modules, {s.module_path for s in specs if s.kind in ("weight", "bias")}
         )
+        if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:
+            # a module parameter (moved by .to()), and a point parameter outside the network
+            self.register_parameter("likelihood_raw_scale", self.likelihood.raw_scale)
+            self.point_params[NOISE_PARAM] = self.likelihood.raw_scale
 
     # ------------------------------------------------------------------ structure
     def _select_point_params(
@@ -282,7 +295,8 @@ class FineTuneModel(nn.Module):
         slots = self.__dict__.get("_slot_cache")
         if slots is None:
             slots = {}
-            names = [s.param_name for s in self.latent_sites.values()] + list(self.point_params)
+            names = [s.param_name for s in self.latent_sites.values()]
+            names += [n for n in self.point_params if n != NOISE_PARAM]  # the rest: the network's
             for name in names:
                 parent, _, leaf = name.rpartition(".")
                 module = self.net.get_submodule(parent) if parent else self.net
@@ -319,17 +333,29 @@ class FineTuneModel(nn.Module):
         ``values[site]`` has shape ``(S, *site_shape)``. The input batch is expanded S-fold
         (sample-major) and each adapter layer applies its own sample to its slice.
         """
+        return self._batched(inputs, values)
+
+    def _batched(
+        self,
+        inputs: Any,
+        values: Mapping[str, Tensor],
+        overrides: Mapping[str, Tensor] | None = None,
+    ) -> Tensor:
         num_samples = _num_samples(values)
         num_rows = batch_size(inputs)
         if num_samples == 1:
-            out = self.output(inputs, {s: v[0] for s, v in values.items()})
+            out = self.output(inputs, {s: v[0] for s, v in values.items()}, overrides)
             return out.unsqueeze(0)
         expanded = expand_samples(inputs, num_samples)
-        out = self.output(expanded, values)
+        out = self.output(expanded, values, overrides)
         return out.reshape(num_samples, num_rows, *out.shape[1:])
 
     def log_likelihood(self, params: Tensor, targets: Tensor) -> Tensor:
-        """Pointwise ``log p(y_i | θ_s)``: params ``(S, B, ...)`` → ``(S, B)``."""
+        """Pointwise ``log p(y_i | θ_s)``: params ``(S, B, ...)`` → ``(S, B)``.
+
+        ``targets`` are checked by the likelihood (``check_targets``); a Gaussian likelihood
+        takes ``(B,)`` or ``(B, 1)`` for a scalar output and raises on any other mismatch.
+        """
         return self.likelihood.log_prob(params, targets)
 
     def log_prior(self, values: Mapping[str, Tensor]) -> Tensor:
@@ -348,7 +374,16 @@ class FineTuneModel(nn.Module):
 
     # ------------------------------------------------------------------ Pyro program
     def forward(self, batch: Any) -> Tensor:
-        """Run the model as a Pyro program on one minibatch (targets observed when present)."""
+        r"""Run the model as a Pyro program on one minibatch (targets observed when present).
+
+        ``θ ~ p(θ)``; ``y_b ~ p(y_b | f(x_b; θ))`` in ``plate("data", N, subsample_size=B)``.
+
+        Sample sites may carry leading batch dimensions (Pyro's vectorized particles,
+        ``Predictive(parallel=True)``): the S parameter sets then run in one sample-batched
+        forward and ``obs`` has shape ``(*sample_shape, B)``, the data plate staying at the
+        right. More rows than ``num_data`` are allowed without targets (prediction); with
+        targets that is an error (``num_data`` is the size of the training set).
+        """
         inputs, targets = split_batch(batch, self.label_key)
         values = {site: pyro.sample(site, self.site_prior(site)) for site in self.latent_sites}
         overrides = {}
@@ -356,16 +391,58 @@ class FineTuneModel(nn.Module):
             stored = pyro.param(f"{self._pyro_name}.{name}", p)
             if stored is not p:  # the store holds this model's parameter elsewhere: it wins
                 overrides[name] = stored
-        params = self.output(inputs, values, overrides)
+        raw_scale = overrides.pop(NOISE_PARAM, None)  # the likelihood's, not the network's
         size = batch_size(inputs)
+        lead = torch.broadcast_shapes(
+            *(v.shape[: v.dim() - len(self.latent_sites[s].shape)] for s, v in values.items())
+        )
+        if len(lead):  # S = prod(lead) parameter sets in one sample-batched forward
+            # sample plates sit left of the data plate (dim -1); a latent site has size 1 at
+            # dim -1 when the values are aligned with the plates, and no such dim when they come
+            # from Predictive(parallel=True) (which does not align sites with event dims)
+            sample_shape = lead[:-1] if lead[-1] == 1 else lead
+            shapes = {s: self.latent_sites[s].shape for s in values}
+            flat = {
+                s: v.expand(*lead, *shapes[s]).reshape(-1, *shapes[s]) for s, v in values.items()
+            }
+            params = self._batched(inputs, flat, overrides)  # (S, B, ...)
+            params = params.reshape(*sample_shape, *params.shape[1:])
+        else:
+            params = self.output(inputs, values, overrides)
         num_data = self.num_data or size
-        with pyro.plate("data", num_data, subsample_size=size, dim=-1):
-            return pyro.sample("obs", self.likelihood.dist(params), obs=targets)
+        if size > num_data and targets is not None:
+            raise ValueError(
+                f"The batch has {size} observed rows but the model's num_data is {num_data}; "
+                "num_data is the size of the training set (batches are subsets of it)."
+            )
+        plate = (
+            pyro.plate("data", size, dim=-1)
+            if size > num_data
+            else pyro.plate("data", num_data, subsample_size=size, dim=-1)
+        )
+        obs_dist, targets = self._observation(params, targets, raw_scale)
+        with plate:
+            return pyro.sample("obs", obs_dist, obs=targets)
+
+    def _observation(
+        self, params: Tensor, targets: Tensor | None, raw_scale: Tensor | None
+    ) -> tuple[dist.TorchDistribution, Tensor | None]:
+        """The ``obs`` distribution (a stored noise ``ρ`` in place) and the checked targets."""
+        lik = self.likelihood
+        if isinstance(lik, Gaussian) and raw_scale is not None:
+            obs_dist = lik.dist(params, raw_scale)
+        else:
+            obs_dist = lik.dist(params)
+        return obs_dist, None if targets is None else lik.check_targets(params, targets)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # .to(device) replaces the head's parameter objects: drop their param-store entries so
         # the next Pyro call registers the new ones
         result = super()._apply(fn, *args, **kwargs)
+        noise = self._parameters.get("likelihood_raw_scale")
+        if noise is not None and isinstance(self.likelihood, Gaussian):  # keep one ρ object
+            self.likelihood.raw_scale = noise
+            self.point_params[NOISE_PARAM] = noise
         store = pyro.get_param_store()
         for key in [k for k in store.keys() if k.startswith(self._pyro_name + ".")]:
             del store[key]
