@@ -73,10 +73,6 @@ class KroneckerIVONGuide(IVONGuide):
     Parameters
     ----------
     model : FineTuneModel
-    ess, hess_init, beta1, weight_decay, point_weight_decay, point_prior_loc, mc_samples,
-    hess_approx, clip_radius, debias, rescale_lr, lr, init_loc
-        As :class:`~pyrobayes.guides.IVONGuide` (``hess_approx`` only for the diagonal sites).
-        ``A`` and ``G`` start at ``sqrt(h0) I`` so ``A ⊗ G = h0 I``.
     beta2 : float
         EMA of the Kronecker factors (0.99; factors are far less noisy than the Price estimate).
     diag_beta2 : float
@@ -91,6 +87,11 @@ class KroneckerIVONGuide(IVONGuide):
         Update the factors every ``T_stats`` steps.
     T_inv : int
         Re-decompose the factors every ``T_inv`` steps (and at the end of ``fit``).
+    **kwargs
+        :class:`~pyrobayes.guides.IVONGuide`'s options (``ess``, ``hess_init``, ``beta1``,
+        ``weight_decay``, ``point_weight_decay``, ``point_prior_loc``, ``mc_samples``,
+        ``hess_approx`` (diagonal sites only), ``clip_radius``, ``debias``, ``rescale_lr``,
+        ``lr``, ``init_loc``). ``A`` and ``G`` start at ``sqrt(h0) I`` so ``A ⊗ G = h0 I``.
 
     Notes
     -----
