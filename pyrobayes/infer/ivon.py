@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..batch import batch_size
+from ..contract import OnlineNewton, implements
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import split_training_batch
@@ -60,7 +61,8 @@ class IVONLoss:
         self.sampler: IVONOptimizer | None = None
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
-        num = self.mc_samples if self.mc_samples else int(getattr(guide, "mc_samples", 1))
+        # S: this objective's own, else the guide's (an OnlineNewton posterior declares it)
+        num = self.mc_samples or (guide.mc_samples if implements(guide, OnlineNewton) else 1)
         inputs, targets = split_training_batch(model, batch)
         sampler = self.sampler
         values = guide.rsample(num) if sampler is None else sampler.training_sample(num, inputs)
