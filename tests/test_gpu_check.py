@@ -1,0 +1,32 @@
+"""benchmarks/gpu_check.py runs before a GPU is lent: its --tiny form on CPU, every family."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from pyrobayes.registry import _REGISTRY
+
+
+@pytest.mark.integration
+def test_gpu_check_runs_every_family_on_cpu_with_tiny_networks(tmp_path):
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gpu_check.json"
+    results = module.main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out)])
+    assert out.exists()
+    families = {cls.family for cls in _REGISTRY.values()}
+    assert set(results["models"]) == {"minilm", "llama7b"}
+    for res in results["models"].values():
+        assert math.isfinite(res["plain_map"]["step_s"]) and res["plain_map"]["step_s"] > 0
+        assert set(res["families"]) == families
+        for row in res["families"].values():
+            assert math.isfinite(row["step_ratio"]) and row["step_ratio"] > 0
+            assert "end_s" in row  # post-hoc families finished their posterior
+        assert math.isfinite(res["predict_s16"]["ratio"])
