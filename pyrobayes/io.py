@@ -2,30 +2,66 @@
 
 The file holds the guide's state (``guide.<name>``) and the model's point-estimated parameters
 (``model.<name>``, e.g. a classifier head fitted with it). The header records the family, the
-guide's constructor options, the site shapes, the adapter config and library versions, so
-``load(path, model)`` rebuilds the guide through the registry.
+guide's constructor options, the site shapes, the adapter, likelihood and model settings and
+library versions, so ``load(path, model)`` rebuilds the guide through the registry.
+
+A file cannot lie:
+
+* the header carries a SHA-256 over the canonical JSON header (without the hash) and every
+  tensor (key, dtype, shape and bytes, in key order); an edited header or tensor is refused;
+* tensors holding NaN or inf are refused on save and on load, by key;
+* loading checks that the file's family, constructor options, site shapes, adapter and model
+  settings match the guide and model it is loaded into, and saving checks that the guide's
+  sites (and the head) belong to the model saved with it;
+* the file is written to a temporary name in the target folder and moved into place with
+  ``os.replace``: a reader sees the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import tempfile
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .registry import family_of, get_guide_class
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save", "load", "load_state", "read_header", "library_versions"]
+__all__ = [
+    "save",
+    "load",
+    "load_state",
+    "read_header",
+    "library_versions",
+    "PosteriorFileError",
+    "PosteriorMismatchError",
+]
 
 _HEADER_KEY = "pyrobayes"
-FORMAT_VERSION = 1
+_HASH_FIELD = "sha256"
+#: 1: no hash; 2: ``sha256`` over header and tensors, ``model`` settings in the header
+FORMAT_VERSION = 2
+#: adapter settings that do not change what a saved core means (the initial draw; the layers
+#: the adapter targets are compared through the site names and shapes)
+_ADAPTER_IGNORED = ("init_scale", "target_modules")
+
+
+class PosteriorFileError(ValueError):
+    """A posterior file that cannot be trusted: unreadable, edited, non-finite or too new."""
+
+
+class PosteriorMismatchError(RuntimeError):
+    """A posterior file (or guide) that does not belong to the guide or model it meets."""
 
 
 def library_versions() -> dict[str, str]:
@@ -39,28 +75,89 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+# ------------------------------------------------------------------------------ integrity
+def _canonical(header: Mapping[str, Any]) -> str:
+    """The header as canonical JSON (sorted keys, no spaces), without the hash field."""
+    body = {k: v for k, v in header.items() if k != _HASH_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _digest(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the canonical header and every tensor's key, dtype, shape and bytes."""
+    h = hashlib.sha256(_canonical(header).encode())
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous().reshape(-1)
+        h.update(json.dumps([key, str(t.dtype), list(tensors[key].shape)]).encode())
+        h.update(t.view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _non_finite(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int] | None:
+    """The first key (in key order) whose floating tensor holds NaN/inf, and how many."""
+    for key in sorted(tensors):
+        t = tensors[key]
+        if t.is_floating_point() or t.is_complex():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                return key, bad
+    return None
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, keys strings)."""
+    return json.loads(json.dumps(value))
+
+
+# ------------------------------------------------------------------------------ save
 def save(
     guide: Any, path: str | Path, *, model: Any = None, extra: dict[str, Any] | None = None
 ) -> Path:
-    """Write ``guide`` (and ``model``'s point parameters, if given) to ``path`` atomically.
+    """Write ``guide`` (and ``model``'s point parameters) to ``path`` atomically.
 
     Parameters
     ----------
     guide : PosteriorGuide
+        A registered family (``pyrobayes.register_guide``).
     path : path
-        Target ``.safetensors`` file; written to a temporary name, then renamed.
+        Target ``.safetensors`` file. It is written to a temporary file in the same folder and
+        moved into place with ``os.replace``; on any error nothing is left behind and an
+        existing file at ``path`` is untouched.
     model : FineTuneModel, optional
-        Defaults to the model the guide was built on.
+        Defaults to the model the guide was built on. Its latent sites must be the guide's
+        (names and shapes); a model other than the guide's must have the same point parameters
+        (head) as the guide's model, or the file would pair the posterior with a head it was not
+        fitted with.
     extra : dict, optional
         JSON-able metadata stored in the header.
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Raises
+    ------
+    PosteriorMismatchError
+        The guide's sites or head do not belong to ``model``.
+    ValueError
+        A tensor holds NaN or inf (named by key), or the guide is not registered.
     """
     path = Path(path)
-    model = model if model is not None else guide.model
+    guide_model = getattr(guide, "model", None)
+    model = model if model is not None else guide_model
+    _check_guide_belongs(guide, model, guide_model)
     tensors = {f"guide.{k}": v.detach().contiguous().cpu() for k, v in guide.state_dict().items()}
     for name, p in getattr(model, "point_params", {}).items():
         tensors[f"model.{name}"] = p.detach().contiguous().cpu()
+    bad = _non_finite(tensors)
+    if bad is not None:
+        raise ValueError(
+            f"Refusing to save {path}: tensor {bad[0]!r} holds {bad[1]} non-finite value(s) "
+            "(NaN/inf). The fit diverged; refit with a smaller learning rate, or resume from the "
+            "last checkpoint."
+        )
     adapter: Any = getattr(model, "adapter", None)  # LoRA, LoRAXS or None (duck-typed)
-    header = {
+    header: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "family": family_of(guide),
         "guide_class": type(guide).__name__,
@@ -68,63 +165,437 @@ def save(
         "sites": {s: list(shape) for s, shape in guide.sites.items()},
         "adapter": adapter.to_dict() if hasattr(adapter, "to_dict") else None,
         "likelihood": model.likelihood.to_dict() if hasattr(model, "likelihood") else None,
+        "model": {
+            "num_data": getattr(model, "num_data", None),
+            "prior_scale": getattr(model, "prior_scale", None),
+        },
         "versions": library_versions(),
         "extra": extra or {},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={_HEADER_KEY: json.dumps(header)})
-    tmp.replace(path)
+    try:
+        header = _jsonable(header)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"Cannot save {path}: the header is not JSON-able ({err}).") from err
+    header[_HASH_FIELD] = _digest(header, tensors)
+    _write_atomic(path, tensors, json.dumps(header))
     return path
 
 
-def read_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of a saved posterior."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if _HEADER_KEY not in meta:
-        raise ValueError(f"{path} is not a pyrobayes posterior file (no {_HEADER_KEY!r} header).")
-    return json.loads(meta[_HEADER_KEY])
+def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: str) -> None:
+    """``save_file`` into a temporary file next to ``path``, flushed, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        save_file(tensors, str(tmp), metadata={_HEADER_KEY: header})
+        with tmp.open("rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if os.name == "posix":  # the rename itself reaches the disk
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
-def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
-    """Load tensors from ``path`` into an existing ``guide`` (and ``model``'s point params)."""
-    header = read_header(path)
-    if set(header["sites"]) != set(guide.sites):
-        missing = set(header["sites"]) ^ set(guide.sites)
-        raise RuntimeError(
-            f"Saved posterior and guide have different sites (differing: {sorted(missing)[:5]}); "
-            "build the model with the same adapter config as when it was saved."
+def _check_guide_belongs(guide: Any, model: Any, guide_model: Any) -> None:
+    """Refuse to pair ``guide`` with a ``model`` whose sites or head it was not fitted with."""
+    latent = getattr(model, "latent_sites", None)
+    if latent:
+        theirs = {s: tuple(spec.shape) for s, spec in latent.items()}
+        ours = {s: tuple(shape) for s, shape in guide.sites.items()}
+        if ours != theirs:
+            raise PosteriorMismatchError(
+                "pb.save: the guide's sites do not belong to model: "
+                f"{_site_difference(ours, theirs, 'guide', 'model')}. Pass the model the guide "
+                "was built and fitted on as model= (or omit model=)."
+            )
+    if guide_model is None or model is guide_model:
+        return
+    mine = getattr(model, "point_params", {})
+    fitted = getattr(guide_model, "point_params", {})
+    if set(mine) != set(fitted):
+        raise PosteriorMismatchError(
+            "pb.save: model's point parameters differ from those of the model the guide was "
+            f"built on (model: {sorted(mine)}, guide.model: {sorted(fitted)}). Pass the model "
+            "the guide was fitted with as model= (or omit model=)."
         )
+    for name, p in mine.items():
+        q = fitted[name]
+        if p.shape != q.shape or not torch.equal(p.detach().cpu(), q.detach().cpu()):
+            raise PosteriorMismatchError(
+                f"pb.save: model's point parameter {name!r} (the head) differs from that of the "
+                "model the guide was built on; the file would pair this posterior with a head it "
+                "was not fitted with. Pass the model the guide was fitted with as model= (or "
+                "omit model=), or build the guide on this model."
+            )
+
+
+def _site_difference(
+    a: Mapping[str, tuple[int, ...]], b: Mapping[str, tuple[int, ...]], name_a: str, name_b: str
+) -> str:
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    parts = []
+    if only_a:
+        parts.append(f"only in the {name_a}: {only_a[:5]}")
+    if only_b:
+        parts.append(f"only in the {name_b}: {only_b[:5]}")
+    for s in sorted(set(a) & set(b)):
+        if tuple(a[s]) != tuple(b[s]):
+            parts.append(
+                f"site {s!r} has shape {list(a[s])} in the {name_a} but {list(b[s])} in the "
+                f"{name_b}"
+            )
+            break
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------ read
+def _open_error(path: str | Path, err: Exception) -> PosteriorFileError:
+    return PosteriorFileError(
+        f"{path} cannot be read as a pyrobayes posterior file (truncated, or not a safetensors "
+        f"file): {err}"
+    )
+
+
+def _parse_header(path: str | Path, meta: Mapping[str, str] | None) -> dict[str, Any]:
+    meta = meta or {}
+    if _HEADER_KEY not in meta:
+        raise PosteriorFileError(
+            f"{path} is not a pyrobayes posterior file (no {_HEADER_KEY!r} header)."
+        )
+    try:
+        header = json.loads(meta[_HEADER_KEY])
+    except json.JSONDecodeError as err:
+        raise PosteriorFileError(
+            f"{path}: the {_HEADER_KEY!r} header is not JSON ({err})."
+        ) from err
+    if not isinstance(header, dict):
+        raise PosteriorFileError(f"{path}: the {_HEADER_KEY!r} header is not a JSON object.")
+    version = header.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise PosteriorFileError(f"{path}: invalid format_version {version!r} in the header.")
+    if version > FORMAT_VERSION:
+        raise PosteriorFileError(
+            f"{path} has format_version {version}, newer than this pyrobayes reads "
+            f"({FORMAT_VERSION}); upgrade pyrobayes to load it."
+        )
+    for field in ("family", "config", "sites"):
+        if field not in header:
+            raise PosteriorFileError(f"{path}: the header has no {field!r} field.")
+    return header
+
+
+def read_header(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
+    """The JSON header of a saved posterior.
+
+    Parameters
+    ----------
+    path : path
+    verify : bool
+        Also read every tensor and check the file's hash and finiteness (as ``load`` does).
+
+    Raises
+    ------
+    PosteriorFileError
+        Not a (readable) posterior file, a format newer than this version, or with ``verify``
+        an edited or non-finite file.
+    """
+    if verify:
+        return _read_verified(path)[0]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+    except SafetensorError as err:  # truncated or foreign file
+        raise _open_error(path, err) from err
+    return _parse_header(path, meta)
+
+
+def _read_verified(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Header and tensors of ``path``, after the hash and finiteness checks."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata()
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    except SafetensorError as err:  # truncated or foreign file
+        raise _open_error(path, err) from err
+    header = _parse_header(path, meta)
+    stored = header.get(_HASH_FIELD)
+    if stored is None:
+        if header["format_version"] >= 2:
+            raise PosteriorFileError(
+                f"{path} has no {_HASH_FIELD!r} field although its format_version is "
+                f"{header['format_version']}: the header was edited. Re-save the posterior from "
+                "the fitted guide."
+            )
+        logger.warning(
+            "%s was written before posterior files carried a hash (format_version %s): it "
+            "loads unverified. Re-save it with pb.save to add one.",
+            path,
+            header["format_version"],
+        )
+    else:
+        actual = _digest(header, tensors)
+        if actual != stored:
+            raise PosteriorFileError(
+                f"{path} failed its integrity check: the SHA-256 over header and tensors is "
+                f"{actual[:16]}…, the header records {str(stored)[:16]}…. The header or a tensor "
+                "was edited or corrupted after saving; re-save the posterior from the fitted "
+                "guide (or use an earlier checkpoint)."
+            )
+    bad = _non_finite(tensors)
+    if bad is not None:
+        raise PosteriorFileError(
+            f"{path}: tensor {bad[0]!r} holds {bad[1]} non-finite value(s) (NaN/inf); the file "
+            "is corrupt or the fit had diverged. Refit, or use an earlier checkpoint."
+        )
+    return header, tensors
+
+
+# ------------------------------------------------------------------------------ checks
+def _check_family(path: str | Path, header: dict[str, Any], guide: Any) -> None:
+    try:
+        cls = get_guide_class(str(header["family"]))
+    except ValueError:
+        cls = None
+    if cls is not type(guide):
+        try:
+            here = family_of(guide)
+        except ValueError:
+            here = type(guide).__name__
+        raise PosteriorMismatchError(
+            f"{path} holds a {header['family']!r} posterior ({header.get('guide_class')}) but the "
+            f"guide is {here!r} ({type(guide).__name__}). Load it with pb.load(path, model), or "
+            f"build the guide as pb.posterior(model, {header['family']!r}, ...)."
+        )
+
+
+def _check_config(path: str | Path, header: dict[str, Any], guide: Any) -> None:
+    saved = header["config"]
+    here = _jsonable(guide.config())
+    diffs = [
+        f"{k}={saved.get(k, '<absent>')!r} in the file but {k}={here.get(k, '<absent>')!r} in the "
+        "guide"
+        for k in sorted(set(saved) | set(here))
+        if saved.get(k, "<absent>") != here.get(k, "<absent>")
+    ]
+    if diffs:
+        raise PosteriorMismatchError(
+            f"{path}: the {header['family']!r} options differ: {'; '.join(diffs)}. Build the "
+            f"guide with the options it was saved with ({_kwargs(saved)}), or load it with "
+            "pb.load(path, model)."
+        )
+
+
+def _kwargs(config: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in config.items())
+
+
+def _check_sites(
+    path: str | Path, header: dict[str, Any], sites: Mapping[str, Any], whose: str
+) -> None:
+    saved = {s: tuple(shape) for s, shape in header["sites"].items()}
+    here = {s: tuple(shape) for s, shape in sites.items()}
+    if saved != here:
+        raise PosteriorMismatchError(
+            f"{path}: the saved posterior and the {whose} have different sites "
+            f"({_site_difference(saved, here, 'file', whose)}); build the model with the same "
+            f"network and adapter config as when it was saved ({header.get('adapter')})."
+        )
+
+
+def _check_model(path: str | Path, header: dict[str, Any], model: Any) -> None:
+    """The adapter, likelihood and model settings the file was fitted under."""
+    adapter: Any = getattr(model, "adapter", None)
+    saved_adapter = header.get("adapter")
+    if saved_adapter is not None and hasattr(adapter, "to_dict"):
+        current = _jsonable(adapter.to_dict())
+        for key in sorted(set(saved_adapter) | set(current)):
+            if key in _ADAPTER_IGNORED:
+                continue
+            a, b = saved_adapter.get(key), current.get(key)
+            if a != b:
+                raise PosteriorMismatchError(
+                    f"{path}: adapter {key} is {a!r} in the file but {b!r} in the model. Build "
+                    f"the model with the adapter config it was saved with ({saved_adapter})."
+                )
+    saved_lik = header.get("likelihood")
+    likelihood: Any = getattr(model, "likelihood", None)
+    if saved_lik is not None and hasattr(likelihood, "to_dict"):
+        current_lik = _jsonable(likelihood.to_dict())
+        for key in ("name", "obs_scale"):
+            a, b = saved_lik.get(key), current_lik.get(key)
+            if a != b:
+                raise PosteriorMismatchError(
+                    f"{path}: likelihood {key} is {a!r} in the file but {b!r} in the model. "
+                    f"Build the model with the likelihood it was saved with ({saved_lik})."
+                )
+    for key, value in (header.get("model") or {}).items():
+        current_value = getattr(model, key, None)
+        if value is not None and current_value is not None and value != current_value:
+            raise PosteriorMismatchError(
+                f"{path}: model {key} is {value!r} in the file but {current_value!r} in the "
+                f"model; build the model with {key}={value!r} (as when it was fitted): it sets "
+                "the prior's weight against the data, so the posterior differs."
+            )
+
+
+def _split(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
     guide_state, model_state = {}, {}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-            if key.startswith("guide."):
-                guide_state[key[len("guide.") :]] = f.get_tensor(key)
-            elif key.startswith("model."):
-                model_state[key[len("model.") :]] = f.get_tensor(key)
-    _load_guide_state(guide, guide_state)
+    for key, value in tensors.items():
+        if key.startswith("guide."):
+            guide_state[key[len("guide.") :]] = value
+        elif key.startswith("model."):
+            model_state[key[len("model.") :]] = value
+    return guide_state, model_state
+
+
+def _check_tensors(
+    path: str | Path,
+    guide: Any,
+    point: Mapping[str, torch.Tensor],
+    guide_state: Mapping[str, torch.Tensor],
+    model_state: Mapping[str, torch.Tensor],
+) -> None:
+    # key sets are left to the guide's strict load_state_dict (a family may convert an older
+    # layout there, e.g. SWAG's swag_sq_mean); shapes of the keys both sides have are checked
+    expected = {k: v for k, v in guide.state_dict().items() if k in guide_state}
+    for key, value in guide_state.items():
+        if key in expected and tuple(value.shape) != tuple(expected[key].shape):
+            raise PosteriorMismatchError(
+                f"{path}: guide tensor {key!r} has shape {list(value.shape)} in the file but "
+                f"{list(expected[key].shape)} in the guide; build guide and model as when saved."
+            )
+    if set(model_state) != set(point):
+        missing, extra = (
+            sorted(set(point) - set(model_state)),
+            sorted(set(model_state) - set(point)),
+        )
+        raise PosteriorMismatchError(
+            f"{path}: the model's point parameters do not match the file's (missing in the file: "
+            f"{missing[:5]}, not in the model: {extra[:5]}); build the model with the same "
+            "trainable_modules and likelihood as when it was saved."
+        )
+    for name, value in model_state.items():
+        if tuple(value.shape) != tuple(point[name].shape):
+            raise PosteriorMismatchError(
+                f"{path}: point parameter {name!r} has shape {list(value.shape)} in the file but "
+                f"{list(point[name].shape)} in the model (e.g. another num_labels); build the "
+                "model as when it was saved."
+            )
+
+
+# ------------------------------------------------------------------------------ load
+def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
+    """Load the tensors of ``path`` into an existing ``guide`` (and ``model``'s point params).
+
+    Used by ``pb.fit(..., resume=True)``: the file must match the guide and model exactly.
+
+    Parameters
+    ----------
+    guide : PosteriorGuide
+        Of the file's family, built with the file's constructor options.
+    path : path
+    model : FineTuneModel, optional
+        Defaults to the guide's model.
+
+    Returns
+    -------
+    PosteriorGuide
+        ``guide``, loaded. On any error neither guide nor model is changed.
+
+    Raises
+    ------
+    PosteriorFileError
+        Unreadable, edited (hash mismatch) or non-finite file.
+    PosteriorMismatchError
+        Family, options, sites, adapter, likelihood, model settings or tensor shapes differ;
+        the message names the field, both values and the fix.
+    """
+    header, tensors = _read_verified(path)
     model = model if model is not None else guide.model
+    _check_loadable(path, header, tensors, guide, model)
+    return _apply(path, guide, model, tensors)
+
+
+def _check_loadable(
+    path: str | Path, header: dict[str, Any], tensors: Any, guide: Any, model: Any
+) -> None:
+    _check_family(path, header, guide)
+    _check_sites(path, header, guide.sites, "guide")
+    _check_config(path, header, guide)
+    _check_model(path, header, model)
+    guide_state, model_state = _split(tensors)
+    _check_tensors(path, guide, getattr(model, "point_params", {}), guide_state, model_state)
+
+
+def _apply(path: str | Path, guide: Any, model: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    guide_state, model_state = _split(tensors)
+    device = guide.device
+    backup = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    try:
+        guide.load_state_dict({k: v.to(device) for k, v in guide_state.items()}, strict=True)
+    except (RuntimeError, KeyError, ValueError) as err:
+        guide.load_state_dict(backup, strict=True)  # a failed strict load may have copied some
+        raise PosteriorMismatchError(
+            f"{path}: the file's guide tensors do not fit {type(guide).__name__} ({err}); it was "
+            "written by another version or family. Re-save it from the fitted guide."
+        ) from err
     point = getattr(model, "point_params", {})
     with torch.no_grad():
         for name, value in model_state.items():
-            if name not in point:
-                raise RuntimeError(f"Saved point parameter {name!r} does not exist in the model.")
             point[name].copy_(value.to(point[name].device, point[name].dtype))
     return guide
 
 
-def _load_guide_state(guide: Any, state: dict[str, torch.Tensor]) -> None:
-    device = guide.device
-    guide.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
-
-
 def load(path: str | Path, model: Any) -> Any:
-    """Rebuild the guide saved at ``path`` for ``model`` (same sites) and load its state.
+    """Rebuild the guide saved at ``path`` for ``model`` and load its state.
 
-    The family is looked up in the registry; its constructor options come from the header.
+    The family is looked up in the registry; its constructor options come from the (verified)
+    header.
+
+    Parameters
+    ----------
+    path : path
+    model : FineTuneModel
+        Built as when the posterior was saved: same network, adapter, likelihood and settings.
+
+    Returns
+    -------
+    PosteriorGuide
+
+    Raises
+    ------
+    PosteriorFileError
+        Unreadable, edited (hash mismatch) or non-finite file.
+    PosteriorMismatchError
+        The model's sites, adapter, likelihood or settings differ from the file's.
+    ValueError
+        The file's family is not registered in this session.
     """
-    header = read_header(path)
-    cls = get_guide_class(header["family"])
-    guide = cls(model, **header["config"])
-    return load_state(guide, path, model=model)
+    header, tensors = _read_verified(path)
+    latent = getattr(model, "latent_sites", None)
+    if latent:
+        _check_sites(path, header, {s: spec.shape for s, spec in latent.items()}, "model")
+    _check_model(path, header, model)
+    try:
+        cls = get_guide_class(str(header["family"]))
+    except ValueError as err:
+        raise ValueError(
+            f"{path}: {err} Import the package that registers it (pyrobayes.register_guide) "
+            "before loading."
+        ) from None
+    try:
+        guide = cls(model, **header["config"])
+    except TypeError as err:
+        raise PosteriorMismatchError(
+            f"{path}: {cls.__name__} of this pyrobayes version does not take the file's options "
+            f"({_kwargs(header['config'])}): {err}."
+        ) from err
+    _check_loadable(path, header, tensors, guide, model)
+    return _apply(path, guide, model, tensors)
