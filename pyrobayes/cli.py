@@ -4,12 +4,16 @@
 tweets and chatterbot dialogue) for every posterior family and prints the comparison table.
 ``pyrobayes fit config.toml`` runs the same pipeline from a TOML config (sections as in
 ``pyrobayes.demo.pipeline.DEFAULT_CONFIG``); ``pyrobayes evaluate runs/<run>`` reloads the saved
-posteriors and recomputes their metrics.
+posteriors, recomputes their metrics and compares them with the run's ``metrics.json``.
+
+Exit status: 0 on success, 1 when ``evaluate`` finds drift, 2 on a usage, config or run-folder
+error (the message, no traceback), 130 when interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -22,7 +26,17 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the tomli backport (same API)
     import tomli as tomllib
 
-from .demo.pipeline import evaluate, format_table, resolve_config, run
+from .demo.pipeline import (
+    DRIFT_TOLERANCE,
+    ConfigError,
+    RunFolderError,
+    compare_metrics,
+    evaluate,
+    format_table,
+    resolve_config,
+    run,
+)
+from .io import PosteriorFileError, PosteriorMismatchError
 
 __all__ = ["main"]
 
@@ -42,7 +56,7 @@ def _print_records(records: list[dict[str, Any]], out: Path | None) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     user: dict[str, Any] = {"training": {"device": args.device}}
     if args.families:
-        user["families"] = args.families.split(",")
+        user["families"] = [f.strip() for f in args.families.split(",")]
     if args.smoke:  # the size the test suite runs: seconds, not minutes
         user["data"] = {"num_train": 64, "num_test": 32, "num_ood": 32, "ood": ["vader:tweets"]}
         user["predict"] = {"num_samples": 2}
@@ -61,10 +75,18 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         print(f"error: config file {path} does not exist", file=sys.stderr)
         return 2
     with path.open("rb") as f:
-        user = tomllib.load(f)
+        try:
+            user = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from None
     if args.device:
-        user.setdefault("training", {})["device"] = args.device
-    config = resolve_config(user, quick=args.quick)
+        training = user.setdefault("training", {})
+        if isinstance(training, dict):  # otherwise resolve_config names the wrong type
+            training["device"] = args.device
+    try:
+        config = resolve_config(user, quick=args.quick)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
     out = _out_dir(args.out, path.stem)
     records = run(config, out, progress_bar=not args.no_progress)
     _print_records(records, out)
@@ -72,9 +94,35 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    records = evaluate(args.run_dir, device=args.device)
+    run_dir = Path(args.run_dir)
+    metrics_path = run_dir / "metrics.json"
+    records = evaluate(run_dir, device=args.device)
     _print_records(records, None)
+    if not metrics_path.exists():
+        raise RunFolderError(f"{run_dir} has no metrics.json to compare the metrics with.")
+    try:
+        saved = json.loads(metrics_path.read_text())
+    except json.JSONDecodeError as err:
+        raise RunFolderError(f"{metrics_path} is not valid JSON: {err}") from None
+    drifts = compare_metrics(saved, records, tolerance=args.tolerance)
+    if drifts:
+        print(
+            f"drift: {len(drifts)} metric(s) differ from {metrics_path} "
+            f"(tolerance {args.tolerance:g}·max(1, |saved|)):",
+            file=sys.stderr,
+        )
+        for line in drifts:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    print(f"no drift: every metric matches {metrics_path} within {args.tolerance:g}")
     return 0
+
+
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not (value >= 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite tolerance >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,9 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--no-progress", action="store_true")
     fit.set_defaults(func=_cmd_fit)
 
-    ev = sub.add_parser("evaluate", help="reload a run folder's posteriors and recompute metrics")
+    ev = sub.add_parser(
+        "evaluate",
+        help="reload a run folder's posteriors, recompute the metrics, report drift from "
+        "metrics.json (exit 1 on drift)",
+    )
     ev.add_argument("run_dir")
     ev.add_argument("--device")
+    ev.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=DRIFT_TOLERANCE,
+        help=f"drift when |recomputed - saved| > tolerance·max(1, |saved|) "
+        f"(default {DRIFT_TOLERANCE:g})",
+    )
     ev.set_defaults(func=_cmd_evaluate)
     return parser
 
@@ -116,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         return int(args.func(args))
+    except (ConfigError, RunFolderError, PosteriorFileError, PosteriorMismatchError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; completed families are saved in the run folder", file=sys.stderr)
         return 130

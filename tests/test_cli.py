@@ -1,15 +1,24 @@
-"""The command line: a smoke-sized main job in a subprocess, then `evaluate` on its run folder."""
+"""The command line: config validation against the schema, a smoke-sized main job in a
+subprocess, then `evaluate` on its run folder (recomputed metrics compared with metrics.json)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from pyrobayes.cli import build_parser
+from pyrobayes.cli import build_parser, main
+from pyrobayes.demo.pipeline import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    compare_metrics,
+    resolve_config,
+    validate_config,
+)
 
 
 def test_parser_knows_the_commands():
@@ -26,10 +35,150 @@ def test_fit_reports_missing_config(tmp_path):
 
 
 def test_unknown_config_section_is_an_error():
-    from pyrobayes.demo.pipeline import resolve_config
-
     with pytest.raises(ValueError, match="Unknown config section"):
         resolve_config({"modle": {}})
+    with pytest.raises(ConfigError, match="'modle' \\(did you mean 'model'\\?\\)"):
+        resolve_config({"modle": {}})
+
+
+# ---------------------------------------------------------------------------- the config schema
+@pytest.mark.parametrize(
+    ("user", "words"),
+    [
+        # unknown keys at any depth: the key path and the nearest valid key
+        (
+            {"training": {"lrr": 0.1}},
+            "Unknown config key 'training.lrr' (did you mean 'training.lr'?)",
+        ),
+        ({"data": {"bach_size": 8}}, "'data.bach_size' (did you mean 'data.batch_size'?)"),
+        ({"adapter": {"rnak": 4}}, "'adapter.rnak' (did you mean 'adapter.rank'?)"),
+        ({"training": {"zzz": 1}}, "Unknown config key 'training.zzz'. Valid keys in [training]"),
+        ({"famillies": ["map"]}, "'famillies' (did you mean 'families'?)"),
+        # wrong types
+        ({"training": {"epochs": "2"}}, "'training.epochs' must be an integer but got '2' (str)"),
+        ({"training": {"epochs": 1.5}}, "'training.epochs' must be an integer but got 1.5"),
+        ({"training": {"epochs": True}}, "'training.epochs' must be an integer but got True"),
+        ({"training": {"lr": "fast"}}, "'training.lr' must be a number but got 'fast'"),
+        ({"training": {"lr": float("nan")}}, "'training.lr' must be a finite number but got nan"),
+        ({"prior_scale": "1"}, "'prior_scale' must be a number"),
+        ({"training": 3}, "'training' must be a table (a [training] section)"),
+        ({"prior_scale": {"x": 1}}, "'prior_scale' must be a value, not a table"),
+        ({"data": {"ood": [1]}}, "'data.ood' must be a list of strings but got [1]"),
+        ({"families": [1]}, "'families' must be a list of strings"),
+        ({"adapter": {"target_modules": 3}}, "'adapter.target_modules' must be a string or a list"),
+        # values outside their choices, unknown families
+        ({"adapter": {"kind": "loraxs"}}, "must be one of ['lora_xs', 'lora'] but got 'loraxs'"),
+        ({"training": {"scheduler": "cosin"}}, "(did you mean 'cosine'?)"),
+        ({"families": ["map", "ivn"]}, "Unknown family 'ivn' in 'families' (did you mean 'ivon'?)"),
+        ({"families": "bogus"}, "Unknown family 'bogus'"),
+        ({"families": []}, "'families' is empty"),
+        ({"adapter": {"kind": "lora", "projection": "svd"}}, "'adapter.projection' is a LoRA-XS"),
+    ],
+)
+def test_config_errors_name_the_key_and_the_fix(user, words):
+    with pytest.raises(ConfigError) as err:
+        resolve_config(user)
+    assert words in str(err.value)
+
+
+def test_a_single_family_string_is_a_list_of_one():
+    assert resolve_config({"families": "map"})["families"] == ["map"]
+    assert resolve_config({"data": {"ood": "vader:tweets"}})["data"]["ood"] == ["vader:tweets"]
+
+
+def test_the_schema_takes_the_defaults_and_the_optional_keys():
+    full = resolve_config(
+        {
+            "training": {"scheduler": "cosine", "warmup": 0.1, "lr": 1},
+            "adapter": {"init_scale": 1e-4, "moment": "second", "seed": 3, "alpha": 8},
+        },
+        quick=True,
+    )
+    assert validate_config(full) == full
+    assert validate_config(DEFAULT_CONFIG) == DEFAULT_CONFIG
+    lora = resolve_config({"adapter": {"kind": "lora", "rank": 4}})["adapter"]
+    assert lora == {
+        "kind": "lora",
+        "rank": 4,
+        "alpha": 16.0,
+        "target_modules": lora["target_modules"],
+    }
+
+
+def test_fit_exits_2_with_the_message_on_a_config_error(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text('families = "map"\n[training]\nepochz = 2\n')
+    assert main(["fit", str(config), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "'training.epochz' (did you mean 'training.epochs'?)" in err and "bad.toml" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_fit_exits_2_on_invalid_toml(tmp_path, capsys):
+    config = tmp_path / "broken.toml"
+    config.write_text("[training\n")
+    assert main(["fit", str(config)]) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+
+
+def test_demo_exits_2_on_an_unknown_family(tmp_path, capsys):
+    assert main(["demo", "--smoke", "--families", "map,mcmc", "--out", str(tmp_path / "r")]) == 2
+    assert "Unknown family 'mcmc'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.integration
+def test_a_config_error_exits_non_zero_without_traceback(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('families = ["map", "ivom"]\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyrobayes.cli", "fit", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "Unknown family 'ivom' in 'families' (did you mean 'ivon'?)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------- evaluate and drift
+def test_evaluate_fails_on_a_run_folder_without_posteriors(tmp_path, capsys):
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(resolve_config()))
+    (tmp_path / "metrics.json").write_text("[]")
+    assert main(["evaluate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "has no saved posteriors" in err and "Traceback" not in err
+    assert main(["evaluate", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "config.json").unlink()
+    assert main(["evaluate", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_compare_metrics_reports_drift_per_family_and_metric():
+    saved = [
+        {"family": "map", "nll": 0.5, "accuracy": 0.75, "fit_seconds": 3.0, "warm_start": None},
+        {"family": "ivon", "nll": 0.6, "accuracy": 0.7},
+    ]
+    same = [
+        {"family": "map", "nll": 0.5 + 1e-9, "accuracy": 0.75},
+        {"family": "ivon", "nll": 0.6, "accuracy": 0.7},
+    ]
+    assert compare_metrics(saved, same) == []  # fit_seconds is not recomputed
+    drifted = [{"family": "map", "nll": 0.51, "accuracy": 0.75}, {"family": "swag", "nll": 1.0}]
+    drifts = compare_metrics(saved, drifted)
+    assert drifts[0] == "ivon: in metrics.json but no saved posterior (guides/ivon.safetensors)"
+    assert drifts[1] == "swag: a saved posterior without a record in metrics.json"
+    assert drifts[2].startswith("map: nll saved 0.5, recomputed 0.51 (|Δ| = 0.01 > 1e-06")
+    assert len(drifts) == 3
+    assert compare_metrics(saved[:1], drifted[:1], tolerance=0.1) == []
+    nan = [{"family": "map", "nll": float("nan"), "accuracy": 0.75}]
+    assert compare_metrics(saved[:1], nan)[0].startswith("map: nll saved 0.5, recomputed nan")
+    with pytest.raises(ValueError, match="tolerance >= 0"):
+        compare_metrics(saved, same, tolerance=float("nan"))
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +228,32 @@ def test_demo_smoke_writes_a_run_folder_that_evaluates_to_the_same_metrics(smoke
     for r in records:
         for key in ("accuracy", "nll", "ece", "auroc_tweets"):
             assert again[r["family"]][key] == pytest.approx(r[key], rel=1e-9, abs=1e-12), key
+        assert again[r["family"]]["trainable_parameters"] == r["trainable_parameters"]
+
+
+@pytest.mark.hf
+@pytest.mark.integration
+def test_evaluate_command_reports_no_drift_then_drift(smoke_run, tmp_path, capsys):
+    assert main(["evaluate", str(smoke_run)]) == 0
+    out = capsys.readouterr().out
+    assert "| family |" in out and "no drift: every metric matches" in out
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    records = json.loads((run / "metrics.json").read_text())
+    records[1]["nll"] += 0.01  # meanfield
+    (run / "metrics.json").write_text(json.dumps(records))
+    assert main(["evaluate", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "drift: 1 metric(s) differ from" in err
+    assert "meanfield: nll saved" in err and "> 1e-06·max(1, |saved|)" in err
+    # an edited posterior is refused: a clear error, no traceback
+    path = run / "guides" / "map.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert main(["evaluate", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "failed its integrity check" in err and "Traceback" not in err
 
 
 @pytest.mark.hf

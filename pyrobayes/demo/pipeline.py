@@ -17,9 +17,11 @@ VADER corpora (fetched once from PyPI's source archive) and ``chatterbot-corpus`
 from __future__ import annotations
 
 import copy
+import difflib
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,9 +47,15 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_CONFIG",
     "QUICK_OVERRIDES",
+    "OPTIONAL_KEYS",
+    "ConfigError",
+    "RunFolderError",
+    "validate_config",
     "resolve_config",
     "run",
     "evaluate",
+    "compare_metrics",
+    "DRIFT_TOLERANCE",
     "FAMILY_SETTINGS",
 ]
 
@@ -116,15 +124,216 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
-    """Defaults ← ``--quick`` overrides ← the user's config; unknown top-level keys are errors."""
-    user = user or {}
-    unknown = set(user) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(
-            f"Unknown config section(s) {sorted(unknown)}; expected some of {sorted(DEFAULT_CONFIG)}."
+class ConfigError(ValueError):
+    """A config that does not fit the schema: the message names the key path and the fix."""
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be evaluated (no config, no posteriors, no metrics)."""
+
+
+#: Keys the pipeline reads that ``DEFAULT_CONFIG`` does not set, with their types (``None``
+#: stands for any value of the listed types; ``float`` accepts integers too).
+OPTIONAL_KEYS: dict[str, tuple[type, ...]] = {
+    # pb.fit's learning-rate schedule ("cosine" or "linear") and its warm-up (steps or fraction)
+    "training.scheduler": (str,),
+    "training.warmup": (float,),
+    # the LoRA-XS options adapter_from_dict passes on (LoRAXS's fields)
+    "adapter.init_scale": (float,),
+    "adapter.moment": (str,),
+    "adapter.seed": (int,),
+}
+#: Keys whose value is a list; a single string is taken as a list of one.
+LIST_KEYS: dict[str, type] = {"families": str, "data.ood": str}
+#: Keys that take either a string or a list of strings.
+STR_OR_LIST_KEYS = ("adapter.target_modules",)
+#: Allowed values of string keys.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "adapter.kind": ("lora_xs", "lora"),
+    "adapter.projection": ("svd", "wsvd", "dct", "random"),
+    "adapter.moment": ("centered", "second"),
+    "training.scheduler": ("cosine", "linear"),
+}
+#: LoRA-XS options that plain LoRA (``adapter.kind = "lora"``) does not take.
+_LORA_XS_ONLY = ("projection", "init_scale", "moment", "seed")
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _schema() -> dict[str, Any]:
+    """``DEFAULT_CONFIG``'s tree with each leaf replaced by its allowed types, plus
+    :data:`OPTIONAL_KEYS` (a nested dict of tuples of types)."""
+
+    def leaf(path: str, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: leaf(f"{path}.{k}" if path else k, v) for k, v in value.items()}
+        if path in LIST_KEYS:
+            return (list,)
+        if path in STR_OR_LIST_KEYS:
+            return (str, list)
+        return (float,) if isinstance(value, float) else (type(value),)
+
+    schema: dict[str, Any] = leaf("", DEFAULT_CONFIG)
+    for path, types in OPTIONAL_KEYS.items():
+        node = schema
+        *parents, name = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[name] = types
+    return schema
+
+
+def _check_type(path: str, value: Any, types: tuple[type, ...]) -> None:
+    ok = False
+    for t in types:
+        if t is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and not math.isfinite(float(value)):
+                raise ConfigError(f"Config key {path!r} must be a finite number but got {value!r}.")
+        elif t is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif t is list:
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        else:
+            ok = isinstance(value, t)
+        if ok:
+            break
+    if not ok:
+        expected = " or ".join(
+            "a list of strings" if t is list else _TYPE_NAMES.get(t, t.__name__) for t in types
         )
+        raise ConfigError(
+            f"Config key {path!r} must be {expected} but got {value!r} ({type(value).__name__})."
+        )
+    if path in CHOICES and value not in CHOICES[path]:
+        raise ConfigError(
+            f"Config key {path!r} must be one of {list(CHOICES[path])} but got {value!r}"
+            f"{_did_you_mean(str(value), CHOICES[path])}."
+        )
+
+
+def _did_you_mean(word: str, options: Sequence[str], prefix: str = "") -> str:
+    """`` (did you mean '<prefix><nearest>'?)`` or nothing when no option is close."""
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+def _validate(node: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
+    """Raise :class:`ConfigError` on the first unknown key or wrong type under ``node``."""
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            valid = sorted(schema)
+            hint = _did_you_mean(str(key), valid, prefix)
+            if prefix:
+                raise ConfigError(
+                    f"Unknown config key {path!r}{hint}. Valid keys in [{prefix[:-1]}]: "
+                    f"{', '.join(valid)}."
+                )
+            raise ConfigError(
+                f"Unknown config section {path!r}{hint}. Valid top-level keys: {', '.join(valid)}."
+            )
+        expected = schema[key]
+        if isinstance(expected, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"Config key {path!r} must be a table (a [{path}] section) with keys "
+                    f"{', '.join(sorted(expected))}, but got {value!r}."
+                )
+            _validate(value, expected, f"{path}.")
+        elif isinstance(value, dict):
+            raise ConfigError(f"Config key {path!r} must be a value, not a table ({value!r}).")
+        else:
+            _check_type(path, value, expected)
+
+
+def _normalize(user: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``user`` with a single string where a list is expected made a list of one."""
+    user = copy.deepcopy(user)
+    for path in LIST_KEYS:
+        *parents, name = path.split(".")
+        node: Any = user
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(name), str):
+            node[name] = [node[name]]
+    return user
+
+
+def check_families(families: Sequence[str]) -> list[str]:
+    """``families`` if every one is registered; otherwise a :class:`ConfigError` naming it."""
+    known = available_guides()
+    if not families:
+        raise ConfigError(f"Config key 'families' is empty; choose some of {known}.")
+    for family in families:
+        if family not in known:
+            raise ConfigError(
+                f"Unknown family {family!r} in 'families'{_did_you_mean(family, known)}. "
+                f"Available: {', '.join(known)}."
+            )
+    return list(families)
+
+
+def validate_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Check a (user or resolved) config against the schema derived from ``DEFAULT_CONFIG``.
+
+    Parameters
+    ----------
+    config : dict
+        Sections and keys as in ``DEFAULT_CONFIG`` (any subset), plus :data:`OPTIONAL_KEYS`.
+
+    Returns
+    -------
+    dict
+        ``config`` with single strings for list keys (``families = "map"``) made lists of one.
+
+    Raises
+    ------
+    ConfigError
+        An unknown key at any depth (naming its path and the nearest valid key), a wrong type,
+        a value outside its choices or an unknown family.
+    """
+    if not isinstance(config, dict):
+        raise ConfigError(f"A config is a table of sections; got {type(config).__name__}.")
+    config = _normalize(config)
+    _validate(config, _schema())
+    if "families" in config:
+        check_families(config["families"])
+    adapter = config.get("adapter", {})
+    if adapter.get("kind") == "lora":
+        given = [k for k in _LORA_XS_ONLY if k in adapter]
+        if given:
+            raise ConfigError(
+                f"Config key 'adapter.{given[0]}' is a LoRA-XS option; adapter.kind = 'lora' "
+                "takes rank, alpha and target_modules."
+            )
+    return config
+
+
+def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
+    """Defaults ← ``--quick`` overrides ← the user's config, validated.
+
+    Parameters
+    ----------
+    user : dict, optional
+        The user's sections (e.g. read from TOML); see :func:`validate_config`.
+    quick : bool
+        Apply :data:`QUICK_OVERRIDES` under the user's values.
+
+    Returns
+    -------
+    dict
+        The full config.
+
+    Raises
+    ------
+    ConfigError
+        See :func:`validate_config`.
+    """
+    user = validate_config(user or {})
     config = _merge(DEFAULT_CONFIG, QUICK_OVERRIDES) if quick else copy.deepcopy(DEFAULT_CONFIG)
+    if user.get("adapter", {}).get("kind") == "lora":  # drop the LoRA-XS defaults
+        for key in _LORA_XS_ONLY:
+            config["adapter"].pop(key, None)
     return _merge(config, user)
 
 
@@ -245,17 +454,20 @@ def run(
     families: Sequence[str] | None = None,
     progress_bar: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run every family of ``config`` and write the run folder; returns the metric records."""
+    """Run every family of ``config`` and write the run folder; returns the metric records.
+
+    Raises
+    ------
+    ConfigError
+        ``config`` does not fit the schema, or a family is unknown (before anything is written).
+    """
+    if families is not None and isinstance(families, str):
+        families = [families]
+    config = validate_config(config)
+    families = check_families(list(families or config["families"]))
     out = Path(out_dir)
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
-    families = list(families or config["families"])
-    known = set(available_guides())
-    skipped = [f for f in families if f not in known]
-    if skipped:
-        logger.warning("Families not available in this version, skipped: %s", skipped)
-    families = [f for f in families if f in known]
-    config = copy.deepcopy(config)
     config["families"] = families
     (out / "config.json").write_text(json.dumps(config, indent=2))
     device = config["training"]["device"]
@@ -397,30 +609,128 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: ``evaluate``'s default drift tolerance: a metric drifts when its recomputed value differs
+#: from ``metrics.json``'s by more than ``tolerance · max(1, |saved|)``. Reloading a posterior
+#: and predicting with the same seeds on the same device reproduces the metrics to rounding.
+DRIFT_TOLERANCE = 1e-6
+#: Record fields that are not recomputed from the posteriors (costs of the fit itself).
+_NOT_RECOMPUTED = ("family", "fit_seconds", "final_loss", "warm_start")
+
+
 def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str, Any]]:
-    """Reload every saved posterior of a run folder and recompute its metrics."""
+    """Reload every saved posterior of a run folder and recompute its metrics.
+
+    Parameters
+    ----------
+    run_dir : path
+        A folder written by :func:`run` (``config.json``, ``guides/*.safetensors``).
+    device : str, optional
+        Defaults to the run's ``training.device``.
+
+    Returns
+    -------
+    list of dict
+        One record per posterior (family, the metrics, ``trainable_parameters`` and
+        ``posterior_parameters``), in the order of the run's ``families``.
+
+    Raises
+    ------
+    RunFolderError
+        No ``config.json``, or no saved posteriors.
+    ConfigError
+        The run's ``config.json`` does not fit the schema.
+    """
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunFolderError(f"Run folder {run_dir} does not exist.")
     config_path = run_dir / "config.json"
     if not config_path.exists():
-        raise FileNotFoundError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
-    config = json.loads(config_path.read_text())
+        raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise RunFolderError(f"{config_path} is not valid JSON: {err}") from err
+    config = validate_config(config)
+    paths = {p.stem: p for p in (run_dir / "guides").glob("*.safetensors")}
+    if not paths:
+        raise RunFolderError(
+            f"{run_dir} has no saved posteriors ({run_dir / 'guides'}/*.safetensors): the run "
+            "finished no family, or this is not a run folder. Re-run it with `pyrobayes fit`."
+        )
+    order = [f for f in config.get("families", []) if f in paths]
+    order += sorted(set(paths) - set(order))
     device = device or config["training"]["device"]
     loaders = build_data(config, _load_tokenizer(config))
     records = []
-    for path in sorted((run_dir / "guides").glob("*.safetensors")):
+    for family in order:
         _rewind(loaders["train"], int(config["data"]["seed"]))  # the W-SVD calibration of run()
         model, _ = build_model(config, loaders["num_train"], loaders["train"])
-        guide = load(path, model)
+        guide = load(paths[family], model)
         metrics, _ = _evaluate(model, guide, loaders, int(config["predict"]["num_samples"]), device)
+        counts = count_parameters(guide)
         records.append(
             {
-                "family": path.stem,
+                "family": family,
                 **metrics,
-                **{
-                    k: v
-                    for k, v in count_parameters(guide).items()
-                    if k in ("trainable", "posterior_storage")
-                },
+                "trainable_parameters": counts.get("trainable", 0),
+                "posterior_parameters": counts.get("posterior_storage", 0),
             }
         )
     return records
+
+
+def compare_metrics(
+    saved: Sequence[dict[str, Any]],
+    recomputed: Sequence[dict[str, Any]],
+    *,
+    tolerance: float = DRIFT_TOLERANCE,
+) -> list[str]:
+    """The drifts between a run's ``metrics.json`` records and :func:`evaluate`'s.
+
+    Parameters
+    ----------
+    saved, recomputed : sequence of dict
+        Records with a ``family`` field.
+    tolerance : float
+        A metric drifts when ``|recomputed - saved| > tolerance · max(1, |saved|)`` (NaN
+        matches only NaN).
+
+    Returns
+    -------
+    list of str
+        One line per drift (``"<family>: <metric> saved <a>, recomputed <b> (|Δ| = ...)"``),
+        per family missing on either side and per metric missing from the recomputation;
+        empty when the run reproduces.
+    """
+    if not (tolerance >= 0):  # also NaN
+        raise ValueError(f"Expected tolerance >= 0 but got {tolerance!r}.")
+    old = {r["family"]: r for r in saved}
+    new = {r["family"]: r for r in recomputed}
+    drifts = [
+        f"{f}: in metrics.json but no saved posterior (guides/{f}.safetensors)"
+        for f in old
+        if f not in new
+    ]
+    drifts += [
+        f"{f}: a saved posterior without a record in metrics.json" for f in new if f not in old
+    ]
+    for family in [f for f in old if f in new]:
+        a, b = old[family], new[family]
+        for key, value in a.items():
+            if key in _NOT_RECOMPUTED or isinstance(value, bool):
+                continue
+            if not isinstance(value, (int, float)):
+                continue
+            if key not in b:
+                drifts.append(f"{family}: {key} saved {value!r}, not recomputed")
+                continue
+            x, y = float(value), float(b[key])
+            if math.isnan(x) and math.isnan(y):
+                continue
+            diff = abs(y - x)
+            if not (diff <= tolerance * max(1.0, abs(x))):
+                drifts.append(
+                    f"{family}: {key} saved {x:.6g}, recomputed {y:.6g} (|Δ| = {diff:.3g} > "
+                    f"{tolerance:g}·max(1, |saved|))"
+                )
+    return drifts
