@@ -20,6 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .batch import batch_size, split_batch, to_device
+from .models.adapters import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,19 @@ def predict(
     Returns
     -------
     Prediction
+
+    Raises
+    ------
+    ValueError
+        When ``data`` yields no batches, or ``num_samples`` / ``samples_per_forward`` is < 1.
+    TypeError
+        When ``num_samples`` / ``samples_per_forward`` is not an integer.
     """
+    num_samples = check_int("num_samples", num_samples, ge=1, owner="predict: ")
+    if samples_per_forward is not None:
+        samples_per_forward = check_int(
+            "samples_per_forward", samples_per_forward, ge=1, owner="predict: "
+        )
     if device is not None:
         model.to(device)
         guide.to(device)
@@ -164,5 +177,10 @@ def predict(
             outputs.append(torch.cat(parts, 0))
             if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
                 targets.append(check_targets(parts[0], y) if check_targets else y)
+    if not outputs:
+        raise ValueError(
+            "predict: data yielded no batches; pass a non-empty iterable of batches (a "
+            "DataLoader over a non-empty data set, or a list holding at least one batch)."
+        )
     target = torch.cat(targets, 0) if targets else None
     return Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)

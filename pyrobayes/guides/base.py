@@ -28,6 +28,8 @@ The base class also owns the per-site parameter boilerplate (:meth:`PosteriorGui
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import inspect
 import itertools
@@ -51,6 +53,30 @@ logger = logging.getLogger(__name__)
 __all__ = ["PosteriorGuide", "SitewiseKL", "unique_pyro_name", "forget_pyro_params"]
 
 _INSTANCES = itertools.count()
+
+
+def _bad_options_message(cls: type, err: TypeError, given: Mapping[str, Any]) -> str:
+    """``err`` of a constructor call, with the family, the nearest valid option and the list."""
+    options: set[str] = set()
+    for klass in cls.__mro__:  # the families' own constructors (recording ones)
+        init = klass.__dict__.get("__init__")
+        if init is None or not getattr(init, "_records_config", False):
+            continue
+        with contextlib.suppress(TypeError, ValueError):
+            for name, param in list(inspect.signature(init).parameters.items())[2:]:
+                if param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD):
+                    options.add(name)
+    unknown = [k for k in given if k not in options]
+    hints = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, sorted(options), n=1)
+        if near:
+            hints.append(f"{key!r}: did you mean {near[0]!r}?")
+    return (
+        f"{cls.__name__}: {str(err).split('() ', 1)[-1]}. "
+        + (" ".join(hints) + " " if hints else "")
+        + f"Its options: {', '.join(sorted(options)) or 'none'}."
+    )
 
 
 def unique_pyro_name(prefix: str) -> str:
@@ -99,7 +125,10 @@ class PosteriorGuide(AutoGuide):
         def recording_init(self: Any, *args: Any, **kw: Any) -> None:
             # every level of the constructor chain adds its options (defaults included); the
             # outermost call's values win
-            bound = signature.bind(self, *args, **kw)
+            try:
+                bound = signature.bind(self, *args, **kw)
+            except TypeError as err:  # an unknown or misspelt option: name it and its neighbours
+                raise TypeError(_bad_options_message(type(self), err, kw)) from None
             bound.apply_defaults()
             options = self.__dict__.setdefault("_config", {})
             for name, value in list(bound.arguments.items())[2:]:  # past self and model

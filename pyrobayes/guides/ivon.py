@@ -20,6 +20,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..models.adapters import check_int, check_real
 from .base import SitewiseKL
 
 __all__ = ["IVONGuide", "state_dtype_for"]
@@ -115,32 +116,30 @@ class IVONGuide(SitewiseKL):
         lr: float | None = None,
         init_loc: str = "model",
     ) -> None:
+        owner = f"{type(self).__name__}: "
         if ess is None:
             ess = getattr(model, "num_data", None)
             if ess is None:
                 raise ValueError(
-                    f"{type(self).__name__} needs ess=... (usually N) or a model with num_data."
+                    f"{owner}pass ess=... (the effective sample size, usually N, the training-set "
+                    "size) or build the model with FineTuneModel(num_data=N)."
                 )
-        if ess <= 0:
-            raise ValueError(f"Expected ess > 0 but got {ess}.")
+        ess = check_real("ess", ess, gt=0, owner=owner)
         if weight_decay is None:
             prior_scale = getattr(model, "prior_scale", None)
             weight_decay = 1.0 / (ess * prior_scale**2) if prior_scale else 1e-4
+        weight_decay = check_real("weight_decay", weight_decay, ge=0, owner=owner)
         if point_weight_decay is None:
             point_weight_decay = weight_decay
-        checks = {
-            "hess_init": hess_init > 0,
-            "weight_decay": weight_decay >= 0,
-            "point_weight_decay": point_weight_decay >= 0,
-            "mc_samples": mc_samples >= 1,
-            "beta1": 0.0 <= beta1 <= 1.0,
-            "beta2": 0.0 <= beta2 <= 1.0,
-            "clip_radius": clip_radius is None or clip_radius > 0,
-            "lr": lr is None or lr >= 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"Invalid {name}: {locals()[name]!r}.")
+        point_weight_decay = check_real("point_weight_decay", point_weight_decay, ge=0, owner=owner)
+        hess_init = check_real("hess_init", hess_init, gt=0, owner=owner)
+        mc_samples = check_int("mc_samples", mc_samples, ge=1, owner=owner)
+        beta1 = check_real("beta1", beta1, ge=0, lt=1, owner=owner)
+        beta2 = check_real("beta2", beta2, ge=0, le=1, owner=owner)
+        if clip_radius is not None:
+            clip_radius = check_real("clip_radius", clip_radius, gt=0, owner=owner)
+        if lr is not None:
+            lr = check_real("lr", lr, ge=0, owner=owner)
         if hess_approx not in ("price", "gradsq"):
             raise ValueError(f"Expected hess_approx 'price' or 'gradsq' but got {hess_approx!r}.")
         if point_prior_loc not in ("zero", "init"):

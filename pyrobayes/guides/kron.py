@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..distributions import KronEigenNormal, MatrixNormal
+from ..models.adapters import check_int, check_real
 from .ivon import IVONGuide
 
 __all__ = ["KroneckerIVONGuide", "eigh_factor", "damped_eigenvalues"]
@@ -120,13 +121,12 @@ class KroneckerIVONGuide(IVONGuide):
         fisher = "ggn" if fisher == "ggn_last" else fisher
         if fisher not in ("empirical", "mc", "ggn"):
             raise ValueError(f"Expected fisher 'empirical', 'mc' or 'ggn' but got {fisher!r}.")
-        if T_stats < 1 or T_inv < 1:
-            raise ValueError(f"Expected T_stats, T_inv >= 1 but got {T_stats}, {T_inv}.")
+        owner = f"{type(self).__name__}: "
         self.damping = damping
         self.fisher = fisher
-        self.T_stats = int(T_stats)
-        self.T_inv = int(T_inv)
-        self.diag_beta2 = float(diag_beta2)
+        self.T_stats = check_int("T_stats", T_stats, ge=1, owner=owner)
+        self.T_inv = check_int("T_inv", T_inv, ge=1, owner=owner)
+        self.diag_beta2 = check_real("diag_beta2", diag_beta2, ge=0, le=1, owner=owner)
         specs = getattr(model, "latent_sites", {}) or {}
         #: the Kronecker sites, in site order (the others are diagonal)
         self.kron_sites = [

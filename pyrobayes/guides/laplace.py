@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..distributions import KronEigenNormal
+from ..models.adapters import check_int, check_real
 from .base import PosteriorGuide
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class LaplaceGuide(PosteriorGuide):
         alternate_max_iter: int = 20,
         alternate_epochs: int = 5,
     ) -> None:
+        owner = f"{type(self).__name__}: "
         if structure not in ("kron", "diag"):
             raise ValueError(f"Expected structure 'kron' or 'diag' but got {structure!r}.")
         if isinstance(prior_precision, str):
@@ -123,13 +125,15 @@ class LaplaceGuide(PosteriorGuide):
                     "Expected prior_precision 'marglik', 'model' or a positive float but got "
                     f"{prior_precision!r}."
                 )
-        elif prior_precision <= 0:
-            raise ValueError(f"Expected prior_precision > 0 but got {prior_precision}.")
-        lo, hi = (float(b) for b in log_prior_bounds)
+        else:
+            prior_precision = check_real("prior_precision", prior_precision, gt=0, owner=owner)
+        if len(log_prior_bounds) != 2:
+            raise ValueError(f"{owner}log_prior_bounds must be (lo, hi); got {log_prior_bounds!r}.")
+        lo = check_real("log_prior_bounds[0]", log_prior_bounds[0], owner=owner)
+        hi = check_real("log_prior_bounds[1]", log_prior_bounds[1], owner=owner)
         if not lo < hi:
             raise ValueError(f"Expected log_prior_bounds (lo, hi) with lo < hi, got {(lo, hi)}.")
-        if temperature <= 0:
-            raise ValueError(f"Expected temperature > 0 but got {temperature}.")
+        temperature = check_real("temperature", temperature, gt=0, owner=owner)
         if prior_optimization not in ("evidence", "alternate"):
             raise ValueError(
                 "Expected prior_optimization 'evidence' or 'alternate' but got "
@@ -140,11 +144,9 @@ class LaplaceGuide(PosteriorGuide):
                 "prior_optimization='alternate' tunes τ by the marginal likelihood; it needs "
                 f"prior_precision='marglik', not {prior_precision!r}."
             )
-        if alternate_tol <= 0 or alternate_max_iter < 1 or alternate_epochs < 1:
-            raise ValueError(
-                "Expected alternate_tol > 0, alternate_max_iter >= 1 and alternate_epochs >= 1 but "
-                f"got {alternate_tol}, {alternate_max_iter}, {alternate_epochs}."
-            )
+        alternate_tol = check_real("alternate_tol", alternate_tol, gt=0, owner=owner)
+        alternate_max_iter = check_int("alternate_max_iter", alternate_max_iter, ge=1, owner=owner)
+        alternate_epochs = check_int("alternate_epochs", alternate_epochs, ge=1, owner=owner)
         self.structure = structure
         self.prior_precision_spec = prior_precision
         self.log_prior_bounds = (lo, hi)

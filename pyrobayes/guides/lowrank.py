@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.distributions.transforms import ReshapeTransform
 
+from ..models.adapters import check_int, check_real
 from .base import PosteriorGuide
 
 logger = logging.getLogger(__name__)
@@ -168,14 +169,22 @@ class SWAGGuide(PosteriorGuide):
         anneal_strategy: str = "linear",
         optimizer: str = "adam",
     ) -> None:
-        if rank < 1:
-            raise ValueError(f"Expected rank >= 1 but got {rank}.")
-        if scale <= 0:
-            raise ValueError(f"Expected scale > 0 but got {scale}.")
-        if start_epoch < 0 or collect_every < 1:
-            raise ValueError("Expected start_epoch >= 0 and collect_every >= 1.")
-        if collect_every_steps is not None and collect_every_steps < 1:
-            raise ValueError(f"Expected collect_every_steps >= 1 but got {collect_every_steps}.")
+        owner = f"{type(self).__name__}: "
+        rank = check_int("rank", rank, ge=1, owner=owner)
+        scale = check_real("scale", scale, gt=0, owner=owner)
+        start_epoch = check_int("start_epoch", start_epoch, ge=0, owner=owner)
+        collect_every = check_int("collect_every", collect_every, ge=1, owner=owner)
+        if collect_every_steps is not None:
+            collect_every_steps = check_int(
+                "collect_every_steps", collect_every_steps, ge=1, owner=owner
+            )
+        if swa_lr is not None:
+            swa_lr = check_real("swa_lr", swa_lr, ge=0, owner=owner)
+        anneal_epochs = check_int("anneal_epochs", anneal_epochs, ge=0, owner=owner)
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(
+                f"{owner}anneal_strategy must be 'cos' or 'linear'; got {anneal_strategy!r}."
+            )
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"Expected optimizer 'adam' or 'sgd' but got {optimizer!r}.")
         self.rank = int(rank)

@@ -12,6 +12,7 @@ from pyro.distributions import constraints
 from torch import Tensor
 from torch.distributions import transform_to
 
+from ..models.adapters import check_real
 from .base import SitewiseKL
 
 __all__ = ["MeanFieldGuide"]
@@ -44,8 +45,7 @@ class MeanFieldGuide(SitewiseKL):
     scale_constraint = constraints.softplus_positive
 
     def __init__(self, model: Any, *, init_scale: float = 1e-2, init_loc: str = "model") -> None:
-        if init_scale <= 0:
-            raise ValueError(f"Expected init_scale > 0 but got {init_scale}.")
+        init_scale = check_real("init_scale", init_scale, gt=0, owner=f"{type(self).__name__}: ")
         if init_loc not in ("model", "zero"):
             raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
         self._init_scale = float(init_scale)

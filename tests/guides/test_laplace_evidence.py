@@ -192,7 +192,7 @@ def test_options_validated_and_saved(tmp_path) -> None:
         LaplaceGuide(prob.model, prior_optimization="mackay")
     with pytest.raises(ValueError, match="needs prior_precision=.marglik."):
         LaplaceGuide(prob.model, prior_precision="model", prior_optimization="alternate")
-    with pytest.raises(ValueError, match="alternate_tol"):
+    with pytest.raises(ValueError, match="alternate_max_iter"):
         LaplaceGuide(prob.model, prior_optimization="alternate", alternate_max_iter=0)
     guide = LaplaceGuide(
         prob.model, structure="diag", prior_optimization="alternate", alternate_epochs=2

@@ -1,0 +1,78 @@
+"""Checks of :func:`pyrobayes.fit`'s arguments, made before anything is touched.
+
+Explicit checks with messages that name the argument and what to pass (no ``assert``, no
+reliance on torch's argument validation: both vanish under ``python -O`` or come too late).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..models.adapters import check_int, check_real
+
+__all__ = ["validate_fit_arguments"]
+
+_OWNER = "fit(): "
+
+
+def validate_fit_arguments(
+    *,
+    epochs: Any = None,
+    num_steps: Any = None,
+    lr: Any = 1e-2,
+    warmup: Any = 0,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: Any = None,
+    resume: Any = False,
+    overwrite: Any = False,
+) -> None:
+    """Raise on an invalid combination of :func:`pyrobayes.fit` arguments.
+
+    Parameters
+    ----------
+    epochs, num_steps : int, optional
+        At least one of them; integers >= 0 (``2.5`` or ``3.0`` is refused, not truncated).
+    lr : float
+        A finite number >= 0.
+    warmup : int or float
+        A finite number >= 0 (the schedule checks the rest).
+    checkpoint_dir : str or Path, optional
+    checkpoint_every : int, optional
+        An integer >= 1; needs ``checkpoint_dir`` (without one nothing would be written).
+    resume, overwrite : bool
+        ``resume=True`` needs ``checkpoint_dir`` (without one there is nothing to resume from
+        and the run would silently start from scratch).
+
+    Raises
+    ------
+    TypeError
+        For a non-integer count or a non-bool flag.
+    ValueError
+        For a missing, negative or non-finite value, or a checkpoint option without
+        ``checkpoint_dir``.
+    """
+    if epochs is None and num_steps is None:
+        raise ValueError(f"{_OWNER}pass epochs=... or num_steps=... (or both).")
+    if epochs is not None:
+        check_int("epochs", epochs, ge=0, owner=_OWNER)
+    if num_steps is not None:
+        check_int("num_steps", num_steps, ge=0, owner=_OWNER)
+    check_real("lr", lr, ge=0, owner=_OWNER)
+    check_real("warmup", warmup, ge=0, owner=_OWNER)
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{_OWNER}{name} must be True or False; got {flag!r}.")
+    if checkpoint_every is not None:
+        check_int("checkpoint_every", checkpoint_every, ge=1, owner=_OWNER)
+    if checkpoint_dir is None:
+        if resume:
+            raise ValueError(
+                f"{_OWNER}resume=True needs checkpoint_dir=... (the folder of the run to "
+                "continue); without it the fit would start from scratch."
+            )
+        if checkpoint_every is not None:
+            raise ValueError(
+                f"{_OWNER}checkpoint_every={checkpoint_every} needs checkpoint_dir=... (the "
+                "folder to write to); without it no checkpoint would be written."
+            )
