@@ -30,7 +30,7 @@ import torch
 
 from ..contract import implements
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
-from .objectives import SurrogateObjective, is_variational, make_objective
+from .objectives import MAP, SurrogateObjective, is_variational, make_objective
 
 __all__ = [
     "Fitter",
@@ -98,6 +98,19 @@ class Fitter:
         self.model = model
         self.guide = guide
         self.objective = make_objective(self.default_objective() if loss is None else loss)
+        if (
+            getattr(model, "num_data", 0) is None
+            and not getattr(guide, "is_deterministic", False)
+            and (is_variational(self.objective) or isinstance(self.objective, MAP))
+        ):  # N/B-weighted objective of a posterior with N unknown: N would be each batch's size
+            raise ValueError(
+                f"{type(guide).__name__} is fitted with "
+                f"{type(getattr(self.objective, 'elbo', self.objective)).__name__}, which "
+                "weights each minibatch by N/B with N the model's num_data, but the model has "
+                "num_data=None: every minibatch would count as the whole data set (a posterior "
+                "far too wide). Build the model with FineTuneModel(num_data=N), N the number of "
+                "training examples."
+            )
         self.params = trainable_parameters(model, guide)
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
