@@ -167,7 +167,8 @@ class Fitter:
         Raises
         ------
         FloatingPointError
-            On a non-finite loss, before any parameter is touched.
+            On a non-finite loss or gradient, before any parameter is touched (the message
+            names the parameters, and their sites, whose gradients are not finite).
         """
         value = self._update(batch)
         if not math.isfinite(value):
@@ -212,8 +213,51 @@ class Fitter:
             loss.backward()
         if distributed:
             all_reduce_grads_(self.params)
+        self._check_grads()
         optim.step()
         return value
+
+    def _check_grads(self) -> None:
+        """Raise ``FloatingPointError`` if any gradient is non-finite.
+
+        One fused kernel over all gradients: the check ``torch.amp.GradScaler`` runs every step
+        (it also multiplies them by the scale, here 1, which leaves every value as it was).
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        try:
+            found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+            one = torch.ones(1, dtype=torch.float32, device=grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            finite = not found.item()
+        except (RuntimeError, NotImplementedError):  # sparse gradients, several devices
+            finite = all(
+                bool((g.coalesce().values() if g.is_sparse else g).isfinite().all()) for g in grads
+            )
+        if finite:
+            return
+        bad = {id(p) for p in self.params if p.grad is not None and not p.grad.isfinite().all()}
+        raise FloatingPointError(
+            f"Non-finite gradient at step {self.num_steps} in {', '.join(self._names(bad))}; "
+            "parameters were not updated."
+        )
+
+    def _names(self, ids: set[int]) -> list[str]:
+        """Readable names of the parameters whose ``id`` is in ``ids``: the guide's (with
+        their site) and the model's point parameters."""
+        out = []
+        sites = sorted(self.guide.sites, key=len, reverse=True)
+        for name, p in self.guide.named_parameters():
+            if id(p) in ids:
+                site = next((s for s in sites if f".{s}" in f".{name}"), None)
+                out.append(f"{name} (site {site})" if site else name)
+                ids = ids - {id(p)}
+        for name, p in getattr(self.model, "point_params", {}).items():
+            if id(p) in ids:
+                out.append(f"{name} (point parameter)")
+                ids = ids - {id(p)}
+        return out + [f"a parameter of shape {tuple(p.shape)}" for p in self.params if id(p) in ids]
 
     def _after_step(self) -> None:
         """Called after every successful update (SWAG collects step-wise here)."""

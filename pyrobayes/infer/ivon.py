@@ -407,6 +407,14 @@ class IVONOptimizer(torch.optim.Optimizer):
             hhat = torch.cat([g_e * (noise_e if price else g_e), hhat])
         hhat = hhat.mul_(prec) if price else hhat.mul_(hp["ess"])
         all_reduce_mean_([grad, hhat])
+        if not bool(grad.isfinite().all()):  # refused before anything is updated
+            self._restore()
+            for p in extras:
+                p.grad = None
+            raise FloatingPointError(
+                f"Non-finite gradient at step {t} in {', '.join(self._non_finite(grad))}; "
+                "parameters were not updated."
+            )
         lr = self.param_groups[0]["lr"]
         momentum = state["momentum"]
         ivon_step_(
@@ -432,6 +440,13 @@ class IVONOptimizer(torch.optim.Optimizer):
         torch._foreach_copy_(flat["targets"], flat["views"])
         self._record(flat)
         return loss
+
+    def _non_finite(self, grad: Tensor) -> list[str]:
+        """The sites and point parameters whose part of the flat ``grad`` is not finite."""
+        names = [f"point parameter {i} {tuple(p.shape)}" for i, p in enumerate(self.extras)]
+        names += [f"site {site}" for site in self._sites]
+        parts = grad.split(self._extra_numels + self._numels)
+        return [n for n, g in zip(names, parts, strict=True) if not bool(g.isfinite().all())]
 
     def _restore(self) -> None:
         """Put the point parameters back at their means (after the closure's perturbation)."""

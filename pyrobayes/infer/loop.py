@@ -2,8 +2,10 @@
 
 A short loop over the family's :class:`~pyrobayes.infer.fitter.Fitter` (``begin``, ``step`` per
 batch, ``epoch_end``, ``end``) with a progress bar, logging, seeding, validation-based selection,
-learning-rate schedules, atomic checkpoints and resume. A non-finite loss stops training *before*
-the parameters are touched, so the last checkpoint stays good.
+learning-rate schedules, crash-safe checkpoints (:mod:`pyrobayes.infer.checkpoint`) and exact
+resume. A non-finite loss or gradient stops training *before* the parameters are touched, so the
+last checkpoint stays good. ``fit`` owns the per-epoch order of a ``DataLoader`` (its generators
+are seeded from the fit's seed and the epoch), so a run resumed mid-epoch sees the same batches.
 
 Under ``torch.distributed`` (launched with ``torchrun``; gloo on CPU, NCCL on GPUs) it behaves as
 DDP: rank 0's parameters are broadcast at the start, every rank evaluates the objective on its own
@@ -16,11 +18,9 @@ ranks on batches of B equal one process on the union batch of R·B (tested with 
 
 from __future__ import annotations
 
-import json
+import contextlib
+import hashlib
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sized
 from pathlib import Path
@@ -28,13 +28,15 @@ from typing import Any, NamedTuple
 
 import pyro
 import torch
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..batch import to_device
+from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .distributed import broadcast_, world
-from .fitter import Fitter, make_fitter
+from .fitter import make_fitter
 from .schedule import check_schedule, make_scheduler
-from .selection import Selection, Snapshot
+from .selection import Selection
 
 logger = logging.getLogger(__name__)
 
@@ -54,54 +56,53 @@ class FitResult(NamedTuple):
     state: dict[str, Any]
 
 
-def _save_checkpoint(
-    directory: Path,
-    guide: Any,
-    model: Any,
-    fitter: Fitter,
-    meta: dict[str, Any],
-    best: Snapshot | None = None,
-    scheduler: Any = None,
-) -> None:
-    """Write ``directory/last`` atomically (temp folder + rename); the old one stays until then."""
-    from ..io import save  # local: io imports the guide registry
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=directory))
-    save(guide, tmp / "posterior.safetensors", model=model)
-    torch.save(fitter.state_dict(), tmp / "fitter.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    if best is not None:
-        torch.save(best.to_dict(), tmp / "best.pt")
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / "state.json").write_text(json.dumps(meta, indent=2))
-    final = directory / "last"
-    old = directory / ".last-old"
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
+def _mix_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts``, the same on every machine and Python (not ``hash``)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _load_checkpoint(
-    directory: Path, guide: Any, model: Any, fitter: Fitter, scheduler: Any = None
-) -> tuple[dict[str, Any], Snapshot | None]:
-    from ..io import load_state
+class _DataOrder:
+    """``fit``'s ownership of a ``DataLoader``'s per-epoch order.
 
-    final = directory / "last"
-    load_state(guide, final / "posterior.safetensors", model=model)
-    fitter.load_state_dict(torch.load(final / "fitter.pt", weights_only=True))
-    torch.set_rng_state(torch.load(final / "rng.pt", weights_only=True)["torch"])
-    if scheduler is not None and (final / "scheduler.pt").exists():
-        scheduler.load_state_dict(torch.load(final / "scheduler.pt", weights_only=True))
-    best = None
-    if (final / "best.pt").exists():
-        best = Snapshot.from_dict(torch.load(final / "best.pt", weights_only=True))
-    return json.loads((final / "state.json").read_text()), best
+    Before each epoch the generators of its samplers (``RandomSampler`` of ``shuffle=True``,
+    or any sampler with a ``generator`` attribute) and the loader's own generator (the base
+    seed of its workers) are replaced by ones seeded from ``(seed, epoch)``, and ``set_epoch``
+    is called on samplers that have it (``DistributedSampler``). Nothing is drawn from the
+    global RNG, so the order of an epoch does not depend on where in it a run was resumed.
+    The original generators are put back by :meth:`restore`.
+    """
+
+    def __init__(self, data: Any, seed: int) -> None:
+        self.seed = seed
+        self.loader = data if isinstance(data, DataLoader) else None
+        self.samplers: list[Any] = []
+        self._saved: list[tuple[Any, Any]] = []
+        if self.loader is None:
+            return
+        for sampler in (
+            self.loader.sampler,
+            self.loader.batch_sampler,
+            getattr(self.loader.batch_sampler, "sampler", None),
+        ):
+            if sampler is not None and all(sampler is not s for s in self.samplers):
+                self.samplers.append(sampler)
+        self._saved = [
+            (obj, obj.generator)
+            for obj in (self.loader, *self.samplers)
+            if hasattr(obj, "generator")
+        ]
+
+    def set_epoch(self, epoch: int) -> None:
+        for k, (obj, _) in enumerate(self._saved):
+            obj.generator = torch.Generator().manual_seed(_mix_seed(self.seed, epoch, k))
+        for sampler in self.samplers:
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
+
+    def restore(self) -> None:
+        for obj, generator in self._saved:
+            obj.generator = generator
 
 
 def fit(
@@ -120,6 +121,7 @@ def fit(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     callback: Callable[[int, float], None] | None = None,
     val_data: Iterable[Any] | None = None,
     select_by: str = "nll",
@@ -133,7 +135,16 @@ def fit(
     model : FineTuneModel
     guide : PosteriorGuide
     data : iterable of batches
-        A ``DataLoader`` (re-iterated each epoch) or any re-iterable of batches.
+        A ``DataLoader`` (re-iterated each epoch) or any re-iterable of batches. ``fit`` owns a
+        ``DataLoader``'s per-epoch order: before each epoch the generators of its sampler
+        (``RandomSampler`` of ``shuffle=True``, or any sampler with a ``generator``) and of the
+        loader (its workers' base seed) are replaced by generators seeded from the
+        fit's seed and the epoch, and a sampler's ``set_epoch(epoch)`` is called
+        (``DistributedSampler``); the originals are put back at the end. Epoch ``e``'s order is
+        thus a function of ``(seed, e)`` alone, and a run resumed mid-epoch skips exactly the
+        batches already done (without ``seed`` the data seed is drawn from torch's RNG once and
+        saved in the checkpoint). Other iterables must yield the same batches each pass for an
+        exact resume.
     epochs, num_steps : int
         Train for this many passes over ``data`` or this many steps (one of them; with both,
         whichever ends first).
@@ -146,15 +157,27 @@ def fit(
     device : str or torch.device, optional
         Move model, guide and batches there.
     seed : int, optional
-        Seeds torch and Pyro (``pyro.set_rng_seed``).
+        Seeds torch and Pyro (``pyro.set_rng_seed``) and the data order.
     progress_bar : bool
         Show a tqdm bar with the running loss.
     checkpoint_dir : path, optional
-        Write ``<dir>/last`` (guide + head + fitter state + RNG + position) atomically every
-        ``checkpoint_every`` steps and at each epoch end.
+        Write a checkpoint (guide + point parameters + fitter state + RNG states + schedule +
+        validation + position in the data) every ``checkpoint_every`` steps and at each epoch
+        end, crash-safely: each is a complete, fsynced generation folder ``<dir>/ckpt-NNNNNN``
+        that the file ``<dir>/LATEST`` is atomically switched to before the previous one is
+        deleted, so a kill at any instant leaves a checkpoint that ``resume=True`` finds (see
+        :mod:`pyrobayes.infer.checkpoint`). The folder is locked (``<dir>/.lock``, an OS file
+        lock) while the fit runs: a second fit on it is refused. Leftovers of a killed fit are
+        removed at the start.
     resume : bool
-        Continue from ``<checkpoint_dir>/last`` if it exists (restores guide, optimizer, RNG and
-        the step counter; steps already done are not repeated).
+        Continue from the newest checkpoint in ``checkpoint_dir`` if there is one (restores
+        guide, point parameters, optimizer, RNG states, schedule and position: the rest of the
+        run is the same as without the interruption, bit for bit, mid-epoch too). The earlier
+        single-folder layout (``<dir>/last``) is still read.
+    overwrite : bool
+        Allow a new fit (``resume=False``) into a ``checkpoint_dir`` that holds another run's
+        checkpoint; without it that is refused. The old checkpoint stays until this run's first
+        checkpoint replaces it.
     callback : callable(step, loss), optional
     val_data : iterable of batches, optional
         Held-out data scored at the end of every epoch at the guide's
@@ -181,7 +204,13 @@ def fit(
     Raises
     ------
     FloatingPointError
-        On a non-finite loss, before any parameter is updated (checkpoints stay good).
+        On a non-finite loss or gradient, before any parameter is updated (the message names
+        the step, and the parameters for a gradient; checkpoints stay good).
+    RuntimeError
+        When another fit holds ``checkpoint_dir``.
+    FileExistsError
+        When ``checkpoint_dir`` holds another run's checkpoint and neither ``resume`` nor
+        ``overwrite`` is set.
     """
     if epochs is None and num_steps is None:
         raise ValueError("Pass epochs=... or num_steps=... to fit().")
@@ -197,6 +226,68 @@ def fit(
         total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
     # argument errors before anything is touched (begin() resets what a fitter collects)
     check_schedule(scheduler, total, warmup)
+    world_size, rank = world()
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    with contextlib.ExitStack() as stack:
+        if ckpt is not None and rank == 0:  # only rank 0 writes
+            stack.enter_context(CheckpointLock(ckpt))
+            if not resume and not overwrite and holds_run(ckpt):
+                raise FileExistsError(
+                    f"{ckpt} holds the checkpoint of another run ({latest(ckpt)}). Pass "
+                    "resume=True to continue it, overwrite=True to replace it, or another "
+                    "checkpoint_dir."
+                )
+            removed = clean(ckpt)
+            if removed:
+                logger.info("Removed what an interrupted fit left in %s: %s", ckpt, removed)
+        return _run(
+            model,
+            guide,
+            data,
+            epochs=epochs,
+            num_steps=num_steps,
+            total=total,
+            steps_per_epoch=steps_per_epoch,
+            loss=loss,
+            optimizer=optimizer,
+            lr=lr,
+            device=device,
+            seed=seed,
+            progress_bar=progress_bar,
+            ckpt=ckpt,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            callback=callback,
+            selection=selection,
+            scheduler=scheduler,
+            warmup=warmup,
+        )
+
+
+def _run(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    epochs: int | None,
+    num_steps: int | None,
+    total: int | None,
+    steps_per_epoch: int | None,
+    loss: Any,
+    optimizer: Any,
+    lr: float,
+    device: str | torch.device | None,
+    seed: int | None,
+    progress_bar: bool,
+    ckpt: Path | None,
+    checkpoint_every: int | None,
+    resume: bool,
+    callback: Callable[[int, float], None] | None,
+    selection: Selection | None,
+    scheduler: str | Callable[[torch.optim.Optimizer], Any] | None,
+    warmup: float,
+) -> FitResult:
+    """The body of :func:`fit`, its arguments checked and its checkpoint folder locked."""
     if seed is not None:
         pyro.set_rng_seed(seed)
     if device is not None:
@@ -216,15 +307,25 @@ def fit(
     fitter.begin(data)
     sched = make_scheduler(scheduler, fitter.optimizer, total, warmup)
     world_size, rank = world()
-    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    step, epoch, losses = 0, 0, []
-    if resume and ckpt is not None and (ckpt / "last").exists():
-        meta, saved_best = _load_checkpoint(ckpt, guide, model, fitter, sched)
+    # the position: `in_epoch` batches of epoch `epoch` done (its end work not yet)
+    step, epoch, in_epoch, losses = 0, 0, 0, []
+    data_seed = seed
+    found = latest(ckpt) if resume and ckpt is not None else None
+    if found is not None:
+        meta, saved_best = load_checkpoint(found, guide, model, fitter, sched)
         step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
+        if "batch" in meta:
+            in_epoch = meta["batch"]
+        elif steps_per_epoch:  # the earlier layout: derived from the step
+            in_epoch = step - epoch * steps_per_epoch
+        data_seed = meta.get("data_seed", data_seed)
         if selection is not None:
             selection.best = saved_best
             selection.history = list(meta.get("validation", []))
-        logger.info("Resumed from %s at step %d (epoch %d)", ckpt / "last", step, epoch)
+        logger.info("Resumed from %s at step %d (epoch %d)", found, step, epoch)
+    if data_seed is None and isinstance(data, DataLoader):  # as a DataLoader would draw it
+        data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    order = _DataOrder(data, 0 if data_seed is None else data_seed)
     if world_size > 1:
         broadcast_(fitter.broadcast_tensors())
     write_checkpoints = ckpt is not None and rank == 0
@@ -235,62 +336,92 @@ def fit(
         desc=type(guide).__name__,
     )
     start = time.perf_counter()
-    step_in_epoch_done = step - epoch * steps_per_epoch if steps_per_epoch else 0
 
-    def _checkpoint() -> None:
-        history = selection.history if selection is not None else []
-        meta = {"step": step, "epoch": epoch, "losses": losses, "validation": history}
+    def _checkpoint(epoch_end_done: bool) -> None:
+        meta = {
+            "step": step,
+            "epoch": epoch,
+            "batch": in_epoch,
+            "epoch_end_done": epoch_end_done,
+            "data_seed": data_seed,
+            "losses": losses,
+            "validation": selection.history if selection is not None else [],
+        }
         best = selection.best if selection is not None else None
-        assert ckpt is not None  # called only when write_checkpoints
-        _save_checkpoint(ckpt, guide, model, fitter, meta, best, sched)
+        if ckpt is None:  # called only when write_checkpoints
+            raise RuntimeError("fit(): no checkpoint_dir to write to.")
+        save_checkpoint(ckpt, guide, model, fitter, meta, best, sched)
+
+    def _batches_done() -> bool:  # all batches of the epoch done, its end work not
+        return in_epoch > 0 and steps_per_epoch is not None and in_epoch >= steps_per_epoch
+
+    def _end_may_be_pending() -> bool:  # ... or maybe so (an iterable without a length)
+        return in_epoch > 0 and (steps_per_epoch is None or in_epoch >= steps_per_epoch)
 
     try:
-        while (epochs is None or epoch < epochs) and (num_steps is None or step < num_steps):
-            i_last_step_count = step
-            for i, batch in enumerate(data):
-                if i < step_in_epoch_done:  # resuming mid-epoch: skip what was done
-                    continue
-                if num_steps is not None and step >= num_steps:
-                    break
-                batch = to_device(batch, device)
-                try:
-                    value = fitter.step(batch)
-                except FloatingPointError as err:
-                    raise FloatingPointError(
-                        f"{err} (fit step {step}, epoch {epoch}). Lower the learning rate or the "
-                        "init_scale"
-                        + (f"; the last checkpoint in {ckpt} is intact." if ckpt else ".")
-                    ) from None
-                losses.append(value)
-                step += 1
-                if sched is not None:
-                    sched.step()
-                bar.update(1)
-                if progress_bar and step % max(1, (total or 100) // 20) == 0:
-                    window = losses[-max(1, len(losses) // 10) :]
-                    bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{sum(window) / len(window):.4g}")
-                if callback is not None:
-                    callback(step, value)
-                if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
-                    _checkpoint()
-            else:
-                if i_last_step_count == step:
+        while (epochs is None or epoch < epochs) and (
+            num_steps is None or step < num_steps or _end_may_be_pending()
+        ):
+            seen, stopped = 0, False
+            if not _batches_done():  # else: resumed after the last batch, before the end
+                order.set_epoch(epoch)
+                for batch in data:
+                    seen += 1
+                    if seen <= in_epoch:  # resumed mid-epoch: done already
+                        continue
+                    if num_steps is not None and step >= num_steps:
+                        stopped = True
+                        break
+                    batch = to_device(batch, device)
+                    try:
+                        value = fitter.step(batch)
+                    except FloatingPointError as err:
+                        raise FloatingPointError(
+                            f"{err} (fit step {step}, epoch {epoch}). Lower the learning rate or "
+                            "the init_scale"
+                            + (f"; the last checkpoint in {ckpt} is intact." if ckpt else ".")
+                        ) from None
+                    losses.append(value)
+                    step += 1
+                    in_epoch += 1
+                    if sched is not None:
+                        sched.step()
+                    bar.update(1)
+                    if progress_bar and step % max(1, (total or 100) // 20) == 0:
+                        window = losses[-max(1, len(losses) // 10) :]
+                        avg = sum(window) / len(window)
+                        bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{avg:.4g}")
+                    if callback is not None:
+                        callback(step, value)
+                    if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
+                        _checkpoint(epoch_end_done=False)
+                if stopped:
+                    break  # num_steps reached inside the epoch
+                if seen == 0 and in_epoch == 0:
                     raise ValueError("fit(): data yielded no batches.")
-                step_in_epoch_done = 0
-                fitter.epoch_end(epoch)
-                if selection is not None:
-                    measured = selection.score(model, guide, epoch)
-                    logger.info("epoch %d validation: %s", epoch, measured)
-                epoch += 1
-                if write_checkpoints:
-                    _checkpoint()
-                continue
-            break  # num_steps reached inside the epoch
+                if seen < in_epoch:
+                    raise ValueError(
+                        f"fit(): data yielded {seen} batches in epoch {epoch}, but the "
+                        f"checkpoint resumed from records {in_epoch} done in it. Resume with the "
+                        "data the run was started with."
+                    )
+            # the epoch's end work (also where a run killed after its last step resumes)
+            fitter.epoch_end(epoch)
+            if selection is not None:
+                measured = selection.score(model, guide, epoch)
+                logger.info("epoch %d validation: %s", epoch, measured)
+            epoch += 1
+            in_epoch = 0
+            if write_checkpoints:
+                _checkpoint(epoch_end_done=True)
     finally:
+        order.restore()
         bar.close()
     best_epoch = selection.restore_best(model, guide) if selection is not None else None
-    if best_epoch is not None:
-        logger.info("fit: restored the best validated epoch %d (%s)", best_epoch, select_by)
+    if best_epoch is not None and selection is not None:
+        logger.info(
+            "fit: restored the best validated epoch %d (%s)", best_epoch, selection.select_by
+        )
     fitter.end(data)
     model.train(False)
     elapsed = time.perf_counter() - start

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
+from pyrobayes.infer.checkpoint import latest
 from tests.common import conjugate_core, split_batches
 
 
@@ -62,17 +63,17 @@ def test_non_finite_loss_stops_before_update_and_keeps_checkpoint(tmp_path):
     data = split_batches(prob.x, prob.y)
     guide = pb.guides.MeanFieldGuide(prob.model)
     pb.fit(prob.model, guide, data, epochs=1, checkpoint_dir=tmp_path)
-    saved = pb.io.read_header(tmp_path / "last" / "posterior.safetensors")
+    saved = pb.io.read_header(latest(tmp_path) / "posterior.safetensors")
     assert saved["family"] == "meanfield"
     before = {k: v.clone() for k, v in guide.state_dict().items()}
     # finite targets whose loss overflows, as a diverging run's (NaN data is refused earlier)
     bad = [(prob.x[:16], torch.full_like(prob.y[:16], 1e200))]
     pyro.enable_validation(False)
     with pytest.raises(FloatingPointError, match="step 0"):
-        pb.fit(prob.model, guide, bad, num_steps=1, checkpoint_dir=tmp_path)
+        pb.fit(prob.model, guide, bad, num_steps=1, checkpoint_dir=tmp_path, overwrite=True)
     for k, v in guide.state_dict().items():
         assert torch.equal(v, before[k]), k  # parameters untouched
-    restored = pb.load(tmp_path / "last" / "posterior.safetensors", prob.model)
+    restored = pb.load(latest(tmp_path) / "posterior.safetensors", prob.model)
     for k, v in restored.state_dict().items():
         assert torch.equal(v, before[k]), k  # the checkpoint is the last good state
 
