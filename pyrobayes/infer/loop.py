@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..batch import to_device
+from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .distributed import broadcast_, world
 from .fitter import make_fitter
@@ -212,10 +213,16 @@ def fit(
         When ``checkpoint_dir`` holds another run's checkpoint and neither ``resume`` nor
         ``overwrite`` is set.
     """
-    if epochs is None and num_steps is None:
-        raise ValueError("Pass epochs=... or num_steps=... to fit().")
-    if (epochs is not None and epochs < 0) or (num_steps is not None and num_steps < 0):
-        raise ValueError(f"Expected non-negative epochs/num_steps but got {epochs}/{num_steps}.")
+    validate_fit_arguments(
+        epochs=epochs,
+        num_steps=num_steps,
+        lr=lr,
+        warmup=warmup,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        overwrite=overwrite,
+    )
     selection = Selection(val_data, select_by) if val_data is not None else None
     try:
         steps_per_epoch: int | None = len(data) if isinstance(data, Sized) else None
