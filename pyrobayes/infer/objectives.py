@@ -127,12 +127,12 @@ def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
                 "problem, not an optimisation one: clean or drop those examples (e.g. "
                 "torch.nan_to_num, or filter rows with torch.isfinite) before fitting."
             )
-            size, rank = world()
-            if size == 1:
+            world_size, rank = world()
+            if world_size == 1:
                 raise ValueError(message)
             # a raise on one rank would leave the others waiting in the loss all-reduce: the
             # non-finite loss stops every rank at this step instead, and this rank says why
-            logger.error("rank %d of %d: %s", rank, size, message)
+            logger.error("rank %d of %d: %s", rank, world_size, message)
     return inputs, targets
 
 
