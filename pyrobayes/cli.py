@@ -13,7 +13,6 @@ error (the message, no traceback), 130 when interrupted.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -33,6 +32,7 @@ from .demo.pipeline import (
     compare_metrics,
     evaluate,
     format_table,
+    read_json,
     resolve_config,
     run,
 )
@@ -96,14 +96,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     metrics_path = run_dir / "metrics.json"
+    if run_dir.is_dir() and not metrics_path.exists():  # before the (slow) recomputation
+        raise RunFolderError(f"{run_dir} has no metrics.json to compare the metrics with.")
     records = evaluate(run_dir, device=args.device)
     _print_records(records, None)
-    if not metrics_path.exists():
-        raise RunFolderError(f"{run_dir} has no metrics.json to compare the metrics with.")
-    try:
-        saved = json.loads(metrics_path.read_text())
-    except json.JSONDecodeError as err:
-        raise RunFolderError(f"{metrics_path} is not valid JSON: {err}") from None
+    saved = read_json(metrics_path)
     drifts = compare_metrics(saved, records, tolerance=args.tolerance)
     if drifts:
         print(

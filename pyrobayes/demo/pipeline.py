@@ -617,6 +617,14 @@ DRIFT_TOLERANCE = 1e-6
 _NOT_RECOMPUTED = ("family", "fit_seconds", "final_loss", "warm_start")
 
 
+def read_json(path: Path) -> Any:
+    """The JSON document at ``path`` of a run folder; ``RunFolderError`` when it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise RunFolderError(f"{path} is not valid JSON: {err}") from None
+
+
 def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str, Any]]:
     """Reload every saved posterior of a run folder and recompute its metrics.
 
@@ -646,11 +654,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise RunFolderError(f"{config_path} is not valid JSON: {err}") from err
-    config = validate_config(config)
+    config = validate_config(read_json(config_path))
     paths = {p.stem: p for p in (run_dir / "guides").glob("*.safetensors")}
     if not paths:
         raise RunFolderError(
