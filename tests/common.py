@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyrobayes.models import FineTuneModel, LoRAXS
+from tests import families
 
 
 @dataclass
@@ -44,23 +45,42 @@ def conjugate_core(
     noise: float = 0.5,
     prior_scale: float = 1.0,
     seed: int = 0,
+    family: str | None = None,
 ) -> ConjugateCore:
+    """The linear-Gaussian core problem; ``family`` applies that family's registry-test transforms
+    (:mod:`tests.families`) to the model, the data and the exact posterior staying those of the
+    LoRA-XS core (valid only when the transforms keep the model's function)."""
     g = torch.Generator().manual_seed(seed)
     lin = nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(d_out, d_in, generator=g))
-    model = FineTuneModel(
+    adapter = LoRAXS(rank=rank, projection="svd", target_modules=["0"], alpha=float(rank))
+    reference = FineTuneModel(
         nn.Sequential(lin),
-        LoRAXS(rank=rank, projection="svd", target_modules=["0"], alpha=float(rank)),
+        adapter,
         likelihood="gaussian",
         obs_scale=noise,
         prior_scale=prior_scale,
         num_data=num_data,
         trainable_modules=[],
     )
-    layer = model.net[0]
-    site = next(iter(model.latent_sites))
+    layer = reference.net[0]
+    site = next(iter(reference.latent_sites))
     down, up, s = layer.down, layer.up, layer.scaling
+    model = reference
+    if family is not None and (family in families.ADAPTERS or family in families.NETS):
+        base = nn.Linear(d_in, d_out, bias=False)
+        base.load_state_dict(layer.base.state_dict())  # the same frozen W0
+        model = FineTuneModel(
+            families.net_for(family, nn.Sequential(base)),
+            families.adapter_for(family, adapter),
+            likelihood="gaussian",
+            obs_scale=noise,
+            prior_scale=prior_scale,
+            num_data=num_data,
+            trainable_modules=[],
+        )
+        site = next(iter(model.latent_sites))
     # design: z_n = down x_n with orthogonal rows of Z (r × N) of different norms
     q, _ = torch.linalg.qr(torch.randn(num_data, rank, generator=g))
     z = (q * torch.tensor([3.0, 2.0, 1.0][:rank] + [1.0] * max(0, rank - 3))).T  # (r, N)
@@ -223,6 +243,7 @@ def mlp_problem(
     data_seed: int | None = None,
     activation: type[nn.Module] | None = nn.Tanh,
     likelihood: str = "categorical",
+    family: str | None = None,
     **model_kw: Any,
 ) -> MLPProblem:
     """An MLP of ``widths`` with ``adapter`` (LoRA-XS cores or LoRA factors) and random data.
@@ -246,6 +267,9 @@ def mlp_problem(
     likelihood : {"categorical", "gaussian"}
         Categorical: ``y`` uniform over the ``widths[-1]`` classes. Gaussian: ``y`` standard
         normal, ``(num_data,)`` for one output and ``(num_data, widths[-1])`` otherwise.
+    family : str, optional
+        Build the problem ``family`` uses in the registry-wide tests (its adapter and network
+        transforms in :mod:`tests.families`).
     **model_kw
         Further ``FineTuneModel`` arguments (``trainable_modules``, ``obs_scale``, ...).
 
@@ -256,7 +280,8 @@ def mlp_problem(
     """
     if seed is not None:
         torch.manual_seed(seed)
-    net = mlp(*widths, activation=activation)
+    net = families.net_for(family, mlp(*widths, activation=activation))
+    adapter = families.adapter_for(family, adapter)
     model = FineTuneModel(net, adapter, likelihood=likelihood, num_data=num_data, **model_kw)
     g = None if data_seed is None else torch.Generator().manual_seed(data_seed)
     x = torch.randn(num_data, widths[0], generator=g)

@@ -16,6 +16,7 @@ import torch
 import pyrobayes as pb
 from pyrobayes.contract import PostHoc
 from pyrobayes.registry import _REGISTRY
+from tests import families
 from tests.common import conjugate_core, split_batches
 
 FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
@@ -31,14 +32,14 @@ def test_notebook_order_each_guide_keeps_its_own_values(family, tmp_path):
     Pyro call, state_dict, save/load and predict of A and of B shows its own fitted values."""
     pyro.clear_param_store()
     torch.manual_seed(0)
-    prob = conjugate_core()
+    prob = conjugate_core(family=family)
     data = split_batches(prob.x, prob.y, 16)
     x = prob.x[:8]
-    a = pb.posterior(prob.model, family)
+    a = families.posterior(prob.model, family)
     pb.fit(prob.model, a, data, epochs=3, lr=0.05, seed=1)
     pyro.infer.Predictive(prob.model, guide=a, num_samples=2)((x, None))  # A's names now stored
     state_a = _state(a)
-    b = pb.posterior(prob.model, family)
+    b = families.posterior(prob.model, family)
     pb.fit(prob.model, b, data, epochs=6, lr=0.02, seed=2)
     state_b = _state(b)
     assert any(not torch.equal(state_a[k], state_b[k]) for k in state_a)  # A and B differ
@@ -88,7 +89,9 @@ ELBOS = {
 
 
 @pytest.mark.parametrize("elbo", sorted(ELBOS))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family", [f for f in FAMILIES if f not in families.NOT_EXACT_UNDER_PYRO_SVI]
+)
 def test_pyro_svi_reaches_the_exact_optimum_of_the_family(family, elbo):
     """Pyro's SVI with Pyro's ELBOs on a pyrobayes guide reaches that family's exact optimum.
 
@@ -99,8 +102,8 @@ def test_pyro_svi_reaches_the_exact_optimum_of_the_family(family, elbo):
     """
     pyro.clear_param_store()
     torch.manual_seed(0)
-    prob = conjugate_core()
-    guide = pb.posterior(prob.model, family)
+    prob = conjugate_core(family=family)
+    guide = families.posterior(prob.model, family)
     if isinstance(guide, PostHoc):
         with pytest.raises(RuntimeError, match="not fitted"):
             pyro.infer.SVI(prob.model, guide, pyro.optim.Adam({"lr": 0.01}), ELBOS[elbo]()).step(

@@ -9,12 +9,13 @@ import torch
 import pyrobayes as pb
 from pyrobayes.models import FineTuneModel, LoRAXS
 from pyrobayes.registry import _REGISTRY
+from tests import families
 from tests.common import mlp, mlp_problem, split_batches
 
 FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
 
 
-def _problem(seed: int = 0):
+def _problem(family: str, seed: int = 0):
     prob = mlp_problem(
         (5, 12, 12, 3),
         LoRAXS(rank=3, target_modules=["0", "2"]),
@@ -22,13 +23,14 @@ def _problem(seed: int = 0):
         trainable_modules=["4"],
         seed=seed,
         data_seed=seed,
+        family=family,
     )
     return prob.model, split_batches(prob.x, prob.y, 16)
 
 
 def _fitted(family: str, seed: int = 0):
-    model, data = _problem(seed)
-    guide = pb.posterior(model, family)
+    model, data = _problem(family, seed)
+    guide = families.posterior(model, family)
     pb.fit(model, guide, data, epochs=4, lr=1e-2, seed=seed)
     return model, guide, data
 
@@ -80,7 +82,7 @@ def test_save_load_round_trip(fitted, tmp_path):
     header = pb.io.read_header(path)
     assert header["family"] == family and set(header["sites"]) == set(guide.sites)
     # the same pretrained network, with its head moved: loading restores the fitted head too
-    fresh_model, _ = _problem(seed=0)
+    fresh_model, _ = _problem(family, seed=0)
     with torch.no_grad():
         for p in fresh_model.point_params.values():
             p.add_(1.0)

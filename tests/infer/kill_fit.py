@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
 from pyrobayes.infer import checkpoint
+from tests import families
 from tests.common import mlp_problem
 
 EPOCHS, NUM_DATA, BATCH = 3, 40, 8  # 5 steps per epoch, 15 in all
 STEPS_PER_EPOCH = NUM_DATA // BATCH
-OPTIONS: dict[str, dict[str, Any]] = {"kron-ivon": {"T_inv": 3}}
 LR = {"ivon": 0.05, "kron-ivon": 0.05}
 
 
@@ -41,9 +41,10 @@ def problem(family: str) -> tuple[Any, Any, DataLoader]:
         seed=0,
         data_seed=1,
         trainable_modules=["2"],
+        family=family,
     )
     loader = DataLoader(TensorDataset(prob.x, prob.y), batch_size=BATCH, shuffle=True)
-    return prob.model, pb.posterior(prob.model, family, **OPTIONS.get(family, {})), loader
+    return prob.model, families.posterior(prob.model, family), loader
 
 
 def run(family: str, **kw: Any) -> tuple[Any, Any, pb.infer.FitResult]:

@@ -12,12 +12,13 @@ import pyrobayes as pb
 from pyrobayes.contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
 from pyrobayes.models import LoRAXS
 from pyrobayes.registry import _REGISTRY
+from tests import families
 from tests.common import mlp_problem, split_batches
 
 FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
 
 
-def _problem(seed: int = 0):
+def _problem(seed: int = 0, family: str | None = None):
     prob = mlp_problem(
         (5, 8, 3),
         LoRAXS(rank=2, target_modules=["0"]),
@@ -25,6 +26,7 @@ def _problem(seed: int = 0):
         trainable_modules=["2"],
         seed=seed,
         data_seed=seed,
+        family=family,
     )
     return prob.model, split_batches(prob.x, prob.y, 16)
 
@@ -40,14 +42,14 @@ def _state(model, guide):
 def test_a_hand_written_loop_over_the_fitter_is_fit(family):
     """pb.fit is a loop over the public step API: the same calls give the same posterior."""
     pyro.clear_param_store()
-    model, data = _problem()
-    guide = pb.posterior(model, family)
+    model, data = _problem(family=family)
+    guide = families.posterior(model, family)
     result = pb.fit(model, guide, data, epochs=3, lr=1e-2, seed=5)
     fitted = _state(model, guide)
 
     pyro.clear_param_store()
-    model_b, data_b = _problem()
-    guide_b = pb.posterior(model_b, family)
+    model_b, data_b = _problem(family=family)
+    guide_b = families.posterior(model_b, family)
     pyro.set_rng_seed(5)
     fitter = pb.infer.make_fitter(model_b, guide_b, lr=1e-2)
     assert isinstance(fitter, pb.infer.FITTERS[guide_b.default_fitter])
@@ -71,8 +73,8 @@ def test_a_hand_written_loop_over_the_fitter_is_fit(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_satisfies_the_contract(family):
     pyro.clear_param_store()
-    model, _ = _problem()
-    guide = pb.posterior(model, family)
+    model, _ = _problem(family=family)
+    guide = families.posterior(model, family)
     assert isinstance(guide, Posterior)
     assert guide.family == family
     assert guide.default_fitter in pb.infer.FITTERS

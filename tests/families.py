@@ -1,0 +1,58 @@
+"""What the registry-wide tests need to know about a family: one entry per family that needs one.
+
+Every registered family runs through the registry-wide tests (the contract, the step API, the
+Pyro-native checks, kill-and-resume, bad input) on the same small problems: an MLP with LoRA-XS
+cores (:func:`tests.common.mlp_problem`) and the linear-Gaussian core
+(:func:`tests.common.conjugate_core`). A family whose posterior needs another adapter (the LoRA
+rank symmetry of a symmetrized guide), another network (σN norm layers) or its own options says so
+here, and only here; the registry-wide tests then enrol it without a branch on its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+import pyrobayes as pb
+
+#: family -> ``pb.posterior`` options used by every registry-wide test.
+OPTIONS: dict[str, dict[str, Any]] = {"kron-ivon": {"T_inv": 3}}
+
+#: family -> extra options when the likelihood is Gaussian (the conjugate core).
+GAUSSIAN_OPTIONS: dict[str, dict[str, Any]] = {}
+
+#: family -> adapter transform (e.g. LoRA-XS cores -> LoRA factors of the same rank and targets).
+ADAPTERS: dict[str, Callable[[Any], Any]] = {}
+
+#: family -> network transform applied before the ``FineTuneModel`` is built.
+NETS: dict[str, Callable[[nn.Module], nn.Module]] = {}
+
+#: family -> why Pyro's SVI with Pyro's ELBOs is not expected to reach the conjugate core's exact
+#: posterior mean (the family is not a Gaussian q over the core). Absent: it is expected to.
+NOT_EXACT_UNDER_PYRO_SVI: dict[str, str] = {}
+
+
+def adapter_for(family: str | None, adapter: Any) -> Any:
+    """The adapter the registry-wide problems use for ``family``."""
+    transform = ADAPTERS.get(family or "")
+    return adapter if transform is None else transform(adapter)
+
+
+def net_for(family: str | None, net: nn.Module) -> nn.Module:
+    """The network the registry-wide problems use for ``family``."""
+    transform = NETS.get(family or "")
+    return net if transform is None else transform(net)
+
+
+def options(family: str, likelihood: str = "categorical") -> dict[str, Any]:
+    """The ``pb.posterior`` options of ``family`` in the registry-wide tests."""
+    extra = GAUSSIAN_OPTIONS.get(family, {}) if likelihood == "gaussian" else {}
+    return {**OPTIONS.get(family, {}), **extra}
+
+
+def posterior(model: Any, family: str, **kwargs: Any) -> Any:
+    """``pb.posterior(model, family)`` with the family's registry-test options (``kwargs`` win)."""
+    likelihood = getattr(model.likelihood, "name", "categorical")
+    return pb.posterior(model, family, **{**options(family, likelihood), **kwargs})
