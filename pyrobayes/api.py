@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
+import torch
+
+from .contract import Posterior, PostHoc
 from .registry import get_guide_class
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["posterior"]
+__all__ = ["posterior", "start_from"]
 
 
-def posterior(model: Any, family: str = "meanfield", **kwargs: Any) -> Any:
+def posterior(model: Any, family: str = "meanfield", *, init: Any = None, **kwargs: Any) -> Any:
     """Build a posterior guide by family name (as ``laplace.Laplace(...)``).
 
     Parameters
@@ -20,11 +23,83 @@ def posterior(model: Any, family: str = "meanfield", **kwargs: Any) -> Any:
     model : FineTuneModel
     family : str
         A registered name (``pyrobayes.available_guides()``), e.g. ``"meanfield"``, ``"map"``.
+    init : Posterior, optional
+        A fitted guide over the same ``model`` (typically a MAP, ``"map"``) whose point starts
+        a post-hoc family (``"laplace"``, ``"swag"``: any :class:`~pyrobayes.contract.PostHoc`
+        posterior): the new guide's point ``θ̂`` is set to ``init.mean()`` (the MAP itself for a
+        point mass) and the guide is left unfitted. Then ``pyrobayes.fit(model, guide, data,
+        epochs=0)`` fits a Laplace posterior's curvature and prior precision at ``θ̂`` without
+        a single MAP step, and ``pyrobayes.fit(model, guide, data, epochs=E)`` runs SWAG's
+        collection phase from ``θ̂``. The model's point parameters (a head, a learned noise) are
+        the model's own, so they are where the MAP fit left them. See :func:`start_from`.
     **kwargs
         Passed to the family's constructor.
+
+    Raises
+    ------
+    TypeError
+        When ``init`` is given for a family without a point (not ``PostHoc``), or is not a
+        posterior.
+    ValueError
+        When ``init`` covers other sites (or shapes) than the new guide.
 
     Examples
     --------
     >>> guide = pyrobayes.posterior(model, "meanfield", init_scale=0.01)  # doctest: +SKIP
+    >>> map_guide = pyrobayes.posterior(model, "map")                     # doctest: +SKIP
+    >>> pyrobayes.fit(model, map_guide, loader, epochs=20)                # doctest: +SKIP
+    >>> la = pyrobayes.posterior(model, "laplace", init=map_guide)        # doctest: +SKIP
+    >>> pyrobayes.fit(model, la, loader, epochs=0)   # curvature at the MAP  # doctest: +SKIP
     """
-    return get_guide_class(family)(model, **kwargs)
+    guide = get_guide_class(family)(model, **kwargs)
+    if init is not None:
+        start_from(guide, init)
+    return guide
+
+
+def start_from(guide: Any, init: Any) -> Any:
+    """Put the point of the post-hoc ``guide`` at ``init``'s mean and mark it unfitted.
+
+    ``θ̂_site ← init.mean()[site]`` for every site (values copied, on the guide's device and
+    dtype). Equivalent to ``guide.load_state_dict(map_guide.state_dict(), strict=False)`` for a
+    MAP ``init`` (the point is stored under the same ``locs.<site>`` names), but checked: the
+    sites and shapes must match, and the guide must be :class:`~pyrobayes.contract.PostHoc`.
+
+    Returns
+    -------
+    The guide (for chaining).
+    """
+    if not isinstance(guide, PostHoc):
+        raise TypeError(
+            f"posterior(init=...): {type(guide).__name__} has no point to start from; init= "
+            "starts a post-hoc family (a PostHoc posterior such as 'laplace' or 'swag') at a "
+            "fitted guide's point."
+        )
+    if not isinstance(init, Posterior):
+        raise TypeError(
+            f"posterior(init=...) expects a fitted pyrobayes posterior (e.g. the 'map' guide "
+            f"after pyrobayes.fit), got {type(init).__name__}."
+        )
+    point = guide
+    target = cast(Posterior, guide).sites
+    if dict(init.sites) != dict(target):
+        missing = sorted(set(target) - set(init.sites))
+        extra = sorted(set(init.sites) - set(target))
+        shapes = {
+            s: (tuple(init.sites[s]), tuple(target[s]))
+            for s in set(target) & set(init.sites)
+            if tuple(init.sites[s]) != tuple(target[s])
+        }
+        raise ValueError(
+            f"posterior(init=...): {type(init).__name__} covers other sites than the new "
+            f"{type(guide).__name__} (missing {missing[:5]}, extra {extra[:5]}, shapes "
+            f"(init, new) {dict(list(shapes.items())[:5])}). Pass a guide fitted on the same model."
+        )
+    values = init.mean()
+    with torch.no_grad():
+        for site in target:
+            loc = point.loc(site)
+            loc.copy_(values[site].to(device=loc.device, dtype=loc.dtype))
+    point.reset()
+    logger.info("%s starts at the point of %s", type(guide).__name__, type(init).__name__)
+    return guide

@@ -15,7 +15,8 @@ EXAMPLES = sorted(
 
 def test_there_are_examples():
     names = {p.stem for p in EXAMPLES}
-    assert {"map", "meanfield", "ivon_diag", "kron_ivon", "swag", "laplace_kron"} <= names
+    expected = {"map", "meanfield", "ivon_diag", "kron_ivon", "swag", "laplace_kron"}
+    assert expected | {"posthoc_from_map"} <= names
 
 
 @pytest.mark.integration
