@@ -63,7 +63,8 @@ def expand_samples(inputs: Any, num_samples: int) -> Any:
 
 
 def batch_size(inputs: Any) -> int:
-    """Number of examples in ``inputs`` (the leading size of its first tensor)."""
+    """Number of examples in ``inputs`` (the leading size of its first tensor; a
+    multiple-choice batch ``(B, K, L)`` has B examples)."""
     if isinstance(inputs, Tensor):
         return int(inputs.shape[0])
     if isinstance(inputs, Mapping):
@@ -79,9 +80,12 @@ def token_mask(inputs: Any) -> Tensor | None:
     """The batch's ``attention_mask`` (``(B, T)``, nonzero on real tokens), or ``None``.
 
     Curvature and input statistics over token activations ``(B, T, d)`` skip the padded
-    positions with it: padding is not data.
+    positions with it: padding is not data. A multiple-choice batch's ``(B, K, T)`` mask is
+    returned as ``(B·K, T)``, the rows the network sees.
     """
     if isinstance(inputs, Mapping):
         mask = inputs.get("attention_mask")
-        return mask if isinstance(mask, Tensor) else None
+        if not isinstance(mask, Tensor):
+            return None
+        return mask.reshape(-1, mask.shape[-1]) if mask.dim() > 2 else mask
     return None

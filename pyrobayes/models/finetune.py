@@ -108,7 +108,10 @@ class FineTuneModel(nn.Module):
         :func:`pyrobayes.save`, and registered with ``pyro.param`` in the Pyro program. Targets
         of a scalar output are ``(B,)`` or ``(B, 1)``, of a ``(B, D)`` output ``(B, D)``.
     choice_token_ids : list of int, optional
-        Token ids of the answer choices for ``likelihood="multiple_choice"``.
+        Token ids of single-token answer choices for ``likelihood="multiple_choice"``; without
+        them the choices are continuations scored by their summed token log-probabilities
+        (batches from :func:`~pyrobayes.models.encode_multiple_choice`; pass
+        ``likelihood=MultipleChoice(normalize="length")`` to normalise).
     calibration_data : iterable of batches, optional
         Input batches for the W-SVD input covariance (padding masked by ``attention_mask``).
     max_calibration_batches : int, optional
@@ -170,9 +173,7 @@ class FineTuneModel(nn.Module):
         if likelihood == "gaussian":
             lik_kwargs["obs_scale"] = obs_scale
         if likelihood == "multiple_choice":
-            if choice_token_ids is None:
-                raise ValueError("likelihood='multiple_choice' needs choice_token_ids=[...].")
-            lik_kwargs["choice_token_ids"] = choice_token_ids
+            lik_kwargs["choice_token_ids"] = choice_token_ids  # None: choices as continuations
         self.likelihood = make_likelihood(likelihood, **lik_kwargs)
 
         for p in net.parameters():
@@ -298,13 +299,10 @@ class FineTuneModel(nn.Module):
         return self
 
     # ------------------------------------------------------------------ evaluation
-    @staticmethod
-    def _call_net(net: nn.Module, inputs: Any) -> Any:
-        if isinstance(inputs, Mapping):
-            return net(**inputs)
-        if isinstance(inputs, (tuple, list)):
-            return net(*inputs)
-        return net(inputs)
+    def _call_net(self, net: nn.Module, inputs: Any) -> Any:
+        """``net`` on ``inputs`` as the likelihood wants it called (``network_inputs``: e.g. the
+        ``(B, K, L)`` choices flattened and the head restricted to the positions read)."""
+        return _call(net, self.likelihood.network_inputs(inputs, net))
 
     def output(
         self,
@@ -344,7 +342,8 @@ class FineTuneModel(nn.Module):
         """
         slots = self._slots()
         if not all(name in slots for name in params):
-            return _functional_call(self.net, inputs, params)
+            net_inputs = self.likelihood.network_inputs(inputs, self.net)
+            return _functional_call(self.net, net_inputs, params)
         saved = []
         try:
             for name, value in params.items():
@@ -484,6 +483,14 @@ class FineTuneModel(nn.Module):
             f"likelihood={self.likelihood.name}, prior_scale={self.prior_scale}, "
             f"num_data={self.num_data}"
         )
+
+
+def _call(net: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return net(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return net(*inputs)
+    return net(inputs)
 
 
 def _functional_call(net: nn.Module, inputs: Any, params: dict[str, Tensor]) -> Any:

@@ -13,7 +13,7 @@ integer labels in range, one per example).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyro.distributions as dist
@@ -22,6 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapters import check_int, check_real
+from .multiple_choice import (
+    NORMALIZATIONS,
+    accepts_argument,
+    continuation_scores,
+    continuation_targets,
+    flatten_choices,
+    head_positions_supported,
+    last_positions,
+)
 
 __all__ = [
     "Likelihood",
@@ -56,7 +65,13 @@ class Likelihood:
     #: True when the predictive is a probability vector over classes.
     is_classification: bool = True
 
+    def network_inputs(self, inputs: Any, net: nn.Module) -> Any:
+        """The inputs ``net`` is called with (here: ``inputs``; a likelihood that reads only some
+        output positions or reshapes its rows says so here)."""
+        return inputs
+
     def params(self, output: Tensor, inputs: Any) -> Tensor:
+        """Likelihood parameters from the network's output on ``inputs`` (the batch as given)."""
         return output
 
     def dist(self, params: Tensor) -> dist.TorchDistribution:
@@ -336,15 +351,56 @@ class Gaussian(Likelihood):
 
 
 class MultipleChoice(Likelihood):
-    """Causal-LM multiple choice: next-token logits at the answer position, restricted to choices.
+    r"""Causal-LM multiple choice: choices scored as continuations, or as single answer tokens.
 
-    ``y ~ Categorical(softmax(logits[b, t_b, choice_token_ids]))`` where ``t_b`` is the last
-    non-padding position of example b (from ``attention_mask``; the last position without one).
+    Continuations (``choice_token_ids=None``): the batch holds one row per (example, choice),
+    ``input_ids`` / ``attention_mask`` / ``continuation_mask`` of shape ``(B, K, L)``
+    (:func:`~pyrobayes.models.encode_multiple_choice`), and
+
+    .. math::
+
+        y_b \sim \operatorname{Categorical}(\operatorname{softmax}_k s_{bk}), \qquad
+        s_{bk} = \frac{1}{n_{bk}} \sum_{t \in c_{bk}} \log p_θ(x_{bkt} \mid x_{bk,<t}),
+
+    the summed log-probability of choice k's continuation tokens given the prompt, divided by
+    ``n = 1`` (``normalize="none"``), its token count (``"length"``) or its characters
+    (``"chars"``, lm-evaluation-harness's ``acc_norm``; Gao et al. 2021).
+
+    Single answer tokens (``choice_token_ids=[...]``), the special case of one-token
+    continuations listed in the prompt: ``y_b ~ Categorical(softmax(logits[b, t_b, ids]))``
+    where ``t_b`` is the last non-padding position of example b (from ``attention_mask``).
+
+    Either way the network's output head runs only at the positions read (``logits_to_keep``
+    of a Hugging Face causal LM); other networks return every position and the likelihood
+    gathers them.
+
+    Parameters
+    ----------
+    choice_token_ids : list of int, optional
+        One token per choice; ``None`` scores continuations.
+    normalize : {"none", "length", "chars"}
+        Normalisation of the continuation scores.
     """
 
     name = "multiple_choice"
 
-    def __init__(self, choice_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, choice_token_ids: Sequence[int] | None = None, *, normalize: str = "none"
+    ) -> None:
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(
+                f"multiple_choice likelihood: normalize must be one of {list(NORMALIZATIONS)}, "
+                f"got {normalize!r}."
+            )
+        self.normalize = normalize
+        self.choice_token_ids: list[int] | None = None
+        if choice_token_ids is None:
+            return
+        if normalize != "none":
+            raise ValueError(
+                "multiple_choice likelihood: normalize applies to continuations; with "
+                "choice_token_ids each choice is one token, so leave normalize='none'."
+            )
         if len(choice_token_ids) < 2:
             raise ValueError(
                 f"Expected at least 2 choice_token_ids but got {list(choice_token_ids)}."
@@ -360,27 +416,98 @@ class MultipleChoice(Likelihood):
             )
         self.choice_token_ids = ids
 
-    def params(self, output: Tensor, inputs: Any) -> Tensor:
-        if output.dim() != 3:
+    @property
+    def continuations(self) -> bool:
+        """Whether choices are scored as continuations (no ``choice_token_ids``)."""
+        return self.choice_token_ids is None
+
+    def _read_positions(self, inputs: Any) -> tuple[Tensor, Tensor | None, int]:
+        """Positions the head reads ``(R, P)``, the continuation slots' validity and ``L``."""
+        if not isinstance(inputs, Mapping) or not isinstance(inputs.get("input_ids"), Tensor):
             raise ValueError(
-                "likelihood='multiple_choice' expects causal-LM logits (batch, seq, vocab) but got "
-                f"shape {tuple(output.shape)}."
+                "likelihood='multiple_choice' needs dict batches with 'input_ids' (a causal LM's "
+                f"inputs); got {type(inputs).__name__}."
             )
-        mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
-        seq = output.shape[1]
-        if mask is None:
-            pos = torch.full((output.shape[0],), seq - 1, device=output.device)
-        else:  # index of the last 1 in each row (works for left and right padding)
-            pos = seq - 1 - torch.argmax(mask.flip(-1).to(torch.long), dim=-1)
-        rows = torch.arange(output.shape[0], device=output.device)
-        ids = torch.as_tensor(self.choice_token_ids, device=output.device)
-        return output[rows, pos][:, ids]  # (B, num_choices)
+        ids = inputs["input_ids"]
+        length = int(ids.shape[-1])
+        if self.continuations:
+            cmask = inputs.get("continuation_mask")
+            if ids.dim() != 3 or not isinstance(cmask, Tensor) or cmask.shape != ids.shape:
+                raise ValueError(
+                    "multiple_choice likelihood (continuations): the batch needs 'input_ids', "
+                    "'attention_mask' and 'continuation_mask' of shape (B, K, L); got input_ids "
+                    f"{tuple(ids.shape)} and continuation_mask "
+                    f"{None if not isinstance(cmask, Tensor) else tuple(cmask.shape)}. Build it "
+                    "with pyrobayes.models.encode_multiple_choice, or pass choice_token_ids for "
+                    "single-token answers."
+                )
+            positions, valid = continuation_targets(cmask.reshape(-1, length))
+            return positions - 1, valid, length
+        if ids.dim() != 2:
+            raise ValueError(
+                "multiple_choice likelihood (choice_token_ids): expects input_ids (B, L) but got "
+                f"{tuple(ids.shape)}; for (B, K, L) continuation batches leave choice_token_ids "
+                "unset."
+            )
+        rows = int(ids.shape[0])
+        mask = inputs.get("attention_mask")
+        last = last_positions(mask if isinstance(mask, Tensor) else None, rows, length, ids.device)
+        return last.unsqueeze(-1), None, length
+
+    def network_inputs(self, inputs: Any, net: nn.Module) -> Any:
+        """``(B, K, L)`` rows flattened to ``(B·K, L)``, the scoring keys dropped, and the
+        positions the likelihood reads passed as ``logits_to_keep`` when ``net`` takes them."""
+        read, _, length = self._read_positions(inputs)
+        flat = flatten_choices(inputs)[0] if self.continuations else dict(inputs)
+        if accepts_argument(net, "use_cache"):
+            flat["use_cache"] = False  # one forward: no key/value cache to build
+        if read.shape[1] < length and head_positions_supported(net):
+            flat["logits_to_keep"] = read
+        return flat
+
+    def params(self, output: Tensor, inputs: Any) -> Tensor:
+        read, valid, length = self._read_positions(inputs)
+        rows = read.shape[0]
+        if output.dim() != 3 or output.shape[0] != rows:
+            raise ValueError(
+                "likelihood='multiple_choice' expects causal-LM logits (rows, positions, vocab) "
+                f"with {rows} rows but got shape {tuple(output.shape)}."
+            )
+        if output.shape[1] == length and read.shape[1] < length:  # the full head: gather
+            output = torch.take_along_dim(output, read.unsqueeze(-1), dim=1)
+        elif output.shape[1] != read.shape[1]:
+            raise ValueError(
+                f"likelihood='multiple_choice': the network returned {output.shape[1]} positions; "
+                f"expected {length} (all) or {read.shape[1]} (the positions read)."
+            )
+        if valid is None:
+            ids = torch.as_tensor(self.choice_token_ids, device=output.device)
+            return output[:, 0, ids]  # (B, num_choices)
+        ids = inputs["input_ids"]
+        chars = inputs.get("continuation_chars")
+        scores = continuation_scores(
+            output,
+            ids.reshape(-1, length),
+            read + 1,
+            valid,
+            normalize=self.normalize,
+            chars=chars.reshape(-1) if isinstance(chars, Tensor) else None,
+        )
+        return scores.reshape(ids.shape[0], ids.shape[1])  # (B, K)
 
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
 
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
-        """:func:`check_class_targets`: a label indexes ``choice_token_ids`` (not the vocabulary)."""
+        """:func:`check_class_targets`: a label indexes the choices (not the vocabulary)."""
+        if self.choice_token_ids is None:
+            return check_class_targets(
+                targets,
+                params.shape,
+                what="multiple_choice likelihood (continuations)",
+                classes="choices, the K rows of each example",
+                fix="give each example as many choices as its largest label + 1",
+            )
         return check_class_targets(
             targets,
             params.shape,
@@ -393,6 +520,8 @@ class MultipleChoice(Likelihood):
         return _categorical_log_prob(params, self.check_targets(params, targets))
 
     def to_dict(self) -> dict[str, Any]:
+        if self.choice_token_ids is None:
+            return {"name": self.name, "normalize": self.normalize}
         return {"name": self.name, "choice_token_ids": self.choice_token_ids}
 
 

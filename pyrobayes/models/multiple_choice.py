@@ -1,0 +1,332 @@
+r"""Multiple choice on causal LMs: encoding prompts with continuations, and scoring them.
+
+A choice :math:`k` of example :math:`b` is a continuation :math:`c_{bk} = (c_1, …, c_{T_{bk}})`
+of the prompt :math:`x_b`; under parameters :math:`θ` it scores
+
+.. math::
+
+    s_{bk}(θ) = \frac{1}{n_{bk}} \sum_{t=1}^{T_{bk}} \log p_θ(c_t \mid x_b, c_{<t}),
+
+with :math:`n_{bk} = 1` (``normalize="none"``), the number of continuation tokens
+:math:`T_{bk}` (``"length"``) or the number of characters of the choice (``"chars"``, the
+``acc_norm`` of lm-evaluation-harness; Gao et al. 2021, "A framework for few-shot language model
+evaluation"). The likelihood of the answer is :math:`y_b \sim \operatorname{Categorical}
+(\operatorname{softmax}_k s_{bk}(θ))`.
+
+The batch carries ``input_ids``, ``attention_mask`` and ``continuation_mask`` of shape
+``(B, K, L)`` (prompt then continuation, one row per choice), ``labels`` ``(B,)`` and, for
+``"chars"``, ``continuation_chars`` ``(B, K)``. The network sees the ``B·K`` rows flattened; its
+output head is applied only at the positions the scores read (the position before each
+continuation token), through ``logits_to_keep`` when the network accepts it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "encode_multiple_choice",
+    "continuation_targets",
+    "continuation_scores",
+    "last_positions",
+    "head_positions_supported",
+    "NORMALIZATIONS",
+    "SCORE_KEYS",
+]
+
+#: Accepted ``normalize`` values of the continuation scores.
+NORMALIZATIONS = ("none", "length", "chars")
+
+#: Batch keys read by the likelihood and never handed to the network.
+SCORE_KEYS = ("continuation_mask", "continuation_chars")
+
+
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
+
+
+def _forward_arguments(cls: type) -> frozenset[str]:
+    """Argument names of ``cls.forward`` (looked up once per class)."""
+    names = _FORWARD_ARGUMENTS.get(cls)
+    if names is None:
+        try:
+            names = frozenset(inspect.signature(cls.forward).parameters)  # type: ignore[attr-defined]
+        except (TypeError, ValueError, AttributeError):
+            names = frozenset()
+        _FORWARD_ARGUMENTS[cls] = names
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_gathers_per_row() -> bool:
+    """Whether the installed transformers takes a ``(rows, P)`` position tensor as
+    ``logits_to_keep`` (``slice_logits_to_keep``); older versions index with it as one tensor."""
+    try:
+        from transformers import modeling_utils
+    except ImportError:
+        return False
+    return hasattr(modeling_utils, "slice_logits_to_keep")
+
+
+def head_positions_supported(net: nn.Module) -> bool:
+    """Whether ``net`` applies its output head only at given per-row positions
+    (a Hugging Face causal LM taking ``logits_to_keep`` as a ``(rows, P)`` tensor)."""
+    return "logits_to_keep" in _forward_arguments(type(net)) and _transformers_gathers_per_row()
+
+
+def accepts_argument(net: nn.Module, name: str) -> bool:
+    """Whether ``net.forward`` names ``name`` among its arguments."""
+    return name in _forward_arguments(type(net))
+
+
+def last_positions(attention_mask: Tensor | None, rows: int, length: int, device: Any) -> Tensor:
+    """Index of the last real token of each row ``(rows,)`` (left or right padding)."""
+    if attention_mask is None:
+        return torch.full((rows,), length - 1, device=device, dtype=torch.long)
+    mask = attention_mask.reshape(rows, length)
+    return length - 1 - torch.argmax(mask.flip(-1).to(torch.long), dim=-1)
+
+
+def continuation_targets(continuation_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions of each row's continuation tokens, padded to the longest continuation.
+
+    Parameters
+    ----------
+    continuation_mask : Tensor `(R, L)`
+        Nonzero on continuation tokens; never at position 0 (a continuation is scored given at
+        least one token before it).
+
+    Returns
+    -------
+    positions : Tensor `(R, P)`
+        Token positions ``t`` in increasing order; slots past a row's continuation repeat its
+        first position. The head reads position ``t - 1``.
+    valid : Tensor `(R, P)` bool
+        Whether a slot holds a continuation token.
+    """
+    mask = continuation_mask.bool()
+    rows, length = mask.shape
+    if bool(mask[:, 0].any()):
+        raise ValueError(
+            "continuation_mask marks position 0 of a row: a continuation is scored given the "
+            "tokens before it, so each choice needs at least one prompt token (a BOS token or "
+            "a non-empty prompt) before its continuation."
+        )
+    counts = mask.sum(-1)
+    if bool((counts == 0).any()):
+        raise ValueError(
+            "continuation_mask: a row has no continuation token; every choice needs at least "
+            "one token (check for empty choices or a max_length that truncated them)."
+        )
+    num = int(counts.max())
+    arange = torch.arange(length, device=mask.device)
+    key = torch.where(mask, arange, arange + length)  # continuation tokens first, in order
+    positions = key.argsort(dim=-1)[:, :num]
+    valid = torch.gather(mask, 1, positions)
+    positions = torch.where(valid, positions, positions[:, :1])
+    return positions, valid
+
+
+def continuation_scores(
+    logits: Tensor,
+    input_ids: Tensor,
+    positions: Tensor,
+    valid: Tensor,
+    *,
+    normalize: str = "none",
+    chars: Tensor | None = None,
+) -> Tensor:
+    r"""Summed (normalised) log-probabilities of each row's continuation tokens.
+
+    Parameters
+    ----------
+    logits : Tensor `(R, P, V)`
+        Head outputs at the read positions ``positions - 1`` (the head-gathered output).
+    input_ids : Tensor `(R, L)`
+    positions, valid : Tensor `(R, P)`
+        From :func:`continuation_targets`.
+    normalize : {"none", "length", "chars"}
+    chars : Tensor `(R,)`, optional
+        Characters of each choice (``"chars"``).
+
+    Returns
+    -------
+    Tensor `(R,)`
+        :math:`\frac{1}{n}\sum_t \log p(c_t \mid \text{prompt}, c_{<t})`.
+    """
+    tokens = torch.gather(input_ids, 1, positions)  # (R, P)
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    log_probs = picked - torch.logsumexp(logits, dim=-1)
+    total = torch.where(valid, log_probs, torch.zeros_like(log_probs)).sum(-1)
+    if normalize == "length":
+        return total / valid.sum(-1).to(total.dtype)
+    if normalize == "chars":
+        if chars is None:
+            raise ValueError(
+                "multiple_choice likelihood: normalize='chars' needs 'continuation_chars' "
+                "(B, K) in the batch (encode_multiple_choice adds it)."
+            )
+        return total / chars.to(total.dtype).clamp_min(1)
+    return total
+
+
+def _as_choice_lists(prompts: Sequence[str], choices: Any) -> list[list[str]]:
+    if isinstance(choices, Sequence) and choices and all(isinstance(c, str) for c in choices):
+        return [list(choices) for _ in prompts]  # one list shared by every prompt
+    if not isinstance(choices, Sequence) or len(choices) != len(prompts):
+        raise ValueError(
+            f"encode_multiple_choice: choices must be one list of strings shared by all prompts or "
+            f"one list per prompt ({len(prompts)} lists); got {type(choices).__name__} of "
+            f"length {len(choices) if isinstance(choices, Sequence) else '?'}."
+        )
+    lists = [list(c) for c in choices]
+    sizes = sorted({len(c) for c in lists})
+    if len(sizes) != 1 or sizes[0] < 2:
+        raise ValueError(
+            f"encode_multiple_choice: every prompt needs the same number (>= 2) of choices; got "
+            f"sizes {sizes}. Pad short lists with an impossible choice or group prompts by size."
+        )
+    return lists
+
+
+def encode_multiple_choice(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    choices: Sequence[str] | Sequence[Sequence[str]],
+    answers: Sequence[int] | Tensor | None = None,
+    *,
+    max_length: int | None = None,
+    padding_side: str = "left",
+    delimiter: str = " ",
+    position_ids: bool = True,
+) -> dict[str, Tensor]:
+    r"""Encode prompts and their choices as continuations, one row per (prompt, choice).
+
+    Each row is ``tokens(prompt) + tokens(delimiter + choice)``, the prompt encoded with the
+    tokenizer's special tokens and the continuation without (as lm-evaluation-harness does),
+    truncated from the left to ``max_length`` and padded to the longest row.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+        Called as ``tokenizer(text, add_special_tokens=...)["input_ids"]``; its
+        ``pad_token_id`` (else ``eos_token_id``, else 0) fills the padding.
+    prompts : list of str
+        B prompts.
+    choices : list of str, or list of B lists of K str
+        The K choices, shared by all prompts or one list per prompt.
+    answers : list of int or Tensor, optional
+        Index of the right choice per prompt; becomes ``labels``.
+    max_length : int, optional
+        Longest row in tokens; longer rows lose prompt tokens from the left.
+    padding_side : {"left", "right"}
+    delimiter : str
+        Put before each choice (lm-evaluation-harness's ``target_delimiter``).
+    position_ids : bool
+        Add ``position_ids`` counting real tokens only, so that a left-padded row sees the
+        positions of its unpadded form.
+
+    Returns
+    -------
+    dict of str to Tensor
+        ``input_ids``, ``attention_mask``, ``continuation_mask`` `(B, K, L)` (long),
+        ``continuation_chars`` `(B, K)` (characters of each choice, for ``normalize="chars"``),
+        ``position_ids`` `(B, K, L)` when asked, ``labels`` `(B,)` when ``answers`` is given.
+
+    Examples
+    --------
+    >>> batch = encode_multiple_choice(tok, ["The ground is wet because"],
+    ...                                [["it rained", "it is sunny"]], answers=[0])  # doctest: +SKIP
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(
+            f"encode_multiple_choice: padding_side must be 'left' or 'right', got {padding_side!r}."
+        )
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("encode_multiple_choice: prompts is empty; pass at least one prompt.")
+    lists = _as_choice_lists(prompts, choices)
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"encode_multiple_choice: max_length must be >= 2, got {max_length}.")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    rows: list[list[tuple[list[int], int]]] = []
+    for b, (prompt, options) in enumerate(zip(prompts, lists, strict=True)):
+        context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        row = []
+        for k, choice in enumerate(options):
+            cont = list(tokenizer(delimiter + choice, add_special_tokens=False)["input_ids"])
+            if not cont:
+                raise ValueError(
+                    f"encode_multiple_choice: choice {k} of prompt {b} ({choice!r}) encodes to "
+                    "no tokens."
+                )
+            ids = context + cont
+            if max_length is not None:
+                ids = ids[-max_length:]
+            num_cont = min(len(cont), len(ids) - 1)
+            if num_cont < len(cont) or len(ids) < 2:
+                raise ValueError(
+                    f"encode_multiple_choice: choice {k} of prompt {b} does not fit in "
+                    f"max_length={max_length} with a prompt token before it; raise max_length."
+                )
+            if not context:
+                raise ValueError(
+                    f"encode_multiple_choice: prompt {b} encodes to no tokens and the tokenizer "
+                    "adds no BOS token; a continuation needs a token before it."
+                )
+            row.append((ids, num_cont))
+        rows.append(row)
+    num, k_choices = len(rows), len(rows[0])
+    length = max(len(ids) for row in rows for ids, _ in row)
+    input_ids = torch.full((num, k_choices, length), pad, dtype=torch.long)
+    attention = torch.zeros((num, k_choices, length), dtype=torch.long)
+    cont_mask = torch.zeros((num, k_choices, length), dtype=torch.long)
+    for b, row in enumerate(rows):
+        for k, (ids, num_cont) in enumerate(row):
+            n = len(ids)
+            start = length - n if padding_side == "left" else 0
+            input_ids[b, k, start : start + n] = torch.tensor(ids, dtype=torch.long)
+            attention[b, k, start : start + n] = 1
+            cont_mask[b, k, start + n - num_cont : start + n] = 1
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "continuation_mask": cont_mask,
+        "continuation_chars": torch.tensor(
+            [[float(len(c)) for c in options] for options in lists], dtype=torch.float32
+        ),
+    }
+    if position_ids:
+        out["position_ids"] = (attention.cumsum(-1) - 1).clamp_min(0)
+    if answers is not None:
+        labels = torch.as_tensor(answers, dtype=torch.long).reshape(-1)
+        if labels.numel() != num:
+            raise ValueError(
+                f"encode_multiple_choice: {labels.numel()} answers for {num} prompts; pass one "
+                "answer index per prompt."
+            )
+        out["labels"] = labels
+    return out
+
+
+def flatten_choices(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """``(rows, K, L)`` network inputs as ``(rows·K, L)`` without the scoring keys;
+    also returns ``rows`` and ``K``."""
+    ids = inputs["input_ids"]
+    rows, k_choices, length = (int(n) for n in ids.shape)
+    flat: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if key in SCORE_KEYS:
+            continue
+        if isinstance(value, Tensor) and value.dim() == 3 and value.shape[:2] == ids.shape[:2]:
+            value = value.reshape(rows * k_choices, *value.shape[2:])
+        flat[key] = value
+    return flat, rows, k_choices

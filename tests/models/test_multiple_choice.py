@@ -1,0 +1,231 @@
+"""Multiple choice with continuations on causal LMs: encoding, scores against a hand loop over
+``model(**inputs).logits``, and fit/predict for every registered family."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pyrobayes as pb
+from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
+from pyrobayes.models.deploy import merged_network
+from pyrobayes.models.multiple_choice import encode_multiple_choice
+from pyrobayes.registry import _REGISTRY
+from tests import families
+from tests.common import tiny_llama
+
+FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
+
+PROMPTS = ["The ground is wet because", "To boil water you", "Red and blue make"]
+CHOICES = [
+    ["it rained", "the sun", "nobody knows why at all"],
+    ["put the pan on the stove", "freeze it", "wait"],
+    ["purple", "a colour called green", "x"],
+]
+
+
+class CharTokenizer:
+    """A deterministic character tokenizer over the tiny models' vocabulary (99 tokens):
+    BOS = 1 with special tokens, pad = 0, characters map to 3..97."""
+
+    pad_token_id = 0
+    eos_token_id = 2
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = [3 + ord(c) % 95 for c in text]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+
+def tiny_gpt2_lm():
+    """A two-layer ``GPT2LMHeadModel`` (n_embd 32, vocab 99) from a config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=99, pad_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+NETS = {"llama": tiny_llama, "gpt2": tiny_gpt2_lm}
+
+
+def hand_scores(net, batch, normalize):
+    """Per-choice scores by a loop over rows: ``model(**inputs).logits`` of one row at a time."""
+    ids, mask, cont = batch["input_ids"], batch["attention_mask"], batch["continuation_mask"]
+    num, k_choices, length = ids.shape
+    out = torch.zeros(num, k_choices, dtype=torch.float64)
+    for b in range(num):
+        for k in range(k_choices):
+            inputs = {
+                "input_ids": ids[b, k][None],
+                "attention_mask": mask[b, k][None],
+                "position_ids": batch["position_ids"][b, k][None],
+            }
+            logp = net(**inputs).logits[0].log_softmax(-1)
+            terms = [float(logp[t - 1, ids[b, k, t]]) for t in range(length) if cont[b, k, t]]
+            score = math.fsum(terms)
+            if normalize == "length":
+                score /= len(terms)
+            elif normalize == "chars":
+                score /= len(CHOICES[b][k])
+            out[b, k] = score
+    return out
+
+
+def test_encoding_layout():
+    tok = CharTokenizer()
+    for side in ("left", "right"):
+        batch = encode_multiple_choice(tok, PROMPTS, CHOICES, answers=[0, 0, 0], padding_side=side)
+        ids, mask, cont = batch["input_ids"], batch["attention_mask"], batch["continuation_mask"]
+        assert ids.shape == mask.shape == cont.shape == (3, 3, ids.shape[-1])
+        assert batch["labels"].tolist() == [0, 0, 0]
+        for b in range(3):
+            for k in range(3):
+                real = ids[b, k][mask[b, k].bool()].tolist()
+                expected = [1] + [3 + ord(c) % 95 for c in PROMPTS[b] + " " + CHOICES[b][k]]
+                assert real == expected
+                # the continuation is the last len(" " + choice) real tokens
+                assert int(cont[b, k].sum()) == len(CHOICES[b][k]) + 1
+                assert bool((cont[b, k] <= mask[b, k]).all())
+                positions = batch["position_ids"][b, k][mask[b, k].bool()]
+                assert positions.tolist() == list(range(len(expected)))
+        assert batch["continuation_chars"].tolist() == [[float(len(c)) for c in x] for x in CHOICES]
+    left = encode_multiple_choice(tok, PROMPTS, CHOICES, padding_side="left")
+    assert bool(left["attention_mask"][..., -1].all())  # every row ends at the last position
+
+
+def test_encoding_truncates_the_prompt_from_the_left_and_refuses_bad_input():
+    tok = CharTokenizer()
+    batch = encode_multiple_choice(tok, ["abcdefgh"], ["xy", "z"], max_length=6)
+    assert batch["input_ids"].shape[-1] == 6
+    assert batch["input_ids"][0, 0].tolist()[-3:] == [3 + ord(c) % 95 for c in " xy"]
+    with pytest.raises(ValueError, match="max_length"):
+        encode_multiple_choice(tok, ["ab"], ["a long choice", "b"], max_length=4)
+    with pytest.raises(ValueError, match="same number"):
+        encode_multiple_choice(tok, ["a", "b"], [["x", "y"], ["x"]])
+    with pytest.raises(ValueError, match="padding_side"):
+        encode_multiple_choice(tok, ["a"], ["x", "y"], padding_side="middle")
+    with pytest.raises(ValueError, match="answers"):
+        encode_multiple_choice(tok, ["a"], ["x", "y"], answers=[0, 1])
+
+
+@pytest.mark.parametrize("arch", sorted(NETS))
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("normalize", ["none", "length", "chars"])
+def test_scores_equal_a_hand_loop(arch, side, normalize):
+    torch.manual_seed(0)
+    net = NETS[arch]().eval()
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=2, target_modules=["q_proj", "c_attn"]),
+        likelihood=MultipleChoice(normalize=normalize),
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, padding_side=side)
+    values = {s: 0.3 * torch.randn(v.shape) for s, v in model.init_values().items()}
+    with torch.no_grad():
+        scores = model.output(batch, values)  # (B, K)
+        # the hand loop runs the plain network at the same adapter values
+        ref = hand_scores(_with_values(model, values), batch, normalize)
+    assert scores.shape == (3, 3)
+    torch.testing.assert_close(scores, ref, rtol=0, atol=1e-5)
+
+
+def _with_values(model, values):
+    """The model's network with ``values`` merged in (a plain transformers model)."""
+    return merged_network(model, values).eval()
+
+
+def test_left_padding_does_not_change_the_scores():
+    # with position_ids counting real tokens only, left and right padding score alike
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama().eval(),
+        LoRAXS(rank=2, target_modules=["q_proj"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    tok = CharTokenizer()
+    with torch.no_grad():
+        left = model.output(encode_multiple_choice(tok, PROMPTS, CHOICES), model.init_values())
+        right = model.output(
+            encode_multiple_choice(tok, PROMPTS, CHOICES, padding_side="right"),
+            model.init_values(),
+        )
+    torch.testing.assert_close(left, right, rtol=0, atol=1e-10)
+
+
+def test_batched_draws_equal_one_draw_at_a_time():
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama().eval(),
+        LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, padding_side="right")
+    values = {s: torch.randn(4, *v.shape) for s, v in model.init_values().items()}
+    with torch.no_grad():
+        batched = model.batched_output(batch, values)  # (S, B, K)
+        single = torch.stack(
+            [model.output(batch, {s: v[i] for s, v in values.items()}) for i in range(4)]
+        )
+    assert batched.shape == (4, 3, 3)
+    torch.testing.assert_close(batched, single, rtol=0, atol=1e-10)
+
+
+def test_continuation_errors_name_the_fix():
+    model = FineTuneModel(
+        tiny_llama(),
+        LoRAXS(rank=2, target_modules=["q_proj"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    ids = torch.randint(1, 99, (2, 5))
+    with pytest.raises(ValueError, match="encode_multiple_choice"):
+        model.output({"input_ids": ids}, model.init_values())
+    with pytest.raises(ValueError, match="normalize"):
+        MultipleChoice(normalize="bytes")
+    with pytest.raises(ValueError, match="normalize"):
+        MultipleChoice([5, 6], normalize="length")
+
+
+ADAPTERS = {
+    "lora-xs": lambda: LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
+    "lora": lambda: LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
+}
+
+#: (family, adapter) pairs that cannot apply, and why.
+EXCLUDED = {
+    ("symmetrized", "lora-xs"): "LoRA-XS cores sit between fixed SVD bases: no rank permutation "
+    "symmetry to symmetrize over (the family refuses them by design)",
+}
+
+
+def _mc_problem(family, adapter_name):
+    torch.manual_seed(0)
+    net = families.net_for(family, tiny_llama())
+    adapter = families.adapter_for(family, ADAPTERS[adapter_name]())
+    # five choices: a family with K particles and a diversity term needs more than K classes
+    choices = [c + ["maybe", "none of these"] for c in CHOICES]
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, choices, answers=[0, 1, 4])
+    model = FineTuneModel(
+        net, adapter, likelihood="multiple_choice", trainable_modules=[], num_data=3
+    )
+    return model, batch
+
+
+@pytest.mark.parametrize("adapter_name", sorted(ADAPTERS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fit_and_predict_run_for_every_family(family, adapter_name):
+    if (family, adapter_name) in EXCLUDED:
+        pytest.skip(EXCLUDED[family, adapter_name])
+    model, batch = _mc_problem(family, adapter_name)
+    guide = families.posterior(model, family)
+    result = pb.fit(model, guide, [batch], epochs=2, lr=1e-2, progress_bar=False)
+    assert all(math.isfinite(v) for v in result.losses)
+    pred = pb.predict(model, guide, [batch], num_samples=3)
+    s = 1 if guide.is_deterministic else 3
+    assert pred.log_probs is not None and pred.log_probs.shape == (s, 3, 5)
+    torch.testing.assert_close(pred.probs.sum(-1), torch.ones(s, 3), rtol=0, atol=1e-10)
+    assert pred.targets is not None and pred.targets.tolist() == [0, 1, 4]
