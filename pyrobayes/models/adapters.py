@@ -334,7 +334,21 @@ def inject_adapter(
     calibration_mask: Callable[[Any], torch.Tensor | None] | None = None,
     max_calibration_batches: int | None = None,
 ) -> list[SiteSpec]:
-    """Replace the targeted modules of ``net`` in place and return the latent sites."""
+    """Replace the targeted modules of ``net`` in place and return the latent sites.
+
+    An adapter config other than LoRA / LoRA-XS that has an ``inject(net, **kwargs)`` method
+    (e.g. :class:`pyrobayes.models.signorm.SigmaNorm`) converts the network itself.
+    """
+    inject = getattr(adapter, "inject", None)
+    if not isinstance(adapter, (LoRA, LoRAXS)) and callable(inject):
+        specs: list[SiteSpec] = inject(
+            net,
+            calibration_batches=calibration_batches,
+            calibration_forward=calibration_forward,
+            calibration_mask=calibration_mask,
+            max_calibration_batches=max_calibration_batches,
+        )
+        return specs
     paths = find_target_modules(net, adapter.target_modules)
     sites: list[SiteSpec] = []
     if isinstance(adapter, LoRA):

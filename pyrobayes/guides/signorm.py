@@ -1,0 +1,140 @@
+r"""The members of a σN-ensemble as a posterior: M point particles over the member sites.
+
+A σN-ensemble (Lopez-Gonzalez et al., 2025) is a point-estimated multi-task model, not a
+posterior over weights: member ``t`` is a point ``θ_t`` (its pre-sigmoid norm scales ``γ_t``,
+shifts ``β_t``, head, and adapter values), and the predictive is the equal-weight mixture
+
+.. math:: q(θ) = \frac1M \sum_{t=1}^{M} δ(θ − θ_t),\qquad
+          p(y \mid x) = \frac1M \sum_t p(y \mid x, θ_t).
+
+The guide is a :class:`~pyrobayes.guides.particles.ParticleGuide` with ``num_particles = M`` and
+``scale = 0``; it carries the diversity options (τ, λ, the regularized layers) that its objective
+(``"signorm"``, :mod:`pyrobayes.infer.signorm`) reads, and initialises the members as the σN
+conversion prescribes: ``γ_t = γ_0 + ε_t``, ``ε_t ~ N(0, s_init²)`` (identical members are a
+stationary point), ``β_t = b``, heads re-initialised per member (or copied).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..models.adapters import check_real
+from ..models.signorm import SCALE_KIND, SHIFT_KIND, member_norms, scale_sites
+from .particles import ParticleGuide
+
+__all__ = ["SigmaNormGuide"]
+
+
+class SigmaNormGuide(ParticleGuide):
+    r"""The M members of a σN-ensemble: point particles fitted with the mean member
+    log-likelihood and the softmax-temperature diversity term.
+
+    The objective (``"signorm"``), in the dataset-sum convention,
+
+    .. math::
+
+        L = -\frac{N}{B}\sum_b \frac1M\sum_{t=1}^{M} \log p(y_b \mid x_b, θ_t)
+            + N λ \sum_{ℓ∈R}\sum_i\sum_{m=1}^{M}
+              \log \operatorname{softmax}_τ\big(σ(γ_{1,ℓ,i}),…,σ(γ_{M,ℓ,i})\big)_m
+
+    (Lopez-Gonzalez et al., 2025, Eq. 3; the first term is the mean member loss, never the
+    mixture's marginal likelihood, which lets one member take over). No prior enters: the
+    model's ``prior_scale`` is used only by other objectives (Pyro's ELBOs) on this guide.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+        Usually a :class:`~pyrobayes.models.SigmaNormEnsemble`; any model works (without member
+        norm layers the diversity term is 0 and this is a deep ensemble of the latent sites).
+    num_members : int, optional
+        M; default the model's member norm layers' M (4 without any).
+    tau : float
+        τ > 0, the softmax temperature: small τ gives single-owner features (hard partition),
+        intermediate τ about ``k*(τ)`` owners (:func:`pyrobayes.models.signorm.owner_corner`).
+    strength : float
+        λ ≥ 0, the weight of the diversity term relative to the mean per-example loss.
+    regularized : "all" or list of str or str
+        The member norm layers in R (module names, suffix match, or a regex over full paths).
+    init_noise : float
+        s_init, the standard deviation of the members' initial ``γ`` around ``γ_0``.
+    head_init : {"reinit", "copy"}
+        Member heads (sites of kind ``weight`` / ``bias``): independently re-initialised as
+        ``nn.Linear`` does (U(−1/√fan_in, 1/√fan_in)), or copies of the model's head.
+    """
+
+    family = "signorm"
+    default_fitter = "svi"
+    default_objective = "signorm"
+    is_deterministic = False
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_members: int | None = None,
+        tau: float = 0.5,
+        strength: float = 1e-3,
+        regularized: Sequence[str] | str = "all",
+        init_noise: float = 0.1,
+        head_init: str = "reinit",
+    ) -> None:
+        owner = f"{type(self).__name__}: "
+        self.tau = check_real("tau", tau, gt=0, owner=owner)
+        self.strength = check_real("strength", strength, ge=0, owner=owner)
+        self.init_noise = check_real("init_noise", init_noise, ge=0, owner=owner)
+        if head_init not in ("reinit", "copy"):
+            raise ValueError(f"{owner}head_init must be 'reinit' or 'copy'; got {head_init!r}.")
+        self.head_init = head_init
+        net = getattr(model, "net", None)
+        norms = member_norms(net) if net is not None else {}
+        counts = {m.num_members for m in norms.values()}
+        if num_members is None:
+            num_members = counts.pop() if len(counts) == 1 else 4
+        elif counts and counts != {num_members}:
+            raise ValueError(
+                f"{owner}num_members={num_members} but the model's member norm layers hold "
+                f"{sorted(counts)} members (their BatchNorm statistics); build the model with "
+                f"SigmaNormEnsemble(..., num_members={num_members}) or leave num_members out."
+            )
+        latent = getattr(model, "latent_sites", {})
+        self._kinds = {site: spec.kind for site, spec in latent.items()}
+        #: the scale sites the diversity term covers
+        self.diversity_sites: list[str] = scale_sites(model, regularized)
+        super().__init__(model, num_particles=num_members, scale=0.0, init_scale=0.0)
+
+    @property
+    def num_members(self) -> int:
+        """M."""
+        return self.num_components
+
+    def _setup_site(self, site: str, init: Tensor) -> None:
+        init = init.detach()
+        members = self.num_components
+        locs = init.unsqueeze(0).repeat(members, *([1] * init.dim()))
+        kind = self._kinds.get(site)
+        if kind == SCALE_KIND and self.init_noise > 0:
+            locs = locs + self.init_noise * torch.randn_like(locs)
+        elif kind in ("weight", "bias") and self.head_init == "reinit":
+            fan_in = self._fan_in(site, init)
+            bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            locs = torch.empty_like(locs).uniform_(-bound, bound)
+        elif kind not in (SCALE_KIND, SHIFT_KIND, "weight", "bias"):
+            pass  # adapter sites start at the model's value: members differ through γ and heads
+        self._add_param("locs", site, locs)
+
+    def _fan_in(self, site: str, init: Tensor) -> int:
+        if init.dim() == 2:
+            return int(init.shape[1])
+        weight = site.rsplit(".", 1)[0] + ".weight"  # a bias: its layer's weight's fan-in
+        shape = self.sites.get(weight)
+        return int(shape[1]) if shape is not None and len(shape) == 2 else int(init.numel())
+
+    def _components_of(self, num_samples: int, device: torch.device) -> Tensor:
+        """Draw ``s`` is member ``s mod M``: every block of M draws visits each member once, in
+        order (BatchNorm member statistics are looked up by that position)."""
+        return torch.arange(num_samples, device=device) % self.num_components
