@@ -16,10 +16,21 @@ Adam) wall time / n, nothing subtracted, against a plain reparameterized step wi
 ``F.linear`` forward), ``−(N/B) log p(y|θ) + KL(q‖p)`` analytic, backward, Adam step. Pyro's own
 ``SVI(model, guide, Adam, Trace_ELBO())`` on the same guide is the reference.
 
+* **llama** - a config-built LLaMA (hidden 256, 4 layers, 4 heads / 2 KV heads, vocabulary
+  49,152 as SmolLM2) with LoRA-XS r=8 on ``q_proj``/``v_proj``, the multiple-choice likelihood with
+  continuations (4 prompts x 4 choices of 2-8 words, left padded; predict only).
+
 (b) predict with S=16. ``pb.predict(..., samples_per_forward=k)`` for k in {1, 4, 16} against
 the two plain ways to run the network S times (S forwards at batch B; one forward at batch S*B
 with per-sample cores in the batched layers) and against sequential
 ``pyro.infer.Predictive(model, guide=guide, num_samples=16, parallel=False)``.
+
+(c) llama: ``pb.predict`` with S = 4 and 16 (default chunking, and one wide forward) against
+the plain ways: S ``functional_call`` forwards at B·K rows, or one forward at S·B·K rows with the
+per-draw cores in the batched layers, each reading its logits at the continuation positions only
+(``logits_to_keep``) with ``log_softmax`` and a gather; and, at S = 4, pb.predict and the plain
+loop with the full-vocabulary head at every position (the predict-time gain of head gathering).
+``--threads 1`` for this case in the reported table.
 
 Timing: ``time.perf_counter`` (CUDA synchronised), one warm-up, variants interleaved round-robin,
 medians over repeats. ``torch.set_num_threads(2)`` unless ``--threads``.
@@ -29,6 +40,7 @@ Run::
     .venv/bin/python benchmarks/overhead.py            # full (a few minutes on 2 CPU cores)
     .venv/bin/python benchmarks/overhead.py --quick    # fewer repeats
     .venv/bin/python benchmarks/overhead.py --device cuda
+    .venv/bin/python benchmarks/overhead.py --only llama --threads 1   # the causal-LM case
 """
 
 from __future__ import annotations
@@ -386,13 +398,176 @@ def predict_case(setup: dict[str, Any], num_pred_batches: int, repeats: int, dev
     }
 
 
+# ------------------------------------------------------------------------------------ llama
+LLAMA_VOCAB = 49152
+
+
+class _WordTokenizer:
+    """Words to ids over the LLaMA case's vocabulary (BOS = 1 with special tokens, pad = 0)."""
+
+    pad_token_id = 0
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = [self.ids.setdefault(w, 3 + len(self.ids)) for w in text.split()]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+
+def build_llama(device: torch.device) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pyrobayes.models.multiple_choice import encode_multiple_choice
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=LLAMA_VOCAB,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    net = LlamaForCausalLM(cfg).eval()
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=8, target_modules=["q_proj", "v_proj"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+        prior_scale=PRIOR_SCALE,
+        num_data=100,
+    ).to(device)
+    rng = random.Random(0)
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    num, k_choices = 4, 4
+    prompts = [words(15, 25) for _ in range(num)]
+    choices = [[words(2, 8) for _ in range(k_choices)] for _ in range(num)]
+    batch = encode_multiple_choice(
+        _WordTokenizer(), prompts, choices, answers=[0] * num, padding_side="left"
+    )
+    batch = {k: v.to(device) for k, v in batch.items()}
+    return {"name": "llama", "model": model, "batches": [batch], "num_data": 100}
+
+
+class PlainMultipleChoice:
+    """Hand-written continuation scoring of S draws: ``functional_call`` of the same network,
+    log-softmax at the read positions, gather of the continuation tokens, sum."""
+
+    def __init__(self, model: FineTuneModel, values: dict[str, Tensor]) -> None:
+        self.net = model.net
+        self.params = {model.latent_sites[s].param_name: v for s, v in values.items()}
+        self.num_samples = int(next(iter(values.values())).shape[0])
+
+    def _scores(self, batch: dict[str, Tensor], params: dict[str, Tensor], gather: bool) -> Tensor:
+        ids, cont = batch["input_ids"], batch["continuation_mask"].bool()
+        num, k_choices, length = ids.shape
+        first = next(iter(params.values()))
+        reps = first.shape[0] if first.dim() == 3 else 1  # draws in one wide forward
+        kw: dict[str, Any] = {
+            k: batch[k].reshape(-1, length).repeat(reps, 1)
+            for k in ("input_ids", "attention_mask", "position_ids")
+        }
+        kw["use_cache"] = False
+        width = int(cont.sum(-1).max())  # left padding: continuations end at the last position
+        read = torch.arange(length - 1 - width, length - 1, device=ids.device)
+        if gather:
+            kw["logits_to_keep"] = read.expand(kw["input_ids"].shape[0], -1)
+        logits = torch.func.functional_call(self.net, params, args=(), kwargs=kw).logits
+        if not gather:
+            logits = logits[:, read]
+        logp = logits.log_softmax(-1)
+        tokens = kw["input_ids"][:, read + 1]
+        picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        mask = cont.reshape(-1, length)[:, read + 1].repeat(reps, 1)
+        return (picked * mask).sum(-1).reshape(reps, num, k_choices)
+
+    def loop(self, batch: dict[str, Tensor], gather: bool = True) -> Tensor:
+        """S forwards at B·K rows."""
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    self._scores(batch, {n: v[s] for n, v in self.params.items()}, gather)
+                    for s in range(self.num_samples)
+                ]
+            ).log_softmax(-1)
+
+    def wide(self, batch: dict[str, Tensor]) -> Tensor:
+        """One forward at S·B·K rows (per-draw cores in the batched layers)."""
+        with torch.no_grad():
+            return self._scores(batch, self.params, True).log_softmax(-1)
+
+
+def llama_predict_case(setup: dict[str, Any], repeats: int, device: torch.device) -> dict:
+    from pyrobayes.models import likelihoods
+
+    model, batches = setup["model"], setup["batches"]
+    pyro.clear_param_store()
+    guide = MeanFieldGuide(model, init_scale=INIT_SCALE).to(device)
+    model.train(False)
+    gathers = likelihoods.head_positions_supported
+
+    def full_head(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            likelihoods.head_positions_supported = lambda net: False  # type: ignore[assignment]
+            try:
+                return fn()
+            finally:
+                likelihoods.head_positions_supported = gathers
+
+        return run
+
+    out: dict[str, Any] = {}
+    for num_samples in (4, 16):
+        values = guide.sample_posterior(num_samples, generator=torch.Generator().manual_seed(0))
+        plain = PlainMultipleChoice(model, values)
+        fns: dict[str, Callable[[], Any]] = {
+            "pb.predict default": lambda s=num_samples: pb.predict(
+                model, guide, batches, num_samples=s
+            ),
+            "pb.predict 1 wide forward": lambda s=num_samples: pb.predict(
+                model, guide, batches, num_samples=s, samples_per_forward=s
+            ),
+            "plain S forwards at B*K": lambda p=plain: p.loop(batches[0]),
+            "plain 1 forward at S*B*K": lambda p=plain: p.wide(batches[0]),
+        }
+        if num_samples == 4:
+            fns["pb.predict S=1"] = lambda: pb.predict(model, guide, batches, num_samples=1)
+            fns["pb.predict full head"] = full_head(
+                lambda: pb.predict(model, guide, batches, num_samples=4)
+            )
+            fns["plain S forwards, full head"] = lambda p=plain: p.loop(batches[0], gather=False)
+        print(f"[llama] predict S={num_samples}, {repeats} repeats ...", flush=True)
+        res = time_round_robin(fns, repeats, device, dict.fromkeys(fns, 1))
+        ref = min(
+            ("plain S forwards at B*K", "plain 1 forward at S*B*K"),
+            key=lambda k: res[k]["median_s"],
+        )
+        for k in res:
+            res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
+            res[k]["paired_ratio_vs_fastest_plain"] = paired_ratio(res, k, ref)
+        out[f"predict S={num_samples}"] = {
+            "num_samples": num_samples,
+            "reference": ref,
+            "variants": res,
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------------ main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--only", choices=["mlp", "minilm"], default=None)
+    parser.add_argument("--only", choices=["mlp", "minilm", "llama"], default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -428,7 +603,7 @@ def main() -> None:
     }
     builders = {"mlp": build_mlp, "minilm": build_minilm}
     for name, build in builders.items():
-        if args.only and name != args.only:
+        if args.only != name and (args.only or name == "llama"):
             continue
         steps, fit_rep, pred_batches, pred_rep = plans[name]
         setup = build(device, max(pred_batches, 4))
@@ -437,6 +612,10 @@ def main() -> None:
         print(f"[{name}] predict: S={NUM_SAMPLES}, {pred_rep} repeats ...", flush=True)
         pred_res = predict_case(setup, pred_batches, pred_rep, device)
         results["cases"][name] = {"fit": fit_res, "predict": pred_res}
+
+    if args.only in (None, "llama"):
+        setup = build_llama(device)
+        results["cases"]["llama"] = llama_predict_case(setup, 2 if q else 3, device)
 
     results["machine"]["load_average_at_end"] = os.getloadavg()
     print_table(results)
@@ -453,7 +632,7 @@ def print_table(results: dict[str, Any]) -> None:
         f"{m['load_average_at_start'][0]:.1f} -> {m['load_average_at_end'][0]:.1f}"
     )
     header = (
-        f"{'case':<7} {'part':<8} {'variant':<36} {'wall ms':>9} {'min ms':>9} {'cpu ms':>9} "
+        f"{'case':<7} {'part':<12} {'variant':<36} {'wall ms':>9} {'min ms':>9} {'cpu ms':>9} "
         f"{'x plain':>8} {'paired':>8} {'x Pred.':>8}"
     )
     print(header)
@@ -465,7 +644,7 @@ def print_table(results: dict[str, Any]) -> None:
                 xp = v.get("ratio_vs_predictive")
                 pr = v.get("paired_ratio_vs_fastest_plain")
                 print(
-                    f"{case:<7} {part:<8} {variant + mark:<36} {1e3 * v['median_s']:>9.2f} "
+                    f"{case:<7} {part:<12} {variant + mark:<36} {1e3 * v['median_s']:>9.2f} "
                     f"{1e3 * v['min_s']:>9.2f} {1e3 * v['cpu_median_s']:>9.2f} "
                     f"{v['ratio_vs_fastest_plain']:>8.3f} {'' if pr is None else f'{pr:.3f}':>8} "
                     f"{'' if xp is None else f'{xp:.3f}':>8}"
