@@ -675,7 +675,9 @@ def regression_report(
         Shape ``(N, *event)``; for a scalar output ``(N,)`` or ``(N, 1)``. Any other shape raises
         a ``ValueError`` naming both shapes.
     noise_scale : Tensor or float, optional
-        Observation noise σ (``Prediction.scale``); without it only the RMSE is reported.
+        Predictive σ around each mean (``Prediction.scale``): a float, a tensor broadcastable to
+        ``(S, N·prod(event))``, or one shaped like ``means``; without it only the RMSE is
+        reported.
 
     Returns
     -------
@@ -691,6 +693,8 @@ def regression_report(
     flat_means, flat_targets = means.reshape(means.shape[0], -1), targets.reshape(-1)
     result = {"rmse": gaussian_rmse(flat_means, flat_targets)}
     if noise_scale is not None:
+        if isinstance(noise_scale, Tensor) and noise_scale.shape == means.shape:
+            noise_scale = noise_scale.reshape(flat_means.shape)  # per-sample, per-entry σ
         result["nll"] = gaussian_nll(flat_means, flat_targets, noise_scale)
     return result
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from .batch import batch_size, split_batch, to_device
+from .contract import LinearizedPredictive, implements
 from .models.adapters import check_int
 
 logger = logging.getLogger(__name__)
@@ -36,16 +37,19 @@ class Prediction:
     log_probs : Tensor `(S, N, C)` or None
         Classification: per-sample log class probabilities.
     loc : Tensor `(S, N, ...)` or None
-        Regression: per-sample predictive means (the Gaussian likelihood's ``obs_scale`` is
-        ``scale``).
-    scale : float or None
+        Regression: per-sample predictive means.
+    scale : float or Tensor or None
+        Regression: the predictive standard deviation around ``loc``: the Gaussian likelihood's
+        ``obs_scale`` σ (a float) for network samples, or a Tensor shaped like ``loc`` for a
+        predictive with a per-example variance (the linearised Laplace predictive:
+        ``sqrt(diag(J Σ Jᵀ) + σ²)``).
     targets : Tensor `(N, ...)` or None
         Regression targets in the shape of ``loc[0]`` (``(N,)`` for a scalar output).
     """
 
     log_probs: Tensor | None = None
     loc: Tensor | None = None
-    scale: float | None = None
+    scale: float | Tensor | None = None
     targets: Tensor | None = None
 
     @property
@@ -111,8 +115,17 @@ def predict(
     device: str | torch.device | None = None,
     progress_bar: bool = False,
     values: dict[str, Tensor] | None = None,
+    examples_per_forward: int | None = None,
 ) -> Prediction:
     """Posterior predictive of ``model`` under ``guide`` on every batch of ``data``.
+
+    Network sampling ``p̄(y|x) = (1/S) Σ_s p(y | f(x; θ_s))``, ``θ_s ~ q``, for every family,
+    except a posterior with a linearised predictive
+    (:class:`~pyrobayes.contract.LinearizedPredictive`, e.g. Laplace) whose ``pred_type`` is
+    not ``"nn"``: that one is evaluated by :func:`pyrobayes.linearized.linearized_predict`
+    (the network linearised at ``θ̂``; exact Gaussian for regression, Monte Carlo over the
+    linearised logits or probit for classification). Explicit ``values`` always sample the
+    network.
 
     Parameters
     ----------
@@ -130,6 +143,10 @@ def predict(
     progress_bar : bool
     values : dict, optional
         Use these parameter draws ``{site: (S, *shape)}`` instead of sampling the guide.
+    examples_per_forward : int, optional
+        Linearised predictive only: examples per Jacobian forward (one forward with autograd
+        and K backward passes; bounds its memory). Default: the whole batch on an accelerator,
+        on CPU as many as keep a forward within :data:`CPU_MAX_ROWS_PER_FORWARD` rows or tokens.
 
     Returns
     -------
@@ -143,6 +160,10 @@ def predict(
         When ``num_samples`` / ``samples_per_forward`` is not an integer.
     """
     num_samples = check_int("num_samples", num_samples, ge=1, owner="predict: ")
+    if examples_per_forward is not None:
+        examples_per_forward = check_int(
+            "examples_per_forward", examples_per_forward, ge=1, owner="predict: "
+        )
     if samples_per_forward is not None:
         samples_per_forward = check_int(
             "samples_per_forward", samples_per_forward, ge=1, owner="predict: "
@@ -152,6 +173,22 @@ def predict(
         guide.to(device)
     model.train(False)
     dev = model.device
+    if (
+        values is None
+        and implements(guide, LinearizedPredictive)
+        and cast(LinearizedPredictive, guide).pred_type != "nn"
+    ):
+        from .linearized import linearized_predict  # (linearized imports this module)
+
+        return linearized_predict(
+            model,
+            guide,
+            data,
+            num_samples=num_samples,
+            seed=seed,
+            examples_per_forward=examples_per_forward,
+            progress_bar=progress_bar,
+        )
     if values is None:
         if guide.is_deterministic:  # the Posterior protocol (contract.py)
             num_samples = 1

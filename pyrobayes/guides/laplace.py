@@ -13,6 +13,7 @@ of the MAP (``"alternate"``, MacKay 1992).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import pyro.distributions as dist
@@ -25,7 +26,10 @@ from .base import PosteriorGuide
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaplaceGuide"]
+__all__ = ["LaplaceGuide", "PRED_TYPES"]
+
+#: The predictives of a Laplace posterior: linearised (Monte Carlo / exact Gaussian), probit, network.
+PRED_TYPES = ("glm", "probit", "nn")
 
 
 class LaplaceGuide(PosteriorGuide):
@@ -43,8 +47,15 @@ class LaplaceGuide(PosteriorGuide):
     and picks ``τ`` (:func:`pyrobayes.infer.laplace.fit_laplace`). ``structure="diag"`` gives
     ``Normal(θ_MAP, (h + τ)^{-1/2})``; ``"kron"`` gives a
     :class:`~pyrobayes.distributions.KronEigenNormal` per site with precision
-    ``(Q_G ⊗ Q_A) diag(γ aᵀ + τ) (Q_G ⊗ Q_A)ᵀ``. Sampling (``pyrobayes.predict``) is the "NN"
-    predictive; :func:`pyrobayes.infer.laplace.glm_predict` is the linearized one.
+    ``(Q_G ⊗ Q_A) diag(γ aᵀ + τ) (Q_G ⊗ Q_A)ᵀ``.
+
+    Predictive (``pred_type``, what :func:`pyrobayes.predict` returns; laplace-torch's default,
+    Immer et al. 2021): the network linearised at the MAP,
+    ``f_lin(x; θ) = f(x; θ_MAP) + J(x)(θ − θ_MAP)`` (:mod:`pyrobayes.linearized`). ``"glm"``
+    (default): classification by Monte Carlo over ``softmax(f_lin(x; θ_s))`` with ``θ_s ~ q``;
+    regression by the exact Gaussian ``N(f(x; θ_MAP), J Σ Jᵀ + σ²)``. ``"probit"``:
+    classification by ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))`` (MacKay 1992). ``"nn"``:
+    the network sampled at draws of q (overdispersed on regression, see Immer et al. 2021).
 
     With ``prior_precision="marglik"``, ``τ`` maximises the Laplace log marginal likelihood
     (MacKay 1992; Immer et al. 2021)
@@ -91,12 +102,15 @@ class LaplaceGuide(PosteriorGuide):
         Natural-log bounds of the τ search (default ``(-5, 10)``).
     temperature : float
         T in ``H/T`` (1: the Bayesian posterior).
+    pred_type : {"glm", "probit", "nn"}
+        The predictive :func:`pyrobayes.predict` evaluates (see above); may be changed after
+        fitting (``guide.pred_type = "nn"``).
 
     Examples
     --------
     >>> guide = LaplaceGuide(model, structure="kron")                  # doctest: +SKIP
     >>> pyrobayes.fit(model, guide, loader, epochs=20, lr=1e-2)        # doctest: +SKIP
-    >>> pred = glm_predict(model, guide, test_loader, link="probit")   # doctest: +SKIP
+    >>> pred = pyrobayes.predict(model, guide, test_loader)  # GLM      # doctest: +SKIP
     """
 
     family = "laplace"
@@ -115,6 +129,7 @@ class LaplaceGuide(PosteriorGuide):
         alternate_tol: float = 1e-3,
         alternate_max_iter: int = 20,
         alternate_epochs: int = 5,
+        pred_type: str = "glm",
     ) -> None:
         owner = f"{type(self).__name__}: "
         if structure not in ("kron", "diag"):
@@ -147,6 +162,12 @@ class LaplaceGuide(PosteriorGuide):
         alternate_tol = check_real("alternate_tol", alternate_tol, gt=0, owner=owner)
         alternate_max_iter = check_int("alternate_max_iter", alternate_max_iter, ge=1, owner=owner)
         alternate_epochs = check_int("alternate_epochs", alternate_epochs, ge=1, owner=owner)
+        if pred_type not in PRED_TYPES:
+            raise ValueError(
+                f"{owner}pred_type must be one of {list(PRED_TYPES)} (the linearised predictive, "
+                f"its probit approximation, or network sampling); got {pred_type!r}."
+            )
+        self.pred_type = pred_type
         self.structure = structure
         self.prior_precision_spec = prior_precision
         self.log_prior_bounds = (lo, hi)
@@ -257,6 +278,36 @@ class LaplaceGuide(PosteriorGuide):
     def mean(self) -> dict[str, Tensor]:
         self.require_setup()
         return {s: self.loc(s).detach().clone() for s in self.sites}
+
+    # ------------------------------------------------------------------ linearised predictive
+    def linearization_point(self) -> dict[str, Tensor]:
+        """``θ_MAP`` per site (detached): where the GLM predictive linearises the network."""
+        self.require_fitted()
+        return {s: self.loc(s).detach() for s in self.sites}
+
+    def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
+        r"""``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``.
+
+        Σ is block-diagonal over sites: ``Σ_l = (H_l + τ I)^{-1}``. DIAG:
+        ``Σ_l J_lᵀ = J_lᵀ / (h_l + τ)``; KRON: with ``H_l + τ I = (Q_G ⊗ Q_A) diag(λ)
+        (Q_G ⊗ Q_A)ᵀ`` (row-major vec), ``J_l Σ_l J_lᵀ = Σ_{ij} Y_{ij} Y'_{ij} / λ_{ij}`` for
+        ``Y = Q_Gᵀ J_l Q_A`` (the Jacobian rotated into the eigenbasis).
+        """
+        self.require_fitted()
+        total: Tensor | None = None
+        for site, jac in jacobians.items():
+            prec = self.curvature(site) + self.lap_prior_precision
+            if self.structure == "diag":
+                flat = jac.reshape(*jac.shape[:2], -1)
+                cov = torch.einsum("bcd,bed->bce", flat, flat / prec.reshape(-1))
+            else:
+                q_out, q_in = self.eigvecs(site)
+                rotated = q_out.T @ jac @ q_in  # (B, K, m, n) in the eigenbasis
+                cov = torch.einsum("bcij,beij->bce", rotated, rotated / prec)
+            total = cov if total is None else total + cov
+        if total is None:
+            raise ValueError("functional_covariance needs the Jacobian of at least one site.")
+        return total
 
     def num_posterior_parameters(self) -> int:
         """Numbers that describe q: the MAP, the curvature, the eigenbases (KRON) and τ."""

@@ -1,0 +1,210 @@
+r"""The linearised (GLM) predictive of a Gaussian posterior ``N(θ̂, Σ)`` over the latent sites.
+
+The network is replaced by its first-order Taylor expansion at the point ``θ̂`` (MacKay 1992;
+Foong et al. 2019; Immer, Korzepa & Bauer 2021, eq. 5 — laplace-torch's default predictive):
+
+.. math:: f_{\rm lin}(x; θ) = f(x; θ̂) + J(x)\,(θ - θ̂),\qquad J(x) = ∂f(x;θ)/∂θ\,|_{θ̂}
+          \in \mathbb R^{K \times d},
+
+where ``f`` is what the likelihood reads: the K class logits, the K choice scores of a
+multiple-choice likelihood (not the vocabulary), or the D regression means. Under
+``θ ~ N(θ̂, Σ)``, ``f_lin(x) ~ N(f(x; θ̂), J Σ Jᵀ)``:
+
+- regression: the exact Gaussian predictive ``y ~ N(f(x; θ̂), J Σ Jᵀ + σ² I)`` (the reported
+  ``scale`` is the square root of its diagonal; the metrics score each entry);
+- classification, ``pred_type="glm"``: Monte Carlo over the linearised logits,
+  ``p̄ = (1/S) Σ_s softmax(f(x; θ̂) + J(x)(θ_s − θ̂))`` with the guide's own draws ``θ_s``;
+- classification, ``pred_type="probit"``: ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))``.
+
+How ``J`` is formed. Each example of a chunk gets its own copy of ``θ̂`` (the sample-batched
+forward of :mod:`pyrobayes.models.layers` gives row ``b`` the copy ``b``), so the gradient of
+``Σ_b f_k(x_b)`` with respect to the copies is the k-th Jacobian row of every example at once:
+one forward with autograd and ``K`` backward passes per chunk, whatever ``d`` and the vocabulary
+size. For the Monte Carlo classification predictive only differences of logits matter
+(``softmax`` is shift-invariant per draw), so ``J_k − J_K`` is formed for ``k < K`` (``K − 1``
+backward passes). Memory is that of one training step on ``examples_per_forward`` examples plus
+``J``, ``examples_per_forward · K · d`` numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .batch import batch_size, split_batch, to_device
+from .predictive import CPU_MAX_ROWS_PER_FORWARD, Prediction, _rows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["output_jacobians", "linearized_predict", "default_examples_per_forward"]
+
+
+def default_examples_per_forward(inputs: Any, device: torch.device) -> int:
+    """Examples per Jacobian forward: the whole batch on an accelerator; on CPU as many as keep
+    one forward within :data:`~pyrobayes.predictive.CPU_MAX_ROWS_PER_FORWARD` rows (or tokens)."""
+    size = max(1, batch_size(inputs))
+    if device.type != "cpu":
+        return size
+    per_example = max(1, _rows(inputs) // size)
+    return max(1, min(size, CPU_MAX_ROWS_PER_FORWARD // per_example))
+
+
+def _slice_rows(inputs: Any, start: int, stop: int, size: int) -> Any:
+    """Examples ``start:stop`` of a batch of ``size`` (tensors whose leading size is ``size``)."""
+    if isinstance(inputs, Tensor):
+        return inputs[start:stop] if inputs.dim() and inputs.shape[0] == size else inputs
+    if isinstance(inputs, Mapping):
+        return {k: _slice_rows(v, start, stop, size) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_slice_rows(v, start, stop, size) for v in inputs)
+    return inputs
+
+
+def output_jacobians(
+    model: Any, inputs: Any, point: Mapping[str, Tensor], *, contrast: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""``f(x; θ̂)`` and its per-example Jacobians with respect to the sites.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    inputs : batch inputs (B examples)
+    point : dict
+        ``θ̂`` per site.
+    contrast : bool
+        Return ``J_k − J_K`` (last row zero) instead of ``J_k``: enough for a shift-invariant
+        use (softmax over the K outputs) and one backward pass fewer.
+
+    Returns
+    -------
+    mean : Tensor `(B, *event)`
+        The likelihood's parameters at ``θ̂`` (K = prod(event) outputs per example).
+    jacobians : dict
+        ``{site: (B, K, *site_shape)}``, ``∂f_k(x_b)/∂θ_site`` at ``θ̂``.
+    """
+    size = batch_size(inputs)
+    with torch.enable_grad():
+        copies = {
+            s: v.detach().unsqueeze(0).expand(size, *v.shape).clone().requires_grad_(True)
+            for s, v in point.items()
+        }
+        out = model.output(inputs, copies)  # (B, ...): row b evaluated at copy b
+        flat = out.reshape(size, -1)
+        num_outputs = flat.shape[1]
+        leaves = list(copies.values())
+        jac = {s: v.new_zeros(size, num_outputs, *v.shape[1:]) for s, v in copies.items()}
+        rows = range(num_outputs - 1) if contrast else range(num_outputs)
+        last = rows[-1] if len(rows) else -1
+        for k in rows:
+            target = flat[:, k] - flat[:, -1] if contrast else flat[:, k]
+            grads = torch.autograd.grad(
+                target.sum(), leaves, retain_graph=k != last, allow_unused=True
+            )
+            for (s, _), g in zip(copies.items(), grads, strict=True):
+                if g is not None:
+                    jac[s][:, k] = g
+    return out.detach(), jac
+
+
+def linearized_predict(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    num_samples: int = 32,
+    seed: int | None = 0,
+    examples_per_forward: int | None = None,
+    progress_bar: bool = False,
+) -> Prediction:
+    r"""The linearised predictive of ``guide`` (a :class:`~pyrobayes.contract.LinearizedPredictive`)
+    on every batch of ``data`` (see the module docstring for the formulas).
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : LinearizedPredictive
+        ``guide.pred_type`` selects ``"glm"`` or ``"probit"``.
+    data : iterable of batches
+    num_samples : int
+        S, draws ``θ_s ~ q`` for the Monte Carlo classification predictive (unused otherwise:
+        regression and probit return one "sample", the exact moments).
+    seed : int, optional
+        Seed of the draws (the same draws for every batch).
+    examples_per_forward : int, optional
+        Examples per Jacobian forward (bounds the memory); default
+        :func:`default_examples_per_forward`.
+    progress_bar : bool
+
+    Returns
+    -------
+    Prediction
+        Classification: ``log_probs`` `(S, N, K)` (``"glm"``) or `(1, N, K)` (``"probit"``).
+        Regression: ``loc`` `(1, N, *event)` = ``f(x; θ̂)`` and ``scale`` `(1, N, *event)` =
+        ``sqrt(diag(J Σ Jᵀ) + σ²)``.
+    """
+    pred_type = guide.pred_type
+    if pred_type not in ("glm", "probit"):
+        raise ValueError(
+            f"linearized_predict: pred_type must be 'glm' or 'probit', got {pred_type!r}."
+        )
+    model.train(False)
+    dev = model.device
+    point = {s: v.to(dev) for s, v in guide.linearization_point().items()}
+    likelihood = model.likelihood
+    classification = likelihood.is_classification
+    monte_carlo = classification and pred_type == "glm"
+    deltas: Tensor | None = None
+    if monte_carlo:
+        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        draws = guide.sample_posterior(num_samples, generator=generator)
+        deltas = torch.cat(
+            [(draws[s].to(dev) - point[s]).reshape(num_samples, -1) for s in point], -1
+        )  # (S, d): θ_s − θ̂ over the sites laid flat, in site order
+    check_targets = getattr(likelihood, "check_targets", None)
+    locs: list[Tensor] = []
+    scales: list[Tensor] = []
+    targets: list[Tensor] = []
+    for batch in tqdm(data, disable=not progress_bar, desc="predict (linearised)"):
+        inputs, y = split_batch(to_device(batch, dev), model.label_key)
+        size = batch_size(inputs)
+        chunk = examples_per_forward or default_examples_per_forward(inputs, dev)
+        parts: list[Tensor] = []
+        part_scales: list[Tensor] = []
+        for start in range(0, size, chunk):
+            sub = _slice_rows(inputs, start, min(size, start + chunk), size)
+            out, jac = output_jacobians(model, sub, point, contrast=monte_carlo)
+            mean = out.reshape(out.shape[0], -1)  # (b, K)
+            if monte_carlo:
+                assert deltas is not None
+                flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)
+                logits = mean.unsqueeze(0) + torch.einsum("bkd,sd->sbk", flat_jac, deltas)
+                parts.append(torch.log_softmax(logits, -1))
+                continue
+            var = torch.diagonal(guide.functional_covariance(jac), dim1=-2, dim2=-1)  # (b, K)
+            if classification:  # probit (MacKay 1992)
+                kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
+                parts.append(torch.log_softmax(kappa * mean, -1).unsqueeze(0))
+            else:
+                noise = float(likelihood.obs_scale) ** 2
+                parts.append(out.unsqueeze(0))
+                part_scales.append((var + noise).sqrt().reshape(1, *out.shape))
+        locs.append(torch.cat(parts, 1))
+        if part_scales:
+            scales.append(torch.cat(part_scales, 1))
+        if y is not None:
+            targets.append(check_targets(locs[-1], y) if check_targets else y)
+    if not locs:
+        raise ValueError(
+            "predict: data yielded no batches; pass a non-empty iterable of batches (a "
+            "DataLoader over a non-empty data set, or a list holding at least one batch)."
+        )
+    target = torch.cat(targets, 0) if targets else None
+    if classification:
+        return Prediction(log_probs=torch.cat(locs, 1), targets=target)
+    return Prediction(loc=torch.cat(locs, 1), scale=torch.cat(scales, 1), targets=target)
