@@ -13,6 +13,8 @@ Optional capabilities are separate protocols, checked with ``isinstance`` where 
 :class:`PostHoc`           fitted after (Laplace) or along (SWAG) a MAP run over its point ``loc``
 :class:`OnlineNewton`      a Gaussian whose mean and curvature a variational online Newton fitter
                            (IVON, Kronecker IVON) updates in a closure-driven step
+`LinearizedPredictive`     a Gaussian whose predictive is the network linearised at its point
+                           (Laplace's GLM predictive); ``pyrobayes.predict`` evaluates it
 =========================  =====================================================================
 
 How a family is *fitted* is not part of the posterior: the guide names its fitter
@@ -29,7 +31,14 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
-__all__ = ["Posterior", "AnalyticKL", "PostHoc", "OnlineNewton", "implements"]
+__all__ = [
+    "Posterior",
+    "AnalyticKL",
+    "PostHoc",
+    "OnlineNewton",
+    "LinearizedPredictive",
+    "implements",
+]
 
 
 @runtime_checkable
@@ -190,6 +199,36 @@ class OnlineNewton(Protocol):
 
     def perturbation(self, eps: Tensor) -> Tensor:
         """``θ − m`` for standard-normal ``eps`` `(S, T)` over all sites laid flat."""
+        ...
+
+
+@runtime_checkable
+class LinearizedPredictive(Protocol):
+    r"""A Gaussian posterior ``N(θ̂, Σ)`` whose predictive is that of the linearised network
+    (the GLM predictive; MacKay 1992, Immer et al. 2021, eq. 5):
+
+    .. math:: f_{\rm lin}(x; θ) = f(x; θ̂) + J(x)\,(θ - θ̂),\qquad J(x) = ∂f(x; θ)/∂θ\,|_{θ̂}.
+
+    :func:`pyrobayes.predict` evaluates it (:mod:`pyrobayes.linearized`) unless
+    ``pred_type == "nn"`` (then it samples the network at draws of q, as for every family).
+
+    Attributes
+    ----------
+    pred_type : {"glm", "probit", "nn"}
+        ``"glm"``: classification by Monte Carlo over ``softmax(f_lin(x; θ_s))``, ``θ_s ~ q``;
+        regression by the exact Gaussian ``N(f(x; θ̂), J Σ Jᵀ + σ²)``. ``"probit"``:
+        classification by the probit approximation ``softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``
+        (regression as ``"glm"``). ``"nn"``: sample the network.
+    """
+
+    pred_type: str
+
+    def linearization_point(self) -> dict[str, Tensor]:
+        """``θ̂`` per site (detached): where the network is linearised."""
+        ...
+
+    def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
+        """``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``."""
         ...
 
 
