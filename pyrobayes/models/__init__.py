@@ -1,13 +1,16 @@
-"""Pyro models over adapter parameters: adapters, projections, the fine-tuning model."""
+"""Pyro models over adapter parameters: adapters, projections, the fine-tuning model, likelihoods
+(multiple choice with continuations) and deployment (merged networks, peft adapters)."""
 
 from __future__ import annotations
 
-from . import signorm
+from . import deploy, signorm
 from .accounting import count_parameters
 from .adapters import LoRA, LoRAXS, SiteSpec, find_target_modules
+from .deploy import merged_network, to_peft
 from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 from .likelihoods import Categorical, Gaussian, Likelihood, MultipleChoice
+from .multiple_choice import encode_multiple_choice
 from .signorm import SigmaNorm, SigmaNormEnsemble
 
 __all__ = [
@@ -23,6 +26,10 @@ __all__ = [
     "Categorical",
     "Gaussian",
     "MultipleChoice",
+    "encode_multiple_choice",
+    "merged_network",
+    "to_peft",
+    "deploy",
     "count_parameters",
     "signorm",
     "SigmaNorm",

@@ -1,8 +1,21 @@
-"""Deployment exports: a posterior mean or draw back to a peft adapter, or merged into the weights.
+r"""Deployment exports: a posterior mean or draw back to a peft adapter, or merged into the weights.
 
-``to_peft`` turns LoRA sites into a ``peft.PeftModel`` (so the usual ``merge_and_unload`` and
-``save_pretrained`` work); ``merged_network`` folds any adapter (LoRA or LoRA-XS) into a copy of
-the base weights, ``W = W0 + ΔW``, for a plain network with no pyrobayes layers.
+:func:`to_peft` turns LoRA sites into a ``peft.PeftModel`` (so the usual ``merge_and_unload`` and
+``save_pretrained`` work); :func:`merged_network` folds any adapter into a copy of the base
+weights,
+
+.. math:: W = W_0 + \frac{α}{r} B A \ \text{(LoRA; Hu et al. 2022)}, \qquad
+          W = W_0 + \frac{α}{r} U R V^\top \ \text{(LoRA-XS; Bałazy et al. 2024)},
+
+giving a plain network with no pyrobayes layers: a Hugging Face model's ``save_pretrained``
+checkpoint reloads with ``from_pretrained`` and no unexpected keys.
+
+Examples
+--------
+>>> net = pb.models.merged_network(model, guide.mean())       # doctest: +SKIP
+>>> net.save_pretrained("merged")                              # doctest: +SKIP
+>>> AutoModelForCausalLM.from_pretrained("merged")             # doctest: +SKIP
+>>> pb.models.to_peft(model, guide.mean()).save_pretrained("adapter")  # LoRA only  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -21,11 +34,19 @@ __all__ = ["to_peft", "merged_network", "unwrapped_network"]
 
 
 def unwrapped_network(model: Any) -> nn.Module:
-    """A deep copy of the network with every pyrobayes adapter layer replaced by its base."""
+    """A deep copy of the network with every pyrobayes adapter layer replaced by its base.
+
+    The adapter's own submodules (a LoRA-XS ``core``, LoRA's ``lora_A`` / ``lora_B``) go with
+    it; a latent :class:`BatchedLinear` elsewhere becomes an ``nn.Linear`` with its weights.
+    """
     net = copy.deepcopy(model.net)
+    adapters: list[str] = []
     for path, module in list(net.named_modules()):
+        if any(path.startswith(a + ".") for a in adapters):
+            continue  # inside an adapter layer that is gone: not part of the network any more
         if isinstance(module, (LoRALinear, LoRAXSLinear)):
             _set_submodule(net, path, module.base)
+            adapters.append(path)
         elif isinstance(module, BatchedLinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             plain.weight, plain.bias = module.weight, module.bias
@@ -34,14 +55,24 @@ def unwrapped_network(model: Any) -> nn.Module:
 
 
 def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn.Module:
-    """Copy of the network with the adapter folded into the frozen weights.
+    r"""Copy of the network with the adapter folded into the frozen weights.
+
+    ``W = W_0 + ΔW(θ)`` for every adapted layer (``ΔW = (α/r) B A`` for LoRA,
+    ``(α/r) U R Vᵀ`` for a LoRA-XS core ``R``), and a latent layer's weights set to ``θ``. The
+    result holds no pyrobayes module: saved with ``save_pretrained`` it reloads with
+    ``from_pretrained`` (no unexpected keys) and computes ``f(x; θ)``.
 
     Parameters
     ----------
     model : FineTuneModel
     values : dict, optional
-        One parameter set ``{site: Tensor(*shape)}`` (e.g. ``guide.mean()``); defaults to the
-        values stored in the network.
+        One parameter set ``{site: Tensor(*shape)}`` (e.g. ``guide.mean()`` or one draw of
+        ``guide.sample_posterior``); defaults to the values stored in the network.
+
+    Returns
+    -------
+    nn.Module
+        The network (for a Hugging Face model, its class), parameters frozen.
     """
     values = dict(values or model.init_values())
     net = unwrapped_network(model)
@@ -78,6 +109,20 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
 def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     """A ``peft.PeftModel`` carrying the LoRA sites' values (posterior mean or one draw).
 
+    The base network is a copy without pyrobayes layers; ``save_pretrained`` writes a peft
+    adapter that plain ``peft.PeftModel.from_pretrained`` loads.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+        Built with a LoRA adapter.
+    values : dict, optional
+        One parameter set ``{site: Tensor(*shape)}``; defaults to the values in the network.
+
+    Returns
+    -------
+    peft.PeftModel
+
     Raises
     ------
     TypeError
@@ -92,7 +137,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     if not isinstance(adapter, LoRA):
         raise TypeError(
             f"to_peft needs a LoRA adapter but the model has {type(adapter).__name__}; "
-            "use pyrobayes.models.deploy.merged_network(model, values) instead."
+            "use pyrobayes.models.merged_network(model, values) instead."
         )
     values = dict(values or model.init_values())
     net = unwrapped_network(model)

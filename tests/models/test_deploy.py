@@ -1,0 +1,85 @@
+"""Deployment: a merged network saved with ``save_pretrained`` reloads in plain transformers with
+no unexpected keys and reproduces the adapted network's logits; ``to_peft`` round-trips LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyrobayes as pb
+from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
+from tests.common import tiny_llama
+
+ADAPTERS = {
+    "lora-xs": lambda: LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
+    "lora": lambda: LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
+}
+
+
+def _model_and_values(adapter_name):
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama().eval(),
+        ADAPTERS[adapter_name](),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    values = {s: 0.5 * torch.randn(v.shape) for s, v in model.init_values().items()}
+    return model, values
+
+
+def _adapted_logits(model, values, ids):
+    """``f(x; θ)`` of the network with its pyrobayes layers, every position."""
+    params = {model.latent_sites[s].param_name: v for s, v in values.items()}
+    out = torch.func.functional_call(model.net, params, args=(), kwargs={"input_ids": ids})
+    return out.logits
+
+
+def test_public():
+    assert pb.models.merged_network is pb.models.deploy.merged_network
+    assert pb.models.to_peft is pb.models.deploy.to_peft
+    assert {"merged_network", "to_peft"} <= set(pb.models.__all__)
+
+
+@pytest.mark.parametrize("adapter_name", sorted(ADAPTERS))
+def test_merged_network_reloads_without_unexpected_keys(adapter_name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, values = _model_and_values(adapter_name)
+    merged = pb.models.merged_network(model, values)
+    names = [n for n, _ in merged.named_modules()]
+    assert not any(n.endswith((".core", ".lora_A", ".lora_B")) for n in names)
+    merged.save_pretrained(tmp_path)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True, dtype=torch.float64
+    )
+    assert not info["unexpected_keys"]
+    assert not info["missing_keys"]
+    assert not info["mismatched_keys"]
+    ids = torch.randint(1, 99, (3, 7))
+    with torch.no_grad():
+        expected = _adapted_logits(model, values, ids)
+        got = reloaded.eval()(input_ids=ids).logits
+    assert not torch.allclose(expected, tiny_llama_logits(model, ids))  # the adapter matters
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def tiny_llama_logits(model, ids):
+    """Logits of the base network (the adapter removed, nothing merged)."""
+    with torch.no_grad():
+        return pb.models.deploy.unwrapped_network(model).eval()(input_ids=ids).logits
+
+
+def test_to_peft_round_trip(tmp_path):
+    from peft import PeftModel
+
+    model, values = _model_and_values("lora")
+    peft_model = pb.models.to_peft(model, values)
+    peft_model.save_pretrained(tmp_path)
+    base = pb.models.deploy.unwrapped_network(model)
+    reloaded = PeftModel.from_pretrained(base, tmp_path).eval()
+    ids = torch.randint(1, 99, (2, 6))
+    with torch.no_grad():
+        expected = _adapted_logits(model, values, ids)
+        got = reloaded(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
