@@ -11,7 +11,7 @@ multiple-choice likelihood (not the vocabulary), or the D regression means. Unde
 ``θ ~ N(θ̂, Σ)``, ``f_lin(x) ~ N(f(x; θ̂), J Σ Jᵀ)``:
 
 - regression: the exact Gaussian predictive ``y ~ N(f(x; θ̂), J Σ Jᵀ + σ² I)`` (the reported
-  ``scale`` is the square root of its diagonal; the metrics score each entry);
+  ``Prediction.loc_var`` is the diagonal of ``J Σ Jᵀ``; the metrics score each entry);
 - classification, ``pred_type="glm"``: Monte Carlo over the linearised logits,
   ``p̄ = (1/S) Σ_s softmax(f(x; θ̂) + J(x)(θ_s − θ̂))`` with the guide's own draws ``θ_s``;
 - classification, ``pred_type="probit"``: ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))``.
@@ -145,8 +145,8 @@ def linearized_predict(
     -------
     Prediction
         Classification: ``log_probs`` `(S, N, K)` (``"glm"``) or `(1, N, K)` (``"probit"``).
-        Regression: ``loc`` `(1, N, *event)` = ``f(x; θ̂)`` and ``scale`` `(1, N, *event)` =
-        ``sqrt(diag(J Σ Jᵀ) + σ²)``.
+        Regression: ``loc`` `(1, N, *event)` = ``f(x; θ̂)``, ``loc_var`` `(1, N, *event)` =
+        ``diag(J Σ Jᵀ)`` and ``scale`` = σ; ``predictive_scale`` is ``sqrt(loc_var + σ²)``.
     """
     pred_type = guide.pred_type
     if pred_type not in ("glm", "probit"):
@@ -168,14 +168,14 @@ def linearized_predict(
         )  # (S, d): θ_s − θ̂ over the sites laid flat, in site order
     check_targets = getattr(likelihood, "check_targets", None)
     locs: list[Tensor] = []
-    scales: list[Tensor] = []
+    variances: list[Tensor] = []
     targets: list[Tensor] = []
     for batch in tqdm(data, disable=not progress_bar, desc="predict (linearised)"):
         inputs, y = split_batch(to_device(batch, dev), model.label_key)
         size = batch_size(inputs)
         chunk = examples_per_forward or default_examples_per_forward(inputs, dev)
         parts: list[Tensor] = []
-        part_scales: list[Tensor] = []
+        part_vars: list[Tensor] = []
         for start in range(0, size, chunk):
             sub = _slice_rows(inputs, start, min(size, start + chunk), size)
             out, jac = output_jacobians(model, sub, point, contrast=monte_carlo)
@@ -191,12 +191,11 @@ def linearized_predict(
                 kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
                 parts.append(torch.log_softmax(kappa * mean, -1).unsqueeze(0))
             else:
-                noise = float(likelihood.obs_scale) ** 2
                 parts.append(out.unsqueeze(0))
-                part_scales.append((var + noise).sqrt().reshape(1, *out.shape))
+                part_vars.append(var.reshape(1, *out.shape))
         locs.append(torch.cat(parts, 1))
-        if part_scales:
-            scales.append(torch.cat(part_scales, 1))
+        if part_vars:
+            variances.append(torch.cat(part_vars, 1))
         if y is not None:
             targets.append(check_targets(locs[-1], y) if check_targets else y)
     if not locs:
@@ -207,4 +206,9 @@ def linearized_predict(
     target = torch.cat(targets, 0) if targets else None
     if classification:
         return Prediction(log_probs=torch.cat(locs, 1), targets=target)
-    return Prediction(loc=torch.cat(locs, 1), scale=torch.cat(scales, 1), targets=target)
+    return Prediction(
+        loc=torch.cat(locs, 1),
+        scale=float(likelihood.obs_scale),
+        loc_var=torch.cat(variances, 1),
+        targets=target,
+    )

@@ -718,8 +718,9 @@ def report(
     probs_or_prediction : Tensor or object
         A ``(S, N, C)`` probability tensor, or any object with attribute ``probs`` of that shape
         and optionally ``log_probs`` (used for the NLL when present and not ``None``). A
-        regression prediction (attribute ``loc`` ``(S, N, ...)`` and ``scale``, no
-        ``log_probs``) gives :func:`regression_report` instead.
+        regression prediction (attribute ``loc`` ``(S, N, ...)`` and ``scale``, or
+        ``predictive_scale`` when present, no ``log_probs``) gives :func:`regression_report`
+        instead.
     labels : Tensor
         Shape ``(N,)``, integer class labels (regression: targets of ``loc``'s shape per sample;
         ``(N,)`` or ``(N, 1)`` for a scalar output).
@@ -739,7 +740,11 @@ def report(
     """
     loc = getattr(probs_or_prediction, "loc", None)
     if isinstance(loc, Tensor) and getattr(probs_or_prediction, "log_probs", None) is None:
-        return regression_report(loc, labels, getattr(probs_or_prediction, "scale", None))
+        # the predictive σ: the likelihood's, or sqrt(loc_var + σ²) for a closed-form predictive
+        scale = getattr(probs_or_prediction, "predictive_scale", None)
+        if scale is None:
+            scale = getattr(probs_or_prediction, "scale", None)
+        return regression_report(loc, labels, scale)
     probs, log_probs = _unpack(probs_or_prediction)
     probs = _as_3d(probs, "probs")
     calibration = calibration_error(probs, labels, num_bins=num_bins)

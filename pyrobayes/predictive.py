@@ -38,19 +38,29 @@ class Prediction:
         Classification: per-sample log class probabilities.
     loc : Tensor `(S, N, ...)` or None
         Regression: per-sample predictive means.
-    scale : float or Tensor or None
-        Regression: the predictive standard deviation around ``loc``: the Gaussian likelihood's
-        ``obs_scale`` σ (a float) for network samples, or a Tensor shaped like ``loc`` for a
-        predictive with a per-example variance (the linearised Laplace predictive:
-        ``sqrt(diag(J Σ Jᵀ) + σ²)``).
+    scale : float or None
+        Regression: the Gaussian likelihood's ``obs_scale`` σ.
+    loc_var : Tensor `(S, N, ...)` or None
+        Regression: the variance of the mean ``f`` around ``loc``, for a predictive that keeps
+        it in closed form (the linearised Laplace predictive: ``diag(J Σ Jᵀ)``); the predictive
+        is then ``N(loc, loc_var + σ²)`` per sample (:attr:`predictive_scale`).
     targets : Tensor `(N, ...)` or None
         Regression targets in the shape of ``loc[0]`` (``(N,)`` for a scalar output).
     """
 
     log_probs: Tensor | None = None
     loc: Tensor | None = None
-    scale: float | Tensor | None = None
+    scale: float | None = None
     targets: Tensor | None = None
+    loc_var: Tensor | None = None
+
+    @property
+    def predictive_scale(self) -> float | Tensor | None:
+        """Regression: the predictive standard deviation around ``loc``, ``σ`` or
+        ``sqrt(loc_var + σ²)`` (a tensor shaped like ``loc``)."""
+        if self.loc_var is None or self.scale is None:
+            return self.scale
+        return (self.loc_var + self.scale**2).sqrt()
 
     @property
     def probs(self) -> Tensor:

@@ -74,8 +74,9 @@ def test_glm_regression_equals_closed_form_linear_gaussian(structure: str) -> No
     pred = pb.predict(model, guide, tensor_loader(x_test, y_test, 3))
     assert pred.loc is not None and pred.loc.shape == (1, 7, y.shape[1])
     torch.testing.assert_close(pred.loc[0], mean, rtol=0, atol=1e-8)
-    assert isinstance(pred.scale, torch.Tensor)
-    torch.testing.assert_close(pred.scale[0], var.sqrt(), rtol=0, atol=1e-8)
+    assert pred.scale == noise and pred.loc_var is not None
+    torch.testing.assert_close(pred.loc_var[0], var - noise**2, rtol=0, atol=1e-8)
+    torch.testing.assert_close(pred.predictive_scale[0], var.sqrt(), rtol=0, atol=1e-8)
     assert (var - noise**2).min() > 1e-3  # the epistemic term is not negligible
     # the metrics score the exact Gaussian predictive
     exact_nll = -torch.distributions.Normal(mean, var.sqrt()).log_prob(y_test).mean()
