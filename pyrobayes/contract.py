@@ -13,6 +13,8 @@ Optional capabilities are separate protocols, checked with ``isinstance`` where 
 :class:`PostHoc`           fitted after (Laplace) or along (SWAG) a MAP run over its point ``loc``
 :class:`OnlineNewton`      a Gaussian whose mean and curvature a variational online Newton fitter
                            (IVON, Kronecker IVON) updates in a closure-driven step
+:class:`Mixture`           an equal-weight mixture of K components (particles, ensembles): export
+                           maps the components to ArviZ chains, particle fitters read them
 `LinearizedPredictive`     a Gaussian whose predictive is the network linearised at its point
                            (Laplace's GLM predictive); ``pyrobayes.predict`` evaluates it
 =========================  =====================================================================
@@ -36,6 +38,7 @@ __all__ = [
     "AnalyticKL",
     "PostHoc",
     "OnlineNewton",
+    "Mixture",
     "LinearizedPredictive",
     "implements",
 ]
@@ -229,6 +232,37 @@ class LinearizedPredictive(Protocol):
 
     def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
         """``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``."""
+        ...
+
+
+@runtime_checkable
+class Mixture(Protocol):
+    r"""An equal-weight mixture ``q(θ) = (1/K) Σ_k q_k(θ)`` with ``q_k = N(μ_k, σ² I)`` (σ fixed,
+    0 for point particles).
+
+    Its ``sample_posterior(S)`` is stratified (each block of K consecutive draws visits every
+    component once), so a predictive average over S = a multiple of K draws weighs the components
+    exactly equally.
+
+    Attributes
+    ----------
+    num_components : int
+        K.
+    component_scale : float
+        σ, the standard deviation of every component (0: point masses).
+    """
+
+    num_components: int
+    component_scale: float
+
+    def component_locs(self) -> dict[str, Tensor]:
+        """``{site: (K, *shape)}``: the components' locations, the trainable tensors themselves."""
+        ...
+
+    def sample_components(
+        self, num_per_component: int, *, generator: torch.Generator | None = None
+    ) -> dict[str, Tensor]:
+        """Draws grouped by component, ``{site: (K, n, *shape)}``, without gradients."""
         ...
 
 

@@ -16,7 +16,9 @@ batched path (``model.batched_output``), giving per draw and per example
 reads ``pyro.infer.MCMC``, so pyrobayes builds plain ``dict[group, dict[var, ndarray]]`` itself and
 hands them to ``from_dict`` through one adapter, :func:`_to_arviz`.
 
-Group layout (``chain`` has size 1, ``draw`` size S):
+Group layout (``chain`` has size 1, ``draw`` size S; for an equal-weight mixture of K components,
+:class:`~pyrobayes.contract.Mixture` — particles, ensembles — ``chain`` has size K, one chain per
+component, and ``draw`` size S/K, S rounded up to a multiple of K):
 
 ==========================  ================================================================
 ``posterior``               one variable per chosen site, dims ``(chain, draw, <site>_row,
@@ -45,6 +47,7 @@ from torch import Tensor
 
 from .._version import __version__
 from ..batch import split_batch, to_device
+from ..contract import Mixture, implements
 from ..predictive import default_samples_per_forward
 
 __all__ = [
@@ -191,6 +194,12 @@ def _np(t: Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _num_components(guide: Any) -> int:
+    """K for an equal-weight mixture (:class:`~pyrobayes.contract.Mixture`: one ArviZ chain per
+    component), else 1."""
+    return int(guide.num_components) if implements(guide, Mixture) else 1
+
+
 def _draw_chunk(num_samples: int, total_numel: int, max_site_numel: int) -> int:
     """Draws per ``sample_posterior`` call: at most ``max(S·max_site_numel, total)`` scalars."""
     if total_numel <= max_site_numel:
@@ -269,6 +278,21 @@ def evaluate_draws(
         )
     total = sum(_numel(s) for s in shapes.values())
     chunk = _draw_chunk(num_samples, total, max_site_numel)
+    components = _num_components(guide)
+    if components > 1:  # whole rounds over the components: draw s is from component s mod K
+        if num_samples % components:
+            rounded = -(-num_samples // components) * components
+            logger.info(
+                "%s is a mixture of %d components: exporting %d draws (a multiple of %d) "
+                "instead of %d, so every component is a chain of equal length.",
+                type(guide).__name__,
+                components,
+                rounded,
+                components,
+                num_samples,
+            )
+            num_samples = rounded
+        chunk = max(components, chunk - chunk % components)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     classification = bool(model.likelihood.is_classification)
     result = DrawEvaluation(num_samples=num_samples, chosen=chosen, omitted=omitted)
@@ -279,7 +303,11 @@ def evaluate_draws(
     has_targets = True
     for start in range(0, num_samples, chunk):
         n = min(chunk, num_samples - start)
-        values = guide.sample_posterior(n, generator=generator)
+        if components > 1:  # (K, n/K, ...) -> (n, ...) with draw j·K + k from component k
+            grouped = guide.sample_components(n // components, generator=generator)
+            values = {k: v.transpose(0, 1).reshape(n, *v.shape[2:]) for k, v in grouped.items()}
+        else:
+            values = guide.sample_posterior(n, generator=generator)
         values = {k: v.detach().to(dev) for k, v in values.items()}
         for s in chosen:
             values_out[s].append(_np(values[s]))
@@ -510,8 +538,12 @@ def to_datatree(
     )
     shapes = _site_shapes(model, guide)
 
+    chains = _num_components(guide)
+
     def chained(a: np.ndarray) -> np.ndarray:
-        return a[None, ...]  # (1, S, ...): one chain
+        # (S, ...) -> (chain, draw, ...): one chain, or one per mixture component (draw s of
+        # evaluate_draws is from component s mod K)
+        return a.reshape(-1, chains, *a.shape[1:]).swapaxes(0, 1)
 
     posterior = {s: chained(v) for s, v in ev.site_values.items()}
     posterior.update({f"{s}_norm": chained(v) for s, v in ev.site_norms.items()})

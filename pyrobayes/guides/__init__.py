@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
+from ..contract import AnalyticKL, Mixture, OnlineNewton, Posterior, PostHoc
 from ..registry import register_guide
 from .base import PosteriorGuide, SitewiseKL
 from .delta import DeltaGuide
@@ -11,6 +11,7 @@ from .kron import KroneckerIVONGuide
 from .laplace import LaplaceGuide
 from .lowrank import SWAGGuide
 from .meanfield import MeanFieldGuide
+from .particles import IBDRGuide, ParticleGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
 register_guide("map", DeltaGuide, aliases=("delta",))
@@ -18,12 +19,14 @@ register_guide("ivon", IVONGuide)
 register_guide("kron-ivon", KroneckerIVONGuide, aliases=("kron_ivon", "kronecker-ivon"))
 register_guide("swag", SWAGGuide, aliases=("b-lora-xs",))
 register_guide("laplace", LaplaceGuide, aliases=("l-lora-xs",))
+register_guide("ibdr", IBDRGuide, aliases=("particles",))
 
 __all__ = [
     "Posterior",
     "AnalyticKL",
     "PostHoc",
     "OnlineNewton",
+    "Mixture",
     "PosteriorGuide",
     "SitewiseKL",
     "MeanFieldGuide",
@@ -32,4 +35,6 @@ __all__ = [
     "KroneckerIVONGuide",
     "SWAGGuide",
     "LaplaceGuide",
+    "ParticleGuide",
+    "IBDRGuide",
 ]

@@ -6,7 +6,8 @@ A guide is a posterior; a :class:`Fitter` fits it (:func:`make_fitter` picks the
 
 from __future__ import annotations
 
-from . import ivon, kron, laplace, objectives, swag
+from . import diversity, ibdr, ivon, kron, laplace, objectives, swag
+from .ibdr import IBDRFitter, IBDRLoss
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .laplace import LaplaceFitter
 from .loop import FitResult, fit
@@ -22,12 +23,16 @@ __all__ = [
     "kron",
     "laplace",
     "swag",
+    "ibdr",
+    "diversity",
     "fit",
     "FitResult",
     "Fitter",
     "SVIFitter",
     "SWAGFitter",
     "LaplaceFitter",
+    "IBDRFitter",
+    "IBDRLoss",
     "FITTERS",
     "register_fitter",
     "make_fitter",

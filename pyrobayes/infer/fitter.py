@@ -259,6 +259,11 @@ class Fitter:
                 ids = ids - {id(p)}
         return out + [f"a parameter of shape {tuple(p.shape)}" for p in self.params if id(p) in ids]
 
+    def report(self) -> dict[str, float]:
+        """The fitter's own running quantities (e.g. IBDR's dual variable), shown on
+        :func:`pyrobayes.fit`'s progress bar and returned in ``FitResult.state``; none here."""
+        return {}
+
     def _after_step(self) -> None:
         """Called after every successful update (SWAG collects step-wise here)."""
 

@@ -49,7 +49,8 @@ class FitResult(NamedTuple):
 
     - **guide** - the fitted guide (the posterior).
     - **losses** - ``Tensor (num_steps,)``: the objective at every step (dataset-sum convention).
-    - **state** - ``dict``: ``step``, ``epoch``, ``elapsed`` seconds, ``objective`` name.
+    - **state** - ``dict``: ``step``, ``epoch``, ``elapsed`` seconds, ``objective`` name, and
+      the fitter's own running quantities (:meth:`Fitter.report`, e.g. IBDR's ``lam``).
     """
 
     guide: Any
@@ -397,7 +398,8 @@ def _run(
                     if progress_bar and step % max(1, (total or 100) // 20) == 0:
                         window = losses[-max(1, len(losses) // 10) :]
                         avg = sum(window) / len(window)
-                        bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{avg:.4g}")
+                        extra = {k: f"{v:.3g}" for k, v in fitter.report().items()}
+                        bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{avg:.4g}", **extra)
                     if callback is not None:
                         callback(step, value)
                     if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
@@ -444,6 +446,7 @@ def _run(
         "elapsed": elapsed,
         "objective": type(fitter.objective).__name__,
         "fitter": type(fitter).__name__,
+        **fitter.report(),
     }
     if selection is not None:
         state.update(best_epoch=best_epoch, validation=selection.history)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from pyrobayes.contract import AnalyticKL, OnlineNewton, Posterior, PostHoc
+from pyrobayes.contract import AnalyticKL, Mixture, OnlineNewton, Posterior, PostHoc
 from pyrobayes.models import LoRAXS
 from pyrobayes.registry import _REGISTRY
 from tests import families
@@ -86,8 +86,9 @@ def test_every_family_satisfies_the_contract(family):
         "swag": {PostHoc},
         "laplace": {PostHoc},
         "map": set(),
+        "ibdr": {Mixture},
     }
-    has = {p for p in (AnalyticKL, PostHoc, OnlineNewton) if isinstance(guide, p)}
+    has = {p for p in (AnalyticKL, PostHoc, OnlineNewton, Mixture) if isinstance(guide, p)}
     assert has == expected.get(family, has), family
 
 
