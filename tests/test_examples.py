@@ -16,7 +16,7 @@ EXAMPLES = sorted(
 def test_there_are_examples():
     names = {p.stem for p in EXAMPLES}
     expected = {"map", "meanfield", "ivon_diag", "kron_ivon", "swag", "laplace_kron"}
-    assert expected | {"posthoc_from_map"} <= names
+    assert expected | {"posthoc_from_map", "causal_lm_multiple_choice"} <= names
 
 
 @pytest.mark.integration
