@@ -13,6 +13,8 @@ Optional capabilities are separate protocols, checked with ``isinstance`` where 
 :class:`PostHoc`           fitted after (Laplace) or along (SWAG) a MAP run over its point ``loc``
 :class:`OnlineNewton`      a Gaussian whose mean and curvature a variational online Newton fitter
                            (IVON, Kronecker IVON) updates in a closure-driven step
+:class:`Symmetrized`       q symmetrized over a permutation group of the model; offers the
+                           InfoNCE term ``I_K`` its objective adds to the ELBO
 :class:`Mixture`           an equal-weight mixture of K components (particles, ensembles): export
                            maps the components to ArviZ chains, particle fitters read them
 `LinearizedPredictive`     a Gaussian whose predictive is the network linearised at its point
@@ -40,6 +42,7 @@ __all__ = [
     "OnlineNewton",
     "Mixture",
     "LinearizedPredictive",
+    "Symmetrized",
     "implements",
 ]
 
@@ -206,36 +209,6 @@ class OnlineNewton(Protocol):
 
 
 @runtime_checkable
-class LinearizedPredictive(Protocol):
-    r"""A Gaussian posterior ``N(θ̂, Σ)`` whose predictive is that of the linearised network
-    (the GLM predictive; MacKay 1992, Immer et al. 2021, eq. 5):
-
-    .. math:: f_{\rm lin}(x; θ) = f(x; θ̂) + J(x)\,(θ - θ̂),\qquad J(x) = ∂f(x; θ)/∂θ\,|_{θ̂}.
-
-    :func:`pyrobayes.predict` evaluates it (:mod:`pyrobayes.linearized`) unless
-    ``pred_type == "nn"`` (then it samples the network at draws of q, as for every family).
-
-    Attributes
-    ----------
-    pred_type : {"glm", "probit", "nn"}
-        ``"glm"``: classification by Monte Carlo over ``softmax(f_lin(x; θ_s))``, ``θ_s ~ q``;
-        regression by the exact Gaussian ``N(f(x; θ̂), J Σ Jᵀ + σ²)``. ``"probit"``:
-        classification by the probit approximation ``softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``
-        (regression as ``"glm"``). ``"nn"``: sample the network.
-    """
-
-    pred_type: str
-
-    def linearization_point(self) -> dict[str, Tensor]:
-        """``θ̂`` per site (detached): where the network is linearised."""
-        ...
-
-    def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
-        """``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``."""
-        ...
-
-
-@runtime_checkable
 class Mixture(Protocol):
     r"""An equal-weight mixture ``q(θ) = (1/K) Σ_k q_k(θ)`` with ``q_k = N(μ_k, σ² I)`` (σ fixed,
     0 for point particles).
@@ -263,6 +236,57 @@ class Mixture(Protocol):
         self, num_per_component: int, *, generator: torch.Generator | None = None
     ) -> dict[str, Tensor]:
         """Draws grouped by component, ``{site: (K, n, *shape)}``, without gradients."""
+        ...
+
+
+@runtime_checkable
+class Symmetrized(Protocol):
+    r"""A posterior ``q`` over a model with a permutation symmetry group ``G``, standing for its
+    symmetrization ``q_G(θ) = (1/|G|) Σ_g q(g⁻¹·θ)`` (Gelberg et al., 2024).
+
+    Draws, predictions and ``log_prob`` are q's (the predictive of ``q_G`` equals q's); the
+    objective adds the InfoNCE estimate of ``I(g; θ) = KL(q ‖ q_G)`` to q's ELBO.
+
+    Attributes
+    ----------
+    num_permutations : int
+        K, the group elements per draw (the identity and K − 1 uniform ones).
+    """
+
+    num_permutations: int
+
+    def infonce(self, values: Mapping[str, Tensor], num_permutations: int | None = None) -> Tensor:
+        """``I_K`` per draw ``(S,)``: ``log q(θ_s) − logsumexp_k log q(h_k·θ_s) + log K``."""
+        ...
+
+
+@runtime_checkable
+class LinearizedPredictive(Protocol):
+    r"""A Gaussian posterior ``N(θ̂, Σ)`` whose predictive is that of the linearised network
+    (the GLM predictive; MacKay 1992, Immer et al. 2021, eq. 5):
+
+    .. math:: f_{\rm lin}(x; θ) = f(x; θ̂) + J(x)\,(θ - θ̂),\qquad J(x) = ∂f(x; θ)/∂θ\,|_{θ̂}.
+
+    :func:`pyrobayes.predict` evaluates it (:mod:`pyrobayes.linearized`) unless
+    ``pred_type == "nn"`` (then it samples the network at draws of q, as for every family).
+
+    Attributes
+    ----------
+    pred_type : {"glm", "probit", "nn"}
+        ``"glm"``: classification by Monte Carlo over ``softmax(f_lin(x; θ_s))``, ``θ_s ~ q``;
+        regression by the exact Gaussian ``N(f(x; θ̂), J Σ Jᵀ + σ²)``. ``"probit"``:
+        classification by the probit approximation ``softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``
+        (regression as ``"glm"``). ``"nn"``: sample the network.
+    """
+
+    pred_type: str
+
+    def linearization_point(self) -> dict[str, Tensor]:
+        """``θ̂`` per site (detached): where the network is linearised."""
+        ...
+
+    def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
+        """``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``."""
         ...
 
 

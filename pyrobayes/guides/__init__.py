@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..contract import AnalyticKL, Mixture, OnlineNewton, Posterior, PostHoc
+from ..contract import AnalyticKL, Mixture, OnlineNewton, Posterior, PostHoc, Symmetrized
 from ..registry import register_guide
 from .base import PosteriorGuide, SitewiseKL
 from .delta import DeltaGuide
@@ -12,6 +12,8 @@ from .laplace import LaplaceGuide
 from .lowrank import SWAGGuide
 from .meanfield import MeanFieldGuide
 from .particles import IBDRGuide, ParticleGuide
+from .signorm import SigmaNormGuide
+from .symmetrized import SymmetrizedGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
 register_guide("map", DeltaGuide, aliases=("delta",))
@@ -20,6 +22,8 @@ register_guide("kron-ivon", KroneckerIVONGuide, aliases=("kron_ivon", "kronecker
 register_guide("swag", SWAGGuide, aliases=("b-lora-xs",))
 register_guide("laplace", LaplaceGuide, aliases=("l-lora-xs",))
 register_guide("ibdr", IBDRGuide, aliases=("particles",))
+register_guide("signorm", SigmaNormGuide, aliases=("sigma-norm", "sn-ens"))
+register_guide("symmetrized", SymmetrizedGuide, aliases=("permutation-invariant",))
 
 __all__ = [
     "Posterior",
@@ -27,6 +31,7 @@ __all__ = [
     "PostHoc",
     "OnlineNewton",
     "Mixture",
+    "Symmetrized",
     "PosteriorGuide",
     "SitewiseKL",
     "MeanFieldGuide",
@@ -37,4 +42,6 @@ __all__ = [
     "LaplaceGuide",
     "ParticleGuide",
     "IBDRGuide",
+    "SigmaNormGuide",
+    "SymmetrizedGuide",
 ]

@@ -32,10 +32,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..batch import to_device
+from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .distributed import broadcast_, world
 from .fitter import make_fitter
+from .objectives import ReportsTerms
 from .schedule import check_schedule, make_scheduler
 from .selection import Selection
 
@@ -48,6 +50,10 @@ class FitResult(NamedTuple):
     """What :func:`fit` returns.
 
     - **guide** - the fitted guide (the posterior).
+    - **state["terms"]** - for an objective that reports named terms
+      (:class:`~pyrobayes.infer.objectives.ReportsTerms`, e.g. ``L_K`` and the plain ``elbo`` of
+      the symmetrized ELBO): ``{name: Tensor}`` of their value at every step of this call (after
+      a resume: the steps since it); the progress bar shows their running averages.
     - **losses** - ``Tensor (num_steps,)``: the objective at every step (dataset-sum convention).
     - **state** - ``dict``: ``step``, ``epoch``, ``elapsed`` seconds, ``objective`` name, and
       the fitter's own running quantities (:meth:`Fitter.report`, e.g. IBDR's ``lam``).
@@ -344,6 +350,8 @@ def _run(
         desc=type(guide).__name__,
     )
     start = time.perf_counter()
+    reporter = fitter.objective if implements(fitter.objective, ReportsTerms) else None
+    terms: dict[str, list[float]] = {}
 
     def _checkpoint(epoch_end_done: bool) -> None:
         meta = {
@@ -390,6 +398,9 @@ def _run(
                             + (f"; the last checkpoint in {ckpt} is intact." if ckpt else ".")
                         ) from None
                     losses.append(value)
+                    if reporter is not None:
+                        for name, term in reporter.terms().items():
+                            terms.setdefault(name, []).append(float(term))
                     step += 1
                     in_epoch += 1
                     if sched is not None:
@@ -400,6 +411,13 @@ def _run(
                         avg = sum(window) / len(window)
                         extra = {k: f"{v:.3g}" for k, v in fitter.report().items()}
                         bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{avg:.4g}", **extra)
+                    if progress_bar and terms and step % max(1, (total or 100) // 20) == 0:
+                        width = max(1, len(losses) // 10)  # the loss's window
+                        shown = ", ".join(
+                            f"{name}={sum(v[-width:]) / len(v[-width:]):.4g}"
+                            for name, v in terms.items()
+                        )
+                        bar.set_postfix_str(f"{bar.postfix}, {shown}" if bar.postfix else shown)
                     if callback is not None:
                         callback(step, value)
                     if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
@@ -448,6 +466,8 @@ def _run(
         "fitter": type(fitter).__name__,
         **fitter.report(),
     }
+    if reporter is not None:
+        state["terms"] = {name: torch.tensor(v) for name, v in terms.items()}
     if selection is not None:
         state.update(best_epoch=best_epoch, validation=selection.history)
     return FitResult(guide, torch.tensor(losses), state)

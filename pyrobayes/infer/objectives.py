@@ -35,6 +35,8 @@ __all__ = [
     "PyroObjective",
     "PyroSurrogateObjective",
     "make_objective",
+    "register_objective",
+    "ReportsTerms",
     "scaled_log_likelihood",
 ]
 
@@ -51,6 +53,28 @@ class SurrogateObjective(Protocol):
     ``loss_and_grads(model, guide, batch) -> float`` leaves the gradients in ``.grad``."""
 
     def loss_and_grads(self, model: Any, guide: Any, batch: Any) -> float: ...
+
+
+@runtime_checkable
+class ReportsTerms(Protocol):
+    """An objective that reports named values of its last evaluation besides the loss (e.g. the
+    symmetrized ELBO reports ``L_K``, the plain ``elbo`` and ``I_K``): :func:`pyrobayes.fit`
+    averages them into ``FitResult.state["terms"]`` and shows them on the progress bar."""
+
+    def terms(self) -> dict[str, Tensor]: ...
+
+
+#: named objectives beyond ``"elbo"`` and ``"map"`` (a family's ``default_objective`` may name
+#: one); each maps to a factory of no arguments
+OBJECTIVES: dict[str, Any] = {}
+
+
+def register_objective(name: str, factory: Any) -> Any:
+    """Register an objective factory under ``name`` (``KeyError`` on a collision)."""
+    if name in ("elbo", "map") or (name in OBJECTIVES and OBJECTIVES[name] is not factory):
+        raise KeyError(f"Objective name {name!r} is already registered.")
+    OBJECTIVES[name] = factory
+    return factory
 
 
 def _float_tensors(obj: Any, name: str) -> list[tuple[str, Tensor]]:
@@ -232,10 +256,14 @@ def make_objective(spec: Any) -> Any:
     Parameters
     ----------
     spec : str, pyro.infer.ELBO or object
-        ``"elbo"`` or ``"map"``; any ``pyro.infer.ELBO`` instance (with a differentiable loss,
-        or one whose ``loss_and_grads`` back-propagates a surrogate); an object with
-        ``loss(model, guide, batch)`` or ``loss_and_grads(model, guide, batch)``.
+        ``"elbo"``, ``"map"`` or a name of :func:`register_objective`; any ``pyro.infer.ELBO``
+        instance (with a differentiable loss, or one whose ``loss_and_grads`` back-propagates a
+        surrogate; one with a ``batched_objective()`` method runs as that objective); an object
+        with ``loss(model, guide, batch)`` or ``loss_and_grads(model, guide, batch)``.
     """
+    batched = getattr(spec, "batched_objective", None)
+    if isinstance(spec, pyro.infer.ELBO) and callable(batched):
+        return batched()  # a Pyro ELBO with an equivalent objective on the batched path
     if isinstance(spec, pyro.infer.ELBO):
         if isinstance(spec, pyro.infer.TraceTailAdaptive_ELBO):
             raise ValueError(
@@ -247,7 +275,7 @@ def make_objective(spec: Any) -> Any:
             return PyroObjective(spec)
         return PyroSurrogateObjective(spec)
     if isinstance(spec, str):
-        table = {"elbo": ELBO, "map": MAP}
+        table = {"elbo": ELBO, "map": MAP, **OBJECTIVES}
         if spec not in table:
             raise ValueError(
                 f"Unknown objective {spec!r}; expected one of {sorted(table)}, a "

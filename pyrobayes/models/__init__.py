@@ -11,6 +11,7 @@ from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 from .likelihoods import Categorical, Gaussian, Likelihood, MultipleChoice
 from .multiple_choice import encode_multiple_choice
+from .permutation import PermutationSpec, UnitLayer
 from .signorm import SigmaNorm, SigmaNormEnsemble
 
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "signorm",
     "SigmaNorm",
     "SigmaNormEnsemble",
+    "PermutationSpec",
+    "UnitLayer",
 ]

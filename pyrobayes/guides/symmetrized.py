@@ -1,0 +1,283 @@
+r"""Permutation-invariant (symmetrized) posterior: ``q_G(θ) = (1/|G|) Σ_{g∈G} q(g⁻¹·θ)``.
+
+Weight-space permutations (hidden units of an MLP, the rank axis of LoRA) leave the network's
+function and an iid prior unchanged, so the posterior has ``|G|`` equivalent modes. A unimodal
+``q`` cannot cover them and mode-seeking VI is pulled toward symmetric, under-used regions where
+the copies overlap. The symmetrized family ``q_G`` (the law of ``g·θ₀``, ``θ₀ ~ q``,
+``g ~ Unif(G)``) has (Gelberg et al., 2024, "Variational Inference Failures Under Model
+Symmetries", Sec. 4)
+
+.. math::
+
+    \mathrm{ELBO}(q_G) = \mathrm{ELBO}(q) + I(g; θ),\qquad I(g;θ) = \mathrm{KL}(q\,\|\,q_G),
+
+estimated by InfoNCE over K group elements (the identity and K − 1 uniform draws ``h_k``)
+
+.. math::
+
+    I_K = \mathbb E\Big[\log q(θ_0) - \log\tfrac1K\textstyle\sum_{k=1}^{K} q(h_k·θ_0)\Big]
+    \le \min(I, \log K).
+
+The predictive of ``q_G`` equals ``q``'s (``f(x; g·θ) = f(x; θ)``), so this guide samples,
+predicts, reports ``log_prob`` and saves as its base ``q``; only the objective changes
+(:class:`pyrobayes.infer.symmetrized.SymmetrizedELBO`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+
+from ..contract import AnalyticKL, implements
+from ..models.adapters import check_int
+from ..models.permutation import PermutationSpec
+from ..registry import get_guide_class
+from .base import PosteriorGuide
+from .meanfield import MeanFieldGuide
+
+__all__ = ["SymmetrizedGuide"]
+
+
+class SymmetrizedGuide(PosteriorGuide):
+    r"""A base posterior ``q`` symmetrized over the model's unit permutations.
+
+    .. math:: q_G(θ) = \frac1{|G|}\sum_{g∈G} q(g^{-1}·θ),\qquad
+              G = S_{n_1}×…×S_{n_H}\ \text{(hidden units, LoRA rank axes)}
+
+    Fitted by default with :class:`~pyrobayes.infer.symmetrized.SymmetrizedELBO`:
+    ``L_K = E_q log p(D|θ) − KL(q‖p) + I_K`` (the base's analytic KL when it has one).
+
+    Parameters
+    ----------
+    model : FineTuneModel
+        With a permutation symmetry (:meth:`PermutationSpec.from_model`): LoRA factors or a
+        latent MLP (``latent_modules=[...]``). LoRA-XS cores have none.
+    base : str
+        The family of ``q``: one fitted by the reparameterized ELBO whose ``log_prob`` is
+        tractable (``"meanfield"``). Point masses (``"map"``), post-hoc families (``"swag"``,
+        ``"laplace"``) and families with their own natural-gradient fitter (``"ivon"``,
+        ``"kron-ivon"``: Gaussian ``log_prob``, but their update takes no extra loss term) are
+        refused.
+    num_permutations : int
+        K ≥ 1, group elements per draw (K = 1: the base ELBO exactly). Default 16.
+    **base_options
+        The base family's options (e.g. ``init_scale=0.01``).
+
+    Examples
+    --------
+    >>> guide = pb.posterior(model, "symmetrized", base="meanfield", num_permutations=16)  # doctest: +SKIP
+    >>> pb.fit(model, guide, loader, epochs=10).state["terms"]          # doctest: +SKIP
+    """
+
+    family = "symmetrized"
+    default_objective = "symmetrized-elbo"
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        base: str = "meanfield",
+        num_permutations: int = 16,
+        **base_options: Any,
+    ) -> None:
+        owner = f"{type(self).__name__}: "
+        num_permutations = check_int("num_permutations", num_permutations, ge=1, owner=owner)
+        if not isinstance(base, str):
+            raise TypeError(f"{owner}base must be a family name such as 'meanfield'; got {base!r}.")
+        base_cls = get_guide_class(base)
+        _check_base(base_cls, base)
+        super().__init__(model)
+        try:  # the base's options first: a misspelt one is named before the spec is built
+            base_guide = base_cls(model, **base_options)
+        except TypeError as err:
+            raise TypeError(
+                f"{type(self).__name__}(base={base!r}): {err} {type(self).__name__}'s own "
+                "options: base, num_permutations."
+            ) from None
+        self.base = base_guide
+        self.base_family = str(getattr(base_cls, "family", base))
+        self.num_permutations = num_permutations
+        self.spec = PermutationSpec.from_model(model)
+        self.sites = dict(base_guide.sites)
+        missing = sorted(self.spec.sites - set(self.sites))
+        if missing:
+            raise RuntimeError(f"Permuted sites {missing[:3]} are not latent; please report.")
+
+    def _setup_sites(self, inits: Mapping[str, Tensor]) -> None:
+        # the base allocates the parameters; the sites are copied from it in __init__
+        pass
+
+    def config(self) -> dict[str, Any]:
+        """``{"base", "num_permutations", **base.config()}``: rebuilds the wrapper and its base."""
+        return {
+            "base": self.base_family,
+            "num_permutations": self.num_permutations,
+            **self.base.config(),
+        }
+
+    # ------------------------------------------------------------------ as the base
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        return self.base(*args, **kwargs)
+
+    def get_posterior(self, site: str) -> dist.TorchDistribution:
+        """The base q's marginal over ``site`` (draws come from q; q_G predicts the same)."""
+        return self.base.get_posterior(site)
+
+    def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
+        return self.base.rsample(num_samples)
+
+    def sample_posterior(
+        self, num_samples: int, *, generator: torch.Generator | None = None
+    ) -> dict[str, Tensor]:
+        return self.base.sample_posterior(num_samples, generator=generator)
+
+    def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
+        """``log q(θ_s)`` of the base, the density of this guide's draws (for importance
+        weights); :meth:`symmetrized_log_prob` gives ``log q_G``."""
+        return self.base.log_prob(values)
+
+    def mean(self) -> dict[str, Tensor]:
+        return self.base.mean()
+
+    def median(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        return self.base.median(*args, **kwargs)
+
+    def validation_values(self) -> dict[str, Tensor]:
+        return self.base.validation_values()
+
+    def loc(self, site: str) -> Tensor:
+        return self.base.loc(site)
+
+    def loc_param(self, site: str) -> Tensor:
+        return self.base.loc_param(site)
+
+    def num_posterior_parameters(self) -> int:
+        return self.base.num_posterior_parameters()
+
+    # ------------------------------------------------------------------ AnalyticKL (the base's)
+    def kl_to_prior(self, model: Any) -> Tensor:
+        """The base's ``KL(q ‖ p)`` (``NotImplementedError`` when it has no closed form)."""
+        if not implements(self.base, AnalyticKL):
+            raise NotImplementedError(f"{type(self.base).__name__} has no closed-form KL.")
+        return self.base.kl_to_prior(model)
+
+    def rsample_with_kl(self, num_samples: int, model: Any) -> tuple[dict[str, Tensor], Tensor]:
+        """The base's ``(rsample(num_samples), kl_to_prior(model))``."""
+        if not implements(self.base, AnalyticKL):
+            raise NotImplementedError(f"{type(self.base).__name__} has no closed-form KL.")
+        return self.base.rsample_with_kl(num_samples, model)
+
+    # ------------------------------------------------------------------ the symmetrization
+    def permuted_log_prob(self, values: Mapping[str, Tensor], perms: list[Tensor]) -> Tensor:
+        r"""``log q(h_k·θ_s)`` for draws ``values[site]: (S, *shape)`` → ``(S, K)``.
+
+        One vectorised pass over the K group elements ``perms`` (per unit layer ``(K, n_l)``).
+        For a mean-field base the parameters are permuted instead of the draws,
+        ``log q(h·θ) = log N(θ; h⁻¹·μ, diag(h⁻¹·σ²))``, which sums the same terms in the same
+        order for every k (bit-identical terms when q is invariant); otherwise the base's
+        ``log_prob`` is evaluated at the S·K permuted draws.
+        """
+        num = int(perms[0].shape[0])
+        if isinstance(self.base, MeanFieldGuide) and self.base._plain_normal():
+            inverse = self.spec.inverse(perms)
+            total = None
+            for site in self.sites:
+                loc, scale = self.base._loc_scale(site)
+                v = values[site].unsqueeze(1)  # (S, 1, *shape)
+                if site in self.spec.sites:
+                    loc = self.spec.act_on_params(loc, site, inverse)  # (K, *shape)
+                    scale = self.spec.act_on_params(scale, site, inverse)
+                z = (v - loc) / scale
+                lp = -0.5 * z.square() - scale.log() - 0.5 * math.log(2 * math.pi)
+                lp = lp.flatten(2).sum(-1) if lp.dim() > 2 else lp
+                lp = lp.expand(v.shape[0], num)
+                total = lp if total is None else total + lp
+            assert total is not None
+            return total
+        moved = self.spec.act(values, perms)  # (S, K, *shape)
+        num_draws = next(iter(moved.values())).shape[0]
+        flat = {s: v.reshape(num_draws * num, *v.shape[2:]) for s, v in moved.items()}
+        return self.base.log_prob(flat).reshape(num_draws, num)
+
+    def infonce(
+        self,
+        values: Mapping[str, Tensor],
+        num_permutations: int | None = None,
+        *,
+        perms: list[Tensor] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        r"""The InfoNCE estimate of ``I(g; θ)`` per draw ``(S,)``.
+
+        .. math:: I_K(θ_0) = \log q(θ_0) - \log\tfrac1K\textstyle\sum_{k=1}^K q(h_k·θ_0),
+                  \quad h_1 = \mathrm{id},\ h_{2..K} \sim \mathrm{Unif}(G)
+
+        ``I_K(θ₀) ≤ log K`` for every draw; ``E[I_K] ≥ 0`` (Jensen: ``E[q(h·θ₀)/q(θ₀)] = 1``)
+        and ``E[I_K] ≤ min(I, log K)``. Passing every element of G as ``perms`` (the identity
+        first) gives the exact integrand of ``I = KL(q ‖ q_G)``.
+
+        Parameters
+        ----------
+        values : dict
+            Draws ``{site: (S, *shape)}`` of q (differentiable: the reparameterized ``θ₀``).
+        num_permutations : int, optional
+            K; default the guide's.
+        perms : list of Tensor, optional
+            The K group elements (per layer ``(K, n_l)``) instead of the identity and K − 1
+            uniform draws.
+        generator : torch.Generator, optional
+            Source of the uniform draws.
+        """
+        device = next(iter(values.values())).device
+        if perms is None:
+            num = self.num_permutations if num_permutations is None else int(num_permutations)
+            if num == 1:
+                first = values[next(iter(self.sites))]
+                return first.new_zeros(first.shape[0])
+            drawn = self.spec.sample(num - 1, device=device, generator=generator)
+            perms = [
+                torch.cat([i, d]) for i, d in zip(self.spec.identity(device), drawn, strict=True)
+            ]
+        num = int(perms[0].shape[0])
+        lq = self.permuted_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
+        diff = lq - lq[:, :1]
+        top = diff.max(dim=1, keepdim=True).values.detach().clamp_min(0)
+        # −log mean_k exp(diff_k): exactly 0 when every term equals log q(θ₀)
+        return -(top.squeeze(1) + (diff - top).exp().sum(1).div(num).log())
+
+    def symmetrized_log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
+        r"""``log q_G(θ_s) = logsumexp_g log q(g·θ_s) − log|G|`` by enumerating G (tiny groups)."""
+        device = next(iter(values.values())).device
+        lq = self.permuted_log_prob(values, self.spec.enumerate(device))
+        return torch.logsumexp(lq, dim=1) - self.spec.log_order
+
+
+def _check_base(base_cls: type, name: str) -> None:
+    """Refuse a base whose fitting or density does not fit the symmetrized ELBO."""
+    if base_cls is SymmetrizedGuide:
+        raise ValueError(
+            "SymmetrizedGuide(base='symmetrized'): a base cannot itself be symmetrized."
+        )
+    why = None
+    fitter = getattr(base_cls, "default_fitter", "svi")
+    objective = getattr(base_cls, "default_objective", "elbo")
+    if getattr(base_cls, "is_deterministic", False):
+        why = "a point mass has no density to symmetrize"
+    elif fitter != "svi":
+        why = (
+            f"it is fitted by its own {fitter!r} fitter, whose update takes no "
+            "extra loss term (its log_prob is tractable, but I_K could not be trained)"
+        )
+    elif objective != "elbo":
+        why = f"it is fitted with the {objective!r} objective, not an ELBO"
+    if why is not None:
+        raise ValueError(
+            f"SymmetrizedGuide(base={name!r}): {base_cls.__name__} cannot be a base: {why}. Use a "
+            "family fitted by the reparameterized ELBO with a tractable log_prob, e.g. "
+            "base='meanfield'."
+        )

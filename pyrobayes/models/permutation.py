@@ -1,0 +1,398 @@
+r"""The permutation symmetry group of a model's latent sites.
+
+Permuting the hidden units of an MLP (rows of ``W_l`` and entries of ``b_l``, the matching columns
+of ``W_{l+1}``) leaves its function unchanged, and so does permuting the rank axis of a LoRA update
+(rows of ``A`` with the columns of ``B``: ``B A = (B Pᵀ)(P A)``). With a prior that is invariant
+too (iid per layer), the posterior is invariant: ``p(g·θ | D) = p(θ | D)`` for every ``g`` in
+``G = S_{n_1} × … × S_{n_H}`` (Gelberg et al., 2024, Sec. 3).
+
+A :class:`PermutationSpec` lists, for each group factor ("unit layer") of size ``n_l``, the
+``(site, axis)`` pairs one permutation of ``n_l`` elements acts on. A group element is a list of
+index tensors, one per unit layer; ``(h·θ)[site] = θ[site].index_select(axis, h_l)`` on every
+member ``(site, axis)`` of layer ``l``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import permutations as all_orderings
+from itertools import product
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["UnitLayer", "PermutationSpec"]
+
+#: modules that act unit-wise (elementwise) on their input: they commute with a unit permutation
+_UNITWISE = (
+    nn.Identity,
+    nn.Dropout,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softplus,
+    nn.Softsign,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.LogSigmoid,
+    nn.Tanhshrink,
+)
+
+
+@dataclass(frozen=True)
+class UnitLayer:
+    """One factor ``S_n`` of the group: ``size`` units and the ``(site, axis)`` pairs it permutes.
+
+    Attributes
+    ----------
+    name : str
+        A readable name (the module path of the layer whose outputs are the units, or
+        ``"<path>.rank"`` for a LoRA rank axis).
+    size : int
+        n, the number of units.
+    members : tuple of (str, int)
+        ``(site, axis)``: the axis of the site's tensor (no sample axis) indexed by the units.
+    """
+
+    name: str
+    size: int
+    members: tuple[tuple[str, int], ...]
+
+
+class PermutationSpec:
+    r"""The group ``G = S_{n_1} × … × S_{n_H}`` acting on a model's latent sites.
+
+    Parameters
+    ----------
+    layers : sequence of UnitLayer
+        The group factors. Build it from a model with :meth:`from_model`.
+
+    Attributes
+    ----------
+    layers : tuple of UnitLayer
+    """
+
+    def __init__(self, layers: Sequence[UnitLayer]) -> None:
+        if not layers:
+            raise ValueError("A PermutationSpec needs at least one unit layer.")
+        for layer in layers:
+            if layer.size < 1 or not layer.members:
+                raise ValueError(f"Unit layer {layer.name!r} has no units or no members.")
+        self.layers = tuple(layers)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{u.name}: {u.size}" for u in self.layers)
+        return f"PermutationSpec({parts}; |G| = {self.order})"
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_model(cls, model: Any) -> PermutationSpec:
+        r"""The unit-permutation group of a :class:`~pyrobayes.models.FineTuneModel`.
+
+        Two kinds of symmetry are found:
+
+        * **whole-layer latent MLPs** (``latent_modules=[...]``): two latent ``nn.Linear``
+          modules that follow each other in one ``nn.Sequential``, with only unit-wise modules
+          (activations, dropout) or a parameter-free / constant-affine ``nn.LayerNorm`` between
+          them, make the outputs of the first hidden units: rows of its ``weight`` and ``bias``,
+          columns of the next ``weight``. The network's input and output units are never
+          permuted;
+        * **LoRA rank axes**: rows of ``lora_A`` with the columns of ``lora_B`` of every adapted
+          layer.
+
+        Raises
+        ------
+        ValueError
+            When the model has no such symmetry (LoRA-XS cores sit between fixed bases and have
+            none: use ``LoRA(rank=r)``), when a norm layer between hidden layers has per-unit
+            parameters that are trained or not constant, or when the prior is not invariant.
+        TypeError
+            When ``model`` has no ``latent_sites`` (not a ``FineTuneModel``).
+        """
+        specs = getattr(model, "latent_sites", None)
+        net = getattr(model, "net", None)
+        if not specs or net is None:
+            raise TypeError(
+                f"PermutationSpec.from_model needs a FineTuneModel (its latent sites name the "
+                f"permutation symmetry); got {type(model).__name__}."
+            )
+        layers = _lora_rank_layers(specs) + _mlp_unit_layers(model, net, specs)
+        if not layers:
+            cores = [s for s, spec in specs.items() if spec.kind == "core"]
+            if cores:
+                raise ValueError(
+                    f"The model's latent sites are LoRA-XS cores ({cores[:3]}...), which sit "
+                    "between fixed SVD bases: permuting the core's rows and columns changes the "
+                    "function, so there is no permutation symmetry to symmetrize over. Use "
+                    "LoRA(rank=r, target_modules=...) (its rank axis is a symmetry), or make whole "
+                    "layers latent with latent_modules=[...]."
+                )
+            raise ValueError(
+                "The model has no permutation symmetry over its latent sites: none are LoRA "
+                "factors, and no two latent nn.Linear modules follow each other in an "
+                "nn.Sequential (with only activations, dropout or a LayerNorm between them)."
+            )
+        spec = cls(layers)
+        spec.check_prior(model)
+        return spec
+
+    # ------------------------------------------------------------------ the group
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """``(n_1, …, n_H)``."""
+        return tuple(u.size for u in self.layers)
+
+    @property
+    def order(self) -> int:
+        """``|G| = Π_l n_l!``."""
+        return math.prod(math.factorial(n) for n in self.sizes)
+
+    @property
+    def log_order(self) -> float:
+        """``log |G| = Σ_l log n_l!`` (the largest value of the mutual information ``I(g; θ)``)."""
+        return sum(math.lgamma(n + 1) for n in self.sizes)
+
+    @property
+    def sites(self) -> set[str]:
+        """The sites some unit layer acts on."""
+        return {site for u in self.layers for site, _ in u.members}
+
+    def identity(self, device: torch.device | None = None) -> list[Tensor]:
+        """The identity element: ``arange(n_l)`` per layer, each ``(1, n_l)``."""
+        return [torch.arange(n, device=device).unsqueeze(0) for n in self.sizes]
+
+    def sample(
+        self,
+        num: int,
+        *,
+        device: torch.device | None = None,
+        generator: torch.Generator | None = None,
+    ) -> list[Tensor]:
+        """``num`` uniform draws from G: per layer an index tensor ``(num, n_l)``.
+
+        One ``argsort`` of uniform noise per layer (a uniform permutation per row), no loop over
+        the draws.
+        """
+        out = []
+        for n in self.sizes:
+            noise = torch.rand(num, n, generator=generator, device=device)
+            out.append(noise.argsort(dim=-1))
+        return out
+
+    def enumerate(self, device: torch.device | None = None) -> list[Tensor]:
+        """Every element of G, the identity first: per layer ``(|G|, n_l)``.
+
+        Raises
+        ------
+        ValueError
+            When ``|G|`` exceeds 10⁶ (enumeration is for tiny networks).
+        """
+        if self.order > 10**6:
+            raise ValueError(f"|G| = {self.order} is too large to enumerate (limit 10^6).")
+        per_layer = [list(all_orderings(range(n))) for n in self.sizes]
+        rows = list(product(*per_layer))  # the identity (sorted orderings) comes first
+        return [
+            torch.tensor([row[i] for row in rows], dtype=torch.long, device=device)
+            for i in range(len(self.sizes))
+        ]
+
+    def inverse(self, perms: Sequence[Tensor]) -> list[Tensor]:
+        """The inverse elements: ``argsort`` of each index tensor."""
+        return [p.argsort(dim=-1) for p in perms]
+
+    # ------------------------------------------------------------------ the action
+    def act(self, values: Mapping[str, Tensor], perms: Sequence[Tensor]) -> dict[str, Tensor]:
+        r"""``h_k·θ`` for every element ``h_k`` in ``perms`` and every draw of ``values``.
+
+        Parameters
+        ----------
+        values : dict
+            ``{site: (S, *shape)}``; sites no layer acts on are passed through (expanded).
+        perms : list of Tensor
+            Per unit layer an index tensor ``(K, n_l)`` (K elements of G).
+
+        Returns
+        -------
+        dict
+            ``{site: (S, K, *shape)}`` with ``[s, k] = h_k·θ_s``: one ``torch.gather`` per
+            ``(site, axis)`` member, no loop over the K elements.
+        """
+        if len(perms) != len(self.layers):
+            raise ValueError(f"Expected {len(self.layers)} index tensors but got {len(perms)}.")
+        num = int(perms[0].shape[0])
+        out = {}
+        for site, v in values.items():
+            out[site] = v.unsqueeze(1).expand(v.shape[0], num, *v.shape[1:])
+        for layer, perm in zip(self.layers, perms, strict=True):
+            for site, axis in layer.members:
+                if site not in out:
+                    continue
+                out[site] = _gather(out[site], perm, axis + 2, lead=1)
+        return out
+
+    def act_on_params(self, param: Tensor, site: str, perms: Sequence[Tensor]) -> Tensor:
+        """``h_k·param`` for one per-site tensor without a sample axis → ``(K, *shape)``."""
+        num = int(perms[0].shape[0])
+        out = param.unsqueeze(0).expand(num, *param.shape)
+        for layer, perm in zip(self.layers, perms, strict=True):
+            for member, axis in layer.members:
+                if member == site:
+                    out = _gather(out, perm, axis + 1, lead=0)
+        return out
+
+    # ------------------------------------------------------------------ checks
+    def check_prior(self, model: Any, *, num_checks: int = 3, rtol: float = 1e-5) -> None:
+        r"""Raise ``ValueError`` unless ``log p(h·θ) = log p(θ)`` for random ``θ ~ p`` and ``h``.
+
+        The symmetrized family targets an invariant posterior; a prior that treats units
+        differently (per-unit scales) breaks that (Gelberg et al., 2024, Sec. 3).
+        """
+        sites = sorted(self.sites)
+        priors = {s: model.site_prior(s) for s in sites}
+        with torch.no_grad():
+            theta = {s: priors[s].sample((1,)) for s in sites}
+            device = next(iter(theta.values())).device
+            perms = self.sample(num_checks, device=device)
+            moved = self.act(theta, perms)
+            for s in sites:
+                before = priors[s].log_prob(theta[s][0])
+                after = priors[s].log_prob(moved[s][0])
+                gap = float((after - before).abs().max())
+                if not gap <= rtol * max(1.0, float(before.abs())):
+                    raise ValueError(
+                        f"The prior of site {s!r} is not invariant under the unit permutations "
+                        f"(log p changes by {gap:.3g}): the symmetrized posterior needs a "
+                        "permutation-invariant prior, e.g. iid N(0, s²) per layer (the "
+                        "FineTuneModel prior). Per-unit prior scales break the symmetry."
+                    )
+
+    def check_function(
+        self,
+        model: Any,
+        inputs: Any,
+        values: Mapping[str, Tensor],
+        *,
+        num_checks: int = 2,
+        atol: float = 1e-5,
+    ) -> float:
+        """The largest ``|f(x; h·θ) − f(x; θ)|`` over ``num_checks`` random ``h``; raises above
+        ``atol`` (a check of a hand-written spec)."""
+        perms = self.sample(num_checks, device=next(iter(values.values())).device)
+        moved = self.act({s: v.unsqueeze(0) for s, v in values.items()}, perms)
+        with torch.no_grad():
+            ref = model.output(inputs, values)
+            worst = 0.0
+            for k in range(num_checks):
+                out = model.output(inputs, {s: v[0, k] for s, v in moved.items()})
+                worst = max(worst, float((out - ref).abs().max()))
+        if worst > atol:
+            raise ValueError(
+                f"The network's output changes by {worst:.3g} under a unit permutation: the "
+                "spec does not describe a symmetry of this model."
+            )
+        return worst
+
+
+def _gather(x: Tensor, perm: Tensor, dim: int, *, lead: int) -> Tensor:
+    """``x`` re-indexed along ``dim`` by ``perm`` `(K, n)`, the K axis of ``x`` at ``lead``."""
+    shape = [1] * x.dim()
+    shape[lead] = perm.shape[0]
+    shape[dim] = perm.shape[1]
+    index = perm.reshape(shape).expand(*x.shape[:dim], perm.shape[1], *x.shape[dim + 1 :])
+    return torch.gather(x, dim, index)
+
+
+def _lora_rank_layers(specs: Mapping[str, Any]) -> list[UnitLayer]:
+    """One unit layer per LoRA-adapted module: rows of ``lora_A`` and columns of ``lora_B``."""
+    by_path: dict[str, dict[str, Any]] = {}
+    for site, spec in specs.items():
+        if spec.kind in ("lora_A", "lora_B"):
+            by_path.setdefault(spec.module_path, {})[spec.kind] = (site, spec)
+    layers = []
+    for path, roles in by_path.items():
+        if set(roles) != {"lora_A", "lora_B"}:
+            continue
+        (a_site, a_spec), (b_site, b_spec) = roles["lora_A"], roles["lora_B"]
+        rank = int(a_spec.shape[0])
+        if int(b_spec.shape[1]) != rank:
+            raise RuntimeError(f"LoRA factors of {path!r} disagree on the rank; please report.")
+        layers.append(UnitLayer(f"{path}.rank", rank, ((a_site, 0), (b_site, 1))))
+    return layers
+
+
+def _mlp_unit_layers(model: Any, net: nn.Module, specs: Mapping[str, Any]) -> list[UnitLayer]:
+    """The hidden units between consecutive latent ``nn.Linear`` modules of an ``nn.Sequential``."""
+    latent: dict[str, dict[str, str]] = {}
+    for site, spec in specs.items():
+        if spec.kind in ("weight", "bias"):
+            latent.setdefault(spec.module_path, {})[spec.kind] = site
+    point_ids = {id(p) for p in getattr(model, "point_params", {}).values()}
+    layers = []
+    for parent_path, parent in net.named_modules():
+        if not isinstance(parent, nn.Sequential):
+            continue
+        children = list(parent.named_children())
+        for i, (name, module) in enumerate(children):
+            path = f"{parent_path}.{name}" if parent_path else name
+            if path not in latent or not isinstance(module, nn.Linear):
+                continue
+            width = int(module.out_features)
+            between: list[tuple[str, nn.Module]] = []
+            successor = None
+            for other_name, other in children[i + 1 :]:
+                other_path = f"{parent_path}.{other_name}" if parent_path else other_name
+                if other_path in latent and isinstance(other, nn.Linear):
+                    successor = (other_path, other)
+                    break
+                between.append((other_path, other))
+            if successor is None or int(successor[1].in_features) != width:
+                continue
+            if not all(_unitwise(m, width, point_ids, p) for p, m in between):
+                continue
+            members = [(latent[path]["weight"], 0)]
+            if "bias" in latent[path]:
+                members.append((latent[path]["bias"], 0))
+            members.append((latent[successor[0]]["weight"], 1))
+            layers.append(UnitLayer(path, width, tuple(members)))
+    return layers
+
+
+def _unitwise(module: nn.Module, width: int, point_ids: set[int], path: str) -> bool:
+    """Whether ``module`` commutes with a permutation of its ``width`` input units.
+
+    Raises ``ValueError`` for a LayerNorm whose per-unit affine parameters break the symmetry.
+    """
+    if isinstance(module, _UNITWISE):
+        return True
+    if isinstance(module, nn.LayerNorm) and tuple(module.normalized_shape) == (width,):
+        for role in ("weight", "bias"):
+            p = getattr(module, role, None)
+            if p is None:
+                continue
+            if id(p) in point_ids:
+                raise ValueError(
+                    f"The LayerNorm {path!r} between two latent layers has its {role} "
+                    "point-estimated (trainable_modules): trained per-unit parameters break "
+                    "the permutation symmetry. Leave it out of trainable_modules, or use "
+                    "nn.LayerNorm(..., elementwise_affine=False)."
+                )
+            if not bool((p == p.reshape(-1)[0]).all()):
+                raise ValueError(
+                    f"The LayerNorm {path!r} between two latent layers has a {role} that "
+                    "differs between units: permuting the units changes the function. Use a "
+                    "constant (default) affine or elementwise_affine=False."
+                )
+        return True
+    return False

@@ -1,0 +1,121 @@
+"""The symmetrized ELBO: K = 1 is the base ELBO, Pyro's SVI and pb.fit agree on the same draws,
+and fit reports L_K, the plain ELBO and I_K."""
+
+from __future__ import annotations
+
+import pyro
+import pytest
+import torch
+from torch import nn
+
+import pyrobayes as pb
+from pyrobayes.infer import BatchedSymmetrizedELBO, SymmetrizedELBO
+from pyrobayes.infer.objectives import ELBO, make_objective
+from pyrobayes.models import FineTuneModel
+
+
+def _problem(num_data: int = 12):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = FineTuneModel(
+        net, None, latent_modules=["0", "2", "4"], num_data=num_data, trainable_modules=[]
+    ).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_data, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 2, (num_data,), generator=g)
+    return model, (x, y)
+
+
+def _guide(model, **kw):
+    pyro.clear_param_store()
+    guide = pb.posterior(model, "symmetrized", init_scale=0.3, **kw)
+    with torch.no_grad():  # a spread-out q so I_K is far from 0 and from log K
+        for site in guide.sites:
+            guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    return guide
+
+
+def test_k_one_is_the_base_elbo_exactly():
+    model, batch = _problem()
+    guide = _guide(model, num_permutations=1)
+    torch.manual_seed(3)
+    plain = ELBO().loss(model, guide, batch)
+    torch.manual_seed(3)
+    symmetrized = BatchedSymmetrizedELBO().loss(model, guide, batch)
+    assert torch.equal(plain, symmetrized)
+
+
+def test_the_default_objective_adds_i_k_to_the_same_draws():
+    """loss = −ELBO − I_K with the ELBO on the same θ₀ (the same RNG state)."""
+    model, batch = _problem()
+    guide = _guide(model, num_permutations=8)
+    objective = make_objective(guide.default_objective)
+    assert isinstance(objective, BatchedSymmetrizedELBO)
+    torch.manual_seed(4)
+    loss = objective.loss(model, guide, batch)
+    terms = objective.terms()
+    torch.manual_seed(4)
+    plain = ELBO().loss(model, guide, batch)
+    assert torch.allclose(terms["elbo"], -plain.detach(), rtol=1e-12, atol=0)
+    assert torch.allclose(loss.detach(), plain.detach() - terms["I_K"], rtol=1e-12, atol=0)
+    assert torch.allclose(terms["L_K"], terms["elbo"] + terms["I_K"], rtol=1e-12, atol=0)
+    assert 0 < float(terms["I_K"]) <= torch.log(torch.tensor(8.0)).item()
+
+
+def test_pyro_svi_and_pb_fit_give_the_same_loss_on_the_same_draws():
+    """Full batch (Pyro's plate then draws no subsample): Pyro's SVI step with SymmetrizedELBO
+    and pb.fit's first step use the same θ₀ and the same permutations; the losses agree to
+    float64 round-off of the two KL formulas (closed form vs kl_divergence)."""
+    model, batch = _problem()
+    guide = _guide(model, num_permutations=16)
+    state = {k: v.clone() for k, v in guide.state_dict().items()}
+    pyro.set_rng_seed(5)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.0}), SymmetrizedELBO())
+    svi_loss = svi.step(batch)
+    guide.load_state_dict(state)
+    result = pb.fit(model, guide, [batch], num_steps=1, lr=0.0, seed=5)
+    assert result.state["objective"] == "BatchedSymmetrizedELBO"
+    assert result.losses[0].item() == pytest.approx(svi_loss, rel=1e-10)
+    # and it is not the plain ELBO: I_K moved it
+    assert result.state["terms"]["I_K"][0].item() > 0.05
+
+
+def test_pyro_differentiable_loss_matches_the_batched_gradient():
+    model, batch = _problem()
+    guide = _guide(model, num_permutations=4)
+    params = list(guide.parameters())
+    pyro.set_rng_seed(6)
+    pyro_loss = SymmetrizedELBO().differentiable_loss(model, guide, batch)
+    pyro_grads = torch.autograd.grad(pyro_loss, params)
+    pyro.set_rng_seed(6)
+    loss = BatchedSymmetrizedELBO().loss(model, guide, batch)
+    grads = torch.autograd.grad(loss, params)
+    assert torch.allclose(pyro_loss, loss, rtol=1e-10, atol=0)
+    for a, b in zip(pyro_grads, grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_fit_reports_l_k_and_the_plain_elbo_and_trains():
+    model, batch = _problem()
+    guide = _guide(model, num_permutations=16)
+    result = pb.fit(model, guide, [batch], num_steps=30, lr=1e-2, seed=0, progress_bar=False)
+    terms = result.state["terms"]
+    assert set(terms) == {"L_K", "elbo", "I_K"}
+    assert all(t.shape == (30,) for t in terms.values())
+    assert torch.allclose(-terms["L_K"], result.losses.double(), rtol=1e-6, atol=0)
+    assert torch.allclose(terms["L_K"], terms["elbo"] + terms["I_K"], rtol=1e-9, atol=1e-9)
+    # Adam on −L_K: the last five steps' mean L_K is above the first five's
+    assert terms["L_K"][-5:].mean() > terms["L_K"][:5].mean()
+    # pb.fit(loss=SymmetrizedELBO(...)) runs the batched form with its K
+    objective = make_objective(SymmetrizedELBO(num_permutations=3, num_particles=2))
+    assert isinstance(objective, BatchedSymmetrizedELBO)
+    assert objective.num_permutations == 3 and objective.num_particles == 2
+
+
+def test_a_plain_guide_is_refused_by_name():
+    model, batch = _problem()
+    guide = pb.posterior(model, "meanfield")
+    with pytest.raises(TypeError, match="symmetrized guide.*MeanFieldGuide"):
+        BatchedSymmetrizedELBO().loss(model, guide, batch)
+    with pytest.raises(TypeError, match="symmetrized guide"):
+        SymmetrizedELBO().differentiable_loss(model, guide, batch)
