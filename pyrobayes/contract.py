@@ -209,6 +209,36 @@ class OnlineNewton(Protocol):
 
 
 @runtime_checkable
+class LinearizedPredictive(Protocol):
+    r"""A Gaussian posterior ``N(θ̂, Σ)`` whose predictive is that of the linearised network
+    (the GLM predictive; MacKay 1992, Immer et al. 2021, eq. 5):
+
+    .. math:: f_{\rm lin}(x; θ) = f(x; θ̂) + J(x)\,(θ - θ̂),\qquad J(x) = ∂f(x; θ)/∂θ\,|_{θ̂}.
+
+    :func:`pyrobayes.predict` evaluates it (:mod:`pyrobayes.linearized`) unless
+    ``pred_type == "nn"`` (then it samples the network at draws of q, as for every family).
+
+    Attributes
+    ----------
+    pred_type : {"glm", "probit", "nn"}
+        ``"glm"``: classification by Monte Carlo over ``softmax(f_lin(x; θ_s))``, ``θ_s ~ q``;
+        regression by the exact Gaussian ``N(f(x; θ̂), J Σ Jᵀ + σ²)``. ``"probit"``:
+        classification by the probit approximation ``softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``
+        (regression as ``"glm"``). ``"nn"``: sample the network.
+    """
+
+    pred_type: str
+
+    def linearization_point(self) -> dict[str, Tensor]:
+        """``θ̂`` per site (detached): where the network is linearised."""
+        ...
+
+    def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
+        """``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``."""
+        ...
+
+
+@runtime_checkable
 class Mixture(Protocol):
     r"""An equal-weight mixture ``q(θ) = (1/K) Σ_k q_k(θ)`` with ``q_k = N(μ_k, σ² I)`` (σ fixed,
     0 for point particles).
@@ -257,36 +287,6 @@ class Symmetrized(Protocol):
 
     def infonce(self, values: Mapping[str, Tensor], num_permutations: int | None = None) -> Tensor:
         """``I_K`` per draw ``(S,)``: ``log q(θ_s) − logsumexp_k log q(h_k·θ_s) + log K``."""
-        ...
-
-
-@runtime_checkable
-class LinearizedPredictive(Protocol):
-    r"""A Gaussian posterior ``N(θ̂, Σ)`` whose predictive is that of the linearised network
-    (the GLM predictive; MacKay 1992, Immer et al. 2021, eq. 5):
-
-    .. math:: f_{\rm lin}(x; θ) = f(x; θ̂) + J(x)\,(θ - θ̂),\qquad J(x) = ∂f(x; θ)/∂θ\,|_{θ̂}.
-
-    :func:`pyrobayes.predict` evaluates it (:mod:`pyrobayes.linearized`) unless
-    ``pred_type == "nn"`` (then it samples the network at draws of q, as for every family).
-
-    Attributes
-    ----------
-    pred_type : {"glm", "probit", "nn"}
-        ``"glm"``: classification by Monte Carlo over ``softmax(f_lin(x; θ_s))``, ``θ_s ~ q``;
-        regression by the exact Gaussian ``N(f(x; θ̂), J Σ Jᵀ + σ²)``. ``"probit"``:
-        classification by the probit approximation ``softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``
-        (regression as ``"glm"``). ``"nn"``: sample the network.
-    """
-
-    pred_type: str
-
-    def linearization_point(self) -> dict[str, Tensor]:
-        """``θ̂`` per site (detached): where the network is linearised."""
-        ...
-
-    def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
-        """``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``."""
         ...
 
 

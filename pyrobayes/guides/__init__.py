@@ -12,7 +12,6 @@ from .laplace import LaplaceGuide
 from .lowrank import SWAGGuide
 from .meanfield import MeanFieldGuide
 from .particles import IBDRGuide, ParticleGuide
-from .signorm import SigmaNormGuide
 from .symmetrized import SymmetrizedGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
@@ -21,17 +20,16 @@ register_guide("ivon", IVONGuide)
 register_guide("kron-ivon", KroneckerIVONGuide, aliases=("kron_ivon", "kronecker-ivon"))
 register_guide("swag", SWAGGuide, aliases=("b-lora-xs",))
 register_guide("laplace", LaplaceGuide, aliases=("l-lora-xs",))
-register_guide("ibdr", IBDRGuide, aliases=("particles",))
-register_guide("signorm", SigmaNormGuide, aliases=("sigma-norm", "sn-ens"))
 register_guide("symmetrized", SymmetrizedGuide, aliases=("permutation-invariant",))
+register_guide("ibdr", IBDRGuide, aliases=("particles",))
 
 __all__ = [
     "Posterior",
     "AnalyticKL",
     "PostHoc",
     "OnlineNewton",
-    "Mixture",
     "Symmetrized",
+    "Mixture",
     "PosteriorGuide",
     "SitewiseKL",
     "MeanFieldGuide",
@@ -40,8 +38,7 @@ __all__ = [
     "KroneckerIVONGuide",
     "SWAGGuide",
     "LaplaceGuide",
+    "SymmetrizedGuide",
     "ParticleGuide",
     "IBDRGuide",
-    "SigmaNormGuide",
-    "SymmetrizedGuide",
 ]

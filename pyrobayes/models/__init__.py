@@ -32,9 +32,9 @@ __all__ = [
     "to_peft",
     "deploy",
     "count_parameters",
+    "PermutationSpec",
+    "UnitLayer",
     "signorm",
     "SigmaNorm",
     "SigmaNormEnsemble",
-    "PermutationSpec",
-    "UnitLayer",
 ]
