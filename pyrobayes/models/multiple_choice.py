@@ -260,6 +260,11 @@ def encode_multiple_choice(
     rows: list[list[tuple[list[int], int]]] = []
     for b, (prompt, options) in enumerate(zip(prompts, lists, strict=True)):
         context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if not context:
+            raise ValueError(
+                f"encode_multiple_choice: prompt {b} encodes to no tokens and the tokenizer "
+                "adds no BOS token; a continuation needs a token before it."
+            )
         row = []
         for k, choice in enumerate(options):
             cont = list(tokenizer(delimiter + choice, add_special_tokens=False)["input_ids"])
@@ -276,11 +281,6 @@ def encode_multiple_choice(
                 raise ValueError(
                     f"encode_multiple_choice: choice {k} of prompt {b} does not fit in "
                     f"max_length={max_length} with a prompt token before it; raise max_length."
-                )
-            if not context:
-                raise ValueError(
-                    f"encode_multiple_choice: prompt {b} encodes to no tokens and the tokenizer "
-                    "adds no BOS token; a continuation needs a token before it."
                 )
             row.append((ids, num_cont))
         rows.append(row)

@@ -108,6 +108,13 @@ def test_encoding_truncates_the_prompt_from_the_left_and_refuses_bad_input():
     with pytest.raises(ValueError, match="answers"):
         encode_multiple_choice(tok, ["a"], ["x", "y"], answers=[0, 1])
 
+    class NoBos(CharTokenizer):
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [3 + ord(c) % 95 for c in text]}
+
+    with pytest.raises(ValueError, match="no BOS"):
+        encode_multiple_choice(NoBos(), [""], ["x", "y"])
+
 
 @pytest.mark.parametrize("arch", sorted(NETS))
 @pytest.mark.parametrize("side", ["left", "right"])
