@@ -256,16 +256,15 @@ class IBDRFitter(Fitter):
             all_reduce_grads_(params)
         self._check_grads()
         # the transport cost and the dual step
-        shift = step * float(norm)  # ‖θ' − θ‖ over all particles
+        shift = step * float(norm)  # ‖θ' − θ‖ over all particles (the same on every rank)
         if self.cost_kind == "function" and probs is not None and probs_adv is not None:
-            raw = float((probs_adv - probs).norm(dim=-1).mean())
+            distance = (probs_adv - probs).norm(dim=-1).mean().to(torch.float64).reshape(1)
+            if distributed:  # the mean over the union batch, then the same cost on every rank
+                all_reduce_mean_([distance])
+            raw = float(distance)
             cost = math.exp(max(0.0, raw - self.rho) / FUNCTION_COST_TEMPERATURE) * raw
         else:
             cost = shift**2 / mixture.num_components
-        if distributed:
-            buf = torch.tensor([cost], dtype=torch.float64, device=saved[0].device)
-            all_reduce_mean_([buf])
-            cost = float(buf)
         optim.step()
         lam_lr = self.lam_lr if self.lam_lr is not None else float(optim.param_groups[0]["lr"])
         self.lam = min(self.lam_max, max(self.lam_min, self.lam - lam_lr * (self.rho - cost)))
