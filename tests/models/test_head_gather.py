@@ -7,23 +7,22 @@ import pytest
 import torch
 
 import pyrobayes as pb
-from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
+from pyrobayes.models import FineTuneModel, LoRAXS, MultipleChoice
 from pyrobayes.models import likelihoods as likelihoods_module
 from pyrobayes.models.deploy import merged_network
 from pyrobayes.models.multiple_choice import encode_multiple_choice, head_positions_supported
 from tests import families
 from tests.common import tiny_llama
 from tests.models.test_multiple_choice import (
+    ADAPTERS,
     CHOICES,
-    EXCLUDED,
     FAMILIES,
+    NETS,
     PROMPTS,
+    TARGETS,
     CharTokenizer,
-    tiny_gpt2_lm,
+    causal_lm_problem,
 )
-
-NETS = {"llama": tiny_llama, "gpt2": tiny_gpt2_lm}
-TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 
 
 def _head_inputs(net):
@@ -80,26 +79,18 @@ def test_single_token_choices_read_one_position(arch, side, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", sorted(NETS))
-@pytest.mark.parametrize("adapter_name", ["lora-xs", "lora"])
+@pytest.mark.parametrize("adapter_name", sorted(ADAPTERS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gathered_head_equals_full_head_for_every_family(arch, adapter_name, family, monkeypatch):
-    if (family, adapter_name) in EXCLUDED:
-        pytest.skip(EXCLUDED[family, adapter_name])
-    torch.manual_seed(0)
-    net = families.net_for(family, NETS[arch]().eval())
-    adapter_cls = LoRAXS if adapter_name == "lora-xs" else LoRA
-    adapter = families.adapter_for(family, adapter_cls(rank=2, target_modules=TARGETS[arch]))
-    choices = [c + ["maybe", "none of these"] for c in CHOICES]
-    batch = encode_multiple_choice(
-        CharTokenizer(), PROMPTS, choices, answers=[0, 1, 4], padding_side="right"
-    )
-    model = FineTuneModel(
-        net,
-        adapter,
+    model, batch = causal_lm_problem(
+        family,
+        arch,
+        adapter_name,
         likelihood=MultipleChoice(normalize="length"),
-        trainable_modules=[],
-        num_data=3,
+        padding_side="right",
     )
+    net = model.net
+    hidden = net.config.hidden_size if hasattr(net.config, "hidden_size") else net.config.n_embd
     guide = families.posterior(model, family)
     pb.fit(model, guide, [batch], epochs=1, lr=1e-2)  # post-hoc families need their fit
     values = guide.sample_posterior(3, generator=torch.Generator().manual_seed(0))
@@ -112,14 +103,14 @@ def test_gathered_head_equals_full_head_for_every_family(arch, adapter_name, fam
     rows = next(iter(values.values())).shape[0] * 3 * 5
     longest = int(batch["continuation_mask"].sum(-1).max())
     # the head saw S·B·K rows at the longest continuation's positions, not every position
-    assert shapes == [(rows, longest, 32)]
+    assert shapes == [(rows, longest, hidden)]
     assert longest < batch["input_ids"].shape[-1]
     _full_head(monkeypatch)
     shapes, handle = _head_inputs(net)
     with torch.no_grad():
         full = model.batched_output(inputs, values)
     handle.remove()
-    assert shapes == [(rows, batch["input_ids"].shape[-1], 32)]
+    assert shapes == [(rows, batch["input_ids"].shape[-1], hidden)]
     torch.testing.assert_close(gathered, full, rtol=0, atol=1e-6)
 
 

@@ -197,37 +197,54 @@ def test_continuation_errors_name_the_fix():
         MultipleChoice([5, 6], normalize="length")
 
 
+TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 ADAPTERS = {
-    "lora-xs": lambda: LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
-    "lora": lambda: LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
+    "lora-xs": lambda targets: LoRAXS(rank=2, target_modules=targets),
+    "lora": lambda targets: LoRA(rank=2, target_modules=targets),
 }
 
-#: (family, adapter) pairs that cannot apply, and why.
+#: families whose registry-test network transform (tests/families.NETS) is written for the MLP
+#: problem (it appends a LayerNorm to an nn.Sequential): a causal LM is used as it is.
+MLP_ONLY_NETS = {"signorm"}
+
+#: (family, adapter or network) pairs that cannot apply, and why.
 EXCLUDED = {
     ("symmetrized", "lora-xs"): "LoRA-XS cores sit between fixed SVD bases: no rank permutation "
     "symmetry to symmetrize over (the family refuses them by design)",
+    ("signorm", "llama"): "σN turns LayerNorm / BatchNorm layers into member norms; LLaMA has "
+    "only RMSNorm (the family refuses it); it runs on GPT-2's LayerNorms",
 }
 
 
-def _mc_problem(family, adapter_name):
+def skip_excluded(family, *names):
+    for name in names:
+        if (family, name) in EXCLUDED:
+            pytest.skip(EXCLUDED[family, name])
+
+
+def causal_lm_problem(family, arch, adapter_name, likelihood="multiple_choice", **encode_kw):
+    """A tiny causal LM with ``family``'s adapter (and network) transform, and a batch of three
+    questions with five choices each (a family with K particles and a diversity term needs more
+    than K classes)."""
+    skip_excluded(family, arch, adapter_name)
     torch.manual_seed(0)
-    net = families.net_for(family, tiny_llama())
-    adapter = families.adapter_for(family, ADAPTERS[adapter_name]())
-    # five choices: a family with K particles and a diversity term needs more than K classes
+    net = NETS[arch]().eval()
+    if family not in MLP_ONLY_NETS:
+        net = families.net_for(family, net)
+    adapter = families.adapter_for(family, ADAPTERS[adapter_name](TARGETS[arch]))
     choices = [c + ["maybe", "none of these"] for c in CHOICES]
-    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, choices, answers=[0, 1, 4])
-    model = FineTuneModel(
-        net, adapter, likelihood="multiple_choice", trainable_modules=[], num_data=3
+    batch = encode_multiple_choice(
+        CharTokenizer(), PROMPTS, choices, answers=[0, 1, 4], **encode_kw
     )
+    model = FineTuneModel(net, adapter, likelihood=likelihood, trainable_modules=[], num_data=3)
     return model, batch
 
 
+@pytest.mark.parametrize("arch", sorted(NETS))
 @pytest.mark.parametrize("adapter_name", sorted(ADAPTERS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fit_and_predict_run_for_every_family(family, adapter_name):
-    if (family, adapter_name) in EXCLUDED:
-        pytest.skip(EXCLUDED[family, adapter_name])
-    model, batch = _mc_problem(family, adapter_name)
+def test_fit_and_predict_run_for_every_family(family, adapter_name, arch):
+    model, batch = causal_lm_problem(family, arch, adapter_name)
     guide = families.posterior(model, family)
     result = pb.fit(model, guide, [batch], epochs=2, lr=1e-2, progress_bar=False)
     assert all(math.isfinite(v) for v in result.losses)
