@@ -74,6 +74,13 @@ class Likelihood:
         """Likelihood parameters from the network's output on ``inputs`` (the batch as given)."""
         return output
 
+    def rows_per_output(self, inputs: Any) -> int | None:
+        """``K`` when each of an example's K outputs is computed from a network row of its own
+        (output k of example b from row ``b·K + k`` alone, e.g. one row per choice); ``None``
+        when outputs share rows (here). The linearised predictive then forms every output's
+        Jacobian in one backward pass."""
+        return None
+
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         raise NotImplementedError
 
@@ -453,6 +460,14 @@ class MultipleChoice(Likelihood):
         mask = inputs.get("attention_mask")
         last = last_positions(mask if isinstance(mask, Tensor) else None, rows, length, ids.device)
         return last.unsqueeze(-1), None, length
+
+    def rows_per_output(self, inputs: Any) -> int | None:
+        """``K`` for continuations (choice k of example b is scored on row ``b·K + k`` alone)."""
+        if self.continuations and isinstance(inputs, Mapping):
+            ids = inputs.get("input_ids")
+            if isinstance(ids, Tensor) and ids.dim() == 3:
+                return int(ids.shape[1])
+        return None
 
     def network_inputs(self, inputs: Any, net: nn.Module) -> Any:
         """``(B, K, L)`` rows flattened to ``(B·K, L)``, the scoring keys dropped, and the
