@@ -204,6 +204,35 @@ class SymmetrizedGuide(PosteriorGuide):
         flat = {s: v.reshape(num_draws * num, *v.shape[2:]) for s, v in moved.items()}
         return self.base.log_prob(flat).reshape(num_draws, num)
 
+    def _relative_log_prob(self, values: Mapping[str, Tensor], perms: list[Tensor]) -> Tensor:
+        """``log q(h_k·θ_s)`` up to a term that is the same for every element of G ``(S, K)``.
+
+        Mean-field: ``−½ Σ_p ((θ_p − (h⁻¹·μ)_p) (h⁻¹·σ⁻¹)_p)²`` over the permuted sites, μ and
+        1/σ gathered per site (``Σ log σ`` and the sites no unit layer acts on are the same for
+        every h and cancel in ``I_K``). Other bases: the full :meth:`permuted_log_prob`.
+        """
+        if not (isinstance(self.base, MeanFieldGuide) and self.base._plain_normal()):
+            return self.permuted_log_prob(values, perms)
+        inverse = self.spec.inverse(perms)
+        total = None
+        for site in self._permuted_sites():
+            loc, scale = self.base._loc_scale(site)
+            inv_scale = scale.reciprocal()
+            v = values[site].unsqueeze(1)  # (S, 1, *shape)
+            loc_k = self.spec.act_on_params(loc, site, inverse)  # (K, *shape), gathers of views
+            inv_k = self.spec.act_on_params(inv_scale, site, inverse)
+            sq = ((v - loc_k) * inv_k).square().flatten(2).sum(-1)  # (S, K)
+            total = sq if total is None else total + sq
+        assert total is not None
+        return -0.5 * total
+
+    def _permuted_sites(self) -> list[str]:
+        cached = self.__dict__.get("_permuted_cache")
+        if cached is None:
+            cached = [s for s in self.sites if s in self.spec.sites]
+            self.__dict__["_permuted_cache"] = cached
+        return cached
+
     def infonce(
         self,
         values: Mapping[str, Tensor],
@@ -244,7 +273,7 @@ class SymmetrizedGuide(PosteriorGuide):
                 torch.cat([i, d]) for i, d in zip(self.spec.identity(device), drawn, strict=True)
             ]
         num = int(perms[0].shape[0])
-        lq = self.permuted_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
+        lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
         diff = lq - lq[:, :1]
         top = diff.max(dim=1, keepdim=True).values.detach().clamp_min(0)
         # −log mean_k exp(diff_k): exactly 0 when every term equals log q(θ₀)

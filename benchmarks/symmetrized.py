@@ -1,0 +1,198 @@
+"""Standard vs symmetrized mean-field VI on a Bayesian MLP (Gelberg et al., 2024), issue 19.
+
+Task: sklearn digits (all 10 classes, bundled), a fully Bayesian MLP ``64-w-w-10``
+(``latent_modules`` = every layer, prior iid N(0, s²)), widths w in {16, 64, 256}. Two arms at an
+equal budget (same epochs, batches, lr, init and seed):
+
+* ``meanfield``   - ``pb.posterior(model, "meanfield")`` fitted with the ELBO (analytic KL);
+* ``symmetrized`` - ``pb.posterior(model, "symmetrized", base="meanfield", num_permutations=K)``
+  fitted with its default objective ``L_K = ELBO + I_K`` (the same analytic KL).
+
+Reported per arm (median over seeds): ``L_K`` and the plain ``ELBO`` of the fitted q on the whole
+training set (``S`` draws, dataset-sum nats; ``L_K`` with K group elements per draw, for both
+arms: it bounds ``ELBO(q_G)`` of the arm's q), test accuracy, NLL and ECE of the predictive.
+
+Timing: one optimisation step of each arm (forward, backward, Adam) at K = 16, interleaved
+round-robin on the same batches; the ratio symmetrized / meanfield is the median over rounds of
+the per-round ratio (target <= 1.15).
+
+Run::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/symmetrized.py            # ~3 min, 1 thread
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/symmetrized.py --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pyro  # noqa: E402
+import torch  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from torch import nn  # noqa: E402
+
+import pyrobayes as pb  # noqa: E402
+from pyrobayes.infer.objectives import scaled_log_likelihood  # noqa: E402
+
+
+def data(seed: int = 0, num_train: int = 1200):
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    return (x[:num_train], y[:num_train]), (x[num_train:], y[num_train:])
+
+
+def build(width: int, num_data: int, seed: int, prior_scale: float) -> pb.models.FineTuneModel:
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+    return pb.models.FineTuneModel(
+        net,
+        None,
+        latent_modules=["0", "2", "4"],
+        num_data=num_data,
+        prior_scale=prior_scale,
+        trainable_modules=[],
+    )
+
+
+def guide_for(arm: str, model, args):
+    pyro.clear_param_store()
+    if arm == "meanfield":
+        return pb.posterior(model, "meanfield", init_scale=args.init_scale)
+    return pb.posterior(
+        model,
+        "symmetrized",
+        base="meanfield",
+        num_permutations=args.num_permutations,
+        init_scale=args.init_scale,
+    )
+
+
+@torch.no_grad()
+def bounds(model, guide, sym, train, num_samples: int) -> tuple[float, float]:
+    """(ELBO, L_K) of q on the whole training set: S draws, analytic KL, I_K of the same draws.
+
+    ``sym`` is a symmetrized guide sharing q's parameters (for the meanfield arm: a wrapper
+    whose base holds the fitted state), so both arms' L_K use the same estimator.
+    """
+    x, y = train
+    values = guide.rsample(num_samples)
+    log_lik = scaled_log_likelihood(model, values, (x, y))
+    elbo = float(log_lik - guide.kl_to_prior(model))
+    info = float(sym.infonce(values).mean())
+    return elbo, elbo + info
+
+
+def run(width: int, arm: str, seed: int, args, train, test) -> dict[str, float]:
+    model = build(width, len(train[0]), seed, args.prior_scale)
+    guide = guide_for(arm, model, args)
+    batches = [
+        (train[0][i : i + args.batch_size], train[1][i : i + args.batch_size])
+        for i in range(0, len(train[0]), args.batch_size)
+    ]
+    start = time.perf_counter()
+    pb.fit(model, guide, batches, epochs=args.epochs, lr=args.lr, seed=seed)
+    fit_s = time.perf_counter() - start
+    sym = guide_for("symmetrized", model, args)
+    sym.base.load_state_dict(guide.state_dict() if arm == "meanfield" else guide.base.state_dict())
+    torch.manual_seed(seed + 1)
+    elbo, l_k = bounds(model, sym, sym, train, args.eval_samples)
+    pred = pb.predict(model, guide, [test], num_samples=args.eval_samples, seed=seed)
+    metrics = pb.metrics.report(pred, pred.targets)
+    return {
+        "L_K": l_k,
+        "elbo": elbo,
+        "accuracy": metrics["accuracy"],
+        "nll": metrics["nll"],
+        "ece": metrics["ece"],
+        "fit_s": fit_s,
+    }
+
+
+def step_times(width: int, args, train, rounds: int) -> float:
+    """Median over rounds of (symmetrized step time / meanfield step time) at K = 16."""
+    arms = {}
+    for arm in ("meanfield", "symmetrized"):
+        model = build(width, len(train[0]), 0, args.prior_scale)
+        guide = guide_for(arm, model, args)
+        model.train(True)
+        fitter = pb.infer.make_fitter(model, guide, lr=args.lr)
+        arms[arm] = fitter
+    batch = (train[0][: args.batch_size], train[1][: args.batch_size])
+    ratios = []
+    for r in range(rounds + 1):
+        times = {}
+        order = ("meanfield", "symmetrized") if r % 2 else ("symmetrized", "meanfield")
+        for arm in order:
+            t0 = time.perf_counter()
+            for _ in range(5):
+                arms[arm].step(batch)
+            times[arm] = time.perf_counter() - t0
+        if r:  # round 0 is a warm-up
+            ratios.append(times["symmetrized"] / times["meanfield"])
+    return statistics.median(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, 2 epochs, w=16 only")
+    parser.add_argument("--widths", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--prior-scale", type=float, default=0.5)
+    parser.add_argument("--init-scale", type=float, default=1e-3)
+    parser.add_argument("--num-permutations", type=int, default=16)
+    parser.add_argument("--eval-samples", type=int, default=32)
+    parser.add_argument("--timing-rounds", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/symmetrized.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.widths, args.seeds, args.epochs, args.timing_rounds = [16], 1, 2, 3
+    torch.set_num_threads(1)
+    train, test = data()
+    rows = []
+    for width in args.widths:
+        for arm in ("meanfield", "symmetrized"):
+            runs = [run(width, arm, seed, args, train, test) for seed in range(args.seeds)]
+            row = {"width": width, "arm": arm}
+            row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
+            rows.append(row)
+            print(
+                f"w={width:4d} {arm:12s} L_K={row['L_K']:10.1f} ELBO={row['elbo']:10.1f} "
+                f"acc={row['accuracy']:.4f} nll={row['nll']:.4f} ece={row['ece']:.4f} "
+                f"fit={row['fit_s']:.1f}s",
+                flush=True,
+            )
+        ratio = step_times(width, args, train, args.timing_rounds)
+        rows.append({"width": width, "arm": "step_ratio", "ratio": ratio})
+        print(
+            f"w={width:4d} step time symmetrized/meanfield (K={args.num_permutations}): "
+            f"{ratio:.3f}",
+            flush=True,
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"args": setup, "rows": rows}, indent=1))
+    print(
+        f"wrote {args.out} (torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"log K = {math.log(args.num_permutations):.3f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
