@@ -22,7 +22,9 @@ forward of :mod:`pyrobayes.models.layers` gives row ``b`` the copy ``b``), so th
 one forward with autograd and ``K`` backward passes per chunk, whatever ``d`` and the vocabulary
 size. For the Monte Carlo classification predictive only differences of logits matter
 (``softmax`` is shift-invariant per draw), so ``J_k − J_K`` is formed for ``k < K`` (``K − 1``
-backward passes). Memory is that of one training step on ``examples_per_forward`` examples plus
+backward passes). When every output has a network row of its own (multiple choice with
+continuations: ``likelihood.rows_per_output``), each row gets its own copy and ONE backward pass
+gives all K Jacobians. Memory is that of one training step on ``examples_per_forward`` examples plus
 ``J``, ``examples_per_forward · K · d`` numbers.
 """
 
@@ -89,6 +91,9 @@ def output_jacobians(
         ``{site: (B, K, *site_shape)}``, ``∂f_k(x_b)/∂θ_site`` at ``θ̂``.
     """
     size = batch_size(inputs)
+    rows = model.likelihood.rows_per_output(inputs)
+    if rows is not None:
+        return _row_jacobians(model, inputs, point, size, rows)
     with torch.enable_grad():
         copies = {
             s: v.detach().unsqueeze(0).expand(size, *v.shape).clone().requires_grad_(True)
@@ -99,9 +104,9 @@ def output_jacobians(
         num_outputs = flat.shape[1]
         leaves = list(copies.values())
         jac = {s: v.new_zeros(size, num_outputs, *v.shape[1:]) for s, v in copies.items()}
-        rows = range(num_outputs - 1) if contrast else range(num_outputs)
-        last = rows[-1] if len(rows) else -1
-        for k in rows:
+        passes = range(num_outputs - 1) if contrast else range(num_outputs)
+        last = passes[-1] if len(passes) else -1
+        for k in passes:
             target = flat[:, k] - flat[:, -1] if contrast else flat[:, k]
             grads = torch.autograd.grad(
                 target.sum(), leaves, retain_graph=k != last, allow_unused=True
@@ -109,6 +114,31 @@ def output_jacobians(
             for (s, _), g in zip(copies.items(), grads, strict=True):
                 if g is not None:
                     jac[s][:, k] = g
+    return out.detach(), jac
+
+
+def _row_jacobians(
+    model: Any, inputs: Any, point: Mapping[str, Tensor], size: int, rows: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Jacobians when output k of example b is computed from network row ``b·K + k`` alone
+    (``likelihood.rows_per_output``): a copy of ``θ̂`` per row and ONE backward pass of the
+    summed outputs give every output's Jacobian (its row's gradient)."""
+    with torch.enable_grad():
+        copies = {
+            s: v.detach().unsqueeze(0).expand(size * rows, *v.shape).clone().requires_grad_(True)
+            for s, v in point.items()
+        }
+        out = model.output(inputs, copies)  # (B, K): row b·K + k evaluated at copy b·K + k
+        if out.reshape(size, -1).shape[1] != rows:
+            raise RuntimeError(
+                f"{type(model.likelihood).__name__}.rows_per_output says {rows} rows per example "
+                f"but the likelihood returned {tuple(out.shape)}; please report this."
+            )
+        grads = torch.autograd.grad(out.sum(), list(copies.values()), allow_unused=True)
+    jac = {
+        s: (g if g is not None else torch.zeros_like(v)).reshape(size, rows, *v.shape[1:])
+        for (s, v), g in zip(copies.items(), grads, strict=True)
+    }
     return out.detach(), jac
 
 
