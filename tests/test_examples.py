@@ -17,6 +17,7 @@ def test_there_are_examples():
     names = {p.stem for p in EXAMPLES}
     expected = {"map", "meanfield", "ivon_diag", "kron_ivon", "swag", "laplace_kron"}
     assert expected | {"posthoc_from_map", "causal_lm_multiple_choice"} <= names
+    assert "symmetrized" in names
 
 
 @pytest.mark.integration

@@ -94,7 +94,8 @@ class PermutationSpec:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{u.name}: {u.size}" for u in self.layers)
-        return f"PermutationSpec({parts}; |G| = {self.order})"
+        size = f"|G| = {self.order}" if self.log_order < 28 else f"log|G| = {self.log_order:.1f}"
+        return f"PermutationSpec({parts}; {size})"
 
     # ------------------------------------------------------------------ construction
     @classmethod
