@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import pyrobayes as pb
+from pyrobayes.batch import batch_size, split_batch, token_mask
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
 from pyrobayes.models.deploy import merged_network
 from pyrobayes.models.multiple_choice import encode_multiple_choice
+from pyrobayes.models.projections import collect_input_moments
 from pyrobayes.registry import _REGISTRY
 from tests import families
 from tests.common import tiny_llama
@@ -253,3 +255,35 @@ def test_fit_and_predict_run_for_every_family(family, adapter_name, arch):
     assert pred.log_probs is not None and pred.log_probs.shape == (s, 3, 5)
     torch.testing.assert_close(pred.probs.sum(-1), torch.ones(s, 3), rtol=0, atol=1e-10)
     assert pred.targets is not None and pred.targets.tolist() == [0, 1, 4]
+
+
+def test_choice_rows_count_examples_and_mask_tokens():
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, answers=[0, 1, 2])
+    inputs, _ = split_batch(batch)
+    assert batch_size(inputs) == 3  # examples, not 3·K rows: the data plate's size
+    mask = token_mask(inputs)
+    assert mask is not None and mask.shape == (9, inputs["input_ids"].shape[-1])
+    torch.testing.assert_close(mask, inputs["attention_mask"].reshape(9, -1))
+
+
+def test_wsvd_calibration_sees_the_real_tokens_of_every_choice_row():
+    # the input statistics of a W-SVD projection run through the likelihood's network inputs,
+    # and count each choice row's real tokens once (padding is masked)
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, answers=[0, 1, 2])
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama().eval(),
+        LoRAXS(rank=2, target_modules=["q_proj"], projection="wsvd"),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+        calibration_data=[batch],
+    )
+    moments = collect_input_moments(
+        model.net,
+        ["model.layers.0.self_attn.q_proj"],
+        [batch],
+        forward=lambda m, b: model._call_net(m, split_batch(b)[0]),
+        mask_fn=token_mask,
+    )
+    assert moments["model.layers.0.self_attn.q_proj"].n == int(batch["attention_mask"].sum())
+    assert len(model.latent_sites) == 2
