@@ -139,8 +139,11 @@ class IBDRFitter(Fitter):
     The guide's options set the step: ``alpha``, ``loss``, ``epsilon`` (the objective,
     :class:`IBDRLoss`), ``rho`` (ρ), ``lam`` (λ₀), ``lam_min`` / ``lam_max`` (the projection
     interval), ``lam_lr`` (η_λ; ``None``: the current learning rate), ``max_grad_norm`` (c_max)
-    and ``cost`` (``"param"`` or ``"function"``). The default base optimizer is SGD with momentum
-    0.9 (the released code); any torch optimizer can be passed.
+    and ``cost`` (``"param"`` or ``"function"``). The base optimizer (the descent step) is any
+    torch optimizer; the default is Adam, as for every pyrobayes fitter: the objective is a
+    dataset sum (N/B-scaled), to which Adam is scale-invariant. The released code's SGD with
+    momentum 0.9 on the per-example mean loss at learning rate η is
+    ``optimizer=lambda p: torch.optim.SGD(p, lr=η / N, momentum=0.9)`` here.
 
     Every step evaluates all K particles in one sample-batched forward, twice (at θ and θ').
     :meth:`report` gives λ, the last transport cost and the effective radius
@@ -189,9 +192,6 @@ class IBDRFitter(Fitter):
             loss=str(opts.get("loss", "mean")),
             epsilon=float(opts.get("epsilon", 1e-7)),
         )
-
-    def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
     # ------------------------------------------------------------------ the step
     def _values(self, locs: Mapping[str, Tensor], noise: Mapping[str, Tensor]) -> dict[str, Tensor]:

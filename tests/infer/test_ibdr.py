@@ -265,8 +265,8 @@ def _fit_digits(alpha: float, seed: int):
     model = pb.models.FineTuneModel(
         mlp(64, 32, 10), None, latent_modules=["0", "2"], trainable_modules=[], num_data=600
     )
-    guide = pb.posterior(model, "ibdr", num_particles=3, alpha=alpha, init_scale=0.0)
-    pb.fit(model, guide, split_batches(x, y, 60), epochs=8, lr=2e-4, seed=seed)
+    guide = pb.posterior(model, "ibdr", num_particles=3, alpha=alpha)
+    pb.fit(model, guide, split_batches(x, y, 60), epochs=8, lr=1e-2, seed=seed)
     pred = pb.predict(model, guide, [(xt, yt)], num_samples=3)
     probs = pred.probs  # (K, N, C), one draw per particle (stratified, S = K)
     return probs, yt
@@ -288,7 +288,8 @@ def _summaries(probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 def test_fitted_particles_obey_jensen_and_diversify_with_alpha():
     """Every fitted run: NLL(p̄) ≤ mean_k NLL(p_k) (Jensen, −log is convex); disagreement > 0
     when α > 0; the median over 3 seeds of the mean pairwise cosine of the non-target vectors
-    falls as α goes 0 → 0.1 → 0.5 (the term's gradient lowers exactly these cosines)."""
+    falls as α goes 0 → 0.1 → 0.5 (the term's gradient lowers exactly these cosines). Measured
+    (Adam, lr 1e-2, 8 epochs): medians 0.997, 0.519, 0.337; disagreement 0.28-0.34 at α = 0.1."""
     cosines: dict[float, list[float]] = {0.0: [], 0.1: [], 0.5: []}
     for alpha in cosines:
         for seed in range(3):
