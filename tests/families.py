@@ -22,6 +22,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "kron-ivon": {"T_inv": 3},
     # the registry problems have C = 3 classes: the diversity term needs K <= C - 1 = 2
     "ibdr": {"num_particles": 2},
+    "signorm": {"strength": 0.01},  # M = 2 from the model (ADAPTERS)
 }
 
 #: family -> extra options when the likelihood is Gaussian (the conjugate core).
@@ -33,20 +34,33 @@ GAUSSIAN_OPTIONS: dict[str, dict[str, Any]] = {
 ADAPTERS: dict[str, Callable[[Any], Any]] = {
     # LoRA-XS cores sit between fixed bases (no permutation symmetry); LoRA's rank axis is one
     "symmetrized": lambda a: pb.models.LoRA(rank=a.rank, target_modules=a.target_modules),
+    # σN: two members over the norm layer (NETS) on top of the same LoRA-XS cores
+    "signorm": lambda a: pb.models.SigmaNorm(num_members=2, adapter=a),
 }
 
 #: family -> network transform applied before the ``FineTuneModel`` is built.
-NETS: dict[str, Callable[[nn.Module], nn.Module]] = {}
+NETS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    # σN needs a norm layer: a LayerNorm appended after the last linear layer keeps the
+    # nn.Sequential indices ("0", "2", ...) that target_modules / trainable_modules name
+    "signorm": lambda net: net.append(nn.LayerNorm(_out_features(net))),
+}
 
 #: family -> why Pyro's SVI with Pyro's ELBOs is not expected to reach the conjugate core's exact
 #: posterior mean (the family is not a Gaussian q over the core). Absent: it is expected to.
 NOT_EXACT_UNDER_PYRO_SVI: dict[str, str] = {
     "symmetrized": "its model is LoRA factors (ADAPTERS): the update B·A is a product, not a "
     "linear-Gaussian core, so no Gaussian q over (A, B) is the exact posterior",
+    "signorm": "σN is a point-estimated multi-task ensemble (members as point particles of a "
+    "LayerNorm-augmented network, NETS), not a Gaussian posterior over the core",
     "ibdr": "a particle mixture draws its component at a discrete auxiliary site, which "
     "TraceMeanField_ELBO refuses (not fully reparameterized); Trace_ELBO reaches the exact mean "
     "with every particle (tests/guides/test_particles.py)",
 }
+
+
+def _out_features(net: nn.Module) -> int:
+    """Outputs of the last ``nn.Linear`` of ``net``."""
+    return [m for m in net.modules() if isinstance(m, nn.Linear)][-1].out_features
 
 
 def adapter_for(family: str | None, adapter: Any) -> Any:

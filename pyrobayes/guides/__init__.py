@@ -12,6 +12,7 @@ from .laplace import LaplaceGuide
 from .lowrank import SWAGGuide
 from .meanfield import MeanFieldGuide
 from .particles import IBDRGuide, ParticleGuide
+from .signorm import SigmaNormGuide
 from .symmetrized import SymmetrizedGuide
 
 register_guide("meanfield", MeanFieldGuide, aliases=("mean-field", "normal"))
@@ -22,6 +23,7 @@ register_guide("swag", SWAGGuide, aliases=("b-lora-xs",))
 register_guide("laplace", LaplaceGuide, aliases=("l-lora-xs",))
 register_guide("symmetrized", SymmetrizedGuide, aliases=("permutation-invariant",))
 register_guide("ibdr", IBDRGuide, aliases=("particles",))
+register_guide("signorm", SigmaNormGuide, aliases=("sigma-norm", "sn-ens"))
 
 __all__ = [
     "Posterior",
@@ -41,4 +43,5 @@ __all__ = [
     "SymmetrizedGuide",
     "ParticleGuide",
     "IBDRGuide",
+    "SigmaNormGuide",
 ]

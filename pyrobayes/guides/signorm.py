@@ -11,7 +11,8 @@ The guide is a :class:`~pyrobayes.guides.particles.ParticleGuide` with ``num_par
 ``scale = 0``; it carries the diversity options (τ, λ, the regularized layers) that its objective
 (``"signorm"``, :mod:`pyrobayes.infer.signorm`) reads, and initialises the members as the σN
 conversion prescribes: ``γ_t = γ_0 + ε_t``, ``ε_t ~ N(0, s_init²)`` (identical members are a
-stationary point), ``β_t = b``, heads re-initialised per member (or copied).
+stationary point), ``β_t = b``, heads re-initialised per member (or copied), every member
+starting from the pretrained BatchNorm statistics (each then keeps its own).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..models.adapters import check_real
-from ..models.signorm import SCALE_KIND, SHIFT_KIND, member_norms, scale_sites
+from ..models.signorm import SCALE_KIND, STATS_KIND, scale_sites
 from .particles import ParticleGuide
 
 __all__ = ["SigmaNormGuide"]
@@ -51,8 +52,14 @@ class SigmaNormGuide(ParticleGuide):
     model : FineTuneModel
         Usually a :class:`~pyrobayes.models.SigmaNormEnsemble`; any model works (without member
         norm layers the diversity term is 0 and this is a deep ensemble of the latent sites).
-    num_members : int, optional
-        M; default the model's member norm layers' M (4 without any).
+    num_particles : int, optional
+        M, the number of members; default the ``num_members`` the model was converted with
+        (:class:`~pyrobayes.models.SigmaNorm`), 4 for another model.
+    scale : float
+        σ of every member's component (default 0: point members, the σN-ensemble).
+    init_scale : float
+        Jitter of the members' initial adapter values and shifts around the model's (default 0:
+        the members differ through ``γ`` and their heads).
     tau : float
         τ > 0, the softmax temperature: small τ gives single-owner features (hard partition),
         intermediate τ about ``k*(τ)`` owners (:func:`pyrobayes.models.signorm.owner_corner`).
@@ -68,7 +75,7 @@ class SigmaNormGuide(ParticleGuide):
     """
 
     family = "signorm"
-    default_fitter = "svi"
+    default_fitter = "signorm"
     default_objective = "signorm"
     is_deterministic = False
 
@@ -76,7 +83,9 @@ class SigmaNormGuide(ParticleGuide):
         self,
         model: Any,
         *,
-        num_members: int | None = None,
+        num_particles: int | None = None,
+        scale: float = 0.0,
+        init_scale: float = 0.0,
         tau: float = 0.5,
         strength: float = 1e-3,
         regularized: Sequence[str] | str = "all",
@@ -90,22 +99,14 @@ class SigmaNormGuide(ParticleGuide):
         if head_init not in ("reinit", "copy"):
             raise ValueError(f"{owner}head_init must be 'reinit' or 'copy'; got {head_init!r}.")
         self.head_init = head_init
-        net = getattr(model, "net", None)
-        norms = member_norms(net) if net is not None else {}
-        counts = {m.num_members for m in norms.values()}
-        if num_members is None:
-            num_members = counts.pop() if len(counts) == 1 else 4
-        elif counts and counts != {num_members}:
-            raise ValueError(
-                f"{owner}num_members={num_members} but the model's member norm layers hold "
-                f"{sorted(counts)} members (their BatchNorm statistics); build the model with "
-                f"SigmaNormEnsemble(..., num_members={num_members}) or leave num_members out."
-            )
+        built = getattr(getattr(model, "adapter", None), "num_members", None)
+        if num_particles is None:
+            num_particles = int(built) if built is not None else 4
         latent = getattr(model, "latent_sites", {})
         self._kinds = {site: spec.kind for site, spec in latent.items()}
         #: the scale sites the diversity term covers
         self.diversity_sites: list[str] = scale_sites(model, regularized)
-        super().__init__(model, num_particles=num_members, scale=0.0, init_scale=0.0)
+        super().__init__(model, num_particles=num_particles, scale=scale, init_scale=init_scale)
 
     @property
     def num_members(self) -> int:
@@ -123,8 +124,8 @@ class SigmaNormGuide(ParticleGuide):
             fan_in = self._fan_in(site, init)
             bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
             locs = torch.empty_like(locs).uniform_(-bound, bound)
-        elif kind not in (SCALE_KIND, SHIFT_KIND, "weight", "bias"):
-            pass  # adapter sites start at the model's value: members differ through γ and heads
+        elif kind != STATS_KIND and self._init_scale > 0:  # shifts and adapter sites
+            locs = locs + self._init_scale * torch.randn_like(locs)
         self._add_param("locs", site, locs)
 
     def _fan_in(self, site: str, init: Tensor) -> int:
@@ -133,8 +134,3 @@ class SigmaNormGuide(ParticleGuide):
         weight = site.rsplit(".", 1)[0] + ".weight"  # a bias: its layer's weight's fan-in
         shape = self.sites.get(weight)
         return int(shape[1]) if shape is not None and len(shape) == 2 else int(init.numel())
-
-    def _components_of(self, num_samples: int, device: torch.device) -> Tensor:
-        """Draw ``s`` is member ``s mod M``: every block of M draws visits each member once, in
-        order (BatchNorm member statistics are looked up by that position)."""
-        return torch.arange(num_samples, device=device) % self.num_components

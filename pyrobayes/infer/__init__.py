@@ -6,17 +6,19 @@ A guide is a posterior; a :class:`Fitter` fits it (:func:`make_fitter` picks the
 
 from __future__ import annotations
 
-from . import diversity, ibdr, ivon, kron, laplace, objectives, swag, symmetrized
+from . import diversity, ibdr, ivon, kron, laplace, objectives, signorm, swag, symmetrized
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .ibdr import IBDRFitter, IBDRLoss
 from .laplace import LaplaceFitter
 from .loop import FitResult, fit
 from .objectives import ELBO, MAP
+from .signorm import SigmaNormFitter
 from .swag import SWAGFitter
 from .symmetrized import BatchedSymmetrizedELBO, SymmetrizedELBO
 
 register_fitter("swag", SWAGFitter)
 register_fitter("laplace", LaplaceFitter)
+register_fitter("signorm", SigmaNormFitter)
 
 __all__ = [
     "objectives",
@@ -26,12 +28,14 @@ __all__ = [
     "swag",
     "ibdr",
     "diversity",
+    "signorm",
     "fit",
     "FitResult",
     "Fitter",
     "SVIFitter",
     "SWAGFitter",
     "LaplaceFitter",
+    "SigmaNormFitter",
     "IBDRFitter",
     "IBDRLoss",
     "FITTERS",

@@ -34,7 +34,8 @@ from torch import Tensor
 
 from ..batch import batch_size
 from ..contract import Mixture, implements
-from ..models.signorm import diversity
+from ..models.signorm import diversity, update_statistics
+from .fitter import SVIFitter
 from .objectives import register_objective, scaled_log_likelihood, split_training_batch
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DiversityOptions",
     "SigmaNormObjective",
+    "SigmaNormFitter",
     "members_program",
     "members_guide",
     "tau_sweep",
@@ -105,6 +107,18 @@ class SigmaNormObjective:
 
 
 register_objective("signorm", SigmaNormObjective)
+
+
+class SigmaNormFitter(SVIFitter):
+    r"""Adam on :class:`SigmaNormObjective`; after each step, each member's BatchNorm running
+    statistics take in its batch statistics (``r_t ← (1 − m) r_t + m s_t``, member ``t`` from
+    its slice of the step's batched forward; only with the backbone in training mode,
+    ``FineTuneModel(train_backbone_mode=True)``: in eval mode the statistics stay fixed)."""
+
+    def _after_step(self) -> None:
+        net = getattr(self.model, "net", None)
+        if net is not None and implements(self.guide, Mixture):
+            update_statistics(net, cast(Mixture, self.guide).component_locs())
 
 
 class _MaskSites(Messenger):

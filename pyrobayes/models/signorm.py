@@ -31,10 +31,9 @@ minimized, drives each feature towards ``k*(τ)`` owning members (:func:`owner_c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,12 +64,15 @@ __all__ = [
     "owner_corner",
     "scale_sites",
     "member_norms",
-    "pin_member",
+    "update_statistics",
+    "STATS_KIND",
 ]
 
 #: ``SiteSpec.kind`` of a member norm layer's pre-sigmoid scale ``γ`` and of its shift ``β``.
 SCALE_KIND = "signorm_scale"
 SHIFT_KIND = "signorm_shift"
+#: ``SiteSpec.kind`` of a member BatchNorm's running statistics (not trained by gradients)
+STATS_KIND = "signorm_statistics"
 
 _NORMS = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 
@@ -81,38 +83,34 @@ class MemberNorm(nn.Module):
     ``y = c ⊙ σ(γ) ⊙ norm(x) + β`` with ``c = w / σ(γ_0)`` fixed (a buffer), so the layer equals
     the pretrained ``norm`` at ``γ = γ_0``, ``β = b``.
 
-    ``gamma`` `(C,)` and ``beta`` `(C,)` are the latent tensors; a value with a leading sample
-    axis `(S, C)` applies sample ``s`` to its slice of a sample-major expanded batch. BatchNorm
-    keeps running statistics per member, buffers `(M, C)`: in training mode (the backbone in
-    train mode, ``FineTuneModel(train_backbone_mode=True)``) each slice is normalized with its own
-    batch statistics and, when ``S = M``, updates member ``s``'s statistics; in eval mode
-    slice ``s`` uses member ``s mod M``'s statistics when ``S`` is a multiple of ``M`` (the
-    members guide draws members in that order).
+    ``gamma`` `(C,)`, ``beta`` `(C,)` and, for a BatchNorm that tracks them, the running
+    statistics ``running_mean`` and ``running_var`` `(C,)` are the member's tensors (latent sites
+    of the model: every member carries its own, and a member's draw carries its statistics). A
+    value with a leading sample axis `(S, C)` applies sample ``s`` to its slice of a
+    sample-major expanded batch. In eval mode BatchNorm normalizes with the given statistics
+    (never differentiated); in training mode (``FineTuneModel(train_backbone_mode=True)``) each
+    slice is normalized with its own batch statistics, which are kept in
+    :attr:`batch_statistics` `(S, C)` for the fitter to fold into each member's running
+    statistics (:func:`update_statistics`).
 
     Parameters
     ----------
     norm : nn.LayerNorm or nn.BatchNorm1d or nn.BatchNorm2d
         The pretrained layer (its weights are copied; the module is not kept).
-    num_members : int
-        M.
     init_logit : float
         ``γ_0``, the pre-sigmoid scale that reproduces the pretrained layer (0: σ = ½, the
         steepest point of the sigmoid, so a member can grow or shrink a feature).
     """
 
-    running_mean: Tensor
-    running_var: Tensor
-    num_batches_tracked: Tensor
     fixed_scale: Tensor
 
-    def __init__(self, norm: nn.Module, num_members: int, init_logit: float = 0.0) -> None:
+    def __init__(self, norm: nn.Module, init_logit: float = 0.0) -> None:
         super().__init__()
         if not isinstance(norm, _NORMS):
             raise TypeError(
                 f"MemberNorm: expected an nn.LayerNorm, nn.BatchNorm1d or nn.BatchNorm2d but got "
                 f"{type(norm).__name__}."
             )
-        self.num_members = check_int("num_members", num_members, ge=1, owner="MemberNorm: ")
         self.init_logit = float(init_logit)
         self.is_batch_norm = isinstance(norm, nn.modules.batchnorm._BatchNorm)
         self.eps = float(norm.eps)
@@ -124,21 +122,19 @@ class MemberNorm(nn.Module):
                     "a LayerNorm over the last (feature) dimension."
                 )
             channels = int(norm.normalized_shape[0])
-            self.batch_dims = 0
         else:
             channels = int(norm.num_features)
-            self.batch_dims = 1 if isinstance(norm, nn.BatchNorm1d) else 2
         self.num_features = channels
         weight = getattr(norm, "weight", None)
         bias = getattr(norm, "bias", None)
-        ref = next(iter([t for t in (weight, bias) if t is not None]), None)
+        stats_mean = getattr(norm, "running_mean", None)
+        stats_var = getattr(norm, "running_var", None)
+        ref = next((t for t in (weight, bias, stats_mean) if isinstance(t, Tensor)), None)
         kw: dict[str, Any] = (
             {"dtype": ref.dtype, "device": ref.device}
             if ref is not None
             else {"dtype": torch.get_default_dtype()}
         )
-        if self.is_batch_norm and norm.running_mean is not None:
-            kw["device"] = norm.running_mean.device
         w = weight.detach().clone() if weight is not None else torch.ones(channels, **kw)
         b = bias.detach().clone() if bias is not None else torch.zeros(channels, **kw)
         sig0 = 1.0 / (1.0 + math.exp(-self.init_logit))
@@ -146,70 +142,48 @@ class MemberNorm(nn.Module):
         self.gamma = nn.Parameter(torch.full((channels,), self.init_logit, **kw))
         self.beta = nn.Parameter(b)
         momentum = getattr(norm, "momentum", None)
-        self.momentum: float | None = None if momentum is None else float(momentum)
-        self.track_running_stats = bool(getattr(norm, "track_running_stats", False))
-        if self.is_batch_norm and self.track_running_stats:
-            stats_mean, stats_var = norm.running_mean, norm.running_var
+        #: the EMA weight of a member's new batch statistics (torch's cumulative average, for
+        #: ``momentum=None``, has no per-member count here: 0.1, BatchNorm's default)
+        self.momentum = 0.1 if momentum is None else float(momentum)
+        self.tracks_statistics = (
+            self.is_batch_norm and isinstance(stats_mean, Tensor) and isinstance(stats_var, Tensor)
+        )
+        self.running_mean: nn.Parameter | None = None
+        self.running_var: nn.Parameter | None = None
+        if self.tracks_statistics:
             assert isinstance(stats_mean, Tensor) and isinstance(stats_var, Tensor)
-            mean = stats_mean.detach().to(w.dtype)
-            var = stats_var.detach().to(w.dtype)
-            self.register_buffer("running_mean", mean.expand(num_members, -1).clone())
-            self.register_buffer("running_var", var.expand(num_members, -1).clone())
-            self.register_buffer(
-                "num_batches_tracked",
-                torch.zeros(num_members, dtype=torch.long, device=mean.device),
-            )
-        #: pins the member whose statistics an unbatched call uses (see :func:`pin_member`)
-        self.member: int | None = None
+            self.running_mean = nn.Parameter(stats_mean.detach().clone().to(w.dtype))
+            self.running_var = nn.Parameter(stats_var.detach().clone().to(w.dtype))
+        #: ``(mean, unbiased variance)`` `(S, C)` of the last training-mode forward's slices
+        self.batch_statistics: tuple[Tensor, Tensor] | None = None
 
-    # ------------------------------------------------------------------ helpers
     def member_scale(self, gamma: Tensor | None = None) -> Tensor:
         """``c ⊙ σ(γ)`` `(C,)` or `(S, C)`."""
         gamma = self.gamma if gamma is None else gamma
         return self.fixed_scale * torch.sigmoid(gamma)
 
-    def _statistics(self, num_samples: int) -> tuple[Tensor, Tensor]:
-        """Running mean and variance `(S, C)` of the members slice ``s`` belongs to."""
-        members = self.num_members
-        if num_samples % members == 0:
-            index = torch.arange(num_samples, device=self.running_mean.device) % members
-        else:
-            if self.member is not None:
-                index = torch.full((num_samples,), self.member, device=self.running_mean.device)
-            elif members == 1 or (
-                torch.equal(self.running_mean, self.running_mean[:1].expand_as(self.running_mean))
-                and torch.equal(self.running_var, self.running_var[:1].expand_as(self.running_var))
-            ):
-                index = torch.zeros(num_samples, dtype=torch.long, device=self.running_mean.device)
-            else:
-                raise RuntimeError(
-                    f"MemberNorm: the {members} members have their own BatchNorm statistics, so "
-                    f"{num_samples} parameter set(s) in one forward cannot tell which member "
-                    "each is. Evaluate the members in order (a multiple of num_members, as the "
-                    "'signorm' guide's sample_posterior does), or pin one with "
-                    "pyrobayes.models.signorm.pin_member(net, t)."
-                )
-        return self.running_mean[index], self.running_var[index]
-
-    # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor) -> Tensor:
         gamma: Tensor = self.gamma
         beta: Tensor = self.beta
-        batched = gamma.dim() == 2 or beta.dim() == 2
-        num_samples = int(gamma.shape[0]) if gamma.dim() == 2 else 1
-        if beta.dim() == 2:
-            num_samples = int(beta.shape[0])
-        scale = self.member_scale(gamma)
-        if scale.dim() == 1:
-            scale = scale.expand(num_samples, -1)
-        if beta.dim() == 1:
-            beta = beta.expand(num_samples, -1)
+        sizes = {int(t.shape[0]) for t in (gamma, beta) if t.dim() == 2}
+        if self.tracks_statistics and not self.training:
+            assert self.running_mean is not None and self.running_var is not None
+            sizes |= {
+                int(t.shape[0]) for t in (self.running_mean, self.running_var) if t.dim() == 2
+            }
+        if len(sizes) > 1:
+            raise RuntimeError(
+                f"MemberNorm: the member tensors carry different sample counts {sizes}."
+            )
+        num_samples = sizes.pop() if sizes else 1
         if x.shape[0] % num_samples != 0:
             raise RuntimeError(
                 f"MemberNorm: expected the input's leading size to be a multiple of the "
                 f"{num_samples} parameter sets (a sample-major expanded batch) but got input "
                 f"shape {tuple(x.shape)}."
             )
+        scale = self.member_scale(gamma).expand(num_samples, -1)
+        beta = beta.expand(num_samples, -1)
         if not self.is_batch_norm:
             y = F.layer_norm(x, (self.num_features,), None, None, self.eps)
             ys = y.reshape(num_samples, -1, self.num_features)
@@ -219,62 +193,54 @@ class MemberNorm(nn.Module):
         xs = x.reshape(num_samples, -1, *x.shape[1:])
         view = (num_samples, 1, self.num_features) + (1,) * (xs.dim() - 3)
         reduce = (1,) + tuple(range(3, xs.dim()))
-        if self.training or not self.track_running_stats:
+        if self.training or not self.tracks_statistics:
             mean = xs.mean(dim=reduce)
             var = xs.var(dim=reduce, unbiased=False)
-            if self.training and self.track_running_stats:
-                self._update_statistics(xs, mean, var, num_samples, batched)
+            if self.tracks_statistics:
+                count = xs.numel() // (num_samples * self.num_features)
+                unbiased = var.detach() * (count / max(count - 1, 1))
+                self.batch_statistics = (mean.detach(), unbiased)
         else:
-            mean, var = self._statistics(num_samples)
+            assert self.running_mean is not None and self.running_var is not None
+            # statistics, not parameters: no gradient reaches them
+            mean = self.running_mean.detach().expand(num_samples, -1)
+            var = self.running_var.detach().expand(num_samples, -1)
         normed = (xs - mean.reshape(view)) * torch.rsqrt(var.reshape(view) + self.eps)
         out = normed * scale.reshape(view).to(xs.dtype) + beta.reshape(view).to(xs.dtype)
         return out.reshape(x.shape)
 
-    def _update_statistics(
-        self, xs: Tensor, mean: Tensor, var: Tensor, num_samples: int, batched: bool
-    ) -> None:
-        """EMA of each member's batch statistics (torch's BatchNorm rule, unbiased variance)."""
-        count = xs.numel() // (num_samples * self.num_features)
-        if num_samples == self.num_members:
-            index = torch.arange(num_samples, device=mean.device)
-        elif not batched and self.member is not None:
-            index = torch.tensor([self.member], device=mean.device)
-        elif self.num_members == 1:
-            index = torch.zeros(1, dtype=torch.long, device=mean.device)
-        else:
-            raise RuntimeError(
-                f"MemberNorm: in training mode the {self.num_members} members' BatchNorm "
-                f"statistics are updated from a forward over all members in order, but got "
-                f"{num_samples} parameter set(s)."
-            )
-        with torch.no_grad():
-            unbiased = var * (count / max(count - 1, 1))
-            self.num_batches_tracked[index] += 1
-            if self.momentum is None:  # cumulative moving average, as torch
-                factor = (1.0 / self.num_batches_tracked[index].to(mean.dtype)).unsqueeze(-1)
-            else:
-                factor = torch.full_like(mean[:, :1], float(self.momentum))
-            self.running_mean[index] = (1 - factor) * self.running_mean[index] + factor * mean
-            self.running_var[index] = (1 - factor) * self.running_var[index] + factor * unbiased
-
     def extra_repr(self) -> str:
         kind = "batch" if self.is_batch_norm else "layer"
-        return f"{self.num_features}, members={self.num_members}, norm={kind}"
+        return f"{self.num_features}, norm={kind}, init_logit={self.init_logit:g}"
 
 
-@contextlib.contextmanager
-def pin_member(net: nn.Module, member: int) -> Iterator[None]:
-    """Within the block, an unbatched call of every :class:`MemberNorm` in ``net`` uses member
-    ``member``'s BatchNorm statistics (evaluating one member of an ensemble alone)."""
-    norms = [m for m in net.modules() if isinstance(m, MemberNorm)]
-    saved = [m.member for m in norms]
-    try:
-        for m in norms:
-            m.member = int(member)
-        yield
-    finally:
-        for m, old in zip(norms, saved, strict=True):
-            m.member = old
+def update_statistics(net: nn.Module, members: Mapping[str, Tensor]) -> int:
+    r"""Fold the last training-mode forward's batch statistics into the members' running ones.
+
+    ``members[<path>.running_mean]`` `(M, C)` (and ``running_var``) are the members' tensors,
+    updated in place with BatchNorm's rule ``r ← (1 − m) r + m · s_batch`` (unbiased variance),
+    member ``t`` from slice ``t`` of a forward over the M members in order. Clears the recorded
+    statistics; returns the number of layers updated.
+    """
+    updated = 0
+    for path, layer in member_norms(net).items():
+        stats = layer.batch_statistics
+        if stats is None:
+            continue
+        layer.batch_statistics = None
+        for role, value in zip(("running_mean", "running_var"), stats, strict=True):
+            target = members.get(f"{path}.{role}")
+            if target is None:
+                continue
+            if target.shape != value.shape:
+                raise RuntimeError(
+                    f"update_statistics: {path}.{role} holds {tuple(target.shape)} member values "
+                    f"but the forward ran {tuple(value.shape)} (the members, in order)."
+                )
+            with torch.no_grad():
+                target.mul_(1 - layer.momentum).add_(value.to(target.dtype), alpha=layer.momentum)
+        updated += 1
+    return updated
 
 
 def member_norms(net: nn.Module) -> dict[str, MemberNorm]:
@@ -317,7 +283,7 @@ class SigmaNorm:
     Parameters
     ----------
     num_members : int
-        M, the ensemble size (BatchNorm keeps M sets of running statistics).
+        M, the ensemble size (the ``"signorm"`` guide's default number of members).
     norm_modules : "all" or list of str or str
         Which norm layers become member layers: all, module names (suffix match) or a regex
         over full paths.
@@ -377,7 +343,7 @@ class SigmaNorm:
                 "layer to turn into member norm layers. Insert one, or use another family."
             )
         for path in _select(net, self.norm_modules, norms, "norm_modules"):
-            layer = MemberNorm(net.get_submodule(path), self.num_members, self.init_logit)
+            layer = MemberNorm(net.get_submodule(path), self.init_logit)
             for p in layer.parameters():
                 p.requires_grad_(False)  # sampled, never trained in place
             layer.train(net.training)  # the backbone's mode (eval unless train_backbone_mode)
@@ -385,6 +351,9 @@ class SigmaNorm:
             C = (layer.num_features,)
             specs.append(SiteSpec(f"{path}.gamma", f"{path}.gamma", path, C, SCALE_KIND))
             specs.append(SiteSpec(f"{path}.beta", f"{path}.beta", path, C, SHIFT_KIND))
+            if layer.tracks_statistics:
+                for role in ("running_mean", "running_var"):
+                    specs.append(SiteSpec(f"{path}.{role}", f"{path}.{role}", path, C, STATS_KIND))
         specs += make_latent(net, self._head_paths(net))
         return specs
 

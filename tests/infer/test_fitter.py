@@ -88,6 +88,7 @@ def test_every_family_satisfies_the_contract(family):
         "map": set(),
         "symmetrized": {AnalyticKL},  # the mean-field base's, passed through
         "ibdr": {Mixture},
+        "signorm": {Mixture},
     }
     has = {p for p in (AnalyticKL, PostHoc, OnlineNewton, Mixture) if isinstance(guide, p)}
     assert has == expected.get(family, has), family

@@ -21,7 +21,6 @@ from pyrobayes.models.signorm import (
     SigmaNormEnsemble,
     diversity,
     owner_corner,
-    pin_member,
 )
 from tests.common import tiny_bert
 
@@ -147,9 +146,12 @@ def test_converted_batchnorm_mlp_reproduces_the_pretrained_outputs():
     with torch.no_grad():
         reference = net(x)
     model = SigmaNormEnsemble(copy.deepcopy(net), num_members=4, heads=["6"], trainable_modules=[])
+    stats = ["running_mean", "running_var"]
     assert list(model.latent_sites) == [
-        "1.gamma", "1.beta", "4.gamma", "4.beta", "6.weight", "6.bias"
-    ]  # fmt: skip
+        *(f"{layer}.{role}" for layer in ("1", "4") for role in ("gamma", "beta", *stats)),
+        "6.weight",
+        "6.bias",
+    ]
     with torch.no_grad():
         out = model.output(x, model.init_values())
     assert _rel(out, reference) < 1e-5
@@ -206,73 +208,83 @@ def test_batched_members_equal_separate_forwards_on_bert(adapter):
 
 def test_batched_members_equal_separate_forwards_with_member_batchnorm_statistics():
     model = SigmaNormEnsemble(_bn_mlp(), num_members=3, heads=["6"], trainable_modules=[])
-    norm = model.net[1]
-    with torch.no_grad():  # give every member statistics of its own
-        norm.running_mean.add_(torch.randn(3, 8))
-        norm.running_var.mul_(torch.rand(3, 8) + 0.5)
-    values = _member_values(model, 3)
+    assert {"1.running_mean", "1.running_var", "4.running_mean"} <= set(model.latent_sites)
+    values = _member_values(model, 3)  # every member with statistics of its own
+    values = {
+        s: v.abs() if s.endswith("running_var") else v for s, v in values.items()
+    }  # fmt: skip
     x = torch.randn(6, 5)
     with torch.no_grad():
         batched = model.batched_output(x, values)
-        separate = []
-        for t in range(3):
-            with pin_member(model.net, t):
-                separate.append(model.output(x, {s: v[t] for s, v in values.items()}))
-        # six draws in member order: draw s is member s mod 3
-        twice = model.batched_output(x, {s: v.repeat(2, *[1] * (v.dim() - 1)) for s, v in
-                                         values.items()})  # fmt: skip
-    assert (batched - torch.stack(separate)).abs().max() < 1e-6
-    assert (twice[3:] - batched).abs().max() < 1e-6
-    with pytest.raises(RuntimeError, match="own BatchNorm statistics"):
-        model.output(x, {s: v[0] for s, v in values.items()})  # which member? unpinned
+        separate = torch.stack(
+            [model.output(x, {s: v[t] for s, v in values.items()}) for t in range(3)]
+        )
+    assert (batched - separate).abs().max() < 1e-6
+    assert (separate[0] - separate[1]).abs().max() > 1e-3
 
 
-def test_batchnorm_running_statistics_are_per_member():
-    """In training mode each member's slice is normalized with its own batch statistics and
-    updates its own running statistics: member t's equal a BatchNorm1d run on slice t alone."""
+def test_batchnorm_member_uses_its_own_statistics_in_eval_and_batch_statistics_in_training():
+    """Eval: member t normalizes with its running statistics (no gradient reaches them).
+    Training: each slice with its own batch statistics, recorded (unbiased variance) for the
+    update; the output is c ⊙ σ(γ_t) ⊙ (x − μ)/√(v + ε) + β_t with c = w/σ(0)."""
     torch.manual_seed(0)
     bn = nn.BatchNorm1d(4, momentum=0.2)
     with torch.no_grad():
-        bn.running_mean.normal_()
         bn.weight.uniform_(0.5, 2.0)
         bn.bias.normal_()
-    layer = MemberNorm(bn, num_members=3).train()
-    gamma = torch.randn(3, 4)
-    beta = torch.randn(3, 4)
-    layer.gamma = nn.Parameter(gamma)  # a sample-batched (S, C) value, as the model swaps in
-    layer.beta = nn.Parameter(beta)
+    layer = MemberNorm(bn)
+    gamma, beta = torch.randn(3, 4), torch.randn(3, 4)
+    mean, var = torch.randn(3, 4), torch.rand(3, 4) + 0.5
+    layer.gamma, layer.beta = nn.Parameter(gamma), nn.Parameter(beta)  # (S, C) member values
+    layer.running_mean = nn.Parameter(mean.clone().requires_grad_())
+    layer.running_var = nn.Parameter(var.clone().requires_grad_())
     slices = [torch.randn(6, 4) * (t + 1) + 3 * t for t in range(3)]
-    for _ in range(2):
-        out = layer(torch.cat(slices))
+    x = torch.cat(slices)
+    scale = 2 * bn.weight.detach() * torch.sigmoid(gamma)
+    out = layer.eval()(x)
     for t in range(3):
-        ref = copy.deepcopy(bn).train()
-        for _ in range(2):
-            normed = ref(slices[t])
-        torch.testing.assert_close(layer.running_mean[t], ref.running_mean)
-        torch.testing.assert_close(layer.running_var[t], ref.running_var)
-        # output: c ⊙ σ(γ_t) ⊙ (x − μ_B)/√(v_B + ε) + β_t with c = w/σ(0)
-        plain = (normed - ref.bias) / ref.weight
-        expected = plain * 2 * bn.weight * torch.sigmoid(gamma[t]) + beta[t]
+        expected = (slices[t] - mean[t]) / torch.sqrt(var[t] + bn.eps) * scale[t] + beta[t]
         torch.testing.assert_close(out[6 * t : 6 * t + 6], expected)
-    assert (layer.running_mean[0] - layer.running_mean[2]).abs().min() > 0.1
-    assert layer.num_batches_tracked.tolist() == [2, 2, 2]
+    out.sum().backward()
+    assert layer.running_mean.grad is None and layer.running_var.grad is None
+    out = layer.train()(x)
+    batch_mean, batch_var = layer.batch_statistics
+    for t in range(3):
+        m, v = slices[t].mean(0), slices[t].var(0, unbiased=False)
+        expected = (slices[t] - m) / torch.sqrt(v + bn.eps) * scale[t] + beta[t]
+        torch.testing.assert_close(out[6 * t : 6 * t + 6], expected)
+        torch.testing.assert_close(batch_mean[t], m)
+        torch.testing.assert_close(batch_var[t], slices[t].var(0, unbiased=True))
 
 
-def test_batchnorm_statistics_per_member_inside_the_model():
-    """With the backbone in train mode the second BatchNorm sees member-specific inputs (the
-    first one's member scales differ), so its running statistics differ per member."""
+def test_batchnorm_running_statistics_are_per_member():
+    """With the backbone in training mode every fitted member's running statistics are the
+    BatchNorm EMA of its own batch statistics: member t's equal an nn.BatchNorm1d run on member
+    t's inputs to that layer, step by step (the second BatchNorm sees member-specific inputs)."""
     net = _bn_mlp()
     model = SigmaNormEnsemble(
-        net, num_members=3, heads=["6"], trainable_modules=[], train_backbone_mode=True,
-        num_data=32,
+        copy.deepcopy(net), num_members=3, heads=["6"], trainable_modules=[],
+        train_backbone_mode=True, num_data=32,
     )  # fmt: skip
+    guide = pb.posterior(model, "signorm", strength=0.0)
+    fitter = pb.infer.make_fitter(model, guide, lr=0.0)  # lr 0: only the statistics move
+    batches = [torch.randn(32, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    references = [copy.deepcopy(net[4]).train() for _ in range(3)]
     model.train()
-    values = _member_values(model, 3)
-    before = model.net[4].running_mean.clone()
-    model.batched_output(torch.randn(32, 5), values)
-    after = model.net[4].running_mean
-    assert (after - before).abs().min() > 0  # every member's statistics moved
-    assert (after[0] - after[1]).abs().max() > 1e-3  # and differently per member
+    for xb in batches:
+        # member t's input to the second BatchNorm, computed by hand with its own values
+        for t, ref in enumerate(references):
+            h = net[0](xb)
+            h = F.batch_norm(h, None, None, training=True, eps=net[1].eps)
+            h = h * 2 * net[1].weight * torch.sigmoid(guide.loc("1.gamma")[t])
+            h = net[3](torch.tanh(h + guide.loc("1.beta")[t]))
+            ref(h)
+        fitter.step((xb, torch.randint(0, 3, (32,))))
+    for t, ref in enumerate(references):
+        torch.testing.assert_close(guide.loc("4.running_mean")[t], ref.running_mean)
+        torch.testing.assert_close(guide.loc("4.running_var")[t], ref.running_var)
+    stats = guide.loc("4.running_mean")
+    assert (stats[0] - stats[1]).abs().max() > 1e-3  # per member, not shared
 
 
 def test_bad_conversions_are_refused_with_clear_errors():
