@@ -428,7 +428,7 @@ def _check_model(path: str | Path, header: dict[str, Any], model: Any) -> None:
     likelihood: Any = getattr(model, "likelihood", None)
     if saved_lik is not None and hasattr(likelihood, "to_dict"):
         current_lik = _jsonable(likelihood.to_dict())
-        for key in ("name", "obs_scale"):
+        for key in ("name", "obs_scale", "normalize", "choice_token_ids"):
             a, b = saved_lik.get(key), current_lik.get(key)
             if a != b:
                 raise PosteriorMismatchError(

@@ -10,6 +10,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.batch import batch_size, split_batch, token_mask
+from pyrobayes.io import PosteriorMismatchError
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
 from pyrobayes.models.deploy import merged_network
 from pyrobayes.models.multiple_choice import encode_multiple_choice
@@ -287,3 +288,34 @@ def test_wsvd_calibration_sees_the_real_tokens_of_every_choice_row():
     )
     assert moments["model.layers.0.self_attn.q_proj"].n == int(batch["attention_mask"].sum())
     assert len(model.latent_sites) == 2
+
+
+def test_pyro_predictive_and_save_load(tmp_path):
+    # Pyro's vectorized Predictive runs the continuation batch through the model's Pyro program
+    # (obs (S, B): the data plate counts examples); save/load keeps the normalisation
+    import pyro
+
+    def build(normalize):
+        torch.manual_seed(0)
+        return FineTuneModel(
+            tiny_llama().eval(),
+            LoRAXS(rank=2, target_modules=["q_proj"]),
+            likelihood=MultipleChoice(normalize=normalize),
+            trainable_modules=[],
+            num_data=3,
+        )
+
+    model = build("length")
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, answers=[0, 1, 2])
+    inputs, _ = split_batch(batch)
+    guide = pb.posterior(model, "meanfield")
+    pb.fit(model, guide, [batch], epochs=1)
+    samples = pyro.infer.Predictive(model, guide=guide, num_samples=4, parallel=True)(inputs)
+    assert samples["obs"].shape == (4, 3)
+    assert int(samples["obs"].min()) >= 0 and int(samples["obs"].max()) <= 2
+    path = pb.save(guide, tmp_path / "mc.safetensors", model=model)
+    loaded = pb.load(path, build("length"))
+    for site in guide.sites:
+        torch.testing.assert_close(loaded.loc(site), guide.loc(site), rtol=0, atol=0)
+    with pytest.raises(PosteriorMismatchError, match="normalize"):
+        pb.load(path, build("none"))
