@@ -326,7 +326,7 @@ def flatten_choices(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], int, int
     for key, value in inputs.items():
         if key in SCORE_KEYS:
             continue
-        if isinstance(value, Tensor) and value.dim() == 3 and value.shape[:2] == ids.shape[:2]:
+        if isinstance(value, Tensor) and value.dim() >= 3 and value.shape[:2] == ids.shape[:2]:
             value = value.reshape(rows * k_choices, *value.shape[2:])
         flat[key] = value
     return flat, rows, k_choices
