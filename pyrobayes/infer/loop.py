@@ -51,9 +51,13 @@ class FitResult(NamedTuple):
 
     - **guide** - the fitted guide (the posterior).
     - **state["terms"]** - for an objective that reports named terms
-      (:class:`~pyrobayes.infer.objectives.ReportsTerms`, e.g. ``L_K`` and the plain ``elbo`` of
-      the symmetrized ELBO): ``{name: Tensor}`` of their value at every step of this call (after
-      a resume: the steps since it); the progress bar shows their running averages.
+      (:class:`~pyrobayes.infer.objectives.ReportsTerms`): ``{name: Tensor}`` of their value at
+      every step of this call (after a resume: the steps since it); the progress bar shows
+      their running averages. The ELBO reports the data term ``nll`` (expected negative
+      log-likelihood per training example) and ``kl`` (``KL(q ‖ p)``), with
+      ``loss = N · nll + kl``; MAP (and the MAP phase of SWAG and Laplace) reports ``nll``,
+      ``prior`` (``−log p(θ̂)`` without its normalising constant) and ``prior_const``, with
+      ``loss = N · nll + prior + prior_const``; the symmetrized ELBO ``L_K``, ``elbo``, ``I_K``.
     - **losses** - ``Tensor (num_steps,)``: the objective at every step (dataset-sum convention).
     - **state** - ``dict``: ``step``, ``epoch``, ``elapsed`` seconds, ``objective`` name, and
       the fitter's own running quantities (:meth:`Fitter.report`, e.g. IBDR's ``lam``).

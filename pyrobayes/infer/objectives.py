@@ -170,6 +170,11 @@ def scaled_log_likelihood(model: Any, values: dict[str, Tensor], batch: Any) -> 
     return scale * log_lik.mean(0).sum()
 
 
+def _num_data(model: Any, batch: Any) -> int:
+    """N of the dataset-sum convention: the model's ``num_data``, else the batch's size."""
+    return int(model.num_data or batch_size(split_batch(batch, model.label_key)[0]))
+
+
 class ELBO:
     r"""Reparameterized negative ELBO.
 
@@ -181,6 +186,14 @@ class ELBO:
     The KL is analytic when ``analytic_kl`` and the family/prior pair has one (mean-field vs the
     Gaussian prior), else the Monte Carlo estimate ``(1/S) Σ_s [log q(θ_s) − log p(θ_s)]``.
     Unbiased for the ELBO in both cases; particles run in one batched forward.
+
+    Reports (:meth:`terms`, what :func:`pyrobayes.fit` shows and returns in
+    ``FitResult.state["terms"]``) the two parts of the last evaluation, so that
+    ``loss = N · nll + kl`` exactly:
+
+    - ``nll``: the data term per example, ``−(1/B) Σ_b (1/S) Σ_s log p(y_b | x_b, θ_s)`` (the
+      expected negative log-likelihood of one training example);
+    - ``kl``: ``KL(q ‖ p)`` over all sites (entering the loss once).
 
     Parameters
     ----------
@@ -195,19 +208,27 @@ class ELBO:
             raise ValueError(f"Expected num_particles >= 1 but got {num_particles}.")
         self.num_particles = int(num_particles)
         self.analytic_kl = analytic_kl
+        self._last_terms: dict[str, Tensor] = {}
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
+        kl: Tensor | None = None
         if self.analytic_kl and implements(guide, AnalyticKL):
             try:  # draws and the analytic KL in one pass
                 values, kl = guide.rsample_with_kl(self.num_particles, model)
             except NotImplementedError:  # no formula for this prior: Monte Carlo below
-                pass
-            else:
-                return kl - scaled_log_likelihood(model, values, batch)
-        values = guide.rsample(self.num_particles)
-        nll = -scaled_log_likelihood(model, values, batch)
-        kl = (guide.log_prob(values) - model.log_prior(values)).mean()
+                kl = None
+        if kl is None:
+            values = guide.rsample(self.num_particles)
+            nll = -scaled_log_likelihood(model, values, batch)
+            kl = (guide.log_prob(values) - model.log_prior(values)).mean()
+        else:
+            nll = -scaled_log_likelihood(model, values, batch)
+        self._last_terms = {"nll": nll.detach() / _num_data(model, batch), "kl": kl.detach()}
         return nll + kl
+
+    def terms(self) -> dict[str, Tensor]:
+        """``{"nll", "kl"}`` of the last evaluation: ``loss = N · nll + kl``."""
+        return dict(self._last_terms)
 
 
 class MAP:
@@ -216,7 +237,20 @@ class MAP:
     ``θ̂`` is the point of a :class:`~pyrobayes.contract.PostHoc` posterior (its ``loc``,
     which SWAG and Laplace train before their posterior exists), else one draw of the guide
     (the point itself for :class:`~pyrobayes.guides.DeltaGuide`).
+
+    Reports (:meth:`terms`) the parts of the last evaluation, ``loss = N · nll + prior +
+    prior_const`` exactly, so that the fit is visible beside the prior's normalising constant
+    (``d (log s_p + ½ log 2π)`` over ``d`` latent numbers: thousands of nats for a LoRA, and
+    constant):
+
+    - ``nll``: the data term per example, ``−(1/B) Σ_b log p(y_b | x_b, θ̂)``;
+    - ``prior``: ``−log p(θ̂)`` without its normalising constant, ``½ Σ ((θ̂ − μ_p)/s_p)²`` for
+      the Gaussian prior ``N(μ_p, s_p²)`` of every site (the weight-decay term);
+    - ``prior_const``: the constant, ``Σ_sites numel · (log s_p + ½ log 2π)``.
     """
+
+    def __init__(self) -> None:
+        self._last_terms: dict[str, Tensor] = {}
 
     def loss(self, model: Any, guide: Posterior, batch: Any) -> Tensor:
         if implements(guide, PostHoc):
@@ -224,7 +258,35 @@ class MAP:
             values = {s: point.loc(s).unsqueeze(0) for s in guide.sites}
         else:
             values = guide.rsample(1)
-        return -scaled_log_likelihood(model, values, batch) - model.log_prior(values).sum()
+        nll = -scaled_log_likelihood(model, values, batch)
+        neg_log_prior = -model.log_prior(values).sum()
+        const = _prior_constant(model, values)
+        self._last_terms = {
+            "nll": nll.detach() / _num_data(model, batch),
+            "prior": neg_log_prior.detach() - const,
+            "prior_const": torch.as_tensor(const, dtype=nll.dtype),
+        }
+        return nll + neg_log_prior
+
+    def terms(self) -> dict[str, Tensor]:
+        """``{"nll", "prior", "prior_const"}`` of the last evaluation:
+        ``loss = N · nll + prior + prior_const``."""
+        return dict(self._last_terms)
+
+
+def _prior_constant(model: Any, values: Mapping[str, Tensor]) -> float:
+    """``−log p(θ) − ½ Σ ((θ − μ_p)/s_p)²``: the normalising constant of the Gaussian prior
+    ``N(μ_p, s_p²)`` over the sites of ``values`` (``model.prior_loc_scale``), or ``0`` for a
+    model without one (then ``prior`` is the whole ``−log p(θ̂)``)."""
+    loc_scale = getattr(model, "prior_loc_scale", None)
+    if loc_scale is None:
+        return 0.0
+    total = 0.0
+    for site, v in values.items():
+        _, scale = loc_scale(site)
+        numel = v[0].numel()
+        total += numel * (math.log(scale) + 0.5 * math.log(2 * math.pi))
+    return total
 
 
 class PyroObjective:

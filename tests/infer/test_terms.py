@@ -1,0 +1,82 @@
+"""The data term and the KL / prior term that fit reports (FitResult.state["terms"], the
+progress bar): they reproduce the loss, and the data term is the per-example NLL."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pyrobayes as pb
+from pyrobayes.infer.objectives import ELBO, MAP
+from pyrobayes.models import LoRAXS
+from tests.common import mlp_problem, tensor_loader
+
+
+def _problem():
+    prob = mlp_problem(
+        (5, 8, 3),
+        LoRAXS(rank=2, target_modules=["0"]),
+        num_data=48,
+        seed=0,
+        data_seed=1,
+        trainable_modules=["2"],
+        prior_scale=0.5,
+    )
+    return prob.model.double(), prob.x.double(), prob.y
+
+
+@pytest.mark.parametrize("family", ["map", "meanfield"])
+def test_terms_reproduce_the_loss_and_the_data_term_is_the_nll(family: str) -> None:
+    model, x, y = _problem()
+    guide = pb.posterior(model, family)
+    result = pb.fit(model, guide, tensor_loader(x, y, 16), epochs=2, lr=0.05, seed=0)
+    terms = result.state["terms"]
+    n = model.num_data
+    if family == "map":
+        assert set(terms) == {"nll", "prior", "prior_const"}
+        total = n * terms["nll"] + terms["prior"] + terms["prior_const"]
+        d = sum(v.numel() for v in guide.mean().values())
+        const = d * (math.log(0.5) + 0.5 * math.log(2 * math.pi))  # d (log s_p + ½ log 2π)
+        torch.testing.assert_close(
+            terms["prior_const"], torch.full((6,), const, dtype=torch.float64)
+        )
+    else:
+        assert set(terms) == {"nll", "kl"}
+        total = n * terms["nll"] + terms["kl"]
+        assert bool((terms["kl"] > 0).all())
+    # N·nll + KL (or prior) is the loss of every step, to rounding
+    torch.testing.assert_close(total, result.losses.double(), rtol=1e-12, atol=1e-9)
+
+    # the data term against an independent cross-entropy on the same draw
+    batch = (x[:16], y[:16])
+    objective = MAP() if family == "map" else ELBO()
+    torch.manual_seed(5)
+    loss = objective.loss(model, guide, batch)
+    reported = objective.terms()
+    torch.manual_seed(5)
+    if family == "map":
+        values = {s: v.unsqueeze(0) for s, v in guide.mean().items()}
+    else:
+        values, _ = guide.rsample_with_kl(1, model)  # ELBO's first draw, same RNG state
+    with torch.no_grad():
+        logits = model.output(x[:16], {s: v[0] for s, v in values.items()})
+    nll = F.cross_entropy(logits, y[:16])  # mean over the 16 examples
+    torch.testing.assert_close(reported["nll"], nll.detach(), rtol=1e-12, atol=1e-12)
+    if family == "map":  # prior without the constant: ½ Σ (θ/s_p)²
+        quad = sum(0.5 * (v / 0.5).square().sum() for v in guide.mean().values())
+        torch.testing.assert_close(reported["prior"], quad, rtol=1e-12, atol=1e-12)
+        rebuilt = n * reported["nll"] + reported["prior"] + reported["prior_const"]
+    else:
+        rebuilt = n * reported["nll"] + reported["kl"]
+    torch.testing.assert_close(rebuilt, loss.detach(), rtol=1e-12, atol=1e-9)
+
+
+def test_progress_bar_shows_the_terms(capsys) -> None:
+    model, x, y = _problem()
+    guide = pb.posterior(model, "meanfield")
+    pb.fit(model, guide, tensor_loader(x, y, 16), epochs=20, lr=0.05, progress_bar=True)
+    err = capsys.readouterr().err
+    assert "nll=" in err and "kl=" in err
