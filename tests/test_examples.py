@@ -18,6 +18,7 @@ def test_there_are_examples():
     expected = {"map", "meanfield", "ivon_diag", "kron_ivon", "swag", "laplace_kron"}
     assert expected | {"posthoc_from_map", "causal_lm_multiple_choice"} <= names
     assert "symmetrized" in names
+    assert "ibdr" in names
 
 
 @pytest.mark.integration
