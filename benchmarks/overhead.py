@@ -40,7 +40,8 @@ Run::
     .venv/bin/python benchmarks/overhead.py            # full (a few minutes on 2 CPU cores)
     .venv/bin/python benchmarks/overhead.py --quick    # fewer repeats
     .venv/bin/python benchmarks/overhead.py --device cuda
-    .venv/bin/python benchmarks/overhead.py --only llama --threads 1   # the causal-LM case
+    .venv/bin/python benchmarks/overhead.py --only llama --threads 1 \
+        --out benchmarks/results/overhead_llama_t1.json                # the causal-LM case
 """
 
 from __future__ import annotations
