@@ -19,6 +19,7 @@ def test_there_are_examples():
     assert expected | {"posthoc_from_map", "causal_lm_multiple_choice"} <= names
     assert "symmetrized" in names
     assert "ibdr" in names
+    assert "signorm" in names
 
 
 @pytest.mark.integration
