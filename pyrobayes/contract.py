@@ -253,10 +253,14 @@ class Mixture(Protocol):
         K.
     component_scale : float
         σ, the standard deviation of every component (0: point masses).
+    average : {"probs", "logits"}
+        How :func:`pyrobayes.predict` combines a classifier's draws: the mixture predictive
+        (probabilities averaged), or ``softmax`` of the averaged logits (one prediction, S = 1).
     """
 
     num_components: int
     component_scale: float
+    average: str
 
     def component_locs(self) -> dict[str, Tensor]:
         """``{site: (K, *shape)}``: the components' locations, the trainable tensors themselves."""

@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .batch import batch_size, split_batch, to_device
-from .contract import LinearizedPredictive, implements
+from .contract import LinearizedPredictive, Mixture, implements
 from .models.adapters import check_int
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,9 @@ def predict(
     not ``"nn"``: that one is evaluated by :func:`pyrobayes.linearized.linearized_predict`
     (the network linearised at ``θ̂``; exact Gaussian for regression, Monte Carlo over the
     linearised logits or probit for classification). Explicit ``values`` always sample the
-    network.
+    network. A :class:`~pyrobayes.contract.Mixture` with ``average="logits"`` gives one
+    prediction, ``softmax((1/S) Σ_s f(x; θ_s))`` (exactly the particles' logit average when S is
+    a multiple of their number).
 
     Parameters
     ----------
@@ -207,6 +209,10 @@ def predict(
     values = {k: v.detach().to(dev) for k, v in values.items()}
     num_samples = int(next(iter(values.values())).shape[0])
     classification = model.likelihood.is_classification
+    # a Mixture may ask for the softmax of its draws' averaged logits (the released IBDR code)
+    average_logits = (
+        classification and implements(guide, Mixture) and cast(Mixture, guide).average == "logits"
+    )
     check_targets = getattr(model.likelihood, "check_targets", None)
     outputs: list[Tensor] = []
     targets: list[Tensor] = []
@@ -221,7 +227,10 @@ def predict(
                 if classification:
                     params = torch.log_softmax(model.likelihood.dist(params).logits, dim=-1)
                 parts.append(params)
-            outputs.append(torch.cat(parts, 0))
+            out = torch.cat(parts, 0)
+            if average_logits:  # log_softmax(mean_s log_softmax_s) = log_softmax(mean_s logits_s)
+                out = torch.log_softmax(out.mean(0, keepdim=True), dim=-1)
+            outputs.append(out)
             if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
                 targets.append(check_targets(parts[0], y) if check_targets else y)
     if not outputs:

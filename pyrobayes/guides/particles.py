@@ -57,6 +57,10 @@ class ParticleGuide(PosteriorGuide):
         particle's adapter output identical, so their predictions coincide and a diversity
         determinant over them is exactly 0. ``init_scale=0`` starts every particle at the
         model's value.
+    average : {"probs", "logits"}
+        How :func:`pyrobayes.predict` combines the draws of a classifier: ``"probs"`` (default)
+        the mixture's predictive ``(1/S) Σ_s softmax(f(x; θ_s))``; ``"logits"`` the released IBDR
+        code's ``softmax((1/S) Σ_s f(x; θ_s))`` (one combined prediction, ``S = 1``).
 
     Notes
     -----
@@ -84,8 +88,12 @@ class ParticleGuide(PosteriorGuide):
         num_particles: int = 4,
         scale: float = 0.0,
         init_scale: float = 1e-2,
+        average: str = "probs",
     ) -> None:
         owner = f"{type(self).__name__}: "
+        if average not in ("probs", "logits"):
+            raise ValueError(f"{owner}expected average 'probs' or 'logits' but got {average!r}.")
+        self.average = average
         self.num_components = check_int("num_particles", num_particles, ge=1, owner=owner)
         self.component_scale = check_real("scale", scale, ge=0, owner=owner)
         self._init_scale = check_real("init_scale", init_scale, ge=0, owner=owner)
@@ -253,6 +261,9 @@ class IBDRGuide(ParticleGuide):
     model : FineTuneModel
     num_particles, scale, init_scale
         As :class:`ParticleGuide` (K = 4, σ = 0, jitter 1e-2).
+    average : {"probs", "logits"}
+        As :class:`ParticleGuide`: the predictive averages probabilities (default) or, as the
+        released code, logits.
     alpha : float
         α, weight of the diversity term (default 0.02, as the released code).
     rho : float
@@ -287,6 +298,7 @@ class IBDRGuide(ParticleGuide):
         num_particles: int = 4,
         scale: float = 0.0,
         init_scale: float = 1e-2,
+        average: str = "probs",
         alpha: float = 0.02,
         rho: float = 0.02,
         lam: float = 3.0,
@@ -316,4 +328,10 @@ class IBDRGuide(ParticleGuide):
             raise ValueError(f"{owner}expected cost 'param' or 'function' but got {cost!r}.")
         if loss not in ("mean", "logits"):
             raise ValueError(f"{owner}expected loss 'mean' or 'logits' but got {loss!r}.")
-        super().__init__(model, num_particles=num_particles, scale=scale, init_scale=init_scale)
+        super().__init__(
+            model,
+            num_particles=num_particles,
+            scale=scale,
+            init_scale=init_scale,
+            average=average,
+        )

@@ -120,6 +120,24 @@ def test_predict_over_k_draws_is_the_equal_weight_probability_average():
     torch.testing.assert_close(pred.mean_probs, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_average_logits_predicts_the_softmax_of_the_particles_mean_logits():
+    """average="logits" (the released IBDR code): one prediction, softmax(mean_k f(x; μ_k))."""
+    pyro.clear_param_store()
+    torch.manual_seed(2)
+    model, data = _problem()
+    guide = ParticleGuide(model, num_particles=3, init_scale=0.3, average="logits")
+    pred = pb.predict(model, guide, data, num_samples=6)
+    x = torch.cat([b[0] for b in data])
+    logits = torch.stack(
+        [model.output(x, {s: guide.loc(s)[k].detach() for s in guide.sites}) for k in range(3)]
+    )
+    assert pred.log_probs.shape == (1, 32, 6)
+    torch.testing.assert_close(pred.mean_probs, torch.softmax(logits.mean(0), -1))
+    # and it differs from the probability average (the default) on these separated particles
+    probs_avg = torch.softmax(logits, -1).mean(0)
+    assert (pred.mean_probs - probs_avg).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_pyro_predictive_draws_the_component_then_its_particle(parallel):
     pyro.clear_param_store()
@@ -203,6 +221,7 @@ def test_save_load_and_config_rebuild(tmp_path):
         ({"num_particles": 2.5}, "num_particles"),
         ({"scale": -1.0}, "scale"),
         ({"init_scale": float("nan")}, "init_scale"),
+        ({"average": "median"}, "average"),
     ],
 )
 def test_bad_options_are_named(kwargs, words):
