@@ -17,6 +17,7 @@ starting from the pretrained BatchNorm statistics (each then keeps its own).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from ..models.signorm import SCALE_KIND, STATS_KIND, scale_sites
 from .particles import ParticleGuide
 
 __all__ = ["SigmaNormGuide"]
+
+logger = logging.getLogger(__name__)
 
 
 class SigmaNormGuide(ParticleGuide):
@@ -107,6 +110,15 @@ class SigmaNormGuide(ParticleGuide):
         #: the scale sites the diversity term covers
         self.diversity_sites: list[str] = scale_sites(model, regularized)
         super().__init__(model, num_particles=num_particles, scale=scale, init_scale=init_scale)
+        if not any(kind == SCALE_KIND for kind in self._kinds.values()) and self.num_members > 1:
+            logger.warning(
+                "%s: the model has no member norm layers (build it with "
+                "pb.models.SigmaNormEnsemble or adapter=pb.models.SigmaNorm(...)): the %d members "
+                "differ only by their heads and init_scale=%g.",
+                type(self).__name__,
+                self.num_members,
+                init_scale,
+            )
 
     @property
     def num_members(self) -> int:
