@@ -59,6 +59,7 @@ class IVONLoss:
             raise ValueError(f"Expected mc_samples >= 1 but got {mc_samples}.")
         self.mc_samples = mc_samples
         self.sampler: IVONOptimizer | None = None
+        self._last_nll: Tensor | None = None
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
         # S: this objective's own, else the guide's (an OnlineNewton posterior declares it)
@@ -70,7 +71,14 @@ class IVONLoss:
         nll = per_example_nll(model, params, targets, num, batch_size(inputs))
         if sampler is not None and sampler.curvature is not None:
             sampler.curvature.passes(model, params, targets)
-        return nll.mean()
+        loss = nll.mean()
+        self._last_nll = loss.detach()
+        return loss
+
+    def terms(self) -> dict[str, Tensor]:
+        """``{"nll"}``: the loss itself, the data term per example (IVON's prior and entropy
+        enter through δ and the update, not through a term of the loss)."""
+        return {} if self._last_nll is None else {"nll": self._last_nll}
 
 
 def per_example_nll(model: Any, params: Tensor, targets: Tensor, num: int, size: int) -> Tensor:

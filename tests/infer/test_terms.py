@@ -80,3 +80,14 @@ def test_progress_bar_shows_the_terms(capsys) -> None:
     pb.fit(model, guide, tensor_loader(x, y, 16), epochs=20, lr=0.05, progress_bar=True)
     err = capsys.readouterr().err
     assert "nll=" in err and "kl=" in err
+
+
+@pytest.mark.parametrize("family", ["ivon", "kron-ivon"])
+def test_ivon_reports_its_data_term(family: str) -> None:
+    """IVON's loss is the per-example NLL itself (its prior enters through δ): reported as nll."""
+    model, x, y = _problem()
+    guide = pb.posterior(model, family)
+    result = pb.fit(model, guide, tensor_loader(x, y, 16), epochs=1, lr=0.05, seed=0)
+    torch.testing.assert_close(
+        result.state["terms"]["nll"], result.losses.double(), rtol=1e-6, atol=0
+    )
