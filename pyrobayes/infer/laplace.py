@@ -19,6 +19,9 @@ Immer et al. 2021), or alternating with MAP refits (MacKay 1992; :class:`Laplace
 
 GLM predictive. ``f(x) ~ N(f(x; θ*), J(x) Σ J(x)ᵀ)``; class probabilities by the probit
 approximation ``softmax(f / sqrt(1 + π/8 · diag(JΣJᵀ)))`` or Monte Carlo over the logits.
+:func:`pyrobayes.predict` evaluates it by default (:mod:`pyrobayes.linearized`: Jacobians of the
+K read outputs only, chunked); :func:`glm_predict` here forms dense Jacobians of the whole
+batch output and is kept for comparison.
 """
 
 from __future__ import annotations
@@ -358,20 +361,8 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
 
 
 def _functional_variance(guide: Any, jac: Mapping[str, Tensor]) -> Tensor:
-    """``J Σ Jᵀ`` `(B, C, C)` from per-site Jacobians ``(B, C, *site_shape)``."""
-    total = None
-    for s, j in jac.items():
-        prec = guide.curvature(s) + guide.lap_prior_precision
-        if guide.structure == "diag":
-            flat = j.reshape(*j.shape[:2], -1)
-            var = torch.einsum("bcd,bed->bce", flat, flat / prec.reshape(-1))
-        else:
-            q_out, q_in = guide.eigvecs(s)
-            y = q_out.T @ j @ q_in  # (B, C, m, n) in the eigenbasis
-            var = torch.einsum("bcij,beij->bce", y, y / prec)
-        total = var if total is None else total + var
-    assert total is not None
-    return total
+    """``J Σ Jᵀ`` `(B, C, C)` from per-site Jacobians ``(B, C, *site_shape)`` (the guide's)."""
+    return guide.functional_covariance(jac)
 
 
 def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
