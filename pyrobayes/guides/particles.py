@@ -140,9 +140,7 @@ class ParticleGuide(PosteriorGuide):
         """The marginal at ``site``: the mixture of the K particles' components."""
         locs = self.loc(site)
         event_dim = locs.dim() - 1
-        if self.component_scale == 0:
-            weights = locs.new_zeros(self.num_components)
-            return dist.Empirical(locs, weights)
+        # point particles: Delta components, so log_prob is log(n(θ)/K) (counting measure)
         mixing = dist.Categorical(logits=locs.new_zeros(self.num_components))
         return dist.MixtureSameFamily(mixing, self._component(locs, event_dim))
 

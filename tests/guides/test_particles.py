@@ -68,6 +68,11 @@ def test_log_prob_of_point_particles_is_over_the_counting_measure():
     torch.testing.assert_close(guide.log_prob(draws), torch.full((4,), -math.log(4)))
     moved = {s: v + 1e-3 for s, v in draws.items()}
     assert torch.isinf(guide.log_prob(moved)).all()
+    for site in guide.sites:  # the marginal: the same counting-measure mixture per site
+        marginal = guide.get_posterior(site)
+        torch.testing.assert_close(marginal.log_prob(draws[site]), torch.full((4,), -math.log(4)))
+        assert torch.isinf(marginal.log_prob(moved[site])).all()
+        torch.testing.assert_close(marginal.mean, guide.loc(site).detach().mean(0))
     with torch.no_grad():  # two equal particles carry mass 2/K
         for site in guide.sites:
             guide.loc_param(site)[1].copy_(guide.loc_param(site)[0])
