@@ -63,6 +63,9 @@ class SigmaNormGuide(ParticleGuide):
     init_scale : float
         Jitter of the members' initial adapter values and shifts around the model's (default 0:
         the members differ through ``γ`` and their heads).
+    average : {"probs", "logits"}
+        How :func:`pyrobayes.predict` combines the members (default: the average of their
+        probabilities, the σN-ensemble's predictive).
     tau : float
         τ > 0, the softmax temperature: small τ gives single-owner features (hard partition),
         intermediate τ about ``k*(τ)`` owners (:func:`pyrobayes.models.signorm.owner_corner`).
@@ -89,6 +92,7 @@ class SigmaNormGuide(ParticleGuide):
         num_particles: int | None = None,
         scale: float = 0.0,
         init_scale: float = 0.0,
+        average: str = "probs",
         tau: float = 0.5,
         strength: float = 1e-3,
         regularized: Sequence[str] | str = "all",
@@ -109,7 +113,13 @@ class SigmaNormGuide(ParticleGuide):
         self._kinds = {site: spec.kind for site, spec in latent.items()}
         #: the scale sites the diversity term covers
         self.diversity_sites: list[str] = scale_sites(model, regularized)
-        super().__init__(model, num_particles=num_particles, scale=scale, init_scale=init_scale)
+        super().__init__(
+            model,
+            num_particles=num_particles,
+            scale=scale,
+            init_scale=init_scale,
+            average=average,
+        )
         if not any(kind == SCALE_KIND for kind in self._kinds.values()) and self.num_members > 1:
             logger.warning(
                 "%s: the model has no member norm layers (build it with "
