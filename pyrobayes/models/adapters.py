@@ -318,10 +318,16 @@ class LoRAXS:
         }
 
 
-def adapter_from_dict(config: dict[str, Any]) -> LoRA | LoRAXS:
-    """Inverse of ``to_dict`` (used by posterior I/O and the command line)."""
+def adapter_from_dict(config: dict[str, Any]) -> Any:
+    """Inverse of ``to_dict`` (used by posterior I/O and the command line): a LoRA, LoRA-XS or
+    σN-ensemble (:class:`~pyrobayes.models.signorm.SigmaNorm`, its inner adapter nested)."""
     config = dict(config)
     kind = config.pop("kind")
+    if kind == "signorm":
+        from .signorm import SigmaNorm  # signorm builds on this module
+
+        inner = config.pop("adapter", None)
+        return SigmaNorm(**config, adapter=None if inner is None else adapter_from_dict(inner))
     return {"lora": LoRA, "lora_xs": LoRAXS}[kind](**config)
 
 

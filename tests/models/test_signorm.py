@@ -287,6 +287,15 @@ def test_batchnorm_running_statistics_are_per_member():
     assert (stats[0] - stats[1]).abs().max() > 1e-3  # per member, not shared
 
 
+def test_the_config_round_trips_through_its_dict():
+    from pyrobayes.models.adapters import adapter_from_dict
+
+    for inner in (None, pb.models.LoRAXS(rank=2, target_modules=["0"]), pb.models.LoRA(rank=3)):
+        config = SigmaNorm(num_members=3, norm_modules=["1"], heads=["6"], adapter=inner)
+        again = adapter_from_dict(config.to_dict())
+        assert isinstance(again, SigmaNorm) and again.to_dict() == config.to_dict()
+
+
 def test_bad_conversions_are_refused_with_clear_errors():
     with pytest.raises(ValueError, match="no LayerNorm"):
         SigmaNormEnsemble(nn.Sequential(nn.Linear(3, 2)), num_members=2, heads=[])
