@@ -14,7 +14,8 @@ arms: it bounds ``ELBO(q_G)`` of the arm's q), test accuracy, NLL and ECE of the
 
 Timing: one optimisation step of each arm (forward, backward, Adam) at K = 16, interleaved
 round-robin on the same batches; the ratio symmetrized / meanfield is the median over rounds of
-the per-round ratio (target <= 1.15).
+the per-round ratio (target <= 1.15). Also on the LoRA rank symmetry: a config-built BERT
+(4 layers, hidden 128) with LoRA r = 8 on query/value, batch 32 x 64 tokens (timing only).
 
 Run::
 
@@ -146,6 +147,52 @@ def step_times(width: int, args, train, rounds: int) -> float:
     return statistics.median(ratios)
 
 
+def lora_step_ratio(args, rounds: int) -> tuple[float, int]:
+    """Step-time ratio on the LoRA rank symmetry: a config-built BERT (4 layers, hidden 128, no
+    download) with LoRA r = 8 on query/value, a batch of 32 sequences of 64 random tokens."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        num_labels=2,
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 1000, (32, 64), generator=g)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.randint(0, 2, (32,), generator=g),
+    }
+    fitters = {}
+    for arm in ("meanfield", "symmetrized"):
+        torch.manual_seed(0)
+        model = pb.models.FineTuneModel(
+            BertForSequenceClassification(config),
+            pb.models.LoRA(rank=8, target_modules=["query", "value"]),
+            num_data=1000,
+        )
+        guide = guide_for(arm, model, args)
+        model.train(True)
+        fitters[arm] = pb.infer.make_fitter(model, guide, lr=args.lr)
+    ratios = []
+    for r in range(rounds + 1):
+        times = {}
+        for arm in ("meanfield", "symmetrized") if r % 2 else ("symmetrized", "meanfield"):
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fitters[arm].step(batch)
+            times[arm] = time.perf_counter() - t0
+        if r:
+            ratios.append(times["symmetrized"] / times["meanfield"])
+    num_latent = sum(int(torch.Size(s).numel()) for s in fitters["meanfield"].guide.sites.values())
+    return statistics.median(ratios), num_latent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, 2 epochs, w=16 only")
@@ -159,10 +206,12 @@ def main() -> None:
     parser.add_argument("--num-permutations", type=int, default=16)
     parser.add_argument("--eval-samples", type=int, default=32)
     parser.add_argument("--timing-rounds", type=int, default=20)
+    parser.add_argument("--lora-rounds", type=int, default=10, help="0: skip the LoRA timing")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/symmetrized.json"))
     args = parser.parse_args()
     if args.quick:
         args.widths, args.seeds, args.epochs, args.timing_rounds = [16], 1, 2, 3
+        args.lora_rounds = min(args.lora_rounds, 2)
     torch.set_num_threads(1)
     train, test = data()
     rows = []
@@ -171,11 +220,16 @@ def main() -> None:
             runs = [run(width, arm, seed, args, train, test) for seed in range(args.seeds)]
             row = {"width": width, "arm": arm}
             row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
+            row["I_K"] = row["L_K"] - row["elbo"]
+            row["elbo_range"] = [min(r["elbo"] for r in runs), max(r["elbo"] for r in runs)]
+            row["acc_range"] = [min(r["accuracy"] for r in runs), max(r["accuracy"] for r in runs)]
             rows.append(row)
             print(
                 f"w={width:4d} {arm:12s} L_K={row['L_K']:10.1f} ELBO={row['elbo']:10.1f} "
                 f"acc={row['accuracy']:.4f} nll={row['nll']:.4f} ece={row['ece']:.4f} "
-                f"fit={row['fit_s']:.1f}s",
+                f"fit={row['fit_s']:.1f}s ELBO range {row['elbo_range'][0]:.1f}.."
+                f"{row['elbo_range'][1]:.1f} acc range {row['acc_range'][0]:.4f}.."
+                f"{row['acc_range'][1]:.4f}",
                 flush=True,
             )
         ratio = step_times(width, args, train, args.timing_rounds)
@@ -183,6 +237,14 @@ def main() -> None:
         print(
             f"w={width:4d} step time symmetrized/meanfield (K={args.num_permutations}): "
             f"{ratio:.3f}",
+            flush=True,
+        )
+    if args.lora_rounds:
+        ratio, num_latent = lora_step_ratio(args, args.lora_rounds)
+        rows.append({"width": None, "arm": "lora_step_ratio", "ratio": ratio, "D": num_latent})
+        print(
+            f"LoRA r=8 (BERT 4x128, batch 32x64, D={num_latent}) step time "
+            f"symmetrized/meanfield: {ratio:.3f}",
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
