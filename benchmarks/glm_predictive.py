@@ -64,7 +64,7 @@ class WordTokenizer:
         return {"input_ids": ([1] if add_special_tokens else []) + ids}
 
 
-def build(args: argparse.Namespace) -> FineTuneModel:
+def build(args: argparse.Namespace, choice_token_ids: list[int] | None = None) -> FineTuneModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -85,23 +85,45 @@ def build(args: argparse.Namespace) -> FineTuneModel:
     return FineTuneModel(
         net,
         LoRAXS(rank=8, target_modules=["q_proj", "v_proj"]),
-        likelihood="multiple_choice",
+        likelihood=pb.models.MultipleChoice(choice_token_ids),
         trainable_modules=[],
         num_data=100,
     )
 
 
-def batch_for(num_items: int, num_choices: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def batch_for(
+    num_items: int, num_choices: int, seed: int = 0, single_token: bool = False
+) -> dict[str, torch.Tensor]:
     rng = random.Random(seed)
 
     def words(lo: int, hi: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    if single_token:  # the prompt alone, (B, L); the answer is read at its last position
+        tokenizer = WordTokenizer()
+        rows = [tokenizer(words(15, 25))["input_ids"] for _ in range(num_items)]
+        length = max(len(r) for r in rows)
+        ids = torch.zeros(num_items, length, dtype=torch.long)
+        mask = torch.zeros(num_items, length, dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding
+            ids[i, length - len(r) :] = torch.tensor(r)
+            mask[i, length - len(r) :] = 1
+        labels = torch.zeros(num_items, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     prompts = [words(15, 25) for _ in range(num_items)]
     choices = [[words(2, 8) for _ in range(num_choices)] for _ in range(num_items)]
     return encode_multiple_choice(
         WordTokenizer(), prompts, choices, answers=[0] * num_items, padding_side="left"
     )
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage (``None`` for a wrapper without storage of its own)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -115,14 +137,17 @@ class PeakLiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        # outputs that alias an input (views, in-place ops) allocate nothing
+        inputs = {
+            _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             self.current -= self.live.pop(key)[1]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                try:
-                    key = storage.data_ptr()
-                except RuntimeError:  # a wrapper without storage of its own
+                key = _storage_key(t)
+                if key is None or key in inputs:
                     continue
                 if storage.nbytes() and key not in self.live:
                     self.live[key] = (StorageWeakRef(storage), storage.nbytes())
@@ -152,12 +177,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--choices", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat")
+    parser.add_argument(
+        "--single-token",
+        action="store_true",
+        help="the single-token likelihood (choice_token_ids: K outputs read from one row) "
+        "instead of continuations",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.layers, args.hidden, args.heads, args.kv_heads = 1, 64, 2, 1
         args.intermediate, args.vocab, args.repeats, args.items = 128, 500, 2, 2
     torch.set_num_threads(args.threads)
-    model = build(args)
+    for k in args.choices:
+        ids = list(range(5, 5 + k)) if args.single_token else None
+        run_case(args, build(args, ids), k, header=k == args.choices[0])
+
+
+def run_case(args: argparse.Namespace, model: FineTuneModel, k: int, header: bool) -> None:
+    """One row of the table: MAP and GLM prediction at K choices."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     map_guide = pb.posterior(model, "map")
     with torch.no_grad():  # a MAP away from the init (the values do not change the cost)
@@ -170,40 +207,42 @@ def main() -> None:
     laplace.set_prior_precision(1.0)
     laplace.mark_fitted(True)
     assert laplace.pred_type == "glm"
-    print(
-        f"LLaMA {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, LoRA-XS r=8 q/v "
-        f"({len(map_guide.sites)} cores), {torch.get_num_threads()} thread(s), B = {args.items}, "
-        f"S = {args.samples}; weights {weights / 2**20:.0f} MiB"
-    )
-    print(
-        "| K | rows x tokens | map ms/item | glm ms/item | time ratio | map peak MiB | "
-        "glm peak MiB | total-memory ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for k in args.choices:
-        batch = batch_for(args.items, k)
-        runs = {
-            "map": lambda b=batch: pb.predict(model, map_guide, [b]),
-            "glm": lambda b=batch: pb.predict(model, laplace, [b], num_samples=args.samples),
-        }
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for r in range(args.repeats + 1):
-            order = list(runs) if r % 2 == 0 else list(reversed(runs))
-            for name in order:
-                start = time.perf_counter()
-                runs[name]()
-                if r:  # round 0 is warm-up
-                    times[name].append(time.perf_counter() - start)
-        t = {name: statistics.median(v) / args.items * 1e3 for name, v in times.items()}
-        peak = {name: peak_bytes(fn) for name, fn in runs.items()}
-        total = {name: weights + p for name, p in peak.items()}
-        rows = tuple(batch["input_ids"].shape)
+    if header:
         print(
-            f"| {k} | {rows[0] * rows[1]} x {rows[2]} | {t['map']:.1f} | {t['glm']:.1f} | "
-            f"{t['glm'] / t['map']:.2f} | {peak['map'] / 2**20:.1f} | {peak['glm'] / 2**20:.1f} "
-            f"| {total['glm'] / total['map']:.2f} |",
-            flush=True,
+            f"LLaMA {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, LoRA-XS r=8 q/v "
+            f"({len(map_guide.sites)} cores), {torch.get_num_threads()} thread(s), B = {args.items}, "
+            f"S = {args.samples}; weights {weights / 2**20:.0f} MiB; "
+            + ("single-token answers" if args.single_token else "continuations")
         )
+        print(
+            "| K | rows x tokens | map ms/item | glm ms/item | time ratio | map peak MiB | "
+            "glm peak MiB | total-memory ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+    batch = batch_for(args.items, k, single_token=args.single_token)
+    runs = {
+        "map": lambda b=batch: pb.predict(model, map_guide, [b]),
+        "glm": lambda b=batch: pb.predict(model, laplace, [b], num_samples=args.samples),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats + 1):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            start = time.perf_counter()
+            runs[name]()
+            if r:  # round 0 is warm-up
+                times[name].append(time.perf_counter() - start)
+    t = {name: statistics.median(v) / args.items * 1e3 for name, v in times.items()}
+    peak = {name: peak_bytes(fn) for name, fn in runs.items()}
+    total = {name: weights + p for name, p in peak.items()}
+    shape = tuple(batch["input_ids"].shape)
+    rows = f"{shape[0] * shape[1]} x {shape[2]}" if len(shape) == 3 else f"{shape[0]} x {shape[1]}"
+    print(
+        f"| {k} | {rows} | {t['map']:.1f} | {t['glm']:.1f} | "
+        f"{t['glm'] / t['map']:.2f} | {peak['map'] / 2**20:.1f} | {peak['glm'] / 2**20:.1f} "
+        f"| {total['glm'] / total['map']:.2f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,14 @@ from tests.common import conjugate_core, mlp_problem, tensor_loader, tiny_llama
 pytest.importorskip("laplace")
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage (``None`` for a wrapper without storage of its own)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 class _PeakLiveBytes(TorchDispatchMode):
     """Peak bytes of the tensor storages that ops create while the mode is active and that are
     still alive (every op's outputs, forward and backward; a storage counts until its weak
@@ -33,14 +41,17 @@ class _PeakLiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # outputs that alias an input (views, in-place ops) allocate nothing
+        inputs = {
+            _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             self.current -= self.live.pop(key)[1]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                try:
-                    key = storage.data_ptr()
-                except RuntimeError:  # a wrapper without storage of its own
+                key = _storage_key(t)
+                if key is None or key in inputs:
                     continue
                 if storage.nbytes() and key not in self.live:
                     self.live[key] = (StorageWeakRef(storage), storage.nbytes())
@@ -312,3 +323,22 @@ def test_glm_continuation_multiple_choice_equals_jacrev(normalize: str) -> None:
         torch.testing.assert_close(ours[s], ref[s], rtol=0, atol=1e-6 * scale)
     pred = pb.predict(model, guide, [batch], num_samples=8)
     assert pred.log_probs is not None and pred.log_probs.shape == (8, 3, 3)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("extra", [[], ["--single-token"]])
+def test_benchmark_smoke(extra: list[str]) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/glm_predictive.py", "--smoke", "--choices", "2", *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 2 |" in proc.stdout
