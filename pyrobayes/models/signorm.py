@@ -1,7 +1,7 @@
 r"""σN-ensembles: M members that share every weight and differ in σ-bounded norm layers and heads.
 
-Every normalization layer ℓ (``LayerNorm``, ``BatchNorm1d``, ``BatchNorm2d``) is replaced by a
-:class:`MemberNorm` whose member ``t`` computes
+Every normalization layer ℓ (``LayerNorm``, ``BatchNorm1d``, ``BatchNorm2d``, ``RMSNorm``) is
+replaced by a :class:`MemberNorm` whose member ``t`` computes
 
 .. math::
 
@@ -63,6 +63,7 @@ __all__ = [
     "diversity",
     "owner_corner",
     "scale_sites",
+    "is_norm",
     "member_norms",
     "update_statistics",
     "STATS_KIND",
@@ -74,7 +75,23 @@ SHIFT_KIND = "signorm_shift"
 #: ``SiteSpec.kind`` of a member BatchNorm's running statistics (not trained by gradients)
 STATS_KIND = "signorm_statistics"
 
-_NORMS = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+_NORMS = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A norm layer σN converts: ``LayerNorm``, ``BatchNorm1d/2d``, ``RMSNorm`` (torch's, or a
+    Hugging Face ``*RMSNorm`` with ``weight`` and ``variance_epsilon``, as LLaMA's)."""
+    return isinstance(module, _NORMS) or _is_hf_rms(module)
+
+
+def _is_hf_rms(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and isinstance(weight, Tensor)
+        and weight.dim() == 1
+    )
 
 
 class MemberNorm(nn.Module):
@@ -95,8 +112,10 @@ class MemberNorm(nn.Module):
 
     Parameters
     ----------
-    norm : nn.LayerNorm or nn.BatchNorm1d or nn.BatchNorm2d
-        The pretrained layer (its weights are copied; the module is not kept).
+    norm : nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d or an RMSNorm
+        The pretrained layer (its weights are copied; the module is not kept). An RMSNorm
+        (``x / √(mean(x²) + ε)``, no centring; a Hugging Face one computes it in float32, as
+        LLaMA's) gets a shift ``β`` starting at 0.
     init_logit : float
         ``γ_0``, the pre-sigmoid scale that reproduces the pretrained layer (0: σ = ½, the
         steepest point of the sigmoid, so a member can grow or shrink a feature).
@@ -106,24 +125,36 @@ class MemberNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, init_logit: float = 0.0) -> None:
         super().__init__()
-        if not isinstance(norm, _NORMS):
+        if not is_norm(norm):
             raise TypeError(
-                f"MemberNorm: expected an nn.LayerNorm, nn.BatchNorm1d or nn.BatchNorm2d but got "
-                f"{type(norm).__name__}."
+                "MemberNorm: expected an nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d or an "
+                f"RMSNorm but got {type(norm).__name__}."
             )
         self.init_logit = float(init_logit)
         self.is_batch_norm = isinstance(norm, nn.modules.batchnorm._BatchNorm)
-        self.eps = float(norm.eps)
-        if isinstance(norm, nn.LayerNorm):
+        #: "batch", "layer" or "rms"
+        self.norm_kind = (
+            "batch" if self.is_batch_norm else "layer" if isinstance(norm, nn.LayerNorm) else "rms"
+        )
+        #: an RMSNorm computed in float32 whatever the input dtype (Hugging Face's)
+        self.upcast = _is_hf_rms(norm)
+        eps = getattr(norm, "variance_epsilon" if self.upcast else "eps", None)
+        #: ε; −1 for torch's RMSNorm default (``finfo(x.dtype).eps`` at call time)
+        self.eps = -1.0 if eps is None else float(eps)
+        if isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
             if len(norm.normalized_shape) != 1:
                 raise ValueError(
-                    "MemberNorm: LayerNorm over several trailing dimensions "
+                    f"MemberNorm: {type(norm).__name__} over several trailing dimensions "
                     f"(normalized_shape={tuple(norm.normalized_shape)}) is not supported; only "
                     "a LayerNorm over the last (feature) dimension."
                 )
             channels = int(norm.normalized_shape[0])
+        elif self.upcast:
+            hf_weight = getattr(norm, "weight", None)
+            assert isinstance(hf_weight, Tensor)  # _is_hf_rms checked it
+            channels = int(hf_weight.shape[0])
         else:
-            channels = int(norm.num_features)
+            channels = int(getattr(norm, "num_features", 0))
         self.num_features = channels
         weight = getattr(norm, "weight", None)
         bias = getattr(norm, "bias", None)
@@ -185,7 +216,10 @@ class MemberNorm(nn.Module):
         scale = self.member_scale(gamma).expand(num_samples, -1)
         beta = beta.expand(num_samples, -1)
         if not self.is_batch_norm:
-            y = F.layer_norm(x, (self.num_features,), None, None, self.eps)
+            if self.norm_kind == "layer":
+                y = F.layer_norm(x, (self.num_features,), None, None, self.eps)
+            else:
+                y = self._rms(x)
             ys = y.reshape(num_samples, -1, self.num_features)
             out = ys * scale.unsqueeze(1).to(ys.dtype) + beta.unsqueeze(1).to(ys.dtype)
             return out.reshape(x.shape)
@@ -209,9 +243,15 @@ class MemberNorm(nn.Module):
         out = normed * scale.reshape(view).to(xs.dtype) + beta.reshape(view).to(xs.dtype)
         return out.reshape(x.shape)
 
+    def _rms(self, x: Tensor) -> Tensor:
+        """``x / √(mean(x²) + ε)`` over the last dimension (in float32 for a HF RMSNorm)."""
+        xf = x.to(torch.float32) if self.upcast else x
+        eps = self.eps if self.eps >= 0 else torch.finfo(x.dtype).eps
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return y.to(x.dtype)
+
     def extra_repr(self) -> str:
-        kind = "batch" if self.is_batch_norm else "layer"
-        return f"{self.num_features}, norm={kind}, init_logit={self.init_logit:g}"
+        return f"{self.num_features}, norm={self.norm_kind}, init_logit={self.init_logit:g}"
 
 
 def update_statistics(net: nn.Module, members: Mapping[str, Tensor]) -> int:
@@ -269,13 +309,43 @@ def _select(
     return chosen
 
 
+def _check_conversion(path: str, original: nn.Module, layer: MemberNorm) -> None:
+    """Raise when ``layer`` at its initial values is not ``original`` on a random input (a norm
+    class whose formula differs from the one recognised, e.g. a ``(1 + w)``-scaled RMSNorm)."""
+    ref = layer.fixed_scale
+    shape = (4, layer.num_features) + ((2, 2) if isinstance(original, nn.BatchNorm2d) else ())
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=generator, dtype=torch.float64) * 2 + 0.5).to(
+        dtype=ref.dtype, device=ref.device
+    )
+    mode = original.training
+    try:
+        original.eval()
+        layer_mode = layer.training
+        layer.eval()
+        with torch.no_grad():
+            expected, got = original(x), layer(x)
+        layer.train(layer_mode)
+    finally:
+        original.train(mode)
+    tol = 1e-3 if ref.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    error = float((got - expected).abs().max()) / max(float(expected.abs().max()), 1e-12)
+    if not error <= tol:
+        raise ValueError(
+            f"SigmaNorm: the member norm layer for {path!r} ({type(original).__name__}) does not "
+            f"reproduce it (relative error {error:.2g}); its formula is not a LayerNorm, "
+            "BatchNorm or RMSNorm (x/√(mean x² + ε)·w). Leave it out with norm_modules=[...]."
+        )
+
+
 @dataclass
 class SigmaNorm:
     r"""The σN-ensemble "adapter": member norm layers and member heads, optionally on top of
     LoRA or LoRA-XS.
 
     Pass it as ``adapter=`` of :class:`~pyrobayes.models.FineTuneModel` (or use
-    :class:`SigmaNormEnsemble`). Each selected ``LayerNorm`` / ``BatchNorm1d`` / ``BatchNorm2d``
+    :class:`SigmaNormEnsemble`). Each selected ``LayerNorm`` / ``BatchNorm1d`` / ``BatchNorm2d`` /
+    ``RMSNorm``
     becomes a :class:`MemberNorm` with latent sites ``<path>.gamma`` (kind ``signorm_scale``)
     and ``<path>.beta`` (kind ``signorm_shift``); each head ``nn.Linear`` gets latent sites
     ``<path>.weight`` and ``<path>.bias``; the inner ``adapter``'s sites come first.
@@ -336,14 +406,16 @@ class SigmaNorm:
         specs: list[SiteSpec] = []
         if self.adapter is not None:
             specs += inject_adapter(net, self.adapter, **adapter_kwargs)
-        norms = [n for n, m in net.named_modules() if n and isinstance(m, _NORMS)]
+        norms = [n for n, m in net.named_modules() if n and is_norm(m)]
         if not norms:
             raise ValueError(
-                f"SigmaNorm: {type(net).__name__} has no LayerNorm / BatchNorm1d / BatchNorm2d "
-                "layer to turn into member norm layers. Insert one, or use another family."
+                f"SigmaNorm: {type(net).__name__} has no LayerNorm / BatchNorm / RMSNorm layer "
+                "to turn into member norm layers. Insert one, or use another family."
             )
         for path in _select(net, self.norm_modules, norms, "norm_modules"):
-            layer = MemberNorm(net.get_submodule(path), self.init_logit)
+            original = net.get_submodule(path)
+            layer = MemberNorm(original, self.init_logit)
+            _check_conversion(path, original, layer)
             for p in layer.parameters():
                 p.requires_grad_(False)  # sampled, never trained in place
             layer.train(net.training)  # the backbone's mode (eval unless train_backbone_mode)
@@ -357,7 +429,7 @@ class SigmaNorm:
         specs += make_latent(net, self._head_paths(net))
         return specs
 
-    def _head_paths(self, net: nn.Module) -> list[str]:
+    def _head_paths(self, net: nn.Module) -> list[str]:  # noqa: D102
         if self.heads == "auto":
             heads = [n for n, _ in net.named_modules() if n.rsplit(".", 1)[-1] in HEAD_NAMES]
             paths = []
@@ -391,7 +463,8 @@ class SigmaNormEnsemble(FineTuneModel):
     Parameters
     ----------
     net : nn.Module
-        A Hugging Face model or a plain ``nn.Module`` with LayerNorm / BatchNorm layers.
+        A Hugging Face model or a plain ``nn.Module`` with LayerNorm / BatchNorm / RMSNorm
+        layers.
     adapter : LoRA or LoRAXS, optional
         Adapters trained (as member particles) together with the norm layers.
     num_members : int

@@ -22,7 +22,7 @@ from pyrobayes.models.signorm import (
     diversity,
     owner_corner,
 )
-from tests.common import tiny_bert
+from tests.common import tiny_bert, tiny_llama
 
 
 def _bn_mlp(seed: int = 0) -> nn.Sequential:
@@ -172,6 +172,62 @@ def test_batchnorm2d_conversion_reproduces_the_pretrained_outputs():
     model = SigmaNormEnsemble(copy.deepcopy(net), num_members=2, heads=["4"], trainable_modules=[])
     with torch.no_grad():
         assert _rel(model.output(x, model.init_values()), reference) < 1e-5
+
+
+def test_rmsnorm_conversion_on_tiny_llama_and_batched_members():
+    """LLaMA's RMSNorms (float32 inside, as Hugging Face computes them) become member layers:
+    the converted network reproduces the original, and batched members = separate forwards."""
+    torch.manual_seed(0)
+    llama = tiny_llama().eval()
+    with torch.no_grad():
+        for name, p in llama.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 2.5)
+    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = llama(input_ids=ids).logits
+    model = SigmaNormEnsemble(
+        copy.deepcopy(llama), pb.models.LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
+        num_members=2, heads=[],
+    )  # fmt: skip
+    norms = [m for m in model.net.modules() if isinstance(m, MemberNorm)]
+    assert len(norms) == 5 and all(m.norm_kind == "rms" and m.upcast for m in norms)
+    with torch.no_grad():
+        assert _rel(model.net(input_ids=ids).logits, reference) < 1e-5  # at γ_0, β = 0
+        values = _member_values(model, 2)
+        inputs = {"input_ids": ids}
+        batched = model.batched_output(inputs, values)
+        separate = torch.stack(
+            [model.output(inputs, {s: v[t] for s, v in values.items()}) for t in range(2)]
+        )
+    assert (batched - separate).abs().max() < 1e-6
+
+
+def test_torch_rmsnorm_converts_and_an_unknown_formula_is_refused():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 2.5)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        reference = net(x)
+    model = SigmaNormEnsemble(copy.deepcopy(net), num_members=2, heads=["2"], trainable_modules=[])
+    with torch.no_grad():
+        assert _rel(model.output(x, model.init_values()), reference) < 1e-5
+
+    class GemmaLikeRMSNorm(nn.Module):  # scales by (1 + w): not the recognised formula
+        def __init__(self, size: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(size))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return y * (1 + self.weight)
+
+    bad = nn.Sequential(nn.Linear(4, 6), GemmaLikeRMSNorm(6), nn.Linear(6, 2))
+    with pytest.raises(ValueError, match="does not reproduce it"):
+        SigmaNormEnsemble(bad, num_members=2, heads=["2"], trainable_modules=[])
 
 
 def _member_values(model, num_members: int, seed: int = 0):
