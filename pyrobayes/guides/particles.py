@@ -248,7 +248,7 @@ class IBDRGuide(ParticleGuide):
 
         \min_{μ}\ \min_{λ \ge 0}\ λρ + \max_{θ'}\Big[\frac{N}{B}\sum_b\Big(\frac1K\sum_k
         \mathrm{CE}(f(x_b;θ'_k), y_b) + α\,\ell_{div}(θ'_{1:K}; x_b, y_b)\Big)
-        - λ\,c(θ, θ')\Big] - \sum_k \log p(μ_k)
+        - λ\,c(θ, θ')\Big] - \frac1K\sum_k \log p(μ_k)
 
     with the diversity term of Pang et al. (2019),
     ``ℓ_div = −log det(Uᵀ U + ε I_K)``, ``U``'s columns the normalised non-target probability

@@ -6,18 +6,23 @@ Robustness for Fine-tuning Foundation Models" (ICML), Theorem 4.1 and Algorithm 
 
 .. math::
 
-    \min_{μ}\min_{λ\ge0}\ λρ + \max_{θ'}\big[L_B(θ') - λ\,c(θ, θ')\big] - \sum_k \log p(μ_k),
+    \min_{μ}\min_{λ\ge0}\ λρ + \max_{θ'}\big[L_B(θ') - λ\,c(θ, θ')\big]
+        - \frac1K\sum_k \log p(μ_k),
 
     L_B(θ) = \frac{N}{B}\sum_{b}\Big[\frac1K\sum_k -\log p(y_b\mid x_b,θ_k)
              + α\,\ell_{div}(θ_{1:K}; x_b, y_b)\Big]
 
-(dataset-sum convention; ``ℓ_div`` of :mod:`pyrobayes.infer.diversity`; the prior
-``Σ_k log p(μ_k)`` is the ``K·KL(Q‖P)`` term of the bound, an L2 penalty with weight
-``1/(2 s_p²)``). One step (:class:`IBDRFitter`):
+(dataset-sum convention; ``ℓ_div`` of :mod:`pyrobayes.infer.diversity`). The prior is the
+``K·KL(Q‖P) = Σ_k KL(Q_k‖P)`` term of the bound, an L2 penalty ``β Σ_k ‖μ_k‖²``, with the
+weight of the particles' likelihood: every particle's term is its own MAP objective
+``(1/K)[−(N/B) Σ_b log p(y_b|x_b, θ_k) − log p(μ_k)]``, so α = 0 without the robust step is a
+deep ensemble of K MAP fits (β = 1/(2K s_p²) in the paper's notation). One step
+(:class:`IBDRFitter`):
 
 1. ``g = ∇_θ L_B(θ)`` (all particles in one sample-batched forward), clipped to ``‖g‖ ≤ c_max``;
 2. ascent to the worst case of the first-order inner problem, ``θ' = θ + g / (2λ)``;
-3. ``g' = ∇ L_B(θ')``; restore θ; the base optimizer steps μ with ``g' − ∇ Σ_k log p(μ_k)``;
+3. ``g' = ∇ L_B(θ')``; restore θ; the base optimizer steps μ with ``g'`` plus the prior's
+   gradient at μ;
 4. dual step ``λ ← clip(λ − η_λ (ρ − c), λ_min, λ_max)`` with the transport cost c:
    ``"param"`` ``(1/K) Σ_k ‖θ'_k − θ_k‖²``, or ``"function"`` (the released code)
    ``c = exp(max(0, r − ρ)/τ)·r``, ``r = mean_b ‖softmax(f̄_{θ'}(x_b)) − softmax(f̄_θ(x_b))‖``
@@ -61,7 +66,7 @@ class IBDRLoss:
     .. math::
 
         L = \frac{N}{B}\sum_b\Big[\frac1K\sum_k -\log p(y_b\mid x_b,θ_k)
-            + α\,\ell_{div}(θ_{1:K}; x_b, y_b)\Big] - \sum_k \log p(μ_k)
+            + α\,\ell_{div}(θ_{1:K}; x_b, y_b)\Big] - \frac1K\sum_k \log p(μ_k)
 
     With ``loss="logits"`` the first term is ``−log p(y_b | mean_k f(x_b; θ_k))``, the
     cross-entropy of the particle-averaged logits (the released code). The K particles run in one
@@ -119,8 +124,9 @@ class IBDRLoss:
 
     @staticmethod
     def prior_term(model: Any, locs: Mapping[str, Tensor]) -> Tensor:
-        """``−Σ_k log p(μ_k)`` (the ``K·KL(Q‖P)`` term: an L2 penalty ``Σ_k ‖μ_k‖²/(2 s_p²)``)."""
-        return -model.log_prior(locs).sum()
+        """``−(1/K) Σ_k log p(μ_k)``: the ``K·KL(Q‖P)`` term at the particles' likelihood weight
+        (an L2 penalty ``Σ_k ‖μ_k‖²/(2K s_p²)``; each particle's prior as in its MAP objective)."""
+        return -model.log_prior(locs).mean()
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
         """The objective at ``θ_k = μ_k + σ ε_k`` (fresh noise), without the robust step."""
