@@ -19,13 +19,15 @@ multiple-choice likelihood (not the vocabulary), or the D regression means. Unde
 How ``J`` is formed. Each example of a chunk gets its own copy of ``θ̂`` (the sample-batched
 forward of :mod:`pyrobayes.models.layers` gives row ``b`` the copy ``b``), so the gradient of
 ``Σ_b f_k(x_b)`` with respect to the copies is the k-th Jacobian row of every example at once:
-one forward with autograd and ``K`` backward passes per chunk, whatever ``d`` and the vocabulary
+one forward with autograd and ``K`` backward passes per chunk (batched into one call, vmapped
+over the K cotangents, where every op has a batching rule), whatever ``d`` and the vocabulary
 size. For the Monte Carlo classification predictive only differences of logits matter
 (``softmax`` is shift-invariant per draw), so ``J_k − J_K`` is formed for ``k < K`` (``K − 1``
 backward passes). When every output has a network row of its own (multiple choice with
 continuations: ``likelihood.rows_per_output``), each row gets its own copy and ONE backward pass
-gives all K Jacobians. Memory is that of one training step on ``examples_per_forward`` examples plus
-``J``, ``examples_per_forward · K · d`` numbers.
+gives all K Jacobians. Memory: the forward's saved activations (a training step's), the
+buffers of the batched backward passes (up to K times a training step's backward), and ``J``,
+``examples_per_forward · K · d`` numbers; ``examples_per_forward`` bounds all three.
 """
 
 from __future__ import annotations
@@ -104,16 +106,38 @@ def output_jacobians(
         num_outputs = flat.shape[1]
         leaves = list(copies.values())
         jac = {s: v.new_zeros(size, num_outputs, *v.shape[1:]) for s, v in copies.items()}
-        passes = range(num_outputs - 1) if contrast else range(num_outputs)
-        last = passes[-1] if len(passes) else -1
-        for k in passes:
-            target = flat[:, k] - flat[:, -1] if contrast else flat[:, k]
-            grads = torch.autograd.grad(
-                target.sum(), leaves, retain_graph=k != last, allow_unused=True
-            )
-            for (s, _), g in zip(copies.items(), grads, strict=True):
-                if g is not None:
-                    jac[s][:, k] = g
+        passes = num_outputs - 1 if contrast else num_outputs
+        # cotangents (P, B, K): e_k, or e_k − e_K for the contrasts
+        cotangents = torch.eye(num_outputs, dtype=flat.dtype, device=flat.device)[:passes]
+        if contrast:
+            cotangents[:, -1] = -1.0
+        cotangents = cotangents.unsqueeze(1).expand(passes, size, num_outputs)
+        if passes:
+            try:  # the P backward passes batched (vmap over the cotangents): one call
+                grads = torch.autograd.grad(
+                    flat,
+                    leaves,
+                    grad_outputs=cotangents,
+                    is_grads_batched=True,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                for (s, _), g in zip(copies.items(), grads, strict=True):
+                    if g is not None:
+                        jac[s][:, :passes] = g.movedim(0, 1)
+            except (RuntimeError, NotImplementedError) as err:  # an op without a batching rule
+                logger.debug("batched backward unavailable (%s); one pass per output", err)
+                for k in range(passes):
+                    grads = torch.autograd.grad(
+                        flat,
+                        leaves,
+                        grad_outputs=cotangents[k],
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                    for (s, _), g in zip(copies.items(), grads, strict=True):
+                        if g is not None:
+                            jac[s][:, k] = g
     return out.detach(), jac
 
 
