@@ -20,6 +20,20 @@ def test_there_are_examples():
     assert "symmetrized" in names
     assert "ibdr" in names
     assert "signorm" in names
+    assert {"hf_classifier", "peft_roundtrip", "regression"} <= names
+
+
+def _printed(stem: str) -> list[str]:
+    """What an example's smoke output must contain: its metrics table (per example when the
+    table is not a classification report)."""
+    if stem == "regression":
+        return ["| family | rmse | nll | learned sigma |"]
+    if stem == "hf_classifier":  # a row for every registered family
+        from pyrobayes.registry import available_guides, get_guide_class
+
+        families = {get_guide_class(n).family for n in available_guides()}
+        return ["| family | accuracy |"] + [f"| {f} | " for f in sorted(families)]
+    return ["accuracy"]
 
 
 @pytest.mark.integration
@@ -34,4 +48,5 @@ def test_example_smoke(script):
         cwd=script.parent,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "accuracy" in proc.stdout  # the metrics report was printed
+    for text in _printed(script.stem):  # the metrics report was printed
+        assert text in proc.stdout, text
