@@ -343,3 +343,13 @@ def test_benchmark_smoke(extra: list[str]) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 2 |" in proc.stdout
+
+
+def test_pred_type_set_after_fitting_is_saved(tmp_path) -> None:
+    model, guide, x, y, loader = _mlp_classifier()
+    guide.pred_type = "probit"
+    loaded = pb.load(pb.save(guide, tmp_path / "la.safetensors"), model)
+    assert loaded.pred_type == "probit"
+    torch.testing.assert_close(
+        pb.predict(model, loaded, loader).log_probs, pb.predict(model, guide, loader).log_probs
+    )

@@ -200,6 +200,10 @@ class LaplaceGuide(PosteriorGuide):
             self.register_buffer(f"eigvecs_out_{i}", torch.eye(m, dtype=init.dtype))
             self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
 
+    def config(self) -> dict[str, Any]:
+        """The constructor options, with ``pred_type`` as it is now (it may be set after fitting)."""
+        return {**super().config(), "pred_type": self.pred_type}
+
     # ------------------------------------------------------------------ accessors
     @property
     def is_fitted(self) -> bool:
