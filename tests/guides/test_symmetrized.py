@@ -276,3 +276,34 @@ def test_the_flat_fast_path_keeps_the_differences_of_log_q():
     full = guide.permuted_log_prob(values, perms)
     relative = guide._relative_log_prob(values, perms)
     assert torch.allclose(full - full[:, :1], relative - relative[:, :1], atol=1e-10, rtol=0)
+
+
+def test_two_hidden_layers_fast_path_equals_the_generic_path():
+    """A site permuted on two axes (the middle weight: rows by layer 2, columns by layer 1): the
+    per-site gathers of μ and 1/σ give the differences of the base's log_prob at h·θ."""
+    torch.manual_seed(7)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = FineTuneModel(
+        net, None, latent_modules=["0", "2", "4"], num_data=8, trainable_modules=[]
+    ).double()
+    guide = pb.posterior(model, "symmetrized", num_permutations=8)
+    assert ("2.weight", 1) in guide.spec.layers[0].members
+    assert ("2.weight", 0) in guide.spec.layers[1].members
+    with torch.no_grad():
+        for site, shape in guide.sites.items():
+            guide.base.set_site(
+                site,
+                loc=torch.randn(shape, dtype=torch.float64),
+                scale=0.2 + torch.rand(shape, dtype=torch.float64),
+            )
+    values = guide.rsample(5)
+    perms = [
+        torch.cat([i, d]) for i, d in zip(guide.spec.identity(), guide.spec.sample(7), strict=True)
+    ]
+    moved = guide.spec.act(values, perms)
+    generic = guide.base.log_prob({s: v.reshape(40, *v.shape[2:]) for s, v in moved.items()})
+    generic = generic.reshape(5, 8)
+    relative = guide._relative_log_prob(values, perms)
+    full = guide.permuted_log_prob(values, perms)
+    assert torch.allclose(full, generic, atol=1e-10, rtol=0)
+    assert torch.allclose(relative - relative[:, :1], generic - generic[:, :1], atol=1e-10, rtol=0)
