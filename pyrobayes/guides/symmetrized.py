@@ -273,17 +273,30 @@ class SymmetrizedGuide(PosteriorGuide):
                 torch.cat([i, d]) for i, d in zip(self.spec.identity(device), drawn, strict=True)
             ]
         num = int(perms[0].shape[0])
+        if torch.is_grad_enabled():
+            # saturated (every copy's weight exp(diff_k − max) underflows to 0 but θ₀'s): I_K is
+            # log K and its gradient exactly 0, so the graph over the K·D terms is not built
+            with torch.no_grad():
+                lq = self._relative_log_prob(values, perms)
+            diff = lq - lq[:, :1]
+            if not bool((diff[:, 1:] - diff.max(dim=1, keepdim=True).values).exp().any()):
+                first = values[next(iter(self.sites))]
+                anchor = first.reshape(first.shape[0], -1)[:, 0] * 0.0  # in the graph, grad 0
+                return _infonce(diff, num) + anchor
         lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
-        diff = lq - lq[:, :1]
-        top = diff.max(dim=1, keepdim=True).values.detach().clamp_min(0)
-        # −log mean_k exp(diff_k): exactly 0 when every term equals log q(θ₀)
-        return -(top.squeeze(1) + (diff - top).exp().sum(1).div(num).log())
+        return _infonce(lq - lq[:, :1], num)
 
     def symmetrized_log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
         r"""``log q_G(θ_s) = logsumexp_g log q(g·θ_s) − log|G|`` by enumerating G (tiny groups)."""
         device = next(iter(values.values())).device
         lq = self.permuted_log_prob(values, self.spec.enumerate(device))
         return torch.logsumexp(lq, dim=1) - self.spec.log_order
+
+
+def _infonce(diff: Tensor, num: int) -> Tensor:
+    """``−log mean_k exp(diff_k)`` per row; exactly 0 when every ``diff_k`` is 0."""
+    top = diff.max(dim=1, keepdim=True).values.detach().clamp_min(0)
+    return -(top.squeeze(1) + (diff - top).exp().sum(1).div(num).log())
 
 
 def _check_base(base_cls: type, name: str) -> None:
