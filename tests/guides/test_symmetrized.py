@@ -307,3 +307,37 @@ def test_two_hidden_layers_fast_path_equals_the_generic_path():
     full = guide.permuted_log_prob(values, perms)
     assert torch.allclose(full, generic, atol=1e-10, rtol=0)
     assert torch.allclose(relative - relative[:, :1], generic - generic[:, :1], atol=1e-10, rtol=0)
+
+
+def test_gradients_of_i_k_saturated_and_not():
+    """Saturated (separated units): the value is log K and every gradient exactly 0 (the graph
+    over the K·D terms is skipped). Overlapping copies: the gradient equals autograd through the
+    full per-site log q (float64)."""
+    model = _one_four_one(width=16)
+    loc = {
+        "0.weight": torch.arange(16, dtype=torch.float64).unsqueeze(1),
+        "2.weight": torch.arange(16, dtype=torch.float64).unsqueeze(0),
+    }
+    guide = _guide(model, loc, 1e-3, num_permutations=8)
+    values = guide.rsample(3)
+    value = guide.infonce(values)
+    params = [p for p in guide.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(value.sum(), params, allow_unused=True)
+    assert torch.allclose(value, torch.full_like(value, math.log(8)), atol=1e-12, rtol=0)
+    assert all(g is None or not g.any() for g in grads)
+    model = _one_four_one(bias=True)
+    guide = _guide(model, _fixed_q(model), SIGMA, num_permutations=8)
+    values = guide.rsample(3)
+    perms = [
+        torch.cat([i, d]) for i, d in zip(guide.spec.identity(), guide.spec.sample(7), strict=True)
+    ]
+    params = [p for p in guide.parameters() if p.requires_grad]
+    full = guide.permuted_log_prob(values, perms)
+    reference = -(torch.logsumexp(full - full[:, :1], dim=1) - math.log(8))
+    expected = torch.autograd.grad(reference.sum(), params, retain_graph=True)
+    got = torch.autograd.grad(
+        guide.infonce(values, perms=perms).sum(), params, allow_unused=True
+    )  # the output bias is acted on by no unit layer: it cancels from I_K
+    assert any(g is not None and g.abs().max() > 1e-3 for g in got)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.allclose(torch.zeros_like(b) if a is None else a, b, atol=1e-10, rtol=1e-8)
