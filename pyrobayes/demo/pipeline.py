@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,10 +62,9 @@ __all__ = [
 DEFAULT_CONFIG: dict[str, Any] = {
     "model": {"name": "minilm", "num_labels": 2, "max_length": 48},
     "adapter": {
-        "kind": "lora_xs",
+        "kind": "lora",
         "rank": 8,
         "alpha": 16.0,
-        "projection": "svd",
         # the top half of MiniLM's layers: backward stops at the first adapted layer, which
         # halves a training step on CPU (all layers: target_modules = ["query", "value"])
         "target_modules": r"bert\.encoder\.layer\.[345]\.attention\.self\.(query|value)",
@@ -75,42 +74,63 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "train": "vader:movieReviewSnippets",
         "ood": ["vader:tweets", "chatterbot"],
         "num_train": 768,
+        "num_val": 256,
         "num_test": 256,
         "num_ood": 192,
         "batch_size": 32,
         "seed": 0,
     },
-    "families": ["map", "meanfield", "ivon", "kron-ivon", "swag", "laplace"],
-    "training": {"epochs": 2, "lr": 1e-2, "seed": 0, "device": "cpu"},
+    "families": ["map", "meanfield", "ivon", "kron-ivon", "swag", "laplace", "symmetrized"],
+    # epochs: the cap of every family's stopping rule (the epoch of least validation NLL)
+    "training": {"epochs": 4, "lr": 3e-3, "seed": 0, "device": "cpu"},
     "predict": {"num_samples": 6},
     "export": {"num_samples": 50, "num_batches": 2},
 }
 
 #: ``--quick``: the same job at a size that finishes in about two minutes on 2 CPU cores.
 QUICK_OVERRIDES: dict[str, Any] = {
-    "data": {"num_train": 256, "num_test": 64, "num_ood": 64},
+    "data": {"num_train": 256, "num_val": 64, "num_test": 64, "num_ood": 64},
     "training": {"epochs": 1},
     "predict": {"num_samples": 3},
     "export": {"num_samples": 10, "num_batches": 1},
 }
 
-#: Per-family fit settings and constructor options that differ from the run's ``training``.
-#: ``warm_start="map"``: the post-hoc families start from the MAP run's cores and head (SWAG's
-#: start epoch / Laplace's MAP stage are that run), and train ``epochs`` more epochs themselves.
+#: Per-family fit settings and constructor options that differ from the run's ``training``;
+#: a new family joins the demo with an entry here (or none) and its name in ``families``.
+#:
+#: * ``options``: constructor options for ``pyrobayes.posterior``.
+#: * ``lr``, ``epochs``: the fit's learning rate and epoch cap.
+#: * ``init``: a post-hoc family built at that family's fitted point,
+#:   ``posterior(model, family, init=<that guide>)`` with its head; ``epochs`` then counts the
+#:   family's own epochs after it (0: Laplace's curvature pass only). Without that run in the
+#:   job, the family fits its own MAP stage under the stopping rule.
+#: * ``validate``: ``False`` for a family whose fitted state is not a point to select (SWAG's
+#:   moments): it runs its ``epochs`` without the stopping rule.
+#:
+#: The stopping rule of every other fit: ``training.epochs`` epochs at most, keeping the epoch of
+#: least validation NLL (``fit(val_data=..., select_by="nll")``, scored at the posterior mean).
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "map": {},
     "meanfield": {"options": {"init_scale": 1e-3}},
     # IVON's step is α·(h0+δ)·m̂/(h+δ) on a per-example-mean loss: α ≈ 3 learns in 48 steps here
     # (α = 0.1 stayed at chance; docs/benchmarks.md "Main job")
     "ivon": {"lr": 3.0, "options": {"hess_init": 0.5}},
-    # factor EMA 0.999 (the fine-tuning recommendation of docs/methods/ivon.md): on this config
-    # it lowered the NLL on 3 of 3 data orders against the default 0.99 (.578/.616/.599 vs
-    # .612/.642/.617, docs/benchmarks.md "Main job")
+    # factor EMA 0.999 (the fine-tuning recommendation of docs/methods/ivon.md)
     "kron-ivon": {"lr": 3.0, "options": {"hess_init": 0.5, "beta2": 0.999}},
-    # one more epoch of Adam from the MAP solution, collecting every 4 steps (K = 5 deviations)
-    "swag": {"warm_start": "map", "epochs": 1, "options": {"rank": 5, "collect_every_steps": 4}},
-    # the MAP run is the MAP stage: only the curvature pass and the prior-precision search remain
-    "laplace": {"warm_start": "map", "epochs": 0},
+    # one more epoch of Adam from the MAP, collecting every 4 steps (K = 5 deviations)
+    "swag": {
+        "init": "map",
+        "epochs": 1,
+        "validate": False,
+        "options": {"rank": 5, "collect_every_steps": 4},
+    },
+    # at the MAP: only the curvature pass and the prior-precision search remain; the predictive
+    # is the family's default (the linearised one, MC over f(x; θ̂) + J(x)(θ − θ̂))
+    "laplace": {"init": "map", "epochs": 0},
+    # IBDR's diversity term needs C − 1 ≥ K classes (Pham et al. 2025): degenerate on a binary
+    # task, so K = 4 particles run with alpha = 0 (a particle ensemble with the robust step).
+    # Not in the default families: four particles cost four forwards per step.
+    "ibdr": {"options": {"alpha": 0.0}},
 }
 
 
@@ -139,6 +159,7 @@ OPTIONAL_KEYS: dict[str, tuple[type, ...]] = {
     "training.scheduler": (str,),
     "training.warmup": (float,),
     # the LoRA-XS options adapter_from_dict passes on (LoRAXS's fields)
+    "adapter.projection": (str,),
     "adapter.init_scale": (float,),
     "adapter.moment": (str,),
     "adapter.seed": (int,),
@@ -365,17 +386,21 @@ def _load_tokenizer(config: dict[str, Any]) -> Any:
 
 
 def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    """Loaders ``train``, ``test`` and ``ood/<name>`` (OOD sets that cannot be loaded are skipped)."""
+    """Loaders ``train``, ``val``, ``test`` (disjoint random parts of the training corpus) and
+    ``ood/<name>`` (OOD sets that cannot be loaded are skipped)."""
     d = config["data"]
     num_labels = int(config["model"]["num_labels"])
     full = _load_text(d["train"], num_labels=num_labels)
     seed = int(d["seed"])
-    train, test = full.split([int(d["num_train"]), int(d["num_test"])], seed=seed)[:2]
+    train, val, test = full.split(
+        [int(d["num_train"]), int(d["num_val"]), int(d["num_test"])], seed=seed
+    )[:3]
     size, length = int(d["batch_size"]), int(config["model"]["max_length"])
     loaders: dict[str, Any] = {
         "train": pbdata.text_loader(
             train, tokenizer, batch_size=size, max_length=length, shuffle=True, seed=seed
         ),
+        "val": pbdata.text_loader(val, tokenizer, batch_size=size, max_length=length),
         "test": pbdata.text_loader(test, tokenizer, batch_size=size, max_length=length),
         "num_train": len(train),
     }
@@ -474,19 +499,24 @@ def run(
     loaders = build_data(config, _load_tokenizer(config))
     records = []
     exported = False
-    fitted: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]] = {}
+    fitted: dict[str, _Fitted] = {}
+    mean_probs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    cap = int(config["training"]["epochs"])
     for family in families:
         settings = FAMILY_SETTINGS.get(family, {})
         _rewind(loaders["train"], int(config["data"]["seed"]))
         model, _ = build_model(config, loaders["num_train"], loaders["train"])
-        epochs = int(settings.get("epochs", config["training"]["epochs"]))
-        source = settings.get("warm_start")
+        epochs = int(settings.get("epochs", cap))
+        validate = bool(settings.get("validate", True))
+        source = settings.get("init")
+        init = None
         if source in fitted:
-            _set_values(model, *fitted[source][:2])
-        elif source is not None:  # no MAP run to start from: train the whole way
-            epochs = int(config["training"]["epochs"]) + max(epochs, 1)
-            source = None
-        guide = posterior(model, family, **settings.get("options", {}))
+            _set_head(model, fitted[source].head)
+            init = fitted[source].guide
+        elif source is not None:  # that run is not in the job: the family fits its own MAP stage
+            logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
+            epochs, validate, source = cap + epochs, True, None
+        guide = posterior(model, family, init=init, **settings.get("options", {}))
         logger.info(
             "fitting %s for %d epochs%s", family, epochs, f" from {source}" if source else ""
         )
@@ -500,28 +530,37 @@ def run(
             seed=int(config["training"]["seed"]),
             device=device,
             progress_bar=progress_bar,
+            val_data=loaders["val"] if validate and epochs > 0 else None,
+            select_by="nll",
             # training.scheduler / training.warmup (pb.fit's), per family overridable
             scheduler=settings.get("scheduler", config["training"].get("scheduler")),
             warmup=settings.get("warmup", config["training"].get("warmup", 0)),
         )
         fit_time = time.perf_counter() - start
-        fitted[family] = (
-            {s: v.detach().clone() for s, v in guide.mean().items()},
+        fitted[family] = _Fitted(
+            guide,
             {k: p.detach().clone() for k, p in model.point_params.items()},
-            fit_time,
+            fit_time + (fitted[source].seconds if source else 0.0),
         )
         metrics, pred = _evaluate(
             model, guide, loaders, int(config["predict"]["num_samples"]), device
         )
+        assert pred.targets is not None
+        mean_probs[family] = (pred.mean_probs.detach().cpu(), pred.targets.detach().cpu())
         counts = count_parameters(guide)
+        best = result.state.get("best_epoch")
         record = {
             "family": family,
             **metrics,
             "trainable_parameters": counts.get("trainable", 0),
             "posterior_parameters": counts.get("posterior_storage", 0),
-            # a warm-started family's cost includes the run it started from
-            "fit_seconds": fit_time + (fitted[source][2] if source else 0.0),
-            "warm_start": source,
+            # a post-hoc family's cost includes the run it started from
+            "fit_seconds": fitted[family].seconds,
+            "init": source,
+            "epochs": epochs,
+            # the stopping rule: the epoch (1-based) of least validation NLL; the rule was met
+            # (validation NLL stopped improving) when it is below the cap
+            "best_epoch": None if best is None else int(best) + 1,
             "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
         }
         records.append(record)
@@ -531,14 +570,21 @@ def run(
             exported = _export(out, model, guide, loaders, config, result.losses)
         (out / "metrics.json").write_text(json.dumps(records, indent=2))
     (out / "table.md").write_text(format_table(records))
+    _comparison_plot(out, records, mean_probs)
     return records
 
 
-def _set_values(model: Any, values: dict[str, torch.Tensor], head: dict[str, torch.Tensor]) -> None:
-    """Write a fitted point (cores and head) into a fresh model, so a guide starts from it."""
+class _Fitted(NamedTuple):
+    """A fitted family of the run: its guide, its point parameters (the head), its cost."""
+
+    guide: Any
+    head: dict[str, torch.Tensor]
+    seconds: float
+
+
+def _set_head(model: Any, head: dict[str, torch.Tensor]) -> None:
+    """Write a fitted run's point parameters (the head) into a fresh model."""
     with torch.no_grad():
-        for site, value in values.items():
-            model.net.get_parameter(model.latent_sites[site].param_name).copy_(value)
         for name, value in head.items():
             model.point_params[name].copy_(value)
 
@@ -589,11 +635,88 @@ COLUMNS = [
 ]
 
 
+def _stopping(record: dict[str, Any]) -> str:
+    """``"best / cap"`` for a validated fit (``"4 / 4 capped"`` when NLL still improved at the
+    cap), the epochs run otherwise (``"1 (fixed)"``, ``"0 (fixed)"``)."""
+    epochs = record.get("epochs")
+    if epochs is None:
+        return "–"
+    best = record.get("best_epoch")
+    if best is None:
+        return f"{epochs} (fixed)"
+    return f"{best} / {epochs}" + (" capped" if best >= epochs else "")
+
+
+def _comparison_plot(
+    out: Path,
+    records: Sequence[dict[str, Any]],
+    probs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """``plots/compare.png``: where a posterior helps against the first family (MAP).
+
+    Left: reliability curves (accuracy against confidence in 10 equal-width bins, of the
+    posterior-predictive mean) of every family on the test split. Right: each family's
+    difference from the first one in NLL, ECE (lower is better) and OOD AUROC (higher is better).
+    """
+    if len(records) < 1:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+        edges = torch.linspace(0, 1, 11)
+        for family, (mean, targets) in probs.items():
+            conf, guess = mean.max(-1)
+            correct = (guess == targets).float()
+            xs, ys = [], []
+            for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+                inside = (conf > lo) & (conf <= hi)
+                if int(inside.sum()) >= 5:  # at least five test sentences in the bin
+                    xs.append(float(conf[inside].mean()))
+                    ys.append(float(correct[inside].mean()))
+            left.plot(xs, ys, marker="o", label=family)
+        left.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
+        left.set_xlim(0.45, 1.0)
+        left.set_ylim(0.0, 1.0)
+        left.set_xlabel("confidence (posterior-predictive mean)")
+        left.set_ylabel("accuracy")
+        left.set_title("reliability on the test split")
+        left.legend(fontsize=8)
+        base = records[0]
+        metrics = ["nll", "ece"] + sorted(k for k in base if k.startswith("auroc_"))
+        others = records[1:]
+        width = 0.8 / max(len(others), 1)
+        for i, r in enumerate(others):
+            deltas = [float(r.get(m, float("nan"))) - float(base[m]) for m in metrics]
+            positions = [j + (i - (len(others) - 1) / 2) * width for j in range(len(metrics))]
+            right.bar(positions, deltas, width=width, label=r["family"])
+        right.axhline(0.0, color="black", linewidth=0.8)
+        right.set_xticks(range(len(metrics)))
+        right.set_xticklabels(
+            [
+                m.replace("auroc_", "AUROC ") + (" ↓" if m in ("nll", "ece") else " ↑")
+                for m in metrics
+            ]
+        )
+        right.set_ylabel(f"difference from {base['family']}")
+        right.set_title(f"against {base['family']}: NLL, ECE lower / AUROC higher is better")
+        right.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "plots" / "compare.png", dpi=100)
+        plt.close(fig)
+    except Exception as err:  # plots never fail a run
+        logger.warning("comparison plot failed: %s", err)
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of the records (OOD AUROC columns for every OOD set present)."""
     ood = sorted({k for r in records for k in r if k.startswith("auroc_")})
     cols = COLUMNS + [(k, k.replace("auroc_", "AUROC "), "{:.3f}") for k in ood]
     cols += [
+        ("best_epoch", "epoch / cap", "{}"),
         ("trainable_parameters", "trainable", "{:,}"),
         ("posterior_parameters", "posterior", "{:,}"),
         ("fit_seconds", "fit s", "{:.1f}"),
@@ -602,7 +725,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     for r in records:
         r = {
             **r,
-            "family": r["family"] + (f" (from {r['warm_start']})" if r.get("warm_start") else ""),
+            "family": r["family"] + (f" (from {r['init']})" if r.get("init") else ""),
+            "best_epoch": _stopping(r),
         }
         cells = [fmt.format(r[key]) if key in r else "–" for key, _, fmt in cols]
         lines.append("| " + " | ".join(cells) + " |")
@@ -614,7 +738,15 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 #: and predicting with the same seeds on the same device reproduces the metrics to rounding.
 DRIFT_TOLERANCE = 1e-6
 #: Record fields that are not recomputed from the posteriors (costs of the fit itself).
-_NOT_RECOMPUTED = ("family", "fit_seconds", "final_loss", "warm_start")
+_NOT_RECOMPUTED = (
+    "family",
+    "fit_seconds",
+    "final_loss",
+    "init",
+    "warm_start",
+    "epochs",
+    "best_epoch",
+)
 
 
 def read_json(path: Path) -> Any:
