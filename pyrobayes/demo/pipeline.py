@@ -35,7 +35,7 @@ from ..diagnostics.export import to_inference_data
 from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
 from ..infer.loop import fit
 from ..io import load, save
-from ..models import FineTuneModel
+from ..models import FineTuneModel, SigmaNorm
 from ..models.accounting import count_parameters
 from ..models.adapters import adapter_from_dict
 from ..predictive import predict
@@ -104,6 +104,8 @@ QUICK_OVERRIDES: dict[str, Any] = {
 #:   ``posterior(model, family, init=<that guide>)`` with its head; ``epochs`` then counts the
 #:   family's own epochs after it (0: Laplace's curvature pass only). Without that run in the
 #:   job, the family fits its own MAP stage under the stopping rule.
+#: * ``adapter``: a callable from the run's adapter config to the family's (e.g. member norm
+#:   layers and heads around it for a σN-ensemble).
 #: * ``validate``: ``False`` for a family whose fitted state is not a point to select (SWAG's
 #:   moments): it runs its ``epochs`` without the stopping rule.
 #:
@@ -131,6 +133,17 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # task, so K = 4 particles run with alpha = 0 (a particle ensemble with the robust step).
     # Not in the default families: four particles cost four forwards per step.
     "ibdr": {"options": {"alpha": 0.0}},
+    # σN-ensemble (Lopez-Gonzalez et al. 2025): M = 2 members, each with its own LayerNorm
+    # scales/shifts in the adapted layers and its own head, the LoRA factors shared; diversity
+    # weight λ = 0.01. Not in the default families: M members cost M forwards per step.
+    "signorm": {
+        "adapter": lambda adapter: SigmaNorm(
+            num_members=2,
+            norm_modules=r"bert\.encoder\.layer\.[345]\..*LayerNorm",
+            adapter=adapter,
+        ),
+        "options": {"strength": 0.01},
+    },
 }
 
 
@@ -418,18 +431,26 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 
 
 def build_model(
-    config: dict[str, Any], num_data: int, calibration_data: Any = None
+    config: dict[str, Any],
+    num_data: int,
+    calibration_data: Any = None,
+    *,
+    family: str | None = None,
 ) -> tuple[FineTuneModel, Any]:
     """A fresh pretrained network with the configured adapter, as a Pyro model.
 
     ``calibration_data`` (training batches) feeds the W-SVD input statistics when the adapter's
-    projection is ``"wsvd"`` (at most 16 batches, padding masked).
+    projection is ``"wsvd"`` (at most 16 batches, padding masked). ``family``'s
+    ``FAMILY_SETTINGS`` entry may replace the adapter (its ``adapter`` callable).
     """
     # seeded before loading: the new head's random init is then the same for every family and
     # every process (it used to depend on whatever had drawn from the global RNG before)
     torch.manual_seed(int(config["training"]["seed"]))
     net, tokenizer = _load_network(config)
-    adapter = adapter_from_dict(config["adapter"])
+    adapter: Any = adapter_from_dict(config["adapter"])
+    transform = FAMILY_SETTINGS.get(family or "", {}).get("adapter")
+    if transform is not None:
+        adapter = transform(adapter)
     model = FineTuneModel(
         net,
         adapter,
@@ -505,7 +526,7 @@ def run(
     for family in families:
         settings = FAMILY_SETTINGS.get(family, {})
         _rewind(loaders["train"], int(config["data"]["seed"]))
-        model, _ = build_model(config, loaders["num_train"], loaders["train"])
+        model, _ = build_model(config, loaders["num_train"], loaders["train"], family=family)
         epochs = int(settings.get("epochs", cap))
         validate = bool(settings.get("validate", True))
         source = settings.get("init")
@@ -800,7 +821,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     records = []
     for family in order:
         _rewind(loaders["train"], int(config["data"]["seed"]))  # the W-SVD calibration of run()
-        model, _ = build_model(config, loaders["num_train"], loaders["train"])
+        model, _ = build_model(config, loaders["num_train"], loaders["train"], family=family)
         guide = load(paths[family], model)
         metrics, _ = _evaluate(model, guide, loaders, int(config["predict"]["num_samples"]), device)
         counts = count_parameters(guide)
