@@ -101,15 +101,27 @@ def _network(name: str, tiny: bool, device: torch.device) -> tuple[Any, list[str
     )
 
 
-def _build(name: str, tiny: bool, device: torch.device, seed: int = 0) -> tuple[Any, Any]:
+#: Families whose posterior needs another adapter than LoRA-XS cores: the symmetrized guide
+#: acts on the LoRA rank axis (LoRA-XS cores have no permutation symmetry); a σN-ensemble adds
+#: member norm layers and heads around the adapter (M = 2 here).
+ADAPTERS: dict[str, Callable[[Any, list[str]], Any]] = {
+    "symmetrized": lambda adapter, targets: pb.models.LoRA(rank=8, target_modules=targets),
+    "signorm": lambda adapter, targets: pb.models.SigmaNorm(num_members=2, adapter=adapter),
+}
+#: Options for this binary task: IBDR's diversity term needs C − 1 ≥ K classes, so alpha = 0.
+OPTIONS: dict[str, dict[str, Any]] = {"ibdr": {"alpha": 0.0}}
+
+
+def _build(
+    name: str, tiny: bool, device: torch.device, seed: int = 0, family: str = "map"
+) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     net, targets, batch, tokens, vocab = _network(name, tiny, device)
     projection = "svd" if name == "minilm" else "random"
-    model = pb.models.FineTuneModel(
-        net,
-        pb.models.LoRAXS(rank=8, projection=projection, target_modules=targets),
-        num_data=1024,
-    )
+    adapter: Any = pb.models.LoRAXS(rank=8, projection=projection, target_modules=targets)
+    if family in ADAPTERS:
+        adapter = ADAPTERS[family](adapter, targets)
+    model = pb.models.FineTuneModel(net, adapter, num_data=1024)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (batch, tokens), generator=g)
     data = [
@@ -149,11 +161,11 @@ def _family(
     name: str, family: str, args: argparse.Namespace, device: torch.device, plain: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, float] | None]:
     """One family's fitter step against the plain MAP step (and, for mean-field, predict)."""
-    model, data = _build(name, args.tiny, device)  # a fresh network per family
+    model, data = _build(name, args.tiny, device, family=family)  # a fresh network per family
     model.train(True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    guide = pb.posterior(model, family)
+    guide = pb.posterior(model, family, **OPTIONS.get(family, {}))
     fitter = pb.infer.make_fitter(model, guide, lr=1e-3)
     fitter.begin(data)
     t, m = _timed(lambda: fitter.step(data[0]), device, args.steps)
