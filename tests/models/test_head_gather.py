@@ -14,9 +14,8 @@ from pyrobayes.models.multiple_choice import encode_multiple_choice, head_positi
 from tests import families
 from tests.common import tiny_llama
 from tests.models.test_multiple_choice import (
-    ADAPTERS,
+    CASES,
     CHOICES,
-    FAMILIES,
     NETS,
     PROMPTS,
     TARGETS,
@@ -78,10 +77,8 @@ def test_single_token_choices_read_one_position(arch, side, monkeypatch):
     torch.testing.assert_close(gathered[0, 1], plain[1, last, [5, 6, 7]], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", sorted(NETS))
-@pytest.mark.parametrize("adapter_name", sorted(ADAPTERS))
-@pytest.mark.parametrize("family", FAMILIES)
-def test_gathered_head_equals_full_head_for_every_family(arch, adapter_name, family, monkeypatch):
+@pytest.mark.parametrize(("family", "adapter_name", "arch"), CASES)
+def test_gathered_head_equals_full_head_for_every_family(family, adapter_name, arch, monkeypatch):
     model, batch = causal_lm_problem(
         family,
         arch,
