@@ -225,9 +225,14 @@ class LinearizedPredictive(Protocol):
         regression by the exact Gaussian ``N(f(x; θ̂), J Σ Jᵀ + σ²)``. ``"probit"``:
         classification by the probit approximation ``softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``
         (regression as ``"glm"``). ``"nn"``: sample the network.
+    link_samples : int or None
+        Draws ``θ_s`` of the ``"glm"`` classification Monte Carlo, independent of the network
+        draws S of :func:`pyrobayes.predict` (each costs one ``J (θ_s − θ̂)`` product once ``J``
+        is formed; laplace-torch draws 100); ``None``: predict's ``num_samples``.
     """
 
     pred_type: str
+    link_samples: int | None
 
     def linearization_point(self) -> dict[str, Tensor]:
         """``θ̂`` per site (detached): where the network is linearised."""

@@ -13,7 +13,11 @@ multiple-choice likelihood (not the vocabulary), or the D regression means. Unde
 - regression: the exact Gaussian predictive ``y ~ N(f(x; θ̂), J Σ Jᵀ + σ² I)`` (the reported
   ``Prediction.loc_var`` is the diagonal of ``J Σ Jᵀ``; the metrics score each entry);
 - classification, ``pred_type="glm"``: Monte Carlo over the linearised logits,
-  ``p̄ = (1/S) Σ_s softmax(f(x; θ̂) + J(x)(θ_s − θ̂))`` with the guide's own draws ``θ_s``;
+  ``p̄ = (1/S) Σ_s softmax(f(x; θ̂) + J(x)(θ_s − θ̂))`` with ``S = guide.link_samples`` draws
+  ``θ_s ~ q`` (default 100 as laplace-torch; predict's ``num_samples`` when it is ``None``): a
+  draw costs one ``J(x)(θ_s − θ̂)`` product once ``J`` is formed, and the Monte Carlo NLL
+  ``−log p̄`` is biased upwards by about ``Var(p)/(2 S p̄²)`` (Jensen), so S is not tied to the
+  network draws of the sampled predictives;
 - classification, ``pred_type="probit"``: ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))``.
 
 How ``J`` is formed. Each example of a chunk gets its own copy of ``θ̂`` (the sample-batched
@@ -186,8 +190,9 @@ def linearized_predict(
         ``guide.pred_type`` selects ``"glm"`` or ``"probit"``.
     data : iterable of batches
     num_samples : int
-        S, draws ``θ_s ~ q`` for the Monte Carlo classification predictive (unused otherwise:
-        regression and probit return one "sample", the exact moments).
+        S, draws ``θ_s ~ q`` for the Monte Carlo classification predictive when
+        ``guide.link_samples`` is ``None`` (else ``guide.link_samples`` draws; unused by
+        regression and probit, which return one "sample", the exact moments).
     seed : int, optional
         Seed of the draws (the same draws for every batch).
     examples_per_forward : int, optional
@@ -198,7 +203,8 @@ def linearized_predict(
     Returns
     -------
     Prediction
-        Classification: ``log_probs`` `(S, N, K)` (``"glm"``) or `(1, N, K)` (``"probit"``).
+        Classification: ``log_probs`` `(S, N, K)` (``"glm"``, S the Monte Carlo draws) or
+        `(1, N, K)` (``"probit"``).
         Regression: ``loc`` `(1, N, *event)` = ``f(x; θ̂)``, ``loc_var`` `(1, N, *event)` =
         ``diag(J Σ Jᵀ)`` and ``scale`` = σ; ``predictive_scale`` is ``sqrt(loc_var + σ²)``.
     """
@@ -215,6 +221,8 @@ def linearized_predict(
     monte_carlo = classification and pred_type == "glm"
     deltas: Tensor | None = None
     if monte_carlo:
+        if guide.link_samples is not None:
+            num_samples = int(guide.link_samples)
         generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         draws = guide.sample_posterior(num_samples, generator=generator)
         deltas = torch.cat(

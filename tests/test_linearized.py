@@ -150,7 +150,9 @@ def _reference_linearized(model, guide, inputs, num_samples: int, seed: int):
 
 def test_glm_classification_equals_jacrev_reference_and_probit() -> None:
     model, guide, x, y, loader = _mlp_classifier()
-    pred = pb.predict(model, guide, loader, num_samples=50, seed=3)
+    assert guide.link_samples == 100  # the default, laplace-torch's n_samples
+    guide.link_samples = 50
+    pred = pb.predict(model, guide, loader, num_samples=4, seed=3)  # the link draws, not S
     assert pred.log_probs is not None and pred.log_probs.shape == (50, 60, 3)
     mean, jac, logits = _reference_linearized(model, guide, x, 50, 3)
     torch.testing.assert_close(pred.log_probs, torch.log_softmax(logits, -1), rtol=0, atol=1e-10)
@@ -169,6 +171,43 @@ def test_glm_classification_equals_jacrev_reference_and_probit() -> None:
     with torch.no_grad():
         direct = torch.log_softmax(model.batched_output(x, draws), -1)
     torch.testing.assert_close(nn_pred.log_probs, direct, rtol=0, atol=1e-10)
+
+
+def test_glm_monte_carlo_converges_to_a_high_sample_reference() -> None:
+    """The default ``link_samples`` Monte Carlo mean probabilities against 20 000 independent
+    draws.
+
+    Tolerance: p̂ = (1/S) Σ_s p_s estimates p̄ = E p with standard error σ/√S, σ the per-draw
+    standard deviation of p_s (estimated from the reference draws); the difference of two
+    independent estimates has standard error σ·sqrt(1/S + 1/S_ref). 5 standard errors per entry:
+    two-sided normal tail 5.7e-7, times 180 entries (60 examples × 3 classes) < 1e-4 for the
+    union. A floor of 1e-12 covers entries whose draws all agree (σ = 0)."""
+    model, guide, x, y, loader = _mlp_classifier()
+    num_ref = 20_000
+    pred = pb.predict(model, guide, loader, num_samples=2, seed=3)
+    assert pred.log_probs is not None and pred.log_probs.shape == (100, 60, 3)
+    guide.link_samples = num_ref
+    ref = pb.predict(model, guide, loader, seed=11)
+    assert ref.log_probs is not None
+    ref_probs = ref.log_probs.exp()
+    sigma = ref_probs.std(0)
+    assert float(sigma.max()) > 0.05  # the posterior spreads the probabilities: a real test
+    tol = 5 * sigma * math.sqrt(1 / 100 + 1 / num_ref) + 1e-12
+    err = (pred.mean_probs - ref_probs.mean(0)).abs()
+    assert bool((err <= tol).all()), float((err / tol).max())
+
+
+def test_link_samples_validated_and_saved(tmp_path) -> None:
+    prob = conjugate_core()
+    with pytest.raises(ValueError, match="link_samples"):
+        LaplaceGuide(prob.model, link_samples=0)
+    model, guide, x, y, loader = _mlp_classifier()
+    guide.link_samples = 7
+    loaded = pb.load(pb.save(guide, tmp_path / "la.safetensors"), model)
+    assert loaded.link_samples == 7
+    assert pb.predict(model, loaded, loader, num_samples=3).log_probs.shape == (7, 60, 3)
+    loaded.link_samples = None
+    assert pb.predict(model, loaded, loader, num_samples=3).log_probs.shape == (3, 60, 3)
 
 
 def test_output_jacobians_per_example_equal_jacrev() -> None:
@@ -249,6 +288,7 @@ def test_glm_multiple_choice_llama_equals_full_jacobian_within_memory_bound() ->
         torch.testing.assert_close(ours[s], ref[s], rtol=0, atol=1e-6 * scale)
 
     # the predictive itself: f̂ + J(θ_s − θ̂) from the full-vocabulary Jacobian
+    guide.link_samples = None  # predict's num_samples
     pred = pb.predict(model, guide, [batch], num_samples=16, seed=2)
     draws = guide.sample_posterior(16, generator=torch.Generator().manual_seed(2))
     mean = model.output(inputs, point).detach()
@@ -323,7 +363,7 @@ def test_glm_continuation_multiple_choice_equals_jacrev(normalize: str) -> None:
         assert scale > 1e-2
         torch.testing.assert_close(ours[s], ref[s], rtol=0, atol=1e-6 * scale)
     pred = pb.predict(model, guide, [batch], num_samples=8)
-    assert pred.log_probs is not None and pred.log_probs.shape == (8, 3, 3)
+    assert pred.log_probs is not None and pred.log_probs.shape == (100, 3, 3)  # link_samples
 
 
 @pytest.mark.integration

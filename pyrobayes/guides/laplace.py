@@ -53,7 +53,12 @@ class LaplaceGuide(PosteriorGuide):
     Immer et al. 2021): the network linearised at the MAP,
     ``f_lin(x; θ) = f(x; θ_MAP) + J(x)(θ − θ_MAP)`` (:mod:`pyrobayes.linearized`). ``"glm"``
     (default): classification by Monte Carlo over ``softmax(f_lin(x; θ_s))`` with ``θ_s ~ q``;
-    regression by the exact Gaussian ``N(f(x; θ_MAP), J Σ Jᵀ + σ²)``. ``"probit"``:
+    regression by the exact Gaussian ``N(f(x; θ_MAP), J Σ Jᵀ + σ²)``. The Monte Carlo uses
+    ``link_samples`` draws (default 100, laplace-torch's ``n_samples``), not the network draws S
+    of :func:`pyrobayes.predict`: once ``J`` is formed a draw costs one ``J (θ_s − θ_MAP)``
+    product, and few draws bias the NLL upwards (``−log p̄`` of an S-draw average overestimates
+    ``−log E p`` by about ``Var(p)/(2 S p̄²)``; on a MiniLM LoRA task S = 6 gave NLL .534
+    against .485 with 100 draws and .484 with probit, MAP .498). ``"probit"``:
     classification by ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))`` (MacKay 1992). ``"nn"``:
     the network sampled at draws of q (overdispersed on regression, see Immer et al. 2021).
 
@@ -105,6 +110,11 @@ class LaplaceGuide(PosteriorGuide):
     pred_type : {"glm", "probit", "nn"}
         The predictive :func:`pyrobayes.predict` evaluates (see above); may be changed after
         fitting (``guide.pred_type = "nn"``).
+    link_samples : int or None
+        Draws ``θ_s ~ q`` of the ``"glm"`` classification Monte Carlo (default 100); ``None``
+        uses the ``num_samples`` passed to :func:`pyrobayes.predict`. Memory: ``link_samples ×
+        d`` numbers for the draws and ``link_samples × N × K`` log-probabilities. May be changed
+        after fitting.
 
     Examples
     --------
@@ -130,6 +140,7 @@ class LaplaceGuide(PosteriorGuide):
         alternate_max_iter: int = 20,
         alternate_epochs: int = 5,
         pred_type: str = "glm",
+        link_samples: int | None = 100,
     ) -> None:
         owner = f"{type(self).__name__}: "
         if structure not in ("kron", "diag"):
@@ -167,7 +178,10 @@ class LaplaceGuide(PosteriorGuide):
                 f"{owner}pred_type must be one of {list(PRED_TYPES)} (the linearised predictive, "
                 f"its probit approximation, or network sampling); got {pred_type!r}."
             )
+        if link_samples is not None:
+            link_samples = check_int("link_samples", link_samples, ge=1, owner=owner)
         self.pred_type = pred_type
+        self.link_samples = link_samples
         self.structure = structure
         self.prior_precision_spec = prior_precision
         self.log_prior_bounds = (lo, hi)
@@ -201,8 +215,13 @@ class LaplaceGuide(PosteriorGuide):
             self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
 
     def config(self) -> dict[str, Any]:
-        """The constructor options, with ``pred_type`` as it is now (it may be set after fitting)."""
-        return {**super().config(), "pred_type": self.pred_type}
+        """The constructor options, with ``pred_type`` and ``link_samples`` as they are now (they
+        may be set after fitting)."""
+        return {
+            **super().config(),
+            "pred_type": self.pred_type,
+            "link_samples": self.link_samples,
+        }
 
     # ------------------------------------------------------------------ accessors
     @property

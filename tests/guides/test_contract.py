@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pyro
 import pytest
 import torch
 
 import pyrobayes as pb
+from pyrobayes.contract import LinearizedPredictive, implements
 from pyrobayes.models import FineTuneModel, LoRAXS
 from pyrobayes.registry import _REGISTRY
 from tests import families
@@ -112,6 +115,10 @@ def test_predict_shapes_and_probabilities(fitted):
     _, model, guide, data = fitted
     pred = pb.predict(model, guide, data, num_samples=5)
     expected_s = 1 if guide.is_deterministic else 5
+    if implements(guide, LinearizedPredictive):  # the GLM Monte Carlo draws its own number
+        linearized = cast(LinearizedPredictive, guide)
+        if linearized.pred_type == "glm" and linearized.link_samples is not None:
+            expected_s = linearized.link_samples
     assert pred.log_probs.shape == (expected_s, 48, 3)
     torch.testing.assert_close(pred.probs.sum(-1), torch.ones(expected_s, 48))
     assert pred.targets.shape == (48,)

@@ -141,7 +141,8 @@ def test_predictives_and_save_load(tmp_path) -> None:
     nn_pred = pb.predict(model, guide, loader, num_samples=8)
     mc = glm_predict(model, guide, loader, link="mc", num_samples=2000)
     probit = glm_predict(model, guide, loader, link="probit")
-    assert nn_pred.log_probs.shape == (8, 60, 3) and mc.log_probs.shape == (2000, 60, 3)
+    # the default (GLM) predictive draws guide.link_samples = 100, whatever num_samples says
+    assert nn_pred.log_probs.shape == (100, 60, 3) and mc.log_probs.shape == (2000, 60, 3)
     # probit is an approximation of the MC GLM predictive: close, not equal
     assert (mc.mean_probs - probit.mean_probs).abs().max() < 0.05
     path = pb.save(guide, tmp_path / "laplace.safetensors")
