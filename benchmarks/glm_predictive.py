@@ -201,6 +201,7 @@ def run_case(args: argparse.Namespace, model: FineTuneModel, k: int, header: boo
         for s in map_guide.sites:
             map_guide.loc(s).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
     laplace = pb.posterior(model, "laplace", init=map_guide, structure="kron")
+    laplace.link_samples = None  # the Monte Carlo draws are predict's S, as MAP's rows compare
     for s, shape in laplace.sites.items():  # synthetic KRON curvature: cost only
         m, n = shape
         laplace.set_curvature(s, torch.full(shape, 10.0), torch.eye(m), torch.eye(n))

@@ -145,7 +145,10 @@ def predict(
     guide : PosteriorGuide
     data : iterable of batches
     num_samples : int
-        S, posterior draws (1 for a point-mass guide, whatever is asked).
+        S, posterior draws (1 for a point-mass guide, whatever is asked). A linearised
+        classification predictive with ``pred_type="glm"`` draws the guide's own
+        ``link_samples`` linearised logits instead when that is set (cheap once the Jacobian is
+        formed; few draws bias the NLL upwards), and probit / regression give one exact row.
     seed : int, optional
         Seed of the draws (reproducible predictions); ``None`` uses the global RNG.
     samples_per_forward : int, optional
