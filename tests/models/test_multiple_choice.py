@@ -10,6 +10,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.batch import batch_size, split_batch, token_mask
+from pyrobayes.contract import LinearizedPredictive
 from pyrobayes.io import PosteriorMismatchError
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
 from pyrobayes.models.deploy import merged_network
@@ -252,6 +253,8 @@ def test_fit_and_predict_run_for_every_family(family, adapter_name, arch):
     assert all(math.isfinite(v) for v in result.losses)
     pred = pb.predict(model, guide, [batch], num_samples=3)
     s = 1 if guide.is_deterministic else 3
+    if isinstance(guide, LinearizedPredictive) and guide.pred_type == "glm" and guide.link_samples:
+        s = guide.link_samples  # its own draws of the linearised logits
     assert pred.log_probs is not None and pred.log_probs.shape == (s, 3, 5)
     torch.testing.assert_close(pred.probs.sum(-1), torch.ones(s, 3), rtol=0, atol=1e-10)
     assert pred.targets is not None and pred.targets.tolist() == [0, 1, 4]
