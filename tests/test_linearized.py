@@ -7,11 +7,9 @@ import math
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import pyrobayes as pb
+from benchmarks.glm_predictive import peak_bytes  # the benchmark's live-bytes tracker
 from pyrobayes.contract import LinearizedPredictive, implements
 from pyrobayes.guides import LaplaceGuide
 from pyrobayes.linearized import output_jacobians
@@ -19,52 +17,6 @@ from pyrobayes.models import FineTuneModel, LoRAXS
 from tests.common import conjugate_core, mlp_problem, tensor_loader, tiny_llama
 
 pytest.importorskip("laplace")
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    """The data pointer of ``t``'s storage (``None`` for a wrapper without storage of its own)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
-
-
-class _PeakLiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages that ops create while the mode is active and that are
-    still alive (every op's outputs, forward and backward; a storage counts until its weak
-    reference expires, noticed at the next op, so the peak errs high)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # outputs that alias an input (views, in-place ops) allocate nothing
-        inputs = {
-            _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        }
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = _storage_key(t)
-                if key is None or key in inputs:
-                    continue
-                if storage.nbytes() and key not in self.live:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
-
-
-def _peak_cpu_bytes(fn) -> int:
-    """Peak of the bytes allocated by torch ops (and not yet freed) while ``fn`` runs."""
-    with _PeakLiveBytes() as tracker:
-        fn()
-    return tracker.peak
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag"])
@@ -305,14 +257,14 @@ def test_glm_multiple_choice_llama_equals_full_jacobian_within_memory_bound() ->
         loss = pb.infer.objectives.MAP().loss(model, guide, batch)
         loss.backward()
 
-    train_peak = _peak_cpu_bytes(train_step)
-    ours_peak = _peak_cpu_bytes(lambda: output_jacobians(model, inputs, point))
+    train_peak = peak_bytes(train_step)
+    ours_peak = peak_bytes(lambda: output_jacobians(model, inputs, point))
     bound = (1 + k_out) * train_peak + 8 * bsz * d * (1 + k_out)
     full_size = 8 * bsz * length * vocab * d
     assert train_peak > 8 * bsz * length * 32  # the tracker sees the step's activations
     assert ours_peak <= bound, (ours_peak, bound)
     assert bound < full_size / 2, (bound, full_size)  # the bound is far below the full route
-    full_peak = _peak_cpu_bytes(full_reference)
+    full_peak = peak_bytes(full_reference)
     print(f"peaks: train {train_peak}, ours {ours_peak}, bound {bound:.0f}, full {full_peak}")
     assert full_peak > bound  # the full-vocabulary route does not fit in it
 
