@@ -273,17 +273,18 @@ class SymmetrizedGuide(PosteriorGuide):
                 torch.cat([i, d]) for i, d in zip(self.spec.identity(device), drawn, strict=True)
             ]
         num = int(perms[0].shape[0])
-        lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
-        diff = lq - lq[:, :1]
-        if diff.requires_grad:
+        if torch.is_grad_enabled():
             # saturated (every copy's weight exp(diff_k − max) underflows to 0 but θ₀'s): I_K is
-            # log K and its gradient exactly 0, so the backward skips the K·D terms
-            probe = diff.detach()
-            if not bool((probe[:, 1:] - probe.max(dim=1, keepdim=True).values).exp().any()):
+            # log K and its gradient exactly 0, so the graph over the K·D terms is not built
+            with torch.no_grad():
+                lq = self._relative_log_prob(values, perms)
+            diff = lq - lq[:, :1]
+            if not bool((diff[:, 1:] - diff.max(dim=1, keepdim=True).values).exp().any()):
                 first = values[next(iter(self.sites))]
                 anchor = first.reshape(first.shape[0], -1)[:, 0] * 0.0  # in the graph, grad 0
-                return _infonce(probe, num) + anchor
-        return _infonce(diff, num)
+                return _infonce(diff, num) + anchor
+        lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
+        return _infonce(lq - lq[:, :1], num)
 
     def symmetrized_log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
         r"""``log q_G(θ_s) = logsumexp_g log q(g·θ_s) − log|G|`` by enumerating G (tiny groups)."""
