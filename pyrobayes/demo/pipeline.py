@@ -81,8 +81,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "seed": 0,
     },
     "families": ["map", "meanfield", "ivon", "kron-ivon", "swag", "laplace", "symmetrized"],
-    # epochs: the cap of every family's stopping rule (the epoch of least validation NLL)
-    "training": {"epochs": 4, "lr": 3e-3, "seed": 0, "device": "cpu"},
+    # the stopping rule of every validated fit: stop after `patience` epochs without a better
+    # validation NLL (0: never early), `epochs` at most, keeping the epoch of least NLL
+    "training": {"epochs": 8, "patience": 1, "lr": 3e-3, "seed": 0, "device": "cpu"},
     "predict": {"num_samples": 6},
     "export": {"num_samples": 50, "num_batches": 2},
 }
@@ -109,8 +110,10 @@ QUICK_OVERRIDES: dict[str, Any] = {
 #: * ``validate``: ``False`` for a family whose fitted state is not a point to select (SWAG's
 #:   moments): it runs its ``epochs`` without the stopping rule.
 #:
-#: The stopping rule of every other fit: ``training.epochs`` epochs at most, keeping the epoch of
-#: least validation NLL (``fit(val_data=..., select_by="nll")``, scored at the posterior mean).
+#: The stopping rule of every other fit: early stopping after ``training.patience`` epochs
+#: without a better validation NLL, ``training.epochs`` epochs at most, keeping the epoch of
+#: least validation NLL (``fit(val_data=..., select_by="nll", patience=...)``, scored at the
+#: posterior mean).
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "map": {},
     "meanfield": {"options": {"init_scale": 1e-3}},
@@ -526,6 +529,7 @@ def run(
     fitted: dict[str, _Fitted] = {}
     mean_probs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     cap = int(config["training"]["epochs"])
+    patience = int(config["training"]["patience"]) or None
     for family in families:
         settings = FAMILY_SETTINGS.get(family, {})
         _rewind(loaders["train"], int(config["data"]["seed"]))
@@ -540,6 +544,7 @@ def run(
         elif source is not None:  # that run is not in the job: the family fits its own MAP stage
             logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
             epochs, validate, source = cap + epochs, True, None
+        validated = validate and epochs > 0
         guide = posterior(model, family, init=init, **settings.get("options", {}))
         logger.info(
             "fitting %s for %d epochs%s", family, epochs, f" from {source}" if source else ""
@@ -554,8 +559,9 @@ def run(
             seed=int(config["training"]["seed"]),
             device=device,
             progress_bar=progress_bar,
-            val_data=loaders["val"] if validate and epochs > 0 else None,
+            val_data=loaders["val"] if validated else None,
             select_by="nll",
+            patience=patience if validated else None,
             # training.scheduler / training.warmup (pb.fit's), per family overridable
             scheduler=settings.get("scheduler", config["training"].get("scheduler")),
             warmup=settings.get("warmup", config["training"].get("warmup", 0)),
@@ -585,6 +591,8 @@ def run(
             # the stopping rule: the epoch (1-based) of least validation NLL; the rule was met
             # (validation NLL stopped improving) when it is below the cap
             "best_epoch": None if best is None else int(best) + 1,
+            "epochs_run": int(result.state["epoch"]),
+            "stopped_early": bool(result.state.get("stopped_early", False)),
             "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
         }
         records.append(record)
@@ -660,14 +668,17 @@ COLUMNS = [
 
 
 def _stopping(record: dict[str, Any]) -> str:
-    """``"best / cap"`` for a validated fit (``"4 / 4 capped"`` when NLL still improved at the
-    cap), the epochs run otherwise (``"1 (fixed)"``, ``"0 (fixed)"``)."""
+    """``"best / cap"`` for a validated fit: ``"3 / 8, stopped 4"`` when early stopping ended it
+    after epoch 4, ``"8 / 8 capped"`` when NLL still improved at the cap; the epochs run
+    otherwise (``"1 (fixed)"``, ``"0 (fixed)"``)."""
     epochs = record.get("epochs")
     if epochs is None:
         return "–"
     best = record.get("best_epoch")
     if best is None:
         return f"{epochs} (fixed)"
+    if record.get("stopped_early"):
+        return f"{best} / {epochs}, stopped {record.get('epochs_run', '?')}"
     return f"{best} / {epochs}" + (" capped" if best >= epochs else "")
 
 
@@ -744,7 +755,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     ood = sorted({k for r in records for k in r if k.startswith("auroc_")})
     cols = COLUMNS + [(k, k.replace("auroc_", "AUROC "), "{:.3f}") for k in ood]
     cols += [
-        ("best_epoch", "epoch / cap", "{}"),
+        ("best_epoch", "best epoch / cap", "{}"),
         ("trainable_parameters", "trainable", "{:,}"),
         ("posterior_parameters", "posterior", "{:,}"),
         ("fit_seconds", "fit s", "{:.1f}"),
@@ -774,6 +785,8 @@ _NOT_RECOMPUTED = (
     "warm_start",
     "epochs",
     "best_epoch",
+    "epochs_run",
+    "stopped_early",
 )
 
 

@@ -26,6 +26,8 @@ def validate_fit_arguments(
     checkpoint_every: Any = None,
     resume: Any = False,
     overwrite: Any = False,
+    patience: Any = None,
+    validated: bool = False,
 ) -> None:
     """Raise on an invalid combination of :func:`pyrobayes.fit` arguments.
 
@@ -43,6 +45,10 @@ def validate_fit_arguments(
     resume, overwrite : bool
         ``resume=True`` needs ``checkpoint_dir`` (without one there is nothing to resume from
         and the run would silently start from scratch).
+    patience : int, optional
+        An integer >= 1; needs validation data (``validated``), the only thing it can wait on.
+    validated : bool
+        Whether ``val_data`` was passed.
 
     Raises
     ------
@@ -65,6 +71,13 @@ def validate_fit_arguments(
             raise TypeError(f"{_OWNER}{name} must be True or False; got {flag!r}.")
     if checkpoint_every is not None:
         check_int("checkpoint_every", checkpoint_every, ge=1, owner=_OWNER)
+    if patience is not None:
+        check_int("patience", patience, ge=1, owner=_OWNER)
+        if not validated:
+            raise ValueError(
+                f"{_OWNER}patience={patience} needs val_data=... (the held-out batches whose "
+                "score it waits on); without it nothing could stop the fit early."
+            )
     if checkpoint_dir is None:
         if resume:
             raise ValueError(

@@ -137,6 +137,7 @@ def fit(
     callback: Callable[[int, float], None] | None = None,
     val_data: Iterable[Any] | None = None,
     select_by: str = "nll",
+    patience: int | None = None,
     scheduler: str | Callable[[torch.optim.Optimizer], Any] | None = None,
     warmup: float = 0,
 ) -> FitResult:
@@ -200,6 +201,12 @@ def fit(
     select_by : {"nll", "accuracy", "rmse"}
         The validation criterion: predictive NLL (any likelihood), accuracy (classification;
         ties broken by NLL) or RMSE (regression).
+    patience : int, optional
+        Early stopping (needs ``val_data``): end the fit after ``patience`` epochs in a row that
+        do not improve on the best validation score; ``epochs`` is then the cap. The best epoch
+        is restored as without it. ``FitResult.state["stopped_early"]`` says whether the rule
+        ended the fit before the cap. The rule reads the validation history, which checkpoints
+        keep, so a resumed fit stops at the same epoch.
     scheduler : {"cosine", "linear"} or callable, optional
         Learning-rate schedule, stepped after every optimizer step: ``"cosine"``
         (``α_t = α·½(1 + cos(π t/T))``) or ``"linear"`` (``α_t = α(1 − t/T)``) over the run's
@@ -233,6 +240,8 @@ def fit(
         checkpoint_every=checkpoint_every,
         resume=resume,
         overwrite=overwrite,
+        patience=patience,
+        validated=val_data is not None,
     )
     selection = Selection(val_data, select_by) if val_data is not None else None
     try:
@@ -277,6 +286,7 @@ def fit(
             resume=resume,
             callback=callback,
             selection=selection,
+            patience=patience,
             scheduler=scheduler,
             warmup=warmup,
         )
@@ -302,6 +312,7 @@ def _run(
     resume: bool,
     callback: Callable[[int, float], None] | None,
     selection: Selection | None,
+    patience: int | None,
     scheduler: str | Callable[[torch.optim.Optimizer], Any] | None,
     warmup: float,
 ) -> FitResult:
@@ -378,10 +389,23 @@ def _run(
     def _end_may_be_pending() -> bool:  # ... or maybe so (an iterable without a length)
         return in_epoch > 0 and (steps_per_epoch is None or in_epoch >= steps_per_epoch)
 
+    def _patience_spent() -> bool:  # early stopping (checked between epochs only)
+        return selection is not None and in_epoch == 0 and selection.exhausted(patience)
+
+    stopped_early = False
     try:
         while (epochs is None or epoch < epochs) and (
             num_steps is None or step < num_steps or _end_may_be_pending()
         ):
+            if _patience_spent():
+                stopped_early = True
+                logger.info(
+                    "fit: stopped early after epoch %d (%d epochs without a better %s)",
+                    epoch - 1,
+                    patience,
+                    selection.select_by if selection is not None else "score",
+                )
+                break
             seen, stopped = 0, False
             if not _batches_done():  # else: resumed after the last batch, before the end
                 order.set_epoch(epoch)
@@ -473,5 +497,7 @@ def _run(
     if reporter is not None:
         state["terms"] = {name: torch.tensor(v) for name, v in terms.items()}
     if selection is not None:
-        state.update(best_epoch=best_epoch, validation=selection.history)
+        state.update(
+            best_epoch=best_epoch, validation=selection.history, stopped_early=stopped_early
+        )
     return FitResult(guide, torch.tensor(losses), state)

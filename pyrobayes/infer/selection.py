@@ -128,6 +128,18 @@ class Selection:
     def best_index(self) -> int:
         return min(range(len(self.history)), key=lambda i: tuple(self.history[i]["key"]))
 
+    def epochs_since_best(self) -> int:
+        """Epochs scored after the best one (0 when the last scored epoch is the best)."""
+        return len(self.history) - 1 - self.best_index() if self.history else 0
+
+    def exhausted(self, patience: int | None) -> bool:
+        """Whether ``patience`` epochs in a row have not improved on the best (early stopping).
+
+        A function of the history alone, which checkpoints carry: a resumed fit stops where the
+        uninterrupted one did.
+        """
+        return patience is not None and self.epochs_since_best() >= patience
+
     def restore_best(self, model: Any, guide: Any) -> int | None:
         """Restore the best state; returns its epoch (``None`` when nothing was scored)."""
         if self.best is None:

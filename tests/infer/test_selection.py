@@ -152,3 +152,56 @@ def test_best_state_survives_a_mid_epoch_interrupt(tmp_path):
     resumed, result = _run("map", epochs=4, val="flipped", checkpoint_dir=tmp_path, resume=True)
     assert result.state["best_epoch"] == full_result.state["best_epoch"] == 0
     _assert_same_state(_state(resumed), _state(full))
+
+
+@pytest.mark.parametrize("patience", [1, 2])
+def test_patience_stops_after_that_many_epochs_without_improvement(patience):
+    # flipped targets worsen the validation NLL every epoch: the best is epoch 0, and the fit
+    # stops after epoch `patience` (the `patience` epochs that followed it did not improve)
+    guide, result = _run("map", epochs=10, val="flipped", patience=patience)
+    assert [h["epoch"] for h in result.state["validation"]] == list(range(patience + 1))
+    assert result.state["best_epoch"] == 0 and result.state["stopped_early"] is True
+    assert result.state["epoch"] == patience + 1
+    assert len(result.losses) == 4 * (patience + 1)  # four batches an epoch
+    one_epoch, _ = _run("map", epochs=1, val=None)
+    _assert_same_state(_state(guide), _state(one_epoch))
+
+
+def test_patience_never_stops_a_fit_that_keeps_improving():
+    guide, result = _run("map", epochs=3, val="train", patience=1)
+    assert result.state["best_epoch"] == 2 and result.state["stopped_early"] is False
+    assert result.state["epoch"] == 3
+    plain, _ = _run("map", epochs=3, val=None)
+    _assert_same_state(_state(guide), _state(plain))
+
+
+def test_patience_survives_resume(tmp_path):
+    # killed after epoch 1 of a run that stops after epoch 2 (patience 2): the resumed run
+    # stops at the same epoch, with the same state
+    full, full_result = _run("map", epochs=10, val="flipped", patience=2)
+    _run("map", epochs=2, val="flipped", patience=2, checkpoint_dir=tmp_path)
+    resumed, resumed_result = _run(
+        "map", epochs=10, val="flipped", patience=2, checkpoint_dir=tmp_path, resume=True
+    )
+    assert resumed_result.state["epoch"] == full_result.state["epoch"] == 3
+    assert resumed_result.state["stopped_early"] is True
+    _assert_same_state(_state(resumed), _state(full))
+    # resuming a run that already stopped early trains no further
+    again, again_result = _run(
+        "map", epochs=10, val="flipped", patience=2, checkpoint_dir=tmp_path, resume=True
+    )
+    assert again_result.state["epoch"] == 3 and len(again_result.losses) == 12
+    _assert_same_state(_state(again), _state(full))
+
+
+def test_bad_patience_is_named():
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "map")
+    data = split_batches(prob.x, prob.y)
+    with pytest.raises(ValueError, match=r"patience=2 needs val_data"):
+        pb.fit(prob.model, guide, data, epochs=1, patience=2)
+    with pytest.raises(ValueError, match="patience"):
+        pb.fit(prob.model, guide, data, epochs=1, val_data=data, patience=0)
+    with pytest.raises(TypeError, match="patience"):
+        pb.fit(prob.model, guide, data, epochs=1, val_data=data, patience=1.5)
