@@ -6,7 +6,17 @@ GGN of the summed negative log-likelihood over the sites only,
 .. math:: H = \sum_i J_i^\top Λ_i J_i,\qquad J_i = ∂f(x_i; θ)/∂θ\,|_{θ^*},
 
 as its diagonal (``DIAG``) or K-FAC blocks (``KRON``; a LoRA-XS core is an ordinary
-``nn.Linear(r, r)``, so both factors are ``r×r``).
+``nn.Linear(r, r)``, so both factors are ``r×r``). The diagonal is computed from per-example
+Jacobians (:func:`pyrobayes.linearized.output_jacobians`: one forward and ``K − 1`` backward
+passes per batch for ``K`` classes, ``K`` for ``K`` regression outputs), with softmax's
+``Λ_i = diag(p_i) − p_i p_iᵀ``
+
+.. math:: \operatorname{diag} H = \sum_i \sum_k p_{ik} \big(J_{ik} - \textstyle\sum_j p_{ij} J_{ij}\big)^{2},
+
+(``J_{ik}`` the k-th row of ``J_i``, squared elementwise) and ``Σ_i Σ_k J_{ik}²`` for a Gaussian
+likelihood (laplace-torch's ``1/σ²`` applied as its ``_H_factor``). laplace-torch's default
+backend forms the same diagonal from the Jacobian of the whole batch output with respect to the
+parameters, ``B·K`` backward passes of the whole batch each (quadratic in the batch size).
 
 Prior precision. ``τ`` maximises the Laplace log marginal likelihood
 
@@ -26,6 +36,7 @@ batch output and is kept for comparison.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, to_device
+from ..linearized import output_jacobians
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
 from .fitter import Fitter
@@ -48,6 +60,7 @@ __all__ = [
     "glm_moments",
     "glm_predict",
     "LaplaceNet",
+    "per_example_ggn_backend",
 ]
 
 
@@ -170,6 +183,11 @@ class LaplaceNet(nn.Module):
         self.net = model.net
         self._model = [model]  # not a submodule: its point params must not be seen twice
 
+    @property
+    def pyro_model(self) -> Any:
+        """The :class:`~pyrobayes.models.FineTuneModel` whose network this is."""
+        return self._model[0]
+
     def forward(self, x: Any) -> Tensor:
         model = self._model[0]
         inputs = split_batch(x, model.label_key)[0] if isinstance(x, Mapping) else x
@@ -223,6 +241,72 @@ class _Loader:
         return y if self._event_shape else y.unsqueeze(-1)
 
 
+@functools.cache
+def per_example_ggn_backend() -> type:
+    """laplace-torch's default backend (curvlinops GGN) with an exact, per-example diagonal.
+
+    ``kron`` and ``full`` are curvlinops'. ``diag`` returns the same ``(loss, diag GGN)`` as
+    laplace-torch's ``GGNInterface.diag`` but from per-example Jacobians of the sites
+    (:func:`pyrobayes.linearized.output_jacobians` on the sample-batched forward): one forward
+    and ``K − 1`` (classification) or ``K`` (regression) backward passes per batch instead of
+    ``B·K`` backward passes of the whole batch. It applies to a :class:`LaplaceNet` whose
+    gradient-requiring parameters are latent sites and to a deterministic GGN; anything else
+    (``stochastic=True``, last-layer or subnetwork Laplace, another network) goes to
+    laplace-torch's own ``diag``.
+
+    Returns
+    -------
+    type
+        A subclass of ``laplace.curvature.CurvlinopsGGN`` (built on first use: laplace-torch is
+        imported only when a Laplace posterior is fitted).
+    """
+    from laplace.curvature import CurvlinopsGGN
+
+    class PerExampleGGN(CurvlinopsGGN):
+        def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            wrapper: Any = self.model
+            sites = _site_names(wrapper, self.params)
+            if (
+                sites is None
+                or self.stochastic
+                or self.last_layer
+                or self.subnetwork_indices is not None
+            ):
+                return super().diag(x, y, **kwargs)
+            model = wrapper.pyro_model
+            classification = model.likelihood.is_classification
+            inputs = split_batch(x, model.label_key)[0] if isinstance(x, Mapping) else x
+            point = {s: p.detach() for s, p in zip(sites, self.params, strict=True)}
+            # Σ_k J_k − J_K: softmax's Λ annihilates a shift common to the K rows
+            out, jac = output_jacobians(model, inputs, point, contrast=classification)
+            size = batch_size(inputs)
+            flat = torch.cat([jac[s].reshape(*jac[s].shape[:2], -1) for s in sites], -1)
+            if classification:
+                if out.dim() != 2:  # laplace-torch's cross-entropy reads (B, K) logits only
+                    return super().diag(x, y, **kwargs)
+                probs = torch.softmax(out, -1)  # (B, K)
+                mean = torch.einsum("bk,bkp->bp", probs, flat)
+                diag = torch.einsum("bk,bkp->p", probs, (flat - mean[:, None]).square())
+            else:
+                diag = flat.square().sum((0, 1))
+                out = out.reshape(size, -1) if out.dim() == 1 else out  # LaplaceNet's (B, 1)
+            loss = self.factor * self.lossfunc(out, y)
+            return loss.detach(), diag.detach()
+
+    return PerExampleGGN
+
+
+def _site_names(wrapper: Any, params: Iterable[Tensor]) -> list[str] | None:
+    """The latent site of each of ``params`` (in order), or ``None`` if one is not a site."""
+    if not isinstance(wrapper, LaplaceNet):
+        return None
+    model = wrapper.pyro_model
+    net = model.net
+    by_id = {id(net.get_parameter(spec.param_name)): s for s, spec in model.latent_sites.items()}
+    names = [by_id.get(id(p)) for p in params]
+    return None if any(n is None for n in names) else [n for n in names if n is not None]
+
+
 def _laplace_likelihood(model: Any) -> tuple[str, float]:
     """laplace-torch's ``likelihood`` and ``sigma_noise`` (a learned σ: its current value)."""
     if model.likelihood.is_classification:
@@ -267,6 +351,10 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
     Copies the guide's point into the network, makes only the sites' tensors require grad, runs
     laplace-torch (``hessian_structure=guide.structure``), stores the curvature in the guide, picks
     τ, and restores the network. Returns the laplace-torch object (at the chosen τ).
+
+    ``backend`` is laplace-torch's curvature backend; the default,
+    :func:`per_example_ggn_backend`, is laplace-torch's own (curvlinops GGN) with the diagonal
+    from per-example Jacobians (the same diagonal GGN, without a Jacobian of the whole batch).
     """
     from laplace import DiagLaplace, KronLaplace, Laplace
     from laplace.utils import KronDecomposed
@@ -293,9 +381,6 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
         wrapper = LaplaceNet(model)
         order = [site_of[id(p)] for p in wrapper.parameters() if p.requires_grad]
         kind, sigma = _laplace_likelihood(model)
-        kwargs: dict[str, Any] = {}
-        if backend is not None:
-            kwargs["backend"] = backend
         la = Laplace(
             wrapper,
             kind,
@@ -305,7 +390,7 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
             prior_precision=1.0,
             temperature=guide.temperature,
             dict_key_y=model.label_key,
-            **kwargs,
+            backend=per_example_ggn_backend() if backend is None else backend,
         )
         # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
         la.fit(_Loader(model, data, model.device))  # type: ignore[arg-type]
