@@ -27,6 +27,7 @@ from .multiple_choice import (
     accepts_argument,
     continuation_scores,
     continuation_targets,
+    eager_attention_mask,
     flatten_choices,
     head_positions_supported,
     last_positions,
@@ -478,6 +479,10 @@ class MultipleChoice(Likelihood):
             flat["use_cache"] = False  # one forward: no key/value cache to build
         if read.shape[1] < length and head_positions_supported(net):
             flat["logits_to_keep"] = read
+        # float64 eager attention would turn left padding into NaN at the real tokens
+        mask = eager_attention_mask(net, flat.get("attention_mask"))
+        if mask is not None:
+            flat["attention_mask"] = mask
         return flat
 
     def params(self, output: Tensor, inputs: Any) -> Tensor:

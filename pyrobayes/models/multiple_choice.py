@@ -84,6 +84,88 @@ def accepts_argument(net: nn.Module, name: str) -> bool:
     return name in _forward_arguments(type(net))
 
 
+def _attends_fully(config: Any) -> bool:
+    """Whether every layer of ``config`` attends causally over the whole row (no sliding window
+    or chunked layers, which one 4D mask could not describe)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return (
+        getattr(config, "sliding_window", None) is None
+        and getattr(config, "attention_chunk_size", None) is None
+    )
+
+
+def eager_attention_mask(net: nn.Module, attention_mask: Any) -> Tensor | None:
+    r"""A 4D attention mask for a Hugging Face causal LM whose eager attention would return NaN
+    on left-padded rows, or ``None`` when the network's own mask is safe.
+
+    The eager attention of transformers adds a mask holding ``finfo(dtype).min`` at the masked
+    keys and takes the softmax in float32. In float64 that minimum overflows to ``-inf``, so the
+    query at a left-padding position, which sees no real key, gets a softmax over ``-inf`` only:
+    NaN. The next layer multiplies that position's value by an attention weight of exactly 0 at
+    every real query, and :math:`0 \cdot \mathrm{NaN} = \mathrm{NaN}` reaches every real token.
+
+    The mask returned, of shape ``(R, 1, L, L)`` in the network's dtype (additive: 0 where query
+    ``i`` attends key ``j``, the dtype's minimum elsewhere), is the causal padding mask the
+    network would build, :math:`j \le i` and ``attention_mask[j] = 1``, with each query that sees
+    no key attending to itself instead. Real queries attend exactly as before (their rows are
+    unchanged), so their outputs are those of the network's own mask; padding queries get finite
+    outputs that no real query reads.
+
+    Parameters
+    ----------
+    net : nn.Module
+        The network; only a transformers model with ``config._attn_implementation == "eager"``
+        in a dtype wider than float32 (float64) needs the mask.
+    attention_mask : Tensor `(R, L)` or None
+        Nonzero on real tokens.
+
+    Returns
+    -------
+    Tensor `(R, 1, L, L)` or None
+        ``None`` when the network's own mask has no fully masked row it would turn into NaN.
+
+    Raises
+    ------
+    ValueError
+        When the mask is needed but the network has sliding-window or chunked attention layers.
+    """
+    config = getattr(net, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "eager":
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        return None
+    getter = getattr(net, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else None
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        return None
+    dtype = weight.dtype
+    if torch.finfo(dtype).min >= torch.finfo(torch.float32).min:
+        return None  # the mask's minimum stays finite in the float32 softmax: no NaN
+    real = attention_mask.bool()
+    if bool(real[:, 0].all()):
+        return None  # every query sees the first token: no fully masked row
+    if not _attends_fully(config):
+        raise ValueError(
+            f"multiple_choice likelihood: {type(net).__name__} runs eager attention in {dtype} "
+            "on left-padded rows, whose padding queries see no key; transformers' eager "
+            "attention then returns NaN (its float32 softmax overflows the float64 mask), and "
+            "the network has sliding-window or chunked layers that pyrobayes cannot rebuild a "
+            "safe mask for. Load the model with attn_implementation='sdpa', pad on the right "
+            "(encode_multiple_choice(..., padding_side='right')) or run it in float32."
+        )
+    length = int(real.shape[-1])
+    arange = torch.arange(length, device=real.device)
+    causal = arange[None, :] <= arange[:, None]  # (L, L): key j <= query i
+    attend = causal[None] & real[:, None, :]  # (R, L, L)
+    unattended = ~attend.any(-1, keepdim=True)  # queries that see no key
+    attend = attend | (unattended & torch.eye(length, dtype=torch.bool, device=real.device))
+    mask = torch.zeros(attend.shape, dtype=dtype, device=real.device)
+    return mask.masked_fill_(~attend, torch.finfo(dtype).min).unsqueeze(1)
+
+
 def last_positions(attention_mask: Tensor | None, rows: int, length: int, device: Any) -> Tensor:
     """Index of the last real token of each row ``(rows,)`` (left or right padding)."""
     if attention_mask is None:

@@ -14,7 +14,7 @@ from pyrobayes.contract import LinearizedPredictive
 from pyrobayes.io import PosteriorMismatchError
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
 from pyrobayes.models.deploy import merged_network
-from pyrobayes.models.multiple_choice import encode_multiple_choice
+from pyrobayes.models.multiple_choice import eager_attention_mask, encode_multiple_choice
 from pyrobayes.models.projections import collect_input_moments
 from pyrobayes.registry import _REGISTRY
 from tests import families
@@ -42,31 +42,31 @@ class CharTokenizer:
         return {"input_ids": ([1] if add_special_tokens else []) + ids}
 
 
-def tiny_gpt2_lm():
-    """A two-layer ``GPT2LMHeadModel`` (n_embd 32, vocab 99) from a config."""
+def tiny_gpt2_lm(**overrides):
+    """A two-layer ``GPT2LMHeadModel`` (n_embd 32, vocab 99) from a config (``overrides``
+    replace its fields)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=99, pad_token_id=0)
-    return GPT2LMHeadModel(cfg)
+    cfg = dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=99, pad_token_id=0)
+    cfg.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**cfg))
 
 
 NETS = {"llama": tiny_llama, "gpt2": tiny_gpt2_lm}
 
 
 def hand_scores(net, batch, normalize):
-    """Per-choice scores by a loop over rows: ``model(**inputs).logits`` of one row at a time."""
+    """Per-choice scores by a loop over rows: ``model(input_ids).logits`` of one row at a time,
+    its padding removed (no attention mask, no padding position for any attention to mishandle)."""
     ids, mask, cont = batch["input_ids"], batch["attention_mask"], batch["continuation_mask"]
-    num, k_choices, length = ids.shape
+    num, k_choices, _ = ids.shape
     out = torch.zeros(num, k_choices, dtype=torch.float64)
     for b in range(num):
         for k in range(k_choices):
-            inputs = {
-                "input_ids": ids[b, k][None],
-                "attention_mask": mask[b, k][None],
-                "position_ids": batch["position_ids"][b, k][None],
-            }
-            logp = net(**inputs).logits[0].log_softmax(-1)
-            terms = [float(logp[t - 1, ids[b, k, t]]) for t in range(length) if cont[b, k, t]]
+            real = mask[b, k].bool()
+            row, row_cont = ids[b, k][real], cont[b, k][real]
+            logp = net(input_ids=row[None]).logits[0].log_softmax(-1)
+            terms = [float(logp[t - 1, row[t]]) for t in range(len(row)) if row_cont[t]]
             score = math.fsum(terms)
             if normalize == "length":
                 score /= len(terms)
@@ -123,9 +123,15 @@ def test_encoding_truncates_the_prompt_from_the_left_and_refuses_bad_input():
 @pytest.mark.parametrize("arch", sorted(NETS))
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("normalize", ["none", "length", "chars"])
-def test_scores_equal_a_hand_loop(arch, side, normalize):
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_scores_equal_a_hand_loop(arch, side, normalize, attn, dtype):
+    # eager attention in float64 on left padding: transformers' own mask gives the padding
+    # queries a softmax over -inf only (NaN, which its next layer spreads to the real tokens);
+    # the likelihood hands the network a mask without such rows (eager_attention_mask)
     torch.manual_seed(0)
-    net = NETS[arch]().eval()
+    net = NETS[arch](attn_implementation=attn).eval().to(dtype)
+    assert net.config._attn_implementation == attn
     model = FineTuneModel(
         net,
         LoRAXS(rank=2, target_modules=["q_proj", "c_attn"]),
@@ -133,18 +139,115 @@ def test_scores_equal_a_hand_loop(arch, side, normalize):
         trainable_modules=[],
     )
     batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, padding_side=side)
-    values = {s: 0.3 * torch.randn(v.shape) for s, v in model.init_values().items()}
+    values = {s: 0.3 * torch.randn(v.shape, dtype=v.dtype) for s, v in model.init_values().items()}
     with torch.no_grad():
         scores = model.output(batch, values)  # (B, K)
-        # the hand loop runs the plain network at the same adapter values
+        # the hand loop runs the plain network at the same adapter values, one unpadded row at
+        # a time
         ref = hand_scores(_with_values(model, values), batch, normalize)
-    assert scores.shape == (3, 3)
-    torch.testing.assert_close(scores, ref, rtol=0, atol=1e-5)
+    assert scores.shape == (3, 3) and scores.dtype == dtype
+    # float32 rounding of sums of ~30 log-probabilities of size ~5 (eps·30·5 ≈ 2e-5 at worst,
+    # 3e-6 seen); eager attention takes its softmax in float32 even in float64
+    torch.testing.assert_close(scores.double(), ref, rtol=0, atol=1e-5)
 
 
 def _with_values(model, values):
     """The model's network with ``values`` merged in (a plain transformers model)."""
     return merged_network(model, values).eval()
+
+
+def test_eager_attention_mask_replaces_only_the_rows_that_see_no_key():
+    real = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    eager64 = tiny_llama(attn_implementation="eager").double()
+    mask = eager_attention_mask(eager64, real)
+    assert mask is not None and mask.shape == (3, 1, 4, 4) and mask.dtype == torch.float64
+    attend = mask[:, 0] == 0
+    causal = torch.ones(4, 4).tril().bool()
+    expected = causal[None] & real.bool()[:, None, :]  # the network's own causal padding mask
+    expected[0, 0, 0] = expected[0, 1, 1] = True  # the left-padding queries see themselves
+    assert torch.equal(attend, expected)
+    assert bool((mask[:, 0][~attend] == torch.finfo(torch.float64).min).all())
+    # nothing to replace: sdpa, float32 (the mask's minimum stays finite in the float32
+    # softmax), or no row that starts with padding
+    assert eager_attention_mask(tiny_llama(attn_implementation="sdpa").double(), real) is None
+    assert eager_attention_mask(tiny_llama(attn_implementation="eager").float(), real) is None
+    assert eager_attention_mask(eager64, real[1:]) is None
+
+
+def test_eager_attention_mask_refuses_sliding_window_layers():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=37,
+        vocab_size=99,
+        sliding_window=4,
+        attn_implementation="eager",
+    )
+    net = MistralForCausalLM(cfg).double()
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*padding_side='right'"):
+        eager_attention_mask(net, torch.tensor([[0, 1, 1]]))
+
+
+def _eager_float64_model(**kwargs):
+    torch.manual_seed(0)
+    return FineTuneModel(
+        tiny_llama(attn_implementation="eager").double().eval(),
+        LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
+        trainable_modules=[],
+        **kwargs,
+    )
+
+
+def test_eager_float64_single_token_choices_on_left_padding():
+    # the answer-token path reads the last real token of a left-padded row: finite, and the
+    # unpadded row's logits at the same draw
+    model = _eager_float64_model(likelihood="multiple_choice", choice_token_ids=[5, 6, 7])
+    ids = torch.randint(3, 99, (4, 7))
+    mask = torch.ones(4, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[3, :1] = 0
+    values = {s: torch.randn(3, *v.shape, dtype=v.dtype) for s, v in model.init_values().items()}
+    with torch.no_grad():
+        out = model.batched_output({"input_ids": ids, "attention_mask": mask}, values)
+        assert out.shape == (3, 4, 3) and bool(out.isfinite().all())
+        for i in range(3):
+            net = _with_values(model, {s: v[i] for s, v in values.items()})
+            for b in range(4):
+                row = ids[b][mask[b].bool()]
+                ref = net(input_ids=row[None]).logits[0, -1, [5, 6, 7]]
+                # eager attention's float32 softmax: ~1e-7 relative on logits of size ~1
+                torch.testing.assert_close(out[i, b], ref, rtol=0, atol=1e-5)
+
+
+def test_eager_float64_left_padding_trains_as_right_padding():
+    # the negative log-likelihood and its gradient on the adapter values do not depend on
+    # the padding side (eager attention's float32 softmax: agreement to ~1e-7 relative)
+    model = _eager_float64_model(likelihood="multiple_choice", num_data=3)
+    torch.manual_seed(1)
+    values = {
+        s: torch.randn(2, *v.shape, dtype=v.dtype, requires_grad=True)
+        for s, v in model.init_values().items()
+    }
+
+    def nll_and_grads(side):
+        batch = encode_multiple_choice(
+            CharTokenizer(), PROMPTS, CHOICES, answers=[0, 1, 2], padding_side=side
+        )
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        nll = -model.log_likelihood(model.batched_output(inputs, values), batch["labels"]).sum()
+        return nll.detach(), torch.autograd.grad(nll, list(values.values()))
+
+    nll_left, grads_left = nll_and_grads("left")
+    nll_right, grads_right = nll_and_grads("right")
+    assert bool(nll_left.isfinite())
+    torch.testing.assert_close(nll_left, nll_right, rtol=0, atol=1e-5)
+    for g_left, g_right in zip(grads_left, grads_right, strict=True):
+        assert bool(g_left.isfinite().all())
+        torch.testing.assert_close(g_left, g_right, rtol=1e-4, atol=1e-5)
 
 
 def test_left_padding_does_not_change_the_scores():
