@@ -69,7 +69,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for _, proc in procs.values():
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaps it and closes its pipes (a deselected case never read them)
 
 
 def _assert_same(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any], what: str) -> None:
