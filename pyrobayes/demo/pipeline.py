@@ -84,7 +84,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # the stopping rule of every validated fit: stop after `patience` epochs without a better
     # validation NLL (0: never early; a family may wait longer, FAMILY_SETTINGS), `epochs` at
     # most, keeping the epoch of least NLL
-    "training": {"epochs": 8, "patience": 1, "lr": 3e-3, "seed": 0, "device": "cpu"},
+    "training": {"epochs": 12, "patience": 1, "lr": 3e-3, "seed": 0, "device": "cpu"},
     "predict": {"num_samples": 6},
     "export": {"num_samples": 50, "num_batches": 2},
 }
