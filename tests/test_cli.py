@@ -328,7 +328,10 @@ def test_demo_families_are_config_entries_not_branches():
     source = inspect.getsource(pipeline.run)
     for family in available_guides():
         assert f'"{family}"' not in source and f"'{family}'" not in source, family
-    allowed = {"options", "lr", "epochs", "init", "validate", "scheduler", "warmup", "adapter"}
+    allowed = {
+        *("options", "lr", "epochs", "patience", "init", "validate"),
+        *("scheduler", "warmup", "adapter"),
+    }
     for family, settings in pipeline.FAMILY_SETTINGS.items():
         assert set(settings) <= allowed, (family, set(settings) - allowed)
         assert settings.get("init") in (None, *pipeline.FAMILY_SETTINGS), family
