@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -50,7 +50,12 @@ from .predictive import CPU_MAX_ROWS_PER_FORWARD, Prediction, _rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["output_jacobians", "linearized_predict", "default_examples_per_forward"]
+__all__ = [
+    "output_jacobians",
+    "output_jacobian_rows",
+    "linearized_predict",
+    "default_examples_per_forward",
+]
 
 
 def default_examples_per_forward(inputs: Any, device: torch.device) -> int:
@@ -168,6 +173,115 @@ def _row_jacobians(
         for (s, v), g in zip(copies.items(), grads, strict=True)
     }
     return out.detach(), jac
+
+
+def output_jacobian_rows(
+    model: Any,
+    inputs: Any,
+    point: Mapping[str, Tensor],
+    *,
+    contrast: bool = False,
+    outputs_per_pass: int = 4,
+) -> tuple[Tensor, Iterator[tuple[int, dict[str, Tensor]]]]:
+    r"""``f(x; θ̂)`` and its per-example Jacobians a few rows ``k`` at a time, never all K.
+
+    The same copies and backward passes as :func:`output_jacobians` (one forward, ``K`` or, with
+    ``contrast``, ``K − 1`` backward passes), but the Jacobian rows are handed out as they are
+    formed, ``outputs_per_pass`` at a time, for a caller that reduces them on the fly: memory
+    ``outputs_per_pass · B · d`` numbers instead of ``B · K · d``. Not for a likelihood with
+    ``rows_per_output`` (there one backward pass gives every row at once: use
+    :func:`output_jacobians`).
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    inputs : batch inputs (B examples)
+    point : dict
+        ``θ̂`` per site.
+    contrast : bool
+        Rows ``J_k − J_K`` for ``k < K`` (the K-th, zero, is not handed out).
+    outputs_per_pass : int
+        Rows per (vmapped) backward call.
+
+    Returns
+    -------
+    mean : Tensor `(B, *event)`
+        The likelihood's parameters at ``θ̂`` (K = prod(event) outputs per example).
+    rows : iterator of (int, dict)
+        ``(k0, {site: (c, B, *site_shape)})``: rows ``k0 .. k0 + c − 1`` of every example's
+        Jacobian (``∂f_k(x_b)/∂θ_site``), in order. The forward's graph is freed when the
+        iterator is exhausted or dropped.
+    """
+    if outputs_per_pass < 1:
+        raise ValueError(
+            f"output_jacobian_rows: outputs_per_pass must be ≥ 1, got {outputs_per_pass}."
+        )
+    if model.likelihood.rows_per_output(inputs) is not None:
+        raise ValueError(
+            f"output_jacobian_rows: {type(model.likelihood).__name__} computes each output from "
+            "a network row of its own (rows_per_output); use output_jacobians instead."
+        )
+    size = batch_size(inputs)
+    with torch.enable_grad():
+        copies = {
+            s: v.detach().unsqueeze(0).expand(size, *v.shape).clone().requires_grad_(True)
+            for s, v in point.items()
+        }
+        out = model.output(inputs, copies)  # (B, ...): row b evaluated at copy b
+    flat = out.reshape(size, -1)
+    num_outputs = flat.shape[1]
+    passes = num_outputs - 1 if contrast else num_outputs
+
+    def rows() -> Iterator[tuple[int, dict[str, Tensor]]]:
+        leaves = list(copies.values())
+        batched = True
+        for k0 in range(0, passes, outputs_per_pass):
+            count = min(outputs_per_pass, passes - k0)
+            # cotangents (c, B, K): e_k, or e_k − e_K for the contrasts
+            cotangents = flat.new_zeros(count, num_outputs)
+            cotangents[:, k0 : k0 + count] = torch.eye(count, dtype=flat.dtype, device=flat.device)
+            if contrast:
+                cotangents[:, -1] = -1.0
+            cotangents = cotangents.unsqueeze(1).expand(count, size, num_outputs)
+            grads: Any = None
+            if batched:
+                try:  # the c backward passes batched (vmap over the cotangents): one call
+                    grads = torch.autograd.grad(
+                        flat,
+                        leaves,
+                        grad_outputs=cotangents,
+                        is_grads_batched=True,
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                except (RuntimeError, NotImplementedError) as err:  # an op without a batching rule
+                    logger.debug("batched backward unavailable (%s); one pass per output", err)
+                    batched = False
+            if grads is None:
+                per_row = [
+                    torch.autograd.grad(
+                        flat,
+                        leaves,
+                        grad_outputs=cotangents[j],
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                    for j in range(count)
+                ]
+                # per site: the c rows' gradients (None for a site the outputs do not use)
+                grads = [
+                    None if col[0] is None else torch.stack(col)
+                    for col in zip(*per_row, strict=True)
+                ]
+            yield (
+                k0,
+                {
+                    s: g if g is not None else v.new_zeros(count, *v.shape)
+                    for (s, v), g in zip(copies.items(), grads, strict=True)
+                },
+            )
+
+    return out.detach(), rows()
 
 
 def linearized_predict(

@@ -6,9 +6,10 @@ GGN of the summed negative log-likelihood over the sites only,
 .. math:: H = \sum_i J_i^\top Λ_i J_i,\qquad J_i = ∂f(x_i; θ)/∂θ\,|_{θ^*},
 
 as its diagonal (``DIAG``) or K-FAC blocks (``KRON``; a LoRA-XS core is an ordinary
-``nn.Linear(r, r)``, so both factors are ``r×r``). The diagonal is computed from per-example
-Jacobians (:func:`pyrobayes.linearized.output_jacobians`: one forward and ``K − 1`` backward
-passes per batch for ``K`` classes, ``K`` for ``K`` regression outputs), with softmax's
+``nn.Linear(r, r)``, so both factors are ``r×r``). The diagonal is accumulated from per-example
+Jacobian rows (:func:`pyrobayes.linearized.output_jacobian_rows`: one forward and ``K − 1``
+backward passes per batch for ``K`` classes, ``K`` for ``K`` regression outputs, a few rows at a
+time, so memory stays a few ``B·d`` numbers, never the ``B·K·d`` Jacobian), with softmax's
 ``Λ_i = diag(p_i) − p_i p_iᵀ``
 
 .. math:: \operatorname{diag} H = \sum_i \sum_k p_{ik} \big(J_{ik} - \textstyle\sum_j p_{ij} J_{ij}\big)^{2},
@@ -46,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, to_device
-from ..linearized import output_jacobians
+from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
 from .fitter import Fitter
@@ -247,9 +248,12 @@ def per_example_ggn_backend() -> type:
 
     ``kron`` and ``full`` are curvlinops'. ``diag`` returns the same ``(loss, diag GGN)`` as
     laplace-torch's ``GGNInterface.diag`` but from per-example Jacobians of the sites
-    (:func:`pyrobayes.linearized.output_jacobians` on the sample-batched forward): one forward
-    and ``K − 1`` (classification) or ``K`` (regression) backward passes per batch instead of
-    ``B·K`` backward passes of the whole batch. It applies to a :class:`LaplaceNet` whose
+    (:func:`pyrobayes.linearized.output_jacobian_rows` on the sample-batched forward): one
+    forward and ``K − 1`` (classification) or ``K`` (regression) backward passes per batch
+    instead of ``B·K`` backward passes of the whole batch, the rows reduced four at a time as
+    they are formed (memory ``O(B·d)``, not the ``B·K·d`` Jacobian; a multiple-choice likelihood
+    with ``rows_per_output``, whose copies are ``B·K·d`` anyway, uses
+    :func:`pyrobayes.linearized.output_jacobians`). It applies to a :class:`LaplaceNet` whose
     gradient-requiring parameters are latent sites and to a deterministic GGN; anything else
     (``stochastic=True``, last-layer or subnetwork Laplace, another network) goes to
     laplace-torch's own ``diag``.
@@ -277,23 +281,86 @@ def per_example_ggn_backend() -> type:
             classification = model.likelihood.is_classification
             inputs = split_batch(x, model.label_key)[0] if isinstance(x, Mapping) else x
             point = {s: p.detach() for s, p in zip(sites, self.params, strict=True)}
-            # Σ_k J_k − J_K: softmax's Λ annihilates a shift common to the K rows
-            out, jac = output_jacobians(model, inputs, point, contrast=classification)
             size = batch_size(inputs)
-            flat = torch.cat([jac[s].reshape(*jac[s].shape[:2], -1) for s in sites], -1)
-            if classification:
-                if out.dim() != 2:  # laplace-torch's cross-entropy reads (B, K) logits only
-                    return super().diag(x, y, **kwargs)
-                probs = torch.softmax(out, -1)  # (B, K)
-                mean = torch.einsum("bk,bkp->bp", probs, flat)
-                diag = torch.einsum("bk,bkp->p", probs, (flat - mean[:, None]).square())
+            if model.likelihood.rows_per_output(inputs) is not None:
+                # one row per output: the copies alone are B·K·d, so nothing to stream
+                out, jac = output_jacobians(model, inputs, point, contrast=classification)
+                flat = torch.cat([jac[s].reshape(*jac[s].shape[:2], -1) for s in sites], -1)
+                if classification:
+                    if out.dim() != 2:  # laplace-torch's cross-entropy reads (B, K) logits only
+                        return super().diag(x, y, **kwargs)
+                    probs = torch.softmax(out, -1)  # (B, K)
+                    mean = torch.einsum("bk,bkp->bp", probs, flat)
+                    diag = torch.einsum("bk,bkp->p", probs, (flat - mean[:, None]).square())
+                else:
+                    diag = flat.square().sum((0, 1))
             else:
-                diag = flat.square().sum((0, 1))
+                # Σ_k J_k − J_K: softmax's Λ annihilates a shift common to the K rows
+                out, rows = output_jacobian_rows(
+                    model, inputs, point, contrast=classification, outputs_per_pass=4
+                )
+                if classification and out.dim() != 2:  # laplace-torch's cross-entropy: (B, K)
+                    return super().diag(x, y, **kwargs)
+                diag = _streamed_diag_ggn(out, rows, point, sites, classification)
+            if not classification:
                 out = out.reshape(size, -1) if out.dim() == 1 else out  # LaplaceNet's (B, 1)
             loss = self.factor * self.lossfunc(out, y)
             return loss.detach(), diag.detach()
 
     return PerExampleGGN
+
+
+def _streamed_diag_ggn(
+    out: Tensor,
+    rows: Iterator[tuple[int, dict[str, Tensor]]],
+    point: Mapping[str, Tensor],
+    sites: list[str],
+    classification: bool,
+) -> Tensor:
+    r"""The diagonal GGN accumulated from Jacobian rows as they come (never all ``K`` at once).
+
+    Regression: ``Σ_i Σ_k J_{ik}²``. Classification (``rows`` the contrasts ``J_{ik} − J_{iK}``
+    for ``k < K``, the K-th zero): per example the ``p_i``-weighted sum of squared deviations
+    ``Σ_k p_{ik} (J_{ik} − Σ_j p_{ij} J_{ij})²``, merged chunk by chunk with the pairwise update
+    of Chan, Golub & LeVeque (1983, "Algorithms for computing the sample variance", eq. 2.1,
+    weighted): a chunk of weight ``w``, mean ``m_c`` and centred sum ``M_c`` joins the running
+    ``(W, m, M)`` as ``δ = m_c − m``, ``m ← m + δ w/(W + w)``, ``M ← M + M_c + δ² W w/(W + w)``,
+    ``W ← W + w`` — the centred sum without the cancellation of ``Σ p J² − (Σ p J)²``. Memory:
+    ``m`` and a few temporaries of the chunk's size, ``B·d`` numbers each per row.
+    """
+    diag = {s: point[s].new_zeros(point[s].shape) for s in sites}
+    if not classification:
+        for _, chunk in rows:
+            for s in sites:
+                diag[s] += chunk[s].square().sum((0, 1))
+        return torch.cat([diag[s].reshape(-1) for s in sites])
+    probs = torch.softmax(out, -1)  # (B, K)
+    size = probs.shape[0]
+    tiny = torch.finfo(probs.dtype).tiny
+    total = probs[:, -1].clone()  # W: the K-th row (zero) enters first, m = 0 and M = 0 after it
+    mean = {s: point[s].new_zeros(size, *point[s].shape) for s in sites}
+    for k0, chunk in rows:
+        count = next(iter(chunk.values())).shape[0]
+        weight = probs[:, k0 : k0 + count].T  # (c, B)
+        chunk_total = weight.sum(0)  # w
+        merged = total + chunk_total
+        # w/(W + w) and W w/(W + w): 0 where the weights are 0 (then so are the terms they scale)
+        ratio = chunk_total / merged.clamp_min(tiny)
+        cross = total * ratio
+        for s in sites:
+            g, m = chunk[s], mean[s]
+            shape = (size,) + (1,) * (m.dim() - 1)
+            chunk_mean = torch.einsum("cb,cb...->b...", weight, g) / chunk_total.clamp_min(
+                tiny
+            ).view(shape)
+            deviation = (g - chunk_mean).square_()
+            delta = chunk_mean.sub_(m)
+            diag[s] += torch.einsum("cb,cb...->...", weight, deviation)
+            del deviation
+            diag[s] += torch.einsum("b,b...->...", cross, delta.square())
+            m.add_(delta.mul_(ratio.view(shape)))
+        total = merged
+    return torch.cat([diag[s].reshape(-1) for s in sites])
 
 
 def _site_names(wrapper: Any, params: Iterable[Tensor]) -> list[str] | None:

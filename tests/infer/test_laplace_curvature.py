@@ -2,7 +2,8 @@
 
 laplace-torch's default backend (``CurvlinopsGGN``) forms the diagonal GGN from the Jacobian of
 the whole batch output; pyrobayes' backend (``per_example_ggn_backend``) from per-example
-Jacobians and the centred form of ``Jᵀ(diag p − p pᵀ)J``. Both are the same sums of products of
+Jacobian rows, a few at a time, and the centred form of ``Jᵀ(diag p − p pᵀ)J`` (merged chunk by
+chunk), never holding the ``(B, K, d)`` Jacobian. Both are the same sums of products of
 the same derivatives, in a different order: in float32 they differ by rounding (measured at most
 6.2e-6 relative per entry, asserted 1e-5), in float64 by about 1e-16 per product (asserted 1e-10:
 any different formula would show far above it).
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 import pyrobayes as pb
+from benchmarks.glm_predictive import peak_bytes  # the benchmark's live-bytes tracker
 from pyrobayes.guides import LaplaceGuide
 from pyrobayes.infer.laplace import fit_laplace, per_example_ggn_backend
+from pyrobayes.linearized import output_jacobian_rows, output_jacobians
 from pyrobayes.models import FineTuneModel, LoRAXS
 from tests.common import mlp_problem, tensor_loader, tiny_bert
 
@@ -72,11 +75,20 @@ def _bert(kind: str) -> tuple[Any, Any]:
     return model, _bert_batches(1, regression=True)
 
 
+def _fifty_classes() -> Any:
+    """50 classes, LoRA factors on both layers of a 20-64-50 MLP (d = 4·(20+64) + 4·(64+50))."""
+    return mlp_problem(
+        (20, 64, 50), pb.models.LoRA(rank=4, target_modules=["0", "2"]), num_data=40, seed=6
+    )
+
+
 def _mlp(kind: str) -> tuple[Any, Any]:
     if kind == "mlp-classes":
         prob = mlp_problem(
             (5, 8, 8, 4), LoRAXS(rank=3, target_modules=["0", "2"]), num_data=50, seed=3
         )
+    elif kind == "mlp-50-classes":  # K = 50: the Jacobian rows streamed in 13 chunks
+        prob = _fifty_classes()
     elif kind == "mlp-regression":
         prob = mlp_problem(
             (5, 8, 1),
@@ -103,6 +115,7 @@ CASES = [
     "bert-lora-head",
     "bert-regression",
     "mlp-classes",
+    "mlp-50-classes",
     "mlp-regression",
     "mlp-2-outputs",
 ]
@@ -167,3 +180,82 @@ def test_diag_ggn_equals_laplace_torch_default(case: str, dtype: torch.dtype) ->
             rtol=rtol,
             atol=0.0,
         )
+
+
+def test_diag_ggn_never_forms_the_batch_jacobian() -> None:
+    """The diagonal is accumulated from a few Jacobian rows at a time: with K = 50 classes the
+    peak of the live tensor bytes stays far below the (B, K, d) Jacobian's size."""
+    prob = _fifty_classes()
+    model = prob.model.train(False)
+    size, classes = 16, 50
+    g = torch.Generator().manual_seed(7)
+    shapes = LaplaceGuide(model, structure="diag").sites
+    point = {s: 0.5 * torch.randn(shape, generator=g) for s, shape in shapes.items()}
+    dim = sum(v.numel() for v in point.values())
+    itemsize = 4  # float32
+    data = tensor_loader(prob.x[:size], prob.y[:size], size)  # one batch of B = 16
+    jacobian_bytes = size * classes * dim * itemsize
+    # Live at once in the streamed route (each B·d numbers): the per-example copies of θ̂ (1),
+    # the running mean (1), a chunk of 4 rows (4) and its centred squares (4), the chunk's mean
+    # and its difference from the running one (2): ≈ 12·B·d, plus activations of B·(20+64+50)
+    # numbers and laplace-torch's d-sized H; measured ≈ 12·B·d. The bound 0.5·B·K·d = 25·B·d
+    # leaves twice that, and any route holding the (B, K, d) Jacobian (≥ 50·B·d) exceeds it.
+    bound = 0.5 * jacobian_bytes
+    ours = peak_bytes(lambda: _fit(model, data, point, None))
+    assert ours < bound, (ours, bound)
+    # the tracker sees a materialised Jacobian: laplace-torch's default and output_jacobians'
+    # (B, K, d) route exceed it
+    reference = peak_bytes(lambda: _fit(model, data, point, CurvlinopsGGN))
+    assert reference > bound, (reference, bound)
+    inputs = prob.x[:size]
+    full = peak_bytes(lambda: output_jacobians(model, inputs, point, contrast=True))
+    assert full >= jacobian_bytes * (classes - 1) / classes > bound, (full, bound)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("contrast", [False, True])
+@pytest.mark.parametrize("outputs_per_pass", [1, 3, 49, 60])
+def test_jacobian_rows_are_output_jacobians(
+    contrast: bool, outputs_per_pass: int, batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The streamed rows, concatenated, are output_jacobians' (the same backward passes), also
+    when the vmapped backward is unavailable (one pass per row)."""
+    prob = _fifty_classes()
+    model = prob.model.double().train(False)
+    inputs = prob.x[:6].double()
+    g = torch.Generator().manual_seed(7)
+    shapes = LaplaceGuide(model, structure="diag").sites
+    point = {
+        s: 0.5 * torch.randn(shape, generator=g, dtype=torch.float64) for s, shape in shapes.items()
+    }
+    out, jac = output_jacobians(model, inputs, point, contrast=contrast)
+    grad = torch.autograd.grad
+    single_passes = []
+
+    def unbatched(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("is_grads_batched"):
+            raise RuntimeError("no batching rule (simulated)")
+        single_passes.append(1)
+        return grad(*args, **kwargs)
+
+    if not batched:
+        monkeypatch.setattr(torch.autograd, "grad", unbatched)
+    mean, rows = output_jacobian_rows(
+        model, inputs, point, contrast=contrast, outputs_per_pass=outputs_per_pass
+    )
+    chunks = list(rows)
+    assert len(single_passes) == (0 if batched else (49 if contrast else 50))
+    assert [k0 for k0, _ in chunks] == list(range(0, 49 if contrast else 50, outputs_per_pass))
+    torch.testing.assert_close(mean, out, rtol=0.0, atol=0.0)
+    for s in point:
+        streamed = torch.cat([c[s] for _, c in chunks]).movedim(0, 1)  # (B, K or K − 1, ...)
+        expected = jac[s][:, :-1] if contrast else jac[s]
+        assert expected.abs().max() > 1e-3
+        torch.testing.assert_close(streamed, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_jacobian_rows_validates_outputs_per_pass() -> None:
+    prob = _fifty_classes()
+    point = {s: torch.zeros(shape) for s, shape in LaplaceGuide(prob.model).sites.items()}
+    with pytest.raises(ValueError, match="outputs_per_pass must be"):
+        output_jacobian_rows(prob.model, prob.x[:2], point, outputs_per_pass=0)
