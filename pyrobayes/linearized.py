@@ -105,49 +105,16 @@ def output_jacobians(
     rows = model.likelihood.rows_per_output(inputs)
     if rows is not None:
         return _row_jacobians(model, inputs, point, size, rows)
-    with torch.enable_grad():
-        copies = {
-            s: v.detach().unsqueeze(0).expand(size, *v.shape).clone().requires_grad_(True)
-            for s, v in point.items()
-        }
-        out = model.output(inputs, copies)  # (B, ...): row b evaluated at copy b
-        flat = out.reshape(size, -1)
-        num_outputs = flat.shape[1]
-        leaves = list(copies.values())
-        jac = {s: v.new_zeros(size, num_outputs, *v.shape[1:]) for s, v in copies.items()}
-        passes = num_outputs - 1 if contrast else num_outputs
-        # cotangents (P, B, K): e_k, or e_k − e_K for the contrasts
-        cotangents = torch.eye(num_outputs, dtype=flat.dtype, device=flat.device)[:passes]
-        if contrast:
-            cotangents[:, -1] = -1.0
-        cotangents = cotangents.unsqueeze(1).expand(passes, size, num_outputs)
-        if passes:
-            try:  # the P backward passes batched (vmap over the cotangents): one call
-                grads = torch.autograd.grad(
-                    flat,
-                    leaves,
-                    grad_outputs=cotangents,
-                    is_grads_batched=True,
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-                for (s, _), g in zip(copies.items(), grads, strict=True):
-                    if g is not None:
-                        jac[s][:, :passes] = g.movedim(0, 1)
-            except (RuntimeError, NotImplementedError) as err:  # an op without a batching rule
-                logger.debug("batched backward unavailable (%s); one pass per output", err)
-                for k in range(passes):
-                    grads = torch.autograd.grad(
-                        flat,
-                        leaves,
-                        grad_outputs=cotangents[k],
-                        retain_graph=True,
-                        allow_unused=True,
-                    )
-                    for (s, _), g in zip(copies.items(), grads, strict=True):
-                        if g is not None:
-                            jac[s][:, k] = g
-    return out.detach(), jac
+    # every row in one (vmapped) backward call, gathered into (B, K, *site_shape)
+    out, chunks = output_jacobian_rows(
+        model, inputs, point, contrast=contrast, outputs_per_pass=None
+    )
+    num_outputs = out.reshape(size, -1).shape[1]
+    jac = {s: v.new_zeros(size, num_outputs, *v.shape) for s, v in point.items()}
+    for k0, chunk in chunks:
+        for s, g in chunk.items():
+            jac[s][:, k0 : k0 + g.shape[0]] = g.movedim(0, 1)
+    return out, jac
 
 
 def _row_jacobians(
@@ -181,14 +148,14 @@ def output_jacobian_rows(
     point: Mapping[str, Tensor],
     *,
     contrast: bool = False,
-    outputs_per_pass: int = 4,
+    outputs_per_pass: int | None = 4,
 ) -> tuple[Tensor, Iterator[tuple[int, dict[str, Tensor]]]]:
     r"""``f(x; θ̂)`` and its per-example Jacobians a few rows ``k`` at a time, never all K.
 
-    The same copies and backward passes as :func:`output_jacobians` (one forward, ``K`` or, with
-    ``contrast``, ``K − 1`` backward passes), but the Jacobian rows are handed out as they are
-    formed, ``outputs_per_pass`` at a time, for a caller that reduces them on the fly: memory
-    ``outputs_per_pass · B · d`` numbers instead of ``B · K · d``. Not for a likelihood with
+    One forward at per-example copies of ``θ̂`` and ``K`` (with ``contrast``, ``K − 1``)
+    backward passes; the Jacobian rows are handed out as they are formed, ``outputs_per_pass``
+    at a time, for a caller that reduces them on the fly: memory ``outputs_per_pass · B · d``
+    numbers instead of ``B · K · d`` (:func:`output_jacobians` gathers them all). Not for a likelihood with
     ``rows_per_output`` (there one backward pass gives every row at once: use
     :func:`output_jacobians`).
 
@@ -200,8 +167,8 @@ def output_jacobian_rows(
         ``θ̂`` per site.
     contrast : bool
         Rows ``J_k − J_K`` for ``k < K`` (the K-th, zero, is not handed out).
-    outputs_per_pass : int
-        Rows per (vmapped) backward call.
+    outputs_per_pass : int or None
+        Rows per (vmapped) backward call; ``None``: all of them in one call.
 
     Returns
     -------
@@ -212,7 +179,7 @@ def output_jacobian_rows(
         Jacobian (``∂f_k(x_b)/∂θ_site``), in order. The forward's graph is freed when the
         iterator is exhausted or dropped.
     """
-    if outputs_per_pass < 1:
+    if outputs_per_pass is not None and outputs_per_pass < 1:
         raise ValueError(
             f"output_jacobian_rows: outputs_per_pass must be ≥ 1, got {outputs_per_pass}."
         )
@@ -231,12 +198,13 @@ def output_jacobian_rows(
     flat = out.reshape(size, -1)
     num_outputs = flat.shape[1]
     passes = num_outputs - 1 if contrast else num_outputs
+    per_call = max(1, passes) if outputs_per_pass is None else outputs_per_pass
 
     def rows() -> Iterator[tuple[int, dict[str, Tensor]]]:
         leaves = list(copies.values())
         batched = True
-        for k0 in range(0, passes, outputs_per_pass):
-            count = min(outputs_per_pass, passes - k0)
+        for k0 in range(0, passes, per_call):
+            count = min(per_call, passes - k0)
             # cotangents (c, B, K): e_k, or e_k − e_K for the contrasts
             cotangents = flat.new_zeros(count, num_outputs)
             cotangents[:, k0 : k0 + count] = torch.eye(count, dtype=flat.dtype, device=flat.device)

@@ -282,26 +282,22 @@ def per_example_ggn_backend() -> type:
             inputs = split_batch(x, model.label_key)[0] if isinstance(x, Mapping) else x
             point = {s: p.detach() for s, p in zip(sites, self.params, strict=True)}
             size = batch_size(inputs)
+            rows: Iterator[tuple[int, dict[str, Tensor]]]
             if model.likelihood.rows_per_output(inputs) is not None:
-                # one row per output: the copies alone are B·K·d, so nothing to stream
-                out, jac = output_jacobians(model, inputs, point, contrast=classification)
-                flat = torch.cat([jac[s].reshape(*jac[s].shape[:2], -1) for s in sites], -1)
-                if classification:
-                    if out.dim() != 2:  # laplace-torch's cross-entropy reads (B, K) logits only
-                        return super().diag(x, y, **kwargs)
-                    probs = torch.softmax(out, -1)  # (B, K)
-                    mean = torch.einsum("bk,bkp->bp", probs, flat)
-                    diag = torch.einsum("bk,bkp->p", probs, (flat - mean[:, None]).square())
-                else:
-                    diag = flat.square().sum((0, 1))
+                # one network row per output: one backward pass gives all K rows (the copies
+                # alone are B·K·d, so nothing to stream); handed on as one chunk
+                out, jac = output_jacobians(model, inputs, point)
+                if classification:  # the contrasts J_k − J_K, k < K, that the sum expects
+                    jac = {s: j[:, :-1] - j[:, -1:] for s, j in jac.items()}
+                rows = iter([(0, {s: j.movedim(1, 0) for s, j in jac.items()})])
             else:
                 # Σ_k J_k − J_K: softmax's Λ annihilates a shift common to the K rows
                 out, rows = output_jacobian_rows(
                     model, inputs, point, contrast=classification, outputs_per_pass=4
                 )
-                if classification and out.dim() != 2:  # laplace-torch's cross-entropy: (B, K)
-                    return super().diag(x, y, **kwargs)
-                diag = _streamed_diag_ggn(out, rows, point, sites, classification)
+            if classification and out.dim() != 2:  # laplace-torch's cross-entropy: (B, K)
+                return super().diag(x, y, **kwargs)
+            diag = _streamed_diag_ggn(out, rows, point, sites, classification)
             if not classification:
                 out = out.reshape(size, -1) if out.dim() == 1 else out  # LaplaceNet's (B, 1)
             loss = self.factor * self.lossfunc(out, y)

@@ -75,6 +75,28 @@ def _bert(kind: str) -> tuple[Any, Any]:
     return model, _bert_batches(1, regression=True)
 
 
+def _llama_choices() -> tuple[Any, Any]:
+    """Choices as continuations on a tiny LLaMA: one network row per choice
+    (``rows_per_output``), whose Jacobians come from one backward pass of the summed scores.
+    Length-normalised scores: the summed ones of random weights put all mass on one choice
+    (GGN ≈ 0, a vacuous comparison)."""
+    from pyrobayes.models import MultipleChoice
+    from pyrobayes.models.multiple_choice import encode_multiple_choice
+    from tests.common import tiny_llama
+    from tests.models.test_multiple_choice import CHOICES, PROMPTS, CharTokenizer
+
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama(initializer_range=0.2),
+        pb.models.LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
+        likelihood=MultipleChoice(normalize="length"),
+        trainable_modules=[],
+        num_data=3,
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, answers=[0, 1, 2])
+    return model, [dict(batch)]
+
+
 def _fifty_classes() -> Any:
     """50 classes, LoRA factors on both layers of a 20-64-50 MLP (d = 4·(20+64) + 4·(64+50))."""
     return mlp_problem(
@@ -118,6 +140,7 @@ CASES = [
     "mlp-50-classes",
     "mlp-regression",
     "mlp-2-outputs",
+    "llama-choices",
 ]
 
 
@@ -143,7 +166,10 @@ def _to(data: Any, dtype: torch.dtype) -> Any:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", CASES)
 def test_diag_ggn_equals_laplace_torch_default(case: str, dtype: torch.dtype) -> None:
-    model, data = _bert(case) if case.startswith("bert") else _mlp(case)
+    if case == "llama-choices":
+        model, data = _llama_choices()
+    else:
+        model, data = _bert(case) if case.startswith("bert") else _mlp(case)
     model.to(dtype).train(False)
     data = _to(data, dtype)
     # float32: measured ≤ 6.2e-6 elementwise (summation order); float64: the same sums exactly
