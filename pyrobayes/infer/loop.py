@@ -389,21 +389,19 @@ def _run(
     def _end_may_be_pending() -> bool:  # ... or maybe so (an iterable without a length)
         return in_epoch > 0 and (steps_per_epoch is None or in_epoch >= steps_per_epoch)
 
-    def _patience_spent() -> bool:  # early stopping (checked between epochs only)
-        return selection is not None and in_epoch == 0 and selection.exhausted(patience)
-
     stopped_early = False
     try:
         while (epochs is None or epoch < epochs) and (
             num_steps is None or step < num_steps or _end_may_be_pending()
         ):
-            if _patience_spent():
+            # early stopping, decided between epochs from the (checkpointed) history alone
+            if selection is not None and in_epoch == 0 and selection.exhausted(patience):
                 stopped_early = True
                 logger.info(
                     "fit: stopped early after epoch %d (%d epochs without a better %s)",
                     epoch - 1,
                     patience,
-                    selection.select_by if selection is not None else "score",
+                    selection.select_by,
                 )
                 break
             seen, stopped = 0, False
