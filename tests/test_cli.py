@@ -16,6 +16,7 @@ from pyrobayes.demo.pipeline import (
     DEFAULT_CONFIG,
     ConfigError,
     compare_metrics,
+    format_table,
     resolve_config,
     validate_config,
 )
@@ -336,3 +337,30 @@ def test_demo_families_are_config_entries_not_branches():
         assert set(settings) <= allowed, (family, set(settings) - allowed)
         assert settings.get("init") in (None, *pipeline.FAMILY_SETTINGS), family
     assert set(DEFAULT_CONFIG["families"]) <= set(available_guides())
+
+
+def test_table_says_how_each_fit_stopped():
+    base = {"accuracy": 0.7, "nll": 0.5}
+    records = [
+        {
+            "family": "map",
+            **base,
+            "epochs": 12,
+            "best_epoch": 3,
+            "epochs_run": 4,
+            "stopped_early": True,
+        },
+        {
+            "family": "ivon",
+            **base,
+            "epochs": 12,
+            "best_epoch": 12,
+            "epochs_run": 12,
+            "stopped_early": False,
+        },
+        {"family": "swag", **base, "init": "map", "epochs": 1, "best_epoch": None},
+    ]
+    rows = format_table(records).splitlines()[2:]
+    assert "| 3 / 12, stopped 4 |" in rows[0]
+    assert "| 12 / 12 capped |" in rows[1]
+    assert rows[2].startswith("| swag (from map) |") and "| 1 (fixed) |" in rows[2]

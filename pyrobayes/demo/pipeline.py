@@ -672,8 +672,8 @@ COLUMNS = [
 
 
 def _stopping(record: dict[str, Any]) -> str:
-    """``"best / cap"`` for a validated fit: ``"3 / 8, stopped 4"`` when early stopping ended it
-    after epoch 4, ``"8 / 8 capped"`` when NLL still improved at the cap; the epochs run
+    """``"best / cap"`` for a validated fit: ``"3 / 12, stopped 4"`` when early stopping ended it
+    after epoch 4, ``"12 / 12 capped"`` when NLL still improved at the cap; the epochs run
     otherwise (``"1 (fixed)"``, ``"0 (fixed)"``)."""
     epochs = record.get("epochs")
     if epochs is None:
