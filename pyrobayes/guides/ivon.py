@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..models.adapters import check_int, check_real
 from .base import SitewiseKL
+from .joint import SitePacking
 
 __all__ = ["IVONGuide", "state_dtype_for"]
 
@@ -31,7 +32,7 @@ def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-class IVONGuide(SitewiseKL):
+class IVONGuide(SitePacking, SitewiseKL):
     r"""Diagonal Gaussian fitted by IVON (improved variational online Newton).
 
     .. math:: q(θ) = \mathcal N\big(m,\ \operatorname{diag}(1/(λ(h+δ)))\big)
@@ -238,4 +239,4 @@ class IVONGuide(SitewiseKL):
 
         ``σ ⊙ ε`` with ``σ = (λ(h + δ))^{-1/2}``; a draw of ``q`` is ``m + perturbation(ε)``.
         """
-        return eps * torch.cat([self.scale(s).reshape(-1) for s in self.sites])
+        return eps * self.pack({s: self.scale(s) for s in self.sites})

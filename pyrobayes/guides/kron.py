@@ -242,13 +242,10 @@ class KroneckerIVONGuide(IVONGuide):
     def perturbation(self, eps: Tensor) -> Tensor:
         r"""``θ − m`` for standard-normal ``eps`` `(S, T)` over all sites laid flat in site order:
         ``σ ⊙ ε`` at diagonal sites, :meth:`kron_perturbation` at Kronecker ones."""
-        parts, offset, num = [], 0, eps.shape[0]
-        for site, shape in self.sites.items():
-            e = eps[:, offset : offset + shape.numel()]
-            offset += shape.numel()
+        parts = {}
+        for site, e in self.unpack(eps).items():
             if site in self.kron_sites:
-                e = self.kron_perturbation([site], e.reshape(num, 1, *shape))
+                parts[site] = self.kron_perturbation([site], e.unsqueeze(1))[:, 0]
             else:
-                e = e * self.scale(site).reshape(-1)
-            parts.append(e.reshape(num, -1))
-        return torch.cat(parts, 1)
+                parts[site] = e * self.scale(site)
+        return self.pack(parts)

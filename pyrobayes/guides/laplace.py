@@ -23,6 +23,7 @@ from torch import Tensor
 from ..distributions import KronEigenNormal
 from ..models.adapters import check_int, check_real
 from .base import PosteriorGuide
+from .joint import SitePacking
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ __all__ = ["LaplaceGuide", "PRED_TYPES"]
 PRED_TYPES = ("glm", "probit", "nn")
 
 
-class LaplaceGuide(PosteriorGuide):
+class LaplaceGuide(SitePacking, PosteriorGuide):
     r"""Laplace approximation at the MAP (L-LoRA-XS over LoRA-XS cores).
 
     .. math::

@@ -15,17 +15,14 @@ running update.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import pyro
 import pyro.distributions as dist
 import torch
 from torch import Tensor
-from torch.distributions.transforms import ReshapeTransform
 
 from ..models.adapters import check_int, check_real
-from .base import PosteriorGuide
+from .joint import JointGaussianGuide
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +94,7 @@ def swag_posterior(state: SwagState, scale: float = 0.5) -> dist.LowRankMultivar
     return dist.LowRankMultivariateNormal(state.mean, factor, scale * state.diag_variance)
 
 
-class SWAGGuide(PosteriorGuide):
+class SWAGGuide(JointGaussianGuide):
     r"""SWAG (Maddox et al., 2019) over the latent sites (B-LoRA-XS when the sites are cores).
 
     .. math::
@@ -202,11 +199,8 @@ class SWAGGuide(PosteriorGuide):
     def _setup_site(self, site: str, init: Tensor) -> None:
         self._add_param("locs", site, init.detach().clone())
 
-    def _setup_sites(self, inits: Mapping[str, Tensor]) -> None:
-        super()._setup_sites(inits)
-        ref = next(iter(inits.values()))
-        dim = sum(int(v.numel()) for v in inits.values())
-        dtype, device = ref.dtype, ref.device
+    def _setup_joint(self, flat_init: Tensor) -> None:
+        dim, dtype, device = int(flat_init.numel()), flat_init.dtype, flat_init.device
         self.register_buffer("swag_num_collected", torch.zeros((), dtype=torch.long))
         self.register_buffer("swag_mean", torch.zeros(dim, dtype=dtype, device=device))
         self.register_buffer("swag_m2", torch.zeros(dim, dtype=dtype, device=device))
@@ -214,11 +208,6 @@ class SWAGGuide(PosteriorGuide):
             "swag_deviations", torch.zeros(self.rank, dim, dtype=dtype, device=device)
         )
         self.register_buffer("swag_fitted", torch.zeros((), dtype=torch.bool))
-        self._offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for site, value in inits.items():
-            self._offsets[site] = (start, start + int(value.numel()))
-            start += int(value.numel())
 
     # ------------------------------------------------------------------ state
     @property
@@ -269,7 +258,7 @@ class SWAGGuide(PosteriorGuide):
 
     def iterate(self) -> Tensor:
         """The concatenated current iterate ``θ`` `(d,)` (the point ``loc`` of every site)."""
-        return torch.cat([self.loc(s).detach().reshape(-1) for s in self.sites])
+        return self.pack({s: self.loc(s).detach() for s in self.sites})
 
     def reset(self) -> None:
         """Forget the collected moments (the guide becomes unfitted)."""
@@ -292,50 +281,15 @@ class SWAGGuide(PosteriorGuide):
                 "can collect SGD iterates (at least 2), or load a fitted posterior."
             )
 
-    def _split(self, flat: Tensor) -> dict[str, Tensor]:
-        lead = flat.shape[:-1]
-        return {
-            s: flat[..., a:b].reshape(*lead, *self.sites[s]) for s, (a, b) in self._offsets.items()
-        }
-
-    def _flatten(self, values: Mapping[str, Tensor]) -> Tensor:
-        parts = []
-        for s, shape in self.sites.items():
-            v = values[s]
-            parts.append(v.reshape(*v.shape[: v.dim() - len(shape)], -1))
-        return torch.cat(parts, -1)
-
     # ------------------------------------------------------------------ guide contract
-    def get_posterior(self, site: str) -> dist.TorchDistribution:
-        shape = self.sites[site]
-        full = self.posterior()
-        a, b = self._offsets[site]
-        marginal = dist.LowRankMultivariateNormal(
-            full.loc[a:b], full.cov_factor[a:b], full.cov_diag[a:b]
-        )
-        return dist.TransformedDistribution(
-            marginal, [ReshapeTransform(torch.Size([b - a]), torch.Size(shape))]
-        )
-
-    def _pyro_sample_sites(self) -> dict[str, Tensor]:
-        flat = pyro.sample(
-            f"_{self._pyro_name}_latent", self.posterior(), infer={"is_auxiliary": True}
-        )
-        return {
-            s: pyro.sample(s, dist.Delta(v, event_dim=len(self.sites[s])))
-            for s, v in self._split(flat).items()
-        }
-
-    def rsample(self, num_samples: int = 1) -> dict[str, Tensor]:
-        self.require_setup()
-        return self._split(self.posterior().rsample((num_samples,)))
-
-    def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
-        return self.posterior().log_prob(self._flatten(values))
+    def joint_posterior(self) -> dist.LowRankMultivariateNormal:
+        """:meth:`posterior`: the rest of the guide contract comes from
+        :class:`~pyrobayes.guides.joint.JointGaussianGuide`."""
+        return self.posterior()
 
     def mean(self) -> dict[str, Tensor]:
         self.require_fitted()
-        return {s: v.detach().clone() for s, v in self._split(self.swag_mean).items()}
+        return {s: v.detach().clone() for s, v in self.unpack(self.swag_mean).items()}
 
     def num_posterior_parameters(self) -> int:
         """Numbers that describe q: ``d`` (mean) + ``d`` (diagonal) + ``K d`` (deviations)."""
