@@ -69,22 +69,35 @@ def _as_3d(values: Tensor, name: str) -> Tensor:
         raise ValueError(f"{name} must have shape (S, N, C) or (N, C), got {tuple(values.shape)}")
     if not values.is_floating_point():
         values = values.to(torch.get_default_dtype())
+    _check_no_nan(values, name, example_dim=1)
     return values
+
+
+def _check_no_nan(values: Tensor, name: str, *, example_dim: int) -> None:
+    """Raise ``ValueError`` naming the examples where ``values`` holds NaN: the NLL, ECE and
+    Brier score would be NaN beside a finite accuracy (an ``argmax`` skips NaN)."""
+    nan = values.isnan()
+    if not bool(nan.any()):
+        return
+    per_example = nan.movedim(example_dim, 0).reshape(values.shape[example_dim], -1).any(-1)
+    rows = per_example.nonzero().flatten().tolist()
+    raise ValueError(
+        f"{name} holds NaN at examples {rows[:8]}{' ...' if len(rows) > 8 else ''} (of "
+        f"{values.shape[example_dim]}): the NLL, ECE and Brier score would be NaN. Those "
+        "examples' inputs are probably not finite; clean or drop them and predict again."
+    )
 
 
 def _resolve(probs: Tensor | None, log_probs: Tensor | None) -> tuple[Tensor, Tensor]:
     """Return ``(probs, log_probs)`` as (S, N, C), deriving whichever one is missing."""
-    if probs is None and log_probs is None:
-        raise ValueError("give probs or log_probs")
-    if log_probs is not None:
-        log_probs = _as_3d(log_probs, "log_probs")
-    if probs is not None:
-        probs = _as_3d(probs, "probs")
     if probs is None:
-        assert log_probs is not None
+        if log_probs is None:
+            raise ValueError("give probs or log_probs")
+        log_probs = _as_3d(log_probs, "log_probs")
         probs = log_probs.exp()
-    if log_probs is None:
-        log_probs = probs.log()
+    else:
+        probs = _as_3d(probs, "probs")
+        log_probs = probs.log() if log_probs is None else _as_3d(log_probs, "log_probs")
     if probs.shape != log_probs.shape:
         raise ValueError(
             f"probs {tuple(probs.shape)} and log_probs {tuple(log_probs.shape)} differ in shape"
@@ -608,6 +621,7 @@ def _as_2d_means(means: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         means = means.unsqueeze(0)
     if means.dim() != 2:
         raise ValueError(f"means must be (S, N) or (N,), got {tuple(means.shape)}")
+    _check_no_nan(means, "means", example_dim=1)
     return means, check_gaussian_targets(targets, means.shape[1:], what="predictive mean")
 
 

@@ -20,12 +20,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .batch import batch_size, split_batch, to_device
+from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, implements
 from .models.adapters import check_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Prediction", "predict", "default_samples_per_forward"]
+__all__ = ["Prediction", "predict", "default_samples_per_forward", "check_outputs"]
 
 
 @dataclass
@@ -83,9 +84,27 @@ class Prediction:
 
     @property
     def num_samples(self) -> int:
+        """S, the number of per-sample rows."""
         ref = self.log_probs if self.log_probs is not None else self.loc
-        assert ref is not None
+        if ref is None:
+            raise AttributeError("This Prediction holds neither log_probs nor loc.")
         return int(ref.shape[0])
+
+
+def _equal_weight_samples(guide: Mixture, num_samples: int) -> int:
+    """``num_samples`` rounded up to a multiple of the mixture's K (see :func:`predict`)."""
+    k = int(guide.num_components)
+    rounded = -(-num_samples // k) * k
+    if rounded != num_samples:
+        logger.info(
+            "predict: num_samples=%d is not a multiple of the %d mixture components; drawing %d "
+            "so that every component gets the same weight (%d draws each).",
+            num_samples,
+            k,
+            rounded,
+            rounded // k,
+        )
+    return rounded
 
 
 #: On CPU, evaluate at most this many input rows (tokens for sequence inputs) per forward.
@@ -114,6 +133,68 @@ def default_samples_per_forward(num_samples: int, device: torch.device, inputs: 
     return max(1, min(num_samples, CPU_MAX_ROWS_PER_FORWARD // _rows(inputs)))
 
 
+def _nonfinite_rows(inputs: Any, size: int) -> Tensor:
+    """``(B,)`` bool: the rows of ``inputs`` whose floating-point tensors hold NaN or ±inf."""
+    bad = torch.zeros(size, dtype=torch.bool)
+    stack = [inputs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif (
+            isinstance(item, Tensor)
+            and item.is_floating_point()
+            and item.dim() > 0
+            and int(item.shape[0]) == size
+        ):
+            bad |= (~item.isfinite()).reshape(size, -1).any(-1).cpu()
+    return bad
+
+
+def _listed(rows: list[int]) -> str:
+    return f"{rows[:8]}{' ...' if len(rows) > 8 else ''}"
+
+
+def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any = None) -> None:
+    """Raise when a predictive's per-sample outputs ``(S, B, ...)`` are not usable.
+
+    A NaN log-probability (or a non-finite regression mean) would turn the NLL, ECE and Brier
+    score into NaN while the accuracy (an ``argmax``) stays finite, so it is refused here, with
+    the example rows it sits on. ``-inf`` log-probabilities (a class masked by a ``-inf`` logit)
+    are valid and pass.
+
+    Raises
+    ------
+    ValueError
+        When the NaN rows' inputs hold NaN or ±inf (a data error: the rows are named).
+    FloatingPointError
+        When the inputs are finite (the parameter draws or the network produce NaN: a diverged
+        fit or an overflow).
+    """
+    bad = out.isnan() if classification else ~out.isfinite()
+    if not bool(bad.any()):
+        return
+    per_row = bad.reshape(out.shape[0], out.shape[1], -1).any(-1).any(0)  # (B,)
+    rows = per_row.nonzero().flatten().tolist()
+    what = "NaN log-probabilities" if classification else "non-finite predictive means"
+    if inputs is not None:
+        data_rows = _nonfinite_rows(inputs, int(out.shape[1])).nonzero().flatten().tolist()
+        if data_rows:
+            raise ValueError(
+                f"predict: {where} rows {_listed(data_rows)} of the inputs hold NaN or inf, "
+                f"which gives {what} (NaN NLL, ECE and Brier score beside a finite accuracy). "
+                "This is a data problem: clean or drop those rows (torch.nan_to_num, or filter "
+                "with torch.isfinite) before predicting."
+            )
+    raise FloatingPointError(
+        f"predict: {where} rows {_listed(rows)} get {what} from finite inputs: the parameter "
+        "draws or the network's output are not finite (a diverged fit: refit with a smaller "
+        "lr, or check the posterior's values with guide.mean())."
+    )
+
+
 def predict(
     model: Any,
     guide: Any,
@@ -138,6 +219,8 @@ def predict(
     network. A :class:`~pyrobayes.contract.Mixture` with ``average="logits"`` gives one
     prediction, ``softmax((1/S) Σ_s f(x; θ_s))`` (exactly the particles' logit average when S is
     a multiple of their number).
+    A temperature fitted by :func:`pyrobayes.calibrate` (stored on the guide) is applied to
+    every prediction (:func:`pyrobayes.calibration.apply_temperature`).
 
     Parameters
     ----------
@@ -170,9 +253,23 @@ def predict(
     Raises
     ------
     ValueError
-        When ``data`` yields no batches, or ``num_samples`` / ``samples_per_forward`` is < 1.
+        When ``data`` yields no batches, when ``num_samples`` / ``samples_per_forward`` is < 1,
+        or when input rows holding NaN or ±inf give NaN predictions (the batch and its rows are
+        named).
     TypeError
         When ``num_samples`` / ``samples_per_forward`` is not an integer.
+    FloatingPointError
+        When finite inputs give NaN predictions (non-finite parameter draws: a diverged fit).
+
+    Notes
+    -----
+    A :class:`~pyrobayes.contract.Mixture` of K components (IBDR's particles, a σN-ensemble's
+    members) is sampled stratified: every block of K draws visits each component once. With S
+    not a multiple of K the last, partial block would give some components one draw more than
+    the others (S = 32, K = 3: weights 11/32, 11/32, 10/32 instead of 1/3 each), so S is
+    rounded up to the next multiple of K (logged at INFO): the predictive average then weighs
+    the components exactly equally, as ``q = (1/K) Σ_k q_k`` does. Explicit ``values`` are
+    used as given.
     """
     num_samples = check_int("num_samples", num_samples, ge=1, owner="predict: ")
     if examples_per_forward is not None:
@@ -195,18 +292,23 @@ def predict(
     ):
         from .linearized import linearized_predict  # (linearized imports this module)
 
-        return linearized_predict(
-            model,
+        return apply_temperature(
+            linearized_predict(
+                model,
+                guide,
+                data,
+                num_samples=num_samples,
+                seed=seed,
+                examples_per_forward=examples_per_forward,
+                progress_bar=progress_bar,
+            ),
             guide,
-            data,
-            num_samples=num_samples,
-            seed=seed,
-            examples_per_forward=examples_per_forward,
-            progress_bar=progress_bar,
         )
     if values is None:
         if guide.is_deterministic:  # the Posterior protocol (contract.py)
             num_samples = 1
+        elif implements(guide, Mixture):
+            num_samples = _equal_weight_samples(cast(Mixture, guide), num_samples)
         generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         values = guide.sample_posterior(num_samples, generator=generator)
     values = {k: v.detach().to(dev) for k, v in values.items()}
@@ -220,13 +322,15 @@ def predict(
     outputs: list[Tensor] = []
     targets: list[Tensor] = []
     with torch.no_grad():
-        for batch in tqdm(data, disable=not progress_bar, desc="predict"):
+        for index, batch in enumerate(tqdm(data, disable=not progress_bar, desc="predict")):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
             chunk = samples_per_forward or default_samples_per_forward(num_samples, dev, inputs)
             parts = []
             for start in range(0, num_samples, chunk):
                 sub = {k: v[start : start + chunk] for k, v in values.items()}
                 params = model.batched_output(inputs, sub)  # (s, B, ...)
+                # before the likelihood's distribution (whose validation gives a raw dump)
+                check_outputs(params, classification, where=f"batch {index}:", inputs=inputs)
                 if classification:
                     params = torch.log_softmax(model.likelihood.dist(params).logits, dim=-1)
                 parts.append(params)
@@ -242,4 +346,5 @@ def predict(
             "DataLoader over a non-empty data set, or a list holding at least one batch)."
         )
     target = torch.cat(targets, 0) if targets else None
-    return Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
+    prediction = Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
+    return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)

@@ -7,7 +7,8 @@ weights,
 .. math:: W = W_0 + \frac{α}{r} B A \ \text{(LoRA; Hu et al. 2022)}, \qquad
           W = W_0 + \frac{α}{r} U R V^\top \ \text{(LoRA-XS; Bałazy et al. 2024)},
 
-giving a plain network with no pyrobayes layers: a Hugging Face model's ``save_pretrained``
+and a σN-ensemble's member norm layers into plain norm layers at one member's values (weight
+``c ⊙ σ(γ)``, bias ``β``, running statistics), giving a plain network with no pyrobayes layers: a Hugging Face model's ``save_pretrained``
 checkpoint reloads with ``from_pretrained`` and no unexpected keys.
 
 Examples
@@ -76,6 +77,8 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
     """
     values = dict(values or model.init_values())
     net = unwrapped_network(model)
+    from .signorm import MemberNorm  # (signorm imports the model, which this module serves)
+
     by_module: dict[str, dict[str, Tensor]] = {}
     for site, v in values.items():
         spec = model.latent_sites[site]
@@ -84,19 +87,36 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
         for path, roles in by_module.items():
             layer = model.net.get_submodule(path)
             base = net.get_submodule(path)
+            if isinstance(layer, MemberNorm):  # a σN member norm: the plain layer at the values
+                member = {  # by tensor name: the two running statistics share one kind
+                    spec.param_name.rsplit(".", 1)[-1]: values[site]
+                    for site, spec in model.latent_sites.items()
+                    if spec.module_path == path and site in values
+                }
+                _set_submodule(net, path, layer.merged_norm(member))
+                continue
             if isinstance(layer, LoRAXSLinear):
                 delta = layer.delta_weight(roles["core"])  # (d_out, d_in)
             elif isinstance(layer, LoRALinear):
                 delta = layer.delta_weight(roles.get("lora_A"), roles.get("lora_B"))
             else:  # a latent nn.Linear (make_latent takes nothing else): the draw *is* the weight
-                assert isinstance(base, nn.Linear)
+                if not isinstance(base, nn.Linear):
+                    raise TypeError(
+                        f"merged_network: latent sites of {path!r} sit on a "
+                        f"{type(base).__name__}, which it cannot merge (LoRA, LoRA-XS, latent "
+                        "nn.Linear and σN member norm layers only)."
+                    )
                 if "weight" in roles:
                     base.weight.copy_(roles["weight"])
                 if "bias" in roles:
                     base.bias.copy_(roles["bias"])
                 continue
             weight = base.weight
-            assert isinstance(weight, Tensor)  # an adapter's base: nn.Linear or GPT-2 Conv1D
+            if not isinstance(weight, Tensor):  # an adapter's base: nn.Linear or GPT-2 Conv1D
+                raise TypeError(
+                    f"merged_network: the base layer of {path!r} ({type(base).__name__}) has no "
+                    "weight tensor to fold the adapter into."
+                )
             if isinstance(base, nn.Linear):
                 weight.add_(delta.to(weight.dtype))
             else:  # GPT-2 Conv1D stores (d_in, d_out)

@@ -260,12 +260,52 @@ class PermutationSpec:
         return param.unsqueeze(0).expand(num, *param.shape) if out is None else out
 
     # ------------------------------------------------------------------ checks
+    def check_model(self, model: Any, values: Mapping[str, Tensor] | None = None) -> None:
+        """Raise ``ValueError`` unless this spec describes ``model``'s latent sites.
+
+        Every ``(site, axis)`` the spec permutes must be a latent site of ``model`` whose axis
+        has the unit layer's size (and, with ``values``, a key of ``values``). A spec built on
+        another model would otherwise leave the sites it does not know untouched, so that
+        :meth:`check_function` measures no change and reports a symmetry that was never tested.
+        """
+        sites = getattr(model, "latent_sites", None)
+        if not isinstance(sites, Mapping):
+            raise TypeError(
+                f"PermutationSpec: expected a FineTuneModel (with latent_sites) but got "
+                f"{type(model).__name__}."
+            )
+        for layer in self.layers:
+            for site, axis in layer.members:
+                spec = sites.get(site)
+                if spec is None:
+                    raise ValueError(
+                        f"PermutationSpec: unit layer {layer.name!r} permutes site {site!r}, "
+                        f"which {type(model).__name__} does not have (its latent sites: "
+                        f"{sorted(sites)[:6]}): the spec was built on another model. Build it "
+                        "from this one with PermutationSpec.from_model(model)."
+                    )
+                shape = tuple(spec.shape)
+                if axis >= len(shape) or shape[axis] != layer.size:
+                    raise ValueError(
+                        f"PermutationSpec: unit layer {layer.name!r} permutes {layer.size} units "
+                        f"on axis {axis} of site {site!r}, whose shape in "
+                        f"{type(model).__name__} is {shape}: the spec was built on another "
+                        "model. Build it with PermutationSpec.from_model(model)."
+                    )
+                if values is not None and site not in values:
+                    raise ValueError(
+                        f"PermutationSpec: values has no entry for site {site!r}, which unit "
+                        f"layer {layer.name!r} permutes; pass a value for every latent site "
+                        "(e.g. guide.mean())."
+                    )
+
     def check_prior(self, model: Any, *, num_checks: int = 3, rtol: float = 1e-5) -> None:
         r"""Raise ``ValueError`` unless ``log p(h·θ) = log p(θ)`` for random ``θ ~ p`` and ``h``.
 
         The symmetrized family targets an invariant posterior; a prior that treats units
         differently (per-unit scales) breaks that (Gelberg et al., 2024, Sec. 3).
         """
+        self.check_model(model)
         sites = sorted(self.sites)
         priors = {s: model.site_prior(s) for s in sites}
         with torch.no_grad():
@@ -295,7 +335,16 @@ class PermutationSpec:
         atol: float = 1e-5,
     ) -> float:
         """The largest ``|f(x; h·θ) − f(x; θ)|`` over ``num_checks`` random ``h``; raises above
-        ``atol`` (a check of a hand-written spec)."""
+        ``atol`` (a check of a hand-written spec).
+
+        Raises
+        ------
+        ValueError
+            When the output changes by more than ``atol``, or when the spec does not describe
+            ``model``'s latent sites or ``values`` (:meth:`check_model`: a spec built on another
+            model).
+        """
+        self.check_model(model, values)
         perms = self.sample(num_checks, device=next(iter(values.values())).device)
         moved = self.act({s: v.unsqueeze(0) for s, v in values.items()}, perms)
         with torch.no_grad():

@@ -31,6 +31,7 @@ minimized, drives each feature towards ``k*(τ)`` owning members (:func:`owner_c
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,6 +48,7 @@ from .adapters import (
     SiteSpec,
     _set_submodule,
     check_int,
+    check_real,
     inject_adapter,
     make_latent,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "member_norms",
     "update_statistics",
     "STATS_KIND",
+    "MAX_INIT_LOGIT",
 ]
 
 #: ``SiteSpec.kind`` of a member norm layer's pre-sigmoid scale ``γ`` and of its shift ``β``.
@@ -76,6 +79,31 @@ SHIFT_KIND = "signorm_shift"
 STATS_KIND = "signorm_statistics"
 
 _NORMS = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm)
+
+#: The largest ``|init_logit|`` (``|γ_0|``) accepted. The sigmoid's slope ``σ'(γ) = σ(1 − σ)``
+#: is 1/4 at 0 and ``≈ e^{−|γ|}`` beyond: 4.5e-5 at 10 (1/5500 of its peak), and in float32
+#: ``σ(γ)`` rounds to exactly 1 for ``γ ≳ 16.6`` (``1 − σ < 2^{−24}``), so the gradient of every
+#: term through ``σ(γ)`` (the diversity term, and the member scale's relative change
+#: ``1 − σ(γ)``) is 0 and the members never move. 10 keeps a usable slope with margin.
+MAX_INIT_LOGIT = 10.0
+
+
+def check_init_logit(value: Any, owner: str) -> float:
+    """``value`` as a float in ``[−MAX_INIT_LOGIT, MAX_INIT_LOGIT]``, or a clear error."""
+    logit = check_real("init_logit", value, owner=owner)
+    if abs(logit) > MAX_INIT_LOGIT:
+        raise ValueError(
+            f"{owner}init_logit={logit:g} saturates the sigmoid: σ'(γ_0) = "
+            f"{_sigmoid_slope(logit):.2g} (1/4 at 0), so the member scales σ(γ) get (almost) no "
+            f"gradient and never move. Pass |init_logit| <= {MAX_INIT_LOGIT:g} (default 0, "
+            "the steepest point)."
+        )
+    return logit
+
+
+def _sigmoid_slope(x: float) -> float:
+    s = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+    return s * (1.0 - s)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -118,7 +146,8 @@ class MemberNorm(nn.Module):
         LLaMA's) gets a shift ``β`` starting at 0.
     init_logit : float
         ``γ_0``, the pre-sigmoid scale that reproduces the pretrained layer (0: σ = ½, the
-        steepest point of the sigmoid, so a member can grow or shrink a feature).
+        steepest point of the sigmoid, so a member can grow or shrink a feature); at most
+        :data:`MAX_INIT_LOGIT` in absolute value (beyond, the sigmoid saturates).
     """
 
     fixed_scale: Tensor
@@ -130,7 +159,7 @@ class MemberNorm(nn.Module):
                 "MemberNorm: expected an nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d or an "
                 f"RMSNorm but got {type(norm).__name__}."
             )
-        self.init_logit = float(init_logit)
+        self.init_logit = check_init_logit(init_logit, "MemberNorm: ")
         self.is_batch_norm = isinstance(norm, nn.modules.batchnorm._BatchNorm)
         #: "batch", "layer" or "rms"
         self.norm_kind = (
@@ -151,7 +180,11 @@ class MemberNorm(nn.Module):
             channels = int(norm.normalized_shape[0])
         elif self.upcast:
             hf_weight = getattr(norm, "weight", None)
-            assert isinstance(hf_weight, Tensor)  # _is_hf_rms checked it
+            if not isinstance(hf_weight, Tensor):
+                raise TypeError(
+                    f"MemberNorm: the RMSNorm {type(norm).__name__} has no weight tensor to "
+                    "take the channel count from; leave it out with norm_modules=[...]."
+                )
             channels = int(hf_weight.shape[0])
         else:
             channels = int(getattr(norm, "num_features", 0))
@@ -176,17 +209,21 @@ class MemberNorm(nn.Module):
         #: the EMA weight of a member's new batch statistics (torch's cumulative average, for
         #: ``momentum=None``, has no per-member count here: 0.1, BatchNorm's default)
         self.momentum = 0.1 if momentum is None else float(momentum)
-        self.tracks_statistics = (
-            self.is_batch_norm and isinstance(stats_mean, Tensor) and isinstance(stats_var, Tensor)
-        )
+        self.tracks_statistics = False
         self.running_mean: nn.Parameter | None = None
         self.running_var: nn.Parameter | None = None
-        if self.tracks_statistics:
-            assert isinstance(stats_mean, Tensor) and isinstance(stats_var, Tensor)
+        if self.is_batch_norm and isinstance(stats_mean, Tensor) and isinstance(stats_var, Tensor):
+            self.tracks_statistics = True
             self.running_mean = nn.Parameter(stats_mean.detach().clone().to(w.dtype))
             self.running_var = nn.Parameter(stats_var.detach().clone().to(w.dtype))
         #: ``(mean, unbiased variance)`` `(S, C)` of the last training-mode forward's slices
         self.batch_statistics: tuple[Tensor, Tensor] | None = None
+        # a frozen copy of the pretrained layer, not a submodule (no state-dict keys): the
+        # template of merged_norm's plain layer
+        template = copy.deepcopy(norm)
+        for p in template.parameters():
+            p.requires_grad_(False)
+        self._template: tuple[nn.Module] = (template,)
 
     def member_scale(self, gamma: Tensor | None = None) -> Tensor:
         """``c ⊙ σ(γ)`` `(C,)` or `(S, C)`."""
@@ -197,11 +234,9 @@ class MemberNorm(nn.Module):
         gamma: Tensor = self.gamma
         beta: Tensor = self.beta
         sizes = {int(t.shape[0]) for t in (gamma, beta) if t.dim() == 2}
-        if self.tracks_statistics and not self.training:
-            assert self.running_mean is not None and self.running_var is not None
-            sizes |= {
-                int(t.shape[0]) for t in (self.running_mean, self.running_var) if t.dim() == 2
-            }
+        running = self._running_statistics()
+        if running is not None and not self.training:
+            sizes |= {int(t.shape[0]) for t in running if t.dim() == 2}
         if len(sizes) > 1:
             raise RuntimeError(
                 f"MemberNorm: the member tensors carry different sample counts {sizes}."
@@ -227,7 +262,7 @@ class MemberNorm(nn.Module):
         xs = x.reshape(num_samples, -1, *x.shape[1:])
         view = (num_samples, 1, self.num_features) + (1,) * (xs.dim() - 3)
         reduce = (1,) + tuple(range(3, xs.dim()))
-        if self.training or not self.tracks_statistics:
+        if self.training or running is None:
             mean = xs.mean(dim=reduce)
             var = xs.var(dim=reduce, unbiased=False)
             if self.tracks_statistics:
@@ -235,13 +270,78 @@ class MemberNorm(nn.Module):
                 unbiased = var.detach() * (count / max(count - 1, 1))
                 self.batch_statistics = (mean.detach(), unbiased)
         else:
-            assert self.running_mean is not None and self.running_var is not None
             # statistics, not parameters: no gradient reaches them
-            mean = self.running_mean.detach().expand(num_samples, -1)
-            var = self.running_var.detach().expand(num_samples, -1)
+            mean = running[0].detach().expand(num_samples, -1)
+            var = running[1].detach().expand(num_samples, -1)
         normed = (xs - mean.reshape(view)) * torch.rsqrt(var.reshape(view) + self.eps)
         out = normed * scale.reshape(view).to(xs.dtype) + beta.reshape(view).to(xs.dtype)
         return out.reshape(x.shape)
+
+    def merged_norm(self, values: Mapping[str, Tensor]) -> nn.Module:
+        r"""The pretrained layer's class at one member's values: a plain norm layer with weight
+        ``c ⊙ σ(γ)``, bias ``β`` and (BatchNorm) the member's running statistics.
+
+        Parameters
+        ----------
+        values : dict
+            ``{"gamma", "beta", "running_mean", "running_var"}`` of one member, each `(C,)`;
+            a missing one is this layer's stored value.
+
+        Raises
+        ------
+        ValueError
+            When a value is not one `(C,)` member (a leading sample axis), or when the pretrained
+            layer has no weight (bias) to hold a member scale ``≠ 1`` (shift ``≠ 0``), e.g. an
+            RMSNorm, which has no bias, with a trained shift.
+        """
+        plain = copy.deepcopy(self._template[0]).to(self.fixed_scale.device)
+        current = {"gamma": self.gamma, "beta": self.beta}
+        running = self._running_statistics()
+        if running is not None:
+            current.update(running_mean=running[0], running_var=running[1])
+        merged = {role: values.get(role, default) for role, default in current.items()}
+        for role, value in merged.items():
+            if tuple(value.shape) != (self.num_features,):
+                raise ValueError(
+                    f"MemberNorm.merged_norm: {role} has shape {tuple(value.shape)}; pass one "
+                    f"member's values, shape ({self.num_features},) (e.g. one draw of "
+                    "guide.sample_posterior, not the stacked members)."
+                )
+        targets = {
+            "weight": self.member_scale(merged["gamma"].to(self.fixed_scale.dtype)),
+            "bias": merged["beta"],
+            "running_mean": merged.get("running_mean"),
+            "running_var": merged.get("running_var"),
+        }
+        neutral = {"weight": 1.0, "bias": 0.0}
+        with torch.no_grad():
+            for name, value in targets.items():
+                if value is None:
+                    continue
+                slot = getattr(plain, name, None)
+                if isinstance(slot, Tensor):
+                    slot.copy_(value.to(slot.dtype))
+                elif not bool((value == neutral.get(name, math.nan)).all()):
+                    raise ValueError(
+                        f"MemberNorm.merged_norm: the pretrained {type(plain).__name__} has no "
+                        f"{name}, so it cannot hold this member's {name} (it differs from "
+                        f"{neutral.get(name)}); use model.output(x, values) with the member's "
+                        "values instead of a merged network."
+                    )
+        plain.train(self.training)
+        return plain
+
+    def _running_statistics(self) -> tuple[Tensor, Tensor] | None:
+        """``(running_mean, running_var)`` of a BatchNorm that tracks them, else ``None``."""
+        if not self.tracks_statistics:
+            return None
+        mean, var = self.running_mean, self.running_var
+        if mean is None or var is None:
+            raise RuntimeError(
+                "MemberNorm: a BatchNorm member layer that tracks running statistics lost them "
+                "(running_mean / running_var set to None); rebuild the model."
+            )
+        return mean, var
 
     def _rms(self, x: Tensor) -> Tensor:
         """``x / √(mean(x²) + ε)`` over the last dimension (in float32 for a HF RMSNorm)."""
@@ -382,7 +482,7 @@ class SigmaNorm:
             )
         if isinstance(self.heads, str) and self.heads != "auto":
             self.heads = [self.heads]
-        self.init_logit = float(self.init_logit)
+        self.init_logit = check_init_logit(self.init_logit, "SigmaNorm: ")
 
     @property
     def target_modules(self) -> Sequence[str] | str:
@@ -474,7 +574,7 @@ class SigmaNormEnsemble(FineTuneModel):
     heads : "auto" or list of str
         The ``nn.Linear`` heads replicated per member.
     init_logit : float
-        ``γ_0`` (0: σ(γ_0) = ½).
+        ``γ_0`` (0: σ(γ_0) = ½), ``|γ_0| <=`` :data:`MAX_INIT_LOGIT` = 10.
     **kwargs
         :class:`~pyrobayes.models.FineTuneModel` arguments (``likelihood``, ``num_data``,
         ``trainable_modules``, ``train_backbone_mode`` for BatchNorm batch statistics, ...).
@@ -505,7 +605,11 @@ class SigmaNormEnsemble(FineTuneModel):
     @property
     def num_members(self) -> int:
         """M."""
-        assert isinstance(self.adapter, SigmaNorm)
+        if not isinstance(self.adapter, SigmaNorm):
+            raise TypeError(
+                f"SigmaNormEnsemble: the adapter is {type(self.adapter).__name__}, not the "
+                "SigmaNorm it was built with; do not replace model.adapter."
+            )
         return self.adapter.num_members
 
 
