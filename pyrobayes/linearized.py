@@ -80,7 +80,12 @@ def _slice_rows(inputs: Any, start: int, stop: int, size: int) -> Any:
 
 
 def output_jacobians(
-    model: Any, inputs: Any, point: Mapping[str, Tensor], *, contrast: bool = False
+    model: Any,
+    inputs: Any,
+    point: Mapping[str, Tensor],
+    *,
+    contrast: bool = False,
+    fixed: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r"""``f(x; θ̂)`` and its per-example Jacobians with respect to the sites.
 
@@ -93,6 +98,8 @@ def output_jacobians(
     contrast : bool
         Return ``J_k − J_K`` (last row zero) instead of ``J_k``: enough for a shift-invariant
         use (softmax over the K outputs) and one backward pass fewer.
+    fixed : dict, optional
+        Values of further sites, held (no Jacobian); the rest are the network's own.
 
     Returns
     -------
@@ -104,10 +111,10 @@ def output_jacobians(
     size = batch_size(inputs)
     rows = model.likelihood.rows_per_output(inputs)
     if rows is not None:
-        return _row_jacobians(model, inputs, point, size, rows)
+        return _row_jacobians(model, inputs, point, size, rows, fixed)
     # every row in one (vmapped) backward call, gathered into (B, K, *site_shape)
     out, chunks = output_jacobian_rows(
-        model, inputs, point, contrast=contrast, outputs_per_pass=None
+        model, inputs, point, contrast=contrast, outputs_per_pass=None, fixed=fixed
     )
     num_outputs = out.reshape(size, -1).shape[1]
     jac = {s: v.new_zeros(size, num_outputs, *v.shape) for s, v in point.items()}
@@ -117,8 +124,18 @@ def output_jacobians(
     return out, jac
 
 
+def _held_copies(fixed: Mapping[str, Tensor] | None, count: int) -> dict[str, Tensor]:
+    """``count`` per-row copies (no grad) of sites held at a value, for the batched forward."""
+    return {s: v.detach().unsqueeze(0).expand(count, *v.shape) for s, v in (fixed or {}).items()}
+
+
 def _row_jacobians(
-    model: Any, inputs: Any, point: Mapping[str, Tensor], size: int, rows: int
+    model: Any,
+    inputs: Any,
+    point: Mapping[str, Tensor],
+    size: int,
+    rows: int,
+    fixed: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Jacobians when output k of example b is computed from network row ``b·K + k`` alone
     (``likelihood.rows_per_output``): a copy of ``θ̂`` per row and ONE backward pass of the
@@ -128,7 +145,8 @@ def _row_jacobians(
             s: v.detach().unsqueeze(0).expand(size * rows, *v.shape).clone().requires_grad_(True)
             for s, v in point.items()
         }
-        out = model.output(inputs, copies)  # (B, K): row b·K + k evaluated at copy b·K + k
+        held = _held_copies(fixed, size * rows)
+        out = model.output(inputs, {**held, **copies})  # (B, K): row b·K + k at copy b·K + k
         if out.reshape(size, -1).shape[1] != rows:
             raise RuntimeError(
                 f"{type(model.likelihood).__name__}.rows_per_output says {rows} rows per example "
@@ -149,6 +167,7 @@ def output_jacobian_rows(
     *,
     contrast: bool = False,
     outputs_per_pass: int | None = 4,
+    fixed: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Iterator[tuple[int, dict[str, Tensor]]]]:
     r"""``f(x; θ̂)`` and its per-example Jacobians a few rows ``k`` at a time, never all K.
 
@@ -169,6 +188,8 @@ def output_jacobian_rows(
         Rows ``J_k − J_K`` for ``k < K`` (the K-th, zero, is not handed out).
     outputs_per_pass : int or None
         Rows per (vmapped) backward call; ``None``: all of them in one call.
+    fixed : dict, optional
+        Values of further sites, held (no Jacobian); the rest are the network's own.
 
     Returns
     -------
@@ -194,7 +215,7 @@ def output_jacobian_rows(
             s: v.detach().unsqueeze(0).expand(size, *v.shape).clone().requires_grad_(True)
             for s, v in point.items()
         }
-        out = model.output(inputs, copies)  # (B, ...): row b evaluated at copy b
+        out = model.output(inputs, {**_held_copies(fixed, size), **copies})  # row b at copy b
     flat = out.reshape(size, -1)
     num_outputs = flat.shape[1]
     passes = num_outputs - 1 if contrast else num_outputs
@@ -298,6 +319,9 @@ def linearized_predict(
     model.train(False)
     dev = model.device
     point = {s: v.to(dev) for s, v in guide.linearization_point().items()}
+    # sites the posterior holds at a point (a Laplace subset=): their values, no Jacobian
+    fixed_point = getattr(guide, "fixed_point", None)
+    fixed = {s: v.to(dev) for s, v in fixed_point().items()} if fixed_point else None
     likelihood = model.likelihood
     classification = likelihood.is_classification
     monte_carlo = classification and pred_type == "glm"
@@ -322,7 +346,7 @@ def linearized_predict(
         part_vars: list[Tensor] = []
         for start in range(0, size, chunk):
             sub = _slice_rows(inputs, start, min(size, start + chunk), size)
-            out, jac = output_jacobians(model, sub, point, contrast=monte_carlo)
+            out, jac = output_jacobians(model, sub, point, contrast=monte_carlo, fixed=fixed)
             mean = out.reshape(out.shape[0], -1)  # (b, K)
             if monte_carlo:
                 assert deltas is not None

@@ -13,7 +13,7 @@ of the MAP (``"alternate"``, MacKay 1992).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyro.distributions as dist
@@ -116,6 +116,16 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         uses the ``num_samples`` passed to :func:`pyrobayes.predict`. Memory: ``link_samples ×
         d`` numbers for the draws and ``link_samples × N × K`` log-probabilities. May be changed
         after fitting.
+    subset : {"all", "adapter", "last_layer"} or list of str
+        The sites with a Gaussian posterior (laplace-torch's ``subset_of_weights``); the others
+        are held at their MAP (a point mass) by every predictive. ``"all"`` (default): every
+        latent site; ``"adapter"``: the adapter's (LoRA-XS cores, LoRA factors); ``"last_layer"``:
+        the weight and bias of the last whole layer made latent by ``FineTuneModel(...,
+        latent_modules=[head])`` (laplace-torch's last-layer Laplace when the head is that layer);
+        or the site names. Make the head latent with ``latent_modules=["<head>"]`` and
+        ``trainable_modules=[]``: its weight and bias are then sites (trained as part of the MAP
+        and, in ``"kron"``, a Kronecker block ``G ⊗ A`` for the weight and the dense factor ``G``
+        for the bias, as laplace-torch's default backend).
 
     Examples
     --------
@@ -142,6 +152,7 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         alternate_epochs: int = 5,
         pred_type: str = "glm",
         link_samples: int | None = 100,
+        subset: str | Sequence[str] = "all",
     ) -> None:
         owner = f"{type(self).__name__}: "
         if structure not in ("kron", "diag"):
@@ -181,6 +192,7 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
             )
         if link_samples is not None:
             link_samples = check_int("link_samples", link_samples, ge=1, owner=owner)
+        self.subset = _resolve_subset(model, subset, owner)
         self.pred_type = pred_type
         self.link_samples = link_samples
         self.structure = structure
@@ -205,13 +217,15 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         shape = init.shape
         # curvature: diag GGN (same shape as the site) or the Kronecker eigenvalue products γ aᵀ
         self.register_buffer(f"curv_{i}", init.new_zeros(shape))
-        if self.structure == "kron":
-            if len(shape) != 2:
+        if self.structure == "kron" and self.is_latent(site):
+            if len(shape) not in (1, 2):
                 raise ValueError(
-                    f"structure='kron' needs matrix sites (a core or a Linear weight); site "
-                    f"{site!r} has shape {tuple(shape)}. Use structure='diag'."
+                    f"structure='kron' needs matrix sites (a core or a Linear weight) or vector "
+                    f"sites (a Linear bias: one dense factor); site {site!r} has shape "
+                    f"{tuple(shape)}. Use structure='diag', or leave the site out of subset=."
                 )
-            m, n = shape
+            # a bias (m,) is laplace-torch's one-factor block: Q_G (m×m), Q_A = [[1]]
+            m, n = (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
             self.register_buffer(f"eigvecs_out_{i}", torch.eye(m, dtype=init.dtype))
             self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
 
@@ -225,6 +239,21 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         }
 
     # ------------------------------------------------------------------ accessors
+    def is_latent(self, site: str) -> bool:
+        """Whether ``site`` has a Gaussian posterior (in ``subset``) or is held at its MAP."""
+        return self.subset is None or site in self.subset
+
+    @property
+    def latent_subset(self) -> list[str]:
+        """The sites with a Gaussian posterior, in site order (all of them by default)."""
+        self.require_setup()
+        return [s for s in self.sites if self.is_latent(s)]
+
+    def fixed_point(self) -> dict[str, Tensor]:
+        """The sites outside ``subset`` at their point (detached): held there by every predictive."""
+        self.require_setup()
+        return {s: self.loc(s).detach() for s in self.sites if not self.is_latent(s)}
+
     @property
     def is_fitted(self) -> bool:
         return bool(self.sites) and bool(self.lap_fitted)
@@ -255,7 +284,11 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         with torch.no_grad():
             getattr(self, f"curv_{i}").copy_(curvature)
             if self.structure == "kron":
-                assert eigvecs_out is not None and eigvecs_in is not None
+                if eigvecs_out is None or eigvecs_in is None:
+                    raise ValueError(
+                        f"LaplaceGuide.set_curvature: structure='kron' needs the eigenvectors "
+                        f"eigvecs_out and eigvecs_in of site {site!r}'s Kronecker factors."
+                    )
                 getattr(self, f"eigvecs_out_{i}").copy_(eigvecs_out)
                 getattr(self, f"eigvecs_in_{i}").copy_(eigvecs_in)
 
@@ -283,20 +316,34 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     def posterior_precision(self, site: str) -> Tensor:
         """Dense ``H + τ I`` over ``site.reshape(-1)`` (row-major), ``(numel, numel)``."""
         self.require_fitted()
+        if not self.is_latent(site):
+            raise ValueError(
+                f"LaplaceGuide.posterior_precision: site {site!r} is outside subset "
+                f"{sorted(self.subset or [])} (held at its MAP: no precision)."
+            )
         prec = self.curvature(site) + self.lap_prior_precision
         if self.structure == "diag":
             return torch.diag(prec.reshape(-1))
         q_out, q_in = self.eigvecs(site)
+        if prec.dim() == 1:  # a bias: Q_G diag(λ + τ) Q_Gᵀ
+            return (q_out * prec) @ q_out.T
         return KronEigenNormal(self.loc(site), q_in, q_out, prec).to_dense_precision(row_major=True)
 
     # ------------------------------------------------------------------ guide contract
     def get_posterior(self, site: str) -> dist.TorchDistribution:
         loc = self.loc(site)
         self.require_fitted()
+        if not self.is_latent(site):
+            return dist.Delta(loc, event_dim=loc.dim())
         prec = self.curvature(site) + self.lap_prior_precision
         if self.structure == "diag":
             return dist.Normal(loc, prec.rsqrt()).to_event(loc.dim())
         q_out, q_in = self.eigvecs(site)
+        if prec.dim() == 1:  # a bias: N(loc, Q_G diag(1/(λ + τ)) Q_Gᵀ)
+            cov = (q_out / prec) @ q_out.T
+            return dist.MultivariateNormal(
+                loc, scale_tril=torch.linalg.cholesky(0.5 * (cov + cov.T))
+            )
         return KronEigenNormal(loc, q_in, q_out, prec)
 
     def mean(self) -> dict[str, Tensor]:
@@ -307,7 +354,7 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     def linearization_point(self) -> dict[str, Tensor]:
         """``θ_MAP`` per site (detached): where the GLM predictive linearises the network."""
         self.require_fitted()
-        return {s: self.loc(s).detach() for s in self.sites}
+        return {s: self.loc(s).detach() for s in self.sites if self.is_latent(s)}
 
     def functional_covariance(self, jacobians: Mapping[str, Tensor]) -> Tensor:
         r"""``J Σ Jᵀ`` `(B, K, K)` from per-site Jacobians ``{site: (B, K, *site_shape)}``.
@@ -324,6 +371,9 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
             if self.structure == "diag":
                 flat = jac.reshape(*jac.shape[:2], -1)
                 cov = torch.einsum("bcd,bed->bce", flat, flat / prec.reshape(-1))
+            elif prec.dim() == 1:  # a bias: (J Q_G) diag(1/(λ + τ)) (J Q_G)ᵀ
+                rotated = jac @ self.eigvecs(site)[0]  # (B, K, m)
+                cov = torch.einsum("bci,bei->bce", rotated, rotated / prec)
             else:
                 q_out, q_in = self.eigvecs(site)
                 rotated = q_out.T @ jac @ q_in  # (B, K, m, n) in the eigenbasis
@@ -337,8 +387,53 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         """Numbers that describe q: the MAP, the curvature, the eigenbases (KRON) and τ."""
         self.require_setup()
         total = 1
-        for shape in self.sites.values():
-            total += 2 * int(torch.Size(shape).numel())
+        for site, shape in self.sites.items():
+            numel = int(torch.Size(shape).numel())
+            if not self.is_latent(site):
+                total += numel
+                continue
+            total += 2 * numel
             if self.structure == "kron":
-                total += shape[0] ** 2 + shape[1] ** 2
+                total += sum(n**2 for n in shape)
         return total
+
+
+def _resolve_subset(model: Any, subset: str | Sequence[str], owner: str) -> frozenset[str] | None:
+    """The sites ``subset`` names (``None``: all of them)."""
+    specs = dict(getattr(model, "latent_sites", None) or {})
+    if isinstance(subset, str):
+        if subset == "all":
+            return None
+        if subset == "adapter":
+            names = [s for s, spec in specs.items() if spec.kind not in ("weight", "bias")]
+            if not names:
+                raise ValueError(
+                    f"{owner}subset='adapter' but the model has no adapter sites; build it with "
+                    "adapter=LoRAXS(...) or LoRA(...), or use subset='all'."
+                )
+            return frozenset(names)
+        if subset == "last_layer":
+            layers = {
+                spec.module_path for spec in specs.values() if spec.kind in ("weight", "bias")
+            }
+            order = [path for path, _ in model.net.named_modules() if path in layers]
+            if not order:
+                raise ValueError(
+                    f"{owner}subset='last_layer' needs a whole layer made latent (laplace-torch's "
+                    "last-layer Laplace): build the model with FineTuneModel(..., latent_modules="
+                    "['<head>'], trainable_modules=[]) so the head's weight and bias are latent "
+                    "sites."
+                )
+            return frozenset(s for s, spec in specs.items() if spec.module_path == order[-1])
+        raise ValueError(
+            f"{owner}subset must be 'all', 'adapter', 'last_layer' or a list of site names; got "
+            f"{subset!r}."
+        )
+    names = list(subset)
+    unknown = [n for n in names if n not in specs]
+    if not names or unknown:
+        raise ValueError(
+            f"{owner}subset names no site or unknown sites {unknown[:5]}; the model's sites are "
+            f"{list(specs)[:8]}."
+        )
+    return frozenset(names)

@@ -37,6 +37,7 @@ batch output and is kept for comparison.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -219,9 +220,10 @@ class _Loader:
     def __iter__(self) -> Iterator[Any]:
         regression = not self.model.likelihood.is_classification
         key = self.model.label_key
-        for batch in self.data:
+        for index, batch in enumerate(self.data):
             batch = to_device(batch, self.device)
             inputs, y = split_batch(batch, key)
+            _check_finite_batch(inputs, y, index)
             if regression and y is not None:
                 y = self._regression_targets(inputs, y)
             if isinstance(batch, Mapping):
@@ -240,6 +242,26 @@ class _Loader:
             self._event_shape = tuple(int(n) for n in out.shape[1:])
         y = check_gaussian_targets(y, (batch_size(inputs), *self._event_shape))
         return y if self._event_shape else y.unsqueeze(-1)
+
+
+def _check_finite_batch(inputs: Any, y: Any, index: int) -> None:
+    """Refuse a batch whose floating-point inputs or targets hold NaN or inf (they would reach the
+    curvature, where laplace-torch's eigendecomposition fails)."""
+    named = dict(inputs) if isinstance(inputs, Mapping) else {"inputs": inputs}
+    named["targets"] = y
+    for name, value in named.items():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            bad = ~torch.isfinite(value)
+            if bool(bad.any()):
+                rows: list[int] = (
+                    bad.reshape(bad.shape[0], -1).any(-1).nonzero().flatten().tolist()
+                    if value.dim()
+                    else []
+                )
+                raise ValueError(
+                    f"Laplace: batch {index} of the curvature data has non-finite {name} (NaN or "
+                    f"inf) in rows {rows[:5]}; drop or impute those examples."
+                )
 
 
 @functools.cache
@@ -438,9 +460,17 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
                 p = net.get_parameter(specs[s].param_name)
                 if p.dim() != len(guide.sites[s]):
                     raise RuntimeError(f"Site {s!r} is not stored as a plain parameter.")
-                p.copy_(guide.loc(s).detach())
-                p.requires_grad_(True)
-                site_of[id(p)] = s
+                value = guide.loc(s).detach()
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(
+                        f"Laplace: the point of site {s!r} holds non-finite values (NaN or inf); "
+                        "the curvature needs a finite MAP. Refit the MAP (a smaller lr) or check "
+                        "the init= guide."
+                    )
+                p.copy_(value)
+                if guide.is_latent(s):  # sites outside subset= stay at their MAP, no curvature
+                    p.requires_grad_(True)
+                    site_of[id(p)] = s
         wrapper = LaplaceNet(model)
         order = [site_of[id(p)] for p in wrapper.parameters() if p.requires_grad]
         kind, sigma = _laplace_likelihood(model)
@@ -456,28 +486,43 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
             backend=per_example_ggn_backend() if backend is None else backend,
         )
         # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
-        la.fit(_Loader(model, data, model.device))  # type: ignore[arg-type]
+        with _no_exit("fitting the curvature"):
+            la.fit(_Loader(model, data, model.device))  # type: ignore[arg-type]
         factor = float(la._H_factor)
         if guide.structure == "diag":
-            assert isinstance(la, DiagLaplace)  # subset "all" + structure "diag"
+            if not isinstance(la, DiagLaplace):  # subset "all" + structure "diag"
+                raise RuntimeError(_unexpected("DiagLaplace", la))
             h = la.H.detach() * factor
+            _check_finite_curvature(h, order)
             start = 0
             for s in order:
                 n = int(torch.Size(guide.sites[s]).numel())
                 guide.set_curvature(s, h[start : start + n].reshape(guide.sites[s]))
                 start += n
         else:
-            assert isinstance(la, KronLaplace)  # subset "all" + structure "kron"
+            if not isinstance(la, KronLaplace):  # subset "all" + structure "kron"
+                raise RuntimeError(_unexpected("KronLaplace", la))
             decomposed = la.H
-            assert isinstance(decomposed, KronDecomposed)  # what KronLaplace.fit leaves
+            if not isinstance(decomposed, KronDecomposed):  # what KronLaplace.fit leaves
+                raise RuntimeError(_unexpected("KronDecomposed", decomposed))
             for s, vecs, vals in zip(
                 order, decomposed.eigenvectors, decomposed.eigenvalues, strict=True
             ):
-                if len(vals) != 2:
-                    raise RuntimeError(f"Expected two Kronecker factors for {s!r}.")
-                q_out, q_in = vecs
-                l_out, l_in = (v.clamp_min(0.0) for v in vals)
-                curv = factor * l_out[:, None] * l_in[None, :]
+                shape = guide.sites[s]
+                if len(vals) != len(shape):
+                    raise RuntimeError(
+                        f"Laplace: expected {len(shape)} Kronecker factor(s) for site {s!r} of "
+                        f"shape {tuple(shape)}, laplace-torch gave {len(vals)}; please report this."
+                    )
+                _check_finite_curvature(torch.cat([v.reshape(-1) for v in (*vals, *vecs)]), [s])
+                if len(vals) == 1:  # a bias: laplace-torch's one dense factor G (m×m)
+                    (q_out,), (l_out,) = vecs, vals
+                    q_in = q_out.new_ones(1, 1)
+                    curv = factor * l_out.clamp_min(0.0)
+                else:
+                    q_out, q_in = vecs
+                    l_out, l_in = (v.clamp_min(0.0) for v in vals)
+                    curv = factor * l_out[:, None] * l_in[None, :]
                 guide.set_curvature(s, curv.detach(), q_out.detach(), q_in.detach())
         spec = guide.prior_precision_spec
         if spec == "marglik":
@@ -489,7 +534,8 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
                     )
                 return float(value)
 
-            tau = tune_prior_precision(log_marglik, guide.log_prior_bounds)
+            with _no_exit("maximising the marginal likelihood"):
+                tau = tune_prior_precision(log_marglik, guide.log_prior_bounds)
         elif spec == "model":
             tau = 1.0 / model.prior_scale**2
         else:
@@ -508,6 +554,38 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def _no_exit(what: str) -> Iterator[None]:
+    """Turn a ``SystemExit`` from inside laplace-torch into an exception the caller sees.
+
+    laplace-torch's ``symeig`` calls ``exit()`` when an eigendecomposition fails (a non-finite
+    Kronecker factor), which would end the user's process with status 0 and no message.
+    """
+    try:
+        yield
+    except SystemExit as err:
+        raise FloatingPointError(
+            f"Laplace: laplace-torch stopped while {what} (it called exit({err.code!r}) after a "
+            "failed eigendecomposition: the curvature holds NaN or inf). Check the training "
+            "data for non-finite inputs and the MAP for non-finite values (a diverged fit)."
+        ) from err
+
+
+def _check_finite_curvature(values: Tensor, sites: list[str]) -> None:
+    if not bool(torch.isfinite(values).all()):
+        raise FloatingPointError(
+            f"Laplace: the curvature of site(s) {sites[:5]} holds NaN or inf. Check the training "
+            "data for non-finite inputs and the MAP for non-finite values (a diverged fit)."
+        )
+
+
+def _unexpected(expected: str, got: Any) -> str:
+    return (
+        f"Laplace: laplace-torch returned a {type(got).__name__} where pyrobayes expects a "
+        f"{expected}; this laplace-torch version is not supported (please report it)."
+    )
+
+
 def _functional_variance(guide: Any, jac: Mapping[str, Tensor]) -> Tensor:
     """``J Σ Jᵀ`` `(B, C, C)` from per-site Jacobians ``(B, C, *site_shape)`` (the guide's)."""
     return guide.functional_covariance(jac)
@@ -516,10 +594,11 @@ def _functional_variance(guide: Any, jac: Mapping[str, Tensor]) -> Tensor:
 def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
     """Mean ``f(x; θ*)`` `(B, C)` and covariance ``J Σ Jᵀ`` `(B, C, C)` of the linearized model."""
     guide.require_fitted()
-    values = {s: guide.loc(s).detach() for s in guide.sites}
+    values = dict(guide.linearization_point())
+    fixed = guide.fixed_point()  # sites outside subset=: held at their MAP, no Jacobian
 
     def f(vals: dict[str, Tensor]) -> Tensor:
-        out = model.output(inputs, vals)
+        out = model.output(inputs, {**fixed, **vals})
         return out.unsqueeze(-1) if out.dim() == 1 else out
 
     with torch.no_grad():
