@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import guides, infer, metrics, models
 from ._version import __version__ as __version__
 from .api import posterior
+from .calibration import calibrate
 from .diagnostics import Diagnostics, diagnose, to_datatree, to_inference_data
 from .infer.loop import FitResult, fit
 from .io import load, save
@@ -28,6 +29,7 @@ __all__ = [
     "fit",
     "FitResult",
     "predict",
+    "calibrate",
     "Prediction",
     # ArviZ export and diagnostics
     "to_datatree",

@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .calibration import match_state
 from .registry import family_of, get_guide_class
 
 logger = logging.getLogger(__name__)
@@ -539,8 +540,10 @@ def _apply(path: str | Path, guide: Any, model: Any, tensors: Mapping[str, torch
     device = guide.device
     backup = {k: v.detach().clone() for k, v in guide.state_dict().items()}
     try:
+        match_state(guide, guide_state)  # the file's pyrobayes.calibrate temperature, or none
         guide.load_state_dict({k: v.to(device) for k, v in guide_state.items()}, strict=True)
     except (RuntimeError, KeyError, ValueError) as err:
+        match_state(guide, backup)
         guide.load_state_dict(backup, strict=True)  # a failed strict load may have copied some
         raise PosteriorMismatchError(
             f"{path}: the file's guide tensors do not fit {type(guide).__name__} ({err}); it was "

@@ -1,0 +1,292 @@
+r"""Temperature scaling of the posterior predictive: a post-hoc calibration step for any posterior.
+
+One scalar :math:`T > 0` is fitted on held-out data and stored on the guide; :func:`pyrobayes.predict`
+applies it from then on. For a classification likelihood (categorical, binary as two classes,
+multiple choice) the calibrated predictive averages the tempered softmax over the posterior's
+draws,
+
+.. math:: p_T(y \mid x) = \mathbb E_{q(θ)}\big[\operatorname{softmax}(f_θ(x) / T)\big]_y
+    \approx \frac1S \sum_{s=1}^S \operatorname{softmax}(f_{θ_s}(x) / T)_y ,
+
+which is Guo et al. (2017, "On calibration of modern neural networks", eq. 9) applied inside the
+Monte-Carlo average of the Bayesian model average rather than to one network's logits; for a
+point mass (MAP) it is exactly their temperature scaling. :math:`T` minimises the validation NLL
+:math:`-\frac1N \sum_n \log p_T(y_n \mid x_n)` with the draws :math:`θ_s` fixed (one seed), so the
+objective is a deterministic function of :math:`\log T`. ``softmax`` is shift-invariant, so the
+tempered draw is ``log_softmax(log_probs_s / T)`` of the per-draw log-probabilities
+``Prediction.log_probs`` (for a predictive with one closed-form row, e.g. Laplace's probit, the
+temperature divides that row's log-probabilities).
+
+For a Gaussian likelihood the same scalar scales the predictive standard deviation of every
+mixture component, :math:`p_T(y \mid x) = \frac1S \sum_s \mathcal N(y \mid μ_s(x),
+T^2 (v_s(x) + σ^2))` (``σ`` the likelihood's noise, ``v_s`` a closed-form variance such as the
+linearised Laplace's :math:`J Σ J^\top`): the "std scaling" of Levi et al. (2022, "Evaluating
+and calibrating uncertainty prediction in regression tasks", eq. 11). The means, and so the
+RMSE and the accuracy, never change; :math:`T = 1` is the fitted posterior bit for bit.
+
+The temperature is a buffer of the guide (``predictive_temperature``), so it is part of
+``guide.state_dict()`` and :func:`pyrobayes.save` / :func:`pyrobayes.load` keep it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .models.adapters import check_int
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TEMPERATURE_BUFFER",
+    "calibrate",
+    "temperature",
+    "set_temperature",
+    "apply_temperature",
+    "tempered_nll",
+]
+
+#: The guide buffer holding the fitted temperature (absent: ``T = 1``, nothing is applied).
+TEMPERATURE_BUFFER = "predictive_temperature"
+
+
+def temperature(guide: Any) -> float:
+    """The guide's predictive temperature ``T`` (1.0 when it was never calibrated)."""
+    value = getattr(guide, "_buffers", {}).get(TEMPERATURE_BUFFER)
+    return 1.0 if value is None else float(value)
+
+
+def set_temperature(guide: Any, value: float | None) -> None:
+    """Store ``T`` on ``guide`` (``None`` removes it: the uncalibrated predictive).
+
+    Raises
+    ------
+    ValueError
+        When ``value`` is not a finite number > 0.
+    """
+    buffers = getattr(guide, "_buffers", None)
+    if buffers is None:
+        raise TypeError(
+            f"set_temperature: {type(guide).__name__} is not a torch module; pass a pyrobayes "
+            "posterior guide (pyrobayes.posterior(model, family))."
+        )
+    if value is None:
+        buffers.pop(TEMPERATURE_BUFFER, None)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"set_temperature: value must be a number, got {type(value).__name__}.")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"set_temperature: value must be a finite number > 0, got {value!r}.")
+    device = next((b.device for b in guide.buffers()), None)
+    if device is None:
+        device = next((p.device for p in guide.parameters()), torch.device("cpu"))
+    guide.register_buffer(
+        TEMPERATURE_BUFFER, torch.tensor(float(value), dtype=torch.float64, device=device)
+    )
+
+
+def match_state(guide: Any, state: Mapping[str, Any]) -> None:
+    """Give ``guide`` a temperature buffer exactly when ``state`` (a state dict about to be
+    loaded strictly) holds one, so a calibrated file loads into a fresh guide and an
+    uncalibrated one into a calibrated guide (:mod:`pyrobayes.io`)."""
+    if TEMPERATURE_BUFFER in state:
+        if TEMPERATURE_BUFFER not in guide._buffers:
+            set_temperature(guide, 1.0)  # the value comes with the strict load
+    else:
+        set_temperature(guide, None)
+
+
+def apply_temperature(prediction: Any, guide_or_value: Any) -> Any:
+    """``prediction`` under the temperature of a guide (or a number): a new ``Prediction``.
+
+    Classification: ``log_probs ← log_softmax(log_probs / T)`` per draw. Regression: the
+    Gaussian ``scale`` and any closed-form ``loc_var`` become ``T·σ`` and ``T²·v``. At
+    ``T = 1`` the same object is returned (bit-identical predictions).
+    """
+    value = (
+        float(guide_or_value)
+        if isinstance(guide_or_value, (int, float))
+        else temperature(guide_or_value)
+    )
+    if value == 1.0:
+        return prediction
+    if prediction.log_probs is not None:
+        log_probs = torch.log_softmax(prediction.log_probs / value, dim=-1)
+        return dataclasses.replace(prediction, log_probs=log_probs)
+    if prediction.scale is None:
+        raise ValueError(
+            "apply_temperature: this regression prediction has no Gaussian scale to temper "
+            "(the likelihood has no obs_scale)."
+        )
+    loc_var = prediction.loc_var
+    return dataclasses.replace(
+        prediction,
+        scale=prediction.scale * value,
+        loc_var=None if loc_var is None else loc_var * value**2,
+    )
+
+
+def tempered_nll(prediction: Any, targets: Tensor, value: float | Tensor) -> Tensor:
+    """Mean NLL of the tempered posterior predictive (a differentiable function of ``value``).
+
+    Classification: ``-mean_n log (1/S) Σ_s softmax(log_probs_s / T)[y_n]``; regression: the
+    Gaussian mixture with every component's σ multiplied by ``T``.
+    """
+    t = torch.as_tensor(value, dtype=torch.float64)
+    if prediction.log_probs is not None:
+        lp = prediction.log_probs.detach().to(torch.float64)
+        tempered = torch.log_softmax(lp / t, dim=-1)  # (S, N, C)
+        y = targets.to(lp.device).long().reshape(1, -1, 1).expand(lp.shape[0], -1, 1)
+        picked = tempered.gather(-1, y).squeeze(-1)  # (S, N)
+        log_pred = torch.logsumexp(picked, dim=0) - math.log(lp.shape[0])
+        return -log_pred.mean()
+    loc = prediction.loc.detach().to(torch.float64)
+    loc = loc.reshape(loc.shape[0], -1)
+    var = torch.as_tensor(float(prediction.scale) ** 2, dtype=torch.float64)
+    if prediction.loc_var is not None:
+        var = prediction.loc_var.detach().to(torch.float64).reshape(loc.shape) + var
+    y = targets.detach().to(torch.float64).reshape(1, -1)
+    log_lik = torch.distributions.Normal(loc, t * var.sqrt()).log_prob(y)
+    return -(torch.logsumexp(log_lik, dim=0) - math.log(loc.shape[0])).mean()
+
+
+def _minimise(objective: Any, low: float, high: float, num_grid: int = 49) -> float:
+    """argmin of ``objective(log T)`` on ``[low, high]``: a grid, then golden-section search in
+    the bracket around the grid's best point (deterministic; no gradient needed)."""
+    grid = torch.linspace(low, high, num_grid, dtype=torch.float64).tolist()
+    values = [objective(t) for t in grid]
+    best = min(range(num_grid), key=lambda i: values[i])
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, num_grid - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = objective(c), objective(d)
+    for _ in range(40):  # bracket shrinks by 0.618 per step: (2·step)·0.618⁴⁰ ≈ 1e-8 in log T
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = objective(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = objective(d)
+    candidates = [(values[best], grid[best]), (fc, c), (fd, d)]
+    return min(candidates)[1]
+
+
+def calibrate(
+    model: Any,
+    guide: Any,
+    val_data: Iterable[Any],
+    *,
+    num_samples: int = 32,
+    seed: int = 0,
+    bounds: tuple[float, float] = (0.05, 20.0),
+    device: str | torch.device | None = None,
+    **predict_kwargs: Any,
+) -> float:
+    r"""Fit the predictive temperature ``T`` on held-out data and store it on ``guide``.
+
+    Minimises the validation NLL of the tempered posterior predictive
+    :math:`p_T(y \mid x) = \frac1S \sum_s \operatorname{softmax}(f_{θ_s}(x) / T)_y` over
+    :math:`\log T` (a grid over ``bounds`` refined by golden-section search), the draws
+    :math:`θ_s \sim q` fixed by ``seed`` (Guo et al. 2017, eq. 9, inside the Bayesian model
+    average). Gaussian likelihoods get a scale on every component's predictive standard
+    deviation instead (Levi et al. 2022, eq. 11); see :mod:`pyrobayes.calibration`.
+    Any previous temperature is replaced (``T`` is fitted against the uncalibrated predictive).
+    Afterwards :func:`pyrobayes.predict` applies ``T``; :func:`pyrobayes.save` stores it.
+
+    Parameters
+    ----------
+    model : FineTuneModel
+    guide : PosteriorGuide
+        A fitted posterior of any family (a MAP point mass included).
+    val_data : iterable of batches
+        Labelled held-out batches, as for :func:`pyrobayes.predict` (never the test split).
+    num_samples : int
+        Posterior draws S of the predictive (1 for a point mass).
+    seed : int
+        Seed of the draws (use the one predictions will use, e.g. 0, predict's default).
+    bounds : (float, float)
+        The search interval of ``T``; a fit at either end is logged as a warning.
+    device : str or torch.device, optional
+    **predict_kwargs
+        Passed to :func:`pyrobayes.predict` (e.g. ``samples_per_forward``).
+
+    Returns
+    -------
+    float
+        The fitted temperature ``T`` (> 1: the predictive was over-confident, < 1: under-).
+
+    Raises
+    ------
+    ValueError
+        ``val_data`` yields no batches or no labels, ``bounds`` is not ``0 < low < high``, or the
+        Gaussian likelihood has no noise scale to temper.
+    """
+    from .predictive import predict  # (predict applies the temperature: a function-local import)
+
+    num_samples = check_int("num_samples", num_samples, ge=1, owner="calibrate: ")
+    low, high = (float(b) for b in bounds)
+    if not (0 < low < high and math.isfinite(high)):
+        raise ValueError(
+            f"calibrate: bounds must be two finite numbers 0 < low < high, got {bounds!r}."
+        )
+    previous = guide._buffers.get(TEMPERATURE_BUFFER) if hasattr(guide, "_buffers") else None
+    set_temperature(guide, None)  # fit against the uncalibrated predictive
+    try:
+        pred = predict(
+            model,
+            guide,
+            val_data,
+            num_samples=num_samples,
+            seed=seed,
+            device=device,
+            **predict_kwargs,
+        )
+    except ValueError as err:
+        if previous is not None:
+            set_temperature(guide, float(previous))
+        if "no batches" in str(err):
+            raise ValueError(
+                "calibrate: val_data yielded no batches; pass a non-empty iterable of labelled "
+                "held-out batches (a validation loader, not the test split)."
+            ) from None
+        raise
+    if pred.targets is None or pred.targets.numel() == 0:
+        if previous is not None:
+            set_temperature(guide, float(previous))
+        raise ValueError(
+            "calibrate: val_data has no labels; temperature scaling fits T to held-out labels, "
+            f"so each batch must carry them (the model's label key {model.label_key!r})."
+        )
+    if pred.log_probs is None and pred.scale is None:
+        raise ValueError(
+            "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; build "
+            "the model with obs_scale=<float> or 'learn'."
+        )
+    targets = pred.targets
+
+    def objective(log_t: float) -> float:
+        return float(tempered_nll(pred, targets, math.exp(log_t)))
+
+    log_t = _minimise(objective, math.log(low), math.log(high))
+    value = math.exp(log_t)
+    before, after = objective(0.0), objective(log_t)
+    if after > before:  # the grid holds log T = 0 only approximately: never worse than T = 1
+        value, after = 1.0, before
+    if min(abs(log_t - math.log(low)), abs(log_t - math.log(high))) < 1e-6:
+        logger.warning(
+            "calibrate: T = %.4g is at the end of bounds=%s; widen bounds if the predictive "
+            "is that badly calibrated.",
+            value,
+            bounds,
+        )
+    set_temperature(guide, value)
+    logger.info("calibrate: T = %.4f, validation NLL %.4f -> %.4f", value, before, after)
+    return value
