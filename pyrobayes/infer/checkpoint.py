@@ -13,10 +13,20 @@ A checkpoint folder holds::
 
 A generation is written into a temporary folder, every file is ``fsync``-ed, and the folder is
 renamed to ``ckpt-NNNNNN``; only then is ``LATEST`` replaced (a temporary file,
-``fsync``, ``os.replace``: the one atomic switch), and only after that is the previous generation
+``fsync``, ``os.replace``: the one atomic switch), and only after that are the older generations
 deleted. A kill at any instant therefore leaves ``LATEST`` naming a complete generation (or no
-``LATEST`` at all before the first one). Temporary folders, and generations that ``LATEST`` does
-not name (a kill before the switch), are removed by :func:`clean` at the next start.
+``LATEST`` at all before the first one). Temporary folders are removed by :func:`clean` at the
+next start.
+
+A generation is *complete* when it holds ``posterior.safetensors``, ``fitter.pt``, ``rng.pt`` and
+a ``state.json`` that parses as a JSON object. Nothing but a new checkpoint of the fit that holds
+the folder ever deletes a complete generation: :func:`clean` removes only temporary entries, and
+:func:`save_checkpoint` removes the older generations only after its own generation is complete
+and ``LATEST`` names it. When ``LATEST`` is missing, unreadable, or names a missing or
+incomplete generation (a folder edited by hand), :func:`latest` falls back to the newest complete
+generation (with a logged warning), and :func:`holds_run` still sees it, so ``fit`` neither
+restarts from step 0 over it nor deletes it without ``overwrite=True``. A ``state.json`` whose
+position does not add up is refused on resume by :func:`check_position`.
 
 The earlier layout (a single ``<dir>/last`` folder, or ``<dir>/.last-old`` after
 a kill between its two renames) is still read for resume; the next checkpoint replaces it.
@@ -26,6 +36,7 @@ Checkpoint files are read with ``torch.load(weights_only=True)`` only.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -41,8 +52,11 @@ import torch
 from .fitter import Fitter
 from .selection import Snapshot
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "CheckpointLock",
+    "check_position",
     "clean",
     "holds_run",
     "latest",
@@ -55,6 +69,8 @@ LOCK = ".lock"
 _GENERATION = re.compile(r"ckpt-(\d{6,})")
 _TEMP_PREFIXES = (".tmp-", ".LATEST-", ".ckpt-")  # ".ckpt-": the temp folders of the old layout
 _LEGACY = ("last", ".last-old")
+#: the files every generation holds (``best.pt`` and ``scheduler.pt`` only when there is one)
+REQUIRED = ("posterior.safetensors", "fitter.pt", "rng.pt", "state.json")
 
 try:  # POSIX
     import fcntl
@@ -139,58 +155,185 @@ class CheckpointLock:
 
 
 # ---------------------------------------------------------------------------------- the layout
-def _pointed(directory: Path) -> Path | None:
-    """The generation ``LATEST`` names, or None without a ``LATEST``."""
+def _incomplete(folder: Path) -> str | None:
+    """Why the generation ``folder`` cannot be resumed from (None: it is complete)."""
+    if not folder.is_dir():
+        return "no such folder"
+    missing = [name for name in REQUIRED if not (folder / name).is_file()]
+    if missing:
+        return f"no {', '.join(missing)}"
+    try:
+        meta = json.loads((folder / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"state.json is not readable JSON ({err})"
+    if not isinstance(meta, dict):
+        return "state.json is not a JSON object"
+    return None
+
+
+def _generations(directory: Path) -> list[Path]:
+    """The ``ckpt-NNNNNN`` folders of ``directory``, newest first."""
+    found = [
+        (int(m.group(1)), entry)
+        for entry in directory.iterdir()
+        if (m := _GENERATION.fullmatch(entry.name)) and entry.is_dir()
+    ]
+    return [entry for _, entry in sorted(found, reverse=True)]
+
+
+def _pointed(directory: Path) -> tuple[Path | None, str | None]:
+    """The complete generation ``LATEST`` names, else None and why not (None: no ``LATEST``)."""
     pointer = directory / POINTER
     try:
         name = pointer.read_text().strip()
     except FileNotFoundError:
-        return None
-    folder = directory / name
-    if not _GENERATION.fullmatch(name) or not folder.is_dir():
-        raise RuntimeError(
-            f"{pointer} names {name!r}, which is not a checkpoint generation in {directory}. "
-            "The folder was edited by hand; restore it or start a new run with overwrite=True."
-        )
-    return folder
+        return None, None
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"{pointer} is unreadable ({err})"
+    if not _GENERATION.fullmatch(name):
+        return None, f"{pointer} names {name[:40]!r}, which is not a checkpoint generation"
+    why = _incomplete(directory / name)
+    if why is not None:
+        return None, f"{pointer} names {name}, which is incomplete ({why})"
+    return directory / name, None
 
 
 def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``directory``: the generation ``LATEST`` names, else
-    an old-layout ``last`` (or ``.last-old``, left by a kill between its renames), else None."""
+    """The newest complete checkpoint in ``directory``, or None when it holds none.
+
+    The generation ``LATEST`` names when it is complete; else (``LATEST`` missing, unreadable,
+    or naming a missing or incomplete generation) the newest complete ``ckpt-NNNNNN``, with a
+    logged warning; else an old-layout ``last`` (or ``.last-old``, left by a kill between its
+    renames).
+
+    Raises
+    ------
+    RuntimeError
+        When ``directory`` holds generations but none of them is complete (files deleted or
+        truncated by hand): resuming would start over and a new run would delete them, so the
+        folder is refused; the message names each generation and what it lacks.
+    """
     directory = Path(directory)
-    folder = _pointed(directory)
+    if not directory.is_dir():
+        return None
+    folder, why = _pointed(directory)
     if folder is not None:
         return folder
+    generations = _generations(directory)
+    for generation in generations:
+        if _incomplete(generation) is None:
+            logger.warning(
+                "%s: %s; resuming from the newest complete generation, %s.",
+                directory,
+                why or f"no {POINTER} pointer",
+                generation.name,
+            )
+            return generation
     for name in _LEGACY:
         if (directory / name / "state.json").is_file():
             return directory / name
+    if generations:
+        listed = "; ".join(f"{g.name}: {_incomplete(g)}" for g in generations[:5])
+        raise RuntimeError(
+            f"Checkpoint folder {directory} holds no complete generation ({listed}"
+            + (f"; {why}" if why else "")
+            + "). Its files were deleted or edited by hand. Restore them to resume, or start a "
+            "new run with overwrite=True (its first checkpoint replaces them), or use another "
+            "checkpoint_dir."
+        )
+    if why is not None:
+        logger.warning("%s: %s, and no checkpoint generation is left.", directory, why)
     return None
 
 
 def holds_run(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a resumable checkpoint."""
-    return latest(directory) is not None
+    """Whether ``directory`` holds a run's checkpoint: a generation folder (complete or not) or
+    an old-layout one. A ``fit`` without ``resume`` or ``overwrite`` refuses such a folder."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return False
+    if _generations(directory):
+        return True
+    return any((directory / name).is_dir() for name in _LEGACY)
 
 
 def clean(directory: str | Path) -> list[str]:
-    """Remove what a killed fit left behind: temporary folders and files, generations that
-    ``LATEST`` does not name, and an old-layout folder superseded by another. Call it holding
-    the folder's :class:`CheckpointLock`. Returns the names removed."""
+    """Remove the temporary folders and files a killed fit left behind (never a generation:
+    :func:`save_checkpoint` drops the older ones once its own is in place). Call it holding the
+    folder's :class:`CheckpointLock`. Returns the names removed."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    keep = latest(directory)
     removed = []
     for entry in directory.iterdir():
-        name = entry.name
-        stale = name.startswith(_TEMP_PREFIXES)
-        stale |= bool(_GENERATION.fullmatch(name)) and entry != keep
-        stale |= name in _LEGACY and entry != keep
-        if stale:
+        if entry.name.startswith(_TEMP_PREFIXES):
             _remove(entry)
-            removed.append(name)
+            removed.append(entry.name)
     return removed
+
+
+def check_position(
+    meta: Any, steps_per_epoch: int | None = None, *, source: str | Path = "state.json"
+) -> None:
+    """Check that a checkpoint's position (``state.json``) adds up before a fit resumes from it.
+
+    ``step`` must equal the number of recorded ``losses`` (one per step), ``epoch`` and
+    ``batch`` must be non-negative integers, and with a known ``steps_per_epoch`` (``len`` of
+    the data) ``batch <= steps_per_epoch`` and ``step == epoch * steps_per_epoch + batch``.
+
+    Parameters
+    ----------
+    meta : dict
+        The parsed ``state.json``.
+    steps_per_epoch : int, optional
+        Batches per epoch of the data the fit resumes with (None: unknown, not checked).
+    source : path
+        The file ``meta`` was read from, named in the error.
+
+    Raises
+    ------
+    ValueError
+        Naming ``source`` and the fields that do not add up.
+    """
+    if not isinstance(meta, dict):
+        raise ValueError(f"{source} is not a JSON object; the checkpoint was edited by hand.")
+    problems = []
+    for key in ("step", "epoch", "batch"):
+        if key not in meta and key != "batch":  # "batch": not in the earlier layout
+            problems.append(f"{key} is missing")
+        elif key in meta and (
+            not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0
+        ):
+            problems.append(f"{key}={meta[key]!r} is not an integer >= 0")
+    losses = meta.get("losses")
+    if not isinstance(losses, list):
+        problems.append("losses is not a list")
+    if not problems:
+        step, epoch, batch = meta["step"], meta["epoch"], meta.get("batch")
+        assert isinstance(losses, list)
+        if step != len(losses):
+            problems.append(f"step={step} but losses holds {len(losses)} values (one per step)")
+        if steps_per_epoch:
+            if batch is not None and batch > steps_per_epoch:
+                problems.append(
+                    f"batch={batch} exceeds the {steps_per_epoch} batches per epoch of the data"
+                )
+            done = epoch * steps_per_epoch + (batch if batch is not None else 0)
+            if batch is not None and step != done:
+                problems.append(
+                    f"step={step} but epoch={epoch} x {steps_per_epoch} batches per epoch + "
+                    f"batch={batch} = {done}"
+                )
+            elif batch is None and not 0 <= step - epoch * steps_per_epoch <= steps_per_epoch:
+                problems.append(
+                    f"step={step} is not within epoch={epoch} of {steps_per_epoch} batches"
+                )
+    if problems:
+        raise ValueError(
+            f"{source}: the checkpoint's position does not add up: {'; '.join(problems)}. The "
+            "file was edited or the data changed; resume with the data the run was started "
+            "with and the checkpoint as written, or start a new run with overwrite=True."
+        )
 
 
 def _remove(path: Path) -> None:
@@ -258,13 +401,12 @@ def save_checkpoint(
     best: Snapshot | None = None,
     scheduler: Any = None,
 ) -> Path:
-    """Write a new generation into ``directory``, switch ``LATEST`` to it, drop the previous.
+    """Write a new generation into ``directory``, switch ``LATEST`` to it, drop the older ones.
 
     Hold the folder's :class:`CheckpointLock`. Returns the new generation's folder.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    previous = latest(directory)
     name = _next_name(directory)
     parts = {
         "guide": guide,
@@ -284,8 +426,9 @@ def save_checkpoint(
         raise
     _fsync(directory)
     _switch(directory, name)
-    if previous is not None:
-        _remove(previous)
+    for older in _generations(directory):  # this run's own generation is now in place
+        if older.name != name:
+            _remove(older)
     for legacy in _LEGACY:  # an old-layout checkpoint this run resumed from
         if (directory / legacy).exists():
             _remove(directory / legacy)
@@ -293,13 +436,33 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    folder: str | Path, guide: Any, model: Any, fitter: Fitter, scheduler: Any = None
+    folder: str | Path,
+    guide: Any,
+    model: Any,
+    fitter: Fitter,
+    scheduler: Any = None,
+    *,
+    steps_per_epoch: int | None = None,
 ) -> tuple[dict[str, Any], Snapshot | None]:
     """Restore guide, point parameters, fitter, RNG and schedule from the checkpoint ``folder``
-    (from :func:`latest`); returns its ``state.json`` and the best snapshot (or None)."""
+    (from :func:`latest`); returns its ``state.json`` and the best snapshot (or None).
+
+    ``state.json`` is checked first (:func:`check_position`, with ``steps_per_epoch`` the
+    batches per epoch of the data the fit resumes with, if known): on a ``ValueError`` nothing
+    has been restored.
+    """
     from ..io import load_state
 
     folder = Path(folder)
+    state_file = folder / "state.json"
+    try:
+        meta = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{state_file} is not readable JSON ({err}); the checkpoint was edited or truncated. "
+            "Restore it, or start a new run with overwrite=True."
+        ) from None
+    check_position(meta, steps_per_epoch, source=state_file)
     load_state(guide, folder / "posterior.safetensors", model=model)
     fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))
     set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
@@ -308,7 +471,7 @@ def load_checkpoint(
     best = None
     if (folder / "best.pt").exists():
         best = Snapshot.from_dict(torch.load(folder / "best.pt", weights_only=True))
-    return json.loads((folder / "state.json").read_text()), best
+    return meta, best
 
 
 # ---------------------------------------------------------------------------------- RNG

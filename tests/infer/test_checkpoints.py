@@ -122,12 +122,14 @@ def test_generations_pointer_and_cleanup(tmp_path):
     (tmp_path / ".tmp-ckpt-000004-x").mkdir()
     shutil.copytree(tmp_path / "ckpt-000003", tmp_path / "ckpt-000004")
     (tmp_path / ".LATEST-y").write_text("ckpt-000004")
-    assert latest(tmp_path) == tmp_path / "ckpt-000003"  # only the pointer counts
+    assert latest(tmp_path) == tmp_path / "ckpt-000003"  # the pointer counts
+    assert set(checkpoint.clean(tmp_path)) == {".tmp-ckpt-000004-x", ".LATEST-y"}
+    assert (tmp_path / "ckpt-000004").is_dir()  # clean() never deletes a complete generation
     model, guide, loader = kill_fit.problem("map")
     result = pb.fit(model, guide, loader, epochs=1, checkpoint_dir=tmp_path, resume=True)
     assert result.state["step"] == SPE and len(result.losses) == SPE
-    # cleaned at the start; then one generation per checkpoint, the previous one dropped
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-000004"]
+    # temporaries cleaned at the start; the older generations dropped after the run's own
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-000005"]
 
 
 def test_the_earlier_layout_is_resumed(tmp_path):
@@ -345,3 +347,168 @@ def test_resume_without_a_length(tmp_path, monkeypatch, write):
     _assert_same(run(checkpoint_dir=tmp_path, resume=True), reference, f"unsized, write {write}")
     with pytest.raises(ValueError, match="no batches"):
         pb.fit(*kill_fit.problem("map")[:2], _Unsized([]), num_steps=2)
+
+
+# ---------------------------------------------------------------- damaged pointer and state files
+def _interrupted_run(directory: Path) -> None:
+    """A map run stopped after step 7: its newest checkpoint is step 6, mid-epoch 1."""
+
+    def stop(step: int, loss: float) -> None:
+        if step == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        kill_fit.run("map", checkpoint_dir=directory, checkpoint_every=1, callback=stop)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A checkpoint folder to copy per case, and the uninterrupted run to compare with."""
+    directory = tmp_path_factory.mktemp("interrupted")
+    _interrupted_run(directory)
+    return directory, kill_fit.run("map")
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file of every generation folder, by path: what a refused fit must not touch."""
+    return {
+        str(f.relative_to(directory)): f.read_bytes()
+        for g in directory.glob("ckpt-*")
+        for f in sorted(g.rglob("*"))
+        if f.is_file()
+    }
+
+
+def _edit_state(folder: Path, **changes: Any) -> None:
+    meta = json.loads((folder / "state.json").read_text())
+    meta.update(changes)
+    (folder / "state.json").write_text(json.dumps(meta))
+
+
+POINTER_DAMAGE = {
+    "none": lambda d, g: None,
+    "latest-deleted": lambda d, g: (d / "LATEST").unlink(),
+    "latest-missing-folder": lambda d, g: (d / "LATEST").write_text("ckpt-999999\n"),
+    "latest-garbage": lambda d, g: (d / "LATEST").write_bytes(b"\x00\xff garbage"),
+    "latest-empty": lambda d, g: (d / "LATEST").write_text(""),
+    "latest-partial": lambda d, g: (
+        shutil.copytree(g, d / "ckpt-000100", ignore=shutil.ignore_patterns("fitter.pt")),
+        (d / "LATEST").write_text("ckpt-000100"),
+    ),
+}
+STATE_DAMAGE = {
+    "none": lambda g: None,
+    "step-10000": lambda g: _edit_state(g, step=10000),
+    "batch-99": lambda g: _edit_state(g, batch=99),
+    "step-6-to-2": lambda g: _edit_state(g, step=2),
+    "truncated": lambda g: (g / "state.json").write_bytes((g / "state.json").read_bytes()[:40]),
+}
+DAMAGES = [(p, s) for p in POINTER_DAMAGE for s in STATE_DAMAGE if (p, s) != ("none", "none")]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=["+".join(d) for d in DAMAGES])
+def test_no_damaged_pointer_or_state_makes_fit_delete_an_intact_generation(
+    tmp_path, interrupted, damage
+):
+    """Every pointer damage x every state damage, under the three ways to start a fit: resume
+    continues from a complete generation or refuses; a new fit without overwrite refuses; with
+    overwrite it replaces the old generations only after its own first checkpoint. A refused or
+    interrupted fit leaves every generation file byte-identical."""
+    source, reference = interrupted
+    pointer, state = damage
+
+    def prepared(mode: str) -> tuple[Path, dict[str, bytes]]:
+        directory = tmp_path / mode
+        shutil.copytree(source, directory, ignore=shutil.ignore_patterns(".lock"))
+        intact = latest(directory)
+        assert intact is not None and intact.name.startswith("ckpt-")
+        STATE_DAMAGE[state](intact)
+        POINTER_DAMAGE[pointer](directory, intact)
+        return directory, _files(directory)
+
+    state_ok = state == "none"
+    # resume=True: continues exactly from the intact generation, or refuses touching nothing
+    directory, before = prepared("resume")
+    if state_ok:
+        resumed = kill_fit.run("map", checkpoint_dir=directory, resume=True)
+        _assert_same(resumed, reference, f"resumed after {damage}")
+        assert json.loads((latest(directory) / "state.json").read_text())["step"] == 15
+    else:
+        with pytest.raises((ValueError, RuntimeError)) as err:
+            kill_fit.run("map", checkpoint_dir=directory, resume=True)
+        assert str(directory) in str(err.value)
+        assert "overwrite=True" in str(err.value)
+        assert _files(directory) == before
+    # a new fit without overwrite: refused, nothing deleted
+    directory, before = prepared("new")
+    with pytest.raises((FileExistsError, RuntimeError)) as err:
+        kill_fit.run("map", checkpoint_dir=directory)
+    assert str(directory) in str(err.value) and "overwrite=True" in str(err.value)
+    assert _files(directory) == before
+    # overwrite=True: stopped before its first checkpoint, the old generations stay ...
+    directory, before = prepared("overwrite")
+
+    def stop(step: int, loss: float) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        kill_fit.run("map", checkpoint_dir=directory, overwrite=True, callback=stop)
+    assert _files(directory) == before
+    # ... and its first checkpoint replaces them
+    replaced = kill_fit.run("map", checkpoint_dir=directory, overwrite=True)
+    _assert_same(replaced, reference, f"overwrite after {damage}")
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [".lock", "LATEST", latest(directory).name]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"step": 10000}, ["step=10000", "losses holds 6 values"]),
+        ({"batch": 99}, ["batch=99 exceeds the 5 batches per epoch"]),
+        ({"step": 2}, ["step=2 but losses holds 6 values", "epoch=1 x 5"]),
+        ({"step": 5, "losses": [0.0] * 5}, ["step=5 but epoch=1 x 5 batches per epoch"]),
+        ({"epoch": -1}, ["epoch=-1 is not an integer >= 0"]),
+    ],
+    ids=["step-10000", "batch-99", "step-6-to-2", "step-and-losses", "epoch-negative"],
+)
+def test_an_edited_state_is_refused_naming_the_file_and_fields(tmp_path, edit, words):
+    _interrupted_run(tmp_path)
+    folder = latest(tmp_path)
+    assert folder is not None
+    _edit_state(folder, **edit)
+    with pytest.raises(ValueError, match="position does not add up") as err:
+        kill_fit.run("map", checkpoint_dir=tmp_path, resume=True)
+    message = str(err.value)
+    assert str(folder / "state.json") in message
+    for word in words:
+        assert word in message
+    # the position check alone: unknown steps per epoch checks what it can
+    meta = json.loads((folder / "state.json").read_text())
+    if "step" in edit and "losses" not in edit:
+        with pytest.raises(ValueError, match="losses holds"):
+            checkpoint.check_position(meta, None, source="x/state.json")
+
+
+def test_a_pointerless_generation_is_resumed_not_restarted(tmp_path, caplog):
+    """The reported case: LATEST gone, ckpt-NNNNNN intact. Resume continues from it (logged);
+    holds_run sees it."""
+    _interrupted_run(tmp_path)
+    intact = latest(tmp_path)
+    (tmp_path / "LATEST").unlink()
+    assert checkpoint.holds_run(tmp_path)
+    with caplog.at_level("WARNING", logger="pyrobayes.infer.checkpoint"):
+        assert latest(tmp_path) == intact
+    assert "no LATEST pointer" in caplog.text and intact.name in caplog.text
+    assert checkpoint.clean(tmp_path) == [] and intact.is_dir()
+
+
+def test_no_complete_generation_is_refused_naming_what_is_missing(tmp_path):
+    _interrupted_run(tmp_path)
+    intact = latest(tmp_path)
+    (intact / "rng.pt").unlink()
+    with pytest.raises(RuntimeError, match="holds no complete generation") as err:
+        latest(tmp_path)
+    assert f"{intact.name}: no rng.pt" in str(err.value) and "overwrite=True" in str(err.value)
+    assert checkpoint.holds_run(tmp_path)
