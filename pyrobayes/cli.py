@@ -8,6 +8,9 @@ built at the fitted MAP; it prints the comparison table and writes ``plots/compa
 ``pyrobayes.demo.pipeline.DEFAULT_CONFIG``); ``pyrobayes evaluate runs/<run>`` reloads the saved
 posteriors, recomputes their metrics and compares them with the run's ``metrics.json``.
 
+An ``--out`` folder that already holds a run (its ``config.json``, ``metrics.json``, posteriors)
+is refused unless ``--overwrite`` is given, which removes that run's files first.
+
 Exit status: 0 on success, 1 when ``evaluate`` finds drift, 2 on a usage, config or run-folder
 error (the message, no traceback), 130 when interrupted.
 """
@@ -49,6 +52,40 @@ def _out_dir(arg: str | None, name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+#: the files of a run folder (``pyrobayes.demo.pipeline.run`` writes them)
+_RUN_FILES = ("config.json", "metrics.json", "table.md", "posterior.nc")
+_RUN_GLOBS = ("guides/*.safetensors", "plots/*.png")
+
+
+def _run_files(out: Path) -> list[Path]:
+    """The files of an earlier run in ``out`` (none for a new or an unrelated folder)."""
+    if not out.is_dir():
+        return []
+    found = [out / name for name in _RUN_FILES if (out / name).is_file()]
+    for pattern in _RUN_GLOBS:
+        found += sorted(out.glob(pattern))
+    return found
+
+
+def _claim_out(out: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` folder holding another run, unless ``--overwrite`` (then its run
+    files are removed first, so no stale posterior of a family not in this run is left)."""
+    files = _run_files(out)
+    if not files:
+        return
+    if not overwrite:
+        listed = ", ".join(str(f.relative_to(out)) for f in files[:4])
+        more = f" and {len(files) - 4} more" if len(files) > 4 else ""
+        raise RunFolderError(
+            f"--out {out} already holds a run ({listed}{more}); writing there would overwrite "
+            "its metrics, config and posteriors. Pass --overwrite to replace that run, or "
+            "another --out."
+        )
+    logging.getLogger(__name__).warning("--overwrite: replacing the run in %s", out)
+    for file in files:
+        file.unlink()
+
+
 def _print_records(records: list[dict[str, Any]], out: Path | None) -> None:
     print(format_table(records))
     if out is not None:
@@ -74,6 +111,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         user.setdefault("families", ["map", "meanfield", "laplace"])
     config = resolve_config(user, quick=args.quick or args.smoke)
     out = _out_dir(args.out, "demo")
+    _claim_out(out, args.overwrite)
     records = run(config, out, progress_bar=not args.no_progress)
     _print_records(records, out)
     return 0
@@ -98,6 +136,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     out = _out_dir(args.out, path.stem)
+    _claim_out(out, args.overwrite)
     records = run(config, out, progress_bar=not args.no_progress)
     _print_records(records, out)
     return 0
@@ -143,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="cpu or cuda")
     demo.add_argument("--families", help="comma-separated families (default: all available)")
     demo.add_argument("--out", help="run folder (default runs/demo-<time>)")
+    demo.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_cmd_demo)
 
@@ -150,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("config")
     fit.add_argument("--quick", action="store_true")
     fit.add_argument("--device")
-    fit.add_argument("--out")
+    fit.add_argument("--out", help="run folder (default runs/<config name>-<time>)")
+    fit.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     fit.add_argument("--no-progress", action="store_true")
     fit.set_defaults(func=_cmd_fit)
 

@@ -8,6 +8,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -364,3 +365,49 @@ def test_table_says_how_each_fit_stopped():
     assert "| 3 / 12, stopped 4 |" in rows[0]
     assert "| 12 / 12 capped |" in rows[1]
     assert rows[2].startswith("| swag (from map) |") and "| 1 (fixed) |" in rows[2]
+
+
+def _finished_run(out: Path) -> dict[str, bytes]:
+    """A run folder as ``pyrobayes fit`` leaves it (contents stand-ins), and its bytes."""
+    (out / "guides").mkdir(parents=True)
+    (out / "plots").mkdir()
+    files = {
+        "config.json": b'{"families": ["map"]}',
+        "metrics.json": b'[{"family": "map", "nll": 0.5}]',
+        "table.md": b"| family |",
+        "guides/map.safetensors": b"posterior",
+        "plots/reliability_map.png": b"png",
+    }
+    for name, content in files.items():
+        (out / name).write_bytes(content)
+    return files
+
+
+@pytest.mark.parametrize("command", ["fit", "demo"])
+def test_out_into_a_finished_run_is_refused_and_overwrite_replaces_it(
+    tmp_path, capsys, monkeypatch, command
+):
+    out = tmp_path / "run"
+    files = _finished_run(out)
+    config = tmp_path / "job.toml"
+    config.write_text('families = ["map"]\n')
+    calls = []
+    monkeypatch.setattr(
+        "pyrobayes.cli.run", lambda config, out, **kw: calls.append(sorted(out.rglob("*"))) or []
+    )
+    args = ["fit", str(config)] if command == "fit" else ["demo", "--smoke"]
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"--out {out} already holds a run" in err
+    assert "config.json, metrics.json, table.md, guides/map.safetensors and 1 more" in err
+    assert "Pass --overwrite to replace that run, or another --out" in err
+    assert calls == []  # nothing ran, nothing was touched
+    assert {name: (out / name).read_bytes() for name in files} == files
+    # --overwrite: the old run's files are removed, then the pipeline runs into the folder
+    assert main([*args, "--out", str(out), "--overwrite"]) == 0
+    assert calls == [[out / "guides", out / "plots"]]
+    # a folder without a run (empty, or other files) is used as before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert main([*args, "--out", str(other)]) == 0 and (other / "notes.txt").exists()
