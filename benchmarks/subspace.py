@@ -231,7 +231,9 @@ def run_cell(kind: str, projection: str, rank: int, data: dict[str, Any], args: 
         num_steps=args.map_steps,
         lr=args.lr,
         seed=args.seed,
-        callback=lambda step, loss: last_step.__setitem__(0, time.perf_counter()),
+        progress=pb.Progress(
+            callback=lambda step, loss: last_step.__setitem__(0, time.perf_counter())
+        ),
     )
     t_end = time.perf_counter()
     t_map, t_curv = last_step[0] - t0, t_end - last_step[0]

@@ -18,7 +18,7 @@ result = pb.fit(
     epochs=2 if args.smoke else 60,
     lr=1e-2,
     seed=args.seed,
-    loss=pb.infer.ELBO(num_particles=4),
+    optim=pb.Optimization(loss=pb.infer.ELBO(num_particles=4)),
 )
 metrics = report(model, guide, test, x_ood, num_samples=4 if args.smoke else 32)
 assert math.isfinite(metrics["nll"]) and result.losses[-1] < result.losses[0]

@@ -85,3 +85,9 @@ def posterior(model: Any, family: str, **kwargs: Any) -> Any:
     """``pb.posterior(model, family)`` with the family's registry-test options (``kwargs`` win)."""
     likelihood = getattr(model.likelihood, "name", "categorical")
     return pb.posterior(model, family, **{**options(family, likelihood), **kwargs})
+
+
+def conformance(family: str) -> dict[str, Any]:
+    """``pyrobayes.testing.check_family`` keyword arguments of ``family``: its options and the
+    transforms of the kit's tiny problem (the same entries as every registry-wide test)."""
+    return {"options": options(family), "adapter": ADAPTERS.get(family), "net": NETS.get(family)}

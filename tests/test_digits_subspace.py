@@ -134,9 +134,8 @@ def run_seed(
         epochs=EPOCHS,
         lr=1e-2,
         seed=seed,
-        optimizer=optimizer,
-        val_data=val,
-        select_by="accuracy",
+        optim=pb.Optimization(optimizer=optimizer),
+        validation=pb.Validation(val, select_by="accuracy"),
     )
     map_pred = pb.predict(model, lap, test, values={s: v[None] for s, v in lap.mean().items()})
     out["map"] = pb.metrics.report(map_pred, y_test)

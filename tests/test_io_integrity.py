@@ -216,12 +216,18 @@ def test_resume_with_another_ess_is_refused_by_fit(tmp_path):
     p = _problem()
     data = split_batches(p.x, p.y, 16)
     guide = pb.posterior(p.model, "ivon", ess=32.0)
-    pb.fit(p.model, guide, data, epochs=1, lr=0.05, seed=0, checkpoint_dir=tmp_path)
+    pb.fit(p.model, guide, data, epochs=1, lr=0.05, seed=0, checkpoint=pb.Checkpointing(tmp_path))
     q = _problem()
     other = pb.posterior(q.model, "ivon", ess=64.0)
     with pytest.raises(PosteriorMismatchError, match="ess=32.0 in the file but ess=64.0"):
         pb.fit(
-            q.model, other, data, epochs=2, lr=0.05, seed=0, checkpoint_dir=tmp_path, resume=True
+            q.model,
+            other,
+            data,
+            epochs=2,
+            lr=0.05,
+            seed=0,
+            checkpoint=pb.Checkpointing(tmp_path, resume=True),
         )
 
 

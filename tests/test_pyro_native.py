@@ -157,7 +157,9 @@ def test_pb_fit_takes_every_pyro_elbo(make):
     guide = pb.posterior(prob.model, "meanfield", init_scale=0.1)
     data = split_batches(prob.x, prob.y, 16)
     before = guide.loc(prob.site).detach().clone()
-    result = pb.fit(prob.model, guide, data, epochs=40, lr=0.02, seed=0, loss=make())
+    result = pb.fit(
+        prob.model, guide, data, epochs=40, lr=0.02, seed=0, optim=pb.Optimization(loss=make())
+    )
     assert torch.isfinite(result.losses).all()
     moved = (guide.loc(prob.site).detach() - prob.post_loc).abs().mean()
     assert moved < 0.5 * (before - prob.post_loc).abs().mean()  # towards the exact mean
@@ -183,7 +185,9 @@ def test_elbos_a_family_cannot_use_are_refused_by_name():
             pb.posterior(prob.model, "meanfield"),
             data,
             epochs=1,
-            loss=pyro.infer.TraceTailAdaptive_ELBO(num_particles=2, vectorize_particles=True),
+            optim=pb.Optimization(
+                loss=pyro.infer.TraceTailAdaptive_ELBO(num_particles=2, vectorize_particles=True)
+            ),
         )
     for family in ("swag", "laplace", "ivon", "kron-ivon"):
         with pytest.raises(ValueError, match="cannot fit .* with Trace_ELBO"):
@@ -192,7 +196,7 @@ def test_elbos_a_family_cannot_use_are_refused_by_name():
                 pb.posterior(prob.model, family),
                 data,
                 epochs=1,
-                loss=pyro.infer.Trace_ELBO(),
+                optim=pb.Optimization(loss=pyro.infer.Trace_ELBO()),
             )
 
 

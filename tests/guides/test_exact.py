@@ -34,7 +34,7 @@ def test_meanfield_recovers_exact_posterior():
     guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
     data = [(prob.x, prob.y)]  # full batch: the only noise is the reparameterization
     objective = pb.infer.objectives.ELBO(num_particles=32)
-    pb.fit(prob.model, guide, data, num_steps=1500, lr=0.02, loss=objective)
+    pb.fit(prob.model, guide, data, num_steps=1500, lr=0.02, optim=pb.Optimization(loss=objective))
     # anneal, then average the last iterates (Polyak) to remove the optimizer's jitter
     locs, scales = [], []
 
@@ -43,7 +43,15 @@ def test_meanfield_recovers_exact_posterior():
             locs.append(guide.loc(prob.site).detach().clone())
             scales.append(guide.scale(prob.site).detach().clone())
 
-    pb.fit(prob.model, guide, data, num_steps=1500, lr=0.002, loss=objective, callback=record)
+    pb.fit(
+        prob.model,
+        guide,
+        data,
+        num_steps=1500,
+        lr=0.002,
+        optim=pb.Optimization(loss=objective),
+        progress=pb.Progress(callback=record),
+    )
     loc, scale = torch.stack(locs).mean(0), torch.stack(scales).mean(0)
     sd = prob.post_scale
     # Tolerances. Posterior sds here are 0.05-0.16. The averaged iterate's error comes from the

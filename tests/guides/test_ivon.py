@@ -224,7 +224,15 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
             (guide.loc("0.weight").detach().clone(), guide.loc("0.bias").detach().clone(), h)
         )
 
-    pb.fit(model, guide, batches, num_steps=steps, lr=lr, seed=123, callback=record)
+    pb.fit(
+        model,
+        guide,
+        batches,
+        num_steps=steps,
+        lr=lr,
+        seed=123,
+        progress=pb.Progress(callback=record),
+    )
     assert len(ours) == steps
     for (w, b, h), (w_ref, b_ref, h_ref) in zip(ours, ref_traj, strict=True):
         torch.testing.assert_close(w, w_ref, rtol=1e-11, atol=1e-13)
@@ -294,7 +302,9 @@ def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_w
             ]
         )
 
-    pb.fit(model, guide, batches, num_steps=steps, lr=lr, seed=7, callback=record)
+    pb.fit(
+        model, guide, batches, num_steps=steps, lr=lr, seed=7, progress=pb.Progress(callback=record)
+    )
     assert len(ours) == steps
     for mine, theirs in zip(ours, ref_traj, strict=True):
         for a, b in zip(mine, theirs, strict=True):
@@ -311,7 +321,9 @@ def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0):
             locs.append(guide.loc(site).detach().clone())
             scales.append(guide.scale(site).detach().clone())
 
-    pb.fit(model, guide, data, num_steps=steps, lr=lr, seed=seed, callback=record)
+    pb.fit(
+        model, guide, data, num_steps=steps, lr=lr, seed=seed, progress=pb.Progress(callback=record)
+    )
     return torch.stack(locs).mean(0), torch.stack(scales).mean(0)
 
 
@@ -482,7 +494,7 @@ def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, 
             )
         )
 
-    pb.fit(model, guide, data, num_steps=15, lr=0.1, seed=3, callback=record)
+    pb.fit(model, guide, data, num_steps=15, lr=0.1, seed=3, progress=pb.Progress(callback=record))
     reference = _reference_fit(family, guide, start, data, steps=15, lr=0.1, seed=3)
     for a, b in zip(traj, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
@@ -660,7 +672,9 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
                 w, b = w + head.weight0, b + head.bias0
             traj.append(torch.cat([w.reshape(-1), b]))
 
-        pb.fit(model, guide, data, num_steps=20, lr=0.2, seed=3, callback=record)
+        pb.fit(
+            model, guide, data, num_steps=20, lr=0.2, seed=3, progress=pb.Progress(callback=record)
+        )
         return traj
 
     centred, offset = run(False), run(True)
@@ -688,10 +702,16 @@ def test_point_prior_loc_survives_resume(tmp_path):
     model, guide, data = problem()
     full = pb.fit(model, guide, data, epochs=6, seed=0, lr=0.2)
     model_b, guide_b, data = problem()
-    pb.fit(model_b, guide_b, data, epochs=3, seed=0, lr=0.2, checkpoint_dir=tmp_path)
+    pb.fit(model_b, guide_b, data, epochs=3, seed=0, lr=0.2, checkpoint=pb.Checkpointing(tmp_path))
     model_c, guide_c, data = problem()
     resumed = pb.fit(
-        model_c, guide_c, data, epochs=6, seed=1, lr=0.2, checkpoint_dir=tmp_path, resume=True
+        model_c,
+        guide_c,
+        data,
+        epochs=6,
+        seed=1,
+        lr=0.2,
+        checkpoint=pb.Checkpointing(tmp_path, resume=True),
     )
     torch.testing.assert_close(resumed.losses, full.losses, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(model_c.net[2].weight, model.net[2].weight, rtol=1e-10, atol=1e-12)
@@ -701,8 +721,22 @@ def test_resuming_with_a_changed_point_prior_loc_is_refused_by_name(tmp_path):
     # a checkpoint written with the prior at 0 holds no μ0: resuming it with "init" must not
     # silently take the current head as μ0
     _, model, data = _head_problem(pretrained=True)
-    pb.fit(model, pb.posterior(model, "ivon"), data, epochs=1, seed=0, checkpoint_dir=tmp_path)
+    pb.fit(
+        model,
+        pb.posterior(model, "ivon"),
+        data,
+        epochs=1,
+        seed=0,
+        checkpoint=pb.Checkpointing(tmp_path),
+    )
     _, model_b, data = _head_problem(pretrained=True)
     guide_b = pb.posterior(model_b, "ivon", point_prior_loc="init")
     with pytest.raises(RuntimeError, match="point_prior_loc"):
-        pb.fit(model_b, guide_b, data, epochs=2, seed=0, checkpoint_dir=tmp_path, resume=True)
+        pb.fit(
+            model_b,
+            guide_b,
+            data,
+            epochs=2,
+            seed=0,
+            checkpoint=pb.Checkpointing(tmp_path, resume=True),
+        )

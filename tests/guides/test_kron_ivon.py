@@ -55,7 +55,9 @@ def test_exact_multi_output_linear_gaussian_posterior():
         if step > 100:
             locs.append(guide.loc("0.weight").detach().clone())
 
-    pb.fit(model, guide, [(x, y)], num_steps=300, lr=0.1, seed=0, callback=record)
+    pb.fit(
+        model, guide, [(x, y)], num_steps=300, lr=0.1, seed=0, progress=pb.Progress(callback=record)
+    )
     post = guide.get_posterior("0.weight")
     assert isinstance(post, KronEigenNormal)
     # the fitted precision is exactly the posterior's (up to round-off)
@@ -185,7 +187,9 @@ def test_kron_guide_with_frozen_isotropic_factors_equals_ivon_guide():
             num_steps=30,
             lr=0.1,
             seed=3,
-            callback=lambda s, v, g=guide, t=traj: t.append(g.loc("0.weight").detach().clone()),
+            progress=pb.Progress(
+                callback=lambda s, v, g=guide, t=traj: t.append(g.loc("0.weight").detach().clone())
+            ),
         )
         runs.append((traj, guide))
     for w_ivon, w_kron in zip(runs[0][0], runs[1][0], strict=True):

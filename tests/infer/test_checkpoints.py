@@ -111,7 +111,7 @@ def test_sigkill_and_resume_is_bit_identical(case, killed):
 
 def test_generations_pointer_and_cleanup(tmp_path):
     model, guide, loader = kill_fit.problem("map")
-    pb.fit(model, guide, loader, num_steps=3, checkpoint_dir=tmp_path, checkpoint_every=1)
+    pb.fit(model, guide, loader, num_steps=3, checkpoint=pb.Checkpointing(tmp_path, every=1))
     assert (tmp_path / "LATEST").read_text().strip() == "ckpt-000003"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-000003"]
     files = {p.name for p in (tmp_path / "ckpt-000003").iterdir()}
@@ -126,7 +126,9 @@ def test_generations_pointer_and_cleanup(tmp_path):
     assert set(checkpoint.clean(tmp_path)) == {".tmp-ckpt-000004-x", ".LATEST-y"}
     assert (tmp_path / "ckpt-000004").is_dir()  # clean() never deletes a complete generation
     model, guide, loader = kill_fit.problem("map")
-    result = pb.fit(model, guide, loader, epochs=1, checkpoint_dir=tmp_path, resume=True)
+    result = pb.fit(
+        model, guide, loader, epochs=1, checkpoint=pb.Checkpointing(tmp_path, resume=True)
+    )
     assert result.state["step"] == SPE and len(result.losses) == SPE
     # temporaries cleaned at the start; the older generations dropped after the run's own
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-000005"]
@@ -166,7 +168,13 @@ def test_a_second_fit_on_a_locked_folder_is_refused(tmp_path):
         if step == 2:  # while the first fit runs and holds the folder
             model, guide, loader = kill_fit.problem("map")
             with pytest.raises(RuntimeError, match="in use by another fit") as err:
-                pb.fit(model, guide, loader, epochs=1, checkpoint_dir=tmp_path, overwrite=True)
+                pb.fit(
+                    model,
+                    guide,
+                    loader,
+                    epochs=1,
+                    checkpoint=pb.Checkpointing(tmp_path, overwrite=True),
+                )
             assert str(tmp_path) in str(err.value) and str(os.getpid()) in str(err.value)
             outcomes.append("refused")
 
@@ -193,7 +201,7 @@ def test_a_lock_held_by_another_process_and_none_after_it_dies(tmp_path):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
         model, guide, loader = kill_fit.problem("map")
         with pytest.raises(RuntimeError, match=f"process {proc.pid}") as err:
-            pb.fit(model, guide, loader, epochs=1, checkpoint_dir=tmp_path)
+            pb.fit(model, guide, loader, epochs=1, checkpoint=pb.Checkpointing(tmp_path))
         assert str(tmp_path) in str(err.value)
     finally:
         proc.kill()
@@ -201,22 +209,34 @@ def test_a_lock_held_by_another_process_and_none_after_it_dies(tmp_path):
         if proc.stdout is not None:
             proc.stdout.close()
     model, guide, loader = kill_fit.problem("map")  # a killed holder leaves no stale lock
-    assert pb.fit(model, guide, loader, epochs=1, checkpoint_dir=tmp_path).state["step"] == SPE
+    assert (
+        pb.fit(model, guide, loader, epochs=1, checkpoint=pb.Checkpointing(tmp_path)).state["step"]
+        == SPE
+    )
 
 
 def test_a_new_fit_into_a_used_folder_needs_overwrite(tmp_path):
     every = {"checkpoint_every": 1}
     model, guide, loader = kill_fit.problem("map")
-    pb.fit(model, guide, loader, epochs=1, checkpoint_dir=tmp_path)
+    pb.fit(model, guide, loader, epochs=1, checkpoint=pb.Checkpointing(tmp_path))
     before = latest(tmp_path)
     model, guide, loader = kill_fit.problem("map")
     with pytest.raises(FileExistsError, match="resume=True") as err:
-        pb.fit(model, guide, loader, epochs=2, checkpoint_dir=tmp_path)
+        pb.fit(model, guide, loader, epochs=2, checkpoint=pb.Checkpointing(tmp_path))
     assert str(tmp_path) in str(err.value) and "overwrite=True" in str(err.value)
     assert latest(tmp_path) == before  # refused before anything was touched
-    result = pb.fit(model, guide, loader, num_steps=2, checkpoint_dir=tmp_path, overwrite=True)
+    result = pb.fit(
+        model, guide, loader, num_steps=2, checkpoint=pb.Checkpointing(tmp_path, overwrite=True)
+    )
     assert result.state["step"] == 2 and latest(tmp_path) == before  # no checkpoint written yet
-    pb.fit(model, guide, loader, num_steps=2, checkpoint_dir=tmp_path, overwrite=True, **every)
+    pb.fit(
+        model,
+        guide,
+        loader,
+        num_steps=2,
+        checkpoint=pb.Checkpointing(tmp_path, overwrite=True),
+        **every,
+    )
     meta = json.loads((latest(tmp_path) / "state.json").read_text())
     assert meta["step"] == 2 and not before.exists()
 
@@ -237,14 +257,21 @@ class _NaNGrad(torch.autograd.Function):
 def test_a_non_finite_gradient_is_refused_before_the_update(tmp_path, family):
     model, guide, loader = kill_fit.problem(family)
     lr = kill_fit.LR.get(family, 1e-2)
-    pb.fit(model, guide, loader, epochs=1, seed=0, lr=lr, checkpoint_dir=tmp_path)
+    pb.fit(model, guide, loader, epochs=1, seed=0, lr=lr, checkpoint=pb.Checkpointing(tmp_path))
     saved = latest(tmp_path)
     fresh = kill_fit.problem(family)[0]
     expected = pb.load(saved / "posterior.safetensors", fresh).state_dict()
     hook = model.net[0].register_forward_hook(lambda mod, args, out: _NaNGrad.apply(out))
     try:
         with pytest.raises(FloatingPointError, match="Non-finite gradient") as err:
-            pb.fit(model, guide, loader, epochs=2, lr=lr, checkpoint_dir=tmp_path, resume=True)
+            pb.fit(
+                model,
+                guide,
+                loader,
+                epochs=2,
+                lr=lr,
+                checkpoint=pb.Checkpointing(tmp_path, resume=True),
+            )
     finally:
         hook.remove()
     message = str(err.value)

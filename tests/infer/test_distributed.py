@@ -99,7 +99,13 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
         halves = [(vx[:BATCH], vy[:BATCH]), (vx[BATCH:], vy[BATCH:])]
         val = [halves[rank]] if rank is not None else [(vx, vy)]
         result = pb.fit(
-            model, guide, batches, epochs=6, lr=LR[family], seed=3, val_data=val, select_by="nll"
+            model,
+            guide,
+            batches,
+            epochs=6,
+            lr=LR[family],
+            seed=3,
+            validation=pb.Validation(val, select_by="nll"),
         )
         state = {"best_epoch": torch.tensor(result.state["best_epoch"])}
     else:

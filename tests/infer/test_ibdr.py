@@ -390,7 +390,7 @@ def test_fit_reports_lambda_cost_and_radius():
     pyro.clear_param_store()
     model, data = _mlp_problem()
     guide = pb.posterior(model, "ibdr", num_particles=2, cost="function", loss="logits")
-    result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=0, progress_bar=True)
+    result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=0, progress=True)
     state = result.state
     assert {"lam", "cost", "radius"} <= set(state)
     assert 0.5 <= state["lam"] <= 5.0 and state["cost"] >= 0 and state["radius"] > 0

@@ -82,6 +82,8 @@ def test_objective_errors_are_clear():
     with pytest.raises(ValueError, match="targets"):
         pb.infer.ELBO().loss(prob.model, guide, prob.x)
     with pytest.raises(ValueError, match="Unknown objective"):
-        pb.fit(prob.model, guide, [(prob.x, prob.y)], num_steps=1, loss="elbow")
+        pb.fit(
+            prob.model, guide, [(prob.x, prob.y)], num_steps=1, optim=pb.Optimization(loss="elbow")
+        )
     with pytest.raises(ValueError, match="num_particles"):
         pb.infer.ELBO(num_particles=0)

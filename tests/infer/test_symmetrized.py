@@ -98,7 +98,7 @@ def test_pyro_differentiable_loss_matches_the_batched_gradient():
 def test_fit_reports_l_k_and_the_plain_elbo_and_trains():
     model, batch = _problem()
     guide = _guide(model, num_permutations=16)
-    result = pb.fit(model, guide, [batch], num_steps=30, lr=1e-2, seed=0, progress_bar=False)
+    result = pb.fit(model, guide, [batch], num_steps=30, lr=1e-2, seed=0, progress=False)
     terms = result.state["terms"]
     assert set(terms) == {"L_K", "elbo", "I_K"}
     assert all(t.shape == (30,) for t in terms.values())

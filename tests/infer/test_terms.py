@@ -77,7 +77,7 @@ def test_terms_reproduce_the_loss_and_the_data_term_is_the_nll(family: str) -> N
 def test_progress_bar_shows_the_terms(capsys) -> None:
     model, x, y = _problem()
     guide = pb.posterior(model, "meanfield")
-    pb.fit(model, guide, tensor_loader(x, y, 16), epochs=20, lr=0.05, progress_bar=True)
+    pb.fit(model, guide, tensor_loader(x, y, 16), epochs=20, lr=0.05, progress=True)
     err = capsys.readouterr().err
     assert "nll=" in err and "kl=" in err
 

@@ -131,8 +131,7 @@ def test_predict_report_and_selection_agree_between_shapes():
             epochs=3,
             lr=0.05,
             seed=0,
-            val_data=tensor_loader(p.x, y, 16),
-            select_by="rmse",
+            validation=pb.Validation(tensor_loader(p.x, y, 16), select_by="rmse"),
         )
         histories.append(result.state["validation"])
     assert histories[0] == histories[1] and len(histories[0]) == 3
@@ -211,7 +210,13 @@ def test_wrong_target_shapes_raise(path, outputs, shape, expected):
             pb.predict(model, pb.posterior(model, "meanfield"), [(x, bad)], num_samples=4)
         elif path == "selection":
             guide = pb.posterior(model, "map")
-            pb.fit(model, guide, [(x, prob.y[:8])], epochs=1, val_data=[(x, bad)], select_by="rmse")
+            pb.fit(
+                model,
+                guide,
+                [(x, prob.y[:8])],
+                epochs=1,
+                validation=pb.Validation([(x, bad)], select_by="rmse"),
+            )
         else:
             fit_laplace(model, pb.posterior(model, "laplace"), [(x, bad)])
     assert "network output" in str(info.value)

@@ -352,7 +352,7 @@ def causal_lm_problem(family, arch, adapter_name, likelihood="multiple_choice", 
 def test_fit_and_predict_run_for_every_family(family, adapter_name, arch):
     model, batch = causal_lm_problem(family, arch, adapter_name)
     guide = families.posterior(model, family)
-    result = pb.fit(model, guide, [batch], epochs=2, lr=1e-2, progress_bar=False)
+    result = pb.fit(model, guide, [batch], epochs=2, lr=1e-2, progress=False)
     assert all(math.isfinite(v) for v in result.losses)
     pred = pb.predict(model, guide, [batch], num_samples=3)
     s = 1 if guide.is_deterministic else 3

@@ -1,0 +1,540 @@
+r"""A conformance kit for posterior families: :func:`check_family`.
+
+Any posterior family, inside the package or written outside it, can be run through the contract
+every registered family meets, on a tiny built-in problem (an MLP ``4 → 6 → 6 → 3`` with LoRA-XS
+cores of rank 2 on its first two layers and a point-estimated head, 24 examples in batches of 8,
+categorical likelihood):
+
+========================  ============================================================================
+``"setup"``               the guide is built from a ``FineTuneModel`` and covers its latent sites
+``"fit"``                 the family's fitter (what :func:`pyrobayes.fit` drives) runs a few
+                          epochs with finite losses
+``"contract"``            ``sample_posterior`` shapes, reproducibility under a generator,
+                          ``log_prob`` ``(S,)`` finite, ``mean`` and ``validation_values``
+``"log_prob"``            ``log_prob`` is the density of what ``sample_posterior`` draws
+                          (a Monte-Carlo check, below)
+``"pyro"``                Pyro's ``Predictive`` and ``Trace_ELBO`` run on the guide, and ``SVI``
+                          steps it (or, for a post-hoc family, refuses it before its fit)
+``"save_load"``           :func:`pyrobayes.save` → :func:`pyrobayes.load` round-trips the state,
+                          the draws and ``log_prob`` exactly
+``"export"``              :func:`pyrobayes.to_inference_data` writes every site's draws
+``"resume"``              a fit checkpointed mid-epoch and resumed into a fresh model and guide
+                          ends bit for bit where the uninterrupted fit ends
+========================  ============================================================================
+
+The ``log_prob`` check. For continuous draws it uses the importance-sampling identity
+``E_{θ∼q}[r(θ)/q(θ)] = ∫ r = 1`` for any normalised density ``r`` whose support lies in ``q``'s
+(Robert & Casella, 2004, "Monte Carlo Statistical Methods", sec. 3.3): ``r`` is a Gaussian fitted
+to one half of the draws with its covariance shrunk by ``c²``, and the mean of the weights ``r/q``
+over the other half must be 1 within five standard errors (plus 0.02 for the error of the
+standard error itself). If ``q`` is Gaussian, ``Var_q(r/q) = (c²(2 − c²))^{-d/2} − 1`` in ``d``
+dimensions; ``c²`` is chosen so this is 0.5, ``c² = 1 − sqrt(1 − 1.5^{-2/d})`` (0.69 for
+``d = 8``), so with 2 000 weights the standard error is ≈ 0.016 whatever ``d``, and a
+``log_prob`` off by a constant ``a`` moves the mean to ``e^{−a}`` (``a = 0.25``: 0.78, a 14-σ
+miss). When the draws repeat (a point mass, a particle ensemble) ``q`` is discrete: each atom's
+frequency among ``S`` draws must match ``exp(log_prob)`` within five binomial standard errors
+``sqrt(p(1 − p)/S)``.
+
+Examples
+--------
+>>> from pyrobayes.testing import check_family
+>>> report = check_family(MyGuide)          # doctest: +SKIP
+>>> report.passed, report.failures          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyro
+import pyro.optim
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CHECKS", "ConformanceError", "ConformanceReport", "check_family", "tiny_problem"]
+
+#: The checks :func:`check_family` runs, in order.
+CHECKS: tuple[str, ...] = (
+    "setup",
+    "fit",
+    "contract",
+    "log_prob",
+    "pyro",
+    "save_load",
+    "export",
+    "resume",
+)
+
+_NUM_DATA, _BATCH, _WIDTHS = 24, 8, (4, 6, 6, 3)
+
+
+class ConformanceError(AssertionError):
+    """A family failed :func:`check_family`; ``report`` holds every check's outcome."""
+
+    def __init__(self, report: ConformanceReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+@dataclass
+class ConformanceReport:
+    """The outcome of :func:`check_family`: ``results[check] = (passed, detail)``."""
+
+    family: str
+    results: dict[str, tuple[bool, str]] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """True when every check that ran passed."""
+        return all(ok for ok, _ in self.results.values())
+
+    @property
+    def failures(self) -> list[str]:
+        """The names of the checks that failed."""
+        return [name for name, (ok, _) in self.results.items() if not ok]
+
+    def __str__(self) -> str:
+        lines = [f"conformance of {self.family}: " + ("passed" if self.passed else "FAILED")]
+        for name, (ok, detail) in self.results.items():
+            lines.append(f"  [{'ok' if ok else 'FAIL'}] {name}: {detail}")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Problem:
+    model: Any
+    data: list[tuple[Tensor, Tensor]]
+
+
+def tiny_problem(
+    *,
+    seed: int = 0,
+    adapter: Callable[[Any], Any] | None = None,
+    net: Callable[[nn.Module], nn.Module] | None = None,
+) -> tuple[Any, list[tuple[Tensor, Tensor]]]:
+    """The kit's problem: ``(model, batches)``, the same for the same ``seed``.
+
+    Parameters
+    ----------
+    seed : int
+        Seeds the network, the adapter and the data.
+    adapter : callable, optional
+        ``LoRAXS -> adapter``: replaces the default LoRA-XS cores (rank 2 on modules ``"0"`` and
+        ``"2"``), e.g. by LoRA factors of the same rank.
+    net : callable, optional
+        ``nn.Sequential -> nn.Module``: transforms the network before the model is built
+        (e.g. appends a norm layer); keep the module names: ``"0"`` and ``"2"`` carry the
+        adapter, ``"4"`` is the point-estimated head (``trainable_modules``).
+    """
+    from .models import FineTuneModel, LoRAXS
+
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i in range(len(_WIDTHS) - 1):
+        if i:
+            layers.append(nn.Tanh())
+        layers.append(nn.Linear(_WIDTHS[i], _WIDTHS[i + 1]))
+    network: nn.Module = nn.Sequential(*layers)
+    if net is not None:
+        network = net(network)
+    base_adapter: Any = LoRAXS(rank=2, target_modules=["0", "2"])
+    if adapter is not None:
+        base_adapter = adapter(base_adapter)
+    model = FineTuneModel(network, base_adapter, num_data=_NUM_DATA, trainable_modules=["4"])
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(_NUM_DATA, _WIDTHS[0], generator=g)
+    y = torch.randint(0, _WIDTHS[-1], (_NUM_DATA,), generator=g)
+    return model, [(x[i : i + _BATCH], y[i : i + _BATCH]) for i in range(0, _NUM_DATA, _BATCH)]
+
+
+def check_family(
+    family: type | Callable[[Any], Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    adapter: Callable[[Any], Any] | None = None,
+    net: Callable[[nn.Module], nn.Module] | None = None,
+    epochs: int = 3,
+    lr: float = 1e-2,
+    optimizer: Any = None,
+    checks: Sequence[str] = CHECKS,
+    num_draws: int = 4000,
+    raise_on_failure: bool = True,
+) -> ConformanceReport:
+    """Run the registry-wide contract on ``family``, a guide class or a factory ``model -> guide``.
+
+    Parameters
+    ----------
+    family : type or callable
+        A :class:`~pyrobayes.guides.base.PosteriorGuide` subclass (built as ``family(model,
+        **options)``) or any callable ``model -> guide``. ``save_load`` and ``export`` need it
+        registered (:func:`pyrobayes.register_guide`); the check says so when it is not.
+    options : mapping, optional
+        Constructor options of a guide class.
+    adapter, net : callable, optional
+        Transforms of the tiny problem (:func:`tiny_problem`) the family needs.
+    epochs : int
+        Epochs of each fit (3 batches each).
+    lr : float
+        Learning rate of the fits.
+    optimizer : optional
+        ``optimizer=`` of the fitter (default: the family's).
+    checks : sequence of str
+        A subset of :data:`CHECKS` (default all).
+    num_draws : int
+        Draws of the ``log_prob`` check (see the module docstring for its tolerance).
+    raise_on_failure : bool
+        Raise :class:`ConformanceError` (an ``AssertionError``) when a check fails.
+
+    Returns
+    -------
+    ConformanceReport
+        Every check's outcome with a one-line detail; ``str(report)`` lists them.
+
+    Raises
+    ------
+    ConformanceError
+        When ``raise_on_failure`` and a check failed; its message names the failing checks.
+    ValueError
+        An unknown check name.
+    """
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"check_family: unknown checks {unknown}; choose from {list(CHECKS)}.")
+    kit = _Kit(family, dict(options or {}), adapter, net, epochs, lr, optimizer, num_draws)
+    report = ConformanceReport(kit.name)
+    for name in CHECKS:
+        if name not in checks:
+            continue
+        try:
+            detail = getattr(kit, f"check_{name}")()
+            report.results[name] = (True, detail)
+        except Exception as err:  # noqa: BLE001 - every failure is reported under its check
+            where = traceback.extract_tb(err.__traceback__)[-1]
+            report.results[name] = (
+                False,
+                f"{type(err).__name__}: {err} (at {Path(where.filename).name}:{where.lineno})",
+            )
+            if name in ("setup", "fit"):  # the other checks need a built and fitted guide
+                break
+    logger.info("%s", report)
+    if raise_on_failure and not report.passed:
+        raise ConformanceError(report)
+    return report
+
+
+def _perturb(tensors: Any) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_floating_point():
+                t.add_(0.5)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the library's own warnings that a tiny problem provokes (few draws for PSIS)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")
+        warnings.filterwarnings("ignore", category=UserWarning, module="arviz")
+        yield
+
+
+class _Kit:
+    def __init__(
+        self,
+        family: Any,
+        options: dict[str, Any],
+        adapter: Any,
+        net: Any,
+        epochs: int,
+        lr: float,
+        optimizer: Any,
+        num_draws: int,
+    ) -> None:
+        self.family, self.options = family, options
+        self.adapter, self.net = adapter, net
+        self.epochs, self.lr, self.optimizer, self.num_draws = epochs, lr, optimizer, num_draws
+        self.name = getattr(family, "__name__", repr(family))
+        self.model: Any = None
+        self.guide: Any = None
+        self.data: list[tuple[Tensor, Tensor]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _problem(self, seed: int = 0) -> tuple[Any, list[tuple[Tensor, Tensor]]]:
+        return tiny_problem(seed=seed, adapter=self.adapter, net=self.net)
+
+    def _build(self, model: Any) -> Any:
+        if isinstance(self.family, type):
+            return self.family(model, **self.options)
+        return self.family(model)
+
+    def _fit(self, model: Any, guide: Any, data: Any) -> Any:
+        from .infer import make_fitter
+
+        pyro.set_rng_seed(0)
+        fitter = make_fitter(model, guide, optimizer=self.optimizer, lr=self.lr)
+        fitter.begin(data)
+        losses = []
+        for epoch in range(self.epochs):
+            for batch in data:
+                losses.append(fitter.step(batch))
+            fitter.epoch_end(epoch)
+        fitter.end(data)
+        return losses
+
+    def _registered(self) -> str:
+        from .registry import family_of
+
+        try:
+            return family_of(self.guide)
+        except (ValueError, KeyError) as err:
+            raise AssertionError(
+                f"{type(self.guide).__name__} is not registered ({err}); register it with "
+                "pyrobayes.register_guide(name, cls) to save, load and export it."
+            ) from None
+
+    # ------------------------------------------------------------------ the checks
+    def check_setup(self) -> str:
+        pyro.clear_param_store()
+        self.model, self.data = self._problem()
+        self.guide = self._build(self.model)
+        self.name = f"{type(self.guide).__name__}"
+        sites = set(self.guide.sites)
+        _expect(
+            sites == set(self.model.latent_sites),
+            f"guide sites {sorted(sites)} != the model's latent sites "
+            f"{sorted(self.model.latent_sites)}",
+        )
+        return f"{len(sites)} sites"
+
+    def check_fit(self) -> str:
+        losses = self._fit(self.model, self.guide, self.data)
+        _expect(all(math.isfinite(v) for v in losses), f"non-finite losses {losses}")
+        return f"{len(losses)} steps, last loss {losses[-1]:.4g}"
+
+    def check_contract(self) -> str:
+        guide, model = self.guide, self.model
+        gen = torch.Generator
+        a = guide.sample_posterior(5, generator=gen().manual_seed(3))
+        b = guide.sample_posterior(5, generator=gen().manual_seed(3))
+        _expect(set(a) == set(model.latent_sites), f"draws cover {sorted(a)}")
+        for site, spec in model.latent_sites.items():
+            _expect(
+                tuple(a[site].shape) == (5, *spec.shape),
+                f"site {site!r}: draws of shape {tuple(a[site].shape)}, expected "
+                f"{(5, *spec.shape)}",
+            )
+            _expect(bool(torch.isfinite(a[site]).all()), f"site {site!r}: non-finite draws")
+            _expect(torch.equal(a[site], b[site]), f"site {site!r}: same generator, other draws")
+        if not guide.is_deterministic:
+            c = guide.sample_posterior(5, generator=gen().manual_seed(4))
+            _expect(
+                any(not torch.equal(a[s], c[s]) for s in a),
+                "another generator seed gave the same draws (is_deterministic is False)",
+            )
+        log_q = guide.log_prob(a)
+        _expect(tuple(log_q.shape) == (5,), f"log_prob shape {tuple(log_q.shape)}, expected (5,)")
+        _expect(bool(torch.isfinite(log_q).all()), f"log_prob at own draws: {log_q.tolist()}")
+        for name, values in (("mean", guide.mean()), ("validation_values", None)):
+            if values is None:
+                values = guide.validation_values()
+                _expect(
+                    all(v.shape[1:] == model.latent_sites[s].shape for s, v in values.items()),
+                    "validation_values shapes are not (S, *site_shape)",
+                )
+            _expect(set(values) == set(guide.sites), f"{name}() covers {sorted(values)}")
+        return "shapes, reproducibility, log_prob, mean, validation_values"
+
+    def check_log_prob(self) -> str:
+        guide = self.guide
+        num = self.num_draws
+        draws = guide.sample_posterior(num, generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            log_q = guide.log_prob(draws).double()
+        flat = torch.cat([draws[s].reshape(num, -1) for s in guide.sites], 1).double()
+        _expect(bool(torch.isfinite(log_q).all()), "log_prob is not finite at q's own draws")
+        atoms, inverse, counts = torch.unique(flat, dim=0, return_inverse=True, return_counts=True)
+        if len(atoms) < num:  # q is discrete: frequencies against exp(log_prob)
+            return self._discrete(log_q, inverse, counts, num)
+        return self._importance(flat, log_q)
+
+    @staticmethod
+    def _discrete(log_q: Tensor, inverse: Tensor, counts: Tensor, num: int) -> str:
+        lines = []
+        for atom in range(len(counts)):
+            members = log_q[inverse == atom]
+            p = float(members[0].exp())
+            _expect(
+                bool((members == members[0]).all()), f"atom {atom}: log_prob differs between copies"
+            )
+            freq = float(counts[atom]) / num
+            # five binomial standard errors of a frequency over num draws
+            tol = 5 * math.sqrt(max(p * (1 - p), 1e-12) / num) + 1e-9
+            _expect(
+                abs(freq - p) <= tol,
+                f"atom {atom}: drawn with frequency {freq:.4f} but exp(log_prob) = {p:.4f} "
+                f"(tolerance {tol:.4f})",
+            )
+            lines.append(f"{freq:.3f}~{p:.3f}")
+        return f"discrete q, {len(counts)} atoms: " + ", ".join(lines[:6])
+
+    @staticmethod
+    def _importance(flat: Tensor, log_q: Tensor) -> str:
+        num, dim = flat.shape
+        half = num // 2
+        fit, test = flat[:half], flat[half:]
+        loc = fit.mean(0)
+        centred = fit - loc
+        cov = centred.T @ centred / (half - 1)
+        cov = 0.5 * (cov + cov.T) + 1e-12 * cov.diagonal().mean().clamp_min(1e-30) * torch.eye(
+            dim, dtype=cov.dtype
+        )
+        # c²: r's covariance is c² Σ̂, Var_q(r/q) = 0.5 for a Gaussian q (the module docstring)
+        shrink = 1.0 - math.sqrt(1.0 - 1.5 ** (-2.0 / dim))
+        r = torch.distributions.MultivariateNormal(loc, covariance_matrix=shrink * cov)
+        log_w = r.log_prob(test) - log_q[half:]
+        w = log_w.exp()
+        mean, se = float(w.mean()), float(w.std() / math.sqrt(len(w)))
+        tol = 5 * se + 0.02
+        _expect(
+            abs(mean - 1.0) <= tol,
+            f"E_q[r/q] = {mean:.4f}, expected 1 within {tol:.4f} (d = {dim}): log_prob is not the "
+            "density of sample_posterior's draws",
+        )
+        return f"E_q[r/q] = {mean:.4f} ± {se:.4f} (d = {dim}, c² = {shrink:.3f}, {len(w)} weights)"
+
+    def check_pyro(self) -> str:
+        from .contract import PostHoc
+
+        guide, model = self.guide, self.model
+        x, y = self.data[0]
+        with torch.no_grad():
+            samples = pyro.infer.Predictive(model, guide=guide, num_samples=3)((x, None))
+        _expect(tuple(samples["obs"].shape) == (3, len(x)), "Predictive's obs is not (3, B)")
+        loss = pyro.infer.Trace_ELBO().loss(model, guide, (x, y))
+        _expect(math.isfinite(loss), f"Trace_ELBO loss {loss}")
+        fresh_model, data = self._problem()
+        fresh = self._build(fresh_model)
+        svi = pyro.infer.SVI(
+            fresh_model, fresh, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO()
+        )
+        if isinstance(fresh, PostHoc) and not fresh.is_fitted:
+            try:
+                svi.step(data[0])
+            except RuntimeError as err:
+                _expect("fitted" in str(err), f"an unfitted post-hoc guide raised {err}")
+                return "Predictive, Trace_ELBO; SVI refuses the unfitted post-hoc guide"
+            raise AssertionError("SVI stepped an unfitted post-hoc guide (it has no q yet)")
+        values = [svi.step(batch) for batch in data]
+        _expect(all(math.isfinite(v) for v in values), f"SVI losses {values}")
+        return f"Predictive, Trace_ELBO {loss:.4g}, {len(values)} SVI steps"
+
+    def check_save_load(self) -> str:
+        from . import io
+
+        self._registered()
+        guide = self.guide
+        with tempfile.TemporaryDirectory() as tmp:
+            path = io.save(guide, Path(tmp) / "posterior.safetensors")
+            fresh_model, _ = self._problem()
+            _perturb(fresh_model.point_params.values())  # load must restore the fitted head
+            loaded = io.load(path, fresh_model)
+        _expect(type(loaded) is type(guide), f"load built a {type(loaded).__name__}")
+        here, there = guide.state_dict(), loaded.state_dict()
+        _expect(here.keys() == there.keys(), "state_dict keys differ after load")
+        for key, value in here.items():
+            _expect(torch.equal(value, there[key]), f"state {key!r} differs after load")
+        a = guide.sample_posterior(6, generator=torch.Generator().manual_seed(11))
+        b = loaded.sample_posterior(6, generator=torch.Generator().manual_seed(11))
+        for site in a:
+            _expect(torch.equal(a[site], b[site]), f"site {site!r}: draws differ after load")
+        for key, value in self.model.point_params.items():
+            _expect(
+                torch.equal(value, fresh_model.point_params[key]),
+                f"point parameter {key!r} not restored by load",
+            )
+        _expect(torch.equal(guide.log_prob(a), loaded.log_prob(a)), "log_prob differs after load")
+        return f"{len(here)} tensors, draws and log_prob equal"
+
+    def check_export(self) -> str:
+        from .diagnostics import to_inference_data
+
+        self._registered()
+        with _quiet():
+            idata = to_inference_data(self.model, self.guide, self.data, num_samples=4, seed=0)
+        posterior = idata["posterior"]
+        for site in self.guide.sites:
+            _expect(site in posterior.data_vars, f"site {site!r} missing from the posterior group")
+        _expect("log_likelihood" in idata.groups(), "no log_likelihood group")
+        return f"groups {sorted(idata.groups())}"
+
+    def check_resume(self) -> str:
+        from . import io
+        from .infer import make_fitter
+        from .infer.checkpoint import rng_state, set_rng_state
+
+        total = self.epochs * len(self.data)
+        stop = total // 2 + (1 if total % 2 == 0 else 0)  # mid-way, mid-epoch when it can
+        pyro.clear_param_store()
+        model, data = self._problem()
+        whole = self._build(model)
+        self._fit(model, whole, data)
+        reference = {k: v.clone() for k, v in whole.state_dict().items()}
+        reference_point = {k: v.detach().clone() for k, v in model.point_params.items()}
+
+        def run(fitter: Any, start: int, end: int) -> None:
+            for step in range(start, end):
+                epoch, index = divmod(step, len(data))
+                fitter.step(data[index])
+                if index == len(data) - 1:
+                    fitter.epoch_end(epoch)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            # what pyrobayes.fit's checkpoint holds: the posterior file (guide and head), the
+            # fitter's state and the RNG states, each through its file
+            folder = Path(tmp)
+            model_a, _ = self._problem()
+            first = self._build(model_a)
+            pyro.set_rng_seed(0)
+            fitter = make_fitter(model_a, first, optimizer=self.optimizer, lr=self.lr)
+            fitter.begin(data)
+            run(fitter, 0, stop)
+            io.save(first, folder / "posterior.safetensors", model=model_a)
+            torch.save(fitter.state_dict(), folder / "fitter.pt")
+            torch.save(rng_state(), folder / "rng.pt")
+            pyro.set_rng_seed(123)  # the checkpoint must restore every RNG
+            model_b, _ = self._problem()
+            second = self._build(model_b)
+            # another start: the checkpoint must overwrite guide and head
+            _perturb([*second.parameters(), *model_b.point_params.values()])
+            fitter = make_fitter(model_b, second, optimizer=self.optimizer, lr=self.lr)
+            fitter.begin(data)
+            io.load_state(second, folder / "posterior.safetensors", model=model_b)
+            fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))
+            set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
+            run(fitter, stop, total)
+            fitter.end(data)
+        state = second.state_dict()
+        for key, value in reference.items():
+            _expect(torch.equal(value, state[key]), f"resumed state {key!r} differs")
+        for key, value in reference_point.items():
+            _expect(
+                torch.equal(value, model_b.point_params[key].detach()),
+                f"resumed point parameter {key!r} differs",
+            )
+        return f"stopped at step {stop} of {total}, resumed: {len(reference)} tensors equal"

@@ -1,0 +1,114 @@
+"""pyrobayes.testing.check_family: every registered family, an outside low-rank family built on the
+packing base, and deliberately broken families that must fail it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.distributions import constraints
+from pyro.nn import PyroParam
+
+import pyrobayes as pb
+from pyrobayes.guides import MeanFieldGuide
+from pyrobayes.guides.joint import JointGaussianGuide
+from pyrobayes.registry import _REGISTRY
+from pyrobayes.testing import CHECKS, ConformanceError, check_family
+from tests import families
+
+FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
+
+
+def test_the_nine_families_are_enrolled():
+    assert len(FAMILIES) >= 9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_registered_family_conforms(family):
+    report = check_family(pb.registry.get_guide_class(family), **families.conformance(family))
+    assert report.passed and list(report.results) == list(CHECKS), str(report)
+
+
+class LowRankGaussian(JointGaussianGuide):
+    """``N(m, W Wᵀ + diag(v))`` over all sites laid flat: the whole family, on the packing base."""
+
+    family = "test-lowrank"
+
+    def __init__(self, model: Any, *, rank: int = 2, init_scale: float = 0.05) -> None:
+        self.rank, self.init_scale = rank, init_scale
+        super().__init__(model)
+
+    def _setup_joint(self, flat_init: torch.Tensor) -> None:
+        d = flat_init.numel()
+        g = torch.Generator().manual_seed(0)
+        self.flat_loc = PyroParam(flat_init.clone())
+        factor = 0.1 * self.init_scale * torch.randn(d, self.rank, generator=g)
+        self.flat_factor = PyroParam(factor.to(flat_init))
+        diag = torch.full((d,), self.init_scale**2).to(flat_init)
+        self.flat_diag = PyroParam(diag, constraint=constraints.positive)
+
+    def joint_posterior(self) -> dist.LowRankMultivariateNormal:
+        return dist.LowRankMultivariateNormal(self.flat_loc, self.flat_factor, self.flat_diag)
+
+
+@pytest.fixture
+def registered() -> Iterator[None]:
+    """``LowRankGaussian`` in the registry for one test (save/load and export look it up)."""
+    pb.register_guide(LowRankGaussian.family, LowRankGaussian)
+    try:
+        yield
+    finally:
+        del _REGISTRY[LowRankGaussian.family]
+
+
+def test_an_outside_low_rank_family_conforms(registered):
+    report = check_family(LowRankGaussian, options={"rank": 2})
+    assert report.passed, str(report)
+    # its draws are the joint's, laid out by the packing base
+    model, _ = pb.testing.tiny_problem()
+    guide = LowRankGaussian(model)
+    flat = guide.pack(guide.sample_posterior(3, generator=torch.Generator().manual_seed(0)))
+    assert flat.shape == (3, guide.flat_dim) and guide.flat_dim == 8  # two 2x2 cores
+    back = guide.unpack(flat)
+    assert all(back[s].shape == (3, *guide.sites[s]) for s in guide.sites)
+    assert torch.equal(guide.pack(back), flat)
+
+
+class ShiftedLogProb(MeanFieldGuide):
+    """Broken on purpose: ``log_prob`` is off by 0.5 nats (an unnormalised density)."""
+
+    def log_prob(self, values):
+        return super().log_prob(values) + 0.5
+
+
+class WiderLogProb(MeanFieldGuide):
+    """Broken on purpose: ``log_prob`` is the density of a Gaussian 1.3 times wider than the one
+    ``sample_posterior`` draws from (normalised, but not q's)."""
+
+    def log_prob(self, values):
+        total = 0.0
+        for site in self.sites:
+            q = self.get_posterior(site).base_dist
+            wide = dist.Normal(q.loc, 1.3 * q.scale).to_event(q.loc.dim())
+            total = total + wide.log_prob(values[site])
+        return total
+
+
+@pytest.mark.parametrize("broken", [ShiftedLogProb, WiderLogProb], ids=lambda c: c.__name__)
+def test_a_wrong_log_prob_fails_the_kit_by_name(broken):
+    checks = ("setup", "fit", "contract", "log_prob")
+    with pytest.raises(ConformanceError, match=r"\[FAIL\] log_prob") as caught:
+        check_family(broken, checks=checks)
+    report = caught.value.report
+    assert report.failures == ["log_prob"], str(report)
+    assert "log_prob is not the density" in report.results["log_prob"][1]
+    # without raising, the same report comes back
+    assert check_family(broken, checks=checks, raise_on_failure=False).failures == ["log_prob"]
+
+
+def test_unknown_checks_are_refused_by_name():
+    with pytest.raises(ValueError, match="unknown checks \\['speed'\\]"):
+        check_family(MeanFieldGuide, checks=("speed",))
