@@ -180,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a ≤ 2-minute version")
     demo.add_argument("--smoke", action="store_true", help="a seconds-long version (tests)")
     demo.add_argument("--device", default="cpu", help="cpu or cuda")
-    demo.add_argument("--families", help="comma-separated families (default: all available)")
+    demo.add_argument(
+        "--families",
+        help="comma-separated families (default: map,meanfield,ivon,kron-ivon,swag,laplace,symmetrized)",
+    )
     demo.add_argument("--out", help="run folder (default runs/demo-<time>)")
     demo.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -118,3 +118,14 @@ def test_no_run_marker_needs_reason(tmp_path: Path) -> None:
     (tmp_path / "docs" / "a.md").write_text("```python\ny = 2\n")
     with pytest.raises(ValueError, match="never closed"):
         doc_snippets.all_snippets(tmp_path)
+
+
+def test_demo_help_names_the_default_families() -> None:
+    """``pyrobayes demo --help`` states the families the demo runs when none are given."""
+    from pyrobayes.cli import build_parser
+    from pyrobayes.demo.pipeline import DEFAULT_CONFIG
+
+    parser = build_parser()
+    demo = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["demo"]
+    help_text = next(a.help for a in demo._actions if "--families" in a.option_strings)
+    assert f"default: {','.join(DEFAULT_CONFIG['families'])})" in help_text
