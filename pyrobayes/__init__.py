@@ -12,7 +12,8 @@ from ._version import __version__ as __version__
 from .api import posterior
 from .calibration import calibrate
 from .diagnostics import Diagnostics, diagnose, to_datatree, to_inference_data
-from .infer.loop import FitResult, fit
+from .infer.loop import DivergenceWarning, FitResult, fit
+from .infer.options import Checkpointing, Optimization, Progress, Validation
 from .io import load, save
 from .models.accounting import count_parameters
 from .predictive import Prediction, predict
@@ -28,6 +29,11 @@ __all__ = [
     "posterior",
     "fit",
     "FitResult",
+    "Optimization",
+    "Validation",
+    "Checkpointing",
+    "Progress",
+    "DivergenceWarning",
     "predict",
     "calibrate",
     "Prediction",

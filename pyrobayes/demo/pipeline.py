@@ -34,6 +34,7 @@ from ..api import posterior
 from ..diagnostics.export import to_inference_data
 from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
 from ..infer.loop import fit
+from ..infer.options import Optimization, Progress, Validation
 from ..io import load, save
 from ..models import FineTuneModel, SigmaNorm
 from ..models.accounting import count_parameters
@@ -114,7 +115,7 @@ QUICK_OVERRIDES: dict[str, Any] = {
 #:
 #: The stopping rule of every other fit: early stopping after ``training.patience`` epochs
 #: without a better validation NLL, ``training.epochs`` epochs at most, keeping the epoch of
-#: least validation NLL (``fit(val_data=..., select_by="nll", patience=...)``, scored at the
+#: least validation NLL (``fit(validation=Validation(val, "nll", patience))``, scored at the
 #: posterior mean).
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "map": {},
@@ -198,6 +199,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "adapter.moment": ("centered", "second"),
     "training.scheduler": ("cosine", "linear"),
 }
+#: Smallest values of integer keys (a 0 batch size, length or count is never meant).
+MINIMA: dict[str, int] = {
+    # tokens per text, the tokenizer's special tokens ([CLS], [SEP]) included
+    "model.max_length": 2,
+    "model.num_labels": 2,
+    "data.batch_size": 1,
+    "data.num_train": 1,
+    "data.num_test": 1,
+    "predict.num_samples": 1,
+    "export.num_samples": 1,
+}
 #: LoRA-XS options that plain LoRA (``adapter.kind = "lora"``) does not take.
 _LORA_XS_ONLY = ("projection", "init_scale", "moment", "seed")
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -247,6 +259,11 @@ def _check_type(path: str, value: Any, types: tuple[type, ...]) -> None:
         )
         raise ConfigError(
             f"Config key {path!r} must be {expected} but got {value!r} ({type(value).__name__})."
+        )
+    if path in MINIMA and value < MINIMA[path]:
+        raise ConfigError(
+            f"Config key {path!r} must be an integer >= {MINIMA[path]} but got {value!r}; it "
+            "would otherwise be ignored or fail later. Set it in the config file."
         )
     if path in CHOICES and value not in CHOICES[path]:
         raise ConfigError(
@@ -489,7 +506,8 @@ def _evaluate(
     model: Any, guide: Any, loaders: dict[str, Any], num_samples: int, device: str
 ) -> tuple[dict[str, float], Any]:
     pred = predict(model, guide, loaders["test"], num_samples=num_samples, seed=0, device=device)
-    assert pred.targets is not None  # the test split is labelled (build_data)
+    if pred.targets is None:  # build_data labels the test split
+        raise ConfigError("demo: the test split carries no labels; the metrics need them.")
     result = pbmetrics.report(pred, pred.targets)
     id_entropy = pbmetrics.predictive_entropy(pred.probs)
     for key, loader in loaders.items():
@@ -501,6 +519,22 @@ def _evaluate(
             id_entropy, pbmetrics.predictive_entropy(ood.probs)
         )
     return result, pred
+
+
+def _fit_options(config: dict[str, Any], settings: dict[str, Any], val_data: Any) -> dict[str, Any]:
+    """``pb.fit``'s option groups from the config's ``[training]`` section and a family's
+    settings (which override it): the schedule, and validation with early stopping."""
+    training = config["training"]
+    optim = Optimization(
+        scheduler=settings.get("scheduler", training.get("scheduler")),
+        warmup=settings.get("warmup", training.get("warmup", 0)),
+    )
+    if val_data is None:
+        return {"optim": optim}
+    patience = int(training["patience"]) or None  # 0: no early stopping for any family
+    if patience is not None:
+        patience = settings.get("patience", patience)
+    return {"optim": optim, "validation": Validation(val_data, "nll", patience)}
 
 
 def run(
@@ -533,7 +567,6 @@ def run(
     fitted: dict[str, _Fitted] = {}
     mean_probs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     cap = int(config["training"]["epochs"])
-    patience = int(config["training"]["patience"]) or None
     for family in families:
         settings = FAMILY_SETTINGS.get(family, {})
         _rewind(loaders["train"], int(config["data"]["seed"]))
@@ -562,13 +595,8 @@ def run(
             lr=float(settings.get("lr", config["training"]["lr"])),
             seed=int(config["training"]["seed"]),
             device=device,
-            progress_bar=progress_bar,
-            val_data=loaders["val"] if validated else None,
-            select_by="nll",
-            patience=settings.get("patience", patience) if validated and patience else None,
-            # training.scheduler / training.warmup (pb.fit's), per family overridable
-            scheduler=settings.get("scheduler", config["training"].get("scheduler")),
-            warmup=settings.get("warmup", config["training"].get("warmup", 0)),
+            **_fit_options(config, settings, loaders["val"] if validated else None),
+            progress=Progress(bar=progress_bar),
         )
         fit_time = time.perf_counter() - start
         fitted[family] = _Fitted(
@@ -579,7 +607,8 @@ def run(
         metrics, pred = _evaluate(
             model, guide, loaders, int(config["predict"]["num_samples"]), device
         )
-        assert pred.targets is not None
+        if pred.targets is None:  # (_evaluate refuses an unlabelled test split)
+            raise ConfigError("demo: the test split carries no labels; the metrics need them.")
         mean_probs[family] = (pred.mean_probs.detach().cpu(), pred.targets.detach().cpu())
         counts = count_parameters(guide)
         best = result.state.get("best_epoch")

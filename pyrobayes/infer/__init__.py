@@ -10,8 +10,9 @@ from . import diversity, ibdr, ivon, kron, laplace, objectives, signorm, swag, s
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .ibdr import IBDRFitter, IBDRLoss
 from .laplace import LaplaceFitter
-from .loop import FitResult, fit
+from .loop import DivergenceWarning, FitResult, fit
 from .objectives import ELBO, MAP
+from .options import Checkpointing, Optimization, Progress, Validation, grouped
 from .signorm import SigmaNormFitter
 from .swag import SWAGFitter
 from .symmetrized import BatchedSymmetrizedELBO, SymmetrizedELBO
@@ -31,6 +32,12 @@ __all__ = [
     "signorm",
     "fit",
     "FitResult",
+    "Optimization",
+    "Validation",
+    "Checkpointing",
+    "Progress",
+    "DivergenceWarning",
+    "grouped",
     "Fitter",
     "SVIFitter",
     "SWAGFitter",

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sized
+import warnings
+from collections.abc import Iterable, Sized
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,14 +39,15 @@ from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .distributed import broadcast_, world
-from .fitter import make_fitter
+from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
+from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
 from .schedule import check_schedule, make_scheduler
-from .selection import Selection
+from .selection import Selection, data_fingerprint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FitResult", "fit"]
+__all__ = ["DivergenceWarning", "FitResult", "fit"]
 
 
 class FitResult(NamedTuple):
@@ -117,6 +121,82 @@ class _DataOrder:
             obj.generator = generator
 
 
+class DivergenceWarning(RuntimeWarning):
+    """A fit whose loss rose far above its first value: the learning rate is likely too high."""
+
+
+#: A fit diverges when the median loss of the last ``_WINDOW`` steps exceeds its first loss by
+#: ``_RISE`` times that loss's magnitude (three orders of magnitude): a descent method lowers
+#: the objective on average, so a rise this large means steps overshoot (the classic sign of a
+#: too-large step size, Goodfellow, Bengio & Courville, 2016, sec. 8.5), whereas the noise of a
+#: stochastic objective (a minibatch, one Monte-Carlo draw) moves it by fractions of itself.
+_RISE, _WINDOW = 1e3, 10
+
+
+class _Divergence:
+    """Watches the step losses for divergence; warns once (logged and ``DivergenceWarning``).
+
+    One comparison per step; the median is taken only once the cheap bound is crossed.
+    """
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+        self.limit: float | None = None
+        self.warned = False
+
+    def see(self, losses: list[float], step: int) -> None:
+        if self.warned:
+            return
+        if self.limit is None:
+            self.limit = losses[0] + _RISE * max(abs(losses[0]), 1e-12)
+        if losses[-1] <= self.limit or len(losses) < _WINDOW:
+            return
+        recent = sorted(losses[-_WINDOW:])
+        median = recent[_WINDOW // 2]
+        if median <= self.limit:
+            return
+        self.warned = True
+        message = (
+            f"fit: the loss is diverging: the median of steps {step - _WINDOW + 1}..{step} is "
+            f"{median:.4g}, over {_RISE:.0e} times the first step's {losses[0]:.4g}. Lower "
+            f"the learning rate (lr={self.lr:g} now)."
+        )
+        logger.warning(message)
+        warnings.warn(message, DivergenceWarning, stacklevel=4)
+
+
+class _Plan(NamedTuple):
+    """When a fit ends: ``epochs`` and/or ``num_steps``, ``total`` steps if known."""
+
+    epochs: int | None
+    num_steps: int | None
+    total: int | None
+    steps_per_epoch: int | None
+
+    @classmethod
+    def of(cls, data: Any, epochs: int | None, num_steps: int | None) -> _Plan:
+        try:
+            per_epoch: int | None = len(data) if isinstance(data, Sized) else None
+        except TypeError:  # a DataLoader over an IterableDataset has a __len__ that raises
+            per_epoch = None
+        total = num_steps
+        if epochs is not None and per_epoch is not None:
+            total = epochs * per_epoch if total is None else min(total, epochs * per_epoch)
+        return cls(epochs, num_steps, total, per_epoch)
+
+
+@dataclass
+class _Position:
+    """Where a fit is: ``in_epoch`` batches of epoch ``epoch`` done (its end work not yet)."""
+
+    step: int = 0
+    epoch: int = 0
+    in_epoch: int = 0
+    losses: list[float] = field(default_factory=list)
+    data_seed: int | None = None
+    saved_at: int | None = None  # the step of the last checkpoint written or resumed from
+
+
 def fit(
     model: Any,
     guide: Any,
@@ -124,22 +204,14 @@ def fit(
     *,
     epochs: int | None = None,
     num_steps: int | None = None,
-    loss: Any = None,
-    optimizer: Any = None,
     lr: float = 1e-2,
-    device: str | torch.device | None = None,
     seed: int | None = None,
-    progress_bar: bool = False,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    callback: Callable[[int, float], None] | None = None,
-    val_data: Iterable[Any] | None = None,
-    select_by: str = "nll",
-    patience: int | None = None,
-    scheduler: str | Callable[[torch.optim.Optimizer], Any] | None = None,
-    warmup: float = 0,
+    device: str | torch.device | None = None,
+    optim: Optimization | None = None,
+    validation: Validation | None = None,
+    checkpoint: Checkpointing | None = None,
+    progress: Progress | bool | None = None,
+    **deprecated: Any,
 ) -> FitResult:
     """Fit ``guide`` (the posterior) to ``model`` on ``data``.
 
@@ -161,64 +233,37 @@ def fit(
     epochs, num_steps : int
         Train for this many passes over ``data`` or this many steps (one of them; with both,
         whichever ends first).
-    loss : str, pyro.infer.ELBO or object with ``loss(model, guide, batch)``, optional
-        Defaults to the family's objective (its fitter's ``default_objective()``).
-    optimizer : torch optimizer, class or factory, optional
-        Defaults to the family's (its fitter's ``default_optimizer``; Adam for SVI).
     lr : float
         Learning rate for the default optimizer.
-    device : str or torch.device, optional
-        Move model, guide and batches there.
     seed : int, optional
         Seeds torch and Pyro (``pyro.set_rng_seed``) and the data order.
-    progress_bar : bool
-        Show a tqdm bar with the running loss.
-    checkpoint_dir : path, optional
-        Write a checkpoint (guide + point parameters + fitter state + RNG states + schedule +
-        validation + position in the data) every ``checkpoint_every`` steps and at each epoch
-        end, crash-safely: each is a complete, fsynced generation folder ``<dir>/ckpt-NNNNNN``
-        that the file ``<dir>/LATEST`` is atomically switched to before the previous one is
-        deleted, so a kill at any instant leaves a checkpoint that ``resume=True`` finds (see
-        :mod:`pyrobayes.infer.checkpoint`). The folder is locked (``<dir>/.lock``, an OS file
-        lock) while the fit runs: a second fit on it is refused. Leftovers of a killed fit are
-        removed at the start.
-    resume : bool
-        Continue from the newest checkpoint in ``checkpoint_dir`` if there is one (restores
-        guide, point parameters, optimizer, RNG states, schedule and position: the rest of the
-        run is the same as without the interruption, bit for bit, mid-epoch too). The earlier
-        single-folder layout (``<dir>/last``) is still read.
-    overwrite : bool
-        Allow a new fit (``resume=False``) into a ``checkpoint_dir`` that holds another run's
-        checkpoint; without it that is refused. The old checkpoint stays until this run's first
-        checkpoint replaces it.
-    callback : callable(step, loss), optional
-    val_data : iterable of batches, optional
-        Held-out data scored at the end of every epoch at the guide's
-        ``validation_values()`` (its current ``loc``); the best epoch's guide state and point
-        parameters are restored when training ends, before the family's ``fit_end`` (so Laplace
-        fits its curvature at the selected MAP). ``FitResult.state`` records ``best_epoch``
-        (0-based) and the ``validation`` history.
-    select_by : {"nll", "accuracy", "rmse"}
-        The validation criterion: predictive NLL (any likelihood), accuracy (classification;
-        ties broken by NLL) or RMSE (regression).
-    patience : int, optional
-        Early stopping (needs ``val_data``): end the fit after ``patience`` epochs in a row that
-        do not improve on the best validation score; ``epochs`` is then the cap. The best epoch
-        is restored as without it. ``FitResult.state["stopped_early"]`` says whether the rule
-        ended the fit before the cap. The rule reads the validation history, which checkpoints
-        keep, so a resumed fit stops at the same epoch.
-    scheduler : {"cosine", "linear"} or callable, optional
-        Learning-rate schedule, stepped after every optimizer step: ``"cosine"``
-        (``α_t = α·½(1 + cos(π t/T))``) or ``"linear"`` (``α_t = α(1 − t/T)``) over the run's
-        ``T`` steps, or a factory ``optimizer -> LRScheduler``. Saved in checkpoints. Not with a
-        fitter that schedules the learning rate itself (``SWAGGuide(swa_lr=...)``).
-    warmup : int or float
-        Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
-        steps (an int), or that fraction of the run (a float < 1; 0.06 is LoRA-XS's GLUE recipe).
+    device : str or torch.device, optional
+        Move model, guide and batches there.
+    optim : Optimization, optional
+        The objective, optimizer and learning-rate schedule (default: the family's objective
+        and optimizer, no schedule).
+    validation : Validation, optional
+        Held-out data scored after every epoch, the best epoch restored, early stopping.
+    checkpoint : Checkpointing, optional
+        Crash-safe checkpoints and exact resume.
+    progress : Progress or bool, optional
+        The progress bar and a per-step callback; ``True``/``False`` is ``Progress(bar=...)``.
+        The default shows the bar in interactive use only (:class:`Progress`).
+    **deprecated
+        The keywords before the groups (``loss``, ``optimizer``, ``scheduler``, ``warmup``,
+        ``val_data``, ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``,
+        ``resume``, ``overwrite``, ``progress_bar``, ``callback``) still work for one release,
+        with a ``DeprecationWarning`` naming the new spelling.
 
     Returns
     -------
     FitResult
+
+    Warns
+    -----
+    DivergenceWarning
+        Once, when the median loss of the last 10 steps exceeds the first step's loss by over
+        10³ times its magnitude (a diverging fit; lower ``lr``).
 
     Raises
     ------
@@ -226,276 +271,422 @@ def fit(
         On a non-finite loss or gradient, before any parameter is updated (the message names
         the step, and the parameters for a gradient; checkpoints stay good).
     RuntimeError
-        When another fit holds ``checkpoint_dir``.
+        When another fit holds the checkpoint folder.
     FileExistsError
-        When ``checkpoint_dir`` holds another run's checkpoint and neither ``resume`` nor
+        When the checkpoint folder holds another run's checkpoint and neither ``resume`` nor
         ``overwrite`` is set.
+    ValueError
+        When a resumed checkpoint was written with other validation data, or with validation
+        data that this call does not pass (or the other way round).
     """
+    if deprecated:  # the old flat spelling: checked as it was, then folded into the groups
+        flat = {k: v for k, v in deprecated.items() if k in _FLAT_CHECKED}
+        validated = deprecated.get("val_data") is not None
+        validate_fit_arguments(
+            epochs=epochs, num_steps=num_steps, lr=lr, validated=validated, **flat
+        )
+    groups = upgrade_keywords(
+        deprecated,
+        {"optim": optim, "validation": validation, "checkpoint": checkpoint, "progress": progress},
+    )
+    options = _Options.of(groups)
     validate_fit_arguments(
         epochs=epochs,
         num_steps=num_steps,
         lr=lr,
-        warmup=warmup,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
-        overwrite=overwrite,
-        patience=patience,
-        validated=val_data is not None,
+        warmup=options.optim.warmup,
+        validated=options.validation is not None,
     )
-    selection = Selection(val_data, select_by) if val_data is not None else None
-    try:
-        steps_per_epoch: int | None = len(data) if isinstance(data, Sized) else None
-    except TypeError:  # a DataLoader over an IterableDataset has a __len__ that raises
-        steps_per_epoch = None
-    total = num_steps
-    if epochs is not None and steps_per_epoch is not None:
-        total = epochs * steps_per_epoch if total is None else min(total, epochs * steps_per_epoch)
+    plan = _Plan.of(data, epochs, num_steps)
     # argument errors before anything is touched (begin() resets what a fitter collects)
-    check_schedule(scheduler, total, warmup)
-    world_size, rank = world()
-    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    check_schedule(options.optim.scheduler, plan.total, options.optim.warmup)
     with contextlib.ExitStack() as stack:
-        if ckpt is not None and rank == 0:  # only rank 0 writes
-            stack.enter_context(CheckpointLock(ckpt))
-            if not resume and not overwrite and holds_run(ckpt):
-                raise FileExistsError(
-                    f"{ckpt} holds the checkpoint of another run ({latest(ckpt)}). Pass "
-                    "resume=True to continue it, overwrite=True to replace it, or another "
-                    "checkpoint_dir."
+        if options.checkpoint is not None and world()[1] == 0:  # only rank 0 writes
+            _claim_folder(stack, options.checkpoint)
+        loop = _Loop(model, guide, data, plan, options, lr=lr, seed=seed, device=device)
+        return loop.run()
+
+
+_FLAT_CHECKED = ("warmup", "checkpoint_dir", "checkpoint_every", "resume", "overwrite", "patience")
+
+
+class _Options(NamedTuple):
+    """The four groups of :func:`fit`, each filled in or ``None`` (off)."""
+
+    optim: Optimization
+    validation: Validation | None
+    checkpoint: Checkpointing | None
+    progress: Progress
+
+    @classmethod
+    def of(cls, groups: dict[str, Any]) -> _Options:
+        if groups["progress"] is None or isinstance(groups["progress"], bool):
+            groups = {**groups, "progress": Progress(bar=groups["progress"])}
+        kinds = {"optim": Optimization, "validation": Validation}
+        kinds.update(checkpoint=Checkpointing, progress=Progress)
+        for name, kind in kinds.items():
+            if groups[name] is not None and not isinstance(groups[name], kind):
+                raise TypeError(
+                    f"fit({name}=...) takes a pyrobayes.{kind.__name__}; got "
+                    f"{type(groups[name]).__name__}."
                 )
-            removed = clean(ckpt)
-            if removed:
-                logger.info("Removed what an interrupted fit left in %s: %s", ckpt, removed)
-        return _run(
-            model,
-            guide,
-            data,
-            epochs=epochs,
-            num_steps=num_steps,
-            total=total,
-            steps_per_epoch=steps_per_epoch,
-            loss=loss,
-            optimizer=optimizer,
-            lr=lr,
-            device=device,
-            seed=seed,
-            progress_bar=progress_bar,
-            ckpt=ckpt,
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            callback=callback,
-            selection=selection,
-            patience=patience,
-            scheduler=scheduler,
-            warmup=warmup,
+        optim = groups["optim"] or Optimization()
+        return cls(optim, groups["validation"], groups["checkpoint"], groups["progress"])
+
+
+def _claim_folder(stack: contextlib.ExitStack, checkpoint: Checkpointing) -> None:
+    """Lock the checkpoint folder, refuse another run's checkpoint, remove leftovers."""
+    folder = checkpoint.path
+    stack.enter_context(CheckpointLock(folder))
+    if not checkpoint.resume and not checkpoint.overwrite and holds_run(folder):
+        raise FileExistsError(
+            f"{folder} holds the checkpoint of another run ({latest(folder)}). Pass "
+            "Checkpointing(..., resume=True) to continue it, overwrite=True to replace it, or "
+            "another folder."
         )
+    removed = clean(folder)
+    if removed:
+        logger.info("Removed what an interrupted fit left in %s: %s", folder, removed)
 
 
-def _run(
-    model: Any,
-    guide: Any,
-    data: Iterable[Any],
-    *,
-    epochs: int | None,
-    num_steps: int | None,
-    total: int | None,
-    steps_per_epoch: int | None,
-    loss: Any,
-    optimizer: Any,
-    lr: float,
-    device: str | torch.device | None,
-    seed: int | None,
-    progress_bar: bool,
-    ckpt: Path | None,
-    checkpoint_every: int | None,
-    resume: bool,
-    callback: Callable[[int, float], None] | None,
-    selection: Selection | None,
-    patience: int | None,
-    scheduler: str | Callable[[torch.optim.Optimizer], Any] | None,
-    warmup: float,
-) -> FitResult:
-    """The body of :func:`fit`, its arguments checked and its checkpoint folder locked."""
-    if seed is not None:
-        pyro.set_rng_seed(seed)
-    if device is not None:
-        model.to(device)
-        guide.to(device)
-    model.train(True)
-    if not guide.sites:  # a guide over a plain Pyro model sets up from its first batch
-        first = to_device(next(iter(data)), device)
-        with pyro.poutine.block(), pyro.poutine.trace():
-            guide(first)
-    fitter = make_fitter(model, guide, loss=loss, optimizer=optimizer, lr=lr)
-    if scheduler is not None and fitter.manages_lr:
-        raise ValueError(
-            f"fit(scheduler={scheduler!r}) with {type(fitter).__name__}, which schedules the "
-            f"learning rate itself ({type(guide).__name__}(swa_lr=...)). Pass one of the two."
+class _Loop:
+    """One call of :func:`fit`: its arguments checked and its checkpoint folder locked."""
+
+    def __init__(
+        self,
+        model: Any,
+        guide: Any,
+        data: Iterable[Any],
+        plan: _Plan,
+        options: _Options,
+        *,
+        lr: float,
+        seed: int | None,
+        device: str | torch.device | None,
+    ) -> None:
+        self.model, self.guide, self.data, self.plan = model, guide, data, plan
+        self.device, self.seed = device, seed
+        self.validation, self.progress = options.validation, options.progress
+        self.ckpt = options.checkpoint.path if options.checkpoint is not None else None
+        self.resume = options.checkpoint is not None and options.checkpoint.resume
+        self.every = options.checkpoint.every if options.checkpoint is not None else None
+        self.selection = (
+            Selection(options.validation.data, options.validation.select_by)
+            if options.validation is not None
+            else None
         )
-    fitter.begin(data)
-    sched = make_scheduler(scheduler, fitter.optimizer, total, warmup)
-    world_size, rank = world()
-    # the position: `in_epoch` batches of epoch `epoch` done (its end work not yet)
-    step, epoch, in_epoch, losses = 0, 0, 0, []
-    data_seed = seed
-    found = latest(ckpt) if resume and ckpt is not None else None
-    if found is not None:
-        meta, saved_best = load_checkpoint(found, guide, model, fitter, sched)
-        step, epoch, losses = meta["step"], meta["epoch"], list(meta["losses"])
-        if "batch" in meta:
-            in_epoch = meta["batch"]
-        elif steps_per_epoch:  # the earlier layout: derived from the step
-            in_epoch = step - epoch * steps_per_epoch
-        data_seed = meta.get("data_seed", data_seed)
-        if selection is not None:
-            selection.best = saved_best
-            selection.history = list(meta.get("validation", []))
-        logger.info("Resumed from %s at step %d (epoch %d)", found, step, epoch)
-    if data_seed is None and isinstance(data, DataLoader):  # as a DataLoader would draw it
-        data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    order = _DataOrder(data, 0 if data_seed is None else data_seed)
-    if world_size > 1:
-        broadcast_(fitter.broadcast_tensors())
-    write_checkpoints = ckpt is not None and rank == 0
-    bar = tqdm(
-        total=total,
-        initial=step,
-        disable=not progress_bar or rank != 0,
-        desc=type(guide).__name__,
-    )
-    start = time.perf_counter()
-    reporter = fitter.objective if implements(fitter.objective, ReportsTerms) else None
-    terms: dict[str, list[float]] = {}
+        self.fitter, self.sched = self._prepare(options.optim, lr)
+        self.pos = _Position(data_seed=seed)
+        self.write = self.ckpt is not None and world()[1] == 0
+        self.show = self.progress.show_bar and world()[1] == 0
+        self.reporter = (
+            self.fitter.objective if implements(self.fitter.objective, ReportsTerms) else None
+        )
+        self.terms: dict[str, list[torch.Tensor]] = {}
+        self.divergence = _Divergence(lr)
+        self.stopped_early = False
 
-    def _checkpoint(epoch_end_done: bool) -> None:
+    def _prepare(self, optim: Optimization, lr: float) -> tuple[Fitter, Any]:
+        """Seed, move, set up the guide, build the fitter and the schedule."""
+        model, guide, data = self.model, self.guide, self.data
+        if self.seed is not None:
+            pyro.set_rng_seed(self.seed)
+        if self.device is not None:
+            model.to(self.device)
+            guide.to(self.device)
+        model.train(True)
+        if not guide.sites:  # a guide over a plain Pyro model sets up from its first batch
+            first = to_device(next(iter(data)), self.device)
+            with pyro.poutine.block(), pyro.poutine.trace():
+                guide(first)
+        fitter = make_fitter(model, guide, loss=optim.loss, optimizer=optim.optimizer, lr=lr)
+        if optim.scheduler is not None and fitter.manages_lr:
+            raise ValueError(
+                f"fit(optim=Optimization(scheduler={optim.scheduler!r})) with "
+                f"{type(fitter).__name__}, which schedules the learning rate itself "
+                f"({type(guide).__name__}(swa_lr=...)). Pass one of the two."
+            )
+        fitter.begin(data)
+        sched = make_scheduler(optim.scheduler, fitter.optimizer, self.plan.total, optim.warmup)
+        return fitter, sched
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> FitResult:
+        self._resume()
+        pos = self.pos
+        if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
+            pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self.order = _DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
+        if world()[0] > 1:
+            broadcast_(self.fitter.broadcast_tensors())
+        self.bar = tqdm(
+            total=self.plan.total,
+            initial=pos.step,
+            disable=not self.show,
+            desc=type(self.guide).__name__,
+        )
+        self.start = time.perf_counter()
+        try:
+            self._epochs()
+        finally:
+            self.order.restore()
+            self.bar.close()
+        return self._result()
+
+    def _epochs(self) -> None:
+        """Epochs (or their remainder) until the plan, or the early-stopping rule, ends."""
+        plan, pos = self.plan, self.pos
+        while (plan.epochs is None or pos.epoch < plan.epochs) and (
+            plan.num_steps is None or pos.step < plan.num_steps or self._end_may_be_pending()
+        ):
+            if self._stops_early():
+                return
+            if not self._batches_done():  # else: resumed after the last batch, before the end
+                if not self._train_epoch():  # num_steps reached inside the epoch
+                    if self.write and pos.saved_at != pos.step:
+                        self._checkpoint(epoch_end_done=False)
+                    return
+            self._end_epoch()
+
+    def _batches_done(self) -> bool:  # all batches of the epoch done, its end work not
+        per_epoch, done = self.plan.steps_per_epoch, self.pos.in_epoch
+        return done > 0 and per_epoch is not None and done >= per_epoch
+
+    def _end_may_be_pending(self) -> bool:  # ... or maybe so (an iterable without a length)
+        per_epoch, done = self.plan.steps_per_epoch, self.pos.in_epoch
+        return done > 0 and (per_epoch is None or done >= per_epoch)
+
+    def _stops_early(self) -> bool:
+        """The early-stopping rule, decided between epochs from the (checkpointed) history."""
+        validation, selection = self.validation, self.selection
+        if selection is None or validation is None or self.pos.in_epoch != 0:
+            return False
+        if not selection.exhausted(validation.patience):
+            return False
+        self.stopped_early = True
+        logger.info(
+            "fit: stopped early after epoch %d (%d epochs without a better %s)",
+            self.pos.epoch - 1,
+            validation.patience,
+            selection.select_by,
+        )
+        return True
+
+    def _train_epoch(self) -> bool:
+        """The epoch's remaining batches; ``False`` when ``num_steps`` ended the fit in it."""
+        pos, num_steps, per_epoch = self.pos, self.plan.num_steps, self.plan.steps_per_epoch
+        self.order.set_epoch(pos.epoch)
+        seen = 0
+        for batch in self.data:
+            seen += 1
+            if seen <= pos.in_epoch:  # resumed mid-epoch: done already
+                continue
+            if num_steps is not None and pos.step >= num_steps:
+                return False
+            self._step(batch)
+            if num_steps is not None and pos.step >= num_steps and per_epoch is not None:
+                if pos.in_epoch < per_epoch:  # ends inside the epoch: no next batch to fetch
+                    return False
+        if seen == 0 and pos.in_epoch == 0:
+            raise ValueError("fit(): data yielded no batches.")
+        if seen < pos.in_epoch:
+            raise ValueError(
+                f"fit(): data yielded {seen} batches in epoch {pos.epoch}, but the "
+                f"checkpoint resumed from records {pos.in_epoch} done in it. Resume with the "
+                "data the run was started with."
+            )
+        return True
+
+    def _step(self, batch: Any) -> None:
+        """One optimizer step and its bookkeeping."""
+        pos = self.pos
+        try:
+            value = self.fitter.step(to_device(batch, self.device))
+        except FloatingPointError as err:
+            raise FloatingPointError(
+                f"{err} (fit step {pos.step}, epoch {pos.epoch}). Lower the learning rate or "
+                "the init_scale"
+                + (f"; the last checkpoint in {self.ckpt} is intact." if self.ckpt else ".")
+            ) from None
+        pos.losses.append(value)
+        if self.reporter is not None:  # kept as tensors: no device sync per step
+            for name, term in self.reporter.terms().items():
+                self.terms.setdefault(name, []).append(term)
+        pos.step += 1
+        pos.in_epoch += 1
+        if self.sched is not None:
+            self.sched.step()
+        self.divergence.see(pos.losses, pos.step)
+        if self.show:
+            self._show()
+        if self.progress.callback is not None:
+            self.progress.callback(pos.step, value)
+        if self.write and self.every and pos.step % self.every == 0:
+            self._checkpoint(epoch_end_done=False)
+
+    def _show(self) -> None:
+        """Advance the bar; every 1/20 of the run, its running averages."""
+        bar, losses, step = self.bar, self.pos.losses, self.pos.step
+        bar.update(1)
+        if step % max(1, (self.plan.total or 100) // 20) != 0:
+            return
+        width = max(1, len(losses) // 10)  # the running window: the last tenth
+        window = losses[-width:]
+        extra = {k: f"{v:.3g}" for k, v in self.fitter.report().items()}
+        bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{sum(window) / len(window):.4g}", **extra)
+        if self.terms:
+            shown = ", ".join(
+                f"{name}={float(torch.stack(v[-width:]).mean()):.4g}"
+                for name, v in self.terms.items()
+            )
+            bar.set_postfix_str(f"{bar.postfix}, {shown}" if bar.postfix else shown)
+
+    def _end_epoch(self) -> None:
+        """The epoch's end work (also where a run killed after its last step resumes)."""
+        pos = self.pos
+        self.fitter.epoch_end(pos.epoch)
+        if self.selection is not None:
+            measured = self.selection.score(self.model, self.guide, pos.epoch)
+            logger.info("epoch %d validation: %s", pos.epoch, measured)
+        pos.epoch += 1
+        pos.in_epoch = 0
+        if self.write:
+            self._checkpoint(epoch_end_done=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _val_fingerprint(self) -> dict[str, Any] | None:
+        if self.selection is None:
+            return None
+        if not hasattr(self, "_fingerprint"):
+            self._fingerprint = data_fingerprint(self.selection.data, self.model)
+        return self._fingerprint
+
+    def _checkpoint(self, epoch_end_done: bool) -> None:
+        pos, selection = self.pos, self.selection
         meta = {
-            "step": step,
-            "epoch": epoch,
-            "batch": in_epoch,
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "batch": pos.in_epoch,
             "epoch_end_done": epoch_end_done,
-            "data_seed": data_seed,
-            "losses": losses,
+            "data_seed": pos.data_seed,
+            "losses": pos.losses,
             "validation": selection.history if selection is not None else [],
+            "validation_data": self._val_fingerprint(),
         }
         best = selection.best if selection is not None else None
-        if ckpt is None:  # called only when write_checkpoints
-            raise RuntimeError("fit(): no checkpoint_dir to write to.")
-        save_checkpoint(ckpt, guide, model, fitter, meta, best, sched)
+        if self.ckpt is None:  # called only when writing checkpoints
+            raise RuntimeError("fit(): no checkpoint folder to write to.")
+        save_checkpoint(self.ckpt, self.guide, self.model, self.fitter, meta, best, self.sched)
+        pos.saved_at = pos.step
 
-    def _batches_done() -> bool:  # all batches of the epoch done, its end work not
-        return in_epoch > 0 and steps_per_epoch is not None and in_epoch >= steps_per_epoch
+    def _resume(self) -> None:
+        """Continue from the newest checkpoint, when resuming and there is one."""
+        found = latest(self.ckpt) if self.resume and self.ckpt is not None else None
+        if found is None:
+            return
+        self._check_validation(_read_meta(found), found)  # before anything is restored
+        meta, saved_best = load_checkpoint(
+            found,
+            self.guide,
+            self.model,
+            self.fitter,
+            self.sched,
+            steps_per_epoch=self.plan.steps_per_epoch,
+        )
+        pos = self.pos
+        pos.step, pos.epoch, pos.losses = meta["step"], meta["epoch"], list(meta["losses"])
+        if "batch" in meta:
+            pos.in_epoch = meta["batch"]
+        elif self.plan.steps_per_epoch:  # the earlier layout: derived from the step
+            pos.in_epoch = pos.step - pos.epoch * self.plan.steps_per_epoch
+        pos.data_seed = meta.get("data_seed", pos.data_seed)
+        pos.saved_at = pos.step
+        if self.selection is not None:
+            self.selection.best = saved_best
+            self.selection.history = list(meta.get("validation", []))
+        logger.info("Resumed from %s at step %d (epoch %d)", found, pos.step, pos.epoch)
 
-    def _end_may_be_pending() -> bool:  # ... or maybe so (an iterable without a length)
-        return in_epoch > 0 and (steps_per_epoch is None or in_epoch >= steps_per_epoch)
+    def _check_validation(self, meta: dict[str, Any] | None, found: Path) -> None:
+        """Refuse a resume whose validation data is not the checkpointed run's."""
+        if meta is None or "validation_data" not in meta:  # unreadable (load_checkpoint says
+            return  # why) or written before fingerprints: nothing to compare
+            return
+        saved, now = meta["validation_data"], self._val_fingerprint()
+        if saved is None and now is not None:
+            raise ValueError(
+                f"fit(validation=...): the checkpoint {found} was written by a fit without "
+                "validation data; resume it without validation=, or start a new fit "
+                "(Checkpointing(..., overwrite=True)) to validate from the first epoch."
+            )
+        if saved is not None and now is None:
+            raise ValueError(
+                f"fit(): the checkpoint {found} was written by a fit validated on "
+                f"{saved['batches']} batches ({saved['examples']} examples); pass the same "
+                "data again (validation=pyrobayes.Validation(data, ...)) to resume it, or its "
+                "validation history and best epoch would be dropped."
+            )
+        if saved is not None and saved != now:
+            raise ValueError(
+                f"fit(validation=...): the validation data differ from those of the "
+                f"checkpoint {found} ({_describe(now)} now, {_describe(saved)} then); resume "
+                "with the run's validation data, or the history would mix two data sets."
+            )
 
-    stopped_early = False
+    # ------------------------------------------------------------------ the result
+    def _result(self) -> FitResult:
+        model, guide, fitter, pos, selection = (
+            self.model,
+            self.guide,
+            self.fitter,
+            self.pos,
+            self.selection,
+        )
+        best_epoch = selection.restore_best(model, guide) if selection is not None else None
+        if best_epoch is not None and selection is not None:
+            logger.info(
+                "fit: restored the best validated epoch %d (%s)", best_epoch, selection.select_by
+            )
+        fitter.end(self.data)
+        model.train(False)
+        elapsed = time.perf_counter() - self.start
+        final = pos.losses[-1] if pos.losses else float("nan")
+        logger.info("fit: %d steps in %.1fs, final loss %.4g", pos.step, elapsed, final)
+        state = {
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "elapsed": elapsed,
+            "objective": type(fitter.objective).__name__,
+            "fitter": type(fitter).__name__,
+            **fitter.report(),
+        }
+        if self.reporter is not None:
+            dtype = torch.get_default_dtype()
+            state["terms"] = {
+                name: torch.stack([t.detach() for t in v]).to("cpu", dtype)
+                for name, v in self.terms.items()
+            }
+        if selection is not None:
+            state.update(
+                best_epoch=best_epoch,
+                validation=selection.history,
+                stopped_early=self.stopped_early,
+            )
+        return FitResult(guide, torch.tensor(pos.losses), state)
+
+
+def _read_meta(folder: Path) -> dict[str, Any] | None:
+    """The checkpoint's ``state.json``, or ``None`` when it is not a readable JSON object."""
     try:
-        while (epochs is None or epoch < epochs) and (
-            num_steps is None or step < num_steps or _end_may_be_pending()
-        ):
-            # early stopping, decided between epochs from the (checkpointed) history alone
-            if selection is not None and in_epoch == 0 and selection.exhausted(patience):
-                stopped_early = True
-                logger.info(
-                    "fit: stopped early after epoch %d (%d epochs without a better %s)",
-                    epoch - 1,
-                    patience,
-                    selection.select_by,
-                )
-                break
-            seen, stopped = 0, False
-            if not _batches_done():  # else: resumed after the last batch, before the end
-                order.set_epoch(epoch)
-                for batch in data:
-                    seen += 1
-                    if seen <= in_epoch:  # resumed mid-epoch: done already
-                        continue
-                    if num_steps is not None and step >= num_steps:
-                        stopped = True
-                        break
-                    batch = to_device(batch, device)
-                    try:
-                        value = fitter.step(batch)
-                    except FloatingPointError as err:
-                        raise FloatingPointError(
-                            f"{err} (fit step {step}, epoch {epoch}). Lower the learning rate or "
-                            "the init_scale"
-                            + (f"; the last checkpoint in {ckpt} is intact." if ckpt else ".")
-                        ) from None
-                    losses.append(value)
-                    if reporter is not None:
-                        for name, term in reporter.terms().items():
-                            terms.setdefault(name, []).append(float(term))
-                    step += 1
-                    in_epoch += 1
-                    if sched is not None:
-                        sched.step()
-                    bar.update(1)
-                    if progress_bar and step % max(1, (total or 100) // 20) == 0:
-                        window = losses[-max(1, len(losses) // 10) :]
-                        avg = sum(window) / len(window)
-                        extra = {k: f"{v:.3g}" for k, v in fitter.report().items()}
-                        bar.set_postfix(init=f"{losses[0]:.4g}", avg=f"{avg:.4g}", **extra)
-                    if progress_bar and terms and step % max(1, (total or 100) // 20) == 0:
-                        width = max(1, len(losses) // 10)  # the loss's window
-                        shown = ", ".join(
-                            f"{name}={sum(v[-width:]) / len(v[-width:]):.4g}"
-                            for name, v in terms.items()
-                        )
-                        bar.set_postfix_str(f"{bar.postfix}, {shown}" if bar.postfix else shown)
-                    if callback is not None:
-                        callback(step, value)
-                    if write_checkpoints and checkpoint_every and step % checkpoint_every == 0:
-                        _checkpoint(epoch_end_done=False)
-                if stopped:
-                    break  # num_steps reached inside the epoch
-                if seen == 0 and in_epoch == 0:
-                    raise ValueError("fit(): data yielded no batches.")
-                if seen < in_epoch:
-                    raise ValueError(
-                        f"fit(): data yielded {seen} batches in epoch {epoch}, but the "
-                        f"checkpoint resumed from records {in_epoch} done in it. Resume with the "
-                        "data the run was started with."
-                    )
-            # the epoch's end work (also where a run killed after its last step resumes)
-            fitter.epoch_end(epoch)
-            if selection is not None:
-                measured = selection.score(model, guide, epoch)
-                logger.info("epoch %d validation: %s", epoch, measured)
-            epoch += 1
-            in_epoch = 0
-            if write_checkpoints:
-                _checkpoint(epoch_end_done=True)
-    finally:
-        order.restore()
-        bar.close()
-    best_epoch = selection.restore_best(model, guide) if selection is not None else None
-    if best_epoch is not None and selection is not None:
-        logger.info(
-            "fit: restored the best validated epoch %d (%s)", best_epoch, selection.select_by
-        )
-    fitter.end(data)
-    model.train(False)
-    elapsed = time.perf_counter() - start
-    logger.info(
-        "fit: %d steps in %.1fs, final loss %.4g",
-        step,
-        elapsed,
-        losses[-1] if losses else float("nan"),
+        meta = json.loads((folder / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _describe(fingerprint: dict[str, Any] | None) -> str:
+    if fingerprint is None:
+        return "none"
+    return (
+        f"{fingerprint['batches']} batches, {fingerprint['examples']} examples, targets "
+        f"sha256 {fingerprint['targets_sha256'][:12]}"
     )
-    state = {
-        "step": step,
-        "epoch": epoch,
-        "elapsed": elapsed,
-        "objective": type(fitter.objective).__name__,
-        "fitter": type(fitter).__name__,
-        **fitter.report(),
-    }
-    if reporter is not None:
-        state["terms"] = {name: torch.tensor(v) for name, v in terms.items()}
-    if selection is not None:
-        state.update(
-            best_epoch=best_epoch, validation=selection.history, stopped_early=stopped_early
-        )
-    return FitResult(guide, torch.tensor(losses), state)

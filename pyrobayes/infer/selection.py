@@ -15,6 +15,7 @@ Scores (all "lower is better" internally):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,9 +23,10 @@ import torch
 from torch import Tensor
 
 from .. import metrics
+from ..batch import split_batch
 from .distributed import all_reduce_mean_, world
 
-__all__ = ["SELECT_BY", "Snapshot", "Selection", "validation_score"]
+__all__ = ["SELECT_BY", "Snapshot", "Selection", "data_fingerprint", "validation_score"]
 
 SELECT_BY = ("nll", "accuracy", "rmse")
 
@@ -63,6 +65,30 @@ def validation_score(
     # targets checked against the means: (N,) or (N, 1) for a scalar output, else a ValueError
     measured = metrics.regression_report(pred.loc, pred.targets, pred.scale)
     return (measured[select_by],), measured
+
+
+def data_fingerprint(data: Iterable[Any], model: Any = None) -> dict[str, Any]:
+    """A cheap fingerprint of held-out data: batch and example counts and a SHA-256 of the
+    targets (sorted, so a shuffling loader gives the same one).
+
+    Reads every batch once, without the model, under a forked torch RNG (a shuffling loader's
+    draws do not move the fit's random stream). ``model`` supplies the ``label_key``.
+    """
+    label_key = getattr(model, "label_key", "labels")
+    batches, examples, values = 0, 0, []
+    with torch.random.fork_rng(devices=[]):
+        for batch in data:
+            batches += 1
+            _, y = split_batch(batch, label_key)
+            if y is not None:
+                y = torch.as_tensor(y).detach().cpu()
+                examples += int(y.shape[0]) if y.dim() else 1
+                values.append(y.reshape(-1).double())
+    digest = hashlib.sha256()
+    if values:
+        flat = torch.sort(torch.cat(values)).values.contiguous()
+        digest.update(flat.numpy().tobytes())
+    return {"batches": batches, "examples": examples, "targets_sha256": digest.hexdigest()}
 
 
 class Snapshot:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
-from pyrobayes.infer import checkpoint
+from pyrobayes.infer import checkpoint, grouped
 from tests import families
 from tests.common import mlp_problem
 
@@ -49,7 +49,9 @@ def problem(family: str) -> tuple[Any, Any, DataLoader]:
 
 def run(family: str, **kw: Any) -> tuple[Any, Any, pb.infer.FitResult]:
     model, guide, loader = problem(family)
-    result = pb.fit(model, guide, loader, epochs=EPOCHS, seed=7, lr=LR.get(family, 1e-2), **kw)
+    result = pb.fit(
+        model, guide, loader, epochs=EPOCHS, seed=7, lr=LR.get(family, 1e-2), **grouped(**kw)
+    )
     return model, guide, result
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyro
 import pytest
 import torch
@@ -40,7 +42,9 @@ def test_resume_continues_where_it_stopped(tmp_path, family):
     torch.manual_seed(0)
     prob_b = conjugate_core()
     guide_b = pb.posterior(prob_b.model, family, **kw)
-    pb.fit(prob_b.model, guide_b, data, epochs=2, seed=0, checkpoint_dir=tmp_path, lr=lr)
+    pb.fit(
+        prob_b.model, guide_b, data, epochs=2, seed=0, checkpoint=pb.Checkpointing(tmp_path), lr=lr
+    )
     torch.manual_seed(0)
     prob_c = conjugate_core()
     guide_c = pb.posterior(prob_c.model, family, **kw)
@@ -50,8 +54,7 @@ def test_resume_continues_where_it_stopped(tmp_path, family):
         data,
         epochs=4,
         seed=123,
-        checkpoint_dir=tmp_path,
-        resume=True,
+        checkpoint=pb.Checkpointing(tmp_path, resume=True),
         lr=lr,
     )
     # guide state, optimizer moments and RNG state restored: the same trajectory to round-off
@@ -62,7 +65,7 @@ def test_non_finite_loss_stops_before_update_and_keeps_checkpoint(tmp_path):
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y)
     guide = pb.guides.MeanFieldGuide(prob.model)
-    pb.fit(prob.model, guide, data, epochs=1, checkpoint_dir=tmp_path)
+    pb.fit(prob.model, guide, data, epochs=1, checkpoint=pb.Checkpointing(tmp_path))
     saved = pb.io.read_header(latest(tmp_path) / "posterior.safetensors")
     assert saved["family"] == "meanfield"
     before = {k: v.clone() for k, v in guide.state_dict().items()}
@@ -70,7 +73,13 @@ def test_non_finite_loss_stops_before_update_and_keeps_checkpoint(tmp_path):
     bad = [(prob.x[:16], torch.full_like(prob.y[:16], 1e200))]
     pyro.enable_validation(False)
     with pytest.raises(FloatingPointError, match="step 0"):
-        pb.fit(prob.model, guide, bad, num_steps=1, checkpoint_dir=tmp_path, overwrite=True)
+        pb.fit(
+            prob.model,
+            guide,
+            bad,
+            num_steps=1,
+            checkpoint=pb.Checkpointing(tmp_path, overwrite=True),
+        )
     for k, v in guide.state_dict().items():
         assert torch.equal(v, before[k]), k  # parameters untouched
     restored = pb.load(latest(tmp_path) / "posterior.safetensors", prob.model)
@@ -82,3 +91,151 @@ def test_empty_data_is_an_error():
     prob = conjugate_core()
     with pytest.raises(ValueError, match="no batches"):
         pb.fit(prob.model, pb.guides.MeanFieldGuide(prob.model), [], num_steps=2)
+
+
+def test_old_keywords_still_work_with_a_deprecation_warning(tmp_path):
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    steps: list[int] = []
+    with pytest.warns(DeprecationWarning, match=r"val_data=.*validation=pyrobayes\.Validation"):
+        old = pb.fit(
+            prob.model,
+            pb.posterior(prob.model, "map"),
+            data,
+            epochs=2,
+            seed=0,
+            val_data=data,
+            patience=1,
+            checkpoint_dir=tmp_path / "old",
+            callback=lambda step, loss: steps.append(step),
+            scheduler="cosine",
+        )
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    new = pb.fit(
+        prob.model,
+        pb.posterior(prob.model, "map"),
+        data,
+        epochs=2,
+        seed=0,
+        validation=pb.Validation(data, patience=1),
+        checkpoint=pb.Checkpointing(tmp_path / "new"),
+        progress=pb.Progress(callback=lambda step, loss: None),
+        optim=pb.Optimization(scheduler="cosine"),
+    )
+    assert steps == list(range(1, 2 * len(data) + 1))
+    assert torch.equal(old.losses, new.losses)
+    assert old.state["validation"] == new.state["validation"]
+    assert latest(tmp_path / "old") is not None
+    # the old checks still apply, before any warning
+    with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
+        pb.fit(prob.model, pb.posterior(prob.model, "map"), data, epochs=1, resume=True)
+
+
+def test_a_group_given_both_ways_or_an_unknown_keyword_is_refused():
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    guide = pb.posterior(prob.model, "map")
+    with pytest.raises(ValueError, match="validation=Validation.*or the flat val_data="):
+        pb.fit(prob.model, guide, data, epochs=1, validation=pb.Validation(data), val_data=data)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'learning_rate'"):
+        pb.fit(prob.model, guide, data, epochs=1, learning_rate=0.1)
+    with pytest.raises(TypeError, match=r"validation=\.\.\.\) takes a pyrobayes\.Validation"):
+        pb.fit(prob.model, guide, data, epochs=1, validation=data)
+    with pytest.raises(TypeError, match="Checkpointing.*every"):
+        pb.Checkpointing("x", every=1.5)
+    with pytest.raises(TypeError, match="resume must be True or False"):
+        pb.Checkpointing("x", resume="yes")
+    with pytest.raises(TypeError, match="callback"):
+        pb.Progress(callback=3)
+
+
+def test_a_fit_ended_by_num_steps_leaves_a_resumable_checkpoint(tmp_path):
+    # 4 batches per epoch; 6 steps end inside the second epoch, with no periodic checkpoint
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    assert len(data) == 4
+    full = pb.fit(prob.model, pb.posterior(prob.model, "ivon"), data, num_steps=11, seed=0)
+    torch.manual_seed(0)
+    prob_b = conjugate_core()
+    guide_b = pb.posterior(prob_b.model, "ivon")
+    pb.fit(prob_b.model, guide_b, data, num_steps=6, seed=0, checkpoint=pb.Checkpointing(tmp_path))
+    folder = latest(tmp_path)
+    assert folder is not None
+    meta = json.loads((folder / "state.json").read_text())
+    assert (meta["step"], meta["epoch"], meta["batch"]) == (6, 1, 2)
+    torch.manual_seed(0)
+    prob_c = conjugate_core()
+    guide_c = pb.posterior(prob_c.model, "ivon")
+    resumed = pb.fit(
+        prob_c.model,
+        guide_c,
+        data,
+        num_steps=11,
+        seed=0,
+        checkpoint=pb.Checkpointing(tmp_path, resume=True),
+    )
+    assert torch.equal(resumed.losses, full.losses)  # bit for bit
+    for k, v in full.guide.state_dict().items():
+        assert torch.equal(guide_c.state_dict()[k], v), k
+
+
+def test_resume_refuses_other_or_missing_validation_data(tmp_path):
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    val = data[:2]
+    other = [(x, y + 1.0) for x, y in val]  # same shapes and counts, other targets
+    guide = pb.posterior(prob.model, "map")
+    first = pb.Checkpointing(tmp_path / "a")
+    pb.fit(prob.model, guide, data, epochs=1, validation=pb.Validation(val), checkpoint=first)
+    again = pb.Checkpointing(tmp_path / "a", resume=True)
+    with pytest.raises(ValueError, match=r"validated on 2 batches \(32 examples\); pass the same"):
+        pb.fit(prob.model, guide, data, epochs=2, checkpoint=again)
+    with pytest.raises(ValueError, match="validation data differ from those of the checkpoint"):
+        pb.fit(prob.model, guide, data, epochs=2, validation=pb.Validation(other), checkpoint=again)
+    result = pb.fit(
+        prob.model, guide, data, epochs=2, validation=pb.Validation(val), checkpoint=again
+    )
+    assert [h["epoch"] for h in result.state["validation"]] == [0, 1]
+    # a run checkpointed without validation is not resumed with some
+    pb.fit(prob.model, guide, data, epochs=1, checkpoint=pb.Checkpointing(tmp_path / "b"))
+    with pytest.raises(ValueError, match="written by a fit without validation data"):
+        pb.fit(
+            prob.model,
+            guide,
+            data,
+            epochs=2,
+            validation=pb.Validation(val),
+            checkpoint=pb.Checkpointing(tmp_path / "b", resume=True),
+        )
+
+
+def test_a_diverging_fit_is_reported():
+    # lr=1e6 on the conjugate core: the loss goes 255 -> ~1e12..1e14 and stays finite
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    with pytest.warns(pb.DivergenceWarning, match=r"diverging.*steps 1\.\.10.*lr=1e\+06"):
+        result = pb.fit(prob.model, pb.posterior(prob.model, "map"), data, num_steps=20, lr=1e6)
+    assert result.losses.isfinite().all() and result.losses[10:].min() > 1e3 * result.losses[0]
+    # the same fit at a sane step size does not warn (warnings are errors in the suite)
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    pb.fit(prob.model, pb.posterior(prob.model, "map"), data, num_steps=20, lr=1e-2)
+
+
+def test_the_progress_bar_is_on_in_interactive_use_only(monkeypatch):
+    from pyrobayes.infer import options
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(options.sys.stderr, "isatty", lambda: True)
+    assert pb.Progress().show_bar
+    assert not pb.Progress(bar=False).show_bar
+    monkeypatch.setenv("CI", "true")
+    assert not pb.Progress().show_bar and pb.Progress(bar=True).show_bar
+    monkeypatch.delenv("CI")
+    monkeypatch.setattr(options.sys.stderr, "isatty", lambda: False)
+    assert not pb.Progress().show_bar

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
+from pyrobayes.infer import grouped
 from tests.common import conjugate_core, split_batches
 
 
@@ -16,7 +17,13 @@ def _fit(family: str, epochs: int = 3, lr: float = 0.05, **kw):
     prob = conjugate_core()
     guide = pb.posterior(prob.model, family)
     result = pb.fit(
-        prob.model, guide, split_batches(prob.x, prob.y), epochs=epochs, seed=0, lr=lr, **kw
+        prob.model,
+        guide,
+        split_batches(prob.x, prob.y),
+        epochs=epochs,
+        seed=0,
+        lr=lr,
+        **grouped(**kw),
     )
     return guide, result
 
@@ -79,8 +86,8 @@ def test_ivon_follows_the_schedule():
         epochs=3,
         seed=0,
         lr=0.05,
-        scheduler=stop_at_6,
-        callback=record,
+        optim=pb.Optimization(scheduler=stop_at_6),
+        progress=pb.Progress(callback=record),
     )
     moves = [float((b - a).abs().max()) for a, b in zip(locs, locs[1:], strict=False)]
     assert min(moves[:5]) > 0  # steps 2..6 moved the mean
@@ -113,21 +120,31 @@ def test_bad_schedules_are_named():
     guide = pb.posterior(prob.model, "map")
     data = split_batches(prob.x, prob.y)
     with pytest.raises(ValueError, match="scheduler=.*'cosine', 'linear'"):
-        pb.fit(prob.model, guide, data, epochs=1, scheduler="step")
+        pb.fit(prob.model, guide, data, epochs=1, optim=pb.Optimization(scheduler="step"))
     with pytest.raises(ValueError, match="number of steps"):  # no len(), no num_steps
-        pb.fit(prob.model, guide, iter(data), epochs=1, scheduler="cosine")
+        pb.fit(prob.model, guide, iter(data), epochs=1, optim=pb.Optimization(scheduler="cosine"))
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     with pytest.raises(TypeError, match="factory"):
-        pb.fit(prob.model, guide, data, epochs=1, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+        pb.fit(
+            prob.model,
+            guide,
+            data,
+            epochs=1,
+            optim=pb.Optimization(scheduler=torch.optim.lr_scheduler.StepLR(opt, 1)),
+        )
     with pytest.raises(ValueError, match="whole run"):
-        pb.fit(prob.model, guide, data, epochs=1, scheduler="cosine", warmup=4)
+        pb.fit(
+            prob.model, guide, data, epochs=1, optim=pb.Optimization(scheduler="cosine", warmup=4)
+        )
     with pytest.raises(ValueError, match="number of steps .* or a fraction"):  # not 1 step
-        pb.fit(prob.model, guide, data, epochs=1, scheduler="cosine", warmup=1.5)
+        pb.fit(
+            prob.model, guide, data, epochs=1, optim=pb.Optimization(scheduler="cosine", warmup=1.5)
+        )
     with pytest.raises(ValueError, match="named schedule"):
-        pb.fit(prob.model, guide, data, epochs=1, warmup=2)
+        pb.fit(prob.model, guide, data, epochs=1, optim=pb.Optimization(warmup=2))
     swag = pb.posterior(prob.model, "swag", swa_lr=1e-3)
     with pytest.raises(ValueError, match="swa_lr"):
-        pb.fit(prob.model, swag, data, epochs=1, scheduler="cosine")
+        pb.fit(prob.model, swag, data, epochs=1, optim=pb.Optimization(scheduler="cosine"))
 
 
 def test_bad_schedule_leaves_a_fitted_guide_untouched():
@@ -140,6 +157,6 @@ def test_bad_schedule_leaves_a_fitted_guide_untouched():
     before = {k: v.clone() for k, v in swag.state_dict().items()}
     assert int(swag.swag_num_collected) > 0
     with pytest.raises(ValueError, match="scheduler="):
-        pb.fit(prob.model, swag, data, epochs=1, scheduler="step")
+        pb.fit(prob.model, swag, data, epochs=1, optim=pb.Optimization(scheduler="step"))
     for k, v in before.items():
         torch.testing.assert_close(swag.state_dict()[k], v, rtol=0, atol=0, msg=k)

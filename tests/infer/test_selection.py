@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
+from pyrobayes.infer import grouped
 from tests.common import conjugate_core, mlp, mlp_problem, split_batches
 
 
@@ -28,9 +29,7 @@ def _run(family: str, epochs: int, val: str | None, select_by: str = "nll", **kw
         epochs=epochs,
         seed=0,
         lr=0.05,
-        val_data=val_data,
-        select_by=select_by,
-        **kw,
+        **grouped(val_data=val_data, select_by=select_by, **kw),
     )
     return guide, result
 
@@ -106,7 +105,13 @@ def test_point_parameters_are_restored_too():
     head_before = net[2].weight.detach().clone()
     guide = pb.posterior(model, "map")
     result = pb.fit(
-        model, guide, train, epochs=5, lr=0.05, seed=0, val_data=val, select_by="accuracy"
+        model,
+        guide,
+        train,
+        epochs=5,
+        lr=0.05,
+        seed=0,
+        validation=pb.Validation(val, select_by="accuracy"),
     )
     best = result.state["best_epoch"]
     accuracies = [h["accuracy"] for h in result.state["validation"]]
@@ -127,9 +132,11 @@ def test_bad_select_by_is_named():
     guide = pb.posterior(prob.model, "map")
     data = split_batches(prob.x, prob.y)
     with pytest.raises(ValueError, match="select_by"):
-        pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="f1")
+        pb.Validation(data, select_by="f1")
     with pytest.raises(ValueError, match="classification"):
-        pb.fit(prob.model, guide, data, epochs=1, val_data=data, select_by="accuracy")
+        pb.fit(
+            prob.model, guide, data, epochs=1, validation=pb.Validation(data, select_by="accuracy")
+        )
 
 
 def test_best_state_survives_a_mid_epoch_interrupt(tmp_path):
@@ -202,6 +209,6 @@ def test_bad_patience_is_named():
     with pytest.raises(ValueError, match=r"patience=2 needs val_data"):
         pb.fit(prob.model, guide, data, epochs=1, patience=2)
     with pytest.raises(ValueError, match="patience"):
-        pb.fit(prob.model, guide, data, epochs=1, val_data=data, patience=0)
+        pb.Validation(data, patience=0)
     with pytest.raises(TypeError, match="patience"):
-        pb.fit(prob.model, guide, data, epochs=1, val_data=data, patience=1.5)
+        pb.Validation(data, patience=1.5)

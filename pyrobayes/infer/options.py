@@ -1,0 +1,334 @@
+"""The grouped options of :func:`pyrobayes.fit`: small frozen records, checked when built.
+
+``fit`` itself takes what nearly every call sets (``epochs``/``num_steps``, ``lr``, ``seed``,
+``device``); the rest comes in four groups, each ``None`` (off / the family's defaults) unless
+given:
+
+- :class:`Optimization` - the objective, the optimizer and the learning-rate schedule;
+- :class:`Validation` - held-out data, the selection criterion and early stopping;
+- :class:`Checkpointing` - the crash-safe checkpoint folder, its period, resume and overwrite;
+- :class:`Progress` - the progress bar and a per-step callback.
+
+The CLI's demo pipeline builds the same records from its TOML sections.
+
+Example::
+
+    pb.fit(
+        model, guide, train, epochs=3, lr=1e-3,
+        optim=pb.Optimization(scheduler="cosine", warmup=0.06),
+        validation=pb.Validation(val, select_by="nll", patience=2),
+        checkpoint=pb.Checkpointing("runs/a", every=100, resume=True),
+    )
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..models.adapters import check_int, check_real
+from .selection import SELECT_BY
+
+__all__ = [
+    "Checkpointing",
+    "Optimization",
+    "Progress",
+    "Validation",
+    "grouped",
+    "progress_bar_default",
+]
+
+
+def _check_flag(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}{name} must be True or False; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """How :func:`pyrobayes.fit` optimises: objective, optimizer, learning-rate schedule.
+
+    Parameters
+    ----------
+    loss : str, pyro.infer.ELBO or object with ``loss(model, guide, batch)``, optional
+        Defaults to the family's objective (its fitter's ``default_objective()``).
+    optimizer : torch optimizer, class or factory, optional
+        Defaults to the family's (its fitter's ``default_optimizer``; Adam for SVI). The
+        learning rate is ``fit``'s ``lr``.
+    scheduler : {"cosine", "linear"} or callable, optional
+        Learning-rate schedule, stepped after every optimizer step: ``"cosine"``
+        (``α_t = α·½(1 + cos(π t/T))``, Loshchilov & Hutter, 2017, eq. 5 without restarts) or
+        ``"linear"`` (``α_t = α(1 − t/T)``) over the run's ``T`` steps, or a factory
+        ``optimizer -> LRScheduler``. Saved in checkpoints. Not with a fitter that schedules the
+        learning rate itself (``SWAGGuide(swa_lr=...)``).
+    warmup : int or float
+        Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
+        steps (an int), or that fraction of the run (a float < 1; 0.06 is the GLUE recipe of
+        LoRA-XS, Bałazy et al., 2024).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a warm-up that is not a finite number >= 0 (the schedule checks the rest).
+    """
+
+    loss: Any = None
+    optimizer: Any = None
+    scheduler: str | Callable[[Any], Any] | None = None
+    warmup: float = 0
+
+    def __post_init__(self) -> None:
+        check_real("warmup", self.warmup, ge=0, owner="Optimization(): ")
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Held-out data scored at the end of every epoch, best-epoch selection, early stopping.
+
+    The guide is scored at its ``validation_values()`` (its current ``loc``); the best epoch's
+    guide state and point parameters are restored when training ends, before the family's
+    ``fit_end`` (so Laplace fits its curvature at the selected MAP). ``FitResult.state``
+    records ``best_epoch`` (0-based) and the ``validation`` history. Checkpoints keep the
+    history and a fingerprint of the data (its batch and example counts and a hash of its
+    targets): a resume with other validation data, or none, is refused.
+
+    Parameters
+    ----------
+    data : iterable of batches
+        The held-out batches (with targets).
+    select_by : {"nll", "accuracy", "rmse"}
+        The criterion: predictive NLL (any likelihood), accuracy (classification; ties broken
+        by NLL) or RMSE (regression).
+    patience : int, optional
+        Early stopping: end the fit after ``patience`` epochs in a row that do not improve on
+        the best validation score; ``epochs`` is then the cap. ``FitResult.state
+        ["stopped_early"]`` says whether the rule ended the fit before the cap; a resumed fit
+        stops at the same epoch (the rule reads the checkpointed history alone).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``select_by``, missing ``data`` or a ``patience`` < 1.
+    TypeError
+        For a ``patience`` that is not an integer.
+    """
+
+    data: Iterable[Any]
+    select_by: str = "nll"
+    patience: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            raise ValueError("Validation(data=None): pass the held-out batches.")
+        if self.select_by not in SELECT_BY:
+            raise ValueError(
+                f"Validation(select_by=...) must be one of {SELECT_BY}; got {self.select_by!r}."
+            )
+        if self.patience is not None:
+            check_int("patience", self.patience, ge=1, owner="Validation(): ")
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Crash-safe checkpoints of a fit, and resuming from them.
+
+    A checkpoint (guide + point parameters + fitter state + RNG states + schedule + validation +
+    position in the data) is written every ``every`` steps, at each epoch end and when the fit
+    ends by ``num_steps`` mid-epoch, crash-safely: each is a complete, fsynced generation folder
+    ``<dir>/ckpt-NNNNNN`` that ``<dir>/LATEST`` is atomically switched to before the previous
+    one is deleted, so a kill at any instant leaves a checkpoint that ``resume=True`` finds (see
+    :mod:`pyrobayes.infer.checkpoint`). The folder is locked (``<dir>/.lock``, an OS file lock)
+    while the fit runs: a second fit on it is refused. Leftovers of a killed fit are removed at
+    the start.
+
+    Parameters
+    ----------
+    dir : str or Path
+        The checkpoint folder.
+    every : int, optional
+        Also write one every this many steps (>= 1).
+    resume : bool
+        Continue from the newest checkpoint in ``dir`` if there is one (restores guide, point
+        parameters, optimizer, RNG states, schedule and position: the rest of the run is the
+        same as without the interruption, bit for bit, mid-epoch too; a run that ended by
+        ``num_steps`` continues with a larger ``num_steps``). The earlier single-folder layout
+        (``<dir>/last``) is still read.
+    overwrite : bool
+        Allow a new fit (``resume=False``) into a ``dir`` that holds another run's checkpoint;
+        without it that is refused. The old checkpoint stays until this run's first checkpoint
+        replaces it.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a missing ``dir``, an ``every`` that is not an integer >= 1, or non-bool flags.
+    """
+
+    dir: str | Path
+    every: int | None = None
+    resume: bool = False
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "Checkpointing(): "
+        if not isinstance(self.dir, str | os.PathLike):
+            raise TypeError(f"{owner}dir must be a folder path; got {self.dir!r}.")
+        if self.every is not None:
+            check_int("every", self.every, ge=1, owner=owner)
+        _check_flag(owner, "resume", self.resume)
+        _check_flag(owner, "overwrite", self.overwrite)
+
+    @property
+    def path(self) -> Path:
+        """``dir`` as a :class:`~pathlib.Path`."""
+        return Path(self.dir)
+
+
+def progress_bar_default() -> bool:
+    """Whether ``Progress(bar=None)`` shows the bar: stderr is a terminal and no ``CI`` variable
+    (set by GitHub Actions, GitLab CI, Travis, CircleCI, ...) is set."""
+    stream = sys.stderr
+    try:
+        tty = stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        tty = False
+    return tty and not os.environ.get("CI")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a fit shows while it runs.
+
+    Parameters
+    ----------
+    bar : bool, optional
+        A tqdm bar with the running loss (and the objective's named terms and the fitter's
+        report). ``None`` (the default): on in interactive use, i.e. when stderr is a terminal
+        and the environment variable ``CI`` is not set; off in scripts whose stderr is a file or
+        a pipe, in notebooks' non-terminal streams and under CI.
+    callback : callable(step, loss), optional
+        Called after every step with the step count and the step's loss (a float).
+
+    Raises
+    ------
+    TypeError
+        For a ``bar`` that is not True, False or None, or a ``callback`` that is not callable.
+    """
+
+    bar: bool | None = None
+    callback: Callable[[int, float], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bar is not None:
+            _check_flag("Progress(): ", "bar", self.bar)
+        if self.callback is not None and not callable(self.callback):
+            raise TypeError(
+                f"Progress(callback=...) must be callable(step, loss); got {self.callback!r}."
+            )
+
+    @property
+    def show_bar(self) -> bool:
+        """``bar``, with ``None`` resolved by :func:`progress_bar_default`."""
+        return progress_bar_default() if self.bar is None else self.bar
+
+
+# ------------------------------------------------------------- the keywords before the groups
+#: Each keyword ``fit`` took before the groups: ``(group keyword, field)``.
+DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
+    "loss": ("optim", "loss"),
+    "optimizer": ("optim", "optimizer"),
+    "scheduler": ("optim", "scheduler"),
+    "warmup": ("optim", "warmup"),
+    "val_data": ("validation", "data"),
+    "select_by": ("validation", "select_by"),
+    "patience": ("validation", "patience"),
+    "checkpoint_dir": ("checkpoint", "dir"),
+    "checkpoint_every": ("checkpoint", "every"),
+    "resume": ("checkpoint", "resume"),
+    "overwrite": ("checkpoint", "overwrite"),
+    "progress_bar": ("progress", "bar"),
+    "callback": ("progress", "callback"),
+}
+_GROUPS: dict[str, Any] = {
+    "optim": Optimization,
+    "validation": Validation,
+    "checkpoint": Checkpointing,
+    "progress": Progress,
+}
+#: the field without which a group is off (the old keywords then did nothing, or were refused)
+_REQUIRED = {"validation": "data", "checkpoint": "dir"}
+
+
+def grouped(**flat: Any) -> dict[str, Any]:
+    """:func:`pyrobayes.fit`'s group keywords for the flat spelling of its options.
+
+    The flat names are those of a config file's section or of a call written before the groups
+    (``val_data``, ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``,
+    ``resume``, ``overwrite``, ``loss``, ``optimizer``, ``scheduler``, ``warmup``,
+    ``progress_bar``, ``callback``); any other keyword passes through unchanged. A group whose
+    required field is missing or ``None`` (``val_data``, ``checkpoint_dir``) stays off.
+
+    Example: ``pb.fit(model, guide, data, epochs=3, **grouped(val_data=val, patience=2))``.
+
+    Raises
+    ------
+    ValueError
+        When a group is given both ways (``validation=`` and ``val_data=``).
+    """
+    out = {k: v for k, v in flat.items() if k not in DEPRECATED_KEYWORDS}
+    for group, cls in _GROUPS.items():
+        names = [k for k in flat if DEPRECATED_KEYWORDS.get(k, ("",))[0] == group]
+        if not names:
+            continue
+        if out.get(group) is not None:
+            listed = ", ".join(f"{k}=" for k in names)
+            raise ValueError(
+                f"fit(): pass {group}={cls.__name__}(...) or the flat {listed}, not both."
+            )
+        fields = {DEPRECATED_KEYWORDS[k][1]: flat[k] for k in names}
+        required = _REQUIRED.get(group)
+        if required is None or fields.get(required) is not None:
+            out[group] = cls(**fields)
+    return out
+
+
+def upgrade_keywords(old: dict[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
+    """``groups`` (``{"optim": ..., "validation": ..., ...}``) with ``fit``'s pre-group keywords
+    ``old`` folded in (:func:`grouped`), warning once (``DeprecationWarning``) with the new
+    spelling.
+
+    Raises
+    ------
+    TypeError
+        For a keyword ``fit`` never took.
+    ValueError
+        When a group is given both ways (``validation=`` and ``val_data=``).
+    """
+    if not old:
+        return dict(groups)
+    unknown = sorted(set(old) - set(DEPRECATED_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"fit() got an unexpected keyword argument {unknown[0]!r}; it takes epochs, "
+            f"num_steps, lr, seed, device and the groups {', '.join(_GROUPS)}."
+        )
+    spellings = []
+    for group, cls in _GROUPS.items():
+        names = [k for k in old if DEPRECATED_KEYWORDS[k][0] == group]
+        if names:
+            args = ", ".join(f"{DEPRECATED_KEYWORDS[k][1]}=..." for k in names)
+            listed = ", ".join(f"{k}=" for k in names)
+            spellings.append(f"{listed} -> {group}=pyrobayes.{cls.__name__}({args})")
+    out = grouped(**{k: v for k, v in groups.items() if v is not None}, **old)
+    warnings.warn(
+        "fit(): these keywords are deprecated and will be removed in the next release; "
+        "pass instead " + "; ".join(spellings) + ".",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return {**dict.fromkeys(groups), **out}
