@@ -78,9 +78,11 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
       guide then pairs a mean that belongs to ``τ₀`` with a covariance ``(H + τ I)^{-1}`` at the
       selected ``τ``: when ``τ ≠ τ₀`` the mean is not the MAP under the prior the covariance uses.
     - ``"alternate"`` (MacKay's evidence iteration): repeat *refit the MAP at the current τ*
-      (``alternate_epochs`` epochs of the fitter's optimizer over the training data with the
-      model's prior set to ``N(0, τ^{-1} I)``), *refit H at it*, *re-maximise τ*, until
-      ``|log τ_new − log τ| < alternate_tol`` or ``alternate_max_iter`` refits. The guide keeps
+      (epochs of the fitter's optimizer at ``alternate_lr`` over the training data with the
+      model's prior set to ``N(0, τ^{-1} I)``, until the MAP is stationary to
+      ``alternate_map_tol`` or ``alternate_epochs`` epochs), *refit H at it*, *re-maximise τ*,
+      until ``|log τ_new − log τ| < alternate_tol`` or ``alternate_max_iter`` refits (then a
+      warning names the gap). The guide keeps
       the τ its last MAP and ``H`` were fitted under, so mean and covariance belong to one prior.
       At convergence τ maximises the Laplace evidence at its own MAP; in a linear-Gaussian model
       that is a stationary point of the exact evidence. Costs up to ``alternate_max_iter ×
@@ -103,7 +105,15 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     alternate_max_iter : int
         At most this many MAP refits.
     alternate_epochs : int
-        Epochs over the training data per MAP refit (warm-started at the previous MAP).
+        At most this many epochs over the training data per MAP refit (warm-started at the
+        previous MAP); a refit stops earlier once the MAP is stationary.
+    alternate_map_tol : float
+        A refit's MAP is stationary when the whole-data gradient of its objective is below this
+        fraction of its prior term's gradient ``‖τ θ‖``
+        (:meth:`~pyrobayes.infer.laplace.LaplaceFitter.map_residual`).
+    alternate_lr : float or None
+        Learning rate of the refits; ``None``: the one the fitter started with (not the value
+        a schedule decayed it to).
     log_prior_bounds : (float, float)
         Natural-log bounds of the τ search (default ``(-5, 10)``).
     temperature : float
@@ -149,7 +159,9 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         prior_optimization: str = "evidence",
         alternate_tol: float = 1e-3,
         alternate_max_iter: int = 20,
-        alternate_epochs: int = 5,
+        alternate_epochs: int = 100,
+        alternate_map_tol: float = 1e-3,
+        alternate_lr: float | None = None,
         pred_type: str = "glm",
         link_samples: int | None = 100,
         subset: str | Sequence[str] = "all",
@@ -185,6 +197,9 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         alternate_tol = check_real("alternate_tol", alternate_tol, gt=0, owner=owner)
         alternate_max_iter = check_int("alternate_max_iter", alternate_max_iter, ge=1, owner=owner)
         alternate_epochs = check_int("alternate_epochs", alternate_epochs, ge=1, owner=owner)
+        alternate_map_tol = check_real("alternate_map_tol", alternate_map_tol, gt=0, owner=owner)
+        if alternate_lr is not None:
+            alternate_lr = check_real("alternate_lr", alternate_lr, gt=0, owner=owner)
         if pred_type not in PRED_TYPES:
             raise ValueError(
                 f"{owner}pred_type must be one of {list(PRED_TYPES)} (the linearised predictive, "
@@ -203,6 +218,8 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         self.alternate_tol = float(alternate_tol)
         self.alternate_max_iter = int(alternate_max_iter)
         self.alternate_epochs = int(alternate_epochs)
+        self.alternate_map_tol = float(alternate_map_tol)
+        self.alternate_lr = None if alternate_lr is None else float(alternate_lr)
         self._index: dict[str, int] = {}
         super().__init__(model)
 

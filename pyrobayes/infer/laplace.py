@@ -79,18 +79,25 @@ class LaplaceFitter(Fitter):
     1. fit ``H`` at the current MAP ``θ*_τ`` and ``τ' = argmax_τ log p(D | τ)`` (the Laplace
        marginal likelihood of :func:`fit_laplace`, ``θ*`` and ``H`` held);
     2. stop if ``|log τ' − log τ| < alternate_tol``; else ``τ ← τ'`` and refit the MAP under
-       the prior ``N(0, τ^{-1} I)``: ``alternate_epochs`` epochs of this fitter's optimizer over
-       the data, warm-started at the previous MAP.
+       the prior ``N(0, τ^{-1} I)``, warm-started at the previous MAP: epochs of this fitter's
+       optimizer over the data until the MAP is stationary (:meth:`map_residual` below
+       ``alternate_map_tol``), at most ``alternate_epochs``. The refits run at
+       ``alternate_lr``, by default the learning rate the fitter started with (a schedule's
+       ``initial_lr``): a schedule that decayed the rate to 0 would otherwise refit nothing.
 
+    If the iteration stops at ``alternate_max_iter`` refits, or the last MAP is not stationary,
+    a warning names the gap (``|log τ' − log τ|`` and the MAP's relative gradient).
     The refit sets the model's ``prior_scale`` to ``τ^{-1/2}`` for its duration (restored
     afterwards), so the fitter's own objective is the MAP objective under τ. The guide keeps the
     last τ its MAP was refitted under (and ``H`` at that MAP), so mean and covariance share one
     prior. At a fixed point ``∂/∂τ`` of the Laplace evidence vanishes with ``θ*`` stationary in
     ``θ``; in a linear-Gaussian model that is a stationary point of the exact evidence.
-    :attr:`prior_precisions` lists the τ of every MAP (``τ₀`` first) and the last ``τ'``.
+    :attr:`prior_precisions` lists the τ of every MAP (``τ₀`` first) and the last ``τ'``;
+    :attr:`map_residuals` the relative gradient at the end of each refit.
     """
 
     prior_precisions: list[float]
+    map_residuals: list[float]
 
     def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
         super().__init__(model, guide, **kwargs)
@@ -105,6 +112,7 @@ class LaplaceFitter(Fitter):
     def begin(self, data: Iterable[Any] | None = None) -> None:
         self.guide.reset()
         self.prior_precisions = []
+        self.map_residuals = []
         if self._alternating:
             self._model_prior_precision()  # fail before training, not after
 
@@ -138,39 +146,107 @@ class LaplaceFitter(Fitter):
         fit_laplace(self.model, guide, data)
         tau = guide.prior_precision
         self.prior_precisions = [tau_map, tau]
+        self.map_residuals = []
         refits = 0
         while abs(math.log(tau) - math.log(tau_map)) >= guide.alternate_tol:
             if refits == guide.alternate_max_iter:
-                logger.warning(
-                    "Laplace: τ did not settle in %d MAP refits (last τ %.4g → %.4g); raise "
-                    "alternate_max_iter or alternate_epochs.",
-                    refits,
-                    tau_map,
-                    tau,
-                )
                 break
             tau_map = tau
-            self._refit_map(data, tau_map)
+            self.map_residuals.append(self._refit_map(data, tau_map))
             fit_laplace(self.model, guide, data)
             tau = guide.prior_precision
             self.prior_precisions.append(tau)
             refits += 1
         guide.set_prior_precision(tau_map)  # H and the mean were fitted under this τ
+        gap = abs(math.log(tau) - math.log(tau_map))
+        residual = self.map_residuals[-1] if self.map_residuals else 0.0
+        if gap >= guide.alternate_tol or residual >= guide.alternate_map_tol:
+            logger.warning(
+                "Laplace (alternate): not at the fixed point after %d MAP refits: the evidence "
+                "optimum at the last MAP is τ = %.4g, the guide keeps τ = %.4g (|Δ log τ| = "
+                "%.2g, alternate_tol %.2g), and the last MAP's relative gradient is %.2g "
+                "(alternate_map_tol %.2g). Raise alternate_max_iter or alternate_epochs, or set "
+                "alternate_lr.",
+                refits,
+                tau,
+                tau_map,
+                gap,
+                guide.alternate_tol,
+                residual,
+                guide.alternate_map_tol,
+            )
         logger.info("Laplace (alternate): τ = %.4g after %d MAP refits", tau_map, refits)
 
-    def _refit_map(self, data: Iterable[Any], tau: float) -> None:
-        """``alternate_epochs`` epochs of the MAP objective under the prior ``N(0, τ^{-1} I)``."""
-        model = self.model
+    def _refit_lrs(self) -> list[float]:
+        """The refits' learning rate per parameter group: ``alternate_lr``, else the rate the
+        fitter started with (a schedule's ``initial_lr``, not its decayed current value)."""
+        fixed = self.guide.alternate_lr
+        lrs = [
+            float(fixed if fixed is not None else group.get("initial_lr", group["lr"]))
+            for group in self.optimizer.param_groups
+        ]
+        if not any(lr > 0 for lr in lrs):
+            raise ValueError(
+                "LaplaceGuide(prior_optimization='alternate'): the MAP refits would run at "
+                "learning rate 0 (the fitter's lr is 0); pass alternate_lr > 0."
+            )
+        return lrs
+
+    def _refit_map(self, data: Iterable[Any], tau: float) -> float:
+        """The MAP under the prior ``N(0, τ^{-1} I)``: epochs of this fitter's optimizer at the
+        refit learning rate until the relative gradient of the whole-data MAP objective
+        (:meth:`map_residual`) is below ``alternate_map_tol``, at most ``alternate_epochs``.
+        The rate is halved after an epoch that did not lower the residual (minibatch noise
+        then dominates the remaining gradient). Returns the last residual."""
+        model, guide, optim = self.model, self.guide, self.optimizer
         saved, was_training = model.prior_scale, model.training
+        saved_lrs = [group["lr"] for group in optim.param_groups]
         model.prior_scale = tau**-0.5
         model.train(True)
+        residual = math.inf
         try:
-            for _ in range(self.guide.alternate_epochs):
+            lrs = self._refit_lrs()
+            for group, lr in zip(optim.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            for _ in range(guide.alternate_epochs):
                 for batch in data:
                     self.step(to_device(batch, model.device))
+                last, residual = residual, self.map_residual(data)
+                if residual < guide.alternate_map_tol:
+                    break
+                if residual >= last:  # minibatch noise dominates: halve the rate
+                    for group in optim.param_groups:
+                        group["lr"] *= 0.5
         finally:
+            for group, lr in zip(optim.param_groups, saved_lrs, strict=True):
+                group["lr"] = lr
             model.prior_scale = saved
             model.train(was_training)
+        return residual
+
+    def map_residual(self, data: Iterable[Any]) -> float:
+        r"""Relative stationarity of the MAP: ``‖∇_θ U‖ / ‖τ θ‖`` over the sites, with ``U`` the
+        whole-data MAP objective ``−Σ_i log p(y_i|θ) − log p(θ)`` (the batches' objectives
+        weighted by ``B/N``) and ``τ θ`` its prior term's gradient (0 at the MAP, where the data
+        term's gradient equals ``−τ θ``). The point parameters' gradients count in the numerator.
+        """
+        model = self.model
+        num_data = float(model.num_data)
+        grads = [torch.zeros_like(p) for p in self.params]
+        for batch in data:
+            batch = to_device(batch, model.device)
+            weight = batch_size(split_batch(batch, model.label_key)[0]) / num_data
+            loss = self.objective.loss(model, self.guide, batch)
+            parts = torch.autograd.grad(loss, self.params, allow_unused=True)
+            for g, part in zip(grads, parts, strict=True):
+                if part is not None:
+                    g.add_(part, alpha=weight)
+        tau = float(model.prior_scale) ** -2
+        prior = math.sqrt(
+            sum(float((tau * self.guide.loc(s).detach()).square().sum()) for s in self.guide.sites)
+        )
+        total = math.sqrt(sum(float(g.square().sum()) for g in grads))
+        return total / max(prior, torch.finfo(torch.float64).tiny)
 
 
 class LaplaceNet(nn.Module):

@@ -200,3 +200,61 @@ def test_kron_laplace_over_plain_lora_factors() -> None:
         assert torch.linalg.eigvalsh(precision).min() > 0  # a proper Gaussian
     draws = guide.sample_posterior(3, generator=torch.Generator().manual_seed(0))
     assert draws["0.lora_A"].shape == (3, 2, 6) and torch.isfinite(draws["0.lora_B"]).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 30: non-finite curvature inputs, laplace-torch's exit(), validation without assert
+# ------------------------------------------------------------------------------------------------
+
+
+def _map_then_laplace(x: torch.Tensor, y: torch.Tensor, **kw):
+    prob = mlp_problem((5, 8, 3), LoRAXS(rank=2, target_modules=["0"]), num_data=len(x), seed=0)
+    map_guide = pb.posterior(prob.model, "map")
+    pb.fit(prob.model, map_guide, tensor_loader(prob.x[: len(x)], prob.y[: len(x)], 8), epochs=1)
+    guide = pb.posterior(prob.model, "laplace", init=map_guide, **kw)
+    return prob.model, guide
+
+
+def test_nan_input_row_refused_before_the_curvature() -> None:
+    """A NaN row reaching the curvature (laplace-torch's eigendecomposition then calls exit())."""
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    x[11, 2] = float("nan")
+    model, guide = _map_then_laplace(x, y)
+    with pytest.raises(
+        ValueError, match=r"batch 1 of the curvature data has non-finite inputs.*rows \[3\]"
+    ):
+        pb.fit(model, guide, tensor_loader(x, y, 8), epochs=0)
+    assert not guide.is_fitted
+
+
+def test_laplace_torch_exit_becomes_an_exception(monkeypatch) -> None:
+    """laplace-torch's symeig calls exit() when its eigendecomposition fails: the process would
+    end with status 0 and no message. The SystemExit is turned into a FloatingPointError."""
+    import laplace.utils.matrix as lt_matrix
+
+    def failing_symeig(matrix: torch.Tensor):
+        exit()  # what laplace.utils.utils.symeig does after its jitter retry fails
+
+    monkeypatch.setattr(lt_matrix, "symeig", failing_symeig)
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    model, guide = _map_then_laplace(x, y, structure="kron")
+    with pytest.raises(
+        FloatingPointError, match="laplace-torch stopped while fitting the curvature"
+    ):
+        pb.fit(model, guide, tensor_loader(x, y, 8), epochs=0)
+
+
+def test_non_finite_point_refused() -> None:
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    model, guide = _map_then_laplace(x, y)
+    with torch.no_grad():
+        guide.loc("0.core")[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="point of site '0.core' holds non-finite values"):
+        pb.fit(model, guide, tensor_loader(x, y, 8), epochs=0)
+
+
+def test_set_curvature_kron_needs_eigenvectors() -> None:
+    model, _, _, _ = _mlp()
+    guide = LaplaceGuide(model, structure="kron")
+    with pytest.raises(ValueError, match="needs the eigenvectors eigvecs_out and eigvecs_in"):
+        guide.set_curvature("0.core", torch.ones(3, 3))
