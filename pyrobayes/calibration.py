@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "TEMPERATURE_BUFFER",
     "calibrate",
+    "fit_temperature",
     "temperature",
     "set_temperature",
     "apply_temperature",
@@ -270,10 +271,37 @@ def calibrate(
             "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; build "
             "the model with obs_scale=<float> or 'learn'."
         )
-    targets = pred.targets
+    value = fit_temperature(pred, bounds=(low, high))
+    set_temperature(guide, value)
+    return value
+
+
+def fit_temperature(
+    prediction: Any, targets: Tensor | None = None, *, bounds: tuple[float, float] = (0.05, 20.0)
+) -> float:
+    """The temperature ``T`` minimising the NLL of an (uncalibrated) ``Prediction``'s tempered
+    posterior predictive on its ``targets`` (:func:`tempered_nll`); what :func:`calibrate` fits.
+
+    For predictives that are not a guide's (a deep ensemble's members stacked as the draws,
+    another library's probabilities as one row): apply the result with
+    :func:`apply_temperature`. Never worse than ``T = 1`` on these targets.
+
+    Raises
+    ------
+    ValueError
+        No targets, or ``bounds`` not ``0 < low < high``.
+    """
+    targets = prediction.targets if targets is None else targets
+    if targets is None or targets.numel() == 0:
+        raise ValueError("fit_temperature: the prediction has no targets; pass targets=.")
+    low, high = (float(b) for b in bounds)
+    if not (0 < low < high and math.isfinite(high)):
+        raise ValueError(
+            f"fit_temperature: bounds must be two finite numbers 0 < low < high, got {bounds!r}."
+        )
 
     def objective(log_t: float) -> float:
-        return float(tempered_nll(pred, targets, math.exp(log_t)))
+        return float(tempered_nll(prediction, targets, math.exp(log_t)))
 
     log_t = _minimise(objective, math.log(low), math.log(high))
     value = math.exp(log_t)
@@ -287,6 +315,5 @@ def calibrate(
             value,
             bounds,
         )
-    set_temperature(guide, value)
     logger.info("calibrate: T = %.4f, validation NLL %.4f -> %.4f", value, before, after)
     return value

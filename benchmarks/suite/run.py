@@ -1,0 +1,453 @@
+"""The benchmark suite: posterior families against what a user would pick instead (issue 27).
+
+For every task and seed, in one run and on the same MAP network where the method is post-hoc:
+
+* ``map`` - ``pb.posterior(model, "map")`` fitted with the task's settings;
+* ``map+ts`` - that MAP with a temperature fitted on the validation split (``pb.calibrate``);
+* ``ensemble`` - a deep ensemble of M MAPs (M = 4; members differ in the new head's
+  initialisation and the data order), probabilities averaged; ``ensemble+ts`` calibrated;
+* ``laplace-torch`` - ``laplace.Laplace(net, "classification", subset_of_weights="last_layer",
+  hessian_structure="kron")`` + ``optimize_prior_precision()`` on the MAP network (the adapter
+  merged, ``pb.models.merged_network``), its default predictive (GLM, probit); regression:
+  ``"regression"`` with the MAP's learned noise as ``sigma_noise``;
+* every family, ``pb.posterior(model, family)`` with the task's fit settings (post-hoc families
+  from the MAP above), and ``<family>+ts`` calibrated on the validation split.
+
+Metrics on the test split (never tuned on): accuracy, NLL, ECE (15 bins), Brier; OOD AUROC of the
+**predictive entropy** of the posterior predictive (ID = 0, OOD = 1; the max-probability AUROC is
+kept too, ``auroc_maxprob_*``); regression: RMSE and NLL. Fit and predict seconds; posterior
+storage. Paired differences (per seed, then mean and standard deviation over seeds) against MAP
+and each anchor are computed by ``report.py``.
+
+Run::
+
+    make bench-suite                                   # digits + diabetes, 3 seeds, every family
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/run.py --tasks polarity --seeds 0 \\
+        --families map laplace ivon --out benchmarks/results/suite/polarity.json
+    .venv/bin/python benchmarks/suite/run.py --quick --out /tmp/suite.json   # the test suite's
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import inspect
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pyro
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from tasks import SKIP, TASKS, Task  # noqa: E402
+
+import pyrobayes as pb  # noqa: E402
+from pyrobayes.calibration import apply_temperature, fit_temperature, set_temperature  # noqa: E402
+from pyrobayes.predictive import Prediction  # noqa: E402
+
+logger = logging.getLogger("suite")
+RESULTS = HERE.parents[0] / "results" / "suite" / "suite.json"
+FAMILIES = (
+    "map",
+    "meanfield",
+    "ivon",
+    "kron-ivon",
+    "swag",
+    "laplace",
+    "symmetrized",
+    "ibdr",
+    "signorm",
+)
+ANCHORS = ("map", "map+ts", "ensemble", "laplace-torch")
+
+
+# ------------------------------------------------------------------------------------ fitting
+def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``pb.fit`` with the family's settings; validated early stopping where the task uses it."""
+    epochs = int(settings.get("epochs", task.epochs))
+    if task.quick:
+        epochs = min(epochs, task.epochs)
+    kwargs: dict[str, Any] = {
+        "epochs": epochs,
+        "lr": float(settings.get("lr", task.lr)),
+        "seed": seed,
+    }
+    params = inspect.signature(pb.fit).parameters
+    validate = task.patience is not None and settings.get("validate", True) and epochs > 0
+    if "progress" in params:
+        kwargs["progress"] = False
+    if validate:
+        patience = int(settings.get("patience", task.patience))
+        if hasattr(pb, "Validation"):
+            kwargs["validation"] = pb.Validation(data=task.val, select_by="nll", patience=patience)
+        else:
+            kwargs.update(val_data=task.val, select_by="nll", patience=patience)
+    start = time.perf_counter()
+    result = pb.fit(model, guide, task.train, **kwargs)
+    state = getattr(result, "state", {}) or {}
+    return {
+        "fit_s": time.perf_counter() - start,
+        "epochs_run": int(state.get("epoch", epochs)),
+        "best_epoch": state.get("best_epoch"),
+    }
+
+
+def _predict(task: Task, model: Any, guide: Any) -> tuple[Prediction, dict[str, Prediction], float]:
+    start = time.perf_counter()
+    pred = pb.predict(model, guide, task.test, num_samples=task.num_samples, seed=0)
+    seconds = time.perf_counter() - start
+    ood = {
+        k: pb.predict(model, guide, v, num_samples=task.num_samples, seed=0)
+        for k, v in task.ood.items()
+    }
+    return pred, ood, seconds
+
+
+def _scores(pred: Prediction, ood: dict[str, Prediction]) -> dict[str, float]:
+    assert pred.targets is not None
+    r = pb.metrics.report(pred, pred.targets)
+    if pred.log_probs is None:
+        return {"rmse": r["rmse"], "nll": r["nll"]}
+    out = {k: r[k] for k in ("accuracy", "nll", "ece", "brier")}
+    id_ent = pb.metrics.predictive_entropy(pred.probs)
+    id_max = pb.metrics.max_prob_score(pred.probs)
+    for name, o in ood.items():
+        out[f"auroc_{name}"] = pb.metrics.ood_auroc(id_ent, pb.metrics.predictive_entropy(o.probs))
+        out[f"auroc_maxprob_{name}"] = pb.metrics.ood_auroc(
+            id_max, pb.metrics.max_prob_score(o.probs)
+        )
+    return out
+
+
+def _with_ts(task: Task, model: Any, guide: Any) -> tuple[dict[str, float], float, float]:
+    """The guide calibrated on the validation split: test scores, T, calibration seconds."""
+    start = time.perf_counter()
+    t = pb.calibrate(model, guide, task.val, num_samples=task.num_samples, seed=0)
+    seconds = time.perf_counter() - start
+    pred, ood, _ = _predict(task, model, guide)
+    set_temperature(guide, None)
+    return _scores(pred, ood), t, seconds
+
+
+def _stack(preds: list[Prediction]) -> Prediction:
+    """A classification ensemble's members as the draws of one predictive (probabilities
+    averaged)."""
+    return Prediction(log_probs=torch.cat([p.log_probs for p in preds]), targets=preds[0].targets)
+
+
+def _storage(guide: Any) -> int:
+    try:
+        return int(pb.count_parameters(guide).get("posterior_storage", 0))
+    except Exception:  # accounting is informative only
+        return -1
+
+
+# ------------------------------------------------------------------------------------ anchors
+def _ensemble(
+    task: Task, seed: int, members: list[tuple[Any, Any]], fit_s: float, m: int
+) -> dict[str, Any]:
+    """Members 1..M-1 fitted here (member 0 is the MAP); scores with and without TS."""
+    settings = task.settings.get("map", {})
+    total = fit_s
+    for k in range(1, m):
+        pyro.clear_param_store()
+        model = task.build_model("map", k)
+        guide = pb.posterior(model, "map")
+        total += _fit(task, model, guide, settings, 1000 * seed + k)["fit_s"]
+        members.append((model, guide))
+    start = time.perf_counter()
+    parts = [_predict(task, mo, g) for mo, g in members]
+    predict_s = time.perf_counter() - start
+    if task.kind == "regression":
+        loc = torch.cat([p[0].loc for p in parts])
+        sigma = torch.tensor([float(p[0].scale) for p in parts]).reshape(-1, *[1] * (loc.dim() - 1))
+        pred = Prediction(loc=loc, targets=parts[0][0].targets)
+        r = pb.metrics.regression_report(loc, pred.targets, sigma.expand_as(loc))
+        val = [_predict_val(task, mo, g) for mo, g in members]
+        vloc = torch.cat([v.loc for v in val])
+
+        def nll_at(tt: float) -> float:
+            return pb.metrics.regression_report(vloc, val[0].targets, (tt * sigma).expand_as(vloc))[
+                "nll"
+            ]
+
+        t = _argmin_log(nll_at)
+        r_ts = pb.metrics.regression_report(loc, pred.targets, (t * sigma).expand_as(loc))
+        return {
+            "ensemble": {
+                "rmse": r["rmse"],
+                "nll": r["nll"],
+                "fit_s": total,
+                "predict_s": predict_s,
+            },
+            "ensemble+ts": {
+                "rmse": r_ts["rmse"],
+                "nll": r_ts["nll"],
+                "temperature": t,
+                "fit_s": total,
+            },
+        }
+    pred = _stack([p[0] for p in parts])
+    ood = {k: _stack([p[1][k] for p in parts]) for k in task.ood}
+    val_pred = _stack([_predict_val(task, mo, g) for mo, g in members])
+    t = fit_temperature(val_pred)
+    ts = _scores(apply_temperature(pred, t), {k: apply_temperature(v, t) for k, v in ood.items()})
+    return {
+        "ensemble": {**_scores(pred, ood), "fit_s": total, "predict_s": predict_s},
+        "ensemble+ts": {**ts, "temperature": t, "fit_s": total},
+    }
+
+
+def _argmin_log(f: Any, low: float = 0.05, high: float = 20.0) -> float:
+    grid = [
+        math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / 200) for i in range(201)
+    ]
+    return min(grid, key=f)
+
+
+def _predict_val(task: Task, model: Any, guide: Any) -> Prediction:
+    return pb.predict(model, guide, task.val, num_samples=task.num_samples, seed=0)
+
+
+def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict[str, Any]:
+    """laplace-torch's last-layer Kronecker Laplace with marginal-likelihood prior precision,
+    used as its README shows, on the MAP network (adapter merged)."""
+    from laplace import Laplace
+
+    assert task.la_net is not None
+    net = task.la_net(model, guide).eval()
+    for p in net.parameters():
+        p.requires_grad_(True)
+    start = time.perf_counter()
+    if task.kind == "regression":
+        la = Laplace(
+            net,
+            "regression",
+            subset_of_weights="last_layer",
+            hessian_structure="kron",
+            sigma_noise=float(model.likelihood.obs_scale),
+        )
+    else:
+        la = Laplace(
+            net, "classification", subset_of_weights="last_layer", hessian_structure="kron"
+        )
+    la.fit(task.la_data(task.train))
+    with warnings.catch_warnings():  # its notice that the default link is probit (we use it)
+        warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
+        la.optimize_prior_precision()
+    fit_s = time.perf_counter() - start
+
+    def run(loader: Any) -> Prediction:
+        outs, ys = [], []
+        for batch in loader:
+            if isinstance(batch, dict):
+                x, y = batch, batch.get("labels")
+            elif isinstance(batch, (list, tuple)) and len(batch) == 2:
+                x, y = batch
+            else:
+                x, y = (batch[0] if isinstance(batch, (list, tuple)) else batch), None
+            if task.kind == "regression":
+                f_mu, f_var = la(x)
+                outs.append((f_mu.detach().reshape(-1), f_var.detach().reshape(-1)))
+            else:
+                outs.append(la(x).detach())  # GLM predictive, probit link (its default)
+            if y is not None:
+                ys.append(y)
+        targets = torch.cat(ys) if ys else None
+        if task.kind == "regression":
+            mu = torch.cat([o[0] for o in outs]).unsqueeze(0)
+            var = torch.cat([o[1] for o in outs]).unsqueeze(0)
+            return Prediction(loc=mu, scale=float(la.sigma_noise), loc_var=var, targets=targets)
+        probs = torch.cat(outs).clamp_min(1e-12)
+        return Prediction(log_probs=probs.log().unsqueeze(0), targets=targets)
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        pred = run(task.test)
+        predict_s = time.perf_counter() - start
+        ood = {k: run(v) for k, v in task.ood.items()}
+    scores = _scores(pred, ood)
+    return {
+        **scores,
+        "fit_s": map_fit_s + fit_s,
+        "posthoc_s": fit_s,
+        "predict_s": predict_s,
+        "prior_precision": float(la.prior_precision.mean()),
+    }
+
+
+# ------------------------------------------------------------------------------------ one run
+def run_seed(task: Task, seed: int, families: list[str], members: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    pyro.clear_param_store()
+    map_settings = task.settings.get("map", {})
+    map_model = task.build_model("map", 0)
+    map_guide = pb.posterior(map_model, "map", **map_settings.get("options", {}))
+    info = _fit(task, map_model, map_guide, map_settings, 1000 * seed)
+    pred, ood, predict_s = _predict(task, map_model, map_guide)
+    out["map"] = {
+        **_scores(pred, ood),
+        **info,
+        "predict_s": predict_s,
+        "storage": _storage(map_guide),
+    }
+    if task.kind == "regression":
+        out["map"]["sigma"] = float(map_model.likelihood.obs_scale)
+    ts, t, cal_s = _with_ts(task, map_model, map_guide)
+    out["map+ts"] = {**ts, "temperature": t, "fit_s": info["fit_s"] + cal_s, "predict_s": predict_s}
+    map_state = copy.deepcopy(map_guide.state_dict())
+    head = {k: v.detach().clone() for k, v in map_model.point_params.items()}
+    logger.info("[%s seed %d] map: %s", task.name, seed, _short(out["map"]))
+    for name, fn in (
+        ("laplace-torch", lambda: _laplace_torch(task, map_model, map_guide, info["fit_s"])),
+        (
+            "ensemble",
+            lambda: _ensemble(task, seed, [(map_model, map_guide)], info["fit_s"], members),
+        ),
+    ):
+        try:
+            res = fn()
+            out.update(res if name == "ensemble" else {name: res})
+        except Exception as err:  # an anchor that fails is reported, not fatal
+            logger.error("[%s seed %d] %s failed: %s", task.name, seed, name, err)
+            out[name] = {
+                "error": f"{type(err).__name__}: {err}",
+                "trace": traceback.format_exc()[-2000:],
+            }
+        logger.info("[%s seed %d] %s: %s", task.name, seed, name, _short(out.get(name, {})))
+    for family in families:
+        if family == "map":
+            continue
+        if (task.name, family) in SKIP:
+            out[family] = {"skipped": SKIP[(task.name, family)]}
+            continue
+        settings = task.settings.get(family, {})
+        try:
+            pyro.clear_param_store()
+            init = None
+            if settings.get("init") == "map":
+                model = copy.deepcopy(map_model)
+                with torch.no_grad():
+                    for k, v in head.items():
+                        model.point_params[k].copy_(v)
+                map_guide.load_state_dict(map_state)
+                init = map_guide
+            else:
+                model = task.build_model(family, 0)
+            guide = pb.posterior(model, family, init=init, **settings.get("options", {}))
+            fi = _fit(task, model, guide, settings, 1000 * seed)
+            if init is not None:
+                fi["fit_s"] += info["fit_s"]  # a post-hoc family's cost includes its MAP
+            pred, ood, predict_s = _predict(task, model, guide)
+            out[family] = {
+                **_scores(pred, ood),
+                **fi,
+                "predict_s": predict_s,
+                "storage": _storage(guide),
+            }
+            if task.kind == "regression":
+                out[family]["sigma"] = float(model.likelihood.obs_scale)
+            ts, t, cal_s = _with_ts(task, model, guide)
+            out[f"{family}+ts"] = {**ts, "temperature": t, "fit_s": fi["fit_s"] + cal_s}
+        except Exception as err:
+            logger.error("[%s seed %d] %s failed: %s", task.name, seed, family, err)
+            out[family] = {
+                "error": f"{type(err).__name__}: {err}",
+                "trace": traceback.format_exc()[-2000:],
+            }
+        logger.info("[%s seed %d] %s: %s", task.name, seed, family, _short(out[family]))
+    return out
+
+
+def _short(record: dict[str, Any]) -> str:
+    keys = ("accuracy", "rmse", "nll", "ece", "fit_s", "error", "skipped")
+    return " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in record.items()
+        if k in keys
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["digits", "diabetes"], choices=list(TASKS))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--members", type=int, default=4, help="M, the deep ensemble's size")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one seed (the tests)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-report", action="store_true", help="skip the markdown and plot")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    members = min(args.members, 2) if args.quick else args.members
+    unknown = [f for f in args.families if f not in pb.available_guides()]
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}; available: {pb.available_guides()}")
+    results: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(
+            ["benchmarks/suite/run.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "torch": torch.__version__,
+        "pyro": pyro.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}",
+        "threads": args.threads,
+        "loadavg_start": os.getloadavg(),
+        "quick": args.quick,
+        "members": members,
+        "seeds": seeds,
+        "auroc_score": "predictive entropy (auroc_<set>); max probability (auroc_maxprob_<set>)",
+        "tasks": {},
+    }
+    for name in args.tasks:
+        runs = {}
+        settings_used: dict[str, Any] = {}
+        for seed in seeds:
+            t0 = time.perf_counter()
+            task = TASKS[name](seed, args.quick)
+            settings_used = {
+                f: {k: v for k, v in task.settings.get(f, {}).items() if k != "adapter_fn"}
+                for f in args.families
+            }
+            runs[str(seed)] = run_seed(task, seed, list(args.families), members)
+            logger.info("[%s seed %d] done in %.0f s", name, seed, time.perf_counter() - t0)
+            results["tasks"][name] = {
+                "kind": task.kind,
+                "info": {k: v for k, v in task.info.items()},
+                "fit": {"epochs": task.epochs, "lr": task.lr, "patience": task.patience},
+                "num_samples": task.num_samples,
+                "settings": settings_used,
+                "runs": runs,
+            }
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1, default=str))  # after every seed
+    results["loadavg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1, default=str))
+    logger.info("wrote %s", args.out)
+    if not args.no_report:
+        import report
+
+        report.write_report(results, args.out.with_suffix(".md"))
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for noisy in ("pyrobayes", "laplace"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    main()

@@ -1,0 +1,331 @@
+"""The suite's tasks: data, the pretrained network, and a fresh fine-tuning model per fit.
+
+Each task returns a :class:`Task`: train / validation / test batches (the validation split is
+held out of the fine-tuning data and, for the pretrained MLPs, of the pretraining too), OOD
+inputs, ``build_model(family, member)`` (a fresh ``FineTuneModel`` over the same pretrained
+weights; ``member`` seeds the new head of an ensemble member), and what laplace-torch needs to
+run on a fitted MAP network.
+
+* ``digits`` - sklearn digits, an MLP 64-128-128-5 pretrained on digits 0-4, a new 7-class head
+  fine-tuned with LoRA-XS r=4 cores on both hidden layers (benchmarks/ivon.py's transfer set-up,
+  ``protocol="shift"``, with 7 classes so that digits 7-9 stay out as the OOD set).
+* ``diabetes`` - ``load_diabetes`` regression, an MLP 10-64-64-1 pretrained by least squares,
+  LoRA-XS r=4 cores, Gaussian likelihood with a learned noise scale (examples/regression.py).
+* ``polarity`` - the demo's task: all-MiniLM-L6-v2 with LoRA r=8 on the top half's query/value,
+  VADER movie-review sentences, binary polarity; OOD: tweets (near), chatterbot (far).
+* ``fine`` - the same with 5 fine-grained classes; OOD: NYT editorial sentences.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import pyrobayes as pb
+
+
+@dataclass
+class Task:
+    name: str
+    kind: str  # "classification" or "regression"
+    build_model: Callable[[str, int], Any]
+    train: Any
+    val: Any
+    test: Any
+    ood: dict[str, Any]
+    settings: dict[str, dict[str, Any]]
+    epochs: int
+    lr: float
+    num_samples: int
+    patience: int | None = None  # early stopping on the validation split (None: fixed epochs)
+    la_net: Callable[[Any, Any], nn.Module] | None = None  # (model, map_guide) -> plain network
+    la_data: Callable[[Any], Any] = lambda loader: loader  # a DataLoader, as laplace-torch wants
+    quick: bool = False  # tiny sizes: every fit capped at ``epochs``
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ settings
+#: Fit settings of the MLP tasks, per family: the documented ones (examples/*.py: lr 1e-2 for
+#: Adam-fitted families, 0.1 for the IVONs with 60 epochs; SWAG 10 epochs at lr 1e-3 from the MAP
+#: and Laplace at the MAP, examples/posthoc_from_map.py). Constructor options stay the family's
+#: defaults (``pb.posterior(model, name)``) except where a family cannot run otherwise
+#: (``options``), so a change of a default shows up on the next run.
+#: ``adapter``: a family that needs another adapter or network (tests/families.py).
+MLP_SETTINGS: dict[str, dict[str, Any]] = {
+    "map": {"lr": 1e-2},
+    "meanfield": {"lr": 1e-2},
+    "ivon": {"lr": 0.1, "epochs": 60},
+    "kron-ivon": {"lr": 0.1, "epochs": 60},
+    "swag": {"init": "map", "epochs": 10, "lr": 1e-3},
+    "laplace": {"init": "map", "epochs": 0},
+    "symmetrized": {"lr": 1e-2, "adapter": "lora"},  # LoRA-XS is refused: plain LoRA, same rank
+    "ibdr": {"lr": 1e-2},
+    "signorm": {"lr": 1e-2, "adapter": "signorm"},  # a LayerNorm appended (tests/families.py)
+}
+#: The regression task's exceptions: IBDR's diversity term needs class probabilities.
+REGRESSION_OPTIONS: dict[str, dict[str, Any]] = {"ibdr": {"alpha": 0.0}}
+#: Families a task cannot run, with the reason (reported in the JSON and the page).
+SKIP: dict[tuple[str, str], str] = {
+    ("diabetes", "signorm"): "σN needs norm layers; a LayerNorm over one regression output "
+    "is constant",
+}
+
+
+def text_settings() -> dict[str, dict[str, Any]]:
+    """The demo's per-family settings (``pyrobayes.demo.pipeline.FAMILY_SETTINGS``), read at run
+    time, in the suite's form."""
+    from pyrobayes.demo import pipeline as pl
+
+    out: dict[str, dict[str, Any]] = {}
+    for family, s in pl.FAMILY_SETTINGS.items():
+        out[family] = {k: v for k, v in s.items() if k in ("lr", "epochs", "init", "patience")}
+        out[family]["options"] = dict(s.get("options", {}))
+        if "validate" in s:
+            out[family]["validate"] = s["validate"]
+        if "adapter" in s:
+            out[family]["adapter_fn"] = s["adapter"]
+    return out
+
+
+# ------------------------------------------------------------------------------------ MLP tasks
+def _mlp_adapter(family: str, targets: list[str]) -> Any:
+    if MLP_SETTINGS.get(family, {}).get("adapter") == "lora":
+        return pb.models.LoRA(rank=4, target_modules=targets)
+    adapter = pb.models.LoRAXS(rank=4, projection="svd", target_modules=targets)
+    if MLP_SETTINGS.get(family, {}).get("adapter") == "signorm":
+        return pb.models.SigmaNorm(num_members=2, adapter=adapter)
+    return adapter
+
+
+def _pretrain(net: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, loss: Any) -> None:
+    optim = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(epochs):
+        for i in range(0, len(x), 64):
+            value = loss(net(x[i : i + 64]), y[i : i + 64])
+            optim.zero_grad()
+            value.backward()
+            optim.step()
+
+
+def _tensor_loader(batches: list[Any]) -> Any:
+    """A list of ``(x, y)`` batches as the DataLoader laplace-torch's ``fit`` needs."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    xs, ys = zip(*batches, strict=True)
+    size = len(xs[0])
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=size)
+
+
+def digits(seed: int, quick: bool = False) -> Task:
+    """Pretrained on digits 0-4, fine-tuned on 0-6 with a new head; OOD: digits 7-9."""
+    from pyrobayes.demo.data import load_digits_split
+
+    torch.manual_seed(seed)
+    split = load_digits_split(seed=seed, id_classes=range(7), dtype=torch.float32)
+    num_val, num_train = (64, 96) if quick else (200, 300)
+    perm = torch.randperm(len(split.x_train))
+    val_idx, rest = perm[:num_val], perm[num_val:]
+    train_idx = rest[:num_train]
+    # pretraining: digits 0-4 of the training split outside the validation images
+    pre = rest[split.y_train[rest] < 5]
+    net = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
+    )
+    _pretrain(
+        net, split.x_train[pre], split.y_train[pre], 3 if quick else 60, nn.functional.cross_entropy
+    )
+    state = copy.deepcopy(net.state_dict())
+    x, y = split.x_train[train_idx], split.y_train[train_idx]
+    xv, yv = split.x_train[val_idx], split.y_train[val_idx]
+    batch = 32
+    train = [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+    val = [(xv[i : i + 128], yv[i : i + 128]) for i in range(0, len(xv), 128)]
+    num_test = 128 if quick else len(split.x_test)
+    test = [
+        (split.x_test[i : min(i + 128, num_test)], split.y_test[i : min(i + 128, num_test)])
+        for i in range(0, num_test, 128)
+    ]
+    x_ood = split.x_ood[: 128 if quick else 300]
+    ood = {"digits7-9": [x_ood]}
+
+    def build_model(family: str, member: int = 0) -> Any:
+        body = nn.Sequential(
+            nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
+        )
+        body.load_state_dict(state)
+        torch.manual_seed(1000 * seed + member)
+        body[4] = nn.Linear(128, 7)  # the new 7-class head
+        if MLP_SETTINGS.get(family, {}).get("adapter") == "signorm":
+            body.append(nn.LayerNorm(7))
+        return pb.models.FineTuneModel(
+            body,
+            _mlp_adapter(family, ["0", "2"]),
+            num_data=len(x),
+            trainable_modules=["4"],
+        )
+
+    return Task(
+        name="digits",
+        kind="classification",
+        build_model=build_model,
+        train=train,
+        val=val,
+        test=test,
+        ood=ood,
+        settings=MLP_SETTINGS,
+        epochs=2 if quick else 30,
+        lr=1e-2,
+        num_samples=4 if quick else 32,
+        la_net=lambda model, guide: pb.models.merged_network(model, guide.mean()),
+        la_data=_tensor_loader,
+        quick=quick,
+        info={"num_train": len(x), "num_val": len(xv), "num_test": num_test, "classes": 7},
+    )
+
+
+def diabetes(seed: int, quick: bool = False) -> Task:
+    """examples/regression.py's recipe with a validation split: 60/20/20, standardised."""
+    from sklearn.datasets import load_diabetes
+
+    x_all, y_all = load_diabetes(return_X_y=True)
+    x_all = torch.as_tensor(x_all, dtype=torch.float32)
+    y_all = torch.as_tensor(y_all, dtype=torch.float32)
+    perm = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed))
+    n = len(x_all)
+    n_train, n_val = int(0.6 * n), int(0.2 * n)
+    tr, va, te = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
+    x_mean, x_std = x_all[tr].mean(0), x_all[tr].std(0)
+    y_mean, y_std = y_all[tr].mean(), y_all[tr].std()
+    x, y = (x_all - x_mean) / x_std, (y_all - y_mean) / y_std
+    batch = 32
+
+    def batches(idx: torch.Tensor, size: int) -> list[Any]:
+        return [(x[idx[i : i + size]], y[idx[i : i + size]]) for i in range(0, len(idx), size)]
+
+    train, val, test = batches(tr, batch), batches(va, 256), batches(te, 256)
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+    )
+    _pretrain(
+        net,
+        x[tr],
+        y[tr],
+        3 if quick else 100,
+        lambda out, target: nn.functional.mse_loss(out.squeeze(-1), target),
+    )
+    state = copy.deepcopy(net.state_dict())
+
+    def build_model(family: str, member: int = 0) -> Any:
+        body = nn.Sequential(
+            nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+        )
+        body.load_state_dict(state)
+        if member:  # an ensemble member: its own head initialisation
+            torch.manual_seed(1000 * seed + member)
+            body[4].reset_parameters()
+        return pb.models.FineTuneModel(
+            body,
+            _mlp_adapter(family, ["0", "2"]),
+            likelihood="gaussian",
+            obs_scale="learn",
+            prior_scale=1.0,
+            num_data=len(tr),
+            trainable_modules=["4"],
+        )
+
+    settings = {
+        f: {**s, "options": {**s.get("options", {}), **REGRESSION_OPTIONS.get(f, {})}}
+        for f, s in MLP_SETTINGS.items()
+    }
+    return Task(
+        name="diabetes",
+        kind="regression",
+        build_model=build_model,
+        train=train,
+        val=val,
+        test=test,
+        ood={},
+        settings=settings,
+        epochs=2 if quick else 60,
+        lr=1e-2,
+        num_samples=4 if quick else 64,
+        la_net=lambda model, guide: pb.models.merged_network(model, guide.mean()),
+        la_data=lambda batches: _tensor_loader([(xb, yb.unsqueeze(-1)) for xb, yb in batches]),
+        quick=quick,
+        info={"num_train": len(tr), "num_val": len(va), "num_test": len(te)},
+    )
+
+
+# ------------------------------------------------------------------------------------ text tasks
+class _HFLogits(nn.Module):
+    """A Hugging Face classifier as laplace-torch calls it: a dict batch in, logits out."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, data: Any) -> torch.Tensor:
+        return self.net(**{k: v for k, v in data.items() if k != "labels"}).logits
+
+
+def _text(seed: int, quick: bool, num_labels: int, ood: list[str], name: str) -> Task:
+    from pyrobayes.demo import pipeline as pl
+
+    user = {"model": {"num_labels": num_labels}, "data": {"seed": seed, "ood": ood}}
+    user["training"] = {"seed": seed}
+    config = pl.resolve_config(user, quick=quick)
+    loaders = pl.build_data(config, pl._load_tokenizer(config))
+    train = loaders["train"]
+    settings = text_settings()
+
+    def build_model(family: str, member: int = 0) -> Any:
+        pl._rewind(train, seed)
+        cfg = copy.deepcopy(config)
+        cfg["training"]["seed"] = 1000 * seed + member  # the new head's initialisation
+        model, _ = pl.build_model(cfg, loaders["num_train"], train, family=family)
+        return model
+
+    return Task(
+        name=name,
+        kind="classification",
+        build_model=build_model,
+        train=train,
+        val=loaders["val"],
+        test=loaders["test"],
+        ood={k.split("/", 1)[1]: v for k, v in loaders.items() if k.startswith("ood/")},
+        settings=settings,
+        epochs=int(config["training"]["epochs"]),
+        lr=float(config["training"]["lr"]),
+        num_samples=int(config["predict"]["num_samples"]),
+        patience=int(config["training"]["patience"]) or None,
+        quick=quick,
+        la_net=lambda model, guide: _HFLogits(pb.models.merged_network(model, guide.mean())),
+        info={
+            "num_train": loaders["num_train"],
+            "classes": num_labels,
+            "adapter": config["adapter"],
+            "data": config["data"],
+        },
+    )
+
+
+def polarity(seed: int, quick: bool = False) -> Task:
+    return _text(seed, quick, 2, ["vader:tweets", "chatterbot"], "polarity")
+
+
+def fine(seed: int, quick: bool = False) -> Task:
+    return _text(seed, quick, 5, ["vader:nytEditorialSnippets"], "fine")
+
+
+TASKS: dict[str, Callable[[int, bool], Task]] = {
+    "digits": digits,
+    "diabetes": diabetes,
+    "polarity": polarity,
+    "fine": fine,
+}
