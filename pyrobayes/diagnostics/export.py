@@ -38,7 +38,7 @@ import importlib.metadata
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyro
@@ -263,135 +263,239 @@ def evaluate_draws(
     if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
         data = list(data)
     model.train(False)
-    dev = model.device
-    shapes = _site_shapes(model, guide)
-    chosen, omitted = select_sites(shapes, sites, max_site_numel)
-    if not summarise_omitted:
-        omitted = []
-    if omitted:
-        logger.info(
-            "Posterior export keeps only the Frobenius norm of sites %s (%d scalars per draw; "
-            "max_site_numel=%d). Pass sites=[...] to export them in full.",
-            omitted,
-            sum(_numel(shapes[s]) for s in omitted),
-            max_site_numel,
-        )
-    total = sum(_numel(s) for s in shapes.values())
-    chunk = _draw_chunk(num_samples, total, max_site_numel)
-    components = _num_components(guide)
-    if components > 1:  # whole rounds over the components: draw s is from component s mod K
-        if num_samples % components:
-            rounded = -(-num_samples // components) * components
-            logger.info(
-                "%s is a mixture of %d components: exporting %d draws (a multiple of %d) "
-                "instead of %d, so every component is a chain of equal length.",
-                type(guide).__name__,
-                components,
-                rounded,
-                components,
-                num_samples,
-            )
-            num_samples = rounded
-        chunk = max(components, chunk - chunk % components)
+    plan = _DrawPlan.of(model, guide, num_samples, sites, max_site_numel, summarise_omitted)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     classification = bool(model.likelihood.is_classification)
-    result = DrawEvaluation(num_samples=num_samples, chosen=chosen, omitted=omitted)
-    values_out: dict[str, list[np.ndarray]] = {s: [] for s in chosen}
-    norms_out: dict[str, list[np.ndarray]] = {s: [] for s in omitted}
-    log_q, log_prior, ll_sum, ll_point, pp, class_lp = [], [], [], [], [], []
-    observed: list[Tensor] = []
-    has_targets = True
-    for start in range(0, num_samples, chunk):
-        n = min(chunk, num_samples - start)
-        if components > 1:  # (K, n/K, ...) -> (n, ...) with draw j·K + k from component k
-            grouped = guide.sample_components(n // components, generator=generator)
-            values = {k: v.transpose(0, 1).reshape(n, *v.shape[2:]) for k, v in grouped.items()}
-        else:
-            values = guide.sample_posterior(n, generator=generator)
-        values = {k: v.detach().to(dev) for k, v in values.items()}
-        for s in chosen:
-            values_out[s].append(_np(values[s]))
-        for s in omitted:
-            norms_out[s].append(_np(values[s].reshape(n, -1).norm(dim=-1)))
-        with torch.no_grad():
-            try:
-                log_q.append(_np(guide.log_prob(values)))
-            except NotImplementedError:
-                logger.info("%s has no log_prob; log_q is NaN.", type(guide).__name__)
-                log_q.append(np.full(n, np.nan))
-            log_prior.append(_np(model.log_prior(values)))
+    out = _Collected(plan)
+    for start in range(0, plan.num_samples, plan.chunk):
+        n = min(plan.chunk, plan.num_samples - start)
+        values = _draw(guide, n, plan.components, generator, model.device)
+        out.add_draws(model, guide, values, n)
         pp_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else None
         keep_class = max(0, min(n, num_class_samples - start)) if classification else 0
-        chunk_sum = torch.zeros(n, dtype=torch.float64)
-        chunk_point, chunk_pp, chunk_lp = [], [], []
-        devices = [dev] if dev.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            if pp_seed is not None:
-                torch.manual_seed(pp_seed)
-            for batch in data:
-                inputs, y = split_batch(to_device(batch, dev), model.label_key)
-                if y is None:
-                    has_targets = False
-                if start == 0 and y is not None:
-                    observed.append(y.detach().cpu())
-                parts_ll, parts_pp, parts_lp = [], [], []
-                spf = samples_per_forward or default_samples_per_forward(n, model.device, inputs)
-                for s0 in range(0, n, spf):
-                    sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
-                    params = model.batched_output(inputs, sub)  # (s, B, ...)
-                    s_here = int(params.shape[0])
-                    if y is not None:
-                        ll = model.log_likelihood(params, y)  # (s, B, [event...])
-                        parts_ll.append(ll.reshape(s_here, ll.shape[1], -1).sum(-1).double())
-                    likelihood_dist = model.likelihood.dist(params)
-                    if predictive:
-                        parts_pp.append(likelihood_dist.sample().cpu())
-                    if keep_class > s0:
-                        logits = likelihood_dist.logits[: keep_class - s0]
-                        parts_lp.append(torch.log_softmax(logits, dim=-1).cpu())
-                if parts_ll:
-                    ll_batch = torch.cat(parts_ll, 0).cpu()  # (n, B)
-                    chunk_sum += ll_batch.sum(1)
-                    if pointwise:
-                        chunk_point.append(ll_batch)
-                if parts_pp:
-                    chunk_pp.append(torch.cat(parts_pp, 0))
-                if parts_lp:
-                    chunk_lp.append(torch.cat(parts_lp, 0))
-        if has_targets:
-            ll_sum.append(chunk_sum.numpy())
-            if pointwise:
-                ll_point.append(torch.cat(chunk_point, 1).numpy())
-        if chunk_pp:
-            pp.append(_np(torch.cat(chunk_pp, 1)))
-        if chunk_lp:
-            class_lp.append(torch.cat(chunk_lp, 1))
+        wanted = _Wanted(pointwise, predictive, keep_class, samples_per_forward)
+        out.add_chunk(_evaluate_chunk(model, data, values, n, wanted, pp_seed, start == 0))
         del values
-    result.site_values = {s: np.concatenate(v, 0) for s, v in values_out.items()}
-    result.site_norms = {s: np.concatenate(v, 0) for s, v in norms_out.items()}
-    result.log_q = np.concatenate(log_q)
-    result.log_prior = np.concatenate(log_prior)
-    if has_targets and observed:
-        target = torch.cat(observed, 0)
-        result.targets = target
-        result.observed = _np(target)
-        result.num_examples = int(target.shape[0])
-        result.log_lik_sum = np.concatenate(ll_sum)
-        if pointwise:
-            result.pointwise = np.concatenate(ll_point, 0)
-        num_data = getattr(model, "num_data", None)
-        if num_data is not None and num_data != result.num_examples:
-            logger.warning(
-                "model.num_data=%d but the data has %d examples: log_joint is the log joint "
-                "of THIS data set, not of the training posterior.",
-                num_data,
-                result.num_examples,
+    return out.result(model)
+
+
+class _DrawPlan(NamedTuple):
+    """How many draws, in chunks of how many, of how many mixture components; which sites."""
+
+    num_samples: int
+    chunk: int
+    components: int
+    chosen: list[str]
+    omitted: list[str]
+
+    @classmethod
+    def of(
+        cls,
+        model: Any,
+        guide: Any,
+        num_samples: int,
+        sites: Sequence[str] | None,
+        max_site_numel: int,
+        summarise_omitted: bool,
+    ) -> _DrawPlan:
+        shapes = _site_shapes(model, guide)
+        chosen, omitted = select_sites(shapes, sites, max_site_numel)
+        if not summarise_omitted:
+            omitted = []
+        if omitted:
+            logger.info(
+                "Posterior export keeps only the Frobenius norm of sites %s (%d scalars per "
+                "draw; max_site_numel=%d). Pass sites=[...] to export them in full.",
+                omitted,
+                sum(_numel(shapes[s]) for s in omitted),
+                max_site_numel,
             )
-    if pp:
-        result.predictive = np.concatenate(pp, 0)
-    if class_lp:
-        result.class_log_probs = torch.cat(class_lp, 0)
-    return result
+        total = sum(_numel(s) for s in shapes.values())
+        chunk = _draw_chunk(num_samples, total, max_site_numel)
+        components = _num_components(guide)
+        if components > 1:  # whole rounds over the components: draw s is from component s mod K
+            if num_samples % components:
+                rounded = -(-num_samples // components) * components
+                logger.info(
+                    "%s is a mixture of %d components: exporting %d draws (a multiple of %d) "
+                    "instead of %d, so every component is a chain of equal length.",
+                    type(guide).__name__,
+                    components,
+                    rounded,
+                    components,
+                    num_samples,
+                )
+                num_samples = rounded
+            chunk = max(components, chunk - chunk % components)
+        return cls(num_samples, chunk, components, chosen, omitted)
+
+
+def _draw(
+    guide: Any, n: int, components: int, generator: torch.Generator | None, dev: torch.device
+) -> dict[str, Tensor]:
+    """``n`` joint draws on ``dev``; for a mixture, draw ``j·K + k`` from component ``k``."""
+    if components > 1:  # (K, n/K, ...) -> (n, ...)
+        grouped = guide.sample_components(n // components, generator=generator)
+        values = {k: v.transpose(0, 1).reshape(n, *v.shape[2:]) for k, v in grouped.items()}
+    else:
+        values = guide.sample_posterior(n, generator=generator)
+    return {k: v.detach().to(dev) for k, v in values.items()}
+
+
+class _Wanted(NamedTuple):
+    """What a chunk's pass over the data keeps besides the log-likelihood sums."""
+
+    pointwise: bool
+    predictive: bool
+    keep_class: int  # class log-probabilities of this many first draws of the chunk
+    samples_per_forward: int | None
+
+
+class _Chunk(NamedTuple):
+    """One chunk of draws evaluated on all of the data."""
+
+    ll_sum: Tensor  # (n,)
+    pointwise: list[Tensor]  # per batch (n, B)
+    predictive: list[Tensor]  # per batch (n, B, ...)
+    class_log_probs: list[Tensor]  # per batch (P, B, C)
+    observed: list[Tensor]  # per batch targets, first chunk only
+    has_targets: bool
+
+
+def _evaluate_chunk(
+    model: Any,
+    data: Iterable[Any],
+    values: dict[str, Tensor],
+    n: int,
+    wanted: _Wanted,
+    pp_seed: int | None,
+    first: bool,
+) -> _Chunk:
+    """The model on every batch of ``data`` at the ``n`` draws ``values``."""
+    dev = model.device
+    chunk = _Chunk(torch.zeros(n, dtype=torch.float64), [], [], [], [], True)
+    has_targets = True
+    devices = [dev] if dev.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        if pp_seed is not None:
+            torch.manual_seed(pp_seed)
+        for batch in data:
+            inputs, y = split_batch(to_device(batch, dev), model.label_key)
+            if y is None:
+                has_targets = False
+            elif first:
+                chunk.observed.append(y.detach().cpu())
+            ll, pp, lp = _evaluate_batch(model, inputs, y, values, n, wanted)
+            if ll is not None:
+                chunk.ll_sum.add_(ll.sum(1))
+                if wanted.pointwise:
+                    chunk.pointwise.append(ll)
+            if pp is not None:
+                chunk.predictive.append(pp)
+            if lp is not None:
+                chunk.class_log_probs.append(lp)
+    return chunk._replace(has_targets=has_targets)
+
+
+def _evaluate_batch(
+    model: Any, inputs: Any, y: Tensor | None, values: dict[str, Tensor], n: int, wanted: _Wanted
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(log-likelihoods (n, B), predictive draws, class log-probabilities)`` on one batch,
+    ``samples_per_forward`` draws per forward pass; each ``None`` when not computed."""
+    parts_ll, parts_pp, parts_lp = [], [], []
+    spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs)
+    for s0 in range(0, n, spf):
+        sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
+        params = model.batched_output(inputs, sub)  # (s, B, ...)
+        s_here = int(params.shape[0])
+        if y is not None:
+            ll = model.log_likelihood(params, y)  # (s, B, [event...])
+            parts_ll.append(ll.reshape(s_here, ll.shape[1], -1).sum(-1).double())
+        likelihood_dist = model.likelihood.dist(params)
+        if wanted.predictive:
+            parts_pp.append(likelihood_dist.sample().cpu())
+        if wanted.keep_class > s0:
+            logits = likelihood_dist.logits[: wanted.keep_class - s0]
+            parts_lp.append(torch.log_softmax(logits, dim=-1).cpu())
+    return (
+        torch.cat(parts_ll, 0).cpu() if parts_ll else None,  # (n, B)
+        torch.cat(parts_pp, 0) if parts_pp else None,
+        torch.cat(parts_lp, 0) if parts_lp else None,
+    )
+
+
+class _Collected:
+    """The chunks' outputs, concatenated into a :class:`DrawEvaluation` at the end."""
+
+    def __init__(self, plan: _DrawPlan) -> None:
+        self.plan = plan
+        self.values: dict[str, list[np.ndarray]] = {s: [] for s in plan.chosen}
+        self.norms: dict[str, list[np.ndarray]] = {s: [] for s in plan.omitted}
+        self.log_q: list[np.ndarray] = []
+        self.log_prior: list[np.ndarray] = []
+        self.ll_sum: list[np.ndarray] = []
+        self.pointwise: list[np.ndarray] = []
+        self.predictive: list[np.ndarray] = []
+        self.class_lp: list[Tensor] = []
+        self.observed: list[Tensor] = []
+        self.has_targets = True
+
+    def add_draws(self, model: Any, guide: Any, values: dict[str, Tensor], n: int) -> None:
+        """The draws' kept sites, norms, ``log q`` and ``log p``."""
+        for s in self.plan.chosen:
+            self.values[s].append(_np(values[s]))
+        for s in self.plan.omitted:
+            self.norms[s].append(_np(values[s].reshape(n, -1).norm(dim=-1)))
+        with torch.no_grad():
+            try:
+                self.log_q.append(_np(guide.log_prob(values)))
+            except NotImplementedError:
+                logger.info("%s has no log_prob; log_q is NaN.", type(guide).__name__)
+                self.log_q.append(np.full(n, np.nan))
+            self.log_prior.append(_np(model.log_prior(values)))
+
+    def add_chunk(self, chunk: _Chunk) -> None:
+        self.has_targets = self.has_targets and chunk.has_targets
+        self.observed.extend(chunk.observed)
+        if self.has_targets:
+            self.ll_sum.append(chunk.ll_sum.numpy())
+            if chunk.pointwise:
+                self.pointwise.append(torch.cat(chunk.pointwise, 1).numpy())
+        if chunk.predictive:
+            self.predictive.append(_np(torch.cat(chunk.predictive, 1)))
+        if chunk.class_log_probs:
+            self.class_lp.append(torch.cat(chunk.class_log_probs, 1))
+
+    def result(self, model: Any) -> DrawEvaluation:
+        plan = self.plan
+        result = DrawEvaluation(
+            num_samples=plan.num_samples, chosen=plan.chosen, omitted=plan.omitted
+        )
+        result.site_values = {s: np.concatenate(v, 0) for s, v in self.values.items()}
+        result.site_norms = {s: np.concatenate(v, 0) for s, v in self.norms.items()}
+        result.log_q = np.concatenate(self.log_q)
+        result.log_prior = np.concatenate(self.log_prior)
+        if self.has_targets and self.observed:
+            target = torch.cat(self.observed, 0)
+            result.targets = target
+            result.observed = _np(target)
+            result.num_examples = int(target.shape[0])
+            result.log_lik_sum = np.concatenate(self.ll_sum)
+            if self.pointwise:
+                result.pointwise = np.concatenate(self.pointwise, 0)
+            num_data = getattr(model, "num_data", None)
+            if num_data is not None and num_data != result.num_examples:
+                logger.warning(
+                    "model.num_data=%d but the data has %d examples: log_joint is the log "
+                    "joint of THIS data set, not of the training posterior.",
+                    num_data,
+                    result.num_examples,
+                )
+        if self.predictive:
+            result.predictive = np.concatenate(self.predictive, 0)
+        if self.class_lp:
+            result.class_log_probs = torch.cat(self.class_lp, 0)
+        return result
 
 
 # --------------------------------------------------------------------------------------------
