@@ -14,16 +14,27 @@ A file cannot lie:
   settings match the guide and model it is loaded into, and saving checks that the guide's
   sites (and the head) belong to the model saved with it;
 * the file is written to a temporary name in the target folder and moved into place with
-  ``os.replace``: a reader sees the old file or the new one, never half of one.
+  ``os.replace``: a reader sees the old file or the new one, never half of one;
+* the header carries a fingerprint of the frozen base weights the adapter sits on
+  (:func:`base_fingerprint`), and ``load`` refuses a model with other base weights.
+
+The SHA-256 is *integrity*, not *authenticity*: anyone can edit a header and recompute it. A
+file saved with ``save(..., key=...)`` also carries an HMAC-SHA256 (RFC 2104) over the header
+and tensors under that secret key; ``load(..., key=...)`` refuses it unless the HMAC matches,
+and ``load`` without a key warns (:class:`UnverifiedSignatureWarning`) that the signature was
+not checked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import itertools
 import json
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -44,12 +55,16 @@ __all__ = [
     "load_state",
     "read_header",
     "library_versions",
+    "base_fingerprint",
     "PosteriorFileError",
     "PosteriorMismatchError",
+    "UnverifiedSignatureWarning",
 ]
 
 _HEADER_KEY = "pyrobayes"
 _HASH_FIELD = "sha256"
+_SIGNATURE_FIELD = "hmac_sha256"
+_FINGERPRINT_FIELD = "base_fingerprint"
 #: 1: no hash; 2: ``sha256`` over header and tensors, ``model`` settings in the header
 FORMAT_VERSION = 2
 #: adapter settings that do not change what a saved core means (the initial draw; the layers
@@ -65,6 +80,11 @@ class PosteriorMismatchError(RuntimeError):
     """A posterior file (or guide) that does not belong to the guide or model it meets."""
 
 
+class UnverifiedSignatureWarning(UserWarning):
+    """A signed posterior file loaded without its key: the signature was not checked, so an
+    edited header or tensor that was re-hashed would go unnoticed. Pass ``key=`` to verify."""
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the libraries a posterior depends on."""
     out = {}
@@ -77,20 +97,88 @@ def library_versions() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------ integrity
-def _canonical(header: Mapping[str, Any]) -> str:
+def _canonical(header: Mapping[str, Any], without: tuple[str, ...] = (_HASH_FIELD,)) -> str:
     """The header as canonical JSON (sorted keys, no spaces), without the hash field."""
-    body = {k: v for k, v in header.items() if k != _HASH_FIELD}
+    body = {k: v for k, v in header.items() if k not in without}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def _digest(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over the canonical header and every tensor's key, dtype, shape and bytes."""
-    h = hashlib.sha256(_canonical(header).encode())
+def _feed(h: Any, text: str, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Update the hash ``h`` with ``text`` and every tensor's key, dtype, shape and bytes."""
+    h.update(text.encode())
     for key in sorted(tensors):
         t = tensors[key].detach().cpu().contiguous().reshape(-1)
         h.update(json.dumps([key, str(t.dtype), list(tensors[key].shape)]).encode())
         h.update(t.view(torch.uint8).numpy().data)
-    return h.hexdigest()
+    return h
+
+
+def _digest(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the canonical header and every tensor's key, dtype, shape and bytes."""
+    return str(_feed(hashlib.sha256(), _canonical(header), tensors).hexdigest())
+
+
+def _check_key(key: Any, where: str) -> bytes:
+    if isinstance(key, str):
+        raise TypeError(
+            f"{where}(key=...) takes bytes, got a str; pass key.encode() (or a key read from a "
+            "file in binary mode)."
+        )
+    if not isinstance(key, (bytes, bytearray, memoryview)) or len(bytes(key)) == 0:
+        raise TypeError(f"{where}(key=...) takes non-empty bytes, got {type(key).__name__}.")
+    return bytes(key)
+
+
+def _signature(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], key: bytes) -> str:
+    """HMAC-SHA256 (Krawczyk, Bellare & Canetti 1997, RFC 2104) under ``key`` over the canonical
+    header without hash and signature, and every tensor (as :func:`_digest`)."""
+    text = _canonical(header, (_HASH_FIELD, _SIGNATURE_FIELD))
+    return str(_feed(hmac.new(key, digestmod=hashlib.sha256), text, tensors).hexdigest())
+
+
+def base_fingerprint(model: Any) -> dict[str, Any] | None:
+    """A SHA-256 fingerprint of the frozen base weights a posterior over ``model`` sits on.
+
+    What is hashed, in name order: every parameter and buffer of the network modules that hold
+    a latent site (the adapted layers: a LoRA layer's frozen ``base.weight``/``base.bias``, a
+    LoRA-XS layer's frozen base and its fixed projections ``down``/``up``), except the latent
+    tensors themselves and the model's point-estimated parameters (those are stored in the file
+    and loaded with it). When those modules hold nothing frozen (the latent sites are whole
+    layers, e.g. a Bayesian head), every other parameter of the network is hashed instead
+    (scope ``"network"``). Each tensor contributes its name, shape and values; floating values
+    are rounded to bfloat16 (through float32) first, so float64, float32 and bfloat16 copies of
+    one checkpoint share a fingerprint. Cost: one pass over the hashed tensors.
+
+    Returns
+    -------
+    dict or None
+        ``{"sha256": hex, "scope": "adapted_modules" | "network", "tensors": count}``; None for
+        a model without a ``net`` and ``latent_sites`` (a plain Pyro model).
+    """
+    net, latent = getattr(model, "net", None), getattr(model, "latent_sites", None)
+    if not isinstance(net, torch.nn.Module) or not latent:
+        return None
+    skip = {spec.param_name for spec in latent.values()} | set(getattr(model, "point_params", {}))
+    hashed: dict[str, torch.Tensor] = {}
+    for path in sorted({spec.module_path for spec in latent.values()}):
+        module = net.get_submodule(path)
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+            full = f"{path}.{name}" if path else name
+            if full not in skip:
+                hashed[full] = t
+    scope = "adapted_modules"
+    if not hashed:
+        scope = "network"
+        hashed = {n: p for n, p in net.named_parameters() if n not in skip}
+    h = hashlib.sha256()
+    for name in sorted(hashed):
+        t = hashed[name].detach()
+        if t.is_floating_point():
+            t = t.to(torch.float32).to(torch.bfloat16)
+        t = t.cpu().contiguous().reshape(-1)
+        h.update(json.dumps([name, list(hashed[name].shape)]).encode())
+        h.update(t.view(torch.uint8).numpy().data)
+    return {"sha256": h.hexdigest(), "scope": scope, "tensors": len(hashed)}
 
 
 def _non_finite(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int] | None:
@@ -111,7 +199,12 @@ def _jsonable(value: Any) -> Any:
 
 # ------------------------------------------------------------------------------ save
 def save(
-    guide: Any, path: str | Path, *, model: Any = None, extra: dict[str, Any] | None = None
+    guide: Any,
+    path: str | Path,
+    *,
+    model: Any = None,
+    extra: dict[str, Any] | None = None,
+    key: bytes | None = None,
 ) -> Path:
     """Write ``guide`` (and ``model``'s point parameters) to ``path`` atomically.
 
@@ -130,6 +223,10 @@ def save(
         fitted with.
     extra : dict, optional
         JSON-able metadata stored in the header.
+    key : bytes, optional
+        A secret key: the header then carries an HMAC-SHA256 over header and tensors, which
+        ``load(path, model, key=key)`` verifies (authenticity; the SHA-256 every file carries
+        is only integrity, since anyone can recompute it).
 
     Returns
     -------
@@ -142,8 +239,16 @@ def save(
         The guide's sites or head do not belong to ``model``.
     ValueError
         A tensor holds NaN or inf (named by key), or the guide is not registered.
+    TypeError
+        ``key`` is not non-empty bytes.
+
+    Notes
+    -----
+    The header records :func:`base_fingerprint` of ``model``, so the file loads only into a
+    model with the same frozen base weights.
     """
     path = Path(path)
+    secret = None if key is None else _check_key(key, "pb.save")
     guide_model = getattr(guide, "model", None)
     model = model if model is not None else guide_model
     _check_guide_belongs(guide, model, guide_model)
@@ -172,11 +277,14 @@ def save(
         },
         "versions": library_versions(),
         "extra": extra or {},
+        _FINGERPRINT_FIELD: base_fingerprint(model),
     }
     try:
         header = _jsonable(header)
     except (TypeError, ValueError) as err:
         raise ValueError(f"Cannot save {path}: the header is not JSON-able ({err}).") from err
+    if secret is not None:
+        header[_SIGNATURE_FIELD] = _signature(header, tensors, secret)
     header[_HASH_FIELD] = _digest(header, tensors)
     _write_atomic(path, tensors, json.dumps(header))
     return path
@@ -292,7 +400,9 @@ def _parse_header(path: str | Path, meta: Mapping[str, str] | None) -> dict[str,
     return header
 
 
-def read_header(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
+def read_header(
+    path: str | Path, *, verify: bool = False, key: bytes | None = None
+) -> dict[str, Any]:
     """The JSON header of a saved posterior.
 
     Parameters
@@ -300,6 +410,8 @@ def read_header(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
     path : path
     verify : bool
         Also read every tensor and check the file's hash and finiteness (as ``load`` does).
+    key : bytes, optional
+        With ``verify``: also check the file's HMAC under this key (as ``load(key=...)``).
 
     Raises
     ------
@@ -308,7 +420,7 @@ def read_header(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
         an edited or non-finite file.
     """
     if verify:
-        return _read_verified(path)[0]
+        return _read_verified(path, key)[0]
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
@@ -317,8 +429,10 @@ def read_header(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
     return _parse_header(path, meta)
 
 
-def _read_verified(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Header and tensors of ``path``, after the hash and finiteness checks."""
+def _read_verified(
+    path: str | Path, key: bytes | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Header and tensors of ``path``, after the hash, signature and finiteness checks."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata()
@@ -349,6 +463,7 @@ def _read_verified(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
                 "was edited or corrupted after saving; re-save the posterior from the fitted "
                 "guide (or use an earlier checkpoint)."
             )
+    _check_signature(path, header, tensors, key)
     bad = _non_finite(tensors)
     if bad is not None:
         raise PosteriorFileError(
@@ -358,7 +473,62 @@ def _read_verified(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     return header, tensors
 
 
+def _check_signature(
+    path: str | Path, header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], key: Any
+) -> None:
+    """With ``key``: the file's HMAC must match. Without: a signed file loads with a warning."""
+    stored = header.get(_SIGNATURE_FIELD)
+    if key is None:
+        if stored is not None:
+            warnings.warn(
+                f"{path} is signed (HMAC-SHA256) but was loaded without key=, so its signature "
+                "was not checked: a header or tensor edited and re-hashed would go unnoticed. "
+                "Pass key= (the bytes it was saved with) to verify it.",
+                UnverifiedSignatureWarning,
+                stacklevel=4,
+            )
+        return
+    secret = _check_key(key, "pb.load")
+    if stored is None:
+        raise PosteriorFileError(
+            f"{path} is not signed, so key= cannot authenticate it (its signature may have been "
+            "stripped, or it was saved without key=). Re-save it from the fitted guide with "
+            "pb.save(..., key=...), or load it without key= if you trust its source."
+        )
+    if not hmac.compare_digest(str(stored), _signature(header, tensors, secret)):
+        raise PosteriorFileError(
+            f"{path} failed its signature check: the HMAC-SHA256 under the given key does not "
+            "match the one in the header. The file was edited after it was signed (and "
+            "re-hashed), or signed with another key; do not use it, re-save it from the fitted "
+            "guide with your key."
+        )
+
+
 # ------------------------------------------------------------------------------ checks
+def _check_base(path: str | Path, header: Mapping[str, Any], model: Any) -> None:
+    """The model's frozen base weights must be those the posterior was fitted on."""
+    if _FINGERPRINT_FIELD not in header:
+        logger.warning(
+            "%s has no base-model fingerprint (saved by an earlier pyrobayes): whether the "
+            "model's frozen base weights are those it was fitted on is not checked. Re-save it "
+            "with pb.save to add one.",
+            path,
+        )
+        return
+    saved, here = header[_FINGERPRINT_FIELD], base_fingerprint(model)
+    if not isinstance(saved, dict) or here is None:
+        return  # saved from (or loaded into) a model without a network: nothing to compare
+    if saved.get("sha256") != here["sha256"]:
+        raise PosteriorMismatchError(
+            f"{path} was fitted on another base model: the fingerprint of the frozen base "
+            f"weights it sits on is {str(saved.get('sha256'))[:16]}… in the file "
+            f"({saved.get('tensors')} tensors, {saved.get('scope')}) but {here['sha256'][:16]}… "
+            f"for this model ({here['tensors']} tensors, {here['scope']}). Load it into the "
+            "model built from the same pretrained weights it was fitted on; pass "
+            "check_base=False only if you know the base weights differ harmlessly."
+        )
+
+
 def _check_family(path: str | Path, header: dict[str, Any], guide: Any) -> None:
     try:
         cls = get_guide_class(str(header["family"]))
@@ -492,7 +662,14 @@ def _check_tensors(
 
 
 # ------------------------------------------------------------------------------ load
-def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
+def load_state(
+    guide: Any,
+    path: str | Path,
+    *,
+    model: Any = None,
+    key: bytes | None = None,
+    check_base: bool = True,
+) -> Any:
     """Load the tensors of ``path`` into an existing ``guide`` (and ``model``'s point params).
 
     Used by ``pb.fit(..., resume=True)``: the file must match the guide and model exactly.
@@ -504,6 +681,10 @@ def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
     path : path
     model : FineTuneModel, optional
         Defaults to the guide's model.
+    key : bytes, optional
+        Verify the file's HMAC under this key (as :func:`load`).
+    check_base : bool
+        Refuse a model whose frozen base weights differ from the file's (as :func:`load`).
 
     Returns
     -------
@@ -518,9 +699,11 @@ def load_state(guide: Any, path: str | Path, *, model: Any = None) -> Any:
         Family, options, sites, adapter, likelihood, model settings or tensor shapes differ;
         the message names the field, both values and the fix.
     """
-    header, tensors = _read_verified(path)
+    header, tensors = _read_verified(path, key)
     model = model if model is not None else guide.model
     _check_loadable(path, header, tensors, guide, model)
+    if check_base:
+        _check_base(path, header, model)
     return _apply(path, guide, model, tensors)
 
 
@@ -556,7 +739,7 @@ def _apply(path: str | Path, guide: Any, model: Any, tensors: Mapping[str, torch
     return guide
 
 
-def load(path: str | Path, model: Any) -> Any:
+def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: bool = True) -> Any:
     """Rebuild the guide saved at ``path`` for ``model`` and load its state.
 
     The family is looked up in the registry; its constructor options come from the (verified)
@@ -567,6 +750,13 @@ def load(path: str | Path, model: Any) -> Any:
     path : path
     model : FineTuneModel
         Built as when the posterior was saved: same network, adapter, likelihood and settings.
+    key : bytes, optional
+        The key the file was signed with (``save(..., key=...)``): its HMAC-SHA256 is checked,
+        and an unsigned file is refused. Without ``key`` a signed file loads with an
+        :class:`UnverifiedSignatureWarning`.
+    check_base : bool
+        Compare the file's :func:`base_fingerprint` with ``model``'s and refuse other frozen
+        base weights (default). A file from before fingerprints loads with a logged warning.
 
     Returns
     -------
@@ -575,17 +765,21 @@ def load(path: str | Path, model: Any) -> Any:
     Raises
     ------
     PosteriorFileError
-        Unreadable, edited (hash mismatch) or non-finite file.
+        Unreadable, edited (hash mismatch) or non-finite file; with ``key``, an unsigned file
+        or a signature mismatch.
     PosteriorMismatchError
-        The model's sites, adapter, likelihood or settings differ from the file's.
+        The model's sites, adapter, likelihood, settings or frozen base weights differ from
+        the file's.
     ValueError
         The file's family is not registered in this session.
     """
-    header, tensors = _read_verified(path)
+    header, tensors = _read_verified(path, key)
     latent = getattr(model, "latent_sites", None)
     if latent:
         _check_sites(path, header, {s: spec.shape for s, spec in latent.items()}, "model")
     _check_model(path, header, model)
+    if check_base:
+        _check_base(path, header, model)
     try:
         cls = get_guide_class(str(header["family"]))
     except ValueError as err:

@@ -356,6 +356,8 @@ def test_a_kill_during_a_write_leaves_the_previous_posterior(tmp_path):
         import os, signal, sys
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
+        import torch
+        torch.set_default_dtype(torch.float64)  # as tests/conftest.py: the same base weights
         import pyrobayes as pb
         from tests.test_io_integrity import _fitted
         p, guide = _fitted("meanfield")
