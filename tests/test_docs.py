@@ -129,3 +129,153 @@ def test_demo_help_names_the_default_families() -> None:
     demo = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["demo"]
     help_text = next(a.help for a in demo._actions if "--families" in a.option_strings)
     assert f"default: {','.join(DEFAULT_CONFIG['families'])})" in help_text
+
+
+# ------------------------------------------------------------------------------------------------
+# the API reference: every public name, generated from __all__
+# ------------------------------------------------------------------------------------------------
+
+#: not library API: the demo application behind ``pyrobayes demo`` (documented in the README)
+_NOT_API = {"pyrobayes.demo"}
+#: public modules that no ``__all__`` lists: the errors of ``pb.load``, the written contract and
+#: (when present) the conformance kit
+_ALSO_PUBLIC = ("pyrobayes.io", "pyrobayes.contract", "pyrobayes.testing")
+
+
+def _api_hook() -> Any:
+    import importlib.util
+
+    path = doc_snippets.ROOT / "docs" / "hooks" / "api_reference.py"
+    spec = importlib.util.spec_from_file_location("_pyrobayes_api_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def public_modules() -> list[str]:
+    """``pyrobayes``, the modules of its ``__all__``, its subpackages (not the demo) and
+    ``_ALSO_PUBLIC``: each must have an API page."""
+    import importlib
+    import importlib.util
+    import pkgutil
+    import types
+
+    import pyrobayes
+
+    found = ["pyrobayes"]
+    found += [
+        v.__name__
+        for v in map(pyrobayes.__dict__.get, pyrobayes.__all__)
+        if isinstance(v, types.ModuleType)
+    ]
+    found += [
+        f"pyrobayes.{m.name}"
+        for m in pkgutil.iter_modules(pyrobayes.__path__)
+        if m.ispkg and not m.name.startswith("_")
+    ]
+    found += [m for m in _ALSO_PUBLIC if importlib.util.find_spec(m) is not None]
+    return [m for m in dict.fromkeys(found) if m not in _NOT_API]
+
+
+def _documented_names(module_name: str) -> list[str]:
+    """Every dotted name the reference must hold for ``module_name``: its ``__all__`` entries,
+    and those of the submodules it lists, recursively."""
+    import importlib
+    import types
+
+    module = importlib.import_module(module_name)
+    names = []
+    for name in module.__all__:
+        value = getattr(module, name)
+        names.append(f"{module_name}.{name}")
+        if isinstance(value, types.ModuleType) and value.__name__.startswith(module_name + "."):
+            names += _documented_names(value.__name__)
+    return names
+
+
+def _api_pages() -> dict[str, str]:
+    api = doc_snippets.ROOT / "docs" / "api"
+    return {f"api/{p.name}": p.read_text(encoding="utf-8") for p in sorted(api.glob("*.md"))}
+
+
+def test_every_public_module_has_an_api_page() -> None:
+    hook = _api_hook()
+    marked = {m for text in _api_pages().values() for m in hook.markers(text)}
+    missing = [m for m in public_modules() if m not in marked]
+    assert not missing, (
+        f"public modules without an API page: {missing}; add docs/api/<name>.md holding the "
+        "line <!-- api: <module> --> and list it in mkdocs.yml's nav"
+    )
+
+
+def test_api_pages_list_every_all_name() -> None:
+    """The pages as the hook writes them hold a ``::: name`` block (or a section, for a module)
+    for every ``__all__`` name of every public module, the exceptions of ``pb.load`` included."""
+    hook = _api_hook()
+    pages = _api_pages()
+    owner = {m: page for page, text in pages.items() for m in hook.markers(text)}
+    written = "\n".join(
+        hook.expand(m, 2, owner, page) for page, text in pages.items() for m in hook.markers(text)
+    )
+    blocks = set(re.findall(r"^::: ([\w.]+)$", written, flags=re.M))
+    expected = [n for m in public_modules() for n in _documented_names(m)]
+    assert len(expected) > 100
+    missing = [n for n in expected if n not in blocks]
+    assert not missing, f"__all__ names missing from the API pages: {missing}"
+    assert {"pyrobayes.io.PosteriorFileError", "pyrobayes.io.PosteriorMismatchError"} <= blocks
+
+
+def test_api_hook_refuses_a_module_without_all(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "no_all_here.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="no_all_here has no __all__"):
+        _api_hook().expand("no_all_here")
+
+
+def test_every_docs_page_is_in_the_nav() -> None:
+    import yaml
+
+    config = yaml.safe_load((doc_snippets.ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+
+    def pages(node: Any) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [p for item in node for p in pages(item)]
+        if isinstance(node, dict):
+            return [p for value in node.values() for p in pages(value)]
+        return []
+
+    in_nav = set(pages(config["nav"]))
+    docs = doc_snippets.ROOT / "docs"
+    on_disk = {p.relative_to(docs).as_posix() for p in docs.rglob("*.md")}
+    assert on_disk - in_nav == set(), "docs pages missing from mkdocs.yml's nav"
+    assert in_nav - on_disk == set(), "mkdocs.yml's nav names pages that do not exist"
+
+
+@pytest.mark.integration
+def test_built_reference_lists_every_all_name(tmp_path: Path) -> None:
+    """``mkdocs build --strict`` succeeds and its object inventory holds every ``__all__`` name
+    of every public module (what a reader can find and link)."""
+    import subprocess
+    import sys
+    import zlib
+
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
+    pytest.importorskip("mkdocstrings_handlers.python", reason="pip install -e '.[docs]'")
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=doc_snippets.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *header, compressed = (site / "objects.inv").read_bytes().split(b"\n", 4)
+    assert header[0].startswith(b"# Sphinx inventory version 2")
+    body = zlib.decompress(compressed).decode()
+    inventory = {line.split()[0] for line in body.splitlines() if line.strip()}
+    missing = [n for m in public_modules() for n in _documented_names(m) if n not in inventory]
+    assert not missing, f"__all__ names missing from the built reference: {missing}"
