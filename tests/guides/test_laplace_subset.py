@@ -220,3 +220,15 @@ def test_subset_errors_name_what_to_do() -> None:
         LaplaceGuide(prob.model, subset=["nope"])
     with pytest.raises(ValueError, match="subset must be 'all', 'adapter', 'last_layer'"):
         LaplaceGuide(prob.model, subset="head")
+
+
+def test_subset_saved_and_loaded(tmp_path) -> None:
+    """The subset is part of the saved configuration; a loaded guide predicts the same."""
+    model, x, y = _head_latent()
+    guide = _guide(model, x, y, structure="kron", subset="last_layer", pred_type="probit")
+    path = pb.save(guide, tmp_path / "ll.safetensors")
+    loaded = pb.load(path, model)
+    assert loaded.subset == guide.subset and loaded.latent_subset == ["4.weight", "4.bias"]
+    before = pb.predict(model, guide, [(x[:5], y[:5])]).mean_probs
+    after = pb.predict(model, loaded, [(x[:5], y[:5])]).mean_probs
+    torch.testing.assert_close(after, before, rtol=0.0, atol=0.0)
