@@ -120,6 +120,18 @@ def test_no_run_marker_needs_reason(tmp_path: Path) -> None:
         doc_snippets.all_snippets(tmp_path)
 
 
+def test_docs_cite_no_internal_design_files() -> None:
+    """Users have README.md, docs/ and the code; the project's internal design notes are not
+    theirs to read, so the docs never point at them."""
+    cited = [
+        f"{path}:{n}"
+        for path in doc_snippets.markdown_files()
+        for n, line in enumerate((doc_snippets.ROOT / path).read_text().splitlines(), 1)
+        if re.search(r"DESIGN\.md|SPECS|shared/", line)
+    ]
+    assert not cited, f"docs cite internal design files at {cited}"
+
+
 def test_demo_help_names_the_default_families() -> None:
     """``pyrobayes demo --help`` states the families the demo runs when none are given."""
     from pyrobayes.cli import build_parser
