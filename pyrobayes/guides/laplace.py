@@ -160,7 +160,7 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         alternate_tol: float = 1e-3,
         alternate_max_iter: int = 20,
         alternate_epochs: int = 100,
-        alternate_map_tol: float = 1e-3,
+        alternate_map_tol: float = 1e-2,
         alternate_lr: float | None = None,
         pred_type: str = "glm",
         link_samples: int | None = 100,

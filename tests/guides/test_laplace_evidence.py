@@ -238,14 +238,19 @@ def test_alternating_after_a_schedule_decayed_to_zero() -> None:
     assert abs(guide.prior_precision - 1.4401) > 0.3
 
 
-def test_alternating_defaults_reach_the_fixed_point_with_adam() -> None:
-    """The defaults (Adam at fit's lr, minibatches of 16, refits to a relative gradient of 1e-3,
+def test_alternating_defaults_reach_the_fixed_point_with_adam(caplog) -> None:
+    """The defaults (Adam at fit's lr, minibatches of 16, refits to a relative gradient of 1e-2,
     at most 100 epochs each): τ within 1% of the exact evidence optimum and the mean within
-    0.01 posterior sd of the MAP of its τ (5 steps per refit left 2–4e-3 in τ and 0.02 sd)."""
+    0.01 posterior sd of the MAP of its τ, without a warning (5 steps per refit left 2–4e-3 in τ
+    and 0.02 sd). Measured: τ 8e-4 off, the mean .004 sd off."""
     prob = conjugate_core(noise=NOISE, prior_scale=0.5)
     guide = LaplaceGuide(prob.model, structure="diag", prior_optimization="alternate")
-    assert guide.alternate_map_tol == 1e-3 and guide.alternate_epochs == 100
-    pb.fit(prob.model, guide, tensor_loader(prob.x, prob.y, 16), epochs=60, lr=0.05, progress=False)
+    assert guide.alternate_map_tol == 1e-2 and guide.alternate_epochs == 100
+    with caplog.at_level("WARNING", logger="pyrobayes.infer.laplace"):
+        pb.fit(
+            prob.model, guide, tensor_loader(prob.x, prob.y, 16), epochs=60, lr=0.05, progress=False
+        )
+    assert "not at the fixed point" not in caplog.text
     exact = _exact(prob)
     off_sd, off_tau = _sd_offsets(prob, guide, exact, _argmax_log(exact.log_evidence))
     assert off_tau < 0.01 and off_sd < 0.01, (off_tau, off_sd)
