@@ -169,10 +169,10 @@ class OnlineNewton(Protocol):
         δ, the prior precision per unit ``ess``.
     mc_samples : int
         S, the draws per step.
-    lr : float or None
-        α; when set it overrides the learning rate the fitter is given.
     hyper : dict
-        The fitter's hyperparameters as the guide was built with them.
+        The posterior's constants the update reads (``ess``, ``hess_init``, ``weight_decay``,
+        ``point_weight_decay``, ``point_prior_loc``); the optimizer's settings (``lr``, the β's,
+        the clip radius, ...) are the fitter's (:class:`pyrobayes.infer.IVON`).
     state_dtype : torch.dtype
         The dtype of ``m`` and the curvature (float32 for half-precision weights).
     param_dtype : dict
@@ -182,7 +182,6 @@ class OnlineNewton(Protocol):
     ess: float
     weight_decay: float
     mc_samples: int
-    lr: float | None
     hyper: dict[str, Any]
     state_dtype: torch.dtype
     param_dtype: dict[str, torch.dtype]

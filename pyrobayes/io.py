@@ -546,8 +546,24 @@ def _check_family(path: str | Path, header: dict[str, Any], guide: Any) -> None:
         )
 
 
+def _posterior_config(path: str | Path, header: dict[str, Any], cls: type) -> dict[str, Any]:
+    """The file's constructor options without the fit's settings an older file may carry
+    (``cls.fit_options``: optimizer settings that moved to the fitter); logged when dropped."""
+    config = dict(header["config"])
+    dropped = {k: config.pop(k) for k in getattr(cls, "fit_options", ()) if k in config}
+    dropped = {k: v for k, v in dropped.items() if v is not None}
+    if dropped:
+        logger.info(
+            "%s: ignoring the optimizer settings %s saved with this older posterior file (they "
+            "are the fit's now: pass them to the fitter as optimizer=...).",
+            path,
+            _kwargs(dropped),
+        )
+    return config
+
+
 def _check_config(path: str | Path, header: dict[str, Any], guide: Any) -> None:
-    saved = header["config"]
+    saved = _posterior_config(path, header, type(guide))
     here = _jsonable(guide.config())
     diffs = [
         f"{k}={saved.get(k, '<absent>')!r} in the file but {k}={here.get(k, '<absent>')!r} in the "
@@ -788,7 +804,7 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
             "before loading."
         ) from None
     try:
-        guide = cls(model, **header["config"])
+        guide = cls(model, **_posterior_config(path, header, cls))
     except TypeError as err:
         raise PosteriorMismatchError(
             f"{path}: {cls.__name__} of this pyrobayes version does not take the file's options "

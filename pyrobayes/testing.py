@@ -430,9 +430,8 @@ class _Kit:
         _expect(math.isfinite(loss), f"Trace_ELBO loss {loss}")
         fresh_model, data = self._problem()
         fresh = self._build(fresh_model)
-        svi = pyro.infer.SVI(
-            fresh_model, fresh, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO()
-        )
+        adam = pyro.optim.Adam({"lr": 1e-3})  # type: ignore[attr-defined]
+        svi = pyro.infer.SVI(fresh_model, fresh, adam, pyro.infer.Trace_ELBO())
         if isinstance(fresh, PostHoc) and not fresh.is_fitted:
             try:
                 svi.step(data[0])

@@ -33,6 +33,7 @@ from .. import metrics as pbmetrics
 from ..api import posterior
 from ..diagnostics.export import to_inference_data
 from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
+from ..infer.ivon import IVON
 from ..infer.loop import fit
 from ..infer.options import Optimization, Progress, Validation
 from ..io import load, save
@@ -102,6 +103,7 @@ QUICK_OVERRIDES: dict[str, Any] = {
 #: a new family joins the demo with an entry here (or none) and its name in ``families``.
 #:
 #: * ``options``: constructor options for ``pyrobayes.posterior``.
+#: * ``optimizer``: the fit's optimizer settings (``pyrobayes.infer.IVON(...)``, ``SWAG(...)``).
 #: * ``lr``, ``epochs``, ``patience``: the fit's learning rate, epoch cap and early-stopping
 #:   patience.
 #: * ``init``: a post-hoc family built at that family's fitted point,
@@ -129,7 +131,12 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "ivon": {"lr": 1.0, "patience": 3, "options": {"hess_init": 10.0}},
     # the same step size, noise and patience, factor EMA 0.999 (the fine-tuning recommendation
     # of docs/methods/ivon.md)
-    "kron-ivon": {"lr": 1.0, "patience": 3, "options": {"hess_init": 10.0, "beta2": 0.999}},
+    "kron-ivon": {
+        "lr": 1.0,
+        "patience": 3,
+        "options": {"hess_init": 10.0},
+        "optimizer": IVON(beta2=0.999),
+    },
     # one more epoch of Adam from the MAP, collecting every 4 steps (K = 5 deviations)
     "swag": {
         "init": "map",
@@ -526,6 +533,7 @@ def _fit_options(config: dict[str, Any], settings: dict[str, Any], val_data: Any
     settings (which override it): the schedule, and validation with early stopping."""
     training = config["training"]
     optim = Optimization(
+        optimizer=settings.get("optimizer"),
         scheduler=settings.get("scheduler", training.get("scheduler")),
         warmup=settings.get("warmup", training.get("warmup", 0)),
     )

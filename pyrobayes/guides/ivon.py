@@ -13,8 +13,8 @@ proper Normal, so ``pyro.infer.Predictive(model, guide=guide, num_samples=S)`` w
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import warnings
+from typing import Any, ClassVar
 
 import pyro.distributions as dist
 import torch
@@ -49,10 +49,6 @@ class IVONGuide(SitePacking, SitewiseKL):
         λ, the effective sample size; default ``model.num_data`` (the Bayesian posterior).
     hess_init : float
         h0, the initial ``h`` (initial σ = 1/sqrt(λ(h0 + δ))). Default 1.0.
-    beta1 : float
-        Gradient momentum (0.9).
-    beta2 : float
-        Hessian EMA (0.99999).
     weight_decay : float, optional
         δ, the prior precision per unit ess. Default ``1/(ess · prior_scale²)``, i.e. the model's
         own prior ``N(0, prior_scale²)`` (ivon-opt's package default is 1e-4).
@@ -69,16 +65,11 @@ class IVONGuide(SitePacking, SitewiseKL):
         is 0 either way.
     mc_samples : int
         S, samples per step (1), evaluated in one batched forward.
-    hess_approx : {"price", "gradsq"}
-        Hessian estimator: ``ĝ (θ−m)/σ²`` (default) or ``λ ĝ²``.
-    clip_radius : float, optional
-        Elementwise clip of the preconditioned step (None: no clip).
-    debias : bool
-        Momentum bias correction (True).
-    rescale_lr : bool
-        Use ``α (h0 + δ)`` as the step size (True, as ivon-opt).
-    lr : float, optional
-        α; overrides the ``lr`` given to :func:`pyrobayes.fit` when set.
+    lr, beta1, beta2, hess_approx, clip_radius, debias, rescale_lr : optional
+        Deprecated here: settings of the fit, not of the posterior. Pass them to the fitter as
+        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON(lr=..., beta2=...)))``
+        (:class:`pyrobayes.infer.IVON`); given here they still reach the fitter for one
+        release, with a ``DeprecationWarning``, and are not saved with the posterior.
     init_loc : {"model", "zero"}
         Start ``m`` at the model's current values or at 0.
 
@@ -92,11 +83,25 @@ class IVONGuide(SitePacking, SitewiseKL):
     --------
     >>> guide = IVONGuide(model, hess_init=0.5, mc_samples=2)          # doctest: +SKIP
     >>> pyrobayes.fit(model, guide, loader, epochs=3, lr=0.1)          # doctest: +SKIP
+    >>> ivon = pyrobayes.infer.IVON(beta2=0.9999, clip_radius=1e-3)    # doctest: +SKIP
+    >>> pyrobayes.fit(model, guide, loader, epochs=3, lr=0.1,
+    ...               optim=pyrobayes.Optimization(optimizer=ivon))   # doctest: +SKIP
     """
 
     family = "ivon"
     default_fitter = "ivon"
     is_deterministic = False
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = (
+        "lr",
+        "beta1",
+        "beta2",
+        "hess_approx",
+        "clip_radius",
+        "debias",
+        "rescale_lr",
+    )
 
     def __init__(
         self,
@@ -104,16 +109,16 @@ class IVONGuide(SitePacking, SitewiseKL):
         *,
         ess: float | None = None,
         hess_init: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.99999,
+        beta1: float | None = None,
+        beta2: float | None = None,
         weight_decay: float | None = None,
         point_weight_decay: float | None = None,
         point_prior_loc: str = "zero",
         mc_samples: int = 1,
-        hess_approx: str = "price",
+        hess_approx: str | None = None,
         clip_radius: float | None = None,
-        debias: bool = True,
-        rescale_lr: bool = True,
+        debias: bool | None = None,
+        rescale_lr: bool | None = None,
         lr: float | None = None,
         init_loc: str = "model",
     ) -> None:
@@ -135,38 +140,32 @@ class IVONGuide(SitePacking, SitewiseKL):
         point_weight_decay = check_real("point_weight_decay", point_weight_decay, ge=0, owner=owner)
         hess_init = check_real("hess_init", hess_init, gt=0, owner=owner)
         mc_samples = check_int("mc_samples", mc_samples, ge=1, owner=owner)
-        beta1 = check_real("beta1", beta1, ge=0, lt=1, owner=owner)
-        beta2 = check_real("beta2", beta2, ge=0, le=1, owner=owner)
-        if clip_radius is not None:
-            clip_radius = check_real("clip_radius", clip_radius, gt=0, owner=owner)
-        if lr is not None:
-            lr = check_real("lr", lr, ge=0, owner=owner)
-        if hess_approx not in ("price", "gradsq"):
-            raise ValueError(f"Expected hess_approx 'price' or 'gradsq' but got {hess_approx!r}.")
         if point_prior_loc not in ("zero", "init"):
             raise ValueError(
                 f"Expected point_prior_loc 'zero' or 'init' but got {point_prior_loc!r}."
             )
         if init_loc not in ("model", "zero"):
             raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
+        given = {
+            "lr": lr,
+            "beta1": beta1,
+            "beta2": beta2,
+            "hess_approx": hess_approx,
+            "clip_radius": clip_radius,
+            "debias": debias,
+            "rescale_lr": rescale_lr,
+        }
+        self._legacy_fit_options(owner, given)
         self.ess = float(ess)
         self.weight_decay = float(weight_decay)
         self.mc_samples = int(mc_samples)
-        self.lr = lr
-        #: the fitter's hyperparameters (``diag_beta2``: β2 of the diagonal ``h``)
+        #: the posterior's constants (the fitter adds its own settings to them)
         self.hyper: dict[str, Any] = {
             "ess": self.ess,
             "hess_init": float(hess_init),
-            "beta1": float(beta1),
-            "beta2": float(beta2),
-            "diag_beta2": float(beta2),
             "weight_decay": self.weight_decay,
             "point_weight_decay": float(point_weight_decay),
             "point_prior_loc": point_prior_loc,
-            "hess_approx": hess_approx,
-            "clip_radius": math.inf if clip_radius is None else float(clip_radius),
-            "debias": bool(debias),
-            "rescale_lr": bool(rescale_lr),
         }
         self._init_loc = init_loc
         self._index: dict[str, int] = {}
@@ -174,6 +173,38 @@ class IVONGuide(SitePacking, SitewiseKL):
         self.param_dtype: dict[str, torch.dtype] = {}
         self.state_dtype = torch.get_default_dtype()
         super().__init__(model)
+
+    def _legacy_fit_options(self, owner: str, given: dict[str, Any]) -> None:
+        """Keep the optimizer settings passed to the constructor (deprecated) for the fitter."""
+        given = {k: v for k, v in given.items() if v is not None}
+        if "beta1" in given:
+            check_real("beta1", given["beta1"], ge=0, lt=1, owner=owner)
+        if "beta2" in given:
+            check_real("beta2", given["beta2"], ge=0, le=1, owner=owner)
+        if "clip_radius" in given:
+            check_real("clip_radius", given["clip_radius"], gt=0, owner=owner)
+        if "lr" in given:
+            check_real("lr", given["lr"], ge=0, owner=owner)
+        if given.get("hess_approx", "price") not in ("price", "gradsq"):
+            raise ValueError(
+                f"Expected hess_approx 'price' or 'gradsq' but got {given['hess_approx']!r}."
+            )
+        #: optimizer settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        if given:
+            spelled = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            warnings.warn(
+                f"{owner}{', '.join(given)} are settings of the fit, not of the posterior: pass "
+                f"pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON({spelled}))) "
+                f"(or make_fitter(..., optimizer=pb.infer.IVON(...))). The guide keeps them for "
+                "its fitter for one release; they are no longer saved with the posterior.",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+
+    def config(self) -> dict[str, Any]:
+        """The posterior's constructor options (the deprecated fit settings left out)."""
+        return {k: v for k, v in super().config().items() if k not in self.fit_options}
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:

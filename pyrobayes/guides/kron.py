@@ -20,6 +20,7 @@ statistics and the update are :mod:`pyrobayes.infer.kron`'s (``default_fitter = 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,10 +75,9 @@ class KroneckerIVONGuide(IVONGuide):
     Parameters
     ----------
     model : FineTuneModel
-    beta2 : float
-        EMA of the Kronecker factors (0.99; factors are far less noisy than the Price estimate).
-    diag_beta2 : float
-        IVON's Hessian EMA for the diagonal sites (0.99999).
+    beta2, diag_beta2 : float, optional
+        Deprecated here (settings of the fit): ``pb.infer.IVON(beta2=..., diag_beta2=...)``
+        (the factors' EMA, default 0.99, and the diagonal sites' Hessian EMA, 0.99999).
     damping : {"exact", "factored"}
         Damping in the eigenbasis (``λ(γ aᵀ + δ)``) or Noisy K-FAC π-damping (matrix normal).
     fisher : {"empirical", "mc", "ggn"}
@@ -89,10 +89,9 @@ class KroneckerIVONGuide(IVONGuide):
     T_inv : int
         Re-decompose the factors every ``T_inv`` steps (and at the end of ``fit``).
     **kwargs
-        :class:`~pyrobayes.guides.IVONGuide`'s options (``ess``, ``hess_init``, ``beta1``,
+        :class:`~pyrobayes.guides.IVONGuide`'s options (``ess``, ``hess_init``,
         ``weight_decay``, ``point_weight_decay``, ``point_prior_loc``, ``mc_samples``,
-        ``hess_approx`` (diagonal sites only), ``clip_radius``, ``debias``, ``rescale_lr``,
-        ``lr``, ``init_loc``). ``A`` and ``G`` start at ``sqrt(h0) I`` so ``A ⊗ G = h0 I``.
+        ``init_loc``). ``A`` and ``G`` start at ``sqrt(h0) I`` so ``A ⊗ G = h0 I``.
 
     Notes
     -----
@@ -103,13 +102,14 @@ class KroneckerIVONGuide(IVONGuide):
 
     family = "kron-ivon"
     default_fitter = "kron-ivon"
+    fit_options = (*IVONGuide.fit_options, "diag_beta2")
 
     def __init__(
         self,
         model: Any,
         *,
-        beta2: float = 0.99,
-        diag_beta2: float = 0.99999,
+        beta2: float | None = None,
+        diag_beta2: float | None = None,
         damping: str = "exact",
         fisher: str = "empirical",
         T_stats: int = 1,
@@ -126,14 +126,23 @@ class KroneckerIVONGuide(IVONGuide):
         self.fisher = fisher
         self.T_stats = check_int("T_stats", T_stats, ge=1, owner=owner)
         self.T_inv = check_int("T_inv", T_inv, ge=1, owner=owner)
-        self.diag_beta2 = check_real("diag_beta2", diag_beta2, ge=0, le=1, owner=owner)
+        if diag_beta2 is not None:
+            diag_beta2 = check_real("diag_beta2", diag_beta2, ge=0, le=1, owner=owner)
         specs = getattr(model, "latent_sites", {}) or {}
         #: the Kronecker sites, in site order (the others are diagonal)
         self.kron_sites = [
             s for s, spec in specs.items() if spec.kind in _KRON_KINDS and len(spec.shape) == 2
         ]
         super().__init__(model, beta2=beta2, **kwargs)
-        self.hyper["diag_beta2"] = self.diag_beta2
+        if diag_beta2 is not None:  # deprecated: the fit's setting (pb.infer.IVON(diag_beta2=))
+            self.fit_settings["diag_beta2"] = diag_beta2
+            warnings.warn(
+                f"{owner}diag_beta2 is a setting of the fit, not of the posterior: pass "
+                f"pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON(diag_beta2="
+                f"{diag_beta2!r}))). Kept for its fitter for one release; no longer saved.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:
         # posteriors saved before the step counter moved to the fitter carry "num_updates"

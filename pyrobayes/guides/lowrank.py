@@ -15,7 +15,8 @@ running update.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+import warnings
+from typing import Any, ClassVar, NamedTuple
 
 import pyro.distributions as dist
 import torch
@@ -105,10 +106,9 @@ class SWAGGuide(JointGaussianGuide):
     Fitted by :class:`~pyrobayes.infer.swag.SWAGFitter` (what ``pyrobayes.fit`` uses): it
     optimises the MAP objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's iterate
     ``θ`` (and the head), and collects ``θ`` after every ``collect_every``-th epoch once
-    ``start_epoch`` epochs are done (or every ``collect_every_steps`` optimizer steps). With
-    ``swa_lr`` set, the learning rate of the default optimizer is annealed to it by
-    ``torch.optim.swa_utils.SWALR`` over ``anneal_epochs`` epochs from ``start_epoch`` on. The
-    collection options are the fitter's; they are given here so one line declares the family.
+    ``start_epoch`` epochs are done (or every ``collect_every_steps`` optimizer steps). The
+    optimizer (Adam or SGD) and SWALR's annealing are the fit's settings,
+    :class:`pyrobayes.infer.SWAG`.
 
     Parameters
     ----------
@@ -122,15 +122,14 @@ class SWAGGuide(JointGaussianGuide):
     collect_every : int
         Collect after every ``collect_every``-th epoch from ``start_epoch`` on.
     collect_every_steps : int, optional
-        Collect every this many optimizer steps instead (needs the guide's default optimizer).
-    swa_lr : float, optional
-        Target of SWALR's annealing (``None``: keep the learning rate).
-    anneal_epochs : int
-        SWALR annealing length.
-    anneal_strategy : {"linear", "cos"}
-    optimizer : {"adam", "sgd"}
-        The default optimizer :func:`pyrobayes.fit` uses (another one can be passed to ``fit``;
-        then neither SWALR nor step-wise collection is available).
+        Collect every this many optimizer steps instead (needs the family's own optimizer:
+        none, or a :class:`pyrobayes.infer.SWAG`, given to the fit).
+    swa_lr, anneal_epochs, anneal_strategy, optimizer : optional
+        Deprecated here: settings of the fit, not of the posterior. Pass them to the fitter as
+        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.SWAG(swa_lr=..., ...)))``
+        (:class:`pyrobayes.infer.SWAG`: SWALR's target and schedule, Adam or SGD); given here
+        they still reach the fitter for one release, with a ``DeprecationWarning``, and are not
+        saved with the posterior.
 
     Notes
     -----
@@ -151,6 +150,14 @@ class SWAGGuide(JointGaussianGuide):
     family = "swag"
     default_fitter = "swag"
     default_objective = "map"
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = (
+        "optimizer",
+        "swa_lr",
+        "anneal_epochs",
+        "anneal_strategy",
+    )
 
     def __init__(
         self,
@@ -162,9 +169,9 @@ class SWAGGuide(JointGaussianGuide):
         collect_every: int = 1,
         collect_every_steps: int | None = None,
         swa_lr: float | None = None,
-        anneal_epochs: int = 5,
-        anneal_strategy: str = "linear",
-        optimizer: str = "adam",
+        anneal_epochs: int | None = None,
+        anneal_strategy: str | None = None,
+        optimizer: str | None = None,
     ) -> None:
         owner = f"{type(self).__name__}: "
         rank = check_int("rank", rank, ge=1, owner=owner)
@@ -175,25 +182,47 @@ class SWAGGuide(JointGaussianGuide):
             collect_every_steps = check_int(
                 "collect_every_steps", collect_every_steps, ge=1, owner=owner
             )
-        if swa_lr is not None:
-            swa_lr = check_real("swa_lr", swa_lr, ge=0, owner=owner)
-        anneal_epochs = check_int("anneal_epochs", anneal_epochs, ge=0, owner=owner)
-        if anneal_strategy not in ("cos", "linear"):
+        given = {
+            "optimizer": optimizer,
+            "swa_lr": swa_lr,
+            "anneal_epochs": anneal_epochs,
+            "anneal_strategy": anneal_strategy,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        if "swa_lr" in given:
+            given["swa_lr"] = check_real("swa_lr", given["swa_lr"], ge=0, owner=owner)
+        if "anneal_epochs" in given:
+            given["anneal_epochs"] = check_int(
+                "anneal_epochs", given["anneal_epochs"], ge=0, owner=owner
+            )
+        if given.get("anneal_strategy", "linear") not in ("cos", "linear"):
             raise ValueError(
                 f"{owner}anneal_strategy must be 'cos' or 'linear'; got {anneal_strategy!r}."
             )
-        if optimizer not in ("adam", "sgd"):
+        if given.get("optimizer", "adam") not in ("adam", "sgd"):
             raise ValueError(f"Expected optimizer 'adam' or 'sgd' but got {optimizer!r}.")
+        #: optimizer settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        if given:
+            spelled = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            warnings.warn(
+                f"{owner}{', '.join(given)} are settings of the fit, not of the posterior: pass "
+                f"pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.SWAG({spelled}))) (or "
+                "make_fitter(..., optimizer=pb.infer.SWAG(...))). The guide keeps them for its "
+                "fitter for one release; they are no longer saved with the posterior.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         self.rank = int(rank)
         self.scale = float(scale)
         self.start_epoch = int(start_epoch)
         self.collect_every = int(collect_every)
         self.collect_every_steps = collect_every_steps
-        self.swa_lr = swa_lr
-        self.anneal_epochs = int(anneal_epochs)
-        self.anneal_strategy = anneal_strategy
-        self.optimizer_name = optimizer
         super().__init__(model)
+
+    def config(self) -> dict[str, Any]:
+        """The posterior's constructor options (the deprecated fit settings left out)."""
+        return {k: v for k, v in super().config().items() if k not in self.fit_options}
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from . import diversity, ibdr, ivon, kron, laplace, objectives, signorm, swag, symmetrized
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .ibdr import IBDRFitter, IBDRLoss
+from .ivon import IVON
 from .laplace import LaplaceFitter
 from .loop import DivergenceWarning, FitResult, fit
 from .objectives import ELBO, MAP
 from .options import Checkpointing, Optimization, Progress, Validation, grouped
 from .signorm import SigmaNormFitter
-from .swag import SWAGFitter
+from .swag import SWAG, SWAGFitter
 from .symmetrized import BatchedSymmetrizedELBO, SymmetrizedELBO
 
 register_fitter("swag", SWAGFitter)
@@ -49,6 +50,8 @@ __all__ = [
     "register_fitter",
     "make_fitter",
     "trainable_parameters",
+    "IVON",
+    "SWAG",
     "ELBO",
     "MAP",
     "symmetrized",

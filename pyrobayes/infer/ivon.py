@@ -20,8 +20,10 @@ the ``"ivon"`` fitter. The Kronecker sites of a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +31,115 @@ from torch import Tensor
 
 from ..batch import batch_size
 from ..contract import OnlineNewton, implements
+from ..models.adapters import check_real
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import split_training_batch
 
-__all__ = ["IVONLoss", "IVONOptimizer", "IVONFitter", "ivon_step_", "mean_step_", "per_example_nll"]
+__all__ = [
+    "IVON",
+    "IVONLoss",
+    "IVONOptimizer",
+    "IVONFitter",
+    "ivon_step_",
+    "mean_step_",
+    "per_example_nll",
+]
+
+
+@dataclass(frozen=True)
+class IVON:
+    r"""IVON's optimizer settings: how the posterior is fitted (the fitter's, not the guide's).
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.9999)))`` or
+    ``make_fitter(model, guide, optimizer=pb.infer.IVON(...))``; the IVON fitters build their
+    :class:`IVONOptimizer` from it. It is saved in the fitter's checkpoint, not with the
+    posterior. Notation of Shen et al. (2024), Algorithm 1.
+
+    Parameters
+    ----------
+    lr : float, optional
+        α; overrides the ``lr`` given to :func:`pyrobayes.fit` when set.
+    beta1 : float
+        Gradient momentum β1 (0.9).
+    beta2 : float, optional
+        Hessian EMA β2: 0.99999 for IVON; for Kronecker IVON the EMA of the Kronecker factors
+        (0.99: factors are far less noisy than the Price estimate).
+    diag_beta2 : float, optional
+        Kronecker IVON's β2 of its diagonal sites (0.99999); IVON uses ``beta2``.
+    hess_approx : {"price", "gradsq"}
+        Hessian estimator: ``ĝ (θ−m)/σ²`` (default) or ``λ ĝ²``.
+    clip_radius : float, optional
+        Elementwise clip of the preconditioned step (None: no clip).
+    debias : bool
+        Momentum bias correction (True).
+    rescale_lr : bool
+        Use ``α (h0 + δ)`` as the step size (True, as ivon-opt).
+    """
+
+    lr: float | None = None
+    beta1: float = 0.9
+    beta2: float | None = None
+    diag_beta2: float | None = None
+    hess_approx: str = "price"
+    clip_radius: float | None = None
+    debias: bool = True
+    rescale_lr: bool = True
+
+    def __post_init__(self) -> None:
+        owner = "IVON(): "
+        if self.lr is not None:
+            check_real("lr", self.lr, ge=0, owner=owner)
+        check_real("beta1", self.beta1, ge=0, lt=1, owner=owner)
+        for name in ("beta2", "diag_beta2"):
+            value = getattr(self, name)
+            if value is not None:
+                check_real(name, value, ge=0, le=1, owner=owner)
+        if self.clip_radius is not None:
+            check_real("clip_radius", self.clip_radius, gt=0, owner=owner)
+        if self.hess_approx not in ("price", "gradsq"):
+            raise ValueError(
+                f"{owner}hess_approx must be 'price' or 'gradsq'; got {self.hess_approx!r}."
+            )
+        for name in ("debias", "rescale_lr"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{owner}{name} must be True or False.")
+
+    def hyper(self, beta2: float, diag_beta2: float | None = None) -> dict[str, Any]:
+        """The optimizer's hyperparameters, with the family's default ``beta2``/``diag_beta2``."""
+        b2 = beta2 if self.beta2 is None else float(self.beta2)
+        if self.diag_beta2 is not None:
+            diag = float(self.diag_beta2)
+        else:
+            diag = b2 if diag_beta2 is None else diag_beta2
+        return {
+            "beta1": float(self.beta1),
+            "beta2": b2,
+            "diag_beta2": diag,
+            "hess_approx": self.hess_approx,
+            "clip_radius": math.inf if self.clip_radius is None else float(self.clip_radius),
+            "debias": self.debias,
+            "rescale_lr": self.rescale_lr,
+        }
+
+
+def check_settings(fitter: Any, saved: dict[str, Any] | None, kind: str) -> None:
+    """Refuse a checkpoint whose fitter ran with other optimizer settings (``kind``: the
+    settings class' name, e.g. ``"IVON"``); checkpoints written before the settings moved to
+    the fitter carry none and pass."""
+    here = dataclasses.asdict(fitter.settings)
+    if saved is None or saved == here:
+        return
+    diffs = [
+        f"{k}={saved.get(k)!r} there, {v!r} here" for k, v in here.items() if saved.get(k) != v
+    ]
+    spelled = ", ".join(f"{k}={v!r}" for k, v in saved.items())
+    raise ValueError(
+        f"{type(fitter).__name__}: the checkpoint was written with other {kind} settings "
+        f"({'; '.join(diffs)}); resume with optimizer=pb.infer.{kind}({spelled}), or start a "
+        "new fit (overwrite=True)."
+    )
 
 
 class IVONLoss:
@@ -197,17 +303,27 @@ class IVONOptimizer(torch.optim.Optimizer):
         α (nominal; multiplied by ``h0 + δ`` when ``rescale_lr``).
     curvature : KronCurvature, optional
         The Kronecker statistics and update (required when the guide has Kronecker sites).
+    settings : IVON, optional
+        The optimizer's settings (default ``IVON()``, with IVON's ``beta2 = 0.99999``).
     """
 
     needs_closure = True
 
     def __init__(
-        self, params: Iterable[Tensor], guide: Any, lr: float, curvature: Any = None
+        self,
+        params: Iterable[Tensor],
+        guide: Any,
+        lr: float,
+        curvature: Any = None,
+        settings: IVON | None = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"Expected lr >= 0 but got {lr}.")
         super().__init__(params, {"lr": float(lr)})
         self.guide, self.curvature = guide, curvature
+        fit = (settings or IVON()).hyper(0.99999)
+        #: the posterior's constants and the fit's settings, as the update reads them
+        self.hyper: dict[str, Any] = {**guide.hyper, **fit}
         locs, hess = guide.tensors()
         ids = {id(p) for p in locs}
         self.extras = [p for g in self.param_groups for p in g["params"] if id(p) not in ids]
@@ -262,7 +378,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             )
         ):
             return flat
-        hp, P, D = self.guide.hyper, self._n_extra, self._n_extra + self._n_diag
+        hp, P, D = self.hyper, self._n_extra, self._n_extra + self._n_diag
         dtype, n_m = self.guide.state_dtype, len(targets) - self._num_diag
         m = torch.cat([t.detach().reshape(-1).to(dtype) for t in targets[:n_m]])
         if not state:  # a fresh state: g = 0, h = h0 for the point parameters, μ0 = their start
@@ -359,7 +475,7 @@ class IVONOptimizer(torch.optim.Optimizer):
                 "(pyrobayes.fit passes one)."
             )
         flat = self._sync()
-        state, m, hp = flat["state"], flat["m"], self.guide.hyper
+        state, m, hp = flat["state"], flat["m"], self.hyper
         P, D, extras = self._n_extra, self._n_extra + self._n_diag, self.extras
         h, t = state["hess"], state["step"]
         prec = (h + flat["delta"]).mul_(hp["ess"])  # λ(h + δ)
@@ -475,14 +591,23 @@ class IVONFitter(Fitter):
     with ``ĝ``, ``ĥ`` the sample means of ``∇ℓ̄(θ_s)`` and ``∇ℓ̄(θ_s) ⊙ (θ_s − m) λ(h+δ)`` at
     ``θ_s = m + σ ε_s`` (:class:`IVONLoss`, the per-example mean NLL, drawn by
     :class:`IVONOptimizer`). The sites and the model's point parameters are updated alike
-    (the latter with ``point_weight_decay`` and ``point_prior_loc``). The guide's ``lr``
-    option, when set, overrides the ``lr`` given here. :meth:`state_dict` holds the momentum,
+    (the latter with ``point_weight_decay`` and ``point_prior_loc``). ``optimizer`` may be an
+    :class:`IVON` (the settings; its ``lr``, when set, overrides the ``lr`` given here). :meth:`state_dict` holds the momentum,
     the point parameters' ``h`` and μ0 and the step count (debiasing; Kronecker IVON's
     ``T_stats`` / ``T_inv``), so a checkpoint resumes exactly.
     """
 
-    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
-        super().__init__(model, guide, **kwargs)
+    #: the family's ``(beta2, diag_beta2)`` when :class:`IVON` leaves them unset
+    default_betas: tuple[float, float | None] = (0.99999, None)
+
+    def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        if isinstance(optimizer, IVON):
+            self.settings, optimizer = optimizer, None
+        else:  # the settings given to the guide's constructor (deprecated), else the defaults
+            self.settings = IVON(**getattr(guide, "fit_settings", {}))
+        #: the fit's hyperparameters (``IVON.hyper`` with the family's defaults)
+        self.hyper = self.settings.hyper(*self.default_betas)
+        super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
             "IVON's update needs the per-example mean NLL at its own draws θ = m + σε "
             "(IVONLoss); the prior and the entropy enter through δ and the update, not the loss."
@@ -495,12 +620,23 @@ class IVONFitter(Fitter):
         return IVONLoss()
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> IVONOptimizer:
-        lr = lr if self.guide.lr is None else self.guide.lr
-        return IVONOptimizer(params, self.guide, lr, self._curvature())
+        lr = lr if self.settings.lr is None else float(self.settings.lr)
+        optimizer = IVONOptimizer(params, self.guide, lr, self._curvature(), self.settings)
+        optimizer.hyper.update(self.hyper)
+        return optimizer
 
     def _curvature(self) -> Any:
         """The Kronecker statistics (:class:`~pyrobayes.infer.kron.KronIVONFitter`); none here."""
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, the step count and the :class:`IVON` settings it ran with."""
+        return {**super().state_dict(), "settings": dataclasses.asdict(self.settings)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
+        check_settings(self, state.get("settings"), "IVON")
+        super().load_state_dict(state)
 
 
 register_fitter("ivon", IVONFitter)

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..batch import token_mask
 from .distributed import all_reduce_mean_, world
 from .fitter import register_fitter
-from .ivon import IVONFitter, mean_step_
+from .ivon import IVON, IVONFitter, mean_step_
 
 __all__ = ["KronCurvature", "KronIVONFitter", "kron_precondition"]
 
@@ -49,6 +49,8 @@ class KronCurvature:
 
     def __init__(self, model: Any, guide: Any) -> None:
         self.guide = guide
+        #: the posterior's constants and the fit's settings (the fitter sets the latter)
+        self.hyper: dict[str, Any] = {**guide.hyper, **IVON().hyper(0.99, 0.99999)}
         sites = [s for s in guide.sites if guide.is_kron(s)]
         self.runs: list[tuple[list[str], int, int, torch.Size]] = []
         offset = 0
@@ -152,7 +154,7 @@ class KronCurvature:
     def step_(self, m: Tensor, momentum: Tensor, grad: Tensor, step: int, lr: float) -> None:
         """Update the factors (when recorded), re-decompose every ``T_inv`` steps, then the
         mean step of every run in place on the block's flat ``m`` and ``momentum``."""
-        guide, hp = self.guide, self.guide.hyper
+        guide, hp = self.guide, self.hyper
         if self.recorded:
             hats, rows = self._estimates()
             if world()[0] > 1:
@@ -327,8 +329,12 @@ class KronIVONFitter(IVONFitter):
     removes the layer hooks.
     """
 
+    default_betas = (0.99, 0.99999)
+
     def _curvature(self) -> KronCurvature:
-        return KronCurvature(self.model, self.guide)
+        curvature = KronCurvature(self.model, self.guide)
+        curvature.hyper.update(self.hyper)
+        return curvature
 
     def end(self, data: Any = None) -> None:
         self.guide.refresh()

@@ -32,8 +32,10 @@ W. J. Maddox et al., "A simple baseline for Bayesian uncertainty in deep learnin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import pyro.distributions as dist
@@ -41,11 +43,14 @@ import torch
 from torch import Tensor
 
 from ..guides.lowrank import VAR_FLOOR, SwagState, swag_posterior
+from ..models.adapters import check_int, check_real
 from .fitter import Fitter
+from .ivon import check_settings
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "SWAG",
     "SwagState",
     "swag_init",
     "swag_step",
@@ -54,6 +59,45 @@ __all__ = [
     "SWAGFitter",
     "VAR_FLOOR",
 ]
+
+
+@dataclass(frozen=True)
+class SWAG:
+    """SWAG's optimizer settings: how the iterates are produced (the fitter's, not the guide's).
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.SWAG(optimizer="sgd", swa_lr=0.01)))`` or
+    ``make_fitter(model, guide, optimizer=pb.infer.SWAG(...))``. Saved in the fitter's checkpoint,
+    not with the posterior.
+
+    Parameters
+    ----------
+    optimizer : {"adam", "sgd"}
+        The torch optimizer of the MAP trajectory (learning rate: the fit's ``lr``).
+    swa_lr : float, optional
+        Target of ``torch.optim.swa_utils.SWALR``'s annealing from the guide's ``start_epoch``
+        on (Izmailov et al., 2018); ``None`` keeps the learning rate.
+    anneal_epochs : int
+        SWALR's annealing length.
+    anneal_strategy : {"linear", "cos"}
+    """
+
+    optimizer: str = "adam"
+    swa_lr: float | None = None
+    anneal_epochs: int = 5
+    anneal_strategy: str = "linear"
+
+    def __post_init__(self) -> None:
+        owner = "SWAG(): "
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"{owner}optimizer must be 'adam' or 'sgd'; got {self.optimizer!r}.")
+        if self.swa_lr is not None:
+            check_real("swa_lr", self.swa_lr, ge=0, owner=owner)
+        check_int("anneal_epochs", self.anneal_epochs, ge=0, owner=owner)
+        if self.anneal_strategy not in ("cos", "linear"):
+            raise ValueError(
+                f"{owner}anneal_strategy must be 'cos' or 'linear'; got {self.anneal_strategy!r}."
+            )
 
 
 def swag_init(
@@ -115,32 +159,36 @@ class SWAGFitter(Fitter):
     r"""Fits a :class:`~pyrobayes.guides.SWAGGuide`: MAP training of its iterate plus collection.
 
     The objective is the MAP objective at the guide's iterate; the optimizer is Adam or SGD
-    (``SWAGGuide(optimizer=...)``). The iterate is collected after every ``collect_every``-th
+    (``optimizer=pb.infer.SWAG(optimizer=...)``, :class:`SWAG`). The iterate is collected after every ``collect_every``-th
     epoch from ``start_epoch`` on, or every ``collect_every_steps`` optimizer steps; with
     ``swa_lr`` the learning rate is annealed by ``torch.optim.swa_utils.SWALR`` (then
     :func:`pyrobayes.fit` refuses a scheduler of its own). :meth:`end` keeps at least the last
     iterate and marks the posterior fitted.
     """
 
-    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
-        super().__init__(model, guide, **kwargs)
+    def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        if isinstance(optimizer, SWAG):
+            self.settings, optimizer = optimizer, None
+        else:  # the settings given to the guide's constructor (deprecated), else the defaults
+            self.settings = SWAG(**getattr(guide, "fit_settings", {}))
+        super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
             "SWAG's posterior is built from the MAP trajectory of its point, not fitted by an "
             "ELBO (its q does not exist until the moments are collected)."
         )
-        self._default_optim = kwargs.get("optimizer") is None
+        self._default_optim = optimizer is None
         self._swalr: Any = None
         self.epochs_done = 0
 
     @property
     def manages_lr(self) -> bool:
-        return self.guide.swa_lr is not None
+        return self.settings.swa_lr is not None
 
     def default_objective(self) -> str:
         return "map"
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
-        if self.guide.optimizer_name == "sgd":
+        if self.settings.optimizer == "sgd":
             return torch.optim.SGD(params, lr=lr)
         return torch.optim.Adam(params, lr=lr)
 
@@ -148,11 +196,11 @@ class SWAGFitter(Fitter):
         self.guide.reset()
         self._swalr, self.epochs_done = None, 0
         if not self._default_optim and (
-            self.guide.collect_every_steps is not None or self.guide.swa_lr is not None
+            self.guide.collect_every_steps is not None or self.settings.swa_lr is not None
         ):
             logger.warning(
-                "SWAGFitter: collect_every_steps and swa_lr need the guide's default optimizer; "
-                "collecting per epoch without annealing."
+                "SWAGFitter: collect_every_steps and swa_lr need SWAG's own optimizer (none, or "
+                "pb.infer.SWAG(...)); collecting per epoch without annealing."
             )
 
     def _collect(self) -> None:
@@ -169,16 +217,16 @@ class SWAGFitter(Fitter):
             self._collect()
 
     def _anneal(self) -> None:
-        guide = self.guide
-        if guide.swa_lr is None or self._swalr is not None or not self._default_optim:
+        settings = self.settings
+        if settings.swa_lr is None or self._swalr is not None or not self._default_optim:
             return
         from torch.optim.swa_utils import SWALR
 
         self._swalr = SWALR(
             self.optimizer,
-            swa_lr=guide.swa_lr,
-            anneal_epochs=max(guide.anneal_epochs, 1),
-            anneal_strategy=guide.anneal_strategy,
+            swa_lr=settings.swa_lr,
+            anneal_epochs=max(settings.anneal_epochs, 1),
+            anneal_strategy=settings.anneal_strategy,  # type: ignore[arg-type]
         )
 
     def epoch_end(self, epoch: int) -> None:
@@ -212,12 +260,14 @@ class SWAGFitter(Fitter):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        state["settings"] = dataclasses.asdict(self.settings)
         state["epochs_done"] = self.epochs_done
         if self._swalr is not None:
             state["swalr"] = self._swalr.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_settings(self, state.get("settings"), "SWAG")
         super().load_state_dict(state)
         self.epochs_done = int(state.get("epochs_done", 0))
         if "swalr" in state:

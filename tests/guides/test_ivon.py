@@ -187,7 +187,9 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
         hess_approx=hess_approx,
         clip_radius=0.5,
     )
-    guide = IVONGuide(model, **hyper)
+    fit_keys = ("beta1", "beta2", "hess_approx", "clip_radius")  # the fit's, not q's
+    guide = IVONGuide(model, **{k: v for k, v in hyper.items() if k not in fit_keys})
+    settings = pb.infer.IVON(**{k: hyper[k] for k in fit_keys})
     batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)]
     steps, lr = 50, 0.2
 
@@ -231,6 +233,7 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
         num_steps=steps,
         lr=lr,
         seed=123,
+        optim=pb.Optimization(optimizer=settings),
         progress=pb.Progress(callback=record),
     )
     assert len(ours) == steps
@@ -267,7 +270,9 @@ def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_w
     x = torch.randn(40, 4, generator=g)
     y = torch.sin(x[:, :3]) + 0.5 * torch.randn(40, 3, generator=g)
     hyper = dict(ess=40.0, hess_init=0.7, beta1=0.9, beta2=0.995, weight_decay=3e-2)
-    guide = IVONGuide(model, point_weight_decay=point_weight_decay, **hyper)
+    posterior = dict(ess=40.0, hess_init=0.7, weight_decay=3e-2)
+    guide = IVONGuide(model, point_weight_decay=point_weight_decay, **posterior)
+    settings = pb.infer.IVON(beta1=0.9, beta2=0.995)
     batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)]
     steps, lr = 40, 0.2
     opt = ivon.IVON(
@@ -303,7 +308,14 @@ def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_w
         )
 
     pb.fit(
-        model, guide, batches, num_steps=steps, lr=lr, seed=7, progress=pb.Progress(callback=record)
+        model,
+        guide,
+        batches,
+        num_steps=steps,
+        lr=lr,
+        seed=7,
+        optim=pb.Optimization(optimizer=settings),
+        progress=pb.Progress(callback=record),
     )
     assert len(ours) == steps
     for mine, theirs in zip(ours, ref_traj, strict=True):
@@ -313,7 +325,9 @@ def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_w
 
 
 # ---------------------------------------------------------------------------- exact posteriors
-def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0):
+def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0, settings=None):
+    """Polyak averages of the mean and σ over the last ``tail`` steps (``settings``: the
+    fit's :class:`pyrobayes.infer.IVON`)."""
     locs, scales = [], []
 
     def record(step: int, value: float) -> None:
@@ -322,7 +336,14 @@ def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0):
             scales.append(guide.scale(site).detach().clone())
 
     pb.fit(
-        model, guide, data, num_steps=steps, lr=lr, seed=seed, progress=pb.Progress(callback=record)
+        model,
+        guide,
+        data,
+        num_steps=steps,
+        lr=lr,
+        seed=seed,
+        optim=pb.Optimization(optimizer=settings),
+        progress=pb.Progress(callback=record),
     )
     return torch.stack(locs).mean(0), torch.stack(scales).mean(0)
 
@@ -354,11 +375,14 @@ def test_orthogonal_design_linear_regression_posterior():
     precision = 1.0 + (x**2).sum(0) / noise**2
     post_mean = (x * y[:, None]).sum(0) / noise**2 / precision
     post_sd = precision.rsqrt()
-    guide = IVONGuide(model, hess_init=1.0, beta1=0.9, beta2=0.999)  # λ = N, δ = 1/N (prior)
+    guide = IVONGuide(model, hess_init=1.0)  # λ = N, δ = 1/N (prior)
+    settings = pb.infer.IVON(beta1=0.9, beta2=0.999)
     assert guide.ess == num and guide.weight_decay == pytest.approx(1.0 / num)
     perm = torch.randperm(num, generator=g)
     data = [(x[perm[i : i + 20]], y[perm[i : i + 20]]) for i in range(0, num, 20)]
-    loc, scale = _polyak(guide, "0.weight", model, data, steps=5000, tail=1000, lr=0.05)
+    loc, scale = _polyak(
+        guide, "0.weight", model, data, steps=5000, tail=1000, lr=0.05, settings=settings
+    )
     loc, scale = loc.reshape(-1), scale.reshape(-1)
     # SPECS pass criteria: σ within 10 %, mean within 1 posterior sd
     assert ((scale - post_sd).abs() / post_sd).max() < 0.10, (scale, post_sd)
@@ -369,9 +393,12 @@ def test_orthogonal_design_linear_regression_posterior():
 def test_conjugate_lora_xs_core_posterior():
     # the shared LoRA-XS linear-Gaussian fixture: exact posterior is diagonal
     prob = conjugate_core(num_data=64)
-    guide = IVONGuide(prob.model, hess_init=0.1, beta2=0.999, mc_samples=2)
+    guide = IVONGuide(prob.model, hess_init=0.1, mc_samples=2)
     data = [(prob.x[i : i + 16], prob.y[i : i + 16]) for i in range(0, 64, 16)]
-    loc, scale = _polyak(guide, prob.site, prob.model, data, steps=4000, tail=2000, lr=0.05)
+    settings = pb.infer.IVON(beta2=0.999)
+    loc, scale = _polyak(
+        guide, prob.site, prob.model, data, steps=4000, tail=2000, lr=0.05, settings=settings
+    )
     sd = prob.post_scale
     assert ((scale - sd).abs() / sd).max() < 0.10, scale / sd
     assert ((loc - prob.post_loc).abs() / sd).max() < 0.5, (loc - prob.post_loc) / sd
@@ -438,13 +465,16 @@ def test_non_finite_loss_leaves_parameters_untouched():
 def test_bfloat16_weights_keep_float32_statistics():
     prob = conjugate_core(num_data=64)
     prob.model.net.to(torch.bfloat16)
-    guide = IVONGuide(prob.model, hess_init=0.1, beta2=0.999)
+    guide = IVONGuide(prob.model, hess_init=0.1)
     assert guide.loc(prob.site).dtype == torch.float32
     assert guide.hess(prob.site).dtype == torch.float32
     assert guide.get_posterior(prob.site).sample().dtype == torch.bfloat16
     x, y = prob.x.to(torch.bfloat16), prob.y.to(torch.bfloat16)
     data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
-    loc, scale = _polyak(guide, prob.site, prob.model, data, steps=3000, tail=1500, lr=0.05)
+    settings = pb.infer.IVON(beta2=0.999)
+    loc, scale = _polyak(
+        guide, prob.site, prob.model, data, steps=3000, tail=1500, lr=0.05, settings=settings
+    )
     sd = prob.post_scale.float()
     # bf16 forward: ~3 significant digits per activation; 25 % on σ, 1.5 sd on the mean
     assert ((scale - sd).abs() / sd).max() < 0.25, scale / sd
@@ -480,9 +510,8 @@ def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, 
         else {"point_weight_decay": point_weight_decay}
     )
     net, model, data = _head_problem()
-    guide = pb.posterior(
-        model, family, mc_samples=mc_samples, hess_approx=hess_approx, hess_init=0.3, **options
-    )
+    guide = pb.posterior(model, family, mc_samples=mc_samples, hess_init=0.3, **options)
+    settings = pb.infer.IVON(hess_approx=hess_approx)
     start = copy.deepcopy(net)
     traj: list[torch.Tensor] = []
 
@@ -494,19 +523,32 @@ def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, 
             )
         )
 
-    pb.fit(model, guide, data, num_steps=15, lr=0.1, seed=3, progress=pb.Progress(callback=record))
-    reference = _reference_fit(family, guide, start, data, steps=15, lr=0.1, seed=3)
+    pb.fit(
+        model,
+        guide,
+        data,
+        num_steps=15,
+        lr=0.1,
+        seed=3,
+        optim=pb.Optimization(optimizer=settings),
+        progress=pb.Progress(callback=record),
+    )
+    reference = _reference_fit(
+        family, guide, start, data, steps=15, lr=0.1, seed=3, settings=settings
+    )
     for a, b in zip(traj, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     assert (traj[-1] - traj[0]).abs().max() > 1e-3  # the walk moved
 
 
-def _reference_fit(family, guide, net, data, *, steps, lr, seed):
+def _reference_fit(family, guide, net, data, *, steps, lr, seed, settings):
     """Plain-torch IVON (Kronecker IVON for layer 0's weight) on :func:`_head_problem`'s net:
     per step one randn per head tensor, then per sample one randn over the sites in site order."""
     from pyrobayes.guides.kron import eigh_factor
 
-    hp, S, kron = guide.hyper, guide.mc_samples, family == "kron-ivon"
+    betas = pb.infer.FITTERS[guide.default_fitter].default_betas  # the family's β2 defaults
+    hp = {**guide.hyper, **settings.hyper(*betas)}
+    S, kron = guide.mc_samples, family == "kron-ivon"
     lam, h0, b1, r = hp["ess"], hp["hess_init"], hp["beta1"], hp["clip_radius"]
     ds, dp = hp["weight_decay"], hp["point_weight_decay"]
     price = hp["hess_approx"] == "price"
@@ -740,3 +782,41 @@ def test_resuming_with_a_changed_point_prior_loc_is_refused_by_name(tmp_path):
             seed=0,
             checkpoint=pb.Checkpointing(tmp_path, resume=True),
         )
+
+
+def test_optimizer_settings_are_the_fitters_not_the_posteriors(tmp_path):
+    """IVON's lr, β's, clip radius, ... given to the guide still reach the fitter (one release,
+    DeprecationWarning naming pb.infer.IVON); the posterior file holds none of them; the
+    fitter's checkpoint holds them and refuses to resume under others."""
+    prob = conjugate_core(num_data=64)
+    with pytest.warns(DeprecationWarning, match=r"pb\.infer\.IVON\(beta2=0\.999, clip_radius=0\.5"):
+        old = IVONGuide(prob.model, hess_init=0.1, beta2=0.999, clip_radius=0.5)
+    new = IVONGuide(prob.model, hess_init=0.1)
+    settings = pb.infer.IVON(beta2=0.999, clip_radius=0.5)
+    assert old.config() == new.config() and "beta2" not in new.config()
+    fitters = [
+        make_fitter(prob.model, old, lr=0.1),
+        make_fitter(prob.model, new, lr=0.1, optimizer=settings),
+    ]
+    for fitter in fitters:
+        assert fitter.settings == settings
+        assert (
+            fitter.optimizer.hyper["beta2"] == 0.999
+            and fitter.optimizer.hyper["clip_radius"] == 0.5
+        )
+    data = [(prob.x[i : i + 16], prob.y[i : i + 16]) for i in range(0, 64, 16)]
+    for fitter in fitters:
+        torch.manual_seed(0)
+        for batch in data:
+            fitter.step(batch)
+    for key, value in old.state_dict().items():  # the same fit either way
+        assert torch.equal(value, new.state_dict()[key]), key
+    header = pb.io.read_header(pb.save(new, tmp_path / "q.safetensors"))
+    assert not set(IVONGuide.fit_options) & set(header["config"])
+    state = fitters[1].state_dict()
+    assert state["settings"]["beta2"] == 0.999
+    other = make_fitter(prob.model, new, lr=0.1, optimizer=pb.infer.IVON(beta2=0.99))
+    with pytest.raises(ValueError, match=r"other IVON settings \(beta2=0\.999 there, 0\.99 here"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="beta1"):
+        pb.infer.IVON(beta1=1.0)

@@ -48,7 +48,7 @@ def _multi_output(num=50, d_in=4, d_out=3, noise=0.5, bias=False, seed=0):
 def test_exact_multi_output_linear_gaussian_posterior():
     # SPECS 5b.2 deterministic test: full batch, β2 = 0, fisher ggn, λ = N, exact damping
     model, x, y, mean, cov = _multi_output()
-    guide = KroneckerIVONGuide(model, beta2=0.0, fisher="ggn_last", T_inv=1)
+    guide = KroneckerIVONGuide(model, fisher="ggn_last", T_inv=1)
     locs = []
 
     def record(step: int, value: float) -> None:
@@ -56,7 +56,14 @@ def test_exact_multi_output_linear_gaussian_posterior():
             locs.append(guide.loc("0.weight").detach().clone())
 
     pb.fit(
-        model, guide, [(x, y)], num_steps=300, lr=0.1, seed=0, progress=pb.Progress(callback=record)
+        model,
+        guide,
+        [(x, y)],
+        num_steps=300,
+        lr=0.1,
+        seed=0,
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),  # β2 of the factors
+        progress=pb.Progress(callback=record),
     )
     post = guide.get_posterior("0.weight")
     assert isinstance(post, KronEigenNormal)
@@ -75,8 +82,16 @@ def test_exact_multi_output_linear_gaussian_posterior():
 
 def test_factored_damping_is_a_matrix_normal_with_noisy_kfac_covariance():
     model, x, y, mean, cov = _multi_output()
-    guide = KroneckerIVONGuide(model, beta2=0.0, fisher="ggn", T_inv=1, damping="factored")
-    pb.fit(model, guide, [(x, y)], num_steps=3, lr=0.1, seed=0)
+    guide = KroneckerIVONGuide(model, fisher="ggn", T_inv=1, damping="factored")
+    pb.fit(
+        model,
+        guide,
+        [(x, y)],
+        num_steps=3,
+        lr=0.1,
+        seed=0,
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+    )
     post = guide.get_posterior("0.weight")
     assert isinstance(post, MatrixNormal)
     A, G = guide.factors("0.weight")
@@ -91,8 +106,16 @@ def test_factored_damping_is_a_matrix_normal_with_noisy_kfac_covariance():
 def test_lora_xs_core_hooks_give_the_exact_posterior():
     # a = down·x, ∂s = scaling·upᵀ∂y: the core's GGN factors are exact for the conjugate fixture
     prob = conjugate_core(num_data=64)
-    guide = KroneckerIVONGuide(prob.model, beta2=0.0, fisher="ggn", T_inv=1)
-    pb.fit(prob.model, guide, [(prob.x, prob.y)], num_steps=2, lr=0.05, seed=0)
+    guide = KroneckerIVONGuide(prob.model, fisher="ggn", T_inv=1)
+    pb.fit(
+        prob.model,
+        guide,
+        [(prob.x, prob.y)],
+        num_steps=2,
+        lr=0.05,
+        seed=0,
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+    )
     post = guide.get_posterior(prob.site)
     torch.testing.assert_close(post.variance.sqrt(), prob.post_scale, rtol=1e-6, atol=1e-8)
 
@@ -118,8 +141,9 @@ def test_stochastic_flavours_fit_and_predict(fisher):
 def test_mc_fisher_matches_the_ggn_in_expectation_for_gaussian():
     # for a Gaussian likelihood E_y[∇l∇lᵀ] = GGN: the MC-Fisher G is unbiased for I/s²
     model, x, y, mean, cov = _multi_output()
-    guide = KroneckerIVONGuide(model, beta2=0.995, fisher="mc", mc_samples=4)
-    pb.fit(model, guide, [(x, y)], num_steps=800, lr=0.05, seed=0)
+    guide = KroneckerIVONGuide(model, fisher="mc", mc_samples=4)
+    optim = pb.Optimization(optimizer=pb.infer.IVON(beta2=0.995))
+    pb.fit(model, guide, [(x, y)], num_steps=800, lr=0.05, seed=0, optim=optim)
     _, G = guide.factors("0.weight")
     # G started at I (h0 = 1) and relaxes to I/s² = 4 I with rate 5e-3 per step
     target = 4.0 * (1 - 0.995**800) + 0.995**800
@@ -175,10 +199,8 @@ def test_kron_guide_with_frozen_isotropic_factors_equals_ivon_guide():
     runs = []
     for cls in (IVONGuide, KroneckerIVONGuide):
         model, x, y, *_ = _multi_output(bias=True)
-        kw = dict(hess_init=0.3, mc_samples=2, beta2=1.0)
-        if cls is KroneckerIVONGuide:
-            kw["diag_beta2"] = 1.0
-        guide = cls(model, **kw)
+        guide = cls(model, hess_init=0.3, mc_samples=2)
+        settings = pb.infer.IVON(beta2=1.0, diag_beta2=1.0)
         traj = []
         pb.fit(
             model,
@@ -187,6 +209,7 @@ def test_kron_guide_with_frozen_isotropic_factors_equals_ivon_guide():
             num_steps=30,
             lr=0.1,
             seed=3,
+            optim=pb.Optimization(optimizer=settings),
             progress=pb.Progress(
                 callback=lambda s, v, g=guide, t=traj: t.append(g.loc("0.weight").detach().clone())
             ),
@@ -285,11 +308,19 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
     model = FineTuneModel(
         net, pb.models.LoRA(rank=2, target_modules=["0"]), num_data=32, trainable_modules=["2"]
     )
-    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1)
+    guide = KroneckerIVONGuide(model, T_inv=1)
     sites = {model.latent_sites[s].kind: s for s in guide.sites}
     assert set(sites) == {"lora_A", "lora_B"} and all(guide.is_kron(s) for s in sites.values())
     x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
-    pb.fit(model, guide, [(x, y)], num_steps=1, lr=0.1, seed=0)
+    pb.fit(
+        model,
+        guide,
+        [(x, y)],
+        num_steps=1,
+        lr=0.1,
+        seed=0,
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+    )
     A_in, G_A = guide.factors(sites["lora_A"])
     assert A_in.shape == (5, 5) and G_A.shape == (2, 2)
     torch.testing.assert_close(A_in, x.T @ x / 32, rtol=1e-12, atol=1e-12)
@@ -317,7 +348,15 @@ def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
 
     IVONOptimizer.training_sample = keep_the_draw
     try:
-        pb.fit(model, guide, [batch], num_steps=1, lr=0.1, seed=0)
+        pb.fit(
+            model,
+            guide,
+            [batch],
+            num_steps=1,
+            lr=0.1,
+            seed=0,
+            optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+        )  # β2 = 0
     finally:
         IVONOptimizer.training_sample = sample
     return drawn
@@ -335,7 +374,7 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
     else:
         adapt, suffixes = pb.models.LoRA(rank=2, target_modules=["0"]), ["lora_A", "lora_B"]
     model = FineTuneModel(net, adapt, num_data=40, trainable_modules=[])  # cores only
-    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1, mc_samples=2)
+    guide = KroneckerIVONGuide(model, T_inv=1, mc_samples=2)
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
     drawn = _one_step_keeping_the_draw(model, guide, (x, y))
     # the reference: the same forward at the drawn weights, with plain hooks and retain_grad
@@ -415,9 +454,17 @@ def test_sites_with_equal_inputs_and_different_outputs():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     model = FineTuneModel(net, latent_modules=["0", "2"], num_data=20, trainable_modules=[])
-    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1)
+    guide = KroneckerIVONGuide(model, T_inv=1)
     x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
-    pb.fit(model, guide, [(x, y)], num_steps=2, lr=0.1, seed=0)
+    pb.fit(
+        model,
+        guide,
+        [(x, y)],
+        num_steps=2,
+        lr=0.1,
+        seed=0,
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+    )
     assert len(guide.kron_sites) == 2  # the two weights (the biases are diagonal sites)
     shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide.kron_sites}
     assert sorted(shapes.values()) == [(3, 3), (6, 6)]
@@ -447,7 +494,7 @@ def test_input_factor_skips_padded_tokens():
         "attention_mask": mask,
         "labels": torch.randint(0, 2, (B,)),
     }
-    guide = KroneckerIVONGuide(model, beta2=0.0, T_inv=1, mc_samples=S)
+    guide = KroneckerIVONGuide(model, T_inv=1, mc_samples=S)
     drawn = _one_step_keeping_the_draw(model, guide, batch)
     seen: dict[str, list] = {}
     handles = []

@@ -27,10 +27,11 @@ def _two_core_model(num_data: int = 48) -> tuple[FineTuneModel, DataLoader]:
     return prob.model, tensor_loader(prob.x, prob.y, 12)
 
 
-def _fit_recording(model, guide, loader, epochs, lr=0.05):
-    """A hand-written loop over the public step API, recording every iterate and lr."""
+def _fit_recording(model, guide, loader, epochs, lr=0.05, settings=None):
+    """A hand-written loop over the public step API, recording every iterate and lr
+    (``settings``: the fit's :class:`pyrobayes.infer.SWAG`)."""
     iterates, lrs = [], []
-    fitter = pb.infer.make_fitter(model, guide, lr=lr)
+    fitter = pb.infer.make_fitter(model, guide, lr=lr, optimizer=settings)
     assert isinstance(fitter, pb.infer.SWAGFitter)
     model.train(True)
     fitter.begin(loader)
@@ -152,10 +153,9 @@ def test_moments_match_stored_iterates() -> None:
     """SPECS 2(d) 4: constant-lr SGD on the linear-Gaussian core problem; steps collected."""
     prob = conjugate_core(num_data=64)
     loader = DataLoader(TensorDataset(prob.x, prob.y), batch_size=8, shuffle=True)
-    guide = SWAGGuide(
-        prob.model, rank=4, start_epoch=2, collect_every_steps=1, optimizer="sgd", scale=0.5
-    )
-    iterates, _ = _fit_recording(prob.model, guide, loader, epochs=8, lr=2e-3)
+    guide = SWAGGuide(prob.model, rank=4, start_epoch=2, collect_every_steps=1, scale=0.5)
+    sgd = pb.infer.SWAG(optimizer="sgd")
+    iterates, _ = _fit_recording(prob.model, guide, loader, epochs=8, lr=2e-3, settings=sgd)
     steps_per_epoch = len(loader)
     kept = iterates[2 * steps_per_epoch :]  # collection starts after the burn-in epochs
     assert int(guide.swag_num_collected) == kept.shape[0] == 6 * steps_per_epoch
@@ -207,8 +207,9 @@ def test_sampling_covariance(scale: float) -> None:
 
 def test_swalr_schedule() -> None:
     model, loader = _two_core_model()
-    guide = SWAGGuide(model, rank=2, start_epoch=2, swa_lr=0.01, anneal_epochs=2)
-    _, lrs = _fit_recording(model, guide, loader, epochs=6, lr=0.05)
+    guide = SWAGGuide(model, rank=2, start_epoch=2)
+    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2)
+    _, lrs = _fit_recording(model, guide, loader, epochs=6, lr=0.05, settings=settings)
     per = len(loader)
     assert lrs[: 2 * per] == [0.05] * (2 * per)  # plain training until start_epoch
     assert lrs[-1] == pytest.approx(0.01)  # annealed to swa_lr
@@ -246,3 +247,52 @@ def test_save_load_round_trip(tmp_path) -> None:
     assert pred.log_probs.shape == (4, 48, 3)
     counts = pb.count_parameters(loaded)
     assert counts["latent"] == 8 and counts["posterior_storage"] == 8 * (2 + 3)
+
+
+def test_optimizer_settings_are_the_fitters_not_the_posteriors(tmp_path) -> None:
+    """The old keywords still reach the fitter (one release, DeprecationWarning naming the new
+    spelling); the posterior file holds none of them; the fitter's checkpoint holds them and
+    refuses to resume under other ones."""
+    model, loader = _two_core_model()
+    with pytest.warns(DeprecationWarning, match=r"pb\.infer\.SWAG\(swa_lr=0\.01"):
+        old = SWAGGuide(model, rank=2, start_epoch=2, swa_lr=0.01, anneal_epochs=2)
+    new = SWAGGuide(model, rank=2, start_epoch=2)
+    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2)
+    _, lrs_old = _fit_recording(model, old, loader, epochs=6, lr=0.05)
+    _, lrs_new = _fit_recording(model, new, loader, epochs=6, lr=0.05, settings=settings)
+    assert lrs_old == lrs_new and lrs_new[-1] == pytest.approx(0.01)  # the same annealing
+    assert old.config() == new.config() and "swa_lr" not in new.config()
+    header = pb.io.read_header(pb.save(new, tmp_path / "q.safetensors"))
+    assert not {"swa_lr", "anneal_epochs", "anneal_strategy", "optimizer"} & set(header["config"])
+    fitter = pb.infer.make_fitter(model, new, lr=0.05, optimizer=settings)
+    state = fitter.state_dict()
+    assert state["settings"] == {
+        "optimizer": "adam",
+        "swa_lr": 0.01,
+        "anneal_epochs": 2,
+        "anneal_strategy": "linear",
+    }
+    other = pb.infer.make_fitter(model, new, lr=0.05, optimizer=pb.infer.SWAG(optimizer="sgd"))
+    with pytest.raises(ValueError, match=r"other SWAG settings \(optimizer='adam' there"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="anneal_strategy must be 'cos' or 'linear'"):
+        pb.infer.SWAG(anneal_strategy="cosine")
+
+
+def test_an_older_file_with_optimizer_settings_still_loads(tmp_path, caplog) -> None:
+    """A posterior saved when the settings were the guide's carries them in its options: it
+    loads (they are ignored, with a logged note) into an equal guide."""
+    model, loader = _two_core_model()
+    guide = SWAGGuide(model, rank=2)
+    pb.fit(model, guide, loader, epochs=3, lr=0.05)
+    legacy = {"swa_lr": None, "anneal_epochs": 5, "anneal_strategy": "linear", "optimizer": "sgd"}
+    options = guide.config()
+    guide.config = lambda: {**options, **legacy}  # what such a file's header holds
+    path = pb.save(guide, tmp_path / "old.safetensors")
+    assert pb.io.read_header(path)["config"]["optimizer"] == "sgd"
+    with caplog.at_level("INFO", logger="pyrobayes.io"):
+        loaded = pb.load(path, model)
+    assert "ignoring the optimizer settings" in caplog.text and "optimizer='sgd'" in caplog.text
+    for key, value in guide.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key])
+    pb.io.load_state(SWAGGuide(model, rank=2), path)  # into a guide built as today: no mismatch

@@ -142,9 +142,16 @@ def test_bad_schedules_are_named():
         )
     with pytest.raises(ValueError, match="named schedule"):
         pb.fit(prob.model, guide, data, epochs=1, optim=pb.Optimization(warmup=2))
-    swag = pb.posterior(prob.model, "swag", swa_lr=1e-3)
+    swag = pb.posterior(prob.model, "swag")
+    swalr = pb.infer.SWAG(swa_lr=1e-3)
     with pytest.raises(ValueError, match="swa_lr"):
-        pb.fit(prob.model, swag, data, epochs=1, optim=pb.Optimization(scheduler="cosine"))
+        pb.fit(
+            prob.model,
+            swag,
+            data,
+            epochs=1,
+            optim=pb.Optimization(optimizer=swalr, scheduler="cosine"),
+        )
 
 
 def test_bad_schedule_leaves_a_fitted_guide_untouched():
