@@ -41,7 +41,9 @@ def posterior(model: Any, family: str = "meanfield", *, init: Any = None, **kwar
         When ``init`` is given for a family without a point (not ``PostHoc``), or is not a
         posterior.
     ValueError
-        When ``init`` covers other sites (or shapes) than the new guide.
+        When ``init`` covers other sites (or shapes) than the new guide, was fitted on another
+        model (other frozen base weights, or another head), or was never fitted (its point is
+        still the model's initial value at every site).
 
     Examples
     --------
@@ -95,7 +97,9 @@ def start_from(guide: Any, init: Any) -> Any:
             f"{type(guide).__name__} (missing {missing[:5]}, extra {extra[:5]}, shapes "
             f"(init, new) {dict(list(shapes.items())[:5])}). Pass a guide fitted on the same model."
         )
+    _check_init_model(guide, init)
     values = init.mean()
+    _check_init_fitted(init, values)
     with torch.no_grad():
         for site in target:
             loc = point.loc(site)
@@ -103,3 +107,56 @@ def start_from(guide: Any, init: Any) -> Any:
     point.reset()
     logger.info("%s starts at the point of %s", type(guide).__name__, type(init).__name__)
     return guide
+
+
+def _check_init_model(guide: Any, init: Any) -> None:
+    """``init`` must sit on the new guide's model, or on one with the same frozen base weights
+    and the same point parameters (a rebuilt copy with the head copied over)."""
+    from .io import base_fingerprint  # local: io imports the guide registry
+
+    mine, theirs = getattr(guide, "model", None), getattr(init, "model", None)
+    if mine is None or theirs is None or mine is theirs:
+        return
+    here, there = base_fingerprint(mine), base_fingerprint(theirs)
+    fix = (
+        " Pass a guide fitted on this model, or build the new guide on init's model "
+        "(pyrobayes.posterior(init.model, ...))."
+    )
+    if here is not None and there is not None and here["sha256"] != there["sha256"]:
+        raise ValueError(
+            f"posterior(init=...): the {type(init).__name__} was fitted on another model: the "
+            f"frozen base weights differ (fingerprint {there['sha256'][:16]}… for init.model, "
+            f"{here['sha256'][:16]}… for the model of the new {type(guide).__name__})." + fix
+        )
+    ours, fitted = getattr(mine, "point_params", {}), getattr(theirs, "point_params", {})
+    differ = sorted(set(ours) ^ set(fitted))
+    differ += [
+        k
+        for k in sorted(set(ours) & set(fitted))
+        if ours[k].shape != fitted[k].shape
+        or not torch.equal(ours[k].detach().cpu(), fitted[k].detach().cpu())
+    ]
+    if differ:
+        raise ValueError(
+            f"posterior(init=...): the {type(init).__name__} was fitted on another model whose "
+            f"point parameters differ from this model's ({differ[:5]}): the post-hoc posterior "
+            "would sit at init's point beside a head it was not fitted with." + fix
+        )
+
+
+def _check_init_fitted(init: Any, values: dict[str, torch.Tensor]) -> None:
+    """An ``init`` whose point is still its model's initial value at every site was never
+    fitted (a fit that moved nothing is indistinguishable, and as useless as a start)."""
+    model = getattr(init, "model", None)
+    site_value = getattr(model, "site_value", None)
+    if site_value is None or not values:
+        return
+    for site, value in values.items():
+        start = site_value(site)
+        if start.shape != value.shape or not torch.equal(start.to(value), value.detach()):
+            return
+    raise ValueError(
+        f"posterior(init=...): the {type(init).__name__} was never fitted: its point equals its "
+        "model's initial value at every site. Fit it first (pyrobayes.fit(model, init, data, "
+        "...)), or build the post-hoc family without init= (it then fits its own MAP stage)."
+    )

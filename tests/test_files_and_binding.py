@@ -176,3 +176,58 @@ def test_a_stripped_signature_or_an_unsigned_file_is_refused_with_a_key(tmp_path
     with pytest.raises(PosteriorFileError, match="is not signed, so key= cannot authenticate"):
         pb.load(path, _problem().model, key=KEY)
     pb.load(path, _problem().model)  # unsigned, without a key: as any unsigned file
+
+
+# ------------------------------------------------------------------ guides bound to their model
+def test_fitting_a_guide_with_another_model_is_refused_naming_both():
+    """The reported case: pb.fit(model_B, guide_built_on_model_A) trained, and pb.save(guide)
+    then wrote A's head."""
+    a, b = _problem(seed=0), _problem(seed=1)  # the same sites and shapes
+    guide = pb.posterior(a.model, "meanfield")
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
+    heads = {k: v.clone() for k, v in b.model.point_params.items()}
+    for call in (
+        lambda: pb.fit(b.model, guide, split_batches(b.x, b.y, 16), epochs=1),
+        lambda: pb.infer.make_fitter(b.model, guide, lr=1e-2),
+    ):
+        with pytest.raises(ValueError, match="was built on another model") as err:
+            call()
+        message = str(err.value)
+        assert f"guide.model: FineTuneModel at {id(a.model):#x}" in message
+        assert f"model passed (FineTuneModel at {id(b.model):#x}" in message
+        assert "same sites and shapes, but are different objects" in message
+        assert "pb.posterior(model, ...)" in message
+    for k, v in guide.state_dict().items():  # nothing trained
+        assert torch.equal(v, before[k]), k
+    for k, v in b.model.point_params.items():
+        assert torch.equal(v, heads[k]), k
+    pb.infer.make_fitter(a.model, guide, lr=1e-2)  # its own model: fine
+
+
+def test_init_from_a_guide_fitted_on_another_model_is_refused():
+    """pb.posterior(model_B, "laplace", init=map_guide_of_model_A): other base weights, or the
+    same base but another head, are refused; a rebuilt copy with the head copied is accepted
+    (what the demo pipeline does)."""
+    a, map_guide = _fitted("map")
+    other = _problem(seed=1).model  # other frozen base weights
+    with pytest.raises(ValueError, match="fitted on another model: the frozen base weights"):
+        pb.posterior(other, "laplace", init=map_guide)
+    rebuilt = _problem(seed=0).model  # the same base weights, its own (unfitted) head
+    with pytest.raises(ValueError, match=r"point parameters differ from this model's \(\['2"):
+        pb.posterior(rebuilt, "laplace", init=map_guide)
+    with torch.no_grad():
+        for k, p in rebuilt.point_params.items():
+            p.copy_(a.model.point_params[k])
+    laplace = pb.posterior(rebuilt, "laplace", init=map_guide)
+    for site, value in map_guide.mean().items():
+        assert torch.equal(laplace.loc(site), value), site
+
+
+def test_init_from_an_unfitted_guide_is_refused():
+    p = _problem()
+    map_guide = pb.posterior(p.model, "map")
+    with pytest.raises(ValueError, match="the DeltaGuide was never fitted: its point equals") as err:
+        pb.posterior(p.model, "laplace", init=map_guide)
+    assert "Fit it first" in str(err.value) and "without init=" in str(err.value)
+    pb.fit(p.model, map_guide, split_batches(p.x, p.y, 16), epochs=1, lr=0.05, seed=0)
+    assert not pb.posterior(p.model, "laplace", init=map_guide).is_fitted  # fitted: accepted

@@ -33,6 +33,7 @@ from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .objectives import MAP, SurrogateObjective, is_variational, make_objective
 
 __all__ = [
+    "check_guide_model",
     "Fitter",
     "SVIFitter",
     "FITTERS",
@@ -314,10 +315,53 @@ def register_fitter(name: str, cls: type[Fitter]) -> type[Fitter]:
     return cls
 
 
+def _describe(model: Any) -> str:
+    sites = getattr(model, "latent_sites", None)
+    what = f"{type(model).__name__} at {id(model):#x}"
+    return f"{what} ({len(sites)} latent sites)" if sites else what
+
+
+def check_guide_model(model: Any, guide: Any, where: str = "fit") -> None:
+    """Refuse to fit ``guide`` with a ``model`` other than the one it was built on.
+
+    A guide is bound to its model (``guide.model``): it reads its sites from it, and
+    ``pb.save(guide)`` writes that model's point parameters (the head). Fitting it with another
+    model, even one of the same shapes, would train this model's head beside a posterior whose
+    file then pairs it with the other model's.
+
+    Raises
+    ------
+    ValueError
+        Naming both models and the fix.
+    """
+    try:
+        bound = getattr(guide, "model", None)
+    except TypeError:  # an AutoGuide whose model reference was dropped (pickling)
+        return
+    if bound is None or bound is model:
+        return
+    same = getattr(bound, "latent_sites", None) is not None and {
+        s: tuple(spec.shape) for s, spec in bound.latent_sites.items()
+    } == {s: tuple(spec.shape) for s, spec in (getattr(model, "latent_sites", None) or {}).items()}
+    raise ValueError(
+        f"{where}(model, guide): the {type(guide).__name__} was built on another model "
+        f"(guide.model: {_describe(bound)}) than the model passed ({_describe(model)})"
+        + ("; they have the same sites and shapes, but are different objects" if same else "")
+        + ". A guide is bound to the model it was built on (pb.save(guide) writes that model's "
+        "head). Build the guide on this model (pb.posterior(model, ...)), or pass the model it "
+        "was built on."
+    )
+
+
 def make_fitter(model: Any, guide: Any, **kwargs: Any) -> Fitter:
     """The fitter of ``guide``'s family (``FITTERS[guide.default_fitter]``) over ``model``.
 
     ``kwargs`` (``loss``, ``optimizer``, ``lr``) go to its constructor.
+
+    Raises
+    ------
+    ValueError
+        When ``guide`` was built on another model (:func:`check_guide_model`).
     """
     name = guide.default_fitter
     try:
@@ -327,4 +371,6 @@ def make_fitter(model: Any, guide: Any, **kwargs: Any) -> Fitter:
             f"{type(guide).__name__}.default_fitter = {name!r} is not a registered fitter "
             f"({sorted(FITTERS)}); register it with pyrobayes.infer.register_fitter."
         ) from None
-    return cls(model, guide, **kwargs)
+    fitter = cls(model, guide, **kwargs)  # its own argument errors first (e.g. no sites yet)
+    check_guide_model(model, guide, "fit")
+    return fitter
