@@ -3,8 +3,10 @@ r"""Post-hoc Laplace posterior over the latent sites (L-LoRA-XS when the sites a
 .. math:: q(θ) = \mathcal N\big(θ_{\rm MAP},\ (H_{\rm GGN} + τ I)^{-1}\big)
 
 ``H_GGN`` is the generalized Gauss–Newton of the summed negative log-likelihood with respect to
-the sites only (head fixed at its MAP value), diagonal (``DIAG``) or Kronecker-factored per site
-(``KRON``: for a LoRA-XS core ``R`` the factors are ``r×r``). It is computed by laplace-torch;
+the sites of ``subset`` only (point parameters such as a point head, and the other sites, fixed at
+their MAP values), diagonal (``DIAG``) or Kronecker-factored per site (``KRON``: for a LoRA-XS core
+``R`` the factors are ``r×r``; a latent ``Linear`` weight gets ``G ⊗ A`` and its bias the dense
+``G``, as laplace-torch's default backend, Martens & Grosse 2015). It is computed by laplace-torch;
 ``τ`` is a scalar prior precision chosen by the Laplace marginal likelihood over a bounded range,
 either post hoc at the trained MAP (``prior_optimization="evidence"``) or alternating with refits
 of the MAP (``"alternate"``, MacKay 1992).
