@@ -3,7 +3,9 @@
 ``fit(scheduler=...)`` takes ``"cosine"`` (``α_t = α·½(1 + cos(π t/T))``), ``"linear"``
 (``α_t = α·(1 − t/T)``), with ``T`` the run's number of steps and an optional linear warm-up
 (``fit(warmup=W)``: ``α_t = α·t/W`` for ``t < W``, then the decay over the remaining ``T − W``
-steps, as Hugging Face's ``get_*_schedule_with_warmup``), or a factory
+steps), built by Hugging Face transformers' ``get_cosine_schedule_with_warmup`` /
+``get_linear_schedule_with_warmup`` (the cosine schedule of Loshchilov & Hutter, 2017, SGDR,
+Eq. 5, as one half-period without restarts), or a factory
 ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` for anything else (one-cycle, steps).
 Every family's optimizer reads its learning rate from ``param_groups`` at each step, IVON's
 closure-driven one included, so one schedule works for all.
@@ -11,19 +13,20 @@ closure-driven one included, so one schedule works for all.
 
 from __future__ import annotations
 
-import math
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["SCHEDULES", "check_schedule", "make_scheduler"]
 
-#: The named schedules; the multiplier of the base learning rate at step ``t`` of ``T``.
-SCHEDULES: dict[str, Callable[[int, int], float]] = {
-    "cosine": lambda t, T: 0.5 * (1.0 + math.cos(math.pi * min(t, T) / T)),
-    "linear": lambda t, T: max(0.0, 1.0 - t / T),
+#: The named schedules and the ``transformers.optimization`` factory that builds each
+#: (``factory(optimizer, num_warmup_steps, num_training_steps)``, a ``LambdaLR``).
+SCHEDULES: dict[str, str] = {
+    "cosine": "get_cosine_schedule_with_warmup",
+    "linear": "get_linear_schedule_with_warmup",
 }
 
 
@@ -103,16 +106,10 @@ def make_scheduler(
     if spec is None or total_steps == 0:
         return None
     if isinstance(spec, str):
-        decay = SCHEDULES[spec]
         assert total_steps is not None  # check_schedule refuses a named schedule without it
-        total = int(total_steps)
-
-        def multiplier(t: int) -> float:
-            if t < num_warmup:
-                return t / num_warmup
-            return decay(t - num_warmup, total - num_warmup)
-
-        return LambdaLR(optimizer, multiplier)
+        # imported here: transformers.optimization costs seconds, and only named schedules need it
+        factory = getattr(importlib.import_module("transformers.optimization"), SCHEDULES[spec])
+        return factory(optimizer, num_warmup_steps=num_warmup, num_training_steps=int(total_steps))
     scheduler = spec(optimizer)
     if not (hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")):
         raise TypeError(

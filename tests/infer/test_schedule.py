@@ -167,3 +167,71 @@ def test_bad_schedule_leaves_a_fitted_guide_untouched():
         pb.fit(prob.model, swag, data, epochs=1, optim=pb.Optimization(scheduler="step"))
     for k, v in before.items():
         torch.testing.assert_close(swag.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def _closed_form(name: str, t: int, total: int, warmup: int) -> float:
+    """The schedule's multiplier written out (Loshchilov & Hutter 2017, Eq. 5, one half-period;
+    linear decay), independent of transformers: α_t / α."""
+    if t < warmup:
+        return t / warmup
+    progress = (t - warmup) / (total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * progress)) if name == "cosine" else 1 - progress
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear"])
+def test_named_schedules_equal_the_closed_form(name):
+    # built by transformers' get_*_schedule_with_warmup; compared over many run lengths, warm-ups
+    # as steps and as fractions, every step including the last (t = T, α_T = 0). The two routes
+    # differ only in the order of one multiply and one divide: a few ulp of a multiplier <= 1, so
+    # 1e-15 absolute (4.5 ulp at 1) is round-off and any formula change (>= 1/T) shows.
+    from pyrobayes.infer.schedule import check_schedule, make_scheduler
+
+    checked = 0
+    for total in [1, 2, 3, 7, 12, 50, 333]:
+        for warmup in [0, 1, 5, 0.1, 0.25, 0.5]:
+            try:
+                num_warmup = check_schedule(name, total, warmup)
+            except ValueError:  # warm-up as long as the run
+                continue
+            param = torch.zeros(1, requires_grad=True)
+            opt = torch.optim.SGD([param], lr=1.0)
+            sched = make_scheduler(name, opt, total, warmup)
+            got = []
+            for _ in range(total):
+                got.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+            got.append(opt.param_groups[0]["lr"])
+            want = [_closed_form(name, t, total, num_warmup) for t in range(total + 1)]
+            assert got == pytest.approx(want, rel=0, abs=1e-15), (total, warmup)
+            assert got[-1] == pytest.approx(0.0, abs=1e-15)
+            checked += 1
+    assert checked >= 35
+    # fractions are rounded to whole steps: 0.25 of 12 steps is 3, 0.1 of 7 is 1 (0.7 rounded)
+    assert check_schedule(name, 12, 0.25) == 3 and check_schedule(name, 7, 0.1) == 1
+
+
+def test_named_schedule_state_round_trips_mid_run():
+    # what a checkpoint keeps: a fresh optimizer and scheduler loaded with the states of ones
+    # stopped at step 5 continue with exactly the lr sequence of the uninterrupted ones
+    from pyrobayes.infer.schedule import make_scheduler
+
+    def build():
+        param = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.SGD([param], lr=0.05)
+        return opt, make_scheduler("cosine", opt, 20, 0.2)
+
+    opt, sched = build()
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    opt2, sched2 = build()
+    opt2.load_state_dict(opt.state_dict())  # the optimizer's groups carry the current lr
+    sched2.load_state_dict(sched.state_dict())
+    for _ in range(15):
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] > 0
+        opt.step()
+        sched.step()
+        opt2.step()
+        sched2.step()
+    assert sched2.last_epoch == 20 and opt2.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-15)
