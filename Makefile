@@ -63,6 +63,14 @@ bench: $(STAMP)
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) benchmarks/overhead.py
 
+# issue 27's suite: families vs MAP, MAP + temperature scaling, a deep ensemble and laplace-torch
+# (digits + diabetes, 3 seeds; the MiniLM tasks: benchmarks/suite/run.py --tasks polarity fine),
+# then docs/choosing.md and docs/img/suite_*.png from every result in benchmarks/results/suite/
+.PHONY: bench-suite
+bench-suite: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/suite/run.py --tasks digits diabetes --seeds 0 1 2
+	$(PY) benchmarks/suite/report.py --choosing
+
 # API reference and docs (mkdocs.yml); --strict fails on any warning, docstrings included.
 docs: $(STAMP)
 	$(PY) -m pip install -e '.[docs]'

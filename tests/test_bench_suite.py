@@ -72,3 +72,13 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
     diff = report.paired(on_disk["tasks"]["digits"], "map+ts", "map", "nll")
     assert diff[2] == 1 and diff[1] is None  # one seed: a difference without a spread
     assert diff[0] == pytest.approx(digits["map+ts"]["nll"] - digits["map"]["nll"])
+    # docs/choosing.md's generator on the same results: every task, the targets, no stale text
+    sys.path.insert(0, str(SUITE))
+    try:
+        choosing = _load("choosing")
+        page = choosing.page(on_disk["tasks"], {"digits": "quick.json", "diabetes": "quick.json"})
+    finally:
+        sys.path.remove(str(SUITE))
+    assert "## Issue 27's targets" in page and "## In short" in page
+    assert page.count("One seed only: no paired spread") == 2  # no winner is called on one seed
+    assert "```python" not in page  # the docs runner executes python blocks: the page has none

@@ -251,6 +251,7 @@ def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dic
         if data.get("quick"):
             continue
         for name, task in data.get("tasks", {}).items():
+            task.setdefault("members", data.get("members"))
             if name not in found or data["date"] >= found[name][0]:
                 found[name] = (data["date"], task, f"{path.name} ({data['date']})")
     return {k: v[1] for k, v in found.items()}, {k: v[2] for k, v in found.items()}

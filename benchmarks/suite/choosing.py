@@ -1,0 +1,424 @@
+"""docs/choosing.md from the suite's latest results: every sentence with a number is computed here.
+
+Called by ``report.py --choosing`` (``make bench-suite``). The static text says only what the
+suite does; each claim about which method wins is derived from the paired differences below, so
+the page cannot drift from its tables.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from report import (
+    ANCHORS,
+    TASK_ORDER,
+    TASK_TITLES,
+    beats,
+    level,
+    methods,
+    ood_sets,
+    paired,
+    summary,
+    task_markdown,
+    values,
+)
+
+FAMILIES = (
+    "meanfield",
+    "ivon",
+    "kron-ivon",
+    "swag",
+    "laplace",
+    "symmetrized",
+    "ibdr",
+    "signorm",
+)
+
+
+def _mean(task: dict[str, Any], method: str, metric: str) -> float:
+    return summary(list(values(task, method, metric).values()))[0]
+
+
+def _d(stat: tuple[float, float | None, int], digits: int = 3, scale: float = 1.0) -> str:
+    mean, sd, n = stat
+    if n == 0:
+        return "–"
+    text = f"{scale * mean:+.{digits}f}"
+    return text + (f" ± {scale * sd:.{digits}f}" if sd is not None else " (1 seed)")
+
+
+def _ran(task: dict[str, Any], method: str) -> bool:
+    return bool(values(task, method, "nll"))
+
+
+def _equal_accuracy(task: dict[str, Any], method: str) -> bool:
+    """Within 0.5 pp of MAP's accuracy (classification) or not worse in RMSE by > 0.01 sd."""
+    if task["kind"] == "regression":
+        return paired(task, method, "map", "rmse")[0] <= 0.01
+    return abs(paired(task, method, "map", "accuracy")[0]) <= 0.005
+
+
+def task_findings(name: str, task: dict[str, Any]) -> list[str]:
+    """Plain statements about one task, each read off its paired differences."""
+    out: list[str] = []
+    n = len(task["runs"])
+    fams = [f for f in FAMILIES if _ran(task, f)]
+    not_run = [f for f in FAMILIES if not _ran(task, f)]
+    ts = paired(task, "map+ts", "map", "nll")
+    out.append(
+        f"MAP + temperature scaling changes NLL by {_d(ts)} against MAP "
+        f"(T = {_mean(task, 'map+ts', 'temperature'):.2f} on average)."
+    )
+    winners_raw = [
+        f for f in fams if beats(paired(task, f, "map+ts", "nll")) and _equal_accuracy(task, f)
+    ]
+    winners_ts = [
+        f
+        for f in fams
+        if beats(paired(task, f + "+ts", "map+ts", "nll")) and _equal_accuracy(task, f)
+    ]
+    if n < 2:
+        out.append(
+            f"One seed only: no paired spread, so no family is called a winner here "
+            f"({len(fams)} families ran)."
+        )
+    else:
+        out.append(
+            f"Families that beat MAP + temperature scaling on NLL by more than the paired spread "
+            f"at equal accuracy: as fitted, **{len(winners_raw)} of {len(fams)}** "
+            f"({', '.join(winners_raw) or 'none'}); with their own temperature, "
+            f"**{len(winners_ts)} of {len(fams)}** ({', '.join(winners_ts) or 'none'})."
+        )
+    if n >= 2:
+        other = [
+            m
+            for f in fams
+            for m in (f, f + "+ts")
+            if beats(paired(task, m, "map+ts", "nll")) and not _equal_accuracy(task, f)
+        ]
+        if other:
+            out.append(
+                "Beat MAP + temperature scaling on NLL but at another accuracy (so outside the "
+                "equal-accuracy count): "
+                + ", ".join(
+                    f"{m} (ΔNLL {_d(paired(task, m, 'map+ts', 'nll'))}, "
+                    + (
+                        f"ΔRMSE {_d(paired(task, m, 'map', 'rmse'))})"
+                        if task["kind"] == "regression"
+                        else f"Δacc {_d(paired(task, m, 'map', 'accuracy'), 1, 100)} pp)"
+                    )
+                    for m in other
+                )
+                + "."
+            )
+    worse = [f for f in fams if beats(paired(task, f, "map", "nll"), lower_better=False)]
+    if worse and n >= 2:
+        out.append(
+            "Worse than plain MAP on NLL by more than the spread: "
+            + ", ".join(f"{f} ({_d(paired(task, f, 'map', 'nll'))})" for f in worse)
+            + "."
+        )
+    if task["kind"] == "classification":
+        lost = [f for f in fams if abs(paired(task, f, "map", "accuracy")[0]) > 0.005]
+        if lost:
+            out.append(
+                "Accuracy more than 0.5 pp from MAP's: "
+                + ", ".join(
+                    f"{f} ({_d(paired(task, f, 'map', 'accuracy'), 1, 100)} pp)" for f in lost
+                )
+                + "."
+            )
+    for ood in ood_sets(task):
+        key = f"auroc_{ood}"
+        below = [f for f in fams if level(paired(task, f, "map", key)) is False]
+        best = max(
+            (m for m in methods(task) if values(task, m, key)), key=lambda m: _mean(task, m, key)
+        )
+        out.append(
+            f"OOD ({ood}, predictive-entropy AUROC): best {best} ({_mean(task, best, key):.3f}; "
+            f"MAP {_mean(task, 'map', key):.3f}, laplace-torch "
+            f"{_mean(task, 'laplace-torch', key):.3f}). "
+            + (
+                f"Below MAP by more than the spread: {', '.join(below)}."
+                if below
+                else ("No family is below MAP by more than the spread." if n >= 2 else "")
+            )
+        )
+        if _ran(task, "laplace") and values(task, "laplace-torch", key):
+            d = paired(task, "laplace", "laplace-torch", key)
+            verdict = {True: "level with or above", False: "below", None: "(one seed)"}[level(d)]
+            out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {verdict}.")
+    if _ran(task, "symmetrized") and _ran(task, "meanfield"):
+        d = paired(task, "symmetrized", "meanfield", "nll")
+        verdict = "worse" if beats(d, lower_better=False) else ("better" if beats(d) else "level")
+        out.append(
+            f"Symmetrized vs mean-field (paired NLL): {_d(d)} ({verdict}; symmetrized runs on a "
+            "plain LoRA adapter, which it requires)."
+            if task.get("kind") and name in ("digits", "diabetes")
+            else f"Symmetrized vs mean-field (paired NLL): {_d(d)} ({verdict})."
+        )
+    if not_run:
+        out.append("Not run here: " + ", ".join(not_run) + ".")
+    return out
+
+
+def _cost_rows(tasks: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [
+        "| method | "
+        + " | ".join(f"{t}: fit × MAP" for t in tasks)
+        + " | posterior storage (digits) |",
+        "|---" * (len(tasks) + 2) + "|",
+    ]
+    names = ["ensemble", "laplace-torch", *FAMILIES]
+    for m in names:
+        cells = []
+        for task in tasks.values():
+            a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
+            ratios = [a[s] / b[s] for s in a if s in b and b[s] > 0]
+            cells.append(f"{statistics.fmean(ratios):.1f}" if ratios else "–")
+        st = values(tasks.get("digits", {"runs": {}}), m, "storage")
+        cells.append(f"{int(statistics.fmean(st.values()))}" if st else "–")
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def _targets(tasks: dict[str, dict[str, Any]]) -> list[str]:
+    rows = ["| issue 27 target | result |", "|---|---|"]
+    met_tasks = []
+    for name, task in tasks.items():
+        fams = [f for f in FAMILIES if _ran(task, f)]
+        count = sum(
+            1
+            for f in fams
+            if _equal_accuracy(task, f)
+            and (
+                beats(paired(task, f, "map+ts", "nll"))
+                or beats(paired(task, f + "+ts", "map+ts", "nll"))
+            )
+        )
+        met_tasks.append(f"{name} {count}/{len(fams)}")
+    rows.append(
+        "| ≥ 5 of 9 families beat MAP + TS on NLL (with or without their own TS, equal accuracy) "
+        f"on ≥ 3 of 4 tasks | {'; '.join(met_tasks)} |"
+    )
+    below = []
+    for name, task in tasks.items():
+        for ood in ood_sets(task):
+            below += [
+                f"{f} on {name}/{ood}"
+                for f in FAMILIES
+                if _ran(task, f) and level(paired(task, f, "map", f"auroc_{ood}")) is False
+            ]
+    rows.append(
+        "| every family level with MAP on OOD AUROC | "
+        + (("not met: " + ", ".join(below)) if below else "met where measured")
+        + " |"
+    )
+    la = []
+    for name, task in tasks.items():
+        for ood in ood_sets(task):
+            d = paired(task, "laplace", "laplace-torch", f"auroc_{ood}")
+            if d[2]:
+                la.append(f"{name}/{ood} {_d(d)}" + (" (below)" if level(d) is False else ""))
+    rows.append("| default Laplace ≥ laplace-torch on OOD AUROC | " + ("; ".join(la) or "–") + " |")
+    sym = []
+    for name, task in tasks.items():
+        d = paired(task, "symmetrized", "meanfield", "nll")
+        if d[2]:
+            sym.append(
+                f"{name} ΔNLL {_d(d)}" + (" (worse)" if beats(d, lower_better=False) else "")
+            )
+    rows.append("| symmetrized ≥ mean-field (paired) | " + ("; ".join(sym) or "–") + " |")
+    return rows
+
+
+def _by_goal(tasks: dict[str, dict[str, Any]]) -> list[str]:
+    """Which method had the best mean of each criterion, per task (every method, anchors too)."""
+    rows = [
+        "| task | lowest NLL | lowest ECE | highest OOD AUROC | fastest fit beside MAP |",
+        "|---|---|---|---|---|",
+    ]
+    for name, task in tasks.items():
+        ms = [m for m in methods(task) if _ran(task, m)]
+        nll = min(ms, key=lambda m: _mean(task, m, "nll"))
+        ece_ms = [m for m in ms if values(task, m, "ece")]
+        ece = min(ece_ms, key=lambda m: _mean(task, m, "ece")) if ece_ms else None
+        oods = ood_sets(task)
+        auroc = "–"
+        if oods:
+            key = f"auroc_{oods[0]}"
+            best = max((m for m in ms if values(task, m, key)), key=lambda m: _mean(task, m, key))
+            auroc = f"{best} ({_mean(task, best, key):.3f}, {oods[0]})"
+        fast = [m for m in ms if m not in ("map", "map+ts") and not m.endswith("+ts")]
+        fastest = min(fast, key=lambda m: _mean(task, m, "fit_s")) if fast else "–"
+        rows.append(
+            f"| {name} | {nll} ({_mean(task, nll, 'nll'):.3f}) | "
+            + (f"{ece} ({_mean(task, ece, 'ece'):.3f})" if ece else "–")
+            + f" | {auroc} | {fastest} |"
+        )
+    return rows
+
+
+def _in_short(tasks: dict[str, dict[str, Any]]) -> list[str]:
+    """One computed line per goal: calibration, OOD detection, cost, memory."""
+    out = []
+    cal = []
+    for name, task in tasks.items():
+        ms = [m for m in methods(task) if _ran(task, m) and m not in ("map+ts",)]
+        best = min(ms, key=lambda m: _mean(task, m, "nll"))
+        d = paired(task, best, "map+ts", "nll")
+        verdict = "beats it" if beats(d) else "does not beat it by more than the spread"
+        cal.append(f"{name}: {best} (ΔNLL vs MAP + TS {_d(d)}, {verdict})")
+    out.append(
+        "- **Calibration (NLL).** Lowest mean NLL apart from MAP + temperature scaling: "
+        + "; ".join(cal)
+        + ". Temperature scaling (`pyrobayes.calibrate`) combines with every family; where no "
+        "family beats MAP + TS, a calibrated MAP is the cheaper choice."
+    )
+    ood = []
+    for name, task in tasks.items():
+        for o in ood_sets(task):
+            key = f"auroc_{o}"
+            fams = [f for f in FAMILIES if values(task, f, key)]
+            if not fams:
+                continue
+            best = max(fams, key=lambda m: _mean(task, m, key))
+            d = paired(task, best, "map", key)
+            above = (
+                "above MAP by more than the spread"
+                if level((-d[0], d[1], d[2])) is False
+                else ("not above MAP by more than the spread" if d[2] >= 2 else "one seed")
+            )
+            ood.append(f"{name}/{o}: {best} ({_d(d)} vs MAP, {above})")
+    if ood:
+        out.append("- **OOD detection (entropy AUROC).** Best family: " + "; ".join(ood) + ".")
+    ratios: dict[str, list[float]] = {}
+    for task in tasks.values():
+        for m in FAMILIES:
+            a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
+            ratios.setdefault(m, []).extend(a[s] / b[s] for s in a if s in b and b[s] > 0)
+    cheap = sorted((statistics.fmean(v), m) for m, v in ratios.items() if v)
+    if cheap:
+        out.append(
+            "- **Cost.** Fit time over MAP's, mean over tasks and seeds: "
+            + ", ".join(f"{m} {r:.1f}×" for r, m in cheap)
+            + "; a deep ensemble costs M MAP fits."
+        )
+    storage = []
+    for m in FAMILIES:
+        st = values(tasks.get("digits", {"runs": {}}), m, "storage")
+        if st:
+            storage.append((statistics.fmean(st.values()), m))
+    if storage:
+        out.append(
+            "- **Memory (digits, numbers describing q).** "
+            + ", ".join(f"{m} {int(v)}" for v, m in sorted(storage))
+            + " (MAP: the adapter itself)."
+        )
+    return out
+
+
+def page(tasks: dict[str, dict[str, Any]], sources: dict[str, str]) -> str:
+    order = [t for t in TASK_ORDER if t in tasks] + [t for t in tasks if t not in TASK_ORDER]
+    tasks = {t: tasks[t] for t in order}
+    lines = [
+        "# Choosing a posterior",
+        "",
+        "*Generated by `benchmarks/suite/report.py --choosing` (run by `make bench-suite`) from "
+        "the suite's latest results; do not edit by hand. Sources: "
+        + "; ".join(f"{t}: benchmarks/results/suite/{s}" for t, s in sources.items())
+        + ".*",
+        "",
+        "Does a posterior make a fine-tuned model better than what a user would do anyway, and "
+        "which one? The suite (`benchmarks/suite/`) fits every family with its defaults "
+        "(`pyrobayes.posterior(model, name)`, no options beyond what a task needs to run) and the "
+        "documented fit settings, and in the same run the anchors a user would pick instead:",
+        "",
+        "- **map**: the MAP fit of the same adapter;",
+        "- **map+ts**: that MAP with one temperature fitted on a validation split "
+        "(`pyrobayes.calibrate`, Guo et al. 2017); every family is also shown with its own "
+        "temperature (`<family>+ts`);",
+        "- **ensemble**: a deep ensemble of M MAPs (Lakshminarayanan et al. 2017; members differ "
+        "in the new head's initialisation, and on the text tasks in the data order; M = "
+        + ", ".join(f"{t.get('members')} on {n}" for n, t in tasks.items())
+        + "), `ensemble+ts` calibrated the same way;",
+        '- **laplace-torch**: `Laplace(net, ..., subset_of_weights="last_layer", '
+        'hessian_structure="kron")` + `optimize_prior_precision()` on the same MAP network '
+        "(Daxberger et al. 2021), its default GLM/probit predictive.",
+        "",
+        "Metrics are on test splits never used for any choice; temperatures are fitted on "
+        "validation splits. OOD AUROC uses the **predictive entropy** of the posterior "
+        "predictive (in-distribution = 0, OOD = 1; the max-probability AUROC is in the JSON). "
+        "Paired differences are taken per seed (same split, same pretrained network, same MAP "
+        "for the post-hoc methods) and summarised as mean ± sample standard deviation over "
+        "seeds. A method *beats* an anchor when the mean difference favours it by more than "
+        "that spread.",
+        "",
+        "## In short",
+        "",
+        *_in_short(tasks),
+        "",
+        "## What the numbers say",
+        "",
+    ]
+    for name, task in tasks.items():
+        lines.append(f"**{TASK_TITLES.get(name, name)}** ({len(task['runs'])} seeds)")
+        lines.append("")
+        lines += [f"- {s}" for s in task_findings(name, task)]
+        lines.append("")
+    lines += [
+        "## Best method per criterion",
+        "",
+        "The method (anchor or family, with or without temperature scaling) with the best mean "
+        "on each criterion; see the tables below for whether its lead exceeds the spread.",
+        "",
+        *_by_goal(tasks),
+        "",
+        "## Cost and memory",
+        "",
+        "Fit time relative to the MAP fit of the same seed (a post-hoc method includes its MAP; "
+        "the ensemble is M MAP fits), and the numbers stored to describe q on digits "
+        "(`pyrobayes.count_parameters(guide)['posterior_storage']`).",
+        "",
+        *_cost_rows(tasks),
+        "",
+        "## Issue 27's targets",
+        "",
+        *_targets(tasks),
+        "",
+        "## Plots",
+        "",
+        "Paired NLL differences against MAP (red dashed line: MAP + temperature scaling) and "
+        "against MAP + temperature scaling; bars are means, whiskers the paired spread.",
+        "",
+        "![paired NLL differences vs MAP](img/suite_nll_vs_map.png)",
+        "",
+        "![paired NLL differences vs MAP + TS](img/suite_nll_vs_map_ts.png)",
+        "",
+        "## Tables",
+        "",
+    ]
+    for name, task in tasks.items():
+        settings = task.get("settings", {})
+        lines.append(task_markdown(name, task))
+        lines.append("Per-family settings of this run (`benchmarks/suite/tasks.py`):")
+        lines.append("")
+        lines.append("| family | settings |")
+        lines.append("|---|---|")
+        for fam, s in settings.items():
+            lines.append(f"| {fam} | `{s}` |")
+        lines.append("")
+    lines += [
+        "## Reproduce",
+        "",
+        "```text",
+        "make bench-suite                     # digits + diabetes, 3 seeds, then this page",
+        "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/run.py --tasks polarity fine \\",
+        "    --seeds 0 1 2 --out benchmarks/results/suite/text.json",
+        ".venv/bin/python benchmarks/suite/report.py --choosing",
+        "```",
+        "",
+    ]
+    _ = ANCHORS
+    return "\n".join(lines)
