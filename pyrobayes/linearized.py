@@ -348,8 +348,7 @@ def linearized_predict(
             sub = _slice_rows(inputs, start, min(size, start + chunk), size)
             out, jac = output_jacobians(model, sub, point, contrast=monte_carlo, fixed=fixed)
             mean = out.reshape(out.shape[0], -1)  # (b, K)
-            if monte_carlo:
-                assert deltas is not None
+            if deltas is not None:  # (the Monte Carlo predictive)
                 flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)
                 logits = mean.unsqueeze(0) + torch.einsum("bkd,sd->sbk", flat_jac, deltas)
                 parts.append(torch.log_softmax(logits, -1))

@@ -35,6 +35,7 @@ from pyrobayes.infer.objectives import split_training_batch
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
 from pyrobayes.models.likelihoods import MultipleChoice
 from pyrobayes.registry import available_guides, get_guide_class
+from tests import families
 from tests.common import mlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -836,3 +837,378 @@ def test_finite_values_whose_sum_overflows_pass():
     x = torch.full((ROWS, 4), 3e38, dtype=torch.float32)  # finite, the sum is inf in float32
     inputs, targets = split_training_batch(_model(), (x, _labels()))
     assert inputs is x and targets.shape == (ROWS,)
+
+
+# ================================================================================================
+# issue 30, models / predict / families: the silent cases of the new surface
+# (NaN rows at predict, PermutationSpec on another model, σN's init_logit, obs_scale of a
+# categorical model, encode_multiple_choice's strings and answers, [model] max_length, the
+# mixture predictive's weights, merged_network of a σN-ensemble, python -O)
+# ================================================================================================
+
+
+def _family_model(family: str) -> FineTuneModel:
+    """The MLP of :func:`_model` as the registry-wide tests build it for ``family`` (LoRA for
+    symmetrized, a LayerNorm and two σN members for signorm)."""
+    torch.manual_seed(0)
+    net = families.net_for(family, mlp(4, 6, CLASSES))
+    adapter = families.adapter_for(family, LoRAXS(rank=2, target_modules=["0"]))
+    return FineTuneModel(net, adapter, num_data=32, trainable_modules=["2"])
+
+
+def _nan_row_predict(family: str) -> Any:
+    """``pb.predict`` on two batches, the second with a NaN at row 5."""
+    model = _family_model(family)
+    data = [(_x(), _labels()), (_with(_x(), NAN, (5, 1)), _labels())]
+    return pb.predict(model, families.posterior(model, family), data, num_samples=2)
+
+
+def _norm_net(norm: str = "layer") -> nn.Module:
+    """``Linear(4, 6) - norm - Tanh - Linear(6, C)``; a BatchNorm with non-trivial statistics."""
+    torch.manual_seed(0)
+    layer = {"layer": nn.LayerNorm(6), "batch": nn.BatchNorm1d(6), "rms": nn.RMSNorm(6)}[norm]
+    if isinstance(layer, nn.BatchNorm1d):
+        with torch.no_grad():
+            layer.running_mean.normal_()
+            layer.running_var.uniform_(0.5, 2.0)
+    with torch.no_grad():  # a pretrained scale and shift that are not the defaults
+        if getattr(layer, "weight", None) is not None:
+            layer.weight.uniform_(0.5, 1.5)
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.normal_(0.0, 0.3)
+    return nn.Sequential(nn.Linear(4, 6), layer, nn.Tanh(), nn.Linear(6, CLASSES)).eval()
+
+
+def _signorm_model(norm: str = "layer", **kw: Any) -> Any:
+    return pb.models.SigmaNormEnsemble(
+        _norm_net(norm), num_members=3, heads=["3"], trainable_modules=[], num_data=8, **kw
+    )
+
+
+class _CharTokenizer:
+    """One token per character (ids 1..); no special tokens."""
+
+    pad_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [1 + ord(c) % 50 for c in text]}
+
+
+def _encode(prompts: Any = ("Is it wet?",), choices: Any = ("yes", "no"), **kw: Any) -> Any:
+    return pb.models.encode_multiple_choice(_CharTokenizer(), prompts, choices, **kw)
+
+
+def _spec_on_other_model(adapter_b: Any) -> float:
+    """A PermutationSpec built on a LoRA(rank=2) model, checked on another model."""
+    spec = pb.models.PermutationSpec.from_model(_model(adapter=LoRA(rank=2, target_modules=["0"])))
+    other = _model(adapter=adapter_b)
+    return spec.check_function(other, _x(), other.init_values())
+
+
+def _config(**model: Any) -> Any:
+    from pyrobayes.demo.pipeline import resolve_config
+
+    return resolve_config({"model": model})
+
+
+ISSUE30_CASES: list[Case] = [
+    # --- a NaN input row at predict: NaN NLL/ECE/Brier beside a finite accuracy, refused -----
+    *[
+        _case(
+            f"predict-nan-row-{family}",
+            lambda family=family: _nan_row_predict(family),
+            ValueError,
+            "batch 1",
+            "rows [5]",
+            "NaN or inf",
+            "data problem",
+        )
+        for family in ("meanfield", "map", "ibdr", "signorm", "symmetrized")
+    ],
+    _case(
+        "metrics-nan-probs",
+        lambda: pb.metrics.report(
+            _with(torch.full((2, 5, 3), 1 / 3), NAN, (1, 3, 0)), _labels()[:5]
+        ),
+        ValueError,
+        "probs holds NaN at examples [3] (of 5)",
+        "NLL, ECE and Brier",
+    ),
+    _case(
+        "metrics-nan-regression-means",
+        lambda: pb.metrics.gaussian_rmse(_with(torch.zeros(2, 4), NAN, (0, 2)), torch.zeros(4)),
+        ValueError,
+        "means holds NaN at examples [2]",
+    ),
+    # --- a PermutationSpec applied to another model -------------------------------------------
+    _case(
+        "permutation-spec-other-sites",
+        lambda: _spec_on_other_model(LoRAXS(rank=2, target_modules=["0"])),
+        ValueError,
+        "'0.lora_A'",
+        "does not have",
+        "built on another model",
+        "from_model(model)",
+    ),
+    _case(
+        "permutation-spec-other-shapes",
+        lambda: _spec_on_other_model(LoRA(rank=3, target_modules=["0"])),
+        ValueError,
+        "permutes 2 units on axis",
+        "built on another model",
+    ),
+    # --- σN: a saturated sigmoid never moves the member scales ---------------------------------
+    _case(
+        "signorm-init-logit-50",
+        lambda: _signorm_model(init_logit=50.0),
+        ValueError,
+        "init_logit=50",
+        "saturates the sigmoid",
+        "|init_logit| <= 10",
+    ),
+    _case(
+        "signorm-init-logit-minus-12",
+        lambda: pb.models.SigmaNorm(num_members=2, init_logit=-12.0),
+        ValueError,
+        "SigmaNorm: init_logit=-12",
+    ),
+    _case(
+        "signorm-init-logit-nan",
+        lambda: pb.models.SigmaNorm(num_members=2, init_logit=NAN),
+        ValueError,
+        "init_logit",
+        "finite",
+    ),
+    _case(
+        "merged-network-stacked-members",
+        lambda: pb.models.merged_network(
+            _signorm_model(), pb.posterior(_signorm_model(), "signorm").component_locs()
+        ),
+        ValueError,
+        "merged_norm: gamma has shape (3, 6)",
+        "one member's values",
+    ),
+    _case(
+        "merged-network-rms-shift",
+        lambda: pb.models.merged_network(
+            (m := _signorm_model("rms")), {**m.init_values(), "1.beta": torch.ones(6)}
+        ),
+        ValueError,
+        "RMSNorm has no bias",
+        "model.output(x, values)",
+    ),
+    # --- obs_scale is the Gaussian's: never ignored by another likelihood ---------------------
+    _case(
+        "obs-scale-learn-categorical",
+        lambda: _model(obs_scale="learn"),
+        ValueError,
+        "obs_scale='learn'",
+        "likelihood='categorical' has none",
+        "likelihood='gaussian'",
+    ),
+    _case(
+        "obs-scale-negative-categorical",
+        lambda: _model(obs_scale=-3),
+        ValueError,
+        "obs_scale=-3",
+        "ignored",
+    ),
+    _case(
+        "obs-scale-multiple-choice-instance",
+        lambda: _model(likelihood=MultipleChoice([5, 7]), obs_scale=0.5),
+        ValueError,
+        "'MultipleChoice' has none",
+    ),
+    # --- encode_multiple_choice: strings where lists are meant, K = 1, float answers ----------
+    _case("mc-single-shared-choice", lambda: _encode(choices=["yes"]), ValueError, "K >= 2"),
+    _case(
+        "mc-choices-one-string",
+        lambda: _encode(choices="AB"),
+        TypeError,
+        "choices is one string ('AB')",
+        "one choice per character",
+    ),
+    _case(
+        "mc-per-prompt-choices-string",
+        lambda: _encode(prompts=["a?", "b?"], choices=[["x", "y"], "zw"]),
+        TypeError,
+        "choices[1] is 'zw'",
+    ),
+    _case(
+        "mc-prompts-one-string",
+        lambda: _encode(prompts="Hello world"),
+        TypeError,
+        "prompts is one string ('Hello world')",
+        "one prompt per character",
+        "[prompt]",
+    ),
+    _case(
+        "mc-float-answers",
+        lambda: _encode(answers=[0.7]),
+        TypeError,
+        "answers must be integer choice indices",
+        "not truncated",
+    ),
+    _case(
+        "mc-answer-out-of-range",
+        lambda: _encode(answers=[2]),
+        ValueError,
+        "index the 2 choices (0..1)",
+    ),
+    # --- the CLI / demo config: a zero length is not "no limit" -------------------------------
+    _case(
+        "config-max-length-zero",
+        lambda: _config(max_length=0),
+        ValueError,
+        "'model.max_length' must be an integer >= 2 but got 0",
+    ),
+    _case(
+        "config-num-labels-one",
+        lambda: _config(num_labels=1),
+        ValueError,
+        "'model.num_labels' must be an integer >= 2",
+    ),
+]
+# a new list (test_bad_input's parametrization above keeps the earlier one): the python -O corpus
+# run and the size check see every case; test_issue30_bad_input runs these
+CASES = CASES + ISSUE30_CASES
+
+
+@pytest.mark.parametrize("case", ISSUE30_CASES, ids=[c.id for c in ISSUE30_CASES])
+def test_issue30_bad_input(case: Case):
+    assert check_case(case) is None
+
+
+def test_mixture_predictive_is_the_exact_equal_weight_mixture(caplog):
+    # K = 3 point particles, the default S = 32: predict draws 33 (11 per particle), so its
+    # predictive is exactly (1/K) Σ_k softmax(f(x; μ_k)) (with 32, the weights were 11/32,
+    # 11/32, 10/32: off by 1/96 per component)
+    model = _family_model("ibdr")
+    guide = pb.posterior(model, "ibdr", num_particles=3, init_scale=0.5)
+    x = _x()
+    with caplog.at_level("INFO", logger="pyrobayes.predictive"):
+        pred = pb.predict(model, guide, [(x, _labels())])
+    assert pred.num_samples == 33
+    assert "drawing 33" in caplog.text and "11 draws each" in caplog.text
+    with torch.no_grad():
+        per_particle = model.batched_output(x, guide.component_locs()).softmax(-1)  # (K, B, C)
+    exact = per_particle.mean(0)
+    # the three particles' predictives differ (the test would pass for any weights otherwise)
+    assert float((per_particle[0] - per_particle[2]).abs().max()) > 1e-3
+    torch.testing.assert_close(pred.mean_probs, exact, rtol=1e-6, atol=1e-7)
+
+
+def test_signorm_predictive_weights_its_members_equally():
+    model = _signorm_model()  # M = 3 members
+    guide = pb.posterior(model, "signorm")
+    x = _x()
+    pred = pb.predict(model, guide, [(x,)], num_samples=4)
+    assert pred.num_samples == 6
+    with torch.no_grad():
+        exact = model.batched_output(x, guide.component_locs()).softmax(-1).mean(0)
+    torch.testing.assert_close(pred.mean_probs, exact, rtol=1e-6, atol=1e-7)
+
+
+def test_predict_names_non_finite_draws_when_the_inputs_are_finite():
+    model = _model()
+    guide = pb.posterior(model, "map")
+    with torch.no_grad():
+        guide.loc_param(next(iter(guide.sites))).fill_(NAN)
+    with pytest.raises(FloatingPointError, match=r"rows \[0, 1, .*finite inputs.*diverged fit"):
+        pb.predict(model, guide, [(_x(), _labels())])
+
+
+def test_a_mixture_with_explicit_values_is_not_resampled():
+    model = _family_model("ibdr")
+    guide = pb.posterior(model, "ibdr", num_particles=3)
+    values = guide.sample_posterior(4)
+    assert pb.predict(model, guide, [(_x(),)], values=values).num_samples == 4
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch", "rms"])
+def test_merged_network_of_a_signorm_member_is_that_member(norm):
+    # each member's norm layer becomes the pretrained class with weight c·σ(γ_t), bias β_t and
+    # (BatchNorm) the member's statistics: the merged network computes member t exactly
+    model = _signorm_model(norm)
+    guide = pb.posterior(model, "signorm", init_noise=1.0)
+    members = guide.sample_components(1)
+    with torch.no_grad():  # members that differ from the pretrained layer in every tensor
+        for site, v in members.items():
+            if site.endswith((".beta", ".running_mean")) and norm != "rms":
+                v.add_(torch.randn_like(v))
+    x = _x()
+    for t in range(3):
+        member = {s: v[t, 0] for s, v in members.items()}
+        merged = pb.models.merged_network(model, member)
+        assert not any(type(m).__module__.startswith("pyrobayes") for m in merged.modules())
+        assert type(merged[1]) is type(_norm_net(norm)[1])
+        with torch.no_grad():
+            torch.testing.assert_close(merged(x), model.output(x, member), rtol=1e-5, atol=1e-6)
+    # and the members differ (else any one member's merge would pass)
+    first = pb.models.merged_network(model, {s: v[0, 0] for s, v in members.items()})
+    last = pb.models.merged_network(model, {s: v[2, 0] for s, v in members.items()})
+    assert float((first(x) - last(x)).abs().max()) > 1e-3
+
+
+def test_signorm_init_logit_at_the_bound_is_accepted():
+    for logit in (-10.0, 10.0):
+        model = _signorm_model(init_logit=logit)
+        layer = model.net[1]
+        assert layer.init_logit == logit
+        # the layer is still the pretrained one at γ_0 (c = w / σ(γ_0))
+        with torch.no_grad():
+            torch.testing.assert_close(model.output(_x(), model.init_values()), _norm_net()(_x()))
+
+
+def test_tau_sweep_refuses_unlabelled_eval_data():
+    from pyrobayes.infer.signorm import tau_sweep
+
+    data = [(_x(), _labels())]
+    with pytest.raises(ValueError, match="eval_data carries no targets"):
+        tau_sweep(_signorm_model, data, [(_x(),)], taus=[0.5], epochs=1)
+
+
+def test_a_gaussian_model_keeps_its_default_obs_scale():
+    assert _gaussian().likelihood.obs_scale == 1.0
+    assert _gaussian(obs_scale=0.3).likelihood.obs_scale == pytest.approx(0.3)
+
+
+def test_multiple_choice_valid_inputs_still_encode():
+    batch = _encode(prompts=["a?", "b?"], choices=[["x", "y"], ["z", "w"]], answers=[1, 0])
+    assert batch["input_ids"].shape[:2] == (2, 2) and batch["labels"].tolist() == [1, 0]
+    batch = _encode(answers=torch.tensor([1]))
+    assert batch["labels"].tolist() == [1]
+
+
+@pytest.mark.integration
+def test_signorm_merge_and_nan_predict_under_python_O():
+    # without assert statements: merged_network of a σN member is still that member (it kept
+    # the initial member norm under -O before), and NaN rows are refused for the particle and
+    # symmetrized families
+    script = (
+        "import sys, torch\n"
+        "assert False, 'asserts are on'\n"
+        "from tests.test_bad_input import _signorm_model, _nan_row_predict, _x\n"
+        "import pyrobayes as pb\n"
+        "model = _signorm_model('batch')\n"
+        "guide = pb.posterior(model, 'signorm', init_noise=1.0)\n"
+        "member = {s: v[1, 0] for s, v in guide.sample_components(1).items()}\n"
+        "x = _x()\n"
+        "gap = float((pb.models.merged_network(model, member)(x) - model.output(x, member)).abs().max())\n"
+        "moved = float((member['1.gamma'] - model.init_values()['1.gamma']).abs().max())\n"
+        "print('gap', gap, 'moved', moved)\n"
+        "for family in ('ibdr', 'signorm', 'symmetrized'):\n"
+        "    try:\n"
+        "        _nan_row_predict(family)\n"
+        "        print(family, 'silent')\n"
+        "    except ValueError as err:\n"
+        "        print(family, 'refused' if 'rows [5]' in str(err) else err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.split("\n")
+    gap, moved = (float(v) for v in lines[0].split()[1::2])
+    assert moved > 0.1 and gap < 1e-5, done.stdout  # a member away from γ_0, merged exactly
+    assert lines[1:4] == ["ibdr refused", "signorm refused", "symmetrized refused"], done.stdout

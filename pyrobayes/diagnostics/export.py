@@ -653,10 +653,11 @@ def to_datatree(
     posterior.update({f"{s}_norm": chained(v) for s, v in ev.site_norms.items()})
     dims = {s: _site_dims(s, shapes[s]) for s in ev.chosen}
     groups: dict[str, dict[str, np.ndarray]] = {"posterior": posterior}
-    assert ev.log_q is not None and ev.log_prior is not None  # evaluate_draws fills both
+    if ev.log_q is None:  # evaluate_draws fills it
+        raise RuntimeError("to_inference_data: the draws were evaluated without log q.")
     sample_stats = {"log_q": chained(ev.log_q)}
     log_joint = ev.log_joint
-    if log_joint is not None:
+    if log_joint is not None and ev.log_prior is not None:  # (log_joint needs log_prior)
         sample_stats["log_joint"] = chained(log_joint)
         sample_stats["lp"] = chained(log_joint)
         sample_stats["log_prior"] = chained(ev.log_prior)

@@ -157,7 +157,8 @@ class PosteriorGuide(AutoGuide):
     # ------------------------------------------------------------------ set-up
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         super()._setup_prototype(*args, **kwargs)
-        assert self.prototype_trace is not None  # set by AutoGuide._setup_prototype
+        if self.prototype_trace is None:  # set by AutoGuide._setup_prototype
+            raise RuntimeError(f"{type(self).__name__}: tracing the model gave no sites.")
         inits = {
             name: site["value"].detach()
             for name, site in self.prototype_trace.iter_stochastic_nodes()
@@ -203,11 +204,15 @@ class PosteriorGuide(AutoGuide):
     def _raw_param(self, holder: str, site: str) -> Tensor:
         """The unconstrained tensor behind ``<holder>.<site>`` (no Pyro lookup)."""
         parent, _, leaf = site.rpartition(".")
-        module = self._modules[holder]
-        assert module is not None
-        holder_module = module.get_submodule(parent) if parent else module
-        param = holder_module._parameters[leaf + "_unconstrained"]
-        assert param is not None  # PyroParam stores <leaf>_unconstrained as a Parameter
+        module = self._modules.get(holder)
+        holder_module = module.get_submodule(parent) if module is not None and parent else module
+        param = (
+            None
+            if holder_module is None
+            else holder_module._parameters.get(leaf + "_unconstrained")
+        )
+        if param is None:  # PyroParam stores <leaf>_unconstrained as a Parameter
+            raise KeyError(f"{type(self).__name__} has no parameter {holder}.{site}.")
         return param
 
     def loc(self, site: str) -> Tensor:
@@ -274,7 +279,8 @@ class PosteriorGuide(AutoGuide):
         for site in self.sites:
             lp = self.get_posterior(site).log_prob(values[site])
             total = lp if total is None else total + lp
-        assert total is not None
+        if total is None:
+            raise RuntimeError(f"{type(self).__name__}.log_prob: the guide has no sites.")
         return total
 
     def mean(self) -> dict[str, Tensor]:
@@ -335,7 +341,8 @@ class SitewiseKL(PosteriorGuide):
         for site in self.sites:
             kl = kl_divergence(self.get_posterior(site), model.site_prior(site))
             total = kl if total is None else total + kl
-        assert total is not None
+        if total is None:
+            raise RuntimeError(f"{type(self).__name__}.kl_to_prior: the guide has no sites.")
         return total
 
     def rsample_with_kl(self, num_samples: int, model: Any) -> tuple[dict[str, Tensor], Tensor]:

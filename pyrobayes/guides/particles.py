@@ -66,8 +66,9 @@ class ParticleGuide(PosteriorGuide):
     -----
     ``sample_posterior(S)`` is stratified: every block of K consecutive draws visits each particle
     once (in a random order), so with S a multiple of K the predictive average
-    ``(1/S) Σ_s p(y | x, θ_s)`` weighs the particles exactly equally. Pass ``num_samples=K``
-    (point particles) or a multiple of K to :func:`pyrobayes.predict`.
+    ``(1/S) Σ_s p(y | x, θ_s)`` weighs the particles exactly equally. :func:`pyrobayes.predict`
+    rounds its ``num_samples`` up to a multiple of K for that reason (``num_samples=K`` is the
+    exact predictive of point particles).
 
     ``log_prob`` is the log density of the mixture for σ > 0. For σ = 0 the mixture has no
     density; as :class:`~pyrobayes.guides.DeltaGuide` does for its point mass, it is the log
@@ -216,7 +217,8 @@ class ParticleGuide(PosteriorGuide):
                     math.log(scale) + 0.5 * math.log(2 * math.pi)
                 )
             per = term if per is None else per + term
-        assert per is not None
+        if per is None:
+            raise RuntimeError(f"{type(self).__name__}.log_prob: the guide has no sites.")
         return torch.logsumexp(per, dim=-1) - math.log(self.num_components)
 
     def mean(self) -> dict[str, Tensor]:

@@ -271,7 +271,11 @@ def tau_sweep(
         members = int(cast(Mixture, guide).num_components)
         pred = predict(model, guide, eval_data, num_samples=members)
         probs, labels = pred.probs, pred.targets
-        assert labels is not None, "tau_sweep: eval_data must carry targets."
+        if labels is None:
+            raise ValueError(
+                "tau_sweep: eval_data carries no targets, so accuracy, NLL and ECE cannot be "
+                "scored; pass labelled batches ((x, y) tuples, or dicts with 'labels')."
+            )
         mean = probs.mean(0)
         nll = float(-torch.log(mean.gather(-1, labels[:, None]).clamp_min(1e-30)).mean())
         member_nll = float(

@@ -63,11 +63,15 @@ def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
         lora_a = getattr(module, "lora_A", None)
         if isinstance(lora_a, nn.ModuleDict) and net.active_adapter in lora_a:
             path = name[len(prefix) :] if name.startswith(prefix) else name
-            lora_b = module.get_submodule("lora_B")
-            assert isinstance(lora_b, nn.ModuleDict)  # a peft LoRA layer holds both dicts
+            lora_b = getattr(module, "lora_B", None)
             for role, holder in (("lora_A", lora_a), ("lora_B", lora_b)):
-                weight = holder[net.active_adapter].weight
-                assert isinstance(weight, Tensor)
+                weight = getattr(holder[net.active_adapter], "weight", None) if holder else None
+                if not isinstance(weight, Tensor):
+                    raise TypeError(
+                        f"FineTuneModel: the peft LoRA layer {name!r} has no {role} weight for "
+                        f"adapter {net.active_adapter!r}; pass a peft model with LoRA layers "
+                        "(or the unloaded base network and adapter=LoRA(...))."
+                    )
                 weights[f"{path}.{role}.weight"] = weight.detach().clone()
     base = net.unload()
     return base, adapter, weights
@@ -101,7 +105,8 @@ class FineTuneModel(nn.Module):
         ``"auto"`` picks the Hugging Face task head (``classifier``, ``score``, ...).
     latent_modules : list of str
         ``nn.Linear`` modules whose weight and bias become latent sites instead.
-    obs_scale : float or "learn"
+    obs_scale : float or "learn", optional
+        Only with ``likelihood="gaussian"`` (any other likelihood refuses it; default σ = 1):
         σ of the Gaussian likelihood, or ``"learn"``: :math:`σ = \operatorname{softplus}(ρ)`
         with ``ρ`` a point-estimated parameter (``point_params["likelihood.raw_scale"]``,
         starting at σ = 1), trained by every fitter with the other point parameters, saved by
@@ -139,7 +144,7 @@ class FineTuneModel(nn.Module):
         num_data: int | None = None,
         trainable_modules: Sequence[str] | str = "auto",
         latent_modules: Sequence[str] = (),
-        obs_scale: float | str = 1.0,
+        obs_scale: float | str | None = None,
         choice_token_ids: Sequence[int] | None = None,
         calibration_data: Iterable[Any] | None = None,
         max_calibration_batches: int | None = None,
@@ -171,7 +176,14 @@ class FineTuneModel(nn.Module):
         self.train_backbone_mode = train_backbone_mode
         lik_kwargs: dict[str, Any] = {}
         if likelihood == "gaussian":
-            lik_kwargs["obs_scale"] = obs_scale
+            lik_kwargs["obs_scale"] = 1.0 if obs_scale is None else obs_scale
+        elif obs_scale is not None:  # never ignored: σ belongs to the Gaussian likelihood only
+            name = likelihood if isinstance(likelihood, str) else type(likelihood).__name__
+            raise ValueError(
+                f"FineTuneModel: obs_scale={obs_scale!r} is the noise σ of a Gaussian likelihood "
+                f"but likelihood={name!r} has none, so it would be ignored. Drop obs_scale, or "
+                "pass likelihood='gaussian' (a Gaussian instance carries its own obs_scale)."
+            )
         if likelihood == "multiple_choice":
             lik_kwargs["choice_token_ids"] = choice_token_ids  # None: choices as continuations
         self.likelihood = make_likelihood(likelihood, **lik_kwargs)
@@ -397,7 +409,8 @@ class FineTuneModel(nn.Module):
             lp = -0.5 * (v / scale).pow(2) + const
             lp = lp.flatten(-event_dims).sum(-1) if event_dims else lp
             total = lp if total is None else total + lp
-        assert total is not None
+        if total is None:
+            raise ValueError("FineTuneModel.log_prior: values holds no site; pass {site: draws}.")
         return total
 
     # ------------------------------------------------------------------ Pyro program

@@ -258,7 +258,19 @@ def continuation_scores(
 
 
 def _as_choice_lists(prompts: Sequence[str], choices: Any) -> list[list[str]]:
+    if isinstance(choices, str):
+        raise TypeError(
+            f"encode_multiple_choice: choices is one string ({choices!r}), which would be read "
+            "as one choice per character; pass a list of strings (the K choices shared by all "
+            "prompts), e.g. ['yes', 'no'], or one list per prompt."
+        )
     if isinstance(choices, Sequence) and choices and all(isinstance(c, str) for c in choices):
+        if len(choices) < 2:
+            raise ValueError(
+                f"encode_multiple_choice: choices holds {len(choices)} shared choice "
+                f"({list(choices)!r}); a multiple-choice question needs K >= 2 choices (one "
+                "choice always has probability 1). Pass every choice, or one list per prompt."
+            )
         return [list(choices) for _ in prompts]  # one list shared by every prompt
     if not isinstance(choices, Sequence) or len(choices) != len(prompts):
         raise ValueError(
@@ -266,6 +278,19 @@ def _as_choice_lists(prompts: Sequence[str], choices: Any) -> list[list[str]]:
             f"one list per prompt ({len(prompts)} lists); got {type(choices).__name__} of "
             f"length {len(choices) if isinstance(choices, Sequence) else '?'}."
         )
+    for b, options in enumerate(choices):
+        if isinstance(options, str) or not isinstance(options, Sequence):
+            raise TypeError(
+                f"encode_multiple_choice: choices[{b}] is {options!r} "
+                f"({type(options).__name__}); per-prompt choices are lists of strings, one "
+                "list per prompt (a string would be read as one choice per character)."
+            )
+        bad = [c for c in options if not isinstance(c, str)]
+        if bad:
+            raise TypeError(
+                f"encode_multiple_choice: choices[{b}] holds {bad[0]!r} "
+                f"({type(bad[0]).__name__}); every choice is a string."
+            )
     lists = [list(c) for c in choices]
     sizes = sorted({len(c) for c in lists})
     if len(sizes) != 1 or sizes[0] < 2:
@@ -274,6 +299,49 @@ def _as_choice_lists(prompts: Sequence[str], choices: Any) -> list[list[str]]:
             f"sizes {sizes}. Pad short lists with an impossible choice or group prompts by size."
         )
     return lists
+
+
+def _as_prompts(prompts: Any) -> list[str]:
+    if isinstance(prompts, str):
+        raise TypeError(
+            f"encode_multiple_choice: prompts is one string ({prompts[:40]!r}), which would be "
+            "read as one prompt per character; pass a list of strings, e.g. [prompt] for one."
+        )
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            "encode_multiple_choice: prompts must be a list of strings; got "
+            f"{type(prompts).__name__}."
+        )
+    bad = [p for p in prompts if not isinstance(p, str)]
+    if bad:
+        raise TypeError(
+            f"encode_multiple_choice: prompts holds {bad[0]!r} ({type(bad[0]).__name__}); every "
+            "prompt is a string."
+        )
+    return list(prompts)
+
+
+def _as_answers(answers: Any, num_prompts: int, num_choices: int) -> Tensor:
+    """``answers`` as ``(B,)`` long indices in ``[0, K)``: never truncated."""
+    values = torch.as_tensor(answers)
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise TypeError(
+            f"encode_multiple_choice: answers must be integer choice indices; got "
+            f"{values.dtype} values (e.g. {values.reshape(-1)[:3].tolist()}), which are not "
+            "truncated. Pass ints (0 for the first choice)."
+        )
+    labels = values.to(torch.long).reshape(-1)
+    if labels.numel() != num_prompts:
+        raise ValueError(
+            f"encode_multiple_choice: {labels.numel()} answers for {num_prompts} prompts; pass "
+            "one answer index per prompt."
+        )
+    if bool(((labels < 0) | (labels >= num_choices)).any()):
+        raise ValueError(
+            f"encode_multiple_choice: answers must index the {num_choices} choices "
+            f"(0..{num_choices - 1}); got {labels.tolist()[:8]}."
+        )
+    return labels
 
 
 def encode_multiple_choice(
@@ -299,11 +367,13 @@ def encode_multiple_choice(
         Called as ``tokenizer(text, add_special_tokens=...)["input_ids"]``; its
         ``pad_token_id`` (else ``eos_token_id``, else 0) fills the padding.
     prompts : list of str
-        B prompts.
+        B prompts (a single string is refused: it would be B one-character prompts).
     choices : list of str, or list of B lists of K str
-        The K choices, shared by all prompts or one list per prompt.
+        The K >= 2 choices, shared by all prompts or one list per prompt (a string where a
+        list is expected is refused).
     answers : list of int or Tensor, optional
-        Index of the right choice per prompt; becomes ``labels``.
+        Index of the right choice per prompt, in ``[0, K)``; becomes ``labels``. Integers
+        only: float answers are refused, not truncated.
     max_length : int, optional
         Longest row in tokens; longer rows lose prompt tokens from the left.
     padding_side : {"left", "right"}
@@ -320,6 +390,15 @@ def encode_multiple_choice(
         ``continuation_chars`` `(B, K)` (characters of each choice, for ``normalize="chars"``),
         ``position_ids`` `(B, K, L)` when asked, ``labels`` `(B,)` when ``answers`` is given.
 
+    Raises
+    ------
+    TypeError
+        A string where a list of strings is expected (``prompts``, ``choices``, a per-prompt
+        choice list), or non-integer ``answers``.
+    ValueError
+        Fewer than two choices, lists of different sizes, an answer outside ``[0, K)``, or a
+        choice that does not fit in ``max_length``.
+
     Examples
     --------
     >>> batch = encode_multiple_choice(tok, ["The ground is wet because"],
@@ -329,7 +408,7 @@ def encode_multiple_choice(
         raise ValueError(
             f"encode_multiple_choice: padding_side must be 'left' or 'right', got {padding_side!r}."
         )
-    prompts = list(prompts)
+    prompts = _as_prompts(prompts)
     if not prompts:
         raise ValueError("encode_multiple_choice: prompts is empty; pass at least one prompt.")
     lists = _as_choice_lists(prompts, choices)
@@ -389,13 +468,7 @@ def encode_multiple_choice(
     if position_ids:
         out["position_ids"] = (attention.cumsum(-1) - 1).clamp_min(0)
     if answers is not None:
-        labels = torch.as_tensor(answers, dtype=torch.long).reshape(-1)
-        if labels.numel() != num:
-            raise ValueError(
-                f"encode_multiple_choice: {labels.numel()} answers for {num} prompts; pass one "
-                "answer index per prompt."
-            )
-        out["labels"] = labels
+        out["labels"] = _as_answers(answers, num, k_choices)
     return out
 
 

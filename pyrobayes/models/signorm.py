@@ -295,7 +295,7 @@ class MemberNorm(nn.Module):
             RMSNorm, which has no bias, with a trained shift.
         """
         plain = copy.deepcopy(self._template[0]).to(self.fixed_scale.device)
-        current = {"gamma": self.gamma, "beta": self.beta}
+        current: dict[str, Tensor] = {"gamma": self.gamma, "beta": self.beta}
         running = self._running_statistics()
         if running is not None:
             current.update(running_mean=running[0], running_var=running[1])
@@ -307,7 +307,7 @@ class MemberNorm(nn.Module):
                     f"member's values, shape ({self.num_features},) (e.g. one draw of "
                     "guide.sample_posterior, not the stacked members)."
                 )
-        targets = {
+        targets: dict[str, Tensor | None] = {
             "weight": self.member_scale(merged["gamma"].to(self.fixed_scale.dtype)),
             "bias": merged["beta"],
             "running_mean": merged.get("running_mean"),
@@ -315,13 +315,13 @@ class MemberNorm(nn.Module):
         }
         neutral = {"weight": 1.0, "bias": 0.0}
         with torch.no_grad():
-            for name, value in targets.items():
-                if value is None:
+            for name, target in targets.items():
+                if target is None:
                     continue
                 slot = getattr(plain, name, None)
                 if isinstance(slot, Tensor):
-                    slot.copy_(value.to(slot.dtype))
-                elif not bool((value == neutral.get(name, math.nan)).all()):
+                    slot.copy_(target.to(slot.dtype))
+                elif not bool((target == neutral.get(name, math.nan)).all()):
                     raise ValueError(
                         f"MemberNorm.merged_norm: the pretrained {type(plain).__name__} has no "
                         f"{name}, so it cannot hold this member's {name} (it differs from "
