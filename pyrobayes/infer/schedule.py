@@ -106,7 +106,8 @@ def make_scheduler(
     if spec is None or total_steps == 0:
         return None
     if isinstance(spec, str):
-        assert total_steps is not None  # check_schedule refuses a named schedule without it
+        if total_steps is None:  # check_schedule refuses a named schedule without it
+            raise ValueError(f"scheduler={spec!r} needs the fit's total number of steps.")
         # imported here: transformers.optimization costs seconds, and only named schedules need it
         factory = getattr(importlib.import_module("transformers.optimization"), SCHEDULES[spec])
         return factory(optimizer, num_warmup_steps=num_warmup, num_training_steps=int(total_steps))
