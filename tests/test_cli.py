@@ -332,7 +332,7 @@ def test_demo_families_are_config_entries_not_branches():
         assert f'"{family}"' not in source and f"'{family}'" not in source, family
     allowed = {
         *("options", "lr", "epochs", "patience", "init", "validate"),
-        *("scheduler", "warmup", "adapter"),
+        *("scheduler", "warmup", "adapter", "optimizer"),
     }
     for family, settings in pipeline.FAMILY_SETTINGS.items():
         assert set(settings) <= allowed, (family, set(settings) - allowed)
