@@ -19,6 +19,12 @@ torch.set_default_dtype(getattr(torch, os.environ.get("PYROBAYES_DTYPE", "float6
 torch.set_num_threads(1)
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    from tests.doc_snippets import write_summary  # how many README/docs blocks ran (test_docs.py)
+
+    write_summary(terminalreporter)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     pyro.clear_param_store()
     pyro.enable_validation(True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
@@ -111,3 +112,33 @@ def compiled(snippet: Snippet):
     """The block compiled with its markdown line numbers (tracebacks point into the file)."""
     source = "\n" * snippet.line + snippet.code
     return compile(source, str(ROOT / snippet.path), "exec", dont_inherit=True)
+
+
+#: the parametrized test that runs the blocks (``tests/test_docs.py``)
+SNIPPET_TEST = "test_docs.py::test_snippet_runs["
+
+
+def write_summary(terminalreporter: Any) -> None:
+    """Print how many blocks ran, failed and were skipped (and why) at the end of a session
+    that ran any (``pytest_terminal_summary`` of ``tests/conftest.py``; under pytest-xdist the
+    controller sees every worker's reports)."""
+    counts: dict[str, set[str]] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        counts[outcome] = {
+            r.nodeid
+            for r in terminalreporter.stats.get(outcome, [])
+            if SNIPPET_TEST in getattr(r, "nodeid", "")
+            and (r.when == "call" or outcome != "passed")
+        }
+    if not any(counts.values()):
+        return
+    found = all_snippets()
+    failed = counts["failed"] | counts["error"]
+    terminalreporter.write_sep("-", "docs snippets")
+    terminalreporter.write_line(
+        f"docs snippets: {len(counts['passed'])} ran, {len(failed)} failed, "
+        f"{len(counts['skipped'])} skipped, of {len(found)} Python blocks in README.md and docs/"
+    )
+    for snippet in found:
+        if snippet.skip:
+            terminalreporter.write_line(f"  skipped {snippet.id}: no-run: {snippet.skip}")

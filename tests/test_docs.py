@@ -4,7 +4,8 @@ the API reference lists every public name (every ``__all__`` entry).
 Blocks are found by :mod:`tests.doc_snippets`; one test per block, id ``file:line``. A block runs
 complete as shown (a fresh namespace, an empty working directory, float32 as in a user's
 interpreter); only a visible ``<!-- no-run: reason -->`` marker skips one. The counts are printed
-at the end of the session (``docs snippets: N ran, M skipped``).
+at the end of the session (``docs snippets: N ran, M skipped``; ``tests/conftest.py`` calls
+:func:`tests.doc_snippets.write_summary`).
 """
 
 from __future__ import annotations
@@ -20,38 +21,6 @@ import torch
 from tests import doc_snippets
 
 SNIPPETS = doc_snippets.all_snippets()
-_SNIPPET_TEST = "test_snippet_runs"
-
-
-class _SnippetSummary:
-    """Prints how many blocks ran, failed and were skipped (with their reasons) at session end."""
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        counts: dict[str, list[Any]] = {}
-        for outcome in ("passed", "failed", "skipped"):
-            counts[outcome] = [
-                r
-                for r in terminalreporter.stats.get(outcome, [])
-                if f"::{_SNIPPET_TEST}[" in getattr(r, "nodeid", "") and r.when in ("call", "setup")
-            ]
-        if not any(counts.values()):
-            return
-        terminalreporter.write_sep("-", "docs snippets")
-        terminalreporter.write_line(
-            f"docs snippets: {len(counts['passed'])} ran, {len(counts['failed'])} failed, "
-            f"{len(counts['skipped'])} skipped, of {len(SNIPPETS)} Python blocks in README.md "
-            "and docs/"
-        )
-        for snippet in SNIPPETS:
-            if snippet.skip:
-                terminalreporter.write_line(f"  skipped {snippet.id}: no-run: {snippet.skip}")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _snippet_summary(request: pytest.FixtureRequest) -> None:
-    manager = request.config.pluginmanager
-    if not manager.has_plugin("pyrobayes-doc-snippets"):
-        manager.register(_SnippetSummary(), "pyrobayes-doc-snippets")
 
 
 @pytest.fixture
