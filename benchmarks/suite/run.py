@@ -289,7 +289,16 @@ def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict
 
 
 # ------------------------------------------------------------------------------------ one run
-def run_seed(task: Task, seed: int, families: list[str], members: int) -> dict[str, Any]:
+def run_seed(
+    task: Task,
+    seed: int,
+    families: list[str],
+    members: int,
+    save: Any = lambda out: None,
+) -> dict[str, Any]:
+    """Every method on one seed; ``save(out)`` after each (a long run keeps what it finished).
+    Order: MAP (+ TS), laplace-torch, the families (post-hoc ones from that MAP), and the deep
+    ensemble last (M - 1 more MAP fits; ``members < 2``: no ensemble)."""
     out: dict[str, Any] = {}
     pyro.clear_param_store()
     map_settings = task.settings.get("map", {})
@@ -310,23 +319,16 @@ def run_seed(task: Task, seed: int, families: list[str], members: int) -> dict[s
     map_state = copy.deepcopy(map_guide.state_dict())
     head = {k: v.detach().clone() for k, v in map_model.point_params.items()}
     logger.info("[%s seed %d] map: %s", task.name, seed, _short(out["map"]))
-    for name, fn in (
-        ("laplace-torch", lambda: _laplace_torch(task, map_model, map_guide, info["fit_s"])),
+    save(out)
+    anchors = [("laplace-torch", lambda: _laplace_torch(task, map_model, map_guide, info["fit_s"]))]
+    ensemble = [
         (
             "ensemble",
             lambda: _ensemble(task, seed, [(map_model, map_guide)], info["fit_s"], members),
-        ),
-    ):
-        try:
-            res = fn()
-            out.update(res if name == "ensemble" else {name: res})
-        except Exception as err:  # an anchor that fails is reported, not fatal
-            logger.error("[%s seed %d] %s failed: %s", task.name, seed, name, err)
-            out[name] = {
-                "error": f"{type(err).__name__}: {err}",
-                "trace": traceback.format_exc()[-2000:],
-            }
-        logger.info("[%s seed %d] %s: %s", task.name, seed, name, _short(out.get(name, {})))
+        )
+    ]
+    _anchors(task, seed, anchors, out)
+    save(out)
     for family in families:
         if family == "map":
             continue
@@ -368,7 +370,25 @@ def run_seed(task: Task, seed: int, families: list[str], members: int) -> dict[s
                 "trace": traceback.format_exc()[-2000:],
             }
         logger.info("[%s seed %d] %s: %s", task.name, seed, family, _short(out[family]))
+        save(out)
+    if members >= 2:
+        _anchors(task, seed, ensemble, out)
+        save(out)
     return out
+
+
+def _anchors(task: Task, seed: int, anchors: list[tuple[str, Any]], out: dict[str, Any]) -> None:
+    for name, fn in anchors:
+        try:
+            res = fn()
+            out.update(res if name == "ensemble" else {name: res})
+        except Exception as err:  # an anchor that fails is reported, not fatal
+            logger.error("[%s seed %d] %s failed: %s", task.name, seed, name, err)
+            out[name] = {
+                "error": f"{type(err).__name__}: {err}",
+                "trace": traceback.format_exc()[-2000:],
+            }
+        logger.info("[%s seed %d] %s: %s", task.name, seed, name, _short(out.get(name, {})))
 
 
 def _short(record: dict[str, Any]) -> str:
@@ -378,6 +398,25 @@ def _short(record: dict[str, Any]) -> str:
         for k, v in record.items()
         if k in keys
     )
+
+
+def _record(
+    results: dict[str, Any],
+    name: str,
+    task: Task,
+    settings: dict[str, Any],
+    runs: dict[str, Any],
+    members: int,
+) -> None:
+    results["tasks"][name] = {
+        "kind": task.kind,
+        "info": dict(task.info),
+        "fit": {"epochs": task.epochs, "lr": task.lr, "patience": task.patience},
+        "num_samples": task.num_samples,
+        "members": members,
+        "settings": settings,
+        "runs": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -423,16 +462,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f: {k: v for k, v in task.settings.get(f, {}).items() if k != "adapter_fn"}
                 for f in args.families
             }
-            runs[str(seed)] = run_seed(task, seed, list(args.families), members)
+
+            def save(
+                out: dict[str, Any],
+                name: str = name,
+                seed: int = seed,
+                task: Task = task,
+                runs: dict[str, Any] = runs,
+                settings: dict[str, Any] = settings_used,
+            ) -> None:
+                runs[str(seed)] = out
+                _record(results, name, task, settings, runs, members)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=1, default=str))
+
+            runs[str(seed)] = run_seed(task, seed, list(args.families), members, save)
             logger.info("[%s seed %d] done in %.0f s", name, seed, time.perf_counter() - t0)
-            results["tasks"][name] = {
-                "kind": task.kind,
-                "info": {k: v for k, v in task.info.items()},
-                "fit": {"epochs": task.epochs, "lr": task.lr, "patience": task.patience},
-                "num_samples": task.num_samples,
-                "settings": settings_used,
-                "runs": runs,
-            }
+            _record(results, name, task, settings_used, runs, members)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1, default=str))  # after every seed
     results["loadavg_end"] = os.getloadavg()
