@@ -212,6 +212,9 @@ def test_api_hook_refuses_a_module_without_all(tmp_path: Path, monkeypatch) -> N
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="no_all_here has no __all__"):
         _api_hook().expand("no_all_here")
+    (tmp_path / "all_too_long.py").write_text("__all__ = ['x', 'y']\nx = 1\n")
+    with pytest.raises(ValueError, match=r"all_too_long.__all__ lists \['y'\]"):
+        _api_hook().expand("all_too_long")
 
 
 def test_every_docs_page_is_in_the_nav() -> None:

@@ -60,7 +60,8 @@ def expand(
     Raises
     ------
     ValueError
-        The module has no ``__all__`` (what is public would be a guess).
+        The module has no ``__all__`` (what is public would be a guess), or its ``__all__``
+        names something it does not define.
     """
     pages = _PAGES if pages is None else pages
     module = importlib.import_module(module_name)
@@ -71,6 +72,12 @@ def expand(
             "a module's __all__, so define it (the public names, in reading order)."
         )
     parts = [_block(module_name, level, show_root_heading=False, members=False)]
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise ValueError(
+            f"docs/hooks/api_reference.py: {module_name}.__all__ lists {missing}, which the "
+            "module does not define; define or import them, or drop them from __all__."
+        )
     values = {name: getattr(module, name) for name in names}
     # the module's own objects first, then its submodules (each a section of its own)
     for name in sorted(names, key=lambda n: _is_submodule(module, values[n])):
