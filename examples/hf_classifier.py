@@ -35,13 +35,15 @@ from pyrobayes.registry import get_guide_class
 OPTIONS: dict[str, dict[str, Any]] = {
     "meanfield": {"init_scale": 1e-3},  # start near the pretrained point
     "ivon": {"hess_init": 0.5},
-    "kron-ivon": {"hess_init": 0.5, "beta2": 0.999},
+    "kron-ivon": {"hess_init": 0.5},
     "swag": {"rank": 5, "collect_every_steps": 4},
     # IBDR's diversity term needs C - 1 >= K classes (Pham et al. 2025): on this binary task it is
     # degenerate (det(UᵀU) = 0 for K >= 2 particles), so the particles run without it
     "ibdr": {"alpha": 0.0},
     "signorm": {"strength": 0.01},  # the diversity term's weight λ
 }
+#: family -> the fit's optimizer settings (default: the family's optimizer)
+OPTIMIZERS: dict[str, Any] = {"kron-ivon": pb.infer.IVON(beta2=0.999)}
 #: family -> learning rate (IVON's step is α·m̂/(h+δ), not Adam's: α ≈ 3 here)
 LR: dict[str, float] = {"ivon": 3.0, "kron-ivon": 3.0}
 TARGETS = r"bert\.encoder\.layer\.[345]\.attention\.self\.(query|value)"
@@ -103,7 +105,8 @@ for family in families:
         adapter = ADAPTERS[family](adapter)
     model = pb.models.FineTuneModel(net, adapter, num_data=num_train)
     guide = pb.posterior(model, family, **OPTIONS.get(family, {}))
-    pb.fit(model, guide, train, epochs=epochs, lr=LR.get(family, 1e-2), seed=args.seed)
+    optim = pb.Optimization(optimizer=OPTIMIZERS.get(family))
+    pb.fit(model, guide, train, epochs=epochs, lr=LR.get(family, 1e-2), seed=args.seed, optim=optim)
     pred = pb.predict(model, guide, test, num_samples=num_samples, seed=0)
     pred_ood = pb.predict(model, guide, ood, num_samples=num_samples, seed=0)
     assert pred.targets is not None

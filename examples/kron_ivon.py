@@ -10,8 +10,10 @@ import pyrobayes as pb
 
 args = parse_args(__doc__)
 model, train, test, x_ood = setup(args.smoke, args.seed)
-guide = pb.posterior(model, "kron-ivon", hess_init=0.1, beta2=0.999, T_inv=5)
-result = pb.fit(model, guide, train, epochs=2 if args.smoke else 60, lr=0.1, seed=args.seed)
+guide = pb.posterior(model, "kron-ivon", hess_init=0.1, T_inv=5)
+ivon = pb.Optimization(optimizer=pb.infer.IVON(beta2=0.999))  # the factors' EMA: the fit's
+epochs = 2 if args.smoke else 60
+result = pb.fit(model, guide, train, epochs=epochs, lr=0.1, seed=args.seed, optim=ivon)
 site = next(iter(guide.sites))
 print(f"q over {site}: {type(guide.get_posterior(site)).__name__}")
 metrics = report(model, guide, test, x_ood, num_samples=4 if args.smoke else 32)

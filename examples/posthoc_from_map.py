@@ -28,8 +28,9 @@ print(f"Laplace at the MAP (prior precision tau = {laplace.prior_precision:.4g})
 metrics = report(model, laplace, test, x_ood, num_samples=num_samples)
 
 # SWAG moves the model's point parameters (the head) too: it comes last
-swag = pb.posterior(model, "swag", init=map_guide, rank=5, optimizer="sgd")
-pb.fit(model, swag, train, epochs=2 if args.smoke else 10, lr=1e-3, seed=args.seed)
+swag = pb.posterior(model, "swag", init=map_guide, rank=5)
+sgd = pb.Optimization(optimizer=pb.infer.SWAG(optimizer="sgd"))  # the fit's optimizer
+pb.fit(model, swag, train, epochs=2 if args.smoke else 10, lr=1e-3, seed=args.seed, optim=sgd)
 print("SWAG from the MAP")
 report(model, swag, test, x_ood, num_samples=num_samples)
 assert math.isfinite(metrics["nll"])
