@@ -462,24 +462,12 @@ def max_prob_score(probs: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _average_ranks(values: Tensor) -> Tensor:
-    """1-based ranks of a 1-D tensor, ties receiving the average of their ranks."""
-    sorted_values, order = torch.sort(values, stable=True)
-    _, inverse, counts = torch.unique_consecutive(
-        sorted_values, return_inverse=True, return_counts=True
-    )
-    ends = torch.cumsum(counts, dim=0).to(torch.float64)  # last 1-based rank of each tie group
-    group_rank = ends - (counts.to(torch.float64) - 1.0) / 2.0
-    ranks = torch.empty_like(group_rank[inverse])
-    ranks[order] = group_rank[inverse]
-    return ranks
-
-
 def auroc(scores: Tensor, labels: Tensor) -> float:
-    r"""Area under the ROC curve by the Mann-Whitney statistic (ties count one half).
+    r"""Area under the ROC curve (scikit-learn's ``roc_auc_score``; ties count one half).
 
-    Scores are higher for the positive class (label 1, e.g. out-of-distribution). With average
-    ranks :math:`R_i` of all :math:`n_0 + n_1` scores,
+    Scores are higher for the positive class (label 1, e.g. out-of-distribution). It equals the
+    Mann-Whitney statistic (Hanley & McNeil, 1982, Radiology 143(1), Eq. 2): with average ranks
+    :math:`R_i` of all :math:`n_0 + n_1` scores,
 
     .. math:: \mathrm{AUROC} = \frac{\sum_{i: y_i = 1} R_i - n_1(n_1 + 1)/2}{n_0\, n_1}
         = \frac{1}{n_0 n_1}\sum_{i: y_i=1}\sum_{j: y_j=0}
@@ -510,9 +498,12 @@ def auroc(scores: Tensor, labels: Tensor) -> float:
     n_neg = scores.shape[0] - n_pos
     if n_pos == 0 or n_neg == 0:
         raise ValueError("AUROC needs at least one positive and one negative example")
-    ranks = _average_ranks(scores.detach().double())
-    u_statistic = ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0
-    return (u_statistic / (n_pos * n_neg)).item()
+    from sklearn.metrics import roc_auc_score  # imported here: only AUROC needs scikit-learn
+
+    # AUROC depends on the scores' order only: their dense ranks (ties kept) let +-inf through,
+    # which scikit-learn's input check refuses
+    _, dense_ranks = torch.unique(scores.detach().double(), return_inverse=True)
+    return float(roc_auc_score(positive.cpu().numpy(), dense_ranks.cpu().numpy()))
 
 
 def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:

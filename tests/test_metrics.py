@@ -303,6 +303,16 @@ def test_auroc_matches_sklearn_with_ties() -> None:
     labels = torch.cat([torch.zeros(400, dtype=torch.long), torch.ones(300, dtype=torch.long)])
     expected = roc_auc_score(labels.numpy(), scores.numpy())
     assert auroc(scores, labels) == pytest.approx(expected, rel=1e-13)
+    # auroc calls scikit-learn; the independent reference is the pairwise Mann-Whitney count
+    wins = (ood_scores[:, None] > id_scores[None, :]).double().sum()
+    ties = (ood_scores[:, None] == id_scores[None, :]).double().sum()
+    assert auroc(scores, labels) == pytest.approx(
+        ((wins + ties / 2) / (400 * 300)).item(), rel=1e-13
+    )
+    # infinite scores keep their order (scikit-learn alone refuses them): the +inf positive beats
+    # -inf and 0 and ties the +inf negative, 2.5 / 3
+    inf = float("inf")
+    assert auroc(torch.tensor([-inf, 0.0, inf, inf]), torch.tensor([0, 0, 1, 0])) == 2.5 / 3
     assert ood_auroc(id_scores, ood_scores) == pytest.approx(expected, rel=1e-13)
     # a random permutation does not change the statistic
     perm = torch.randperm(700)
