@@ -217,8 +217,8 @@ def predict(
     (the network linearised at ``θ̂``; exact Gaussian for regression, Monte Carlo over the
     linearised logits or probit for classification). Explicit ``values`` always sample the
     network. A :class:`~pyrobayes.contract.Mixture` with ``average="logits"`` gives one
-    prediction, ``softmax((1/S) Σ_s f(x; θ_s))`` (exactly the particles' logit average when S is
-    a multiple of their number).
+    prediction, ``softmax((1/S) Σ_s f(x; θ_s))``, exactly the particles' logit average (S is
+    rounded up to a multiple of their number, see the Notes).
     A temperature fitted by :func:`pyrobayes.calibrate` (stored on the guide) is applied to
     every prediction (:func:`pyrobayes.calibration.apply_temperature`).
 
