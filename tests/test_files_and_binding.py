@@ -226,7 +226,9 @@ def test_init_from_a_guide_fitted_on_another_model_is_refused():
 def test_init_from_an_unfitted_guide_is_refused():
     p = _problem()
     map_guide = pb.posterior(p.model, "map")
-    with pytest.raises(ValueError, match="the DeltaGuide was never fitted: its point equals") as err:
+    with pytest.raises(
+        ValueError, match="the DeltaGuide was never fitted: its point equals"
+    ) as err:
         pb.posterior(p.model, "laplace", init=map_guide)
     assert "Fit it first" in str(err.value) and "without init=" in str(err.value)
     pb.fit(p.model, map_guide, split_batches(p.x, p.y, 16), epochs=1, lr=0.05, seed=0)
