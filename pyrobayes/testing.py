@@ -177,8 +177,9 @@ def check_family(
     ----------
     family : type or callable
         A :class:`~pyrobayes.guides.base.PosteriorGuide` subclass (built as ``family(model,
-        **options)``) or any callable ``model -> guide``. ``save_load`` and ``export`` need it
-        registered (:func:`pyrobayes.register_guide`); the check says so when it is not.
+        **options)``) or any callable ``model -> guide``. An unregistered class is registered
+        (:func:`pyrobayes.register_guide`, under its ``family``) during the ``save_load``,
+        ``export`` and ``resume`` checks only: :func:`pyrobayes.load` finds a class by name.
     options : mapping, optional
         Constructor options of a guide class.
     adapter, net : callable, optional
@@ -297,16 +298,27 @@ class _Kit:
         fitter.end(data)
         return losses
 
-    def _registered(self) -> str:
-        from .registry import family_of
+    @contextlib.contextmanager
+    def _registered(self) -> Iterator[str]:
+        """The guide's registry name; an unregistered class is registered for the check only
+        (under its ``family``, else its lower-cased class name) and removed after it."""
+        from .registry import _REGISTRY, family_of, register_guide
 
+        cls = type(self.guide)
         try:
-            return family_of(self.guide)
-        except (ValueError, KeyError) as err:
-            raise AssertionError(
-                f"{type(self.guide).__name__} is not registered ({err}); register it with "
-                "pyrobayes.register_guide(name, cls) to save, load and export it."
-            ) from None
+            known = family_of(self.guide)
+        except ValueError:
+            known = None
+        if known is not None:
+            yield known
+            return
+        name = getattr(cls, "family", "") or cls.__name__.lower()
+        register_guide(name, cls)
+        try:
+            yield name
+        finally:
+            if _REGISTRY.get(name) is cls:
+                del _REGISTRY[name]
 
     # ------------------------------------------------------------------ the checks
     def check_setup(self) -> str:
@@ -446,9 +458,8 @@ class _Kit:
     def check_save_load(self) -> str:
         from . import io
 
-        self._registered()
         guide = self.guide
-        with tempfile.TemporaryDirectory() as tmp:
+        with self._registered(), tempfile.TemporaryDirectory() as tmp:
             path = io.save(guide, Path(tmp) / "posterior.safetensors")
             fresh_model, _ = self._problem()
             _perturb(fresh_model.point_params.values())  # load must restore the fitted head
@@ -473,8 +484,7 @@ class _Kit:
     def check_export(self) -> str:
         from .diagnostics import to_inference_data
 
-        self._registered()
-        with _quiet():
+        with self._registered(), _quiet():
             idata = to_inference_data(self.model, self.guide, self.data, num_samples=4, seed=0)
         posterior = idata["posterior"]
         for site in self.guide.sites:
@@ -503,7 +513,7 @@ class _Kit:
                 if index == len(data) - 1:
                     fitter.epoch_end(epoch)
 
-        with tempfile.TemporaryDirectory() as tmp:
+        with self._registered(), tempfile.TemporaryDirectory() as tmp:
             # what pyrobayes.fit's checkpoint holds: the posterior file (guide and head), the
             # fitter's state and the RNG states, each through its file
             folder = Path(tmp)

@@ -7,6 +7,7 @@ from ..registry import register_guide
 from .base import PosteriorGuide, SitewiseKL
 from .delta import DeltaGuide
 from .ivon import IVONGuide
+from .joint import JointGaussianGuide, SitePacking
 from .kron import KroneckerIVONGuide
 from .laplace import LaplaceGuide
 from .lowrank import SWAGGuide
@@ -34,6 +35,8 @@ __all__ = [
     "Mixture",
     "PosteriorGuide",
     "SitewiseKL",
+    "SitePacking",
+    "JointGaussianGuide",
     "MeanFieldGuide",
     "DeltaGuide",
     "IVONGuide",
