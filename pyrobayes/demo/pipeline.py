@@ -574,68 +574,15 @@ def run(
     exported = False
     fitted: dict[str, _Fitted] = {}
     mean_probs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    cap = int(config["training"]["epochs"])
     for family in families:
-        settings = FAMILY_SETTINGS.get(family, {})
-        _rewind(loaders["train"], int(config["data"]["seed"]))
-        model, _ = build_model(config, loaders["num_train"], loaders["train"], family=family)
-        epochs = int(settings.get("epochs", cap))
-        validate = bool(settings.get("validate", True))
-        source = settings.get("init")
-        init = None
-        if source in fitted:
-            _set_head(model, fitted[source].head)
-            init = fitted[source].guide
-        elif source is not None:  # that run is not in the job: the family fits its own MAP stage
-            logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
-            epochs, validate, source = cap + epochs, True, None
-        validated = validate and epochs > 0
-        guide = posterior(model, family, init=init, **settings.get("options", {}))
-        logger.info(
-            "fitting %s for %d epochs%s", family, epochs, f" from {source}" if source else ""
-        )
-        start = time.perf_counter()
-        result = fit(
-            model,
-            guide,
-            loaders["train"],
-            epochs=epochs,
-            lr=float(settings.get("lr", config["training"]["lr"])),
-            seed=int(config["training"]["seed"]),
-            device=device,
-            **_fit_options(config, settings, loaders["val"] if validated else None),
-            progress=Progress(bar=progress_bar),
-        )
-        fit_time = time.perf_counter() - start
-        fitted[family] = _Fitted(
-            guide,
-            {k: p.detach().clone() for k, p in model.point_params.items()},
-            fit_time + (fitted[source].seconds if source else 0.0),
-        )
+        model, guide, result = _fit_family(config, family, loaders, fitted, progress_bar)
         metrics, pred = _evaluate(
             model, guide, loaders, int(config["predict"]["num_samples"]), device
         )
         if pred.targets is None:  # (_evaluate refuses an unlabelled test split)
             raise ConfigError("demo: the test split carries no labels; the metrics need them.")
         mean_probs[family] = (pred.mean_probs.detach().cpu(), pred.targets.detach().cpu())
-        counts = count_parameters(guide)
-        best = result.state.get("best_epoch")
-        record = {
-            "family": family,
-            **metrics,
-            "trainable_parameters": counts.get("trainable", 0),
-            "posterior_parameters": counts.get("posterior_storage", 0),
-            # a post-hoc family's cost includes the run it started from
-            "fit_seconds": fitted[family].seconds,
-            "init": source,
-            "epochs": epochs,
-            # the stopping rule: the epoch (1-based) of least validation NLL; the rule was met
-            # (validation NLL stopped improving) when it is below the cap
-            "best_epoch": None if best is None else int(best) + 1,
-            "epochs_run": int(result.state["epoch"]),
-            "stopped_early": bool(result.state.get("stopped_early", False)),
-            "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
-        }
+        record = _record(family, guide, result, metrics, fitted[family])
         records.append(record)
         save(guide, out / "guides" / f"{family}.safetensors", extra={"metrics": record})
         _plots(out, family, pred)
@@ -653,6 +600,8 @@ class _Fitted(NamedTuple):
     guide: Any
     head: dict[str, torch.Tensor]
     seconds: float
+    source: str | None = None  # the run it started from
+    epochs: int = 0  # its epoch cap
 
 
 def _set_head(model: Any, head: dict[str, torch.Tensor]) -> None:
@@ -660,6 +609,79 @@ def _set_head(model: Any, head: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, value in head.items():
             model.point_params[name].copy_(value)
+
+
+def _fit_family(
+    config: dict[str, Any],
+    family: str,
+    loaders: dict[str, Any],
+    fitted: dict[str, _Fitted],
+    progress_bar: bool,
+) -> tuple[Any, Any, Any]:
+    """Build ``family``'s model and posterior (from the run it starts from, if that is in the
+    job) and fit it; records it in ``fitted``. Returns ``(model, guide, FitResult)``."""
+    cap = int(config["training"]["epochs"])
+    settings = FAMILY_SETTINGS.get(family, {})
+    _rewind(loaders["train"], int(config["data"]["seed"]))
+    model, _ = build_model(config, loaders["num_train"], loaders["train"], family=family)
+    epochs = int(settings.get("epochs", cap))
+    validate = bool(settings.get("validate", True))
+    source = settings.get("init")
+    init = None
+    if source in fitted:
+        _set_head(model, fitted[source].head)
+        init = fitted[source].guide
+    elif source is not None:  # that run is not in the job: the family fits its own MAP stage
+        logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
+        epochs, validate, source = cap + epochs, True, None
+    validated = validate and epochs > 0
+    guide = posterior(model, family, init=init, **settings.get("options", {}))
+    logger.info("fitting %s for %d epochs%s", family, epochs, f" from {source}" if source else "")
+    start = time.perf_counter()
+    result = fit(
+        model,
+        guide,
+        loaders["train"],
+        epochs=epochs,
+        lr=float(settings.get("lr", config["training"]["lr"])),
+        seed=int(config["training"]["seed"]),
+        device=config["training"]["device"],
+        **_fit_options(config, settings, loaders["val"] if validated else None),
+        progress=Progress(bar=progress_bar),
+    )
+    fit_time = time.perf_counter() - start
+    fitted[family] = _Fitted(
+        guide,
+        {k: p.detach().clone() for k, p in model.point_params.items()},
+        fit_time + (fitted[source].seconds if source else 0.0),
+        source,
+        epochs,
+    )
+    return model, guide, result
+
+
+def _record(
+    family: str, guide: Any, result: Any, metrics: dict[str, Any], run: _Fitted
+) -> dict[str, Any]:
+    """The metrics record of a fitted family (a row of the table and of metrics.json)."""
+    counts = count_parameters(guide)
+    best = result.state.get("best_epoch")
+    return {
+        "family": family,
+        **metrics,
+        "trainable_parameters": counts.get("trainable", 0),
+        "posterior_parameters": counts.get("posterior_storage", 0),
+        # a post-hoc family's cost includes the run it started from
+        "fit_seconds": run.seconds,
+        "init": run.source,
+        "epochs": run.epochs,
+        # the stopping rule: the epoch (1-based) of least validation NLL; the rule was met
+        # (validation NLL stopped improving) when it is below the cap
+        "best_epoch": None if best is None else int(best) + 1,
+        "epochs_run": int(result.state["epoch"]),
+        "stopped_early": bool(result.state.get("stopped_early", False)),
+        "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
+    }
 
 
 def _plots(out: Path, family: str, pred: Any) -> None:
