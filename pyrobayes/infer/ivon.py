@@ -475,21 +475,42 @@ class IVONOptimizer(torch.optim.Optimizer):
                 "(pyrobayes.fit passes one)."
             )
         flat = self._sync()
-        state, m, hp = flat["state"], flat["m"], self.hyper
-        P, D, extras = self._n_extra, self._n_extra + self._n_diag, self.extras
-        h, t = state["hess"], state["step"]
-        prec = (h + flat["delta"]).mul_(hp["ess"])  # λ(h + δ)
+        prec = self._perturb_points(flat)
+        loss = self._run_closure(closure, flat["state"]["step"])
+        if not math.isfinite(float(loss)):
+            self._refuse()
+            return loss
+        grad, hhat = self._statistics(flat, prec)
+        if not bool(grad.isfinite().all()):  # refused before anything is updated
+            self._refuse()
+            raise FloatingPointError(
+                f"Non-finite gradient at step {flat['state']['step']} in "
+                f"{', '.join(self._non_finite(grad))}; parameters were not updated."
+            )
+        self._update(flat, grad, hhat)
+        return loss
+
+    def _perturb_points(self, flat: dict[str, Any]) -> Tensor:
+        """``λ(h + δ)`` over ``[point parameters | diagonal sites]``; the point parameters are
+        perturbed in place (one ``randn`` per tensor, in order) and the sites' σ is kept for
+        :meth:`training_sample`."""
+        P, D = self._n_extra, self._n_extra + self._n_diag
+        prec = (flat["state"]["hess"] + flat["delta"]).mul_(self.hyper["ess"])  # λ(h + δ)
         sigma = prec.rsqrt()
-        noise_e = flat["noise_e"]
-        if P:  # the point parameters, perturbed in place: one randn per tensor, in order
+        if P:
             for view in flat["noise_views"]:
                 torch.randn(view.shape, out=view)
-            noise_e.mul_(sigma[:P])
-            torch._foreach_add_(extras, flat["noise_views"])
+            flat["noise_e"].mul_(sigma[:P])
+            torch._foreach_add_(self.extras, flat["noise_views"])
         self._sigma, self._leaf = sigma[P:D], None
+        return prec
+
+    def _run_closure(self, closure: Callable[[], Tensor], step: int) -> Tensor:
+        """The closure's loss (the mean over ranks); the point parameters are restored if it
+        raises, and the Kronecker statistics record during it."""
         curvature = self.curvature
         if curvature is not None:
-            curvature.start(t)
+            curvature.start(step)
         try:
             with torch.enable_grad():
                 loss = closure()
@@ -504,11 +525,18 @@ class IVONOptimizer(torch.optim.Optimizer):
         if world()[0] > 1:  # every rank sees the same value, so all stop on a NaN together
             loss = loss.clone()
             all_reduce_mean_([loss])
-        if not math.isfinite(float(loss)):
-            self._restore()
-            for p in extras:
-                p.grad = None
-            return loss
+        return loss
+
+    def _refuse(self) -> None:
+        """Leave everything as before the step: the point parameters at their means, no grads."""
+        self._restore()
+        for p in self.extras:
+            p.grad = None
+
+    def _statistics(self, flat: dict[str, Any], prec: Tensor) -> tuple[Tensor, Tensor]:
+        """``(ĝ, ĥ)`` over ``[point | diagonal | Kronecker]`` (ĥ over the first two) from the
+        closure's draw, averaged over ranks."""
+        hp, P, D = self.hyper, self._n_extra, self._n_extra + self._n_diag
         leaf, self._leaf = self._leaf, None
         if leaf is None:
             self._restore()
@@ -525,26 +553,23 @@ class IVONOptimizer(torch.optim.Optimizer):
         hhat = gd * (noise[:, : D - P] if price else gd)
         hhat = hhat[0] if num == 1 else hhat.sum(0) if price else hhat.sum(0).mul_(num)
         if P:
-            g_e = [torch.zeros_like(p) if p.grad is None else p.grad for p in extras]
-            g_e = torch.cat([g.reshape(-1) for g in g_e]).to(m.dtype)
+            parts = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.extras]
+            g_e = torch.cat([g.reshape(-1) for g in parts]).to(flat["m"].dtype)
             grad = torch.cat([g_e, grad])
-            hhat = torch.cat([g_e * (noise_e if price else g_e), hhat])
+            hhat = torch.cat([g_e * (flat["noise_e"] if price else g_e), hhat])
         hhat = hhat.mul_(prec) if price else hhat.mul_(hp["ess"])
         all_reduce_mean_([grad, hhat])
-        if not bool(grad.isfinite().all()):  # refused before anything is updated
-            self._restore()
-            for p in extras:
-                p.grad = None
-            raise FloatingPointError(
-                f"Non-finite gradient at step {t} in {', '.join(self._non_finite(grad))}; "
-                "parameters were not updated."
-            )
-        lr = self.param_groups[0]["lr"]
-        momentum = state["momentum"]
+        return grad, hhat
+
+    def _update(self, flat: dict[str, Any], grad: Tensor, hhat: Tensor) -> None:
+        """Algorithm 1's update of ``m``, ``h`` and the momentum (the Kronecker block's by its
+        curvature), written back to the guide's tensors and the point parameters."""
+        hp, state, m, D = self.hyper, flat["state"], flat["m"], self._n_extra + self._n_diag
+        t, lr, momentum = state["step"], self.param_groups[0]["lr"], state["momentum"]
         ivon_step_(
             m[:D],
             momentum[:D],
-            h,
+            state["hess"],
             grad[:D],
             hhat,
             t,
@@ -558,12 +583,11 @@ class IVONOptimizer(torch.optim.Optimizer):
             rescale_lr=hp["rescale_lr"],
             prior_loc=flat["prior_loc"],
         )
-        if curvature is not None:
-            curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
+        if self.curvature is not None:
+            self.curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
         state["step"] = t + 1
         torch._foreach_copy_(flat["targets"], flat["views"])
         self._record(flat)
-        return loss
 
     def _non_finite(self, grad: Tensor) -> list[str]:
         """The sites and point parameters whose part of the flat ``grad`` is not finite."""
