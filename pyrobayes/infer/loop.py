@@ -126,10 +126,12 @@ class DivergenceWarning(RuntimeWarning):
 
 
 #: A fit diverges when the median loss of the last ``_WINDOW`` steps exceeds its first loss by
-#: ``_RISE`` times that loss's magnitude (three orders of magnitude): a descent method lowers
-#: the objective on average, so a rise this large means steps overshoot (the classic sign of a
-#: too-large step size, Goodfellow, Bengio & Courville, 2016, sec. 8.5), whereas the noise of a
-#: stochastic objective (a minibatch, one Monte-Carlo draw) moves it by fractions of itself.
+#: ``_RISE`` times that loss's magnitude (three orders of magnitude; at least ``_RISE`` nats
+#: for a loss that starts within 1 of zero): a descent method lowers the objective on average,
+#: so a rise this large means steps overshoot (the classic sign of a too-large step size,
+#: Goodfellow, Bengio & Courville, 2016, sec. 8.5), whereas the noise of a stochastic objective
+#: (a minibatch, one Monte-Carlo draw) moves it by fractions of itself. The median of a window
+#: ignores a single spike.
 _RISE, _WINDOW = 1e3, 10
 
 
@@ -148,7 +150,7 @@ class _Divergence:
         if self.warned:
             return
         if self.limit is None:
-            self.limit = losses[0] + _RISE * max(abs(losses[0]), 1e-12)
+            self.limit = losses[0] + _RISE * max(abs(losses[0]), 1.0)
         if losses[-1] <= self.limit or len(losses) < _WINDOW:
             return
         recent = sorted(losses[-_WINDOW:])
@@ -263,7 +265,8 @@ def fit(
     -----
     DivergenceWarning
         Once, when the median loss of the last 10 steps exceeds the first step's loss by over
-        10³ times its magnitude (a diverging fit; lower ``lr``).
+        10³ times its magnitude (at least 10³ for a first loss within 1 of zero): a diverging
+        fit; lower ``lr``.
 
     Raises
     ------
