@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import pyrobayes as pb
-from pyrobayes.infer import checkpoint
+from pyrobayes.infer import checkpoint, grouped
 from pyrobayes.infer.checkpoint import CheckpointLock, latest
 from pyrobayes.registry import _REGISTRY
 from tests.infer import kill_fit
@@ -354,7 +354,7 @@ def test_resume_without_a_length(tmp_path, monkeypatch, write):
     def run(**kw: Any) -> tuple[Any, Any, Any]:
         model, guide, loader = kill_fit.problem("meanfield")
         batches = _Unsized([b for b in DataLoader(loader.dataset, batch_size=kill_fit.BATCH)])
-        result = pb.fit(model, guide, batches, epochs=kill_fit.EPOCHS, seed=7, **kw)
+        result = pb.fit(model, guide, batches, epochs=kill_fit.EPOCHS, seed=7, **grouped(**kw))
         return model, guide, result
 
     reference = run()
