@@ -43,7 +43,9 @@ def validation_score(
     pred = predict(model, guide, data, values=guide.validation_values(), seed=None)
     model.train(True)
     if pred.targets is None:
-        raise ValueError("fit(val_data=...): the validation batches carry no targets.")
+        raise ValueError(
+            "fit(validation=Validation(data)): the validation batches carry no targets."
+        )
     if pred.log_probs is not None:
         nll = metrics.nll(None, pred.targets, log_probs=pred.log_probs)
         measured = {"nll": nll, "accuracy": metrics.accuracy(pred.probs, pred.targets)}
@@ -52,15 +54,15 @@ def validation_score(
         if select_by == "nll":
             return (nll,), measured
         raise ValueError(
-            f"fit(select_by={select_by!r}) is for regression; use 'nll' or 'accuracy' here."
+            f"Validation(select_by={select_by!r}) is for regression; use 'nll' or 'accuracy' here."
         )
     if select_by == "accuracy":
         raise ValueError(
-            "fit(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
+            "Validation(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
         )
     if pred.loc is None or pred.scale is None:
         raise ValueError(
-            "fit(val_data=...): a regression likelihood needs an obs_scale to score the NLL."
+            "fit(validation=...): a regression likelihood needs an obs_scale to score the NLL."
         )
     # targets checked against the means: (N,) or (N, 1) for a scalar output, else a ValueError
     measured = metrics.regression_report(pred.loc, pred.targets, pred.scale)
@@ -120,7 +122,7 @@ class Snapshot:
 
 
 class Selection:
-    """The validation history of a fit and the best state so far (``fit(val_data=...)``).
+    """The validation history of a fit and the best state so far (``fit(validation=Validation(...))``).
 
     Parameters
     ----------
@@ -131,7 +133,9 @@ class Selection:
 
     def __init__(self, data: Iterable[Any], select_by: str) -> None:
         if select_by not in SELECT_BY:
-            raise ValueError(f"fit(select_by=...) must be one of {SELECT_BY}; got {select_by!r}.")
+            raise ValueError(
+                f"Validation(select_by=...) must be one of {SELECT_BY}; got {select_by!r}."
+            )
         self.data, self.select_by = data, select_by
         self.history: list[dict[str, Any]] = []
         self.best: Snapshot | None = None
