@@ -37,9 +37,10 @@ $(VADER_SDIST): | $(PY)
 
 data: $(VADER_SDIST)
 
-# two workers (pytest-xdist): the CI machine has 2 cores
+# two workers (pytest-xdist): the CI machine has 2 cores; loadscope keeps each module on one worker
+# (its module fixtures built once, its tests in order; tests/conftest.py orders the modules)
 test: $(STAMP) data
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
 # quick local loop: no process-spawning tests (CLI, examples, gloo ranks); CI runs `make test`
 test-fast: $(STAMP)
