@@ -32,7 +32,7 @@ VADER_SHA256 := 5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9
 $(VADER_SDIST): | $(PY)
 	mkdir -p $(PYROBAYES_CACHE)
 	$(PY) -m pip download --no-deps --no-binary :all: --disable-pip-version-check -d $(PYROBAYES_CACHE) vaderSentiment==3.3.2 \
-		&& echo "$(VADER_SHA256)  $(VADER_SDIST)" | sha256sum -c - \
+		&& $(PY) -c "import hashlib, sys; sys.exit(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest() != sys.argv[2])" $(VADER_SDIST) $(VADER_SHA256) \
 		|| { rm -f $(VADER_SDIST); echo "VADER archive unavailable (no PyPI?): VADER tests will skip, the demo will not run"; }
 
 data: $(VADER_SDIST)
