@@ -513,7 +513,11 @@ class MultipleChoice(Likelihood):
             normalize=self.normalize,
             chars=chars.reshape(-1) if isinstance(chars, Tensor) else None,
         )
-        return scores.reshape(ids.shape[0], ids.shape[1])  # (B, K)
+        scores = scores.reshape(ids.shape[0], ids.shape[1])  # (B, K)
+        present = inputs.get("choice_mask")  # ragged batches: padded choices score -inf
+        if isinstance(present, Tensor):
+            scores = scores.masked_fill(present.to(scores.device) == 0, float("-inf"))
+        return scores
 
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)

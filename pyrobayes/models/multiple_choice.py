@@ -44,7 +44,7 @@ __all__ = [
 NORMALIZATIONS = ("none", "length", "chars")
 
 #: Batch keys read by the likelihood and never handed to the network.
-SCORE_KEYS = ("continuation_mask", "continuation_chars")
+SCORE_KEYS = ("continuation_mask", "continuation_chars", "choice_mask")
 
 
 _FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}
@@ -257,7 +257,9 @@ def continuation_scores(
     return total
 
 
-def _as_choice_lists(prompts: Sequence[str], choices: Any) -> list[list[str]]:
+def _as_choice_lists(
+    prompts: Sequence[str], choices: Any, ragged: bool = False
+) -> list[list[str]]:
     if isinstance(choices, str):
         raise TypeError(
             f"encode_multiple_choice: choices is one string ({choices!r}), which would be read "
@@ -293,10 +295,11 @@ def _as_choice_lists(prompts: Sequence[str], choices: Any) -> list[list[str]]:
             )
     lists = [list(c) for c in choices]
     sizes = sorted({len(c) for c in lists})
-    if len(sizes) != 1 or sizes[0] < 2:
+    if sizes[0] < 2 or (len(sizes) != 1 and not ragged):
         raise ValueError(
             f"encode_multiple_choice: every prompt needs the same number (>= 2) of choices; got "
-            f"sizes {sizes}. Pad short lists with an impossible choice or group prompts by size."
+            f"sizes {sizes}. Pass ragged=True for a batch of questions with different numbers "
+            "of choices (padded choices masked out by 'choice_mask'), or group prompts by size."
         )
     return lists
 
@@ -354,6 +357,7 @@ def encode_multiple_choice(
     padding_side: str = "left",
     delimiter: str = " ",
     position_ids: bool = True,
+    ragged: bool = False,
 ) -> dict[str, Tensor]:
     r"""Encode prompts and their choices as continuations, one row per (prompt, choice).
 
@@ -382,13 +386,19 @@ def encode_multiple_choice(
     position_ids : bool
         Add ``position_ids`` counting real tokens only, so that a left-padded row sees the
         positions of its unpadded form.
+    ragged : bool
+        Accept per-prompt lists of different sizes (each >= 2): K is the largest, a shorter
+        list is padded with copies of its first choice, and ``choice_mask`` `(B, K)` (1 on real
+        choices) is added; the likelihood gives padded choices a score of ``-inf``, so they get
+        probability 0 and the answer's likelihood is that of the question scored alone.
 
     Returns
     -------
     dict of str to Tensor
         ``input_ids``, ``attention_mask``, ``continuation_mask`` `(B, K, L)` (long),
         ``continuation_chars`` `(B, K)` (characters of each choice, for ``normalize="chars"``),
-        ``position_ids`` `(B, K, L)` when asked, ``labels`` `(B,)` when ``answers`` is given.
+        ``position_ids`` `(B, K, L)` when asked, ``labels`` `(B,)` when ``answers`` is given,
+        ``choice_mask`` `(B, K)` (long) when ``ragged``.
 
     Raises
     ------
@@ -411,7 +421,11 @@ def encode_multiple_choice(
     prompts = _as_prompts(prompts)
     if not prompts:
         raise ValueError("encode_multiple_choice: prompts is empty; pass at least one prompt.")
-    lists = _as_choice_lists(prompts, choices)
+    lists = _as_choice_lists(prompts, choices, ragged)
+    sizes = [len(options) for options in lists]
+    if ragged:  # pad with copies of the first choice: real rows, masked scores
+        width = max(sizes)
+        lists = [options + [options[0]] * (width - len(options)) for options in lists]
     if max_length is not None and max_length < 2:
         raise ValueError(f"encode_multiple_choice: max_length must be >= 2, got {max_length}.")
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -469,6 +483,18 @@ def encode_multiple_choice(
         out["position_ids"] = (attention.cumsum(-1) - 1).clamp_min(0)
     if answers is not None:
         out["labels"] = _as_answers(answers, num, k_choices)
+        if ragged:
+            short = [b for b, label in enumerate(out["labels"].tolist()) if label >= sizes[b]]
+            if short:
+                b = short[0]
+                raise ValueError(
+                    f"encode_multiple_choice: answer {int(out['labels'][b])} of prompt {b} "
+                    f"indexes past its {sizes[b]} choices; answers index each prompt's own list."
+                )
+    if ragged:
+        out["choice_mask"] = (
+            torch.arange(k_choices)[None, :] < torch.tensor(sizes)[:, None]
+        ).to(torch.long)
     return out
 
 

@@ -1,0 +1,224 @@
+r"""A multiple-choice task: its examples, deterministic splits, few-shot prompts and batches.
+
+Splits. A task read from one file (a BIG-bench ``task.json``, a JSON/JSONL file) is split by a
+seeded permutation: ``numpy.random.default_rng(seed).permutation(N)``, whose first
+``round(N·f_train)`` indices are the training split, the next ``round(N·f_val)`` the validation
+split and the rest the test split, each kept in file order. The same file, fractions and seed
+give the same splits on every machine. A task whose source already has splits (a Hugging Face
+dataset's ``train`` / ``validation`` / ``test``) keeps them (:meth:`MultipleChoiceTask.from_splits`).
+
+Few-shot prompts. With ``num_fewshot = k > 0`` each example's prompt is preceded by ``k``
+training examples, each rendered as ``prompt + delimiter + right choice``, joined by
+``fewshot_separator`` (lm-evaluation-harness's convention; Gao et al. 2021; Brown et al. 2020,
+"Language models are few-shot learners", Sec. 2). The ``k`` shots of the example at index ``i`` of
+split ``s`` are drawn without replacement from the training split (the example itself excluded)
+by ``random.Random(f"{seed}:{s}:{i}")``: they depend on nothing but the seed, the split and the
+position, so re-reading the task or encoding another batch first changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from ..models.multiple_choice import encode_multiple_choice
+from .example import MCExample
+
+__all__ = ["MultipleChoiceTask", "SPLITS"]
+
+#: The split names, in order.
+SPLITS = ("train", "validation", "test")
+
+
+def _check_fractions(fractions: Sequence[float]) -> tuple[float, float, float]:
+    values = tuple(float(f) for f in fractions)
+    if len(values) != 3 or any(not 0 <= f <= 1 for f in values) or abs(sum(values) - 1) > 1e-9:
+        raise ValueError(
+            f"MultipleChoiceTask: fractions must be three numbers in [0, 1] summing to 1 "
+            f"(train, validation, test); got {list(fractions)!r}."
+        )
+    return values[0], values[1], values[2]
+
+
+class MultipleChoiceTask:
+    """Multiple-choice examples split into train / validation / test.
+
+    Parameters
+    ----------
+    splits : dict of str to list of MCExample
+        ``"train"``, ``"validation"`` and ``"test"`` (missing splits are empty).
+    name : str
+        Used in reports.
+    num_fewshot : int
+        Training examples put before each prompt (0: zero-shot).
+    fewshot_separator : str
+        Between few-shot examples and before the question.
+    delimiter : str
+        Between a prompt and a choice (lm-evaluation-harness's ``target_delimiter``).
+    seed : int
+        Seeds the few-shot draws.
+    """
+
+    def __init__(
+        self,
+        splits: dict[str, list[MCExample]],
+        *,
+        name: str = "task",
+        num_fewshot: int = 0,
+        fewshot_separator: str = "\n\n",
+        delimiter: str = " ",
+        seed: int = 0,
+    ) -> None:
+        unknown = sorted(set(splits) - set(SPLITS))
+        if unknown:
+            raise ValueError(
+                f"MultipleChoiceTask {name!r}: unknown split(s) {unknown}; use {list(SPLITS)}."
+            )
+        if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
+            raise ValueError(
+                f"MultipleChoiceTask {name!r}: num_fewshot must be an integer >= 0, got "
+                f"{num_fewshot!r}."
+            )
+        self.splits = {s: list(splits.get(s, [])) for s in SPLITS}
+        for s, examples in self.splits.items():
+            bad = [e for e in examples if not isinstance(e, MCExample)]
+            if bad:
+                raise TypeError(
+                    f"MultipleChoiceTask {name!r}: split {s!r} holds {type(bad[0]).__name__}; "
+                    "examples are pyrobayes.tasks.MCExample."
+                )
+        if num_fewshot and len(self.splits["train"]) <= num_fewshot:
+            raise ValueError(
+                f"MultipleChoiceTask {name!r}: num_fewshot={num_fewshot} needs more than "
+                f"{num_fewshot} training examples; the training split has "
+                f"{len(self.splits['train'])}. Lower num_fewshot or give more training data."
+            )
+        self.name = name
+        self.num_fewshot = num_fewshot
+        self.fewshot_separator = fewshot_separator
+        self.delimiter = delimiter
+        self.seed = int(seed)
+
+    @classmethod
+    def from_examples(
+        cls,
+        examples: Sequence[MCExample],
+        *,
+        fractions: Sequence[float] = (0.5, 0.1, 0.4),
+        split_seed: int = 0,
+        **kwargs: Any,
+    ) -> MultipleChoiceTask:
+        """Split ``examples`` by a seeded permutation (see the module docstring).
+
+        Parameters
+        ----------
+        examples : list of MCExample
+        fractions : (train, validation, test)
+            Shares of the examples, summing to 1.
+        split_seed : int
+            Seeds ``numpy.random.default_rng`` for the permutation.
+        **kwargs
+            As for :class:`MultipleChoiceTask`.
+        """
+        f_train, f_val, _ = _check_fractions(fractions)
+        examples = list(examples)
+        n = len(examples)
+        order = np.random.default_rng(split_seed).permutation(n)
+        n_train = int(round(n * f_train))
+        n_val = min(int(round(n * f_val)), n - n_train)
+        parts = (order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :])
+        splits = {
+            s: [examples[i] for i in sorted(part.tolist())]
+            for s, part in zip(SPLITS, parts, strict=True)
+        }
+        return cls(splits, **kwargs)
+
+    @classmethod
+    def from_splits(cls, splits: dict[str, list[MCExample]], **kwargs: Any) -> MultipleChoiceTask:
+        """Keep the source's own splits."""
+        return cls(splits, **kwargs)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.splits.values())
+
+    def _split(self, split: str) -> list[MCExample]:
+        if split not in self.splits:
+            raise ValueError(
+                f"MultipleChoiceTask {self.name!r}: unknown split {split!r}; use {list(SPLITS)}."
+            )
+        return self.splits[split]
+
+    def shots(self, split: str, index: int) -> list[MCExample]:
+        """The few-shot training examples put before example ``index`` of ``split``."""
+        if not self.num_fewshot:
+            return []
+        pool = self.splits["train"]
+        candidates = [j for j in range(len(pool)) if not (split == "train" and j == index)]
+        rng = random.Random(f"{self.seed}:{split}:{index}")
+        return [pool[j] for j in rng.sample(candidates, self.num_fewshot)]
+
+    def prompt(self, split: str, index: int) -> str:
+        """Example ``index`` of ``split``'s prompt, few-shot examples first."""
+        example = self._split(split)[index]
+        parts = [s.prompt + self.delimiter + s.target for s in self.shots(split, index)]
+        return self.fewshot_separator.join([*parts, example.prompt])
+
+    def encode(
+        self,
+        tokenizer: Any,
+        split: str,
+        *,
+        batch_size: int = 8,
+        limit: int | None = None,
+        **encode_kwargs: Any,
+    ) -> list[dict[str, Tensor]]:
+        """Batches of ``split`` for :class:`~pyrobayes.models.MultipleChoice`.
+
+        Each batch is :func:`~pyrobayes.models.encode_multiple_choice` of its examples'
+        (few-shot) prompts, choices and answers, with ``ragged=True`` when their numbers of
+        choices differ (then ``choice_mask`` marks the real choices).
+
+        Parameters
+        ----------
+        tokenizer : transformers tokenizer
+        split : {"train", "validation", "test"}
+        batch_size : int
+            Questions per batch.
+        limit : int, optional
+            Use the first ``limit`` examples only.
+        **encode_kwargs
+            ``max_length``, ``padding_side``, ``position_ids`` for ``encode_multiple_choice``.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"MultipleChoiceTask.encode: batch_size must be an integer >= 1, got "
+                f"{batch_size!r}."
+            )
+        examples = self._split(split)
+        count = len(examples) if limit is None else min(int(limit), len(examples))
+        if count == 0:
+            raise ValueError(
+                f"MultipleChoiceTask {self.name!r}: split {split!r} is empty; change the split "
+                "fractions or give that split data."
+            )
+        batches = []
+        for start in range(0, count, batch_size):
+            idx = range(start, min(start + batch_size, count))
+            chunk = [examples[i] for i in idx]
+            ragged = len({len(e.choices) for e in chunk}) > 1
+            batches.append(
+                encode_multiple_choice(
+                    tokenizer,
+                    [self.prompt(split, i) for i in idx],
+                    [list(e.choices) for e in chunk],
+                    [e.answer for e in chunk],
+                    delimiter=self.delimiter,
+                    ragged=ragged,
+                    **encode_kwargs,
+                )
+            )
+        return batches
