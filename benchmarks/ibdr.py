@@ -84,12 +84,12 @@ def build(body: nn.Sequential, num_data: int, seed: int) -> pb.models.FineTuneMo
     )
 
 
-def fit(model, guide, batches, args, seed: int) -> tuple[float, int]:
-    """(seconds per step, steps)."""
+def fit(model, guide, batches, args, seed: int) -> tuple[float, dict]:
+    """(seconds per step, the fitter's final state: λ, cost and radius for IBDR)."""
     start = time.perf_counter()
     result = pb.fit(model, guide, batches, epochs=args.epochs, lr=args.lr, seed=seed)
     steps = len(result.losses)
-    return (time.perf_counter() - start) / steps, steps
+    return (time.perf_counter() - start) / steps, dict(result.state or {})
 
 
 def metrics(probs: torch.Tensor, y: torch.Tensor, ood_probs: torch.Tensor) -> dict[str, float]:
@@ -139,20 +139,23 @@ def run_seed(seed: int, args) -> dict[str, dict[str, float]]:
             out["map"] = metrics(probs, test[1], ood_probs) | {"step_ms": 1e3 * step_s}
     ens, ens_ood = torch.cat(members), torch.cat(members_ood)
     out["ensemble"] = metrics(ens, test[1], ens_ood) | {"step_ms": 1e3 * sum(map_time)}
-    for alpha in args.alphas:
+    for alpha, rho in [(a, r) for a in args.alphas for r in args.rhos]:
         pyro.clear_param_store()
         model = build(body, args.num_train, seed=100 * seed)
-        guide = pb.posterior(model, "ibdr", num_particles=k, alpha=alpha, rho=args.rho)
+        options = {} if rho is None else {"rho": rho}
+        guide = pb.posterior(model, "ibdr", num_particles=k, alpha=alpha, **options)
         if not args.jitter_init:  # particle k starts at ensemble member k's init
             with torch.no_grad():
                 for site, locs in guide.component_locs().items():
                     for member in range(k):
                         locs[member].copy_(inits[member][site])
-        step_s, _ = fit(model, guide, batches, args, seed=100 * seed)
+        step_s, state = fit(model, guide, batches, args, seed=100 * seed)
         probs, ood_probs = predict(model, guide, k)  # S = K: each particle once
         row = metrics(probs, test[1], ood_probs) | {"step_ms": 1e3 * step_s}
         row["step_vs_k_map"] = step_s / (k * statistics.mean(map_time))
-        out[f"ibdr a={alpha:g}"] = row
+        row |= {key: float(state[key]) for key in ("lam", "cost", "radius") if key in state}
+        name = f"ibdr a={alpha:g}" + ("" if rho is None else f" rho={rho:g}")
+        out[name] = row
     return out
 
 
@@ -173,7 +176,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--num-particles", type=int, default=4)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.02])
-    parser.add_argument("--rho", type=float, default=0.02)
+    parser.add_argument(
+        "--rhos",
+        type=lambda v: None if v == "default" else float(v),
+        nargs="+",
+        default=[None],
+        help="ρ values ('default': the guide's; 0: the robust step off)",
+    )
     parser.add_argument("--jitter-init", action="store_true", help="the guide's own init")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one seed")
     parser.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
@@ -183,7 +192,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results = [run_seed(seed, args) for seed in range(args.seeds)]
     methods = list(results[0])
-    keys = ["accuracy", "nll", "ece", "auroc", "disagreement", "step_ms"]
+    keys = ["accuracy", "nll", "ece", "auroc", "disagreement", "step_ms", "lam", "cost"]
     print(
         f"digits transfer (body pretrained on 0-4, LoRA r=4 + latent head, all 10 classes), "
         f"K={args.num_particles}, {args.num_train} train images, {args.epochs} epochs, "
@@ -194,7 +203,7 @@ def main() -> None:
     for m in methods:
         cells = []
         for key in keys:
-            values = [r[m][key] for r in results]
+            values = [r[m].get(key, float("nan")) for r in results]
             sd = statistics.stdev(values) if len(values) > 1 else 0.0
             cells.append(f"{statistics.mean(values):.4g} ± {sd:.2g}")
         print(f"| {m} | " + " | ".join(cells) + " |")

@@ -267,13 +267,17 @@ class IBDRGuide(ParticleGuide):
     alpha : float
         α, weight of the diversity term (default 0.02, as the released code).
     rho : float
-        ρ, the Wasserstein radius the dual variable λ targets (default 0.02).
+        ρ, the Wasserstein radius the dual variable λ targets (default 0.0025: a mean squared
+        ascent step of 0.05² per particle; 0 switches the robust step off exactly).
     lam : float
         λ₀, the initial dual variable (default 3.0).
     lam_min, lam_max : float
-        The projection interval of λ (default [0.5, 5.0]).
+        The projection interval of λ (default [0.05, 50]).
     lam_lr : float, optional
-        η_λ, the dual step size; ``None`` (default) uses the current learning rate.
+        η_λ, the dual step size; ``None`` (default) ``0.25/ρ``, so that λ reaches its fixed point
+        ``λ* = c_max / (2√(Kρ))`` in tens of steps (stable while λ* > η_λ ρ = 0.25). The
+        released code's η_λ is the learning rate: pass it explicitly (with a dataset-sum objective
+        and Adam's learning rates λ then only drifts by ``lr·ρ`` a step).
     max_grad_norm : float
         c_max, the gradient-norm clip before the ascent (default 0.2); the ascent step is then at
         most ``c_max / (2λ)`` long.
@@ -300,10 +304,10 @@ class IBDRGuide(ParticleGuide):
         init_scale: float = 1e-2,
         average: str = "probs",
         alpha: float = 0.02,
-        rho: float = 0.02,
+        rho: float = 0.0025,
         lam: float = 3.0,
-        lam_min: float = 0.5,
-        lam_max: float = 5.0,
+        lam_min: float = 0.05,
+        lam_max: float = 50.0,
         lam_lr: float | None = None,
         max_grad_norm: float = 0.2,
         cost: str = "param",

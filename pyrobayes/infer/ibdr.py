@@ -19,7 +19,9 @@ weight of the particles' likelihood: every particle's term is its own MAP object
 deep ensemble of K MAP fits (β = 1/(2K s_p²) in the paper's notation). One step
 (:class:`IBDRFitter`):
 
-1. ``g = ∇_θ L_B(θ)`` (all particles in one sample-batched forward), clipped to ``‖g‖ ≤ c_max``;
+1. ``g = ∇_θ L_B(θ)`` (all particles in one sample-batched forward; the data term only, since
+   the prior term lies outside the inner maximisation of Theorem 4.1), clipped to
+   ``‖g‖ ≤ c_max``;
 2. ascent to the worst case of the first-order inner problem, ``θ' = θ + g / (2λ)``;
 3. ``g' = ∇ L_B(θ')``; restore θ; the base optimizer steps μ with ``g'`` plus the prior's
    gradient at μ;
@@ -27,6 +29,9 @@ deep ensemble of K MAP fits (β = 1/(2K s_p²) in the paper's notation). One ste
    ``"param"`` ``(1/K) Σ_k ‖θ'_k − θ_k‖²``, or ``"function"`` (the released code)
    ``c = exp(max(0, r − ρ)/τ)·r``, ``r = mean_b ‖softmax(f̄_{θ'}(x_b)) − softmax(f̄_θ(x_b))‖``
    with ``f̄`` the particle-averaged logits and τ = 0.01.
+
+ρ = 0 is a zero Wasserstein radius, θ' = θ: the step is then exactly the plain particle step
+(one pass, the gradient of the objective at θ), and λ stays at λ₀.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ class IBDRFitter(Fitter):
 
     The guide's options set the step: ``alpha``, ``loss``, ``epsilon`` (the objective,
     :class:`IBDRLoss`), ``rho`` (ρ), ``lam`` (λ₀), ``lam_min`` / ``lam_max`` (the projection
-    interval), ``lam_lr`` (η_λ; ``None``: the current learning rate), ``max_grad_norm`` (c_max)
+    interval), ``lam_lr`` (η_λ; ``None``: ``0.25/ρ``), ``max_grad_norm`` (c_max)
     and ``cost`` (``"param"`` or ``"function"``). The base optimizer (the descent step) is any
     torch optimizer; the default is Adam, as for every pyrobayes fitter: the objective is a
     dataset sum (N/B-scaled), to which Adam is scale-invariant. The released code's SGD with
@@ -167,12 +172,16 @@ class IBDRFitter(Fitter):
             "IBDR minimises its interactive objective with a two-pass robust step (IBDRLoss)."
         )
         opts = self.options
-        self.rho = float(opts.get("rho", 0.02))
+        self.rho = float(opts.get("rho", 0.0025))
         self.lam = float(opts.get("lam", 3.0))
-        self.lam_min = float(opts.get("lam_min", 0.5))
-        self.lam_max = float(opts.get("lam_max", 5.0))
+        self.lam_min = float(opts.get("lam_min", 0.05))
+        self.lam_max = float(opts.get("lam_max", 50.0))
         lam_lr = opts.get("lam_lr")
-        self.lam_lr = None if lam_lr is None else float(lam_lr)
+        # None: η_λ = 0.25/ρ, a dual step that makes λ respond to the cost within tens of steps
+        # (the fixed point c = ρ is stable for η_λ ρ < λ*; see docs/methods/ibdr.md)
+        self.lam_lr: float | None = None if lam_lr is None else float(lam_lr)
+        if self.lam_lr is None and self.rho > 0:
+            self.lam_lr = 0.25 / self.rho
         self.max_grad_norm = float(opts.get("max_grad_norm", 0.2))
         self.cost_kind = str(opts.get("cost", "param"))
         self.cost = 0.0
@@ -226,17 +235,26 @@ class IBDRFitter(Fitter):
             for site, loc in locs.items():
                 eps = torch.randn(loc.shape, generator=self.generator, dtype=loc.dtype)
                 noise[site] = eps.to(loc.device)
-        # pass 1: g at θ = μ + σε
+        # pass 1: g = ∇L_B at θ = μ + σε (the data term only: the prior is outside the inner max)
         optim.zero_grad(set_to_none=True)
         data, probs = self._data_term(self._values(locs, noise), batch)
-        loss = data + IBDRLoss.prior_term(model, locs)
-        mean = loss.detach().clone()
+        prior = IBDRLoss.prior_term(model, locs)
+        mean = (data + prior).detach().clone()
         if distributed:
             all_reduce_mean_([mean])
         value = float(mean)
         if not math.isfinite(value):
             return value
-        loss.backward()
+        if self.rho == 0.0:  # a zero radius: θ' = θ, the plain (non-robust) particle step
+            (data + prior).backward()
+            if distributed:
+                all_reduce_grads_(params)
+            self._check_grads()
+            optim.step()
+            self.cost = 0.0
+            self.radius = 0.0
+            return value
+        data.backward()
         if distributed:
             all_reduce_grads_(params)
         self._check_grads()

@@ -165,6 +165,59 @@ def test_particles_without_interaction_or_robustness_are_a_deep_ensemble_step_fo
                 torch.testing.assert_close(guide.loc(site)[k], g.loc(site), rtol=1e-6, atol=1e-6)
 
 
+def test_zero_radius_is_exactly_the_plain_particle_step():
+    """ρ = 0 (a zero Wasserstein radius, θ' = θ) at the other defaults (λ₀ = 3, c_max = 0.2):
+    with α = 0 each particle then moves exactly as its MAP fit (the deep-ensemble reduction
+    above, without needing λ → ∞), 1e-6 at every step; λ stays at λ₀ and the radius is 0."""
+    pyro.clear_param_store()
+    members = [_latent_mlp(seed) for seed in (0, 1)]
+    map_guides = [pb.posterior(m, "map") for m, _ in members]
+    map_fitters = [
+        pb.infer.make_fitter(m, g, optimizer=_sgd)
+        for (m, _), g in zip(members, map_guides, strict=True)
+    ]
+    model, data = _latent_mlp(0)
+    guide = pb.posterior(model, "ibdr", num_particles=2, alpha=0.0, rho=0.0)
+    with torch.no_grad():
+        for site, locs in guide.component_locs().items():
+            for k, (m, _) in enumerate(members):
+                locs[k].copy_(m.site_value(site))
+    fitter = pb.infer.make_fitter(
+        model, guide, optimizer=lambda p: torch.optim.SGD(p, lr=2e-3, momentum=0.9)
+    )
+    for step, batch in enumerate(itertools.islice(itertools.cycle(data), 40)):
+        expected = sum(f.step(batch) for f in map_fitters) / 2
+        got = fitter.step(batch)
+        assert abs(got - expected) <= 1e-6 * max(1.0, abs(expected)), step
+        for k, g in enumerate(map_guides):
+            for site in guide.sites:
+                torch.testing.assert_close(guide.loc(site)[k], g.loc(site), rtol=1e-6, atol=1e-6)
+    assert fitter.lam == 3.0 and fitter.radius == 0.0 and fitter.cost == 0.0
+
+
+def test_the_ascent_follows_the_data_gradient_without_the_prior():
+    """Theorem 4.1 (Pham et al., 2025): the inner maximisation is over the data term L_B only;
+    the prior (K·KL(Q‖P)) lies outside it. With the clip off (c_max = 1e9) the first step's
+    radius is ‖∇L_B(θ)‖ / (2λ₀), computed here from the data term alone; a tight prior
+    (prior_scale = 0.05, its gradient ‖μ‖/s_p² is then comparable to the data's) would change
+    it if it entered the ascent."""
+    pyro.clear_param_store()
+    model, data = _latent_mlp(0)
+    model.prior_scale = 0.05
+    guide = pb.posterior(model, "ibdr", num_particles=2, alpha=0.0, max_grad_norm=1e9)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-3)
+    locs = guide.component_locs()
+    value, _ = IBDRLoss(alpha=0.0).data_term(model, locs, data[0])
+    grads = torch.autograd.grad(value, list(locs.values()))
+    data_norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    prior = IBDRLoss.prior_term(model, locs)
+    prior_grads = torch.autograd.grad(prior, list(locs.values()))
+    prior_norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in prior_grads])))
+    assert prior_norm > 0.05 * data_norm  # the prior would visibly move the radius
+    fitter.step(data[0])
+    assert fitter.radius == pytest.approx(data_norm / (2 * 3.0), rel=1e-5)
+
+
 def _looped_data_term(loss: IBDRLoss, model, values, batch) -> torch.Tensor:
     """The same objective from K separate forwards (the reference)."""
     inputs, targets = pb.batch.split_batch(batch, model.label_key)
@@ -286,6 +339,40 @@ def test_dual_controller_tracks_the_radius_on_a_quadratic_problem():
     assert 0.5 * rho <= running <= 2 * rho, running
 
 
+def _lambda_trajectory(steps: int, **options):
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    model, data = _latent_mlp(0)
+    guide = pb.posterior(model, "ibdr", num_particles=4, alpha=0.0, **options)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-2)
+    lams, costs = [fitter.lam], []
+    for batch in itertools.islice(itertools.cycle(data), steps):
+        fitter.step(batch)
+        lams.append(fitter.lam)
+        costs.append(fitter.cost)
+    return fitter, lams, costs
+
+
+def test_the_dual_variable_engages_at_the_defaults():
+    """Issue: at the former defaults (ρ = 0.02, η_λ = lr, λ ∈ [0.5, 5]) λ only drifted,
+    λ_t = λ₀ − lr·ρ·t, with c ≪ ρ. At the defaults (ρ = 0.0025, η_λ = 0.25/ρ = 100, c_max = 0.2,
+    λ ∈ [0.05, 50]) the clip binds (dataset-sum gradients ≫ 0.2), so c = c_max²/(4Kλ²) and the
+    dual step's fixed point is λ* = c_max/(2√(Kρ)) = 0.2/(2·0.1) = 1 (K = 4); it is stable since
+    the linearised map λ − λ* ↦ (1 − 2η_λρ/λ*)(λ − λ*) contracts by |1 − 0.5| = 0.5 a step. So
+    after 60 steps λ sits at λ* within 1e-3 (0.5^40 · 2 ≪ 1e-3 after a ≤ 20-step approach),
+    the running cost is ρ, and doubling c_max doubles λ*: λ's trajectory follows the cost, not
+    the drift λ₀ − η_λ ρ t (which would end at 3 − 100·0.0025·60 < λ_min)."""
+    fitter, lams, costs = _lambda_trajectory(60)
+    assert fitter.rho == 0.0025 and fitter.lam_lr == pytest.approx(100.0)
+    assert lams[-1] == pytest.approx(1.0, abs=1e-3)
+    assert sum(costs[-20:]) / 20 == pytest.approx(0.0025, rel=1e-3)
+    assert fitter.radius == pytest.approx(math.sqrt(4 * 0.0025), rel=1e-3)
+    _, lams_wide, _ = _lambda_trajectory(60, max_grad_norm=0.4)
+    assert lams_wide[-1] == pytest.approx(2.0, abs=2e-3)
+    drift = [3.0 - 100.0 * 0.0025 * t for t in range(61)]
+    assert max(abs(a - b) for a, b in zip(lams, drift, strict=True)) > 1.0
+
+
 # ------------------------------------------------------------------------------------------------
 # fitted runs on digits: Jensen, disagreement and diversity
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +480,7 @@ def test_fit_reports_lambda_cost_and_radius():
     result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=0, progress=True)
     state = result.state
     assert {"lam", "cost", "radius"} <= set(state)
-    assert 0.5 <= state["lam"] <= 5.0 and state["cost"] >= 0 and state["radius"] > 0
+    assert 0.05 <= state["lam"] <= 50.0 and state["cost"] >= 0 and state["radius"] > 0
     assert torch.isfinite(result.losses).all()
 
 
@@ -414,7 +501,7 @@ def test_bad_requests_are_refused_by_name():
     for bad, word in [
         ({"cost": "wasserstein"}, "cost"),
         ({"loss": "sum"}, "loss"),
-        ({"lam": 9.0}, "lam_min <= lam <= lam_max"),
+        ({"lam": 90.0}, "lam_min <= lam <= lam_max"),
         ({"alpha": -1.0}, "alpha"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
     ]:
