@@ -106,3 +106,14 @@ def test_a_wrong_log_prob_fails_the_kit_by_name(broken):
 def test_unknown_checks_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown checks \\['speed'\\]"):
         check_family(MeanFieldGuide, checks=("speed",))
+
+
+def test_a_factory_and_the_fits_optimizer_settings():
+    # a factory model -> guide is a family too; the fit's optimizer settings reach every fit of
+    # the kit and the resumed fitter's checkpoint (which refuses other settings)
+    report = check_family(
+        lambda model: pb.posterior(model, "ivon", hess_init=0.5),
+        optimizer=pb.infer.IVON(beta2=0.999, clip_radius=0.1),
+        checks=("setup", "fit", "resume"),
+    )
+    assert report.passed and list(report.results) == ["setup", "fit", "resume"], str(report)
