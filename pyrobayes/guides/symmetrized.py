@@ -25,6 +25,7 @@ predicts, reports ``log_prob`` and saves as its base ``q``; only the objective c
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -40,7 +41,10 @@ from ..registry import get_guide_class
 from .base import PosteriorGuide
 from .meanfield import MeanFieldGuide
 
-__all__ = ["SymmetrizedGuide"]
+__all__ = ["SymmetrizedGuide", "INERT_LOG_RATIO"]
+
+#: log(1e-8): a permuted copy of q below this log density ratio at θ₀ carries no usable gradient.
+INERT_LOG_RATIO = math.log(1e-8)
 
 
 class SymmetrizedGuide(PosteriorGuide):
@@ -260,15 +264,24 @@ class SymmetrizedGuide(PosteriorGuide):
             The K group elements (per layer ``(K, n_l)``) instead of the identity and K − 1
             uniform draws.
         generator : torch.Generator, optional
-            Source of the uniform draws.
+            Source of the uniform draws. Default: a generator seeded from a hash of the global
+            RNG state, which it does not advance, so the symmetrized objective consumes exactly
+            the base ELBO's random numbers: with ``I_K`` saturated (zero gradient) the fit is the
+            base's fit bit for bit, and a resumed fit (the global state is checkpointed) draws
+            the same permutations.
         """
         device = next(iter(values.values())).device
         if perms is None:
             num = self.num_permutations if num_permutations is None else int(num_permutations)
             if num == 1:
+                self.__dict__["last_saturation"] = (False, 0.0)
                 first = values[next(iter(self.sites))]
                 return first.new_zeros(first.shape[0])
-            drawn = self.spec.sample(num - 1, device=device, generator=generator)
+            if generator is None:  # a stream of its own: the base's draws stay q's (see below)
+                drawn = self.spec.sample(num - 1, generator=_side_generator(device))
+                drawn = [d.to(device) for d in drawn]
+            else:
+                drawn = self.spec.sample(num - 1, device=device, generator=generator)
             perms = [
                 torch.cat([i, d]) for i, d in zip(self.spec.identity(device), drawn, strict=True)
             ]
@@ -279,18 +292,48 @@ class SymmetrizedGuide(PosteriorGuide):
             with torch.no_grad():
                 lq = self._relative_log_prob(values, perms)
             diff = lq - lq[:, :1]
-            if not bool((diff[:, 1:] - diff.max(dim=1, keepdim=True).values).exp().any()):
+            if self._note_saturation(diff):
                 first = values[next(iter(self.sites))]
                 anchor = first.reshape(first.shape[0], -1)[:, 0] * 0.0  # in the graph, grad 0
                 return _infonce(diff, num) + anchor
-        lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
-        return _infonce(lq - lq[:, :1], num)
+            lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
+            return _infonce(lq - lq[:, :1], num)
+        lq = self._relative_log_prob(values, perms)
+        diff = lq - lq[:, :1]
+        self._note_saturation(diff)
+        return _infonce(diff, num)
+
+    def _note_saturation(self, diff: Tensor) -> bool:
+        """Record whether ``I_K`` is saturated at these log-ratios ``(S, K)``: every permuted
+        copy's weight ``exp(diff_k − max)`` underflows to 0 but θ₀'s, so ``I_K = log K`` with a
+        zero gradient (the return value). :attr:`last_saturation` holds ``(inert, max_k≥2
+        diff_k)``, inert when the nearest permuted copy's log density ratio at the draws is below
+        :data:`INERT_LOG_RATIO` (``I_K`` then within ``(K − 1)·1e-8`` of log K, its gradient as
+        small)."""
+        detached = diff.detach()
+        others = detached[:, 1:]
+        underflow = not bool((others - detached.max(dim=1, keepdim=True).values).exp().any())
+        nearest = float(others.max()) if others.numel() else 0.0
+        # inert: every copy weighs < e^-18.4 = 1e-8 against θ₀, so log K − I_K and I_K's
+        # gradient are below (K − 1)·1e-8 relative to the data term's
+        self.__dict__["last_saturation"] = (underflow or nearest < INERT_LOG_RATIO, nearest)
+        return underflow
 
     def symmetrized_log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
         r"""``log q_G(θ_s) = logsumexp_g log q(g·θ_s) − log|G|`` by enumerating G (tiny groups)."""
         device = next(iter(values.values())).device
         lq = self.permuted_log_prob(values, self.spec.enumerate(device))
         return torch.logsumexp(lq, dim=1) - self.spec.log_order
+
+
+def _side_generator(device: torch.device) -> torch.Generator:
+    """A CPU generator seeded from a hash of the global RNG state (CPU, and ``device``'s when it
+    is a CUDA device), without advancing it: a deterministic stream beside the global one."""
+    digest = hashlib.blake2b(torch.random.get_rng_state().numpy().tobytes(), digest_size=8)
+    if device.type == "cuda":
+        digest.update(torch.cuda.get_rng_state(device).numpy().tobytes())
+    seed = int.from_bytes(digest.digest(), "little") >> 1
+    return torch.Generator().manual_seed(seed)
 
 
 def _infonce(diff: Tensor, num: int) -> Tensor:

@@ -23,15 +23,51 @@ Two forms, the same value on the same draws (tested):
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import pyro
+import torch
 from torch import Tensor
 
 from ..contract import AnalyticKL, Symmetrized, implements
 from .objectives import ELBO, register_objective, scaled_log_likelihood
 
-__all__ = ["SymmetrizedELBO", "BatchedSymmetrizedELBO"]
+__all__ = ["SymmetrizedELBO", "BatchedSymmetrizedELBO", "SaturationWatch", "SATURATION_PATIENCE"]
+
+
+#: Consecutive saturated training evaluations after which the fit warns that I_K is inert.
+SATURATION_PATIENCE = 50
+
+
+class SaturationWatch:
+    """Warns once when ``I_K`` sat at ``log K`` (zero gradient) for ``patience`` consecutive
+    training evaluations: the symmetrized objective is then the base's ELBO exactly."""
+
+    def __init__(self, patience: int = SATURATION_PATIENCE) -> None:
+        self.patience = int(patience)
+        self.count = 0
+        self.warned = False
+
+    def update(self, guide: Any, num_permutations: int) -> None:
+        saturated, nearest = getattr(guide, "last_saturation", (False, 0.0))
+        self.count = self.count + 1 if saturated else 0
+        if self.warned or self.count < self.patience:
+            return
+        self.warned = True
+        warnings.warn(
+            f"I_K saturated at log K = {math.log(num_permutations):.3g} for {self.count} "
+            "consecutive steps: the permutation bonus is inert on this model because the "
+            "permuted copies of q do not overlap (the nearest copy's log density ratio at a "
+            f"draw is {nearest:.3g}: the units' weights differ by many posterior standard "
+            "deviations), so I_K's gradient is 0 (below 1e-8 of a term's) and the fit is the base's ELBO. Expected "
+            "on pretrained or trained networks whose hidden units / LoRA rank components are "
+            "distinct; the bonus acts only while q is as wide as the distance between units. "
+            "See docs/methods/symmetrized.md.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _check_guide(guide: Any, owner: str) -> None:
@@ -68,6 +104,7 @@ class BatchedSymmetrizedELBO(ELBO):
             raise ValueError(f"Expected num_permutations >= 1 but got {num_permutations}.")
         self.num_permutations = None if num_permutations is None else int(num_permutations)
         self._terms: dict[str, Tensor] = {}
+        self.saturation = SaturationWatch()
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
         _check_guide(guide, type(self).__name__)
@@ -82,6 +119,9 @@ class BatchedSymmetrizedELBO(ELBO):
             kl = (guide.log_prob(values) - model.log_prior(values)).mean()
         nll = -scaled_log_likelihood(model, values, batch)
         info = guide.infonce(values, self.num_permutations).mean()
+        if torch.is_grad_enabled():  # a training evaluation
+            num = self.num_permutations or guide.num_permutations
+            self.saturation.update(guide, num)
         negative_elbo = nll + kl
         loss = negative_elbo - info
         self._terms = {
@@ -122,6 +162,7 @@ class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
         super().__init__(**kwargs)
         self.num_permutations = None if num_permutations is None else int(num_permutations)
         self._guide: Any = None
+        self.saturation = SaturationWatch()
 
     def batched_objective(self) -> BatchedSymmetrizedELBO:
         """The same objective on pyrobayes' batched path (what :func:`pyrobayes.fit` runs)."""
@@ -148,6 +189,8 @@ class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
         guide = self._guide
         values = {s: guide_trace.nodes[s]["value"].unsqueeze(0) for s in guide.sites}
         info = guide.infonce(values, self.num_permutations).sum()
+        if torch.is_grad_enabled():
+            self.saturation.update(guide, self.num_permutations or guide.num_permutations)
         return loss - float(info.detach()), surrogate - info
 
 

@@ -119,3 +119,97 @@ def test_a_plain_guide_is_refused_by_name():
         BatchedSymmetrizedELBO().loss(model, guide, batch)
     with pytest.raises(TypeError, match="symmetrized guide"):
         SymmetrizedELBO().differentiable_loss(model, guide, batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# I_K saturated at log K: the fit says the bonus is inert (issue 27)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_saturated_i_k_warns_once_with_the_reason():
+    """q narrow (σ = 1e-3) around distinct units (locs ~ N(0, 0.5²)): every permuted copy of q is
+    thousands of σ away, exp(log q(h·θ) − log q(θ)) underflows to 0, I_K = log K with a zero
+    gradient at every step, so after SATURATION_PATIENCE consecutive steps the fit warns, once."""
+    from pyrobayes.infer.symmetrized import SATURATION_PATIENCE
+
+    model, batch = _problem()
+    pyro.clear_param_store()
+    guide = pb.posterior(model, "symmetrized", init_scale=1e-3, num_permutations=8)
+    with torch.no_grad():
+        for site in guide.sites:
+            guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    steps = SATURATION_PATIENCE + 20
+    with pytest.warns(
+        RuntimeWarning, match="I_K saturated at log K.*inert on this model because"
+    ) as record:
+        result = pb.fit(model, guide, [batch], num_steps=steps, lr=1e-3, seed=0, progress=False)
+    assert sum("I_K saturated" in str(w.message) for w in record) == 1
+    i_k = result.state["terms"]["I_K"]
+    assert torch.allclose(i_k, torch.full_like(i_k, torch.log(torch.tensor(8.0)).item()))
+
+
+def test_an_engaged_i_k_does_not_warn():
+    """q wide against the distances between units (σ = 0.5, locs ~ N(0, 0.1²)): the permuted
+    copies overlap, I_K averages well below log K (one draw may near it) and carries gradient, so no
+    warning (pytest turns one into an error) over more than SATURATION_PATIENCE steps."""
+    from pyrobayes.infer.symmetrized import SATURATION_PATIENCE
+
+    model, batch = _problem()
+    pyro.clear_param_store()
+    guide = pb.posterior(model, "symmetrized", init_scale=0.5, num_permutations=8)
+    with torch.no_grad():
+        for site in guide.sites:
+            guide.base.loc_param(site).normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+    result = pb.fit(
+        model, guide, [batch], num_steps=SATURATION_PATIENCE + 10, lr=1e-3, seed=0, progress=False
+    )
+    i_k = result.state["terms"]["I_K"]
+    assert float(i_k.mean()) < torch.log(torch.tensor(8.0)).item() - 0.5
+    assert not guide.last_saturation[0]
+
+
+def test_a_near_saturated_i_k_counts_as_inert():
+    """σ = 0.1 around locs ~ N(0, 0.5²): the nearest permuted copy is e^-300 to e^-900 as likely
+    at θ₀ (measured over 60 steps), so on many steps no weight underflows in float64 (the limit
+    is about e^-745) but every one is below INERT_LOG_RATIO = log 1e-8: I_K equals log K to
+    1e-8 and the fit warns as for an exact saturation."""
+    from pyrobayes.guides.symmetrized import INERT_LOG_RATIO
+    from pyrobayes.infer.symmetrized import SATURATION_PATIENCE
+
+    model, batch = _problem()
+    pyro.clear_param_store()
+    guide = pb.posterior(model, "symmetrized", init_scale=0.1, num_permutations=8)
+    with torch.no_grad():
+        for site in guide.sites:
+            guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    with pytest.warns(RuntimeWarning, match="I_K saturated at log K"):
+        pb.fit(model, guide, [batch], num_steps=SATURATION_PATIENCE, lr=1e-3, seed=0)
+    inert, nearest = guide.last_saturation
+    assert inert and nearest < INERT_LOG_RATIO
+
+
+def test_an_inert_i_k_fits_exactly_as_the_base():
+    """With every permuted copy's weight underflowing (σ = 1e-3 around units ~ N(0, 0.5²)),
+    I_K's gradient is exactly 0; the permutations come from a side stream that does not advance
+    the global RNG, so the symmetrized fit draws the same θ₀ as the mean-field fit and ends at
+    the same q bit for bit: never worse than its base on the same adapter and budget."""
+    from pyrobayes.infer.symmetrized import SATURATION_PATIENCE
+
+    fitted = {}
+    for family in ("meanfield", "symmetrized"):
+        model, batch = _problem()
+        pyro.clear_param_store()
+        guide = pb.posterior(model, family, init_scale=1e-3)
+        base = guide.base if family == "symmetrized" else guide
+        with torch.no_grad():
+            for site in guide.sites:
+                gen = torch.Generator().manual_seed(2)
+                base.loc_param(site).normal_(0.0, 0.5, generator=gen)
+        steps = SATURATION_PATIENCE - 1  # below the patience: no warning here
+        pb.fit(model, guide, [batch], num_steps=steps, lr=1e-2, seed=0, progress=False)
+        fitted[family] = {k: v.clone() for k, v in base.state_dict().items()}
+        if family == "symmetrized":
+            assert guide.last_saturation[0]
+    assert fitted["meanfield"].keys() == fitted["symmetrized"].keys()
+    for key, value in fitted["meanfield"].items():
+        assert torch.equal(value, fitted["symmetrized"][key]), key
