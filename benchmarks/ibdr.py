@@ -191,6 +191,8 @@ def main() -> None:
         args.seeds, args.num_train, args.epochs, args.pretrain_epochs = 1, 200, 1, 1
     torch.set_num_threads(1)
     results = [run_seed(seed, args) for seed in range(args.seeds)]
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": None}, "results": results}))
     methods = list(results[0])
     keys = ["accuracy", "nll", "ece", "auroc", "disagreement", "step_ms", "lam", "cost"]
     print(
@@ -203,7 +205,10 @@ def main() -> None:
     for m in methods:
         cells = []
         for key in keys:
-            values = [r[m].get(key, float("nan")) for r in results]
+            values = [r[m][key] for r in results if key in r[m]]
+            if not values:
+                cells.append("–")
+                continue
             sd = statistics.stdev(values) if len(values) > 1 else 0.0
             cells.append(f"{statistics.mean(values):.4g} ± {sd:.2g}")
         print(f"| {m} | " + " | ".join(cells) + " |")
@@ -218,8 +223,6 @@ def main() -> None:
                 for key in ("accuracy", "nll", "ece", "auroc")
             )
             print(f"  {m} − {other} (paired, mean ± se): {diffs}")
-    if args.out is not None:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": None}, "results": results}))
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ class MeanFieldGuide(SitewiseKL):
             return self.rsample(num_samples), kl
         self.require_setup()
         draws, kl = self._closed_form(model, num_samples)
-        assert draws is not None
+        if draws is None:  # pragma: no cover - _closed_form draws whenever num_samples is given
+            raise RuntimeError(f"{type(self).__name__}: no draws were made; please report.")
         return draws, kl
 
     def _closed_form(
@@ -158,7 +159,11 @@ class MeanFieldGuide(SitewiseKL):
             kl = quad * (0.5 / prior_scale**2) - scale.log().sum()
             const += loc.numel() * (math.log(prior_scale) - 0.5)
             total = kl if total is None else total + kl
-        assert total is not None
+        if total is None:
+            raise ValueError(
+                f"{type(self).__name__}: the model has no latent sites, so KL(q||p) is empty; "
+                "build FineTuneModel with an adapter or latent_modules."
+            )
         return draws, total + const
 
 

@@ -201,7 +201,8 @@ class SymmetrizedGuide(PosteriorGuide):
                 lp = lp.flatten(2).sum(-1) if lp.dim() > 2 else lp
                 lp = lp.expand(v.shape[0], num)
                 total = lp if total is None else total + lp
-            assert total is not None
+            if total is None:
+                raise ValueError(f"{type(self).__name__}: the model has no latent sites.")
             return total
         moved = self.spec.act(values, perms)  # (S, K, *shape)
         num_draws = next(iter(moved.values())).shape[0]
@@ -227,7 +228,10 @@ class SymmetrizedGuide(PosteriorGuide):
             inv_k = self.spec.act_on_params(inv_scale, site, inverse)
             sq = ((v - loc_k) * inv_k).square().flatten(2).sum(-1)  # (S, K)
             total = sq if total is None else total + sq
-        assert total is not None
+        if total is None:
+            raise ValueError(
+                f"{type(self).__name__}: no latent site is permuted by the model's symmetry."
+            )
         return -0.5 * total
 
     def _permuted_sites(self) -> list[str]:
