@@ -1212,3 +1212,44 @@ def test_signorm_merge_and_nan_predict_under_python_O():
     gap, moved = (float(v) for v in lines[0].split()[1::2])
     assert moved > 0.1 and gap < 1e-5, done.stdout  # a member away from γ_0, merged exactly
     assert lines[1:4] == ["ibdr refused", "signorm refused", "symmetrized refused"], done.stdout
+
+
+# ================================================================================================
+# issue 30, IBDR (engineer: ibdr/symmetrized/meanfield): rho=0 is the plain step; rho < 0 refused
+# ================================================================================================
+
+
+class TestIBDRZeroRadius:
+    @staticmethod
+    def _problem() -> tuple[FineTuneModel, list[Any]]:
+        torch.manual_seed(0)
+        model = FineTuneModel(
+            mlp(5, 12, 6), None, latent_modules=["0", "2"], trainable_modules=[], num_data=48
+        )
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(48, 5, generator=g), torch.randint(0, 6, (48,), generator=g)
+        return model, [(x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16)]
+
+    def test_rho_zero_stays_on_the_map_path(self) -> None:
+        """The reported case: K = 1, α = 0, no jitter, rho=0 ended 0.06 off MAP after 40 Adam
+        steps (the robust ascent still ran). Now it is the MAP step: 1e-6 after 40 steps."""
+        pyro.clear_param_store()
+        model_a, data = self._problem()
+        map_guide = pb.posterior(model_a, "map")
+        map_fitter = make_fitter(model_a, map_guide, lr=1e-2)
+        model_b, _ = self._problem()
+        guide = pb.posterior(model_b, "ibdr", num_particles=1, alpha=0.0, init_scale=0.0, rho=0.0)
+        fitter = make_fitter(model_b, guide, lr=1e-2)
+        for step in range(40):
+            map_fitter.step(data[step % 3])
+            fitter.step(data[step % 3])
+        for site in guide.sites:
+            torch.testing.assert_close(
+                guide.loc(site)[0], map_guide.loc(site), rtol=1e-6, atol=1e-6
+            )
+        assert fitter.radius == 0.0 and fitter.lam == 3.0
+
+    def test_negative_rho_is_refused_by_name(self) -> None:
+        model, _ = self._problem()
+        with pytest.raises(ValueError, match="rho"):
+            pb.posterior(model, "ibdr", rho=-0.01)
