@@ -131,6 +131,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         training = user.setdefault("training", {})
         if isinstance(training, dict):  # otherwise resolve_config names the wrong type
             training["device"] = args.device
+    if "causal_lm" in user:  # the causal-LM multiple-choice job (pyrobayes.demo.causal_lm)
+        return _fit_causal_lm(args, path, user)
     try:
         config = resolve_config(user, quick=args.quick)
     except ConfigError as err:
@@ -142,15 +144,43 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_causal_lm(args: argparse.Namespace, path: Path, user: dict[str, Any]) -> int:
+    from .demo import causal_lm
+
+    try:
+        config = causal_lm.resolve_config(user, quick=args.quick)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    out = _out_dir(args.out, path.stem)
+    _claim_out(out, args.overwrite)
+    records = causal_lm.run(config, out, progress_bar=not args.no_progress)
+    print(causal_lm.format_table(records))
+    print(f"run folder: {out}")
+    return 0
+
+
+def _is_causal_lm_run(run_dir: Path) -> bool:
+    config = run_dir / "config.json"
+    return config.is_file() and "causal_lm" in read_json(config)
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     metrics_path = run_dir / "metrics.json"
     if run_dir.is_dir() and not metrics_path.exists():  # before the (slow) recomputation
         raise RunFolderError(f"{run_dir} has no metrics.json to compare the metrics with.")
-    records = evaluate(run_dir, device=args.device)
-    _print_records(records, None)
-    saved = read_json(metrics_path)
-    drifts = compare_metrics(saved, records, tolerance=args.tolerance)
+    if _is_causal_lm_run(run_dir):
+        from .demo import causal_lm
+
+        records = causal_lm.evaluate(run_dir, device=args.device)
+        print(causal_lm.format_table(records))
+        saved = read_json(metrics_path)
+        drifts = causal_lm.compare(saved, records, tolerance=args.tolerance)
+    else:
+        records = evaluate(run_dir, device=args.device)
+        _print_records(records, None)
+        saved = read_json(metrics_path)
+        drifts = compare_metrics(saved, records, tolerance=args.tolerance)
     if drifts:
         print(
             f"drift: {len(drifts)} metric(s) differ from {metrics_path} "

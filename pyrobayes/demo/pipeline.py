@@ -974,3 +974,17 @@ def compare_metrics(
                     f"{tolerance:g}·max(1, |saved|))"
                 )
     return drifts
+
+
+# The run's pieces that the causal-LM job (pyrobayes.demo.causal_lm) shares, under public names:
+# merging config sections, the nearest-key hint, pb.fit's option groups from [training] and a
+# family's settings, a fitted run and its metrics record, the reliability diagram, the ArviZ
+# export and the comparison plot.
+merge_config = _merge
+did_you_mean = _did_you_mean
+fit_options = _fit_options
+FittedRun = _Fitted
+fit_record = _record
+reliability_plot = _plots
+export_posterior = _export
+comparison_plot = _comparison_plot

@@ -257,9 +257,7 @@ def continuation_scores(
     return total
 
 
-def _as_choice_lists(
-    prompts: Sequence[str], choices: Any, ragged: bool = False
-) -> list[list[str]]:
+def _as_choice_lists(prompts: Sequence[str], choices: Any, ragged: bool = False) -> list[list[str]]:
     if isinstance(choices, str):
         raise TypeError(
             f"encode_multiple_choice: choices is one string ({choices!r}), which would be read "
@@ -492,9 +490,9 @@ def encode_multiple_choice(
                     f"indexes past its {sizes[b]} choices; answers index each prompt's own list."
                 )
     if ragged:
-        out["choice_mask"] = (
-            torch.arange(k_choices)[None, :] < torch.tensor(sizes)[:, None]
-        ).to(torch.long)
+        out["choice_mask"] = (torch.arange(k_choices)[None, :] < torch.tensor(sizes)[:, None]).to(
+            torch.long
+        )
     return out
 
 

@@ -1,0 +1,618 @@
+r"""The causal-LM multiple-choice job: the Laplace-LoRA / BLoB table for one model and one task.
+
+Laplace-LoRA (Yang et al. 2024, "Bayesian low-rank adaptation for large language models") and BLoB
+(Wang et al. 2024, "BLoB: Bayesian low-rank adaptation by backpropagation for large language
+models") fine-tune LoRA on a causal LM for multiple-choice tasks and report accuracy, ECE and NLL
+per method. This job does the same for every configured posterior family, over several seeds,
+with a zero-shot row (the base network, no adapter) first. A config (TOML, read by
+``pyrobayes fit``) holds a ``[causal_lm]`` section (that section marks it as this job) and::
+
+    [causal_lm]            model (a folder, a hub id in the local cache, or "tiny-llama": a
+                           config-built two-layer LLaMA with a byte-level tokenizer), gguf_file,
+                           dtype, normalize, max_length, padding_side
+    [causal_lm.task]       path, format ("bigbench", "json" or "hf"), adapter and config (hf),
+                           template and field names (json), fractions, split_seed, num_fewshot,
+                           batch_size, num_train / num_val / num_test (0: all of the split)
+    [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules
+    families, seeds        the families (as the demo's FAMILY_SETTINGS run them) and seeds
+    [training] [predict] [export]   as in the demo
+
+and writes::
+
+    <run>/config.json      the resolved config
+    <run>/metrics.json     one record per (family, seed), the zero-shot row first
+    <run>/table.md         mean ± sample standard deviation over the seeds per family
+    <run>/guides/<family>-seed<seed>.safetensors
+    <run>/posterior.nc     ArviZ export of the first Bayesian family
+    <run>/plots/reliability_<family>-seed<seed>.png, compare.png
+
+The splits come from ``task.split_seed`` alone, so every seed sees the same test questions; a
+seed sets the adapter's initialisation and the fit's randomness. ``--quick`` swaps in the tiny
+LLaMA and at most 16 questions per split (the tests run it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import metrics as pbmetrics
+from ..api import posterior
+from ..infer.loop import fit
+from ..infer.options import Progress
+from ..io import load, save
+from ..models import FineTuneModel, MultipleChoice
+from ..models.accounting import count_parameters
+from ..models.adapters import adapter_from_dict
+from ..predictive import Prediction, predict
+from ..tasks import (
+    DEFAULT_TEMPLATE,
+    MultipleChoiceTask,
+    read_bigbench,
+    read_hf_dataset,
+    read_json_examples,
+)
+from .pipeline import (
+    FAMILY_SETTINGS,
+    ConfigError,
+    FittedRun,
+    RunFolderError,
+    check_families,
+    compare_metrics,
+    comparison_plot,
+    did_you_mean,
+    export_posterior,
+    fit_options,
+    fit_record,
+    merge_config,
+    read_json,
+    reliability_plot,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "QUICK_OVERRIDES",
+    "is_causal_lm_config",
+    "resolve_config",
+    "run",
+    "evaluate",
+    "compare",
+    "format_table",
+    "TINY_LLAMA",
+]
+
+#: ``causal_lm.model`` naming the config-built tiny LLaMA (tests, ``--quick``).
+TINY_LLAMA = "tiny-llama"
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "causal_lm": {
+        "model": TINY_LLAMA,
+        "gguf_file": "",
+        "dtype": "float32",
+        # per-token mean log-likelihood: the default "none" (summed) starts training badly
+        # over-confident on multi-token answers (issue 28: zero-shot NLL 5.4 on SmolLM2)
+        "normalize": "length",
+        "max_length": 256,
+        "padding_side": "left",
+        "task": {
+            "path": "",
+            "format": "bigbench",
+            "adapter": "",
+            "config": "",
+            "template": DEFAULT_TEMPLATE,
+            "question_key": "question",
+            "choices_key": "choices",
+            "answer_key": "answer",
+            "fractions": [0.5, 0.1, 0.4],
+            "split_seed": 0,
+            "num_fewshot": 0,
+            "batch_size": 4,
+            "num_train": 0,
+            "num_val": 0,
+            "num_test": 0,
+        },
+    },
+    "adapter": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
+    "prior_scale": 1.0,
+    "families": ["map", "laplace"],
+    "seeds": [0],
+    "training": {"epochs": 3, "patience": 1, "lr": 1e-3, "seed": 0, "device": "cpu"},
+    "predict": {"num_samples": 8},
+    "export": {"num_samples": 20, "num_batches": 1},
+}
+
+#: ``--quick``: the tiny LLaMA and at most 16 questions per split.
+QUICK_OVERRIDES: dict[str, Any] = {
+    "causal_lm": {
+        "model": TINY_LLAMA,
+        "gguf_file": "",
+        "max_length": 128,
+        "task": {"num_train": 16, "num_val": 8, "num_test": 16},
+    },
+    "training": {"epochs": 1},
+    "predict": {"num_samples": 2},
+    "export": {"num_samples": 4, "num_batches": 1},
+}
+
+_CHOICES = {
+    "causal_lm.dtype": ("float32", "float64", "bfloat16", "float16"),
+    "causal_lm.normalize": ("none", "length", "chars"),
+    "causal_lm.padding_side": ("left", "right"),
+    "causal_lm.task.format": ("bigbench", "json", "hf"),
+    "adapter.kind": ("lora", "lora_xs"),
+}
+_OPTIONAL = {"adapter.projection", "adapter.init_scale", "training.scheduler", "training.warmup"}
+_MINIMA = {
+    "causal_lm.max_length": 2,
+    "causal_lm.task.batch_size": 1,
+    "predict.num_samples": 1,
+    "export.num_samples": 1,
+    "adapter.rank": 1,
+}
+
+
+def is_causal_lm_config(config: Any) -> bool:
+    """Whether a (user or saved) config is this job's: it holds a ``[causal_lm]`` section."""
+    return isinstance(config, dict) and "causal_lm" in config
+
+
+def _check_value(path: str, value: Any, default: Any) -> None:
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(float(value))
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, list):
+        kind = type(default[0]) if default else str
+        kinds: tuple[type, ...] = (int, float) if kind is float else (kind,)
+        ok = isinstance(value, list) and all(
+            isinstance(v, kinds) and not isinstance(v, bool) for v in value
+        )
+        if path == "adapter.target_modules" and isinstance(value, str):
+            ok = True
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(
+            f"Config key {path!r} must be like {default!r} ({type(default).__name__}) but got "
+            f"{value!r} ({type(value).__name__})."
+        )
+    if path in _CHOICES and value not in _CHOICES[path]:
+        raise ConfigError(
+            f"Config key {path!r} must be one of {list(_CHOICES[path])} but got {value!r}"
+            f"{did_you_mean(str(value), _CHOICES[path])}."
+        )
+    if path in _MINIMA and value < _MINIMA[path]:
+        raise ConfigError(f"Config key {path!r} must be >= {_MINIMA[path]} but got {value!r}.")
+
+
+def _validate(node: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> None:
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if path in _OPTIONAL:
+            continue
+        if key not in defaults:
+            valid = sorted(defaults)
+            where = f"[{prefix[:-1]}]" if prefix else "the top level"
+            raise ConfigError(
+                f"Unknown causal-LM config key {path!r}{did_you_mean(str(key), valid, prefix)}. "
+                f"Valid keys in {where}: {', '.join(valid)}."
+            )
+        default = defaults[key]
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"Config key {path!r} must be a table ([{path}]), got {value!r}.")
+            _validate(value, default, f"{path}.")
+        else:
+            _check_value(path, value, default)
+
+
+def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
+    """Defaults ← ``--quick`` overrides ← the user's config, validated.
+
+    Parameters
+    ----------
+    user : dict, optional
+        The user's sections (see the module docstring).
+    quick : bool
+        Apply :data:`QUICK_OVERRIDES` over the user's values (the tiny LLaMA, small splits).
+
+    Returns
+    -------
+    dict
+        The full config.
+
+    Raises
+    ------
+    ConfigError
+        An unknown key (named with its path and the nearest valid one), a wrong type or value,
+        an unknown family, no seeds, or no task path.
+    """
+    user = copy.deepcopy(user or {})
+    if isinstance(user.get("families"), str):
+        user["families"] = [user["families"]]
+    _validate(user, DEFAULT_CONFIG)
+    config = merge_config(DEFAULT_CONFIG, user)
+    if quick:
+        config = merge_config(config, QUICK_OVERRIDES)
+    check_families(config["families"])
+    if "signorm" in config["families"]:
+        raise ConfigError(
+            "families: signorm is not available in the causal-LM job yet (its member norms "
+            "need the model's RMSNorm module names); use pyrobayes.posterior directly."
+        )
+    if not config["seeds"]:
+        raise ConfigError("Config key 'seeds' is empty; give at least one seed, e.g. [0].")
+    if not config["causal_lm"]["task"]["path"]:
+        raise ConfigError(
+            "Config key 'causal_lm.task.path' is empty: name the task (a BIG-bench task.json, a "
+            "JSON/JSONL file, or a Hugging Face dataset folder or id)."
+        )
+    return config
+
+
+# ------------------------------------------------------------------------------- model, task
+def _tiny_llama() -> tuple[torch.nn.Module, Any]:
+    """A two-layer LLaMA from a config (seeded: the same weights in every process) and the
+    byte-level ByT5 tokenizer, which needs no files (vocabulary 384 covers its ids)."""
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=384,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            pad_token_id=0,
+        )
+    )
+    torch.random.set_rng_state(state)
+    return net, ByT5Tokenizer()
+
+
+def load_base(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """The base causal LM (eval mode, in ``causal_lm.dtype``) and its tokenizer."""
+    lm = config["causal_lm"]
+    if lm["model"] == TINY_LLAMA:
+        net, tokenizer = _tiny_llama()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        extra = {"gguf_file": lm["gguf_file"]} if lm["gguf_file"] else {}
+        tokenizer = AutoTokenizer.from_pretrained(lm["model"], **extra)
+        net = AutoModelForCausalLM.from_pretrained(lm["model"], **extra)
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return net.to(getattr(torch, lm["dtype"])).eval(), tokenizer
+
+
+def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
+    """The configured task, split (a file: by ``split_seed``; a dataset: its own splits)."""
+    spec = config["causal_lm"]["task"]
+    path, fmt = spec["path"], spec["format"]
+    options = {"name": Path(path).stem or path, "num_fewshot": int(spec["num_fewshot"])}
+    if fmt == "hf":
+        if not spec["adapter"]:
+            raise ConfigError("causal_lm.task.format = 'hf' needs causal_lm.task.adapter.")
+        splits = read_hf_dataset(path, spec["adapter"], config=spec["config"] or None)
+        return MultipleChoiceTask.from_splits(splits, seed=int(spec["split_seed"]), **options)
+    if fmt == "bigbench":
+        examples = read_bigbench(path)
+    else:
+        examples = read_json_examples(
+            path,
+            template=spec["template"],
+            question_key=spec["question_key"],
+            choices_key=spec["choices_key"],
+            answer_key=spec["answer_key"],
+        )
+    return MultipleChoiceTask.from_examples(
+        examples,
+        fractions=spec["fractions"],
+        split_seed=int(spec["split_seed"]),
+        seed=int(spec["split_seed"]),
+        **options,
+    )
+
+
+def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Encoded batches ``train``, ``val`` (None when empty), ``test`` and ``num_train``."""
+    task = load_task(config)
+    spec, lm = config["causal_lm"]["task"], config["causal_lm"]
+    kwargs = {"max_length": int(lm["max_length"]), "padding_side": lm["padding_side"]}
+
+    def batches(split: str, limit: int) -> list[dict[str, torch.Tensor]] | None:
+        if not task.splits[split]:
+            return None
+        return task.encode(
+            tokenizer,
+            split,
+            batch_size=int(spec["batch_size"]),
+            limit=int(limit) or None,
+            **kwargs,
+        )
+
+    train, test = batches("train", spec["num_train"]), batches("test", spec["num_test"])
+    if train is None or test is None:
+        raise ConfigError(
+            f"task {task.name!r}: the training or test split is empty; change "
+            "causal_lm.task.fractions (or give the dataset those splits)."
+        )
+    num_train = sum(int(b["labels"].shape[0]) for b in train)
+    return {
+        "train": train,
+        "val": batches("validation", spec["num_val"]),
+        "test": test,
+        "num_train": num_train,
+    }
+
+
+def _settings(family: str) -> dict[str, Any]:
+    """The demo's fit settings of ``family`` (its MiniLM-specific adapter transform dropped)."""
+    return {k: v for k, v in FAMILY_SETTINGS.get(family, {}).items() if k != "adapter"}
+
+
+def build_model(config: dict[str, Any], base: torch.nn.Module, num_data: int, seed: int) -> Any:
+    """A copy of ``base`` with the configured adapter (initialised under ``seed``)."""
+    torch.manual_seed(seed)
+    adapter = adapter_from_dict(
+        {**config["adapter"], "target_modules": config["adapter"]["target_modules"]}
+    )
+    return FineTuneModel(
+        copy.deepcopy(base),
+        adapter,
+        likelihood=MultipleChoice(normalize=config["causal_lm"]["normalize"]),
+        prior_scale=float(config["prior_scale"]),
+        num_data=num_data,
+        trainable_modules=[],
+    )
+
+
+def _metrics(pred: Any) -> dict[str, float]:
+    result = pbmetrics.report(pred, pred.targets)
+    return {k: float(result[k]) for k in ("accuracy", "nll", "ece", "brier")}
+
+
+def zero_shot(config: dict[str, Any], base: torch.nn.Module, data: Any) -> tuple[dict, Prediction]:
+    """The base network's metrics on the test split (no adapter, no training)."""
+    likelihood = MultipleChoice(normalize=config["causal_lm"]["normalize"])
+    log_probs, targets = [], []
+    device = config["training"]["device"]
+    net = base.to(device)
+    with torch.no_grad():
+        for batch in data["test"]:
+            inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+            output = net(**likelihood.network_inputs(inputs, net)).logits
+            scores = likelihood.params(output, inputs).double()
+            log_probs.append(torch.log_softmax(scores, -1).cpu())
+            targets.append(batch["labels"])
+    width = max(lp.shape[-1] for lp in log_probs)  # batches may differ in K
+    log_probs = [
+        torch.nn.functional.pad(lp, (0, width - lp.shape[-1]), value=-math.inf) for lp in log_probs
+    ]
+    pred = Prediction(log_probs=torch.cat(log_probs)[None], targets=torch.cat(targets))
+    return _metrics(pred), pred
+
+
+def _guide_path(out: Path, family: str, seed: int) -> Path:
+    return out / "guides" / f"{family}-seed{seed}.safetensors"
+
+
+def _fit_one(
+    config: dict[str, Any],
+    family: str,
+    seed: int,
+    base: torch.nn.Module,
+    data: dict[str, Any],
+    fitted: dict[str, FittedRun],
+    progress_bar: bool,
+) -> tuple[Any, Any, Any]:
+    """``family`` under ``seed`` (post-hoc families from that seed's fitted ``init`` run)."""
+    settings = _settings(family)
+    cap = int(config["training"]["epochs"])
+    model = build_model(config, base, data["num_train"], seed)
+    epochs = int(settings.get("epochs", cap))
+    validate = bool(settings.get("validate", True))
+    source = settings.get("init")
+    init = None
+    if source in fitted:
+        init = fitted[source].guide
+    elif source is not None:  # that run is not in the job: the family fits its own MAP stage
+        epochs, validate, source = cap + epochs, True, None
+    guide = posterior(model, family, init=init, **settings.get("options", {}))
+    run_config = {**config, "training": {**config["training"], "seed": seed}}
+    start = time.perf_counter()
+    result = fit(
+        model,
+        guide,
+        data["train"],
+        epochs=epochs,
+        lr=float(settings.get("lr", config["training"]["lr"])),
+        seed=seed,
+        device=config["training"]["device"],
+        **fit_options(run_config, settings, data["val"] if validate and epochs > 0 else None),
+        progress=Progress(bar=progress_bar),
+    )
+    seconds = time.perf_counter() - start + (fitted[source].seconds if source else 0.0)
+    fitted[family] = FittedRun(guide, {}, seconds, source, epochs)
+    return model, guide, result
+
+
+def run(
+    config: dict[str, Any], out_dir: str | Path, *, progress_bar: bool = True
+) -> list[dict[str, Any]]:
+    """Fit every family under every seed, evaluate, and write the run folder.
+
+    Parameters
+    ----------
+    config : dict
+        A resolved config (:func:`resolve_config`).
+    out_dir : path
+        The run folder.
+    progress_bar : bool
+        Show the fits' progress bars.
+
+    Returns
+    -------
+    list of dict
+        The records of ``metrics.json``: the zero-shot row, then one per (family, seed).
+    """
+    out = Path(out_dir)
+    (out / "guides").mkdir(parents=True, exist_ok=True)
+    (out / "plots").mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    base, tokenizer = load_base(config)
+    data = build_data(config, tokenizer)
+    num_samples = int(config["predict"]["num_samples"])
+    device = config["training"]["device"]
+    metrics, pred = zero_shot(config, base, data)
+    records: list[dict[str, Any]] = [{"family": "zero-shot", "seed": None, **metrics}]
+    mean_probs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if pred.targets is not None:
+        mean_probs["zero-shot"] = (pred.mean_probs.detach(), pred.targets)
+    reliability_plot(out, "zero-shot", pred)
+    exported = False
+    for seed in config["seeds"]:
+        fitted: dict[str, FittedRun] = {}
+        for family in config["families"]:
+            logger.info("causal-LM job: %s, seed %d", family, seed)
+            model, guide, result = _fit_one(config, family, seed, base, data, fitted, progress_bar)
+            pred = predict(
+                model, guide, data["test"], num_samples=num_samples, seed=0, device=device
+            )
+            record = {
+                **fit_record(family, guide, result, _metrics(pred), fitted[family]),
+                "seed": seed,
+            }
+            records.append(record)
+            save(guide, _guide_path(out, family, seed), extra={"metrics": record})
+            reliability_plot(out, f"{family}-seed{seed}", pred)
+            if seed == config["seeds"][0] and pred.targets is not None:
+                mean_probs[family] = (pred.mean_probs.detach().cpu(), pred.targets)
+            if not exported and not guide.is_deterministic:
+                loaders = {"test": data["test"]}
+                exported = export_posterior(out, model, guide, loaders, config, result.losses)
+            (out / "metrics.json").write_text(json.dumps(records, indent=2))
+    (out / "metrics.json").write_text(json.dumps(records, indent=2))
+    (out / "table.md").write_text(format_table(records))
+    first = [r for r in records if r["seed"] in (None, config["seeds"][0])]
+    comparison_plot(out, first, mean_probs)
+    return records
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """The Laplace-LoRA / BLoB table: per family, accuracy, ECE, NLL (and Brier) as mean ±
+    sample standard deviation over its seeds (the value alone for one seed)."""
+    order: list[str] = []
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["family"] not in groups:
+            order.append(r["family"])
+            groups[r["family"]] = []
+        groups[r["family"]].append(r)
+    cols = [("accuracy", "acc ↑"), ("ece", "ECE ↓"), ("nll", "NLL ↓"), ("brier", "Brier ↓")]
+    lines = [
+        "| method | " + " | ".join(c[1] for c in cols) + " | seeds | fit s |",
+        "|---|" + "---|" * (len(cols) + 2),
+    ]
+    for family in order:
+        rows = groups[family]
+        cells = []
+        for key, _ in cols:
+            values = torch.tensor([float(r[key]) for r in rows], dtype=torch.float64)
+            text = f"{float(values.mean()):.3f}"
+            if len(rows) > 1:
+                text += f" ± {float(values.std(unbiased=True)):.3f}"
+            cells.append(text)
+        seconds = [float(r["fit_seconds"]) for r in rows if "fit_seconds" in r]
+        fit_s = f"{sum(seconds) / len(seconds):.1f}" if seconds else "–"
+        name = family + (f" (from {rows[0]['init']})" if rows[0].get("init") else "")
+        seeds = "–" if rows[0].get("seed") is None else str(len(rows))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seeds} | {fit_s} |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str, Any]]:
+    """Reload a causal-LM run folder's posteriors and recompute every record's metrics.
+
+    Raises
+    ------
+    RunFolderError
+        No ``config.json`` or no saved posteriors.
+    """
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
+    config = read_json(config_path)
+    if device:
+        config["training"]["device"] = device
+    paths = sorted((run_dir / "guides").glob("*-seed*.safetensors"))
+    if not paths:
+        raise RunFolderError(f"{run_dir} has no saved posteriors (guides/*-seed*.safetensors).")
+    base, tokenizer = load_base(config)
+    data = build_data(config, tokenizer)
+    metrics, _ = zero_shot(config, base, data)
+    records: list[dict[str, Any]] = [{"family": "zero-shot", "seed": None, **metrics}]
+    wanted = [(f, s) for s in config["seeds"] for f in config["families"]]
+    for family, seed in wanted:
+        path = _guide_path(run_dir, family, seed)
+        if not path.is_file():
+            continue
+        model = build_model(config, base, data["num_train"], seed)
+        guide = load(path, model)
+        pred = predict(
+            model,
+            guide,
+            data["test"],
+            num_samples=int(config["predict"]["num_samples"]),
+            seed=0,
+            device=config["training"]["device"],
+        )
+        counts = count_parameters(guide)
+        records.append(
+            {
+                "family": family,
+                "seed": seed,
+                **_metrics(pred),
+                "trainable_parameters": counts.get("trainable", 0),
+                "posterior_parameters": counts.get("posterior_storage", 0),
+            }
+        )
+    return records
+
+
+def compare(
+    saved: Sequence[dict[str, Any]], recomputed: Sequence[dict[str, Any]], *, tolerance: float
+) -> list[str]:
+    """:func:`~pyrobayes.demo.pipeline.compare_metrics` per (family, seed)."""
+
+    def keyed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            {
+                **r,
+                "family": r["family"]
+                if r.get("seed") is None
+                else f"{r['family']}@seed{r['seed']}",
+            }
+            for r in records
+        ]
+
+    return compare_metrics(keyed(saved), keyed(recomputed), tolerance=tolerance)

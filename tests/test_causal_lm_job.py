@@ -1,0 +1,119 @@
+"""The causal-LM multiple-choice job end to end: ``pyrobayes fit CONFIG --quick`` on a
+config-built tiny LLaMA and a BIG-bench-style task file, then ``pyrobayes evaluate RUN``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pyrobayes.cli import main
+from pyrobayes.demo import causal_lm
+
+
+def write_task(path, num=40):
+    """A BIG-bench task.json with multi-token answers and 3 or 4 choices (ragged batches)."""
+    colours = ["red", "green", "blue", "yellow"]
+    examples = []
+    for i in range(num):
+        k = 3 + i % 2
+        right = colours[i % k]
+        examples.append(
+            {
+                "input": f"The {i}th ball is painted {right}. Its colour is",
+                "target_scores": {f"bright {c}": float(c == right) for c in colours[:k]},
+            }
+        )
+    path.write_text(json.dumps({"name": "toy", "examples": examples}))
+
+
+def write_config(path, task, families='["map", "laplace"]', extra=""):
+    path.write_text(
+        f"""
+families = {families}
+seeds = [0, 1]
+[causal_lm]
+model = "tiny-llama"
+[causal_lm.task]
+path = "{task}"
+format = "bigbench"
+batch_size = 4
+[adapter]
+kind = "lora"
+rank = 2
+target_modules = ["q_proj", "v_proj"]
+[training]
+lr = 0.01
+{extra}
+"""
+    )
+
+
+def test_quick_job_writes_the_table_and_evaluates_without_drift(tmp_path, capsys):
+    write_task(tmp_path / "task.json")
+    write_config(tmp_path / "job.toml", tmp_path / "task.json")
+    out = tmp_path / "run"
+    args = ["fit", str(tmp_path / "job.toml"), "--quick", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    records = json.loads((out / "metrics.json").read_text())
+    # the zero-shot row, then every family under both seeds
+    assert [(r["family"], r["seed"]) for r in records] == [("zero-shot", None)] + [
+        (f, s) for s in (0, 1) for f in ("map", "laplace")
+    ]
+    for r in records:
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["ece"] <= 1 and math.isfinite(r["nll"])
+    table = (out / "table.md").read_text()
+    lines = table.splitlines()
+    assert lines[0].startswith("| method | acc ↑ | ECE ↓ | NLL ↓")
+    assert [line.split("|")[1].strip() for line in lines[2:]] == [
+        "zero-shot",
+        "map",
+        "laplace (from map)",
+    ]
+    # mean ± spread over the two seeds; the zero-shot row has no seeds
+    map_rows = [r for r in records if r["family"] == "map"]
+    mean_acc = sum(r["accuracy"] for r in map_rows) / 2
+    assert f"| map | {mean_acc:.3f} ± " in table
+    assert "| – |" in lines[2]
+    assert (out / "posterior.nc").is_file()  # ArviZ export of the first Bayesian family
+    assert (out / "plots" / "reliability_laplace-seed0.png").is_file()
+    assert (out / "plots" / "reliability_zero-shot.png").is_file()
+    assert sorted(p.name for p in (out / "guides").iterdir()) == sorted(
+        f"{f}-seed{s}.safetensors" for f in ("map", "laplace") for s in (0, 1)
+    )
+    capsys.readouterr()
+    assert main(["evaluate", str(out)]) == 0
+    assert "no drift" in capsys.readouterr().out
+
+
+def test_zero_shot_row_is_the_base_network(tmp_path):
+    """The zero-shot metrics equal those of the map run's adapter at its initialisation
+    (LoRA's B = 0: ΔW = 0), computed by pb.predict through the likelihood."""
+    import pyrobayes as pb
+
+    write_task(tmp_path / "task.json", num=16)
+    config = causal_lm.resolve_config(
+        {"causal_lm": {"task": {"path": str(tmp_path / "task.json")}}}, quick=True
+    )
+    base, tokenizer = causal_lm.load_base(config)
+    data = causal_lm.build_data(config, tokenizer)
+    metrics, _ = causal_lm.zero_shot(config, base, data)
+    model = causal_lm.build_model(config, base, data["num_train"], seed=0)
+    guide = pb.posterior(model, "map")
+    pred = pb.predict(model, guide, data["test"], num_samples=1)
+    want = causal_lm._metrics(pred)
+    for key, value in want.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_config_errors_name_the_key(tmp_path, capsys):
+    write_task(tmp_path / "task.json", num=8)
+    write_config(tmp_path / "bad.toml", tmp_path / "task.json", extra="lrr = 0.1")
+    assert main(["fit", str(tmp_path / "bad.toml"), "--quick", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "'training.lrr'" in err and "did you mean 'training.lr'" in err
+    with pytest.raises(causal_lm.ConfigError, match="causal_lm.task.path' is empty"):
+        causal_lm.resolve_config({"causal_lm": {}})
+    with pytest.raises(causal_lm.ConfigError, match="'causal_lm.normalize' must be one of"):
+        causal_lm.resolve_config({"causal_lm": {"normalize": "len", "task": {"path": "x"}}})
