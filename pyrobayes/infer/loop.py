@@ -57,11 +57,13 @@ class FitResult(NamedTuple):
     - **state["terms"]** - for an objective that reports named terms
       (:class:`~pyrobayes.infer.objectives.ReportsTerms`): ``{name: Tensor}`` of their value at
       every step of this call (after a resume: the steps since it); the progress bar shows
-      their running averages. The ELBO reports the data term ``nll`` (expected negative
-      log-likelihood per training example) and ``kl`` (``KL(q ‖ p)``), with
-      ``loss = N · nll + kl``; MAP (and the MAP phase of SWAG and Laplace) reports ``nll``,
-      ``prior`` (``−log p(θ̂)`` without its normalising constant) and ``prior_const``, with
-      ``loss = N · nll + prior + prior_const``; the symmetrized ELBO ``L_K``, ``elbo``, ``I_K``.
+      their running averages. Terms are per training example, without additive constants:
+      the ELBO reports the data term ``nll`` (expected negative log-likelihood per training
+      example) and ``kl`` (``KL(q ‖ p) / N``), with ``loss = N · (nll + kl)``; MAP (and the MAP
+      phase of SWAG and Laplace) ``nll`` and ``prior`` (``−log p(θ̂)`` without its normalising
+      constant ``C``, over N), with ``loss = N · (nll + prior) + C``; σN ``nll`` and ``div``,
+      ``loss = N · (nll + div)``; IVON ``nll`` (its loss); the symmetrized ELBO ``L_K``,
+      ``elbo``, ``I_K``.
     - **losses** - ``Tensor (num_steps,)``: the objective at every step (dataset-sum convention).
     - **state** - ``dict``: ``step``, ``epoch``, ``elapsed`` seconds, ``objective`` name, and
       the fitter's own running quantities (:meth:`Fitter.report`, e.g. IBDR's ``lam``).

@@ -188,12 +188,13 @@ class ELBO:
     Unbiased for the ELBO in both cases; particles run in one batched forward.
 
     Reports (:meth:`terms`, what :func:`pyrobayes.fit` shows and returns in
-    ``FitResult.state["terms"]``) the two parts of the last evaluation, so that
-    ``loss = N · nll + kl`` exactly:
+    ``FitResult.state["terms"]``) the two parts of the last evaluation per training example, so
+    that ``loss = N · (nll + kl)`` exactly and the terms compare across families (MAP's
+    ``nll + prior``, σN's ``nll + div``):
 
     - ``nll``: the data term per example, ``−(1/B) Σ_b (1/S) Σ_s log p(y_b | x_b, θ_s)`` (the
       expected negative log-likelihood of one training example);
-    - ``kl``: ``KL(q ‖ p)`` over all sites (entering the loss once).
+    - ``kl``: ``KL(q ‖ p) / N`` over all sites (the KL shared out over the N examples).
 
     Parameters
     ----------
@@ -223,11 +224,12 @@ class ELBO:
             kl = (guide.log_prob(values) - model.log_prior(values)).mean()
         else:
             nll = -scaled_log_likelihood(model, values, batch)
-        self._last_terms = {"nll": nll.detach() / _num_data(model, batch), "kl": kl.detach()}
+        num_data = _num_data(model, batch)
+        self._last_terms = {"nll": nll.detach() / num_data, "kl": kl.detach() / num_data}
         return nll + kl
 
     def terms(self) -> dict[str, Tensor]:
-        """``{"nll", "kl"}`` of the last evaluation: ``loss = N · nll + kl``."""
+        """``{"nll", "kl"}`` of the last evaluation, per example: ``loss = N · (nll + kl)``."""
         return dict(self._last_terms)
 
 
@@ -238,19 +240,22 @@ class MAP:
     which SWAG and Laplace train before their posterior exists), else one draw of the guide
     (the point itself for :class:`~pyrobayes.guides.DeltaGuide`).
 
-    Reports (:meth:`terms`) the parts of the last evaluation, ``loss = N · nll + prior +
-    prior_const`` exactly, so that the fit is visible beside the prior's normalising constant
-    (``d (log s_p + ½ log 2π)`` over ``d`` latent numbers: thousands of nats for a LoRA, and
-    constant):
+    Reports (:meth:`terms`) the parts of the last evaluation per training example, without the
+    prior's normalising constant ``C = Σ_sites numel · (log s_p + ½ log 2π)`` (thousands of
+    nats for a LoRA, and constant), so that ``loss = N · (nll + prior) + C`` exactly and the
+    terms compare across families (the ELBO's ``nll + kl``):
 
     - ``nll``: the data term per example, ``−(1/B) Σ_b log p(y_b | x_b, θ̂)``;
-    - ``prior``: ``−log p(θ̂)`` without its normalising constant, ``½ Σ ((θ̂ − μ_p)/s_p)²`` for
-      the Gaussian prior ``N(μ_p, s_p²)`` of every site (the weight-decay term);
-    - ``prior_const``: the constant, ``Σ_sites numel · (log s_p + ½ log 2π)``.
+    - ``prior``: ``(−log p(θ̂) − C) / N``, ``½ Σ ((θ̂ − μ_p)/s_p)² / N`` for the Gaussian
+      prior ``N(μ_p, s_p²)`` of every site (the weight-decay term per example).
+
+    ``C`` of the last evaluation is :attr:`prior_constant`.
     """
 
     def __init__(self) -> None:
         self._last_terms: dict[str, Tensor] = {}
+        #: ``C``, the prior's normalising constant in the last evaluation's loss (nats)
+        self.prior_constant = 0.0
 
     def loss(self, model: Any, guide: Posterior, batch: Any) -> Tensor:
         if implements(guide, PostHoc):
@@ -261,16 +266,17 @@ class MAP:
         nll = -scaled_log_likelihood(model, values, batch)
         neg_log_prior = -model.log_prior(values).sum()
         const = _prior_constant(model, values)
+        num_data = _num_data(model, batch)
+        self.prior_constant = const
         self._last_terms = {
-            "nll": nll.detach() / _num_data(model, batch),
-            "prior": neg_log_prior.detach() - const,
-            "prior_const": torch.as_tensor(const, dtype=nll.dtype),
+            "nll": nll.detach() / num_data,
+            "prior": (neg_log_prior.detach() - const) / num_data,
         }
         return nll + neg_log_prior
 
     def terms(self) -> dict[str, Tensor]:
-        """``{"nll", "prior", "prior_const"}`` of the last evaluation:
-        ``loss = N · nll + prior + prior_const``."""
+        """``{"nll", "prior"}`` of the last evaluation, per example:
+        ``loss = N · (nll + prior) + prior_constant``."""
         return dict(self._last_terms)
 
 

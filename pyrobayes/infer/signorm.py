@@ -83,7 +83,9 @@ def _members(guide: Any) -> tuple[Mixture, DiversityOptions]:
 class SigmaNormObjective:
     r"""``L = −(N/B) Σ_b (1/M) Σ_t log p(y_b | θ_t) + N λ L_div`` over the M members.
 
-    Reports the terms ``nll`` (the first) and ``div`` (``L_div``, without ``N λ``).
+    Reports the terms per training example, so that ``loss = N · (nll + div)`` exactly (as the
+    ELBO's ``nll + kl`` and MAP's ``nll + prior``): ``nll``, the members' mean negative
+    log-likelihood of one example, and ``div``, ``λ L_div`` (0 without a diversity term).
     """
 
     def __init__(self) -> None:
@@ -93,13 +95,13 @@ class SigmaNormObjective:
         mixture, options = _members(guide)
         values = mixture.component_locs()  # (M, *shape): all members in one batched forward
         nll = -scaled_log_likelihood(model, values, batch)
-        if options.strength == 0 or not options.diversity_sites:
-            self._terms = {"nll": nll.detach()}
-            return nll
-        div = diversity([values[s] for s in options.diversity_sites], options.tau)
         inputs, _ = split_training_batch(model, batch)
         num_data = model.num_data or batch_size(inputs)
-        self._terms = {"nll": nll.detach(), "div": div.detach()}
+        if options.strength == 0 or not options.diversity_sites:
+            self._terms = {"nll": nll.detach() / num_data, "div": torch.zeros_like(nll.detach())}
+            return nll
+        div = diversity([values[s] for s in options.diversity_sites], options.tau)
+        self._terms = {"nll": nll.detach() / num_data, "div": options.strength * div.detach()}
         return nll + num_data * options.strength * div
 
     def terms(self) -> dict[str, Tensor]:
