@@ -38,6 +38,14 @@ from .adapters import (
 )
 from .layers import LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, make_likelihood, network_output
+from .sharing import (
+    first_adapted_block,
+    lower_inputs,
+    lower_layers_shared,
+    prefix_applies,
+    prefix_shared_logits,
+    sharing_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +324,22 @@ class FineTuneModel(nn.Module):
         ``(B, K, L)`` choices flattened and the head restricted to the positions read)."""
         return _call(net, self.likelihood.network_inputs(inputs, net))
 
+    def _run(self, inputs: Any) -> Any:
+        """:meth:`_call_net` with the work shared across choices and draws (``sharing``): a
+        multiple-choice batch runs each prompt once for its K choices; inside
+        :meth:`_lower_shared` the blocks below the first adapted one see the un-expanded rows."""
+        shared = prefix_shared_logits(self.net, self.likelihood, inputs, self._draws_in_net())
+        if shared is not None:
+            return shared
+        lower = self.__dict__.get("_lower_rows")  # set by _lower_shared
+        net_inputs = self.likelihood.network_inputs(inputs, self.net)
+        if lower is None or not isinstance(net_inputs, Mapping):
+            return _call(self.net, net_inputs)
+        out = _call(self.net, lower_inputs(net_inputs, lower[0]))
+        if int(network_output(out).shape[0]) != lower[0] * lower[1]:
+            raise _RowsMismatch  # a head that reads the (un-expanded) inputs again
+        return out
+
     def output(
         self,
         inputs: Any,
@@ -328,6 +352,16 @@ class FineTuneModel(nn.Module):
             params.update(overrides)
         out = self._functional(inputs, params)
         return self.likelihood.params(network_output(out), inputs)
+
+    def _draws_in_net(self) -> int:
+        """Parameter sets the network holds now: the leading size of a site swapped in with a
+        sample axis (a sample-major batch, or the linearised predictive's per-row copies)."""
+        for spec in self.latent_sites.values():
+            module, leaf = self._slots()[spec.param_name]
+            value = module._parameters[leaf]
+            if value is not None and value.dim() > len(spec.shape):
+                return int(value.shape[0])
+        return 1
 
     def _slots(self) -> dict[str, tuple[nn.Module, str]]:
         """``{parameter name: (owning module, attribute)}`` for every site and point parameter."""
@@ -362,7 +396,7 @@ class FineTuneModel(nn.Module):
                 module, leaf = slots[name]
                 saved.append((module, leaf, module._parameters[leaf]))
                 module._parameters[leaf] = value  # type: ignore[assignment]
-            return self._call_net(self.net, inputs)
+            return self._run(inputs)
         finally:
             for module, leaf, original in reversed(saved):
                 module._parameters[leaf] = original
@@ -387,8 +421,48 @@ class FineTuneModel(nn.Module):
             out = self.output(inputs, {s: v[0] for s, v in values.items()}, overrides)
             return out.unsqueeze(0)
         expanded = expand_samples(inputs, num_samples)
-        out = self.output(expanded, values, overrides)
+        shared = self._lower_shared(inputs, expanded, values, overrides, num_samples)
+        out = self.output(expanded, values, overrides) if shared is None else shared
         return out.reshape(num_samples, num_rows, *out.shape[1:])
+
+    def _lower_shared(
+        self,
+        inputs: Any,
+        expanded: Any,
+        values: Mapping[str, Tensor],
+        overrides: Mapping[str, Tensor] | None,
+        num_samples: int,
+    ) -> Tensor | None:
+        """:meth:`output` of the S-fold ``expanded`` batch with the network's blocks below the
+        first adapted one run once on the un-expanded rows (``sharing``), or ``None`` where
+        that does not apply (or the network's output does not keep the expanded rows)."""
+        if (
+            not sharing_enabled()
+            or not isinstance(inputs, Mapping)
+            or "_lower_rows" in self.__dict__
+        ):
+            return None
+        if prefix_applies(self.net, self.likelihood, expanded):
+            return None  # the prompt-sharing path runs the choices instead
+        key = tuple(sorted(self.latent_sites))
+        cached = self.__dict__.get("_lower_block")
+        if cached is None or cached[0] != key:
+            names = [spec.param_name for spec in self.latent_sites.values()]
+            cached = (key, first_adapted_block(self.net, names))
+            self.__dict__["_lower_block"] = cached
+        if cached[1] is None:
+            return None
+        rows = batch_size(inputs) * (self.likelihood.rows_per_output(inputs) or 1)
+        self.__dict__["_lower_rows"] = (rows, num_samples)
+        try:
+            blocks, first = cached[1]
+            with lower_layers_shared(list(blocks)[first:], rows, num_samples):
+                out = self.output(expanded, values, overrides)
+        except _RowsMismatch:
+            return None
+        finally:
+            del self.__dict__["_lower_rows"]
+        return out
 
     def log_likelihood(self, params: Tensor, targets: Tensor) -> Tensor:
         """Pointwise ``log p(y_i | θ_s)``: params ``(S, B, ...)`` → ``(S, B)``.
@@ -496,6 +570,10 @@ class FineTuneModel(nn.Module):
             f"likelihood={self.likelihood.name}, prior_scale={self.prior_scale}, "
             f"num_data={self.num_data}"
         )
+
+
+class _RowsMismatch(Exception):
+    """The network's output lost the S-fold rows of the shared lower layers."""
 
 
 def _call(net: nn.Module, inputs: Any) -> Any:

@@ -1,0 +1,322 @@
+r"""Posterior draws for less than their forwards: shared prompt states and shared lower layers.
+
+Two computations of the S-draw predictive repeat work that does not depend on the draw or the
+choice, and this module runs that work once:
+
+* **Prompt states shared across choices.** A causal LM scoring the K continuations
+  :math:`c_{bk}` of one prompt :math:`x_b` (:mod:`pyrobayes.models.multiple_choice`) computes the
+  keys and values of :math:`x_b` K times when the rows are full sequences. Causal attention makes
+  the states of the prompt independent of what follows it, so the prompt runs once per draw, its
+  key/value cache is repeated over the K choices (``DynamicCache.batch_repeat_interleave``) and
+  only the continuation tokens run per choice. The log-probability of the first continuation
+  token is read from the prompt's last position, the others from the continuation pass; the
+  positions of every token are those of the unshared rows, so the scores are the same function.
+* **Layers below the first adapted layer once for all S draws.** When the latent sites all sit
+  in layers ``i ≥ i_0`` of a network's stack of blocks (the demo's MiniLM adapts layers 3–5 of
+  6), the embeddings and blocks ``< i_0`` see the same input under every draw. The network then
+  runs on the B un-expanded rows and a forward pre-hook on block ``i_0`` expands its hidden
+  states (and every per-row argument) S-fold, sample-major, as :func:`pyrobayes.batch.
+  expand_samples` would have done at the input.
+
+Both are on by default wherever they apply and fall back silently to the plain computation
+otherwise; :func:`unshared` turns them off (for reference computations and benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "unshared",
+    "sharing_enabled",
+    "prefix_applies",
+    "prefix_shared_logits",
+    "first_adapted_block",
+    "lower_layers_shared",
+    "lower_inputs",
+]
+
+_STATE = threading.local()
+
+#: Batch keys the prompt-sharing path understands (any other key: the plain path).
+_PREFIX_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", *SCORE_KEYS, "labels"})
+
+#: Network arguments that feed the embeddings and the blocks (sliced to the un-expanded rows when
+#: the lower layers are shared; anything else, e.g. ``logits_to_keep``, is read above the blocks).
+_LOWER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+@contextlib.contextmanager
+def unshared() -> Iterator[None]:
+    """Within the block, compute every draw and choice from the full rows (no sharing).
+
+    Examples
+    --------
+    >>> with unshared():  # doctest: +SKIP
+    ...     reference = model.batched_output(batch, values)
+    """
+    previous = getattr(_STATE, "off", False)
+    _STATE.off = True
+    try:
+        yield
+    finally:
+        _STATE.off = previous
+
+
+def sharing_enabled() -> bool:
+    """Whether sharing is on in this thread (off inside :func:`unshared`)."""
+    return not getattr(_STATE, "off", False)
+
+
+# ---------------------------------------------------------------------- prompt states
+def _prefix_layout(inputs: Mapping[str, Any]) -> dict[str, Tensor] | None:
+    """The prompt and continuation tensors of a ``(B, K, L)`` multiple-choice batch, or ``None``
+    when the K rows of a question do not share their prompt tokens and positions (a prompt
+    truncated differently per choice, say)."""
+    ids, mask, cont = inputs["input_ids"], inputs["attention_mask"], inputs["continuation_mask"]
+    num, k_choices, length = (int(n) for n in ids.shape)
+    real, cmask = mask.bool(), cont.bool()
+    pos = inputs.get("position_ids")
+    if not isinstance(pos, Tensor):
+        pos = torch.arange(length, device=ids.device).expand(num, k_choices, length)
+    prompt = real & ~cmask
+    counts = prompt.sum(-1)  # (B, K)
+    if not bool((counts == counts[:, :1]).all()) or bool((counts == 0).any()):
+        return None
+    if bool((cmask & ~real).any()):
+        return None
+    width = int(counts.max())
+    # prompt tokens of every row first, in order (a stable sort), then the rest
+    order = torch.argsort((~prompt).to(torch.int8), dim=-1, stable=True)[..., :width]
+    p_ids, p_pos = torch.gather(ids, 2, order), torch.gather(pos, 2, order)
+    slot = torch.arange(width, device=ids.device)
+    p_valid = slot < counts[..., None]  # (B, K, W), right-padded
+    if not bool((torch.where(p_valid, p_ids - p_ids[:, :1], 0) == 0).all()):
+        return None
+    if not bool((torch.where(p_valid, p_pos - p_pos[:, :1], 0) == 0).all()):
+        return None
+    shift = width - counts[:, 0]  # left padding of each prompt
+    src = (slot[None, :] - shift[:, None]).clamp_min(0)  # (B, W)
+    left = slot[None, :] >= shift[:, None]
+    prompt_ids = torch.where(left, torch.gather(p_ids[:, 0], 1, src), 0)
+    prompt_pos = torch.where(left, torch.gather(p_pos[:, 0], 1, src), 0)
+    c_count = cmask.sum(-1)  # (B, K)
+    c_width = int(c_count.max())
+    c_order = torch.argsort((~cmask).to(torch.int8), dim=-1, stable=True)[..., :c_width]
+    c_valid = torch.arange(c_width, device=ids.device) < c_count[..., None]
+    return {
+        "prompt_ids": prompt_ids,  # (B, W) left-padded
+        "prompt_mask": left.to(mask.dtype),
+        "prompt_pos": prompt_pos,
+        "cont_ids": torch.where(c_valid, torch.gather(ids, 2, c_order), 0),  # (B, K, C)
+        "cont_mask": c_valid.to(mask.dtype),
+        "cont_pos": torch.where(c_valid, torch.gather(pos, 2, c_order), 0),
+    }
+
+
+def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
+    """Whether :func:`prefix_shared_logits` may apply: sharing on, a continuation likelihood, a
+    ``(R, K, L)`` batch of known keys and a network taking a key/value cache."""
+    if not sharing_enabled() or not getattr(likelihood, "continuations", False):
+        return False
+    if not isinstance(inputs, Mapping) or not set(inputs) <= _PREFIX_KEYS:
+        return False
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 3 or int(ids.shape[1]) < 2:
+        return False
+    if not isinstance(inputs.get("attention_mask"), Tensor):
+        return False
+    if _cache_argument(net) is None:
+        return False
+    return all(
+        accepts_argument(net, name) for name in ("use_cache", "position_ids", "attention_mask")
+    )
+
+
+def _cache_argument(net: nn.Module) -> str | None:
+    """The name a causal LM takes its key/value cache by (``cache`` in transformers >= 5.x,
+    ``past_key_values`` before), or ``None``."""
+    for name in ("cache", "past_key_values"):
+        if accepts_argument(net, name):
+            return name
+    return None
+
+
+def prefix_shared_logits(
+    net: nn.Module, likelihood: Any, inputs: Any, num_samples: int = 1
+) -> Tensor | None:
+    r"""Head outputs at the positions a multiple-choice likelihood reads, with each prompt run
+    once and its key/value cache shared by its K choices; ``None`` where this does not apply.
+
+    Parameters
+    ----------
+    net : nn.Module
+        A Hugging Face causal LM (takes ``past_key_values``, ``use_cache``, ``position_ids``).
+    likelihood : MultipleChoice
+        Scores continuations (``likelihood.continuations``).
+    inputs : dict of str to Tensor
+        A (sample-expanded) batch from :func:`~pyrobayes.models.encode_multiple_choice`:
+        ``input_ids`` ``(R, K, L)``, left or right padded, ragged or not.
+    num_samples : int
+        Parameter sets swapped into ``net`` (sample-major: draw ``s`` owns rows
+        ``s·R/S … (s+1)·R/S − 1``); when S does not divide R the sets are per row (the
+        linearised predictive's per-row copies) and the prompts are not shared.
+
+    Returns
+    -------
+    Tensor `(R·K, P, V)` or None
+        Slot ``j`` of row ``r·K + k`` holds the logits predicting continuation token ``j`` (slots
+        past a continuation repeat slot 0), as the head-gathered output of the full rows;
+        ``None`` when the batch has other keys, the network is not a cached causal LM, or the
+        choices of a question do not share their prompt tokens.
+    """
+    if not prefix_applies(net, likelihood, inputs):
+        return None
+    if int(inputs["input_ids"].shape[0]) % num_samples:
+        return None  # one parameter set per choice row: a prompt row would have K of them
+    layout = _prefix_layout(inputs)
+    if layout is None:
+        return None
+    num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
+    prompt_mask = layout["prompt_mask"]
+    attention: Tensor = prompt_mask
+    safe = eager_attention_mask(net, prompt_mask)  # float64 eager: no NaN at padding queries
+    out = net(
+        input_ids=layout["prompt_ids"],
+        attention_mask=safe if safe is not None else attention,
+        position_ids=layout["prompt_pos"],
+        use_cache=True,
+        **({"logits_to_keep": 1} if accepts_argument(net, "logits_to_keep") else {}),
+    )
+    first = out.logits[:, -1:]  # (R, 1, V): predicts each continuation's first token
+    cache = getattr(out, "cache", None)
+    cache = out.past_key_values if cache is None else cache
+    cache.batch_repeat_interleave(k_choices)
+    cont_ids = layout["cont_ids"].reshape(num * k_choices, -1)
+    width = int(cont_ids.shape[1])
+    full_mask = torch.cat(
+        [
+            prompt_mask.repeat_interleave(k_choices, 0),
+            layout["cont_mask"].reshape(num * k_choices, -1),
+        ],
+        dim=1,
+    )
+    rest = None
+    if width > 1:
+        out = net(
+            input_ids=cont_ids[:, :-1],
+            attention_mask=full_mask[:, :-1],
+            position_ids=layout["cont_pos"].reshape(num * k_choices, -1)[:, :-1],
+            use_cache=True,
+            **{str(_cache_argument(net)): cache},
+        )
+        rest = out.logits  # (R·K, C-1, V)
+    first = first.repeat_interleave(k_choices, 0)
+    logits = first if rest is None else torch.cat([first, rest.to(first.dtype)], dim=1)
+    valid = layout["cont_mask"].reshape(num * k_choices, -1).bool()
+    return torch.where(valid[..., None], logits, first)
+
+
+# ---------------------------------------------------------------------- lower layers
+def _blocks(net: nn.Module) -> nn.ModuleList | None:
+    """The network's stack of blocks: the longest ``nn.ModuleList`` of identical module types."""
+    best: nn.ModuleList | None = None
+    for module in net.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
+    return best
+
+
+def first_adapted_block(
+    net: nn.Module, param_names: Sequence[str]
+) -> tuple[nn.ModuleList, int] | None:
+    """``net``'s stack of blocks and the index of the first block holding one of
+    ``param_names``, or ``None`` when they are not all in blocks above the first (nothing to
+    share).
+
+    Parameters
+    ----------
+    net : nn.Module
+    param_names : list of str
+        Names (in ``net``) of the parameters that change with the draw.
+    """
+    blocks = _blocks(net)
+    if blocks is None or not param_names:
+        return None
+    owner = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    indices = []
+    for name in param_names:
+        try:
+            param = net.get_parameter(name)
+        except AttributeError:
+            return None
+        if id(param) not in owner:
+            return None  # a site outside the blocks (embeddings, head): nothing below it
+        indices.append(owner[id(param)])
+    first = min(indices)
+    return (blocks, first) if first > 0 else None
+
+
+def _expand(value: Any, rows: int, num_samples: int) -> Any:
+    """Sample-major S-fold copy of every tensor (of two or more dims) holding ``rows`` rows."""
+    if isinstance(value, Tensor):
+        if value.dim() >= 2 and int(value.shape[0]) == rows:
+            return (
+                value.unsqueeze(0).expand(num_samples, *value.shape).reshape(-1, *value.shape[1:])
+            )
+        return value
+    if isinstance(value, tuple):
+        return tuple(_expand(v, rows, num_samples) for v in value)
+    if isinstance(value, list):
+        return [_expand(v, rows, num_samples) for v in value]
+    return value
+
+
+@contextlib.contextmanager
+def lower_layers_shared(blocks: Sequence[nn.Module], rows: int, num_samples: int) -> Iterator[None]:
+    """Within the block, the inputs of ``blocks`` with ``rows`` rows are expanded S-fold
+    (sample-major): the hidden states at the first, and at every block the arguments its stack
+    computed once for the un-expanded rows (attention masks, rotary embeddings).
+
+    Parameters
+    ----------
+    blocks : list of nn.Module
+        The first adapted block and those above it (:func:`first_adapted_block`).
+    rows : int
+        Rows of the un-expanded batch the network is called on.
+    num_samples : int
+        S, the draws of the adapted blocks above.
+    """
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _expand(args, rows, num_samples), {
+            k: _expand(v, rows, num_samples) for k, v in kwargs.items()
+        }
+
+    handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def lower_inputs(net_inputs: Mapping[str, Any], rows: int) -> dict[str, Any]:
+    """``net_inputs`` of a sample-expanded batch with the arguments that feed the lower layers cut
+    to the first ``rows`` rows (sample 0's: every sample's are the same rows)."""
+    return {
+        k: v[:rows] if k in _LOWER_INPUTS and isinstance(v, Tensor) and v.dim() > 0 else v
+        for k, v in net_inputs.items()
+    }
