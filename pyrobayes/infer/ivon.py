@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 
+#: IVON's default Hessian EMA β2 (``IVON(beta2=None)``): 0.999, so that ``h`` learns within the
+#: ~10³ steps of a fine-tuning run (docs/methods/ivon.md, "Default β2"); ivon-opt's 0.99999
+#: is for the paper's 10⁵-step runs.
+DEFAULT_BETA2 = 0.999
+
+
 @dataclass(frozen=True)
 class IVON:
     r"""IVON's optimizer settings: how the posterior is fitted (the fitter's, not the guide's).
@@ -64,8 +70,11 @@ class IVON:
     beta1 : float
         Gradient momentum β1 (0.9).
     beta2 : float, optional
-        Hessian EMA β2: 0.99999 for IVON; for Kronecker IVON the EMA of the Kronecker factors
-        (0.99: factors are far less noisy than the Price estimate).
+        Hessian EMA β2: ``DEFAULT_BETA2`` = 0.999 for IVON (Shen et al. (2024) use 0.99999 on
+        runs of 10⁵+ steps; ``h`` forgets ``h0`` only after about ``1/(1−β2)`` steps, so on a
+        fine-tuning run of hundreds to thousands of steps 0.99999 leaves ``h`` at ``h0`` and σ
+        at its initial value); for Kronecker IVON the EMA of the Kronecker factors (0.99:
+        factors are far less noisy than the Price estimate).
     diag_beta2 : float, optional
         Kronecker IVON's β2 of its diagonal sites (0.99999); IVON uses ``beta2``.
     hess_approx : {"price", "gradsq"}
@@ -304,7 +313,7 @@ class IVONOptimizer(torch.optim.Optimizer):
     curvature : KronCurvature, optional
         The Kronecker statistics and update (required when the guide has Kronecker sites).
     settings : IVON, optional
-        The optimizer's settings (default ``IVON()``, with IVON's ``beta2 = 0.99999``).
+        The optimizer's settings (default ``IVON()``, with IVON's ``beta2 = DEFAULT_BETA2``).
     """
 
     needs_closure = True
@@ -321,7 +330,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Expected lr >= 0 but got {lr}.")
         super().__init__(params, {"lr": float(lr)})
         self.guide, self.curvature = guide, curvature
-        fit = (settings or IVON()).hyper(0.99999)
+        fit = (settings or IVON()).hyper(DEFAULT_BETA2)
         #: the posterior's constants and the fit's settings, as the update reads them
         self.hyper: dict[str, Any] = {**guide.hyper, **fit}
         locs, hess = guide.tensors()
@@ -622,7 +631,7 @@ class IVONFitter(Fitter):
     """
 
     #: the family's ``(beta2, diag_beta2)`` when :class:`IVON` leaves them unset
-    default_betas: tuple[float, float | None] = (0.99999, None)
+    default_betas: tuple[float, float | None] = (DEFAULT_BETA2, None)
 
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         if isinstance(optimizer, IVON):
