@@ -163,6 +163,12 @@ class SymmetrizedGuide(PosteriorGuide):
     def num_posterior_parameters(self) -> int:
         return self.base.num_posterior_parameters()
 
+    def optimizer_groups(self, params: list[Tensor], lr: float) -> list[Any]:
+        """The base's parameter groups for the default optimizer (mean-field: the scales at
+        ``scale_lr · lr``), so the symmetrized fit steps as its base's."""
+        groups = getattr(self.base, "optimizer_groups", None)
+        return groups(params, lr) if callable(groups) else [{"params": list(params)}]
+
     # ------------------------------------------------------------------ AnalyticKL (the base's)
     def kl_to_prior(self, model: Any) -> Tensor:
         """The base's ``KL(q ‖ p)`` (``NotImplementedError`` when it has no closed form)."""

@@ -136,8 +136,10 @@ class Fitter:
             )
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
-        """The family's optimizer over ``params``; Adam here."""
-        return torch.optim.Adam(params, lr=lr)
+        """The family's optimizer over ``params``; Adam here, with per-group learning rates where
+        the guide offers ``optimizer_groups(params, lr)`` (mean-field's scales)."""
+        groups = getattr(self.guide, "optimizer_groups", None)
+        return torch.optim.Adam(groups(params, lr) if callable(groups) else params, lr=lr)
 
     def _build_optimizer(self, spec: Any, lr: float) -> torch.optim.Optimizer:
         if spec is None:

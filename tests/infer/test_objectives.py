@@ -87,3 +87,50 @@ def test_objective_errors_are_clear():
         )
     with pytest.raises(ValueError, match="num_particles"):
         pb.infer.ELBO(num_particles=0)
+
+
+def _scale_after(scale_lr: float, steps: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=1e-3, scale_lr=scale_lr)
+    objective = pb.infer.objectives.ELBO(num_particles=8)
+    pb.fit(
+        prob.model,
+        guide,
+        [(prob.x, prob.y)],
+        num_steps=steps,
+        lr=lr,
+        optim=pb.Optimization(loss=objective),
+        progress=False,
+    )
+    return guide.scale(prob.site).detach(), prob.post_scale
+
+
+def test_adam_bounds_how_fast_the_posterior_scale_moves_and_scale_lr_lifts_it():
+    """Issue 27 (mean-field stuck at its initial scale). Adam's step on a parameter is at most
+    lr·(1 − β₁)/√(1 − β₂) ≈ 3.2·lr (Kingma and Ba, 2015, Sec. 2.1), and ≈ lr under a gradient
+    of constant sign; the unconstrained scale is softplus⁻¹(σ) ≈ log σ for σ ≪ 1, so after t
+    steps σ ≤ σ₀·e^{3.2·lr·t}. From σ₀ = 1e-3, 60 steps at lr = 1e-2: σ ≤ 1e-3·e^{1.92} < 7e-3,
+    far below the exact posterior sd (0.05–0.16, every coordinate's KL gradient pulls it up).
+    With scale_lr = 10 the same budget allows e^{19}: the scale reaches the exact sd within a
+    factor 2 (Adam's step on log σ is then 0.1 per step, so the last iterate jitters by tens of
+    percent around the optimum; measured 0.67–1.55 on this seed)."""
+    slow, exact = _scale_after(1.0, 60, 1e-2)
+    assert float(slow.max()) < 1e-3 * torch.exp(torch.tensor(3.2 * 1e-2 * 60)).item()
+    assert float(slow.max()) < 0.2 * float(exact.min())
+    fast, _ = _scale_after(10.0, 60, 1e-2)
+    ratio = fast / exact
+    assert float(ratio.min()) > 0.5 and float(ratio.max()) < 2.0, ratio
+
+
+def test_scale_lr_one_is_plain_adam():
+    """The default scale_lr = 1 keeps one parameter group: the optimizer is plain Adam."""
+    prob = conjugate_core()
+    guide = pb.guides.MeanFieldGuide(prob.model)
+    fitter = pb.infer.make_fitter(prob.model, guide, lr=1e-2)
+    assert len(fitter.optimizer.param_groups) == 1
+    guide10 = pb.guides.MeanFieldGuide(prob.model, scale_lr=10.0)
+    fitter10 = pb.infer.make_fitter(prob.model, guide10, lr=1e-2)
+    lrs = sorted(group["lr"] for group in fitter10.optimizer.param_groups)
+    assert lrs == pytest.approx([1e-2, 1e-1])
