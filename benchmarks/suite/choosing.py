@@ -181,7 +181,7 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
         )
         if _ran(task, "laplace") and values(task, "laplace-torch", key):
             d = paired(task, "laplace", "laplace-torch", key)
-            verdict = {True: "level with or above", False: "below", None: "(one seed)"}[level(d)]
+            verdict = {True: "level with or above", False: "below", None: "one seed"}[level(d)]
             out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {verdict}.")
     if _ran(task, "symmetrized") and _ran(task, "meanfield"):
         d = paired(task, "symmetrized", "meanfield", "nll")
@@ -192,8 +192,20 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             if task.get("kind") and name in ("digits", "diabetes")
             else f"Symmetrized vs mean-field (paired NLL): {_d(d)} ({verdict})."
         )
-    if not_run:
-        out.append("Not run here: " + ", ".join(not_run) + ".")
+    skipped = {
+        f: rec["skipped"]
+        for run in task["runs"].values()
+        for f, rec in run.items()
+        if isinstance(rec, dict) and "skipped" in rec
+    }
+    for f, why in skipped.items():
+        out.append(f"Not applicable: {f} ({why}).")
+    not_run = [f for f in not_run if f not in skipped]
+    missing = [a for a in ("ensemble", "laplace-torch") if not _ran(task, a)]
+    if not_run or missing:
+        out.append(
+            "Not run here (CPU time; see the JSON's command): " + ", ".join(missing + not_run) + "."
+        )
     return out
 
 
@@ -231,7 +243,11 @@ def _targets(tasks: dict[str, dict[str, Any]]) -> list[str]:
                 or beats(paired(task, f + "+ts", "map+ts", "nll"))
             )
         )
-        met_tasks.append(f"{name} {count}/{len(fams)}")
+        seeds = len(task["runs"])
+        met_tasks.append(
+            f"{name} {count}/{len(fams)}"
+            + (" (1 seed: no spread, none can count)" if seeds < 2 else "")
+        )
     rows.append(
         "| ≥ 5 of 9 families beat MAP + TS on NLL (with or without their own TS, equal accuracy) "
         f"on ≥ 3 of 4 tasks | {'; '.join(met_tasks)} |"
@@ -302,7 +318,11 @@ def _in_short(tasks: dict[str, dict[str, Any]]) -> list[str]:
         ms = [m for m in methods(task) if _ran(task, m) and m not in ("map+ts",)]
         best = min(ms, key=lambda m: _mean(task, m, "nll"))
         d = paired(task, best, "map+ts", "nll")
-        verdict = "beats it" if beats(d) else "does not beat it by more than the spread"
+        verdict = (
+            "one seed: no spread"
+            if d[2] < 2
+            else ("beats it" if beats(d) else "does not beat it by more than the spread")
+        )
         cal.append(f"{name}: {best} (ΔNLL vs MAP + TS {_d(d)}, {verdict})")
     out.append(
         "- **Calibration (NLL).** Lowest mean NLL apart from MAP + temperature scaling: "
