@@ -18,7 +18,10 @@ Adam) wall time / n, nothing subtracted, against a plain reparameterized step wi
 
 * **llama** - a config-built LLaMA (hidden 256, 4 layers, 4 heads / 2 KV heads, vocabulary
   49,152 as SmolLM2) with LoRA-XS r=8 on ``q_proj``/``v_proj``, the multiple-choice likelihood with
-  continuations (4 prompts x 4 choices of 2-8 words, left padded; predict only).
+  continuations (4 prompts of 24-30 words x 4 choices of 2-8 words: every prompt at least 3x its
+  longest choice, left padded; predict only).
+* **minilm_demo** - the demo's MiniLM: LoRA-XS r=8 on ``query``/``value`` of layers 3-5 of 6 only
+  (``pyrobayes.demo.pipeline``), batch 16 x 64 tokens; predict only, S = 16.
 
 (b) predict with S=16. ``pb.predict(..., samples_per_forward=k)`` for k in {1, 4, 16} against
 the two plain ways to run the network S times (S forwards at batch B; one forward at batch S*B
@@ -30,7 +33,12 @@ the plain ways: S ``functional_call`` forwards at B·K rows, or one forward at S
 per-draw cores in the batched layers, each reading its logits at the continuation positions only
 (``logits_to_keep``) with ``log_softmax`` and a gather; and, at S = 4, pb.predict and the plain
 loop with the full-vocabulary head at every position (the predict-time gain of head gathering).
-``--threads 1`` for this case in the reported table.
+``--threads 1`` for this case in the reported table. ``pb.predict`` runs each prompt once per draw
+and scores the K choices from its key/value cache (``pyrobayes.models.sharing``); ``pb.predict
+unshared`` is the same call inside ``sharing.unshared()`` (every row in full).
+
+(d) minilm_demo: ``pb.predict`` at S = 16 (the blocks below layer 3 once for all draws) against
+the plain ways of (b) and ``pb.predict`` inside ``sharing.unshared()``.
 
 Timing: ``time.perf_counter`` (CUDA synchronised), one warm-up, variants interleaved round-robin,
 medians over repeats. ``torch.set_num_threads(2)`` unless ``--threads``.
@@ -42,6 +50,8 @@ Run::
     .venv/bin/python benchmarks/overhead.py --device cuda
     .venv/bin/python benchmarks/overhead.py --only llama --threads 1 \
         --out benchmarks/results/overhead_llama_t1.json                # the causal-LM case
+    .venv/bin/python benchmarks/overhead.py --only minilm_demo --threads 1 \
+        --out benchmarks/results/overhead_minilm_demo_t1.json          # lower layers shared
 """
 
 from __future__ import annotations
@@ -157,7 +167,13 @@ def build_mlp(device: torch.device, num_batches: int) -> dict[str, Any]:
     return {"name": "mlp", "model": model, "batches": batches, "num_data": num_data}
 
 
-def build_minilm(device: torch.device, num_batches: int) -> dict[str, Any]:
+#: the demo's targets (pyrobayes.demo.pipeline): the top half of MiniLM's six layers
+DEMO_TARGETS = r"bert\.encoder\.layer\.[345]\.attention\.self\.(query|value)"
+
+
+def build_minilm(
+    device: torch.device, num_batches: int, targets: Any = ("query", "value")
+) -> dict[str, Any]:
     from pyrobayes.demo.data import load_minilm_classifier
 
     torch.manual_seed(0)
@@ -166,7 +182,7 @@ def build_minilm(device: torch.device, num_batches: int) -> dict[str, Any]:
     num_data = batch * 100
     model = FineTuneModel(
         net,
-        LoRAXS(rank=8, target_modules=["query", "value"]),
+        LoRAXS(rank=8, target_modules=targets if isinstance(targets, str) else list(targets)),
         prior_scale=PRIOR_SCALE,
         num_data=num_data,
     ).to(device)
@@ -382,10 +398,15 @@ def predict_case(setup: dict[str, Any], num_pred_batches: int, repeats: int, dev
                 predictive(x)
 
     fns["pyro Predictive (sequential)"] = run_predictive
+    if setup.get("shared"):
+        fns["pb.predict unshared"] = _unshared(
+            lambda: pb.predict(model, guide, batches, num_samples=NUM_SAMPLES)
+        )
     res = time_round_robin(fns, repeats, device, dict.fromkeys(fns, 1))
     ref = min(("plain S forwards at B", "plain 1 forward at S*B"), key=lambda k: res[k]["median_s"])
     for k in res:
         res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
+        res[k]["paired_ratio_vs_fastest_plain"] = paired_ratio(res, k, ref)
         res[k]["ratio_vs_predictive"] = (
             res[k]["median_s"] / res["pyro Predictive (sequential)"]["median_s"]
         )
@@ -449,7 +470,7 @@ def build_llama(device: torch.device) -> dict[str, Any]:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
     num, k_choices = 4, 4
-    prompts = [words(15, 25) for _ in range(num)]
+    prompts = [words(24, 30) for _ in range(num)]  # >= 3x the longest choice (8 words)
     choices = [[words(2, 8) for _ in range(k_choices)] for _ in range(num)]
     batch = encode_multiple_choice(
         _WordTokenizer(), prompts, choices, answers=[0] * num, padding_side="left"
@@ -506,6 +527,17 @@ class PlainMultipleChoice:
             return self._scores(batch, self.params, True).log_softmax(-1)
 
 
+def _unshared(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run inside ``pyrobayes.models.sharing.unshared()`` (every row in full)."""
+    from pyrobayes.models.sharing import unshared
+
+    def run() -> Any:
+        with unshared():
+            return fn()
+
+    return run
+
+
 def llama_predict_case(setup: dict[str, Any], repeats: int, device: torch.device) -> dict:
     from pyrobayes.models import likelihoods
 
@@ -535,6 +567,9 @@ def llama_predict_case(setup: dict[str, Any], repeats: int, device: torch.device
             ),
             "pb.predict 1 wide forward": lambda s=num_samples: pb.predict(
                 model, guide, batches, num_samples=s, samples_per_forward=s
+            ),
+            "pb.predict unshared": _unshared(
+                lambda s=num_samples: pb.predict(model, guide, batches, num_samples=s)
             ),
             "plain S forwards at B*K": lambda p=plain: p.loop(batches[0]),
             "plain 1 forward at S*B*K": lambda p=plain: p.wide(batches[0]),
@@ -568,7 +603,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--only", choices=["mlp", "minilm", "llama"], default=None)
+    parser.add_argument("--only", choices=["mlp", "minilm", "llama", "minilm_demo"], default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -614,6 +649,13 @@ def main() -> None:
         pred_res = predict_case(setup, pred_batches, pred_rep, device)
         results["cases"][name] = {"fit": fit_res, "predict": pred_res}
 
+    if args.only in (None, "minilm_demo"):
+        setup = build_minilm(device, 4, DEMO_TARGETS)
+        setup.update(name="minilm_demo", shared=True)
+        print(f"[minilm_demo] predict: S={NUM_SAMPLES} ...", flush=True)
+        pred_res = predict_case(setup, 1, 2 if q else 4, device)
+        results["cases"]["minilm_demo"] = {"predict": pred_res}
+
     if args.only in (None, "llama"):
         setup = build_llama(device)
         results["cases"]["llama"] = llama_predict_case(setup, 2 if q else 3, device)
@@ -633,7 +675,7 @@ def print_table(results: dict[str, Any]) -> None:
         f"{m['load_average_at_start'][0]:.1f} -> {m['load_average_at_end'][0]:.1f}"
     )
     header = (
-        f"{'case':<7} {'part':<12} {'variant':<36} {'wall ms':>9} {'min ms':>9} {'cpu ms':>9} "
+        f"{'case':<11} {'part':<12} {'variant':<36} {'wall ms':>9} {'min ms':>9} {'cpu ms':>9} "
         f"{'x plain':>8} {'paired':>8} {'x Pred.':>8}"
     )
     print(header)
@@ -645,7 +687,7 @@ def print_table(results: dict[str, Any]) -> None:
                 xp = v.get("ratio_vs_predictive")
                 pr = v.get("paired_ratio_vs_fastest_plain")
                 print(
-                    f"{case:<7} {part:<12} {variant + mark:<36} {1e3 * v['median_s']:>9.2f} "
+                    f"{case:<11} {part:<12} {variant + mark:<36} {1e3 * v['median_s']:>9.2f} "
                     f"{1e3 * v['min_s']:>9.2f} {1e3 * v['cpu_median_s']:>9.2f} "
                     f"{v['ratio_vs_fastest_plain']:>8.3f} {'' if pr is None else f'{pr:.3f}':>8} "
                     f"{'' if xp is None else f'{xp:.3f}':>8}"

@@ -8,9 +8,9 @@ choice, and this module runs that work once:
   keys and values of :math:`x_b` K times when the rows are full sequences. Causal attention makes
   the states of the prompt independent of what follows it, so the prompt runs once per draw, its
   key/value cache is repeated over the K choices (``DynamicCache.batch_repeat_interleave``) and
-  only the continuation tokens run per choice. The log-probability of the first continuation
-  token is read from the prompt's last position, the others from the continuation pass; the
-  positions of every token are those of the unshared rows, so the scores are the same function.
+  only the prompt's last token and the continuation run per choice (their logits are the slots
+  the likelihood reads); the positions of every token are those of the unshared rows, so the
+  scores are the same function.
 * **Layers below the first adapted layer once for all S draws.** When the latent sites all sit
   in layers ``i ≥ i_0`` of a network's stack of blocks (the demo's MiniLM adapts layers 3–5 of
   6), the embeddings and blocks ``< i_0`` see the same input under every draw. The network then
@@ -18,8 +18,8 @@ choice, and this module runs that work once:
   states (and every per-row argument) S-fold, sample-major, as :func:`pyrobayes.batch.
   expand_samples` would have done at the input.
 
-Both are on by default wherever they apply and fall back silently to the plain computation
-otherwise; :func:`unshared` turns them off (for reference computations and benchmarks).
+Both are on by default wherever they apply (the prompt states in prediction, with gradients off)
+and fall back silently to the plain computation otherwise; :func:`unshared` turns them off (for reference computations and benchmarks).
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def _prefix_layout(inputs: Mapping[str, Any]) -> dict[str, Tensor] | None:
         pos = torch.arange(length, device=ids.device).expand(num, k_choices, length)
     prompt = real & ~cmask
     counts = prompt.sum(-1)  # (B, K)
-    if not bool((counts == counts[:, :1]).all()) or bool((counts == 0).any()):
-        return None
+    if not bool((counts == counts[:, :1]).all()) or bool((counts < 2).any()):
+        return None  # a one-token prompt has nothing to cache before its last token
     if bool((cmask & ~real).any()):
         return None
     width = int(counts.max())
@@ -126,10 +126,14 @@ def _prefix_layout(inputs: Mapping[str, Any]) -> dict[str, Tensor] | None:
 
 
 def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
-    """Whether :func:`prefix_shared_logits` may apply: sharing on, a continuation likelihood, a
-    ``(R, K, L)`` batch of known keys and a network taking a key/value cache."""
+    """Whether :func:`prefix_shared_logits` may apply: sharing on, gradients off (prediction), a
+    continuation likelihood, a ``(R, K, L)`` batch of known keys and a network taking a
+    key/value cache and gathering its head per row."""
     if not sharing_enabled() or not getattr(likelihood, "continuations", False):
         return False
+    if torch.is_grad_enabled():
+        return False  # prediction only: a training step's recorded layer outputs (Kronecker
+        # IVON's, say) are those of the full rows
     if not isinstance(inputs, Mapping) or not set(inputs) <= _PREFIX_KEYS:
         return False
     ids = inputs.get("input_ids")
@@ -138,6 +142,10 @@ def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
     if not isinstance(inputs.get("attention_mask"), Tensor):
         return False
     if _cache_argument(net) is None:
+        return False
+    from . import likelihoods  # the prompt path yields the gathered head's output only
+
+    if not likelihoods.head_positions_supported(net):
         return False
     return all(
         accepts_argument(net, name) for name in ("use_cache", "position_ids", "attention_mask")
@@ -176,8 +184,9 @@ def prefix_shared_logits(
     Returns
     -------
     Tensor `(R·K, P, V)` or None
-        Slot ``j`` of row ``r·K + k`` holds the logits predicting continuation token ``j`` (slots
-        past a continuation repeat slot 0), as the head-gathered output of the full rows;
+        Slot ``j`` of row ``r·K + k`` holds the logits predicting continuation token ``j``, as
+        the head-gathered output of the full rows (slots past a continuation hold finite
+        logits the likelihood masks);
         ``None`` when the batch has other keys, the network is not a cached causal LM, or the
         choices of a question do not share their prompt tokens.
     """
@@ -189,43 +198,44 @@ def prefix_shared_logits(
     if layout is None:
         return None
     num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
-    prompt_mask = layout["prompt_mask"]
-    attention: Tensor = prompt_mask
-    safe = eager_attention_mask(net, prompt_mask)  # float64 eager: no NaN at padding queries
-    out = net(
-        input_ids=layout["prompt_ids"],
-        attention_mask=safe if safe is not None else attention,
-        position_ids=layout["prompt_pos"],
+    rows = num * k_choices
+    # the prompt but its last token, once per row; the last token heads each choice's pass,
+    # whose logits are then exactly the slots the likelihood reads (no copy of the vocabulary)
+    head = layout["prompt_mask"][:, :-1]
+    safe = eager_attention_mask(net, head)  # float64 eager: no NaN at padding queries
+    body = getattr(net, "base_model", net)  # the decoder without the LM head, when separate
+    out = body(
+        input_ids=layout["prompt_ids"][:, :-1],
+        attention_mask=head if safe is None else safe,
+        position_ids=layout["prompt_pos"][:, :-1],
         use_cache=True,
-        **({"logits_to_keep": 1} if accepts_argument(net, "logits_to_keep") else {}),
+        **(
+            {"logits_to_keep": 1} if body is net and accepts_argument(net, "logits_to_keep") else {}
+        ),
     )
-    first = out.logits[:, -1:]  # (R, 1, V): predicts each continuation's first token
     cache = getattr(out, "cache", None)
     cache = out.past_key_values if cache is None else cache
     cache.batch_repeat_interleave(k_choices)
-    cont_ids = layout["cont_ids"].reshape(num * k_choices, -1)
-    width = int(cont_ids.shape[1])
-    full_mask = torch.cat(
-        [
-            prompt_mask.repeat_interleave(k_choices, 0),
-            layout["cont_mask"].reshape(num * k_choices, -1),
-        ],
-        dim=1,
+
+    def choice_rows(last: Tensor, cont: Tensor) -> Tensor:
+        """``(R, 1)`` last prompt items before each ``(R, K, C)`` continuation but its last."""
+        last = last[:, -1:].repeat_interleave(k_choices, 0)
+        return torch.cat([last, cont.reshape(rows, -1)[:, :-1]], dim=1)
+
+    out = net(
+        input_ids=choice_rows(layout["prompt_ids"], layout["cont_ids"]),
+        attention_mask=torch.cat(
+            [
+                head.repeat_interleave(k_choices, 0),
+                choice_rows(layout["prompt_mask"], layout["cont_mask"]),
+            ],
+            dim=1,
+        ),
+        position_ids=choice_rows(layout["prompt_pos"], layout["cont_pos"]),
+        use_cache=True,
+        **{str(_cache_argument(net)): cache},
     )
-    rest = None
-    if width > 1:
-        out = net(
-            input_ids=cont_ids[:, :-1],
-            attention_mask=full_mask[:, :-1],
-            position_ids=layout["cont_pos"].reshape(num * k_choices, -1)[:, :-1],
-            use_cache=True,
-            **{str(_cache_argument(net)): cache},
-        )
-        rest = out.logits  # (R·K, C-1, V)
-    first = first.repeat_interleave(k_choices, 0)
-    logits = first if rest is None else torch.cat([first, rest.to(first.dtype)], dim=1)
-    valid = layout["cont_mask"].reshape(num * k_choices, -1).bool()
-    return torch.where(valid[..., None], logits, first)
+    return out.logits  # (R·K, C, V): slots past a continuation read padding (masked)
 
 
 # ---------------------------------------------------------------------- lower layers

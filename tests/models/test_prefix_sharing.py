@@ -74,13 +74,14 @@ def test_shared_prompt_scores_equal_the_full_rows_in_float64(arch, side, normali
             plain = model.batched_output(batch, values)
     # every token of the plain path runs once per draw and choice: S·B·K·L
     assert sum(tokens) == 4 * batch["input_ids"].numel()
-    # shared: each prompt once per draw, then the continuations but their last token
+    # shared: each prompt but its last token once per draw, then per choice that token and the
+    # continuation but its last token (padded to the longest prompt / continuation)
     prompt_tokens = (batch["attention_mask"] - batch["continuation_mask"])[:, 0].sum(-1)
     expected = 4 * (
-        len(PROMPTS) * int(prompt_tokens.max())
+        len(PROMPTS) * (int(prompt_tokens.max()) - 1)
         + batch["input_ids"].shape[0]
         * batch["input_ids"].shape[1]
-        * (int(batch["continuation_mask"].sum(-1).max()) - 1)
+        * int(batch["continuation_mask"].sum(-1).max())
     )
     assert shared_tokens == expected < sum(tokens)
     assert torch.equal(torch.isinf(shared), batch["choice_mask"].eq(0).expand_as(shared))
