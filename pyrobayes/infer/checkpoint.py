@@ -308,9 +308,8 @@ def check_position(
     losses = meta.get("losses")
     if not isinstance(losses, list):
         problems.append("losses is not a list")
-    if not problems:
+    if not problems and isinstance(losses, list):  # (the isinstance narrows for mypy)
         step, epoch, batch = meta["step"], meta["epoch"], meta.get("batch")
-        assert isinstance(losses, list)
         if step != len(losses):
             problems.append(f"step={step} but losses holds {len(losses)} values (one per step)")
         if steps_per_epoch:
