@@ -345,6 +345,63 @@ def _as_answers(answers: Any, num_prompts: int, num_choices: int) -> Tensor:
     return labels
 
 
+def _tokenize_rows(
+    tokenizer: Any,
+    prompts: list[str],
+    lists: list[list[str]],
+    delimiter: str,
+    max_length: int | None,
+) -> list[list[tuple[list[int], int]]]:
+    """Token ids of every (prompt, choice) row and its number of continuation tokens."""
+    rows: list[list[tuple[list[int], int]]] = []
+    for b, (prompt, options) in enumerate(zip(prompts, lists, strict=True)):
+        context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if not context:
+            raise ValueError(
+                f"encode_multiple_choice: prompt {b} encodes to no tokens and the tokenizer "
+                "adds no BOS token; a continuation needs a token before it."
+            )
+        row = []
+        for k, choice in enumerate(options):
+            cont = list(tokenizer(delimiter + choice, add_special_tokens=False)["input_ids"])
+            if not cont:
+                raise ValueError(
+                    f"encode_multiple_choice: choice {k} of prompt {b} ({choice!r}) encodes to "
+                    "no tokens."
+                )
+            ids = context + cont
+            if max_length is not None:
+                ids = ids[-max_length:]
+            num_cont = min(len(cont), len(ids) - 1)
+            if num_cont < len(cont) or len(ids) < 2:
+                raise ValueError(
+                    f"encode_multiple_choice: choice {k} of prompt {b} does not fit in "
+                    f"max_length={max_length} with a prompt token before it; raise max_length."
+                )
+            row.append((ids, num_cont))
+        rows.append(row)
+    return rows
+
+
+def _pad_rows(
+    rows: list[list[tuple[list[int], int]]], pad: int, padding_side: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(num, K, L)`` input ids, attention mask and continuation mask of the tokenized rows."""
+    num, k_choices = len(rows), len(rows[0])
+    length = max(len(ids) for row in rows for ids, _ in row)
+    input_ids = torch.full((num, k_choices, length), pad, dtype=torch.long)
+    attention = torch.zeros((num, k_choices, length), dtype=torch.long)
+    cont_mask = torch.zeros((num, k_choices, length), dtype=torch.long)
+    for b, row in enumerate(rows):
+        for k, (ids, num_cont) in enumerate(row):
+            n = len(ids)
+            start = length - n if padding_side == "left" else 0
+            input_ids[b, k, start : start + n] = torch.tensor(ids, dtype=torch.long)
+            attention[b, k, start : start + n] = 1
+            cont_mask[b, k, start + n - num_cont : start + n] = 1
+    return input_ids, attention, cont_mask
+
+
 def encode_multiple_choice(
     tokenizer: Any,
     prompts: Sequence[str],
@@ -430,45 +487,9 @@ def encode_multiple_choice(
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None)
     pad = 0 if pad is None else int(pad)
-    rows: list[list[tuple[list[int], int]]] = []
-    for b, (prompt, options) in enumerate(zip(prompts, lists, strict=True)):
-        context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if not context:
-            raise ValueError(
-                f"encode_multiple_choice: prompt {b} encodes to no tokens and the tokenizer "
-                "adds no BOS token; a continuation needs a token before it."
-            )
-        row = []
-        for k, choice in enumerate(options):
-            cont = list(tokenizer(delimiter + choice, add_special_tokens=False)["input_ids"])
-            if not cont:
-                raise ValueError(
-                    f"encode_multiple_choice: choice {k} of prompt {b} ({choice!r}) encodes to "
-                    "no tokens."
-                )
-            ids = context + cont
-            if max_length is not None:
-                ids = ids[-max_length:]
-            num_cont = min(len(cont), len(ids) - 1)
-            if num_cont < len(cont) or len(ids) < 2:
-                raise ValueError(
-                    f"encode_multiple_choice: choice {k} of prompt {b} does not fit in "
-                    f"max_length={max_length} with a prompt token before it; raise max_length."
-                )
-            row.append((ids, num_cont))
-        rows.append(row)
+    rows = _tokenize_rows(tokenizer, prompts, lists, delimiter, max_length)
     num, k_choices = len(rows), len(rows[0])
-    length = max(len(ids) for row in rows for ids, _ in row)
-    input_ids = torch.full((num, k_choices, length), pad, dtype=torch.long)
-    attention = torch.zeros((num, k_choices, length), dtype=torch.long)
-    cont_mask = torch.zeros((num, k_choices, length), dtype=torch.long)
-    for b, row in enumerate(rows):
-        for k, (ids, num_cont) in enumerate(row):
-            n = len(ids)
-            start = length - n if padding_side == "left" else 0
-            input_ids[b, k, start : start + n] = torch.tensor(ids, dtype=torch.long)
-            attention[b, k, start : start + n] = 1
-            cont_mask[b, k, start + n - num_cont : start + n] = 1
+    input_ids, attention, cont_mask = _pad_rows(rows, pad, padding_side)
     out = {
         "input_ids": input_ids,
         "attention_mask": attention,
