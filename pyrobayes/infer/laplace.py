@@ -517,8 +517,7 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
     :func:`per_example_ggn_backend`, is laplace-torch's own (curvlinops GGN) with the diagonal
     from per-example Jacobians (the same diagonal GGN, without a Jacobian of the whole batch).
     """
-    from laplace import DiagLaplace, KronLaplace, Laplace
-    from laplace.utils import KronDecomposed
+    from laplace import Laplace
 
     guide.require_setup()
     net = model.net
@@ -530,23 +529,7 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
     try:
         for p in net.parameters():
             p.requires_grad_(False)
-        site_of: dict[int, str] = {}
-        with torch.no_grad():
-            for s in guide.sites:
-                p = net.get_parameter(specs[s].param_name)
-                if p.dim() != len(guide.sites[s]):
-                    raise RuntimeError(f"Site {s!r} is not stored as a plain parameter.")
-                value = guide.loc(s).detach()
-                if not bool(torch.isfinite(value).all()):
-                    raise ValueError(
-                        f"Laplace: the point of site {s!r} holds non-finite values (NaN or inf); "
-                        "the curvature needs a finite MAP. Refit the MAP (a smaller lr) or check "
-                        "the init= guide."
-                    )
-                p.copy_(value)
-                if guide.is_latent(s):  # sites outside subset= stay at their MAP, no curvature
-                    p.requires_grad_(True)
-                    site_of[id(p)] = s
+        site_of = _load_point(model, guide)
         wrapper = LaplaceNet(model)
         order = [site_of[id(p)] for p in wrapper.parameters() if p.requires_grad]
         kind, sigma = _laplace_likelihood(model)
@@ -564,58 +547,11 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
         # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
         with _no_exit("fitting the curvature"):
             la.fit(_Loader(model, data, model.device))  # type: ignore[arg-type]
-        factor = float(la._H_factor)
         if guide.structure == "diag":
-            if not isinstance(la, DiagLaplace):  # subset "all" + structure "diag"
-                raise RuntimeError(_unexpected("DiagLaplace", la))
-            h = la.H.detach() * factor
-            _check_finite_curvature(h, order)
-            start = 0
-            for s in order:
-                n = int(torch.Size(guide.sites[s]).numel())
-                guide.set_curvature(s, h[start : start + n].reshape(guide.sites[s]))
-                start += n
+            _store_diag(guide, la, order)
         else:
-            if not isinstance(la, KronLaplace):  # subset "all" + structure "kron"
-                raise RuntimeError(_unexpected("KronLaplace", la))
-            decomposed = la.H
-            if not isinstance(decomposed, KronDecomposed):  # what KronLaplace.fit leaves
-                raise RuntimeError(_unexpected("KronDecomposed", decomposed))
-            for s, vecs, vals in zip(
-                order, decomposed.eigenvectors, decomposed.eigenvalues, strict=True
-            ):
-                shape = guide.sites[s]
-                if len(vals) != len(shape):
-                    raise RuntimeError(
-                        f"Laplace: expected {len(shape)} Kronecker factor(s) for site {s!r} of "
-                        f"shape {tuple(shape)}, laplace-torch gave {len(vals)}; please report this."
-                    )
-                _check_finite_curvature(torch.cat([v.reshape(-1) for v in (*vals, *vecs)]), [s])
-                if len(vals) == 1:  # a bias: laplace-torch's one dense factor G (m×m)
-                    (q_out,), (l_out,) = vecs, vals
-                    q_in = q_out.new_ones(1, 1)
-                    curv = factor * l_out.clamp_min(0.0)
-                else:
-                    q_out, q_in = vecs
-                    l_out, l_in = (v.clamp_min(0.0) for v in vals)
-                    curv = factor * l_out[:, None] * l_in[None, :]
-                guide.set_curvature(s, curv.detach(), q_out.detach(), q_in.detach())
-        spec = guide.prior_precision_spec
-        if spec == "marglik":
-
-            def log_marglik(tau: float) -> float:
-                with torch.no_grad():
-                    value = la.log_marginal_likelihood(
-                        prior_precision=torch.tensor(tau, dtype=la._dtype, device=la._device)
-                    )
-                return float(value)
-
-            with _no_exit("maximising the marginal likelihood"):
-                tau = tune_prior_precision(log_marglik, guide.log_prior_bounds)
-        elif spec == "model":
-            tau = 1.0 / model.prior_scale**2
-        else:
-            tau = float(spec)
+            _store_kron(guide, la, order)
+        tau = _choose_prior_precision(model, guide, la)
         la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
         guide.set_prior_precision(tau)
         guide.mark_fitted(True)
@@ -628,6 +564,99 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
         for name, p in net.named_parameters():
             p.requires_grad_(flags[name])
         model.train(was_training)
+
+
+def _load_point(model: Any, guide: Any) -> dict[int, str]:
+    """Copy the guide's point into the network; the latent sites' tensors require grad.
+
+    Returns the site name of each tensor that requires grad, by ``id``.
+    """
+    net, specs = model.net, model.latent_sites
+    site_of: dict[int, str] = {}
+    with torch.no_grad():
+        for s in guide.sites:
+            p = net.get_parameter(specs[s].param_name)
+            if p.dim() != len(guide.sites[s]):
+                raise RuntimeError(f"Site {s!r} is not stored as a plain parameter.")
+            value = guide.loc(s).detach()
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(
+                    f"Laplace: the point of site {s!r} holds non-finite values (NaN or inf); "
+                    "the curvature needs a finite MAP. Refit the MAP (a smaller lr) or check "
+                    "the init= guide."
+                )
+            p.copy_(value)
+            if guide.is_latent(s):  # sites outside subset= stay at their MAP, no curvature
+                p.requires_grad_(True)
+                site_of[id(p)] = s
+    return site_of
+
+
+def _store_diag(guide: Any, la: Any, order: list[str]) -> None:
+    """The diagonal GGN of laplace-torch's ``DiagLaplace``, split into the sites (in ``order``)."""
+    from laplace import DiagLaplace
+
+    if not isinstance(la, DiagLaplace):  # subset "all" + structure "diag"
+        raise RuntimeError(_unexpected("DiagLaplace", la))
+    h = la.H.detach() * float(la._H_factor)
+    _check_finite_curvature(h, order)
+    start = 0
+    for s in order:
+        n = int(torch.Size(guide.sites[s]).numel())
+        guide.set_curvature(s, h[start : start + n].reshape(guide.sites[s]))
+        start += n
+
+
+def _store_kron(guide: Any, la: Any, order: list[str]) -> None:
+    """The eigendecomposed Kronecker factors of laplace-torch's ``KronLaplace``, per site.
+
+    A weight gets ``G ⊗ A`` (two factors), a bias laplace-torch's one dense factor ``G``.
+    """
+    from laplace import KronLaplace
+    from laplace.utils import KronDecomposed
+
+    if not isinstance(la, KronLaplace):  # subset "all" + structure "kron"
+        raise RuntimeError(_unexpected("KronLaplace", la))
+    decomposed = la.H
+    if not isinstance(decomposed, KronDecomposed):  # what KronLaplace.fit leaves
+        raise RuntimeError(_unexpected("KronDecomposed", decomposed))
+    factor = float(la._H_factor)
+    for s, vecs, vals in zip(order, decomposed.eigenvectors, decomposed.eigenvalues, strict=True):
+        shape = guide.sites[s]
+        if len(vals) != len(shape):
+            raise RuntimeError(
+                f"Laplace: expected {len(shape)} Kronecker factor(s) for site {s!r} of "
+                f"shape {tuple(shape)}, laplace-torch gave {len(vals)}; please report this."
+            )
+        _check_finite_curvature(torch.cat([v.reshape(-1) for v in (*vals, *vecs)]), [s])
+        if len(vals) == 1:  # a bias: laplace-torch's one dense factor G (m×m)
+            (q_out,), (l_out,) = vecs, vals
+            q_in = q_out.new_ones(1, 1)
+            curv = factor * l_out.clamp_min(0.0)
+        else:
+            q_out, q_in = vecs
+            l_out, l_in = (v.clamp_min(0.0) for v in vals)
+            curv = factor * l_out[:, None] * l_in[None, :]
+        guide.set_curvature(s, curv.detach(), q_out.detach(), q_in.detach())
+
+
+def _choose_prior_precision(model: Any, guide: Any, la: Any) -> float:
+    """τ by the guide's ``prior_precision`` option: the evidence maximum, the model's, or given."""
+    spec = guide.prior_precision_spec
+    if spec == "model":
+        return 1.0 / model.prior_scale**2
+    if spec != "marglik":
+        return float(spec)
+
+    def log_marglik(tau: float) -> float:
+        with torch.no_grad():
+            value = la.log_marginal_likelihood(
+                prior_precision=torch.tensor(tau, dtype=la._dtype, device=la._device)
+            )
+        return float(value)
+
+    with _no_exit("maximising the marginal likelihood"):
+        return tune_prior_precision(log_marglik, guide.log_prior_bounds)
 
 
 @contextlib.contextmanager
