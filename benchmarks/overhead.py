@@ -343,7 +343,9 @@ def fit_case(setup: dict[str, Any], steps: int, repeats: int, device: torch.devi
     guide = MeanFieldGuide(model, init_scale=INIT_SCALE).to(device)
     plain = PlainMeanField(model, num_data)
     fns: dict[str, Callable[[], Any]] = {
-        "pb.fit": lambda: pb.fit(model, guide, batches, num_steps=steps, lr=LR, progress=False),
+        "pb.fit": lambda: pb.fit(
+            model, guide, batches, optim=pb.Optimization(num_steps=steps), lr=LR, progress=False
+        ),
         "plain (functional_call)": lambda: plain.fit(batches, steps),
     }
     if setup["name"] == "mlp":

@@ -228,7 +228,7 @@ def run_cell(kind: str, projection: str, rank: int, data: dict[str, Any], args: 
         model,
         lap,
         data["train_loader"](),
-        num_steps=args.map_steps,
+        optim=pb.Optimization(num_steps=args.map_steps),
         lr=args.lr,
         seed=args.seed,
         progress=pb.Progress(
@@ -275,7 +275,7 @@ def run_cell(kind: str, projection: str, rank: int, data: dict[str, Any], args: 
         model,
         swag,
         data["train_loader"](),
-        num_steps=args.swag_steps,
+        optim=pb.Optimization(num_steps=args.swag_steps),
         lr=args.lr,
         seed=args.seed + 1,
     )

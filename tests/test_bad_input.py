@@ -103,7 +103,7 @@ def _step(
 def _fit(batch: Any, family: str = "meanfield", *, model: FineTuneModel | None = None) -> Any:
     """``pb.fit`` for one step on ``[batch]``."""
     model = _model() if model is None else model
-    return pb.fit(model, pb.posterior(model, family), [batch], num_steps=1)
+    return pb.fit(model, pb.posterior(model, family), [batch], optim=pb.Optimization(num_steps=1))
 
 
 def _predict(data: Any, *, model: FineTuneModel | None = None, **kw: Any) -> Any:
@@ -431,7 +431,7 @@ CASES: list[Case] = [
         "fit-no-length",
         lambda: validate_fit_arguments(),
         ValueError,
-        "epochs=... or num_steps=...",
+        "epochs=... or optim=Optimization(num_steps=...)",
     ),
     _case(
         "fit-lr-nan", lambda: validate_fit_arguments(epochs=1, lr=NAN), ValueError, "lr", "finite"

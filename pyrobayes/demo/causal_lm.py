@@ -436,6 +436,8 @@ def _fit_one(
         init = fitted[source].guide
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
         epochs, validate, source = cap + epochs, True, None
+    if config["training"]["device"] is not None:  # fit runs where the model is
+        model.to(config["training"]["device"])
     guide = posterior(model, family, init=init, **settings.get("options", {}))
     run_config = {**config, "training": {**config["training"], "seed": seed}}
     start = time.perf_counter()
@@ -446,7 +448,6 @@ def _fit_one(
         epochs=epochs,
         lr=float(settings.get("lr", config["training"]["lr"])),
         seed=seed,
-        device=config["training"]["device"],
         **fit_options(run_config, settings, data["val"] if validate and epochs > 0 else None),
         progress=Progress(bar=progress_bar),
     )

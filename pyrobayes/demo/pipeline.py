@@ -635,6 +635,8 @@ def _fit_family(
         logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
         epochs, validate, source = cap + epochs, True, None
     validated = validate and epochs > 0
+    if config["training"]["device"] is not None:  # fit runs where the model is
+        model.to(config["training"]["device"])
     guide = posterior(model, family, init=init, **settings.get("options", {}))
     logger.info("fitting %s for %d epochs%s", family, epochs, f" from {source}" if source else "")
     start = time.perf_counter()
@@ -645,7 +647,6 @@ def _fit_family(
         epochs=epochs,
         lr=float(settings.get("lr", config["training"]["lr"])),
         seed=int(config["training"]["seed"]),
-        device=config["training"]["device"],
         **_fit_options(config, settings, loaders["val"] if validated else None),
         progress=Progress(bar=progress_bar),
     )

@@ -59,7 +59,7 @@ def validate_fit_arguments(
         ``checkpoint_dir``.
     """
     if epochs is None and num_steps is None:
-        raise ValueError(f"{_OWNER}pass epochs=... or num_steps=... (or both).")
+        raise ValueError(f"{_OWNER}pass epochs=... or optim=Optimization(num_steps=...) (or both).")
     if epochs is not None:
         check_int("epochs", epochs, ge=0, owner=_OWNER)
     if num_steps is not None:

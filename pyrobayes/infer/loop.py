@@ -19,12 +19,14 @@ ranks on batches of B equal one process on the union batch of R·B (tested with 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import time
 import warnings
-from collections.abc import Iterable, Sized
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -169,6 +171,16 @@ class _Divergence:
         warnings.warn(message, DivergenceWarning, stacklevel=4)
 
 
+def _device_of(model: Any) -> torch.device | None:
+    """The device of ``model``'s parameters when it is not the CPU (batches are moved there),
+    else ``None`` (batches are used as given)."""
+    parameters = model.parameters() if isinstance(model, torch.nn.Module) else iter(())
+    first = next(parameters, None)
+    if first is None or first.device.type == "cpu":
+        return None
+    return first.device
+
+
 class _Plan(NamedTuple):
     """When a fit ends: ``epochs`` and/or ``num_steps``, ``total`` steps if known."""
 
@@ -201,21 +213,60 @@ class _Position:
     saved_at: int | None = None  # the step of the last checkpoint written or resumed from
 
 
+def _earlier_keywords(fit: Callable[..., FitResult]) -> Callable[..., FitResult]:
+    """``fit`` taking, for one release, the keywords it took before its groups.
+
+    ``num_steps``, ``loss``, ``optimizer``, ``scheduler``, ``warmup``, ``val_data``,
+    ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``, ``resume``,
+    ``overwrite``, ``progress_bar`` and ``callback`` are folded into their group
+    (:func:`~pyrobayes.infer.options.upgrade_keywords`); ``device`` moves the model there. Each
+    warns once (``DeprecationWarning``) with the new spelling. The signature users see
+    (``inspect.signature``, the API reference) is ``fit``'s own.
+    """
+    own = set(inspect.signature(fit).parameters)
+
+    @functools.wraps(fit)
+    def accepting(model: Any, guide: Any, data: Iterable[Any], **kwargs: Any) -> FitResult:
+        old = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+        device = old.pop("device", None)
+        if device is not None:
+            warnings.warn(
+                "fit(device=...) is deprecated and will be removed in the next release: move "
+                "the model first (model.to(device)); fit runs where its parameters are.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            model.to(device)
+        if old:  # the old flat spelling: checked as it was, then folded into the groups
+            flat = {k: v for k, v in old.items() if k in _FLAT_CHECKED}
+            flat.setdefault("num_steps", getattr(kwargs.get("optim"), "num_steps", None))
+            validate_fit_arguments(
+                epochs=kwargs.get("epochs"),
+                lr=kwargs.get("lr", 1e-2),
+                validated=old.get("val_data") is not None,
+                **flat,
+            )
+            groups = {g: kwargs.pop(g, None) for g in ("optim", "validation", "checkpoint")}
+            groups["progress"] = kwargs.pop("progress", None)
+            kwargs.update(upgrade_keywords(old, groups))
+        return fit(model, guide, data, **kwargs)
+
+    return accepting
+
+
+@_earlier_keywords
 def fit(
     model: Any,
     guide: Any,
     data: Iterable[Any],
     *,
     epochs: int | None = None,
-    num_steps: int | None = None,
     lr: float = 1e-2,
     seed: int | None = None,
-    device: str | torch.device | None = None,
     optim: Optimization | None = None,
     validation: Validation | None = None,
     checkpoint: Checkpointing | None = None,
     progress: Progress | bool | None = None,
-    **deprecated: Any,
 ) -> FitResult:
     """Fit ``guide`` (the posterior) to ``model`` on ``data``.
 
@@ -234,18 +285,16 @@ def fit(
         batches already done (without ``seed`` the data seed is drawn from torch's RNG once and
         saved in the checkpoint). Other iterables must yield the same batches each pass for an
         exact resume.
-    epochs, num_steps : int
-        Train for this many passes over ``data`` or this many steps (one of them; with both,
-        whichever ends first).
+    epochs : int, optional
+        Train for this many passes over ``data`` (or pass a step budget,
+        ``optim=Optimization(num_steps=...)``; with both, whichever ends first).
     lr : float
         Learning rate for the default optimizer.
     seed : int, optional
         Seeds torch and Pyro (``pyro.set_rng_seed``) and the data order.
-    device : str or torch.device, optional
-        Move model, guide and batches there.
     optim : Optimization, optional
-        The objective, optimizer and learning-rate schedule (default: the family's objective
-        and optimizer, no schedule).
+        The objective, optimizer, learning-rate schedule and step budget (default: the family's
+        objective and optimizer, no schedule).
     validation : Validation, optional
         Held-out data scored after every epoch, the best epoch restored, early stopping.
     checkpoint : Checkpointing, optional
@@ -253,11 +302,13 @@ def fit(
     progress : Progress or bool, optional
         The progress bar and a per-step callback; ``True``/``False`` is ``Progress(bar=...)``.
         The default shows the bar in interactive use only (:class:`Progress`).
-    **deprecated
-        The keywords before the groups (``loss``, ``optimizer``, ``scheduler``, ``warmup``,
-        ``val_data``, ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``,
-        ``resume``, ``overwrite``, ``progress_bar``, ``callback``) still work for one release,
-        with a ``DeprecationWarning`` naming the new spelling.
+
+    The fit runs on the device of the model's parameters (``model.to("cuda")`` first): the
+    guide is moved there and so is every batch. The keywords of earlier releases
+    (``num_steps``, ``device``, ``loss``, ``optimizer``, ``scheduler``, ``warmup``,
+    ``val_data``, ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``,
+    ``resume``, ``overwrite``, ``progress_bar``, ``callback``) still work for one release, with
+    a ``DeprecationWarning`` naming the new spelling.
 
     Returns
     -------
@@ -284,17 +335,9 @@ def fit(
         When a resumed checkpoint was written with other validation data, or with validation
         data that this call does not pass (or the other way round).
     """
-    if deprecated:  # the old flat spelling: checked as it was, then folded into the groups
-        flat = {k: v for k, v in deprecated.items() if k in _FLAT_CHECKED}
-        validated = deprecated.get("val_data") is not None
-        validate_fit_arguments(
-            epochs=epochs, num_steps=num_steps, lr=lr, validated=validated, **flat
-        )
-    groups = upgrade_keywords(
-        deprecated,
-        {"optim": optim, "validation": validation, "checkpoint": checkpoint, "progress": progress},
-    )
-    options = _Options.of(groups)
+    groups = {"optim": optim, "validation": validation, "checkpoint": checkpoint}
+    options = _Options.of({**groups, "progress": progress})
+    num_steps = options.optim.num_steps
     validate_fit_arguments(
         epochs=epochs,
         num_steps=num_steps,
@@ -308,11 +351,19 @@ def fit(
     with contextlib.ExitStack() as stack:
         if options.checkpoint is not None and world()[1] == 0:  # only rank 0 writes
             _claim_folder(stack, options.checkpoint)
-        loop = _Loop(model, guide, data, plan, options, lr=lr, seed=seed, device=device)
+        loop = _Loop(model, guide, data, plan, options, lr=lr, seed=seed)
         return loop.run()
 
 
-_FLAT_CHECKED = ("warmup", "checkpoint_dir", "checkpoint_every", "resume", "overwrite", "patience")
+_FLAT_CHECKED = (
+    "num_steps",
+    "warmup",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "resume",
+    "overwrite",
+    "patience",
+)
 
 
 class _Options(NamedTuple):
@@ -367,10 +418,9 @@ class _Loop:
         *,
         lr: float,
         seed: int | None,
-        device: str | torch.device | None,
     ) -> None:
         self.model, self.guide, self.data, self.plan = model, guide, data, plan
-        self.device, self.seed = device, seed
+        self.device, self.seed = _device_of(model), seed
         self.validation, self.progress = options.validation, options.progress
         self.ckpt = options.checkpoint.path if options.checkpoint is not None else None
         self.resume = options.checkpoint is not None and options.checkpoint.resume
@@ -397,7 +447,6 @@ class _Loop:
         if self.seed is not None:
             pyro.set_rng_seed(self.seed)
         if self.device is not None:
-            model.to(self.device)
             guide.to(self.device)
         model.train(True)
         if not guide.sites:  # a guide over a plain Pyro model sets up from its first batch

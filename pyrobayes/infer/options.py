@@ -1,10 +1,11 @@
 """The grouped options of :func:`pyrobayes.fit`: small frozen records, checked when built.
 
-``fit`` itself takes what nearly every call sets (``epochs``/``num_steps``, ``lr``, ``seed``,
-``device``); the rest comes in four groups, each ``None`` (off / the family's defaults) unless
-given:
+``fit`` itself takes what nearly every call sets (``epochs``, ``lr``, ``seed``) and runs where the
+model's parameters are (``model.to(device)`` first); the rest comes in four groups, each ``None``
+(off / the family's defaults) unless given:
 
-- :class:`Optimization` - the objective, the optimizer and the learning-rate schedule;
+- :class:`Optimization` - the objective, the optimizer, the learning-rate schedule and a step
+  budget;
 - :class:`Validation` - held-out data, the selection criterion and early stopping;
 - :class:`Checkpointing` - the crash-safe checkpoint folder, its period, resume and overwrite;
 - :class:`Progress` - the progress bar and a per-step callback.
@@ -70,20 +71,28 @@ class Optimization:
         Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
         steps (an int), or that fraction of the run (a float < 1; 0.06 is the GLUE recipe of
         LoRA-XS, Bałazy et al., 2024).
+    num_steps : int, optional
+        A budget of optimizer steps: the fit ends after this many (with ``fit``'s ``epochs``,
+        whichever ends first; alone, it sets the run's length, as Pyro's ``svi.step`` loops do).
+        A named schedule's ``T`` is the run's length.
 
     Raises
     ------
     TypeError, ValueError
-        For a warm-up that is not a finite number >= 0 (the schedule checks the rest).
+        For a warm-up that is not a finite number >= 0 or a ``num_steps`` that is not an
+        integer >= 0 (the schedule checks the rest).
     """
 
     loss: Any = None
     optimizer: Any = None
     scheduler: str | Callable[[Any], Any] | None = None
     warmup: float = 0
+    num_steps: int | None = None
 
     def __post_init__(self) -> None:
         check_real("warmup", self.warmup, ge=0, owner="Optimization(): ")
+        if self.num_steps is not None:
+            check_int("num_steps", self.num_steps, ge=0, owner="Optimization(): ")
 
 
 @dataclass(frozen=True)
@@ -244,6 +253,7 @@ DEPRECATED_KEYWORDS: dict[str, tuple[str, str]] = {
     "optimizer": ("optim", "optimizer"),
     "scheduler": ("optim", "scheduler"),
     "warmup": ("optim", "warmup"),
+    "num_steps": ("optim", "num_steps"),
     "val_data": ("validation", "data"),
     "select_by": ("validation", "select_by"),
     "patience": ("validation", "patience"),
@@ -315,7 +325,7 @@ def upgrade_keywords(old: dict[str, Any], groups: dict[str, Any]) -> dict[str, A
     if unknown:
         raise TypeError(
             f"fit() got an unexpected keyword argument {unknown[0]!r}; it takes epochs, "
-            f"num_steps, lr, seed, device and the groups {', '.join(_GROUPS)}."
+            f"lr, seed and the groups {', '.join(_GROUPS)}."
         )
     spellings = []
     for group, cls in _GROUPS.items():

@@ -75,7 +75,8 @@ def check_schedule(
         )
     if total_steps is None:
         raise ValueError(
-            f"fit(scheduler={spec!r}) needs the number of steps: pass num_steps=..., or "
+            f"fit(scheduler={spec!r}) needs the number of steps: pass "
+            "optim=Optimization(num_steps=...), or "
             "epochs=... with a data loader that has a length."
         )
     num_warmup = int(round(warmup * total_steps)) if warmup < 1 else int(warmup)

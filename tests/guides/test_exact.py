@@ -34,7 +34,7 @@ def test_meanfield_recovers_exact_posterior():
     guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
     data = [(prob.x, prob.y)]  # full batch: the only noise is the reparameterization
     objective = pb.infer.objectives.ELBO(num_particles=32)
-    pb.fit(prob.model, guide, data, num_steps=1500, lr=0.02, optim=pb.Optimization(loss=objective))
+    pb.fit(prob.model, guide, data, lr=0.02, optim=pb.Optimization(loss=objective, num_steps=1500))
     # anneal, then average the last iterates (Polyak) to remove the optimizer's jitter
     locs, scales = [], []
 
@@ -47,9 +47,8 @@ def test_meanfield_recovers_exact_posterior():
         prob.model,
         guide,
         data,
-        num_steps=1500,
         lr=0.002,
-        optim=pb.Optimization(loss=objective),
+        optim=pb.Optimization(loss=objective, num_steps=1500),
         progress=pb.Progress(callback=record),
     )
     loc, scale = torch.stack(locs).mean(0), torch.stack(scales).mean(0)

@@ -230,10 +230,9 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
         model,
         guide,
         batches,
-        num_steps=steps,
         lr=lr,
         seed=123,
-        optim=pb.Optimization(optimizer=settings),
+        optim=pb.Optimization(optimizer=settings, num_steps=steps),
         progress=pb.Progress(callback=record),
     )
     assert len(ours) == steps
@@ -311,10 +310,9 @@ def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_w
         model,
         guide,
         batches,
-        num_steps=steps,
         lr=lr,
         seed=7,
-        optim=pb.Optimization(optimizer=settings),
+        optim=pb.Optimization(optimizer=settings, num_steps=steps),
         progress=pb.Progress(callback=record),
     )
     assert len(ours) == steps
@@ -339,10 +337,9 @@ def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0, settings=None)
         model,
         guide,
         data,
-        num_steps=steps,
         lr=lr,
         seed=seed,
-        optim=pb.Optimization(optimizer=settings),
+        optim=pb.Optimization(optimizer=settings, num_steps=steps),
         progress=pb.Progress(callback=record),
     )
     return torch.stack(locs).mean(0), torch.stack(scales).mean(0)
@@ -424,7 +421,9 @@ def test_default_beta2_lets_h_learn_within_a_fine_tuning_run():
     data = [(x[i : i + 20], y[i : i + 20]) for i in range(0, num, 20)]
     fitter = make_fitter(model, guide, lr=0.05)
     assert fitter.hyper["beta2"] == pb.infer.ivon.DEFAULT_BETA2 == 0.999
-    pb.fit(model, guide, data, num_steps=2000, lr=0.05, seed=0, progress=False)
+    pb.fit(
+        model, guide, data, optim=pb.Optimization(num_steps=2000), lr=0.05, seed=0, progress=False
+    )
     ratio = guide.scale("0.weight").detach().reshape(-1) / post_sd
     assert (ratio < 1.3).all() and (ratio > 0.8).all(), ratio
 
@@ -468,7 +467,7 @@ def test_posterior_predictive_and_registry():
 def test_save_load_roundtrip(tmp_path):
     model, x, y = _linear_model()
     guide = IVONGuide(model, mc_samples=2)
-    pb.fit(model, guide, [(x, y)], num_steps=5, lr=0.1, seed=0)
+    pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=5), lr=0.1, seed=0)
     pb.save(guide, tmp_path / "post.safetensors")
     again = pb.load(tmp_path / "post.safetensors", model)
     assert isinstance(again, IVONGuide)
@@ -485,7 +484,7 @@ def test_point_parameters_are_fitted_too():
     y = torch.randint(0, 3, (30,))
     head = model.net[2].weight.detach().clone()
     guide = IVONGuide(model)
-    result = pb.fit(model, guide, [(x, y)], num_steps=20, lr=0.1, seed=0)
+    result = pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=20), lr=0.1, seed=0)
     assert torch.isfinite(result.losses).all()
     assert (model.net[2].weight - head).abs().max() > 1e-4
 
@@ -497,7 +496,7 @@ def test_non_finite_loss_leaves_parameters_untouched():
     # finite data whose loss overflows (NaN data is refused earlier, as a data error)
     bad = (x, torch.full_like(y, 1e200))
     with pyro.validation_enabled(False), pytest.raises(FloatingPointError):
-        pb.fit(model, guide, [bad], num_steps=1, lr=0.1)
+        pb.fit(model, guide, [bad], optim=pb.Optimization(num_steps=1), lr=0.1)
     for s in guide.sites:
         torch.testing.assert_close(guide.loc(s), before[s])
 
@@ -567,10 +566,9 @@ def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, 
         model,
         guide,
         data,
-        num_steps=15,
         lr=0.1,
         seed=3,
-        optim=pb.Optimization(optimizer=settings),
+        optim=pb.Optimization(optimizer=settings, num_steps=15),
         progress=pb.Progress(callback=record),
     )
     reference = _reference_fit(
@@ -755,7 +753,13 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
             traj.append(torch.cat([w.reshape(-1), b]))
 
         pb.fit(
-            model, guide, data, num_steps=20, lr=0.2, seed=3, progress=pb.Progress(callback=record)
+            model,
+            guide,
+            data,
+            optim=pb.Optimization(num_steps=20),
+            lr=0.2,
+            seed=3,
+            progress=pb.Progress(callback=record),
         )
         return traj
 
@@ -766,7 +770,7 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
     net, model, data = _head_problem(pretrained=True)
     start = net[2].weight.detach().clone()
     guide = pb.posterior(model, family, mc_samples=mc_samples, hess_init=0.3, weight_decay=0.5)
-    pb.fit(model, guide, data, num_steps=20, lr=0.2, seed=3)
+    pb.fit(model, guide, data, optim=pb.Optimization(num_steps=20), lr=0.2, seed=3)
     zero_prior = net[2].weight.detach()
     centred_w = centred[-1][:12].reshape(3, 4)
     assert zero_prior.norm() < centred_w.norm()  # the zero prior shrank the head more

@@ -59,10 +59,11 @@ def test_exact_multi_output_linear_gaussian_posterior():
         model,
         guide,
         [(x, y)],
-        num_steps=300,
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),  # β2 of the factors
+        optim=pb.Optimization(
+            optimizer=pb.infer.IVON(beta2=0.0), num_steps=300
+        ),  # β2 of the factors
         progress=pb.Progress(callback=record),
     )
     post = guide.get_posterior("0.weight")
@@ -87,10 +88,9 @@ def test_factored_damping_is_a_matrix_normal_with_noisy_kfac_covariance():
         model,
         guide,
         [(x, y)],
-        num_steps=3,
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=3),
     )
     post = guide.get_posterior("0.weight")
     assert isinstance(post, MatrixNormal)
@@ -111,10 +111,9 @@ def test_lora_xs_core_hooks_give_the_exact_posterior():
         prob.model,
         guide,
         [(prob.x, prob.y)],
-        num_steps=2,
         lr=0.05,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=2),
     )
     post = guide.get_posterior(prob.site)
     torch.testing.assert_close(post.variance.sqrt(), prob.post_scale, rtol=1e-6, atol=1e-8)
@@ -142,8 +141,8 @@ def test_mc_fisher_matches_the_ggn_in_expectation_for_gaussian():
     # for a Gaussian likelihood E_y[∇l∇lᵀ] = GGN: the MC-Fisher G is unbiased for I/s²
     model, x, y, mean, cov = _multi_output()
     guide = KroneckerIVONGuide(model, fisher="mc", mc_samples=4)
-    optim = pb.Optimization(optimizer=pb.infer.IVON(beta2=0.995))
-    pb.fit(model, guide, [(x, y)], num_steps=800, lr=0.05, seed=0, optim=optim)
+    optim = pb.Optimization(optimizer=pb.infer.IVON(beta2=0.995), num_steps=800)
+    pb.fit(model, guide, [(x, y)], lr=0.05, seed=0, optim=optim)
     _, G = guide.factors("0.weight")
     # G started at I (h0 = 1) and relaxes to I/s² = 4 I with rate 5e-3 per step
     target = 4.0 * (1 - 0.995**800) + 0.995**800
@@ -153,7 +152,7 @@ def test_mc_fisher_matches_the_ggn_in_expectation_for_gaussian():
 def test_save_load_keeps_factors(tmp_path):
     model, x, y, *_ = _multi_output(bias=True)
     guide = KroneckerIVONGuide(model, mc_samples=2)
-    pb.fit(model, guide, [(x, y)], num_steps=7, lr=0.1, seed=0)
+    pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=7), lr=0.1, seed=0)
     pb.save(guide, tmp_path / "p.safetensors")
     again = pb.load(tmp_path / "p.safetensors", model)
     assert isinstance(again, KroneckerIVONGuide)
@@ -206,10 +205,9 @@ def test_kron_guide_with_frozen_isotropic_factors_equals_ivon_guide():
             model,
             guide,
             [(x[:25], y[:25]), (x[25:], y[25:])],
-            num_steps=30,
             lr=0.1,
             seed=3,
-            optim=pb.Optimization(optimizer=settings),
+            optim=pb.Optimization(optimizer=settings, num_steps=30),
             progress=pb.Progress(
                 callback=lambda s, v, g=guide, t=traj: t.append(g.loc("0.weight").detach().clone())
             ),
@@ -316,10 +314,9 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
         model,
         guide,
         [(x, y)],
-        num_steps=1,
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=1),
     )
     A_in, G_A = guide.factors(sites["lora_A"])
     assert A_in.shape == (5, 5) and G_A.shape == (2, 2)
@@ -330,7 +327,7 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
         assert not torch.allclose(F_, F_[0, 0] * torch.eye(F_.shape[0]))
         assert torch.linalg.eigvalsh(F_).min() > -1e-12
     # and it fits: the loss goes down over a few epochs, predictions are finite
-    result = pb.fit(model, guide, [(x, y)], num_steps=30, lr=0.5, seed=1)
+    result = pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=30), lr=0.5, seed=1)
     assert result.losses[-5:].mean() < result.losses[:5].mean()
     pred = pb.predict(model, guide, [(x, y)], num_samples=4)
     assert torch.isfinite(pred.log_probs).all()
@@ -352,10 +349,9 @@ def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
             model,
             guide,
             [batch],
-            num_steps=1,
             lr=0.1,
             seed=0,
-            optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+            optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=1),
         )  # β2 = 0
     finally:
         IVONOptimizer.training_sample = sample
@@ -460,10 +456,9 @@ def test_sites_with_equal_inputs_and_different_outputs():
         model,
         guide,
         [(x, y)],
-        num_steps=2,
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0)),
+        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=2),
     )
     assert len(guide.kron_sites) == 2  # the two weights (the biases are diagonal sites)
     shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide.kron_sites}

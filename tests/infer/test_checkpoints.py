@@ -111,7 +111,13 @@ def test_sigkill_and_resume_is_bit_identical(case, killed):
 
 def test_generations_pointer_and_cleanup(tmp_path):
     model, guide, loader = kill_fit.problem("map")
-    pb.fit(model, guide, loader, num_steps=3, checkpoint=pb.Checkpointing(tmp_path, every=1))
+    pb.fit(
+        model,
+        guide,
+        loader,
+        optim=pb.Optimization(num_steps=3),
+        checkpoint=pb.Checkpointing(tmp_path, every=1),
+    )
     assert (tmp_path / "LATEST").read_text().strip() == "ckpt-000003"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "ckpt-000003"]
     files = {p.name for p in (tmp_path / "ckpt-000003").iterdir()}
@@ -225,7 +231,11 @@ def test_a_new_fit_into_a_used_folder_needs_overwrite(tmp_path):
     assert str(tmp_path) in str(err.value) and "overwrite=True" in str(err.value)
     assert latest(tmp_path) == before  # refused before anything was touched
     result = pb.fit(
-        model, guide, loader, num_steps=2, checkpoint=pb.Checkpointing(tmp_path, overwrite=True)
+        model,
+        guide,
+        loader,
+        optim=pb.Optimization(num_steps=2),
+        checkpoint=pb.Checkpointing(tmp_path, overwrite=True),
     )
     # a num_steps fit ends with a checkpoint of its own, which replaces the other run's
     assert result.state["step"] == 2 and latest(tmp_path) != before and not before.exists()
@@ -234,7 +244,7 @@ def test_a_new_fit_into_a_used_folder_needs_overwrite(tmp_path):
         model,
         guide,
         loader,
-        num_steps=2,
+        optim=pb.Optimization(num_steps=2),
         checkpoint=pb.Checkpointing(tmp_path, overwrite=True, every=1),
     )
     meta = json.loads((latest(tmp_path) / "state.json").read_text())
@@ -373,7 +383,7 @@ def test_resume_without_a_length(tmp_path, monkeypatch, write):
     assert json.loads((latest(tmp_path) / "state.json").read_text())["step"] == write - 1
     _assert_same(run(checkpoint_dir=tmp_path, resume=True), reference, f"unsized, write {write}")
     with pytest.raises(ValueError, match="no batches"):
-        pb.fit(*kill_fit.problem("map")[:2], _Unsized([]), num_steps=2)
+        pb.fit(*kill_fit.problem("map")[:2], _Unsized([]), optim=pb.Optimization(num_steps=2))
 
 
 # ---------------------------------------------------------------- damaged pointer and state files

@@ -109,7 +109,7 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
         )
         state = {"best_epoch": torch.tensor(result.state["best_epoch"])}
     else:
-        pb.fit(model, guide, batches, num_steps=STEPS, lr=LR[family], seed=3)
+        pb.fit(model, guide, batches, optim=pb.Optimization(num_steps=STEPS), lr=LR[family], seed=3)
         state = {}
     state |= {f"guide.{k}": v.detach().clone() for k, v in guide.state_dict().items()}
     state.update({f"model.{k}": v.detach().clone() for k, v in model.point_params.items()})
@@ -173,7 +173,7 @@ def _nan_worker(rank: int, init_file: str, out_dir: str) -> None:
             x[0, 0] = float("nan")
         guide = pb.posterior(model, "map")
         try:
-            pb.fit(model, guide, [(x, y)], num_steps=2, seed=0)
+            pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=2), seed=0)
             raised = "nothing"
         except FloatingPointError:
             raised = "FloatingPointError"

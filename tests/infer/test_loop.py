@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pyro
@@ -25,7 +26,7 @@ def test_epochs_and_steps_and_seed():
     g2 = pb.guides.MeanFieldGuide(prob2.model)
     r2 = pb.fit(prob2.model, g2, data, epochs=2, seed=3)
     assert torch.equal(r1.losses, r2.losses)  # same seed, same trajectory
-    r3 = pb.fit(prob.model, g1, data, num_steps=3)
+    r3 = pb.fit(prob.model, g1, data, optim=pb.Optimization(num_steps=3))
     assert len(r3.losses) == 3
     with pytest.raises(ValueError, match="epochs"):
         pb.fit(prob.model, g1, data)
@@ -77,7 +78,7 @@ def test_non_finite_loss_stops_before_update_and_keeps_checkpoint(tmp_path):
             prob.model,
             guide,
             bad,
-            num_steps=1,
+            optim=pb.Optimization(num_steps=1),
             checkpoint=pb.Checkpointing(tmp_path, overwrite=True),
         )
     for k, v in guide.state_dict().items():
@@ -90,7 +91,9 @@ def test_non_finite_loss_stops_before_update_and_keeps_checkpoint(tmp_path):
 def test_empty_data_is_an_error():
     prob = conjugate_core()
     with pytest.raises(ValueError, match="no batches"):
-        pb.fit(prob.model, pb.guides.MeanFieldGuide(prob.model), [], num_steps=2)
+        pb.fit(
+            prob.model, pb.guides.MeanFieldGuide(prob.model), [], optim=pb.Optimization(num_steps=2)
+        )
 
 
 def test_old_keywords_still_work_with_a_deprecation_warning(tmp_path):
@@ -133,6 +136,36 @@ def test_old_keywords_still_work_with_a_deprecation_warning(tmp_path):
         pb.fit(prob.model, pb.posterior(prob.model, "map"), data, epochs=1, resume=True)
 
 
+def test_fit_takes_ten_parameters_and_the_earlier_num_steps_and_device_still_work():
+    params = inspect.signature(pb.fit).parameters
+    assert len(params) <= 10, list(params)
+    assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    torch.manual_seed(0)
+    new = pb.fit(
+        prob.model,
+        pb.posterior(prob.model, "map"),
+        data,
+        seed=0,
+        optim=pb.Optimization(num_steps=3),
+    )
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    with pytest.warns(DeprecationWarning) as seen:
+        old = pb.fit(
+            prob.model, pb.posterior(prob.model, "map"), data, seed=0, num_steps=3, device="cpu"
+        )
+    messages = " ".join(str(w.message) for w in seen)
+    assert "num_steps= -> optim=pyrobayes.Optimization(num_steps=...)" in messages
+    assert "model.to(device)" in messages
+    assert len(new.losses) == 3
+    assert torch.equal(old.losses, new.losses)
+    # a fit with only a step budget and without epochs is told where the budget goes
+    with pytest.raises(ValueError, match=r"optim=Optimization\(num_steps=\.\.\.\)"):
+        pb.fit(prob.model, pb.posterior(prob.model, "map"), data)
+
+
 def test_a_group_given_both_ways_or_an_unknown_keyword_is_refused():
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y)
@@ -157,11 +190,24 @@ def test_a_fit_ended_by_num_steps_leaves_a_resumable_checkpoint(tmp_path):
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y)
     assert len(data) == 4
-    full = pb.fit(prob.model, pb.posterior(prob.model, "ivon"), data, num_steps=11, seed=0)
+    full = pb.fit(
+        prob.model,
+        pb.posterior(prob.model, "ivon"),
+        data,
+        optim=pb.Optimization(num_steps=11),
+        seed=0,
+    )
     torch.manual_seed(0)
     prob_b = conjugate_core()
     guide_b = pb.posterior(prob_b.model, "ivon")
-    pb.fit(prob_b.model, guide_b, data, num_steps=6, seed=0, checkpoint=pb.Checkpointing(tmp_path))
+    pb.fit(
+        prob_b.model,
+        guide_b,
+        data,
+        optim=pb.Optimization(num_steps=6),
+        seed=0,
+        checkpoint=pb.Checkpointing(tmp_path),
+    )
     folder = latest(tmp_path)
     assert folder is not None
     meta = json.loads((folder / "state.json").read_text())
@@ -173,7 +219,7 @@ def test_a_fit_ended_by_num_steps_leaves_a_resumable_checkpoint(tmp_path):
         prob_c.model,
         guide_c,
         data,
-        num_steps=11,
+        optim=pb.Optimization(num_steps=11),
         seed=0,
         checkpoint=pb.Checkpointing(tmp_path, resume=True),
     )
@@ -219,12 +265,24 @@ def test_a_diverging_fit_is_reported():
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y)
     with pytest.warns(pb.DivergenceWarning, match=r"diverging.*steps 1\.\.10.*lr=1e\+06"):
-        result = pb.fit(prob.model, pb.posterior(prob.model, "map"), data, num_steps=20, lr=1e6)
+        result = pb.fit(
+            prob.model,
+            pb.posterior(prob.model, "map"),
+            data,
+            optim=pb.Optimization(num_steps=20),
+            lr=1e6,
+        )
     assert result.losses.isfinite().all() and result.losses[10:].min() > 1e3 * result.losses[0]
     # the same fit at a sane step size does not warn (warnings are errors in the suite)
     torch.manual_seed(0)
     prob = conjugate_core()
-    pb.fit(prob.model, pb.posterior(prob.model, "map"), data, num_steps=20, lr=1e-2)
+    pb.fit(
+        prob.model,
+        pb.posterior(prob.model, "map"),
+        data,
+        optim=pb.Optimization(num_steps=20),
+        lr=1e-2,
+    )
 
 
 def test_the_progress_bar_is_on_in_interactive_use_only(monkeypatch):

@@ -83,7 +83,7 @@ def test_objective_errors_are_clear():
         pb.infer.ELBO().loss(prob.model, guide, prob.x)
     with pytest.raises(ValueError, match="Unknown objective"):
         pb.fit(
-            prob.model, guide, [(prob.x, prob.y)], num_steps=1, optim=pb.Optimization(loss="elbow")
+            prob.model, guide, [(prob.x, prob.y)], optim=pb.Optimization(loss="elbow", num_steps=1)
         )
     with pytest.raises(ValueError, match="num_particles"):
         pb.infer.ELBO(num_particles=0)
@@ -99,9 +99,8 @@ def _scale_after(scale_lr: float, steps: int, lr: float) -> tuple[torch.Tensor, 
         prob.model,
         guide,
         [(prob.x, prob.y)],
-        num_steps=steps,
         lr=lr,
-        optim=pb.Optimization(loss=objective),
+        optim=pb.Optimization(loss=objective, num_steps=steps),
         progress=False,
     )
     return guide.scale(prob.site).detach(), prob.post_scale

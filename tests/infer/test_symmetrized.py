@@ -73,7 +73,7 @@ def test_pyro_svi_and_pb_fit_give_the_same_loss_on_the_same_draws():
     svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.0}), SymmetrizedELBO())
     svi_loss = svi.step(batch)
     guide.load_state_dict(state)
-    result = pb.fit(model, guide, [batch], num_steps=1, lr=0.0, seed=5)
+    result = pb.fit(model, guide, [batch], optim=pb.Optimization(num_steps=1), lr=0.0, seed=5)
     assert result.state["objective"] == "BatchedSymmetrizedELBO"
     assert result.losses[0].item() == pytest.approx(svi_loss, rel=1e-10)
     # and it is not the plain ELBO: I_K moved it
@@ -98,7 +98,9 @@ def test_pyro_differentiable_loss_matches_the_batched_gradient():
 def test_fit_reports_l_k_and_the_plain_elbo_and_trains():
     model, batch = _problem()
     guide = _guide(model, num_permutations=16)
-    result = pb.fit(model, guide, [batch], num_steps=30, lr=1e-2, seed=0, progress=False)
+    result = pb.fit(
+        model, guide, [batch], optim=pb.Optimization(num_steps=30), lr=1e-2, seed=0, progress=False
+    )
     terms = result.state["terms"]
     assert set(terms) == {"L_K", "elbo", "I_K"}
     assert all(t.shape == (30,) for t in terms.values())
@@ -142,7 +144,15 @@ def test_a_saturated_i_k_warns_once_with_the_reason():
     with pytest.warns(
         RuntimeWarning, match="I_K saturated at log K.*inert on this model because"
     ) as record:
-        result = pb.fit(model, guide, [batch], num_steps=steps, lr=1e-3, seed=0, progress=False)
+        result = pb.fit(
+            model,
+            guide,
+            [batch],
+            optim=pb.Optimization(num_steps=steps),
+            lr=1e-3,
+            seed=0,
+            progress=False,
+        )
     assert sum("I_K saturated" in str(w.message) for w in record) == 1
     i_k = result.state["terms"]["I_K"]
     assert torch.allclose(i_k, torch.full_like(i_k, torch.log(torch.tensor(8.0)).item()))
@@ -161,7 +171,13 @@ def test_an_engaged_i_k_does_not_warn():
         for site in guide.sites:
             guide.base.loc_param(site).normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
     result = pb.fit(
-        model, guide, [batch], num_steps=SATURATION_PATIENCE + 10, lr=1e-3, seed=0, progress=False
+        model,
+        guide,
+        [batch],
+        optim=pb.Optimization(num_steps=SATURATION_PATIENCE + 10),
+        lr=1e-3,
+        seed=0,
+        progress=False,
     )
     i_k = result.state["terms"]["I_K"]
     assert float(i_k.mean()) < torch.log(torch.tensor(8.0)).item() - 0.5
@@ -183,7 +199,14 @@ def test_a_near_saturated_i_k_counts_as_inert():
         for site in guide.sites:
             guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
     with pytest.warns(RuntimeWarning, match="I_K saturated at log K"):
-        pb.fit(model, guide, [batch], num_steps=SATURATION_PATIENCE, lr=1e-3, seed=0)
+        pb.fit(
+            model,
+            guide,
+            [batch],
+            optim=pb.Optimization(num_steps=SATURATION_PATIENCE),
+            lr=1e-3,
+            seed=0,
+        )
     inert, nearest = guide.last_saturation
     assert inert and nearest < INERT_LOG_RATIO
 
@@ -206,7 +229,15 @@ def test_an_inert_i_k_fits_exactly_as_the_base():
                 gen = torch.Generator().manual_seed(2)
                 base.loc_param(site).normal_(0.0, 0.5, generator=gen)
         steps = SATURATION_PATIENCE - 1  # below the patience: no warning here
-        pb.fit(model, guide, [batch], num_steps=steps, lr=1e-2, seed=0, progress=False)
+        pb.fit(
+            model,
+            guide,
+            [batch],
+            optim=pb.Optimization(num_steps=steps),
+            lr=1e-2,
+            seed=0,
+            progress=False,
+        )
         fitted[family] = {k: v.clone() for k, v in base.state_dict().items()}
         if family == "symmetrized":
             assert guide.last_saturation[0]

@@ -220,7 +220,7 @@ def test_frozen_weights_never_in_param_store_and_unchanged_by_fit():
     }
     batch = _bert_batch()
     guide = pb.posterior(model, "meanfield")
-    result = pb.fit(model, guide, [batch, batch], num_steps=20, lr=0.05)
+    result = pb.fit(model, guide, [batch, batch], optim=pb.Optimization(num_steps=20), lr=0.05)
     import pyro
 
     # run through Pyro too: the param store then holds only guide params and the head

@@ -265,7 +265,9 @@ def test_learned_noise_recovers_a_known_level():
     assert lik.obs_scale == pytest.approx(1.0)  # starts at σ = 1
     guide = pb.posterior(model, "map")
     assert any(q is model.point_params[NOISE_PARAM] for q in trainable_parameters(model, guide))
-    pb.fit(model, guide, [(x, y.unsqueeze(-1))], num_steps=200, lr=0.05, seed=0)
+    pb.fit(
+        model, guide, [(x, y.unsqueeze(-1))], optim=pb.Optimization(num_steps=200), lr=0.05, seed=0
+    )
     sigma_hat = lik.obs_scale
     # Tolerance. With Gaussian residuals e_n, σ̂² = (1/N) Σ e_n² has variance 2σ⁴/N, so by the
     # delta method (σ̂ = sqrt(σ̂²), dσ/dσ² = 1/(2σ)) sd(σ̂) ≈ σ/√(2N) = 0.3/√4000 ≈ 0.0047.
