@@ -14,6 +14,15 @@ plain MAP step.
   bfloat16 (nothing downloaded), LoRA-XS r = 8 on q_proj/v_proj (random Haar bases: an SVD of
   64 matrices of 4096² would dominate the check's time budget); batch 4 × 128 tokens.
 
+* **job**: the causal-LM multiple-choice job (``pyrobayes fit`` with a ``[causal_lm]`` section,
+  :mod:`pyrobayes.demo.causal_lm`) end to end — zero-shot row, MAP and the Laplace-LoRA recipe
+  (Kronecker Laplace over LoRA-XS cores, marginal-likelihood prior), predict with S = 4 draws
+  over the shared prompt, table and ArviZ export — on ``LlamaForCausalLM`` with the LLaMA-2-7B
+  shape in bfloat16 (random weights on the device, ByT5's byte-level tokenizer, random
+  LoRA-XS bases) and a synthetic 3-choice arithmetic task of 40 questions (16 train, 8
+  validation, 16 test). Reports the job's wall time and peak memory; the accuracy of random
+  weights means nothing.
+
 Nothing is downloaded. ``--tiny`` swaps both for tiny random networks so that the script runs on
 CPU in seconds (the test suite runs it that way). Post-hoc curvature (Laplace's ``end``) runs for
 MiniLM only unless ``--laplace-end``. Run::
@@ -203,6 +212,66 @@ def check(name: str, args: argparse.Namespace, device: torch.device) -> dict[str
     return out
 
 
+def _arithmetic_task(folder: Path, num: int = 40) -> Path:
+    """A JSON multiple-choice file of ``num`` 3-choice sums (the right answer first)."""
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.randint(1, 50, (num, 2), generator=g).tolist()
+    records = [
+        {"question": f"What is {a} plus {b}?", "choices": [str(a + b), str(a + b + 1), str(a * b)],
+         "answer": 0}
+        for a, b in pairs
+    ]  # fmt: skip
+    path = folder / "arithmetic.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def _llama7b_causal(device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """``LlamaForCausalLM`` with the LLaMA-2-7B shape, random bfloat16 weights on ``device``."""
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=512, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    return net.eval(), ByT5Tokenizer()
+
+
+def causal_lm_job(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
+    """The causal-LM job on the 7B LLaMA shape (the tiny LLaMA with ``--tiny``)."""
+    from unittest import mock
+
+    from pyrobayes.demo import causal_lm
+
+    user = {
+        "causal_lm": {
+            "dtype": "float32" if args.tiny else "bfloat16",
+            "max_length": 64,
+            "task": {"path": str(_arithmetic_task(folder)), "format": "json",
+                     "num_train": 16, "num_val": 8, "num_test": 16, "batch_size": 4},
+        },
+        "adapter": {"kind": "lora_xs", "rank": 8, "target_modules": ["q_proj", "v_proj"],
+                    "projection": "random"},
+        "families": ["map", "laplace"],
+        "training": {"epochs": 1, "device": str(device)},
+        "predict": {"num_samples": 4},
+        "export": {"num_samples": 4, "num_batches": 1},
+    }  # fmt: skip
+    config = causal_lm.resolve_config(user)
+    base = causal_lm.load_base if args.tiny else (lambda _: _llama7b_causal(device))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with mock.patch.object(causal_lm, "load_base", base):
+        records = causal_lm.run(config, folder / "run", progress_bar=False)
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {"seconds": time.perf_counter() - start, "peak_bytes": peak, "records": records}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -210,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per family")
     parser.add_argument("--models", nargs="+", default=["minilm", "llama7b"])
     parser.add_argument("--laplace-end", action="store_true", help="Laplace curvature at 7B too")
+    parser.add_argument("--no-job", action="store_true", help="skip the causal-LM job check")
+    parser.add_argument("--job-dir", type=Path, default=Path("runs/gpu_check_job"))
     parser.add_argument("--out", type=Path, default=None, help=f"JSON results (e.g. {RESULTS})")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -219,6 +290,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tiny": args.tiny,
         "models": {name: check(name, args, device) for name in args.models},
     }
+    if not args.no_job:
+        args.job_dir.mkdir(parents=True, exist_ok=True)
+        job = causal_lm_job(args, device, args.job_dir)
+        results["causal_lm_job"] = job
+        print(f"\ncausal-LM job ({'tiny LLaMA' if args.tiny else '7B LLaMA shape, bf16'}): "
+              f"{job['seconds']:.1f} s, peak {job['peak_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+        for r in job["records"]:
+            print(
+                f"{r['family']:>10} acc {r['accuracy']:.3f} nll {r['nll']:.3f} ece {r['ece']:.3f}"
+            )
     for name, res in results["models"].items():
         plain = res["plain_map"]
         print(f"\n{name}: plain LoRA-XS MAP step {plain['step_s'] * 1e3:.1f} ms, "

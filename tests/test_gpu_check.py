@@ -19,7 +19,10 @@ def test_gpu_check_runs_every_family_on_cpu_with_tiny_networks(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "gpu_check.json"
-    results = module.main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out)])
+    results = module.main(
+        ["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out),
+         "--job-dir", str(tmp_path / "job")]
+    )  # fmt: skip
     assert out.exists()
     families = {cls.family for cls in _REGISTRY.values()}
     assert set(results["models"]) == {"minilm", "llama7b"}
@@ -30,3 +33,9 @@ def test_gpu_check_runs_every_family_on_cpu_with_tiny_networks(tmp_path):
             assert math.isfinite(row["step_ratio"]) and row["step_ratio"] > 0
             assert "end_s" in row  # post-hoc families finished their posterior
         assert math.isfinite(res["predict_s16"]["ratio"])
+    # the causal-LM job ran end to end: zero-shot, MAP and Laplace rows with finite metrics
+    job = results["causal_lm_job"]
+    assert [r["family"] for r in job["records"]] == ["zero-shot", "map", "laplace"]
+    for r in job["records"]:
+        assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["nll"]) and r["nll"] > 0
+    assert (tmp_path / "job" / "run" / "table.md").exists()
