@@ -10,8 +10,9 @@ import pyrobayes as pb
 
 args = parse_args(__doc__)
 model, train, test, x_ood = setup(args.smoke, args.seed)
-guide = pb.posterior(model, "kron-ivon", hess_init=0.1, T_inv=5)
-ivon = pb.Optimization(optimizer=pb.infer.IVON(beta2=0.999))  # the factors' EMA: the fit's
+guide = pb.posterior(model, "kron-ivon", hess_init=0.1)
+# the fit's settings, not q's: the factors' EMA and their re-decomposition every 5 steps
+ivon = pb.Optimization(optimizer=pb.infer.KronIVON(beta2=0.999, T_inv=5))
 epochs = 2 if args.smoke else 60
 result = pb.fit(model, guide, train, epochs=epochs, lr=0.1, seed=args.seed, optim=ivon)
 site = next(iter(guide.sites))

@@ -167,12 +167,10 @@ class OnlineNewton(Protocol):
         λ, the effective sample size.
     weight_decay : float
         δ, the prior precision per unit ``ess``.
-    mc_samples : int
-        S, the draws per step.
     hyper : dict
         The posterior's constants the update reads (``ess``, ``hess_init``, ``weight_decay``,
         ``point_weight_decay``, ``point_prior_loc``); the optimizer's settings (``lr``, the β's,
-        the clip radius, ...) are the fitter's (:class:`pyrobayes.infer.IVON`).
+        the clip radius, the draws per step, ...) are the fitter's (:class:`pyrobayes.infer.IVON`).
     state_dtype : torch.dtype
         The dtype of ``m`` and the curvature (float32 for half-precision weights).
     param_dtype : dict
@@ -181,7 +179,6 @@ class OnlineNewton(Protocol):
 
     ess: float
     weight_decay: float
-    mc_samples: int
     hyper: dict[str, Any]
     state_dtype: torch.dtype
     param_dtype: dict[str, torch.dtype]

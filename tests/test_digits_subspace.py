@@ -151,8 +151,9 @@ def run_seed(
     out["laplace_kron"] = pb.metrics.report(glm, y_test)
     out["laplace_kron"]["tau"] = lap.prior_precision
     model = _model(seed, projection, calibration)
-    swag = SWAGGuide(model, rank=5, scale=0.5, start_epoch=EPOCHS // 2)
-    pb.fit(model, swag, train, epochs=EPOCHS, lr=1e-2, seed=seed)
+    swag = SWAGGuide(model, rank=5, scale=0.5)
+    optim = pb.Optimization(optimizer=pb.infer.SWAG(start_epoch=EPOCHS // 2))
+    pb.fit(model, swag, train, epochs=EPOCHS, lr=1e-2, seed=seed, optim=optim)
     out["swag"] = pb.metrics.report(pb.predict(model, swag, test, num_samples=15), y_test)
     out["swag_map"] = pb.metrics.report(
         pb.predict(model, swag, test, values={s: v[None] for s, v in swag.mean().items()}), y_test

@@ -36,6 +36,7 @@ from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
 from ..infer.ivon import IVON
 from ..infer.loop import fit
 from ..infer.options import Optimization, Progress, Validation
+from ..infer.swag import SWAG
 from ..io import load, save
 from ..models import FineTuneModel, SigmaNorm
 from ..models.accounting import count_parameters
@@ -142,7 +143,8 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
         "init": "map",
         "epochs": 1,
         "validate": False,
-        "options": {"rank": 5, "collect_every_steps": 4},
+        "options": {"rank": 5},
+        "optimizer": SWAG(collect_every_steps=4),
     },
     # at the MAP: only the curvature pass and the prior-precision search remain; the predictive
     # is the family's default (the linearised one, MC over f(x; θ̂) + J(x)(θ − θ̂))

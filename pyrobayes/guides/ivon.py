@@ -6,14 +6,13 @@ Shen et al., 2024, "Variational Learning is Effective for Large Deep Networks" (
           \ \text{ to }\ \min_q\ \mathbb E_q[\bar\ell(θ)] + \tfrac1λ \mathrm{KL}\big(q \,\|\, \mathcal N(0, (λδ)^{-1} I)\big)
 
 with ``ℓ̄`` the per-example mean data NLL, ``λ = ess`` and ``δ = weight_decay``. This module holds
-the posterior only: the means ``m`` (Pyro params), the curvature ``h`` (buffers) and the options.
+the posterior only: the means ``m`` (Pyro params), the curvature ``h`` (buffers) and the options that define q.
 :class:`pyrobayes.infer.ivon.IVONFitter` fits them (``default_fitter = "ivon"``). The guide is a
 proper Normal, so ``pyro.infer.Predictive(model, guide=guide, num_samples=S)`` works unchanged.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, ClassVar
 
 import pyro.distributions as dist
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..models.adapters import check_int, check_real
+from ._fit_options import warn_fit_settings
 from .base import SitewiseKL
 from .joint import SitePacking
 
@@ -63,11 +63,9 @@ class IVONGuide(SitePacking, SitewiseKL):
         their values when fitting starts (L2-SP, Li et al. 2018), so that ``δ (m − μ0)`` pulls a
         *pretrained* head towards where it started rather than towards 0. The sites' prior mean
         is 0 either way.
-    mc_samples : int
-        S, samples per step (1), evaluated in one batched forward.
-    lr, beta1, beta2, hess_approx, clip_radius, debias, rescale_lr : optional
+    lr, beta1, beta2, hess_approx, clip_radius, debias, rescale_lr, mc_samples : optional
         Deprecated here: settings of the fit, not of the posterior. Pass them to the fitter as
-        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON(lr=..., beta2=...)))``
+        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON(lr=..., mc_samples=...)))``
         (:class:`pyrobayes.infer.IVON`); given here they still reach the fitter for one
         release, with a ``DeprecationWarning``, and are not saved with the posterior.
     init_loc : {"model", "zero"}
@@ -81,9 +79,9 @@ class IVONGuide(SitePacking, SitewiseKL):
 
     Examples
     --------
-    >>> guide = IVONGuide(model, hess_init=0.5, mc_samples=2)          # doctest: +SKIP
+    >>> guide = IVONGuide(model, hess_init=0.5)                         # doctest: +SKIP
     >>> pyrobayes.fit(model, guide, loader, epochs=3, lr=0.1)          # doctest: +SKIP
-    >>> ivon = pyrobayes.infer.IVON(beta2=0.9999, clip_radius=1e-3)    # doctest: +SKIP
+    >>> ivon = pyrobayes.infer.IVON(beta2=0.9999, mc_samples=2)        # doctest: +SKIP
     >>> pyrobayes.fit(model, guide, loader, epochs=3, lr=0.1,
     ...               optim=pyrobayes.Optimization(optimizer=ivon))   # doctest: +SKIP
     """
@@ -101,7 +99,10 @@ class IVONGuide(SitePacking, SitewiseKL):
         "clip_radius",
         "debias",
         "rescale_lr",
+        "mc_samples",
     )
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "IVON"
 
     def __init__(
         self,
@@ -114,7 +115,7 @@ class IVONGuide(SitePacking, SitewiseKL):
         weight_decay: float | None = None,
         point_weight_decay: float | None = None,
         point_prior_loc: str = "zero",
-        mc_samples: int = 1,
+        mc_samples: int | None = None,
         hess_approx: str | None = None,
         clip_radius: float | None = None,
         debias: bool | None = None,
@@ -139,7 +140,6 @@ class IVONGuide(SitePacking, SitewiseKL):
             point_weight_decay = weight_decay
         point_weight_decay = check_real("point_weight_decay", point_weight_decay, ge=0, owner=owner)
         hess_init = check_real("hess_init", hess_init, gt=0, owner=owner)
-        mc_samples = check_int("mc_samples", mc_samples, ge=1, owner=owner)
         if point_prior_loc not in ("zero", "init"):
             raise ValueError(
                 f"Expected point_prior_loc 'zero' or 'init' but got {point_prior_loc!r}."
@@ -154,11 +154,11 @@ class IVONGuide(SitePacking, SitewiseKL):
             "clip_radius": clip_radius,
             "debias": debias,
             "rescale_lr": rescale_lr,
+            "mc_samples": mc_samples,
         }
         self._legacy_fit_options(owner, given)
         self.ess = float(ess)
         self.weight_decay = float(weight_decay)
-        self.mc_samples = int(mc_samples)
         #: the posterior's constants (the fitter adds its own settings to them)
         self.hyper: dict[str, Any] = {
             "ess": self.ess,
@@ -175,8 +175,10 @@ class IVONGuide(SitePacking, SitewiseKL):
         super().__init__(model)
 
     def _legacy_fit_options(self, owner: str, given: dict[str, Any]) -> None:
-        """Keep the optimizer settings passed to the constructor (deprecated) for the fitter."""
+        """Keep the fit settings passed to the constructor (deprecated) for the fitter, checked
+        here so that a bad value is refused by name before the warning."""
         given = {k: v for k, v in given.items() if v is not None}
+        given.update(self.__dict__.pop("_more_fit_settings", {}))  # a subclass' own
         if "beta1" in given:
             check_real("beta1", given["beta1"], ge=0, lt=1, owner=owner)
         if "beta2" in given:
@@ -185,22 +187,15 @@ class IVONGuide(SitePacking, SitewiseKL):
             check_real("clip_radius", given["clip_radius"], gt=0, owner=owner)
         if "lr" in given:
             check_real("lr", given["lr"], ge=0, owner=owner)
+        if "mc_samples" in given:
+            given["mc_samples"] = check_int("mc_samples", given["mc_samples"], ge=1, owner=owner)
         if given.get("hess_approx", "price") not in ("price", "gradsq"):
             raise ValueError(
                 f"Expected hess_approx 'price' or 'gradsq' but got {given['hess_approx']!r}."
             )
-        #: optimizer settings passed to the constructor (deprecated): the fitter's defaults
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
         self.fit_settings: dict[str, Any] = given
-        if given:
-            spelled = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            warnings.warn(
-                f"{owner}{', '.join(given)} are settings of the fit, not of the posterior: pass "
-                f"pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON({spelled}))) "
-                f"(or make_fitter(..., optimizer=pb.infer.IVON(...))). The guide keeps them for "
-                "its fitter for one release; they are no longer saved with the posterior.",
-                DeprecationWarning,
-                stacklevel=4,
-            )
+        warn_fit_settings(owner, given, self.fit_settings_class)
 
     def config(self) -> dict[str, Any]:
         """The posterior's constructor options (the deprecated fit settings left out)."""

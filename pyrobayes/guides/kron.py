@@ -13,14 +13,14 @@ default ``damping="exact"`` damps in the Kronecker eigenbasis
 
 Covered sites: LoRA-XS cores, LoRA factors ``A`` and ``B`` and whole latent ``nn.Linear``
 weights; biases and every other site are diagonal IVON sites (:class:`~pyrobayes.guides.IVONGuide`).
-This module holds the posterior only (factors, their eigendecompositions, the means); the
-statistics and the update are :mod:`pyrobayes.infer.kron`'s (``default_fitter = "kron-ivon"``).
+This module holds the posterior only (factors, their eigendecompositions, the means, the damping);
+the statistics, their schedule and the update are :mod:`pyrobayes.infer.kron`'s
+(``default_fitter = "kron-ivon"``, settings :class:`pyrobayes.infer.KronIVON`).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,23 +75,19 @@ class KroneckerIVONGuide(IVONGuide):
     Parameters
     ----------
     model : FineTuneModel
-    beta2, diag_beta2 : float, optional
-        Deprecated here (settings of the fit): ``pb.infer.IVON(beta2=..., diag_beta2=...)``
-        (the factors' EMA, default 0.99, and the diagonal sites' Hessian EMA, 0.99999).
     damping : {"exact", "factored"}
         Damping in the eigenbasis (``λ(γ aᵀ + δ)``) or Noisy K-FAC π-damping (matrix normal).
-    fisher : {"empirical", "mc", "ggn"}
-        ``G`` from the gradients of the observed-label loss, from one label sampled from the
-        model per example (an extra backward), or the exact GGN (one extra backward per output
-        for Gaussian / categorical likelihoods; ``"ggn_last"`` is an alias).
-    T_stats : int
-        Update the factors every ``T_stats`` steps.
-    T_inv : int
-        Re-decompose the factors every ``T_inv`` steps (and at the end of ``fit``).
+    beta2, diag_beta2, fisher, T_stats, T_inv : optional
+        Deprecated here: settings of the fit, not of the posterior (the factors' EMA, the
+        diagonal sites' Hessian EMA, the Fisher estimator of ``G`` and the statistics /
+        re-decomposition periods). Pass them to the fitter as ``pb.fit(...,
+        optim=pb.Optimization(optimizer=pb.infer.KronIVON(T_inv=..., fisher=...)))``
+        (:class:`pyrobayes.infer.KronIVON`); given here they still reach the fitter for one
+        release, with a ``DeprecationWarning``, and are not saved with the posterior.
     **kwargs
         :class:`~pyrobayes.guides.IVONGuide`'s options (``ess``, ``hess_init``,
-        ``weight_decay``, ``point_weight_decay``, ``point_prior_loc``, ``mc_samples``,
-        ``init_loc``). ``A`` and ``G`` start at ``sqrt(h0) I`` so ``A ⊗ G = h0 I``.
+        ``weight_decay``, ``point_weight_decay``, ``point_prior_loc``, ``init_loc``; its
+        deprecated fit settings). ``A`` and ``G`` start at ``sqrt(h0) I`` so ``A ⊗ G = h0 I``.
 
     Notes
     -----
@@ -102,7 +98,8 @@ class KroneckerIVONGuide(IVONGuide):
 
     family = "kron-ivon"
     default_fitter = "kron-ivon"
-    fit_options = (*IVONGuide.fit_options, "diag_beta2")
+    fit_options = (*IVONGuide.fit_options, "diag_beta2", "fisher", "T_stats", "T_inv")
+    fit_settings_class = "KronIVON"
 
     def __init__(
         self,
@@ -111,38 +108,34 @@ class KroneckerIVONGuide(IVONGuide):
         beta2: float | None = None,
         diag_beta2: float | None = None,
         damping: str = "exact",
-        fisher: str = "empirical",
-        T_stats: int = 1,
-        T_inv: int = 10,
+        fisher: str | None = None,
+        T_stats: int | None = None,
+        T_inv: int | None = None,
         **kwargs: Any,
     ) -> None:
         if damping not in ("exact", "factored"):
             raise ValueError(f"Expected damping 'exact' or 'factored' but got {damping!r}.")
-        fisher = "ggn" if fisher == "ggn_last" else fisher
-        if fisher not in ("empirical", "mc", "ggn"):
-            raise ValueError(f"Expected fisher 'empirical', 'mc' or 'ggn' but got {fisher!r}.")
         owner = f"{type(self).__name__}: "
-        self.damping = damping
-        self.fisher = fisher
-        self.T_stats = check_int("T_stats", T_stats, ge=1, owner=owner)
-        self.T_inv = check_int("T_inv", T_inv, ge=1, owner=owner)
+        more: dict[str, Any] = {}  # deprecated fit settings: checked here, warned by the base
         if diag_beta2 is not None:
-            diag_beta2 = check_real("diag_beta2", diag_beta2, ge=0, le=1, owner=owner)
+            more["diag_beta2"] = check_real("diag_beta2", diag_beta2, ge=0, le=1, owner=owner)
+        if fisher is not None:
+            fisher = "ggn" if fisher == "ggn_last" else fisher
+            if fisher not in ("empirical", "mc", "ggn"):
+                raise ValueError(f"Expected fisher 'empirical', 'mc' or 'ggn' but got {fisher!r}.")
+            more["fisher"] = fisher
+        if T_stats is not None:
+            more["T_stats"] = check_int("T_stats", T_stats, ge=1, owner=owner)
+        if T_inv is not None:
+            more["T_inv"] = check_int("T_inv", T_inv, ge=1, owner=owner)
+        self.__dict__["_more_fit_settings"] = more
+        self.damping = damping
         specs = getattr(model, "latent_sites", {}) or {}
         #: the Kronecker sites, in site order (the others are diagonal)
         self.kron_sites = [
             s for s, spec in specs.items() if spec.kind in _KRON_KINDS and len(spec.shape) == 2
         ]
         super().__init__(model, beta2=beta2, **kwargs)
-        if diag_beta2 is not None:  # deprecated: the fit's setting (pb.infer.IVON(diag_beta2=))
-            self.fit_settings["diag_beta2"] = diag_beta2
-            warnings.warn(
-                f"{owner}diag_beta2 is a setting of the fit, not of the posterior: pass "
-                f"pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IVON(diag_beta2="
-                f"{diag_beta2!r}))). Kept for its fitter for one release; no longer saved.",
-                DeprecationWarning,
-                stacklevel=3,
-            )
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:
         # posteriors saved before the step counter moved to the fitter carry "num_updates"

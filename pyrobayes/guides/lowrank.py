@@ -15,7 +15,6 @@ running update.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, ClassVar, NamedTuple
 
 import pyro.distributions as dist
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..models.adapters import check_int, check_real
+from ._fit_options import warn_fit_settings
 from .joint import JointGaussianGuide
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,28 @@ def swag_posterior(state: SwagState, scale: float = 0.5) -> dist.LowRankMultivar
     return dist.LowRankMultivariateNormal(state.mean, factor, scale * state.diag_variance)
 
 
+def _checked_fit_settings(owner: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The deprecated fit settings given to :class:`SWAGGuide` (``None`` left out), each
+    checked so that a bad value is refused by name."""
+    given = {k: v for k, v in given.items() if v is not None}
+    for name, low in (("start_epoch", 0), ("collect_every", 1), ("collect_every_steps", 1)):
+        if name in given:
+            given[name] = check_int(name, given[name], ge=low, owner=owner)
+    if "anneal_epochs" in given:
+        given["anneal_epochs"] = check_int(
+            "anneal_epochs", given["anneal_epochs"], ge=0, owner=owner
+        )
+    if "swa_lr" in given:
+        given["swa_lr"] = check_real("swa_lr", given["swa_lr"], ge=0, owner=owner)
+    if given.get("anneal_strategy", "linear") not in ("cos", "linear"):
+        raise ValueError(
+            f"{owner}anneal_strategy must be 'cos' or 'linear'; got {given['anneal_strategy']!r}."
+        )
+    if given.get("optimizer", "adam") not in ("adam", "sgd"):
+        raise ValueError(f"Expected optimizer 'adam' or 'sgd' but got {given['optimizer']!r}.")
+    return given
+
+
 class SWAGGuide(JointGaussianGuide):
     r"""SWAG (Maddox et al., 2019) over the latent sites (B-LoRA-XS when the sites are cores).
 
@@ -105,10 +127,9 @@ class SWAGGuide(JointGaussianGuide):
 
     Fitted by :class:`~pyrobayes.infer.swag.SWAGFitter` (what ``pyrobayes.fit`` uses): it
     optimises the MAP objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's iterate
-    ``θ`` (and the head), and collects ``θ`` after every ``collect_every``-th epoch once
-    ``start_epoch`` epochs are done (or every ``collect_every_steps`` optimizer steps). The
-    optimizer (Adam or SGD) and SWALR's annealing are the fit's settings,
-    :class:`pyrobayes.infer.SWAG`.
+    ``θ`` (and the head) and collects ``θ`` into the moments. When to collect (``start_epoch``,
+    ``collect_every``, ``collect_every_steps``), the optimizer (Adam or SGD) and SWALR's
+    annealing are the fit's settings, :class:`pyrobayes.infer.SWAG`.
 
     Parameters
     ----------
@@ -117,19 +138,13 @@ class SWAGGuide(JointGaussianGuide):
         K, the number of stored deviations (covariance rank); 5–10 in the papers, 2 is enough.
     scale : float
         s, the sampling scale (0.5 is Maddox's ½; the B-LoRA-XS config uses 2.0).
-    start_epoch : int
-        Epochs of plain training before collection starts.
-    collect_every : int
-        Collect after every ``collect_every``-th epoch from ``start_epoch`` on.
-    collect_every_steps : int, optional
-        Collect every this many optimizer steps instead (needs the family's own optimizer:
-        none, or a :class:`pyrobayes.infer.SWAG`, given to the fit).
-    swa_lr, anneal_epochs, anneal_strategy, optimizer : optional
+    start_epoch, collect_every, collect_every_steps, swa_lr, anneal_epochs, anneal_strategy, \
+optimizer : optional
         Deprecated here: settings of the fit, not of the posterior. Pass them to the fitter as
-        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.SWAG(swa_lr=..., ...)))``
-        (:class:`pyrobayes.infer.SWAG`: SWALR's target and schedule, Adam or SGD); given here
-        they still reach the fitter for one release, with a ``DeprecationWarning``, and are not
-        saved with the posterior.
+        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.SWAG(start_epoch=..., ...)))``
+        (:class:`pyrobayes.infer.SWAG`: the collection schedule, SWALR's target and schedule,
+        Adam or SGD); given here they still reach the fitter for one release, with a
+        ``DeprecationWarning``, and are not saved with the posterior.
 
     Notes
     -----
@@ -142,8 +157,10 @@ class SWAGGuide(JointGaussianGuide):
 
     Examples
     --------
-    >>> guide = SWAGGuide(model, rank=5, start_epoch=10)          # doctest: +SKIP
-    >>> pyrobayes.fit(model, guide, loader, epochs=20, lr=1e-3)   # doctest: +SKIP
+    >>> guide = SWAGGuide(model, rank=5)                          # doctest: +SKIP
+    >>> swag = pyrobayes.infer.SWAG(start_epoch=10)               # doctest: +SKIP
+    >>> pyrobayes.fit(model, guide, loader, epochs=20, lr=1e-3,
+    ...               optim=pyrobayes.Optimization(optimizer=swag))  # doctest: +SKIP
     >>> pred = pyrobayes.predict(model, guide, test_loader, num_samples=15)  # doctest: +SKIP
     """
 
@@ -153,11 +170,16 @@ class SWAGGuide(JointGaussianGuide):
     #: constructor options that are the fit's, not the posterior's: accepted for one release
     #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
     fit_options: ClassVar[tuple[str, ...]] = (
+        "start_epoch",
+        "collect_every",
+        "collect_every_steps",
         "optimizer",
         "swa_lr",
         "anneal_epochs",
         "anneal_strategy",
     )
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "SWAG"
 
     def __init__(
         self,
@@ -165,8 +187,8 @@ class SWAGGuide(JointGaussianGuide):
         *,
         rank: int = 10,
         scale: float = 0.5,
-        start_epoch: int = 0,
-        collect_every: int = 1,
+        start_epoch: int | None = None,
+        collect_every: int | None = None,
         collect_every_steps: int | None = None,
         swa_lr: float | None = None,
         anneal_epochs: int | None = None,
@@ -176,48 +198,20 @@ class SWAGGuide(JointGaussianGuide):
         owner = f"{type(self).__name__}: "
         rank = check_int("rank", rank, ge=1, owner=owner)
         scale = check_real("scale", scale, gt=0, owner=owner)
-        start_epoch = check_int("start_epoch", start_epoch, ge=0, owner=owner)
-        collect_every = check_int("collect_every", collect_every, ge=1, owner=owner)
-        if collect_every_steps is not None:
-            collect_every_steps = check_int(
-                "collect_every_steps", collect_every_steps, ge=1, owner=owner
-            )
         given = {
+            "start_epoch": start_epoch,
+            "collect_every": collect_every,
+            "collect_every_steps": collect_every_steps,
             "optimizer": optimizer,
             "swa_lr": swa_lr,
             "anneal_epochs": anneal_epochs,
             "anneal_strategy": anneal_strategy,
         }
-        given = {k: v for k, v in given.items() if v is not None}
-        if "swa_lr" in given:
-            given["swa_lr"] = check_real("swa_lr", given["swa_lr"], ge=0, owner=owner)
-        if "anneal_epochs" in given:
-            given["anneal_epochs"] = check_int(
-                "anneal_epochs", given["anneal_epochs"], ge=0, owner=owner
-            )
-        if given.get("anneal_strategy", "linear") not in ("cos", "linear"):
-            raise ValueError(
-                f"{owner}anneal_strategy must be 'cos' or 'linear'; got {anneal_strategy!r}."
-            )
-        if given.get("optimizer", "adam") not in ("adam", "sgd"):
-            raise ValueError(f"Expected optimizer 'adam' or 'sgd' but got {optimizer!r}.")
-        #: optimizer settings passed to the constructor (deprecated): the fitter's defaults
-        self.fit_settings: dict[str, Any] = given
-        if given:
-            spelled = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            warnings.warn(
-                f"{owner}{', '.join(given)} are settings of the fit, not of the posterior: pass "
-                f"pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.SWAG({spelled}))) (or "
-                "make_fitter(..., optimizer=pb.infer.SWAG(...))). The guide keeps them for its "
-                "fitter for one release; they are no longer saved with the posterior.",
-                DeprecationWarning,
-                stacklevel=3,
-            )
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = _checked_fit_settings(owner, given)
+        warn_fit_settings(owner, self.fit_settings, self.fit_settings_class)
         self.rank = int(rank)
         self.scale = float(scale)
-        self.start_epoch = int(start_epoch)
-        self.collect_every = int(collect_every)
-        self.collect_every_steps = collect_every_steps
         super().__init__(model)
 
     def config(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from . import diversity, ibdr, ivon, kron, laplace, objectives, signorm, swag, s
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .ibdr import IBDRFitter, IBDRLoss
 from .ivon import IVON
+from .kron import KronIVON
 from .laplace import LaplaceFitter
 from .loop import DivergenceWarning, FitResult, fit
 from .objectives import ELBO, MAP
@@ -51,6 +52,7 @@ __all__ = [
     "make_fitter",
     "trainable_parameters",
     "IVON",
+    "KronIVON",
     "SWAG",
     "ELBO",
     "MAP",

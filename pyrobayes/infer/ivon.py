@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from ..batch import batch_size
-from ..contract import OnlineNewton, implements
-from ..models.adapters import check_real
+from ..models.adapters import check_int, check_real
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import split_training_batch
@@ -85,6 +84,8 @@ class IVON:
         Momentum bias correction (True).
     rescale_lr : bool
         Use ``α (h0 + δ)`` as the step size (True, as ivon-opt).
+    mc_samples : int
+        S, the draws ``θ_s = m + σ ε_s`` per step (1), evaluated in one batched forward.
     """
 
     lr: float | None = None
@@ -95,9 +96,10 @@ class IVON:
     clip_radius: float | None = None
     debias: bool = True
     rescale_lr: bool = True
+    mc_samples: int = 1
 
     def __post_init__(self) -> None:
-        owner = "IVON(): "
+        owner = f"{type(self).__name__}(): "
         if self.lr is not None:
             check_real("lr", self.lr, ge=0, owner=owner)
         check_real("beta1", self.beta1, ge=0, lt=1, owner=owner)
@@ -114,6 +116,7 @@ class IVON:
         for name in ("debias", "rescale_lr"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{owner}{name} must be True or False.")
+        check_int("mc_samples", self.mc_samples, ge=1, owner=owner)
 
     def hyper(self, beta2: float, diag_beta2: float | None = None) -> dict[str, Any]:
         """The optimizer's hyperparameters, with the family's default ``beta2``/``diag_beta2``."""
@@ -133,17 +136,22 @@ class IVON:
         }
 
 
-def check_settings(fitter: Any, saved: dict[str, Any] | None, kind: str) -> None:
-    """Refuse a checkpoint whose fitter ran with other optimizer settings (``kind``: the
-    settings class' name, e.g. ``"IVON"``); checkpoints written before the settings moved to
-    the fitter carry none and pass."""
+def check_settings(fitter: Any, saved: dict[str, Any] | None) -> None:
+    """Refuse a checkpoint whose fitter ran with other settings (``fitter.settings``, e.g. an
+    :class:`IVON`). Checkpoints written before the settings moved to the fitter carry none, and
+    those written before a setting moved carry no value for it: both pass."""
     here = dataclasses.asdict(fitter.settings)
-    if saved is None or saved == here:
+    if saved is None:
         return
     diffs = [
-        f"{k}={saved.get(k)!r} there, {v!r} here" for k, v in here.items() if saved.get(k) != v
+        f"{k}={saved[k]!r} there, {v!r} here"
+        for k, v in here.items()
+        if k in saved and saved[k] != v
     ]
-    spelled = ", ".join(f"{k}={v!r}" for k, v in saved.items())
+    if not diffs:
+        return
+    kind = type(fitter.settings).__name__
+    spelled = ", ".join(f"{k}={v!r}" for k, v in saved.items() if k in here)
     raise ValueError(
         f"{type(fitter).__name__}: the checkpoint was written with other {kind} settings "
         f"({'; '.join(diffs)}); resume with optimizer=pb.infer.{kind}({spelled}), or start a "
@@ -166,7 +174,7 @@ class IVONLoss:
     Parameters
     ----------
     mc_samples : int, optional
-        ``S``; defaults to the guide's ``mc_samples``.
+        ``S``; defaults to the fitter's (:class:`IVON`'s ``mc_samples``; 1 outside a fitter).
     """
 
     def __init__(self, mc_samples: int | None = None) -> None:
@@ -177,8 +185,8 @@ class IVONLoss:
         self._last_nll: Tensor | None = None
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
-        # S: this objective's own, else the guide's (an OnlineNewton posterior declares it)
-        num = self.mc_samples or (guide.mc_samples if implements(guide, OnlineNewton) else 1)
+        # S: this objective's own, else the fitter's settings (IVONFitter sets it), else 1
+        num = self.mc_samples or 1
         inputs, targets = split_training_batch(model, batch)
         sampler = self.sampler
         values = guide.rsample(num) if sampler is None else sampler.training_sample(num, inputs)
@@ -625,19 +633,23 @@ class IVONFitter(Fitter):
     ``θ_s = m + σ ε_s`` (:class:`IVONLoss`, the per-example mean NLL, drawn by
     :class:`IVONOptimizer`). The sites and the model's point parameters are updated alike
     (the latter with ``point_weight_decay`` and ``point_prior_loc``). ``optimizer`` may be an
-    :class:`IVON` (the settings; its ``lr``, when set, overrides the ``lr`` given here). :meth:`state_dict` holds the momentum,
-    the point parameters' ``h`` and μ0 and the step count (debiasing; Kronecker IVON's
-    ``T_stats`` / ``T_inv``), so a checkpoint resumes exactly.
+    :class:`IVON` (the settings; its ``lr``, when set, overrides the ``lr`` given here; its
+    ``mc_samples`` is the default objective's S). :meth:`state_dict` holds the momentum, the
+    point parameters' ``h`` and μ0, the step count (debiasing; Kronecker IVON's ``T_stats`` /
+    ``T_inv``) and the settings, so a checkpoint resumes exactly.
     """
 
     #: the family's ``(beta2, diag_beta2)`` when :class:`IVON` leaves them unset
     default_betas: tuple[float, float | None] = (DEFAULT_BETA2, None)
+    #: the settings class this fitter takes (a base class' record is widened to it)
+    settings_class: type[IVON] = IVON
 
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        #: the fit's settings: ``optimizer`` when it is one, else those given to the guide's
+        #: constructor (deprecated), else the defaults
+        self.settings = self._resolve_settings(optimizer, guide)
         if isinstance(optimizer, IVON):
-            self.settings, optimizer = optimizer, None
-        else:  # the settings given to the guide's constructor (deprecated), else the defaults
-            self.settings = IVON(**getattr(guide, "fit_settings", {}))
+            optimizer = None
         #: the fit's hyperparameters (``IVON.hyper`` with the family's defaults)
         self.hyper = self.settings.hyper(*self.default_betas)
         super().__init__(model, guide, optimizer=optimizer, **kwargs)
@@ -645,9 +657,28 @@ class IVONFitter(Fitter):
             "IVON's update needs the per-example mean NLL at its own draws θ = m + σε "
             "(IVONLoss); the prior and the entropy enter through δ and the update, not the loss."
         )
-        if isinstance(self.objective, IVONLoss) and isinstance(self.optimizer, IVONOptimizer):
-            self.objective = copy.copy(self.objective)  # bound to this fitter's draws
-            self.objective.sampler = self.optimizer
+        if isinstance(self.objective, IVONLoss):
+            self.objective = copy.copy(self.objective)  # bound to this fitter's draws and S
+            if self.objective.mc_samples is None:
+                self.objective.mc_samples = self.settings.mc_samples
+            if isinstance(self.optimizer, IVONOptimizer):
+                self.objective.sampler = self.optimizer
+
+    def _resolve_settings(self, optimizer: Any, guide: Any) -> IVON:
+        cls = self.settings_class
+        if not isinstance(optimizer, IVON):
+            return cls(**getattr(guide, "fit_settings", {}))
+        if isinstance(optimizer, cls):
+            return optimizer
+        if issubclass(
+            cls, type(optimizer)
+        ):  # e.g. an IVON for Kronecker IVON: defaults for the rest
+            return cls(**dataclasses.asdict(optimizer))
+        raise TypeError(
+            f"{type(self).__name__}: optimizer={type(optimizer).__name__}(...) holds another "
+            f"family's settings; pass pb.infer.{cls.__name__}(...) (the settings of "
+            f"{type(guide).__name__})."
+        )
 
     def default_objective(self) -> IVONLoss:
         return IVONLoss()
@@ -663,12 +694,12 @@ class IVONFitter(Fitter):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the step count and the :class:`IVON` settings it ran with."""
+        """The optimizer's state, the step count and the settings it ran with (:class:`IVON`)."""
         return {**super().state_dict(), "settings": dataclasses.asdict(self.settings)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
-        check_settings(self, state.get("settings"), "IVON")
+        check_settings(self, state.get("settings"))
         super().load_state_dict(state)
 
 

@@ -19,17 +19,69 @@ LoRA-XS cores of one model) share batched products.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..batch import token_mask
+from ..models.adapters import check_int
 from .distributed import all_reduce_mean_, world
 from .fitter import register_fitter
 from .ivon import IVON, IVONFitter, mean_step_
 
-__all__ = ["KronCurvature", "KronIVONFitter", "kron_precondition"]
+__all__ = ["KronIVON", "KronCurvature", "KronIVONFitter", "kron_precondition"]
+
+#: Kronecker IVON's defaults ``(beta2, diag_beta2)`` when :class:`KronIVON` leaves them unset: the
+#: factors' EMA (factors are far less noisy than the Price estimate) and the diagonal sites' β2
+KRON_BETAS = (0.99, 0.99999)
+
+
+@dataclass(frozen=True)
+class KronIVON(IVON):
+    r"""Kronecker IVON's settings: :class:`~pyrobayes.infer.IVON`'s, and how the factors are
+    estimated and refreshed (the fitter's, not the posterior's).
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.KronIVON(T_inv=5, fisher="mc")))`` or
+    ``make_fitter(model, guide, optimizer=pb.infer.KronIVON(...))``; a plain
+    :class:`~pyrobayes.infer.IVON` is taken too (these three at their defaults). Saved in the
+    fitter's checkpoint, not with the posterior. ``beta2`` defaults to 0.99 (the factors' EMA)
+    and ``diag_beta2`` to 0.99999 (the diagonal sites').
+
+    Parameters
+    ----------
+    fisher : {"empirical", "mc", "ggn"}
+        ``G`` from the gradients of the observed-label loss (the empirical Fisher), from one
+        label sampled from the model per example (an extra backward; the Monte Carlo Fisher of
+        Martens & Grosse, 2015, Sec. 5), or the exact GGN (one extra backward per output for
+        Gaussian / categorical likelihoods; ``"ggn_last"`` is an alias).
+    T_stats : int
+        Update the factors every ``T_stats`` steps (1).
+    T_inv : int
+        Re-decompose the factors every ``T_inv`` steps (10; also at the first step and at the
+        end of the fit).
+    **IVON's fields
+        ``lr``, ``beta1``, ``beta2``, ``diag_beta2``, ``hess_approx`` (the diagonal sites'),
+        ``clip_radius``, ``debias``, ``rescale_lr``, ``mc_samples``.
+    """
+
+    fisher: str = "empirical"
+    T_stats: int = 1
+    T_inv: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = "KronIVON(): "
+        if self.fisher == "ggn_last":
+            object.__setattr__(self, "fisher", "ggn")
+        if self.fisher not in ("empirical", "mc", "ggn"):
+            raise ValueError(
+                f"{owner}fisher must be 'empirical', 'mc' or 'ggn'; got {self.fisher!r}."
+            )
+        check_int("T_stats", self.T_stats, ge=1, owner=owner)
+        check_int("T_inv", self.T_inv, ge=1, owner=owner)
 
 
 def kron_precondition(d: Tensor, Q_A: Tensor, Q_G: Tensor, D: Tensor) -> Tensor:
@@ -47,10 +99,12 @@ class KronCurvature:
     (and weight dtype) form a run that is perturbed and updated as one `(K, d_out, d_in)` stack.
     """
 
-    def __init__(self, model: Any, guide: Any) -> None:
+    def __init__(self, model: Any, guide: Any, settings: KronIVON | None = None) -> None:
         self.guide = guide
-        #: the posterior's constants and the fit's settings (the fitter sets the latter)
-        self.hyper: dict[str, Any] = {**guide.hyper, **IVON().hyper(0.99, 0.99999)}
+        #: the fit's settings: the Fisher estimator and the refresh periods
+        self.settings = settings if settings is not None else KronIVON()
+        #: the posterior's constants and the fit's settings, as the update reads them
+        self.hyper: dict[str, Any] = {**guide.hyper, **self.settings.hyper(*KRON_BETAS)}
         sites = [s for s in guide.sites if guide.is_kron(s)]
         self.runs: list[tuple[list[str], int, int, torch.Size]] = []
         offset = 0
@@ -99,10 +153,10 @@ class KronCurvature:
     # ------------------------------------------------------------------ one step
     def start(self, step: int) -> None:
         """Before the closure of step ``step``: record the factor statistics every ``T_stats``."""
-        guide = self.guide
+        settings = self.settings
         self.records, self.G_acc, self.mask, self._row_masks = {}, {}, None, {}
-        self.recording = self.recorded = step % guide.T_stats == 0
-        self.capture = self.recording and guide.fisher == "empirical"
+        self.recording = self.recorded = step % settings.T_stats == 0
+        self.capture = self.recording and settings.fisher == "empirical"
 
     def stop(self) -> None:
         """After the closure: nothing more is recorded."""
@@ -126,7 +180,7 @@ class KronCurvature:
     def passes(self, model: Any, params: Tensor, targets: Tensor) -> None:
         """Extra backward passes for ``fisher="mc"`` / ``"ggn"``: each asks autograd for the
         gradients at the recorded layer outputs and adds their ``B·gᵀg`` to the site's ``Ĝ``."""
-        fisher = self.guide.fisher
+        fisher = self.settings.fisher
         if not self.recording or fisher == "empirical":
             return
         records = [(site, x, out) for site, recs in self.records.items() for x, out in recs]
@@ -167,7 +221,7 @@ class KronCurvature:
             ]
             torch._foreach_lerp_(factors, hats, 1.0 - hp["beta2"])
         self.records, self.G_acc = {}, {}
-        if (step + 1) % guide.T_inv == 0 or step == 0:
+        if (step + 1) % self.settings.T_inv == 0 or step == 0:
             guide.refresh()
         for sites, a, b, shape in self.runs:
             basis = guide.basis(sites)
@@ -208,7 +262,7 @@ class KronCurvature:
                     "with the default IVONLoss objective so the layer hooks see the sampled weights."
                 )
             recs.append(rec)
-        empirical, dtype = self.guide.fisher == "empirical", self.guide.state_dtype
+        empirical, dtype = self.settings.fisher == "empirical", self.guide.state_dtype
 
         def grad_of(out: Tensor) -> Tensor:
             if out.grad is None:
@@ -255,7 +309,7 @@ class KronCurvature:
                 G_hat = self.G_acc[site]
             else:
                 raise RuntimeError(
-                    f"Kronecker IVON: fisher={self.guide.fisher!r} recorded no output gradient "
+                    f"Kronecker IVON: fisher={self.settings.fisher!r} recorded no output gradient "
                     f"for {site!r}."
                 )
             hats += [(a.mT @ a) / rows, G_hat]  # type: ignore[list-item]
@@ -324,15 +378,21 @@ def _output_hessian_roots(likelihood: Any, params: Tensor) -> list[Tensor]:
 class KronIVONFitter(IVONFitter):
     r"""Fits a :class:`~pyrobayes.guides.KroneckerIVONGuide`: :class:`IVONFitter` whose
     optimizer hands the Kronecker sites to a :class:`KronCurvature` (the module's update).
+    ``optimizer`` may be a :class:`KronIVON` (or an :class:`~pyrobayes.infer.IVON`: the Fisher
+    estimator and the refresh periods at their defaults); :meth:`state_dict` carries it.
 
     :meth:`end` re-decomposes the factors (the posterior is read from the decomposition) and
     removes the layer hooks.
     """
 
-    default_betas = (0.99, 0.99999)
+    default_betas = KRON_BETAS
+    settings_class = KronIVON
 
     def _curvature(self) -> KronCurvature:
-        curvature = KronCurvature(self.model, self.guide)
+        settings = self.settings
+        curvature = KronCurvature(
+            self.model, self.guide, settings if isinstance(settings, KronIVON) else None
+        )
         curvature.hyper.update(self.hyper)
         return curvature
 

@@ -21,7 +21,7 @@ the final mean. The posterior built from the state
 Maddox's ½.
 
 :class:`SWAGFitter` trains the guide's iterate with the MAP objective and collects it on the
-schedule the :class:`~pyrobayes.guides.SWAGGuide` declares.
+schedule of its settings, :class:`SWAG`.
 
 References
 ----------
@@ -63,20 +63,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SWAG:
-    """SWAG's optimizer settings: how the iterates are produced (the fitter's, not the guide's).
+    """SWAG's settings: when the iterates are collected and how they are produced (the fitter's,
+    not the guide's).
 
     Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
-    optim=pb.Optimization(optimizer=pb.infer.SWAG(optimizer="sgd", swa_lr=0.01)))`` or
+    optim=pb.Optimization(optimizer=pb.infer.SWAG(start_epoch=5, swa_lr=0.01)))`` or
     ``make_fitter(model, guide, optimizer=pb.infer.SWAG(...))``. Saved in the fitter's checkpoint,
     not with the posterior.
 
     Parameters
     ----------
+    start_epoch : int
+        Epochs of plain training before collection starts (0; 8–25 in Maddox et al., 2019).
+    collect_every : int
+        Collect the iterate after every ``collect_every``-th epoch from ``start_epoch`` on (1).
+    collect_every_steps : int, optional
+        Collect every this many optimizer steps instead (once ``start_epoch`` epochs are done).
     optimizer : {"adam", "sgd"}
         The torch optimizer of the MAP trajectory (learning rate: the fit's ``lr``).
     swa_lr : float, optional
-        Target of ``torch.optim.swa_utils.SWALR``'s annealing from the guide's ``start_epoch``
-        on (Izmailov et al., 2018); ``None`` keeps the learning rate.
+        Target of ``torch.optim.swa_utils.SWALR``'s annealing from ``start_epoch`` on
+        (Izmailov et al., 2018); ``None`` keeps the learning rate.
     anneal_epochs : int
         SWALR's annealing length.
     anneal_strategy : {"linear", "cos"}
@@ -86,6 +93,9 @@ class SWAG:
     swa_lr: float | None = None
     anneal_epochs: int = 5
     anneal_strategy: str = "linear"
+    start_epoch: int = 0
+    collect_every: int = 1
+    collect_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         owner = "SWAG(): "
@@ -98,6 +108,10 @@ class SWAG:
             raise ValueError(
                 f"{owner}anneal_strategy must be 'cos' or 'linear'; got {self.anneal_strategy!r}."
             )
+        check_int("start_epoch", self.start_epoch, ge=0, owner=owner)
+        check_int("collect_every", self.collect_every, ge=1, owner=owner)
+        if self.collect_every_steps is not None:
+            check_int("collect_every_steps", self.collect_every_steps, ge=1, owner=owner)
 
 
 def swag_init(
@@ -159,17 +173,21 @@ class SWAGFitter(Fitter):
     r"""Fits a :class:`~pyrobayes.guides.SWAGGuide`: MAP training of its iterate plus collection.
 
     The objective is the MAP objective at the guide's iterate; the optimizer is Adam or SGD
-    (``optimizer=pb.infer.SWAG(optimizer=...)``, :class:`SWAG`). The iterate is collected after every ``collect_every``-th
-    epoch from ``start_epoch`` on, or every ``collect_every_steps`` optimizer steps; with
-    ``swa_lr`` the learning rate is annealed by ``torch.optim.swa_utils.SWALR`` (then
-    :func:`pyrobayes.fit` refuses a scheduler of its own). :meth:`end` keeps at least the last
-    iterate and marks the posterior fitted.
+    (``optimizer=pb.infer.SWAG(optimizer=...)``, :class:`SWAG`). The iterate is collected
+    after every ``collect_every``-th epoch from ``start_epoch`` on, or every
+    ``collect_every_steps`` optimizer steps; with ``swa_lr`` the learning rate is annealed by
+    ``torch.optim.swa_utils.SWALR`` (then :func:`pyrobayes.fit` refuses a scheduler of its own).
+    :meth:`end` keeps at least the last iterate and marks the posterior fitted. With a torch
+    optimizer of one's own instead of a :class:`SWAG`, the schedule is the one given to the
+    guide (deprecated) or :class:`SWAG`'s default, collected per epoch.
     """
 
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        #: the fit's settings: ``optimizer`` when it is a :class:`SWAG`, else those given to the
+        #: guide's constructor (deprecated), else the defaults
         if isinstance(optimizer, SWAG):
             self.settings, optimizer = optimizer, None
-        else:  # the settings given to the guide's constructor (deprecated), else the defaults
+        else:
             self.settings = SWAG(**getattr(guide, "fit_settings", {}))
         super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
@@ -196,7 +214,7 @@ class SWAGFitter(Fitter):
         self.guide.reset()
         self._swalr, self.epochs_done = None, 0
         if not self._default_optim and (
-            self.guide.collect_every_steps is not None or self.settings.swa_lr is not None
+            self.settings.collect_every_steps is not None or self.settings.swa_lr is not None
         ):
             logger.warning(
                 "SWAGFitter: collect_every_steps and swa_lr need SWAG's own optimizer (none, or "
@@ -207,11 +225,11 @@ class SWAGFitter(Fitter):
         self.guide.set_state(swag_step(self.guide.state, self.guide.iterate()))
 
     def _after_step(self) -> None:
-        every = self.guide.collect_every_steps
+        every = self.settings.collect_every_steps
         if (
             every is not None
             and self._default_optim
-            and self.epochs_done >= self.guide.start_epoch
+            and self.epochs_done >= self.settings.start_epoch
             and self.num_steps % every == 0
         ):
             self._collect()
@@ -230,15 +248,15 @@ class SWAGFitter(Fitter):
         )
 
     def epoch_end(self, epoch: int) -> None:
-        guide = self.guide
+        settings = self.settings
         self.epochs_done = epoch + 1
-        since = self.epochs_done - guide.start_epoch
+        since = self.epochs_done - settings.start_epoch
         if since == 0:
             self._anneal()
         if since <= 0:
             return
-        by_epoch = guide.collect_every_steps is None or not self._default_optim
-        if by_epoch and since % guide.collect_every == 0:
+        by_epoch = settings.collect_every_steps is None or not self._default_optim
+        if by_epoch and since % settings.collect_every == 0:
             self._collect()
         self._anneal()
         if self._swalr is not None:
@@ -253,7 +271,7 @@ class SWAGFitter(Fitter):
             logger.warning(
                 "SWAGGuide collected %d iterate(s); train for more epochs after start_epoch=%d.",
                 n,
-                guide.start_epoch,
+                self.settings.start_epoch,
             )
         guide.mark_fitted(n >= 1)
         logger.info("SWAG: %d iterates collected, rank %d, scale %g", n, guide.rank, guide.scale)
@@ -267,7 +285,7 @@ class SWAGFitter(Fitter):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_settings(self, state.get("settings"), "SWAG")
+        check_settings(self, state.get("settings"))
         super().load_state_dict(state)
         self.epochs_done = int(state.get("epochs_done", 0))
         if "swalr" in state:

@@ -187,7 +187,7 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
         hess_approx=hess_approx,
         clip_radius=0.5,
     )
-    fit_keys = ("beta1", "beta2", "hess_approx", "clip_radius")  # the fit's, not q's
+    fit_keys = ("beta1", "beta2", "hess_approx", "clip_radius", "mc_samples")  # the fit's
     guide = IVONGuide(model, **{k: v for k, v in hyper.items() if k not in fit_keys})
     settings = pb.infer.IVON(**{k: hyper[k] for k in fit_keys})
     batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)]
@@ -432,9 +432,9 @@ def test_default_beta2_lets_h_learn_within_a_fine_tuning_run():
 def test_conjugate_lora_xs_core_posterior():
     # the shared LoRA-XS linear-Gaussian fixture: exact posterior is diagonal
     prob = conjugate_core(num_data=64)
-    guide = IVONGuide(prob.model, hess_init=0.1, mc_samples=2)
+    guide = IVONGuide(prob.model, hess_init=0.1)
     data = [(prob.x[i : i + 16], prob.y[i : i + 16]) for i in range(0, 64, 16)]
-    settings = pb.infer.IVON(beta2=0.999)
+    settings = pb.infer.IVON(beta2=0.999, mc_samples=2)
     loc, scale = _polyak(
         guide, prob.site, prob.model, data, steps=4000, tail=2000, lr=0.05, settings=settings
     )
@@ -466,8 +466,10 @@ def test_posterior_predictive_and_registry():
 
 def test_save_load_roundtrip(tmp_path):
     model, x, y = _linear_model()
-    guide = IVONGuide(model, mc_samples=2)
-    pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=5), lr=0.1, seed=0)
+    guide = IVONGuide(model)
+    settings = pb.infer.IVON(mc_samples=2)
+    optim = pb.Optimization(optimizer=settings, num_steps=5)
+    pb.fit(model, guide, [(x, y)], optim=optim, lr=0.1, seed=0)
     pb.save(guide, tmp_path / "post.safetensors")
     again = pb.load(tmp_path / "post.safetensors", model)
     assert isinstance(again, IVONGuide)
@@ -549,8 +551,9 @@ def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, 
         else {"point_weight_decay": point_weight_decay}
     )
     net, model, data = _head_problem()
-    guide = pb.posterior(model, family, mc_samples=mc_samples, hess_init=0.3, **options)
-    settings = pb.infer.IVON(hess_approx=hess_approx)
+    guide = pb.posterior(model, family, hess_init=0.3, **options)
+    kind = pb.infer.KronIVON if family == "kron-ivon" else pb.infer.IVON
+    settings = kind(hess_approx=hess_approx, mc_samples=mc_samples)
     start = copy.deepcopy(net)
     traj: list[torch.Tensor] = []
 
@@ -586,7 +589,7 @@ def _reference_fit(family, guide, net, data, *, steps, lr, seed, settings):
 
     betas = pb.infer.FITTERS[guide.default_fitter].default_betas  # the family's β2 defaults
     hp = {**guide.hyper, **settings.hyper(*betas)}
-    S, kron = guide.mc_samples, family == "kron-ivon"
+    S, kron = settings.mc_samples, family == "kron-ivon"
     lam, h0, b1, r = hp["ess"], hp["hess_init"], hp["beta1"], hp["clip_radius"]
     ds, dp = hp["weight_decay"], hp["point_weight_decay"]
     price = hp["hess_approx"] == "price"
@@ -659,7 +662,7 @@ def _reference_fit(family, guide, net, data, *, steps, lr, seed, settings):
                 A_hat, G_hat = A_hat * (1 / rows), G_hat * rows
                 A = A + (1 - hp["beta2"]) * (A_hat - A)  # the EMA, as torch.lerp forms it
                 G = G + (1 - hp["beta2"]) * (G_hat - G)
-                if t == 0 or (t + 1) % guide.T_inv == 0:
+                if t == 0 or (t + 1) % settings.T_inv == 0:
                     (a, QA), (g, QG) = eigh_factor(A), eigh_factor(G)
                 D = g[:, None] * a[None, :] + ds
                 mom_k = b1 * mom_k + (1 - b1) * grads[:, :16].mean(0).view(4, 4)
@@ -738,7 +741,6 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
         guide = pb.posterior(
             model,
             family,
-            mc_samples=mc_samples,
             hess_init=0.3,
             weight_decay=0.5,
             point_prior_loc="zero" if offset else "init",
@@ -756,21 +758,23 @@ def test_point_prior_at_init_is_the_zero_prior_of_the_offset(family, mc_samples)
             model,
             guide,
             data,
-            optim=pb.Optimization(num_steps=20),
+            optim=pb.Optimization(optimizer=settings, num_steps=20),
             lr=0.2,
             seed=3,
             progress=pb.Progress(callback=record),
         )
         return traj
 
+    settings = pb.infer.IVON(mc_samples=mc_samples)  # S draws per step: the fit's setting
     centred, offset = run(False), run(True)
     for a, b in zip(centred, offset, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     # and it is not the default prior at 0, which shrinks the head towards 0 instead
     net, model, data = _head_problem(pretrained=True)
     start = net[2].weight.detach().clone()
-    guide = pb.posterior(model, family, mc_samples=mc_samples, hess_init=0.3, weight_decay=0.5)
-    pb.fit(model, guide, data, optim=pb.Optimization(num_steps=20), lr=0.2, seed=3)
+    guide = pb.posterior(model, family, hess_init=0.3, weight_decay=0.5)
+    optim = pb.Optimization(optimizer=settings, num_steps=20)
+    pb.fit(model, guide, data, optim=optim, lr=0.2, seed=3)
     zero_prior = net[2].weight.detach()
     centred_w = centred[-1][:12].reshape(3, 4)
     assert zero_prior.norm() < centred_w.norm()  # the zero prior shrank the head more

@@ -48,7 +48,9 @@ def _multi_output(num=50, d_in=4, d_out=3, noise=0.5, bias=False, seed=0):
 def test_exact_multi_output_linear_gaussian_posterior():
     # SPECS 5b.2 deterministic test: full batch, β2 = 0, fisher ggn, λ = N, exact damping
     model, x, y, mean, cov = _multi_output()
-    guide = KroneckerIVONGuide(model, fisher="ggn_last", T_inv=1)
+    guide = KroneckerIVONGuide(model)
+    # β2 = 0 (the factors), the GGN ("ggn_last" is its alias), re-decomposed every step
+    settings = pb.infer.KronIVON(beta2=0.0, fisher="ggn_last", T_inv=1)
     locs = []
 
     def record(step: int, value: float) -> None:
@@ -61,9 +63,7 @@ def test_exact_multi_output_linear_gaussian_posterior():
         [(x, y)],
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(
-            optimizer=pb.infer.IVON(beta2=0.0), num_steps=300
-        ),  # β2 of the factors
+        optim=pb.Optimization(optimizer=settings, num_steps=300),
         progress=pb.Progress(callback=record),
     )
     post = guide.get_posterior("0.weight")
@@ -83,14 +83,15 @@ def test_exact_multi_output_linear_gaussian_posterior():
 
 def test_factored_damping_is_a_matrix_normal_with_noisy_kfac_covariance():
     model, x, y, mean, cov = _multi_output()
-    guide = KroneckerIVONGuide(model, fisher="ggn", T_inv=1, damping="factored")
+    guide = KroneckerIVONGuide(model, damping="factored")
+    settings = pb.infer.KronIVON(beta2=0.0, fisher="ggn", T_inv=1)
     pb.fit(
         model,
         guide,
         [(x, y)],
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=3),
+        optim=pb.Optimization(optimizer=settings, num_steps=3),
     )
     post = guide.get_posterior("0.weight")
     assert isinstance(post, MatrixNormal)
@@ -106,14 +107,15 @@ def test_factored_damping_is_a_matrix_normal_with_noisy_kfac_covariance():
 def test_lora_xs_core_hooks_give_the_exact_posterior():
     # a = down·x, ∂s = scaling·upᵀ∂y: the core's GGN factors are exact for the conjugate fixture
     prob = conjugate_core(num_data=64)
-    guide = KroneckerIVONGuide(prob.model, fisher="ggn", T_inv=1)
+    guide = KroneckerIVONGuide(prob.model)
+    settings = pb.infer.KronIVON(beta2=0.0, fisher="ggn", T_inv=1)
     pb.fit(
         prob.model,
         guide,
         [(prob.x, prob.y)],
         lr=0.05,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=2),
+        optim=pb.Optimization(optimizer=settings, num_steps=2),
     )
     post = guide.get_posterior(prob.site)
     torch.testing.assert_close(post.variance.sqrt(), prob.post_scale, rtol=1e-6, atol=1e-8)
@@ -122,10 +124,12 @@ def test_lora_xs_core_hooks_give_the_exact_posterior():
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
 def test_stochastic_flavours_fit_and_predict(fisher):
     model, x, y, mean, cov = _multi_output(bias=True)
-    guide = KroneckerIVONGuide(model, fisher=fisher, mc_samples=2, T_stats=2, T_inv=5)
+    guide = KroneckerIVONGuide(model)
+    settings = pb.infer.KronIVON(fisher=fisher, mc_samples=2, T_stats=2, T_inv=5)
     assert guide.is_kron("0.weight") and not guide.is_kron("0.bias")
     data = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 50, 10)]
-    result = pb.fit(model, guide, data, epochs=20, lr=0.1, seed=0)
+    optim = pb.Optimization(optimizer=settings)
+    result = pb.fit(model, guide, data, epochs=20, lr=0.1, seed=0, optim=optim)
     assert torch.isfinite(result.losses).all()
     assert result.losses[-20:].mean() < result.losses[:5].mean()
     A, G = guide.factors("0.weight")
@@ -140,8 +144,9 @@ def test_stochastic_flavours_fit_and_predict(fisher):
 def test_mc_fisher_matches_the_ggn_in_expectation_for_gaussian():
     # for a Gaussian likelihood E_y[∇l∇lᵀ] = GGN: the MC-Fisher G is unbiased for I/s²
     model, x, y, mean, cov = _multi_output()
-    guide = KroneckerIVONGuide(model, fisher="mc", mc_samples=4)
-    optim = pb.Optimization(optimizer=pb.infer.IVON(beta2=0.995), num_steps=800)
+    guide = KroneckerIVONGuide(model)
+    settings = pb.infer.KronIVON(beta2=0.995, fisher="mc", mc_samples=4)
+    optim = pb.Optimization(optimizer=settings, num_steps=800)
     pb.fit(model, guide, [(x, y)], lr=0.05, seed=0, optim=optim)
     _, G = guide.factors("0.weight")
     # G started at I (h0 = 1) and relaxes to I/s² = 4 I with rate 5e-3 per step
@@ -151,8 +156,9 @@ def test_mc_fisher_matches_the_ggn_in_expectation_for_gaussian():
 
 def test_save_load_keeps_factors(tmp_path):
     model, x, y, *_ = _multi_output(bias=True)
-    guide = KroneckerIVONGuide(model, mc_samples=2)
-    pb.fit(model, guide, [(x, y)], optim=pb.Optimization(num_steps=7), lr=0.1, seed=0)
+    guide = KroneckerIVONGuide(model)
+    optim = pb.Optimization(optimizer=pb.infer.KronIVON(mc_samples=2), num_steps=7)
+    pb.fit(model, guide, [(x, y)], optim=optim, lr=0.1, seed=0)
     pb.save(guide, tmp_path / "p.safetensors")
     again = pb.load(tmp_path / "p.safetensors", model)
     assert isinstance(again, KroneckerIVONGuide)
@@ -198,8 +204,8 @@ def test_kron_guide_with_frozen_isotropic_factors_equals_ivon_guide():
     runs = []
     for cls in (IVONGuide, KroneckerIVONGuide):
         model, x, y, *_ = _multi_output(bias=True)
-        guide = cls(model, hess_init=0.3, mc_samples=2)
-        settings = pb.infer.IVON(beta2=1.0, diag_beta2=1.0)
+        guide = cls(model, hess_init=0.3)
+        settings = pb.infer.IVON(beta2=1.0, diag_beta2=1.0, mc_samples=2)
         traj = []
         pb.fit(
             model,
@@ -240,7 +246,7 @@ def _three_cores():
 def test_same_shape_sites_batched_equal_one_by_one(damping):
     # the batched perturbation and mean update over same-shape cores equal the per-site formulas
     model = _three_cores()
-    guide = KroneckerIVONGuide(model, damping=damping, T_inv=1)
+    guide = KroneckerIVONGuide(model, damping=damping)
     g = torch.Generator().manual_seed(1)
     for site in guide.sites:  # distinct SPD factors per site
         if guide.is_kron(site):
@@ -306,7 +312,7 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
     model = FineTuneModel(
         net, pb.models.LoRA(rank=2, target_modules=["0"]), num_data=32, trainable_modules=["2"]
     )
-    guide = KroneckerIVONGuide(model, T_inv=1)
+    guide = KroneckerIVONGuide(model)
     sites = {model.latent_sites[s].kind: s for s in guide.sites}
     assert set(sites) == {"lora_A", "lora_B"} and all(guide.is_kron(s) for s in sites.values())
     x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
@@ -316,7 +322,7 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
         [(x, y)],
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=1),
+        optim=pb.Optimization(optimizer=pb.infer.KronIVON(beta2=0.0, T_inv=1), num_steps=1),
     )
     A_in, G_A = guide.factors(sites["lora_A"])
     assert A_in.shape == (5, 5) and G_A.shape == (2, 2)
@@ -333,8 +339,9 @@ def test_lora_factors_are_kronecker_sites_with_their_own_statistics():
     assert torch.isfinite(pred.log_probs).all()
 
 
-def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
-    """One ``pb.fit`` step on ``batch``; returns the weights its training sample drew."""
+def _one_step_keeping_the_draw(model, guide, batch, mc_samples=1) -> dict[str, torch.Tensor]:
+    """One ``pb.fit`` step on ``batch`` (β2 = 0, ``mc_samples`` draws); returns the weights its
+    training sample drew."""
     drawn: dict[str, torch.Tensor] = {}
     sample = IVONOptimizer.training_sample
 
@@ -343,6 +350,7 @@ def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
         drawn.update({k: v.detach().clone() for k, v in values.items()})
         return values
 
+    settings = pb.infer.KronIVON(beta2=0.0, T_inv=1, mc_samples=mc_samples)
     IVONOptimizer.training_sample = keep_the_draw
     try:
         pb.fit(
@@ -351,8 +359,8 @@ def _one_step_keeping_the_draw(model, guide, batch) -> dict[str, torch.Tensor]:
             [batch],
             lr=0.1,
             seed=0,
-            optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=1),
-        )  # β2 = 0
+            optim=pb.Optimization(optimizer=settings, num_steps=1),
+        )
     finally:
         IVONOptimizer.training_sample = sample
     return drawn
@@ -370,9 +378,9 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
     else:
         adapt, suffixes = pb.models.LoRA(rank=2, target_modules=["0"]), ["lora_A", "lora_B"]
     model = FineTuneModel(net, adapt, num_data=40, trainable_modules=[])  # cores only
-    guide = KroneckerIVONGuide(model, T_inv=1, mc_samples=2)
+    guide = KroneckerIVONGuide(model)
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
-    drawn = _one_step_keeping_the_draw(model, guide, (x, y))
+    drawn = _one_step_keeping_the_draw(model, guide, (x, y), mc_samples=2)
     # the reference: the same forward at the drawn weights, with plain hooks and retain_grad
     seen: dict[str, list] = {}
     handles = []
@@ -450,7 +458,7 @@ def test_sites_with_equal_inputs_and_different_outputs():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     model = FineTuneModel(net, latent_modules=["0", "2"], num_data=20, trainable_modules=[])
-    guide = KroneckerIVONGuide(model, T_inv=1)
+    guide = KroneckerIVONGuide(model)
     x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
     pb.fit(
         model,
@@ -458,7 +466,7 @@ def test_sites_with_equal_inputs_and_different_outputs():
         [(x, y)],
         lr=0.1,
         seed=0,
-        optim=pb.Optimization(optimizer=pb.infer.IVON(beta2=0.0), num_steps=2),
+        optim=pb.Optimization(optimizer=pb.infer.KronIVON(beta2=0.0, T_inv=1), num_steps=2),
     )
     assert len(guide.kron_sites) == 2  # the two weights (the biases are diagonal sites)
     shapes = {s: tuple(guide.factors(s)[1].shape) for s in guide.kron_sites}
@@ -489,8 +497,8 @@ def test_input_factor_skips_padded_tokens():
         "attention_mask": mask,
         "labels": torch.randint(0, 2, (B,)),
     }
-    guide = KroneckerIVONGuide(model, T_inv=1, mc_samples=S)
-    drawn = _one_step_keeping_the_draw(model, guide, batch)
+    guide = KroneckerIVONGuide(model)
+    drawn = _one_step_keeping_the_draw(model, guide, batch, mc_samples=S)
     seen: dict[str, list] = {}
     handles = []
     for site in guide.kron_sites:

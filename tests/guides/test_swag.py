@@ -117,8 +117,9 @@ def test_load_state_saved_with_raw_second_moment(tmp_path) -> None:
     from safetensors.torch import save_file
 
     model, loader = _two_core_model()
-    guide = SWAGGuide(model, rank=3, start_epoch=1)
-    iterates, _ = _fit_recording(model, guide, loader, epochs=6, lr=0.05)
+    guide = SWAGGuide(model, rank=3)
+    settings = pb.infer.SWAG(start_epoch=1)
+    iterates, _ = _fit_recording(model, guide, loader, epochs=6, lr=0.05, settings=settings)
     collected = iterates[len(loader) - 1 :: len(loader)][1:]  # epoch ends 2..6
     assert int(guide.swag_num_collected) == collected.shape[0] == 5
     mean, sq_mean, old_diag = _raw_moments(collected)
@@ -144,7 +145,7 @@ def test_load_state_saved_with_raw_second_moment(tmp_path) -> None:
     # an in-memory state dict of the old layout converts the same way (strict load)
     state = {k: v for k, v in guide.state_dict().items() if k != "swag_m2"}
     state["swag_sq_mean"] = sq_mean
-    fresh = SWAGGuide(model, rank=3, start_epoch=1)
+    fresh = SWAGGuide(model, rank=3)
     fresh.load_state_dict(state, strict=True)
     torch.testing.assert_close(fresh.swag_m2, guide.swag_m2, rtol=1e-12, atol=1e-15)
 
@@ -153,8 +154,8 @@ def test_moments_match_stored_iterates() -> None:
     """SPECS 2(d) 4: constant-lr SGD on the linear-Gaussian core problem; steps collected."""
     prob = conjugate_core(num_data=64)
     loader = DataLoader(TensorDataset(prob.x, prob.y), batch_size=8, shuffle=True)
-    guide = SWAGGuide(prob.model, rank=4, start_epoch=2, collect_every_steps=1, scale=0.5)
-    sgd = pb.infer.SWAG(optimizer="sgd")
+    guide = SWAGGuide(prob.model, rank=4, scale=0.5)
+    sgd = pb.infer.SWAG(optimizer="sgd", start_epoch=2, collect_every_steps=1)
     iterates, _ = _fit_recording(prob.model, guide, loader, epochs=8, lr=2e-3, settings=sgd)
     steps_per_epoch = len(loader)
     kept = iterates[2 * steps_per_epoch :]  # collection starts after the burn-in epochs
@@ -176,8 +177,9 @@ def test_moments_match_stored_iterates() -> None:
 @pytest.mark.parametrize("scale", [0.5, 2.0])
 def test_sampling_covariance(scale: float) -> None:
     model, loader = _two_core_model()
-    guide = SWAGGuide(model, rank=3, scale=scale, start_epoch=1)
-    iterates, _ = _fit_recording(model, guide, loader, epochs=7, lr=0.05)
+    guide = SWAGGuide(model, rank=3, scale=scale)
+    settings = pb.infer.SWAG(start_epoch=1)
+    iterates, _ = _fit_recording(model, guide, loader, epochs=7, lr=0.05, settings=settings)
     d = iterates.shape[1]
     assert d == 2 * 4  # two 2x2 cores, concatenated
     epoch_ends = iterates[len(loader) - 1 :: len(loader)][1:]  # collected at epochs 2..7
@@ -207,8 +209,8 @@ def test_sampling_covariance(scale: float) -> None:
 
 def test_swalr_schedule() -> None:
     model, loader = _two_core_model()
-    guide = SWAGGuide(model, rank=2, start_epoch=2)
-    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2)
+    guide = SWAGGuide(model, rank=2)
+    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2, start_epoch=2)
     _, lrs = _fit_recording(model, guide, loader, epochs=6, lr=0.05, settings=settings)
     per = len(loader)
     assert lrs[: 2 * per] == [0.05] * (2 * per)  # plain training until start_epoch
@@ -234,8 +236,9 @@ def test_unfitted_raises_and_pyro_contract() -> None:
 
 def test_save_load_round_trip(tmp_path) -> None:
     model, loader = _two_core_model()
-    guide = SWAGGuide(model, rank=3, scale=2.0, start_epoch=1)
-    pb.fit(model, guide, loader, epochs=5, lr=0.05)
+    guide = SWAGGuide(model, rank=3, scale=2.0)
+    optim = pb.Optimization(optimizer=pb.infer.SWAG(start_epoch=1))
+    pb.fit(model, guide, loader, epochs=5, lr=0.05, optim=optim)
     path = pb.save(guide, tmp_path / "swag.safetensors")
     loaded = pb.load(path, model)
     assert isinstance(loaded, SWAGGuide) and loaded.scale == 2.0 and loaded.rank == 3
@@ -254,10 +257,10 @@ def test_optimizer_settings_are_the_fitters_not_the_posteriors(tmp_path) -> None
     spelling); the posterior file holds none of them; the fitter's checkpoint holds them and
     refuses to resume under other ones."""
     model, loader = _two_core_model()
-    with pytest.warns(DeprecationWarning, match=r"pb\.infer\.SWAG\(swa_lr=0\.01"):
+    with pytest.warns(DeprecationWarning, match=r"pb\.infer\.SWAG\(start_epoch=2, swa_lr=0\.01"):
         old = SWAGGuide(model, rank=2, start_epoch=2, swa_lr=0.01, anneal_epochs=2)
-    new = SWAGGuide(model, rank=2, start_epoch=2)
-    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2)
+    new = SWAGGuide(model, rank=2)
+    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2, start_epoch=2)
     _, lrs_old = _fit_recording(model, old, loader, epochs=6, lr=0.05)
     _, lrs_new = _fit_recording(model, new, loader, epochs=6, lr=0.05, settings=settings)
     assert lrs_old == lrs_new and lrs_new[-1] == pytest.approx(0.01)  # the same annealing
@@ -271,6 +274,9 @@ def test_optimizer_settings_are_the_fitters_not_the_posteriors(tmp_path) -> None
         "swa_lr": 0.01,
         "anneal_epochs": 2,
         "anneal_strategy": "linear",
+        "start_epoch": 2,
+        "collect_every": 1,
+        "collect_every_steps": None,
     }
     other = pb.infer.make_fitter(model, new, lr=0.05, optimizer=pb.infer.SWAG(optimizer="sgd"))
     with pytest.raises(ValueError, match=r"other SWAG settings \(optimizer='adam' there"):

@@ -34,21 +34,31 @@ def test_epochs_and_steps_and_seed():
 
 @pytest.mark.parametrize("family", ["meanfield", "map", "ivon", "kron-ivon", "swag"])
 def test_resume_continues_where_it_stopped(tmp_path, family):
-    kw = {"T_inv": 3} if family == "kron-ivon" else {}  # a re-decomposition between the halves
+    # a re-decomposition between the halves
+    settings = pb.infer.KronIVON(T_inv=3) if family == "kron-ivon" else None
+    optim = pb.Optimization(optimizer=settings)
     lr = 0.05 if "ivon" in family else 1e-2
     torch.manual_seed(0)
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y)
-    full = pb.fit(prob.model, pb.posterior(prob.model, family, **kw), data, epochs=4, seed=0, lr=lr)
+    guide = pb.posterior(prob.model, family)
+    full = pb.fit(prob.model, guide, data, epochs=4, seed=0, lr=lr, optim=optim)
     torch.manual_seed(0)
     prob_b = conjugate_core()
-    guide_b = pb.posterior(prob_b.model, family, **kw)
+    guide_b = pb.posterior(prob_b.model, family)
     pb.fit(
-        prob_b.model, guide_b, data, epochs=2, seed=0, checkpoint=pb.Checkpointing(tmp_path), lr=lr
+        prob_b.model,
+        guide_b,
+        data,
+        epochs=2,
+        seed=0,
+        checkpoint=pb.Checkpointing(tmp_path),
+        lr=lr,
+        optim=optim,
     )
     torch.manual_seed(0)
     prob_c = conjugate_core()
-    guide_c = pb.posterior(prob_c.model, family, **kw)
+    guide_c = pb.posterior(prob_c.model, family)
     resumed = pb.fit(
         prob_c.model,
         guide_c,
@@ -57,6 +67,7 @@ def test_resume_continues_where_it_stopped(tmp_path, family):
         seed=123,
         checkpoint=pb.Checkpointing(tmp_path, resume=True),
         lr=lr,
+        optim=optim,
     )
     # guide state, optimizer moments and RNG state restored: the same trajectory to round-off
     torch.testing.assert_close(resumed.losses, full.losses, rtol=1e-10, atol=1e-8)

@@ -159,8 +159,9 @@ def test_bad_schedule_leaves_a_fitted_guide_untouched():
     torch.manual_seed(0)
     prob = conjugate_core()
     data = split_batches(prob.x, prob.y)
-    swag = pb.posterior(prob.model, "swag", start_epoch=1)
-    pb.fit(prob.model, swag, data, epochs=3, seed=0, lr=0.05)
+    swag = pb.posterior(prob.model, "swag")
+    optim = pb.Optimization(optimizer=pb.infer.SWAG(start_epoch=1))
+    pb.fit(prob.model, swag, data, epochs=3, seed=0, lr=0.05, optim=optim)
     before = {k: v.clone() for k, v in swag.state_dict().items()}
     assert int(swag.swag_num_collected) > 0
     with pytest.raises(ValueError, match="scheduler="):
