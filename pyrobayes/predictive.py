@@ -23,6 +23,7 @@ from .batch import batch_size, split_batch, to_device
 from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, implements
 from .models.adapters import check_int
+from .models.sharing import reuse_within_batch
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +322,8 @@ def predict(
     check_targets = getattr(model.likelihood, "check_targets", None)
     outputs: list[Tensor] = []
     targets: list[Tensor] = []
-    with torch.no_grad():
+    # reuse_within_batch: the layers below the first adapted one run once per batch, not per chunk
+    with torch.no_grad(), reuse_within_batch():
         for index, batch in enumerate(tqdm(data, disable=not progress_bar, desc="predict")):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
             chunk = samples_per_forward or default_samples_per_forward(num_samples, dev, inputs)

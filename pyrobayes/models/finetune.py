@@ -39,11 +39,14 @@ from .adapters import (
 from .layers import LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, make_likelihood, network_output
 from .sharing import (
+    TokenLogProbs,
+    batch_memo,
     first_adapted_block,
     lower_inputs,
     lower_layers_shared,
     prefix_applies,
     prefix_shared_logits,
+    reusing_within_batch,
     sharing_enabled,
 )
 
@@ -351,6 +354,8 @@ class FineTuneModel(nn.Module):
         if overrides:
             params.update(overrides)
         out = self._functional(inputs, params)
+        if isinstance(out, TokenLogProbs):  # the shared prompts' scored continuations
+            return self.likelihood.params(out, inputs)  # type: ignore[arg-type]
         return self.likelihood.params(network_output(out), inputs)
 
     def _draws_in_net(self) -> int:
@@ -417,7 +422,7 @@ class FineTuneModel(nn.Module):
     ) -> Tensor:
         num_samples = _num_samples(values)
         num_rows = batch_size(inputs)
-        if num_samples == 1:
+        if num_samples == 1 and not reusing_within_batch():
             out = self.output(inputs, {s: v[0] for s, v in values.items()}, overrides)
             return out.unsqueeze(0)
         expanded = expand_samples(inputs, num_samples)
@@ -454,11 +459,15 @@ class FineTuneModel(nn.Module):
             return None
         rows = batch_size(inputs) * (self.likelihood.rows_per_output(inputs) or 1)
         self.__dict__["_lower_rows"] = (rows, num_samples)
+        memo = batch_memo(inputs, ("lower", key))  # the chunks of one batch in pb.predict
         try:
             blocks, first = cached[1]
-            with lower_layers_shared(list(blocks)[first:], rows, num_samples):
+            below = list(blocks)[:first]
+            with lower_layers_shared(list(blocks)[first:], rows, num_samples, below, memo):
                 out = self.output(expanded, values, overrides)
         except _RowsMismatch:
+            if memo is not None:
+                memo.pop("below", None)
             return None
         finally:
             del self.__dict__["_lower_rows"]

@@ -32,6 +32,7 @@ from .multiple_choice import (
     head_positions_supported,
     last_positions,
 )
+from .sharing import TokenLogProbs
 
 __all__ = [
     "Likelihood",
@@ -485,9 +486,12 @@ class MultipleChoice(Likelihood):
             flat["attention_mask"] = mask
         return flat
 
-    def params(self, output: Tensor, inputs: Any) -> Tensor:
+    def params(self, output: Tensor | TokenLogProbs, inputs: Any) -> Tensor:
         read, valid, length = self._read_positions(inputs)
         rows = read.shape[0]
+        token_log_probs = None
+        if isinstance(output, TokenLogProbs):  # models.sharing: the head ran on the tokens only
+            token_log_probs, output = output.values, output.values.unsqueeze(-1)
         if output.dim() != 3 or output.shape[0] != rows:
             raise ValueError(
                 "likelihood='multiple_choice' expects causal-LM logits (rows, positions, vocab) "
@@ -512,6 +516,7 @@ class MultipleChoice(Likelihood):
             valid,
             normalize=self.normalize,
             chars=chars.reshape(-1) if isinstance(chars, Tensor) else None,
+            token_log_probs=token_log_probs,
         )
         scores = scores.reshape(ids.shape[0], ids.shape[1])  # (B, K)
         present = inputs.get("choice_mask")  # ragged batches: padded choices score -inf

@@ -6,11 +6,15 @@ choice, and this module runs that work once:
 * **Prompt states shared across choices.** A causal LM scoring the K continuations
   :math:`c_{bk}` of one prompt :math:`x_b` (:mod:`pyrobayes.models.multiple_choice`) computes the
   keys and values of :math:`x_b` K times when the rows are full sequences. Causal attention makes
-  the states of the prompt independent of what follows it, so the prompt runs once per draw, its
-  key/value cache is repeated over the K choices (``DynamicCache.batch_repeat_interleave``) and
-  only the prompt's last token and the continuation run per choice (their logits are the slots
-  the likelihood reads); the positions of every token are those of the unshared rows, so the
-  scores are the same function.
+  the states of the prompt independent of what follows it, so the prompt runs once per draw,
+  its last position gives the distribution of every choice's first token (one softmax for the
+  K choices), its key/value cache is repeated over the K choices
+  (``DynamicCache.batch_repeat_interleave``) and only the continuations but their last token run
+  per choice; the output head and the vocabulary's softmax then run on the real continuation
+  tokens only (not on the padding of the shorter ones) when the network's logits are its output
+  embedding of the last hidden states (checked once per network). The positions of every
+  token are those of the unshared rows, so the scores are the same function (Kwon et al.,
+  2023, share prompt states across sequences in the same way for serving).
 * **Layers below the first adapted layer once for all S draws.** When the latent sites all sit
   in layers ``i ≥ i_0`` of a network's stack of blocks (the demo's MiniLM adapts layers 3–5 of
   6), the embeddings and blocks ``< i_0`` see the same input under every draw. The network then
@@ -19,7 +23,9 @@ choice, and this module runs that work once:
   expand_samples` would have done at the input.
 
 Both are on by default wherever they apply (the prompt states in prediction, with gradients off)
-and fall back silently to the plain computation otherwise; :func:`unshared` turns them off (for reference computations and benchmarks).
+and fall back silently to the plain computation otherwise; inside :func:`reuse_within_batch`
+(``pyrobayes.predict`` opens it) the lower layers' output of a batch is kept for all its chunks
+of draws. :func:`unshared` turns everything off (for reference computations and benchmarks).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,9 +49,13 @@ __all__ = [
     "sharing_enabled",
     "prefix_applies",
     "prefix_shared_logits",
+    "TokenLogProbs",
     "first_adapted_block",
     "lower_layers_shared",
     "lower_inputs",
+    "reuse_within_batch",
+    "batch_memo",
+    "reusing_within_batch",
 ]
 
 _STATE = threading.local()
@@ -161,9 +172,54 @@ def _cache_argument(net: nn.Module) -> str | None:
     return None
 
 
+class TokenLogProbs:
+    """Log-probabilities of the continuation tokens, ``values`` of shape ``(R·K, P)`` in the
+    slots of :func:`~pyrobayes.models.multiple_choice.continuation_targets` (0 past a
+    continuation): what :func:`prefix_shared_logits` returns when it applies the head to the
+    continuation tokens only (the multiple-choice likelihood sums them)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Tensor) -> None:
+        self.values = values
+
+
+#: Networks whose logits were checked to be their output embedding of the decoder's last
+#: hidden states (``True``), or found not to be (``False``: a scaled or capped head).
+_PLAIN_HEAD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _output_head(net: nn.Module, body: nn.Module) -> nn.Module | None:
+    """``net``'s output embedding when its logits are that layer of ``body``'s last hidden
+    states (checked once per network), else ``None``."""
+    getter = getattr(net, "get_output_embeddings", None)
+    if body is net or not callable(getter):
+        return None
+    head = getter()
+    if not isinstance(head, nn.Module) or _PLAIN_HEAD.get(net) is False:
+        return None
+    return head
+
+
+def _check_head(net: nn.Module, head: nn.Module, hidden: Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether ``net`` called with ``kwargs`` (its last position kept) gives ``head`` of the
+    decoder's last ``hidden`` state (a network that scales or caps its logits does not)."""
+    logits = net(**kwargs, use_cache=False, logits_to_keep=1).logits[:, -1]
+    plain = head(hidden)
+    same = logits.shape == plain.shape and torch.allclose(logits, plain, rtol=1e-4, atol=1e-4)
+    _PLAIN_HEAD[net] = bool(same)
+    if not same:
+        logger.info(
+            "sharing: %s's logits are not its output embedding of the last hidden states; the "
+            "head runs on every continuation slot.",
+            type(net).__name__,
+        )
+    return bool(same)
+
+
 def prefix_shared_logits(
     net: nn.Module, likelihood: Any, inputs: Any, num_samples: int = 1
-) -> Tensor | None:
+) -> Tensor | TokenLogProbs | None:
     r"""Head outputs at the positions a multiple-choice likelihood reads, with each prompt run
     once and its key/value cache shared by its K choices; ``None`` where this does not apply.
 
@@ -183,10 +239,13 @@ def prefix_shared_logits(
 
     Returns
     -------
-    Tensor `(R·K, P, V)` or None
-        Slot ``j`` of row ``r·K + k`` holds the logits predicting continuation token ``j``, as
-        the head-gathered output of the full rows (slots past a continuation hold finite
-        logits the likelihood masks);
+    TokenLogProbs, Tensor `(R·K, P, V)` or None
+        The continuation tokens' log-probabilities (:class:`TokenLogProbs`) when ``net``'s
+        logits are its output embedding of the decoder's last hidden states: the head and the
+        vocabulary's softmax then run on the continuation tokens only, not on the padding slots
+        of the shorter continuations. Otherwise slot ``j`` of row ``r·K + k`` holds the logits
+        predicting continuation token ``j``, as the head-gathered output of the full rows
+        (slots past a continuation hold finite logits the likelihood masks).
         ``None`` when the batch has other keys, the network is not a cached causal LM, or the
         choices of a question do not share their prompt tokens.
     """
@@ -198,44 +257,71 @@ def prefix_shared_logits(
     if layout is None:
         return None
     num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
-    rows = num * k_choices
-    # the prompt but its last token, once per row; the last token heads each choice's pass,
-    # whose logits are then exactly the slots the likelihood reads (no copy of the vocabulary)
-    head = layout["prompt_mask"][:, :-1]
-    safe = eager_attention_mask(net, head)  # float64 eager: no NaN at padding queries
+    # the whole prompt once per row (left-padded: its last token in the last column), whose last
+    # position predicts every choice's first token; then the continuations but their last token
+    safe = eager_attention_mask(net, layout["prompt_mask"])  # float64 eager: no NaN at padding
+    prompt = {
+        "input_ids": layout["prompt_ids"],
+        "attention_mask": layout["prompt_mask"] if safe is None else safe,
+        "position_ids": layout["prompt_pos"],
+    }
     body = getattr(net, "base_model", net)  # the decoder without the LM head, when separate
-    out = body(
-        input_ids=layout["prompt_ids"][:, :-1],
-        attention_mask=head if safe is None else safe,
-        position_ids=layout["prompt_pos"][:, :-1],
-        use_cache=True,
-        **(
-            {"logits_to_keep": 1} if body is net and accepts_argument(net, "logits_to_keep") else {}
-        ),
-    )
+    head = _output_head(net, body)
+    if head is None:  # the network's own head, at the positions read
+        out = net(**prompt, use_cache=True, logits_to_keep=1)
+        first = out.logits[:, -1]  # (R, V)
+    else:
+        out = body(**prompt, use_cache=True)
+        hidden = out.last_hidden_state[:, -1]
+        if net not in _PLAIN_HEAD and not _check_head(net, head, hidden, prompt):
+            head = None
+            first = net(**prompt, use_cache=False, logits_to_keep=1).logits[:, -1]
+        else:
+            first = head(hidden) if head is not None else first
     cache = getattr(out, "cache", None)
     cache = out.past_key_values if cache is None else cache
+    rest = _continuation_pass(net if head is None else body, cache, layout, k_choices)
+    if head is None:
+        slots = [first.unsqueeze(1).repeat_interleave(k_choices, 0)]  # (R·K, 1, V)
+        return torch.cat(slots if rest is None else [*slots, rest.logits], dim=1)
+    valid = layout["cont_mask"].reshape(num * k_choices, -1).bool()  # slot j: token j
+    tokens = layout["cont_ids"].reshape(num * k_choices, -1)
+    values = torch.zeros(valid.shape, dtype=first.dtype, device=first.device)
+    # slot 0: one softmax per prompt, read at its K choices' first tokens
+    lp_first = torch.log_softmax(first, dim=-1).gather(-1, tokens[:, 0].reshape(num, k_choices))
+    values[:, 0] = lp_first.reshape(-1)
+    if rest is not None:  # slots 1..: the real continuation tokens only (no padding slots)
+        later = valid[:, 1:]
+        logits = head(rest.last_hidden_state[later])  # (N, V)
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:][later].unsqueeze(-1))
+        values[:, 1:] = values[:, 1:].masked_scatter(later, picked.squeeze(-1))
+    return TokenLogProbs(values)
+
+
+def _continuation_pass(
+    model: nn.Module, cache: Any, layout: Mapping[str, Tensor], k_choices: int
+) -> Any:
+    """``model`` on each choice's continuation but its last token, from the prompt's key/value
+    ``cache`` repeated over the K choices; ``None`` when every continuation is one token."""
+    cont_ids = layout["cont_ids"]
+    rows = int(cont_ids.shape[0]) * k_choices
+    if int(cont_ids.shape[-1]) < 2:
+        return None
     cache.batch_repeat_interleave(k_choices)
 
-    def choice_rows(last: Tensor, cont: Tensor) -> Tensor:
-        """``(R, 1)`` last prompt items before each ``(R, K, C)`` continuation but its last."""
-        last = last[:, -1:].repeat_interleave(k_choices, 0)
-        return torch.cat([last, cont.reshape(rows, -1)[:, :-1]], dim=1)
+    def flat(name: str) -> Tensor:
+        return layout[name].reshape(rows, -1)[:, :-1]
 
-    out = net(
-        input_ids=choice_rows(layout["prompt_ids"], layout["cont_ids"]),
-        attention_mask=torch.cat(
-            [
-                head.repeat_interleave(k_choices, 0),
-                choice_rows(layout["prompt_mask"], layout["cont_mask"]),
-            ],
-            dim=1,
-        ),
-        position_ids=choice_rows(layout["prompt_pos"], layout["cont_pos"]),
-        use_cache=True,
-        **{str(_cache_argument(net)): cache},
+    mask = torch.cat(
+        [layout["prompt_mask"].repeat_interleave(k_choices, 0), flat("cont_mask")], dim=1
     )
-    return out.logits  # (R·K, C, V): slots past a continuation read padding (masked)
+    return model(
+        input_ids=flat("cont_ids"),
+        attention_mask=mask,
+        position_ids=flat("cont_pos"),
+        use_cache=True,
+        **{str(_cache_argument(model)): cache},
+    )
 
 
 # ---------------------------------------------------------------------- lower layers
@@ -295,7 +381,13 @@ def _expand(value: Any, rows: int, num_samples: int) -> Any:
 
 
 @contextlib.contextmanager
-def lower_layers_shared(blocks: Sequence[nn.Module], rows: int, num_samples: int) -> Iterator[None]:
+def lower_layers_shared(
+    blocks: Sequence[nn.Module],
+    rows: int,
+    num_samples: int,
+    below: Sequence[nn.Module] = (),
+    recorded: dict[str, Any] | None = None,
+) -> Iterator[None]:
     """Within the block, the inputs of ``blocks`` with ``rows`` rows are expanded S-fold
     (sample-major): the hidden states at the first, and at every block the arguments its stack
     computed once for the un-expanded rows (attention masks, rotary embeddings).
@@ -308,6 +400,12 @@ def lower_layers_shared(blocks: Sequence[nn.Module], rows: int, num_samples: int
         Rows of the un-expanded batch the network is called on.
     num_samples : int
         S, the draws of the adapted blocks above.
+    below : list of nn.Module
+        The blocks under the first adapted one, in order (with ``recorded``).
+    recorded : dict, optional
+        Memory of the lower blocks' output for these inputs (:func:`reuse_within_batch`): when
+        it holds ``"below"``, the blocks in ``below`` return it without computing (their input
+        is the same as when it was recorded); otherwise the last of them records its output.
     """
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -315,12 +413,62 @@ def lower_layers_shared(blocks: Sequence[nn.Module], rows: int, num_samples: int
             k: _expand(v, rows, num_samples) for k, v in kwargs.items()
         }
 
+    def record(module: nn.Module, args: tuple, output: Any) -> None:
+        if recorded is not None:
+            recorded["below"] = output
+
     handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
+    stubbed: list[nn.Module] = []
     try:
+        if recorded is not None and below:
+            if "below" in recorded:
+                output = recorded["below"]
+                for block in below:  # an instance attribute shadows the class's forward
+                    block.forward = lambda *args, **kwargs: output
+                    stubbed.append(block)
+            else:
+                handles.append(below[-1].register_forward_hook(record))
         yield
     finally:
         for handle in handles:
             handle.remove()
+        for block in stubbed:
+            del block.forward
+
+
+@contextlib.contextmanager
+def reuse_within_batch() -> Iterator[None]:
+    """Within the block, calls on the same inputs object (the chunks of draws of one batch in
+    :func:`pyrobayes.predict`) compute the layers below the first adapted one only once.
+
+    The parameters of those layers must not change inside the block (prediction).
+    """
+    previous = getattr(_STATE, "memo", None)
+    _STATE.memo = {}
+    try:
+        yield
+    finally:
+        _STATE.memo = previous
+
+
+def reusing_within_batch() -> bool:
+    """Whether :func:`reuse_within_batch` is active (and sharing on) in this thread."""
+    return getattr(_STATE, "memo", None) is not None and sharing_enabled()
+
+
+def batch_memo(inputs: Any, key: Any) -> dict[str, Any] | None:
+    """The memory of work shared by the calls on ``inputs`` under ``key`` inside
+    :func:`reuse_within_batch` (created on first use), or ``None`` outside it or with sharing
+    off."""
+    memo = getattr(_STATE, "memo", None)
+    if memo is None or not sharing_enabled():
+        return None
+    entry = memo.get(key)
+    if entry is None or entry["inputs"] is not inputs:
+        entry = {"inputs": inputs}  # holds the inputs: their id is not reused meanwhile
+        memo.clear()  # one batch at a time
+        memo[key] = entry
+    return entry
 
 
 def lower_inputs(net_inputs: Mapping[str, Any], rows: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.contract import LinearizedPredictive
-from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice
+from pyrobayes.models import FineTuneModel, LoRA, LoRAXS, MultipleChoice, sharing
 from pyrobayes.models.multiple_choice import encode_multiple_choice
 from pyrobayes.models.sharing import first_adapted_block, unshared
 from pyrobayes.registry import _REGISTRY
@@ -67,6 +67,8 @@ def test_shared_prompt_scores_equal_the_full_rows_in_float64(arch, side, normali
     values = _draws(model)
     tokens = _counting(model.net)
     with torch.no_grad():
+        model.batched_output(batch, values)  # the first call checks the head once (see below)
+        tokens.clear()
         shared = model.batched_output(batch, values)  # (S, B, K)
         shared_tokens = sum(tokens)
         tokens.clear()
@@ -74,20 +76,84 @@ def test_shared_prompt_scores_equal_the_full_rows_in_float64(arch, side, normali
             plain = model.batched_output(batch, values)
     # every token of the plain path runs once per draw and choice: S·B·K·L
     assert sum(tokens) == 4 * batch["input_ids"].numel()
-    # shared: each prompt but its last token once per draw, then per choice that token and the
-    # continuation but its last token (padded to the longest prompt / continuation)
+    # shared: each prompt once per draw, then per choice the continuation but its last token
+    # (padded to the longest prompt / continuation)
     prompt_tokens = (batch["attention_mask"] - batch["continuation_mask"])[:, 0].sum(-1)
     expected = 4 * (
-        len(PROMPTS) * (int(prompt_tokens.max()) - 1)
+        len(PROMPTS) * int(prompt_tokens.max())
         + batch["input_ids"].shape[0]
         * batch["input_ids"].shape[1]
-        * int(batch["continuation_mask"].sum(-1).max())
+        * (int(batch["continuation_mask"].sum(-1).max()) - 1)
     )
     assert shared_tokens == expected < sum(tokens)
     assert torch.equal(torch.isinf(shared), batch["choice_mask"].eq(0).expand_as(shared))
     finite = torch.isfinite(plain)
     # float64: both paths sum the same terms in another order; 1e-10 is ~1e5 ulps of a score
     torch.testing.assert_close(shared[finite], plain[finite], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", sorted(NETS))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_single_token_choices_need_no_continuation_pass(arch, side):
+    """One-token answers ("A"/"B"/...): every choice is read from its prompt's last position, so
+    only the prompts run (once per draw), and one softmax per prompt serves its K choices."""
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        NETS[arch]().eval().double(),
+        LoRAXS(rank=2, target_modules=TARGETS[arch]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    choices = [["a", "b", "c"], ["d", "e"], ["f", "g", "h", "i"]]
+    batch = encode_multiple_choice(
+        CharTokenizer(), PROMPTS, choices, padding_side=side, ragged=True, delimiter=""
+    )
+    values = _draws(model, num=3)
+    tokens = _counting(model.net)
+    with torch.no_grad():
+        model.batched_output(batch, values)  # the first call checks the head once
+        tokens.clear()
+        shared = model.batched_output(batch, values)
+        assert sum(tokens) == 3 * len(PROMPTS) * int(batch["input_ids"].shape[-1] - 1)
+        with unshared():
+            plain = model.batched_output(batch, values)
+    assert sharing._PLAIN_HEAD[model.net] is True
+    finite = torch.isfinite(plain)
+    assert torch.equal(finite, torch.isfinite(shared)) and int((~finite).sum()) == 3 * 3
+    # float64, one log-softmax term per score: agreement to ~1e5 ulps
+    torch.testing.assert_close(shared[finite], plain[finite], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", sorted(NETS))
+def test_a_scaled_head_is_detected_and_run_as_the_network_does(arch):
+    """A network whose logits are not its output embedding of the last hidden states (a scaled
+    or soft-capped head, simulated by a hook) is found out on the first call: the continuation
+    slots then come from the network's own head, with the same scores as the full rows."""
+    torch.manual_seed(0)
+    net = NETS[arch]().eval().double()
+
+    def scale(module, args, out):
+        out.logits = 3.0 * out.logits
+        return out
+
+    net.register_forward_hook(scale)
+    model = FineTuneModel(
+        net,
+        LoRA(rank=2, target_modules=TARGETS[arch]),
+        likelihood=MultipleChoice(normalize="length"),
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, RAGGED, ragged=True)
+    values = _draws(model, num=2)
+    with torch.no_grad():
+        shared = model.batched_output(batch, values)
+        assert sharing._PLAIN_HEAD[net] is False
+        again = model.batched_output(batch, values)  # known now: no second check
+        with unshared():
+            plain = model.batched_output(batch, values)
+    finite = torch.isfinite(plain)
+    torch.testing.assert_close(shared[finite], plain[finite], rtol=0, atol=1e-10)
+    torch.testing.assert_close(again, shared, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("arch", sorted(NETS))
@@ -203,3 +269,32 @@ def test_lower_layers_are_not_shared_when_a_site_sits_in_the_first_block():
     with torch.no_grad():
         model.batched_output({"input_ids": torch.randint(3, 90, (2, 5))}, _draws(model, 3))
     assert tokens == [30]
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_predict_runs_the_lower_layers_once_per_batch_across_chunks(chunk):
+    """pb.predict's chunks of draws (samples_per_forward) reuse the lower blocks' output of
+    their batch: block 0 computes once per batch, and the predictive equals the unshared one."""
+    model = _bert_model()
+    guide = pb.posterior(model, "meanfield", init_scale=0.3)
+    block = model.net.bert.encoder.layer[0].attention  # inside block 0: runs only if it computes
+    calls: list[int] = []
+    block.register_forward_hook(lambda m, a, o: calls.append(int(a[0].shape[0])))
+    torch.manual_seed(2)
+    batches = [
+        {
+            "input_ids": torch.randint(3, 90, (5, 9)),
+            "attention_mask": torch.ones(5, 9, dtype=torch.long),
+        }
+        for _ in range(2)
+    ]
+    batches[1]["attention_mask"][2, 5:] = 0
+    shared = pb.predict(model, guide, batches, num_samples=4, samples_per_forward=chunk, seed=0)
+    assert calls == [5, 5]  # once per batch, on its 5 un-expanded rows
+    calls.clear()
+    with unshared():
+        plain = pb.predict(model, guide, batches, num_samples=4, samples_per_forward=chunk, seed=0)
+    assert calls == [5 * chunk] * (8 // chunk)  # every chunk of every batch, S-fold rows
+    assert shared.log_probs is not None and plain.log_probs is not None
+    # the same rows through the same blocks: float32 results agree to rounding
+    torch.testing.assert_close(shared.log_probs, plain.log_probs, rtol=0, atol=1e-5)
