@@ -46,10 +46,27 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         for method in ("map", "map+ts", "ensemble", "ensemble+ts", "laplace-torch"):
             assert "error" not in record[method], (name, method, record[method])
             assert math.isfinite(record[method]["nll"]) and math.isfinite(record[method][metric])
-        # temperature scaling is fitted on the validation split, so on the test split it may
-        # lose; the predictive's means (accuracy / RMSE) never change with T
+        # temperature scaling is fitted on the calibration split, so on the (reported)
+        # validation split it may lose; the predictive's means (accuracy / RMSE) never change
+        # with T
         assert record["map+ts"][metric] == record["map"][metric]
         assert record["map+ts"]["temperature"] > 0
+        # the splits are named as the page names them: train / calibration / validation
+        assert {"num_train", "num_calibration", "num_validation"} <= set(task["info"])
+        # laplace-torch: its calibrated variant and its diagnostics (why it is under-confident)
+        lt = record["laplace-torch"]
+        assert lt["prior_precision"] > 0 and lt["f_var_mean"] > 0
+        assert lt["map_prior_precision"] == pytest.approx(1.0)  # the tasks' prior_scale=1
+        assert record["laplace-torch+ts"][metric] == lt[metric] and math.isfinite(
+            record["laplace-torch+ts"]["nll"]
+        )
+        if task["kind"] == "classification":  # gridsearch on the calibration split
+            assert "error" not in record["laplace-torch-gs"]
+            assert record["laplace-torch-gs"]["accuracy"] == pytest.approx(lt["accuracy"])
+        # the objective's terms are recorded: mean-field's KL before and after its fit
+        mf = record["meanfield"]
+        assert math.isfinite(mf["kl_first"]) and math.isfinite(mf["kl_last"])
+        assert len(mf["loss_curve"]) >= 2
         for family in run.FAMILIES:
             rec = record[family]
             if "skipped" in rec:  # a family the task cannot run says why
@@ -61,6 +78,7 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
                 assert math.isfinite(record[f"{family}+ts"]["nll"])
         if task["kind"] == "classification":
             assert 0.0 <= record["map"]["auroc_digits7-9"] <= 1.0
+    assert on_disk["git"]["commit"]  # the commit the run measured
     # laplace-torch runs on the MAP network (adapter merged): same accuracy as the MAP's point
     digits = on_disk["tasks"]["digits"]["runs"]["0"]
     assert digits["laplace-torch"]["accuracy"] == pytest.approx(digits["map"]["accuracy"], abs=0.02)
@@ -89,3 +107,68 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         namespace["T"] > 0
         and namespace["after"].log_probs.shape == namespace["before"].log_probs.shape
     )
+
+
+def test_digits_splits_are_disjoint_and_never_the_test_part() -> None:
+    """train / calibration / validation share no image, and none is an image of
+    load_digits_split's held-out test part (the suite evaluates on validation splits only)."""
+    pytest.importorskip("sklearn")
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # as the script runs (the test session's may differ)
+    sys.path.insert(0, str(SUITE))
+    try:
+        tasks = importlib.import_module("tasks")  # (a dataclass module needs its sys.modules entry)
+        task = tasks.digits(0, quick=True)
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+    from pyrobayes.demo.data import load_digits_split
+
+    split = load_digits_split(seed=0, id_classes=range(7), test_fraction=0.1, dtype=torch.float32)
+
+    def rows(batches) -> set[tuple[float, ...]]:
+        return {tuple(r.tolist()) for xb, _ in batches for r in xb}
+
+    train, cal, val = rows(task.train), rows(task.calibration), rows(task.validation)
+    test = {tuple(r.tolist()) for r in split.x_test}
+    sizes = (task.info["num_train"], task.info["num_calibration"], task.info["num_validation"])
+    # sklearn's digits hold a few exact duplicate images; these sets are of distinct rows, so
+    # each is at most its split's size and, for seed 0, no two splits share a row
+    assert len(train) <= sizes[0] and len(cal) <= sizes[1] and len(val) <= sizes[2]
+    assert not (train & cal) and not (train & val) and not (cal & val)
+    assert not ((train | cal | val) & test)
+
+
+def test_quick_diagnose_checks_both_anchors(tmp_path: Path) -> None:
+    """benchmarks/suite/diagnose.py --quick: calibrate's T is the calibration split's grid
+    minimum, laplace-torch's marglik precision maximises its evidence among the swept ones, and
+    docs/choosing.md's section renders from the result."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    threads = torch.get_num_threads()
+    sys.path.insert(0, str(SUITE))
+    try:
+        diagnose = _load("diagnose")
+        out = diagnose.main(["--quick", "--seeds", "0", "--out", str(tmp_path / "d.json")])
+        choosing = _load("choosing")
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+    record = out["digits"]["0"]
+    t = record["temperature"]
+    # golden-section search refines a 49-point grid to ~1e-8 in log T; the check's grid has a
+    # step of 0.01 in log T, so the two agree within half a step
+    assert abs(math.log(t["t_fitted"] / t["t_grid_calibration"])) <= 0.005 + 1e-9
+    assert t["calibration_nll_fitted"] <= t["calibration_nll_t1"] + 1e-12  # never worse at T=1
+    la = record["laplace_torch"]
+    chosen, others = la["sweep"][0], la["sweep"][1:]
+    assert chosen["prior_precision"] == la["prior_precision_marglik"] > 0
+    # Adam's 100 steps on log precision stop near the optimum, not exactly at it: within
+    # 0.5 nats of any swept precision (the sweep's points are a decade apart)
+    assert chosen["log_marglik"] >= max(w["log_marglik"] for w in others) - 0.5
+    # a weaker prior (smaller precision) means a larger logit variance
+    variances = [w["logit_var_mean"] for w in others]
+    assert variances == sorted(variances, reverse=True)
+    page = choosing.page({}, {}, json.loads((tmp_path / "d.json").read_text()))
+    assert "**laplace-torch's last-layer Laplace.**" in page and "| 0 | " in page

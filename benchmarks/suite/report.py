@@ -42,7 +42,17 @@ def methods(task: dict[str, Any]) -> list[str]:
             if name not in seen:
                 seen.append(name)
     anchors = [
-        a for a in ("map", "map+ts", "ensemble", "ensemble+ts", "laplace-torch") if a in seen
+        a
+        for a in (
+            "map",
+            "map+ts",
+            "ensemble",
+            "ensemble+ts",
+            "laplace-torch",
+            "laplace-torch+ts",
+            "laplace-torch-gs",
+        )
+        if a in seen
     ]
     rest = [m for m in seen if m not in anchors]
     return anchors + rest
@@ -186,7 +196,8 @@ def task_markdown(name: str, task: dict[str, Any]) -> str:
     head += ", ".join(f"{k} {v}" for k, v in info.items() if isinstance(v, (int, float)))
     return (
         head
-        + ".\n\nTest-split metrics, mean ± sd over seeds:\n\n"
+        + ".\n\nValidation-split metrics, mean ± sd over seeds (every temperature, grid search "
+        "and early stop was fitted on the calibration split; nothing on this one):\n\n"
         + absolute_table(task)
         + "\n\nPaired differences (method − anchor, per seed; mean ± sd). ✓: beats the anchor "
         "on NLL by more than the paired spread; ✗: AUROC below the anchor by more than it.\n\n"
@@ -223,7 +234,10 @@ def plot(
         means = [s[0] for s in stats]
         errs = [s[1] or 0.0 for s in stats]
         colors = [
-            "tab:gray" if m in ANCHORS or m.startswith("ensemble") else "tab:blue" for m in ms
+            "tab:gray"
+            if m in ANCHORS or m.startswith(("ensemble", "laplace-torch"))
+            else "tab:blue"
+            for m in ms
         ]
         ax.barh(ys, means, xerr=errs, color=colors, alpha=0.8)
         ax.axvline(0, color="k", lw=0.8)
@@ -242,13 +256,49 @@ def plot(
     return True
 
 
+def plot_curves(tasks: dict[str, dict[str, Any]], path: Path, family: str = "meanfield") -> bool:
+    """``family``'s recorded loss curve (``loss_curve``: [step, loss] pairs) per task and seed,
+    each divided by its first value."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [
+        n
+        for n in tasks
+        if any("loss_curve" in r.get(family, {}) for r in tasks[n]["runs"].values())
+    ]
+    if not names:
+        return False
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for seed, run in tasks[name]["runs"].items():
+            curve = run.get(family, {}).get("loss_curve")
+            if not curve:
+                continue
+            steps, losses = zip(*curve, strict=True)
+            ax.plot(steps, [v / losses[0] for v in losses], marker=".", label=f"seed {seed}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss / loss at step 0")
+        ax.set_title(f"{name}: {family}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 # ------------------------------------------------------------------------------------ merge
 def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Each task's latest non-quick result among the JSON files of ``folder``."""
     found: dict[str, tuple[str, dict[str, Any], str]] = {}
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
-        if data.get("quick"):
+        if data.get("quick") or "tasks" not in data:  # (diagnostics.json: not a suite run)
             continue
         for name, task in data.get("tasks", {}).items():
             task.setdefault("members", data.get("members"))
@@ -267,10 +317,13 @@ def main() -> None:
         raise SystemExit(f"report: no suite JSON in {args.folder}; run `make bench-suite` first.")
     plot(tasks, DOCS / "img" / "suite_nll_vs_map.png", "nll", "map")
     plot(tasks, DOCS / "img" / "suite_nll_vs_map_ts.png", "nll", "map+ts")
+    plot_curves(tasks, DOCS / "img" / "suite_meanfield_loss.png", "meanfield")
     if args.choosing:
         import choosing
 
-        (DOCS / "choosing.md").write_text(choosing.page(tasks, sources))
+        diag_path = args.folder / "diagnostics.json"
+        diagnostics = json.loads(diag_path.read_text()) if diag_path.exists() else None
+        (DOCS / "choosing.md").write_text(choosing.page(tasks, sources, diagnostics))
         print(f"wrote {DOCS / 'choosing.md'}")
 
 

@@ -3,20 +3,26 @@
 For every task and seed, in one run and on the same MAP network where the method is post-hoc:
 
 * ``map`` - ``pb.posterior(model, "map")`` fitted with the task's settings;
-* ``map+ts`` - that MAP with a temperature fitted on the validation split (``pb.calibrate``);
+* ``map+ts`` - that MAP with a temperature fitted on the calibration split (``pb.calibrate``);
 * ``ensemble`` - a deep ensemble of M MAPs (M = 4; members differ in the new head's
   initialisation and the data order), probabilities averaged; ``ensemble+ts`` calibrated;
 * ``laplace-torch`` - ``laplace.Laplace(net, "classification", subset_of_weights="last_layer",
   hessian_structure="kron")`` + ``optimize_prior_precision()`` on the MAP network (the adapter
   merged, ``pb.models.merged_network``), its default predictive (GLM, probit); regression:
-  ``"regression"`` with the MAP's learned noise as ``sigma_noise``;
+  ``"regression"`` with the MAP's learned noise as ``sigma_noise``; ``laplace-torch+ts`` with a
+  temperature on the calibration split, and ``laplace-torch-gs`` (classification) with its other
+  documented prior-precision choice, ``method="gridsearch"`` on the calibration split;
 * every family, ``pb.posterior(model, family)`` with the task's fit settings (post-hoc families
-  from the MAP above), and ``<family>+ts`` calibrated on the validation split.
+  from the MAP above), and ``<family>+ts`` calibrated on the calibration split.
 
-Metrics on the test split (never tuned on): accuracy, NLL, ECE (15 bins), Brier; OOD AUROC of the
+Splits (tasks.py): ``train``; ``calibration`` for every choice (temperatures, laplace-torch's
+grid search, early stopping on the text tasks); ``validation`` for the reported metrics, never
+tuned on (the project evaluates on validation splits only; no dataset's test split is read).
+Metrics on the validation split: accuracy, NLL, ECE (15 bins), Brier; OOD AUROC of the
 **predictive entropy** of the posterior predictive (ID = 0, OOD = 1; the max-probability AUROC is
 kept too, ``auroc_maxprob_*``); regression: RMSE and NLL. Fit and predict seconds; posterior
-storage. Paired differences (per seed, then mean and standard deviation over seeds) against MAP
+storage; the first and last values of the objective's reported terms (e.g. mean-field's KL) and
+the loss curve, 20 points. Paired differences (per seed, then mean and standard deviation over seeds) against MAP
 and each anchor are computed by ``report.py``.
 
 Run::
@@ -91,22 +97,45 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
     if validate:
         patience = int(settings.get("patience", task.patience))
         if hasattr(pb, "Validation"):
-            kwargs["validation"] = pb.Validation(data=task.val, select_by="nll", patience=patience)
+            kwargs["validation"] = pb.Validation(
+                data=task.calibration, select_by="nll", patience=patience
+            )
         else:
-            kwargs.update(val_data=task.val, select_by="nll", patience=patience)
+            kwargs.update(val_data=task.calibration, select_by="nll", patience=patience)
     start = time.perf_counter()
     result = pb.fit(model, guide, task.train, **kwargs)
+    fit_s = time.perf_counter() - start
     state = getattr(result, "state", {}) or {}
     return {
-        "fit_s": time.perf_counter() - start,
+        "fit_s": fit_s,
         "epochs_run": int(state.get("epoch", epochs)),
         "best_epoch": state.get("best_epoch"),
+        **_curves(result),
     }
+
+
+def _curves(result: Any) -> dict[str, Any]:
+    """The objective's reported terms at the first step and over the last 10 steps (e.g.
+    mean-field's ``kl`` = KL(q || p) / N: does the posterior scale leave its initial value?),
+    and the loss curve at 20 evenly spaced steps (the ELBO curve of the variational families)."""
+    out: dict[str, Any] = {}
+    terms = (getattr(result, "state", {}) or {}).get("terms") or {}
+    for name, series in terms.items():
+        series = torch.as_tensor(series, dtype=torch.float64).reshape(-1)
+        if series.numel():
+            out[f"{name}_first"] = float(series[0])
+            out[f"{name}_last"] = float(series[-10:].mean())
+    losses = getattr(result, "losses", None)
+    if losses is not None and len(losses):
+        losses = torch.as_tensor(losses, dtype=torch.float64).reshape(-1)
+        idx = torch.linspace(0, len(losses) - 1, min(20, len(losses))).round().long()
+        out["loss_curve"] = [[int(i), float(losses[i])] for i in idx]
+    return out
 
 
 def _predict(task: Task, model: Any, guide: Any) -> tuple[Prediction, dict[str, Prediction], float]:
     start = time.perf_counter()
-    pred = pb.predict(model, guide, task.test, num_samples=task.num_samples, seed=0)
+    pred = pb.predict(model, guide, task.validation, num_samples=task.num_samples, seed=0)
     seconds = time.perf_counter() - start
     ood = {
         k: pb.predict(model, guide, v, num_samples=task.num_samples, seed=0)
@@ -132,9 +161,9 @@ def _scores(pred: Prediction, ood: dict[str, Prediction]) -> dict[str, float]:
 
 
 def _with_ts(task: Task, model: Any, guide: Any) -> tuple[dict[str, float], float, float]:
-    """The guide calibrated on the validation split: test scores, T, calibration seconds."""
+    """The guide calibrated on the calibration split: validation scores, T, its seconds."""
     start = time.perf_counter()
-    t = pb.calibrate(model, guide, task.val, num_samples=task.num_samples, seed=0)
+    t = pb.calibrate(model, guide, task.calibration, num_samples=task.num_samples, seed=0)
     seconds = time.perf_counter() - start
     pred, ood, _ = _predict(task, model, guide)
     set_temperature(guide, None)
@@ -175,7 +204,7 @@ def _ensemble(
         sigma = torch.tensor([float(p[0].scale) for p in parts]).reshape(-1, *[1] * (loc.dim() - 1))
         pred = Prediction(loc=loc, targets=parts[0][0].targets)
         r = pb.metrics.regression_report(loc, pred.targets, sigma.expand_as(loc))
-        val = [_predict_val(task, mo, g) for mo, g in members]
+        val = [_predict_cal(task, mo, g) for mo, g in members]
         vloc = torch.cat([v.loc for v in val])
 
         def nll_at(tt: float) -> float:
@@ -201,7 +230,7 @@ def _ensemble(
         }
     pred = _stack([p[0] for p in parts])
     ood = {k: _stack([p[1][k] for p in parts]) for k in task.ood}
-    val_pred = _stack([_predict_val(task, mo, g) for mo, g in members])
+    val_pred = _stack([_predict_cal(task, mo, g) for mo, g in members])
     t = fit_temperature(val_pred)
     ts = _scores(apply_temperature(pred, t), {k: apply_temperature(v, t) for k, v in ood.items()})
     return {
@@ -217,13 +246,20 @@ def _argmin_log(f: Any, low: float = 0.05, high: float = 20.0) -> float:
     return min(grid, key=f)
 
 
-def _predict_val(task: Task, model: Any, guide: Any) -> Prediction:
-    return pb.predict(model, guide, task.val, num_samples=task.num_samples, seed=0)
+def _predict_cal(task: Task, model: Any, guide: Any) -> Prediction:
+    return pb.predict(model, guide, task.calibration, num_samples=task.num_samples, seed=0)
 
 
 def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict[str, Any]:
     """laplace-torch's last-layer Kronecker Laplace with marginal-likelihood prior precision,
-    used as its README shows, on the MAP network (adapter merged)."""
+    used as its README shows, on the MAP network (adapter merged): ``fit`` on the training
+    loader (N = the training set), ``optimize_prior_precision(method="marglik")``, the GLM
+    predictive with the probit link. Also ``laplace-torch+ts`` (that predictive with a
+    temperature fitted on the calibration split) and, for classification, ``laplace-torch-gs``
+    (the prior precision grid-searched on the calibration split's NLL, laplace-torch's other
+    documented choice). Diagnostics kept: the prior precisions (and the MAP's own prior
+    precision ``1 / prior_scale²``), the log marginal likelihood, the mean predictive variance
+    of the logits (classification) or of f (regression) on the validation split."""
     from laplace import Laplace
 
     assert task.la_net is not None
@@ -246,11 +282,12 @@ def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict
     la.fit(task.la_data(task.train))
     with warnings.catch_warnings():  # its notice that the default link is probit (we use it)
         warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
-        la.optimize_prior_precision()
+        la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
     fit_s = time.perf_counter() - start
 
-    def run(loader: Any) -> Prediction:
-        outs, ys = [], []
+    def run(loader: Any) -> tuple[Prediction, float]:
+        """The predictive on ``loader`` and the mean variance of f (per logit) under it."""
+        outs, ys, variances = [], [], []
         for batch in loader:
             if isinstance(batch, dict):
                 x, y = batch, batch.get("labels")
@@ -261,31 +298,80 @@ def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict
             if task.kind == "regression":
                 f_mu, f_var = la(x)
                 outs.append((f_mu.detach().reshape(-1), f_var.detach().reshape(-1)))
+                variances.append(f_var.detach().reshape(-1))
             else:
-                outs.append(la(x).detach())  # GLM predictive, probit link (its default)
+                outs.append(la(x, pred_type="glm", link_approx="probit").detach())
+                _, f_var = la._glm_predictive_distribution(x)  # (n, C, C)
+                variances.append(f_var.detach().diagonal(dim1=-2, dim2=-1).reshape(-1))
             if y is not None:
                 ys.append(y)
         targets = torch.cat(ys) if ys else None
+        mean_var = float(torch.cat(variances).mean())
         if task.kind == "regression":
             mu = torch.cat([o[0] for o in outs]).unsqueeze(0)
             var = torch.cat([o[1] for o in outs]).unsqueeze(0)
-            return Prediction(loc=mu, scale=float(la.sigma_noise), loc_var=var, targets=targets)
+            pred = Prediction(loc=mu, scale=float(la.sigma_noise), loc_var=var, targets=targets)
+            return pred, mean_var
         probs = torch.cat(outs).clamp_min(1e-12)
-        return Prediction(log_probs=probs.log().unsqueeze(0), targets=targets)
+        return Prediction(log_probs=probs.log().unsqueeze(0), targets=targets), mean_var
 
-    with torch.no_grad():
+    def predict_all() -> tuple[Prediction, dict[str, Prediction], float, float]:
         start = time.perf_counter()
-        pred = run(task.test)
-        predict_s = time.perf_counter() - start
-        ood = {k: run(v) for k, v in task.ood.items()}
-    scores = _scores(pred, ood)
-    return {
-        **scores,
-        "fit_s": map_fit_s + fit_s,
-        "posthoc_s": fit_s,
-        "predict_s": predict_s,
-        "prior_precision": float(la.prior_precision.mean()),
+        pred, mean_var = run(task.validation)
+        seconds = time.perf_counter() - start
+        ood = {k: run(v)[0] for k, v in task.ood.items()}
+        return pred, ood, seconds, mean_var
+
+    prior_scale = getattr(model, "prior_scale", None)
+    diagnostics = {
+        "map_prior_precision": (
+            1.0 / float(prior_scale) ** 2 if isinstance(prior_scale, (int, float)) else None
+        ),
     }
+    with torch.no_grad():
+        pred, ood, predict_s, mean_var = predict_all()
+    marglik = float(la.log_marginal_likelihood().detach())
+    out: dict[str, Any] = {
+        "laplace-torch": {
+            **_scores(pred, ood),
+            "fit_s": map_fit_s + fit_s,
+            "posthoc_s": fit_s,
+            "predict_s": predict_s,
+            "prior_precision": float(la.prior_precision.mean()),
+            "log_marglik": marglik,
+            "f_var_mean": mean_var,
+            **diagnostics,
+        }
+    }
+    with torch.no_grad():
+        cal_pred, _ = run(task.calibration)
+    t = fit_temperature(cal_pred)
+    out["laplace-torch+ts"] = {
+        **_scores(apply_temperature(pred, t), {k: apply_temperature(v, t) for k, v in ood.items()}),
+        "temperature": t,
+        "fit_s": map_fit_s + fit_s,
+    }
+    if task.kind == "classification":
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
+            la.optimize_prior_precision(
+                method="gridsearch",
+                pred_type="glm",
+                link_approx="probit",
+                val_loader=task.la_data(task.calibration),
+            )
+        gs_s = time.perf_counter() - start
+        with torch.no_grad():
+            pred, ood, predict_s, mean_var = predict_all()
+        out["laplace-torch-gs"] = {
+            **_scores(pred, ood),
+            "fit_s": map_fit_s + fit_s + gs_s,
+            "predict_s": predict_s,
+            "prior_precision": float(la.prior_precision.mean()),
+            "f_var_mean": mean_var,
+        }
+    return out
 
 
 # ------------------------------------------------------------------------------------ one run
@@ -381,7 +467,7 @@ def _anchors(task: Task, seed: int, anchors: list[tuple[str, Any]], out: dict[st
     for name, fn in anchors:
         try:
             res = fn()
-            out.update(res if name == "ensemble" else {name: res})
+            out.update(res if name in ("ensemble", "laplace-torch") else {name: res})
         except Exception as err:  # an anchor that fails is reported, not fatal
             logger.error("[%s seed %d] %s failed: %s", task.name, seed, name, err)
             out[name] = {
@@ -419,6 +505,26 @@ def _record(
     }
 
 
+def _git_state() -> dict[str, Any]:
+    """The commit the run used and the library files that differed from it (uncommitted work
+    in a shared tree changes what a run measures)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=HERE, capture_output=True, text=True, timeout=30, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "modified": git("status", "--porcelain", "--", "pyrobayes").splitlines(),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=["digits", "diabetes"], choices=list(TASKS))
@@ -445,6 +551,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pyro": pyro.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}",
         "threads": args.threads,
+        "git": _git_state(),
         "loadavg_start": os.getloadavg(),
         "quick": args.quick,
         "members": members,

@@ -1,8 +1,18 @@
 """The suite's tasks: data, the pretrained network, and a fresh fine-tuning model per fit.
 
-Each task returns a :class:`Task`: train / validation / test batches (the validation split is
-held out of the fine-tuning data and, for the pretrained MLPs, of the pretraining too), OOD
-inputs, ``build_model(family, member)`` (a fresh ``FineTuneModel`` over the same pretrained
+Each task returns a :class:`Task` with three disjoint splits, named as the JSON and the tables
+name them:
+
+* ``train`` - the fine-tuning data;
+* ``calibration`` - held out of the fine-tuning data (and, for the pretrained MLPs, of the
+  pretraining): every choice made after or during a fit is made here (the temperature of
+  ``pb.calibrate``, laplace-torch's grid-searched prior precision, early stopping on the text
+  tasks);
+* ``validation`` - the reported metrics, never used for any choice. The project evaluates on
+  validation splits only: no task touches a dataset's own test split (digits: the 10% that
+  ``load_digits_split`` holds out is never read);
+
+OOD inputs, ``build_model(family, member)`` (a fresh ``FineTuneModel`` over the same pretrained
 weights; ``member`` seeds the new head of an ensemble member), and what laplace-torch needs to
 run on a fitted MAP network.
 
@@ -35,14 +45,14 @@ class Task:
     kind: str  # "classification" or "regression"
     build_model: Callable[[str, int], Any]
     train: Any
-    val: Any
-    test: Any
+    calibration: Any  # temperature, grid-searched prior precision, early stopping
+    validation: Any  # the reported metrics; nothing is tuned on it
     ood: dict[str, Any]
     settings: dict[str, dict[str, Any]]
     epochs: int
     lr: float
     num_samples: int
-    patience: int | None = None  # early stopping on the validation split (None: fixed epochs)
+    patience: int | None = None  # early stopping on the calibration split (None: fixed epochs)
     la_net: Callable[[Any, Any], nn.Module] | None = None  # (model, map_guide) -> plain network
     la_data: Callable[[Any], Any] = lambda loader: loader  # a DataLoader, as laplace-torch wants
     quick: bool = False  # tiny sizes: every fit capped at ``epochs``
@@ -122,16 +132,24 @@ def _tensor_loader(batches: list[Any]) -> Any:
 
 
 def digits(seed: int, quick: bool = False) -> Task:
-    """Pretrained on digits 0-4, fine-tuned on 0-6 with a new head; OOD: digits 7-9."""
+    """Pretrained on digits 0-4, fine-tuned on 0-6 with a new head; OOD: digits 7-9.
+
+    From ``load_digits_split``'s training part (90% of the 0-6 images; its 10% test part is
+    never read): validation 300 (quick 96), calibration 200 (64), train 300 (96), and the
+    pretraining on the digits 0-4 among the remaining images (about 240)."""
     from pyrobayes.demo.data import load_digits_split
 
     torch.manual_seed(seed)
-    split = load_digits_split(seed=seed, id_classes=range(7), dtype=torch.float32)
-    num_val, num_train = (64, 96) if quick else (200, 300)
+    split = load_digits_split(
+        seed=seed, id_classes=range(7), test_fraction=0.1, dtype=torch.float32
+    )
+    num_val, num_cal, num_train = (96, 64, 96) if quick else (300, 200, 300)
     perm = torch.randperm(len(split.x_train))
-    val_idx, rest = perm[:num_val], perm[num_val:]
+    val_idx = perm[:num_val]
+    cal_idx = perm[num_val : num_val + num_cal]
+    rest = perm[num_val + num_cal :]
     train_idx = rest[:num_train]
-    # pretraining: digits 0-4 of the training split outside the validation images
+    # pretraining: digits 0-4 of the training part outside the validation and calibration images
     pre = rest[split.y_train[rest] < 5]
     net = nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
@@ -141,15 +159,12 @@ def digits(seed: int, quick: bool = False) -> Task:
     )
     state = copy.deepcopy(net.state_dict())
     x, y = split.x_train[train_idx], split.y_train[train_idx]
+    xc, yc = split.x_train[cal_idx], split.y_train[cal_idx]
     xv, yv = split.x_train[val_idx], split.y_train[val_idx]
     batch = 32
     train = [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
-    val = [(xv[i : i + 128], yv[i : i + 128]) for i in range(0, len(xv), 128)]
-    num_test = 128 if quick else len(split.x_test)
-    test = [
-        (split.x_test[i : min(i + 128, num_test)], split.y_test[i : min(i + 128, num_test)])
-        for i in range(0, num_test, 128)
-    ]
+    calibration = [(xc[i : i + 128], yc[i : i + 128]) for i in range(0, len(xc), 128)]
+    validation = [(xv[i : i + 128], yv[i : i + 128]) for i in range(0, len(xv), 128)]
     x_ood = split.x_ood[: 128 if quick else 300]
     ood = {"digits7-9": [x_ood]}
 
@@ -174,8 +189,8 @@ def digits(seed: int, quick: bool = False) -> Task:
         kind="classification",
         build_model=build_model,
         train=train,
-        val=val,
-        test=test,
+        calibration=calibration,
+        validation=validation,
         ood=ood,
         settings=MLP_SETTINGS,
         epochs=2 if quick else 30,
@@ -184,12 +199,19 @@ def digits(seed: int, quick: bool = False) -> Task:
         la_net=lambda model, guide: pb.models.merged_network(model, guide.mean()),
         la_data=_tensor_loader,
         quick=quick,
-        info={"num_train": len(x), "num_val": len(xv), "num_test": num_test, "classes": 7},
+        info={
+            "num_train": len(x),
+            "num_calibration": len(xc),
+            "num_validation": len(xv),
+            "num_pretrain": len(pre),
+            "classes": 7,
+        },
     )
 
 
 def diabetes(seed: int, quick: bool = False) -> Task:
-    """examples/regression.py's recipe with a validation split: 60/20/20, standardised."""
+    """examples/regression.py's recipe, split 60/20/20 into train / calibration / validation,
+    standardised with the training statistics (the pretraining sees the training part only)."""
     from sklearn.datasets import load_diabetes
 
     x_all, y_all = load_diabetes(return_X_y=True)
@@ -198,7 +220,7 @@ def diabetes(seed: int, quick: bool = False) -> Task:
     perm = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed))
     n = len(x_all)
     n_train, n_val = int(0.6 * n), int(0.2 * n)
-    tr, va, te = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
+    tr, ca, va = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
     x_mean, x_std = x_all[tr].mean(0), x_all[tr].std(0)
     y_mean, y_std = y_all[tr].mean(), y_all[tr].std()
     x, y = (x_all - x_mean) / x_std, (y_all - y_mean) / y_std
@@ -207,7 +229,7 @@ def diabetes(seed: int, quick: bool = False) -> Task:
     def batches(idx: torch.Tensor, size: int) -> list[Any]:
         return [(x[idx[i : i + size]], y[idx[i : i + size]]) for i in range(0, len(idx), size)]
 
-    train, val, test = batches(tr, batch), batches(va, 256), batches(te, 256)
+    train, calibration, validation = batches(tr, batch), batches(ca, 256), batches(va, 256)
     torch.manual_seed(seed)
     net = nn.Sequential(
         nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
@@ -248,8 +270,8 @@ def diabetes(seed: int, quick: bool = False) -> Task:
         kind="regression",
         build_model=build_model,
         train=train,
-        val=val,
-        test=test,
+        calibration=calibration,
+        validation=validation,
         ood={},
         settings=settings,
         epochs=2 if quick else 60,
@@ -258,7 +280,7 @@ def diabetes(seed: int, quick: bool = False) -> Task:
         la_net=lambda model, guide: pb.models.merged_network(model, guide.mean()),
         la_data=lambda batches: _tensor_loader([(xb, yb.unsqueeze(-1)) for xb, yb in batches]),
         quick=quick,
-        info={"num_train": len(tr), "num_val": len(va), "num_test": len(te)},
+        info={"num_train": len(tr), "num_calibration": len(ca), "num_validation": len(va)},
     )
 
 
@@ -296,8 +318,10 @@ def _text(seed: int, quick: bool, num_labels: int, ood: list[str], name: str) ->
         kind="classification",
         build_model=build_model,
         train=train,
-        val=loaders["val"],
-        test=loaders["test"],
+        # the demo's "val" and "test" parts are disjoint random parts of the training corpus:
+        # its val (early stopping) is the calibration split, its test part the reported one
+        calibration=loaders["val"],
+        validation=loaders["test"],
         ood={k.split("/", 1)[1]: v for k, v in loaders.items() if k.startswith("ood/")},
         settings=settings,
         epochs=int(config["training"]["epochs"]),
