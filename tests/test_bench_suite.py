@@ -63,10 +63,20 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         if task["kind"] == "classification":  # gridsearch on the calibration split
             assert "error" not in record["laplace-torch-gs"]
             assert record["laplace-torch-gs"]["accuracy"] == pytest.approx(lt["accuracy"])
+        # symmetrized's paired base: mean-field on the same plain LoRA adapter
+        assert "error" not in record["meanfield-lora"] and math.isfinite(
+            record["meanfield-lora"]["nll"]
+        )
+        # (LoRA's factors hold more numbers than LoRA-XS's r x r cores)
+        assert record["meanfield-lora"]["storage"] > record["meanfield"]["storage"]
         # the objective's terms are recorded: mean-field's KL before and after its fit
         mf = record["meanfield"]
         assert math.isfinite(mf["kl_first"]) and math.isfinite(mf["kl_last"])
-        assert len(mf["loss_curve"]) >= 2
+        assert len(mf["loss_curve"]) >= 2 and len(mf["kl_curve"]) == len(mf["loss_curve"])
+        # the windows tile the fit: consecutive, from step 0 to the last step
+        assert mf["loss_curve"][0][0] == 0
+        curve = mf["loss_curve"]
+        assert all(a[1] + 1 == b[0] for a, b in zip(curve[:-1], curve[1:], strict=True))
         for family in run.FAMILIES:
             rec = record[family]
             if "skipped" in rec:  # a family the task cannot run says why

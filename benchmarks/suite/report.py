@@ -256,9 +256,15 @@ def plot(
     return True
 
 
-def plot_curves(tasks: dict[str, dict[str, Any]], path: Path, family: str = "meanfield") -> bool:
-    """``family``'s recorded loss curve (``loss_curve``: [step, loss] pairs) per task and seed,
-    each divided by its first value."""
+def plot_curves(
+    tasks: dict[str, dict[str, Any]],
+    path: Path,
+    family: str = "meanfield",
+    curves: tuple[str, ...] = ("loss", "kl"),
+) -> bool:
+    """``family``'s recorded curves (``<name>_curve``: [first step, last step, window mean]
+    triples), one panel per task and curve, one line per seed. The loss is divided by its first
+    window's mean; a term (``kl`` = KL(q ‖ p)/N) is drawn as recorded."""
     try:
         import matplotlib
 
@@ -266,24 +272,30 @@ def plot_curves(tasks: dict[str, dict[str, Any]], path: Path, family: str = "mea
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [
-        n
+    panels = [
+        (n, c)
         for n in tasks
-        if any("loss_curve" in r.get(family, {}) for r in tasks[n]["runs"].values())
+        for c in curves
+        if any(f"{c}_curve" in r.get(family, {}) for r in tasks[n]["runs"].values())
     ]
-    if not names:
+    if not panels:
         return False
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
+    for ax, (name, curve_name) in zip(axes[0], panels, strict=True):
         for seed, run in tasks[name]["runs"].items():
-            curve = run.get(family, {}).get("loss_curve")
+            curve = run.get(family, {}).get(f"{curve_name}_curve")
             if not curve:
                 continue
-            steps, losses = zip(*curve, strict=True)
-            ax.plot(steps, [v / losses[0] for v in losses], marker=".", label=f"seed {seed}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss / loss at step 0")
-        ax.set_title(f"{name}: {family}", fontsize=10)
+            steps = [(a + b) / 2 for a, b, _ in curve]
+            ys = [v for _, _, v in curve]
+            if curve_name == "loss":
+                ys = [v / ys[0] for v in ys]
+            ax.plot(steps, ys, marker=".", label=f"seed {seed}")
+        ax.set_xlabel("step (window centre)")
+        ax.set_ylabel(
+            "loss / first window" if curve_name == "loss" else f"{curve_name} (per example)"
+        )
+        ax.set_title(f"{name}: {family} {curve_name}", fontsize=10)
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,9 @@ For every task and seed, in one run and on the same MAP network where the method
   temperature on the calibration split, and ``laplace-torch-gs`` (classification) with its other
   documented prior-precision choice, ``method="gridsearch"`` on the calibration split;
 * every family, ``pb.posterior(model, family)`` with the task's fit settings (post-hoc families
-  from the MAP above), and ``<family>+ts`` calibrated on the calibration split.
+  from the MAP above), and ``<family>+ts`` calibrated on the calibration split; on the MLP
+  tasks also ``meanfield-lora``, mean-field on the plain LoRA adapter the symmetrized guide
+  needs (its paired base).
 
 Splits (tasks.py): ``train``; ``calibration`` for every choice (temperatures, laplace-torch's
 grid search, early stopping on the text tasks); ``validation`` for the reported metrics, never
@@ -114,22 +116,31 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
     }
 
 
-def _curves(result: Any) -> dict[str, Any]:
+def _curves(result: Any, points: int = 20) -> dict[str, Any]:
     """The objective's reported terms at the first step and over the last 10 steps (e.g.
     mean-field's ``kl`` = KL(q || p) / N: does the posterior scale leave its initial value?),
-    and the loss curve at 20 evenly spaced steps (the ELBO curve of the variational families)."""
+    and the loss and each term as ``points`` window means ``[[first step, last step, mean],
+    ...]`` over the fit (``loss_curve``, ``<term>_curve``: the ELBO curve of the variational
+    families without the minibatch noise of single steps)."""
     out: dict[str, Any] = {}
     terms = (getattr(result, "state", {}) or {}).get("terms") or {}
-    for name, series in terms.items():
+    losses = getattr(result, "losses", None)
+    series_of = {f"{k}": v for k, v in terms.items()}
+    if losses is not None:
+        series_of["loss"] = losses
+    for name, series in series_of.items():
         series = torch.as_tensor(series, dtype=torch.float64).reshape(-1)
-        if series.numel():
+        if not series.numel():
+            continue
+        if name != "loss":
             out[f"{name}_first"] = float(series[0])
             out[f"{name}_last"] = float(series[-10:].mean())
-    losses = getattr(result, "losses", None)
-    if losses is not None and len(losses):
-        losses = torch.as_tensor(losses, dtype=torch.float64).reshape(-1)
-        idx = torch.linspace(0, len(losses) - 1, min(20, len(losses))).round().long()
-        out["loss_curve"] = [[int(i), float(losses[i])] for i in idx]
+        edges = torch.linspace(0, len(series), min(points, len(series)) + 1).round().long()
+        out[f"{name}_curve"] = [
+            [int(a), int(b) - 1, float(series[a:b].mean())]
+            for a, b in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True)
+            if b > a
+        ]
     return out
 
 
@@ -415,7 +426,12 @@ def run_seed(
     ]
     _anchors(task, seed, anchors, out)
     save(out)
-    for family in families:
+    variants = [
+        name
+        for name, st in task.settings.items()
+        if name not in FAMILIES and st.get("family") in families
+    ]
+    for family in [*families, *variants]:
         if family == "map":
             continue
         if (task.name, family) in SKIP:
@@ -434,7 +450,9 @@ def run_seed(
                 init = map_guide
             else:
                 model = task.build_model(family, 0)
-            guide = pb.posterior(model, family, init=init, **settings.get("options", {}))
+            guide = pb.posterior(
+                model, settings.get("family", family), init=init, **settings.get("options", {})
+            )
             fi = _fit(task, model, guide, settings, 1000 * seed)
             if init is not None:
                 fi["fit_s"] += info["fit_s"]  # a post-hoc family's cost includes its MAP
@@ -567,7 +585,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             task = TASKS[name](seed, args.quick)
             settings_used = {
                 f: {k: v for k, v in task.settings.get(f, {}).items() if k != "adapter_fn"}
-                for f in args.families
+                for f in [
+                    *args.families,
+                    *(v for v, st in task.settings.items() if st.get("family") in args.families),
+                ]
             }
 
             def save(
