@@ -331,7 +331,9 @@ class FineTuneModel(nn.Module):
         """:meth:`_call_net` with the work shared across choices and draws (``sharing``): a
         multiple-choice batch runs each prompt once for its K choices; inside
         :meth:`_lower_shared` the blocks below the first adapted one see the un-expanded rows."""
-        shared = prefix_shared_logits(self.net, self.likelihood, inputs, self._draws_in_net())
+        shared = prefix_shared_logits(
+            self.net, self.likelihood, inputs, self._draws_in_net(), self._first_adapted()
+        )
         if shared is not None:
             return shared
         lower = self.__dict__.get("_lower_rows")  # set by _lower_shared
@@ -449,19 +451,15 @@ class FineTuneModel(nn.Module):
             return None
         if prefix_applies(self.net, self.likelihood, expanded):
             return None  # the prompt-sharing path runs the choices instead
-        key = tuple(sorted(self.latent_sites))
-        cached = self.__dict__.get("_lower_block")
-        if cached is None or cached[0] != key:
-            names = [spec.param_name for spec in self.latent_sites.values()]
-            cached = (key, first_adapted_block(self.net, names))
-            self.__dict__["_lower_block"] = cached
-        if cached[1] is None:
+        found = self._first_adapted()
+        if found is None:
             return None
         rows = batch_size(inputs) * (self.likelihood.rows_per_output(inputs) or 1)
         self.__dict__["_lower_rows"] = (rows, num_samples)
+        key = tuple(sorted(self.latent_sites))
         memo = batch_memo(inputs, ("lower", key))  # the chunks of one batch in pb.predict
         try:
-            blocks, first = cached[1]
+            blocks, first = found
             below = list(blocks)[:first]
             with lower_layers_shared(list(blocks)[first:], rows, num_samples, below, memo):
                 out = self.output(expanded, values, overrides)
@@ -472,6 +470,16 @@ class FineTuneModel(nn.Module):
         finally:
             del self.__dict__["_lower_rows"]
         return out
+
+    def _first_adapted(self) -> tuple[nn.ModuleList, int] | None:
+        """:func:`~pyrobayes.models.sharing.first_adapted_block` of the latent sites (cached)."""
+        key = tuple(sorted(self.latent_sites))
+        cached = self.__dict__.get("_lower_block")
+        if cached is None or cached[0] != key:
+            names = [spec.param_name for spec in self.latent_sites.values()]
+            cached = (key, first_adapted_block(self.net, names))
+            self.__dict__["_lower_block"] = cached
+        return cached[1]
 
     def log_likelihood(self, params: Tensor, targets: Tensor) -> Tensor:
         """Pointwise ``log p(y_i | θ_s)``: params ``(S, B, ...)`` → ``(S, B)``.

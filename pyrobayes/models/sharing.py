@@ -218,7 +218,11 @@ def _check_head(net: nn.Module, head: nn.Module, hidden: Tensor, kwargs: dict[st
 
 
 def prefix_shared_logits(
-    net: nn.Module, likelihood: Any, inputs: Any, num_samples: int = 1
+    net: nn.Module,
+    likelihood: Any,
+    inputs: Any,
+    num_samples: int = 1,
+    lower: tuple[Sequence[nn.Module], int] | None = None,
 ) -> Tensor | TokenLogProbs | None:
     r"""Head outputs at the positions a multiple-choice likelihood reads, with each prompt run
     once and its key/value cache shared by its K choices; ``None`` where this does not apply.
@@ -236,6 +240,11 @@ def prefix_shared_logits(
         Parameter sets swapped into ``net`` (sample-major: draw ``s`` owns rows
         ``s·R/S … (s+1)·R/S − 1``); when S does not divide R the sets are per row (the
         linearised predictive's per-row copies) and the prompts are not shared.
+    lower : (blocks, i0), optional
+        The network's stack of blocks and its first adapted block
+        (:func:`first_adapted_block`): the blocks below ``i0`` then run the prompts and the
+        continuations once for the S draws (on sample 0's rows; :func:`lower_layers_shared`
+        expands them at block ``i0``), and their key/value cache holds those rows only.
 
     Returns
     -------
@@ -257,30 +266,43 @@ def prefix_shared_logits(
     if layout is None:
         return None
     num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
+    # lower blocks shared: the network runs on sample 0's rows, expanded S-fold at block i0
+    draws = num_samples if lower is not None and num_samples > 1 else 1
+    if draws > 1 and not _sample_copies(inputs, draws):
+        draws = 1  # rows of different examples (per-row parameter sets): nothing to share
+    rows = num // draws
+
+    def shared(width: int) -> contextlib.AbstractContextManager[None]:
+        if draws == 1 or lower is None:
+            return contextlib.nullcontext()
+        return lower_layers_shared(list(lower[0])[lower[1] :], rows * width, draws)
+
     # the whole prompt once per row (left-padded: its last token in the last column), whose last
     # position predicts every choice's first token; then the continuations but their last token
-    safe = eager_attention_mask(net, layout["prompt_mask"])  # float64 eager: no NaN at padding
+    safe = eager_attention_mask(net, layout["prompt_mask"][:rows])  # float64 eager: no NaN
     prompt = {
-        "input_ids": layout["prompt_ids"],
-        "attention_mask": layout["prompt_mask"] if safe is None else safe,
-        "position_ids": layout["prompt_pos"],
+        "input_ids": layout["prompt_ids"][:rows],
+        "attention_mask": layout["prompt_mask"][:rows] if safe is None else safe,
+        "position_ids": layout["prompt_pos"][:rows],
     }
     body = getattr(net, "base_model", net)  # the decoder without the LM head, when separate
     head = _output_head(net, body)
-    if head is None:  # the network's own head, at the positions read
-        out = net(**prompt, use_cache=True, logits_to_keep=1)
-        first = out.logits[:, -1]  # (R, V)
-    else:
-        out = body(**prompt, use_cache=True)
-        hidden = out.last_hidden_state[:, -1]
-        if net not in _PLAIN_HEAD and not _check_head(net, head, hidden, prompt):
-            head = None
-            first = net(**prompt, use_cache=False, logits_to_keep=1).logits[:, -1]
+    with shared(1):
+        if head is None:  # the network's own head, at the positions read
+            out = net(**prompt, use_cache=True, logits_to_keep=1)
+            first = out.logits[:, -1]  # (R, V)
         else:
-            first = head(hidden) if head is not None else first
+            out = body(**prompt, use_cache=True)
+            hidden = out.last_hidden_state[:, -1]
+            if net not in _PLAIN_HEAD and not _check_head(net, head, hidden, prompt):
+                head = None
+                first = net(**prompt, use_cache=False, logits_to_keep=1).logits[:, -1]
+            else:
+                first = head(hidden) if head is not None else first
     cache = getattr(out, "cache", None)
     cache = out.past_key_values if cache is None else cache
-    rest = _continuation_pass(net if head is None else body, cache, layout, k_choices)
+    with shared(k_choices):
+        rest = _continuation_pass(net if head is None else body, cache, layout, k_choices, rows)
     if head is None:
         slots = [first.unsqueeze(1).repeat_interleave(k_choices, 0)]  # (R·K, 1, V)
         return torch.cat(slots if rest is None else [*slots, rest.logits], dim=1)
@@ -298,22 +320,33 @@ def prefix_shared_logits(
     return TokenLogProbs(values)
 
 
+def _sample_copies(inputs: Mapping[str, Any], draws: int) -> bool:
+    """Whether every tensor of ``inputs`` is ``draws`` copies of its first ``1/draws`` rows
+    (a sample-major expanded batch)."""
+    for value in inputs.values():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            copies = value.reshape(draws, -1, *value.shape[1:])
+            if not bool((copies == copies[:1]).all()):
+                return False
+    return True
+
+
 def _continuation_pass(
-    model: nn.Module, cache: Any, layout: Mapping[str, Tensor], k_choices: int
+    model: nn.Module, cache: Any, layout: Mapping[str, Tensor], k_choices: int, num: int
 ) -> Any:
-    """``model`` on each choice's continuation but its last token, from the prompt's key/value
-    ``cache`` repeated over the K choices; ``None`` when every continuation is one token."""
-    cont_ids = layout["cont_ids"]
-    rows = int(cont_ids.shape[0]) * k_choices
-    if int(cont_ids.shape[-1]) < 2:
+    """``model`` on each choice's continuation but its last token for the first ``num``
+    prompts, from the prompt's key/value ``cache`` repeated over the K choices; ``None`` when
+    every continuation is one token."""
+    rows = num * k_choices
+    if int(layout["cont_ids"].shape[-1]) < 2:
         return None
     cache.batch_repeat_interleave(k_choices)
 
     def flat(name: str) -> Tensor:
-        return layout[name].reshape(rows, -1)[:, :-1]
+        return layout[name][:num].reshape(rows, -1)[:, :-1]
 
     mask = torch.cat(
-        [layout["prompt_mask"].repeat_interleave(k_choices, 0), flat("cont_mask")], dim=1
+        [layout["prompt_mask"][:num].repeat_interleave(k_choices, 0), flat("cont_mask")], dim=1
     )
     return model(
         input_ids=flat("cont_ids"),
@@ -351,16 +384,15 @@ def first_adapted_block(
     blocks = _blocks(net)
     if blocks is None or not param_names:
         return None
-    owner = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    paths = {id(module): name for name, module in net.named_modules()}
+    # by name, not by identity: inside a forward the sites hold swapped-in draws
+    prefixes = [paths[id(block)] + "." for block in blocks]
     indices = []
     for name in param_names:
-        try:
-            param = net.get_parameter(name)
-        except AttributeError:
-            return None
-        if id(param) not in owner:
+        owner = [i for i, prefix in enumerate(prefixes) if name.startswith(prefix)]
+        if not owner:
             return None  # a site outside the blocks (embeddings, head): nothing below it
-        indices.append(owner[id(param)])
+        indices.append(owner[0])
     first = min(indices)
     return (blocks, first) if first > 0 else None
 

@@ -218,6 +218,89 @@ def test_every_family_predicts_the_same_with_shared_prompts(family, arch, side):
     )
 
 
+#: three-block causal LMs adapted in blocks 1-2 only: prompts shared and lower block 0 shared
+UPPER_TARGETS = {
+    "llama": r".*layers\.[12]\.self_attn\.(q_proj|v_proj)",
+    "gpt2": r".*h\.[12]\.attn\.c_attn",
+}
+THREE_BLOCKS = {"llama": {"num_hidden_layers": 3}, "gpt2": {"n_layer": 3}}
+
+
+@pytest.mark.parametrize("arch", sorted(NETS))
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_shared_prompts_and_lower_blocks_together(arch, side, scaled):
+    """Adapters in the upper blocks only: the prompts and continuations pass the lower block once
+    for all S draws (the key/value cache of block 0 holds sample 0's rows only), the upper blocks
+    once per draw; the scores equal the full rows' (with the packed head and with the
+    network's own head)."""
+    torch.manual_seed(0)
+    net = NETS[arch](**THREE_BLOCKS[arch]).eval().double()
+    if scaled:
+        net.register_forward_hook(lambda m, a, out: setattr(out, "logits", 2 * out.logits))
+    model = FineTuneModel(
+        net,
+        LoRA(rank=2, target_modules=UPPER_TARGETS[arch]),
+        likelihood=MultipleChoice(normalize="chars"),
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, RAGGED, padding_side=side, ragged=True)
+    values = _draws(model, num=4)
+    tokens = _counting(model.net)
+    with torch.no_grad():
+        model.batched_output(batch, values)  # the first call checks the head once
+        tokens.clear()
+        shared = model.batched_output(batch, values)
+        shared_tokens = sum(tokens)
+        with unshared():
+            plain = model.batched_output(batch, values)
+    assert sharing._PLAIN_HEAD[net] is not scaled
+    # the embeddings (and block 0) see each prompt and continuation once, not once per draw
+    ids, cont = batch["input_ids"], batch["continuation_mask"]
+    prompt_width = int((batch["attention_mask"] - cont)[:, 0].sum(-1).max())
+    width = int(cont.sum(-1).max())
+    assert shared_tokens == len(PROMPTS) * prompt_width + ids.shape[0] * ids.shape[1] * (width - 1)
+    finite = torch.isfinite(plain)
+    assert torch.equal(finite, torch.isfinite(shared))
+    # float64: the same terms summed in another order, ~1e5 ulps of a score
+    torch.testing.assert_close(shared[finite], plain[finite], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", sorted(NETS))
+def test_lower_blocks_are_not_shared_across_rows_of_different_examples(arch):
+    """Per-row parameter sets (the linearised predictive's copies: S = R) over rows that are
+    not copies of each other: the prompts are shared per row, the lower blocks are not."""
+    torch.manual_seed(0)
+    net = NETS[arch](**THREE_BLOCKS[arch]).eval().double()
+    model = FineTuneModel(
+        net,
+        LoRA(rank=2, target_modules=UPPER_TARGETS[arch]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, RAGGED, ragged=True)
+    values = _draws(model, num=3)  # one parameter set per example row
+    params = {model.latent_sites[s].param_name: v for s, v in values.items()}
+    with torch.no_grad():
+        shared = model._functional(batch, params)
+        with unshared():
+            plain = model._functional(batch, params)
+    per_row = torch.stack(
+        [
+            model.output(
+                {k: v[i : i + 1] for k, v in batch.items()}, {s: v[i] for s, v in values.items()}
+            )[0]
+            for i in range(3)
+        ]
+    )
+    scores = model.likelihood.params(shared, batch)
+    finite = torch.isfinite(per_row)
+    torch.testing.assert_close(scores[finite], per_row[finite], rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        model.likelihood.params(plain.logits, batch)[finite], per_row[finite], rtol=0, atol=1e-10
+    )
+
+
 # ---------------------------------------------------------------------- lower layers
 def _bert_model():
     torch.manual_seed(0)
