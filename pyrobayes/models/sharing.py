@@ -222,7 +222,7 @@ def prefix_shared_logits(
     likelihood: Any,
     inputs: Any,
     num_samples: int = 1,
-    lower: tuple[Sequence[nn.Module], int] | None = None,
+    lower: tuple[nn.ModuleList, int] | None = None,
 ) -> Tensor | TokenLogProbs | None:
     r"""Head outputs at the positions a multiple-choice likelihood reads, with each prompt run
     once and its key/value cache shared by its K choices; ``None`` where this does not apply.
