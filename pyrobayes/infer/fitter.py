@@ -206,10 +206,10 @@ class Fitter:
             loss = None
         else:
             loss = objective.loss(model, guide, batch)
-            mean = loss.detach().clone() if distributed else loss.detach()
+            mean = loss.detach().clone() if distributed else loss
         if distributed:
             all_reduce_mean_([mean])
-        value = float(mean)
+        value = mean.item()  # float(mean) without its detach: the same number
         if not math.isfinite(value):
             return value
         if loss is not None:
@@ -229,22 +229,35 @@ class Fitter:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return
+        found, one = self._check_buffers(grads[0].device)
         try:
-            found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-            one = torch.ones(1, dtype=torch.float32, device=grads[0].device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
             finite = not found.item()
         except (RuntimeError, NotImplementedError):  # sparse gradients, several devices
+            found.zero_()
             finite = all(
                 bool((g.coalesce().values() if g.is_sparse else g).isfinite().all()) for g in grads
             )
         if finite:
             return
+        found.zero_()  # the flag stays 0 between steps (the check only ever sets it)
         bad = {id(p) for p in self.params if p.grad is not None and not p.grad.isfinite().all()}
         raise FloatingPointError(
             f"Non-finite gradient at step {self.num_steps} in {', '.join(self._names(bad))}; "
             "parameters were not updated."
         )
+
+    def _check_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The found-non-finite flag (0) and the unit scale of :meth:`_check_grads` on
+        ``device``, made once per device rather than every step."""
+        cached = self.__dict__.get("_grad_check")
+        if cached is None or cached[0].device != device:
+            cached = (
+                torch.zeros(1, dtype=torch.float32, device=device),
+                torch.ones(1, dtype=torch.float32, device=device),
+            )
+            self.__dict__["_grad_check"] = cached
+        return cached
 
     def _names(self, ids: set[int]) -> list[str]:
         """Readable names of the parameters whose ``id`` is in ``ids``: the guide's (with

@@ -88,6 +88,17 @@ def _float_tensors(obj: Any, name: str) -> list[tuple[str, Tensor]]:
     return []
 
 
+def _float_leaves(obj: Any) -> list[Tensor]:
+    """:func:`_float_tensors` without the names (the per-step path; names only on failure)."""
+    if isinstance(obj, Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _float_leaves(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _float_leaves(v)]
+    return []
+
+
 def _all_finite(tensors: list[Tensor]) -> bool:
     """Whether the sum of all entries is finite: then so is every entry (a NaN or ±inf entry
     makes the sum NaN or ±inf). One reduction per tensor (in float32, float64 for float64
@@ -120,6 +131,12 @@ def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
     error, not raised: the rank's non-finite loss then stops every rank at the same step
     (a raise on one rank alone would leave the others waiting in an all-reduce).
     """
+    inputs, targets, _ = _split_checked(model, batch)
+    return inputs, targets
+
+
+def _split_checked(model: Any, batch: Any) -> tuple[Any, Tensor, int]:
+    """:func:`split_training_batch` and the batch size B, found once."""
     inputs, targets = split_batch(batch, model.label_key)
     if targets is None:
         raise ValueError(
@@ -138,8 +155,8 @@ def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
             f"The training batch has {size} examples but {count} (targets of shape "
             f"{tuple(targets.shape)}); every example needs its target, in the same order."
         )
-    checked = _float_tensors(inputs, "inputs") + _float_tensors(targets, "targets")
-    if checked and not _all_finite([t for _, t in checked]):
+    if not _all_finite(_float_leaves(inputs) + _float_leaves(targets)):
+        checked = _float_tensors(inputs, "inputs") + _float_tensors(targets, "targets")
         bad = [(name, t) for name, t in checked if not bool(t.isfinite().all())]
         if bad:  # (else a sum overflowed on finite values)
             listed = ", ".join(
@@ -157,22 +174,38 @@ def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
             # a raise on one rank would leave the others waiting in the loss all-reduce: the
             # non-finite loss stops every rank at this step instead, and this rank says why
             logger.error("rank %d of %d: %s", rank, world_size, message)
-    return inputs, targets
+    return inputs, targets, size
 
 
 def scaled_log_likelihood(model: Any, values: dict[str, Tensor], batch: Any) -> Tensor:
     r"""``(N/B) Σ_b mean_s log p(y_b | θ_s)`` on the batched path."""
-    inputs, targets = split_training_batch(model, batch)
+    total, scale, _ = _log_likelihood_sum(model, values, batch)
+    return scale * total
+
+
+def _scaled_nll(model: Any, values: dict[str, Tensor], batch: Any) -> tuple[Tensor, int]:
+    """``(−scaled_log_likelihood, N)``, the sign folded into the scale: one graph node fewer,
+    the same bits (rounding to nearest is symmetric, ``(−c)·x = −(c·x)``, gradients too)."""
+    total, scale, num_data = _log_likelihood_sum(model, values, batch)
+    return (-scale) * total, num_data
+
+
+def _log_likelihood_sum(
+    model: Any, values: dict[str, Tensor], batch: Any
+) -> tuple[Tensor, float, int]:
+    """``(Σ_b mean_s log p(y_b | θ_s), N/B, N)``, N of the dataset-sum convention: the model's
+    ``num_data``, else the batch's size B (found once per step)."""
+    inputs, targets, size = _split_checked(model, batch)
     params = model.batched_output(inputs, values)  # (S, B, ...)
     log_lik = model.log_likelihood(params, targets)  # (S, B)
-    size = batch_size(inputs)
-    scale = (model.num_data or size) / size
-    return scale * log_lik.mean(0).sum()
-
-
-def _num_data(model: Any, batch: Any) -> int:
-    """N of the dataset-sum convention: the model's ``num_data``, else the batch's size."""
-    return int(model.num_data or batch_size(split_batch(batch, model.label_key)[0]))
+    if log_lik.shape[0] == 1 and log_lik.is_contiguous():
+        # one draw: its mean is the value itself, and a contiguous (1, B) sum reduces the same
+        # numbers in the same order as the (B,) one (the same bits, two graph nodes fewer)
+        total = log_lik.sum()
+    else:
+        total = log_lik.mean(0).sum()
+    num_data = model.num_data or size
+    return total, num_data / size, int(num_data)
 
 
 class ELBO:
@@ -220,11 +253,10 @@ class ELBO:
                 kl = None
         if kl is None:
             values = guide.rsample(self.num_particles)
-            nll = -scaled_log_likelihood(model, values, batch)
+            nll, num_data = _scaled_nll(model, values, batch)
             kl = (guide.log_prob(values) - model.log_prior(values)).mean()
         else:
-            nll = -scaled_log_likelihood(model, values, batch)
-        num_data = _num_data(model, batch)
+            nll, num_data = _scaled_nll(model, values, batch)
         self._last_terms = {"nll": nll.detach() / num_data, "kl": kl.detach() / num_data}
         return nll + kl
 
@@ -263,10 +295,9 @@ class MAP:
             values = {s: point.loc(s).unsqueeze(0) for s in guide.sites}
         else:
             values = guide.rsample(1)
-        nll = -scaled_log_likelihood(model, values, batch)
+        nll, num_data = _scaled_nll(model, values, batch)
         neg_log_prior = -model.log_prior(values).sum()
         const = _prior_constant(model, values)
-        num_data = _num_data(model, batch)
         self.prior_constant = const
         self._last_terms = {
             "nll": nll.detach() / num_data,
