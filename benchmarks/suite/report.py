@@ -314,6 +314,11 @@ def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dic
             continue
         for name, task in data.get("tasks", {}).items():
             task.setdefault("members", data.get("members"))
+            task.setdefault(
+                "source",
+                {"file": path.name, "date": data.get("date"), "command": data.get("command")},
+            )
+            task["source"].setdefault("git", data.get("git"))
             if name not in found or data["date"] >= found[name][0]:
                 found[name] = (data["date"], task, f"{path.name} ({data['date']})")
     return {k: v[1] for k, v in found.items()}, {k: v[2] for k, v in found.items()}
