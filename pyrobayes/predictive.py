@@ -119,7 +119,9 @@ def _rows(inputs: Any) -> int:
     return max(1, batch_size(inputs))
 
 
-def default_samples_per_forward(num_samples: int, device: torch.device, inputs: Any = None) -> int:
+def default_samples_per_forward(
+    num_samples: int, device: torch.device, inputs: Any = None, model: Any = None
+) -> int:
     """Draws per forward: all of them on an accelerator; on CPU as many as keep the expanded
     batch within :data:`CPU_MAX_ROWS_PER_FORWARD` work units (rows, or rows × tokens).
 
@@ -127,11 +129,18 @@ def default_samples_per_forward(num_samples: int, device: torch.device, inputs: 
     one wide forward was 0.83× the time of 16 narrow ones (per-call overhead dominates); for MiniLM
     (16 × 64 tokens per batch) 16 narrow forwards were fastest and one wide forward cost 1.3×
     (a compute-bound forward gains nothing from a wider batch on CPU, and its activations leave
-    the cache). The cap of 1,024 units per forward serves both regimes.
+    the cache). The cap of 1,024 units per forward serves both regimes. A ``model`` that
+    shares work across draws (``model.tokens_per_draw(inputs)``: prompts or lower layers run
+    once) counts only the work of one more draw: on a 4-layer LLaMA scoring 4 × 4 choices,
+    chunks of 4 draws were 0.80× the time of single draws (S = 16; 8 and 16 alike), on the
+    demo's MiniLM (lower half shared) chunks of 2 cost the same as single draws and 4 or 8 cost
+    1.1–1.2× (``benchmarks/overhead.py``).
     """
     if device.type != "cpu" or inputs is None:
         return num_samples
-    return max(1, min(num_samples, CPU_MAX_ROWS_PER_FORWARD // _rows(inputs)))
+    per_draw = getattr(model, "tokens_per_draw", None)
+    units = per_draw(inputs) if callable(per_draw) else None
+    return max(1, min(num_samples, CPU_MAX_ROWS_PER_FORWARD // (units or _rows(inputs))))
 
 
 def _nonfinite_rows(inputs: Any, size: int) -> Tensor:
@@ -326,7 +335,9 @@ def predict(
     with torch.no_grad(), reuse_within_batch():
         for index, batch in enumerate(tqdm(data, disable=not progress_bar, desc="predict")):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
-            chunk = samples_per_forward or default_samples_per_forward(num_samples, dev, inputs)
+            chunk = samples_per_forward or default_samples_per_forward(
+                num_samples, dev, inputs, model
+            )
             parts = []
             for start in range(0, num_samples, chunk):
                 sub = {k: v[start : start + chunk] for k, v in values.items()}

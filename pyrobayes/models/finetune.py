@@ -48,6 +48,7 @@ from .sharing import (
     prefix_shared_logits,
     reusing_within_batch,
     sharing_enabled,
+    tokens_per_draw,
 )
 
 logger = logging.getLogger(__name__)
@@ -470,6 +471,13 @@ class FineTuneModel(nn.Module):
         finally:
             del self.__dict__["_lower_rows"]
         return out
+
+    def tokens_per_draw(self, inputs: Any) -> int | None:
+        """Token positions one more draw costs on ``inputs`` in prediction, the work
+        shared across draws left out (:func:`~pyrobayes.models.sharing.tokens_per_draw`);
+        ``None`` when nothing is shared. :func:`pyrobayes.predict` sizes its chunks of draws
+        by it."""
+        return tokens_per_draw(self.net, self.likelihood, inputs, self._first_adapted())
 
     def _first_adapted(self) -> tuple[nn.ModuleList, int] | None:
         """:func:`~pyrobayes.models.sharing.first_adapted_block` of the latent sites (cached)."""

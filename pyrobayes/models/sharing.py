@@ -56,6 +56,7 @@ __all__ = [
     "reuse_within_batch",
     "batch_memo",
     "reusing_within_batch",
+    "tokens_per_draw",
 ]
 
 _STATE = threading.local()
@@ -355,6 +356,30 @@ def _continuation_pass(
         use_cache=True,
         **{str(_cache_argument(model)): cache},
     )
+
+
+def tokens_per_draw(
+    net: nn.Module, likelihood: Any, inputs: Any, lower: tuple[nn.ModuleList, int] | None
+) -> int | None:
+    """Token positions one more draw costs on ``inputs`` once the shared work is done: the
+    prompts and continuations of :func:`prefix_shared_logits`, or every token, scaled by the
+    share of blocks at or above the first adapted one when the lower ones are shared;
+    ``None`` when nothing is shared (the plain rows' tokens, then)."""
+    if not sharing_enabled() or not isinstance(inputs, Mapping):
+        return None
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, Tensor):
+        return None
+    tokens = None
+    if prefix_applies(net, likelihood, inputs):
+        layout = _prefix_layout(inputs)
+        if layout is not None:
+            tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
+    if lower is None:
+        return tokens
+    blocks, first = lower
+    tokens = int(ids.numel()) if tokens is None else tokens
+    return max(1, -(-tokens * (len(blocks) - first) // len(blocks)))
 
 
 # ---------------------------------------------------------------------- lower layers

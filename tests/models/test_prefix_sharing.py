@@ -381,3 +381,36 @@ def test_predict_runs_the_lower_layers_once_per_batch_across_chunks(chunk):
     assert shared.log_probs is not None and plain.log_probs is not None
     # the same rows through the same blocks: float32 results agree to rounding
     torch.testing.assert_close(shared.log_probs, plain.log_probs, rtol=0, atol=1e-5)
+
+
+def test_default_chunks_count_the_work_of_one_more_draw():
+    """pb.predict's default chunk of draws on CPU divides 1,024 token positions by what one
+    more draw costs: a multiple-choice batch's prompts once and continuations but their last
+    token (here with the lower block shared too: 2 of 3 blocks per draw), the plain rows'
+    tokens when nothing is shared."""
+    from pyrobayes.predictive import default_samples_per_forward
+
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama(num_hidden_layers=3).eval(),
+        LoRA(rank=2, target_modules=UPPER_TARGETS["llama"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, RAGGED, ragged=True)
+    ids, cont = batch["input_ids"], batch["continuation_mask"]
+    prompt_width = int((batch["attention_mask"] - cont)[:, 0].sum(-1).max())
+    tokens = len(PROMPTS) * prompt_width + ids.shape[0] * ids.shape[1] * (
+        int(cont.sum(-1).max()) - 1
+    )
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        assert model.tokens_per_draw(batch) == -(-tokens * 2 // 3)
+        assert default_samples_per_forward(64, cpu, batch, model) == 1024 // -(-tokens * 2 // 3)
+        with unshared():
+            assert model.tokens_per_draw(batch) is None
+            assert default_samples_per_forward(64, cpu, batch, model) == 1024 // ids.numel()
+    bert = _bert_model()  # blocks 2-3 of 4 adapted: half the tokens per draw
+    rows = {"input_ids": torch.randint(3, 90, (16, 64))}
+    assert bert.tokens_per_draw(rows) == 512
+    assert default_samples_per_forward(16, cpu, rows, bert) == 2
