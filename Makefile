@@ -89,6 +89,7 @@ bench: $(STAMP)
 .PHONY: bench-suite
 bench-suite: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/suite/run.py --tasks digits diabetes --seeds 0 1 2
+	OMP_NUM_THREADS=1 $(PY) benchmarks/suite/diagnose.py --seeds 0 1 2
 	$(PY) benchmarks/suite/report.py --choosing
 
 # API reference and docs (mkdocs.yml); --strict fails on any warning, docstrings included.

@@ -712,7 +712,10 @@ def page(
         "## Reproduce",
         "",
         "```text",
-        "make bench-suite                     # digits + diabetes, 3 seeds, then this page",
+        "make bench-suite                     # digits + diabetes, 3 seeds, the anchors' "
+        "checks, then this page",
+        "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/diagnose.py --seeds 0 1 2  "
+        "# the checks alone",
         "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/run.py --tasks polarity fine \\",
         "    --seeds 0 1 2 --out benchmarks/results/suite/text.json",
         ".venv/bin/python benchmarks/suite/report.py --choosing",
