@@ -350,6 +350,10 @@ def _anchor_checks(diagnostics: dict[str, Any] | None, tasks: dict[str, Any]) ->
         "|---|---|---|---|---|---|---|",
     ]
     gaps, worse, sides = [], 0, 0
+    max_gain = max(
+        r["temperature"]["calibration_nll_t1"] - r["temperature"]["calibration_nll_fitted"]
+        for r in runs.values()
+    )
     for seed, r in runs.items():
         t = r["temperature"]
         gaps.append(abs(math.log(t["t_fitted"] / t["t_grid_calibration"])))
@@ -371,7 +375,7 @@ def _anchor_checks(diagnostics: dict[str, Any] | None, tasks: dict[str, Any]) ->
         f"on {worse} of {len(runs)} seeds; the calibration and validation splits prefer "
         f"temperatures on opposite sides of 1 on {sides} of {len(runs)}. The MAP is close to "
         "calibrated (the calibration NLL moves by at most "
-        f"{max(r['temperature']['calibration_nll_t1'] - r['temperature']['calibration_nll_fitted'] for r in runs.values()):.4f}"
+        f"{max_gain:.4f}"
         ") and a 200-image split holds only "
         f"{min(r['temperature']['errors_calibration'] for r in runs.values())}–"
         f"{max(r['temperature']['errors_calibration'] for r in runs.values())} mistakes, which "
@@ -426,7 +430,8 @@ def _anchor_checks(diagnostics: dict[str, Any] | None, tasks: dict[str, Any]) ->
         "the MAP's own, not an absurdly weak one. The under-confidence is what that "
         "evidence-optimal Gaussian gives on this head: 7 × 129 = 903 weights and 300 "
         "training images, and the cross-entropy's curvature p(1 − p) is small wherever the "
-        "MAP is confident, so the posterior keeps much of the prior's variance 1/precision; and the pretrained ReLU features are large (‖φ‖ "
+        "MAP is confident, so the posterior keeps much of the prior's variance 1/precision; "
+        "and the pretrained ReLU features are large (‖φ‖ "
         + f"{min(la_norms):.0f}–{max(la_norms):.0f}"
         + "), so a logit's variance φᵀΣφ is "
         + f"{min(la_vars):.0f}–{max(la_vars):.0f}"

@@ -23,9 +23,9 @@ tuned on (the project evaluates on validation splits only; no dataset's test spl
 Metrics on the validation split: accuracy, NLL, ECE (15 bins), Brier; OOD AUROC of the
 **predictive entropy** of the posterior predictive (ID = 0, OOD = 1; the max-probability AUROC is
 kept too, ``auroc_maxprob_*``); regression: RMSE and NLL. Fit and predict seconds; posterior
-storage; the first and last values of the objective's reported terms (e.g. mean-field's KL) and
-the loss curve, 20 points. Paired differences (per seed, then mean and standard deviation over seeds) against MAP
-and each anchor are computed by ``report.py``.
+storage; the objective's reported terms (e.g. mean-field's KL) at the first step and at the end,
+and the loss and terms as 20 window means over the fit. Paired differences (per seed, then mean
+and standard deviation over seeds) against MAP and each anchor are computed by ``report.py``.
 
 Run::
 
@@ -268,9 +268,10 @@ def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict
     predictive with the probit link. Also ``laplace-torch+ts`` (that predictive with a
     temperature fitted on the calibration split) and, for classification, ``laplace-torch-gs``
     (the prior precision grid-searched on the calibration split's NLL, laplace-torch's other
-    documented choice). Diagnostics kept: the prior precisions (and the MAP's own prior
-    precision ``1 / prior_scale²``), the log marginal likelihood, the mean predictive variance
-    of the logits (classification) or of f (regression) on the validation split."""
+    documented choice; not on the MiniLM tasks, ``Task.la_gridsearch``). Diagnostics kept: the
+    prior precisions (and the MAP's own prior precision ``1 / prior_scale²``), the log marginal
+    likelihood, the mean predictive variance of the logits (classification) or of f
+    (regression) on the validation split."""
     from laplace import Laplace
 
     assert task.la_net is not None
@@ -362,7 +363,7 @@ def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict
         "temperature": t,
         "fit_s": map_fit_s + fit_s,
     }
-    if task.kind == "classification":
+    if task.kind == "classification" and task.la_gridsearch:
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")

@@ -55,6 +55,9 @@ class Task:
     patience: int | None = None  # early stopping on the calibration split (None: fixed epochs)
     la_net: Callable[[Any, Any], nn.Module] | None = None  # (model, map_guide) -> plain network
     la_data: Callable[[Any], Any] = lambda loader: loader  # a DataLoader, as laplace-torch wants
+    # laplace-torch's grid search: 100 predictive passes over the calibration split (cheap on
+    # the MLPs; on MiniLM that is 100 forward passes of the encoder, left out for CPU time)
+    la_gridsearch: bool = True
     quick: bool = False  # tiny sizes: every fit capped at ``epochs``
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -334,6 +337,7 @@ def _text(seed: int, quick: bool, num_labels: int, ood: list[str], name: str) ->
         patience=int(config["training"]["patience"]) or None,
         quick=quick,
         la_net=lambda model, guide: _HFLogits(pb.models.merged_network(model, guide.mean())),
+        la_gridsearch=False,
         info={
             "num_train": loaders["num_train"],
             "classes": num_labels,
