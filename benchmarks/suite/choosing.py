@@ -383,10 +383,13 @@ def _anchor_checks(diagnostics: dict[str, Any] | None, tasks: dict[str, Any]) ->
         "scatter, so where temperature scaling loses it is the small calibration split, not "
         "the fit.",
         "",
-        "**laplace-torch's last-layer Laplace.** Used as its README shows (`fit` on the "
+        "**laplace-torch's last-layer Laplace.** Used as its API documents it (`fit` on the "
         'training loader, N = the training set; `optimize_prior_precision(method="marglik", '
-        'pred_type="glm", link_approx="probit")`; the MAP network with the adapter merged, its '
-        "own head as the last layer). Its marginal-likelihood prior precision, the MAP's own "
+        'pred_type="glm", link_approx="probit")`, whose defaults these are; the MAP network '
+        "with the adapter merged, its own head as the last layer). Its README's example "
+        'tunes the prior precision by `method="gridsearch"` on a validation loader instead: '
+        "that is the `laplace-torch-gs` row (on the calibration split). The marginal-likelihood "
+        "prior precision, the MAP's own "
         "(1 / prior_scale²), the mean norm of the head's input features φ and, under the "
         "chosen precision, the mean variance of a logit (φᵀΣφ) and the mean top probability "
         "on the validation split:",
@@ -440,9 +443,9 @@ def _anchor_checks(diagnostics: dict[str, Any] | None, tasks: dict[str, Any]) ->
         + f"{100 * min(accs):.0f}–{100 * max(accs):.0f}% accuracy. "
         + _evidence_sentence(r0["laplace_torch"]["sweep"])
         + " Choosing the precision by held-out "
-        "NLL instead (`laplace-torch-gs`, grid search on the calibration split) "
+        "NLL instead (`laplace-torch-gs`, the README's grid search, on the calibration split) "
         + _gs_sentence(tasks)
-        + " Neither is a misuse; the first is the anchor issue 27 names.",
+        + " Neither is a misuse; the marginal-likelihood one is the anchor issue 27 names.",
     ]
     return out
 
@@ -609,7 +612,8 @@ def page(
         'hessian_structure="kron")` + `optimize_prior_precision(method="marglik")` on the same '
         "MAP network (Daxberger et al. 2021), its GLM predictive with the probit link; "
         "`laplace-torch+ts` adds a temperature, `laplace-torch-gs` picks the prior precision by "
-        '`method="gridsearch"` on the calibration split instead (classification).',
+        '`method="gridsearch"` on the calibration split instead, as laplace-torch\'s README '
+        "example does on a validation loader (classification; MLP tasks).",
         "",
         "Every task has three disjoint splits: **train** (the fine-tuning data), **calibration** "
         "(every choice made after or during a fit: temperatures, laplace-torch's grid search, "

@@ -10,7 +10,7 @@ For each seed the MAP is fitted exactly as ``run.py`` fits it (same task, settin
   validation split itself would pick; the number of misclassified images in each split;
 * **laplace-torch** - ``Laplace(net, "classification", subset_of_weights="last_layer",
   hessian_structure="kron")``, ``fit`` on the training loader, ``optimize_prior_precision(
-  method="marglik", pred_type="glm", link_approx="probit")`` as its README shows: the prior
+  method="marglik", pred_type="glm", link_approx="probit")`` (its defaults): the prior
   precision it picks against the MAP's own prior precision (``1 / prior_scale²``), its log
   marginal likelihood at a few prior precisions, and at each the validation NLL and the mean
   variance of a logit under the GLM predictive; the norm of the last layer's input features

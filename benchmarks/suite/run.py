@@ -263,12 +263,13 @@ def _predict_cal(task: Task, model: Any, guide: Any) -> Prediction:
 
 def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict[str, Any]:
     """laplace-torch's last-layer Kronecker Laplace with marginal-likelihood prior precision,
-    used as its README shows, on the MAP network (adapter merged): ``fit`` on the training
+    with its documented defaults, on the MAP network (adapter merged): ``fit`` on the training
     loader (N = the training set), ``optimize_prior_precision(method="marglik")``, the GLM
     predictive with the probit link. Also ``laplace-torch+ts`` (that predictive with a
     temperature fitted on the calibration split) and, for classification, ``laplace-torch-gs``
-    (the prior precision grid-searched on the calibration split's NLL, laplace-torch's other
-    documented choice; not on the MiniLM tasks, ``Task.la_gridsearch``). Diagnostics kept: the
+    (the prior precision grid-searched on the calibration split's NLL, as laplace-torch's
+    README example does on a validation loader; not on the MiniLM tasks,
+    ``Task.la_gridsearch``). Diagnostics kept: the
     prior precisions (and the MAP's own prior precision ``1 / prior_scale²``), the log marginal
     likelihood, the mean predictive variance of the logits (classification) or of f
     (regression) on the validation split."""
