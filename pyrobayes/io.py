@@ -548,16 +548,18 @@ def _check_family(path: str | Path, header: dict[str, Any], guide: Any) -> None:
 
 def _posterior_config(path: str | Path, header: dict[str, Any], cls: type) -> dict[str, Any]:
     """The file's constructor options without the fit's settings an older file may carry
-    (``cls.fit_options``: optimizer settings that moved to the fitter); logged when dropped."""
+    (``cls.fit_options``: settings that moved to the fitter); logged when dropped."""
     config = dict(header["config"])
     dropped = {k: config.pop(k) for k in getattr(cls, "fit_options", ()) if k in config}
     dropped = {k: v for k, v in dropped.items() if v is not None}
     if dropped:
+        settings = getattr(cls, "fit_settings_class", None)
         logger.info(
-            "%s: ignoring the optimizer settings %s saved with this older posterior file (they "
-            "are the fit's now: pass them to the fitter as optimizer=...).",
+            "%s: ignoring the fit settings %s saved with this older posterior file (they are "
+            "the fitter's now: pass them to it as optimizer=%s(...)).",
             path,
             _kwargs(dropped),
+            f"pb.infer.{settings}" if settings else "...",
         )
     return config
 

@@ -159,6 +159,11 @@ def check_settings(fitter: Any, saved: dict[str, Any] | None) -> None:
     )
 
 
+def _field_names(settings: Any) -> set[str]:
+    """The fields of a settings dataclass (an instance or the class)."""
+    return {f.name for f in dataclasses.fields(settings)}
+
+
 class IVONLoss:
     r"""IVON's training objective: the per-example mean data NLL at ``S`` sampled θ.
 
@@ -665,14 +670,14 @@ class IVONFitter(Fitter):
                 self.objective.sampler = self.optimizer
 
     def _resolve_settings(self, optimizer: Any, guide: Any) -> IVON:
+        """The settings record of this fit (see ``__init__``)."""
         cls = self.settings_class
         if not isinstance(optimizer, IVON):
             return cls(**getattr(guide, "fit_settings", {}))
-        if isinstance(optimizer, cls):
+        extra = _field_names(optimizer) - _field_names(cls)  # e.g. Kronecker IVON's, for IVON
+        if isinstance(optimizer, cls) and not extra:
             return optimizer
-        if issubclass(
-            cls, type(optimizer)
-        ):  # e.g. an IVON for Kronecker IVON: defaults for the rest
+        if issubclass(cls, type(optimizer)):  # a base record (IVON for Kronecker IVON): widened
             return cls(**dataclasses.asdict(optimizer))
         raise TypeError(
             f"{type(self).__name__}: optimizer={type(optimizer).__name__}(...) holds another "

@@ -298,7 +298,7 @@ def test_an_older_file_with_optimizer_settings_still_loads(tmp_path, caplog) -> 
     assert pb.io.read_header(path)["config"]["optimizer"] == "sgd"
     with caplog.at_level("INFO", logger="pyrobayes.io"):
         loaded = pb.load(path, model)
-    assert "ignoring the optimizer settings" in caplog.text and "optimizer='sgd'" in caplog.text
+    assert "ignoring the fit settings" in caplog.text and "optimizer='sgd'" in caplog.text
     for key, value in guide.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key])
     pb.io.load_state(SWAGGuide(model, rank=2), path)  # into a guide built as today: no mismatch
