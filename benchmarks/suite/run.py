@@ -96,6 +96,8 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
     validate = task.patience is not None and settings.get("validate", True) and epochs > 0
     if "progress" in params:
         kwargs["progress"] = False
+    if settings.get("optimizer") is not None:  # the fit's settings (pb.infer.IVON, SWAG, ...)
+        kwargs["optim"] = pb.Optimization(optimizer=settings["optimizer"])
     if validate:
         patience = int(settings.get("patience", task.patience))
         if hasattr(pb, "Validation"):

@@ -105,6 +105,8 @@ def text_settings() -> dict[str, dict[str, Any]]:
             out[family]["validate"] = s["validate"]
         if "adapter" in s:
             out[family]["adapter_fn"] = s["adapter"]
+        if "optimizer" in s:  # the fit's settings (e.g. SWAG's collection schedule)
+            out[family]["optimizer"] = s["optimizer"]
     return out
 
 
