@@ -94,7 +94,8 @@ def main(family: str, specs: list[str]) -> None:
         model, _ = pl.build_model(cfg, loaders["num_train"], loaders["train"])
         guide = pb.posterior(model, family, **{**settings.get("options", {}), **opts})
         start = time.perf_counter()
-        pb.fit(model, guide, loaders["train"], epochs=epochs, lr=lr, seed=seed)
+        optim = pb.Optimization(optimizer=settings.get("optimizer"))  # the fit's settings
+        pb.fit(model, guide, loaders["train"], epochs=epochs, lr=lr, seed=seed, optim=optim)
         fit_s = time.perf_counter() - start
         pred = pb.predict(
             model, guide, loaders["test"], num_samples=cfg["predict"]["num_samples"], seed=0

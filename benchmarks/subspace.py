@@ -267,15 +267,14 @@ def run_cell(kind: str, projection: str, rank: int, data: dict[str, Any], args: 
     with torch.no_grad():
         for s, v in lap.mean().items():
             model.net.get_parameter(model.latent_sites[s].param_name).copy_(v)
-    swag = SWAGGuide(
-        model, rank=5, scale=0.5, start_epoch=0, collect_every_steps=args.collect_every
-    )
+    swag = SWAGGuide(model, rank=5, scale=0.5)
+    collect = pb.infer.SWAG(start_epoch=0, collect_every_steps=args.collect_every)
     t0 = time.perf_counter()
     pb.fit(
         model,
         swag,
         data["train_loader"](),
-        optim=pb.Optimization(num_steps=args.swag_steps),
+        optim=pb.Optimization(optimizer=collect, num_steps=args.swag_steps),
         lr=args.lr,
         seed=args.seed + 1,
     )
