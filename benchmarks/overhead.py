@@ -34,11 +34,15 @@ per-draw cores in the batched layers, each reading its logits at the continuatio
 (``logits_to_keep``) with ``log_softmax`` and a gather; and, at S = 4, pb.predict and the plain
 loop with the full-vocabulary head at every position (the predict-time gain of head gathering).
 ``--threads 1`` for this case in the reported table. ``pb.predict`` runs each prompt once per draw
-and scores the K choices from its key/value cache (``pyrobayes.models.sharing``); ``pb.predict
-unshared`` is the same call inside ``sharing.unshared()`` (every row in full).
+and scores the K choices from its key/value cache, the head on the real continuation tokens only
+(``pyrobayes.models.sharing``); ``pb.predict unshared`` is the same call inside
+``sharing.unshared()`` (every row in full). Paired ratios are reported with their range over
+the rounds. ``llama_smol``: the same with 8 blocks and an 8,192-token vocabulary, so that the
+head costs about what SmolLM2-135M's does next to its blocks (0.36x against 0.27x a token's
+blocks; the 49,152 x 256 head of ``llama`` costs 4.5x).
 
-(d) minilm_demo: ``pb.predict`` at S = 16 (the blocks below layer 3 once for all draws) against
-the plain ways of (b) and ``pb.predict`` inside ``sharing.unshared()``.
+(d) minilm_demo: ``pb.predict`` at S = 16 (the blocks below layer 3 once per batch for all draws
+and chunks) against the plain ways of (b) and ``pb.predict`` inside ``sharing.unshared()``.
 
 Timing: ``time.perf_counter`` (CUDA synchronised), one warm-up, variants interleaved round-robin,
 medians over repeats. ``torch.set_num_threads(2)`` unless ``--threads``.
@@ -50,6 +54,8 @@ Run::
     .venv/bin/python benchmarks/overhead.py --device cuda
     .venv/bin/python benchmarks/overhead.py --only llama --threads 1 \
         --out benchmarks/results/overhead_llama_t1.json                # the causal-LM case
+    .venv/bin/python benchmarks/overhead.py --only llama_smol --threads 1 \
+        --out benchmarks/results/overhead_llama_smol_t1.json           # SmolLM2's head share
     .venv/bin/python benchmarks/overhead.py --only minilm_demo --threads 1 \
         --out benchmarks/results/overhead_minilm_demo_t1.json          # lower layers shared
 """
@@ -141,6 +147,19 @@ def paired_ratio(res: dict[str, dict[str, Any]], name: str, ref: str) -> float:
     return statistics.median(
         a / b for a, b in zip(res[name]["times_s"], res[ref]["times_s"], strict=True)
     )
+
+
+def paired_spread(res: dict[str, dict[str, Any]], ref: str) -> None:
+    """Add each variant's per-round ratios to ``ref`` (``paired_ratios``) and print the shared
+    cases' summary: paired median and range over the rounds."""
+    for name, v in res.items():
+        ratios = [a / b for a, b in zip(v["times_s"], res[ref]["times_s"], strict=True)]
+        v["paired_ratios"] = ratios
+        print(
+            f"    {name:<34} paired {statistics.median(ratios):.3f} "
+            f"[{min(ratios):.3f}, {max(ratios):.3f}] x {ref}",
+            flush=True,
+        )
 
 
 # ------------------------------------------------------------------------------------ setups
@@ -406,6 +425,8 @@ def predict_case(setup: dict[str, Any], num_pred_batches: int, repeats: int, dev
         )
     res = time_round_robin(fns, repeats, device, dict.fromkeys(fns, 1))
     ref = min(("plain S forwards at B", "plain 1 forward at S*B"), key=lambda k: res[k]["median_s"])
+    if setup.get("shared"):
+        paired_spread(res, ref)
     for k in res:
         res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
         res[k]["paired_ratio_vs_fastest_plain"] = paired_ratio(res, k, ref)
@@ -439,23 +460,29 @@ class _WordTokenizer:
         return {"input_ids": ([1] if add_special_tokens else []) + ids}
 
 
-def build_llama(device: torch.device) -> dict[str, Any]:
+#: llama_smol: the 4-layer LLaMA's head costs 4.5x a token's blocks (49,152 x 256 against
+#: 4 blocks of 256); SmolLM2-135M's costs 0.27x (49,152 x 576 against 30 blocks of 576). This
+#: case keeps the widths and gives head and blocks SmolLM2's proportion (8 blocks, 0.36x).
+SMOL_PROPORTIONS = {"num_hidden_layers": 8, "vocab_size": 8192}
+
+
+def build_llama(device: torch.device, **config: int) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pyrobayes.models.multiple_choice import encode_multiple_choice
 
     torch.manual_seed(0)
+    fields = {"num_hidden_layers": 4, "vocab_size": LLAMA_VOCAB, **config}
     cfg = LlamaConfig(
         hidden_size=256,
-        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=688,
-        vocab_size=LLAMA_VOCAB,
         max_position_embeddings=256,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        **fields,
     )
     net = LlamaForCausalLM(cfg).eval()
     model = FineTuneModel(
@@ -588,6 +615,7 @@ def llama_predict_case(setup: dict[str, Any], repeats: int, device: torch.device
             ("plain S forwards at B*K", "plain 1 forward at S*B*K"),
             key=lambda k: res[k]["median_s"],
         )
+        paired_spread(res, ref)
         for k in res:
             res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
             res[k]["paired_ratio_vs_fastest_plain"] = paired_ratio(res, k, ref)
@@ -605,7 +633,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--only", choices=["mlp", "minilm", "llama", "minilm_demo"], default=None)
+    parser.add_argument(
+        "--only", choices=["mlp", "minilm", "llama", "llama_smol", "minilm_demo"], default=None
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -655,12 +685,16 @@ def main() -> None:
         setup = build_minilm(device, 4, DEMO_TARGETS)
         setup.update(name="minilm_demo", shared=True)
         print(f"[minilm_demo] predict: S={NUM_SAMPLES} ...", flush=True)
-        pred_res = predict_case(setup, 1, 2 if q else 4, device)
+        pred_res = predict_case(setup, 1, 2 if q else 5, device)
         results["cases"]["minilm_demo"] = {"predict": pred_res}
 
     if args.only in (None, "llama"):
         setup = build_llama(device)
-        results["cases"]["llama"] = llama_predict_case(setup, 2 if q else 3, device)
+        results["cases"]["llama"] = llama_predict_case(setup, 2 if q else 5, device)
+
+    if args.only in (None, "llama_smol"):
+        setup = build_llama(device, **SMOL_PROPORTIONS)
+        results["cases"]["llama_smol"] = llama_predict_case(setup, 2 if q else 5, device)
 
     results["machine"]["load_average_at_end"] = os.getloadavg()
     print_table(results)
