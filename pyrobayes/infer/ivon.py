@@ -136,11 +136,23 @@ class IVON:
         }
 
 
+def settings_record(settings: Any) -> dict[str, Any]:
+    """The settings dataclass ``settings`` as the plain values a checkpoint holds (it is read
+    with ``torch.load(weights_only=True)``): a torch optimizer class or factory by its name."""
+    out = {}
+    for key, value in dataclasses.asdict(settings).items():
+        if callable(value):
+            name = getattr(value, "__qualname__", type(value).__qualname__)
+            value = f"{getattr(value, '__module__', '')}.{name}"
+        out[key] = value
+    return out
+
+
 def check_settings(fitter: Any, saved: dict[str, Any] | None) -> None:
     """Refuse a checkpoint whose fitter ran with other settings (``fitter.settings``, e.g. an
     :class:`IVON`). Checkpoints written before the settings moved to the fitter carry none, and
     those written before a setting moved carry no value for it: both pass."""
-    here = dataclasses.asdict(fitter.settings)
+    here = settings_record(fitter.settings)
     if saved is None:
         return
     diffs = [
@@ -700,7 +712,7 @@ class IVONFitter(Fitter):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state, the step count and the settings it ran with (:class:`IVON`)."""
-        return {**super().state_dict(), "settings": dataclasses.asdict(self.settings)}
+        return {**super().state_dict(), "settings": settings_record(self.settings)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""

@@ -32,9 +32,8 @@ W. J. Maddox et al., "A simple baseline for Bayesian uncertainty in deep learnin
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +44,7 @@ from torch import Tensor
 from ..guides.lowrank import VAR_FLOOR, SwagState, swag_posterior
 from ..models.adapters import check_int, check_real
 from .fitter import Fitter
-from .ivon import check_settings
+from .ivon import check_settings, settings_record
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +78,9 @@ class SWAG:
         Collect the iterate after every ``collect_every``-th epoch from ``start_epoch`` on (1).
     collect_every_steps : int, optional
         Collect every this many optimizer steps instead (once ``start_epoch`` epochs are done).
-    optimizer : {"adam", "sgd"}
-        The torch optimizer of the MAP trajectory (learning rate: the fit's ``lr``).
+    optimizer : {"adam", "sgd"}, torch optimizer class or callable ``params -> Optimizer``
+        The torch optimizer of the MAP trajectory (learning rate: the fit's ``lr``; a class is
+        built as ``cls(params, lr=lr)``). A checkpoint records a class or callable by its name.
     swa_lr : float, optional
         Target of ``torch.optim.swa_utils.SWALR``'s annealing from ``start_epoch`` on
         (Izmailov et al., 2018); ``None`` keeps the learning rate.
@@ -89,7 +89,7 @@ class SWAG:
     anneal_strategy : {"linear", "cos"}
     """
 
-    optimizer: str = "adam"
+    optimizer: str | Callable[..., Any] = "adam"
     swa_lr: float | None = None
     anneal_epochs: int = 5
     anneal_strategy: str = "linear"
@@ -99,8 +99,13 @@ class SWAG:
 
     def __post_init__(self) -> None:
         owner = "SWAG(): "
-        if self.optimizer not in ("adam", "sgd"):
+        if isinstance(self.optimizer, str) and self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"{owner}optimizer must be 'adam' or 'sgd'; got {self.optimizer!r}.")
+        if not isinstance(self.optimizer, str) and not callable(self.optimizer):
+            raise TypeError(
+                f"{owner}optimizer must be 'adam', 'sgd', a torch optimizer class or a callable "
+                f"params -> Optimizer; got {type(self.optimizer).__name__}."
+            )
         if self.swa_lr is not None:
             check_real("swa_lr", self.swa_lr, ge=0, owner=owner)
         check_int("anneal_epochs", self.anneal_epochs, ge=0, owner=owner)
@@ -179,7 +184,8 @@ class SWAGFitter(Fitter):
     ``torch.optim.swa_utils.SWALR`` (then :func:`pyrobayes.fit` refuses a scheduler of its own).
     :meth:`end` keeps at least the last iterate and marks the posterior fitted. With a torch
     optimizer of one's own instead of a :class:`SWAG`, the schedule is the one given to the
-    guide (deprecated) or :class:`SWAG`'s default, collected per epoch.
+    guide (deprecated) or :class:`SWAG`'s default, collected per epoch: pass the optimizer in
+    the record instead, ``SWAG(optimizer=torch.optim.AdamW, start_epoch=5)``.
     """
 
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
@@ -206,9 +212,12 @@ class SWAGFitter(Fitter):
         return "map"
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
-        if self.settings.optimizer == "sgd":
+        spec = self.settings.optimizer
+        if spec == "sgd":
             return torch.optim.SGD(params, lr=lr)
-        return torch.optim.Adam(params, lr=lr)
+        if spec == "adam":
+            return torch.optim.Adam(params, lr=lr)
+        return self._build_optimizer(spec, lr)  # a class or factory of one's own
 
     def begin(self, data: Iterable[Any] | None = None) -> None:
         self.guide.reset()
@@ -278,7 +287,7 @@ class SWAGFitter(Fitter):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["settings"] = dataclasses.asdict(self.settings)
+        state["settings"] = settings_record(self.settings)
         state["epochs_done"] = self.epochs_done
         if self._swalr is not None:
             state["swalr"] = self._swalr.state_dict()

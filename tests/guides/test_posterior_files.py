@@ -295,3 +295,37 @@ def test_swag_schedule_is_in_the_checkpoint_and_checked_on_resume():
 def test_bad_fit_settings_are_refused_by_name(build, name):
     with pytest.raises(ValueError, match=name):
         build()
+
+
+def test_swag_schedule_with_an_optimizer_of_ones_own(tmp_path):
+    """A torch optimizer class (or factory) goes into the SWAG record with the schedule, so a
+    custom optimizer needs no guide keyword: the same fit as the built-in "sgd", and the
+    checkpoint names the class (it is read with ``weights_only=True``)."""
+    states, fitters = [], []
+    for optimizer in ("sgd", torch.optim.SGD):
+        pyro.clear_param_store()
+        model, data = _problem()
+        guide = pb.posterior(model, "swag", rank=2)
+        settings = pb.infer.SWAG(optimizer=optimizer, start_epoch=1, collect_every_steps=2)
+        fitter = make_fitter(model, guide, lr=0.05, optimizer=settings)
+        assert type(fitter.optimizer) is torch.optim.SGD
+        torch.manual_seed(0)
+        fitter.begin(data)
+        for epoch in range(3):
+            for batch in data:
+                fitter.step(batch)
+            fitter.epoch_end(epoch)
+        fitter.end(data)
+        assert int(guide.swag_num_collected) == 3  # steps 4 and 6 (epoch 2), 8 (epoch 3)
+        states.append({k: v.clone() for k, v in guide.state_dict().items()})
+        fitters.append(fitter)
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key
+    torch.save(fitters[1].state_dict(), tmp_path / "fitter.pt")
+    saved = torch.load(tmp_path / "fitter.pt", weights_only=True)
+    assert saved["settings"]["optimizer"] == "torch.optim.sgd.SGD"
+    fitters[1].load_state_dict(saved)  # the same settings: resumes
+    with pytest.raises(ValueError, match=r"optimizer='torch\.optim\.sgd\.SGD' there, 'sgd' here"):
+        fitters[0].load_state_dict(saved)
+    with pytest.raises(TypeError, match="optimizer must be 'adam', 'sgd', a torch optimizer"):
+        pb.infer.SWAG(optimizer=3)  # type: ignore[arg-type]
