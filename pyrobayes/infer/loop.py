@@ -458,7 +458,7 @@ class _Loop:
             raise ValueError(
                 f"fit(optim=Optimization(scheduler={optim.scheduler!r})) with "
                 f"{type(fitter).__name__}, which schedules the learning rate itself "
-                f"({type(guide).__name__}(swa_lr=...)). Pass one of the two."
+                "(pb.infer.SWAG(swa_lr=...)). Pass one of the two."
             )
         fitter.begin(data)
         sched = make_scheduler(optim.scheduler, fitter.optimizer, self.plan.total, optim.warmup)

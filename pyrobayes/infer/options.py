@@ -66,7 +66,7 @@ class Optimization:
         (``α_t = α·½(1 + cos(π t/T))``, Loshchilov & Hutter, 2017, eq. 5 without restarts) or
         ``"linear"`` (``α_t = α(1 − t/T)``) over the run's ``T`` steps, or a factory
         ``optimizer -> LRScheduler``. Saved in checkpoints. Not with a fitter that schedules the
-        learning rate itself (``SWAGGuide(swa_lr=...)``).
+        learning rate itself (``pb.infer.SWAG(swa_lr=...)``).
     warmup : int or float
         Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
         steps (an int), or that fraction of the run (a float < 1; 0.06 is the GLUE recipe of
