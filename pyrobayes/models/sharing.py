@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .layers import BatchedLinear, _AdapterBase
 from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,8 @@ def _output_head(net: nn.Module, body: nn.Module) -> nn.Module | None:
     head = getter()
     if not isinstance(head, nn.Module) or _PLAIN_HEAD.get(net) is False:
         return None
+    if any(isinstance(m, (_AdapterBase, BatchedLinear)) for m in head.modules()):
+        return None  # per-draw head weights: its rows must stay sample-major (the full slots)
     return head
 
 
@@ -294,12 +297,10 @@ def prefix_shared_logits(
             first = out.logits[:, -1]  # (R, V)
         else:
             out = body(**prompt, use_cache=True)
-            hidden = out.last_hidden_state[:, -1]
-            if net not in _PLAIN_HEAD and not _check_head(net, head, hidden, prompt):
+            first = out.last_hidden_state[:, -1]  # (R, H): the head runs below, with the rest
+            if net not in _PLAIN_HEAD and not _check_head(net, head, first, prompt):
                 head = None
                 first = net(**prompt, use_cache=False, logits_to_keep=1).logits[:, -1]
-            else:
-                first = head(hidden) if head is not None else first
     cache = getattr(out, "cache", None)
     cache = out.past_key_values if cache is None else cache
     with shared(k_choices):
@@ -309,15 +310,15 @@ def prefix_shared_logits(
         return torch.cat(slots if rest is None else [*slots, rest.logits], dim=1)
     valid = layout["cont_mask"].reshape(num * k_choices, -1).bool()  # slot j: token j
     tokens = layout["cont_ids"].reshape(num * k_choices, -1)
-    values = torch.zeros(valid.shape, dtype=first.dtype, device=first.device)
+    later = valid[:, 1:]  # slots 1..: the real continuation tokens only (no padding slots)
+    states = first if rest is None else torch.cat([first, rest.last_hidden_state[later]])
+    log_probs = torch.log_softmax(head(states), dim=-1)  # one head call: (R + N, V)
+    values = torch.zeros(valid.shape, dtype=log_probs.dtype, device=log_probs.device)
     # slot 0: one softmax per prompt, read at its K choices' first tokens
-    lp_first = torch.log_softmax(first, dim=-1).gather(-1, tokens[:, 0].reshape(num, k_choices))
-    values[:, 0] = lp_first.reshape(-1)
-    if rest is not None:  # slots 1..: the real continuation tokens only (no padding slots)
-        later = valid[:, 1:]
-        logits = head(rest.last_hidden_state[later])  # (N, V)
-        picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:][later].unsqueeze(-1))
-        values[:, 1:] = values[:, 1:].masked_scatter(later, picked.squeeze(-1))
+    values[:, 0] = log_probs[:num].gather(-1, tokens[:, 0].reshape(num, k_choices)).reshape(-1)
+    if rest is not None:
+        picked = log_probs[num:].gather(-1, tokens[:, 1:][later].unsqueeze(-1)).squeeze(-1)
+        values[:, 1:] = values[:, 1:].masked_scatter(later, picked)
     return TokenLogProbs(values)
 
 

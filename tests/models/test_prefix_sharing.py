@@ -156,6 +156,30 @@ def test_a_scaled_head_is_detected_and_run_as_the_network_does(arch):
     torch.testing.assert_close(again, shared, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("latent_head", [False, True])
+def test_an_adapted_head_scores_its_slots_per_draw(latent_head):
+    """A head with per-draw weights (LoRA on ``lm_head``, or the head made latent) is not packed
+    (its rows must stay sample-major): the network's own head reads the continuation slots, and
+    the scores equal the full rows'."""
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama().eval().double(),
+        LoRA(rank=2, target_modules=["q_proj"] if latent_head else ["q_proj", "lm_head"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+        latent_modules=["lm_head"] if latent_head else (),
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, RAGGED, ragged=True)
+    values = _draws(model, num=3, scale=0.1)
+    with torch.no_grad():
+        shared = model.batched_output(batch, values)
+        with unshared():
+            plain = model.batched_output(batch, values)
+    assert model.net not in sharing._PLAIN_HEAD  # the packed head was never considered
+    finite = torch.isfinite(plain)
+    torch.testing.assert_close(shared[finite], plain[finite], rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("arch", sorted(NETS))
 def test_shared_prompt_falls_back_when_prompts_differ(arch):
     """A prompt truncated differently per choice (max_length) is not shared: the plain rows run."""
