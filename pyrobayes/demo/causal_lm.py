@@ -504,7 +504,7 @@ def compare_normalize(
     for normalize in _CHOICES["causal_lm.normalize"]:
         pred = _normalized(summed, normalize)
         t = fit_temperature(pred, bounds=(0.01, 100.0))
-        nll_t = float(tempered_nll(pred, pred.targets, t))
+        nll_t = float(tempered_nll(pred, summed["labels"], t))
         out[normalize] = {**_metrics(pred), "temperature": t, "nll_at_temperature": nll_t}
     return out
 
