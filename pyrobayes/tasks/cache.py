@@ -172,7 +172,7 @@ def save_gguf_as_float32(folder: str | Path, gguf_file: str, out: str | Path) ->
         )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     net = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file)
-    setattr(net, "hf_quantizer", None)  # (mypy types attributes of a Module as modules)
+    net.hf_quantizer = None  # type: ignore[assignment]  # (a Module attribute to mypy)
     if hasattr(net.config, "quantization_config"):
         del net.config.quantization_config
     dtypes = {p.dtype for p in net.parameters()}
