@@ -117,8 +117,8 @@ ADAPTERS: dict[str, Callable[[Any, list[str]], Any]] = {
     "symmetrized": lambda adapter, targets: pb.models.LoRA(rank=8, target_modules=targets),
     "signorm": lambda adapter, targets: pb.models.SigmaNorm(num_members=2, adapter=adapter),
 }
-#: Options for this binary task: IBDR's diversity term needs C − 1 ≥ K classes, so alpha = 0.
-OPTIONS: dict[str, dict[str, Any]] = {"ibdr": {"alpha": 0.0}}
+#: Fit settings for this binary task: IBDR's diversity term needs C − 1 ≥ K classes, so alpha = 0.
+OPTIMIZERS: dict[str, Any] = {"ibdr": pb.infer.IBDR(alpha=0.0)}
 
 
 def _build(
@@ -174,8 +174,8 @@ def _family(
     model.train(True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    guide = pb.posterior(model, family, **OPTIONS.get(family, {}))
-    fitter = pb.infer.make_fitter(model, guide, lr=1e-3)
+    guide = pb.posterior(model, family)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-3, optimizer=OPTIMIZERS.get(family))
     fitter.begin(data)
     t, m = _timed(lambda: fitter.step(data[0]), device, args.steps)
     row: dict[str, Any] = {"step_s": t, "peak_bytes": m, "step_ratio": t / plain["step_s"]}

@@ -10,7 +10,7 @@ Methods, same pretrained body, same batches, same epochs:
 * ``map``      - one MAP fit (``pb.posterior(model, "map")``), Adam.
 * ``ensemble`` - K independent MAP fits (each its own LoRA A and head init), probabilities
   averaged: K times the MAP budget.
-* ``ibdr``     - ``pb.posterior(model, "ibdr", num_particles=K, alpha=α)``: K interacting
+* ``ibdr``     - ``pb.posterior(model, "ibdr", num_particles=K)`` fitted with ``pb.infer.IBDR(alpha=α)``: K interacting
   particles, two passes per step, each ONE sample-batched forward over the K particles. Particle
   k starts where ensemble member k starts (its LoRA A and head init; ``--jitter-init`` keeps the
   guide's own init instead: one model init plus independent ``init_scale`` jitter), so the paired
@@ -84,10 +84,12 @@ def build(body: nn.Sequential, num_data: int, seed: int) -> pb.models.FineTuneMo
     )
 
 
-def fit(model, guide, batches, args, seed: int) -> tuple[float, dict]:
-    """(seconds per step, the fitter's final state: λ, cost and radius for IBDR)."""
+def fit(model, guide, batches, args, seed: int, settings=None) -> tuple[float, dict]:
+    """(seconds per step, the fitter's final state: λ, cost and radius for IBDR; ``settings``:
+    the fit's, e.g. ``pb.infer.IBDR(...)``)."""
     start = time.perf_counter()
-    result = pb.fit(model, guide, batches, epochs=args.epochs, lr=args.lr, seed=seed)
+    optim = pb.Optimization(optimizer=settings)
+    result = pb.fit(model, guide, batches, epochs=args.epochs, lr=args.lr, seed=seed, optim=optim)
     steps = len(result.losses)
     return (time.perf_counter() - start) / steps, dict(result.state or {})
 
@@ -143,13 +145,14 @@ def run_seed(seed: int, args) -> dict[str, dict[str, float]]:
         pyro.clear_param_store()
         model = build(body, args.num_train, seed=100 * seed)
         options = {} if rho is None else {"rho": rho}
-        guide = pb.posterior(model, "ibdr", num_particles=k, alpha=alpha, **options)
+        guide = pb.posterior(model, "ibdr", num_particles=k)
+        settings = pb.infer.IBDR(alpha=alpha, **options)
         if not args.jitter_init:  # particle k starts at ensemble member k's init
             with torch.no_grad():
                 for site, locs in guide.component_locs().items():
                     for member in range(k):
                         locs[member].copy_(inits[member][site])
-        step_s, state = fit(model, guide, batches, args, seed=100 * seed)
+        step_s, state = fit(model, guide, batches, args, seed=100 * seed, settings=settings)
         probs, ood_probs = predict(model, guide, k)  # S = K: each particle once
         row = metrics(probs, test[1], ood_probs) | {"step_ms": 1e3 * step_s}
         row["step_vs_k_map"] = step_s / (k * statistics.mean(map_time))

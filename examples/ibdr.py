@@ -16,8 +16,10 @@ import pyrobayes as pb
 
 args = parse_args(__doc__)
 model, train, test, x_ood = setup(args.smoke, args.seed)  # 5 classes: K <= C - 1 = 4
-guide = pb.posterior(model, "ibdr", num_particles=4, alpha=0.02, rho=0.02)
-result = pb.fit(model, guide, train, epochs=2 if args.smoke else 30, lr=1e-2, seed=args.seed)
+guide = pb.posterior(model, "ibdr", num_particles=4)
+optim = pb.Optimization(optimizer=pb.infer.IBDR(alpha=0.02, rho=0.02))  # the fit's settings
+epochs = 2 if args.smoke else 30
+result = pb.fit(model, guide, train, epochs=epochs, lr=1e-2, seed=args.seed, optim=optim)
 print(f"lambda={result.state['lam']:.3g} cost={result.state['cost']:.3g}")
 metrics = report(model, guide, test, x_ood, num_samples=4)
 pred = pb.predict(model, guide, test, num_samples=4)

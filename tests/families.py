@@ -30,9 +30,8 @@ OPTIMIZERS: dict[str, Any] = {
 }
 
 #: family -> extra options when the likelihood is Gaussian (the conjugate core).
-GAUSSIAN_OPTIONS: dict[str, dict[str, Any]] = {
-    "ibdr": {"alpha": 0.0},  # the diversity term needs class probabilities
-}
+#: (IBDR's diversity term, which needs class probabilities, defaults to 0 without them)
+GAUSSIAN_OPTIONS: dict[str, dict[str, Any]] = {}
 
 #: family -> adapter transform (e.g. LoRA-XS cores -> LoRA factors of the same rank and targets).
 ADAPTERS: dict[str, Callable[[Any], Any]] = {

@@ -1238,8 +1238,8 @@ class TestIBDRZeroRadius:
         map_guide = pb.posterior(model_a, "map")
         map_fitter = make_fitter(model_a, map_guide, lr=1e-2)
         model_b, _ = self._problem()
-        guide = pb.posterior(model_b, "ibdr", num_particles=1, alpha=0.0, init_scale=0.0, rho=0.0)
-        fitter = make_fitter(model_b, guide, lr=1e-2)
+        guide = pb.posterior(model_b, "ibdr", num_particles=1, init_scale=0.0)
+        fitter = make_fitter(model_b, guide, lr=1e-2, optimizer=pb.infer.IBDR(alpha=0.0, rho=0.0))
         for step in range(40):
             map_fitter.step(data[step % 3])
             fitter.step(data[step % 3])
@@ -1252,4 +1252,6 @@ class TestIBDRZeroRadius:
     def test_negative_rho_is_refused_by_name(self) -> None:
         model, _ = self._problem()
         with pytest.raises(ValueError, match="rho"):
-            pb.posterior(model, "ibdr", rho=-0.01)
+            pb.infer.IBDR(rho=-0.01)
+        with pytest.raises(ValueError, match="rho"):
+            pb.posterior(model, "ibdr", rho=-0.01)  # the deprecated keyword, checked too

@@ -83,8 +83,9 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     "ibdr": {"lr": 1e-2},
     "signorm": {"lr": 1e-2, "adapter": "signorm"},  # a LayerNorm appended (tests/families.py)
 }
-#: The regression task's exceptions: IBDR's diversity term needs class probabilities.
-REGRESSION_OPTIONS: dict[str, dict[str, Any]] = {"ibdr": {"alpha": 0.0}}
+#: The regression task's exceptions (none: IBDR's diversity term, which needs class
+#: probabilities, defaults to 0 without them, pb.infer.IBDR's alpha).
+REGRESSION_OPTIONS: dict[str, dict[str, Any]] = {}
 #: Families a task cannot run, with the reason (reported in the JSON and the page).
 SKIP: dict[tuple[str, str], str] = {
     ("diabetes", "signorm"): "σN needs norm layers; a LayerNorm over one regression output "

@@ -33,6 +33,7 @@ from .. import metrics as pbmetrics
 from ..api import posterior
 from ..diagnostics.export import to_inference_data
 from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
+from ..infer.ibdr import IBDR
 from ..infer.ivon import IVON
 from ..infer.loop import fit
 from ..infer.options import Optimization, Progress, Validation
@@ -152,7 +153,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # IBDR's diversity term needs C − 1 ≥ K classes (Pham et al. 2025): degenerate on a binary
     # task, so K = 4 particles run with alpha = 0 (a particle ensemble with the robust step).
     # Not in the default families: four particles cost four forwards per step.
-    "ibdr": {"options": {"alpha": 0.0}},
+    "ibdr": {"optimizer": IBDR(alpha=0.0)},
     # σN-ensemble (Lopez-Gonzalez et al. 2025): M = 2 members, each with its own LayerNorm
     # scales/shifts in the adapted layers and its own head, the LoRA factors shared; diversity
     # weight λ = 0.01. Not in the default families: M members cost M forwards per step.

@@ -5,7 +5,8 @@ ensembles, σN ensembles): K locations per latent site stored with a leading par
 (one parameter ``locs.<site>`` of shape ``(K, *site_shape)``) and one fixed component scale σ
 (σ = 0: point particles, the mixture of K point masses). How the particles are fitted is not
 part of the posterior: :class:`IBDRGuide` names the interacting, distributionally robust fitter
-of Pham et al. (2025) (:mod:`pyrobayes.infer.ibdr`) and carries its options.
+of Pham et al. (2025) (:mod:`pyrobayes.infer.ibdr`), whose settings are its own
+(:class:`pyrobayes.infer.IBDR`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import math
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 import pyro
 import pyro.distributions as dist
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from ..models.adapters import check_int, check_real
 from ..models.finetune import NOISE_PARAM
+from ._fit_options import warn_fit_settings
 from .base import PosteriorGuide
 
 logger = logging.getLogger(__name__)
@@ -238,6 +240,24 @@ class ParticleGuide(PosteriorGuide):
             return {s: self.loc(s).detach().clone() for s in self.sites}
 
 
+def _check_ibdr_settings(owner: str, given: dict[str, Any]) -> None:
+    """Refuse a bad deprecated IBDR setting by name (before the warning)."""
+    for name in ("alpha", "rho", "lam_lr"):
+        if name in given:
+            check_real(name, given[name], ge=0, owner=owner)
+    for name in ("lam", "lam_min", "lam_max", "max_grad_norm", "epsilon"):
+        if name in given:
+            check_real(name, given[name], gt=0, owner=owner)
+    lam_min, lam, lam_max = (given.get(k) for k in ("lam_min", "lam", "lam_max"))
+    low, high = (0.05 if lam_min is None else lam_min), (50.0 if lam_max is None else lam_max)
+    if lam is not None and not low <= lam <= high:
+        raise ValueError(f"{owner}expected lam_min <= lam <= lam_max but got {low}, {lam}, {high}.")
+    if given.get("cost", "param") not in ("param", "function"):
+        raise ValueError(f"{owner}expected cost 'param' or 'function' but got {given['cost']!r}.")
+    if given.get("loss", "mean") not in ("mean", "logits"):
+        raise ValueError(f"{owner}expected loss 'mean' or 'logits' but got {given['loss']!r}.")
+
+
 class IBDRGuide(ParticleGuide):
     r"""Interacting particles with a diversity term and a distributionally robust step (IBDR).
 
@@ -254,7 +274,9 @@ class IBDRGuide(ParticleGuide):
 
     with the diversity term of Pang et al. (2019),
     ``ℓ_div = −log det(Uᵀ U + ε I_K)``, ``U``'s columns the normalised non-target probability
-    vectors of the K particles.
+    vectors of the K particles. α, ρ, λ's controller, the clip, the cost and the loss's form are
+    the fit's settings, :class:`pyrobayes.infer.IBDR`, passed as
+    ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IBDR(alpha=..., rho=...)))``.
 
     Parameters
     ----------
@@ -264,36 +286,33 @@ class IBDRGuide(ParticleGuide):
     average : {"probs", "logits"}
         As :class:`ParticleGuide`: the predictive averages probabilities (default) or, as the
         released code, logits.
-    alpha : float
-        α, weight of the diversity term (default 0.02, as the released code).
-    rho : float
-        ρ, the Wasserstein radius the dual variable λ targets (default 0.0025: a mean squared
-        ascent step of 0.05² per particle; 0 switches the robust step off exactly).
-    lam : float
-        λ₀, the initial dual variable (default 3.0).
-    lam_min, lam_max : float
-        The projection interval of λ (default [0.05, 50]).
-    lam_lr : float, optional
-        η_λ, the dual step size; ``None`` (default) ``0.25/ρ``, so that λ reaches its fixed point
-        ``λ* = c_max / (2√(Kρ))`` in tens of steps (stable while λ* > η_λ ρ = 0.25). The
-        released code's η_λ is the learning rate: pass it explicitly (with a dataset-sum objective
-        and Adam's learning rates λ then only drifts by ``lr·ρ`` a step).
-    max_grad_norm : float
-        c_max, the gradient-norm clip before the ascent (default 0.2); the ascent step is then at
-        most ``c_max / (2λ)`` long.
-    cost : {"param", "function"}
-        Transport cost: ``"param"`` (default) ``(1/K) Σ_k ‖θ'_k − θ_k‖²``; ``"function"`` the
-        released code's distance between the averaged predictive probabilities.
-    loss : {"mean", "logits"}
-        ``"mean"`` (default): the mean per-particle negative log-likelihood (the paper's form);
-        ``"logits"``: the cross-entropy of the particle-averaged logits (the released code).
-    epsilon : float
-        ε, the jitter in ``log det(Uᵀ U + ε I)`` (default 1e-7).
+    alpha, rho, lam, lam_min, lam_max, lam_lr, max_grad_norm, cost, loss, epsilon : optional
+        Deprecated here: settings of the fit, not of the posterior. Pass them to the fitter as
+        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.IBDR(alpha=..., rho=...)))``
+        (:class:`pyrobayes.infer.IBDR`, which documents them); given here they still reach the
+        fitter for one release, with a ``DeprecationWarning``, and are not saved with the
+        posterior.
     """
 
     family = "ibdr"
     default_fitter = "ibdr"
     default_objective = "ibdr"
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = (
+        "alpha",
+        "rho",
+        "lam",
+        "lam_min",
+        "lam_max",
+        "lam_lr",
+        "max_grad_norm",
+        "cost",
+        "loss",
+        "epsilon",
+    )
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "IBDR"
 
     def __init__(
         self,
@@ -303,35 +322,35 @@ class IBDRGuide(ParticleGuide):
         scale: float = 0.0,
         init_scale: float = 1e-2,
         average: str = "probs",
-        alpha: float = 0.02,
-        rho: float = 0.0025,
-        lam: float = 3.0,
-        lam_min: float = 0.05,
-        lam_max: float = 50.0,
+        alpha: float | None = None,
+        rho: float | None = None,
+        lam: float | None = None,
+        lam_min: float | None = None,
+        lam_max: float | None = None,
         lam_lr: float | None = None,
-        max_grad_norm: float = 0.2,
-        cost: str = "param",
-        loss: str = "mean",
-        epsilon: float = 1e-7,
+        max_grad_norm: float | None = None,
+        cost: str | None = None,
+        loss: str | None = None,
+        epsilon: float | None = None,
     ) -> None:
         owner = f"{type(self).__name__}: "
-        check_real("alpha", alpha, ge=0, owner=owner)
-        check_real("rho", rho, ge=0, owner=owner)
-        check_real("lam_min", lam_min, gt=0, owner=owner)
-        check_real("lam_max", lam_max, gt=0, owner=owner)
-        check_real("lam", lam, gt=0, owner=owner)
-        if not lam_min <= lam <= lam_max:
-            raise ValueError(
-                f"{owner}expected lam_min <= lam <= lam_max but got {lam_min}, {lam}, {lam_max}."
-            )
-        if lam_lr is not None:
-            check_real("lam_lr", lam_lr, ge=0, owner=owner)
-        check_real("max_grad_norm", max_grad_norm, gt=0, owner=owner)
-        check_real("epsilon", epsilon, gt=0, owner=owner)
-        if cost not in ("param", "function"):
-            raise ValueError(f"{owner}expected cost 'param' or 'function' but got {cost!r}.")
-        if loss not in ("mean", "logits"):
-            raise ValueError(f"{owner}expected loss 'mean' or 'logits' but got {loss!r}.")
+        given = {
+            "alpha": alpha,
+            "rho": rho,
+            "lam": lam,
+            "lam_min": lam_min,
+            "lam_max": lam_max,
+            "lam_lr": lam_lr,
+            "max_grad_norm": max_grad_norm,
+            "cost": cost,
+            "loss": loss,
+            "epsilon": epsilon,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        _check_ibdr_settings(owner, given)
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        warn_fit_settings(owner, given, self.fit_settings_class)
         super().__init__(
             model,
             num_particles=num_particles,
@@ -339,3 +358,7 @@ class IBDRGuide(ParticleGuide):
             init_scale=init_scale,
             average=average,
         )
+
+    def config(self) -> dict[str, Any]:
+        """The posterior's constructor options (the deprecated fit settings left out)."""
+        return {k: v for k, v in super().config().items() if k not in self.fit_options}

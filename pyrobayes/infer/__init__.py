@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import diversity, ibdr, ivon, kron, laplace, objectives, signorm, swag, symmetrized
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
-from .ibdr import IBDRFitter, IBDRLoss
+from .ibdr import IBDR, IBDRFitter, IBDRLoss
 from .ivon import IVON
 from .kron import KronIVON
 from .laplace import LaplaceFitter
@@ -45,6 +45,7 @@ __all__ = [
     "SWAGFitter",
     "LaplaceFitter",
     "SigmaNormFitter",
+    "IBDR",
     "IBDRFitter",
     "IBDRLoss",
     "FITTERS",

@@ -37,7 +37,8 @@ deep ensemble of K MAP fits (β = 1/(2K s_p²) in the paper's notation). One ste
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -45,15 +46,100 @@ from torch import Tensor
 
 from ..batch import batch_size
 from ..contract import Mixture, implements
+from ..models.adapters import check_real
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .diversity import diversity_loss
 from .fitter import Fitter, register_fitter
+from .ivon import check_settings, settings_record
 from .objectives import split_training_batch
 
-__all__ = ["IBDRLoss", "IBDRFitter", "FUNCTION_COST_TEMPERATURE"]
+__all__ = ["IBDR", "IBDRLoss", "IBDRFitter", "FUNCTION_COST_TEMPERATURE"]
 
 #: τ of the released code's function-space cost ``exp(max(0, r − ρ)/τ)·r``.
 FUNCTION_COST_TEMPERATURE = 0.01
+
+
+@dataclass(frozen=True)
+class IBDR:
+    r"""IBDR's fit settings: the objective's diversity term and the robust step's dual variable
+    (Pham et al., 2025, Eq. 6 and Algorithm 1); the fitter's, not the posterior's.
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.IBDR(alpha=0.02, rho=0.01)))`` or
+    ``make_fitter(model, guide, optimizer=pb.infer.IBDR(...))``. Saved in the fitter's
+    checkpoint (a resume under other settings is refused), not with the posterior.
+
+    Parameters
+    ----------
+    alpha : float, optional
+        α, weight of the diversity term (0.02, as the released code). ``None`` (default): 0.02
+        with a classification likelihood, 0 otherwise (the term is defined on class
+        probabilities; an explicit ``alpha > 0`` without them is refused).
+    rho : float
+        ρ, the Wasserstein radius the dual variable λ targets (0.0025: a mean squared ascent step
+        of 0.05² per particle; 0 switches the robust step off exactly).
+    lam : float
+        λ₀, the initial dual variable (3.0).
+    lam_min, lam_max : float
+        The projection interval of λ ([0.05, 50]).
+    lam_lr : float, optional
+        η_λ, the dual step size; ``None`` (default) ``0.25/ρ``, so that λ reaches its fixed point
+        ``λ* = c_max / (2√(Kρ))`` in tens of steps (stable while λ* > η_λ ρ = 0.25). The
+        released code's η_λ is the learning rate: pass it explicitly.
+    max_grad_norm : float
+        c_max, the gradient-norm clip before the ascent (0.2); the ascent step is then at most
+        ``c_max / (2λ)`` long.
+    cost : {"param", "function"}
+        Transport cost: ``"param"`` (default) ``(1/K) Σ_k ‖θ'_k − θ_k‖²``; ``"function"`` the
+        released code's distance between the averaged predictive probabilities.
+    loss : {"mean", "logits"}
+        ``"mean"`` (default): the mean per-particle negative log-likelihood (the paper's form);
+        ``"logits"``: the cross-entropy of the particle-averaged logits (the released code).
+    epsilon : float
+        ε, the jitter in ``log det(Uᵀ U + ε I)`` (1e-7).
+    optimizer : torch optimizer class or callable ``params -> Optimizer``, optional
+        The base optimizer of the descent step (``None``: Adam at the fit's ``lr``; a class is
+        built as ``cls(params, lr=lr)``). A checkpoint records it by name.
+    """
+
+    alpha: float | None = None
+    rho: float = 0.0025
+    lam: float = 3.0
+    lam_min: float = 0.05
+    lam_max: float = 50.0
+    lam_lr: float | None = None
+    max_grad_norm: float = 0.2
+    cost: str = "param"
+    loss: str = "mean"
+    epsilon: float = 1e-7
+    optimizer: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "IBDR(): "
+        if self.alpha is not None:
+            check_real("alpha", self.alpha, ge=0, owner=owner)
+        check_real("rho", self.rho, ge=0, owner=owner)
+        check_real("lam_min", self.lam_min, gt=0, owner=owner)
+        check_real("lam_max", self.lam_max, gt=0, owner=owner)
+        check_real("lam", self.lam, gt=0, owner=owner)
+        if not self.lam_min <= self.lam <= self.lam_max:
+            raise ValueError(
+                f"{owner}expected lam_min <= lam <= lam_max but got {self.lam_min}, {self.lam}, "
+                f"{self.lam_max}."
+            )
+        if self.lam_lr is not None:
+            check_real("lam_lr", self.lam_lr, ge=0, owner=owner)
+        check_real("max_grad_norm", self.max_grad_norm, gt=0, owner=owner)
+        check_real("epsilon", self.epsilon, gt=0, owner=owner)
+        if self.cost not in ("param", "function"):
+            raise ValueError(f"{owner}expected cost 'param' or 'function' but got {self.cost!r}.")
+        if self.loss not in ("mean", "logits"):
+            raise ValueError(f"{owner}expected loss 'mean' or 'logits' but got {self.loss!r}.")
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise TypeError(
+                f"{owner}optimizer must be a torch optimizer class or a callable params -> "
+                f"Optimizer; got {type(self.optimizer).__name__}."
+            )
 
 
 def _mixture(guide: Any, who: str) -> Mixture:
@@ -147,66 +233,72 @@ class IBDRLoss:
 class IBDRFitter(Fitter):
     r"""The two-pass distributionally robust step of IBDR, with the dual variable λ.
 
-    The guide's options set the step: ``alpha``, ``loss``, ``epsilon`` (the objective,
-    :class:`IBDRLoss`), ``rho`` (ρ), ``lam`` (λ₀), ``lam_min`` / ``lam_max`` (the projection
-    interval), ``lam_lr`` (η_λ; ``None``: ``0.25/ρ``), ``max_grad_norm`` (c_max)
-    and ``cost`` (``"param"`` or ``"function"``). The base optimizer (the descent step) is any
+    Its settings, :class:`IBDR` (``optimizer=pb.infer.IBDR(...)``), set the step: ``alpha``,
+    ``loss``, ``epsilon`` (the objective, :class:`IBDRLoss`), ``rho`` (ρ), ``lam`` (λ₀),
+    ``lam_min`` / ``lam_max`` (the projection interval), ``lam_lr`` (η_λ; ``None``: ``0.25/ρ``),
+    ``max_grad_norm`` (c_max) and ``cost`` (``"param"`` or ``"function"``). The base optimizer (the descent step) is any
     torch optimizer; the default is Adam, as for every pyrobayes fitter: the objective is a
     dataset sum (N/B-scaled), to which Adam is scale-invariant. The released code's SGD with
     momentum 0.9 on the per-example mean loss at learning rate η is
-    ``optimizer=lambda p: torch.optim.SGD(p, lr=η / N, momentum=0.9)`` here.
+    ``optimizer=pb.infer.IBDR(optimizer=lambda p: torch.optim.SGD(p, lr=η / N, momentum=0.9))``
+    here (a torch optimizer passed directly as ``optimizer`` runs with the default settings).
 
     Every step evaluates all K particles in one sample-batched forward, twice (at θ and θ').
     :meth:`report` gives λ, the last transport cost and the effective radius
     ``‖clip(g)‖ / (2λ)`` (``pyrobayes.fit`` shows them on the progress bar and returns them in
-    ``FitResult.state``); :meth:`state_dict` holds them with the optimizer and the state of the
-    particle-noise generator, so a resumed fit continues exactly. Under ``torch.distributed`` the
+    ``FitResult.state``); :meth:`state_dict` holds them with the optimizer, the state of the
+    particle-noise generator and the settings, so a resumed fit continues exactly. Under
+    ``torch.distributed`` the
     gradients and the cost are averaged over ranks, so λ is the same on every rank.
     """
 
-    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         _mixture(guide, "IBDRFitter")
-        self.options = dict(guide.config())
-        super().__init__(model, guide, **kwargs)
+        #: the fit's settings: ``optimizer`` when it is an :class:`IBDR`, else those given to
+        #: the guide's constructor (deprecated), else the defaults
+        if isinstance(optimizer, IBDR):
+            self.settings, optimizer = optimizer, optimizer.optimizer
+        else:
+            self.settings = IBDR(**getattr(guide, "fit_settings", {}))
+        classification = bool(model.likelihood.is_classification)
+        alpha = self.settings.alpha
+        #: α in effect (``IBDR.alpha``; ``None``: 0.02 with class probabilities, else 0)
+        self.alpha = (0.02 if classification else 0.0) if alpha is None else float(alpha)
+        super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
             "IBDR minimises its interactive objective with a two-pass robust step (IBDRLoss)."
         )
-        opts = self.options
-        self.rho = float(opts.get("rho", 0.0025))
-        self.lam = float(opts.get("lam", 3.0))
-        self.lam_min = float(opts.get("lam_min", 0.05))
-        self.lam_max = float(opts.get("lam_max", 50.0))
-        lam_lr = opts.get("lam_lr")
+        settings = self.settings
+        self.rho = float(settings.rho)
+        self.lam = float(settings.lam)
+        self.lam_min = float(settings.lam_min)
+        self.lam_max = float(settings.lam_max)
         # None: η_λ = 0.25/ρ, a dual step that makes λ respond to the cost within tens of steps
         # (the fixed point c = ρ is stable for η_λ ρ < λ*; see docs/methods/ibdr.md)
-        self.lam_lr: float | None = None if lam_lr is None else float(lam_lr)
+        self.lam_lr: float | None = None if settings.lam_lr is None else float(settings.lam_lr)
         if self.lam_lr is None and self.rho > 0:
             self.lam_lr = 0.25 / self.rho
-        self.max_grad_norm = float(opts.get("max_grad_norm", 0.2))
-        self.cost_kind = str(opts.get("cost", "param"))
+        self.max_grad_norm = float(settings.max_grad_norm)
+        self.cost_kind = str(settings.cost)
         self.cost = 0.0
         self.radius = 0.0
         if isinstance(self.objective, IBDRLoss) and self.objective.alpha > 0:
-            if not model.likelihood.is_classification:
+            if not classification:
                 raise ValueError(
                     "IBDR's diversity term (alpha > 0) needs a classification likelihood, not "
-                    f"{model.likelihood.name!r}; build the guide with alpha=0."
+                    f"{model.likelihood.name!r}; pass optimizer=pb.infer.IBDR(alpha=0)."
                 )
-        if self.cost_kind == "function" and not model.likelihood.is_classification:
+        if self.cost_kind == "function" and not classification:
             raise ValueError(
                 "cost='function' compares predictive probabilities and needs a classification "
-                f"likelihood, not {model.likelihood.name!r}; use cost='param'."
+                f"likelihood, not {model.likelihood.name!r}; use pb.infer.IBDR(cost='param')."
             )
         seed = int(torch.randint(0, 2**62, (1,)))
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
     def default_objective(self) -> IBDRLoss:
-        opts = self.options
-        return IBDRLoss(
-            alpha=float(opts.get("alpha", 0.02)),
-            loss=str(opts.get("loss", "mean")),
-            epsilon=float(opts.get("epsilon", 1e-7)),
-        )
+        settings = self.settings
+        return IBDRLoss(alpha=self.alpha, loss=settings.loss, epsilon=settings.epsilon)
 
     # ------------------------------------------------------------------ the step
     def _values(self, locs: Mapping[str, Tensor], noise: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -302,7 +394,10 @@ class IBDRFitter(Fitter):
         return {"lam": self.lam, "cost": self.cost, "radius": self.radius}
 
     def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, λ, the last cost and radius, the particle-noise generator and
+        the settings it ran with (:class:`IBDR`)."""
         state = super().state_dict()
+        state["settings"] = settings_record(self.settings)
         state["ibdr"] = {
             "lam": self.lam,
             "cost": self.cost,
@@ -312,6 +407,8 @@ class IBDRFitter(Fitter):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
+        check_settings(self, state.get("settings"))
         super().load_state_dict(state)
         ibdr = state.get("ibdr")
         if ibdr is not None:

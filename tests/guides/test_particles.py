@@ -206,14 +206,16 @@ def test_export_maps_particles_to_chains():
 def test_save_load_and_config_rebuild(tmp_path):
     pyro.clear_param_store()
     model, data = _problem()
-    guide = pb.posterior(model, "ibdr", num_particles=3, alpha=0.1, scale=0.01)
+    guide = pb.posterior(model, "ibdr", num_particles=3, scale=0.01)
     assert type(guide) is IBDRGuide and pb.registry.family_of(guide) == "ibdr"
     assert type(pb.posterior(model, "particles", num_particles=2)) is IBDRGuide
-    pb.fit(model, guide, data, epochs=1, lr=1e-3, seed=0)
+    optim = pb.Optimization(optimizer=pb.infer.IBDR(alpha=0.1))
+    pb.fit(model, guide, data, epochs=1, lr=1e-3, seed=0, optim=optim)
     path = pb.save(guide, tmp_path / "p.safetensors")
     loaded = pb.load(path, model)
     assert loaded.config() == guide.config()
-    assert loaded.config()["alpha"] == 0.1 and loaded.num_components == 3
+    assert loaded.config()["scale"] == 0.01 and loaded.num_components == 3
+    assert "alpha" not in loaded.config()  # the fit's setting, not the posterior's
     for s in guide.sites:
         assert torch.equal(loaded.loc(s), guide.loc(s))
     assert loaded.num_posterior_parameters() == 3 * sum(math.prod(v) for v in guide.sites.values())

@@ -3,7 +3,8 @@
 Per registered family, a whitelist of what a saved file may hold (constructor options in the
 header, guide tensors), so that a setting of the fit leaking into the file fails here. The
 settings that moved to the fitter (IVON's ``mc_samples``, Kronecker IVON's ``fisher`` /
-``T_stats`` / ``T_inv``, SWAG's collection schedule) are checked end to end: the old guide keyword
+``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller) are
+checked end to end: the old guide keyword
 still reaches the fitter for one release (``DeprecationWarning`` naming the new spelling), the
 fitter's checkpoint carries them and refuses to resume under others, and a file saved when they
 were the guide's still loads.
@@ -66,19 +67,6 @@ KNOWN_FIT_OPTIONS: dict[str, set[str]] = {
         "alternate_epochs",
         "alternate_map_tol",
         "alternate_lr",
-    },
-    # the robust objective and its dual variable
-    "ibdr": {
-        "alpha",
-        "rho",
-        "lam",
-        "lam_min",
-        "lam_max",
-        "lam_lr",
-        "max_grad_norm",
-        "cost",
-        "loss",
-        "epsilon",
     },
     "signorm": {"tau", "strength", "regularized"},  # the diversity term of the objective
 }
@@ -174,17 +162,17 @@ MOVED = [
     ("kron-ivon", {"mc_samples": 2, "fisher": "ggn"}, "KronIVON"),
     ("swag", {"start_epoch": 1, "collect_every": 2}, "SWAG"),
     ("swag", {"collect_every_steps": 2}, "SWAG"),
+    ("ibdr", {"alpha": 0.1, "rho": 0.01, "lam_lr": 1.0}, "IBDR"),
+    ("ibdr", {"cost": "function", "loss": "logits"}, "IBDR"),
 ]
 
 
 def _fit(family, options=None, settings=None):
     """A 4-epoch fit of ``family`` on a fresh copy of the problem (same seed: same start)."""
     pyro.clear_param_store()
-    model, data = _problem()
-    if options:
-        guide = pb.posterior(model, family, **options)
-    else:
-        guide = pb.posterior(model, family)
+    model, data = _problem(family)
+    # the registry-wide options (e.g. IBDR's K = 2 <= C - 1): the same posterior either way
+    guide = pb.posterior(model, family, **{**families.options(family), **(options or {})})
     optim = pb.Optimization(optimizer=settings)
     pb.fit(model, guide, data, epochs=4, lr=0.05, seed=0, optim=optim, progress=False)
     state = {**guide.state_dict(), **{f"model.{k}": v for k, v in model.point_params.items()}}
@@ -217,6 +205,18 @@ LEGACY = {
     "ivon": {"mc_samples": 2},
     "kron-ivon": {"mc_samples": 1, "fisher": "empirical", "T_stats": 1, "T_inv": 10},
     "swag": {"start_epoch": 0, "collect_every": 1, "collect_every_steps": None},
+    "ibdr": {
+        "alpha": 0.02,
+        "rho": 0.0025,
+        "lam": 3.0,
+        "lam_min": 0.05,
+        "lam_max": 50.0,
+        "lam_lr": None,
+        "max_grad_norm": 0.2,
+        "cost": "param",
+        "loss": "mean",
+        "epsilon": 1e-7,
+    },
 }
 
 
@@ -225,8 +225,8 @@ def test_an_older_file_with_fit_settings_still_loads(tmp_path, caplog, family):
     """A posterior saved when these settings were the guide's carries them in its options: it
     loads (they are ignored, with a logged note naming the new place) into an equal guide."""
     pyro.clear_param_store()
-    model, data = _problem()
-    guide = pb.posterior(model, family)
+    model, data = _problem(family)
+    guide = families.posterior(model, family)
     pb.fit(model, guide, data, epochs=2, lr=0.05, seed=0, progress=False)
     options = guide.config()
     guide.config = lambda: {**options, **LEGACY[family]}  # what such a file's header holds
@@ -239,7 +239,7 @@ def test_an_older_file_with_fit_settings_still_loads(tmp_path, caplog, family):
     assert loaded.config() == options
     for key, value in guide.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key]), key
-    pb.io.load_state(pb.posterior(model, family), path)  # into a guide built today: no mismatch
+    pb.io.load_state(families.posterior(model, family), path)  # built today: no mismatch
 
 
 # ------------------------------------------------------------------ the fitter's checkpoint
@@ -280,6 +280,29 @@ def test_swag_schedule_is_in_the_checkpoint_and_checked_on_resume():
         other.load_state_dict(state)
 
 
+def test_ibdr_settings_are_in_the_checkpoint_and_checked_on_resume(tmp_path):
+    model, data = _problem("ibdr")
+    guide = families.posterior(model, "ibdr")
+    sgd = torch.optim.SGD
+    settings = pb.infer.IBDR(rho=0.01, lam_lr=1.0, optimizer=sgd)
+    fitter = make_fitter(model, guide, lr=0.05, optimizer=settings)
+    assert type(fitter.optimizer) is sgd and fitter.settings is settings
+    assert fitter.rho == 0.01 and fitter.lam_lr == 1.0 and fitter.objective.alpha == 0.02
+    fitter.step(data[0])
+    torch.save(fitter.state_dict(), tmp_path / "fitter.pt")
+    state = torch.load(tmp_path / "fitter.pt", weights_only=True)
+    assert state["settings"]["rho"] == 0.01 and state["settings"]["optimizer"].endswith("SGD")
+    make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
+    other = make_fitter(model, guide, lr=0.05, optimizer=dataclasses.replace(settings, rho=0.02))
+    with pytest.raises(ValueError, match=r"other IBDR settings \(rho=0.01 there, 0.02 here"):
+        other.load_state_dict(state)
+    # a checkpoint written before the settings moved to the fitter carries none: it resumes
+    earlier = {k: v for k, v in state.items() if k != "settings"}
+    make_fitter(
+        model, guide, lr=0.05, optimizer=dataclasses.replace(settings, rho=0.02)
+    ).load_state_dict(earlier)
+
+
 @pytest.mark.parametrize(
     "build,name",
     [
@@ -290,6 +313,9 @@ def test_swag_schedule_is_in_the_checkpoint_and_checked_on_resume():
         (lambda: pb.infer.SWAG(start_epoch=-1), "start_epoch"),
         (lambda: pb.infer.SWAG(collect_every=0), "collect_every"),
         (lambda: pb.infer.SWAG(collect_every_steps=0), "collect_every_steps"),
+        (lambda: pb.infer.IBDR(rho=-1.0), "rho"),
+        (lambda: pb.infer.IBDR(lam=0.01), "lam_min <= lam"),
+        (lambda: pb.infer.IBDR(cost="wasserstein"), "cost"),
     ],
 )
 def test_bad_fit_settings_are_refused_by_name(build, name):

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import pyrobayes as pb
 from pyrobayes.infer.diversity import diversity_loss, non_target_directions
-from pyrobayes.infer.ibdr import IBDRFitter, IBDRLoss
+from pyrobayes.infer.ibdr import IBDR, IBDRFitter, IBDRLoss
 from pyrobayes.models import LoRA, LoRAXS
 from tests.common import conjugate_core, mlp, mlp_problem, split_batches, tiny_bert
 
@@ -104,10 +104,9 @@ def test_one_particle_without_diversity_or_robustness_is_map_step_for_step():
     map_guide = pb.posterior(model_a, "map")
     map_fitter = pb.infer.make_fitter(model_a, map_guide, optimizer=_sgd)
     model_b, _ = _mlp_problem()
-    guide = pb.posterior(
-        model_b, "ibdr", num_particles=1, alpha=0.0, init_scale=0.0, lam=1e12, lam_max=1e12
-    )
-    fitter = pb.infer.make_fitter(model_b, guide, optimizer=_sgd)
+    guide = pb.posterior(model_b, "ibdr", num_particles=1, init_scale=0.0)
+    settings = IBDR(alpha=0.0, lam=1e12, lam_max=1e12, optimizer=_sgd)
+    fitter = pb.infer.make_fitter(model_b, guide, optimizer=settings)
     assert isinstance(fitter, IBDRFitter)
     for step, batch in enumerate(itertools.islice(itertools.cycle(data), 12)):
         expected = map_fitter.step(batch)
@@ -148,14 +147,14 @@ def test_particles_without_interaction_or_robustness_are_a_deep_ensemble_step_fo
         for (m, _), g in zip(members, map_guides, strict=True)
     ]
     model, data = _latent_mlp(0)
-    guide = pb.posterior(model, "ibdr", num_particles=2, alpha=0.0, lam=1e12, lam_max=1e12)
+    guide = pb.posterior(model, "ibdr", num_particles=2)
     with torch.no_grad():
         for site, locs in guide.component_locs().items():
             for k, (m, _) in enumerate(members):
                 locs[k].copy_(m.site_value(site))
-    fitter = pb.infer.make_fitter(
-        model, guide, optimizer=lambda p: torch.optim.SGD(p, lr=2e-3, momentum=0.9)
-    )
+    sgd = lambda p: torch.optim.SGD(p, lr=2e-3, momentum=0.9)  # noqa: E731
+    settings = IBDR(alpha=0.0, lam=1e12, lam_max=1e12, optimizer=sgd)
+    fitter = pb.infer.make_fitter(model, guide, optimizer=settings)
     for step, batch in enumerate(itertools.islice(itertools.cycle(data), 12)):
         expected = sum(f.step(batch) for f in map_fitters) / 2
         got = fitter.step(batch)
@@ -177,14 +176,13 @@ def test_zero_radius_is_exactly_the_plain_particle_step():
         for (m, _), g in zip(members, map_guides, strict=True)
     ]
     model, data = _latent_mlp(0)
-    guide = pb.posterior(model, "ibdr", num_particles=2, alpha=0.0, rho=0.0)
+    guide = pb.posterior(model, "ibdr", num_particles=2)
     with torch.no_grad():
         for site, locs in guide.component_locs().items():
             for k, (m, _) in enumerate(members):
                 locs[k].copy_(m.site_value(site))
-    fitter = pb.infer.make_fitter(
-        model, guide, optimizer=lambda p: torch.optim.SGD(p, lr=2e-3, momentum=0.9)
-    )
+    sgd = lambda p: torch.optim.SGD(p, lr=2e-3, momentum=0.9)  # noqa: E731
+    fitter = pb.infer.make_fitter(model, guide, optimizer=IBDR(alpha=0.0, rho=0.0, optimizer=sgd))
     for step, batch in enumerate(itertools.islice(itertools.cycle(data), 40)):
         expected = sum(f.step(batch) for f in map_fitters) / 2
         got = fitter.step(batch)
@@ -204,8 +202,9 @@ def test_the_ascent_follows_the_data_gradient_without_the_prior():
     pyro.clear_param_store()
     model, data = _latent_mlp(0)
     model.prior_scale = 0.05
-    guide = pb.posterior(model, "ibdr", num_particles=2, alpha=0.0, max_grad_norm=1e9)
-    fitter = pb.infer.make_fitter(model, guide, lr=1e-3)
+    guide = pb.posterior(model, "ibdr", num_particles=2)
+    settings = IBDR(alpha=0.0, max_grad_norm=1e9)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-3, optimizer=settings)
     locs = guide.component_locs()
     value, _ = IBDRLoss(alpha=0.0).data_term(model, locs, data[0])
     grads = torch.autograd.grad(value, list(locs.values()))
@@ -309,19 +308,11 @@ def test_dual_controller_tracks_the_radius_on_a_quadratic_problem():
     torch.manual_seed(0)
     prob = conjugate_core()
     rho = 0.01
-    guide = pb.posterior(
-        prob.model,
-        "ibdr",
-        num_particles=2,
-        alpha=0.0,
-        rho=rho,
-        lam=3.0,
-        lam_min=0.05,
-        lam_max=10.0,
-        lam_lr=5.0,
-        max_grad_norm=0.2,
+    guide = pb.posterior(prob.model, "ibdr", num_particles=2)
+    settings = IBDR(
+        alpha=0.0, rho=rho, lam=3.0, lam_min=0.05, lam_max=10.0, lam_lr=5.0, max_grad_norm=0.2
     )
-    fitter = pb.infer.make_fitter(prob.model, guide, lr=1e-4)
+    fitter = pb.infer.make_fitter(prob.model, guide, lr=1e-4, optimizer=settings)
     lams, costs = [fitter.lam], []
     for _ in range(300):
         fitter.step((prob.x, prob.y))
@@ -343,8 +334,8 @@ def _lambda_trajectory(steps: int, **options):
     pyro.clear_param_store()
     torch.manual_seed(0)
     model, data = _latent_mlp(0)
-    guide = pb.posterior(model, "ibdr", num_particles=4, alpha=0.0, **options)
-    fitter = pb.infer.make_fitter(model, guide, lr=1e-2)
+    guide = pb.posterior(model, "ibdr", num_particles=4)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-2, optimizer=IBDR(alpha=0.0, **options))
     lams, costs = [fitter.lam], []
     for batch in itertools.islice(itertools.cycle(data), steps):
         fitter.step(batch)
@@ -395,8 +386,9 @@ def _fit_digits(alpha: float, seed: int):
     model = pb.models.FineTuneModel(
         mlp(64, 32, 10), None, latent_modules=["0", "2"], trainable_modules=[], num_data=600
     )
-    guide = pb.posterior(model, "ibdr", num_particles=3, alpha=alpha)
-    pb.fit(model, guide, split_batches(x, y, 60), epochs=8, lr=1e-2, seed=seed)
+    guide = pb.posterior(model, "ibdr", num_particles=3)
+    optim = pb.Optimization(optimizer=IBDR(alpha=alpha))
+    pb.fit(model, guide, split_batches(x, y, 60), epochs=8, lr=1e-2, seed=seed, optim=optim)
     pred = pb.predict(model, guide, [(xt, yt)], num_samples=3)
     probs = pred.probs  # (K, N, C), one draw per particle (stratified, S = K)
     return probs, yt
@@ -442,8 +434,9 @@ def test_state_dict_resumes_lambda_and_the_particle_noise_exactly():
         pyro.clear_param_store()
         torch.manual_seed(0)
         model, data = _mlp_problem()
-        guide = pb.posterior(model, "ibdr", num_particles=3, scale=0.05, lam_lr=0.5)
-        return model, guide, pb.infer.make_fitter(model, guide, lr=1e-3), data
+        guide = pb.posterior(model, "ibdr", num_particles=3, scale=0.05)
+        fitter = pb.infer.make_fitter(model, guide, lr=1e-3, optimizer=IBDR(lam_lr=0.5))
+        return model, guide, fitter, data
 
     model, guide, fitter, data = build()
     for batch in data * 2:
@@ -476,8 +469,9 @@ def test_state_dict_resumes_lambda_and_the_particle_noise_exactly():
 def test_fit_reports_lambda_cost_and_radius():
     pyro.clear_param_store()
     model, data = _mlp_problem()
-    guide = pb.posterior(model, "ibdr", num_particles=2, cost="function", loss="logits")
-    result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=0, progress=True)
+    guide = pb.posterior(model, "ibdr", num_particles=2)
+    optim = pb.Optimization(optimizer=IBDR(cost="function", loss="logits"))
+    result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=0, progress=True, optim=optim)
     state = result.state
     assert {"lam", "cost", "radius"} <= set(state)
     assert 0.05 <= state["lam"] <= 50.0 and state["cost"] >= 0 and state["radius"] > 0
@@ -492,12 +486,13 @@ def test_bad_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="num_particles <= C - 1"):
         fitter.step(data[0])
     prob = conjugate_core()
-    with pytest.raises(ValueError, match="alpha=0"):
-        pb.infer.make_fitter(prob.model, pb.posterior(prob.model, "ibdr", num_particles=2))
+    regression = pb.posterior(prob.model, "ibdr", num_particles=2)
+    # the diversity term's default weight is 0 without class probabilities; asked for, refused
+    assert pb.infer.make_fitter(prob.model, regression).objective.alpha == 0.0
+    with pytest.raises(ValueError, match=r"IBDR\(alpha=0\)"):
+        pb.infer.make_fitter(prob.model, regression, optimizer=IBDR(alpha=0.02))
     with pytest.raises(ValueError, match="cost='param'"):
-        pb.infer.make_fitter(
-            prob.model, pb.posterior(prob.model, "ibdr", alpha=0.0, cost="function")
-        )
+        pb.infer.make_fitter(prob.model, regression, optimizer=IBDR(cost="function"))
     for bad, word in [
         ({"cost": "wasserstein"}, "cost"),
         ({"loss": "sum"}, "loss"),
@@ -506,6 +501,9 @@ def test_bad_requests_are_refused_by_name():
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
     ]:
         with pytest.raises(ValueError, match=word):
+            IBDR(**bad)
+        # the deprecated guide keywords are checked by name too, before the warning
+        with pytest.raises(ValueError, match=f"IBDRGuide: .*{word.split()[0]}"):
             pb.posterior(model, "ibdr", **bad)
     with pytest.raises(TypeError, match="Mixture"):
         IBDRFitter(model, pb.posterior(model, "map"))
@@ -523,8 +521,9 @@ def _dist_fit(rank: int | None) -> dict[str, torch.Tensor]:
     model, data = _mlp_problem()
     if rank is not None:  # this rank's half of every batch
         data = [(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]) for x, y in data]
-    guide = pb.posterior(model, "ibdr", num_particles=3, cost="function", lam_lr=1.0)
-    result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=3)
+    guide = pb.posterior(model, "ibdr", num_particles=3)
+    optim = pb.Optimization(optimizer=IBDR(cost="function", lam_lr=1.0))
+    result = pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=3, optim=optim)
     out = {f"guide.{k}": v.detach().clone() for k, v in guide.state_dict().items()}
     out["lam"] = torch.tensor(result.state["lam"], dtype=torch.float64)
     return out
@@ -562,7 +561,7 @@ def test_the_objective_alone_is_the_interactive_loss():
     """IBDRLoss.loss alone (outside the fitter) is the interactive objective at the particles."""
     pyro.clear_param_store()
     model, data = _mlp_problem()
-    guide = pb.posterior(model, "ibdr", num_particles=2, alpha=0.2)
+    guide = pb.posterior(model, "ibdr", num_particles=2)
     objective = IBDRLoss(alpha=0.2)
     value = objective.loss(model, guide, data[0])
     reference, _ = _looped_data_term(objective, model, guide.component_locs(), data[0])
