@@ -8,18 +8,23 @@ with a zero-shot row (the base network, no adapter) first. A config (TOML, read 
 ``pyrobayes fit``) holds a ``[causal_lm]`` section (that section marks it as this job) and::
 
     [causal_lm]            model (a folder, a hub id in the local cache, or "tiny-llama": a
-                           config-built two-layer LLaMA with a byte-level tokenizer), gguf_file,
-                           dtype, normalize, max_length, padding_side
+                           config-built two-layer LLaMA with a byte-level tokenizer; ``~`` is
+                           the home folder), gguf_file, dtype, normalize, compare_normalize,
+                           max_length, padding_side
     [causal_lm.task]       path, format ("bigbench", "json" or "hf"), adapter and config (hf),
                            template and field names (json), fractions, split_seed, num_fewshot,
                            batch_size, num_train / num_val / num_test (0: all of the split)
     [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules
-    families, seeds        the families (as the demo's FAMILY_SETTINGS run them) and seeds
-    [training] [predict] [export]   as in the demo
+    families, seeds        the families (as LM_FAMILY_SETTINGS, else the demo's
+                           FAMILY_SETTINGS, run them) and seeds
+    [training] [predict] [export]   as in the demo; predict.samples_per_forward (0: pb.predict's
+                           default chunking)
 
 and writes::
 
     <run>/config.json      the resolved config
+    <run>/normalize.json   with compare_normalize: the base network's validation metrics under
+                           each normalize (compare_normalize())
     <run>/metrics.json     one record per (family, seed), the zero-shot row first
     <run>/table.md         mean ± sample standard deviation over the seeds per family
     <run>/guides/<family>-seed<seed>.safetensors
