@@ -156,8 +156,9 @@ def run_seed(args, seed: int) -> dict:
     for tau in args.taus:
         pyro.clear_param_store()
         model = signorm_model(net, n, seed, members)
-        guide = pb.posterior(model, "signorm", tau=tau, strength=args.strength)
-        pb.fit(model, guide, train, epochs=epochs, lr=args.lr, seed=seed)
+        guide = pb.posterior(model, "signorm")
+        optim = pb.Optimization(optimizer=pb.infer.SigmaNormDiversity(tau, args.strength))
+        pb.fit(model, guide, train, epochs=epochs, lr=args.lr, seed=seed, optim=optim)
         probs = probs_of(model, guide, xt, members)
         row = scores(probs, yt, probs_of(model, guide, xo, members))
         member_nll = float(-torch.log(probs.gather(-1, yt.expand(members, -1)[..., None])).mean())
@@ -224,8 +225,9 @@ def run_text_seed(args, seed: int) -> dict:
     for tau in args.taus:
         pyro.clear_param_store()
         model = pb.models.SigmaNormEnsemble(network(seed), inner, num_members=members, num_data=n)
-        guide = pb.posterior(model, "signorm", tau=tau, strength=args.strength)
-        pb.fit(model, guide, train, epochs=epochs, lr=lr, seed=seed, progress=False)
+        guide = pb.posterior(model, "signorm")
+        optim = pb.Optimization(optimizer=pb.infer.SigmaNormDiversity(tau, args.strength))
+        pb.fit(model, guide, train, epochs=epochs, lr=lr, seed=seed, progress=False, optim=optim)
         pred, pred_ood = probs(model, guide, test, members), probs(model, guide, ood, members)
         row = scores(pred.probs, labels, pred_ood.probs)
         fixed = sum(b.numel() for name, b in model.net.named_buffers() if "fixed_scale" in name)

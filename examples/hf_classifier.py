@@ -37,7 +37,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "ivon": {"hess_init": 0.5},
     "kron-ivon": {"hess_init": 0.5},
     "swag": {"rank": 5},
-    "signorm": {"strength": 0.01},  # the diversity term's weight λ
 }
 #: family -> the fit's optimizer settings (default: the family's optimizer)
 OPTIMIZERS: dict[str, Any] = {
@@ -46,6 +45,7 @@ OPTIMIZERS: dict[str, Any] = {
     # IBDR's diversity term needs C - 1 >= K classes (Pham et al. 2025): on this binary task it is
     # degenerate (det(UᵀU) = 0 for K >= 2 particles), so the particles run without it
     "ibdr": pb.infer.IBDR(alpha=0.0),
+    "signorm": pb.infer.SigmaNormDiversity(strength=0.01),  # the diversity term's weight λ
 }
 #: family -> learning rate (IVON's step is α·m̂/(h+δ), not Adam's: α ≈ 3 here)
 LR: dict[str, float] = {"ivon": 3.0, "kron-ivon": 3.0}

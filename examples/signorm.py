@@ -49,8 +49,11 @@ model = pb.models.SigmaNormEnsemble(
     trainable_modules=[],
     num_data=num_train,
 )
-guide = pb.posterior(model, "signorm", tau=0.25, strength=1e-2)
-result = pb.fit(model, guide, train, epochs=2 if args.smoke else 30, lr=1e-2, seed=args.seed)
+guide = pb.posterior(model, "signorm")
+# the fit's settings: the diversity term's temperature τ and weight λ
+optim = pb.Optimization(optimizer=pb.infer.SigmaNormDiversity(tau=0.25, strength=1e-2))
+epochs = 2 if args.smoke else 30
+result = pb.fit(model, guide, train, epochs=epochs, lr=1e-2, seed=args.seed, optim=optim)
 metrics = report(model, guide, test, split.x_ood, num_samples=4)  # S = M: every member once
 pred = pb.predict(model, guide, test, num_samples=4)
 owners = (torch.sigmoid(guide.loc("1.gamma").detach()) > 0.5).sum(0).double().mean()

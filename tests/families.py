@@ -21,12 +21,12 @@ import pyrobayes as pb
 OPTIONS: dict[str, dict[str, Any]] = {
     # the registry problems have C = 3 classes: the diversity term needs K <= C - 1 = 2
     "ibdr": {"num_particles": 2},
-    "signorm": {"strength": 0.01},  # M = 2 from the model (ADAPTERS)
 }
 
 #: family -> the fit's settings (``optimizer=``) in the conformance kit's fits.
 OPTIMIZERS: dict[str, Any] = {
     "kron-ivon": pb.infer.KronIVON(T_inv=3),  # a re-decomposition between the resumed halves
+    "signorm": pb.infer.SigmaNormDiversity(strength=0.01),  # M = 2 from the model (ADAPTERS)
 }
 
 #: family -> extra options when the likelihood is Gaussian (the conjugate core).

@@ -37,6 +37,7 @@ from ..infer.ibdr import IBDR
 from ..infer.ivon import IVON
 from ..infer.loop import fit
 from ..infer.options import Optimization, Progress, Validation
+from ..infer.signorm import SigmaNormDiversity
 from ..infer.swag import SWAG
 from ..io import load, save
 from ..models import FineTuneModel, SigmaNorm
@@ -163,7 +164,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
             norm_modules=r"bert\.encoder\.layer\.[345]\..*LayerNorm",
             adapter=adapter,
         ),
-        "options": {"strength": 0.01},
+        "optimizer": SigmaNormDiversity(strength=0.01),
     },
 }
 

@@ -8,9 +8,9 @@ shifts ``β_t``, head, and adapter values), and the predictive is the equal-weig
           p(y \mid x) = \frac1M \sum_t p(y \mid x, θ_t).
 
 The guide is a :class:`~pyrobayes.guides.particles.ParticleGuide` with ``num_particles = M`` and
-``scale = 0``; it carries the diversity options (τ, λ, the regularized layers) that its objective
-(``"signorm"``, :mod:`pyrobayes.infer.signorm`) reads, and initialises the members as the σN
-conversion prescribes: ``γ_t = γ_0 + ε_t``, ``ε_t ~ N(0, s_init²)`` (identical members are a
+``scale = 0``; the diversity term (τ, λ, the regularized layers) is its fit's
+(:class:`pyrobayes.infer.signorm.SigmaNormDiversity`, read by the ``"signorm"`` objective of
+:mod:`pyrobayes.infer.signorm`). It initialises the members as the σN conversion prescribes: ``γ_t = γ_0 + ε_t``, ``ε_t ~ N(0, s_init²)`` (identical members are a
 stationary point), ``β_t = b``, heads re-initialised per member (or copied), every member
 starting from the pretrained BatchNorm statistics (each then keeps its own).
 """
@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..models.adapters import check_real
 from ..models.signorm import SCALE_KIND, STATS_KIND, scale_sites
+from ._fit_options import warn_fit_settings
 from .particles import ParticleGuide
 
 __all__ = ["SigmaNormGuide"]
@@ -66,13 +67,13 @@ class SigmaNormGuide(ParticleGuide):
     average : {"probs", "logits"}
         How :func:`pyrobayes.predict` combines the members (default: the average of their
         probabilities, the σN-ensemble's predictive).
-    tau : float
-        τ > 0, the softmax temperature: small τ gives single-owner features (hard partition),
-        intermediate τ about ``k*(τ)`` owners (:func:`pyrobayes.models.signorm.owner_corner`).
-    strength : float
-        λ ≥ 0, the weight of the diversity term relative to the mean per-example loss.
-    regularized : "all" or list of str or str
-        The member norm layers in R (module names, suffix match, or a regex over full paths).
+    tau, strength, regularized : optional
+        Deprecated here: the diversity term's τ, λ and R are settings of the fit, not of the
+        posterior. Pass them to the fitter as ``pb.fit(..., optim=pb.Optimization(
+        optimizer=pb.infer.SigmaNormDiversity(tau=..., strength=...)))``
+        (:class:`pyrobayes.infer.signorm.SigmaNormDiversity`, which documents them); given here
+        they still reach the fitter for one release, with a ``DeprecationWarning``, and are not
+        saved with the posterior.
     init_noise : float
         s_init, the standard deviation of the members' initial ``γ`` around ``γ_0``.
     head_init : {"reinit", "copy"}
@@ -84,6 +85,11 @@ class SigmaNormGuide(ParticleGuide):
     default_fitter = "signorm"
     default_objective = "signorm"
     is_deterministic = False
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = ("tau", "strength", "regularized")
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "SigmaNormDiversity"
 
     def __init__(
         self,
@@ -93,15 +99,26 @@ class SigmaNormGuide(ParticleGuide):
         scale: float = 0.0,
         init_scale: float = 0.0,
         average: str = "probs",
-        tau: float = 0.5,
-        strength: float = 1e-3,
-        regularized: Sequence[str] | str = "all",
+        tau: float | None = None,
+        strength: float | None = None,
+        regularized: Sequence[str] | str | None = None,
         init_noise: float = 0.1,
         head_init: str = "reinit",
     ) -> None:
         owner = f"{type(self).__name__}: "
-        self.tau = check_real("tau", tau, gt=0, owner=owner)
-        self.strength = check_real("strength", strength, ge=0, owner=owner)
+        given: dict[str, Any] = {"tau": tau, "strength": strength, "regularized": regularized}
+        given = {k: v for k, v in given.items() if v is not None}
+        if "tau" in given:  # checked by name before the warning
+            check_real("tau", given["tau"], gt=0, owner=owner)
+        if "strength" in given:
+            check_real("strength", given["strength"], ge=0, owner=owner)
+        if "regularized" in given:
+            scale_sites(model, given["regularized"])  # a name that matches no layer: refused
+            if not isinstance(given["regularized"], str):
+                given["regularized"] = list(given["regularized"])
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        warn_fit_settings(owner, given, self.fit_settings_class)
         self.init_noise = check_real("init_noise", init_noise, ge=0, owner=owner)
         if head_init not in ("reinit", "copy"):
             raise ValueError(f"{owner}head_init must be 'reinit' or 'copy'; got {head_init!r}.")
@@ -111,8 +128,6 @@ class SigmaNormGuide(ParticleGuide):
             num_particles = int(built) if built is not None else 4
         latent = getattr(model, "latent_sites", {})
         self._kinds = {site: spec.kind for site, spec in latent.items()}
-        #: the scale sites the diversity term covers
-        self.diversity_sites: list[str] = scale_sites(model, regularized)
         super().__init__(
             model,
             num_particles=num_particles,
@@ -129,6 +144,10 @@ class SigmaNormGuide(ParticleGuide):
                 self.num_members,
                 init_scale,
             )
+
+    def config(self) -> dict[str, Any]:
+        """The posterior's constructor options (the deprecated fit settings left out)."""
+        return {k: v for k, v in super().config().items() if k not in self.fit_options}
 
     @property
     def num_members(self) -> int:

@@ -15,7 +15,7 @@ from .laplace import LaplaceFitter
 from .loop import DivergenceWarning, FitResult, fit
 from .objectives import ELBO, MAP
 from .options import Checkpointing, Optimization, Progress, Validation, grouped
-from .signorm import SigmaNormFitter
+from .signorm import SigmaNormDiversity, SigmaNormFitter
 from .swag import SWAG, SWAGFitter
 from .symmetrized import BatchedSymmetrizedELBO, SymmetrizedELBO
 
@@ -45,6 +45,7 @@ __all__ = [
     "SWAGFitter",
     "LaplaceFitter",
     "SigmaNormFitter",
+    "SigmaNormDiversity",
     "IBDR",
     "IBDRFitter",
     "IBDRLoss",

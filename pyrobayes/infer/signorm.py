@@ -22,6 +22,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -34,13 +35,16 @@ from torch import Tensor
 
 from ..batch import batch_size
 from ..contract import Mixture, implements
-from ..models.signorm import diversity, update_statistics
+from ..models.adapters import check_real
+from ..models.signorm import diversity, scale_sites, update_statistics
 from .fitter import SVIFitter
+from .ivon import check_settings, settings_record
 from .objectives import register_objective, scaled_log_likelihood, split_training_batch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "SigmaNormDiversity",
     "DiversityOptions",
     "SigmaNormObjective",
     "SigmaNormFitter",
@@ -51,9 +55,55 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class SigmaNormDiversity:
+    r"""σN's fit settings: the diversity term of its objective (Lopez-Gonzalez et al., 2025,
+    Eq. 3), the fitter's, not the posterior's.
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.SigmaNormDiversity(tau=0.25, strength=0.01)))``
+    or ``make_fitter(model, guide, optimizer=pb.infer.SigmaNormDiversity(...))``. Saved in the
+    fitter's checkpoint (a resume under other settings is refused), not with the posterior.
+
+    Parameters
+    ----------
+    tau : float
+        τ > 0, the softmax temperature (0.5): small τ gives single-owner features (hard
+        partition), intermediate τ about ``k*(τ)`` owners
+        (:func:`pyrobayes.models.signorm.owner_corner`).
+    strength : float
+        λ ≥ 0, the weight of the diversity term relative to the mean per-example loss (1e-3).
+    regularized : "all" or list of str or str
+        The member norm layers in R (module names, suffix match, or a regex over full paths).
+    optimizer : torch optimizer class or callable ``params -> Optimizer``, optional
+        The torch optimizer (``None``: Adam at the fit's ``lr``; a class is built as
+        ``cls(params, lr=lr)``). A checkpoint records it by name.
+    """
+
+    tau: float = 0.5
+    strength: float = 1e-3
+    regularized: Sequence[str] | str = "all"
+    optimizer: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "SigmaNormDiversity(): "
+        check_real("tau", self.tau, gt=0, owner=owner)
+        check_real("strength", self.strength, ge=0, owner=owner)
+        regularized = self.regularized
+        if not isinstance(regularized, str):
+            if not all(isinstance(r, str) for r in regularized):
+                raise TypeError(f"{owner}regularized must be 'all', a str or a list of str.")
+            object.__setattr__(self, "regularized", list(regularized))
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise TypeError(
+                f"{owner}optimizer must be a torch optimizer class or a callable params -> "
+                f"Optimizer; got {type(self.optimizer).__name__}."
+            )
+
+
 @runtime_checkable
 class DiversityOptions(Protocol):
-    """A members posterior that carries σN's diversity options (the ``"signorm"`` guide).
+    """The resolved diversity term of σN over a model (:func:`diversity_of`).
 
     Attributes
     ----------
@@ -70,14 +120,31 @@ class DiversityOptions(Protocol):
     diversity_sites: list[str]
 
 
-def _members(guide: Any) -> tuple[Mixture, DiversityOptions]:
-    if not (implements(guide, Mixture) and implements(guide, DiversityOptions)):
+@dataclass
+class _Diversity:
+    tau: float
+    strength: float
+    diversity_sites: list[str]
+
+
+def _settings_of(guide: Any) -> SigmaNormDiversity:
+    """The settings given to the guide's constructor (deprecated), else the defaults."""
+    return SigmaNormDiversity(**getattr(guide, "fit_settings", {}))
+
+
+def diversity_of(model: Any, settings: SigmaNormDiversity) -> DiversityOptions:
+    """``settings`` over ``model``: τ, λ and the scale sites of the layers in R."""
+    sites = scale_sites(model, settings.regularized)
+    return _Diversity(float(settings.tau), float(settings.strength), sites)
+
+
+def _members(guide: Any) -> Mixture:
+    if not implements(guide, Mixture):
         raise TypeError(
-            "The 'signorm' objective fits the members of a σN-ensemble (a Mixture posterior "
-            "with tau, strength and diversity_sites, e.g. pb.posterior(model, 'signorm')); got "
-            f"{type(guide).__name__}."
+            "The 'signorm' objective fits the members of a σN-ensemble (a Mixture posterior, "
+            f"e.g. pb.posterior(model, 'signorm')); got {type(guide).__name__}."
         )
-    return cast(Mixture, guide), cast(DiversityOptions, guide)
+    return cast(Mixture, guide)
 
 
 class SigmaNormObjective:
@@ -86,13 +153,31 @@ class SigmaNormObjective:
     Reports the terms per training example, so that ``loss = N · (nll + div)`` exactly (as the
     ELBO's ``nll + kl`` and MAP's ``nll + prior``): ``nll``, the members' mean negative
     log-likelihood of one example, and ``div``, ``λ L_div`` (0 without a diversity term).
+
+    Parameters
+    ----------
+    settings : SigmaNormDiversity, optional
+        τ, λ and R; default the fitter's (:class:`SigmaNormFitter` binds them), else those given
+        to the guide (deprecated), else :class:`SigmaNormDiversity`'s defaults.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settings: SigmaNormDiversity | None = None) -> None:
+        self.settings = settings
         self._terms: dict[str, Tensor] = {}
+        self._resolved: tuple[int, SigmaNormDiversity, DiversityOptions] | None = None
+
+    def options(self, model: Any, guide: Any) -> DiversityOptions:
+        """The diversity term over ``model`` (resolved once per model and settings)."""
+        settings = self.settings or _settings_of(guide)
+        cached = self._resolved
+        if cached is None or cached[0] != id(model) or cached[1] != settings:
+            cached = (id(model), settings, diversity_of(model, settings))
+            self._resolved = cached
+        return cached[2]
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
-        mixture, options = _members(guide)
+        mixture = _members(guide)
+        options = self.options(model, guide)
         values = mixture.component_locs()  # (M, *shape): all members in one batched forward
         nll = -scaled_log_likelihood(model, values, batch)
         inputs, _ = split_training_batch(model, batch)
@@ -115,12 +200,42 @@ class SigmaNormFitter(SVIFitter):
     r"""Adam on :class:`SigmaNormObjective`; after each step, each member's BatchNorm running
     statistics take in its batch statistics (``r_t ← (1 − m) r_t + m s_t``, member ``t`` from
     its slice of the step's batched forward; only with the backbone in training mode,
-    ``FineTuneModel(train_backbone_mode=True)``: in eval mode the statistics stay fixed)."""
+    ``FineTuneModel(train_backbone_mode=True)``: in eval mode the statistics stay fixed).
+
+    ``optimizer`` may be a :class:`SigmaNormDiversity` (the fit's settings: τ, λ, R and the
+    torch optimizer); else the settings are those given to the guide (deprecated) or the
+    defaults. :meth:`state_dict` holds them; a checkpoint written under others is refused.
+    """
+
+    def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        #: the fit's settings: ``optimizer`` when it is a :class:`SigmaNormDiversity`, else
+        #: those given to the guide's constructor (deprecated), else the defaults
+        if isinstance(optimizer, SigmaNormDiversity):
+            self.settings, optimizer = optimizer, optimizer.optimizer
+        else:
+            self.settings = _settings_of(guide)
+        super().__init__(model, guide, optimizer=optimizer, **kwargs)
+        if isinstance(self.objective, SigmaNormObjective) and self.objective.settings is None:
+            self.objective = SigmaNormObjective(self.settings)  # bound to this fit's settings
+        if isinstance(self.objective, SigmaNormObjective):
+            self.objective.options(model, guide)  # R resolved now: a bad name fails here
+
+    def default_objective(self) -> SigmaNormObjective:
+        return SigmaNormObjective()
 
     def _after_step(self) -> None:
         net = getattr(self.model, "net", None)
         if net is not None and implements(self.guide, Mixture):
             update_statistics(net, cast(Mixture, self.guide).component_locs())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, the step count and the settings (:class:`SigmaNormDiversity`)."""
+        return {**super().state_dict(), "settings": settings_record(self.settings)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
+        check_settings(self, state.get("settings"))
+        super().load_state_dict(state)
 
 
 class _MaskSites(Messenger):
@@ -135,16 +250,20 @@ class _MaskSites(Messenger):
             msg["mask"] = False
 
 
-def members_program(model: Any, guide: Any) -> Callable[[Any], None]:
+def members_program(
+    model: Any, guide: Any, settings: SigmaNormDiversity | None = None
+) -> Callable[[Any], None]:
     r"""σN's objective as a Pyro model over one batch (pair it with :func:`members_guide`).
 
     ``plate("members", M)`` with ``poutine.scale(1/M)`` around ``model(batch)`` (the latent
     sites' prior masked: no prior on the members), then
     ``pyro.factor("sigmaN_div", −N λ L_div(γ))``. With the members' Delta guide,
     ``Trace_ELBO().differentiable_loss(program, members_guide(guide), batch)`` equals
-    :class:`SigmaNormObjective`'s loss.
+    :class:`SigmaNormObjective`'s loss. ``settings``: τ, λ and R (default: those given to the
+    guide, deprecated, else :class:`SigmaNormDiversity`'s defaults).
     """
-    mixture, options = _members(guide)
+    mixture = _members(guide)
+    options = diversity_of(model, settings or _settings_of(guide))
     num_members = mixture.num_components
     sites = list(model.latent_sites)
 
@@ -172,7 +291,7 @@ def members_program(model: Any, guide: Any) -> Callable[[Any], None]:
 
 def members_guide(guide: Any) -> Callable[[Any], dict[str, Tensor]]:
     """The Pyro guide of :func:`members_program`: every member's point in the members plate."""
-    mixture, _ = _members(guide)
+    mixture = _members(guide)
     num_members = mixture.num_components
 
     def members(batch: Any) -> dict[str, Tensor]:
@@ -234,7 +353,7 @@ def tau_sweep(
     lr: float = 1e-2,
     seed: int = 0,
     run_dir: str | Path | None = None,
-    **guide_options: Any,
+    **options: Any,
 ) -> list[dict[str, float]]:
     r"""Fit a σN-ensemble for each τ and trace the accuracy–calibration frontier.
 
@@ -250,8 +369,9 @@ def tau_sweep(
         :func:`pyrobayes.fit` settings (the same seed for every τ).
     run_dir : str or Path, optional
         Where ``tau_sweep.json`` and the frontier plot ``tau_sweep.png`` are written.
-    **guide_options
-        Further ``"signorm"`` guide options (``num_members``, ``strength``, ...).
+    **options
+        ``strength`` and ``regularized`` (the fit's :class:`SigmaNormDiversity`, with each τ);
+        the rest are ``"signorm"`` guide options (``num_particles``, ``init_noise``, ...).
 
     Returns
     -------
@@ -264,12 +384,18 @@ def tau_sweep(
     from ..predictive import predict
     from ..registry import get_guide_class
     from .loop import fit
+    from .options import Optimization
 
+    fit_keys = ("strength", "regularized")
+    diversity = {k: v for k, v in options.items() if k in fit_keys}
+    guide_options = {k: v for k, v in options.items() if k not in fit_keys}
     rows: list[dict[str, float]] = []
     for tau in taus:
         model = make_model()
-        guide = get_guide_class("signorm")(model, tau=float(tau), **guide_options)
-        fit(model, guide, train_data, epochs=epochs, lr=lr, seed=seed)
+        guide = get_guide_class("signorm")(model, **guide_options)
+        settings = SigmaNormDiversity(tau=float(tau), **diversity)
+        optim = Optimization(optimizer=settings)
+        fit(model, guide, train_data, epochs=epochs, lr=lr, seed=seed, optim=optim)
         members = int(cast(Mixture, guide).num_components)
         pred = predict(model, guide, eval_data, num_samples=members)
         probs, labels = pred.probs, pred.targets

@@ -3,7 +3,7 @@
 Per registered family, a whitelist of what a saved file may hold (constructor options in the
 header, guide tensors), so that a setting of the fit leaking into the file fails here. The
 settings that moved to the fitter (IVON's ``mc_samples``, Kronecker IVON's ``fisher`` /
-``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller) are
+``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller, σN's diversity term) are
 checked end to end: the old guide keyword
 still reaches the fitter for one release (``DeprecationWarning`` naming the new spelling), the
 fitter's checkpoint carries them and refuses to resume under others, and a file saved when they
@@ -68,7 +68,6 @@ KNOWN_FIT_OPTIONS: dict[str, set[str]] = {
         "alternate_map_tol",
         "alternate_lr",
     },
-    "signorm": {"tau", "strength", "regularized"},  # the diversity term of the objective
 }
 
 #: family -> its guide tensors in a file, site names as ``<site>`` and site indices as ``<i>``
@@ -164,6 +163,8 @@ MOVED = [
     ("swag", {"collect_every_steps": 2}, "SWAG"),
     ("ibdr", {"alpha": 0.1, "rho": 0.01, "lam_lr": 1.0}, "IBDR"),
     ("ibdr", {"cost": "function", "loss": "logits"}, "IBDR"),
+    ("signorm", {"tau": 0.25, "strength": 0.05}, "SigmaNormDiversity"),
+    ("signorm", {"strength": 0.05, "regularized": []}, "SigmaNormDiversity"),
 ]
 
 
@@ -217,6 +218,7 @@ LEGACY = {
         "loss": "mean",
         "epsilon": 1e-7,
     },
+    "signorm": {"tau": 0.5, "strength": 1e-3, "regularized": "all"},
 }
 
 
@@ -316,6 +318,8 @@ def test_ibdr_settings_are_in_the_checkpoint_and_checked_on_resume(tmp_path):
         (lambda: pb.infer.IBDR(rho=-1.0), "rho"),
         (lambda: pb.infer.IBDR(lam=0.01), "lam_min <= lam"),
         (lambda: pb.infer.IBDR(cost="wasserstein"), "cost"),
+        (lambda: pb.infer.SigmaNormDiversity(tau=0.0), "tau"),
+        (lambda: pb.infer.SigmaNormDiversity(strength=-1.0), "strength"),
     ],
 )
 def test_bad_fit_settings_are_refused_by_name(build, name):
@@ -355,3 +359,21 @@ def test_swag_schedule_with_an_optimizer_of_ones_own(tmp_path):
         fitters[0].load_state_dict(saved)
     with pytest.raises(TypeError, match="optimizer must be 'adam', 'sgd', a torch optimizer"):
         pb.infer.SWAG(optimizer=3)  # type: ignore[arg-type]
+
+
+def test_sigma_norm_settings_are_in_the_checkpoint_and_checked_on_resume():
+    model, data = _problem("signorm")
+    guide = families.posterior(model, "signorm")
+    settings = pb.infer.SigmaNormDiversity(tau=0.25, strength=0.05)
+    fitter = make_fitter(model, guide, lr=0.05, optimizer=settings)
+    assert fitter.settings is settings and fitter.objective.settings is settings
+    fitter.step(data[0])
+    state = fitter.state_dict()
+    assert state["settings"]["tau"] == 0.25 and state["settings"]["strength"] == 0.05
+    make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
+    other = make_fitter(model, guide, lr=0.05, optimizer=dataclasses.replace(settings, tau=1.0))
+    with pytest.raises(ValueError, match=r"other SigmaNormDiversity settings \(tau=0.25 there"):
+        other.load_state_dict(state)
+    # R is resolved when the fitter is made: a layer name that matches none is refused there
+    with pytest.raises(ValueError, match="regularized="):
+        make_fitter(model, guide, optimizer=pb.infer.SigmaNormDiversity(regularized=["nope"]))

@@ -12,7 +12,12 @@ from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.contract import Mixture
-from pyrobayes.infer.signorm import frontier, tau_sweep
+from pyrobayes.infer.signorm import (
+    SigmaNormDiversity,
+    SigmaNormObjective,
+    frontier,
+    tau_sweep,
+)
 from pyrobayes.models.signorm import SigmaNormEnsemble
 
 
@@ -36,7 +41,7 @@ def test_members_start_as_the_conversion_prescribes():
     model, _ = _problem()
     guide = pb.posterior(model, "signorm", init_noise=0.2)
     assert isinstance(guide, Mixture) and guide.num_members == 3  # M from the model
-    assert guide.diversity_sites == ["1.gamma"]
+    assert SigmaNormObjective().options(model, guide).diversity_sites == ["1.gamma"]
     gamma = guide.loc("1.gamma").detach()
     assert gamma.shape == (3, 12)
     # γ_t = γ_0 + N(0, 0.2²): 36 draws, their sd within 0.2·(1 ± 4/√(2·36)) (4 sigma)
@@ -85,8 +90,9 @@ def test_predict_averages_the_member_probabilities():
 def test_save_load_export_and_diagnose_need_no_family_branch(tmp_path):
     pytest.importorskip("arviz")
     model, data = _problem()
-    guide = pb.posterior(model, "signorm", tau=0.25, strength=0.02)
-    pb.fit(model, guide, data, epochs=2, lr=0.05, seed=0)
+    guide = pb.posterior(model, "signorm")
+    optim = pb.Optimization(optimizer=SigmaNormDiversity(tau=0.25, strength=0.02))
+    pb.fit(model, guide, data, epochs=2, lr=0.05, seed=0, optim=optim)
     path = pb.save(guide, tmp_path / "sn.safetensors", model=model)
     loaded = pb.load(path, model)
     assert loaded.config() == guide.config()
@@ -113,7 +119,9 @@ def test_sigma_norm_composes_with_adapters(kind):
     model, data = _problem(adapter=adapter)
     guide = pb.posterior(model, "signorm", init_scale=1e-3)
     adapter_sites = [s for s in guide.sites if s.startswith("0.")]
-    assert adapter_sites and set(guide.diversity_sites) == {"1.gamma"}
+    assert adapter_sites and SigmaNormObjective().options(model, guide).diversity_sites == [
+        "1.gamma"
+    ]
     before = {s: guide.loc(s).detach().clone() for s in adapter_sites}
     result = pb.fit(model, guide, data, epochs=3, lr=0.05, seed=0)
     assert math.isfinite(result.losses[-1])

@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyrobayes as pb
-from pyrobayes.infer.signorm import SigmaNormObjective, members_guide, members_program
+from pyrobayes.infer.signorm import (
+    SigmaNormDiversity,
+    SigmaNormObjective,
+    members_guide,
+    members_program,
+)
 from pyrobayes.models.signorm import (
     MemberNorm,
     SigmaNorm,
@@ -322,8 +327,9 @@ def test_batchnorm_running_statistics_are_per_member():
         copy.deepcopy(net), num_members=3, heads=["6"], trainable_modules=[],
         train_backbone_mode=True, num_data=32,
     )  # fmt: skip
-    guide = pb.posterior(model, "signorm", strength=0.0)
-    fitter = pb.infer.make_fitter(model, guide, lr=0.0)  # lr 0: only the statistics move
+    guide = pb.posterior(model, "signorm")
+    settings = SigmaNormDiversity(strength=0.0)
+    fitter = pb.infer.make_fitter(model, guide, lr=0.0, optimizer=settings)  # only the statistics
     batches = [torch.randn(32, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     references = [copy.deepcopy(net[4]).train() for _ in range(3)]
     model.train()
@@ -398,8 +404,9 @@ def test_one_member_without_diversity_is_plain_training_with_a_sigmoid_bounded_s
         return F.cross_entropy(logits, yb, reduction="sum")  # N/B = 1: the dataset sum
 
     model = SigmaNormEnsemble(net, num_members=1, heads=["3"], trainable_modules=[], num_data=40)
-    guide = pb.posterior(model, "signorm", strength=0.0, init_noise=0.0, head_init="copy")
-    fitter = pb.infer.make_fitter(model, guide, lr=0.02)
+    guide = pb.posterior(model, "signorm", init_noise=0.0, head_init="copy")
+    settings = SigmaNormDiversity(strength=0.0)
+    fitter = pb.infer.make_fitter(model, guide, lr=0.02, optimizer=settings)
     for _ in range(25):
         loss = fitter.step((x, y))
         opt.zero_grad()
@@ -414,10 +421,12 @@ def test_one_member_without_diversity_is_plain_training_with_a_sigmoid_bounded_s
 def test_objective_is_the_mean_member_loss_plus_the_scaled_diversity_term():
     net = _ln_mlp()
     model = SigmaNormEnsemble(net, num_members=4, heads=["3"], trainable_modules=[], num_data=100)
-    guide = pb.posterior(model, "signorm", tau=0.25, strength=0.03)
+    guide = pb.posterior(model, "signorm")
     x = torch.randn(10, 64)
     y = torch.randint(0, 10, (10,))
-    loss = SigmaNormObjective().loss(model, guide, (x, y))
+    loss = SigmaNormObjective(SigmaNormDiversity(tau=0.25, strength=0.03)).loss(
+        model, guide, (x, y)
+    )
     nll = 0.0
     for t in range(4):
         values = {s: guide.loc(s)[t] for s in guide.sites}
@@ -434,14 +443,17 @@ def test_the_pyro_program_gives_the_same_loss_and_gradients():
     Delta guide = the batched objective (Delta's log q = 0)."""
     net = _ln_mlp()
     model = SigmaNormEnsemble(net, num_members=3, heads=["3"], trainable_modules=[], num_data=50)
-    guide = pb.posterior(model, "signorm", tau=0.5, strength=0.1)
+    guide = pb.posterior(model, "signorm")
+    settings = SigmaNormDiversity(tau=0.5, strength=0.1)
     x = torch.randn(10, 64)
     y = torch.randint(0, 10, (10,))
     params = list(guide.parameters())
-    batched = SigmaNormObjective().loss(model, guide, (x, y))
+    batched = SigmaNormObjective(settings).loss(model, guide, (x, y))
     g_batched = torch.autograd.grad(batched, params)
     elbo = pyro.infer.Trace_ELBO()
-    program = elbo.differentiable_loss(members_program(model, guide), members_guide(guide), (x, y))
+    program = elbo.differentiable_loss(
+        members_program(model, guide, settings), members_guide(guide), (x, y)
+    )
     g_program = torch.autograd.grad(program, params)
     assert math.isclose(float(program.detach()), float(batched.detach()), rel_tol=1e-10)
     for a, b in zip(g_batched, g_program, strict=True):
@@ -469,9 +481,10 @@ def _fit_digits(tau: float, seed: int, strength: float = 0.01):
     net = _ln_mlp(seed, width=32)
     model = SigmaNormEnsemble(net, num_members=4, heads=["3"], trainable_modules=[], num_data=600)
     pyro.set_rng_seed(seed)
-    guide = pb.posterior(model, "signorm", tau=tau, strength=strength)
+    guide = pb.posterior(model, "signorm")
     data = [(x[i : i + 100], y[i : i + 100]) for i in range(0, 600, 100)]
-    pb.fit(model, guide, data, epochs=25, lr=0.02, seed=seed)
+    optim = pb.Optimization(optimizer=SigmaNormDiversity(tau=tau, strength=strength))
+    pb.fit(model, guide, data, epochs=25, lr=0.02, seed=seed, optim=optim)
     pred = pb.predict(model, guide, [(xt, yt)], num_samples=4)
     owners = (torch.sigmoid(guide.loc("1.gamma")) > 0.5).sum(0).double().mean()
     return pred.probs, yt, float(owners)
