@@ -134,20 +134,23 @@ def time_round_robin(
             "cpu_median_s": statistics.median(cpu[k]),
             "repeats": len(v),
             "times_s": v,
+            "cpu_times_s": cpu[k],
         }
         for k, v in times.items()
     }
 
 
-def paired_ratio(res: dict[str, dict[str, Any]], name: str, ref: str) -> float:
+def paired_ratio(
+    res: dict[str, dict[str, Any]], name: str, ref: str, key: str = "times_s"
+) -> float:
     """Median over rounds of ``time[name] / time[ref]`` measured in the same round.
 
     The VM's speed drifts by tens of percent between rounds; a ratio taken within one round (the
     variants run back to back) cancels most of that drift, unlike a ratio of medians.
+    ``key="cpu_times_s"``: the same of the process's CPU time (on a loaded machine, the time
+    spent waiting for a core drops out).
     """
-    return statistics.median(
-        a / b for a, b in zip(res[name]["times_s"], res[ref]["times_s"], strict=True)
-    )
+    return statistics.median(a / b for a, b in zip(res[name][key], res[ref][key], strict=True))
 
 
 def paired_spread(res: dict[str, dict[str, Any]], ref: str) -> None:
@@ -390,6 +393,9 @@ def fit_case(setup: dict[str, Any], steps: int, repeats: int, device: torch.devi
         res[k]["ratio_vs_fastest_plain"] = res[k]["median_s"] / res[ref]["median_s"]
         res[k]["paired_ratio_vs_fastest_plain"] = paired_ratio(res, k, ref)
         res[k]["paired_ratio_vs_functional_call"] = paired_ratio(res, k, "plain (functional_call)")
+        res[k]["paired_cpu_ratio_vs_functional_call"] = paired_ratio(
+            res, k, "plain (functional_call)", "cpu_times_s"
+        )
     return {"steps_per_call": steps, "reference": ref, "variants": res}
 
 
@@ -740,6 +746,14 @@ def print_table(results: dict[str, Any]) -> None:
                     f"{v['ratio_vs_fastest_plain']:>8.3f} {'' if pr is None else f'{pr:.3f}':>8} "
                     f"{'' if fc is None else f'{fc:.3f}':>8} {'' if xp is None else f'{xp:.3f}':>8}"
                 )
+    for case, parts in results["cases"].items():
+        fit = parts.get("fit", {}).get("variants", {}).get("pb.fit", {})
+        if "paired_cpu_ratio_vs_functional_call" in fit:
+            print(
+                f"{case}: pb.fit step x functional_call plain step, paired: wall "
+                f"{fit['paired_ratio_vs_functional_call']:.3f}, CPU time "
+                f"{fit['paired_cpu_ratio_vs_functional_call']:.3f}"
+            )
     print(
         "(* fastest plain reference; 'x plain' is a ratio of wall-clock medians, 'paired' the "
         "median of per-round ratios, 'x fcall' the paired ratio to the functional_call plain "
