@@ -173,8 +173,12 @@ def run_seed(seed: int) -> dict[str, dict[str, float]]:
             if cfg_head != head:
                 continue
             t0 = time.perf_counter()
+            fit_keys = pb.guides.LaplaceGuide.fit_options  # the fit's (pb.infer.Laplace)
+            settings = pb.infer.Laplace(**{k: v for k, v in options.items() if k in fit_keys})
+            options = {k: v for k, v in options.items() if k not in fit_keys}
             guide = pb.posterior(model, "laplace", init=map_guide, **options)
-            pb.fit(model, guide, data["train"], epochs=0, progress=False)
+            optim = pb.Optimization(optimizer=settings)
+            pb.fit(model, guide, data["train"], epochs=0, progress=False, optim=optim)
             val = pb_probs(model, guide, xv)
             out[name] = {
                 **scores(val, yv, pb_probs(model, guide, data["ood"])),

@@ -588,13 +588,13 @@ CASES: list[Case] = [
     ),
     _case(
         "laplace-log-prior-bounds-nan",
-        lambda: pb.posterior(_model(), "laplace", log_prior_bounds=(NAN, 1.0)),
+        lambda: pb.infer.Laplace(log_prior_bounds=(NAN, 1.0)),
         ValueError,
         "log_prior_bounds[0]",
     ),
     _case(
         "laplace-alternate-tol-nan",
-        lambda: pb.posterior(_model(), "laplace", alternate_tol=NAN),
+        lambda: pb.infer.Laplace(alternate_tol=NAN),
         ValueError,
         "alternate_tol",
     ),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pyro.distributions as dist
 import torch
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..distributions import KronEigenNormal
 from ..models.adapters import check_int, check_real
+from ._fit_options import warn_fit_settings
 from .base import PosteriorGuide
 from .joint import SitePacking
 
@@ -33,6 +34,34 @@ __all__ = ["LaplaceGuide", "PRED_TYPES"]
 
 #: The predictives of a Laplace posterior: linearised (Monte Carlo / exact Gaussian), probit, network.
 PRED_TYPES = ("glm", "probit", "nn")
+
+
+def _check_fit_settings(owner: str, given: dict[str, Any], prior_precision: Any) -> None:
+    """Refuse a bad deprecated fit setting of :class:`LaplaceGuide` by name (before the
+    warning); a list keeps ``log_prior_bounds`` JSON-able."""
+    if "log_prior_bounds" in given:
+        bounds = given["log_prior_bounds"]
+        if isinstance(bounds, str) or len(bounds) != 2:
+            raise ValueError(f"{owner}log_prior_bounds must be (lo, hi); got {bounds!r}.")
+        lo = check_real("log_prior_bounds[0]", bounds[0], owner=owner)
+        hi = check_real("log_prior_bounds[1]", bounds[1], owner=owner)
+        if not lo < hi:
+            raise ValueError(f"Expected log_prior_bounds (lo, hi) with lo < hi, got {(lo, hi)}.")
+        given["log_prior_bounds"] = [lo, hi]
+    mode = given.get("prior_optimization", "evidence")
+    if mode not in ("evidence", "alternate"):
+        raise ValueError(f"Expected prior_optimization 'evidence' or 'alternate' but got {mode!r}.")
+    if mode == "alternate" and prior_precision != "marglik":
+        raise ValueError(
+            "prior_optimization='alternate' tunes τ by the marginal likelihood; it needs "
+            f"prior_precision='marglik', not {prior_precision!r}."
+        )
+    for name in ("alternate_tol", "alternate_map_tol", "alternate_lr"):
+        if name in given:
+            given[name] = check_real(name, given[name], gt=0, owner=owner)
+    for name in ("alternate_max_iter", "alternate_epochs"):
+        if name in given:
+            given[name] = check_int(name, given[name], ge=1, owner=owner)
 
 
 class LaplaceGuide(SitePacking, PosteriorGuide):
@@ -73,7 +102,7 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         \log p(D\mid τ) \approx \log p(D\mid θ^*) - \tfrac τ2 \lVert θ^*\rVert^2
         - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ
 
-    in one of two ways (``prior_optimization``):
+    in one of two ways (the fit's ``prior_optimization``, :class:`pyrobayes.infer.Laplace`):
 
     - ``"evidence"`` (default; laplace-torch's post-hoc marginal likelihood): ``θ*`` and ``H``
       stay at the MAP trained under the model's prior ``τ₀ = 1/s_p²``, and only ``τ`` moves. The
@@ -96,28 +125,15 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     model : FineTuneModel
     structure : {"kron", "diag"}
     prior_precision : "marglik", "model" or float
-        τ: tuned by the Laplace marginal likelihood over ``log τ ∈ log_prior_bounds``, the model's
-        ``1/s_p²``, or fixed.
-    prior_optimization : {"evidence", "alternate"}
-        How ``"marglik"`` tunes τ: post hoc at the fixed MAP, or alternating with MAP refits (see
-        above). ``"alternate"`` needs ``prior_precision="marglik"`` and a model with a
-        ``prior_scale`` (a ``FineTuneModel``).
-    alternate_tol : float
-        Stop alternating when ``|log τ_new − log τ| <`` this (natural log).
-    alternate_max_iter : int
-        At most this many MAP refits.
-    alternate_epochs : int
-        At most this many epochs over the training data per MAP refit (warm-started at the
-        previous MAP); a refit stops earlier once the MAP is stationary.
-    alternate_map_tol : float
-        A refit's MAP is stationary when the whole-data gradient of its objective is below this
-        fraction of its prior term's gradient ``‖τ θ‖``
-        (:meth:`~pyrobayes.infer.laplace.LaplaceFitter.map_residual`).
-    alternate_lr : float or None
-        Learning rate of the refits; ``None``: the one the fitter started with (not the value
-        a schedule decayed it to).
-    log_prior_bounds : (float, float)
-        Natural-log bounds of the τ search (default ``(-5, 10)``).
+        τ: tuned by the Laplace marginal likelihood (searched as the fit's settings say,
+        :class:`pyrobayes.infer.Laplace`), the model's ``1/s_p²``, or fixed.
+    prior_optimization, log_prior_bounds, alternate_tol, alternate_max_iter, alternate_epochs, \
+alternate_map_tol, alternate_lr : optional
+        Deprecated here: how τ is searched is a setting of the fit, not of the posterior. Pass
+        them to the fitter as ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.Laplace(
+        prior_optimization="alternate", ...)))`` (:class:`pyrobayes.infer.Laplace`, which
+        documents them); given here they still reach the fitter for one release, with a
+        ``DeprecationWarning``, and are not saved with the posterior.
     temperature : float
         T in ``H/T`` (1: the Bayesian posterior).
     pred_type : {"glm", "probit", "nn"}
@@ -149,6 +165,19 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     family = "laplace"
     default_fitter = "laplace"
     default_objective = "map"
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = (
+        "prior_optimization",
+        "log_prior_bounds",
+        "alternate_tol",
+        "alternate_max_iter",
+        "alternate_epochs",
+        "alternate_map_tol",
+        "alternate_lr",
+    )
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "Laplace"
 
     def __init__(
         self,
@@ -156,13 +185,13 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         *,
         structure: str = "kron",
         prior_precision: str | float = "marglik",
-        log_prior_bounds: tuple[float, float] | list[float] = (-5.0, 10.0),
+        log_prior_bounds: tuple[float, float] | list[float] | None = None,
         temperature: float = 1.0,
-        prior_optimization: str = "evidence",
-        alternate_tol: float = 1e-3,
-        alternate_max_iter: int = 20,
-        alternate_epochs: int = 100,
-        alternate_map_tol: float = 1e-2,
+        prior_optimization: str | None = None,
+        alternate_tol: float | None = None,
+        alternate_max_iter: int | None = None,
+        alternate_epochs: int | None = None,
+        alternate_map_tol: float | None = None,
         alternate_lr: float | None = None,
         pred_type: str = "glm",
         link_samples: int | None = 100,
@@ -179,29 +208,21 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
                 )
         else:
             prior_precision = check_real("prior_precision", prior_precision, gt=0, owner=owner)
-        if len(log_prior_bounds) != 2:
-            raise ValueError(f"{owner}log_prior_bounds must be (lo, hi); got {log_prior_bounds!r}.")
-        lo = check_real("log_prior_bounds[0]", log_prior_bounds[0], owner=owner)
-        hi = check_real("log_prior_bounds[1]", log_prior_bounds[1], owner=owner)
-        if not lo < hi:
-            raise ValueError(f"Expected log_prior_bounds (lo, hi) with lo < hi, got {(lo, hi)}.")
         temperature = check_real("temperature", temperature, gt=0, owner=owner)
-        if prior_optimization not in ("evidence", "alternate"):
-            raise ValueError(
-                "Expected prior_optimization 'evidence' or 'alternate' but got "
-                f"{prior_optimization!r}."
-            )
-        if prior_optimization == "alternate" and prior_precision != "marglik":
-            raise ValueError(
-                "prior_optimization='alternate' tunes τ by the marginal likelihood; it needs "
-                f"prior_precision='marglik', not {prior_precision!r}."
-            )
-        alternate_tol = check_real("alternate_tol", alternate_tol, gt=0, owner=owner)
-        alternate_max_iter = check_int("alternate_max_iter", alternate_max_iter, ge=1, owner=owner)
-        alternate_epochs = check_int("alternate_epochs", alternate_epochs, ge=1, owner=owner)
-        alternate_map_tol = check_real("alternate_map_tol", alternate_map_tol, gt=0, owner=owner)
-        if alternate_lr is not None:
-            alternate_lr = check_real("alternate_lr", alternate_lr, gt=0, owner=owner)
+        given: dict[str, Any] = {
+            "prior_optimization": prior_optimization,
+            "log_prior_bounds": log_prior_bounds,
+            "alternate_tol": alternate_tol,
+            "alternate_max_iter": alternate_max_iter,
+            "alternate_epochs": alternate_epochs,
+            "alternate_map_tol": alternate_map_tol,
+            "alternate_lr": alternate_lr,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        _check_fit_settings(owner, given, prior_precision)
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        warn_fit_settings(owner, given, self.fit_settings_class)
         if pred_type not in PRED_TYPES:
             raise ValueError(
                 f"{owner}pred_type must be one of {list(PRED_TYPES)} (the linearised predictive, "
@@ -214,14 +235,7 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
         self.link_samples = link_samples
         self.structure = structure
         self.prior_precision_spec = prior_precision
-        self.log_prior_bounds = (lo, hi)
         self.temperature = float(temperature)
-        self.prior_optimization = prior_optimization
-        self.alternate_tol = float(alternate_tol)
-        self.alternate_max_iter = int(alternate_max_iter)
-        self.alternate_epochs = int(alternate_epochs)
-        self.alternate_map_tol = float(alternate_map_tol)
-        self.alternate_lr = None if alternate_lr is None else float(alternate_lr)
         self._index: dict[str, int] = {}
         super().__init__(model)
 
@@ -251,8 +265,9 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     def config(self) -> dict[str, Any]:
         """The constructor options, with ``pred_type`` and ``link_samples`` as they are now (they
         may be set after fitting)."""
+        options = {k: v for k, v in super().config().items() if k not in self.fit_options}
         return {
-            **super().config(),
+            **options,
             "pred_type": self.pred_type,
             "link_samples": self.link_samples,
         }

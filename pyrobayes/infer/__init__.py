@@ -11,7 +11,7 @@ from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, tr
 from .ibdr import IBDR, IBDRFitter, IBDRLoss
 from .ivon import IVON
 from .kron import KronIVON
-from .laplace import LaplaceFitter
+from .laplace import Laplace, LaplaceFitter
 from .loop import DivergenceWarning, FitResult, fit
 from .objectives import ELBO, MAP
 from .options import Checkpointing, Optimization, Progress, Validation, grouped
@@ -44,6 +44,7 @@ __all__ = [
     "SVIFitter",
     "SWAGFitter",
     "LaplaceFitter",
+    "Laplace",
     "SigmaNormFitter",
     "SigmaNormDiversity",
     "IBDR",

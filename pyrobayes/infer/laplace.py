@@ -41,7 +41,8 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,14 +50,17 @@ from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, to_device
 from ..linearized import output_jacobian_rows, output_jacobians
+from ..models.adapters import check_int, check_real
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
 from .fitter import Fitter
+from .ivon import check_settings, settings_record
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "LaplaceFitter",
+    "Laplace",
     "fit_laplace",
     "tune_prior_precision",
     "glm_moments",
@@ -66,13 +70,101 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class Laplace:
+    r"""The Laplace fit's settings: how ``prior_precision="marglik"`` searches τ (the fitter's,
+    not the posterior's; the posterior's ``prior_precision``, ``temperature``, ``structure``,
+    ``subset`` and predictive stay the guide's).
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.Laplace(prior_optimization="alternate")))``,
+    ``make_fitter(model, guide, optimizer=pb.infer.Laplace(...))`` or
+    ``fit_laplace(model, guide, data, settings=pb.infer.Laplace(...))``. Saved in the fitter's
+    checkpoint (a resume under other settings is refused), not with the posterior.
+
+    Parameters
+    ----------
+    prior_optimization : {"evidence", "alternate"}
+        How ``"marglik"`` tunes τ: post hoc at the fixed MAP (laplace-torch's marginal
+        likelihood, Immer et al., 2021), or MacKay's (1992) evidence iteration alternating with
+        MAP refits (:class:`LaplaceFitter`). ``"alternate"`` needs the guide's
+        ``prior_precision="marglik"`` and a model with a ``prior_scale`` (a ``FineTuneModel``).
+    log_prior_bounds : (float, float)
+        Natural-log bounds of the τ search (default ``(-5, 10)``).
+    alternate_tol : float
+        Stop alternating when ``|log τ_new − log τ| <`` this (natural log; 1e-3).
+    alternate_max_iter : int
+        At most this many MAP refits (20).
+    alternate_epochs : int
+        At most this many epochs over the training data per MAP refit (100; warm-started at the
+        previous MAP); a refit stops earlier once the MAP is stationary.
+    alternate_map_tol : float
+        A refit's MAP is stationary when the whole-data gradient of its objective is below this
+        fraction of its prior term's gradient ``‖τ θ‖`` (1e-2;
+        :meth:`LaplaceFitter.map_residual`).
+    alternate_lr : float, optional
+        Learning rate of the refits; ``None``: the one the fitter started with (not the value a
+        schedule decayed it to).
+    optimizer : torch optimizer class or callable ``params -> Optimizer``, optional
+        The MAP's torch optimizer (``None``: Adam at the fit's ``lr``). A checkpoint records it
+        by name.
+    """
+
+    prior_optimization: str = "evidence"
+    log_prior_bounds: Sequence[float] = (-5.0, 10.0)
+    alternate_tol: float = 1e-3
+    alternate_max_iter: int = 20
+    alternate_epochs: int = 100
+    alternate_map_tol: float = 1e-2
+    alternate_lr: float | None = None
+    optimizer: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "Laplace(): "
+        if self.prior_optimization not in ("evidence", "alternate"):
+            raise ValueError(
+                f"{owner}expected prior_optimization 'evidence' or 'alternate' but got "
+                f"{self.prior_optimization!r}."
+            )
+        bounds = self.log_prior_bounds
+        if isinstance(bounds, str) or len(bounds) != 2:
+            raise ValueError(f"{owner}log_prior_bounds must be (lo, hi); got {bounds!r}.")
+        lo = check_real("log_prior_bounds[0]", bounds[0], owner=owner)
+        hi = check_real("log_prior_bounds[1]", bounds[1], owner=owner)
+        if not lo < hi:
+            raise ValueError(
+                f"{owner}expected log_prior_bounds (lo, hi) with lo < hi, got {(lo, hi)}."
+            )
+        object.__setattr__(self, "log_prior_bounds", [float(lo), float(hi)])
+        check_real("alternate_tol", self.alternate_tol, gt=0, owner=owner)
+        check_int("alternate_max_iter", self.alternate_max_iter, ge=1, owner=owner)
+        check_int("alternate_epochs", self.alternate_epochs, ge=1, owner=owner)
+        check_real("alternate_map_tol", self.alternate_map_tol, gt=0, owner=owner)
+        if self.alternate_lr is not None:
+            check_real("alternate_lr", self.alternate_lr, gt=0, owner=owner)
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise TypeError(
+                f"{owner}optimizer must be a torch optimizer class or a callable params -> "
+                f"Optimizer; got {type(self.optimizer).__name__}."
+            )
+
+
+def _settings_of(guide: Any) -> Laplace:
+    """The settings given to the guide's constructor (deprecated), else the defaults."""
+    return Laplace(**getattr(guide, "fit_settings", {}))
+
+
 class LaplaceFitter(Fitter):
     r"""Fits a :class:`~pyrobayes.guides.LaplaceGuide`: MAP training of its point, then the
     curvature and τ at the end (:func:`fit_laplace` over the training data).
 
     The objective is the MAP objective at the guide's point; the optimizer is Adam.
 
-    With ``LaplaceGuide(prior_optimization="alternate")``, :meth:`end` runs MacKay's (1992)
+    ``optimizer`` may be a :class:`Laplace` (the settings of the τ search and the MAP's torch
+    optimizer); else they are those given to the guide (deprecated) or the defaults.
+    :meth:`state_dict` holds them; a checkpoint written under others is refused.
+
+    With ``Laplace(prior_optimization="alternate")``, :meth:`end` runs MacKay's (1992)
     evidence iteration instead of one post-hoc τ: starting from ``τ₀ = 1/s_p²`` (the prior the
     MAP was trained under) it repeats
 
@@ -99,12 +191,33 @@ class LaplaceFitter(Fitter):
     prior_precisions: list[float]
     map_residuals: list[float]
 
-    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
-        super().__init__(model, guide, **kwargs)
+    def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        #: the fit's settings: ``optimizer`` when it is a :class:`Laplace`, else those given to
+        #: the guide's constructor (deprecated), else the defaults
+        if isinstance(optimizer, Laplace):
+            self.settings, optimizer = optimizer, optimizer.optimizer
+        else:
+            self.settings = _settings_of(guide)
+        spec = getattr(guide, "prior_precision_spec", "marglik")
+        if self.settings.prior_optimization == "alternate" and spec != "marglik":
+            raise ValueError(
+                "Laplace(prior_optimization='alternate') tunes τ by the marginal likelihood; it "
+                f"needs the guide's prior_precision='marglik', not {spec!r}."
+            )
+        super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
             "the Laplace posterior is built at the MAP of its point, not fitted by an ELBO (its "
             "q does not exist until the curvature is fitted)."
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, the step count and the settings (:class:`Laplace`)."""
+        return {**super().state_dict(), "settings": settings_record(self.settings)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
+        check_settings(self, state.get("settings"))
+        super().load_state_dict(state)
 
     def default_objective(self) -> str:
         return "map"
@@ -119,13 +232,14 @@ class LaplaceFitter(Fitter):
     @property
     def _alternating(self) -> bool:
         guide = self.guide
-        return guide.prior_precision_spec == "marglik" and guide.prior_optimization == "alternate"
+        alternate = self.settings.prior_optimization == "alternate"
+        return guide.prior_precision_spec == "marglik" and alternate
 
     def _model_prior_precision(self) -> float:
         scale = getattr(self.model, "prior_scale", None)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise TypeError(
-                "LaplaceGuide(prior_optimization='alternate') refits the MAP under a new prior "
+                "Laplace(prior_optimization='alternate') refits the MAP under a new prior "
                 "precision through model.prior_scale; this model has none (use a FineTuneModel)."
             )
         return 1.0 / float(scale) ** 2
@@ -137,30 +251,30 @@ class LaplaceFitter(Fitter):
         if self._alternating:
             self._alternate(data)
         else:
-            fit_laplace(self.model, self.guide, data)
+            fit_laplace(self.model, self.guide, data, settings=self.settings)
 
     def _alternate(self, data: Iterable[Any]) -> None:
         """MacKay's evidence iteration: MAP at τ, H at the MAP, τ by the evidence, until stable."""
-        guide = self.guide
+        guide, settings = self.guide, self.settings
         tau_map = self._model_prior_precision()  # the prior the trained MAP belongs to
-        fit_laplace(self.model, guide, data)
+        fit_laplace(self.model, guide, data, settings=settings)
         tau = guide.prior_precision
         self.prior_precisions = [tau_map, tau]
         self.map_residuals = []
         refits = 0
-        while abs(math.log(tau) - math.log(tau_map)) >= guide.alternate_tol:
-            if refits == guide.alternate_max_iter:
+        while abs(math.log(tau) - math.log(tau_map)) >= settings.alternate_tol:
+            if refits == settings.alternate_max_iter:
                 break
             tau_map = tau
             self.map_residuals.append(self._refit_map(data, tau_map))
-            fit_laplace(self.model, guide, data)
+            fit_laplace(self.model, guide, data, settings=settings)
             tau = guide.prior_precision
             self.prior_precisions.append(tau)
             refits += 1
         guide.set_prior_precision(tau_map)  # H and the mean were fitted under this τ
         gap = abs(math.log(tau) - math.log(tau_map))
         residual = self.map_residuals[-1] if self.map_residuals else 0.0
-        if gap >= guide.alternate_tol or residual >= guide.alternate_map_tol:
+        if gap >= settings.alternate_tol or residual >= settings.alternate_map_tol:
             logger.warning(
                 "Laplace (alternate): not at the fixed point after %d MAP refits: the evidence "
                 "optimum at the last MAP is τ = %.4g, the guide keeps τ = %.4g (|Δ log τ| = "
@@ -171,23 +285,23 @@ class LaplaceFitter(Fitter):
                 tau,
                 tau_map,
                 gap,
-                guide.alternate_tol,
+                settings.alternate_tol,
                 residual,
-                guide.alternate_map_tol,
+                settings.alternate_map_tol,
             )
         logger.info("Laplace (alternate): τ = %.4g after %d MAP refits", tau_map, refits)
 
     def _refit_lrs(self) -> list[float]:
         """The refits' learning rate per parameter group: ``alternate_lr``, else the rate the
         fitter started with (a schedule's ``initial_lr``, not its decayed current value)."""
-        fixed = self.guide.alternate_lr
+        fixed = self.settings.alternate_lr
         lrs = [
             float(fixed if fixed is not None else group.get("initial_lr", group["lr"]))
             for group in self.optimizer.param_groups
         ]
         if not any(lr > 0 for lr in lrs):
             raise ValueError(
-                "LaplaceGuide(prior_optimization='alternate'): the MAP refits would run at "
+                "Laplace(prior_optimization='alternate'): the MAP refits would run at "
                 "learning rate 0 (the fitter's lr is 0); pass alternate_lr > 0."
             )
         return lrs
@@ -198,7 +312,7 @@ class LaplaceFitter(Fitter):
         (:meth:`map_residual`) is below ``alternate_map_tol``, at most ``alternate_epochs``.
         The rate is halved after an epoch that did not lower the residual (minibatch noise
         then dominates the remaining gradient). Returns the last residual."""
-        model, guide, optim = self.model, self.guide, self.optimizer
+        model, optim, settings = self.model, self.optimizer, self.settings
         saved, was_training = model.prior_scale, model.training
         saved_lrs = [group["lr"] for group in optim.param_groups]
         model.prior_scale = tau**-0.5
@@ -208,11 +322,11 @@ class LaplaceFitter(Fitter):
             lrs = self._refit_lrs()
             for group, lr in zip(optim.param_groups, lrs, strict=True):
                 group["lr"] = lr
-            for _ in range(guide.alternate_epochs):
+            for _ in range(settings.alternate_epochs):
                 for batch in data:
                     self.step(to_device(batch, model.device))
                 last, residual = residual, self.map_residual(data)
-                if residual < guide.alternate_map_tol:
+                if residual < settings.alternate_map_tol:
                     break
                 if residual >= last:  # minibatch noise dominates: halve the rate
                     for group in optim.param_groups:
@@ -506,7 +620,14 @@ def tune_prior_precision(
     return math.exp(x_best)
 
 
-def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = None) -> Any:
+def fit_laplace(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    backend: Any = None,
+    settings: Laplace | None = None,
+) -> Any:
     """Fit ``guide`` (a :class:`~pyrobayes.guides.LaplaceGuide`) at its MAP over ``data``.
 
     Copies the guide's point into the network, makes only the sites' tensors require grad, runs
@@ -516,8 +637,10 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
     ``backend`` is laplace-torch's curvature backend; the default,
     :func:`per_example_ggn_backend`, is laplace-torch's own (curvlinops GGN) with the diagonal
     from per-example Jacobians (the same diagonal GGN, without a Jacobian of the whole batch).
+    ``settings`` (:class:`Laplace`): the τ search's bounds (default: those given to the guide,
+    deprecated, else :class:`Laplace`'s).
     """
-    from laplace import Laplace
+    from laplace import Laplace as LaplaceTorch
 
     guide.require_setup()
     net = model.net
@@ -533,7 +656,7 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
         wrapper = LaplaceNet(model)
         order = [site_of[id(p)] for p in wrapper.parameters() if p.requires_grad]
         kind, sigma = _laplace_likelihood(model)
-        la = Laplace(
+        la = LaplaceTorch(
             wrapper,
             kind,
             subset_of_weights="all",
@@ -551,7 +674,8 @@ def fit_laplace(model: Any, guide: Any, data: Iterable[Any], *, backend: Any = N
             _store_diag(guide, la, order)
         else:
             _store_kron(guide, la, order)
-        tau = _choose_prior_precision(model, guide, la)
+        bounds = (settings or _settings_of(guide)).log_prior_bounds
+        tau = _choose_prior_precision(model, guide, la, bounds)
         la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
         guide.set_prior_precision(tau)
         guide.mark_fitted(True)
@@ -640,7 +764,9 @@ def _store_kron(guide: Any, la: Any, order: list[str]) -> None:
         guide.set_curvature(s, curv.detach(), q_out.detach(), q_in.detach())
 
 
-def _choose_prior_precision(model: Any, guide: Any, la: Any) -> float:
+def _choose_prior_precision(
+    model: Any, guide: Any, la: Any, bounds: Sequence[float] = (-5.0, 10.0)
+) -> float:
     """τ by the guide's ``prior_precision`` option: the evidence maximum, the model's, or given."""
     spec = guide.prior_precision_spec
     if spec == "model":
@@ -656,7 +782,7 @@ def _choose_prior_precision(model: Any, guide: Any, la: Any) -> float:
         return float(value)
 
     with _no_exit("maximising the marginal likelihood"):
-        return tune_prior_precision(log_marglik, guide.log_prior_bounds)
+        return tune_prior_precision(log_marglik, (float(bounds[0]), float(bounds[1])))
 
 
 @contextlib.contextmanager

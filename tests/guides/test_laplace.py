@@ -104,7 +104,7 @@ def test_agrees_with_laplace_torch(structure: str) -> None:
     guide = LaplaceGuide(model, structure=structure)
     pb.fit(model, guide, loader, epochs=10, lr=0.05)  # MAP stage, then curvature + marglik τ
     assert guide.is_fitted
-    lo, hi = guide.log_prior_bounds
+    lo, hi = pb.infer.Laplace().log_prior_bounds  # the default search bounds
     assert math.exp(lo) <= guide.prior_precision <= math.exp(hi)
     la = _direct_laplace(model, guide, loader, structure)
     # posterior precision, block by block (sites in network order = laplace-torch's order)

@@ -96,16 +96,16 @@ def _fit(prior_scale: float, structure: str, mode: str):
     prob = conjugate_core(noise=NOISE, prior_scale=prior_scale)
     model = prob.model
     loader = tensor_loader(prob.x, prob.y, 64)
-    guide = LaplaceGuide(
-        model,
-        structure=structure,
+    guide = LaplaceGuide(model, structure=structure)
+    settings = pb.infer.Laplace(
         prior_optimization=mode,
         alternate_tol=1e-3,
         alternate_epochs=REFIT_EPOCHS,
         alternate_map_tol=MAP_TOL,
+        optimizer=torch.optim.SGD,
     )
     init = guide.loc(prob.site).detach().clone()
-    fitter = pb.infer.make_fitter(model, guide, optimizer=torch.optim.SGD, lr=LR)
+    fitter = pb.infer.make_fitter(model, guide, optimizer=settings, lr=LR)
     model.train(True)
     fitter.begin(loader)
     for epoch in range(EPOCHS):
@@ -156,9 +156,9 @@ def test_alternating_reaches_exact_evidence_optimum(structure: str, prior_scale:
 def test_evidence_default_keeps_the_map_of_the_initial_prior() -> None:
     """``"evidence"`` (the default): τ moves, the mean stays the MAP under τ₀ = 1/s_p²."""
     prior_scale = 0.5
-    prob, guide, _, init = _fit(prior_scale, "kron", "evidence")
-    assert guide.prior_optimization == "evidence"
-    assert LaplaceGuide(prob.model).prior_optimization == "evidence"  # the default
+    prob, guide, fitter, init = _fit(prior_scale, "kron", "evidence")
+    assert fitter.settings.prior_optimization == "evidence"
+    assert pb.infer.Laplace().prior_optimization == "evidence"  # the default
     exact = _exact(prob)
     tau0 = 1.0 / prior_scale**2
     # GD from the initial core for EPOCHS steps under τ₀: error ≤ ‖θ_init − m(τ₀)‖ ρ(τ₀)^EPOCHS
@@ -193,19 +193,25 @@ def test_evidence_default_keeps_the_map_of_the_initial_prior() -> None:
 def test_options_validated_and_saved(tmp_path) -> None:
     prob = conjugate_core()
     with pytest.raises(ValueError, match="prior_optimization"):
+        pb.infer.Laplace(prior_optimization="mackay")
+    with pytest.raises(ValueError, match="alternate_max_iter"):
+        pb.infer.Laplace(prior_optimization="alternate", alternate_max_iter=0)
+    alternate = pb.infer.Laplace(prior_optimization="alternate", alternate_epochs=2)
+    with pytest.raises(ValueError, match="needs the guide's prior_precision=.marglik."):
+        pb.infer.make_fitter(
+            prob.model, LaplaceGuide(prob.model, prior_precision="model"), optimizer=alternate
+        )
+    # the deprecated guide keywords are checked by name too, before the warning
+    with pytest.raises(ValueError, match="prior_optimization"):
         LaplaceGuide(prob.model, prior_optimization="mackay")
     with pytest.raises(ValueError, match="needs prior_precision=.marglik."):
         LaplaceGuide(prob.model, prior_precision="model", prior_optimization="alternate")
-    with pytest.raises(ValueError, match="alternate_max_iter"):
-        LaplaceGuide(prob.model, prior_optimization="alternate", alternate_max_iter=0)
-    guide = LaplaceGuide(
-        prob.model, structure="diag", prior_optimization="alternate", alternate_epochs=2
-    )
+    guide = LaplaceGuide(prob.model, structure="diag")
     loader = tensor_loader(prob.x, prob.y, 16)
-    pb.fit(prob.model, guide, loader, epochs=2, lr=0.05)
+    pb.fit(prob.model, guide, loader, epochs=2, lr=0.05, optim=pb.Optimization(optimizer=alternate))
     assert guide.is_fitted and prob.model.prior_scale == 1.0
     loaded = pb.load(pb.save(guide, tmp_path / "alt.safetensors"), prob.model)
-    assert loaded.prior_optimization == "alternate" and loaded.alternate_epochs == 2
+    assert "prior_optimization" not in loaded.config()  # the fit's, not the posterior's
     assert loaded.prior_precision == guide.prior_precision
 
 
@@ -222,11 +228,12 @@ def test_alternating_after_a_schedule_decayed_to_zero() -> None:
     schedule's initial_lr), so the iteration still reaches the evidence fixed point instead of
     returning the post-hoc τ with the mean of τ₀."""
     prob = conjugate_core(noise=NOISE, prior_scale=0.5)
-    guide = LaplaceGuide(
-        prob.model, structure="kron", prior_optimization="alternate", alternate_map_tol=MAP_TOL
+    guide = LaplaceGuide(prob.model, structure="kron")
+    settings = pb.infer.Laplace(
+        prior_optimization="alternate", alternate_map_tol=MAP_TOL, optimizer=torch.optim.SGD
     )
     loader = tensor_loader(prob.x, prob.y, 64)
-    optim = pb.Optimization(optimizer=torch.optim.SGD, scheduler="linear")
+    optim = pb.Optimization(optimizer=settings, scheduler="linear")
     pb.fit(prob.model, guide, loader, epochs=EPOCHS, lr=LR, optim=optim, progress=False)
     exact = _exact(prob)
     tau_star = _argmax_log(exact.log_evidence)
@@ -244,12 +251,13 @@ def test_alternating_defaults_reach_the_fixed_point_with_adam(caplog) -> None:
     0.01 posterior sd of the MAP of its τ, without a warning (5 steps per refit left 2–4e-3 in τ
     and 0.02 sd). Measured: τ 8e-4 off, the mean .004 sd off."""
     prob = conjugate_core(noise=NOISE, prior_scale=0.5)
-    guide = LaplaceGuide(prob.model, structure="diag", prior_optimization="alternate")
-    assert guide.alternate_map_tol == 1e-2 and guide.alternate_epochs == 100
+    guide = LaplaceGuide(prob.model, structure="diag")
+    settings = pb.infer.Laplace(prior_optimization="alternate")
+    assert settings.alternate_map_tol == 1e-2 and settings.alternate_epochs == 100
+    optim = pb.Optimization(optimizer=settings)
+    data = tensor_loader(prob.x, prob.y, 16)
     with caplog.at_level("WARNING", logger="pyrobayes.infer.laplace"):
-        pb.fit(
-            prob.model, guide, tensor_loader(prob.x, prob.y, 16), epochs=60, lr=0.05, progress=False
-        )
+        pb.fit(prob.model, guide, data, epochs=60, lr=0.05, progress=False, optim=optim)
     assert "not at the fixed point" not in caplog.text
     exact = _exact(prob)
     off_sd, off_tau = _sd_offsets(prob, guide, exact, _argmax_log(exact.log_evidence))
@@ -258,21 +266,20 @@ def test_alternating_defaults_reach_the_fixed_point_with_adam(caplog) -> None:
 
 def test_alternating_warns_when_not_at_the_fixed_point(caplog) -> None:
     prob = conjugate_core(noise=NOISE, prior_scale=0.5)
-    guide = LaplaceGuide(
-        prob.model, structure="diag", prior_optimization="alternate", alternate_max_iter=1
-    )
+    guide = LaplaceGuide(prob.model, structure="diag")
+    settings = pb.infer.Laplace(prior_optimization="alternate", alternate_max_iter=1)
+    optim = pb.Optimization(optimizer=settings)
+    data = tensor_loader(prob.x, prob.y, 64)
     with caplog.at_level("WARNING", logger="pyrobayes.infer.laplace"):
-        pb.fit(
-            prob.model, guide, tensor_loader(prob.x, prob.y, 64), epochs=20, lr=0.05, progress=False
-        )
+        pb.fit(prob.model, guide, data, epochs=20, lr=0.05, progress=False, optim=optim)
     assert "not at the fixed point after 1 MAP refits" in caplog.text
     assert "alternate_max_iter" in caplog.text
 
 
 def test_alternating_refuses_a_zero_learning_rate() -> None:
     prob = conjugate_core(noise=NOISE, prior_scale=0.5)
-    guide = LaplaceGuide(prob.model, prior_optimization="alternate")
+    guide = LaplaceGuide(prob.model)
+    optim = pb.Optimization(optimizer=pb.infer.Laplace(prior_optimization="alternate"))
+    data = tensor_loader(prob.x, prob.y, 64)
     with pytest.raises(ValueError, match="learning rate 0.*pass alternate_lr > 0"):
-        pb.fit(
-            prob.model, guide, tensor_loader(prob.x, prob.y, 64), epochs=1, lr=0.0, progress=False
-        )
+        pb.fit(prob.model, guide, data, epochs=1, lr=0.0, progress=False, optim=optim)

@@ -3,7 +3,7 @@
 Per registered family, a whitelist of what a saved file may hold (constructor options in the
 header, guide tensors), so that a setting of the fit leaking into the file fails here. The
 settings that moved to the fitter (IVON's ``mc_samples``, Kronecker IVON's ``fisher`` /
-``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller, σN's diversity term) are
+``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller, σN's diversity term, Laplace's τ search) are
 checked end to end: the old guide keyword
 still reaches the fitter for one release (``DeprecationWarning`` naming the new spelling), the
 fitter's checkpoint carries them and refuses to resume under others, and a file saved when they
@@ -58,16 +58,6 @@ POSTERIOR_OPTIONS: dict[str, set[str]] = {
 KNOWN_FIT_OPTIONS: dict[str, set[str]] = {
     "meanfield": {"scale_lr"},  # a learning-rate factor of the scales' parameter group
     "symmetrized": {"num_permutations", "scale_lr"},  # K of the objective; the base's lr factor
-    # the search for τ (how prior_precision="marglik" is found, not q)
-    "laplace": {
-        "prior_optimization",
-        "log_prior_bounds",
-        "alternate_tol",
-        "alternate_max_iter",
-        "alternate_epochs",
-        "alternate_map_tol",
-        "alternate_lr",
-    },
 }
 
 #: family -> its guide tensors in a file, site names as ``<site>`` and site indices as ``<i>``
@@ -165,6 +155,8 @@ MOVED = [
     ("ibdr", {"cost": "function", "loss": "logits"}, "IBDR"),
     ("signorm", {"tau": 0.25, "strength": 0.05}, "SigmaNormDiversity"),
     ("signorm", {"strength": 0.05, "regularized": []}, "SigmaNormDiversity"),
+    ("laplace", {"log_prior_bounds": [-1.0, 0.5]}, "Laplace"),
+    ("laplace", {"prior_optimization": "alternate", "alternate_epochs": 2}, "Laplace"),
 ]
 
 
@@ -219,6 +211,15 @@ LEGACY = {
         "epsilon": 1e-7,
     },
     "signorm": {"tau": 0.5, "strength": 1e-3, "regularized": "all"},
+    "laplace": {
+        "prior_optimization": "evidence",
+        "log_prior_bounds": [-5.0, 10.0],
+        "alternate_tol": 1e-3,
+        "alternate_max_iter": 20,
+        "alternate_epochs": 100,
+        "alternate_map_tol": 1e-2,
+        "alternate_lr": None,
+    },
 }
 
 
@@ -319,6 +320,9 @@ def test_ibdr_settings_are_in_the_checkpoint_and_checked_on_resume(tmp_path):
         (lambda: pb.infer.IBDR(lam=0.01), "lam_min <= lam"),
         (lambda: pb.infer.IBDR(cost="wasserstein"), "cost"),
         (lambda: pb.infer.SigmaNormDiversity(tau=0.0), "tau"),
+        (lambda: pb.infer.Laplace(prior_optimization="mackay"), "prior_optimization"),
+        (lambda: pb.infer.Laplace(log_prior_bounds=(1.0, 0.0)), "log_prior_bounds"),
+        (lambda: pb.infer.Laplace(alternate_epochs=0), "alternate_epochs"),
         (lambda: pb.infer.SigmaNormDiversity(strength=-1.0), "strength"),
     ],
 )
@@ -377,3 +381,20 @@ def test_sigma_norm_settings_are_in_the_checkpoint_and_checked_on_resume():
     # R is resolved when the fitter is made: a layer name that matches none is refused there
     with pytest.raises(ValueError, match="regularized="):
         make_fitter(model, guide, optimizer=pb.infer.SigmaNormDiversity(regularized=["nope"]))
+
+
+def test_laplace_search_settings_are_in_the_checkpoint_and_checked_on_resume():
+    model, _ = _problem("laplace")
+    guide = families.posterior(model, "laplace")
+    settings = pb.infer.Laplace(prior_optimization="alternate", alternate_epochs=3)
+    fitter = make_fitter(model, guide, lr=0.05, optimizer=settings)
+    assert fitter.settings is settings and type(fitter.optimizer) is torch.optim.Adam
+    state = fitter.state_dict()
+    assert state["settings"]["prior_optimization"] == "alternate"
+    assert state["settings"]["log_prior_bounds"] == [-5.0, 10.0]  # JSON-able, as saved
+    make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
+    other = make_fitter(model, guide, lr=0.05, optimizer=pb.infer.Laplace())
+    with pytest.raises(
+        ValueError, match=r"other Laplace settings \(prior_optimization='alternate'"
+    ):
+        other.load_state_dict(state)

@@ -166,5 +166,6 @@ def test_config_records_the_constructor_options():
     assert guide.config() == {"rank": 3, "scale": 2.0}
     rebuilt = pb.guides.SWAGGuide(model, **guide.config())
     assert rebuilt.config() == guide.config()
-    lap = pb.guides.LaplaceGuide(model, structure="diag", log_prior_bounds=(-2.0, 3.0))
-    assert lap.config()["log_prior_bounds"] == [-2.0, 3.0]  # JSON-able
+    lap = pb.guides.LaplaceGuide(model, structure="diag")
+    # the τ search's bounds are the fit's (pb.infer.Laplace), not saved with q
+    assert lap.config()["structure"] == "diag" and "log_prior_bounds" not in lap.config()
