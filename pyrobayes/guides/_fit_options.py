@@ -2,10 +2,11 @@
 
 A posterior file holds only the posterior. Settings that describe how a posterior is fitted (an
 optimizer's rates, a collection schedule, Monte Carlo samples per step, a curvature refresh
-period) are the fitter's: ``pb.infer.IVON`` / ``pb.infer.KronIVON`` / ``pb.infer.SWAG``, passed as
-``pb.fit(..., optim=pb.Optimization(optimizer=...))``. For one release a family's constructor
-still takes them (its ``fit_options``): they are kept in ``guide.fit_settings`` for the fitter,
-left out of ``config()`` and never saved.
+period, an objective's weights, the search for a prior precision) are the fitter's:
+``pb.infer.IVON`` / ``KronIVON`` / ``SWAG`` / ``IBDR`` / ``SigmaNormDiversity`` / ``Laplace``,
+passed as ``pb.fit(..., optim=pb.Optimization(optimizer=...))``. For one release a family's
+constructor still takes them (its ``fit_options``): they are kept in ``guide.fit_settings`` for
+the fitter, left out of ``config()`` and never saved.
 """
 
 from __future__ import annotations
