@@ -59,6 +59,7 @@ from ..io import load, save
 from ..models import FineTuneModel, MultipleChoice
 from ..models.accounting import count_parameters
 from ..models.adapters import adapter_from_dict
+from ..models.sharing import prefix_shared_logits, sharing_enabled
 from ..predictive import Prediction, predict
 from ..tasks import (
     DEFAULT_TEMPLATE,
@@ -434,7 +435,11 @@ def _summed_scores(
     config: dict[str, Any], base: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     """The base network's summed continuation log-likelihoods ``(N, K)`` (``normalize="none"``;
-    a padded choice ``-inf``), each choice's tokens and characters ``(N, K)`` and the targets."""
+    a padded choice ``-inf``), each choice's tokens and characters ``(N, K)`` and the targets.
+
+    Each prompt runs once and its K choices are scored from its key/value cache
+    (:func:`~pyrobayes.models.sharing.prefix_shared_logits`; the K full rows where that does
+    not apply), as ``pb.predict`` scores them."""
     likelihood = MultipleChoice(normalize="none")
     device = config["training"]["device"]
     net = base.to(device)
@@ -442,7 +447,9 @@ def _summed_scores(
     with torch.no_grad():
         for batch in batches:
             inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
-            output = net(**likelihood.network_inputs(inputs, net)).logits
+            output = prefix_shared_logits(net, likelihood, inputs) if sharing_enabled() else None
+            if output is None:
+                output = net(**likelihood.network_inputs(inputs, net)).logits
             parts["scores"].append(likelihood.params(output, inputs).double().cpu())
             parts["tokens"].append(batch["continuation_mask"].sum(-1).double())
             parts["chars"].append(batch["continuation_chars"].double())
