@@ -390,9 +390,10 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 #:
 #: * ``ivon``: the demo's step size and Hessian initialisation (α = 1, h0 = 10) with IVON's
 #:   elementwise clip of the preconditioned step at 1e-3 (Shen et al. 2024, Algorithm 1,
-#:   ``clip_radius``), so a step moves a LoRA factor entry by at most α·(h0 + δ)·1e-3 ≈ 0.01:
-#:   without the clip the first steps on SmolLM2's summed continuation log-likelihoods sent the
-#:   factors to non-finite values (issue 28).
+#:   ``clip_radius``), so a step moves a LoRA factor entry by at most α·(h0 + δ)·1e-3 ≈ 0.01.
+#:   Issue 28 found IVON on SmolLM2 finite only with a hand-added clip; with this one it stayed
+#:   finite on both BIG-bench tasks of docs/causal_lm.md (ECE .107 against MAP's .117 on
+#:   step_inference).
 LM_FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "ivon": {
         "lr": 1.0,
