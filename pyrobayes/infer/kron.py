@@ -62,9 +62,12 @@ class KronIVON(IVON):
     T_inv : int
         Re-decompose the factors every ``T_inv`` steps (10; also at the first step and at the
         end of the fit).
-    **IVON's fields
-        ``lr``, ``beta1``, ``beta2``, ``diag_beta2``, ``hess_approx`` (the diagonal sites'),
-        ``clip_radius``, ``debias``, ``rescale_lr``, ``mc_samples``.
+
+    Notes
+    -----
+    The other fields are :class:`IVON`'s: ``lr``, ``beta1``, ``beta2``, ``diag_beta2``,
+    ``hess_approx`` (the diagonal sites'), ``clip_radius``, ``debias``, ``rescale_lr``,
+    ``mc_samples``.
     """
 
     fisher: str = "empirical"

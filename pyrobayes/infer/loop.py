@@ -303,13 +303,6 @@ def fit(
         The progress bar and a per-step callback; ``True``/``False`` is ``Progress(bar=...)``.
         The default shows the bar in interactive use only (:class:`Progress`).
 
-    The fit runs on the device of the model's parameters (``model.to("cuda")`` first): the
-    guide is moved there and so is every batch. The keywords of earlier releases
-    (``num_steps``, ``device``, ``loss``, ``optimizer``, ``scheduler``, ``warmup``,
-    ``val_data``, ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``,
-    ``resume``, ``overwrite``, ``progress_bar``, ``callback``) still work for one release, with
-    a ``DeprecationWarning`` naming the new spelling.
-
     Returns
     -------
     FitResult
@@ -334,6 +327,15 @@ def fit(
     ValueError
         When a resumed checkpoint was written with other validation data, or with validation
         data that this call does not pass (or the other way round).
+
+    Notes
+    -----
+    The fit runs on the device of the model's parameters (``model.to("cuda")`` first): the
+    guide is moved there and so is every batch. The keywords of earlier releases
+    (``num_steps``, ``device``, ``loss``, ``optimizer``, ``scheduler``, ``warmup``,
+    ``val_data``, ``select_by``, ``patience``, ``checkpoint_dir``, ``checkpoint_every``,
+    ``resume``, ``overwrite``, ``progress_bar``, ``callback``) still work for one release, with
+    a ``DeprecationWarning`` naming the new spelling.
     """
     groups = {"optim": optim, "validation": validation, "checkpoint": checkpoint}
     options = _Options.of({**groups, "progress": progress})
