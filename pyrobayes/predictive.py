@@ -315,25 +315,54 @@ def predict(
             guide,
         )
     if values is None:
-        if guide.is_deterministic:  # the Posterior protocol (contract.py)
-            num_samples = 1
-        elif implements(guide, Mixture):
-            num_samples = _equal_weight_samples(cast(Mixture, guide), num_samples)
-        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        values = guide.sample_posterior(num_samples, generator=generator)
+        values = _posterior_draws(guide, num_samples, seed)
     values = {k: v.detach().to(dev) for k, v in values.items()}
-    num_samples = int(next(iter(values.values())).shape[0])
-    classification = model.likelihood.is_classification
     # a Mixture may ask for the softmax of its draws' averaged logits (the released IBDR code)
     average_logits = (
-        classification and implements(guide, Mixture) and cast(Mixture, guide).average == "logits"
+        model.likelihood.is_classification
+        and implements(guide, Mixture)
+        and cast(Mixture, guide).average == "logits"
     )
+    batches = tqdm(data, disable=not progress_bar, desc="predict")
+    outputs, targets = _predict_batches(model, batches, values, samples_per_forward, average_logits)
+    if not outputs:
+        raise ValueError(
+            "predict: data yielded no batches; pass a non-empty iterable of batches (a "
+            "DataLoader over a non-empty data set, or a list holding at least one batch)."
+        )
+    target = torch.cat(targets, 0) if targets else None
+    prediction = Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
+    return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
+
+
+def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str, Tensor]:
+    """``num_samples`` joint draws (one for a point posterior; whole components for a mixture)."""
+    if guide.is_deterministic:  # the Posterior protocol (contract.py)
+        num_samples = 1
+    elif implements(guide, Mixture):
+        num_samples = _equal_weight_samples(cast(Mixture, guide), num_samples)
+    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    return cast(dict[str, Tensor], guide.sample_posterior(num_samples, generator=generator))
+
+
+def _predict_batches(
+    model: Any,
+    batches: Iterable[Any],
+    values: dict[str, Tensor],
+    samples_per_forward: int | None,
+    average_logits: bool,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per batch, the likelihood's parameters under every draw of ``values`` (``(S, B, ...)``;
+    log-probabilities for a classifier) and the batch's targets, in chunks of draws."""
+    dev = model.device
+    num_samples = int(next(iter(values.values())).shape[0])
+    classification = model.likelihood.is_classification
     check_targets = getattr(model.likelihood, "check_targets", None)
     outputs: list[Tensor] = []
     targets: list[Tensor] = []
     # reuse_within_batch: the layers below the first adapted one run once per batch, not per chunk
     with torch.no_grad(), reuse_within_batch():
-        for index, batch in enumerate(tqdm(data, disable=not progress_bar, desc="predict")):
+        for index, batch in enumerate(batches):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
             chunk = samples_per_forward or default_samples_per_forward(
                 num_samples, dev, inputs, model
@@ -353,11 +382,4 @@ def predict(
             outputs.append(out)
             if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
                 targets.append(check_targets(parts[0], y) if check_targets else y)
-    if not outputs:
-        raise ValueError(
-            "predict: data yielded no batches; pass a non-empty iterable of batches (a "
-            "DataLoader over a non-empty data set, or a list holding at least one batch)."
-        )
-    target = torch.cat(targets, 0) if targets else None
-    prediction = Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
-    return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
+    return outputs, targets

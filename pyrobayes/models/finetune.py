@@ -92,6 +92,25 @@ def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
 _INSTANCES = itertools.count()
 
 
+def _make_likelihood(
+    likelihood: str | Likelihood, obs_scale: float | str | None, choice_token_ids: Any
+) -> Likelihood:
+    """``FineTuneModel``'s likelihood; an ``obs_scale`` without a Gaussian is refused."""
+    lik_kwargs: dict[str, Any] = {}
+    if likelihood == "gaussian":
+        lik_kwargs["obs_scale"] = 1.0 if obs_scale is None else obs_scale
+    elif obs_scale is not None:  # never ignored: σ belongs to the Gaussian likelihood only
+        name = likelihood if isinstance(likelihood, str) else type(likelihood).__name__
+        raise ValueError(
+            f"FineTuneModel: obs_scale={obs_scale!r} is the noise σ of a Gaussian likelihood "
+            f"but likelihood={name!r} has none, so it would be ignored. Drop obs_scale, or "
+            "pass likelihood='gaussian' (a Gaussian instance carries its own obs_scale)."
+        )
+    if likelihood == "multiple_choice":
+        lik_kwargs["choice_token_ids"] = choice_token_ids  # None: choices as continuations
+    return make_likelihood(likelihood, **lik_kwargs)
+
+
 class FineTuneModel(nn.Module):
     r"""Pyro model over the adapter (or LoRA-XS core) parameters of a network.
 
@@ -186,25 +205,40 @@ class FineTuneModel(nn.Module):
         self.num_data = num_data
         self.adapter = adapter
         self.train_backbone_mode = train_backbone_mode
-        lik_kwargs: dict[str, Any] = {}
-        if likelihood == "gaussian":
-            lik_kwargs["obs_scale"] = 1.0 if obs_scale is None else obs_scale
-        elif obs_scale is not None:  # never ignored: σ belongs to the Gaussian likelihood only
-            name = likelihood if isinstance(likelihood, str) else type(likelihood).__name__
-            raise ValueError(
-                f"FineTuneModel: obs_scale={obs_scale!r} is the noise σ of a Gaussian likelihood "
-                f"but likelihood={name!r} has none, so it would be ignored. Drop obs_scale, or "
-                "pass likelihood='gaussian' (a Gaussian instance carries its own obs_scale)."
-            )
-        if likelihood == "multiple_choice":
-            lik_kwargs["choice_token_ids"] = choice_token_ids  # None: choices as continuations
-        self.likelihood = make_likelihood(likelihood, **lik_kwargs)
+        self.likelihood = _make_likelihood(likelihood, obs_scale, choice_token_ids)
 
         for p in net.parameters():
             p.requires_grad_(False)
         net.train(train_backbone_mode)
         self.net = net
 
+        specs = self._make_sites(
+            adapter, latent_modules, calibration_data, max_calibration_batches, peft_weights
+        )
+        self.latent_sites: dict[str, SiteSpec] = {s.site: s for s in specs}
+        if len(self.latent_sites) != len(specs):
+            raise RuntimeError("Duplicate site names; please report this as a pyrobayes bug.")
+        self.point_params: dict[str, nn.Parameter] = self._select_point_params(
+            trainable_modules,
+            {s.module_path for s in specs if s.kind in ("weight", "bias")},
+            {s.module_path for s in specs if s.kind not in ("weight", "bias")},
+        )
+        if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:
+            # a module parameter (moved by .to()), and a point parameter outside the network
+            self.register_parameter("likelihood_raw_scale", self.likelihood.raw_scale)
+            self.point_params[NOISE_PARAM] = self.likelihood.raw_scale
+
+    # ------------------------------------------------------------------ structure
+    def _make_sites(
+        self,
+        adapter: Any,
+        latent_modules: Sequence[str],
+        calibration_data: Iterable[Any] | None,
+        max_calibration_batches: int | None,
+        peft_weights: dict[str, Tensor],
+    ) -> list[SiteSpec]:
+        """Inject ``adapter`` and make ``latent_modules`` latent in ``self.net``: their sites."""
+        net, label_key = self.net, self.label_key
         specs: list[SiteSpec] = []
         if adapter is not None:
             specs += inject_adapter(
@@ -226,20 +260,8 @@ class FineTuneModel(nn.Module):
             state = net.state_dict()
             for k, v in peft_weights.items():
                 state[k].copy_(v)
-        self.latent_sites: dict[str, SiteSpec] = {s.site: s for s in specs}
-        if len(self.latent_sites) != len(specs):
-            raise RuntimeError("Duplicate site names; please report this as a pyrobayes bug.")
-        self.point_params: dict[str, nn.Parameter] = self._select_point_params(
-            trainable_modules,
-            {s.module_path for s in specs if s.kind in ("weight", "bias")},
-            {s.module_path for s in specs if s.kind not in ("weight", "bias")},
-        )
-        if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:
-            # a module parameter (moved by .to()), and a point parameter outside the network
-            self.register_parameter("likelihood_raw_scale", self.likelihood.raw_scale)
-            self.point_params[NOISE_PARAM] = self.likelihood.raw_scale
+        return specs
 
-    # ------------------------------------------------------------------ structure
     def _select_point_params(
         self, trainable_modules: Sequence[str] | str, latent_paths: set[str], adapted: set[str]
     ) -> dict[str, nn.Parameter]:
