@@ -11,6 +11,7 @@ on CPU the chunk is capped only to bound memory.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -331,8 +332,23 @@ def predict(
             "DataLoader over a non-empty data set, or a list holding at least one batch)."
         )
     target = torch.cat(targets, 0) if targets else None
-    prediction = Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
+    joined = _cat_examples(outputs, model.likelihood.is_classification)
+    prediction = Prediction.from_outputs(joined, target, model.likelihood)
     return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
+
+
+def _cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:
+    """Per-batch outputs ``(S, B_i, ...)`` joined along the examples, ``(S, ΣB_i, ...)``.
+
+    A classifier's batches may differ in their number of classes (multiple-choice questions with
+    3 choices in one batch and 4 in another): the narrower ones are padded with log-probability
+    ``−inf`` (probability 0), as a ragged batch pads its short choice lists.
+    """
+    if classification and len({o.shape[-1] for o in outputs}) > 1:
+        width = max(o.shape[-1] for o in outputs)
+        pad = torch.nn.functional.pad
+        outputs = [pad(o, (0, width - o.shape[-1]), value=-math.inf) for o in outputs]
+    return torch.cat(outputs, 1)
 
 
 def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str, Tensor]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
+from pyrobayes.metrics import nll
 from pyrobayes.models import FineTuneModel, LoRA, MultipleChoice
 from pyrobayes.models.multiple_choice import encode_multiple_choice
 from pyrobayes.tasks import (
@@ -260,6 +261,35 @@ def test_ragged_batches_fit_and_predict_through_a_task():
         and float(pred.probs[..., 2, 3].abs().max()) == 0.0
     )
     torch.testing.assert_close(pred.probs.sum(-1), torch.ones(2, 3), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["meanfield", "laplace"])
+def test_batches_with_different_numbers_of_choices_predict_together(family):
+    # one batch of 2-choice questions, one of 4-choice ones: predict pads the narrower batch's
+    # classes with probability 0 and equals each batch predicted alone
+    examples = [
+        MCExample(p, tuple(c), a)
+        for p, c, a in zip(RAGGED_PROMPTS, RAGGED_CHOICES, RAGGED_ANSWERS, strict=True)
+    ]
+    narrow = all_test_task(examples[:1]).encode(CharTokenizer(), "test")
+    wide = all_test_task(examples[1:2]).encode(CharTokenizer(), "test")
+    assert narrow[0]["input_ids"].shape[1] == 2 and wide[0]["input_ids"].shape[1] == 4
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama(),
+        LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
+        likelihood=MultipleChoice(normalize="length"),
+        num_data=2,
+    )
+    guide = pb.posterior(model, family)
+    pb.fit(model, guide, narrow + wide, epochs=1, lr=1e-2, progress=False)
+    both = pb.predict(model, guide, narrow + wide, num_samples=2)
+    alone = [pb.predict(model, guide, b, num_samples=2) for b in (narrow, wide)]
+    assert both.probs.shape[1:] == (2, 4)
+    torch.testing.assert_close(both.probs[:, 0, :2], alone[0].probs[:, 0], rtol=0, atol=1e-6)
+    assert float(both.probs[:, 0, 2:].abs().max()) == 0.0
+    torch.testing.assert_close(both.probs[:, 1], alone[1].probs[:, 0], rtol=0, atol=1e-6)
+    assert math.isfinite(nll(both.mean_probs, both.targets))  # padded classes are never targets
 
 
 def test_ragged_needs_the_flag_and_answers_in_range():
