@@ -290,6 +290,8 @@ def test_batches_with_different_numbers_of_choices_predict_together(family):
     assert float(both.probs[:, 0, 2:].abs().max()) == 0.0
     torch.testing.assert_close(both.probs[:, 1], alone[1].probs[:, 0], rtol=0, atol=1e-6)
     assert math.isfinite(nll(both.mean_probs, both.targets))  # padded classes are never targets
+    idata = pb.to_inference_data(model, guide, narrow + wide, num_samples=4)
+    assert idata.log_likelihood["obs"].shape[-1] == 2  # one value per question
 
 
 def test_ragged_needs_the_flag_and_answers_in_range():
