@@ -46,7 +46,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .batch import batch_size, split_batch, to_device
-from .predictive import CPU_MAX_ROWS_PER_FORWARD, Prediction, _cat_examples, _rows
+from .predictive import CPU_MAX_ROWS_PER_FORWARD, Prediction, _rows, cat_examples
 
 logger = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ def linearized_predict(
         )
     target = torch.cat(targets, 0) if targets else None
     if classification:
-        return Prediction(log_probs=_cat_examples(locs, True), targets=target)
+        return Prediction(log_probs=cat_examples(locs, True), targets=target)
     return Prediction(
         loc=torch.cat(locs, 1),
         scale=float(likelihood.obs_scale),

@@ -28,7 +28,13 @@ from .models.sharing import reuse_within_batch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Prediction", "predict", "default_samples_per_forward", "check_outputs"]
+__all__ = [
+    "Prediction",
+    "predict",
+    "cat_examples",
+    "default_samples_per_forward",
+    "check_outputs",
+]
 
 
 @dataclass
@@ -332,12 +338,12 @@ def predict(
             "DataLoader over a non-empty data set, or a list holding at least one batch)."
         )
     target = torch.cat(targets, 0) if targets else None
-    joined = _cat_examples(outputs, model.likelihood.is_classification)
+    joined = cat_examples(outputs, model.likelihood.is_classification)
     prediction = Prediction.from_outputs(joined, target, model.likelihood)
     return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
 
 
-def _cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:
+def cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:
     """Per-batch outputs ``(S, B_i, ...)`` joined along the examples, ``(S, ΣB_i, ...)``.
 
     A classifier's batches may differ in their number of classes (multiple-choice questions with

@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from ..tasks.cache import cache_dir
+
 __all__ = [
     "DataUnavailableError",
     "DigitsSplit",
@@ -87,18 +89,6 @@ class DataUnavailableError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 # cache
 # --------------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """Folder where pyrobayes keeps downloaded data.
-
-    Returns
-    -------
-    Path
-        ``$PYROBAYES_CACHE`` when set, else ``~/.cache/pyrobayes``. It is not created here.
-    """
-    env = os.environ.get("PYROBAYES_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pyrobayes"
 
 
 # --------------------------------------------------------------------------------------------------

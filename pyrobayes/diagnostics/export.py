@@ -48,7 +48,7 @@ from torch import Tensor
 from .._version import __version__
 from ..batch import split_batch, to_device
 from ..contract import Mixture, implements
-from ..predictive import _cat_examples, default_samples_per_forward
+from ..predictive import cat_examples, default_samples_per_forward
 
 __all__ = [
     "to_datatree",
@@ -464,7 +464,7 @@ class _Collected:
         if chunk.predictive:
             self.predictive.append(_np(torch.cat(chunk.predictive, 1)))
         if chunk.class_log_probs:
-            self.class_lp.append(_cat_examples(chunk.class_log_probs, True))
+            self.class_lp.append(cat_examples(chunk.class_log_probs, True))
 
     def result(self, model: Any) -> DrawEvaluation:
         plan = self.plan

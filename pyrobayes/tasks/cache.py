@@ -18,22 +18,35 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..demo.data import cache_dir
-
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "cache_dir",
     "BIGBENCH_SHA256",
     "BIGBENCH_VERSION",
     "bigbench_task_path",
     "extract_bigbench",
     "save_gguf_as_float32",
 ]
+
+
+def cache_dir() -> Path:
+    """Folder where pyrobayes keeps downloaded data.
+
+    Returns
+    -------
+    Path
+        ``$PYROBAYES_CACHE`` when set, else ``~/.cache/pyrobayes``. It is not created here.
+    """
+    env = os.environ.get("PYROBAYES_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pyrobayes"
+
 
 BIGBENCH_VERSION = "1.0.0"
 #: sha256 of ``bigbench-1.0.0.tar.gz`` as PyPI serves it (358,249,635 bytes).
