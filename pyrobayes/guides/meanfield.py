@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 import pyro.distributions as dist
 import torch
@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributions import transform_to
 
 from ..models.adapters import check_real
+from ._fit_options import warn_fit_settings
 from .base import SitewiseKL
 
 __all__ = ["MeanFieldGuide"]
@@ -33,14 +34,13 @@ class MeanFieldGuide(SitewiseKL):
         Initial σ of every coordinate (default 1e-2).
     init_loc : {"model", "zero"}
         Start μ at the model's current values (LoRA-XS cores ≈ 0, LoRA's A at its init) or at 0.
-    scale_lr : float
-        Multiplier of the learning rate for the scale parameters under the default (Adam)
-        optimizer (default 1: plain Adam). Adam moves the unconstrained scale
-        ``softplus⁻¹(σ) ≈ log σ`` by about ``lr`` a step whatever its gradient (Kingma and Ba,
-        2015, Sec. 2.1: the step is bounded by the learning rate), so σ changes by at most
-        ``e^{lr·t}`` in t steps: at ``lr = 1e-2`` a factor 7 in 200 steps. ``scale_lr=10`` lets
-        σ reach the ELBO's optimum within the fit (docs/methods/meanfield.md: on digits it
-        does, and the predictive got worse at equal budget, so it is not the default).
+    scale_lr : float, optional
+        Deprecated here: the scales' learning-rate factor is a setting of the fit, not of the
+        posterior. Pass it to the fitter as ``pb.fit(..., optim=pb.Optimization(
+        optimizer=pb.infer.MeanField(scale_lr=10.0)))``
+        (:class:`pyrobayes.infer.meanfield.MeanField`, which documents it); given here it still
+        reaches the fitter for one release, with a ``DeprecationWarning``, and is not saved
+        with the posterior.
 
     Examples
     --------
@@ -51,6 +51,11 @@ class MeanFieldGuide(SitewiseKL):
     family = "meanfield"
     default_objective = "elbo"
     scale_constraint = constraints.softplus_positive
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = ("scale_lr",)
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "MeanField"
 
     def __init__(
         self,
@@ -58,11 +63,16 @@ class MeanFieldGuide(SitewiseKL):
         *,
         init_scale: float = 1e-2,
         init_loc: str = "model",
-        scale_lr: float = 1.0,
+        scale_lr: float | None = None,
     ) -> None:
         owner = f"{type(self).__name__}: "
         init_scale = check_real("init_scale", init_scale, gt=0, owner=owner)
-        self._scale_lr = check_real("scale_lr", scale_lr, gt=0, owner=owner)
+        given: dict[str, Any] = {}
+        if scale_lr is not None:  # checked by name before the warning
+            given["scale_lr"] = check_real("scale_lr", scale_lr, gt=0, owner=owner)
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        warn_fit_settings(owner, given, self.fit_settings_class)
         if init_loc not in ("model", "zero"):
             raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
         self._init_scale = float(init_scale)
@@ -74,6 +84,10 @@ class MeanFieldGuide(SitewiseKL):
         self._add_param("locs", site, loc)
         scale = init.new_full(init.shape, self._init_scale)
         self._add_param("scales", site, scale, self.scale_constraint)
+
+    def config(self) -> dict[str, Any]:
+        """The posterior's constructor options (the deprecated fit settings left out)."""
+        return {k: v for k, v in super().config().items() if k not in self.fit_options}
 
     def set_site(
         self, site: str, *, loc: Tensor | None = None, scale: Tensor | None = None
@@ -89,17 +103,20 @@ class MeanFieldGuide(SitewiseKL):
     def scale(self, site: str) -> Tensor:
         return attrgetter(site)(self.scales)
 
-    def optimizer_groups(self, params: list[Tensor], lr: float) -> list[dict[str, Any]]:
-        """Parameter groups for the fitter's default optimizer: the scales at ``scale_lr · lr``,
-        every other parameter (locations, point-estimated weights) at ``lr``."""
-        if self._scale_lr == 1.0:  # one group: plain Adam (and its state layout)
+    def optimizer_groups(
+        self, params: list[Tensor], lr: float, scale_lr: float = 1.0
+    ) -> list[dict[str, Any]]:
+        """Parameter groups for the fitter's default optimizer: the scales at ``scale_lr · lr``
+        (``scale_lr``: the fit's, :class:`pyrobayes.infer.meanfield.MeanField`), every other
+        parameter (locations, point-estimated weights) at ``lr``."""
+        if scale_lr == 1.0:  # one group: plain Adam (and its state layout)
             return [{"params": list(params)}]
         scale_ids = {id(self._raw_param("scales", site)) for site in self.sites}
         scales = [p for p in params if id(p) in scale_ids]
         rest = [p for p in params if id(p) not in scale_ids]
         groups: list[dict[str, Any]] = [{"params": rest}] if rest else []
         if scales:
-            groups.append({"params": scales, "lr": lr * self._scale_lr})
+            groups.append({"params": scales, "lr": lr * scale_lr})
         return groups
 
     def _raw_params(self) -> dict[str, tuple[Tensor, Tensor]]:

@@ -28,16 +28,17 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import pyro.distributions as dist
 import torch
 from torch import Tensor
 
 from ..contract import AnalyticKL, implements
-from ..models.adapters import check_int
+from ..models.adapters import check_int, check_real
 from ..models.permutation import PermutationSpec
 from ..registry import get_guide_class
+from ._fit_options import warn_fit_settings
 from .base import PosteriorGuide
 from .meanfield import MeanFieldGuide
 
@@ -67,30 +68,57 @@ class SymmetrizedGuide(PosteriorGuide):
         ``"laplace"``) and families with their own natural-gradient fitter (``"ivon"``,
         ``"kron-ivon"``: Gaussian ``log_prob``, but their update takes no extra loss term) are
         refused.
-    num_permutations : int
-        K ≥ 1, group elements per draw (K = 1: the base ELBO exactly). Default 16.
+    num_permutations, scale_lr : optional
+        Deprecated here: the objective's K and the base's scale learning-rate factor are
+        settings of the fit, not of the posterior. Pass them to the fitter as
+        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.Symmetrized(
+        num_permutations=16)))`` (:class:`pyrobayes.infer.symmetrized.Symmetrized`, which
+        documents them); given here they still reach the fitter for one release, with a
+        ``DeprecationWarning``, and are not saved with the posterior.
     **base_options
         The base family's options (e.g. ``init_scale=0.01``).
 
+    Attributes
+    ----------
+    num_permutations : int
+        K of direct :meth:`infonce` calls that pass none (the deprecated keyword, else 16); a
+        fit uses its settings' K.
+
     Examples
     --------
-    >>> guide = pb.posterior(model, "symmetrized", base="meanfield", num_permutations=16)  # doctest: +SKIP
-    >>> pb.fit(model, guide, loader, epochs=10).state["terms"]          # doctest: +SKIP
+    >>> guide = pb.posterior(model, "symmetrized", base="meanfield", init_scale=1e-3)  # doctest: +SKIP
+    >>> K = pb.Optimization(optimizer=pb.infer.Symmetrized(num_permutations=16))  # doctest: +SKIP
+    >>> pb.fit(model, guide, loader, epochs=10, optim=K).state["terms"]  # doctest: +SKIP
     """
 
     family = "symmetrized"
     default_objective = "symmetrized-elbo"
+    #: constructor options that are the fit's, not the posterior's: accepted for one release
+    #: (``DeprecationWarning``), handed to the fitter, never saved with the posterior
+    fit_options: ClassVar[tuple[str, ...]] = ("num_permutations", "scale_lr")
+    #: the :mod:`pyrobayes.infer` settings class that takes ``fit_options`` now
+    fit_settings_class: ClassVar[str] = "Symmetrized"
 
     def __init__(
         self,
         model: Any,
         *,
         base: str = "meanfield",
-        num_permutations: int = 16,
+        num_permutations: int | None = None,
         **base_options: Any,
     ) -> None:
         owner = f"{type(self).__name__}: "
-        num_permutations = check_int("num_permutations", num_permutations, ge=1, owner=owner)
+        given: dict[str, Any] = {}
+        if num_permutations is not None:  # checked by name before the warning
+            given["num_permutations"] = check_int(
+                "num_permutations", num_permutations, ge=1, owner=owner
+            )
+        scale_lr = base_options.pop("scale_lr", None)
+        if scale_lr is not None:
+            given["scale_lr"] = check_real("scale_lr", scale_lr, gt=0, owner=owner)
+        #: fit settings passed to the constructor (deprecated): the fitter's defaults
+        self.fit_settings: dict[str, Any] = given
+        warn_fit_settings(owner, given, self.fit_settings_class)
         if not isinstance(base, str):
             raise TypeError(f"{owner}base must be a family name such as 'meanfield'; got {base!r}.")
         base_cls = get_guide_class(base)
@@ -105,7 +133,7 @@ class SymmetrizedGuide(PosteriorGuide):
             ) from None
         self.base = base_guide
         self.base_family = str(getattr(base_cls, "family", base))
-        self.num_permutations = num_permutations
+        self.num_permutations = int(given.get("num_permutations", 16))
         self.spec = PermutationSpec.from_model(model)
         self.sites = dict(base_guide.sites)
         missing = sorted(self.spec.sites - set(self.sites))
@@ -117,12 +145,10 @@ class SymmetrizedGuide(PosteriorGuide):
         pass
 
     def config(self) -> dict[str, Any]:
-        """``{"base", "num_permutations", **base.config()}``: rebuilds the wrapper and its base."""
-        return {
-            "base": self.base_family,
-            "num_permutations": self.num_permutations,
-            **self.base.config(),
-        }
+        """``{"base", **base.config()}``: rebuilds the wrapper and its base (the deprecated fit
+        settings left out)."""
+        options = {"base": self.base_family, **self.base.config()}
+        return {k: v for k, v in options.items() if k not in self.fit_options}
 
     # ------------------------------------------------------------------ as the base
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
@@ -163,11 +189,11 @@ class SymmetrizedGuide(PosteriorGuide):
     def num_posterior_parameters(self) -> int:
         return self.base.num_posterior_parameters()
 
-    def optimizer_groups(self, params: list[Tensor], lr: float) -> list[Any]:
+    def optimizer_groups(self, params: list[Tensor], lr: float, scale_lr: float = 1.0) -> list[Any]:
         """The base's parameter groups for the default optimizer (mean-field: the scales at
-        ``scale_lr · lr``), so the symmetrized fit steps as its base's."""
+        ``scale_lr · lr``, the fit's), so the symmetrized fit steps as its base's."""
         groups = getattr(self.base, "optimizer_groups", None)
-        return groups(params, lr) if callable(groups) else [{"params": list(params)}]
+        return groups(params, lr, scale_lr) if callable(groups) else [{"params": list(params)}]
 
     # ------------------------------------------------------------------ AnalyticKL (the base's)
     def kl_to_prior(self, model: Any) -> Tensor:
@@ -269,7 +295,7 @@ class SymmetrizedGuide(PosteriorGuide):
         values : dict
             Draws ``{site: (S, *shape)}`` of q (differentiable: the reparameterized ``θ₀``).
         num_permutations : int, optional
-            K; default the guide's.
+            K; default the guide's ``num_permutations`` (a fit passes its settings').
         perms : list of Tensor, optional
             The K group elements (per layer ``(K, n_l)``) instead of the identity and K − 1
             uniform draws.

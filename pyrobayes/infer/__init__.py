@@ -6,18 +6,30 @@ A guide is a posterior; a :class:`Fitter` fits it (:func:`make_fitter` picks the
 
 from __future__ import annotations
 
-from . import diversity, ibdr, ivon, kron, laplace, objectives, signorm, swag, symmetrized
+from . import (
+    diversity,
+    ibdr,
+    ivon,
+    kron,
+    laplace,
+    meanfield,
+    objectives,
+    signorm,
+    swag,
+    symmetrized,
+)
 from .fitter import FITTERS, Fitter, SVIFitter, make_fitter, register_fitter, trainable_parameters
 from .ibdr import IBDR, IBDRFitter, IBDRLoss
 from .ivon import IVON
 from .kron import KronIVON
 from .laplace import Laplace, LaplaceFitter
 from .loop import DivergenceWarning, FitResult, fit
+from .meanfield import MeanField
 from .objectives import ELBO, MAP
 from .options import Checkpointing, Optimization, Progress, Validation, grouped
 from .signorm import SigmaNormDiversity, SigmaNormFitter
 from .swag import SWAG, SWAGFitter
-from .symmetrized import BatchedSymmetrizedELBO, SymmetrizedELBO
+from .symmetrized import BatchedSymmetrizedELBO, Symmetrized, SymmetrizedELBO
 
 register_fitter("swag", SWAGFitter)
 register_fitter("laplace", LaplaceFitter)
@@ -56,10 +68,13 @@ __all__ = [
     "trainable_parameters",
     "IVON",
     "KronIVON",
+    "MeanField",
     "SWAG",
     "ELBO",
     "MAP",
+    "meanfield",
     "symmetrized",
+    "Symmetrized",
     "SymmetrizedELBO",
     "BatchedSymmetrizedELBO",
 ]

@@ -30,7 +30,9 @@ import torch
 
 from ..contract import implements
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
+from .meanfield import MeanField
 from .objectives import MAP, SurrogateObjective, is_variational, make_objective
+from .symmetrized import Symmetrized
 
 __all__ = [
     "check_guide_model",
@@ -315,7 +317,69 @@ class SVIFitter(Fitter):
     The default fitter (``default_fitter = "svi"``): the guide's ``default_objective``
     (``"elbo"``: the reparameterized negative ELBO; ``"map"``: the negative log joint at a
     point) with Adam.
+
+    ``optimizer`` may be a :class:`~pyrobayes.infer.meanfield.MeanField` record (or
+    :class:`~pyrobayes.infer.symmetrized.Symmetrized`, which adds the objective's K): the fit's
+    settings, then the default Adam steps the guide's scales at ``scale_lr · lr``. Without one,
+    a guide with such settings (``fit_settings_class``) is fitted under those given to its
+    constructor (deprecated) or the defaults. :meth:`state_dict` holds them; a checkpoint
+    written under others is refused (one written before they moved here resumes).
     """
+
+    #: the fit's settings record (``None``: a family without any, e.g. MAP); a subclass with a
+    #: record of its own sets it before calling this constructor
+    settings: Any = None
+
+    def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
+        if isinstance(optimizer, MeanField):
+            self.settings, optimizer = optimizer, None
+            if self.settings.scale_lr != 1.0 and not callable(
+                getattr(guide, "optimizer_groups", None)
+            ):
+                raise ValueError(
+                    f"{type(self).__name__}: optimizer={self.settings!r} sets the learning rate "
+                    f"of the posterior scales, but {type(guide).__name__} has none "
+                    "(no optimizer_groups); pass scale_lr=1.0 or a plain torch optimizer."
+                )
+        elif self.settings is None:
+            self.settings = _settings_of(guide)
+        super().__init__(model, guide, optimizer=optimizer, **kwargs)
+        if isinstance(self.settings, MeanField):
+            self.objective = self.settings.bind(self.objective)
+
+    def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
+        """Adam over ``params``; the guide's scales at ``scale_lr · lr`` where the guide offers
+        ``optimizer_groups(params, lr, scale_lr)`` (mean-field's)."""
+        groups = getattr(self.guide, "optimizer_groups", None)
+        if not callable(groups):
+            return torch.optim.Adam(params, lr=lr)
+        scale_lr = float(getattr(self.settings, "scale_lr", 1.0))
+        return torch.optim.Adam(groups(params, lr, scale_lr), lr=lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, the step count and the fit's settings (when it has any)."""
+        state = super().state_dict()
+        if self.settings is not None:
+            from .ivon import settings_record  # ivon imports this module
+
+            state["settings"] = settings_record(self.settings)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
+        if self.settings is not None:
+            from .ivon import check_settings  # ivon imports this module
+
+            check_settings(self, state.get("settings"))
+        super().load_state_dict(state)
+
+
+def _settings_of(guide: Any) -> MeanField | None:
+    """The settings record of ``guide``'s family (``fit_settings_class``) built from those given
+    to its constructor (deprecated, ``guide.fit_settings``), else ``None``."""
+    records: dict[str, type[MeanField]] = {"MeanField": MeanField, "Symmetrized": Symmetrized}
+    cls = records.get(str(getattr(guide, "fit_settings_class", "")))
+    return None if cls is None else cls(**getattr(guide, "fit_settings", {}))
 
 
 #: Fitter classes by name; a guide's ``default_fitter`` is a key.

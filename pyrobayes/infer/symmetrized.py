@@ -25,16 +25,66 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import pyro
 import torch
 from torch import Tensor
 
-from ..contract import AnalyticKL, Symmetrized, implements
+from ..contract import AnalyticKL, implements
+from ..contract import Symmetrized as SymmetrizedPosterior
+from ..models.adapters import check_int
+from .meanfield import MeanField
 from .objectives import ELBO, register_objective, scaled_log_likelihood
 
-__all__ = ["SymmetrizedELBO", "BatchedSymmetrizedELBO", "SaturationWatch", "SATURATION_PATIENCE"]
+__all__ = [
+    "Symmetrized",
+    "SymmetrizedELBO",
+    "BatchedSymmetrizedELBO",
+    "SaturationWatch",
+    "SATURATION_PATIENCE",
+]
+
+
+@dataclass(frozen=True)
+class Symmetrized(MeanField):
+    r"""The symmetrized family's fit settings: the objective's K and the base's scale learning
+    rate, the fitter's, not the posterior's.
+
+    Pass it as the fit's optimizer, ``pb.fit(model, guide, data, ...,
+    optim=pb.Optimization(optimizer=pb.infer.Symmetrized(num_permutations=16)))`` or
+    ``make_fitter(model, guide, optimizer=pb.infer.Symmetrized(...))``: the fitter binds K to
+    :class:`BatchedSymmetrizedELBO` (when the objective leaves K unset) and steps the base's
+    scales at ``scale_lr · lr``. Saved in the fitter's checkpoint (a resume under other settings
+    is refused).
+
+    Parameters
+    ----------
+    scale_lr : float
+        The base's scale learning-rate factor (:class:`~pyrobayes.infer.meanfield.MeanField`;
+        default 1).
+    num_permutations : int
+        K ≥ 1, the group elements per draw of the InfoNCE estimate ``I_K`` (Gelberg et al.,
+        2024, Sec. 4; default 16). K = 1 is the base's ELBO exactly.
+    """
+
+    num_permutations: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = f"{type(self).__name__}(): "
+        num = check_int("num_permutations", self.num_permutations, ge=1, owner=owner)
+        object.__setattr__(self, "num_permutations", num)
+
+    def bind(self, objective: Any) -> Any:
+        """``objective`` with K set to ``num_permutations`` when it is the batched symmetrized
+        ELBO with K unset (a K given to the objective wins)."""
+        if isinstance(objective, BatchedSymmetrizedELBO) and objective.num_permutations is None:
+            return BatchedSymmetrizedELBO(
+                objective.num_particles, self.num_permutations, objective.analytic_kl
+            )
+        return objective
 
 
 #: Consecutive saturated training evaluations after which the fit warns that I_K is inert.
@@ -71,7 +121,7 @@ class SaturationWatch:
 
 
 def _check_guide(guide: Any, owner: str) -> None:
-    if not implements(guide, Symmetrized):
+    if not implements(guide, SymmetrizedPosterior):
         raise TypeError(
             f"{owner} needs a symmetrized guide (pb.posterior(model, 'symmetrized', ...)); got "
             f"{type(guide).__name__}. Use the plain ELBO for other families."
@@ -86,7 +136,8 @@ class BatchedSymmetrizedELBO(ELBO):
     num_particles : int
         S, draws ``θ₀`` per step (``I_K`` is averaged over them).
     num_permutations : int, optional
-        K; default the guide's ``num_permutations``. K = 1 is the plain ELBO exactly.
+        K; default the fit's (:class:`Symmetrized`, bound by the fitter), else the guide's
+        ``num_permutations`` (direct calls). K = 1 is the plain ELBO exactly.
     analytic_kl : bool
         The base's closed-form KL when it has one.
 

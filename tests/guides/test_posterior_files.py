@@ -3,7 +3,8 @@
 Per registered family, a whitelist of what a saved file may hold (constructor options in the
 header, guide tensors), so that a setting of the fit leaking into the file fails here. The
 settings that moved to the fitter (IVON's ``mc_samples``, Kronecker IVON's ``fisher`` /
-``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller, σN's diversity term, Laplace's τ search) are
+``T_stats`` / ``T_inv``, SWAG's collection schedule, IBDR's objective and dual controller, σN's diversity term, Laplace's τ search,
+mean-field's scale learning rate, the symmetrized objective's K) are
 checked end to end: the old guide keyword
 still reaches the fitter for one release (``DeprecationWarning`` naming the new spelling), the
 fitter's checkpoint carries them and refuses to resume under others, and a file saved when they
@@ -54,11 +55,13 @@ POSTERIOR_OPTIONS: dict[str, set[str]] = {
 }
 
 #: family -> options still on its guide (so still in its files) that describe the fit, not q:
-#: known, to move to the family's fitter as IVON's and SWAG's did. None may be added.
-KNOWN_FIT_OPTIONS: dict[str, set[str]] = {
-    "meanfield": {"scale_lr"},  # a learning-rate factor of the scales' parameter group
-    "symmetrized": {"num_permutations", "scale_lr"},  # K of the objective; the base's lr factor
-}
+#: none left (every family's fit settings are its fitter's). None may be added.
+KNOWN_FIT_OPTIONS: dict[str, set[str]] = {}
+
+
+def test_no_family_keeps_fit_settings_in_its_files():
+    assert all(not KNOWN_FIT_OPTIONS.get(family) for family in FAMILIES), KNOWN_FIT_OPTIONS
+
 
 #: family -> its guide tensors in a file, site names as ``<site>`` and site indices as ``<i>``
 POSTERIOR_TENSORS: dict[str, set[str]] = {
@@ -157,6 +160,8 @@ MOVED = [
     ("signorm", {"strength": 0.05, "regularized": []}, "SigmaNormDiversity"),
     ("laplace", {"log_prior_bounds": [-1.0, 0.5]}, "Laplace"),
     ("laplace", {"prior_optimization": "alternate", "alternate_epochs": 2}, "Laplace"),
+    ("meanfield", {"scale_lr": 10.0}, "MeanField"),
+    ("symmetrized", {"num_permutations": 4, "scale_lr": 10.0}, "Symmetrized"),
 ]
 
 
@@ -211,6 +216,8 @@ LEGACY = {
         "epsilon": 1e-7,
     },
     "signorm": {"tau": 0.5, "strength": 1e-3, "regularized": "all"},
+    "meanfield": {"scale_lr": 1.0},
+    "symmetrized": {"num_permutations": 16, "scale_lr": 1.0},
     "laplace": {
         "prior_optimization": "evidence",
         "log_prior_bounds": [-5.0, 10.0],
@@ -324,6 +331,9 @@ def test_ibdr_settings_are_in_the_checkpoint_and_checked_on_resume(tmp_path):
         (lambda: pb.infer.Laplace(log_prior_bounds=(1.0, 0.0)), "log_prior_bounds"),
         (lambda: pb.infer.Laplace(alternate_epochs=0), "alternate_epochs"),
         (lambda: pb.infer.SigmaNormDiversity(strength=-1.0), "strength"),
+        (lambda: pb.infer.MeanField(scale_lr=0.0), "scale_lr"),
+        (lambda: pb.infer.Symmetrized(num_permutations=0), "num_permutations"),
+        (lambda: pb.infer.Symmetrized(scale_lr=-1.0), "scale_lr"),
     ],
 )
 def test_bad_fit_settings_are_refused_by_name(build, name):
@@ -398,3 +408,53 @@ def test_laplace_search_settings_are_in_the_checkpoint_and_checked_on_resume():
         ValueError, match=r"other Laplace settings \(prior_optimization='alternate'"
     ):
         other.load_state_dict(state)
+
+
+def test_mean_field_scale_lr_is_in_the_checkpoint_and_checked_on_resume(tmp_path):
+    model, data = _problem("meanfield")
+    guide = families.posterior(model, "meanfield")
+    settings = pb.infer.MeanField(scale_lr=10.0)
+    fitter = make_fitter(model, guide, lr=0.05, optimizer=settings)
+    assert fitter.settings is settings
+    assert sorted(g["lr"] for g in fitter.optimizer.param_groups) == pytest.approx([0.05, 0.5])
+    fitter.step(data[0])
+    torch.save(fitter.state_dict(), tmp_path / "fitter.pt")
+    state = torch.load(tmp_path / "fitter.pt", weights_only=True)
+    assert state["settings"] == {"scale_lr": 10.0}
+    make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
+    other = make_fitter(model, guide, lr=0.05, optimizer=pb.infer.MeanField(scale_lr=2.0))
+    with pytest.raises(ValueError, match=r"other MeanField settings \(scale_lr=10.0 there, 2.0"):
+        other.load_state_dict(state)
+    # a checkpoint written before scale_lr moved to the fitter carries none: it resumes (same
+    # two parameter groups, so the optimizer state fits)
+    earlier = {k: v for k, v in state.items() if k != "settings"}
+    make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(earlier)
+    # MAP has no scales: a scale learning rate other than 1 is refused, by name
+    point = pb.posterior(model, "map")
+    with pytest.raises(ValueError, match="scale_lr=10.0.*has none"):
+        make_fitter(model, point, optimizer=settings)
+    assert make_fitter(model, point).state_dict().keys() == {"optimizer", "num_steps"}
+
+
+def test_symmetrized_settings_bind_k_and_are_checked_on_resume():
+    model, data = _problem("symmetrized")
+    guide = families.posterior(model, "symmetrized")
+    settings = pb.infer.Symmetrized(num_permutations=4)
+    fitter = make_fitter(model, guide, lr=0.05, optimizer=settings)
+    assert fitter.settings is settings and fitter.objective.num_permutations == 4
+    # a K given to the objective wins over the settings'
+    own = pb.infer.BatchedSymmetrizedELBO(num_permutations=2)
+    assert make_fitter(model, guide, loss=own, optimizer=settings).objective is own
+    # without settings: the defaults (K = 16), not the guide's saved config
+    assert make_fitter(model, guide).objective.num_permutations == 16
+    fitter.step(data[0])
+    state = fitter.state_dict()
+    assert state["settings"] == {"scale_lr": 1.0, "num_permutations": 4}
+    make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
+    other = make_fitter(model, guide, lr=0.05, optimizer=pb.infer.Symmetrized())
+    with pytest.raises(
+        ValueError, match=r"other Symmetrized settings \(num_permutations=4 there, 16 here"
+    ):
+        other.load_state_dict(state)
+    earlier = {k: v for k, v in state.items() if k != "settings"}
+    make_fitter(model, guide, lr=0.05, optimizer=pb.infer.Symmetrized()).load_state_dict(earlier)

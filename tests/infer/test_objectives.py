@@ -93,14 +93,15 @@ def _scale_after(scale_lr: float, steps: int, lr: float) -> tuple[torch.Tensor, 
     pyro.clear_param_store()
     torch.manual_seed(0)
     prob = conjugate_core()
-    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=1e-3, scale_lr=scale_lr)
+    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=1e-3)
     objective = pb.infer.objectives.ELBO(num_particles=8)
+    settings = pb.infer.MeanField(scale_lr=scale_lr)
     pb.fit(
         prob.model,
         guide,
         [(prob.x, prob.y)],
         lr=lr,
-        optim=pb.Optimization(loss=objective, num_steps=steps),
+        optim=pb.Optimization(loss=objective, num_steps=steps, optimizer=settings),
         progress=False,
     )
     return guide.scale(prob.site).detach(), prob.post_scale
@@ -129,7 +130,7 @@ def test_scale_lr_one_is_plain_adam():
     guide = pb.guides.MeanFieldGuide(prob.model)
     fitter = pb.infer.make_fitter(prob.model, guide, lr=1e-2)
     assert len(fitter.optimizer.param_groups) == 1
-    guide10 = pb.guides.MeanFieldGuide(prob.model, scale_lr=10.0)
-    fitter10 = pb.infer.make_fitter(prob.model, guide10, lr=1e-2)
+    settings = pb.infer.MeanField(scale_lr=10.0)
+    fitter10 = pb.infer.make_fitter(prob.model, guide, lr=1e-2, optimizer=settings)
     lrs = sorted(group["lr"] for group in fitter10.optimizer.param_groups)
     assert lrs == pytest.approx([1e-2, 1e-1])

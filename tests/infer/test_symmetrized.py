@@ -26,9 +26,10 @@ def _problem(num_data: int = 12):
     return model, (x, y)
 
 
-def _guide(model, **kw):
+def _guide(model, num_permutations: int = 16):
     pyro.clear_param_store()
-    guide = pb.posterior(model, "symmetrized", init_scale=0.3, **kw)
+    guide = pb.posterior(model, "symmetrized", init_scale=0.3)
+    guide.num_permutations = num_permutations  # K of objectives called directly with none
     with torch.no_grad():  # a spread-out q so I_K is far from 0 and from log K
         for site in guide.sites:
             guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
@@ -42,6 +43,13 @@ def test_k_one_is_the_base_elbo_exactly():
     plain = ELBO().loss(model, guide, batch)
     torch.manual_seed(3)
     symmetrized = BatchedSymmetrizedELBO().loss(model, guide, batch)
+    assert torch.equal(plain, symmetrized)
+    # K = 1 given to the objective (as the fitter binds pb.infer.Symmetrized's) on another guide
+    other = _guide(model)
+    torch.manual_seed(3)
+    plain = ELBO().loss(model, other, batch)
+    torch.manual_seed(3)
+    symmetrized = BatchedSymmetrizedELBO(num_permutations=1).loss(model, other, batch)
     assert torch.equal(plain, symmetrized)
 
 
@@ -136,7 +144,7 @@ def test_a_saturated_i_k_warns_once_with_the_reason():
 
     model, batch = _problem()
     pyro.clear_param_store()
-    guide = pb.posterior(model, "symmetrized", init_scale=1e-3, num_permutations=8)
+    guide = pb.posterior(model, "symmetrized", init_scale=1e-3)
     with torch.no_grad():
         for site in guide.sites:
             guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
@@ -148,7 +156,9 @@ def test_a_saturated_i_k_warns_once_with_the_reason():
             model,
             guide,
             [batch],
-            optim=pb.Optimization(num_steps=steps),
+            optim=pb.Optimization(
+                num_steps=steps, optimizer=pb.infer.Symmetrized(num_permutations=8)
+            ),
             lr=1e-3,
             seed=0,
             progress=False,
@@ -166,7 +176,7 @@ def test_an_engaged_i_k_does_not_warn():
 
     model, batch = _problem()
     pyro.clear_param_store()
-    guide = pb.posterior(model, "symmetrized", init_scale=0.5, num_permutations=8)
+    guide = pb.posterior(model, "symmetrized", init_scale=0.5)
     with torch.no_grad():
         for site in guide.sites:
             guide.base.loc_param(site).normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
@@ -174,7 +184,9 @@ def test_an_engaged_i_k_does_not_warn():
         model,
         guide,
         [batch],
-        optim=pb.Optimization(num_steps=SATURATION_PATIENCE + 10),
+        optim=pb.Optimization(
+            num_steps=SATURATION_PATIENCE + 10, optimizer=pb.infer.Symmetrized(num_permutations=8)
+        ),
         lr=1e-3,
         seed=0,
         progress=False,
@@ -194,7 +206,7 @@ def test_a_near_saturated_i_k_counts_as_inert():
 
     model, batch = _problem()
     pyro.clear_param_store()
-    guide = pb.posterior(model, "symmetrized", init_scale=0.1, num_permutations=8)
+    guide = pb.posterior(model, "symmetrized", init_scale=0.1)
     with torch.no_grad():
         for site in guide.sites:
             guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
@@ -203,7 +215,10 @@ def test_a_near_saturated_i_k_counts_as_inert():
             model,
             guide,
             [batch],
-            optim=pb.Optimization(num_steps=SATURATION_PATIENCE),
+            optim=pb.Optimization(
+                num_steps=SATURATION_PATIENCE,
+                optimizer=pb.infer.Symmetrized(num_permutations=8),
+            ),
             lr=1e-3,
             seed=0,
         )
