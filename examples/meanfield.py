@@ -18,7 +18,8 @@ result = pb.fit(
     epochs=2 if args.smoke else 60,
     lr=1e-2,
     seed=args.seed,
-    optim=pb.Optimization(loss=pb.infer.ELBO(num_particles=4)),
+    # the fit's settings (pb.infer.MeanField: scale_lr, the scales' learning-rate factor)
+    optim=pb.Optimization(loss=pb.infer.ELBO(num_particles=4), optimizer=pb.infer.MeanField()),
 )
 metrics = report(model, guide, test, x_ood, num_samples=4 if args.smoke else 32)
 assert math.isfinite(metrics["nll"]) and result.losses[-1] < result.losses[0]
