@@ -6,7 +6,9 @@ training images), Adam at ``lr``; per setting: KL and median σ before and after
 first and last 20 steps, validation accuracy and NLL.
 
 ``python benchmarks/meanfield_scale.py '[{"options": {"init_scale": 1e-3}}, {"options":
-{"init_scale": 1e-3, "scale_lr": 10}}, {"options": {"init_scale": 1e-3}, "epochs": 40}]'``
+{"init_scale": 1e-3}, "scale_lr": 10}, {"options": {"init_scale": 1e-3}, "epochs": 40}]'``
+(``options``: the posterior's; ``scale_lr``: the fit's, ``pb.infer.MeanField(scale_lr=...)``;
+a ``scale_lr`` inside ``options``, the earlier spelling, is moved there)
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ def main() -> None:
         pyro.clear_param_store()
         task = digits_task(0, 1000, 50, protocol="shift", evaluate="val", latent_head=True)
         model = task["model"]
-        guide = pb.posterior(model, "meanfield", **cfg.get("options", {}))
+        options = dict(cfg.get("options", {}))
+        settings = pb.infer.MeanField(scale_lr=options.pop("scale_lr", cfg.get("scale_lr", 1.0)))
+        guide = pb.posterior(model, "meanfield", **options)
         gen = torch.Generator().manual_seed(0)
         batches = [b for _ in range(cfg.get("epochs", 10)) for b in task["batches"](gen)]
         with torch.no_grad():
             kl0 = float(guide.kl_to_prior(model))
             sig0 = torch.cat([guide.scale(s).flatten() for s in guide.sites])
-        res = pb.fit(model, guide, batches, epochs=1, lr=cfg.get("lr", 1e-2), seed=0)
+        optim = pb.Optimization(optimizer=settings)
+        res = pb.fit(model, guide, batches, epochs=1, lr=cfg.get("lr", 1e-2), seed=0, optim=optim)
         with torch.no_grad():
             kl1 = float(guide.kl_to_prior(model))
             sig = torch.cat([guide.scale(s).flatten() for s in guide.sites])
