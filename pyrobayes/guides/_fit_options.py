@@ -3,7 +3,8 @@
 A posterior file holds only the posterior. Settings that describe how a posterior is fitted (an
 optimizer's rates, a collection schedule, Monte Carlo samples per step, a curvature refresh
 period, an objective's weights, the search for a prior precision) are the fitter's:
-``pb.infer.IVON`` / ``KronIVON`` / ``SWAG`` / ``IBDR`` / ``SigmaNormDiversity`` / ``Laplace``,
+``pb.infer.IVON`` / ``KronIVON`` / ``SWAG`` / ``IBDR`` / ``SigmaNormDiversity`` / ``Laplace`` /
+``MeanField`` / ``Symmetrized``,
 passed as ``pb.fit(..., optim=pb.Optimization(optimizer=...))``. For one release a family's
 constructor still takes them (its ``fit_options``): they are kept in ``guide.fit_settings`` for
 the fitter, left out of ``config()`` and never saved.
