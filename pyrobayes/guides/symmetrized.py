@@ -68,15 +68,16 @@ class SymmetrizedGuide(PosteriorGuide):
         ``"laplace"``) and families with their own natural-gradient fitter (``"ivon"``,
         ``"kron-ivon"``: Gaussian ``log_prob``, but their update takes no extra loss term) are
         refused.
-    num_permutations, scale_lr : optional
-        Deprecated here: the objective's K and the base's scale learning-rate factor are
-        settings of the fit, not of the posterior. Pass them to the fitter as
-        ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.Symmetrized(
+    num_permutations : int, optional
+        Deprecated here: the objective's K is a setting of the fit, not of the posterior. Pass
+        it to the fitter as ``pb.fit(..., optim=pb.Optimization(optimizer=pb.infer.Symmetrized(
         num_permutations=16)))`` (:class:`pyrobayes.infer.symmetrized.Symmetrized`, which
-        documents them); given here they still reach the fitter for one release, with a
-        ``DeprecationWarning``, and are not saved with the posterior.
+        documents it); given here it still reaches the fitter for one release, with a
+        ``DeprecationWarning``, and is not saved with the posterior.
     **base_options
-        The base family's options (e.g. ``init_scale=0.01``).
+        The base family's options (e.g. ``init_scale=0.01``). A ``scale_lr`` here (the base's
+        scale learning-rate factor) is deprecated as ``num_permutations`` is: it is the fit's
+        (``pb.infer.Symmetrized(scale_lr=...)``).
 
     Attributes
     ----------
