@@ -284,6 +284,7 @@ def test_evaluate_command_reports_no_drift_then_drift(smoke_run, tmp_path, capsy
     assert "failed its integrity check" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # 150 s on 2 cores: a second demo run (mean-field alone); `make test-slow`
 @pytest.mark.hf
 @pytest.mark.integration
 def test_a_family_sees_the_same_batches_whatever_ran_before_it(smoke_run, tmp_path):

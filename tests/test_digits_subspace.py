@@ -135,7 +135,7 @@ def run_seed(
         lr=1e-2,
         seed=seed,
         optim=pb.Optimization(optimizer=optimizer),
-        validation=pb.Validation(val, select_by="accuracy"),
+        validation=pb.Validation(val, select_by="accuracy") if val is not None else None,
     )
     map_pred = pb.predict(model, lap, test, values={s: v[None] for s, v in lap.mean().items()})
     out["map"] = pb.metrics.report(map_pred, y_test)
