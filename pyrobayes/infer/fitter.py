@@ -32,6 +32,7 @@ from ..contract import implements
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .meanfield import MeanField
 from .objectives import MAP, SurrogateObjective, is_variational, make_objective
+from .settings import check_settings, settings_record
 from .symmetrized import Symmetrized
 
 __all__ = [
@@ -80,7 +81,13 @@ class Fitter:
     manages_lr : bool
         True when the fitter schedules the learning rate itself (then
         :func:`pyrobayes.fit` refuses a ``scheduler``).
+    settings : dataclass or None
+        The fit's settings record (``pb.infer.IVON``, ``SWAG``, ...; ``None`` for a family
+        without any, e.g. MAP): saved in :meth:`state_dict`, checked on resume. A subclass sets
+        it before calling this constructor.
     """
+
+    settings: Any = None
 
     def __init__(
         self,
@@ -117,6 +124,7 @@ class Fitter:
         self.params = trainable_parameters(model, guide)
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
+        self._grad_check: tuple[torch.Tensor, torch.Tensor] | None = None  # _check_buffers
 
     @property
     def manages_lr(self) -> bool:
@@ -138,10 +146,8 @@ class Fitter:
             )
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
-        """The family's optimizer over ``params``; Adam here, with per-group learning rates where
-        the guide offers ``optimizer_groups(params, lr)`` (mean-field's scales)."""
-        groups = getattr(self.guide, "optimizer_groups", None)
-        return torch.optim.Adam(groups(params, lr) if callable(groups) else params, lr=lr)
+        """The family's optimizer over ``params``; Adam here."""
+        return torch.optim.Adam(params, lr=lr)
 
     def _build_optimizer(self, spec: Any, lr: float) -> torch.optim.Optimizer:
         if spec is None:
@@ -252,13 +258,13 @@ class Fitter:
     def _check_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The found-non-finite flag (0) and the unit scale of :meth:`_check_grads` on
         ``device``, made once per device rather than every step."""
-        cached = self.__dict__.get("_grad_check")
+        cached = self._grad_check
         if cached is None or cached[0].device != device:
             cached = (
                 torch.zeros(1, dtype=torch.float32, device=device),
                 torch.ones(1, dtype=torch.float32, device=device),
             )
-            self.__dict__["_grad_check"] = cached
+            self._grad_check = cached
         return cached
 
     def _names(self, ids: set[int]) -> list[str]:
@@ -293,12 +299,18 @@ class Fitter:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything the fitter owns: the optimizer state, the step count and the family's
-        own counters (the guide's state is saved with the guide)."""
-        return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
+        """Everything the fitter owns: the optimizer state, the step count, the fit's settings
+        (:attr:`settings`, when the family has any) and the family's own counters (the guide's
+        state is saved with the guide)."""
+        state = {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
+        if self.settings is not None:
+            state["settings"] = settings_record(self.settings)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
+        if self.settings is not None:
+            check_settings(self, state.get("settings"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
 
@@ -326,10 +338,6 @@ class SVIFitter(Fitter):
     written under others is refused (one written before they moved here resumes).
     """
 
-    #: the fit's settings record (``None``: a family without any, e.g. MAP); a subclass with a
-    #: record of its own sets it before calling this constructor
-    settings: Any = None
-
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         if isinstance(optimizer, MeanField):
             self.settings, optimizer = optimizer, None
@@ -355,23 +363,6 @@ class SVIFitter(Fitter):
             return torch.optim.Adam(params, lr=lr)
         scale_lr = float(getattr(self.settings, "scale_lr", 1.0))
         return torch.optim.Adam(groups(params, lr, scale_lr), lr=lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the step count and the fit's settings (when it has any)."""
-        state = super().state_dict()
-        if self.settings is not None:
-            from .ivon import settings_record  # ivon imports this module
-
-            state["settings"] = settings_record(self.settings)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
-        if self.settings is not None:
-            from .ivon import check_settings  # ivon imports this module
-
-            check_settings(self, state.get("settings"))
-        super().load_state_dict(state)
 
 
 def _settings_of(guide: Any) -> MeanField | None:

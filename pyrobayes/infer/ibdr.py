@@ -50,7 +50,6 @@ from ..models.adapters import check_real
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .diversity import diversity_loss
 from .fitter import Fitter, register_fitter
-from .ivon import check_settings, settings_record
 from .objectives import split_training_batch
 
 __all__ = ["IBDR", "IBDRLoss", "IBDRFitter", "FUNCTION_COST_TEMPERATURE"]
@@ -252,6 +251,8 @@ class IBDRFitter(Fitter):
     gradients and the cost are averaged over ranks, so λ is the same on every rank.
     """
 
+    settings: IBDR  # the fit's settings record (Fitter.settings)
+
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         _mixture(guide, "IBDRFitter")
         #: the fit's settings: ``optimizer`` when it is an :class:`IBDR`, else those given to
@@ -397,7 +398,6 @@ class IBDRFitter(Fitter):
         """The optimizer's state, λ, the last cost and radius, the particle-noise generator and
         the settings it ran with (:class:`IBDR`)."""
         state = super().state_dict()
-        state["settings"] = settings_record(self.settings)
         state["ibdr"] = {
             "lam": self.lam,
             "cost": self.cost,
@@ -408,7 +408,6 @@ class IBDRFitter(Fitter):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
-        check_settings(self, state.get("settings"))
         super().load_state_dict(state)
         ibdr = state.get("ibdr")
         if ibdr is not None:

@@ -136,41 +136,6 @@ class IVON:
         }
 
 
-def settings_record(settings: Any) -> dict[str, Any]:
-    """The settings dataclass ``settings`` as the plain values a checkpoint holds (it is read
-    with ``torch.load(weights_only=True)``): a torch optimizer class or factory by its name."""
-    out = {}
-    for key, value in dataclasses.asdict(settings).items():
-        if callable(value):
-            name = getattr(value, "__qualname__", type(value).__qualname__)
-            value = f"{getattr(value, '__module__', '')}.{name}"
-        out[key] = value
-    return out
-
-
-def check_settings(fitter: Any, saved: dict[str, Any] | None) -> None:
-    """Refuse a checkpoint whose fitter ran with other settings (``fitter.settings``, e.g. an
-    :class:`IVON`). Checkpoints written before the settings moved to the fitter carry none, and
-    those written before a setting moved carry no value for it: both pass."""
-    here = settings_record(fitter.settings)
-    if saved is None:
-        return
-    diffs = [
-        f"{k}={saved[k]!r} there, {v!r} here"
-        for k, v in here.items()
-        if k in saved and saved[k] != v
-    ]
-    if not diffs:
-        return
-    kind = type(fitter.settings).__name__
-    spelled = ", ".join(f"{k}={v!r}" for k, v in saved.items() if k in here)
-    raise ValueError(
-        f"{type(fitter).__name__}: the checkpoint was written with other {kind} settings "
-        f"({'; '.join(diffs)}); resume with optimizer=pb.infer.{kind}({spelled}), or start a "
-        "new fit (overwrite=True)."
-    )
-
-
 def _field_names(settings: Any) -> set[str]:
     """The fields of a settings dataclass (an instance or the class)."""
     return {f.name for f in dataclasses.fields(settings)}
@@ -656,6 +621,8 @@ class IVONFitter(Fitter):
     ``T_inv``) and the settings, so a checkpoint resumes exactly.
     """
 
+    settings: IVON  # the fit's settings record (Fitter.settings)
+
     #: the family's ``(beta2, diag_beta2)`` when :class:`IVON` leaves them unset
     default_betas: tuple[float, float | None] = (DEFAULT_BETA2, None)
     #: the settings class this fitter takes (a base class' record is widened to it)
@@ -709,15 +676,6 @@ class IVONFitter(Fitter):
     def _curvature(self) -> Any:
         """The Kronecker statistics (:class:`~pyrobayes.infer.kron.KronIVONFitter`); none here."""
         return None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the step count and the settings it ran with (:class:`IVON`)."""
-        return {**super().state_dict(), "settings": settings_record(self.settings)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
-        check_settings(self, state.get("settings"))
-        super().load_state_dict(state)
 
 
 register_fitter("ivon", IVONFitter)

@@ -54,7 +54,6 @@ from ..models.adapters import check_int, check_real
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
 from .fitter import Fitter
-from .ivon import check_settings, settings_record
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +187,8 @@ class LaplaceFitter(Fitter):
     :attr:`map_residuals` the relative gradient at the end of each refit.
     """
 
+    settings: Laplace  # the fit's settings record (Fitter.settings)
+
     prior_precisions: list[float]
     map_residuals: list[float]
 
@@ -209,15 +210,6 @@ class LaplaceFitter(Fitter):
             "the Laplace posterior is built at the MAP of its point, not fitted by an ELBO (its "
             "q does not exist until the curvature is fitted)."
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the step count and the settings (:class:`Laplace`)."""
-        return {**super().state_dict(), "settings": settings_record(self.settings)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
-        check_settings(self, state.get("settings"))
-        super().load_state_dict(state)
 
     def default_objective(self) -> str:
         return "map"

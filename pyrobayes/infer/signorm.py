@@ -38,7 +38,6 @@ from ..contract import Mixture, implements
 from ..models.adapters import check_real
 from ..models.signorm import diversity, scale_sites, update_statistics
 from .fitter import SVIFitter
-from .ivon import check_settings, settings_record
 from .objectives import register_objective, scaled_log_likelihood, split_training_batch
 
 logger = logging.getLogger(__name__)
@@ -207,6 +206,8 @@ class SigmaNormFitter(SVIFitter):
     defaults. :meth:`state_dict` holds them; a checkpoint written under others is refused.
     """
 
+    settings: SigmaNormDiversity  # the fit's settings record (Fitter.settings)
+
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         #: the fit's settings: ``optimizer`` when it is a :class:`SigmaNormDiversity`, else
         #: those given to the guide's constructor (deprecated), else the defaults
@@ -227,15 +228,6 @@ class SigmaNormFitter(SVIFitter):
         net = getattr(self.model, "net", None)
         if net is not None and implements(self.guide, Mixture):
             update_statistics(net, cast(Mixture, self.guide).component_locs())
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the step count and the settings (:class:`SigmaNormDiversity`)."""
-        return {**super().state_dict(), "settings": settings_record(self.settings)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses a checkpoint written with other settings."""
-        check_settings(self, state.get("settings"))
-        super().load_state_dict(state)
 
 
 class _MaskSites(Messenger):

@@ -44,7 +44,6 @@ from torch import Tensor
 from ..guides.lowrank import VAR_FLOOR, SwagState, swag_posterior
 from ..models.adapters import check_int, check_real
 from .fitter import Fitter
-from .ivon import check_settings, settings_record
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +187,8 @@ class SWAGFitter(Fitter):
     the record instead, ``SWAG(optimizer=torch.optim.AdamW, start_epoch=5)``.
     """
 
+    settings: SWAG  # the fit's settings record (Fitter.settings)
+
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         #: the fit's settings: ``optimizer`` when it is a :class:`SWAG`, else those given to the
         #: guide's constructor (deprecated), else the defaults
@@ -287,15 +288,13 @@ class SWAGFitter(Fitter):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["settings"] = settings_record(self.settings)
         state["epochs_done"] = self.epochs_done
         if self._swalr is not None:
             state["swalr"] = self._swalr.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_settings(self, state.get("settings"))
-        super().load_state_dict(state)
+        super().load_state_dict(state)  # refuses other settings first
         self.epochs_done = int(state.get("epochs_done", 0))
         if "swalr" in state:
             self._anneal()
