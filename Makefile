@@ -42,7 +42,7 @@ data: $(VADER_SDIST)
 # BIG-bench 1.0.0's task files. BIG-bench is an sdist only, which pip >= 25 refuses to download
 # ("cannot declare direct URL dependencies"): pip 24.2, installed into a scratch folder, fetches
 # it; pyrobayes.tasks.cache checks its sha256 and extracts only LM_TASKS' task.json.
-LM_TASKS ?= goal_step_wikihow/step_inference disambiguation_qa
+LM_TASKS ?= goal_step_wikihow/step_inference disambiguation_qa date_understanding
 BIGBENCH_SDIST := $(PYROBAYES_CACHE)/bigbench-1.0.0.tar.gz
 SMOLLM2 := $(PYROBAYES_CACHE)/smollm2-135m
 .PHONY: lm-data
