@@ -41,6 +41,7 @@ from .demo.pipeline import (
     resolve_config,
     run,
 )
+from .demo.run_folder import claim_run_folder
 from .io import PosteriorFileError, PosteriorMismatchError
 
 __all__ = ["main"]
@@ -52,38 +53,10 @@ def _out_dir(arg: str | None, name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-#: the files of a run folder (``pyrobayes.demo.pipeline.run`` writes them)
-_RUN_FILES = ("config.json", "metrics.json", "table.md", "posterior.nc")
-_RUN_GLOBS = ("guides/*.safetensors", "plots/*.png")
-
-
-def _run_files(out: Path) -> list[Path]:
-    """The files of an earlier run in ``out`` (none for a new or an unrelated folder)."""
-    if not out.is_dir():
-        return []
-    found = [out / name for name in _RUN_FILES if (out / name).is_file()]
-    for pattern in _RUN_GLOBS:
-        found += sorted(out.glob(pattern))
-    return found
-
-
 def _claim_out(out: Path, overwrite: bool) -> None:
-    """Refuse an ``--out`` folder holding another run, unless ``--overwrite`` (then its run
-    files are removed first, so no stale posterior of a family not in this run is left)."""
-    files = _run_files(out)
-    if not files:
-        return
-    if not overwrite:
-        listed = ", ".join(str(f.relative_to(out)) for f in files[:4])
-        more = f" and {len(files) - 4} more" if len(files) > 4 else ""
-        raise RunFolderError(
-            f"--out {out} already holds a run ({listed}{more}); writing there would overwrite "
-            "its metrics, config and posteriors. Pass --overwrite to replace that run, or "
-            "another --out."
-        )
-    logging.getLogger(__name__).warning("--overwrite: replacing the run in %s", out)
-    for file in files:
-        file.unlink()
+    """The run folder rule of :func:`pyrobayes.demo.run_folder.claim_run_folder`, worded for
+    the command line (before the model and data are loaded)."""
+    claim_run_folder(out, overwrite, folder="--out", replace="--overwrite")
 
 
 def _print_records(records: list[dict[str, Any]], out: Path | None) -> None:

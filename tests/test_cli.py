@@ -412,3 +412,36 @@ def test_out_into_a_finished_run_is_refused_and_overwrite_replaces_it(
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     assert main([*args, "--out", str(other)]) == 0 and (other / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("job", ["pipeline", "causal_lm"])
+def test_the_library_run_refuses_a_finished_run_too(tmp_path, monkeypatch, job):
+    # pyrobayes.demo.pipeline.run / causal_lm.run called from Python follow the command line's
+    # rule: a folder holding another run is refused before anything is loaded or written, and
+    # overwrite=True removes that run's files first
+    from pyrobayes.demo import causal_lm, pipeline
+    from pyrobayes.demo.run_folder import RunFolderError
+
+    module = pipeline if job == "pipeline" else causal_lm
+    user = {"families": ["map"]}
+    if job == "causal_lm":
+        user["causal_lm"] = {"task": {"path": str(tmp_path / "task.json")}}
+    config = module.resolve_config(user, quick=True)
+    out = tmp_path / "run"
+    files = _finished_run(out)
+    loader = "build_data" if job == "pipeline" else "load_base"
+    seen = []
+
+    def stop(*args, **kwargs):  # the first loading step: record the folder, go no further
+        seen.append(sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, loader, stop)
+    with pytest.raises(RunFolderError, match=r"out_dir .* already holds a run") as err:
+        module.run(config, out, progress_bar=False)
+    assert "Pass overwrite=True to replace that run" in str(err.value)
+    assert seen == [] and {n: (out / n).read_bytes() for n in files} == files
+    with pytest.raises(KeyboardInterrupt):
+        module.run(config, out, progress_bar=False, overwrite=True)
+    assert seen == [["config.json"]]  # the old run's files gone, the new config written
+    assert json.loads((out / "config.json").read_text())["families"] == ["map"]

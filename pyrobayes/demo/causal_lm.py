@@ -84,6 +84,7 @@ from .pipeline import (
     read_json,
     reliability_plot,
 )
+from .run_folder import claim_run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -568,7 +569,11 @@ def _fit_one(
 
 
 def run(
-    config: dict[str, Any], out_dir: str | Path, *, progress_bar: bool = True
+    config: dict[str, Any],
+    out_dir: str | Path,
+    *,
+    progress_bar: bool = True,
+    overwrite: bool = False,
 ) -> list[dict[str, Any]]:
     """Fit every family under every seed, evaluate, and write the run folder.
 
@@ -580,6 +585,9 @@ def run(
         The run folder.
     progress_bar : bool
         Show the fits' progress bars.
+    overwrite : bool
+        Replace a run already in ``out_dir`` (its files are removed first); without it such a
+        folder is refused (``RunFolderError``) before the model is loaded.
 
     Returns
     -------
@@ -587,6 +595,7 @@ def run(
         The records of ``metrics.json``: the zero-shot row, then one per (family, seed).
     """
     out = Path(out_dir)
+    claim_run_folder(out, overwrite)
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))

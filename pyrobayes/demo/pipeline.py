@@ -46,6 +46,7 @@ from ..models.adapters import adapter_from_dict
 from ..predictive import predict
 from ..registry import available_guides
 from . import data as pbdata
+from .run_folder import RunFolderError, claim_run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +182,6 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 class ConfigError(ValueError):
     """A config that does not fit the schema: the message names the key path and the fix."""
-
-
-class RunFolderError(ValueError):
-    """A run folder that cannot be evaluated (no config, no posteriors, no metrics)."""
 
 
 #: Keys the pipeline reads that ``DEFAULT_CONFIG`` does not set, with their types (``None``
@@ -555,19 +552,26 @@ def run(
     *,
     families: Sequence[str] | None = None,
     progress_bar: bool = True,
+    overwrite: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every family of ``config`` and write the run folder; returns the metric records.
+
+    ``overwrite=True`` replaces a run already in ``out_dir`` (its files are removed first);
+    without it such a folder is refused before anything is fitted.
 
     Raises
     ------
     ConfigError
         ``config`` does not fit the schema, or a family is unknown (before anything is written).
+    RunFolderError
+        ``out_dir`` holds another run and ``overwrite`` is false (before anything is written).
     """
     if families is not None and isinstance(families, str):
         families = [families]
     config = validate_config(config)
     families = check_families(list(families or config["families"]))
     out = Path(out_dir)
+    claim_run_folder(out, overwrite)
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     config["families"] = families

@@ -1,0 +1,76 @@
+"""A run folder's files, and the rule that a new run never writes over an earlier one.
+
+:func:`pyrobayes.demo.pipeline.run` and :func:`pyrobayes.demo.causal_lm.run` (and through them
+``pyrobayes demo`` / ``pyrobayes fit``) write ``config.json``, ``metrics.json``, ``table.md``,
+``posterior.nc``, ``guides/*.safetensors`` and ``plots/*.png``. A folder that already holds such
+files belongs to another run: it is refused unless the caller asks to replace it, and then that
+run's files are removed first, so no posterior of a family the new run does not fit is left
+behind next to the new metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+__all__ = ["RUN_FILES", "RUN_GLOBS", "RunFolderError", "claim_run_folder", "run_files"]
+
+logger = logging.getLogger(__name__)
+
+#: the files of a run folder
+RUN_FILES = ("config.json", "metrics.json", "table.md", "posterior.nc")
+#: the patterns of a run folder's per-family files
+RUN_GLOBS = ("guides/*.safetensors", "plots/*.png")
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be used: no config, posteriors or metrics to evaluate, or, for
+    a new run, the files of another run."""
+
+
+def run_files(out: str | Path) -> list[Path]:
+    """The files of an earlier run in ``out`` (none for a new or an unrelated folder)."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return []
+    found = [folder / name for name in RUN_FILES if (folder / name).is_file()]
+    for pattern in RUN_GLOBS:
+        found += sorted(folder.glob(pattern))
+    return found
+
+
+def claim_run_folder(
+    out: str | Path, overwrite: bool, *, folder: str = "out_dir", replace: str = "overwrite=True"
+) -> None:
+    """Make ``out`` a folder a new run may write, or refuse.
+
+    Parameters
+    ----------
+    out : path
+        The run folder.
+    overwrite : bool
+        Replace a run already in ``out``: its files (:func:`run_files`) are removed first.
+    folder, replace : str
+        How the caller names the folder and the replacing option in the error message
+        (``"--out"`` and ``"--overwrite"`` on the command line).
+
+    Raises
+    ------
+    RunFolderError
+        ``out`` holds another run's files and ``overwrite`` is false.
+    """
+    files = run_files(out)
+    if not files:
+        return
+    root = Path(out)
+    if not overwrite:
+        listed = ", ".join(str(f.relative_to(root)) for f in files[:4])
+        more = f" and {len(files) - 4} more" if len(files) > 4 else ""
+        raise RunFolderError(
+            f"{folder} {root} already holds a run ({listed}{more}); writing there would "
+            f"overwrite its metrics, config and posteriors. Pass {replace} to replace that run, "
+            f"or another {folder}."
+        )
+    logger.warning("%s: replacing the run in %s", replace, root)
+    for file in files:
+        file.unlink()
