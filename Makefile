@@ -84,7 +84,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 # issue 27's suite: families vs MAP, MAP + temperature scaling, a deep ensemble and laplace-torch
-# (digits + diabetes, 3 seeds; the MiniLM tasks: benchmarks/suite/run.py --tasks polarity fine),
+# (digits + diabetes, 3 seeds; the MiniLM tasks: benchmarks/suite/run.py --tasks polarity fine, one
+# process per seed on its own core, joined by benchmarks/suite/merge.py),
 # then docs/choosing.md and docs/img/suite_*.png from every result in benchmarks/results/suite/
 .PHONY: bench-suite
 bench-suite: $(STAMP)

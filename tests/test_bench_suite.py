@@ -182,3 +182,36 @@ def test_quick_diagnose_checks_both_anchors(tmp_path: Path) -> None:
     assert variances == sorted(variances, reverse=True)
     page = choosing.page({}, {}, json.loads((tmp_path / "d.json").read_text()))
     assert "**laplace-torch's last-layer Laplace.**" in page and "| 0 | " in page
+
+
+def _result(seeds: dict[str, dict], lr: float = 3e-3, data_seed: int = 0) -> dict:
+    info = {"num_train": 8, "data": {"num_train": 8, "seed": data_seed}}
+    task = {"kind": "classification", "info": info, "fit": {"epochs": 1, "lr": lr}}
+    task |= {"num_samples": 2, "members": 2, "settings": {"map": {}}, "runs": seeds}
+    return {
+        "date": f"2026-12-02T0{len(seeds)}",
+        "command": f"run.py --seeds {list(seeds)}",
+        "git": {"commit": "abc"},
+        "quick": False,
+        "seeds": [int(s) for s in seeds],
+        "tasks": {"polarity": task},
+    }
+
+
+def test_merge_joins_the_seeds_of_separate_processes_and_refuses_clashes() -> None:
+    merge = _load("merge").merge
+    zero = _result({"0": {"map": {"nll": 0.5}}})
+    one_two = _result({"2": {"map": {"nll": 0.7}}, "1": {"map": {"nll": 0.6}}}, data_seed=2)
+    merged = merge([one_two, zero])
+    runs = merged["tasks"]["polarity"]["runs"]
+    assert list(runs) == ["0", "1", "2"] and [r["map"]["nll"] for r in runs.values()] == [
+        0.5,
+        0.6,
+        0.7,
+    ]
+    assert merged["seeds"] == [0, 1, 2] and len(merged["git"]) == 2
+    assert merged["command"] == "run.py --seeds ['2', '1'] + run.py --seeds ['0']"
+    with pytest.raises(SystemExit, match=r"seed\(s\) \['0'\] in two inputs"):
+        merge([zero, zero])
+    with pytest.raises(SystemExit, match="another 'fit'"):
+        merge([zero, _result({"1": {"map": {"nll": 0.6}}}, lr=1e-3)])
