@@ -445,3 +445,23 @@ def test_the_library_run_refuses_a_finished_run_too(tmp_path, monkeypatch, job):
         module.run(config, out, progress_bar=False, overwrite=True)
     assert seen == [["config.json"]]  # the old run's files gone, the new config written
     assert json.loads((out / "config.json").read_text())["families"] == ["map"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.toml")),
+    ids=lambda p: p.stem,
+)
+def test_every_shipped_config_resolves(path: Path) -> None:
+    # the configs docs/causal_lm.md and the examples run: each must pass its job's schema
+    # (a renamed key would otherwise surface only after `make lm-data` and a model load)
+    from pyrobayes.cli import tomllib  # the standard library's, or tomli on Python 3.10
+    from pyrobayes.demo import causal_lm, pipeline
+
+    user = tomllib.loads(path.read_text())
+    module = causal_lm if "causal_lm" in user else pipeline
+    config = module.resolve_config(user)
+    assert config["families"] == user["families"]
+    if module is causal_lm:  # whole splits are asked for by 0, never by a missing key
+        task = user["causal_lm"]["task"]
+        assert {k: config["causal_lm"]["task"][k] for k in task} == task
