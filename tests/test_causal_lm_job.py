@@ -65,6 +65,16 @@ def test_quick_job_writes_the_table_and_evaluates_without_drift(tmp_path, capsys
     ]
     for r in records:
         assert 0 <= r["accuracy"] <= 1 and 0 <= r["ece"] <= 1 and math.isfinite(r["nll"])
+    # comparable loss reports: MAP's per-example NLL and prior term over its last epoch (no
+    # constants: the raw final_loss carries the prior's normaliser); a post-hoc family's own
+    # pass reports none
+    for r in records[1:]:
+        if r["family"] == "map":
+            assert sorted(r["terms"]) == ["nll", "prior"], r["terms"]
+            assert all(math.isfinite(v) for v in r["terms"].values())
+            assert r["terms"]["nll"] > 0
+        else:
+            assert r["terms"] == {}, r
     table = (out / "table.md").read_text()
     lines = table.splitlines()
     assert lines[0].startswith("| method | acc ↑ | ECE ↓ | NLL ↓")
@@ -160,3 +170,15 @@ def test_compare_normalize_equals_each_normalize_through_the_likelihood(tmp_path
         assert got["temperature"] > 0
     # the three differ on this task (choices of different lengths), so the test can fail
     assert compared["none"]["nll"] != pytest.approx(compared["length"]["nll"], abs=1e-6)
+
+
+def test_last_epoch_terms_average_the_last_epochs_steps():
+    import torch
+
+    from pyrobayes.demo.pipeline import last_epoch_terms
+    from pyrobayes.infer.loop import FitResult
+
+    terms = {"nll": torch.tensor([4.0, 3.0, 2.0, 1.0, 0.5, 0.25]), "kl": torch.arange(6.0)}
+    result = FitResult(None, torch.zeros(6), {"epoch": 3, "terms": terms})  # 2 steps an epoch
+    assert last_epoch_terms(result) == {"nll": 0.375, "kl": 4.5}
+    assert last_epoch_terms(FitResult(None, torch.zeros(0), {"epoch": 0})) == {}

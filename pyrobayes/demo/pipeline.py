@@ -690,7 +690,22 @@ def _record(
         "epochs_run": int(result.state["epoch"]),
         "stopped_early": bool(result.state.get("stopped_early", False)),
         "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
+        "terms": last_epoch_terms(result),
     }
+
+
+def last_epoch_terms(result: Any) -> dict[str, float]:
+    """The objective's named terms (``FitResult.state["terms"]``: per-example NLL and KL or
+    prior term, no additive constants) averaged over the fit's last epoch, so that families
+    compare where ``final_loss`` (each objective's own scale) does not; ``{}`` when the
+    objective reports none (a post-hoc family's own pass)."""
+    terms = result.state.get("terms") or {}
+    epochs = max(int(result.state.get("epoch", 1)), 1)
+    out = {}
+    for name, values in terms.items():
+        per_epoch = max(len(values) // epochs, 1)
+        out[name] = float(values[-per_epoch:].double().mean()) if len(values) else float("nan")
+    return out
 
 
 def _plots(out: Path, family: str, pred: Any) -> None:
@@ -853,6 +868,7 @@ _NOT_RECOMPUTED = (
     "family",
     "fit_seconds",
     "final_loss",
+    "terms",
     "init",
     "warm_start",
     "epochs",
