@@ -36,6 +36,7 @@ __all__ = [
     "calibration_error",
     "disagreement",
     "ece",
+    "ece_floor",
     "expected_entropy",
     "gaussian_nll",
     "gaussian_rmse",
@@ -371,6 +372,56 @@ def ece(probs: Tensor, labels: Tensor, *, num_bins: int = 15) -> float:
     float
     """
     return calibration_error(probs, labels, num_bins=num_bins).ece
+
+
+def ece_floor(
+    probs: Tensor, *, num_bins: int = 15, num_draws: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    r"""The ECE a perfectly calibrated predictor shows on this many examples: its sampling floor.
+
+    The binned ECE is biased upward on small test sets (Roelofs, Cain, Shlens & Mozer 2022,
+    *Mitigating bias in calibration error estimation*, AISTATS): even labels drawn from the
+    predictive itself, :math:`y_n \sim \mathrm{Cat}(\bar p_n)`, give a positive ECE. With the
+    example's confidence :math:`c_n = \max_k \bar p_{nk}` and its top label correct with
+    probability :math:`c_n`, the floor is
+
+    .. math:: \mathbb{E}\Big[\sum_b \tfrac{1}{N}\Big|\sum_{n \in B_b}(z_n - c_n)\Big|\Big],
+        \qquad z_n \sim \mathrm{Bernoulli}(c_n),
+
+    estimated from ``num_draws`` draws (bins as in :func:`calibration_error`). An observed ECE
+    within a standard deviation or two of this mean is indistinguishable from calibrated.
+
+    Parameters
+    ----------
+    probs : Tensor
+        Shape ``(S, N, C)`` (or ``(N, C)``): the predictive whose confidences are used.
+    num_bins : int, default 15
+        Number of equal-width confidence bins.
+    num_draws : int, default 1000
+        Monte-Carlo draws of the labels.
+    seed : int, default 0
+        Seed of the draws (the result is deterministic).
+
+    Returns
+    -------
+    (float, float)
+        The mean and the standard deviation of the ECE over the draws.
+    """
+    if num_bins < 1 or num_draws < 2:
+        raise ValueError(f"need num_bins >= 1 and num_draws >= 2, got {num_bins}, {num_draws}")
+    p_bar = mean_probs(probs).double()
+    if p_bar.shape[0] == 0:
+        raise ValueError("ece_floor needs at least one example")
+    confidence = p_bar.max(dim=-1).values
+    boundaries = torch.linspace(0.0, 1.0, num_bins + 1, dtype=confidence.dtype)
+    bins = (torch.bucketize(confidence.cpu(), boundaries, right=False) - 1).clamp(0, num_bins - 1)
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.rand(num_draws, confidence.shape[0], generator=generator, dtype=torch.float64)
+    gap = (draws < confidence.cpu()).double() - confidence.cpu()  # (D, N): z_n - c_n
+    per_bin = torch.zeros(num_draws, num_bins, dtype=torch.float64)
+    per_bin.index_add_(1, bins, gap)
+    values = per_bin.abs().sum(dim=1) / confidence.shape[0]
+    return float(values.mean()), float(values.std())
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,7 +77,9 @@ def test_quick_job_writes_the_table_and_evaluates_without_drift(tmp_path, capsys
             assert r["terms"] == {}, r
     table = (out / "table.md").read_text()
     lines = table.splitlines()
-    assert lines[0].startswith("| method | acc ↑ | ECE ↓ | NLL ↓")
+    assert lines[0].startswith("| method | acc ↑ | ECE ↓ | ECE floor | NLL ↓")
+    # the floor of a calibrated predictor on 16 questions: positive, below the largest possible
+    assert all(0 < r["ece_floor"] < 1 for r in records)
     assert [line.split("|")[1].strip() for line in lines[2:]] == [
         "zero-shot",
         "map",

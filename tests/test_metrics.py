@@ -399,3 +399,35 @@ def test_input_validation() -> None:
         nll(hand_probs(), torch.tensor([0, 3]))
     with pytest.raises(ValueError):
         brier_score(torch.ones(2, 2, 2, 2), hand_labels())
+
+
+def test_ece_floor_is_the_mean_ece_of_labels_drawn_from_the_predictive():
+    from pyrobayes.metrics import calibration_error, ece_floor
+
+    torch.manual_seed(0)
+    probs = torch.softmax(2 * torch.randn(4, 37, 3, dtype=torch.float64), dim=-1)  # (S, N, C)
+    mean, sd = ece_floor(probs, num_draws=50, seed=3)
+    # the same draws, turned into labels (top label when z_n = 1, another class otherwise) and
+    # scored by calibration_error: the floor is their mean ECE exactly
+    p_bar = probs.mean(0)
+    conf, top = p_bar.max(-1)
+    z = torch.rand(50, 37, generator=torch.Generator().manual_seed(3), dtype=torch.float64) < conf
+    eces = torch.tensor(
+        [calibration_error(probs, torch.where(zd, top, (top + 1) % 3)).ece for zd in z]
+    )
+    assert mean == pytest.approx(float(eces.mean()), abs=1e-12)
+    assert sd == pytest.approx(float(eces.std()), abs=1e-12)
+
+
+@pytest.mark.parametrize("c", [0.4, 0.9])
+def test_ece_floor_of_one_example_is_two_c_one_minus_c(c):
+    from pyrobayes.metrics import ece_floor
+
+    # one example: ECE = |z - c|, z ~ Bernoulli(c), so E = c(1 - c) + (1 - c)c = 2c(1 - c) and
+    # sd = sqrt(E[(z-c)^2] - E^2) = sqrt(c(1-c) - 4c^2(1-c)^2); the estimate over D draws is
+    # within 4 sd / sqrt(D) of E
+    probs = torch.tensor([[c, 1 - c]], dtype=torch.float64)
+    draws = 4000
+    mean, _ = ece_floor(probs, num_draws=draws, seed=0)
+    sd = math.sqrt(c * (1 - c) - 4 * c**2 * (1 - c) ** 2)
+    assert abs(mean - 2 * c * (1 - c)) <= 4 * sd / math.sqrt(draws)

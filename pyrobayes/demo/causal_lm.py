@@ -429,8 +429,15 @@ def build_model(config: dict[str, Any], base: torch.nn.Module, num_data: int, se
 
 
 def _metrics(pred: Any) -> dict[str, float]:
+    """Accuracy, NLL, ECE, Brier, and the ECE a calibrated predictor with these confidences
+    would show on this many questions (``ece_floor``: test splits of a few hundred questions
+    put it near .05)."""
     result = pbmetrics.report(pred, pred.targets)
-    return {k: float(result[k]) for k in ("accuracy", "nll", "ece", "brier")}
+    floor, _ = pbmetrics.ece_floor(pred.probs)
+    return {
+        **{k: float(result[k]) for k in ("accuracy", "nll", "ece", "brier")},
+        "ece_floor": floor,
+    }
 
 
 def _summed_scores(
@@ -652,7 +659,9 @@ def run(
 
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """The Laplace-LoRA / BLoB table: per family, accuracy, ECE, NLL (and Brier) as mean ±
-    sample standard deviation over its seeds (the value alone for one seed)."""
+    sample standard deviation over its seeds (the value alone for one seed), and the ECE floor
+    (:func:`pyrobayes.metrics.ece_floor`: what a calibrated predictor with the same confidences
+    scores on this test split; an ECE near it is calibrated as far as the split can tell)."""
     order: list[str] = []
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -661,6 +670,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             groups[r["family"]] = []
         groups[r["family"]].append(r)
     cols = [("accuracy", "acc ↑"), ("ece", "ECE ↓"), ("nll", "NLL ↓"), ("brier", "Brier ↓")]
+    if all("ece_floor" in r for r in records):  # (records of runs before it was recorded)
+        cols.insert(2, ("ece_floor", "ECE floor"))
     lines = [
         "| method | " + " | ".join(c[1] for c in cols) + " | seeds | fit s |",
         "|---|" + "---|" * (len(cols) + 2),
