@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     merged = merge([json.loads(p.read_text()) for p in args.inputs])
+    merged["command"] += " + " + " ".join(
+        ["benchmarks/suite/merge.py", "--out", str(args.out), *map(str, args.inputs)]
+    )
     args.out.write_text(json.dumps(merged, indent=1, default=str))
     print(
         f"wrote {args.out}: "
