@@ -412,12 +412,12 @@ def ece_floor(
     p_bar = mean_probs(probs).double()
     if p_bar.shape[0] == 0:
         raise ValueError("ece_floor needs at least one example")
-    confidence = p_bar.max(dim=-1).values
+    confidence = p_bar.max(dim=-1).values.cpu()  # the draws come from a CPU generator
     boundaries = torch.linspace(0.0, 1.0, num_bins + 1, dtype=confidence.dtype)
-    bins = (torch.bucketize(confidence.cpu(), boundaries, right=False) - 1).clamp(0, num_bins - 1)
+    bins = (torch.bucketize(confidence, boundaries, right=False) - 1).clamp(0, num_bins - 1)
     generator = torch.Generator().manual_seed(seed)
     draws = torch.rand(num_draws, confidence.shape[0], generator=generator, dtype=torch.float64)
-    gap = (draws < confidence.cpu()).double() - confidence.cpu()  # (D, N): z_n - c_n
+    gap = (draws < confidence).double() - confidence  # (D, N): z_n - c_n
     per_bin = torch.zeros(num_draws, num_bins, dtype=torch.float64)
     per_bin.index_add_(1, bins, gap)
     values = per_bin.abs().sum(dim=1) / confidence.shape[0]

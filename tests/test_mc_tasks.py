@@ -238,20 +238,29 @@ def test_ragged_batch_equals_per_question_scoring(padding_side, normalize):
     assert bool(torch.isfinite(nll).all())
 
 
-def test_ragged_batches_fit_and_predict_through_a_task():
-    examples = [
+def _ragged_examples() -> list[MCExample]:
+    return [
         MCExample(p, tuple(c), a)
         for p, c, a in zip(RAGGED_PROMPTS, RAGGED_CHOICES, RAGGED_ANSWERS, strict=True)
     ]
-    batches = all_test_task(examples).encode(CharTokenizer(), "test")
-    assert "choice_mask" in batches[0]
+
+
+def _ragged_model(num_data: int) -> FineTuneModel:
+    """LoRA r = 2 on q/v of the tiny LLaMA, initialised under seed 0."""
     torch.manual_seed(0)
-    model = FineTuneModel(
+    return FineTuneModel(
         tiny_llama(),
         LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
         likelihood=MultipleChoice(normalize="length"),
-        num_data=3,
+        num_data=num_data,
     )
+
+
+def test_ragged_batches_fit_and_predict_through_a_task():
+    examples = _ragged_examples()
+    batches = all_test_task(examples).encode(CharTokenizer(), "test")
+    assert "choice_mask" in batches[0]
+    model = _ragged_model(num_data=3)
     guide = pb.posterior(model, "meanfield")
     result = pb.fit(model, guide, batches, epochs=2, lr=1e-2, progress=False)
     assert all(math.isfinite(v) for v in result.losses)
@@ -267,20 +276,11 @@ def test_ragged_batches_fit_and_predict_through_a_task():
 def test_batches_with_different_numbers_of_choices_predict_together(family):
     # one batch of 2-choice questions, one of 4-choice ones: predict pads the narrower batch's
     # classes with probability 0 and equals each batch predicted alone
-    examples = [
-        MCExample(p, tuple(c), a)
-        for p, c, a in zip(RAGGED_PROMPTS, RAGGED_CHOICES, RAGGED_ANSWERS, strict=True)
-    ]
+    examples = _ragged_examples()
     narrow = all_test_task(examples[:1]).encode(CharTokenizer(), "test")
     wide = all_test_task(examples[1:2]).encode(CharTokenizer(), "test")
     assert narrow[0]["input_ids"].shape[1] == 2 and wide[0]["input_ids"].shape[1] == 4
-    torch.manual_seed(0)
-    model = FineTuneModel(
-        tiny_llama(),
-        LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
-        likelihood=MultipleChoice(normalize="length"),
-        num_data=2,
-    )
+    model = _ragged_model(num_data=2)
     guide = pb.posterior(model, family)
     pb.fit(model, guide, narrow + wide, epochs=1, lr=1e-2, progress=False)
     both = pb.predict(model, guide, narrow + wide, num_samples=2)
