@@ -125,6 +125,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         results = {family: _fit(family, rank) for family in FAMILIES}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch_dist.barrier()  # both ranks done before the teardown (see _nan_worker)
     finally:
         torch_dist.destroy_process_group()
 
@@ -178,5 +179,8 @@ def _nan_worker(rank: int, init_file: str, out_dir: str) -> None:
         except FloatingPointError:
             raised = "FloatingPointError"
         Path(out_dir, f"raised{rank}").write_text(raised)
+        # both ranks done before either tears the group down: a rank destroying its gloo group
+        # while the other still finishes its step aborted the latter (SIGABRT, 4 runs in 24)
+        torch_dist.barrier()
     finally:
         torch_dist.destroy_process_group()
