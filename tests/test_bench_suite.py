@@ -198,6 +198,64 @@ def _result(seeds: dict[str, dict], lr: float = 3e-3, data_seed: int = 0) -> dic
     }
 
 
+def test_quick_tune_scores_specs_on_the_calibration_split() -> None:
+    """benchmarks/suite/tune.py: a spec's options reach the guide (h0 100x larger: the IVON
+    scale 1/sqrt(N(h+δ)) about 10x smaller), and it reports the calibration split only."""
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(torch.float32)
+    sys.path.insert(0, str(SUITE))
+    try:
+        tune = _load("tune")
+        specs = ['{"epochs": 2}', '{"epochs": 2, "options": {"hess_init": 100.0}}']
+        rows = tune.main(["--quick", "--task", "digits", "--family", "ivon", *specs])
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+    assert [r["split"] for r in rows] == ["calibration"] * 2
+    assert all(math.isfinite(r["nll"]) and 0 <= r["accuracy"] <= 1 for r in rows)
+    assert not any("validation" in k for r in rows for k in r)
+    # two epochs of a quick task move h little from h0: the ratio stays within 3x of 10
+    ratio = rows[0]["scale_core_median"] / rows[1]["scale_core_median"]
+    assert 3 < ratio < 30
+
+
+def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:
+    update = _load("merge").update
+    base = _result(
+        {
+            "0": {"map": {"nll": 0.5, "fit_s": 1.0}, "ivon": {"nll": 0.9}, "ivon+ts": {"nll": 0.8}},
+            "1": {"map": {"nll": 0.6, "fit_s": 1.0}, "ivon": {"nll": 0.9}, "ivon+ts": {"nll": 0.8}},
+        }
+    )
+    base["tasks"]["polarity"]["settings"]["ivon"] = {"lr": 1.0}
+    fresh = _result(
+        {
+            "0": {"map": {"nll": 0.5, "fit_s": 2.0}, "ivon": {"nll": 0.4}, "ivon+ts": {"nll": 0.3}},
+            "1": {"map": {"nll": 0.6, "fit_s": 3.0}, "ivon": {"nll": 0.5}, "ivon+ts": {"nll": 0.2}},
+        }
+    )
+    fresh["tasks"]["polarity"]["settings"]["ivon"] = {"lr": 0.5}
+    fresh["dates"] = [fresh["date"]]
+    out = update(base, fresh, ["ivon"])
+    runs = out["tasks"]["polarity"]["runs"]
+    assert [runs[s]["ivon"]["nll"] for s in "01"] == [0.4, 0.5]
+    assert [runs[s]["ivon+ts"]["nll"] for s in "01"] == [0.3, 0.2]
+    assert runs["0"]["map"]["fit_s"] == 1.0  # the base's MAP row stays
+    assert out["tasks"]["polarity"]["settings"]["ivon"] == {"lr": 0.5}
+    assert base["tasks"]["polarity"]["runs"]["0"]["ivon"]["nll"] == 0.9  # base untouched
+    other_map = json.loads(json.dumps(fresh))
+    other_map["tasks"]["polarity"]["runs"]["1"]["map"]["nll"] = 0.61
+    with pytest.raises(SystemExit, match="MAP is not the base's"):
+        update(base, other_map, ["ivon"])
+    one_seed = json.loads(json.dumps(fresh))
+    del one_seed["tasks"]["polarity"]["runs"]["1"]
+    with pytest.raises(SystemExit, match=r"seed\(s\) \['1'\] not in the inputs"):
+        update(base, one_seed, ["ivon"])
+    with pytest.raises(SystemExit, match="no 'kron-ivon' row"):
+        update(base, fresh, ["kron-ivon"])
+
+
 def test_merge_joins_the_seeds_of_separate_processes_and_refuses_clashes() -> None:
     merge = _load("merge").merge
     zero = _result({"0": {"map": {"nll": 0.5}}})

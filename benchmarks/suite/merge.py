@@ -5,10 +5,19 @@ same settings (fit, families' settings, ensemble size, predictive draws, task in
 present in two inputs, or settings that differ, are refused. The output keeps every input's
 command, commit and date, so the report names all of them.
 
+``--base B --families F ...`` instead replaces (or adds) the rows of families ``F`` (and their
+``+ts`` rows) in the result ``B`` by those of the inputs, e.g. after a changed default: the
+inputs must hold every seed of ``B`` and their MAP must be ``B``'s MAP bit for bit (the same fit,
+so the post-hoc references and paired differences stay valid); the families' settings are
+taken from the inputs, everything else is refused when it differs.
+
 Run::
 
     .venv/bin/python benchmarks/suite/merge.py --out benchmarks/results/suite/polarity.json \\
         polarity_s0.json polarity_s1.json polarity_s2.json
+    .venv/bin/python benchmarks/suite/merge.py --out benchmarks/results/suite/polarity.json \\
+        --base benchmarks/results/suite/polarity.json --families ivon kron-ivon \\
+        ivon_s0.json ivon_s1.json ivon_s2.json
 """
 
 from __future__ import annotations
@@ -66,15 +75,68 @@ def merge(inputs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def update(base: dict[str, Any], new: dict[str, Any], families: list[str]) -> dict[str, Any]:
+    """``base`` with the rows of ``families`` taken from ``new`` (see the module docstring)."""
+    out = json.loads(json.dumps(base))
+    for name, task in new["tasks"].items():
+        if name not in out["tasks"]:
+            raise SystemExit(f"merge: task {name!r} is not in the base result")
+        joined = out["tasks"][name]
+        for key in ("kind", "info", "fit", "num_samples"):
+            if _comparable(joined, key) != _comparable(task, key):
+                raise SystemExit(f"merge: task {name!r} ran with another {key!r} than the base")
+        missing = set(joined["runs"]) - set(task["runs"])
+        if missing:
+            raise SystemExit(f"merge: task {name!r} seed(s) {sorted(missing)} not in the inputs")
+        for seed, run in joined["runs"].items():
+            fresh = task["runs"][seed]
+            if _untimed(fresh["map"]) != _untimed(run["map"]):
+                raise SystemExit(
+                    f"merge: task {name!r} seed {seed}: the inputs' MAP is not the base's "
+                    "(another fit: the paired differences would not be paired)"
+                )
+            for family in families:
+                for key in (family, f"{family}+ts"):
+                    if key not in fresh:
+                        raise SystemExit(f"merge: task {name!r} seed {seed} has no {key!r} row")
+                    run[key] = fresh[key]
+        for family in families:
+            joined["settings"][family] = task["settings"][family]
+    out["command"] = base["command"] + " + " + new["command"]
+    out["git"] = [*_as_list(base.get("git")), *_as_list(new.get("git"))]
+    out["dates"] = [*_as_list(base.get("dates", base["date"])), *new["dates"]]
+    out["date"] = max(base["date"], new["date"])
+    return out
+
+
+#: a MAP record's wall-clock fields (the rest must match bit for bit)
+_TIMES = ("fit_s", "predict_s")
+
+
+def _untimed(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in _TIMES}
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--base", type=Path, help="replace --families' rows in this result")
+    parser.add_argument("--families", nargs="+", default=[])
     args = parser.parse_args(argv)
+    if bool(args.base) != bool(args.families):
+        raise SystemExit("merge: --base and --families go together")
     merged = merge([json.loads(p.read_text()) for p in args.inputs])
+    extra = ["--base", str(args.base), "--families", *args.families] if args.base else []
     merged["command"] += " + " + " ".join(
-        ["benchmarks/suite/merge.py", "--out", str(args.out), *map(str, args.inputs)]
+        ["benchmarks/suite/merge.py", "--out", str(args.out), *extra, *map(str, args.inputs)]
     )
+    if args.base:
+        merged = update(json.loads(args.base.read_text()), merged, args.families)
     args.out.write_text(json.dumps(merged, indent=1, default=str))
     print(
         f"wrote {args.out}: "

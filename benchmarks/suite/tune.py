@@ -1,0 +1,124 @@
+"""Choose a family's settings on a suite task's **calibration** split (issue 27's "tune on
+validation splits of the suite only"): fit the family with each spec and report what the
+calibration split says, never the validation split the suite reports.
+
+A spec is a JSON object merged into the task's settings for the family (``benchmarks/suite/
+tasks.py``, read at run time): ``lr``, ``epochs``, ``patience`` replace the fit's; ``options``
+are merged into the guide's constructor options; ``optimizer`` (an object) replaces the fit's
+optimizer by ``pyrobayes.infer.IVON(**optimizer)`` for the IVON families. One JSON line per
+spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
+stopping uses the same split, as the suite's text tasks do), the epochs run, and for guides with
+per-site scales the median and 99th percentile of the posterior standard deviation per site
+kind (LoRA ``A``/``B`` factors, cores, whole layers) at the end of the fit.
+
+Usage::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/tune.py --task polarity --family ivon \\
+        --seeds 0,1,2 '{}' '{"options": {"weight_decay": 0.5}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyro
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from run import _fit  # noqa: E402
+from tasks import TASKS  # noqa: E402
+
+import pyrobayes as pb  # noqa: E402
+
+logger = logging.getLogger("suite.tune")
+
+
+def _merged(settings: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(settings)
+    for key, value in spec.items():
+        if key == "options":
+            out["options"] = {**out.get("options", {}), **value}
+        elif key == "optimizer":
+            out["optimizer"] = pb.infer.IVON(**value)
+        else:
+            out[key] = value
+    return out
+
+
+def _scale_summary(guide: Any) -> dict[str, float]:
+    """Median and 99th percentile of the posterior standard deviation per site kind."""
+    scale = getattr(guide, "scale", None)
+    sites = getattr(guide, "site_names", None) or getattr(guide, "sites", None)
+    if not callable(scale) or not sites:
+        return {}
+    kinds: dict[str, list[torch.Tensor]] = {}
+    for site in sites:
+        try:
+            s = scale(site)
+        except Exception:  # a Kronecker site has no elementwise scale
+            continue
+        kind = site.rsplit(".", 1)[-1]
+        kinds.setdefault(kind, []).append(s.detach().reshape(-1).double())
+    out: dict[str, float] = {}
+    for kind, values in kinds.items():
+        v = torch.cat(values)
+        out[f"scale_{kind}_median"] = float(v.median())
+        out[f"scale_{kind}_q99"] = float(v.quantile(0.99))
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", required=True, choices=list(TASKS))
+    parser.add_argument("--family", required=True)
+    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="the task's tiny size (the tests)")
+    parser.add_argument("specs", nargs="+", help="JSON objects (see the module docstring)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    rows = []
+    for seed in args.seeds:
+        task = TASKS[args.task](seed, args.quick)
+        for text in args.specs:
+            spec = json.loads(text)
+            settings = _merged(task.settings.get(args.family, {}), spec)
+            pyro.clear_param_store()
+            model = task.build_model(args.family, 0)
+            guide = pb.posterior(
+                model, settings.get("family", args.family), **settings.get("options", {})
+            )
+            start = time.perf_counter()
+            info = _fit(task, model, guide, settings, 1000 * seed)
+            pred = pb.predict(model, guide, task.calibration, num_samples=task.num_samples, seed=0)
+            assert pred.targets is not None
+            report = pb.metrics.report(pred, pred.targets)
+            row = {
+                "task": args.task,
+                "family": args.family,
+                "seed": seed,
+                "spec": spec,
+                "split": "calibration",
+                **{k: report[k] for k in ("accuracy", "nll", "ece") if k in report},
+                "epochs_run": info["epochs_run"],
+                "best_epoch": info["best_epoch"],
+                "seconds": time.perf_counter() - start,
+                **_scale_summary(guide),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
