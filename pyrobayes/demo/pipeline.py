@@ -132,7 +132,13 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # further: benchmarks/demo_family.py ivon '{"lr": ..., "hess_init": ...}'
     # IVON's noise can hold it at chance for its first epochs (seed 1: epochs 1-2, then .77 by
     # epoch 7), which one epoch of patience takes for convergence: it waits three.
-    "ivon": {"lr": 1.0, "patience": 3, "options": {"hess_init": 10.0}},
+    # lr 0.3, not 1 (issue 27, chosen on the suite's calibration splits, benchmarks/suite/tune.py):
+    # the data's curvature estimates are << h0 = 10, so h stays h0·β2^t (every σ equal to 1e-5)
+    # and the update is heavy-ball SGD with step α; at α = 1 it oscillated on some data orders
+    # (polarity seed 2: calibration accuracy .65 -> .43 -> .63 between epochs, stopped at .58;
+    # fine seed 1: .45). α = 0.3: calibration NLL polarity .461/.515/.670 -> .463/.520/.473
+    # (seeds 0/1/2), fine seed 1 1.283 -> 1.140; α = 0.1 was still at .62 after 12 epochs.
+    "ivon": {"lr": 0.3, "patience": 3, "options": {"hess_init": 10.0}},
     # the same step size, noise and patience, factor EMA 0.999 (the fine-tuning recommendation
     # of docs/methods/ivon.md)
     "kron-ivon": {
