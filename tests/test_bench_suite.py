@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import pyrobayes as pb
+
 pytest.importorskip("laplace")
 pytest.importorskip("sklearn")
 
@@ -218,6 +220,25 @@ def test_quick_tune_scores_specs_on_the_calibration_split() -> None:
     # two epochs of a quick task move h little from h0: the ratio stays within 3x of 10
     ratio = rows[0]["scale_core_median"] / rows[1]["scale_core_median"]
     assert 3 < ratio < 30
+
+
+def test_tune_optimizer_spec_builds_the_family_fit_settings() -> None:
+    """tune.py's ``optimizer`` object becomes the family's fit settings (IVON, MeanField) and is
+    refused, naming the families that read it, for a family without such settings."""
+    sys.path.insert(0, str(SUITE))
+    try:
+        merged = _load("tune")._merged
+        base = {"lr": 3e-3, "options": {"init_scale": 1e-3}}
+        out = merged(base, {"optimizer": {"scale_lr": 10.0}, "options": {"x": 1}}, "meanfield")
+        assert out["optimizer"] == pb.infer.MeanField(scale_lr=10.0)
+        assert out["options"] == {"init_scale": 1e-3, "x": 1} and out["lr"] == 3e-3
+        assert base["options"] == {"init_scale": 1e-3}  # the task's settings are not mutated
+        out = merged({}, {"optimizer": {"beta2": 0.99}}, "kron-ivon")
+        assert out["optimizer"] == pb.infer.IVON(beta2=0.99)
+        with pytest.raises(ValueError, match="'optimizer' spec.*'laplace'"):
+            merged({}, {"optimizer": {}}, "laplace")
+    finally:
+        sys.path.remove(str(SUITE))
 
 
 def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:

@@ -5,8 +5,9 @@ calibration split says, never the validation split the suite reports.
 A spec is a JSON object merged into the task's settings for the family (``benchmarks/suite/
 tasks.py``, read at run time): ``lr``, ``epochs``, ``patience`` replace the fit's; ``options``
 are merged into the guide's constructor options; ``optimizer`` (an object) replaces the fit's
-optimizer by ``pyrobayes.infer.IVON(**optimizer)`` for the IVON families. One JSON line per
-spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
+settings by ``pyrobayes.infer.IVON(**optimizer)`` for the IVON families and by
+``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field. One JSON
+line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
 stopping uses the same split, as the suite's text tasks do), the epochs run, and for guides with
 per-site scales the median and 99th percentile of the posterior standard deviation per site
 kind (LoRA ``A``/``B`` factors, cores, whole layers) at the end of the fit.
@@ -42,13 +43,24 @@ import pyrobayes as pb  # noqa: E402
 logger = logging.getLogger("suite.tune")
 
 
-def _merged(settings: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+def _fit_settings(family: str) -> Any:
+    """The fit-settings class a spec's ``optimizer`` object builds for ``family``."""
+    classes = {"ivon": pb.infer.IVON, "kron-ivon": pb.infer.IVON, "meanfield": pb.infer.MeanField}
+    if family not in classes:
+        raise ValueError(
+            f"tune.py: an 'optimizer' spec is read for {sorted(classes)}, not {family!r}; "
+            "drop it or set the family's other settings"
+        )
+    return classes[family]
+
+
+def _merged(settings: dict[str, Any], spec: dict[str, Any], family: str) -> dict[str, Any]:
     out = copy.deepcopy(settings)
     for key, value in spec.items():
         if key == "options":
             out["options"] = {**out.get("options", {}), **value}
         elif key == "optimizer":
-            out["optimizer"] = pb.infer.IVON(**value)
+            out["optimizer"] = _fit_settings(family)(**value)
         else:
             out[key] = value
     return out
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         task = TASKS[args.task](seed, args.quick)
         for text in args.specs:
             spec = json.loads(text)
-            settings = _merged(task.settings.get(args.family, {}), spec)
+            settings = _merged(task.settings.get(args.family, {}), spec, args.family)
             pyro.clear_param_store()
             model = task.build_model(args.family, 0)
             guide = pb.posterior(
