@@ -105,7 +105,14 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         if isinstance(training, dict):  # otherwise resolve_config names the wrong type
             training["device"] = args.device
     if "causal_lm" in user:  # the causal-LM multiple-choice job (pyrobayes.demo.causal_lm)
+        if args.seeds is not None:
+            user["seeds"] = args.seeds
         return _fit_causal_lm(args, path, user)
+    if args.seeds is not None:
+        raise ConfigError(
+            f"{path}: --seeds applies to causal-LM configs (their 'seeds' list); this config "
+            "runs one seed, set by [training] seed."
+        )
     try:
         config = resolve_config(user, quick=args.quick)
     except ConfigError as err:
@@ -167,6 +174,28 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_join(args: argparse.Namespace) -> int:
+    from .demo import causal_lm
+    from .demo.join_runs import join_runs
+
+    records = join_runs(args.run_dirs, args.out, overwrite=args.overwrite)
+    print(causal_lm.format_table(records))
+    print(f"run folder: {args.out}")
+    return 0
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integer seeds such as 1,2, got {text!r}"
+        ) from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("expected at least one seed, e.g. --seeds 0")
+    return seeds
+
+
 def _tolerance(text: str) -> float:
     value = float(text)
     if not (value >= 0) or value == float("inf"):
@@ -199,7 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--out", help="run folder (default runs/<config name>-<time>)")
     fit.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     fit.add_argument("--no-progress", action="store_true")
+    fit.add_argument(
+        "--seeds",
+        type=_seeds,
+        help="causal-LM configs: run these comma-separated seeds instead of the config's "
+        "(e.g. one process per seed, joined with `pyrobayes join`)",
+    )
     fit.set_defaults(func=_cmd_fit)
+
+    join = sub.add_parser(
+        "join",
+        help="join causal-LM run folders of the same job under different seeds into one",
+    )
+    join.add_argument("run_dirs", nargs="+")
+    join.add_argument("--out", required=True, help="the joined run folder")
+    join.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    join.set_defaults(func=_cmd_join)
 
     ev = sub.add_parser(
         "evaluate",

@@ -184,3 +184,71 @@ def test_last_epoch_terms_average_the_last_epochs_steps():
     result = FitResult(None, torch.zeros(6), {"epoch": 3, "terms": terms})  # 2 steps an epoch
     assert last_epoch_terms(result) == {"nll": 0.375, "kl": 4.5}
     assert last_epoch_terms(FitResult(None, torch.zeros(0), {"epoch": 0})) == {}
+
+
+def test_seeds_run_apart_and_joined_equal_the_one_process_job(tmp_path, capsys):
+    """`pyrobayes fit --seeds S` per seed, then `pyrobayes join`, writes the run folder the
+    one-process job writes: the same records (a seed's fit depends on its seed alone), every
+    posterior, and a folder `pyrobayes evaluate` reproduces."""
+    write_task(tmp_path / "task.json", num=24)
+    write_config(tmp_path / "job.toml", tmp_path / "task.json", families='["map", "laplace"]')
+    job = ["fit", str(tmp_path / "job.toml"), "--quick", "--no-progress"]
+    assert main([*job, "--out", str(tmp_path / "both")]) == 0
+    assert main([*job, "--seeds", "0", "--out", str(tmp_path / "s0")]) == 0
+    assert main([*job, "--seeds", "1", "--out", str(tmp_path / "s1")]) == 0
+    joined = tmp_path / "joined"
+    assert main(["join", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(joined)]) == 0
+
+    def comparable(path):
+        records = json.loads((path / "metrics.json").read_text())
+        return [{k: v for k, v in r.items() if k != "fit_seconds"} for r in records]
+
+    want, got = comparable(tmp_path / "both"), comparable(joined)
+    assert [(r["family"], r["seed"]) for r in got] == [(r["family"], r["seed"]) for r in want]
+    for w, g in zip(want, got, strict=True):
+        assert g.keys() == w.keys()
+        for key, value in w.items():
+            if isinstance(value, float):
+                # the same fit in the same process type: equal up to float summation order
+                # (NaN: a post-hoc family's final_loss, it runs no loss of its own)
+                assert g[key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (
+                    w["family"],
+                    key,
+                )
+            else:
+                assert g[key] == value, (w["family"], key)
+    config = json.loads((joined / "config.json").read_text())
+    assert config["seeds"] == [0, 1]
+    assert sorted(p.name for p in (joined / "guides").iterdir()) == sorted(
+        p.name for p in (tmp_path / "both" / "guides").iterdir()
+    )
+    table = (joined / "table.md").read_text()
+    assert "| map |" in table and " ± " in table and "| 2 |" in table
+    capsys.readouterr()
+    assert main(["evaluate", str(joined)]) == 0
+    assert "no drift" in capsys.readouterr().out
+
+    # a seed in two inputs, another job, a folder that is not a run: refused, naming the input
+    assert (
+        main(["join", str(tmp_path / "s0"), str(tmp_path / "both"), "--out", str(tmp_path / "x")])
+        == 2
+    )
+    assert "seed(s) [0]" in capsys.readouterr().err
+    write_config(tmp_path / "other.toml", tmp_path / "task.json", families='["map"]')
+    other = ["fit", str(tmp_path / "other.toml"), "--quick", "--no-progress", "--seeds", "2"]
+    assert main([*other, "--out", str(tmp_path / "s2")]) == 0
+    capsys.readouterr()
+    assert (
+        main(["join", str(tmp_path / "s0"), str(tmp_path / "s2"), "--out", str(tmp_path / "x")])
+        == 2
+    )
+    assert "ran another job" in capsys.readouterr().err
+    assert main(["join", str(tmp_path / "s0"), str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_fit_seeds_is_refused_for_a_one_seed_config(tmp_path, capsys):
+    (tmp_path / "demo.toml").write_text("[training]\nepochs = 1\n")
+    assert main(["fit", str(tmp_path / "demo.toml"), "--seeds", "1"]) == 2
+    assert "--seeds applies to causal-LM configs" in capsys.readouterr().err

@@ -1,0 +1,142 @@
+"""Join causal-LM run folders that ran the same job under different seeds into one.
+
+A causal-LM job (:mod:`pyrobayes.demo.causal_lm`) fits every family under every seed in one
+process. On a machine with several cores (or several machines) the seeds run faster as separate
+processes, e.g. ``pyrobayes fit job.toml --seeds 1 --out runs/s1``; :func:`join_runs` then
+writes the run folder the one-process job would have written: ``config.json`` with every seed,
+``metrics.json`` (the zero-shot row once, then one record per family and seed), ``table.md``
+(mean ± sample standard deviation over the seeds), and every input's posteriors and plots, so
+that ``pyrobayes evaluate`` reloads and checks all of them.
+
+The inputs must be the same job: their configs equal apart from ``seeds`` and the device, no
+seed in two inputs, and their zero-shot rows (the base network on the same test split) equal
+within :data:`~pyrobayes.demo.pipeline.DRIFT_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .causal_lm import format_table, is_causal_lm_config
+from .pipeline import DRIFT_TOLERANCE, RunFolderError, compare_metrics, read_json
+from .run_folder import claim_run_folder
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["join_runs"]
+
+#: config fields that may differ between the joined runs (the seeds are what is joined; the
+#: device does not change the job)
+_FREE = ("seeds",)
+
+
+def _job(config: dict[str, Any]) -> str:
+    """``config`` without the fields a joined run may vary, as canonical JSON."""
+    job = {k: v for k, v in config.items() if k not in _FREE}
+    job["training"] = {k: v for k, v in config.get("training", {}).items() if k != "device"}
+    return json.dumps(job, sort_keys=True, default=str)
+
+
+def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    config_path, metrics_path = run_dir / "config.json", run_dir / "metrics.json"
+    if not config_path.is_file() or not metrics_path.is_file():
+        raise RunFolderError(
+            f"{run_dir} has no config.json and metrics.json; pass the folders `pyrobayes fit` "
+            "wrote for a causal-LM config."
+        )
+    config = read_json(config_path)
+    if not is_causal_lm_config(config):
+        raise RunFolderError(
+            f"{run_dir} is not a causal-LM run (its config has no [causal_lm] section); only "
+            "causal-LM runs have seeds to join."
+        )
+    return config, read_json(metrics_path)
+
+
+def join_runs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, *, overwrite: bool = False
+) -> list[dict[str, Any]]:
+    """Write one causal-LM run folder holding every seed of ``run_dirs``.
+
+    Parameters
+    ----------
+    run_dirs : sequence of path
+        Run folders of the same causal-LM job (configs equal apart from ``seeds`` and the
+        device), each with its own seeds.
+    out_dir : path
+        The joined run folder (not one of ``run_dirs``).
+    overwrite : bool
+        Replace a run already in ``out_dir``; without it such a folder is refused.
+
+    Returns
+    -------
+    list of dict
+        The joined ``metrics.json`` records: the zero-shot row, then one per (family, seed) in
+        the order of ``run_dirs``.
+
+    Raises
+    ------
+    RunFolderError
+        Fewer than two inputs, an input that is not a causal-LM run folder, inputs of different
+        jobs, a seed in two inputs, zero-shot rows that differ, or ``out_dir`` among the inputs.
+    """
+    inputs = [Path(d) for d in run_dirs]
+    out = Path(out_dir)
+    if len(inputs) < 2:
+        raise RunFolderError(f"join_runs needs at least two run folders, got {len(inputs)}.")
+    if any(out.resolve() == d.resolve() for d in inputs):
+        raise RunFolderError(f"{out} is one of the run folders to join; write the join elsewhere.")
+    runs = [_read_run(d) for d in inputs]
+    first_config, first_records = runs[0]
+    seeds: list[int] = []
+    for run_dir, (config, records) in zip(inputs, runs, strict=True):
+        if _job(config) != _job(first_config):
+            raise RunFolderError(
+                f"{run_dir} ran another job than {inputs[0]} (their config.json differ beyond "
+                "'seeds' and the device); only seeds of the same job can be joined."
+            )
+        shared = sorted(set(seeds) & set(config["seeds"]))
+        if shared:
+            raise RunFolderError(
+                f"seed(s) {shared} of {run_dir} are already in an earlier run folder; each seed "
+                "must come from one run."
+            )
+        seeds += [int(s) for s in config["seeds"]]
+        zero = [r for r in records if r["family"] == "zero-shot"]
+        # the base network on the same test split, in another process: equal up to rounding
+        drifts = compare_metrics(
+            [r for r in first_records if r["family"] == "zero-shot"],
+            zero,
+            tolerance=DRIFT_TOLERANCE,
+        )
+        if drifts:
+            raise RunFolderError(
+                f"the zero-shot rows of {inputs[0]} and {run_dir} differ ({'; '.join(drifts)}): "
+                "the base network or the test split is not the same."
+            )
+    claim_run_folder(out, overwrite, folder="out", replace="overwrite")
+    (out / "guides").mkdir(parents=True, exist_ok=True)
+    (out / "plots").mkdir(exist_ok=True)
+    joined: list[dict[str, Any]] = [r for r in first_records if r["family"] == "zero-shot"]
+    for run_dir, (_, records) in zip(inputs, runs, strict=True):
+        joined += [r for r in records if r["family"] != "zero-shot"]
+        for pattern in ("guides/*.safetensors", "plots/reliability_*-seed*.png"):
+            for file in sorted(run_dir.glob(pattern)):
+                shutil.copy2(file, out / file.relative_to(run_dir))
+    # the first run's seed-independent files: the zero-shot diagram, the first seed's
+    # comparison plot, the ArviZ export and the normalize comparison
+    seed_free = ("plots/reliability_zero-shot.png", "plots/compare.png", "posterior.nc")
+    for name in (*seed_free, "normalize.json"):
+        if (inputs[0] / name).is_file():
+            shutil.copy2(inputs[0] / name, out / name)
+    config = {**first_config, "seeds": seeds}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "metrics.json").write_text(json.dumps(joined, indent=2))
+    (out / "table.md").write_text(format_table(joined))
+    logger.info("joined %d run folders (seeds %s) into %s", len(inputs), seeds, out)
+    return joined
