@@ -281,6 +281,37 @@ def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:
         update(base, fresh, ["kron-ivon"])
 
 
+def test_merge_refuses_an_update_only_result_without_a_base(tmp_path) -> None:
+    """run.py --update-only results carry no anchors: alone they would make a table without
+    laplace-torch and the ensemble, so merge.py takes them only with --base."""
+    main = _load("merge").main
+    fresh = _result({"0": {"map": {"nll": 0.5}, "ivon": {"nll": 0.4}, "ivon+ts": {"nll": 0.3}}})
+    fresh["update_only"] = True
+    fresh["tasks"]["polarity"]["settings"]["ivon"] = {"lr": 0.3}
+    (tmp_path / "fresh.json").write_text(json.dumps(fresh))
+    with pytest.raises(SystemExit, match="can only update a finished result"):
+        main([str(tmp_path / "fresh.json"), "--out", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
+    base = _result({"0": {"map": {"nll": 0.5}, "ivon": {"nll": 0.9}, "ivon+ts": {"nll": 0.8}}})
+    base["dates"] = [base["date"]]
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    out = tmp_path / "out.json"
+    main(
+        [
+            str(tmp_path / "fresh.json"),
+            "--out",
+            str(out),
+            "--base",
+            str(tmp_path / "base.json"),
+            "--families",
+            "ivon",
+        ]
+    )
+    merged = json.loads(out.read_text())
+    assert merged["tasks"]["polarity"]["runs"]["0"]["ivon"]["nll"] == 0.4
+    assert not merged.get("update_only")  # the base's anchors stay: a full result
+
+
 def test_merge_joins_the_seeds_of_separate_processes_and_refuses_clashes() -> None:
     merge = _load("merge").merge
     zero = _result({"0": {"map": {"nll": 0.5}}})

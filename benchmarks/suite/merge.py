@@ -12,7 +12,9 @@ post-hoc references and paired differences stay valid): every recorded number eq
 relative 1e-4 or an absolute 1e-5 (another thread count or BLAS path sums in another order; on
 the suite's MiniLM tasks such re-runs agree to 7e-5 relative, 1.3e-6 absolute, where the paired
 spreads are ~1e-2), every other field exactly; ``B``'s MAP row is kept. The families' settings
-are taken from the inputs, everything else is refused when it differs.
+are taken from the inputs, everything else is refused when it differs. ``run.py --update-only``
+results (MAP and the families, no laplace-torch and no ensemble) are made for this and can only
+be merged with ``--base``.
 
 Run::
 
@@ -75,6 +77,7 @@ def merge(inputs: list[dict[str, Any]]) -> dict[str, Any]:
         "loadavg_start": [d.get("loadavg_start") for d in inputs],
         "loadavg_end": [d.get("loadavg_end") for d in inputs],
         "seeds": sorted({s for d in inputs for s in d["seeds"]}),
+        "update_only": any(d.get("update_only") for d in inputs),
         "tasks": tasks,
     }
 
@@ -157,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.base:
         merged = update(json.loads(args.base.read_text()), merged, args.families)
+    elif merged.get("update_only"):
+        raise SystemExit(
+            "merge: run.py --update-only results have no anchors (laplace-torch, ensemble); "
+            "they can only update a finished result: pass --base and --families"
+        )
     args.out.write_text(json.dumps(merged, indent=1, default=str))
     print(
         f"wrote {args.out}: "

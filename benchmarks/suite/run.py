@@ -396,10 +396,12 @@ def run_seed(
     families: list[str],
     members: int,
     save: Any = lambda out: None,
+    laplace_torch: bool = True,
 ) -> dict[str, Any]:
     """Every method on one seed; ``save(out)`` after each (a long run keeps what it finished).
-    Order: MAP (+ TS), laplace-torch, the families (post-hoc ones from that MAP), and the deep
-    ensemble last (M - 1 more MAP fits; ``members < 2``: no ensemble)."""
+    Order: MAP (+ TS), laplace-torch (unless ``laplace_torch`` is false), the families
+    (post-hoc ones from that MAP), and the deep ensemble last (M - 1 more MAP fits;
+    ``members < 2``: no ensemble)."""
     out: dict[str, Any] = {}
     pyro.clear_param_store()
     map_settings = task.settings.get("map", {})
@@ -428,8 +430,9 @@ def run_seed(
             lambda: _ensemble(task, seed, [(map_model, map_guide)], info["fit_s"], members),
         )
     ]
-    _anchors(task, seed, anchors, out)
-    save(out)
+    if laplace_torch:
+        _anchors(task, seed, anchors, out)
+        save(out)
     variants = [
         name
         for name, st in task.settings.items()
@@ -557,7 +560,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-report", action="store_true", help="skip the markdown and plot")
+    parser.add_argument(
+        "--update-only",
+        action="store_true",
+        help="MAP (+ TS) and --families only, no laplace-torch and no ensemble: a result that "
+        "only updates a finished one (merge.py --base keeps the base's anchors); implies "
+        "--members 1 and --no-report",
+    )
     args = parser.parse_args(argv)
+    if args.update_only:
+        args.members, args.no_report = 1, True
     torch.set_num_threads(args.threads)
     seeds = args.seeds[:1] if args.quick else args.seeds
     members = min(args.members, 2) if args.quick else args.members
@@ -576,6 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "git": _git_state(),
         "loadavg_start": os.getloadavg(),
         "quick": args.quick,
+        "update_only": args.update_only,
         "members": members,
         "seeds": seeds,
         "auroc_score": "predictive entropy (auroc_<set>); max probability (auroc_maxprob_<set>)",
@@ -608,7 +621,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(results, indent=1, default=str))
 
-            runs[str(seed)] = run_seed(task, seed, list(args.families), members, save)
+            runs[str(seed)] = run_seed(
+                task, seed, list(args.families), members, save, not args.update_only
+            )
             logger.info("[%s seed %d] done in %.0f s", name, seed, time.perf_counter() - t0)
             _record(results, name, task, settings_used, runs, members)
             args.out.parent.mkdir(parents=True, exist_ok=True)
