@@ -263,6 +263,17 @@ def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:
     assert [runs[s]["ivon"]["nll"] for s in "01"] == [0.4, 0.5]
     assert [runs[s]["ivon+ts"]["nll"] for s in "01"] == [0.3, 0.2]
     assert runs["0"]["map"]["fit_s"] == 1.0  # the base's MAP row stays
+    # the replaced rows keep their own MAP's time: the cost ratio's reference (same load)
+    assert [runs[s]["ivon"]["map_fit_s"] for s in "01"] == [2.0, 3.0]
+    sys.path.insert(0, str(SUITE))  # choosing imports report
+    try:
+        choosing = _load("choosing")
+    finally:
+        sys.path.remove(str(SUITE))
+    assert choosing._fit_ratios(out["tasks"]["polarity"], "map") == [1.0, 1.0]
+    for s in "01":
+        runs[s]["ivon"]["fit_s"] = 6.0
+    assert choosing._fit_ratios(out["tasks"]["polarity"], "ivon") == [3.0, 2.0]
     assert out["tasks"]["polarity"]["settings"]["ivon"] == {"lr": 0.5}
     assert base["tasks"]["polarity"]["runs"]["0"]["ivon"]["nll"] == 0.9  # base untouched
     other_map = json.loads(json.dumps(fresh))

@@ -240,6 +240,16 @@ def _sym_base(task: dict[str, Any]) -> str:
     return "meanfield-lora" if _ran(task, "meanfield-lora") else "meanfield"
 
 
+def _fit_ratios(task: dict[str, Any], m: str) -> list[float]:
+    """``m``'s fit time over the MAP's of the same process, per seed: a row merged in from
+    another run (``merge.py --base``) carries that run's MAP time as ``map_fit_s``, since the
+    base's MAP ran under another machine load."""
+    a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
+    own = values(task, m, "map_fit_s")
+    ref = {s: own.get(s, b.get(s, 0.0)) for s in a}
+    return [a[s] / ref[s] for s in a if ref[s] > 0]
+
+
 def _cost_rows(tasks: dict[str, dict[str, Any]]) -> list[str]:
     rows = [
         "| method | "
@@ -251,8 +261,7 @@ def _cost_rows(tasks: dict[str, dict[str, Any]]) -> list[str]:
     for m in names:
         cells = []
         for task in tasks.values():
-            a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
-            ratios = [a[s] / b[s] for s in a if s in b and b[s] > 0]
+            ratios = _fit_ratios(task, m)
             cells.append(f"{statistics.fmean(ratios):.1f}" if ratios else "–")
         st = values(tasks.get("digits", {"runs": {}}), m, "storage")
         cells.append(f"{int(statistics.fmean(st.values()))}" if st else "–")
@@ -562,8 +571,7 @@ def _in_short(tasks: dict[str, dict[str, Any]]) -> list[str]:
     ratios: dict[str, list[float]] = {}
     for task in tasks.values():
         for m in FAMILIES:
-            a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
-            ratios.setdefault(m, []).extend(a[s] / b[s] for s in a if s in b and b[s] > 0)
+            ratios.setdefault(m, []).extend(_fit_ratios(task, m))
     cheap = sorted((statistics.fmean(v), m) for m, v in ratios.items() if v)
     if cheap:
         out.append(

@@ -106,7 +106,8 @@ def update(base: dict[str, Any], new: dict[str, Any], families: list[str]) -> di
                 for key in (family, f"{family}+ts"):
                     if key not in fresh:
                         raise SystemExit(f"merge: task {name!r} seed {seed} has no {key!r} row")
-                    run[key] = fresh[key]
+                    # the fit-time ratio's reference: the MAP of the same process and load
+                    run[key] = {**fresh[key], "map_fit_s": fresh["map"].get("fit_s")}
         for family in families:
             joined["settings"][family] = task["settings"][family]
     out["command"] = base["command"] + " + " + new["command"]
