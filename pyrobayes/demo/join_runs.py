@@ -30,14 +30,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["join_runs"]
 
-#: config fields that may differ between the joined runs (the seeds are what is joined; the
-#: device does not change the job)
-_FREE = ("seeds",)
-
 
 def _job(config: dict[str, Any]) -> str:
-    """``config`` without the fields a joined run may vary, as canonical JSON."""
-    job = {k: v for k, v in config.items() if k not in _FREE}
+    """``config`` without the fields a joined run may vary, as canonical JSON: the seeds (what
+    is joined) and the training device (it does not change the job)."""
+    job = {k: v for k, v in config.items() if k != "seeds"}
     job["training"] = {k: v for k, v in config.get("training", {}).items() if k != "device"}
     return json.dumps(job, sort_keys=True, default=str)
 

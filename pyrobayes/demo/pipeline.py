@@ -123,14 +123,16 @@ QUICK_OVERRIDES: dict[str, Any] = {
 #: without a better validation NLL, ``training.epochs`` epochs at most, keeping the epoch of
 #: least validation NLL (``fit(validation=Validation(val, "nll", patience))``, scored at the
 #: posterior mean).
+_MEANFIELD_OPTIONS: dict[str, Any] = {"init_scale": 1e-3}
+
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "map": {},
-    "meanfield": {"options": {"init_scale": 1e-3}},
+    "meanfield": {"options": dict(_MEANFIELD_OPTIONS)},
     # symmetrized VI over mean-field with mean-field's options: the same adapter, initialisation
     # and budget, so where I_K is inert (it sat at log K on every step of the MiniLM text tasks)
     # the fit is mean-field's and elsewhere it fits a bound that is never looser. The symmetrized
     # default init_scale (1e-2, mean-field's own) here paired it with another initialisation.
-    "symmetrized": {"options": {"init_scale": 1e-3}},
+    "symmetrized": {"options": dict(_MEANFIELD_OPTIONS)},
     # IVON's step is α·m̂/(h+δ) and its noise σ² = 1/(N(h+δ)): on the demo's LoRA factors h0 = 0.5
     # (the LoRA-XS setting) left IVON at chance for lr 0.1-3 (σ ≈ 0.05 on every factor entry);
     # h0 = 10 with lr 1 learns (0.63 after 2 epochs on seed 0; lr 3 stayed at chance). Not tuned
