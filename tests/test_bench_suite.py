@@ -321,6 +321,31 @@ def test_merge_refuses_an_update_only_result_without_a_base(tmp_path) -> None:
     merged = json.loads(out.read_text())
     assert merged["tasks"]["polarity"]["runs"]["0"]["ivon"]["nll"] == 0.4
     assert not merged.get("update_only")  # the base's anchors stay: a full result
+    # the command stays the base's; the update's runs and merge are named per family, and a
+    # later update of the same family replaces the earlier one (the report names what made
+    # the rows, not the history)
+    assert merged["command"] == base["command"]
+    first = merged["updates"]["ivon"]
+    assert first.startswith(fresh["command"] + " + benchmarks/suite/merge.py")
+    assert "--families ivon" in first
+    fresh["command"] = "run.py --again"
+    (tmp_path / "fresh.json").write_text(json.dumps(fresh))
+    again = tmp_path / "again.json"
+    main(
+        [
+            str(tmp_path / "fresh.json"),
+            "--out",
+            str(again),
+            "--base",
+            str(out),
+            "--families",
+            "ivon",
+        ]
+    )
+    updated = json.loads(again.read_text())
+    assert updated["command"] == base["command"]
+    assert list(updated["updates"]) == ["ivon"]
+    assert updated["updates"]["ivon"].startswith("run.py --again + benchmarks/suite/merge.py")
 
 
 def test_merge_joins_the_seeds_of_separate_processes_and_refuses_clashes() -> None:

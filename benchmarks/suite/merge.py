@@ -14,7 +14,10 @@ the suite's MiniLM tasks such re-runs agree to 7e-5 relative, 1.3e-6 absolute, w
 spreads are ~1e-2), every other field exactly; ``B``'s MAP row is kept. The families' settings
 are taken from the inputs, everything else is refused when it differs. ``run.py --update-only``
 results (MAP and the families, no laplace-torch and no ensemble) are made for this and can only
-be merged with ``--base``.
+be merged with ``--base``. The result's ``command`` stays the base's (what made MAP and the
+anchors); ``updates`` maps each replaced family to the command (runs and merge) its rows now come
+from, the latest replacing an earlier one, so the report names what made every row and nothing
+that no longer does.
 
 Run::
 
@@ -110,7 +113,7 @@ def update(base: dict[str, Any], new: dict[str, Any], families: list[str]) -> di
                     run[key] = {**fresh[key], "map_fit_s": fresh["map"].get("fit_s")}
         for family in families:
             joined["settings"][family] = task["settings"][family]
-    out["command"] = base["command"] + " + " + new["command"]
+    out["updates"] = {**base.get("updates", {}), **dict.fromkeys(families, new["command"])}
     out["git"] = [*_as_list(base.get("git")), *_as_list(new.get("git"))]
     out["dates"] = [*_as_list(base.get("dates", base["date"])), *new["dates"]]
     out["date"] = max(base["date"], new["date"])

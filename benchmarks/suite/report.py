@@ -316,7 +316,12 @@ def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dic
             task.setdefault("members", data.get("members"))
             task.setdefault(
                 "source",
-                {"file": path.name, "date": data.get("date"), "command": data.get("command")},
+                {
+                    "file": path.name,
+                    "date": data.get("date"),
+                    "command": data.get("command"),
+                    "updates": data.get("updates", {}),
+                },
             )
             task["source"].setdefault("git", data.get("git"))
             if name not in found or data["date"] >= found[name][0]:

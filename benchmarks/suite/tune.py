@@ -67,24 +67,31 @@ def _merged(settings: dict[str, Any], spec: dict[str, Any], family: str) -> dict
 
 
 def _scale_summary(guide: Any) -> dict[str, float]:
-    """Median and 99th percentile of the posterior standard deviation per site kind."""
+    """Median and 99th percentile of the posterior standard deviation per site kind, and the
+    root mean square of the posterior mean per site kind (``loc_<kind>_rms``)."""
     scale = getattr(guide, "scale", None)
     sites = getattr(guide, "site_names", None) or getattr(guide, "sites", None)
     if not callable(scale) or not sites:
         return {}
     kinds: dict[str, list[torch.Tensor]] = {}
+    locs: dict[str, list[torch.Tensor]] = {}
     for site in sites:
+        kind = site.rsplit(".", 1)[-1]
         try:
             s = scale(site)
         except Exception:  # a Kronecker site has no elementwise scale
             continue
-        kind = site.rsplit(".", 1)[-1]
         kinds.setdefault(kind, []).append(s.detach().reshape(-1).double())
+        loc = getattr(guide, "loc", None)
+        if callable(loc):
+            locs.setdefault(kind, []).append(loc(site).detach().reshape(-1).double())
     out: dict[str, float] = {}
     for kind, values in kinds.items():
         v = torch.cat(values)
         out[f"scale_{kind}_median"] = float(v.median())
         out[f"scale_{kind}_q99"] = float(v.quantile(0.99))
+    for kind, values in locs.items():
+        out[f"loc_{kind}_rms"] = float(torch.cat(values).square().mean().sqrt())
     return out
 
 

@@ -18,6 +18,9 @@ from .base import SitewiseKL
 
 __all__ = ["MeanFieldGuide"]
 
+#: the ``prior`` options: the model's own, or chosen by the ELBO per site or for all sites
+_PRIORS = ("model", "empirical", "empirical-shared")
+
 
 class MeanFieldGuide(SitewiseKL):
     r"""Fully factorised Gaussian over every latent site.
@@ -34,6 +37,19 @@ class MeanFieldGuide(SitewiseKL):
         Initial σ of every coordinate (default 1e-2).
     init_loc : {"model", "zero"}
         Start μ at the model's current values (LoRA-XS cores ≈ 0, LoRA's A at its init) or at 0.
+    prior : {"model", "empirical"}
+        The prior the KL is taken to. ``"model"`` (default): the model's own ``N(m, s_p²)``.
+        ``"empirical"``: empirical Bayes, one prior scale per site chosen by the ELBO itself
+        (type-II maximum likelihood inside VI, as Wu et al., 2019, *Deterministic Variational
+        Inference for Robust Bayesian Neural Networks*, Sec. 4, do per layer): the KL is its
+        minimum over ``s``, reached at ``ŝ² = (Σσ² + Σ(μ−m)²)/n`` (n, the site's size),
+
+        .. math:: \mathrm{KL}_{\mathrm{EB}} = \tfrac n2 \log ŝ^2 − \textstyle\sum_i \log σ_i,
+
+        so the prior follows each site's own magnitude. ``"empirical-shared"``: one such scale
+        for all sites together (n, Σ over every site): a LoRA ``B`` that starts at 0 is then held
+        to the scale of the whole adapter, not to its own (which starts at ``init_scale`` and
+        shrinks it). :meth:`empirical_prior_scale` reports ŝ.
     scale_lr : float, optional
         Deprecated here: the scales' learning-rate factor is a setting of the fit, not of the
         posterior. Pass it to the fitter as ``pb.fit(..., optim=pb.Optimization(
@@ -63,6 +79,7 @@ class MeanFieldGuide(SitewiseKL):
         *,
         init_scale: float = 1e-2,
         init_loc: str = "model",
+        prior: str = "model",
         scale_lr: float | None = None,
     ) -> None:
         owner = f"{type(self).__name__}: "
@@ -75,9 +92,21 @@ class MeanFieldGuide(SitewiseKL):
         warn_fit_settings(owner, given, self.fit_settings_class)
         if init_loc not in ("model", "zero"):
             raise ValueError(f"Expected init_loc 'model' or 'zero' but got {init_loc!r}.")
+        if prior not in _PRIORS:
+            raise ValueError(
+                f"{owner}expected prior 'model' (the model's own prior), 'empirical' (one prior "
+                "scale per site chosen by the ELBO) or 'empirical-shared' (one for all sites) "
+                f"but got {prior!r}."
+            )
+        self._prior = prior
         self._init_scale = float(init_scale)
         self._init_loc = init_loc
         super().__init__(model)
+
+    @property
+    def prior(self) -> str:
+        """The prior of the KL: ``"model"``, ``"empirical"`` or ``"empirical-shared"``."""
+        return self._prior
 
     def _setup_site(self, site: str, init: Tensor) -> None:
         loc = init.detach().clone() if self._init_loc == "model" else init.new_zeros(init.shape)
@@ -172,8 +201,11 @@ class MeanFieldGuide(SitewiseKL):
         (no distribution objects on the hot path); other priors (or an overridden
         ``get_posterior``) go through ``kl_divergence``.
         """
-        if not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None:
+        if self._prior == "model" and (
+            not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None
+        ):
             return super().kl_to_prior(model)
+        self.require_setup()
         return self._closed_form(model, None)[1]
 
     def rsample_with_kl(self, num_samples: int, model: Any) -> tuple[dict[str, Tensor], Tensor]:
@@ -181,7 +213,9 @@ class MeanFieldGuide(SitewiseKL):
 
         The same draws and values as the two calls (the ELBO's hot path on small networks).
         """
-        if not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None:
+        if self._prior == "model" and (
+            not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None
+        ):
             kl = self.kl_to_prior(model)  # first: it may raise NotImplementedError
             return self.rsample(num_samples), kl
         self.require_setup()
@@ -190,28 +224,67 @@ class MeanFieldGuide(SitewiseKL):
             raise RuntimeError(f"{type(self).__name__}: no draws were made; please report.")
         return draws, kl
 
+    def empirical_prior_scale(self, site: str | None = None, model: Any = None) -> Tensor:
+        r"""``ŝ = sqrt((Σσ² + Σ(μ−m)²)/n)``, the prior scale that minimises the KL: over ``site``,
+        or over every site together when ``site`` is None (``prior="empirical-shared"``'s);
+        ``m`` is ``model``'s prior location, else 0."""
+        self.require_setup()
+        quad, count = None, 0
+        for name in self.sites if site is None else [site]:
+            loc, scale = self._loc_scale(name)
+            q = _second_moment(loc, scale, _prior_loc(model, name))
+            quad, count = (q if quad is None else quad + q), count + loc.numel()
+        if quad is None:
+            raise ValueError(f"{type(self).__name__}: the guide has no sites.")
+        return (quad / count).sqrt().detach()
+
     def _closed_form(
         self, model: Any, num_samples: int | None
     ) -> tuple[dict[str, Tensor] | None, Tensor]:
-        # per site: (Σσ² + Σ(μ−m)²)/(2s²) − Σ log σ + n (log s − ½); sums first, scalars last
+        # per site: (Σσ² + Σ(μ−m)²)/(2s²) − Σ log σ + n (log s − ½); sums first, scalars last.
+        # prior="empirical": s² = (Σσ² + Σ(μ−m)²)/n, its minimiser: n/2 log s² − Σ log σ;
+        # "empirical-shared": the same with the sums and n over all sites.
         draws: dict[str, Tensor] | None = None if num_samples is None else {}
         total, const = None, 0.0
+        shared_quad, shared_count = None, 0
         for site in self.sites:
             loc, scale = self._loc_scale(site)
             if draws is not None and num_samples is not None:
                 draws[site] = _draw(loc, scale, num_samples)
-            prior_loc, prior_scale = model.prior_loc_scale(site)
-            diff = loc if prior_loc == 0 else loc - prior_loc
-            quad = scale.square().sum() + diff.square().sum()
-            kl = quad * (0.5 / prior_scale**2) - scale.log().sum()
-            const += loc.numel() * (math.log(prior_scale) - 0.5)
+            if self._prior == "model":
+                prior_loc, prior_scale = model.prior_loc_scale(site)
+                quad = _second_moment(loc, scale, prior_loc)
+                kl = quad * (0.5 / prior_scale**2) - scale.log().sum()
+                const += loc.numel() * (math.log(prior_scale) - 0.5)
+            else:
+                quad = _second_moment(loc, scale, _prior_loc(model, site))
+                kl = -scale.log().sum()
+                if self._prior == "empirical":
+                    kl = kl + (quad / loc.numel()).log() * (0.5 * loc.numel())
+                else:
+                    shared_quad = quad if shared_quad is None else shared_quad + quad
+                    shared_count += loc.numel()
             total = kl if total is None else total + kl
         if total is None:
             raise ValueError(
                 f"{type(self).__name__}: the model has no latent sites, so KL(q||p) is empty; "
                 "build FineTuneModel with an adapter or latent_modules."
             )
+        if shared_quad is not None:
+            total = total + (shared_quad / shared_count).log() * (0.5 * shared_count)
         return draws, total + const
+
+
+def _second_moment(loc: Tensor, scale: Tensor, prior_loc: float) -> Tensor:
+    """``Σσ² + Σ(μ−m)²`` of one site."""
+    diff = loc if prior_loc == 0 else loc - prior_loc
+    return scale.square().sum() + diff.square().sum()
+
+
+def _prior_loc(model: Any, site: str) -> float:
+    """The prior's location at ``site``: ``model.prior_loc_scale(site)[0]``, else 0."""
+    get = getattr(model, "prior_loc_scale", None)
+    return 0.0 if get is None else float(get(site)[0])
 
 
 def _draw(loc: Tensor, scale: Tensor, num_samples: int) -> Tensor:

@@ -252,6 +252,12 @@ class ELBO:
             except NotImplementedError:  # no formula for this prior: Monte Carlo below
                 kl = None
         if kl is None:
+            if getattr(guide, "prior", "model") != "model":
+                raise ValueError(
+                    f"ELBO: {type(guide).__name__}(prior={guide.prior!r}) takes the KL to a prior "
+                    "chosen by the ELBO, which has the closed form only; use "
+                    "ELBO(analytic_kl=True) (the default) or prior='model'."
+                )
             values = guide.rsample(self.num_particles)
             nll, num_data = _scaled_nll(model, values, batch)
             kl = (guide.log_prob(values) - model.log_prior(values)).mean()

@@ -37,7 +37,7 @@ _IVON_Q = {"ess", "weight_decay", "point_weight_decay", "point_prior_loc", "hess
 #: autoguides' ``init_scale``; IVON's ``hess_init`` is h0, the curvature's start)
 POSTERIOR_OPTIONS: dict[str, set[str]] = {
     "map": set(),
-    "meanfield": {"init_scale", "init_loc"},
+    "meanfield": {"init_scale", "init_loc", "prior"},  # prior: the KL of the file's q
     "ivon": _IVON_Q,
     "kron-ivon": _IVON_Q | {"damping"},
     "laplace": {
@@ -51,7 +51,7 @@ POSTERIOR_OPTIONS: dict[str, set[str]] = {
     "swag": {"rank", "scale"},
     "ibdr": {"num_particles", "scale", "init_scale", "average"},
     "signorm": {"num_particles", "scale", "init_scale", "average", "init_noise", "head_init"},
-    "symmetrized": {"base", "init_scale", "init_loc"},
+    "symmetrized": {"base", "init_scale", "init_loc", "prior"},
 }
 
 #: family -> options still on its guide (so still in its files) that describe the fit, not q:

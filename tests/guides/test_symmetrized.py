@@ -196,6 +196,7 @@ def test_the_guide_is_its_base_for_sampling_and_the_contract():
         "base": "meanfield",
         "init_scale": 0.05,
         "init_loc": "model",
+        "prior": "model",
     }
     a = guide.sample_posterior(3, generator=torch.Generator().manual_seed(0))
     b = guide.base.sample_posterior(3, generator=torch.Generator().manual_seed(0))
