@@ -307,17 +307,8 @@ def test_merge_refuses_an_update_only_result_without_a_base(tmp_path) -> None:
     base["dates"] = [base["date"]]
     (tmp_path / "base.json").write_text(json.dumps(base))
     out = tmp_path / "out.json"
-    main(
-        [
-            str(tmp_path / "fresh.json"),
-            "--out",
-            str(out),
-            "--base",
-            str(tmp_path / "base.json"),
-            "--families",
-            "ivon",
-        ]
-    )
+    update = [str(tmp_path / "fresh.json"), "--families", "ivon", "--out"]
+    main([*update, str(out), "--base", str(tmp_path / "base.json")])
     merged = json.loads(out.read_text())
     assert merged["tasks"]["polarity"]["runs"]["0"]["ivon"]["nll"] == 0.4
     assert not merged.get("update_only")  # the base's anchors stay: a full result
@@ -331,17 +322,7 @@ def test_merge_refuses_an_update_only_result_without_a_base(tmp_path) -> None:
     fresh["command"] = "run.py --again"
     (tmp_path / "fresh.json").write_text(json.dumps(fresh))
     again = tmp_path / "again.json"
-    main(
-        [
-            str(tmp_path / "fresh.json"),
-            "--out",
-            str(again),
-            "--base",
-            str(out),
-            "--families",
-            "ivon",
-        ]
-    )
+    main([*update, str(again), "--base", str(out)])
     updated = json.loads(again.read_text())
     assert updated["command"] == base["command"]
     assert list(updated["updates"]) == ["ivon"]

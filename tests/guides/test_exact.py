@@ -32,13 +32,13 @@ def test_closed_form_is_the_posterior():
     assert off.abs().max() < 1e-5 * cov.diagonal().min()
 
 
-def test_meanfield_recovers_exact_posterior():
-    prob = conjugate_core()
-    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
-    data = [(prob.x, prob.y)]  # full batch: the only noise is the reparameterization
+def _fit_and_average(prob, guide) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fit ``guide`` to the conjugate core (full batch: the only noise is the
+    reparameterization), anneal, and average the last 1000 iterates (Polyak) to remove the
+    optimizer's jitter: the averaged ``(loc, scale)`` of the core's site."""
+    data = [(prob.x, prob.y)]
     objective = pb.infer.objectives.ELBO(num_particles=32)
     pb.fit(prob.model, guide, data, lr=0.02, optim=pb.Optimization(loss=objective, num_steps=1500))
-    # anneal, then average the last iterates (Polyak) to remove the optimizer's jitter
     locs, scales = [], []
 
     def record(step: int, value: float) -> None:
@@ -54,7 +54,13 @@ def test_meanfield_recovers_exact_posterior():
         optim=pb.Optimization(loss=objective, num_steps=1500),
         progress=pb.Progress(callback=record),
     )
-    loc, scale = torch.stack(locs).mean(0), torch.stack(scales).mean(0)
+    return torch.stack(locs).mean(0), torch.stack(scales).mean(0)
+
+
+def test_meanfield_recovers_exact_posterior():
+    prob = conjugate_core()
+    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
+    loc, scale = _fit_and_average(prob, guide)
     sd = prob.post_scale
     # Tolerances. Posterior sds here are 0.05-0.16. The averaged iterate's error comes from the
     # gradient noise of 32 particles: each step's data-term gradient has relative noise ≈ 1/√32,
@@ -146,25 +152,7 @@ def test_empirical_prior_meanfield_recovers_the_type2_posterior() -> None:
     moment = (exact.post_loc.square() + exact.post_scale.square()).mean()
     assert abs(float(moment.sqrt()) / s_star - 1) < 1e-4
     guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1, prior="empirical")
-    data = [(prob.x, prob.y)]
-    objective = pb.infer.objectives.ELBO(num_particles=32)
-    pb.fit(prob.model, guide, data, lr=0.02, optim=pb.Optimization(loss=objective, num_steps=1500))
-    locs, scales = [], []
-
-    def record(step: int, value: float) -> None:
-        if step > 500:
-            locs.append(guide.loc(prob.site).detach().clone())
-            scales.append(guide.scale(prob.site).detach().clone())
-
-    pb.fit(
-        prob.model,
-        guide,
-        data,
-        lr=0.002,
-        optim=pb.Optimization(loss=objective, num_steps=1500),
-        progress=pb.Progress(callback=record),
-    )
-    loc, scale = torch.stack(locs).mean(0), torch.stack(scales).mean(0)
+    loc, scale = _fit_and_average(prob, guide)
     sd = exact.post_scale
     # the tolerances of test_meanfield_recovers_exact_posterior (same optimiser, particles and
     # averaging; the reasoning there): 0.1 sd for the mean, 5% for the scale; ŝ is a root mean
