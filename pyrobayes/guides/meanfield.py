@@ -37,19 +37,19 @@ class MeanFieldGuide(SitewiseKL):
         Initial σ of every coordinate (default 1e-2).
     init_loc : {"model", "zero"}
         Start μ at the model's current values (LoRA-XS cores ≈ 0, LoRA's A at its init) or at 0.
-    prior : {"model", "empirical"}
+    prior : {"model", "empirical", "empirical-shared"}
         The prior the KL is taken to. ``"model"`` (default): the model's own ``N(m, s_p²)``.
         ``"empirical"``: empirical Bayes, one prior scale per site chosen by the ELBO itself
         (type-II maximum likelihood inside VI, as Wu et al., 2019, *Deterministic Variational
-        Inference for Robust Bayesian Neural Networks*, Sec. 4, do per layer): the KL is its
+        Inference for Robust Bayesian Neural Networks*, do per layer): the KL is its
         minimum over ``s``, reached at ``ŝ² = (Σσ² + Σ(μ−m)²)/n`` (n, the site's size),
 
         .. math:: \mathrm{KL}_{\mathrm{EB}} = \tfrac n2 \log ŝ^2 − \textstyle\sum_i \log σ_i,
 
         so the prior follows each site's own magnitude. ``"empirical-shared"``: one such scale
-        for all sites together (n, Σ over every site): a LoRA ``B`` that starts at 0 is then held
-        to the scale of the whole adapter, not to its own (which starts at ``init_scale`` and
-        shrinks it). :meth:`empirical_prior_scale` reports ŝ.
+        for all sites together (n, Σ over every site). :meth:`empirical_prior_scale` reports
+        ŝ. For identified parameters (LoRA-XS cores, heads); on LoRA factor pairs it shrinks
+        the random ``A`` (no data gradient while ``B = 0``) and the adapter with it.
     scale_lr : float, optional
         Deprecated here: the scales' learning-rate factor is a setting of the fit, not of the
         posterior. Pass it to the fitter as ``pb.fit(..., optim=pb.Optimization(
