@@ -73,6 +73,7 @@ def _scale_summary(guide: Any) -> dict[str, float]:
     sites = getattr(guide, "site_names", None) or getattr(guide, "sites", None)
     if not callable(scale) or not sites:
         return {}
+    loc = getattr(guide, "loc", None)
     kinds: dict[str, list[torch.Tensor]] = {}
     locs: dict[str, list[torch.Tensor]] = {}
     for site in sites:
@@ -82,7 +83,6 @@ def _scale_summary(guide: Any) -> dict[str, float]:
         except Exception:  # a Kronecker site has no elementwise scale
             continue
         kinds.setdefault(kind, []).append(s.detach().reshape(-1).double())
-        loc = getattr(guide, "loc", None)
         if callable(loc):
             locs.setdefault(kind, []).append(loc(site).detach().reshape(-1).double())
     out: dict[str, float] = {}

@@ -98,6 +98,11 @@ class MeanFieldGuide(SitewiseKL):
                 "scale per site chosen by the ELBO) or 'empirical-shared' (one for all sites) "
                 f"but got {prior!r}."
             )
+        if prior != "model" and type(self).get_posterior is not MeanFieldGuide.get_posterior:
+            raise ValueError(
+                f"{owner}prior={prior!r} has its KL in closed form for the plain Normal q only; "
+                "this subclass overrides get_posterior, so use prior='model'."
+            )
         self._prior = prior
         self._init_scale = float(init_scale)
         self._init_loc = init_loc
@@ -201,9 +206,7 @@ class MeanFieldGuide(SitewiseKL):
         (no distribution objects on the hot path); other priors (or an overridden
         ``get_posterior``) go through ``kl_divergence``.
         """
-        if self._prior == "model" and (
-            not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None
-        ):
+        if self._generic_kl(model):
             return super().kl_to_prior(model)
         self.require_setup()
         return self._closed_form(model, None)[1]
@@ -213,9 +216,7 @@ class MeanFieldGuide(SitewiseKL):
 
         The same draws and values as the two calls (the ELBO's hot path on small networks).
         """
-        if self._prior == "model" and (
-            not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None
-        ):
+        if self._generic_kl(model):
             kl = self.kl_to_prior(model)  # first: it may raise NotImplementedError
             return self.rsample(num_samples), kl
         self.require_setup()
@@ -223,6 +224,14 @@ class MeanFieldGuide(SitewiseKL):
         if draws is None:  # pragma: no cover - _closed_form draws whenever num_samples is given
             raise RuntimeError(f"{type(self).__name__}: no draws were made; please report.")
         return draws, kl
+
+    def _generic_kl(self, model: Any) -> bool:
+        """Whether the KL goes through ``kl_divergence`` against ``model.site_prior`` (the
+        model's prior, and a subclass's q or a prior without ``prior_loc_scale``) rather than
+        the closed form (always, for an empirical prior)."""
+        return self._prior == "model" and (
+            not self._plain_normal() or getattr(model, "prior_loc_scale", None) is None
+        )
 
     def empirical_prior_scale(self, site: str | None = None, model: Any = None) -> Tensor:
         r"""``ŝ = sqrt((Σσ² + Σ(μ−m)²)/n)``, the prior scale that minimises the KL: over ``site``,

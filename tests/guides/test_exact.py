@@ -230,3 +230,12 @@ def test_empirical_prior_kl_is_the_minimum_over_the_prior_scale() -> None:
         )
     with pytest.raises(ValueError, match="expected prior 'model'"):
         pb.guides.MeanFieldGuide(model, prior="evidence")
+
+    class Wider(pb.guides.MeanFieldGuide):  # another q: the closed form would not be its KL
+        def get_posterior(self, site):
+            return torch.distributions.Independent(
+                Normal(self.loc(site), 2 * self.scale(site)), self.loc(site).dim()
+            )
+
+    with pytest.raises(ValueError, match="overrides get_posterior, so use prior='model'"):
+        Wider(model, prior="empirical")
