@@ -71,6 +71,13 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         )
         # (LoRA's factors hold more numbers than LoRA-XS's r x r cores)
         assert record["meanfield-lora"]["storage"] > record["meanfield"]["storage"]
+        # Laplace with τ by the calibration split's NLL: a multiple of the evidence's τ on the
+        # grid of pyrobayes.infer.select_prior_precision (half-decades, 10^-2 ... 10^4)
+        gs = record["laplace-gs"]
+        assert "error" not in gs, gs.get("error")
+        ratio = gs["prior_precision"] / gs["prior_precision_evidence"]
+        assert min(abs(math.log10(ratio) - k / 2) for k in range(-4, 9)) < 1e-6
+        assert math.isfinite(record["laplace-gs+ts"]["nll"])
         # the objective's terms are recorded: mean-field's KL before and after its fit
         mf = record["meanfield"]
         assert math.isfinite(mf["kl_first"]) and math.isfinite(mf["kl_last"])
@@ -110,6 +117,7 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(SUITE))
     assert "## Issue 27's targets" in page and "## In short" in page
+    assert page.count("Laplace with τ chosen on the calibration split (laplace-gs") == 2
     assert page.count("One seed only: no paired spread") == 2  # no winner is called on one seed
     # its python block is complete: it runs on its own and calibration lowers the test NLL
     block = page.split("```python\n", 1)[1].split("```", 1)[0]

@@ -230,6 +230,8 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             'Mean-field with the empirical-Bayes prior (meanfield-eb, `prior="empirical"`, '
             f"an option) vs its default prior, paired NLL: {_d(de)}; vs MAP + TS: {_d(dts)}."
         )
+    if _ran(task, "laplace-gs") and _ran(task, "laplace"):
+        out.append(_laplace_gs_line(task))
     skipped = {
         f: rec["skipped"]
         for run in task["runs"].values()
@@ -250,6 +252,30 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
 def _sym_base(task: dict[str, Any]) -> str:
     """Symmetrized's paired base: mean-field on its own adapter where the suite ran it."""
     return "meanfield-lora" if _ran(task, "meanfield-lora") else "meanfield"
+
+
+def _laplace_gs_line(task: dict[str, Any]) -> str:
+    """The ``laplace-gs`` row (τ by the calibration split's NLL) against the default Laplace."""
+    dg = paired(task, "laplace-gs", "laplace", "nll")
+    dts = paired(task, "laplace-gs", "map+ts", "nll")
+    factors = [
+        rec["prior_precision"] / rec["prior_precision_evidence"]
+        for run in task["runs"].values()
+        for rec in [run.get("laplace-gs")]
+        if isinstance(rec, dict) and "prior_precision" in rec
+    ]
+    oods = "; ".join(
+        f"AUROC {o} vs MAP {_d(paired(task, 'laplace-gs', 'map', f'auroc_{o}'))}"
+        for o in ood_sets(task)
+    )
+    return (
+        "Laplace with τ chosen on the calibration split (laplace-gs, "
+        "`pyrobayes.infer.select_prior_precision`, an option) vs the evidence's τ, paired NLL: "
+        f"{_d(dg)}; vs MAP + TS: {_d(dts)}"
+        + (f"; {oods}" if oods else "")
+        + ("; τ chosen / evidence τ: " + ", ".join(f"{f:.3g}" for f in factors) if factors else "")
+        + "."
+    )
 
 
 def _fit_ratios(task: dict[str, Any], m: str) -> list[float]:

@@ -461,6 +461,14 @@ def run_seed(
                 model, settings.get("family", family), init=init, **settings.get("options", {})
             )
             fi = _fit(task, model, guide, settings, 1000 * seed)
+            if settings.get("select_prior_precision"):
+                start = time.perf_counter()
+                fi["prior_precision_evidence"] = guide.prior_precision
+                pb.infer.select_prior_precision(
+                    model, guide, task.calibration, num_samples=task.num_samples
+                )
+                fi["prior_precision"] = guide.prior_precision
+                fi["fit_s"] += time.perf_counter() - start
             if init is not None:
                 fi["fit_s"] += info["fit_s"]  # a post-hoc family's cost includes its MAP
             pred, ood, predict_s = _predict(task, model, guide)

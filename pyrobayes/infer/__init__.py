@@ -14,6 +14,7 @@ from . import (
     laplace,
     meanfield,
     objectives,
+    prior_precision,
     signorm,
     swag,
     symmetrized,
@@ -27,6 +28,7 @@ from .loop import DivergenceWarning, FitResult, fit
 from .meanfield import MeanField
 from .objectives import ELBO, MAP
 from .options import Checkpointing, Optimization, Progress, Validation, grouped
+from .prior_precision import select_prior_precision
 from .signorm import SigmaNormDiversity, SigmaNormFitter
 from .swag import SWAG, SWAGFitter
 from .symmetrized import BatchedSymmetrizedELBO, Symmetrized, SymmetrizedELBO
@@ -40,6 +42,8 @@ __all__ = [
     "ivon",
     "kron",
     "laplace",
+    "prior_precision",
+    "select_prior_precision",
     "swag",
     "ibdr",
     "diversity",

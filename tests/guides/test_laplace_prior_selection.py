@@ -1,0 +1,108 @@
+"""``pyrobayes.infer.select_prior_precision``: the Laplace prior precision of least held-out NLL
+(laplace-torch's grid search), checked against the predictive evaluated at every grid point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyrobayes as pb
+from pyrobayes.infer import select_prior_precision
+from pyrobayes.infer.laplace import fit_laplace
+from pyrobayes.infer.prior_precision import DEFAULT_FACTORS
+from pyrobayes.models import LoRAXS
+from tests.common import mlp_problem, tensor_loader
+
+pytest.importorskip("laplace")
+
+
+def _problem(prior_precision: float | str):
+    """LoRA-XS cores on a teacher-labelled MLP task: train and held-out loaders, a fitted Laplace.
+
+    The labels are the argmax of the network at a perturbed point, so the MAP generalises and
+    the held-out NLL depends on how wide the posterior is.
+    """
+    prob = mlp_problem(
+        (4, 16, 16, 3), LoRAXS(rank=3, target_modules=["0", "2"]), num_data=80, seed=5
+    )
+    model = prob.model.to(torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 4, generator=gen, dtype=torch.float64)
+    teacher = pb.posterior(model, "map")
+    with torch.no_grad():
+        for s in teacher.sites:
+            teacher.loc(s).add_(
+                torch.randn(teacher.loc(s).shape, generator=gen, dtype=torch.float64)
+            )
+        logits = pb.predict(
+            model, teacher, tensor_loader(x, torch.zeros(200, dtype=torch.long), 50)
+        )
+    y = logits.probs.mean(0).argmax(-1)
+    train, held_out = tensor_loader(x[:80], y[:80], 20), tensor_loader(x[80:], y[80:], 40)
+    guide = pb.posterior(model, "laplace", prior_precision=prior_precision)
+    pb.fit(model, guide, train, epochs=60, lr=3e-2, seed=0, progress=False)
+    return model, guide, train, held_out
+
+
+def _nll(model, guide, data) -> float:
+    pred = pb.predict(model, guide, data, num_samples=32, seed=0)
+    return float(pb.metrics.nll(pred.probs, pred.targets, log_probs=pred.log_probs))
+
+
+def test_selected_prior_precision_has_the_least_held_out_nll_on_its_grid() -> None:
+    # a prior far too weak for the data (τ = 1e-3): the posterior keeps the prior's variance in
+    # every direction the 80 examples leave open, and the predictive is under-confident
+    model, guide, _, held_out = _problem(1e-3)
+    tau0 = guide.prior_precision
+    before = _nll(model, guide, held_out)
+    factors = (1e-1, 1.0, 1e1, 1e2, 1e3, 1e4, 1e5)
+    tau = select_prior_precision(model, guide, held_out, factors=factors)
+    assert guide.prior_precision == pytest.approx(tau)
+    after = _nll(model, guide, held_out)
+    # the held-out NLL at every grid point, evaluated independently of the selection
+    grid = {}
+    for f in factors:
+        guide.set_prior_precision(tau0 * f)
+        grid[f] = _nll(model, guide, held_out)
+    guide.set_prior_precision(tau)
+    chosen = min(grid, key=lambda f: grid[f])
+    assert tau == pytest.approx(tau0 * chosen)
+    assert after == pytest.approx(min(grid.values()), rel=1e-9)
+    # the weak prior is what the selection corrects: a larger τ and a strictly lower NLL
+    assert tau > tau0
+    assert after < before - 1e-3
+
+
+def test_selection_keeps_the_current_prior_precision_when_it_is_best() -> None:
+    model, guide, _, held_out = _problem("marglik")
+    tau0 = guide.prior_precision
+    # a grid without 1 gets it added, so the result is never worse than the current τ
+    tau = select_prior_precision(model, guide, held_out, factors=(1e-3, 1e3))
+    nll = {f: None for f in (1e-3, 1.0, 1e3)}
+    for f in nll:
+        guide.set_prior_precision(tau0 * f)
+        nll[f] = _nll(model, guide, held_out)
+    guide.set_prior_precision(tau)
+    assert _nll(model, guide, held_out) == pytest.approx(min(nll.values()), rel=1e-9)
+    assert tau / tau0 in [pytest.approx(f) for f in nll]
+    assert DEFAULT_FACTORS[0] == pytest.approx(1e-2) and DEFAULT_FACTORS[-1] == pytest.approx(1e4)
+    assert 1.0 in DEFAULT_FACTORS
+
+
+def test_selection_refuses_what_it_cannot_use() -> None:
+    model, guide, train, held_out = _problem(1.0)
+    with pytest.raises(TypeError, match="expected a Laplace posterior"):
+        select_prior_precision(model, pb.posterior(model, "map"), held_out)
+    with pytest.raises(ValueError, match="factors must be finite numbers > 0"):
+        select_prior_precision(model, guide, held_out, factors=(0.0, 1.0))
+    with pytest.raises(ValueError, match="no batches"):
+        select_prior_precision(model, guide, [])
+    assert guide.prior_precision == pytest.approx(1.0)  # a failed selection leaves τ as it was
+    pb.calibrate(model, guide, held_out)
+    with pytest.raises(ValueError, match="Select τ first, then call pyrobayes.calibrate"):
+        select_prior_precision(model, guide, held_out)
+    unfitted = pb.posterior(model, "laplace")
+    with pytest.raises(RuntimeError, match="not fitted"):
+        select_prior_precision(model, unfitted, held_out)
+    fit_laplace(model, unfitted, train)  # and a fitted one is accepted
+    assert select_prior_precision(model, unfitted, held_out, factors=(1.0,)) > 0
