@@ -729,7 +729,12 @@ def page(
         "(docs/methods/swag_laplace.md); σN's τ/λ and why it is under-confident on digits "
         "(docs/methods/signorm.md); IBDR's ρ and dual step, so that its controller engages "
         "(docs/methods/ibdr.md); the symmetrized bonus, inert on these pretrained networks, so "
-        "the fit equals mean-field on the same adapter (docs/methods/symmetrized.md). In this "
+        "the fit equals mean-field on the same adapter (docs/methods/symmetrized.md); "
+        "Laplace's prior precision chosen by the calibration split's NLL instead of the "
+        "marginal likelihood (`pyrobayes.infer.select_prior_precision`, the `laplace-gs` row: "
+        "the evidence's τ is too weak on Adam-trained LoRA factors, whose norm holds A's random "
+        "initialisation; docs/methods/swag_laplace.md), offered as a post-hoc step, not the "
+        "default, because a fit has no held-out split to choose on. In this "
         "suite every method is also shown with a temperature (`+ts`), and laplace-torch with "
         "its grid-searched prior precision" + _single_seed_clause(tasks) + ".",
         "",
