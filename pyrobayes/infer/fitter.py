@@ -85,9 +85,14 @@ class Fitter:
         The fit's settings record (``pb.infer.IVON``, ``SWAG``, ...; ``None`` for a family
         without any, e.g. MAP): saved in :meth:`state_dict`, checked on resume. A subclass sets
         it before calling this constructor.
+    validation_data : iterable of batches or None
+        The held-out batches of :func:`pyrobayes.fit`'s ``validation=`` (set by the fit loop
+        before :meth:`end`; ``None`` without one): a post-hoc family may choose on them
+        (``pb.infer.Laplace(prior_optimization="validation")``).
     """
 
     settings: Any = None
+    validation_data: Iterable[Any] | None = None
 
     def __init__(
         self,

@@ -83,11 +83,15 @@ class Laplace:
 
     Parameters
     ----------
-    prior_optimization : {"evidence", "alternate"}
+    prior_optimization : {"evidence", "alternate", "validation"}
         How ``"marglik"`` tunes τ: post hoc at the fixed MAP (laplace-torch's marginal
         likelihood, Immer et al., 2021), or MacKay's (1992) evidence iteration alternating with
         MAP refits (:class:`LaplaceFitter`). ``"alternate"`` needs the guide's
         ``prior_precision="marglik"`` and a model with a ``prior_scale`` (a ``FineTuneModel``).
+        ``"validation"``: the guide's τ (the evidence's for ``"marglik"``), then the multiple of
+        it of least NLL on the fit's held-out data, ``pb.fit(..., validation=pb.Validation(
+        data))`` (:func:`~pyrobayes.infer.prior_precision.select_prior_precision`, laplace-torch's
+        grid search; on Adam-trained LoRA factors the evidence's τ is too weak).
     log_prior_bounds : (float, float)
         Natural-log bounds of the τ search (default ``(-5, 10)``).
     alternate_tol : float
@@ -120,10 +124,10 @@ class Laplace:
 
     def __post_init__(self) -> None:
         owner = "Laplace(): "
-        if self.prior_optimization not in ("evidence", "alternate"):
+        if self.prior_optimization not in ("evidence", "alternate", "validation"):
             raise ValueError(
-                f"{owner}expected prior_optimization 'evidence' or 'alternate' but got "
-                f"{self.prior_optimization!r}."
+                f"{owner}expected prior_optimization 'evidence', 'alternate' or 'validation' "
+                f"but got {self.prior_optimization!r}."
             )
         bounds = self.log_prior_bounds
         if isinstance(bounds, str) or len(bounds) != 2:
@@ -220,6 +224,8 @@ class LaplaceFitter(Fitter):
         self.map_residuals = []
         if self._alternating:
             self._model_prior_precision()  # fail before training, not after
+        if self.settings.prior_optimization == "validation":
+            self._require_validation()  # fail before training, not after
 
     @property
     def _alternating(self) -> bool:
@@ -244,6 +250,27 @@ class LaplaceFitter(Fitter):
             self._alternate(data)
         else:
             fit_laplace(self.model, self.guide, data, settings=self.settings)
+        if self.settings.prior_optimization == "validation":
+            self._select_on_validation()
+
+    def _require_validation(self) -> Iterable[Any]:
+        """The fit's held-out data, or an error that says how to pass it."""
+        if self.validation_data is None:
+            raise ValueError(
+                "Laplace(prior_optimization='validation') chooses τ on held-out data; pass it "
+                "to the fit: pyrobayes.fit(model, guide, data, ..., "
+                "validation=pyrobayes.Validation(val_loader))."
+            )
+        return self.validation_data
+
+    def _select_on_validation(self) -> None:
+        """τ of least held-out NLL around the fitted one (``prior_optimization="validation"``)."""
+        from .prior_precision import select_prior_precision
+
+        held_out = self._require_validation()
+        fitted = self.guide.prior_precision
+        chosen = select_prior_precision(self.model, self.guide, held_out)
+        self.prior_precisions = [fitted, chosen]
 
     def _alternate(self, data: Iterable[Any]) -> None:
         """MacKay's evidence iteration: MAP at τ, H at the MAP, τ by the evidence, until stable."""

@@ -462,6 +462,8 @@ class _Loop:
                 f"{type(fitter).__name__}, which schedules the learning rate itself "
                 "(pb.infer.SWAG(swa_lr=...)). Pass one of the two."
             )
+        validation = self.validation
+        fitter.validation_data = validation.data if validation is not None else None
         fitter.begin(data)
         sched = make_scheduler(optim.scheduler, fitter.optimizer, self.plan.total, optim.warmup)
         return fitter, sched

@@ -106,3 +106,34 @@ def test_selection_refuses_what_it_cannot_use() -> None:
         select_prior_precision(model, unfitted, held_out)
     fit_laplace(model, unfitted, train)  # and a fitted one is accepted
     assert select_prior_precision(model, unfitted, held_out, factors=(1.0,)) > 0
+
+
+def test_the_fit_setting_selects_tau_on_the_fits_validation_data() -> None:
+    """``pb.infer.Laplace(prior_optimization="validation")``: the same τ as the post-hoc call on
+    the data passed as ``validation=``; without held-out data the fit refuses before training."""
+    model, fitted, train, held_out = _problem(1e-3)
+    reference = pb.posterior(model, "laplace", init=fitted, prior_precision=1e-3)
+    pb.fit(model, reference, train, epochs=0, progress=False)
+    expected = select_prior_precision(model, reference, held_out)
+    assert expected > 1e-3  # the weak prior moves (as in the first test)
+    settings = pb.infer.Laplace(prior_optimization="validation")
+    guide = pb.posterior(model, "laplace", init=fitted, prior_precision=1e-3)
+    result = pb.fit(
+        model,
+        guide,
+        train,
+        epochs=0,
+        progress=False,
+        validation=pb.Validation(held_out),
+        optim=pb.Optimization(optimizer=settings),
+    )
+    assert guide.prior_precision == pytest.approx(expected, rel=1e-12)
+    assert result.state["fitter"] == "LaplaceFitter"
+    again = pb.posterior(model, "laplace", init=fitted, prior_precision=1e-3)
+    with pytest.raises(ValueError, match=r"validation=pyrobayes.Validation\(val_loader\)"):
+        pb.fit(
+            model, again, train, epochs=0, progress=False, optim=pb.Optimization(optimizer=settings)
+        )
+    assert not again.is_fitted  # refused before the curvature was fitted
+    with pytest.raises(ValueError, match="'evidence', 'alternate' or 'validation'"):
+        pb.infer.Laplace(prior_optimization="heldout")
