@@ -87,7 +87,7 @@ class Fitter:
         it before calling this constructor.
     validation_data : iterable of batches or None
         The held-out batches of :func:`pyrobayes.fit`'s ``validation=`` (set by the fit loop
-        before :meth:`end`; ``None`` without one): a post-hoc family may choose on them
+        before :meth:`begin`; ``None`` without one): a post-hoc family may choose on them
         (``pb.infer.Laplace(prior_optimization="validation")``).
     """
 
