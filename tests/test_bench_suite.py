@@ -97,6 +97,9 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
                 assert math.isfinite(record[f"{family}+ts"]["nll"])
         if task["kind"] == "classification":
             assert 0.0 <= record["map"]["auroc_digits7-9"] <= 1.0
+            # the mutual-information score needs draws: none for a point mass, one for a posterior
+            assert "auroc_mi_digits7-9" not in record["map"]
+            assert 0.0 <= record["meanfield"]["auroc_mi_digits7-9"] <= 1.0
     assert on_disk["git"]["commit"]  # the commit the run measured
     # laplace-torch runs on the MAP network (adapter merged): same accuracy as the MAP's point
     digits = on_disk["tasks"]["digits"]["runs"]["0"]

@@ -119,7 +119,7 @@ def ood_sets(task: dict[str, Any]) -> list[str]:
                 for k in rec:
                     if (
                         k.startswith("auroc_")
-                        and not k.startswith("auroc_maxprob_")
+                        and not k.startswith(("auroc_maxprob_", "auroc_mi_"))
                         and k[6:] not in out
                     ):
                         out.append(k[6:])

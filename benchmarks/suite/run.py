@@ -165,11 +165,16 @@ def _scores(pred: Prediction, ood: dict[str, Prediction]) -> dict[str, float]:
     out = {k: r[k] for k in ("accuracy", "nll", "ece", "brier")}
     id_ent = pb.metrics.predictive_entropy(pred.probs)
     id_max = pb.metrics.max_prob_score(pred.probs)
+    id_mi = pb.metrics.mutual_information(pred.probs)
     for name, o in ood.items():
         out[f"auroc_{name}"] = pb.metrics.ood_auroc(id_ent, pb.metrics.predictive_entropy(o.probs))
         out[f"auroc_maxprob_{name}"] = pb.metrics.ood_auroc(
             id_max, pb.metrics.max_prob_score(o.probs)
         )
+        if pred.probs.shape[0] > 1:  # the epistemic part needs draws (a point mass has MI = 0)
+            out[f"auroc_mi_{name}"] = pb.metrics.ood_auroc(
+                id_mi, pb.metrics.mutual_information(o.probs)
+            )
     return out
 
 
@@ -599,7 +604,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "update_only": args.update_only,
         "members": members,
         "seeds": seeds,
-        "auroc_score": "predictive entropy (auroc_<set>); max probability (auroc_maxprob_<set>)",
+        "auroc_score": "predictive entropy (auroc_<set>); max probability (auroc_maxprob_<set>); "
+        "mutual information between label and parameters, posteriors with draws only "
+        "(auroc_mi_<set>)",
         "tasks": {},
     }
     for name in args.tasks:
