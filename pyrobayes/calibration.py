@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "TEMPERATURE_BUFFER",
     "calibrate",
+    "labelled_prediction",
     "fit_temperature",
     "temperature",
     "set_temperature",
@@ -230,8 +231,6 @@ def calibrate(
         ``val_data`` yields no batches or no labels, ``bounds`` is not ``0 < low < high``, or the
         Gaussian likelihood has no noise scale to temper.
     """
-    from .predictive import predict  # (predict applies the temperature: a function-local import)
-
     num_samples = check_int("num_samples", num_samples, ge=1, owner="calibrate: ")
     low, high = (float(b) for b in bounds)
     if not (0 < low < high and math.isfinite(high)):
@@ -241,31 +240,21 @@ def calibrate(
     previous = guide._buffers.get(TEMPERATURE_BUFFER) if hasattr(guide, "_buffers") else None
     set_temperature(guide, None)  # fit against the uncalibrated predictive
     try:
-        pred = predict(
+        pred = labelled_prediction(
             model,
             guide,
             val_data,
+            owner="calibrate: ",
+            why="temperature scaling fits T to held-out labels",
             num_samples=num_samples,
             seed=seed,
             device=device,
             **predict_kwargs,
         )
-    except ValueError as err:
+    except ValueError:
         if previous is not None:
             set_temperature(guide, float(previous))
-        if "no batches" in str(err):
-            raise ValueError(
-                "calibrate: val_data yielded no batches; pass a non-empty iterable of labelled "
-                "held-out batches (a validation loader, not the test split)."
-            ) from None
         raise
-    if pred.targets is None or pred.targets.numel() == 0:
-        if previous is not None:
-            set_temperature(guide, float(previous))
-        raise ValueError(
-            "calibrate: val_data has no labels; temperature scaling fits T to held-out labels, "
-            f"so each batch must carry them (the model's label key {model.label_key!r})."
-        )
     if pred.log_probs is None and pred.scale is None:
         raise ValueError(
             "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; build "
@@ -274,6 +263,37 @@ def calibrate(
     value = fit_temperature(pred, bounds=(low, high))
     set_temperature(guide, value)
     return value
+
+
+def labelled_prediction(
+    model: Any, guide: Any, val_data: Iterable[Any], *, owner: str, why: str, **predict_kwargs: Any
+) -> Any:
+    """:func:`pyrobayes.predict` on held-out data that must be non-empty and labelled (what a
+    post-hoc choice on held-out data needs: a temperature, a prior precision).
+
+    Raises
+    ------
+    ValueError
+        ``val_data`` yields no batches, or its batches carry no labels (the message starts with
+        ``owner`` and says ``why`` the labels are needed).
+    """
+    from .predictive import predict  # (predict applies the temperature: a function-local import)
+
+    try:
+        pred = predict(model, guide, val_data, **predict_kwargs)
+    except ValueError as err:
+        if "no batches" in str(err):
+            raise ValueError(
+                f"{owner}val_data yielded no batches; pass a non-empty iterable of labelled "
+                "held-out batches (a validation loader, not the test split)."
+            ) from None
+        raise
+    if pred.targets is None or pred.targets.numel() == 0:
+        raise ValueError(
+            f"{owner}val_data has no labels; {why}, so each batch must carry them (the model's "
+            f"label key {model.label_key!r})."
+        )
+    return pred
 
 
 def fit_temperature(

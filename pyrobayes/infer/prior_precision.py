@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..calibration import TEMPERATURE_BUFFER, temperature
+from ..calibration import TEMPERATURE_BUFFER, labelled_prediction, temperature
 from ..models.adapters import check_int
 
 logger = logging.getLogger(__name__)
@@ -161,22 +161,15 @@ def _check_guide(guide: Any, owner: str) -> None:
 def _held_out_nll(
     model: Any, guide: Any, val_data: Any, owner: str, **predict_kwargs: Any
 ) -> float:
-    """The NLL of the guide's predictive on ``val_data`` (an error names empty or unlabelled data)."""
+    """The NLL of the guide's predictive on ``val_data`` (non-empty and labelled)."""
     from ..metrics import report
-    from ..predictive import predict
 
-    try:
-        pred = predict(model, guide, val_data, **predict_kwargs)
-    except ValueError as err:
-        if "no batches" in str(err):
-            raise ValueError(
-                f"{owner}val_data yielded no batches; pass a non-empty iterable of labelled "
-                "held-out batches."
-            ) from None
-        raise
-    if pred.targets is None or pred.targets.numel() == 0:
-        raise ValueError(
-            f"{owner}val_data has no labels (the model's label key {model.label_key!r}); the "
-            "held-out NLL needs them."
-        )
+    pred = labelled_prediction(
+        model,
+        guide,
+        val_data,
+        owner=owner,
+        why="the prior precision is chosen by the held-out NLL",
+        **predict_kwargs,
+    )
     return float(report(pred, pred.targets)["nll"])
