@@ -301,6 +301,15 @@ def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:
         update(base, one_seed, ["ivon"])
     with pytest.raises(SystemExit, match="no 'kron-ivon' row"):
         update(base, fresh, ["kron-ivon"])
+    # --drop: a variant row the suite no longer runs leaves the rows, settings and updates
+    base["updates"] = {"ivon": "old command"}
+    dropped = update(base, fresh, [], drop=["ivon"])
+    assert all(
+        "ivon" not in r and "ivon+ts" not in r
+        for r in dropped["tasks"]["polarity"]["runs"].values()
+    )
+    assert "ivon" not in dropped["tasks"]["polarity"]["settings"]
+    assert "ivon" not in dropped["updates"] and "ivon" in base["tasks"]["polarity"]["settings"]
 
 
 def test_merge_refuses_an_update_only_result_without_a_base(tmp_path) -> None:

@@ -17,7 +17,8 @@ results (MAP and the families, no laplace-torch and no ensemble) are made for th
 be merged with ``--base``. The result's ``command`` stays the base's (what made MAP and the
 anchors); ``updates`` maps each replaced family to the command (runs and merge) its rows now come
 from, the latest replacing an earlier one, so the report names what made every row and nothing
-that no longer does.
+that no longer does. ``--drop D ...`` (with ``--base``) removes the rows of ``D`` (a variant the
+suite no longer runs) from the tasks the inputs update.
 
 Run::
 
@@ -85,8 +86,12 @@ def merge(inputs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def update(base: dict[str, Any], new: dict[str, Any], families: list[str]) -> dict[str, Any]:
-    """``base`` with the rows of ``families`` taken from ``new`` (see the module docstring)."""
+def update(
+    base: dict[str, Any], new: dict[str, Any], families: list[str], drop: list[str] | None = None
+) -> dict[str, Any]:
+    """``base`` with the rows of ``families`` taken from ``new`` (see the module docstring) and
+    those of ``drop`` (rows the suite no longer runs, e.g. a variant that became the default)
+    removed from the tasks ``new`` updates."""
     out = json.loads(json.dumps(base))
     for name, task in new["tasks"].items():
         if name not in out["tasks"]:
@@ -113,7 +118,13 @@ def update(base: dict[str, Any], new: dict[str, Any], families: list[str]) -> di
                     run[key] = {**fresh[key], "map_fit_s": fresh["map"].get("fit_s")}
         for family in families:
             joined["settings"][family] = task["settings"][family]
-    out["updates"] = {**base.get("updates", {}), **dict.fromkeys(families, new["command"])}
+        for family in drop or []:
+            for run in joined["runs"].values():
+                run.pop(family, None)
+                run.pop(f"{family}+ts", None)
+            joined["settings"].pop(family, None)
+    updates = {k: v for k, v in base.get("updates", {}).items() if k not in (drop or [])}
+    out["updates"] = {**updates, **dict.fromkeys(families, new["command"])}
     out["git"] = [*_as_list(base.get("git")), *_as_list(new.get("git"))]
     out["dates"] = [*_as_list(base.get("dates", base["date"])), *new["dates"]]
     out["date"] = max(base["date"], new["date"])
@@ -154,16 +165,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--base", type=Path, help="replace --families' rows in this result")
     parser.add_argument("--families", nargs="+", default=[])
+    parser.add_argument(
+        "--drop", nargs="+", default=[], help="with --base: remove these rows (and their +ts)"
+    )
     args = parser.parse_args(argv)
     if bool(args.base) != bool(args.families):
         raise SystemExit("merge: --base and --families go together")
+    if args.drop and not args.base:
+        raise SystemExit("merge: --drop needs --base")
     merged = merge([json.loads(p.read_text()) for p in args.inputs])
     extra = ["--base", str(args.base), "--families", *args.families] if args.base else []
+    extra += ["--drop", *args.drop] if args.drop else []
     merged["command"] += " + " + " ".join(
         ["benchmarks/suite/merge.py", "--out", str(args.out), *extra, *map(str, args.inputs)]
     )
     if args.base:
-        merged = update(json.loads(args.base.read_text()), merged, args.families)
+        merged = update(json.loads(args.base.read_text()), merged, args.families, args.drop)
     elif merged.get("update_only"):
         raise SystemExit(
             "merge: run.py --update-only results have no anchors (laplace-torch, ensemble); "

@@ -94,12 +94,16 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
     }
     params = inspect.signature(pb.fit).parameters
     validate = task.patience is not None and settings.get("validate", True) and epochs > 0
+    # a fit whose settings choose on held-out data (Laplace(prior_optimization="validation"))
+    # is given the calibration split even without epochs to select among
+    validate = validate or bool(getattr(settings.get("optimizer"), "needs_validation", False))
     if "progress" in params:
         kwargs["progress"] = False
     if settings.get("optimizer") is not None:  # the fit's settings (pb.infer.IVON, SWAG, ...)
         kwargs["optim"] = pb.Optimization(optimizer=settings["optimizer"])
     if validate:
-        patience = int(settings.get("patience", task.patience))
+        patience = settings.get("patience", task.patience)
+        patience = None if patience is None else int(patience)
         if hasattr(pb, "Validation"):
             kwargs["validation"] = pb.Validation(
                 data=task.calibration, select_by="nll", patience=patience
@@ -114,6 +118,12 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
         "fit_s": fit_s,
         "epochs_run": int(state.get("epoch", epochs)),
         "best_epoch": state.get("best_epoch"),
+        # Laplace's τ and, where it was chosen on held-out data, the evidence's it started from
+        **{
+            {"prior_precision_start": "prior_precision_evidence"}.get(k, k): float(v)
+            for k, v in state.items()
+            if k in ("prior_precision", "prior_precision_start")
+        },
         **_curves(result),
     }
 

@@ -35,6 +35,7 @@ from ..diagnostics.export import to_inference_data
 from ..diagnostics.plots import plot_posterior_summary, reliability_diagram
 from ..infer.ibdr import IBDR
 from ..infer.ivon import IVON
+from ..infer.laplace import Laplace
 from ..infer.loop import fit
 from ..infer.options import Optimization, Progress, Validation
 from ..infer.signorm import SigmaNormDiversity
@@ -164,8 +165,16 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
         "optimizer": SWAG(collect_every_steps=4),
     },
     # at the MAP: only the curvature pass and the prior-precision search remain; the predictive
-    # is the family's default (the linearised one, MC over f(x; θ̂) + J(x)(θ − θ̂))
-    "laplace": {"init": "map", "epochs": 0},
+    # is the family's default (the linearised one, MC over f(x; θ̂) + J(x)(θ − θ̂)). τ: the
+    # evidence's, then the multiple of it of least validation NLL (issue 27): on Adam-trained
+    # LoRA factors the evidence's τ ≈ γ/‖θ̂‖² is too weak (‖θ̂‖² holds A's random init), which
+    # cost fine-grained NLL +.045 against MAP; held-out τ is level or better on all four of the
+    # suite's tasks (docs/methods/swag_laplace.md, "Choosing τ on held-out data").
+    "laplace": {
+        "init": "map",
+        "epochs": 0,
+        "optimizer": Laplace(prior_optimization="validation"),
+    },
     # IBDR's diversity term needs C − 1 ≥ K classes (Pham et al. 2025): degenerate on a binary
     # task, so K = 4 particles run with alpha = 0 (a particle ensemble with the robust step).
     # Not in the default families: four particles cost four forwards per step.
@@ -543,6 +552,14 @@ def _evaluate(
     return result, pred
 
 
+def _uses_validation(settings: dict[str, Any], epochs: int) -> bool:
+    """Whether a family's fit is given the validation split: to select among its epochs (a
+    validated fit with epochs to run), or because its fit settings choose on held-out data
+    (``Laplace(prior_optimization="validation")``, even with no epochs)."""
+    validated = bool(settings.get("validate", True)) and epochs > 0
+    return validated or bool(getattr(settings.get("optimizer"), "needs_validation", False))
+
+
 def _fit_options(config: dict[str, Any], settings: dict[str, Any], val_data: Any) -> dict[str, Any]:
     """``pb.fit``'s option groups from the config's ``[training]`` section and a family's
     settings (which override it): the schedule, and validation with early stopping."""
@@ -656,7 +673,7 @@ def _fit_family(
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
         logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
         epochs, validate, source = cap + epochs, True, None
-    validated = validate and epochs > 0
+    validated = _uses_validation({**settings, "validate": validate}, epochs)
     if config["training"]["device"] is not None:  # fit runs where the model is
         model.to(config["training"]["device"])
     guide = posterior(model, family, init=init, **settings.get("options", {}))
@@ -705,6 +722,8 @@ def _record(
         "stopped_early": bool(result.state.get("stopped_early", False)),
         "final_loss": float(result.losses[-1]) if len(result.losses) else float("nan"),
         "terms": last_epoch_terms(result),
+        # what the fitter chose (Laplace's prior precision τ and the τ it started from)
+        **{k: float(v) for k, v in result.state.items() if k.startswith("prior_precision")},
     }
 
 
@@ -889,6 +908,8 @@ _NOT_RECOMPUTED = (
     "best_epoch",
     "epochs_run",
     "stopped_early",
+    "prior_precision",  # what the fit chose (saved with the posterior, not a metric)
+    "prior_precision_start",
 )
 
 
@@ -1022,6 +1043,7 @@ def compare_metrics(
 merge_config = _merge
 did_you_mean = _did_you_mean
 fit_options = _fit_options
+uses_validation = _uses_validation
 FittedRun = _Fitted
 fit_record = _record
 reliability_plot = _plots

@@ -122,6 +122,12 @@ class Laplace:
     alternate_lr: float | None = None
     optimizer: Callable[..., Any] | None = None
 
+    @property
+    def needs_validation(self) -> bool:
+        """Whether the fit must be given held-out data (``prior_optimization="validation"``):
+        a training loop that otherwise validates only fits with epochs passes it to this one."""
+        return self.prior_optimization == "validation"
+
     def __post_init__(self) -> None:
         owner = "Laplace(): "
         if self.prior_optimization not in ("evidence", "alternate", "validation"):
@@ -217,6 +223,18 @@ class LaplaceFitter(Fitter):
 
     def default_objective(self) -> str:
         return "map"
+
+    def report(self) -> dict[str, float]:
+        """After the fit, the guide's prior precision τ (``prior_precision``) and, when it was
+        chosen on held-out data or by the evidence iteration, the fit's first τ
+        (``prior_precision_start``: the evidence's at the MAP, or the MAP's own); in
+        ``FitResult.state``. Nothing while the MAP stage trains."""
+        if not getattr(self.guide, "is_fitted", False):
+            return {}
+        out = {"prior_precision": float(self.guide.prior_precision)}
+        if len(getattr(self, "prior_precisions", [])) > 1:
+            out["prior_precision_start"] = float(self.prior_precisions[0])
+        return out
 
     def begin(self, data: Iterable[Any] | None = None) -> None:
         self.guide.reset()

@@ -129,6 +129,10 @@ def test_the_fit_setting_selects_tau_on_the_fits_validation_data() -> None:
     )
     assert guide.prior_precision == pytest.approx(expected, rel=1e-12)
     assert result.state["fitter"] == "LaplaceFitter"
+    # the fit reports the τ it chose and the one it started from (the guide's)
+    assert result.state["prior_precision"] == guide.prior_precision
+    assert result.state["prior_precision_start"] == pytest.approx(1e-3, rel=1e-12)
+    assert settings.needs_validation and not pb.infer.Laplace().needs_validation
     again = pb.posterior(model, "laplace", init=fitted, prior_precision=1e-3)
     with pytest.raises(ValueError, match=r"validation=pyrobayes.Validation\(val_loader\)"):
         pb.fit(
