@@ -23,6 +23,7 @@ def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"suite_{name}", SUITE / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
     spec.loader.exec_module(module)
     return module
 
@@ -366,3 +367,26 @@ def test_merge_joins_the_seeds_of_separate_processes_and_refuses_clashes() -> No
         merge([zero, zero])
     with pytest.raises(SystemExit, match="another 'fit'"):
         merge([zero, _result({"1": {"map": {"nll": 0.6}}}, lr=1e-3)])
+
+
+def test_text_tasks_run_the_demos_laplace_and_the_evidence_variant() -> None:
+    """The text tasks read the demo's settings: its Laplace chooses τ on held-out data (the
+    calibration split, passed although it fits no epochs), and the ``laplace-evidence`` row is
+    the same Laplace at the same MAP with the library's default τ (the evidence's)."""
+    sys.path.insert(0, str(SUITE))
+    try:
+        settings = _load("tasks").text_settings()
+    finally:
+        sys.path.remove(str(SUITE))
+    laplace, evidence = settings["laplace"], settings["laplace-evidence"]
+    assert laplace["optimizer"] == pb.infer.Laplace(prior_optimization="validation")
+    assert laplace["optimizer"].needs_validation and laplace["epochs"] == 0
+    assert "optimizer" not in evidence and evidence["family"] == "laplace"
+    assert {k: v for k, v in laplace.items() if k != "optimizer"} == {
+        k: v for k, v in evidence.items() if k != "family"
+    }
+    assert "laplace-gs" not in settings  # the demo's row already is the held-out choice
+    from pyrobayes.demo.pipeline import uses_validation
+
+    assert uses_validation(laplace, 0) and not uses_validation(evidence, 0)
+    assert uses_validation({}, 3) and not uses_validation({"validate": False}, 3)
