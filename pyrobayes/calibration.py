@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -266,10 +266,18 @@ def calibrate(
 
 
 def labelled_prediction(
-    model: Any, guide: Any, val_data: Iterable[Any], *, owner: str, why: str, **predict_kwargs: Any
+    model: Any,
+    guide: Any,
+    val_data: Iterable[Any],
+    *,
+    owner: str,
+    why: str,
+    predict_fn: Callable[..., Any] | None = None,
+    **predict_kwargs: Any,
 ) -> Any:
-    """:func:`pyrobayes.predict` on held-out data that must be non-empty and labelled (what a
-    post-hoc choice on held-out data needs: a temperature, a prior precision).
+    """:func:`pyrobayes.predict` (or ``predict_fn``, called the same way) on held-out data that
+    must be non-empty and labelled (what a post-hoc choice on held-out data needs: a
+    temperature, a prior precision).
 
     Raises
     ------
@@ -280,7 +288,7 @@ def labelled_prediction(
     from .predictive import predict  # (predict applies the temperature: a function-local import)
 
     try:
-        pred = predict(model, guide, val_data, **predict_kwargs)
+        pred = (predict_fn or predict)(model, guide, val_data, **predict_kwargs)
     except ValueError as err:
         if "no batches" in str(err):
             raise ValueError(

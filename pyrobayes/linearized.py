@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ __all__ = [
     "output_jacobians",
     "output_jacobian_rows",
     "linearized_predict",
+    "linearize",
+    "Linearization",
     "default_examples_per_forward",
 ]
 
@@ -273,6 +276,125 @@ def output_jacobian_rows(
     return out.detach(), rows()
 
 
+#: One chunk of a batch: ``f(x; θ̂)``, the per-site ``J(x)``, and on a batch's last chunk its
+#: targets (``None`` without labels) and ``True``; ``None, False`` on the others.
+_Chunk = tuple[Tensor, dict[str, Tensor], Tensor | None, bool]
+
+
+@dataclass(frozen=True)
+class Linearization:
+    """``f(x; θ̂)`` and ``J(x)`` of every chunk of a data set (:func:`linearize`): what the
+    linearised predictive needs that does not depend on the posterior's covariance.
+
+    ``contrast``: the Jacobians are the Monte Carlo predictive's ``J_k − J_K`` (``True``) or
+    the plain rows (``False``). ``chunks``: in data order (see ``_Chunk``)."""
+
+    contrast: bool
+    chunks: list[_Chunk]
+
+
+def _uses_contrast(model: Any, guide: Any) -> bool:
+    """Whether ``guide``'s linearised predictive is the Monte Carlo one (contrasted Jacobians)."""
+    return bool(model.likelihood.is_classification and guide.pred_type == "glm")
+
+
+def _chunks(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    contrast: bool,
+    examples_per_forward: int | None,
+    progress_bar: bool,
+) -> Iterator[_Chunk]:
+    """The network passes of the linearised predictive: ``f(x; θ̂)`` and ``J(x)`` per chunk of
+    at most ``examples_per_forward`` examples of each batch, streamed (one chunk's ``J`` lives
+    at a time)."""
+    dev = model.device
+    point = {s: v.to(dev) for s, v in guide.linearization_point().items()}
+    # sites the posterior holds at a point (a Laplace subset=): their values, no Jacobian
+    fixed_point = getattr(guide, "fixed_point", None)
+    fixed = {s: v.to(dev) for s, v in fixed_point().items()} if fixed_point else None
+    for batch in tqdm(data, disable=not progress_bar, desc="predict (linearised)"):
+        inputs, y = split_batch(to_device(batch, dev), model.label_key)
+        size = batch_size(inputs)
+        chunk = examples_per_forward or default_examples_per_forward(inputs, dev)
+        starts = range(0, size, chunk)
+        for start in starts:
+            sub = _slice_rows(inputs, start, min(size, start + chunk), size)
+            out, jac = output_jacobians(model, sub, point, contrast=contrast, fixed=fixed)
+            last = start == starts[-1]
+            yield out, jac, (y if last else None), last
+
+
+def _draw_deltas(guide: Any, num_samples: int, seed: int | None, dev: torch.device) -> Tensor:
+    """``θ_s − θ̂`` `(S, d)` of the Monte Carlo predictive's draws over the sites laid flat, in
+    site order (``S = guide.link_samples`` when set, else ``num_samples``)."""
+    point = guide.linearization_point()
+    if guide.link_samples is not None:
+        num_samples = int(guide.link_samples)
+    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    draws = guide.sample_posterior(num_samples, generator=generator)
+    return torch.cat(
+        [(draws[s].to(dev) - point[s].to(dev)).reshape(num_samples, -1) for s in point], -1
+    )
+
+
+def _chunk_predictive(
+    guide: Any,
+    out: Tensor,
+    jac: dict[str, Tensor],
+    deltas: Tensor | None,
+    classification: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk's predictive from ``f(x; θ̂)`` and ``J(x)``: the Monte Carlo log-probabilities
+    `(S, b, K)` (``deltas`` = the draws' ``θ_s − θ̂``), the probit ones `(1, b, K)`, or the
+    regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``)."""
+    mean = out.reshape(out.shape[0], -1)  # (b, K)
+    if deltas is not None:  # (the Monte Carlo predictive)
+        flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)
+        logits = mean.unsqueeze(0) + torch.einsum("bkd,sd->sbk", flat_jac, deltas)
+        return torch.log_softmax(logits, -1), None
+    var = torch.diagonal(guide.functional_covariance(jac), dim1=-2, dim2=-1)  # (b, K)
+    if classification:  # probit (MacKay 1992)
+        kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
+        return torch.log_softmax(kappa * mean, -1).unsqueeze(0), None
+    return out.unsqueeze(0), var.reshape(1, *out.shape)
+
+
+def linearize(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    *,
+    examples_per_forward: int | None = None,
+    max_bytes: int | None = None,
+) -> Linearization | None:
+    """``f(x; θ̂)`` and ``J(x)`` of every batch of ``data`` under ``guide``'s predictive, kept,
+    so :func:`linearized_predict` (``linearization=``) re-evaluates the predictive under another
+    covariance (e.g. another prior precision) without a network pass.
+
+    Returns ``None`` once the Jacobians held would exceed ``max_bytes`` (``J`` holds
+    ``N · K · d`` numbers for ``N`` examples, ``K`` outputs and ``d`` posterior dimensions)."""
+    model.train(False)
+    contrast = _uses_contrast(model, guide)
+    kept: list[_Chunk] = []
+    held = 0
+    for item in _chunks(
+        model,
+        guide,
+        data,
+        contrast=contrast,
+        examples_per_forward=examples_per_forward,
+        progress_bar=False,
+    ):
+        held += sum(j.numel() * j.element_size() for j in item[1].values())
+        if max_bytes is not None and held > max_bytes:
+            return None
+        kept.append(item)
+    return Linearization(contrast, kept)
+
+
 def linearized_predict(
     model: Any,
     guide: Any,
@@ -282,6 +404,7 @@ def linearized_predict(
     seed: int | None = 0,
     examples_per_forward: int | None = None,
     progress_bar: bool = False,
+    linearization: Linearization | None = None,
 ) -> Prediction:
     r"""The linearised predictive of ``guide`` (a :class:`~pyrobayes.contract.LinearizedPredictive`)
     on every batch of ``data`` (see the module docstring for the formulas).
@@ -302,6 +425,9 @@ def linearized_predict(
         Examples per Jacobian forward (bounds the memory); default
         :func:`default_examples_per_forward`.
     progress_bar : bool
+    linearization : Linearization, optional
+        ``f(x; θ̂)`` and ``J(x)`` of ``data`` from :func:`linearize` (same model, point and
+        predictive type): no network pass; ``data`` is not read.
 
     Returns
     -------
@@ -318,51 +444,45 @@ def linearized_predict(
         )
     model.train(False)
     dev = model.device
-    point = {s: v.to(dev) for s, v in guide.linearization_point().items()}
-    # sites the posterior holds at a point (a Laplace subset=): their values, no Jacobian
-    fixed_point = getattr(guide, "fixed_point", None)
-    fixed = {s: v.to(dev) for s, v in fixed_point().items()} if fixed_point else None
     likelihood = model.likelihood
     classification = likelihood.is_classification
-    monte_carlo = classification and pred_type == "glm"
-    deltas: Tensor | None = None
-    if monte_carlo:
-        if guide.link_samples is not None:
-            num_samples = int(guide.link_samples)
-        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        draws = guide.sample_posterior(num_samples, generator=generator)
-        deltas = torch.cat(
-            [(draws[s].to(dev) - point[s]).reshape(num_samples, -1) for s in point], -1
-        )  # (S, d): θ_s − θ̂ over the sites laid flat, in site order
+    monte_carlo = _uses_contrast(model, guide)
+    if linearization is not None and linearization.contrast != monte_carlo:
+        raise ValueError(
+            "linearized_predict: the linearization was formed for another predictive "
+            f"(contrast={linearization.contrast}, the guide's pred_type {pred_type!r} needs "
+            f"{monte_carlo}); call linearize() again after changing pred_type."
+        )
+    deltas = _draw_deltas(guide, num_samples, seed, dev) if monte_carlo else None
     check_targets = getattr(likelihood, "check_targets", None)
     locs: list[Tensor] = []
     variances: list[Tensor] = []
     targets: list[Tensor] = []
-    for batch in tqdm(data, disable=not progress_bar, desc="predict (linearised)"):
-        inputs, y = split_batch(to_device(batch, dev), model.label_key)
-        size = batch_size(inputs)
-        chunk = examples_per_forward or default_examples_per_forward(inputs, dev)
-        parts: list[Tensor] = []
-        part_vars: list[Tensor] = []
-        for start in range(0, size, chunk):
-            sub = _slice_rows(inputs, start, min(size, start + chunk), size)
-            out, jac = output_jacobians(model, sub, point, contrast=monte_carlo, fixed=fixed)
-            mean = out.reshape(out.shape[0], -1)  # (b, K)
-            if deltas is not None:  # (the Monte Carlo predictive)
-                flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)
-                logits = mean.unsqueeze(0) + torch.einsum("bkd,sd->sbk", flat_jac, deltas)
-                parts.append(torch.log_softmax(logits, -1))
-                continue
-            var = torch.diagonal(guide.functional_covariance(jac), dim1=-2, dim2=-1)  # (b, K)
-            if classification:  # probit (MacKay 1992)
-                kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
-                parts.append(torch.log_softmax(kappa * mean, -1).unsqueeze(0))
-            else:
-                parts.append(out.unsqueeze(0))
-                part_vars.append(var.reshape(1, *out.shape))
+    parts: list[Tensor] = []
+    part_vars: list[Tensor] = []
+    chunks: Iterable[_Chunk] = (
+        linearization.chunks
+        if linearization is not None
+        else _chunks(
+            model,
+            guide,
+            data,
+            contrast=monte_carlo,
+            examples_per_forward=examples_per_forward,
+            progress_bar=progress_bar,
+        )
+    )
+    for out, jac, y, last in chunks:
+        part, var = _chunk_predictive(guide, out, jac, deltas, classification)
+        parts.append(part)
+        if var is not None:
+            part_vars.append(var)
+        if not last:
+            continue
         locs.append(torch.cat(parts, 1))
         if part_vars:
             variances.append(torch.cat(part_vars, 1))
+        parts, part_vars = [], []
         if y is not None:
             targets.append(check_targets(locs[-1], y) if check_targets else y)
     if not locs:

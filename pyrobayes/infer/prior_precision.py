@@ -28,7 +28,9 @@ from typing import Any
 import torch
 
 from ..calibration import TEMPERATURE_BUFFER, labelled_prediction, temperature
+from ..linearized import Linearization, linearize, linearized_predict
 from ..models.adapters import check_int
+from ..predictive import Prediction
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,13 @@ __all__ = ["DEFAULT_FACTORS", "select_prior_precision"]
 #: the posterior toward the MAP (10^4 times the evidence's τ is the MAP's predictive on the
 #: suite's tasks); smaller τ widens it for an over-confident MAP.
 DEFAULT_FACTORS: tuple[float, ...] = tuple(10.0 ** (k / 2) for k in range(-4, 9))
+
+#: Held-out Jacobians kept for the whole grid up to this size (bytes); above it every grid point
+#: runs the linearised predictive's network passes again.
+LINEARIZATION_MAX_BYTES = 2**30
+#: :func:`pyrobayes.predict` options that the cached linearised predictive honours (the
+#: network draws' chunking does not apply to it).
+_LINEARIZED_OPTIONS = frozenset({"examples_per_forward", "progress_bar", "samples_per_forward"})
 
 
 def select_prior_precision(
@@ -59,6 +68,9 @@ def select_prior_precision(
     :math:`-\frac1N\sum_n \log p_τ(y_n \mid x_n, \mathcal D)`; ties keep the smaller factor's
     first occurrence. The curvature and the mean are not refitted (the covariance is
     ``(H + τ I)^{-1}`` at the new τ). Saved with the posterior (:func:`pyrobayes.save`).
+    For a linearised predictive (``pred_type`` ``"glm"`` or ``"probit"``) the network passes
+    over ``val_data`` (``f(x; θ̂)`` and ``J(x)``, independent of τ) run once for the whole grid
+    while their Jacobians fit in :data:`LINEARIZATION_MAX_BYTES`.
 
     Parameters
     ----------
@@ -100,6 +112,9 @@ def select_prior_precision(
     tau0 = guide.prior_precision
     scores: list[float] = []
     try:
+        # the linearised predictive's network passes (f(x; θ̂), J(x)) do not depend on τ: run
+        # them once for the whole grid when they fit in memory
+        cached = _linearization(model, guide, val_data, device, predict_kwargs)
         for factor in grid:
             guide.set_prior_precision(tau0 * factor)
             scores.append(
@@ -108,6 +123,7 @@ def select_prior_precision(
                     guide,
                     val_data,
                     owner,
+                    cached,
                     num_samples=num_samples,
                     seed=seed,
                     device=device,
@@ -158,11 +174,62 @@ def _check_guide(guide: Any, owner: str) -> None:
         )
 
 
+def _linearization(
+    model: Any,
+    guide: Any,
+    val_data: Any,
+    device: str | torch.device | None,
+    predict_kwargs: dict[str, Any],
+) -> Linearization | None:
+    """``f(x; θ̂)`` and ``J(x)`` of ``val_data`` for a linearised predictive (what
+    :func:`pyrobayes.predict` evaluates for it), or ``None``: the network predictive
+    (``pred_type="nn"``), options only :func:`pyrobayes.predict` reads, or Jacobians above
+    :data:`LINEARIZATION_MAX_BYTES` (each grid point then runs its own passes)."""
+    if getattr(guide, "pred_type", "nn") == "nn" or set(predict_kwargs) - _LINEARIZED_OPTIONS:
+        return None
+    if device is not None:
+        model.to(device)
+        guide.to(device)
+    cached = linearize(
+        model,
+        guide,
+        val_data,
+        examples_per_forward=predict_kwargs.get("examples_per_forward"),
+        max_bytes=LINEARIZATION_MAX_BYTES,
+    )
+    if cached is None:
+        logger.info(
+            "select_prior_precision: the held-out Jacobians exceed %d bytes; every grid point "
+            "runs its own network passes",
+            LINEARIZATION_MAX_BYTES,
+        )
+    return cached
+
+
 def _held_out_nll(
-    model: Any, guide: Any, val_data: Any, owner: str, **predict_kwargs: Any
+    model: Any,
+    guide: Any,
+    val_data: Any,
+    owner: str,
+    cached: Linearization | None,
+    **predict_kwargs: Any,
 ) -> float:
-    """The NLL of the guide's predictive on ``val_data`` (non-empty and labelled)."""
+    """The NLL of the guide's predictive on ``val_data`` (non-empty and labelled), from the
+    ``cached`` network passes where there are some."""
     from ..metrics import report
+
+    predict_fn = None
+    if cached is not None:
+
+        def predict_fn(model: Any, guide: Any, data: Any, **kwargs: Any) -> Prediction:
+            return linearized_predict(
+                model,
+                guide,
+                data,
+                num_samples=kwargs["num_samples"],
+                seed=kwargs["seed"],
+                linearization=cached,
+            )
 
     pred = labelled_prediction(
         model,
@@ -170,6 +237,7 @@ def _held_out_nll(
         val_data,
         owner=owner,
         why="the prior precision is chosen by the held-out NLL",
+        predict_fn=predict_fn,
         **predict_kwargs,
     )
     return float(report(pred, pred.targets)["nll"])

@@ -141,3 +141,49 @@ def test_the_fit_setting_selects_tau_on_the_fits_validation_data() -> None:
     assert not again.is_fitted  # refused before the curvature was fitted
     with pytest.raises(ValueError, match="'evidence', 'alternate' or 'validation'"):
         pb.infer.Laplace(prior_optimization="heldout")
+
+
+@pytest.mark.parametrize("pred_type", ["glm", "probit"])
+def test_the_grid_reuses_the_held_out_jacobians_with_the_same_result(
+    monkeypatch, pred_type
+) -> None:
+    """The linearised predictive's network passes (f(x; θ̂), J(x)) do not depend on τ: the
+    grid forms them once, and every grid point's prediction equals ``pb.predict``'s exactly
+    (the same floating-point operations on the same Jacobians); above the memory bound each
+    point runs its own passes, with the same choice."""
+    from pyrobayes import linearized
+    from pyrobayes.infer import prior_precision as pp
+
+    model, guide, _, held_out = _problem(1e-3)
+    guide.pred_type = pred_type
+    lin = linearized.linearize(model, guide, held_out)
+    assert lin is not None and lin.contrast == (pred_type == "glm")
+    for tau in (1e-3, 1.0):
+        guide.set_prior_precision(tau)
+        cached = linearized.linearized_predict(
+            model, guide, [], num_samples=32, seed=0, linearization=lin
+        )
+        plain = pb.predict(model, guide, held_out, num_samples=32, seed=0)
+        assert torch.equal(cached.log_probs, plain.log_probs)
+        assert torch.equal(cached.targets, plain.targets)
+    guide.set_prior_precision(1e-3)
+    assert linearized.linearize(model, guide, held_out, max_bytes=100) is None  # over the bound
+    passes = []
+    original = linearized.output_jacobians
+    monkeypatch.setattr(
+        linearized, "output_jacobians", lambda *a, **k: passes.append(1) or original(*a, **k)
+    )
+    factors = (1.0, 1e2, 1e4)
+    tau_cached = select_prior_precision(model, guide, held_out, factors=factors)
+    cached_passes = len(passes)
+    assert cached_passes == len(held_out)  # one pass per batch for the whole grid
+    guide.set_prior_precision(1e-3)
+    monkeypatch.setattr(pp, "LINEARIZATION_MAX_BYTES", 0)  # every grid point runs its passes
+    tau_plain = select_prior_precision(model, guide, held_out, factors=factors)
+    # (the attempt to keep them stops at the first chunk over the bound: one pass more)
+    assert len(passes) - cached_passes == len(factors) * len(held_out) + 1
+    assert tau_plain == tau_cached
+    # a predictive type changed after forming the Jacobians is refused, not mixed up
+    guide.pred_type = "probit" if pred_type == "glm" else "glm"
+    with pytest.raises(ValueError, match="call linearize\\(\\) again"):
+        linearized.linearized_predict(model, guide, [], linearization=lin)
