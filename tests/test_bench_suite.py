@@ -369,24 +369,34 @@ def test_merge_joins_the_seeds_of_separate_processes_and_refuses_clashes() -> No
         merge([zero, _result({"1": {"map": {"nll": 0.6}}}, lr=1e-3)])
 
 
-def test_text_tasks_run_the_demos_laplace_and_the_evidence_variant() -> None:
-    """The text tasks read the demo's settings: its Laplace chooses τ on held-out data (the
-    calibration split, passed although it fits no epochs), and the ``laplace-evidence`` row is
-    the same Laplace at the same MAP with the library's default τ (the evidence's)."""
+def test_text_tasks_laplace_variant_follows_the_demos_laplace(monkeypatch) -> None:
+    """The text tasks read the demo's settings. With its Laplace at the evidence's τ the variant
+    row is ``laplace-gs`` (τ chosen post hoc on the calibration split); were the demo's Laplace
+    to choose τ on held-out data itself (passed the split although it fits no epochs), the
+    variant would be ``laplace-evidence``: the same Laplace at the same MAP, the evidence's τ."""
+    from pyrobayes.demo import pipeline
+
     sys.path.insert(0, str(SUITE))
     try:
-        settings = _load("tasks").text_settings()
+        tasks = _load("tasks")
+        settings = tasks.text_settings()
+        assert "optimizer" not in settings["laplace"] and "laplace-evidence" not in settings
+        assert settings["laplace-gs"]["select_prior_precision"]
+        held_out = pb.infer.Laplace(prior_optimization="validation")
+        monkeypatch.setitem(
+            pipeline.FAMILY_SETTINGS,
+            "laplace",
+            {**pipeline.FAMILY_SETTINGS["laplace"], "optimizer": held_out},
+        )
+        settings = tasks.text_settings()
     finally:
         sys.path.remove(str(SUITE))
     laplace, evidence = settings["laplace"], settings["laplace-evidence"]
-    assert laplace["optimizer"] == pb.infer.Laplace(prior_optimization="validation")
-    assert laplace["optimizer"].needs_validation and laplace["epochs"] == 0
+    assert laplace["optimizer"] is held_out and laplace["epochs"] == 0
     assert "optimizer" not in evidence and evidence["family"] == "laplace"
     assert {k: v for k, v in laplace.items() if k != "optimizer"} == {
         k: v for k, v in evidence.items() if k != "family"
     }
-    assert "laplace-gs" not in settings  # the demo's row already is the held-out choice
-    from pyrobayes.demo.pipeline import uses_validation
-
-    assert uses_validation(laplace, 0) and not uses_validation(evidence, 0)
-    assert uses_validation({}, 3) and not uses_validation({"validate": False}, 3)
+    assert "laplace-gs" not in settings  # the demo's row would already be the held-out choice
+    assert pipeline.uses_validation(laplace, 0) and not pipeline.uses_validation(evidence, 0)
+    assert pipeline.uses_validation({}, 3) and not pipeline.uses_validation({"validate": False}, 3)

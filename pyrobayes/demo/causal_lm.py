@@ -397,12 +397,7 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 #:   over-confident on every disambiguation_qa seed (ECE .173 ± .033 against MAP's .090);
 #:   α = 0.3 had lower ECE and NLL on each of the three seeds (ECE .104 ± .017, NLL 1.34
 #:   against 1.54), at accuracy −1.0 pp against α = 1's (docs/causal_lm.md).
-#: * ``laplace``: the Laplace-LoRA recipe (Yang et al. 2024): τ by the marginal likelihood at
-#:   the MAP, not the MiniLM demo's held-out choice. A 26-37 question validation split is too
-#:   small to choose τ on; on the three 12-epoch disambiguation_qa MAPs the held-out grid kept
-#:   the evidence's τ on every seed (docs/causal_lm.md, "How long to train").
 LM_FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
-    "laplace": {"init": "map", "epochs": 0},
     "ivon": {
         "lr": 0.3,
         "patience": 3,
