@@ -773,7 +773,7 @@ def page(
         "initialisation; docs/methods/swag_laplace.md), offered as an option "
         '(`Laplace(prior_optimization="validation")` inside a fit) but not made the demo\'s '
         "setting: measured as that setting on the demo's own task (3 seeds), it lost to the "
-        "evidence's τ on every seed (test NLL .503 ± .013 against .492 ± .014), because the "
+        "evidence's τ on every seed (test NLL .503 ± .014 against .492 ± .016), because the "
         "MAP is early-stopped on the same split, whose NLL then favours the MAP itself; and for "
         "OOD detection, "
         "the mutual information between label and parameters as the score (recorded on the MLP "

@@ -168,7 +168,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # marginal likelihood's. τ chosen on the validation split instead
     # (Laplace(prior_optimization="validation")) was measured as this setting (issue 27) and
     # not kept: the MAP was early-stopped on the same 256 sentences, whose NLL then favours the
-    # MAP itself (τ × 10^4 on seed 1): test NLL .503 ± .013 against the evidence's .492 ± .014
+    # MAP itself (τ × 10^4 on seed 1): test NLL .503 ± .014 against the evidence's .492 ± .016
     # (seeds 0-2; the evidence's lower on each), though it removed the evidence's NLL loss on
     # the suite's fine-grained task (docs/methods/swag_laplace.md, "Choosing τ on held-out data").
     "laplace": {"init": "map", "epochs": 0},
