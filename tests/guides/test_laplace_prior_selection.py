@@ -113,7 +113,10 @@ def test_the_fit_setting_selects_tau_on_the_fits_validation_data() -> None:
     the data passed as ``validation=``; without held-out data the fit refuses before training."""
     model, fitted, train, held_out = _problem(1e-3)
     reference = pb.posterior(model, "laplace", init=fitted, prior_precision=1e-3)
-    pb.fit(model, reference, train, epochs=0, progress=False)
+    plain = pb.fit(model, reference, train, epochs=0, progress=False)
+    # a fit without a search reports the τ it used, and no starting τ
+    assert plain.state["prior_precision"] == pytest.approx(1e-3, rel=1e-12)
+    assert "prior_precision_start" not in plain.state
     expected = select_prior_precision(model, reference, held_out)
     assert expected > 1e-3  # the weak prior moves (as in the first test)
     settings = pb.infer.Laplace(prior_optimization="validation")
