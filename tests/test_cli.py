@@ -284,6 +284,28 @@ def test_evaluate_command_reports_no_drift_then_drift(smoke_run, tmp_path, capsy
     assert "failed its integrity check" in err and "Traceback" not in err
 
 
+@pytest.mark.hf
+@pytest.mark.integration
+def test_laplace_tau_splits_reproduces_the_runs_laplace_at_its_own_tau(smoke_run):
+    """benchmarks/laplace_tau_splits.py: at the run's own τ (factor 1; the demo keeps the
+    evidence's) its test-split NLL is the run's recorded Laplace NLL (the same predictive from
+    kept Jacobians), and every grid point has both splits' NLL."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "laplace_tau_splits.py"
+    spec = importlib.util.spec_from_file_location("laplace_tau_splits", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    curves = module.tau_curves(smoke_run)
+    recorded = {r["family"]: r for r in json.loads((smoke_run / "metrics.json").read_text())}
+    own = next(r for r in curves["rows"] if r["factor"] == 1.0)
+    assert own["test_nll"] == pytest.approx(recorded["laplace"]["nll"], rel=1e-6)
+    assert len(curves["rows"]) == 13 and all(
+        math.isfinite(r["val_nll"]) and math.isfinite(r["test_nll"]) for r in curves["rows"]
+    )
+
+
 @pytest.mark.slow  # 150 s on 2 cores: a second demo run (mean-field alone); `make test-slow`
 @pytest.mark.hf
 @pytest.mark.integration
