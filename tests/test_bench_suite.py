@@ -400,3 +400,36 @@ def test_text_tasks_laplace_variant_follows_the_demos_laplace(monkeypatch) -> No
     assert "laplace-gs" not in settings  # the demo's row would already be the held-out choice
     assert pipeline.uses_validation(laplace, 0) and not pipeline.uses_validation(evidence, 0)
     assert pipeline.uses_validation({}, 3) and not pipeline.uses_validation({"validate": False}, 3)
+
+
+def test_choosing_compares_held_out_and_evidence_tau_in_either_naming() -> None:
+    """docs/choosing.md's Laplace line: the held-out row against the evidence row at the same
+    MAP, whether the held-out one is the ``laplace-gs`` variant (evidence = ``laplace``) or the
+    ``laplace`` row itself (evidence = ``laplace-evidence``), with the τ ratios it chose."""
+
+    def run(map_nll: float, held: float, evidence: float) -> dict:
+        chosen = {"nll": held, "prior_precision": 100.0, "prior_precision_evidence": 10.0}
+        return {
+            "map": {"nll": map_nll},
+            "map+ts": {"nll": map_nll - 0.01},
+            "held": chosen,
+            "evidence": {"nll": evidence},
+        }
+
+    seeds = {"0": run(0.50, 0.48, 0.49), "1": run(0.60, 0.57, 0.60)}
+    sys.path.insert(0, str(SUITE))
+    try:
+        choosing = _load("choosing")
+    finally:
+        sys.path.remove(str(SUITE))
+    for held, evidence in (("laplace-gs", "laplace"), ("laplace", "laplace-evidence")):
+        runs = {
+            s: {"map": r["map"], "map+ts": r["map+ts"], held: r["held"], evidence: r["evidence"]}
+            for s, r in seeds.items()
+        }
+        task = _result(runs)["tasks"]["polarity"]
+        line = choosing._laplace_gs_line(task, held, evidence)
+        # held-out minus evidence: -0.01, -0.03 -> -0.020 ± 0.014; minus MAP + TS: -0.01, -0.02
+        assert "paired NLL: -0.020 ± 0.014; vs MAP + TS: -0.015 ± 0.007" in line
+        assert "τ chosen / evidence τ: 10, 10." in line
+        assert ("laplace-evidence" in line) == (evidence == "laplace-evidence")
