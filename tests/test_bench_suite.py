@@ -398,8 +398,9 @@ def test_text_tasks_laplace_variant_follows_the_demos_laplace(monkeypatch) -> No
         k: v for k, v in evidence.items() if k != "family"
     }
     assert "laplace-gs" not in settings  # the demo's row would already be the held-out choice
-    assert pipeline.uses_validation(laplace, 0) and not pipeline.uses_validation(evidence, 0)
-    assert pipeline.uses_validation({}, 3) and not pipeline.uses_validation({"validate": False}, 3)
+    assert pipeline.uses_validation(laplace["optimizer"], 0)
+    assert not pipeline.uses_validation(evidence.get("optimizer"), 0)
+    assert pipeline.uses_validation(None, 3) and not pipeline.uses_validation(None, 3, False)
 
 
 def test_choosing_compares_held_out_and_evidence_tau_in_either_naming() -> None:

@@ -572,7 +572,7 @@ def _fit_one(
         **fit_options(
             run_config,
             settings,
-            data["val"] if uses_validation({**settings, "validate": validate}, epochs) else None,
+            data["val"] if uses_validation(settings.get("optimizer"), epochs, validate) else None,
         ),
         progress=Progress(bar=progress_bar),
     )

@@ -549,12 +549,11 @@ def _evaluate(
     return result, pred
 
 
-def _uses_validation(settings: dict[str, Any], epochs: int) -> bool:
+def _uses_validation(optimizer: Any, epochs: int, validate: bool = True) -> bool:
     """Whether a family's fit is given the validation split: to select among its epochs (a
-    validated fit with epochs to run), or because its fit settings choose on held-out data
-    (``Laplace(prior_optimization="validation")``, even with no epochs)."""
-    validated = bool(settings.get("validate", True)) and epochs > 0
-    return validated or bool(getattr(settings.get("optimizer"), "needs_validation", False))
+    validated fit with epochs to run), or because its fit settings ``optimizer`` choose on
+    held-out data (``Laplace(prior_optimization="validation")``, even with no epochs)."""
+    return (validate and epochs > 0) or bool(getattr(optimizer, "needs_validation", False))
 
 
 def _fit_options(config: dict[str, Any], settings: dict[str, Any], val_data: Any) -> dict[str, Any]:
@@ -670,7 +669,7 @@ def _fit_family(
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
         logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
         epochs, validate, source = cap + epochs, True, None
-    validated = _uses_validation({**settings, "validate": validate}, epochs)
+    validated = _uses_validation(settings.get("optimizer"), epochs, validate)
     if config["training"]["device"] is not None:  # fit runs where the model is
         model.to(config["training"]["device"])
     guide = posterior(model, family, init=init, **settings.get("options", {}))

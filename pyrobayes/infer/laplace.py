@@ -220,6 +220,8 @@ class LaplaceFitter(Fitter):
             "the Laplace posterior is built at the MAP of its point, not fitted by an ELBO (its "
             "q does not exist until the curvature is fitted)."
         )
+        self.prior_precisions = []
+        self.map_residuals = []
 
     def default_objective(self) -> str:
         return "map"
@@ -229,10 +231,10 @@ class LaplaceFitter(Fitter):
         chosen on held-out data or by the evidence iteration, the fit's first τ
         (``prior_precision_start``: the evidence's at the MAP, or the MAP's own); in
         ``FitResult.state``. Nothing while the MAP stage trains."""
-        if not getattr(self.guide, "is_fitted", False):
+        if not self.guide.is_fitted:
             return {}
         out = {"prior_precision": float(self.guide.prior_precision)}
-        if len(getattr(self, "prior_precisions", [])) > 1:
+        if len(self.prior_precisions) > 1:
             out["prior_precision_start"] = float(self.prior_precisions[0])
         return out
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..calibration import TEMPERATURE_BUFFER, labelled_prediction, temperature
-from ..linearized import Linearization, linearize, linearized_predict
+from ..linearized import linearize, linearized_predict
 from ..models.adapters import check_int
 from ..predictive import Prediction
 
@@ -114,7 +114,7 @@ def select_prior_precision(
     try:
         # the linearised predictive's network passes (f(x; θ̂), J(x)) do not depend on τ: run
         # them once for the whole grid when they fit in memory
-        cached = _linearization(model, guide, val_data, device, predict_kwargs)
+        predict_fn = _cached_predict(model, guide, val_data, device, predict_kwargs)
         for factor in grid:
             guide.set_prior_precision(tau0 * factor)
             scores.append(
@@ -123,7 +123,7 @@ def select_prior_precision(
                     guide,
                     val_data,
                     owner,
-                    cached,
+                    predict_fn,
                     num_samples=num_samples,
                     seed=seed,
                     device=device,
@@ -174,17 +174,18 @@ def _check_guide(guide: Any, owner: str) -> None:
         )
 
 
-def _linearization(
+def _cached_predict(
     model: Any,
     guide: Any,
     val_data: Any,
     device: str | torch.device | None,
     predict_kwargs: dict[str, Any],
-) -> Linearization | None:
-    """``f(x; θ̂)`` and ``J(x)`` of ``val_data`` for a linearised predictive (what
-    :func:`pyrobayes.predict` evaluates for it), or ``None``: the network predictive
-    (``pred_type="nn"``), options only :func:`pyrobayes.predict` reads, or Jacobians above
-    :data:`LINEARIZATION_MAX_BYTES` (each grid point then runs its own passes)."""
+) -> Callable[..., Prediction] | None:
+    """The guide's predictive on ``val_data`` from ``f(x; θ̂)`` and ``J(x)`` formed once (what
+    :func:`pyrobayes.predict` evaluates for a linearised predictive; called as it is), or
+    ``None``: the network predictive (``pred_type="nn"``), options only
+    :func:`pyrobayes.predict` reads, or Jacobians above :data:`LINEARIZATION_MAX_BYTES` (each
+    grid point then runs its own passes)."""
     if getattr(guide, "pred_type", "nn") == "nn" or set(predict_kwargs) - _LINEARIZED_OPTIONS:
         return None
     if device is not None:
@@ -203,7 +204,19 @@ def _linearization(
             "runs its own network passes",
             LINEARIZATION_MAX_BYTES,
         )
-    return cached
+        return None
+
+    def predict_fn(model: Any, guide: Any, data: Any, **kwargs: Any) -> Prediction:
+        return linearized_predict(
+            model,
+            guide,
+            data,
+            num_samples=kwargs["num_samples"],
+            seed=kwargs["seed"],
+            linearization=cached,
+        )
+
+    return predict_fn
 
 
 def _held_out_nll(
@@ -211,25 +224,12 @@ def _held_out_nll(
     guide: Any,
     val_data: Any,
     owner: str,
-    cached: Linearization | None,
+    predict_fn: Callable[..., Prediction] | None,
     **predict_kwargs: Any,
 ) -> float:
-    """The NLL of the guide's predictive on ``val_data`` (non-empty and labelled), from the
-    ``cached`` network passes where there are some."""
+    """The NLL of the guide's predictive on ``val_data`` (non-empty and labelled), by
+    ``predict_fn`` where given (else :func:`pyrobayes.predict`)."""
     from ..metrics import report
-
-    predict_fn = None
-    if cached is not None:
-
-        def predict_fn(model: Any, guide: Any, data: Any, **kwargs: Any) -> Prediction:
-            return linearized_predict(
-                model,
-                guide,
-                data,
-                num_samples=kwargs["num_samples"],
-                seed=kwargs["seed"],
-                linearization=cached,
-            )
 
     pred = labelled_prediction(
         model,
