@@ -53,6 +53,7 @@ from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.adapters import check_int, check_real
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
+from .evidence import effective_parameters, eigen_coordinates, likelihood_mode_log_evidence
 from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ __all__ = [
     "LaplaceNet",
     "per_example_ggn_backend",
 ]
+
+
+#: the marginal likelihoods :class:`Laplace` can maximise (its ``evidence``)
+EVIDENCE = ("posterior_mode", "likelihood_mode")
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,16 @@ class Laplace:
         it of least NLL on the fit's held-out data, ``pb.fit(..., validation=pb.Validation(
         data))`` (:func:`~pyrobayes.infer.prior_precision.select_prior_precision`, laplace-torch's
         grid search; on Adam-trained LoRA factors the evidence's τ is too weak).
+    evidence : {"posterior_mode", "likelihood_mode"}
+        Which marginal likelihood ``"evidence"`` and ``"validation"`` maximise.
+        ``"posterior_mode"``: laplace-torch's, the fitted point taken as the posterior's mode
+        under the prior it scores, ``log p(D|θ̂) − τ‖θ̂‖²/2 − log det(I + H/τ)/2`` (Immer et
+        al., 2021). ``"likelihood_mode"``: the point taken as the log-likelihood's mode and the
+        prior integrated exactly against its quadratic, ``log p(D|θ̂) − Σ_i [θ̂_i² λ_i τ/(λ_i+τ)
+        + log(1 + λ_i/τ)]/2`` in the curvature's eigenbasis (MacKay, 1992;
+        :mod:`pyrobayes.infer.evidence`): coordinates the data do not determine (``λ_i ≪ τ``),
+        such as those Adam moved from a random initialisation, no longer pull τ down.
+        ``"alternate"`` refits a true posterior mode at each τ and needs ``"posterior_mode"``.
     log_prior_bounds : (float, float)
         Natural-log bounds of the τ search (default ``(-5, 10)``).
     alternate_tol : float
@@ -114,6 +129,7 @@ class Laplace:
     """
 
     prior_optimization: str = "evidence"
+    evidence: str = "posterior_mode"
     log_prior_bounds: Sequence[float] = (-5.0, 10.0)
     alternate_tol: float = 1e-3
     alternate_max_iter: int = 20
@@ -134,6 +150,17 @@ class Laplace:
             raise ValueError(
                 f"{owner}expected prior_optimization 'evidence', 'alternate' or 'validation' "
                 f"but got {self.prior_optimization!r}."
+            )
+        if self.evidence not in EVIDENCE:
+            raise ValueError(
+                f"{owner}expected evidence {' or '.join(map(repr, EVIDENCE))} but got "
+                f"{self.evidence!r}."
+            )
+        if self.prior_optimization == "alternate" and self.evidence != "posterior_mode":
+            raise ValueError(
+                f"{owner}prior_optimization='alternate' refits the MAP at each τ, so its point "
+                "is the posterior's mode: use evidence='posterior_mode' with it, or "
+                "prior_optimization='evidence' with evidence='likelihood_mode'."
             )
         bounds = self.log_prior_bounds
         if isinstance(bounds, str) or len(bounds) != 2:
@@ -713,8 +740,10 @@ def fit_laplace(
             _store_diag(guide, la, order)
         else:
             _store_kron(guide, la, order)
-        bounds = (settings or _settings_of(guide)).log_prior_bounds
-        tau = _choose_prior_precision(model, guide, la, bounds)
+        chosen = settings or _settings_of(guide)
+        tau = _choose_prior_precision(
+            model, guide, la, chosen.log_prior_bounds, evidence=chosen.evidence
+        )
         la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
         guide.set_prior_precision(tau)
         guide.mark_fitted(True)
@@ -804,14 +833,34 @@ def _store_kron(guide: Any, la: Any, order: list[str]) -> None:
 
 
 def _choose_prior_precision(
-    model: Any, guide: Any, la: Any, bounds: Sequence[float] = (-5.0, 10.0)
+    model: Any,
+    guide: Any,
+    la: Any,
+    bounds: Sequence[float] = (-5.0, 10.0),
+    *,
+    evidence: str = "posterior_mode",
 ) -> float:
-    """τ by the guide's ``prior_precision`` option: the evidence maximum, the model's, or given."""
+    """τ by the guide's ``prior_precision`` option: the evidence maximum (``evidence``: see
+    :class:`Laplace`), the model's, or given."""
     spec = guide.prior_precision_spec
     if spec == "model":
         return 1.0 / model.prior_scale**2
     if spec != "marglik":
         return float(spec)
+    lo, hi = float(bounds[0]), float(bounds[1])
+    if evidence == "likelihood_mode":
+        curvature, coords = eigen_coordinates(guide)
+        tau = tune_prior_precision(
+            lambda t: likelihood_mode_log_evidence(curvature, coords, t), (lo, hi)
+        )
+        logger.info(
+            "Laplace: evidence at the likelihood's mode: τ = %.4g, %.1f of %d directions "
+            "determined by the data",
+            tau,
+            effective_parameters(curvature, tau),
+            curvature.numel(),
+        )
+        return tau
 
     def log_marglik(tau: float) -> float:
         with torch.no_grad():
@@ -821,7 +870,7 @@ def _choose_prior_precision(
         return float(value)
 
     with _no_exit("maximising the marginal likelihood"):
-        return tune_prior_precision(log_marglik, (float(bounds[0]), float(bounds[1])))
+        return tune_prior_precision(log_marglik, (lo, hi))
 
 
 @contextlib.contextmanager
