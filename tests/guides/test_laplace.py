@@ -102,7 +102,16 @@ def _direct_laplace(model, guide, loader, structure):
 def test_agrees_with_laplace_torch(structure: str) -> None:
     model, x, y, loader = _mlp()
     guide = LaplaceGuide(model, structure=structure)
-    pb.fit(model, guide, loader, epochs=10, lr=0.05)  # MAP stage, then curvature + marglik τ
+    # MAP stage, then curvature + marglik τ: laplace-torch's evidence (θ̂ as the posterior's mode)
+    laplace_torch_evidence = pb.infer.Laplace(evidence="posterior_mode")
+    pb.fit(
+        model,
+        guide,
+        loader,
+        epochs=10,
+        lr=0.05,
+        optim=pb.Optimization(optimizer=laplace_torch_evidence),
+    )
     assert guide.is_fitted
     lo, hi = pb.infer.Laplace().log_prior_bounds  # the default search bounds
     assert math.exp(lo) <= guide.prior_precision <= math.exp(hi)

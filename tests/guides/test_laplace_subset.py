@@ -102,7 +102,9 @@ def test_last_layer_evidence_equals_laplace_torch() -> None:
     """The tuned τ maximises laplace-torch's own last-layer log marginal likelihood."""
     model, x, y = _head_latent()
     guide = LaplaceGuide(model, structure="kron", subset="last_layer")
-    la = fit_laplace(model, guide, tensor_loader(x, y, 20))
+    # laplace-torch's evidence: the point taken as the posterior's mode
+    settings = pb.infer.Laplace(evidence="posterior_mode")
+    la = fit_laplace(model, guide, tensor_loader(x, y, 20), settings=settings)
     net = _plain_net(model, guide)
     ref = laplace.Laplace(
         net, "classification", subset_of_weights="last_layer", hessian_structure="kron"
