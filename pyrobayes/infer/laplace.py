@@ -21,12 +21,12 @@ parameters, ``B·K`` backward passes of the whole batch each (quadratic in the b
 
 Prior precision. ``τ`` maximises a log marginal likelihood over ``log τ ∈ [lo, hi]`` (natural
 log, default ``[−5, 10]``; a grid, then golden-section search) with ``θ*`` and ``H`` held at the
-trained MAP. By default the exact evidence of the log-likelihood's second-order expansion at
-``θ*`` (its gradient ``g`` over the training data and the GGN; ``λ_i``, ``θ*_i``, ``g_i`` in the
+trained MAP. By default the one with ``θ*`` taken as the likelihood's mode and the prior
+integrated exactly against the log-likelihood's quadratic there (``λ_i``, ``θ*_i`` in the
 curvature's eigenbasis; :mod:`pyrobayes.infer.evidence`, MacKay 1992),
 
-.. math:: \log p(D\mid τ) ≈ \log p(D\mid θ^*) + \tfrac12 \sum_i \Big[
-          \frac{(g_i - τθ^*_i)^2}{λ_i + τ} - τθ^{*2}_i - \log\big(1 + λ_i/τ\big)\Big],
+.. math:: \log p(D\mid τ) ≈ \log p(D\mid θ^*)
+          - \tfrac12 \sum_i \Big[θ^{*2}_i \frac{λ_i τ}{λ_i+τ} + \log\big(1 + λ_i/τ\big)\Big],
 
 or (``Laplace(evidence="posterior_mode")``) laplace-torch's post-hoc marginal likelihood with
 ``θ*`` taken as the posterior's mode (Immer et al. 2021),
@@ -35,6 +35,36 @@ or (``Laplace(evidence="posterior_mode")``) laplace-torch's post-hoc marginal li
           - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ,
 
 which MacKay's (1992) iteration, alternating with MAP refits, maximises (:class:`LaplaceFitter`).
+
+GLM predictive.
+
+Curvature. At the MAP ``θ*`` (the guide's point), with the head fixed, laplace-torch computes the
+GGN of the summed negative log-likelihood over the sites only,
+
+.. math:: H = \sum_i J_i^\top Λ_i J_i,\qquad J_i = ∂f(x_i; θ)/∂θ\,|_{θ^*},
+
+as its diagonal (``DIAG``) or K-FAC blocks (``KRON``; a LoRA-XS core is an ordinary
+``nn.Linear(r, r)``, so both factors are ``r×r``). The diagonal is accumulated from per-example
+Jacobian rows (:func:`pyrobayes.linearized.output_jacobian_rows`: one forward and ``K − 1``
+backward passes per batch for ``K`` classes, ``K`` for ``K`` regression outputs, a few rows at a
+time, so memory stays a few ``B·d`` numbers, never the ``B·K·d`` Jacobian), with softmax's
+``Λ_i = diag(p_i) − p_i p_iᵀ``
+
+.. math:: \operatorname{diag} H = \sum_i \sum_k p_{ik} \big(J_{ik} - \textstyle\sum_j p_{ij} J_{ij}\big)^{2},
+
+(``J_{ik}`` the k-th row of ``J_i``, squared elementwise) and ``Σ_i Σ_k J_{ik}²`` for a Gaussian
+likelihood (laplace-torch's ``1/σ²`` applied as its ``_H_factor``). laplace-torch's default
+backend forms the same diagonal from the Jacobian of the whole batch output with respect to the
+parameters, ``B·K`` backward passes of the whole batch each (quadratic in the batch size).
+
+Prior precision. ``τ`` maximises the Laplace log marginal likelihood
+
+.. math:: \log p(D\mid τ) ≈ \log p(D\mid θ^*) - \tfrac τ2 \|θ^*\|^2
+          - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ
+
+over ``log τ ∈ [lo, hi]`` (natural log, default ``[−5, 10]``): a grid, then golden-section search,
+with ``θ*`` and ``H`` held at the trained MAP (laplace-torch's post-hoc marginal likelihood,
+Immer et al. 2021), or alternating with MAP refits (MacKay 1992; :class:`LaplaceFitter`).
 
 GLM predictive. ``f(x) ~ N(f(x; θ*), J(x) Σ J(x)ᵀ)``; class probabilities by the probit
 approximation ``softmax(f / sqrt(1 + π/8 · diag(JΣJᵀ)))`` or Monte Carlo over the logits.
@@ -61,7 +91,7 @@ from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.adapters import check_int, check_real
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
-from .evidence import effective_parameters, eigen_coordinates, quadratic_log_evidence
+from .evidence import effective_parameters, eigen_coordinates, likelihood_mode_log_evidence
 from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
@@ -79,7 +109,7 @@ __all__ = [
 
 
 #: the marginal likelihoods :class:`Laplace` can maximise (its ``evidence``)
-EVIDENCE = ("quadratic", "posterior_mode")
+EVIDENCE = ("likelihood_mode", "posterior_mode")
 
 
 @dataclass(frozen=True)
@@ -105,15 +135,13 @@ class Laplace:
         it of least NLL on the fit's held-out data, ``pb.fit(..., validation=pb.Validation(
         data))`` (:func:`~pyrobayes.infer.prior_precision.select_prior_precision`, laplace-torch's
         grid search).
-    evidence : {"quadratic", "posterior_mode"}, optional
+    evidence : {"likelihood_mode", "posterior_mode"}, optional
         Which marginal likelihood ``"evidence"`` and ``"validation"`` maximise.
-        ``"quadratic"`` (their default): the log-likelihood replaced by its second-order
-        expansion at the fitted point (value, gradient ``g`` over the training data, GGN) and
-        the prior integrated against it exactly, ``log p(D|θ̂) + Σ_i [(g_i − τθ̂_i)²/(λ_i+τ)
-        − τθ̂_i² − log(1 + λ_i/τ)]/2`` in the curvature's eigenbasis (MacKay, 1992;
-        :mod:`pyrobayes.infer.evidence`): it assumes nothing about where the point is, and
-        coordinates the data do not determine (``λ_i ≪ τ``), such as those Adam moved from a
-        random initialisation, do not pull τ down. Costs one gradient pass over the data.
+        ``"likelihood_mode"`` (their default): the fitted point taken as the log-likelihood's
+        mode and the prior integrated exactly against its quadratic, ``log p(D|θ̂) − Σ_i
+        [θ̂_i² λ_i τ/(λ_i+τ) + log(1 + λ_i/τ)]/2`` in the curvature's eigenbasis (MacKay, 1992;
+        :mod:`pyrobayes.infer.evidence`): coordinates the data do not determine (``λ_i ≪ τ``),
+        such as those Adam moved from a random initialisation, do not pull τ down.
         ``"posterior_mode"``: laplace-torch's, the point taken as the posterior's mode under the
         prior it scores, ``log p(D|θ̂) − τ‖θ̂‖²/2 − log det(I + H/τ)/2`` (Immer et al., 2021),
         the default and only choice of ``"alternate"``, whose refits make the point that mode.
@@ -173,7 +201,7 @@ class Laplace:
             raise ValueError(
                 f"{owner}prior_optimization='alternate' refits the MAP at each τ, so its point "
                 "is the posterior's mode: use evidence='posterior_mode' with it, or "
-                "prior_optimization='evidence' with evidence='quadratic'."
+                "prior_optimization='evidence' with evidence='likelihood_mode'."
             )
         bounds = self.log_prior_bounds
         if isinstance(bounds, str) or len(bounds) != 2:
@@ -754,13 +782,8 @@ def fit_laplace(
         else:
             _store_kron(guide, la, order)
         chosen = settings or _settings_of(guide)
-        evidence = str(chosen.evidence)
-        gradient: dict[str, Tensor] | None = None
-        if evidence == "quadratic" and guide.prior_precision_spec == "marglik":
-            grads = _log_likelihood_gradient(la, wrapper, _Loader(model, data, model.device))
-            gradient = dict(zip(order, grads, strict=True))
         tau = _choose_prior_precision(
-            model, guide, la, chosen.log_prior_bounds, evidence=evidence, gradient=gradient
+            model, guide, la, chosen.log_prior_bounds, evidence=str(chosen.evidence)
         )
         la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
         guide.set_prior_precision(tau)
@@ -774,22 +797,6 @@ def fit_laplace(
         for name, p in net.named_parameters():
             p.requires_grad_(flags[name])
         model.train(was_training)
-
-
-def _log_likelihood_gradient(la: Any, wrapper: Any, loader: Iterable[Any]) -> list[Tensor]:
-    """``∇ log p(D | θ̂)`` over ``loader`` for each tensor of ``wrapper`` that requires grad, in
-    laplace-torch's convention: ``log p = −(1/(σ²T)) · factor · loss`` with its summed loss
-    (cross-entropy, factor 1; squared error, factor ½), so it pairs with its curvature."""
-    params = [p for p in wrapper.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    scale = float(la._H_factor) * float(la.backend.factor)
-    key = la.dict_key_y
-    for batch in loader:
-        x, y = (batch, batch[key]) if isinstance(batch, Mapping) else batch
-        loss = la.backend.lossfunc(wrapper(x), y)
-        for acc, g in zip(total, torch.autograd.grad(loss, params), strict=True):
-            acc.sub_(scale * g)
-    return total
 
 
 def _load_point(model: Any, guide: Any) -> dict[int, str]:
@@ -873,26 +880,23 @@ def _choose_prior_precision(
     bounds: Sequence[float] = (-5.0, 10.0),
     *,
     evidence: str = EVIDENCE[0],
-    gradient: dict[str, Tensor] | None = None,
 ) -> float:
     """τ by the guide's ``prior_precision`` option: the evidence maximum (``evidence``: see
-    :class:`Laplace`; ``"quadratic"`` needs ``gradient``, ∇ log p(D|θ̂) per site), the model's,
-    or given."""
+    :class:`Laplace`), the model's, or given."""
     spec = guide.prior_precision_spec
     if spec == "model":
         return 1.0 / model.prior_scale**2
     if spec != "marglik":
         return float(spec)
     lo, hi = float(bounds[0]), float(bounds[1])
-    if evidence == "quadratic":
-        if gradient is None:
-            raise ValueError("Laplace: evidence='quadratic' needs the log-likelihood's gradient.")
-        curvature, coords, grad = eigen_coordinates(guide, gradient)
+    if evidence == "likelihood_mode":
+        curvature, coords = eigen_coordinates(guide)
         tau = tune_prior_precision(
-            lambda t: quadratic_log_evidence(curvature, coords, grad, t), (lo, hi)
+            lambda t: likelihood_mode_log_evidence(curvature, coords, t), (lo, hi)
         )
         logger.info(
-            "Laplace: quadratic evidence: τ = %.4g, %.1f of %d directions determined by the data",
+            "Laplace: evidence at the likelihood's mode: τ = %.4g, %.1f of %d directions "
+            "determined by the data",
             tau,
             effective_parameters(curvature, tau),
             curvature.numel(),
