@@ -434,3 +434,30 @@ def test_choosing_compares_held_out_and_evidence_tau_in_either_naming() -> None:
         assert "paired NLL: -0.020 ± 0.014; vs MAP + TS: -0.015 ± 0.007" in line
         assert "τ chosen / evidence τ: 10, 10." in line
         assert ("laplace-evidence" in line) == (evidence == "laplace-evidence")
+
+
+def test_quick_laplace_evidence_compares_both_evidences_at_one_map() -> None:
+    """benchmarks/laplace_evidence.py: one MAP, Laplace at it under each evidence; the default
+    evidence's row is the default Laplace's, and on LoRA-XS cores of a quick digits MAP the
+    likelihood-mode τ is at least the posterior-mode one (it charges each coordinate at most
+    τθ̂², ``λτ/(λ+τ) ≤ τ``, so its optimum is never at a smaller τ)."""
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(torch.float32)
+    path = SUITE.parent / "laplace_evidence.py"
+    spec = importlib.util.spec_from_file_location("laplace_evidence", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        rows = module.main(["--quick", "--task", "digits", "--seeds", "0"])
+    finally:
+        for p in (str(SUITE), str(SUITE.parent)):
+            while p in sys.path:
+                sys.path.remove(p)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"map", "laplace (likelihood_mode)", "laplace (posterior_mode)"}
+    assert pb.infer.Laplace().evidence == "likelihood_mode"
+    assert all(math.isfinite(r["nll"]) for r in rows)
+    assert by["laplace (likelihood_mode)"]["tau"] >= by["laplace (posterior_mode)"]["tau"]

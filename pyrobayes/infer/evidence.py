@@ -36,7 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["eigen_coordinates", "likelihood_mode_log_evidence", "effective_parameters"]
+__all__ = [
+    "eigen_coordinates",
+    "likelihood_mode_log_evidence",
+    "posterior_mode_log_evidence",
+    "effective_parameters",
+]
 
 
 def eigen_coordinates(guide: Any) -> tuple[Tensor, Tensor]:
@@ -72,6 +77,15 @@ def likelihood_mode_log_evidence(
     lam = curvature.clamp_min(0.0)
     data_fit = coords.pow(2) * lam * tau / (lam + tau)
     return float(-0.5 * (data_fit + torch.log1p(lam / tau)).sum())
+
+
+def posterior_mode_log_evidence(curvature: Tensor, coords: Tensor, prior_precision: float) -> float:
+    r"""laplace-torch's ``log p(D | τ) − log p(D | θ̂)`` with ``θ̂`` the posterior's mode,
+    ``−τ‖θ̂‖²/2 − Σ_i log(1 + λ_i/τ)/2``, from :func:`eigen_coordinates`' ``(λ, θ̂)`` (for
+    comparing the two at a stored curvature; the fit itself calls laplace-torch)."""
+    tau = float(prior_precision)
+    lam = curvature.clamp_min(0.0)
+    return float(-0.5 * (tau * coords.pow(2) + torch.log1p(lam / tau)).sum())
 
 
 def effective_parameters(curvature: Tensor, prior_precision: float) -> float:

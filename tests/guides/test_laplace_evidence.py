@@ -357,6 +357,13 @@ def test_likelihood_mode_evidence_post_hoc_reaches_the_exact_optimum(structure: 
     assert float(torch.log1p(lam / tau).sum()) == pytest.approx(
         float(torch.logdet(dense)) - dense.shape[0] * math.log(tau), rel=1e-9
     )
+    # laplace-torch's evidence (the posterior_mode fit) is the stored curvature's posterior-mode
+    # formula: the same maximiser, golden section to ~1e-8 in log τ on both sides
+    from pyrobayes.infer.evidence import posterior_mode_log_evidence
+    from pyrobayes.infer.laplace import tune_prior_precision
+
+    tau_pm = tune_prior_precision(lambda t: posterior_mode_log_evidence(lam, coords, t))
+    assert tau_pm == pytest.approx(taus["posterior_mode"], rel=1e-6)
     # the curvature is exact here (A is diagonal by design), so τ is the exact evidence's optimum
     # up to the point's offset from θ_ML (τ = γ/Σ w²θ², so about twice its relative 1.6e-7) and
     # the golden section's ~1e-9 in log τ: measured |τ/τ* − 1| = 3.6e-7 (both structures); the
