@@ -901,6 +901,15 @@ def _choose_prior_precision(
             effective_parameters(curvature, tau),
             curvature.numel(),
         )
+        if math.log(tau) >= hi - 1e-6:
+            logger.warning(
+                "Laplace: the data do not determine the point beyond its posterior sd (λ θ² "
+                "below 1 across the curvature's directions), so the evidence at the likelihood's "
+                "mode prefers no spread: τ is at its bound and the predictive is the MAP's. "
+                "Train longer, or "
+                "use pb.infer.Laplace(evidence='posterior_mode') (laplace-torch's evidence) or "
+                "select τ on held-out data (prior_optimization='validation')."
+            )
         return tau
 
     def log_marglik(tau: float) -> float:

@@ -381,3 +381,42 @@ def test_evidence_option_validated() -> None:
     assert pb.infer.Laplace().evidence == "likelihood_mode"  # the default
     assert pb.infer.Laplace(prior_optimization="validation").evidence == "likelihood_mode"
     assert pb.infer.Laplace(prior_optimization="alternate").evidence == "posterior_mode"
+
+
+def test_default_evidence_warns_when_it_returns_the_map(caplog) -> None:
+    """A five-epoch MAP of a small MLP on 60 examples: no direction is determined beyond its
+    posterior sd, the default evidence puts τ at its upper bound (the predictive is the MAP's)
+    and says so, naming the alternatives; laplace-torch's evidence keeps a finite τ."""
+    from pyrobayes.models import LoRAXS
+    from tests.common import mlp_problem
+
+    prob = mlp_problem(
+        (5, 8, 8, 3),
+        LoRAXS(rank=3, target_modules=["0", "2"]),
+        num_data=60,
+        seed=3,
+        data_seed=4,
+        trainable_modules=["4"],
+    )
+    loader = tensor_loader(prob.x, prob.y, 20)
+    taus = {}
+    for evidence in ("likelihood_mode", "posterior_mode"):
+        guide = LaplaceGuide(prob.model, structure="kron")
+        settings = pb.infer.Laplace(evidence=evidence)
+        with caplog.at_level("WARNING", logger="pyrobayes.infer.laplace"):
+            caplog.clear()
+            pb.fit(
+                prob.model,
+                guide,
+                loader,
+                epochs=5,
+                lr=0.05,
+                seed=0,
+                optim=pb.Optimization(optimizer=settings),
+            )
+        taus[evidence] = guide.prior_precision
+        warned = "evidence='posterior_mode'" in caplog.text
+        assert warned == (evidence == "likelihood_mode")
+    hi = pb.infer.Laplace().log_prior_bounds[1]
+    assert taus["likelihood_mode"] == pytest.approx(math.exp(hi), rel=1e-6)
+    assert taus["posterior_mode"] < math.exp(hi) / 10
