@@ -293,6 +293,22 @@ def mlp_problem(
     return MLPProblem(model, x, y)
 
 
+def small_lora_xs_classifier() -> Any:
+    """A five-input, 3-class MLP with LoRA-XS r = 3 on both hidden layers and a point head, 60
+    examples (``mlp_problem``'s seed 3, data seed 4): small enough that a five-epoch MAP
+    leaves the data determining no direction beyond its posterior sd."""
+    from pyrobayes.models import LoRAXS
+
+    return mlp_problem(
+        (5, 8, 8, 3),
+        LoRAXS(rank=3, target_modules=["0", "2"]),
+        num_data=60,
+        seed=3,
+        data_seed=4,
+        trainable_modules=["4"],
+    )
+
+
 def split_batches(
     x: torch.Tensor, y: torch.Tensor, size: int = 16
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,7 +14,12 @@ from pyrobayes.contract import LinearizedPredictive, implements
 from pyrobayes.guides import LaplaceGuide
 from pyrobayes.linearized import output_jacobians
 from pyrobayes.models import FineTuneModel, LoRAXS
-from tests.common import conjugate_core, mlp_problem, tensor_loader, tiny_llama
+from tests.common import (
+    conjugate_core,
+    small_lora_xs_classifier,
+    tensor_loader,
+    tiny_llama,
+)
 
 pytest.importorskip("laplace")
 
@@ -68,14 +73,7 @@ def test_glm_regression_equals_closed_form_linear_gaussian(structure: str) -> No
 
 
 def _mlp_classifier():
-    prob = mlp_problem(
-        (5, 8, 8, 3),
-        LoRAXS(rank=3, target_modules=["0", "2"]),
-        num_data=60,
-        seed=3,
-        data_seed=4,
-        trainable_modules=["4"],
-    )
+    prob = small_lora_xs_classifier()
     model = prob.model.double()
     loader = tensor_loader(prob.x.double(), prob.y, 20)
     guide = LaplaceGuide(model, structure="kron")

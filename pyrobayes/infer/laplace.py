@@ -36,36 +36,6 @@ or (``Laplace(evidence="posterior_mode")``) laplace-torch's post-hoc marginal li
 
 which MacKay's (1992) iteration, alternating with MAP refits, maximises (:class:`LaplaceFitter`).
 
-GLM predictive.
-
-Curvature. At the MAP ``θ*`` (the guide's point), with the head fixed, laplace-torch computes the
-GGN of the summed negative log-likelihood over the sites only,
-
-.. math:: H = \sum_i J_i^\top Λ_i J_i,\qquad J_i = ∂f(x_i; θ)/∂θ\,|_{θ^*},
-
-as its diagonal (``DIAG``) or K-FAC blocks (``KRON``; a LoRA-XS core is an ordinary
-``nn.Linear(r, r)``, so both factors are ``r×r``). The diagonal is accumulated from per-example
-Jacobian rows (:func:`pyrobayes.linearized.output_jacobian_rows`: one forward and ``K − 1``
-backward passes per batch for ``K`` classes, ``K`` for ``K`` regression outputs, a few rows at a
-time, so memory stays a few ``B·d`` numbers, never the ``B·K·d`` Jacobian), with softmax's
-``Λ_i = diag(p_i) − p_i p_iᵀ``
-
-.. math:: \operatorname{diag} H = \sum_i \sum_k p_{ik} \big(J_{ik} - \textstyle\sum_j p_{ij} J_{ij}\big)^{2},
-
-(``J_{ik}`` the k-th row of ``J_i``, squared elementwise) and ``Σ_i Σ_k J_{ik}²`` for a Gaussian
-likelihood (laplace-torch's ``1/σ²`` applied as its ``_H_factor``). laplace-torch's default
-backend forms the same diagonal from the Jacobian of the whole batch output with respect to the
-parameters, ``B·K`` backward passes of the whole batch each (quadratic in the batch size).
-
-Prior precision. ``τ`` maximises the Laplace log marginal likelihood
-
-.. math:: \log p(D\mid τ) ≈ \log p(D\mid θ^*) - \tfrac τ2 \|θ^*\|^2
-          - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ
-
-over ``log τ ∈ [lo, hi]`` (natural log, default ``[−5, 10]``): a grid, then golden-section search,
-with ``θ*`` and ``H`` held at the trained MAP (laplace-torch's post-hoc marginal likelihood,
-Immer et al. 2021), or alternating with MAP refits (MacKay 1992; :class:`LaplaceFitter`).
-
 GLM predictive. ``f(x) ~ N(f(x; θ*), J(x) Σ J(x)ᵀ)``; class probabilities by the probit
 approximation ``softmax(f / sqrt(1 + π/8 · diag(JΣJᵀ)))`` or Monte Carlo over the logits.
 :func:`pyrobayes.predict` evaluates it by default (:mod:`pyrobayes.linearized`: Jacobians of the

@@ -387,17 +387,9 @@ def test_default_evidence_warns_when_it_returns_the_map(caplog) -> None:
     """A five-epoch MAP of a small MLP on 60 examples: no direction is determined beyond its
     posterior sd, the default evidence puts τ at its upper bound (the predictive is the MAP's)
     and says so, naming the alternatives; laplace-torch's evidence keeps a finite τ."""
-    from pyrobayes.models import LoRAXS
-    from tests.common import mlp_problem
+    from tests.common import small_lora_xs_classifier
 
-    prob = mlp_problem(
-        (5, 8, 8, 3),
-        LoRAXS(rank=3, target_modules=["0", "2"]),
-        num_data=60,
-        seed=3,
-        data_seed=4,
-        trainable_modules=["4"],
-    )
+    prob = small_lora_xs_classifier()
     loader = tensor_loader(prob.x, prob.y, 20)
     taus = {}
     for evidence in ("likelihood_mode", "posterior_mode"):
