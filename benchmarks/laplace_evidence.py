@@ -39,9 +39,7 @@ from pyrobayes.infer.evidence import (  # noqa: E402
     likelihood_mode_log_evidence,
     posterior_mode_log_evidence,
 )
-from pyrobayes.infer.laplace import tune_prior_precision  # noqa: E402
-
-EVIDENCES = ("likelihood_mode", "posterior_mode")
+from pyrobayes.infer.laplace import EVIDENCE, tune_prior_precision  # noqa: E402
 
 
 def suite_seed(task_name: str, seed: int, quick: bool = False) -> list[dict[str, Any]]:
@@ -59,7 +57,7 @@ def suite_seed(task_name: str, seed: int, quick: bool = False) -> list[dict[str,
             **_scores(*_predict(task, model, point)[:2]),
         }
     ]
-    for evidence in EVIDENCES:
+    for evidence in EVIDENCE:
         laplace = pb.posterior(model, "laplace", init=point)
         settings = pb.infer.Laplace(evidence=evidence)
         pb.fit(
@@ -83,15 +81,17 @@ def suite_seed(task_name: str, seed: int, quick: bool = False) -> list[dict[str,
     return rows
 
 
-def evidence_taus(guide: Any, bounds: tuple[float, float] = (-5.0, 10.0)) -> dict[str, float]:
-    """τ of each evidence from a fitted Laplace guide's stored curvature and mean."""
+def evidence_taus(guide: Any) -> dict[str, float]:
+    """τ of each evidence from a fitted Laplace guide's stored curvature and mean, searched
+    within the fit's default bounds."""
+    lo, hi = pb.infer.Laplace().log_prior_bounds
     lam, coords = eigen_coordinates(guide)
     forms = {
         "likelihood_mode": likelihood_mode_log_evidence,
         "posterior_mode": posterior_mode_log_evidence,
     }
     return {
-        name: tune_prior_precision(lambda t, f=f: f(lam, coords, t), bounds)
+        name: tune_prior_precision(lambda t, f=f: f(lam, coords, t), (lo, hi))
         for name, f in forms.items()
     }
 
