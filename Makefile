@@ -89,7 +89,7 @@ bench: $(STAMP)
 # then docs/choosing.md and docs/img/suite_*.png from every result in benchmarks/results/suite/
 .PHONY: bench-suite
 bench-suite: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) benchmarks/suite/run.py --tasks digits diabetes --seeds 0 1 2
+	OMP_NUM_THREADS=1 $(PY) benchmarks/suite/run.py --tasks digits mnist diabetes --seeds 0 1 2
 	OMP_NUM_THREADS=1 $(PY) benchmarks/suite/diagnose.py --seeds 0 1 2
 	$(PY) benchmarks/suite/report.py --choosing
 

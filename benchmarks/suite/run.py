@@ -29,7 +29,7 @@ and standard deviation over seeds) against MAP and each anchor are computed by `
 
 Run::
 
-    make bench-suite                                   # digits + diabetes, 3 seeds, every family
+    make bench-suite                                   # digits, mnist, diabetes: 3 seeds, every family
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/run.py --tasks polarity --seeds 0 \\
         --families map laplace ivon --out benchmarks/results/suite/polarity.json
     .venv/bin/python benchmarks/suite/run.py --quick --out /tmp/suite.json   # the test suite's
@@ -99,8 +99,10 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
     validate = validate or bool(getattr(settings.get("optimizer"), "needs_validation", False))
     if "progress" in params:
         kwargs["progress"] = False
-    if settings.get("optimizer") is not None:  # the fit's settings (pb.infer.IVON, SWAG, ...)
-        kwargs["optim"] = pb.Optimization(optimizer=settings["optimizer"])
+    # the fit's settings (pb.infer.IVON, SWAG, ...) and a learning-rate schedule
+    optim = {k: settings[k] for k in ("optimizer", "scheduler") if settings.get(k) is not None}
+    if optim:
+        kwargs["optim"] = pb.Optimization(**optim)
     if validate:
         patience = settings.get("patience", task.patience)
         patience = None if patience is None else int(patience)
@@ -575,7 +577,9 @@ def _git_state() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=["digits", "diabetes"], choices=list(TASKS))
+    parser.add_argument(
+        "--tasks", nargs="+", default=["digits", "mnist", "diabetes"], choices=list(TASKS)
+    )
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--members", type=int, default=4, help="M, the deep ensemble's size")

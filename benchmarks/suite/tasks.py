@@ -117,7 +117,8 @@ def text_settings() -> dict[str, dict[str, Any]]:
 
     out: dict[str, dict[str, Any]] = {}
     for family, s in pl.FAMILY_SETTINGS.items():
-        out[family] = {k: v for k, v in s.items() if k in ("lr", "epochs", "init", "patience")}
+        keys = ("lr", "epochs", "init", "patience", "scheduler")
+        out[family] = {k: v for k, v in s.items() if k in keys}
         out[family]["options"] = dict(s.get("options", {}))
         if "validate" in s:
             out[family]["validate"] = s["validate"]

@@ -462,6 +462,7 @@ def load_checkpoint(
             "Restore it, or start a new run with overwrite=True."
         ) from None
     check_position(meta, steps_per_epoch, source=state_file)
+    _check_schedule_matches(folder, meta, scheduler)
     load_state(guide, folder / "posterior.safetensors", model=model)
     fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))
     set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
@@ -471,6 +472,28 @@ def load_checkpoint(
     if (folder / "best.pt").exists():
         best = Snapshot.from_dict(torch.load(folder / "best.pt", weights_only=True))
     return meta, best
+
+
+def _check_schedule_matches(folder: Path, meta: dict[str, Any], scheduler: Any) -> None:
+    """Refuse a resume whose learning-rate schedule is not the checkpointed run's: the rest of
+    the run would follow another rate than the one it started (a schedule with no saved state
+    would restart at step 0)."""
+    if not meta.get("step"):
+        return
+    saved = (folder / "scheduler.pt").exists()
+    if scheduler is not None and not saved:
+        raise ValueError(
+            f"fit(): the checkpoint {folder} was written by a fit without a learning-rate "
+            "schedule, and this fit has one (Optimization(scheduler=...), or the family's "
+            "default, IVON's 'cosine'). Resume with optim=pyrobayes.Optimization("
+            "scheduler='constant') to continue it as it ran, or start a new fit "
+            "(Checkpointing(..., overwrite=True))."
+        )
+    if scheduler is None and saved:
+        raise ValueError(
+            f"fit(): the checkpoint {folder} was written by a fit with a learning-rate "
+            "schedule; pass the same Optimization(scheduler=..., warmup=...) to resume it."
+        )
 
 
 # ---------------------------------------------------------------------------------- RNG

@@ -81,6 +81,10 @@ class Fitter:
     manages_lr : bool
         True when the fitter schedules the learning rate itself (then
         :func:`pyrobayes.fit` refuses a ``scheduler``).
+    default_scheduler : str or None
+        The family's learning-rate schedule where ``fit``'s ``Optimization(scheduler=...)`` is
+        left unset (``None``: a constant rate; IVON's: ``"cosine"``). ``scheduler="constant"``
+        turns it off.
     settings : dataclass or None
         The fit's settings record (``pb.infer.IVON``, ``SWAG``, ...; ``None`` for a family
         without any, e.g. MAP): saved in :meth:`state_dict`, checked on resume. A subclass sets
@@ -93,6 +97,7 @@ class Fitter:
 
     settings: Any = None
     validation_data: Iterable[Any] | None = None
+    default_scheduler: str | None = None
 
     def __init__(
         self,

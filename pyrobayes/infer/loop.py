@@ -294,7 +294,7 @@ def fit(
         Seeds torch and Pyro (``pyro.set_rng_seed``) and the data order.
     optim : Optimization, optional
         The objective, optimizer, learning-rate schedule and step budget (default: the family's
-        objective and optimizer, no schedule).
+        objective, optimizer and schedule: a constant rate, IVON's a cosine).
     validation : Validation, optional
         Held-out data scored after every epoch, the best epoch restored, early stopping.
     checkpoint : Checkpointing, optional
@@ -465,7 +465,18 @@ class _Loop:
         validation = self.validation
         fitter.validation_data = validation.data if validation is not None else None
         fitter.begin(data)
-        sched = make_scheduler(optim.scheduler, fitter.optimizer, self.plan.total, optim.warmup)
+        spec = optim.scheduler
+        if spec is None and not fitter.manages_lr:  # the family's own (IVON: cosine)
+            spec = fitter.default_scheduler
+            if spec is not None and self.plan.total is None:
+                logger.info(
+                    "fit: %s's default %r schedule needs the run's length (epochs with a "
+                    "data loader that has a length, or num_steps); the rate stays constant.",
+                    type(fitter).__name__,
+                    spec,
+                )
+                spec = None
+        sched = make_scheduler(spec, fitter.optimizer, self.plan.total, optim.warmup)
         return fitter, sched
 
     # ------------------------------------------------------------------ the run

@@ -61,12 +61,14 @@ class Optimization:
     optimizer : torch optimizer, class or factory, optional
         Defaults to the family's (its fitter's ``default_optimizer``; Adam for SVI). The
         learning rate is ``fit``'s ``lr``.
-    scheduler : {"cosine", "linear"} or callable, optional
+    scheduler : {"cosine", "linear", "constant"} or callable, optional
         Learning-rate schedule, stepped after every optimizer step: ``"cosine"``
-        (``α_t = α·½(1 + cos(π t/T))``, Loshchilov & Hutter, 2017, eq. 5 without restarts) or
-        ``"linear"`` (``α_t = α(1 − t/T)``) over the run's ``T`` steps, or a factory
-        ``optimizer -> LRScheduler``. Saved in checkpoints. Not with a fitter that schedules the
-        learning rate itself (``pb.infer.SWAG(swa_lr=...)``).
+        (``α_t = α·½(1 + cos(π t/T))``, Loshchilov & Hutter, 2017, eq. 5 without restarts),
+        ``"linear"`` (``α_t = α(1 − t/T)``) over the run's ``T`` steps, ``"constant"``, or a
+        factory ``optimizer -> LRScheduler``. Default: the family's (a constant rate; IVON and
+        Kronecker IVON: ``"cosine"``, as Shen et al., 2024, anneal it). Saved in checkpoints.
+        Not with a fitter that schedules the learning rate itself
+        (``pb.infer.SWAG(swa_lr=...)``).
     warmup : int or float
         Linear warm-up before a named schedule's decay: ``α_t = α·t/W`` for the first ``W``
         steps (an int), or that fraction of the run (a float < 1; 0.06 is the GLUE recipe of

@@ -1,7 +1,9 @@
 """Learning-rate schedules for :func:`pyrobayes.fit`, stepped once per optimizer step.
 
 ``fit(scheduler=...)`` takes ``"cosine"`` (``α_t = α·½(1 + cos(π t/T))``), ``"linear"``
-(``α_t = α·(1 − t/T)``), with ``T`` the run's number of steps and an optional linear warm-up
+(``α_t = α·(1 − t/T)``), ``"constant"`` (``α_t = α``: no schedule, where a family's fitter
+would otherwise apply its default one, e.g. IVON's cosine), with ``T`` the run's number of
+steps and an optional linear warm-up
 (``fit(warmup=W)``: ``α_t = α·t/W`` for ``t < W``, then the decay over the remaining ``T − W``
 steps), built by Hugging Face transformers' ``get_cosine_schedule_with_warmup`` /
 ``get_linear_schedule_with_warmup`` (the cosine schedule of Loshchilov & Hutter, 2017, SGDR,
@@ -27,7 +29,10 @@ __all__ = ["SCHEDULES", "check_schedule", "make_scheduler"]
 SCHEDULES: dict[str, str] = {
     "cosine": "get_cosine_schedule_with_warmup",
     "linear": "get_linear_schedule_with_warmup",
+    "constant": "get_constant_schedule_with_warmup",  # (optimizer, num_warmup_steps)
 }
+#: the named schedule that leaves the learning rate as it is (without a warm-up: no scheduler)
+CONSTANT = "constant"
 
 
 def check_schedule(
@@ -55,7 +60,8 @@ def check_schedule(
         )
     if warmup and not isinstance(spec, str):
         raise ValueError(
-            "fit(warmup=...) goes with a named schedule (scheduler='cosine' or 'linear'); "
+            "fit(warmup=...) goes with a named schedule (scheduler='cosine', 'linear' or "
+            "'constant'); "
             "a scheduler factory builds its own warm-up."
         )
     if spec is None:
@@ -73,6 +79,8 @@ def check_schedule(
             f"fit(scheduler=...) must be one of {tuple(SCHEDULES)} or a factory "
             f"optimizer -> LRScheduler; got {spec!r}."
         )
+    if spec == CONSTANT and (not warmup or warmup >= 1):
+        return int(warmup)  # needs no length: nothing decays
     if total_steps is None:
         raise ValueError(
             f"fit(scheduler={spec!r}) needs the number of steps: pass "
@@ -104,8 +112,11 @@ def make_scheduler(
         When a factory returns something without ``step()`` and ``state_dict()``.
     """
     num_warmup = check_schedule(spec, total_steps, warmup)
-    if spec is None or total_steps == 0:
+    if spec is None or total_steps == 0 or (spec == CONSTANT and not num_warmup):
         return None
+    if spec == CONSTANT:
+        factory = getattr(importlib.import_module("transformers.optimization"), SCHEDULES[spec])
+        return factory(optimizer, num_warmup_steps=num_warmup)
     if isinstance(spec, str):
         if total_steps is None:  # check_schedule refuses a named schedule without it
             raise ValueError(f"scheduler={spec!r} needs the fit's total number of steps.")

@@ -18,6 +18,12 @@ from pyrobayes.infer.kron import KronIVONFitter
 from pyrobayes.models import FineTuneModel
 from tests.common import conjugate_core
 
+#: The update rule at a constant rate (IVON's fit default is a cosine schedule over the run):
+#: ivon-opt and the plain torch references schedule nothing, and a run stopped at half its
+#: length and resumed to the full one sees another schedule than the full run.
+CONSTANT = "constant"
+CONSTANT_RATE = pb.Optimization(scheduler=CONSTANT)
+
 
 def _linear_model(d_in=4, d_out=3, num_data=40, noise=0.5, bias=True, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -232,7 +238,7 @@ def test_trajectory_matches_ivon_opt(mc_samples, hess_approx):
         batches,
         lr=lr,
         seed=123,
-        optim=pb.Optimization(optimizer=settings, num_steps=steps),
+        optim=pb.Optimization(optimizer=settings, num_steps=steps, scheduler=CONSTANT),
         progress=pb.Progress(callback=record),
     )
     assert len(ours) == steps
@@ -312,7 +318,7 @@ def test_point_head_with_its_own_decay_matches_ivon_opt_parameter_groups(point_w
         batches,
         lr=lr,
         seed=7,
-        optim=pb.Optimization(optimizer=settings, num_steps=steps),
+        optim=pb.Optimization(optimizer=settings, num_steps=steps, scheduler=CONSTANT),
         progress=pb.Progress(callback=record),
     )
     assert len(ours) == steps
@@ -339,7 +345,7 @@ def _polyak(guide, site, model, data, *, steps, tail, lr, seed=0, settings=None)
         data,
         lr=lr,
         seed=seed,
-        optim=pb.Optimization(optimizer=settings, num_steps=steps),
+        optim=pb.Optimization(optimizer=settings, num_steps=steps, scheduler=CONSTANT),
         progress=pb.Progress(callback=record),
     )
     return torch.stack(locs).mean(0), torch.stack(scales).mean(0)
@@ -571,7 +577,7 @@ def test_fitter_equals_a_plain_torch_reference(family, mc_samples, hess_approx, 
         data,
         lr=0.1,
         seed=3,
-        optim=pb.Optimization(optimizer=settings, num_steps=15),
+        optim=pb.Optimization(optimizer=settings, num_steps=15, scheduler=CONSTANT),
         progress=pb.Progress(callback=record),
     )
     reference = _reference_fit(
@@ -790,9 +796,18 @@ def test_point_prior_loc_survives_resume(tmp_path):
         return model, guide, data
 
     model, guide, data = problem()
-    full = pb.fit(model, guide, data, epochs=6, seed=0, lr=0.2)
+    full = pb.fit(model, guide, data, epochs=6, seed=0, lr=0.2, optim=CONSTANT_RATE)
     model_b, guide_b, data = problem()
-    pb.fit(model_b, guide_b, data, epochs=3, seed=0, lr=0.2, checkpoint=pb.Checkpointing(tmp_path))
+    pb.fit(
+        model_b,
+        guide_b,
+        data,
+        epochs=3,
+        seed=0,
+        lr=0.2,
+        optim=CONSTANT_RATE,
+        checkpoint=pb.Checkpointing(tmp_path),
+    )
     model_c, guide_c, data = problem()
     resumed = pb.fit(
         model_c,
@@ -801,6 +816,7 @@ def test_point_prior_loc_survives_resume(tmp_path):
         epochs=6,
         seed=1,
         lr=0.2,
+        optim=CONSTANT_RATE,
         checkpoint=pb.Checkpointing(tmp_path, resume=True),
     )
     torch.testing.assert_close(resumed.losses, full.losses, rtol=1e-10, atol=1e-10)

@@ -10,6 +10,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.contract import AnalyticKL, Mixture, OnlineNewton, Posterior, PostHoc
+from pyrobayes.infer.schedule import make_scheduler
 from pyrobayes.models import LoRAXS
 from pyrobayes.registry import _REGISTRY
 from tests import families
@@ -55,10 +56,14 @@ def test_a_hand_written_loop_over_the_fitter_is_fit(family):
     assert isinstance(fitter, pb.infer.FITTERS[guide_b.default_fitter])
     model_b.train(True)
     fitter.begin(data_b)
+    # the family's learning-rate schedule over the run's 9 steps (IVON's cosine; else none)
+    sched = make_scheduler(fitter.default_scheduler, fitter.optimizer, 9)
     losses = []
     for epoch in range(3):
         for batch in data_b:
             losses.append(fitter.step(batch))
+            if sched is not None:
+                sched.step()
         fitter.epoch_end(epoch)
     fitter.end(data_b)
     assert fitter.num_steps == len(losses) == 9

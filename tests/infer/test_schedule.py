@@ -9,6 +9,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.infer import grouped
+from pyrobayes.infer.schedule import make_scheduler
 from tests.common import conjugate_core, split_batches
 
 
@@ -236,3 +237,74 @@ def test_named_schedule_state_round_trips_mid_run():
         opt2.step()
         sched2.step()
     assert sched2.last_epoch == 20 and opt2.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-15)
+
+
+@pytest.mark.parametrize("family", ["ivon", "kron-ivon"])
+def test_ivon_families_default_to_a_cosine_schedule(family):
+    """IVON's fit anneals α by a cosine unless told otherwise (Shen et al. 2024): the default
+    fit is the explicit cosine's bit for bit, and differs from scheduler="constant"."""
+    default, default_result = _fit(family)
+    cosine, cosine_result = _fit(family, scheduler="cosine")
+    constant, constant_result = _fit(family, scheduler="constant")
+    assert torch.equal(default_result.losses, cosine_result.losses)
+    for k, v in cosine.state_dict().items():
+        assert torch.equal(default.state_dict()[k], v), k
+    # the first step runs at α under both; the constant rate's later steps differ
+    assert default_result.losses[0] == constant_result.losses[0]
+    assert not torch.equal(default_result.losses, constant_result.losses)
+
+
+def test_other_families_keep_a_constant_rate_and_constant_is_no_schedule():
+    _, plain = _fit("meanfield")
+    _, constant = _fit("meanfield", scheduler="constant")
+    assert torch.equal(plain.losses, constant.losses)
+    fitter = pb.infer.make_fitter(*_problem_for("meanfield"), lr=0.1)
+    assert fitter.default_scheduler is None
+    assert make_scheduler("constant", fitter.optimizer, 12) is None
+
+
+def test_constant_with_warmup_ramps_then_holds():
+    used: list[float] = []
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[override]
+            used.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    _fit("map", optimizer=lambda p: RecordingSGD(p, lr=0.05), scheduler="constant", warmup=4)
+    assert used == pytest.approx([0.05 * t / 4 for t in range(4)] + [0.05] * 8, rel=1e-12)
+
+
+def test_ivon_default_schedule_without_a_run_length_stays_constant(caplog):
+    # a data iterable without len() and no num_steps: no T for the cosine, so no schedule
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    guide = pb.posterior(prob.model, "ivon")
+    batches = split_batches(prob.x, prob.y)
+    with caplog.at_level("INFO", logger="pyrobayes.infer.loop"):
+        result = pb.fit(prob.model, guide, iter(batches), epochs=1, seed=0, lr=0.05)
+    assert len(result.losses) == 4
+    assert "needs the run's length" in caplog.text
+    _, constant = _fit("ivon", epochs=1, scheduler="constant")
+    assert torch.equal(result.losses, constant.losses)
+
+
+def test_resume_under_another_schedule_is_refused(tmp_path):
+    """A checkpoint written at a constant rate resumed under IVON's default cosine (or the
+    reverse) would follow another rate than the run it continues: refused by name."""
+    _fit("ivon", epochs=1, scheduler="constant", checkpoint_dir=tmp_path / "a")
+    with pytest.raises(ValueError, match="without a learning-rate schedule.*'constant'"):
+        _fit("ivon", epochs=2, checkpoint_dir=tmp_path / "a", resume=True)
+    _, resumed = _fit(
+        "ivon", epochs=2, scheduler="constant", checkpoint_dir=tmp_path / "a", resume=True
+    )
+    assert len(resumed.losses) == 8
+    _fit("ivon", epochs=1, checkpoint_dir=tmp_path / "b")  # the default cosine
+    with pytest.raises(ValueError, match="with a learning-rate schedule"):
+        _fit("ivon", epochs=1, scheduler="constant", checkpoint_dir=tmp_path / "b", resume=True)
+
+
+def _problem_for(family: str):
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    return prob.model, pb.posterior(prob.model, family)
