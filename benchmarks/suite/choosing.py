@@ -365,7 +365,7 @@ def _targets(tasks: dict[str, dict[str, Any]]) -> list[str]:
         )
     rows.append(
         "| ≥ 5 of 9 families beat MAP + TS on NLL (with or without their own TS, equal accuracy) "
-        "on ≥ 3 of the 4 tasks it names (mnist, held out, is reported beside them) | "
+        "on ≥ 3 of the 4 tasks it names (mnist, added later, is reported beside them) | "
         f"{'; '.join(met_tasks)} |"
     )
     below = []
@@ -757,7 +757,9 @@ def page(
         "IVON's diagonal β₂ was measured and left, and both IVONs' step size on the text "
         "tasks' LoRA factors went from 1 to 0.3 (at 1 IVON stopped near chance on a polarity "
         "seed; at 0.3 it learns on every seed but neither IVON beats MAP there; "
-        "docs/methods/ivon.md); mean-field's "
+        "docs/methods/ivon.md), and both IVONs' fits anneal α by a cosine by default (at a "
+        "constant rate the step grows as h falls, and IVON diverged late on two mnist seeds; "
+        "the cosine lowered the calibration NLL in 15 of 18 MLP fits); mean-field's "
         "posterior scale was diagnosed (Adam bounds each step of log σ) and `scale_lr` offered, "
         "kept at 1 because it reached the ELBO's optimum but worsened the digits predictive, "
         'and a prior scale chosen by the ELBO itself (empirical Bayes, `prior="empirical"`, '

@@ -27,7 +27,7 @@ ANCHORS = ("map", "map+ts", "ensemble", "laplace-torch")
 TASK_ORDER = ("digits", "mnist", "diabetes", "polarity", "fine")
 TASK_TITLES = {
     "digits": "digits: LoRA-XS on a pretrained MLP, new 7-class head (OOD: digits 7-9)",
-    "mnist": "mnist (held out): digits' set-up on 5,000 real MNIST digits, 784 pixels (OOD: 7-9)",
+    "mnist": "mnist: digits' set-up on 5,000 real MNIST digits, 784 pixels (OOD: 7-9)",
     "diabetes": "diabetes: LoRA-XS on a pretrained MLP, Gaussian likelihood, learned noise",
     "polarity": "polarity: MiniLM + LoRA, VADER movie sentences, 2 classes (OOD: tweets, chatterbot)",
     "fine": "fine-grained: MiniLM + LoRA, VADER movie sentences, 5 classes (OOD: NYT editorials)",
