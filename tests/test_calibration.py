@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
-from pyrobayes.calibration import TEMPERATURE_BUFFER, set_temperature, temperature
+from pyrobayes.calibration import (
+    POOL_BUFFER,
+    TEMPERATURE_BUFFER,
+    apply_temperature,
+    pooled,
+    set_temperature,
+    temperature,
+    tempered_nll,
+)
 from pyrobayes.models import LoRAXS
 from tests.common import tensor_loader
 
@@ -69,16 +77,71 @@ def test_calibrate_recovers_the_temperature_and_reduces_validation_nll(scale: fl
         assert _nll(model, guide, val) > after_val
 
 
-def test_calibrate_applies_the_temperature_inside_the_posterior_average() -> None:
+def test_calibrate_tempers_the_averaged_predictive_by_default() -> None:
     model, val, _ = _teacher_problem(3.0)
     guide = pb.posterior(model, "meanfield", init_scale=0.3)
     raw = pb.predict(model, guide, val, num_samples=8, seed=0)
     t = pb.calibrate(model, guide, val, num_samples=8)
+    assert pooled(guide)
+    tempered = pb.predict(model, guide, val, num_samples=8, seed=0)
+    # p_T = softmax(log p̄ / T), p̄ = (1/S) Σ_s softmax(f_s) of the same draws: one row
+    expected = torch.softmax(raw.mean_probs.log() / t, dim=-1)
+    assert tempered.log_probs.shape[0] == 1
+    torch.testing.assert_close(tempered.mean_probs, expected, rtol=1e-5, atol=1e-6)
+    assert _nll(model, guide, val) < pb.metrics.report(raw, raw.targets)["nll"]
+    # T minimises the pooled NLL: its neighbours are worse on the same draws
+    for factor in (0.9, 1.1):
+        assert float(tempered_nll(raw, raw.targets, t * factor)) > float(
+            tempered_nll(raw, raw.targets, t)
+        )
+
+
+def test_calibrate_per_draw_tempers_inside_the_posterior_average() -> None:
+    model, val, _ = _teacher_problem(3.0)
+    guide = pb.posterior(model, "meanfield", init_scale=0.3)
+    raw = pb.predict(model, guide, val, num_samples=8, seed=0)
+    t = pb.calibrate(model, guide, val, num_samples=8, pool=False)
+    assert not pooled(guide)
     tempered = pb.predict(model, guide, val, num_samples=8, seed=0)
     # p_T = (1/S) Σ_s softmax(f_s / T) of the same draws (not softmax(log p̄ / T))
     expected = torch.softmax(raw.log_probs / t, dim=-1).mean(0)
+    assert tempered.log_probs.shape[0] == 8
     torch.testing.assert_close(tempered.mean_probs, expected, rtol=1e-5, atol=1e-6)
     assert _nll(model, guide, val) < pb.metrics.report(raw, raw.targets)["nll"]
+
+
+def test_pooling_is_exactly_guo_et_al_for_a_point_mass() -> None:
+    model, val, _ = _teacher_problem(3.0)
+    guide = pb.posterior(model, "map")
+    raw = pb.predict(model, guide, val)
+    for pool in (True, False):  # one draw: both forms are softmax(f / T)
+        torch.testing.assert_close(
+            apply_temperature(raw, 2.5, pool=pool).log_probs,
+            torch.log_softmax(raw.log_probs / 2.5, dim=-1),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
+def test_a_file_calibrated_per_draw_before_pooling_keeps_its_form(tmp_path) -> None:
+    """A posterior file with a temperature but no pool flag (written before the pooled form)
+    applies T per draw, as it was fitted; a pooled file loads pooled."""
+    model, val, _ = _teacher_problem(3.0)
+    guide = pb.posterior(model, "meanfield", init_scale=0.3)
+    pb.calibrate(model, guide, val, num_samples=8, pool=False)
+    per_draw = pb.predict(model, guide, val, num_samples=8, seed=0)
+    del guide._buffers[POOL_BUFFER]  # what such a file holds
+    pb.save(guide, tmp_path / "old.safetensors")
+    fresh = pb.posterior(model, "meanfield", init_scale=0.3)
+    loaded = pb.load(tmp_path / "old.safetensors", model)
+    assert not pooled(loaded) and POOL_BUFFER not in dict(loaded.named_buffers())
+    torch.testing.assert_close(
+        pb.predict(model, loaded, val, num_samples=8, seed=0).log_probs, per_draw.log_probs
+    )
+    pb.calibrate(model, fresh, val, num_samples=8)
+    pb.save(fresh, tmp_path / "new.safetensors")
+    pb.io.load_state(loaded, tmp_path / "new.safetensors")  # the flag comes with the file
+    assert pooled(loaded) and temperature(loaded) == temperature(fresh)
 
 
 def test_temperature_one_is_bit_identical() -> None:

@@ -71,6 +71,15 @@ def _mean(task: dict[str, Any], method: str, metric: str) -> float:
     return summary(list(values(task, method, metric).values()))[0]
 
 
+def _temperature_forms(tasks: dict[str, Any]) -> str:
+    """Which form of temperature scaling each task's ``+ts`` rows used."""
+    forms: dict[str, list[str]] = {}
+    for name, task in tasks.items():
+        form = task.get("source", {}).get("temperature", "per draw")
+        forms.setdefault(form, []).append(name)
+    return "; ".join(f"{form}: {', '.join(names)}" for form, names in forms.items())
+
+
 def _d(stat: tuple[float, float | None, int], digits: int = 3, scale: float = 1.0) -> str:
     mean, sd, n = stat
     if n == 0:
@@ -828,10 +837,15 @@ def page(
         "## Temperature scaling with any posterior",
         "",
         "`pyrobayes.calibrate(model, guide, val_data)` fits one temperature T on held-out data "
-        "(the NLL of p_T(y|x) = E_q[softmax(f_θ(x)/T)], the posterior's draws fixed) and stores "
-        "it on the guide: `pyrobayes.predict` applies it and `pyrobayes.save` / `load` keep it. "
-        "For a Gaussian likelihood T scales the predictive standard deviation instead "
-        "(std scaling). The `+ts` rows above are this step.",
+        "(the NLL of p_T(y|x) = softmax(log p̄(·|x)/T) with p̄ = E_q[softmax(f_θ(x))] the "
+        "posterior predictive, its draws fixed: \"pool then calibrate\", Rahaman & Thiery "
+        "2021) and stores it on the guide: `pyrobayes.predict` applies it and "
+        "`pyrobayes.save` / `load` keep it. `pool=False` tempers every draw before the average "
+        "instead, E_q[softmax(f_θ(x)/T)], the earlier default: on a wide, under-confident "
+        "posterior its T < 1 sharpens every draw and over-fits the calibration split "
+        "(module docstring of `pyrobayes.calibration`). For a Gaussian likelihood T scales the "
+        "predictive standard deviation instead (std scaling). The `+ts` rows above are this "
+        f"step; {_temperature_forms(tasks)}.",
         "",
         "```python",
         *SNIPPET.rstrip("\n").split("\n"),

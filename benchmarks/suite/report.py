@@ -325,6 +325,8 @@ def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dic
                 },
             )
             task["source"].setdefault("git", data.get("git"))
+            # results written before the pooled form tempered every draw (pool=False)
+            task["source"].setdefault("temperature", data.get("temperature", "per draw"))
             if name not in found or data["date"] >= found[name][0]:
                 found[name] = (data["date"], task, f"{path.name} ({data['date']})")
     return {k: v[1] for k, v in found.items()}, {k: v[2] for k, v in found.items()}

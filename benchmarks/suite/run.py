@@ -575,6 +575,12 @@ def _git_state() -> dict[str, Any]:
     }
 
 
+def _temperature_form() -> str:
+    """``"pooled"`` where ``pb.calibrate`` tempers the averaged predictive (``pool=True``, its
+    default), else ``"per draw"`` (a package before the pooled form)."""
+    return "pooled" if "pool" in inspect.signature(pb.calibrate).parameters else "per draw"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -618,6 +624,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "update_only": args.update_only,
         "members": members,
         "seeds": seeds,
+        # how the +ts rows temper a predictive with draws (pyrobayes.calibrate's default form)
+        "temperature": _temperature_form(),
         "auroc_score": "predictive entropy (auroc_<set>); max probability (auroc_maxprob_<set>); "
         "mutual information between label and parameters, posteriors with draws only "
         "(auroc_mi_<set>)",
