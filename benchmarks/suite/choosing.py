@@ -838,7 +838,7 @@ def page(
         "",
         "`pyrobayes.calibrate(model, guide, val_data)` fits one temperature T on held-out data "
         "(the NLL of p_T(y|x) = softmax(log p̄(·|x)/T) with p̄ = E_q[softmax(f_θ(x))] the "
-        "posterior predictive, its draws fixed: \"pool then calibrate\", Rahaman & Thiery "
+        'posterior predictive, its draws fixed: "pool then calibrate", Rahaman & Thiery '
         "2021) and stores it on the guide: `pyrobayes.predict` applies it and "
         "`pyrobayes.save` / `load` keep it. `pool=False` tempers every draw before the average "
         "instead, E_q[softmax(f_θ(x)/T)], the earlier default: on a wide, under-confident "
