@@ -29,20 +29,22 @@ def _fit(family: str, epochs: int = 3, lr: float = 0.05, **kw):
     return guide, result
 
 
-@pytest.mark.parametrize("name", ["cosine", "linear"])
-def test_named_schedules_set_the_lr_of_every_step(name):
-    # the lr an optimizer step uses, read inside the optimizer's own step
-    used: list[float] = []
+def _recording(optimizer: type[torch.optim.Optimizer], used: list[float]):
+    """A factory of ``optimizer`` (lr 0.05) that appends the lr each step uses to ``used``, read
+    inside the optimizer's own step."""
 
-    class RecordingAdam(torch.optim.Adam):
+    class Recording(optimizer):  # type: ignore[valid-type,misc]
         def step(self, closure=None):  # type: ignore[override]
             used.append(self.param_groups[0]["lr"])
             return super().step(closure)
 
-    def adam(params):
-        return RecordingAdam(params, lr=0.05)
+    return lambda params: Recording(params, lr=0.05)
 
-    _, result = _fit("map", optimizer=adam, scheduler=name)
+
+@pytest.mark.parametrize("name", ["cosine", "linear"])
+def test_named_schedules_set_the_lr_of_every_step(name):
+    used: list[float] = []
+    _, result = _fit("map", optimizer=_recording(torch.optim.Adam, used), scheduler=name)
     total = len(result.losses)  # 4 batches x 3 epochs
     assert total == 12
     expected = [
@@ -54,13 +56,7 @@ def test_named_schedules_set_the_lr_of_every_step(name):
 
 def test_warmup_then_decay():
     used: list[float] = []
-
-    class RecordingSGD(torch.optim.SGD):
-        def step(self, closure=None):  # type: ignore[override]
-            used.append(self.param_groups[0]["lr"])
-            return super().step(closure)
-
-    _fit("map", optimizer=lambda p: RecordingSGD(p, lr=0.05), scheduler="linear", warmup=0.25)
+    _fit("map", optimizer=_recording(torch.optim.SGD, used), scheduler="linear", warmup=0.25)
     # 12 steps, 3 of warm-up (0, 1/3, 2/3 of α), then linear decay over the remaining 9
     expected = [0.05 * t / 3 for t in range(3)] + [0.05 * (1 - k / 9) for k in range(9)]
     assert used == pytest.approx(expected, rel=1e-12)
@@ -265,13 +261,7 @@ def test_other_families_keep_a_constant_rate_and_constant_is_no_schedule():
 
 def test_constant_with_warmup_ramps_then_holds():
     used: list[float] = []
-
-    class RecordingSGD(torch.optim.SGD):
-        def step(self, closure=None):  # type: ignore[override]
-            used.append(self.param_groups[0]["lr"])
-            return super().step(closure)
-
-    _fit("map", optimizer=lambda p: RecordingSGD(p, lr=0.05), scheduler="constant", warmup=4)
+    _fit("map", optimizer=_recording(torch.optim.SGD, used), scheduler="constant", warmup=4)
     assert used == pytest.approx([0.05 * t / 4 for t in range(4)] + [0.05] * 8, rel=1e-12)
 
 
