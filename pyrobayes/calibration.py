@@ -243,8 +243,8 @@ def calibrate(
     :math:`\bar p = \frac1S \sum_s \operatorname{softmax}(f_{θ_s}(x))`, over :math:`\log T` (a
     grid over ``bounds`` refined by golden-section search), the draws :math:`θ_s \sim q` fixed
     by ``seed`` (Guo et al. 2017, eq. 9, on the Bayesian model average: "pool then calibrate",
-    Rahaman & Thiery 2021). Gaussian likelihoods get a scale on every component's predictive standard
-    deviation instead (Levi et al. 2022, eq. 11); see :mod:`pyrobayes.calibration`.
+    Rahaman & Thiery 2021). Gaussian likelihoods get a scale on every component's predictive
+    standard deviation instead (Levi et al. 2022, eq. 11); see :mod:`pyrobayes.calibration`.
     Any previous temperature is replaced (``T`` is fitted against the uncalibrated predictive).
     Afterwards :func:`pyrobayes.predict` applies ``T``; :func:`pyrobayes.save` stores it.
 
