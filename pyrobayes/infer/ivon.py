@@ -626,7 +626,7 @@ class IVONFitter(Fitter):
     #: IVON's step ``α(h0+δ)/(h+δ)·g`` grows as ``h`` falls from ``h0`` to the data's curvature,
     #: which falls as the fit grows confident (``p(1−p)`` of the cross-entropy), so a rate
     #: stable at the start overshoots at the end: Shen et al. (2024) anneal it by a cosine in
-    #: every experiment (Sec. 4, App. B). Measured on the suite's MLP tasks at the examples'
+    #: their experiments. Measured on the suite's MLP tasks at the examples'
     #: α = 0.1, 60 epochs (calibration splits, 3 seeds): a constant rate ended at training loss
     #: 1.6 after 0.69 on an MNIST seed (accuracy .81, the cosine's .89); the cosine lowered the
     #: NLL on 15 of 18 task × family × seed fits (docs/methods/ivon.md).

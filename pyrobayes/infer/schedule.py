@@ -114,14 +114,13 @@ def make_scheduler(
     num_warmup = check_schedule(spec, total_steps, warmup)
     if spec is None or total_steps == 0 or (spec == CONSTANT and not num_warmup):
         return None
-    if spec == CONSTANT:
-        factory = getattr(importlib.import_module("transformers.optimization"), SCHEDULES[spec])
-        return factory(optimizer, num_warmup_steps=num_warmup)
     if isinstance(spec, str):
-        if total_steps is None:  # check_schedule refuses a named schedule without it
-            raise ValueError(f"scheduler={spec!r} needs the fit's total number of steps.")
         # imported here: transformers.optimization costs seconds, and only named schedules need it
         factory = getattr(importlib.import_module("transformers.optimization"), SCHEDULES[spec])
+        if spec == CONSTANT:  # a warm-up, then α: no length needed
+            return factory(optimizer, num_warmup_steps=num_warmup)
+        if total_steps is None:  # check_schedule refuses a named schedule without it
+            raise ValueError(f"scheduler={spec!r} needs the fit's total number of steps.")
         return factory(optimizer, num_warmup_steps=num_warmup, num_training_steps=int(total_steps))
     scheduler = spec(optimizer)
     if not (hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")):
