@@ -196,6 +196,54 @@ def test_mnist_task_splits_are_disjoint_and_its_ood_set_the_held_out_classes() -
     assert len(x_ood) == 128 and {tuple(r.tolist()) for r in x_ood} <= held_out
 
 
+def test_autompg_task_standardises_on_train_and_its_splits_partition_the_cars() -> None:
+    """The held-out autompg task: the 392 cars split 235 / 78 / 79 with no car in two splits,
+    inputs and targets standardised with the training part's statistics, origin one-hot."""
+    pytest.importorskip("mlxtend")
+    from mlxtend.data import autompg_data
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    sys.path.insert(0, str(SUITE))
+    try:
+        tasks = importlib.import_module("tasks")
+        task = tasks.autompg(0, quick=True)
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+    parts = [
+        torch.cat([xb for xb, _ in s]) for s in (task.train, task.calibration, task.validation)
+    ]
+    targets = [
+        torch.cat([yb for _, yb in s]) for s in (task.train, task.calibration, task.validation)
+    ]
+    assert [len(p) for p in parts] == [235, 78, 79] and task.kind == "regression"
+    x_train, y_train = parts[0], targets[0]
+    # standardised on the training part: mean 0, sd 1 there (float32 sums of 235 values)
+    assert torch.allclose(x_train.mean(0), torch.zeros_like(x_train[0]), atol=1e-5)
+    assert torch.allclose(x_train.std(0), torch.ones_like(x_train[0]), atol=1e-5)
+    assert abs(float(y_train.mean())) < 1e-5 and abs(float(y_train.std()) - 1) < 1e-5
+    # the targets are all 392 cars' mpg, each once: an affine map of the raw values (the
+    # training part's mean and sd), so the sorted standardised targets fit the sorted raw
+    # ones by least squares to float32 rounding
+    _, y_np = autompg_data()
+    raw = torch.sort(torch.as_tensor(y_np, dtype=torch.float64)).values
+    std = torch.sort(torch.cat(targets).double()).values
+    design = torch.stack([std, torch.ones_like(std)], 1)
+    coef = torch.linalg.lstsq(design, raw.unsqueeze(1)).solution
+    assert float((design @ coef).squeeze(1).sub(raw).abs().max()) < 1e-3
+    # origin is one-hot: its three standardised columns take two values each, and every car
+    # is "1" in exactly one of them
+    x_all = torch.cat(parts)
+    ones = torch.stack([x_all[:, c] == x_all[:, c].max() for c in (6, 7, 8)], 1)
+    assert all(len(torch.unique(x_all[:, c])) == 2 for c in (6, 7, 8))
+    assert bool((ones.sum(1) == 1).all())
+    # no car in two splits (the 9 inputs tell every car apart within this data set)
+    rows = [{tuple(r.tolist()) for r in p} for p in parts]
+    assert sum(len(r) for r in rows) == 392
+    assert not (rows[0] & rows[1]) and not (rows[0] & rows[2]) and not (rows[1] & rows[2])
+
+
 def test_quick_diagnose_checks_both_anchors(tmp_path: Path) -> None:
     """benchmarks/suite/diagnose.py --quick: calibrate's T is the calibration split's grid
     minimum, laplace-torch's marglik precision maximises its evidence among the swept ones, and

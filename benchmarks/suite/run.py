@@ -30,6 +30,7 @@ and standard deviation over seeds) against MAP and each anchor are computed by `
 Run::
 
     make bench-suite                                   # digits, mnist, diabetes: 3 seeds, every family
+                                                       # (and autompg: 10 seeds, autompg.json)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/run.py --tasks polarity --seeds 0 \\
         --families map laplace ivon --out benchmarks/results/suite/polarity.json
     .venv/bin/python benchmarks/suite/run.py --quick --out /tmp/suite.json   # the test suite's
