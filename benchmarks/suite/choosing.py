@@ -242,6 +242,14 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             'Mean-field with the empirical-Bayes prior (meanfield-eb, `prior="empirical"`, '
             f"an option) vs its default prior, paired NLL: {_d(de)}; vs MAP + TS: {_d(dts)}."
         )
+    if _ran(task, "meanfield-lora-a") and _ran(task, "meanfield-lora"):
+        da = paired(task, "meanfield-lora-a", "meanfield-lora", "nll")
+        dm = paired(task, "meanfield-lora-a", "map", "nll")
+        out.append(
+            'Mean-field on plain LoRA with only A latent (meanfield-lora-a, `LoRA(latent="A")`, '
+            f"every B a point; an option) vs both factors latent, paired NLL: {_d(da)}; vs MAP: "
+            f"{_d(dm)}."
+        )
     if _ran(task, "laplace-gs") and _ran(task, "laplace"):
         out.append(_laplace_gs_line(task, "laplace-gs", "laplace"))
     elif _ran(task, "laplace-evidence") and _ran(task, "laplace"):

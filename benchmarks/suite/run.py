@@ -15,7 +15,7 @@ For every task and seed, in one run and on the same MAP network where the method
 * every family, ``pb.posterior(model, family)`` with the task's fit settings (post-hoc families
   from the MAP above), and ``<family>+ts`` calibrated on the calibration split; on the MLP
   tasks also ``meanfield-lora``, mean-field on the plain LoRA adapter the symmetrized guide
-  needs (its paired base).
+  needs (its paired base), and ``meanfield-lora-a``, the same with only ``A`` latent.
 
 Splits (tasks.py): ``train``; ``calibration`` for every choice (temperatures, laplace-torch's
 grid search, early stopping on the text tasks); ``validation`` for the reported metrics, never

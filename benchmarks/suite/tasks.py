@@ -95,6 +95,9 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     "symmetrized": {"lr": 1e-2, "adapter": "lora"},  # LoRA-XS is refused: plain LoRA, same rank
     # symmetrized's base on symmetrized's adapter: the paired comparison issue 27 asks for
     "meanfield-lora": {"lr": 1e-2, "adapter": "lora", "family": "meanfield"},
+    # the same with only A latent and every B a point (LoRA(latent="A"), BLoB's
+    # parameterisation; an option): does a point B spare the factor pair's KL (symmetrized.md)?
+    "meanfield-lora-a": {"lr": 1e-2, "adapter": "lora-a", "family": "meanfield"},
     # mean-field with the empirical-Bayes prior (an option, not the default: docs/methods/
     # meanfield.md; on the text tasks' LoRA factors it shrinks the random A and stalls the fit)
     "meanfield-eb": {"lr": 1e-2, "family": "meanfield", "options": {"prior": "empirical"}},
@@ -149,6 +152,8 @@ def text_settings() -> dict[str, dict[str, Any]]:
 def _mlp_adapter(family: str, targets: list[str]) -> Any:
     if MLP_SETTINGS.get(family, {}).get("adapter") == "lora":
         return pb.models.LoRA(rank=4, target_modules=targets)
+    if MLP_SETTINGS.get(family, {}).get("adapter") == "lora-a":
+        return pb.models.LoRA(rank=4, target_modules=targets, latent="A")
     adapter = pb.models.LoRAXS(rank=4, projection="svd", target_modules=targets)
     if MLP_SETTINGS.get(family, {}).get("adapter") == "signorm":
         return pb.models.SigmaNorm(num_members=2, adapter=adapter)

@@ -219,17 +219,35 @@ class LoRA:
         Scaling numerator; defaults to ``rank`` (scaling 1).
     target_modules : list of str or str
         Module names (suffix match) or a regex over full module paths.
+    latent : {"AB", "A"}
+        Which factors are latent sites. ``"AB"`` (default): both, ``q(A, B)`` (Bayes by
+        Backprop over the adapter, Blundell et al. 2015). ``"A"``: only ``A``; every ``B`` is a
+        point parameter trained in place, as a head is (``FineTuneModel.point_params``), so
+        ``ΔW = (α/r) B A`` is Gaussian given ``B`` — the parameterisation of BLoB (Wang et al.
+        2024, Sec. 3.2). The symmetrized guide needs both factors (its permutations act on the
+        rows of ``A`` and the columns of ``B`` together).
     """
 
     rank: int = 8
     alpha: float | None = None
     target_modules: Sequence[str] | str = field(default_factory=lambda: ["query", "value"])
+    latent: str = "AB"
     kind: str = field(default="lora", init=False)
 
     def __post_init__(self) -> None:
         self.rank = check_int("rank", self.rank, ge=1, owner="LoRA: ")
         if self.alpha is not None:
             self.alpha = check_real("alpha", self.alpha, gt=0, owner="LoRA: ")
+        if self.latent not in ("AB", "A"):
+            raise ValueError(
+                f"LoRA: latent must be 'AB' (both factors latent) or 'A' (A latent, B a point "
+                f"parameter) but got {self.latent!r}."
+            )
+
+    @property
+    def latent_roles(self) -> tuple[str, ...]:
+        """The factors that are latent sites: ``("lora_A", "lora_B")`` or ``("lora_A",)``."""
+        return ("lora_A", "lora_B") if self.latent == "AB" else ("lora_A",)
 
     @property
     def scaling(self) -> float:
@@ -244,7 +262,7 @@ class LoRA:
         return cls(rank=int(config.r), alpha=float(config.lora_alpha), target_modules=targets)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "rank": self.rank,
             "alpha": self.alpha,
@@ -252,6 +270,9 @@ class LoRA:
             if isinstance(self.target_modules, str)
             else list(self.target_modules),
         }
+        if self.latent != "AB":  # files saved before the option (both latent) still match
+            out["latent"] = self.latent
+        return out
 
 
 @dataclass
@@ -361,7 +382,7 @@ def inject_adapter(
         for path in paths:
             layer = LoRALinear(net.get_submodule(path), adapter.rank, scaling=adapter.scaling)
             _set_submodule(net, path, layer)
-            for role in ("lora_A", "lora_B"):
+            for role in adapter.latent_roles:
                 shape = tuple(getattr(layer, role).weight.shape)
                 sites.append(SiteSpec(f"{path}.{role}", f"{path}.{role}.weight", path, shape, role))
         return sites

@@ -180,6 +180,10 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
         spec = model.latent_sites[site]
         if spec.kind in ("lora_A", "lora_B"):
             state[f"base_model.model.{spec.module_path}.{spec.kind}.default.weight"] = v
+    for name, p in model.point_params.items():  # LoRA(latent="A"): every B is a point
+        path, _, role = name.removesuffix(".weight").rpartition(".")
+        if role in ("lora_A", "lora_B"):
+            state[f"base_model.model.{path}.{role}.default.weight"] = p.detach()
     missing = set(state) - set(dict(peft_model.named_parameters()))
     if missing:
         raise RuntimeError(f"peft layout mismatch; missing {sorted(missing)[:3]}")

@@ -223,6 +223,7 @@ class FineTuneModel(nn.Module):
             {s.module_path for s in specs if s.kind in ("weight", "bias")},
             {s.module_path for s in specs if s.kind not in ("weight", "bias")},
         )
+        self.point_params.update(self._point_lora_factors(specs))
         if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:
             # a module parameter (moved by .to()), and a point parameter outside the network
             self.register_parameter("likelihood_raw_scale", self.likelihood.raw_scale)
@@ -261,6 +262,21 @@ class FineTuneModel(nn.Module):
             for k, v in peft_weights.items():
                 state[k].copy_(v)
         return specs
+
+    def _point_lora_factors(self, specs: list[SiteSpec]) -> dict[str, nn.Parameter]:
+        """The LoRA factors that are not latent sites (``LoRA(latent="A")``: every ``B``):
+        point parameters, trained in place as a head is."""
+        latent = {s.param_name for s in specs}
+        out: dict[str, nn.Parameter] = {}
+        for path, module in self.net.named_modules():
+            if isinstance(module, LoRALinear):
+                for role in ("lora_A", "lora_B"):
+                    name = f"{path}.{role}.weight"
+                    if name not in latent:
+                        param = self.net.get_parameter(name)
+                        param.requires_grad_(True)
+                        out[name] = param
+        return out
 
     def _select_point_params(
         self, trainable_modules: Sequence[str] | str, latent_paths: set[str], adapted: set[str]

@@ -387,6 +387,13 @@ def _lora_rank_layers(specs: Mapping[str, Any]) -> list[UnitLayer]:
             by_path.setdefault(spec.module_path, {})[spec.kind] = (site, spec)
     layers = []
     for path, roles in by_path.items():
+        if set(roles) == {"lora_A"}:
+            raise ValueError(
+                f"The symmetrized guide permutes the rank components of LoRA factor pairs, but "
+                f"{path!r} has only its A latent (LoRA(latent='A'): B is a point parameter), so "
+                "permuting A's rows alone would change the function. Use LoRA(latent='AB') for "
+                "this family."
+            )
         if set(roles) != {"lora_A", "lora_B"}:
             continue
         (a_site, a_spec), (b_site, b_spec) = roles["lora_A"], roles["lora_B"]

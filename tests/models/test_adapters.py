@@ -266,3 +266,55 @@ def test_full_rank_lora_xs_reconstructs_float64_weights(projection):
     # row convention W0 (d_in, d_out) ≈ A B with A = downᵀ, B = upᵀ; torch weight = (A B)ᵀ
     recon = (layer.down.T @ layer.up.T).T
     torch.testing.assert_close(recon, w0, rtol=0, atol=1e-12)
+
+
+def test_lora_latent_a_makes_every_b_a_point_parameter():
+    """``LoRA(latent="A")``: the A factors are the latent sites; every B is a point parameter
+    (trained in place like the head), and the refusals name the option."""
+    model = FineTuneModel(tiny_bert(), LoRA(rank=3, target_modules=["query"], latent="A"))
+    paths = [f"bert.encoder.layer.{i}.attention.self.query" for i in range(2)]
+    assert list(model.latent_sites) == [f"{p}.lora_A" for p in paths]
+    assert set(model.point_params) == {"classifier.weight", "classifier.bias"} | {
+        f"{p}.lora_B.weight" for p in paths
+    }
+    trainable = {n for n, p in model.net.named_parameters() if p.requires_grad}
+    assert trainable == set(model.point_params)
+    # the saved config says it; the default "AB" is left out, so files from before still match
+    assert model.adapter.to_dict()["latent"] == "A"
+    assert "latent" not in LoRA(rank=3).to_dict()
+    assert pb.models.adapters.adapter_from_dict(model.adapter.to_dict()) == model.adapter
+    with pytest.raises(ValueError, match="latent must be 'AB'"):
+        LoRA(rank=2, latent="B")
+    with pytest.raises(ValueError, match=r"only its A latent \(LoRA\(latent='A'\)"):
+        pb.posterior(model, "symmetrized")
+
+
+def test_lora_latent_a_fit_trains_b_in_place_and_saves_it(tmp_path):
+    """A MAP fit moves the A sites and the B point parameters; ``pb.save`` / ``pb.load`` carry
+    both, so a fresh model predicts the same; a file of an ``"A"`` model does not load into a
+    model whose B factors are latent."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
+    loader = [(x[i : i + 20], y[i : i + 20]) for i in (0, 20)]
+
+    def build(latent: str) -> FineTuneModel:
+        torch.manual_seed(1)
+        return FineTuneModel(
+            mlp(6, 16, 3), LoRA(rank=2, target_modules=["0"], latent=latent), num_data=40
+        )
+
+    model = build("A")
+    b_before = model.point_params["0.lora_B.weight"].detach().clone()
+    assert not b_before.abs().sum()  # peft's init: B = 0, the pretrained function
+    guide = pb.posterior(model, "map")
+    pb.fit(model, guide, loader, epochs=5, lr=0.05, progress=False)
+    assert model.point_params["0.lora_B.weight"].abs().min() > 0  # every entry moved
+    a_fit = guide.mean()["0.lora_A"]
+    assert not torch.equal(a_fit, model.init_values()["0.lora_A"])
+    pred = pb.predict(model, guide, [x], num_samples=1).probs
+    pb.save(guide, tmp_path / "a.safetensors", model=model)
+    fresh = build("A")
+    loaded = pb.load(tmp_path / "a.safetensors", fresh)
+    torch.testing.assert_close(pb.predict(fresh, loaded, [x], num_samples=1).probs, pred)
+    with pytest.raises(pb.io.PosteriorMismatchError):
+        pb.load(tmp_path / "a.safetensors", build("AB"))

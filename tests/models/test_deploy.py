@@ -13,6 +13,8 @@ from tests.common import tiny_llama
 ADAPTERS = {
     "lora-xs": lambda: LoRAXS(rank=2, target_modules=["q_proj", "v_proj"]),
     "lora": lambda: LoRA(rank=2, target_modules=["q_proj", "v_proj"]),
+    # A latent, every B a point parameter of the model (set to random values below)
+    "lora-a": lambda: LoRA(rank=2, target_modules=["q_proj", "v_proj"], latent="A"),
 }
 
 
@@ -25,6 +27,9 @@ def _model_and_values(adapter_name):
         trainable_modules=[],
     )
     values = {s: 0.5 * torch.randn(v.shape) for s, v in model.init_values().items()}
+    with torch.no_grad():
+        for p in model.point_params.values():  # LoRA(latent="A"): B, zero at init
+            p.copy_(0.5 * torch.randn(p.shape))
     return model, values
 
 
@@ -70,10 +75,11 @@ def tiny_llama_logits(model, ids):
         return pb.models.deploy.unwrapped_network(model).eval()(input_ids=ids).logits
 
 
-def test_to_peft_round_trip(tmp_path):
+@pytest.mark.parametrize("adapter_name", ["lora", "lora-a"])
+def test_to_peft_round_trip(adapter_name, tmp_path):
     from peft import PeftModel
 
-    model, values = _model_and_values("lora")
+    model, values = _model_and_values(adapter_name)
     peft_model = pb.models.to_peft(model, values)
     peft_model.save_pretrained(tmp_path)
     base = pb.models.deploy.unwrapped_network(model)
@@ -82,4 +88,5 @@ def test_to_peft_round_trip(tmp_path):
     with torch.no_grad():
         expected = _adapted_logits(model, values, ids)
         got = reloaded(input_ids=ids).logits
+    assert not torch.allclose(expected, tiny_llama_logits(model, ids))  # the adapter matters
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
