@@ -224,7 +224,7 @@ class LoRA:
         Backprop over the adapter, Blundell et al. 2015). ``"A"``: only ``A``; every ``B`` is a
         point parameter trained in place, as a head is (``FineTuneModel.point_params``), so
         ``ΔW = (α/r) B A`` is Gaussian given ``B`` — the parameterisation of BLoB (Wang et al.
-        2024, Sec. 3.2). The symmetrized guide needs both factors (its permutations act on the
+        2024). The symmetrized guide needs both factors (its permutations act on the
         rows of ``A`` and the columns of ``B`` together).
     """
 
