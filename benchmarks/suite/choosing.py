@@ -245,10 +245,17 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
     if _ran(task, "meanfield-lora-a") and _ran(task, "meanfield-lora"):
         da = paired(task, "meanfield-lora-a", "meanfield-lora", "nll")
         dm = paired(task, "meanfield-lora-a", "map", "nll")
+        same = ""
+        if _ran(task, "map-lora"):
+            dl = paired(task, "meanfield-lora-a", "map-lora", "nll")
+            ml = paired(task, "map-lora", "map", "nll")
+            same = (
+                f"; vs MAP on the same plain LoRA (map-lora): {_d(dl)} (map-lora vs MAP: {_d(ml)})"
+            )
         out.append(
             'Mean-field on plain LoRA with only A latent (meanfield-lora-a, `LoRA(latent="A")`, '
             f"every B a point; an option) vs both factors latent, paired NLL: {_d(da)}; vs MAP: "
-            f"{_d(dm)}."
+            f"{_d(dm)}{same}."
         )
     if _ran(task, "laplace-gs") and _ran(task, "laplace"):
         out.append(_laplace_gs_line(task, "laplace-gs", "laplace"))

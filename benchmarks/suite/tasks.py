@@ -98,6 +98,8 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     # the same with only A latent and every B a point (LoRA(latent="A"), BLoB's
     # parameterisation; an option): does a point B spare the factor pair's KL (symmetrized.md)?
     "meanfield-lora-a": {"lr": 1e-2, "adapter": "lora-a", "family": "meanfield"},
+    # MAP on the same plain LoRA: the anchor of the two rows above on their own adapter
+    "map-lora": {"lr": 1e-2, "adapter": "lora", "family": "map"},
     # mean-field with the empirical-Bayes prior (an option, not the default: docs/methods/
     # meanfield.md; on the text tasks' LoRA factors it shrinks the random A and stalls the fit)
     "meanfield-eb": {"lr": 1e-2, "family": "meanfield", "options": {"prior": "empirical"}},
