@@ -363,6 +363,24 @@ def test_demo_families_are_config_entries_not_branches():
     assert set(DEFAULT_CONFIG["families"]) <= set(available_guides())
 
 
+def test_demo_meanfield_keeps_only_lora_a_latent_and_the_lm_job_keeps_both():
+    """The demo's mean-field adapts a plain LoRA with only A latent (a LoRA-XS config stays as
+    it is); the causal-LM job drops the demo's adapter transform and keeps its measured
+    setting, both factors latent at sd 1e-3; symmetrized keeps both factors."""
+    from pyrobayes.demo import causal_lm, pipeline
+    from pyrobayes.models import LoRA, LoRAXS
+
+    transform = pipeline.FAMILY_SETTINGS["meanfield"]["adapter"]
+    lora = LoRA(rank=8, alpha=16.0, target_modules=["query"])
+    assert transform(lora) == LoRA(rank=8, alpha=16.0, target_modules=["query"], latent="A")
+    assert lora.latent == "AB"  # the run's adapter config is not changed in place
+    xs = LoRAXS(rank=4, target_modules=["query"])
+    assert transform(xs) is xs
+    assert "adapter" not in pipeline.FAMILY_SETTINGS["symmetrized"]
+    lm = causal_lm._settings("meanfield")
+    assert "adapter" not in lm and lm["options"] == {"init_scale": 1e-3}
+
+
 def test_table_says_how_each_fit_stopped():
     base = {"accuracy": 0.7, "nll": 0.5}
     records = [

@@ -231,7 +231,9 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             vs = "worse" if beats(ds, lower_better=False) else ("better" if beats(ds) else "level")
             out.append(
                 f"Symmetrized vs mean-field on the same plain LoRA adapter ({same}, paired NLL): "
-                f"{_d(ds)} ({vs}); vs the LoRA-XS mean-field row: {_d(d)} ({verdict})."
+                f"{_d(ds)} ({vs}); vs the `meanfield` row ("
+                + ("LoRA-XS cores" if same == "meanfield-lora" else "A latent, B a point")
+                + f"): {_d(d)} ({verdict})."
             )
         else:
             out.append(f"Symmetrized vs mean-field (paired NLL): {_d(d)} ({verdict}).")
@@ -280,7 +282,10 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
 
 def _sym_base(task: dict[str, Any]) -> str:
     """Symmetrized's paired base: mean-field on its own adapter where the suite ran it."""
-    return "meanfield-lora" if _ran(task, "meanfield-lora") else "meanfield"
+    for same in ("meanfield-lora", "meanfield-ab"):
+        if _ran(task, same):
+            return same
+    return "meanfield"
 
 
 def _mi_line(task: dict[str, Any], ood: str, fams: list[str]) -> str | None:

@@ -137,6 +137,9 @@ def text_settings() -> dict[str, dict[str, Any]]:
             out[family]["adapter_fn"] = s["adapter"]
         if "optimizer" in s:  # the fit's settings (e.g. SWAG's collection schedule)
             out[family]["optimizer"] = s["optimizer"]
+    # mean-field on the symmetrized guide's adapter and options (both LoRA factors latent): the
+    # paired base of the symmetrized row, now that the demo's mean-field keeps only A latent
+    out["meanfield-ab"] = {**copy.deepcopy(out["symmetrized"]), "family": "meanfield"}
     laplace = out["laplace"]
     if getattr(laplace.get("optimizer"), "needs_validation", False):
         # the demo's Laplace already chooses τ on held-out data (the calibration split here):
