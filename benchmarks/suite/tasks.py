@@ -157,12 +157,13 @@ def text_settings() -> dict[str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------ MLP tasks
 def _mlp_adapter(family: str, targets: list[str]) -> Any:
-    if MLP_SETTINGS.get(family, {}).get("adapter") == "lora":
-        return pb.models.LoRA(rank=4, target_modules=targets)
-    if MLP_SETTINGS.get(family, {}).get("adapter") == "lora-a":
-        return pb.models.LoRA(rank=4, target_modules=targets, latent="A")
+    kind = MLP_SETTINGS.get(family, {}).get("adapter")
+    if kind in ("lora", "lora-a"):
+        return pb.models.LoRA(
+            rank=4, target_modules=targets, latent="A" if kind == "lora-a" else "AB"
+        )
     adapter = pb.models.LoRAXS(rank=4, projection="svd", target_modules=targets)
-    if MLP_SETTINGS.get(family, {}).get("adapter") == "signorm":
+    if kind == "signorm":
         return pb.models.SigmaNorm(num_members=2, adapter=adapter)
     return adapter
 

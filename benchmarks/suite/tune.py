@@ -6,11 +6,7 @@ A spec is a JSON object merged into the task's settings for the family (``benchm
 tasks.py``, read at run time): ``lr``, ``epochs``, ``patience`` replace the fit's; ``options``
 are merged into the guide's constructor options; ``optimizer`` (an object) replaces the fit's
 settings by ``pyrobayes.infer.IVON(**optimizer)`` for the IVON families and by
-``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field;
-``prior_scale`` replaces the model's prior scale; ``"b_point": true`` (plain LoRA only) makes every
-``lora_B`` a point parameter, trained in place as a head is, so that only the ``A`` factors are
-latent (the reduced Bayesian-LoRA parameterisation of Wang et al., 2024, *BLoB*; an experiment,
-not a library option). One JSON
+``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field. One JSON
 line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
 stopping uses the same split, as the suite's text tasks do), the epochs run, and for guides with
 per-site scales the median and 99th percentile of the posterior standard deviation per site
@@ -65,23 +61,9 @@ def _merged(settings: dict[str, Any], spec: dict[str, Any], family: str) -> dict
             out["options"] = {**out.get("options", {}), **value}
         elif key == "optimizer":
             out["optimizer"] = _fit_settings(family)(**value)
-        elif key in ("b_point", "prior_scale"):  # the model's, applied after it is built
-            continue
         else:
             out[key] = value
     return out
-
-
-def _b_point(model: Any) -> None:
-    """Every ``lora_B`` site of ``model`` becomes a point parameter (trained in place)."""
-    sites = [s for s, spec in model.latent_sites.items() if spec.kind == "lora_B"]
-    if not sites:
-        raise ValueError("tune.py: 'b_point' needs a plain LoRA adapter (lora_B sites)")
-    for site in sites:
-        spec = model.latent_sites.pop(site)
-        param = model.net.get_parameter(spec.param_name)
-        param.requires_grad_(True)
-        model.point_params[spec.param_name] = param
 
 
 def _scale_summary(guide: Any) -> dict[str, float]:
@@ -132,10 +114,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             settings = _merged(task.settings.get(args.family, {}), spec, args.family)
             pyro.clear_param_store()
             model = task.build_model(args.family, 0)
-            if spec.get("b_point"):
-                _b_point(model)
-            if "prior_scale" in spec:
-                model.prior_scale = float(spec["prior_scale"])
             guide = pb.posterior(
                 model, settings.get("family", args.family), **settings.get("options", {})
             )

@@ -136,8 +136,8 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "map": {},
     # mean-field over the A factors only, every B a point (LoRA(latent="A"), the parameterisation
     # of BLoB, Wang et al. 2024), starting at sd 1e-2. Chosen on the suite's calibration splits
-    # (benchmarks/suite/tune.py --task T --family meanfield --seeds 0,1,2 '{}' '{"b_point": true,
-    # "options": {"init_scale": 0.01}}'): NLL polarity .448/.500/.481 -> .434/.486/.464, fine
+    # (benchmarks/suite/tune.py --task T --seeds 0,1,2 --family meanfield-ab '{}', then
+    # --family meanfield '{}'): NLL polarity .448/.500/.481 -> .434/.486/.464, fine
     # 1.183/1.213/1.232 -> 1.157/1.203/1.225 (lower on all six); both factors latent at 1e-2
     # (polarity .459/.493/.531) and A alone at 1e-3 (.457/.504/.501) were not. Until then: both
     # factors latent at 1e-3, the symmetrized guide's setting below (docs/methods/meanfield.md).
