@@ -128,6 +128,8 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
         )
         by_command: dict[str, list[str]] = {}
         for family, command in (source.get("updates") or {}).items():
+            if not _ran(task, family):  # a result file's update of another of its tasks
+                continue
             by_command.setdefault(command, []).append(family)
         for command, families in by_command.items():
             out.append(f"Rows of {', '.join(families)} replaced (same MAP) by: `{command}`.")
@@ -222,6 +224,16 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             d = paired(task, "laplace", "laplace-torch", key)
             verdict = {True: "level with or above", False: "below", None: "one seed"}[level(d)]
             out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {verdict}.")
+            if _ran(task, "laplace-probit"):
+                dp = paired(task, "laplace-probit", "laplace-torch", key)
+                vp = {True: "level with or above", False: "below", None: "one seed"}[level(dp)]
+                out.append(
+                    f"The same Laplace posterior with laplace-torch's probit link "
+                    f'(laplace-probit, `pred_type="probit"`) vs laplace-torch ({ood}): {_d(dp)}, '
+                    f"{vp}; its NLL vs the default Monte Carlo link: "
+                    f"{_d(paired(task, 'laplace-probit', 'laplace', 'nll'))}, accuracy vs MAP "
+                    f"{_d(paired(task, 'laplace-probit', 'map', 'accuracy'), 1, 100)} pp."
+                )
     if _ran(task, "symmetrized") and _ran(task, "meanfield"):
         d = paired(task, "symmetrized", "meanfield", "nll")
         verdict = "worse" if beats(d, lower_better=False) else ("better" if beats(d) else "level")

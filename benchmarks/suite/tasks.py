@@ -108,6 +108,13 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     # Laplace with its prior precision chosen by the calibration split's NLL
     # (pyrobayes.infer.select_prior_precision, laplace-torch's grid search), not the evidence
     "laplace-gs": LAPLACE_GS,
+    # the same Laplace posterior with laplace-torch's default link (probit) instead of the Monte
+    # Carlo GLM: post hoc at the same MAP, only the predictive differs
+    "laplace-probit": {
+        **LAPLACE_GS,
+        "select_prior_precision": False,
+        "options": {"pred_type": "probit"},
+    },
     "ibdr": {"lr": 1e-2},
     "signorm": {"lr": 1e-2, "adapter": "signorm"},  # a LayerNorm appended (tests/families.py)
 }
@@ -152,6 +159,9 @@ def text_settings() -> dict[str, dict[str, Any]]:
         }
     else:
         out["laplace-gs"] = {**copy.deepcopy(laplace), **LAPLACE_GS}
+    probit = copy.deepcopy(out.get("laplace-evidence", laplace))
+    probit["options"] = {**probit.get("options", {}), "pred_type": "probit"}
+    out["laplace-probit"] = {**probit, "family": "laplace"}
     return out
 
 
