@@ -80,6 +80,15 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         ratio = gs["prior_precision"] / gs["prior_precision_evidence"]
         assert min(abs(math.log10(ratio) - k / 2) for k in range(-4, 9)) < 1e-6
         assert math.isfinite(record["laplace-gs+ts"]["nll"])
+        # the same Laplace with laplace-torch's probit link: one "draw" per example; on the
+        # regression task probit is the exact Gaussian, the default's predictive, so equal
+        probit = record["laplace-probit"]
+        assert "error" not in probit, probit.get("error")
+        if task["kind"] == "regression":
+            assert probit["nll"] == pytest.approx(record["laplace"]["nll"], rel=1e-6)
+            assert probit["rmse"] == pytest.approx(record["laplace"]["rmse"], rel=1e-6)
+        else:
+            assert "auroc_mi_digits7-9" not in probit and math.isfinite(probit["nll"])
         # the objective's terms are recorded: mean-field's KL before and after its fit
         mf = record["meanfield"]
         assert math.isfinite(mf["kl_first"]) and math.isfinite(mf["kl_last"])
@@ -123,6 +132,7 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         sys.path.remove(str(SUITE))
     assert "## Issue 27's targets" in page and "## In short" in page
     assert page.count("Laplace with τ chosen on the calibration split (laplace-gs") == 2
+    assert page.count("with laplace-torch's probit link (laplace-probit") == 1  # digits' OOD
     assert page.count("One seed only: no paired spread") == 2  # no winner is called on one seed
     # its python block is complete: it runs on its own and calibration lowers the test NLL
     block = page.split("```python\n", 1)[1].split("```", 1)[0]
@@ -460,6 +470,12 @@ def test_text_tasks_laplace_variant_follows_the_demos_laplace(monkeypatch) -> No
         settings = tasks.text_settings()
         assert "optimizer" not in settings["laplace"] and "laplace-evidence" not in settings
         assert settings["laplace-gs"]["select_prior_precision"]
+        # the probit row: the demo's Laplace with only the link changed
+        probit = settings["laplace-probit"]
+        assert probit["options"] == {**settings["laplace"]["options"], "pred_type": "probit"}
+        assert {k: v for k, v in probit.items() if k not in ("options", "family")} == {
+            k: v for k, v in settings["laplace"].items() if k != "options"
+        }
         held_out = pb.infer.Laplace(prior_optimization="validation")
         monkeypatch.setitem(
             pipeline.FAMILY_SETTINGS,

@@ -24,7 +24,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import logging
 import math
@@ -33,7 +32,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pyro
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -135,18 +133,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out: dict[str, Any] = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["benchmarks/suite/diagnose.py", *(argv or sys.argv[1:])]),
+        **run.provenance("benchmarks/suite/diagnose.py", argv),
         "quick": args.quick,
-        "git": run._git_state(),
         "digits": {},
     }
     for seed in args.seeds:
         task = tasks.digits(seed, args.quick)
-        pyro.clear_param_store()
-        model = task.build_model("map", 0)
-        guide = pb.posterior(model, "map")
-        run._fit(task, model, guide, task.settings["map"], 1000 * seed)
+        model, guide, _ = run.fit_map(task, seed)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
             out["digits"][str(seed)] = {

@@ -421,11 +421,7 @@ def run_seed(
     (post-hoc ones from that MAP), and the deep ensemble last (M - 1 more MAP fits;
     ``members < 2``: no ensemble)."""
     out: dict[str, Any] = {}
-    pyro.clear_param_store()
-    map_settings = task.settings.get("map", {})
-    map_model = task.build_model("map", 0)
-    map_guide = pb.posterior(map_model, "map", **map_settings.get("options", {}))
-    info = _fit(task, map_model, map_guide, map_settings, 1000 * seed)
+    map_model, map_guide, info = fit_map(task, seed)
     pred, ood, predict_s = _predict(task, map_model, map_guide)
     out["map"] = {
         **_scores(pred, ood),
@@ -576,6 +572,24 @@ def _git_state() -> dict[str, Any]:
     }
 
 
+def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """When and how a result was made: the date, ``script`` with its arguments, the commit."""
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([script, *(argv if argv is not None else sys.argv[1:])]),
+        "git": _git_state(),
+    }
+
+
+def fit_map(task: Task, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+    """The MAP of ``seed`` exactly as :func:`run_seed` fits it: model, guide, the fit's record."""
+    pyro.clear_param_store()
+    settings = task.settings.get("map", {})
+    model = task.build_model("map", 0)
+    guide = pb.posterior(model, "map", **settings.get("options", {}))
+    return model, guide, _fit(task, model, guide, settings, 1000 * seed)
+
+
 def _temperature_form() -> str:
     """``"pooled"`` where ``pb.calibrate`` tempers the averaged predictive (``pool=True``, its
     default), else ``"per draw"`` (a package before the pooled form)."""
@@ -611,15 +625,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--families: unknown {unknown}; available: {pb.available_guides()}")
     results: dict[str, Any] = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(
-            ["benchmarks/suite/run.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
+        **provenance("benchmarks/suite/run.py", argv),
         "torch": torch.__version__,
         "pyro": pyro.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}",
         "threads": args.threads,
-        "git": _git_state(),
         "loadavg_start": os.getloadavg(),
         "quick": args.quick,
         "update_only": args.update_only,
