@@ -84,7 +84,10 @@ def start_from(guide: Any, init: Any) -> Any:
         )
     point = guide
     target = cast(Posterior, guide).sites
-    if dict(init.sites) != dict(target):
+    # sites the model made latent after init was fitted (FineTuneModel.make_latent: a trained
+    # head) start at the network's values; any other difference in sites is an error
+    added = _made_latent_since(guide, init)
+    if {s: v for s, v in target.items() if s not in added} != dict(init.sites):
         missing = sorted(set(target) - set(init.sites))
         extra = sorted(set(init.sites) - set(target))
         shapes = {
@@ -100,13 +103,27 @@ def start_from(guide: Any, init: Any) -> Any:
     _check_init_model(guide, init)
     values = init.mean()
     _check_init_fitted(init, values)
+    model: Any = getattr(guide, "model", None)
     with torch.no_grad():
         for site in target:
             loc = point.loc(site)
-            loc.copy_(values[site].to(device=loc.device, dtype=loc.dtype))
+            value = model.site_value(site) if site in added else values[site]
+            loc.copy_(value.to(device=loc.device, dtype=loc.dtype))
     point.reset()
     logger.info("%s starts at the point of %s", type(guide).__name__, type(init).__name__)
     return guide
+
+
+def _made_latent_since(guide: Any, init: Any) -> set[str]:
+    """The new guide's sites that ``init`` lacks because its (same) model made them latent
+    later (:meth:`~pyrobayes.models.FineTuneModel.make_latent`): their value is the network's."""
+    model: Any = getattr(guide, "model", None)
+    if model is None or getattr(init, "model", None) is not model:
+        return set()
+    extra = set(cast(Posterior, guide).sites) - set(init.sites)
+    specs = getattr(model, "latent_sites", {})
+    kinds = {getattr(specs.get(s), "kind", None) for s in extra}
+    return extra if kinds <= {"weight", "bias"} else set()
 
 
 def _check_init_model(guide: Any, init: Any) -> None:

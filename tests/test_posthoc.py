@@ -92,3 +92,24 @@ def test_init_errors() -> None:
     ).model  # the same site names, cores of another rank
     with pytest.raises(ValueError, match="covers other sites"):
         pb.posterior(other, "laplace", init=map_guide)
+
+
+def test_deepcopy_leaves_the_original_guide_working() -> None:
+    """Pyro's AutoGuide.__getstate__ clears the model on the guide itself: a deep copy used to
+    leave the original without its model. The original keeps it; a copy carries its own (the
+    copied model when both are copied together)."""
+    import copy
+
+    prob = mlp_problem(
+        (5, 8, 3), LoRAXS(rank=2, target_modules=["0"]), num_data=40, trainable_modules=["2"]
+    )
+    model = prob.model
+    guide = pb.posterior(model, "meanfield")
+    pb.fit(model, guide, tensor_loader(prob.x, prob.y, 20), epochs=1, progress=False)
+    alone = copy.deepcopy(guide)
+    assert guide.model is model and alone.model is not model
+    model2, guide2 = copy.deepcopy((model, guide))
+    assert guide.model is model and guide2.model is model2
+    for m, g in ((model, guide), (model2, guide2), (alone.model, alone)):
+        pb.fit(m, g, tensor_loader(prob.x, prob.y, 20), epochs=1, progress=False)
+        assert pb.predict(m, g, [(prob.x, prob.y)], num_samples=2).log_probs.shape == (2, 40, 3)

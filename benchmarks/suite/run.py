@@ -447,12 +447,13 @@ def run_seed(
     if laplace_torch:
         _anchors(task, seed, anchors, out)
         save(out)
+    # variant rows: those of the families run, and any named in ``families`` itself
     variants = [
         name
         for name, st in task.settings.items()
-        if name not in FAMILIES and st.get("family") in families
+        if name not in FAMILIES and (st.get("family") in families or name in families)
     ]
-    for family in [*families, *variants]:
+    for family in [*(f for f in families if f in FAMILIES), *variants]:
         if family == "map":
             continue
         if (task.name, family) in SKIP:
@@ -463,12 +464,17 @@ def run_seed(
             pyro.clear_param_store()
             init = None
             if settings.get("init") == "map":
-                model = copy.deepcopy(map_model)
+                map_guide.load_state_dict(map_state)
+                init = map_guide
+                if settings.get("head_latent"):  # a copy of both: init's model is the model
+                    model, init = copy.deepcopy((map_model, map_guide))
+                else:
+                    model = copy.deepcopy(map_model)
                 with torch.no_grad():
                     for k, v in head.items():
                         model.point_params[k].copy_(v)
-                map_guide.load_state_dict(map_state)
-                init = map_guide
+                if settings.get("head_latent"):  # the MAP's trained head made latent post hoc
+                    model.make_latent([task.head])
             else:
                 model = task.build_model(family, 0)
             guide = pb.posterior(
@@ -572,6 +578,18 @@ def _git_state() -> dict[str, Any]:
     }
 
 
+def _variant_names() -> list[str]:
+    """The variant rows a task may run (each fits a family under other settings)."""
+    from tasks import MLP_SETTINGS, text_settings
+
+    names = [n for n, st in MLP_SETTINGS.items() if "family" in st]
+    try:
+        names += [n for n, st in text_settings().items() if "family" in st]
+    except ImportError:  # the text tasks' extras are missing; their variants are too
+        pass
+    return sorted(set(names))
+
+
 def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
     """When and how a result was made: the date, ``script`` with its arguments, the commit."""
     return {
@@ -601,7 +619,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--tasks", nargs="+", default=["digits", "mnist", "diabetes"], choices=list(TASKS)
     )
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        default=list(FAMILIES),
+        help="families (each with its variant rows) or variant rows by name, e.g. laplace-head",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--members", type=int, default=4, help="M, the deep ensemble's size")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one seed (the tests)")
@@ -621,9 +644,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     seeds = args.seeds[:1] if args.quick else args.seeds
     members = min(args.members, 2) if args.quick else args.members
-    unknown = [f for f in args.families if f not in pb.available_guides()]
+    known = [*pb.available_guides(), *_variant_names()]
+    unknown = [f for f in args.families if f not in known]
     if unknown:
-        raise SystemExit(f"--families: unknown {unknown}; available: {pb.available_guides()}")
+        raise SystemExit(f"--families: unknown {unknown}; available: {known}")
     results: dict[str, Any] = {
         **provenance("benchmarks/suite/run.py", argv),
         "torch": torch.__version__,

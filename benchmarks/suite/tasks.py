@@ -66,6 +66,7 @@ class Task:
     # laplace-torch's grid search: 100 predictive passes over the calibration split (cheap on
     # the MLPs; on MiniLM that is 100 forward passes of the encoder, left out for CPU time)
     la_gridsearch: bool = True
+    head: str | None = None  # the task head's module path (a point parameter of the MAP)
     quick: bool = False  # tiny sizes: every fit capped at ``epochs``
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -108,6 +109,9 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     # Laplace with its prior precision chosen by the calibration split's NLL
     # (pyrobayes.infer.select_prior_precision, laplace-torch's grid search), not the evidence
     "laplace-gs": LAPLACE_GS,
+    # the default Laplace over the adapter and the MAP's trained head jointly, the head made
+    # latent post hoc (FineTuneModel.make_latent): does uncertainty in the head help OOD?
+    "laplace-head": {**LAPLACE_GS, "select_prior_precision": False, "head_latent": True},
     # the same Laplace posterior with laplace-torch's default link (probit) instead of the Monte
     # Carlo GLM: post hoc at the same MAP, only the predictive differs
     "laplace-probit": {
@@ -162,6 +166,8 @@ def text_settings() -> dict[str, dict[str, Any]]:
     probit = copy.deepcopy(out.get("laplace-evidence", laplace))
     probit["options"] = {**probit.get("options", {}), "pred_type": "probit"}
     out["laplace-probit"] = {**probit, "family": "laplace"}
+    head = {k: v for k, v in copy.deepcopy(laplace).items() if k != "optimizer"}
+    out["laplace-head"] = {**head, "family": "laplace", "head_latent": True}
     return out
 
 
@@ -307,6 +313,7 @@ def _shift_task(
         lr=1e-2,
         num_samples=4 if quick else 32,
         la_net=lambda model, guide: pb.models.merged_network(model, guide.mean()),
+        head="4",
         la_data=_tensor_loader,
         quick=quick,
         info={
@@ -416,6 +423,7 @@ def _regression_task(name: str, seed: int, quick: bool, x_np: Any, y_np: Any) ->
         lr=1e-2,
         num_samples=4 if quick else 64,
         la_net=lambda model, guide: pb.models.merged_network(model, guide.mean()),
+        head="4",
         la_data=lambda batches: _tensor_loader([(xb, yb.unsqueeze(-1)) for xb, yb in batches]),
         quick=quick,
         info={"num_train": len(tr), "num_calibration": len(ca), "num_validation": len(va)},
@@ -480,6 +488,7 @@ def _text(
         patience=int(config["training"]["patience"]) or None,
         quick=quick,
         la_net=lambda model, guide: _HFLogits(pb.models.merged_network(model, guide.mean())),
+        head="classifier",
         la_gridsearch=False,
         info={
             "num_train": loaders["num_train"],

@@ -143,6 +143,22 @@ class PosteriorGuide(AutoGuide):
         recording_init._records_config = True  # type: ignore[attr-defined]
         cls.__init__ = recording_init  # type: ignore[method-assign]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The state a copy or pickle takes, the model with it; the guide itself untouched.
+
+        Pyro's ``AutoGuide.__getstate__`` clears the model reference (and the master weakref)
+        on the guide itself, so ``copy.deepcopy(guide)`` used to leave the *original* without its
+        model (its next fit or predict raised ``'NoneType' object is not subscriptable``) and the
+        copy without one too. Here the original keeps both; the copy carries its model: a deep
+        copy of the model, or the copied model when both are copied together
+        (``copy.deepcopy((model, guide))``), as ``copy.deepcopy`` promises.
+        """
+        model, master = self._model, self.master
+        state = dict(super().__getstate__())
+        self._model, self.master = model, master
+        state["_model"] = model
+        return state
+
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         # a name of its own: Pyro's param store keys this guide's parameters by it, so another

@@ -323,6 +323,57 @@ class FineTuneModel(nn.Module):
                         chosen[full] = p
         return chosen
 
+    def make_latent(self, modules: Sequence[str]) -> list[str]:
+        r"""Make point-estimated ``nn.Linear`` modules (a trained task head) latent, post hoc.
+
+        The post-hoc form of ``latent_modules=``: each module's trained weight and bias become
+        the sites ``<path>.weight`` and ``<path>.bias`` with the model's prior
+        ``N(0, s_p² I)``, at the values the fit left them. A post-hoc posterior built afterwards
+        covers them, e.g. laplace-torch's last-layer Laplace (Daxberger et al. 2021) on a MAP
+        trained with a point head::
+
+            pb.fit(model, map_guide, data)                    # the head a point parameter
+            model.make_latent(["classifier"])
+            la = pb.posterior(model, "laplace", init=map_guide, subset="last_layer")
+            pb.fit(model, la, data, epochs=0)
+
+        ``init=`` fills the new sites from the network (the trained head). Guides built before
+        the call keep their own sites. To load a saved posterior over such a model, build the
+        model the same way (``latent_modules=[...]`` or this call) first.
+
+        Parameters
+        ----------
+        modules : list of str
+            Paths of ``nn.Linear`` modules whose every parameter is a point parameter
+            (``trainable_modules``; the Hugging Face head by default).
+
+        Returns
+        -------
+        list of str
+            The new sites, in order.
+        """
+        paths = [modules] if isinstance(modules, str) else list(modules)
+        for path in paths:
+            try:
+                module = self.net.get_submodule(path)
+            except AttributeError:
+                module = None
+            names = [f"{path}.{n}" for n, _ in module.named_parameters()] if module else []
+            if not names or any(n not in self.point_params for n in names):
+                heads = sorted({n.rpartition(".")[0] for n in self.point_params if "." in n})
+                raise ValueError(
+                    f"FineTuneModel.make_latent: {path!r} is not a point-estimated module (its "
+                    f"parameters must all be point parameters); the point-estimated modules are "
+                    f"{heads}. Pass one of them, or build the model with latent_modules=[...]."
+                )
+        specs = make_latent(self.net, paths)
+        for spec in specs:
+            del self.point_params[spec.param_name]
+        self.latent_sites.update({s.site: s for s in specs})
+        for cache in ("_slot_cache", "_lower_block"):  # they list the sites and point params
+            self.__dict__.pop(cache, None)
+        return [s.site for s in specs]
+
     def site_prior(self, site: str) -> dist.TorchDistribution:
         """``N(0, s_p² I)`` over one site, event-shaped like the site."""
         spec = self.latent_sites[site]

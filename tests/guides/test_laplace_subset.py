@@ -234,3 +234,49 @@ def test_subset_saved_and_loaded(tmp_path) -> None:
     before = pb.predict(model, guide, [(x[:5], y[:5])]).mean_probs
     after = pb.predict(model, loaded, [(x[:5], y[:5])]).mean_probs
     torch.testing.assert_close(after, before, rtol=0.0, atol=0.0)
+
+
+def test_head_made_latent_after_a_map_fit_is_laplace_torch_last_layer() -> None:
+    """A MAP trained with a point head (the library's default model), then
+    ``model.make_latent(["4"])`` and ``posterior(..., init=map_guide, subset="last_layer")``: the
+    trained head is the linearisation point, and the posterior precision and probit predictive
+    are laplace-torch's last-layer Laplace on that same MAP network, as a laplace-torch user
+    would fit it."""
+    prob = mlp_problem(
+        (5, 8, 8, 3),
+        LoRAXS(rank=3, target_modules=["0", "2"]),
+        num_data=60,
+        seed=3,
+        trainable_modules=["4"],
+    )
+    model, x, y = prob.model.to(torch.float64), prob.x.to(torch.float64), prob.y
+    map_guide = pb.posterior(model, "map")
+    pb.fit(model, map_guide, tensor_loader(x, y, 20), epochs=20, lr=1e-2, progress=False)
+    trained = {k: v.detach().clone() for k, v in model.point_params.items()}
+    assert model.make_latent(["4"]) == ["4.weight", "4.bias"]
+    assert not model.point_params and {"4.weight", "4.bias"} <= set(model.latent_sites)
+    guide = pb.posterior(model, "laplace", init=map_guide, subset="last_layer", prior_precision=TAU)
+    pb.fit(model, guide, tensor_loader(x, y, 20), epochs=0, progress=False)
+    for name in ("4.weight", "4.bias"):  # the point is the trained head, the cores the MAP's
+        torch.testing.assert_close(guide.loc(name).detach(), trained[name], rtol=0, atol=0)
+    for site in ("0.core", "2.core"):
+        torch.testing.assert_close(guide.loc(site).detach(), map_guide.loc(site).detach())
+    net = _plain_net(model, guide)
+    la = laplace.Laplace(
+        net,
+        "classification",
+        subset_of_weights="last_layer",
+        hessian_structure="kron",
+        prior_precision=TAU,
+    )
+    la.fit(tensor_loader(x, y, 20))
+    ours = _dense_precision(guide, ["4.weight", "4.bias"])
+    torch.testing.assert_close(ours, la.posterior_precision.to_matrix(), rtol=1e-10, atol=1e-10)
+    guide.pred_type = "probit"
+    ours_p = pb.predict(model, guide, [(x[:7], y[:7])]).mean_probs
+    ref_p = la(x[:7], pred_type="glm", link_approx="probit")
+    torch.testing.assert_close(ours_p, ref_p, rtol=1e-10, atol=1e-12)
+    # a module that is not a point parameter (an adapted layer, or the head twice) is refused
+    for bad in ("0", "4", "nope"):
+        with pytest.raises(ValueError, match=f"make_latent: '{bad}' is not a point-estimated"):
+            model.make_latent([bad])
