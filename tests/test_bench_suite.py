@@ -80,6 +80,10 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
         ratio = gs["prior_precision"] / gs["prior_precision_evidence"]
         assert min(abs(math.log10(ratio) - k / 2) for k in range(-4, 9)) < 1e-6
         assert math.isfinite(record["laplace-gs+ts"]["nll"])
+        # the default Laplace with the MAP's trained head made latent post hoc: more numbers
+        head = record["laplace-head"]
+        assert "error" not in head, head.get("error")
+        assert head["storage"] > record["laplace"]["storage"] and math.isfinite(head["nll"])
         # the same Laplace with laplace-torch's probit link: one "draw" per example; on the
         # regression task probit is the exact Gaussian, the default's predictive, so equal
         probit = record["laplace-probit"]
@@ -133,6 +137,7 @@ def test_quick_suite_runs_every_family_and_anchor(tmp_path: Path) -> None:
     assert "## Issue 27's targets" in page and "## In short" in page
     assert page.count("Laplace with τ chosen on the calibration split (laplace-gs") == 2
     assert page.count("with laplace-torch's probit link (laplace-probit") == 1  # digits' OOD
+    assert page.count("(laplace-head, the head made latent post hoc") == 1
     assert page.count("One seed only: no paired spread") == 2  # no winner is called on one seed
     # its python block is complete: it runs on its own and calibration lowers the test NLL
     block = page.split("```python\n", 1)[1].split("```", 1)[0]

@@ -224,6 +224,15 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             d = paired(task, "laplace", "laplace-torch", key)
             verdict = {True: "level with or above", False: "below", None: "one seed"}[level(d)]
             out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {verdict}.")
+            if _ran(task, "laplace-head"):
+                dh = paired(task, "laplace-head", "laplace-torch", key)
+                vh = {True: "level with or above", False: "below", None: "one seed"}[level(dh)]
+                out.append(
+                    "The default Laplace over the adapter and the MAP's trained head jointly "
+                    "(laplace-head, the head made latent post hoc by `model.make_latent`) vs "
+                    f"laplace-torch ({ood}): {_d(dh)}, {vh}; its NLL vs the default over the "
+                    f"adapter alone: {_d(paired(task, 'laplace-head', 'laplace', 'nll'))}."
+                )
             if _ran(task, "laplace-probit"):
                 dp = paired(task, "laplace-probit", "laplace-torch", key)
                 vp = {True: "level with or above", False: "below", None: "one seed"}[level(dp)]
