@@ -359,12 +359,22 @@ class FineTuneModel(nn.Module):
             except AttributeError:
                 module = None
             names = [f"{path}.{n}" for n, _ in module.named_parameters()] if module else []
+            parent = path.rpartition(".")[0]
+            if parent and isinstance(self.net.get_submodule(parent), LoRALinear):
+                names = []  # a point LoRA factor (LoRA(latent="A")'s B) is the adapter's choice
             if not names or any(n not in self.point_params for n in names):
-                heads = sorted({n.rpartition(".")[0] for n in self.point_params if "." in n})
+                heads = sorted(
+                    {
+                        n.rpartition(".")[0]
+                        for n in self.point_params
+                        if n != NOISE_PARAM and ".lora_" not in n
+                    }
+                )
                 raise ValueError(
                     f"FineTuneModel.make_latent: {path!r} is not a point-estimated module (its "
                     f"parameters must all be point parameters); the point-estimated modules are "
-                    f"{heads}. Pass one of them, or build the model with latent_modules=[...]."
+                    f"{heads}. Pass one of them, or build the model with latent_modules=[...] "
+                    '(a LoRA factor: LoRA(latent="AB")).'
                 )
         specs = make_latent(self.net, paths)
         for spec in specs:

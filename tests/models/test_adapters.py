@@ -318,3 +318,16 @@ def test_lora_latent_a_fit_trains_b_in_place_and_saves_it(tmp_path):
     torch.testing.assert_close(pb.predict(fresh, loaded, [x], num_samples=1).probs, pred)
     with pytest.raises(pb.io.PosteriorMismatchError):
         pb.load(tmp_path / "a.safetensors", build("AB"))
+
+
+def test_make_latent_refuses_a_point_lora_factor() -> None:
+    """LoRA(latent="A")'s point B factors are the adapter's choice, not a head to make latent."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = FineTuneModel(
+        net, LoRA(rank=2, target_modules=["0"], latent="A"), num_data=10, trainable_modules=["2"]
+    )
+    assert "0.lora_B.weight" in model.point_params
+    with pytest.raises(ValueError, match=r"'0\.lora_B' is not a point-estimated.*'2'"):
+        model.make_latent(["0.lora_B"])
+    assert model.make_latent(["2"]) == ["2.weight", "2.bias"]
+    assert set(model.point_params) == {"0.lora_B.weight"}
