@@ -19,15 +19,16 @@ laplace = pytest.importorskip("laplace")
 TAU = 0.7
 
 
-def _head_latent(dtype: torch.dtype = torch.float64):
-    """LoRA-XS cores on layers 0 and 2 and the head "4" (weight and bias) as latent sites."""
+def _head_latent(dtype: torch.dtype = torch.float64, *, point_head: bool = False):
+    """LoRA-XS cores on layers 0 and 2 and the head "4" (weight and bias) as latent sites, or
+    (``point_head``) the head a point parameter, the library's default for a task head."""
+    head = {"trainable_modules": ["4"]} if point_head else {"latent_modules": ["4"]}
     prob = mlp_problem(
         (5, 8, 8, 3),
         LoRAXS(rank=3, target_modules=["0", "2"]),
         num_data=60,
         seed=3,
-        latent_modules=["4"],
-        trainable_modules=[],
+        **{"trainable_modules": [], **head},
     )
     model = prob.model.to(dtype)
     x = prob.x.to(dtype)
@@ -56,6 +57,19 @@ def _plain_net(model, guide) -> torch.nn.Module:
     return net
 
 
+def _laplace_torch(net, x, y, subset: str, structure: str = "kron"):
+    """laplace-torch's Laplace over ``subset`` of ``net`` at τ = TAU, fitted on (x, y)."""
+    la = laplace.Laplace(
+        net,
+        "classification",
+        subset_of_weights=subset,
+        hessian_structure=structure,
+        prior_precision=TAU,
+    )
+    la.fit(tensor_loader(x, y, 20))
+    return la
+
+
 def _dense_precision(guide: LaplaceGuide, sites: list[str]) -> torch.Tensor:
     return torch.block_diag(*(guide.posterior_precision(s) for s in sites))
 
@@ -68,14 +82,7 @@ def test_last_layer_equals_laplace_torch_last_layer(structure: str) -> None:
     guide = _guide(model, x, y, structure=structure, subset="last_layer")
     assert guide.latent_subset == ["4.weight", "4.bias"]
     net = _plain_net(model, guide)
-    la = laplace.Laplace(
-        net,
-        "classification",
-        subset_of_weights="last_layer",
-        hessian_structure=structure,
-        prior_precision=TAU,
-    )
-    la.fit(tensor_loader(x, y, 20))
+    la = _laplace_torch(net, x, y, "last_layer", structure)
     ref = la.posterior_precision
     ref = ref.to_matrix() if structure == "kron" else torch.diag(ref)
     ours = _dense_precision(guide, ["4.weight", "4.bias"])
@@ -131,14 +138,7 @@ def test_adapter_and_head_jointly_equal_laplace_torch_all() -> None:
         p.requires_grad_(False)
     for s in guide.sites:
         net.get_parameter(model.latent_sites[s].param_name).requires_grad_(True)
-    la = laplace.Laplace(
-        net,
-        "classification",
-        subset_of_weights="all",
-        hessian_structure="kron",
-        prior_precision=TAU,
-    )
-    la.fit(tensor_loader(x, y, 20))
+    la = _laplace_torch(net, x, y, "all")
     order = [n for n, p in net.named_parameters() if p.requires_grad]
     by_param = {model.latent_sites[s].param_name: s for s in guide.sites}
     ours = _dense_precision(guide, [by_param[n] for n in order])
@@ -242,14 +242,7 @@ def test_head_made_latent_after_a_map_fit_is_laplace_torch_last_layer() -> None:
     trained head is the linearisation point, and the posterior precision and probit predictive
     are laplace-torch's last-layer Laplace on that same MAP network, as a laplace-torch user
     would fit it."""
-    prob = mlp_problem(
-        (5, 8, 8, 3),
-        LoRAXS(rank=3, target_modules=["0", "2"]),
-        num_data=60,
-        seed=3,
-        trainable_modules=["4"],
-    )
-    model, x, y = prob.model.to(torch.float64), prob.x.to(torch.float64), prob.y
+    model, x, y = _head_latent(point_head=True)
     map_guide = pb.posterior(model, "map")
     pb.fit(model, map_guide, tensor_loader(x, y, 20), epochs=20, lr=1e-2, progress=False)
     trained = {k: v.detach().clone() for k, v in model.point_params.items()}
@@ -262,14 +255,7 @@ def test_head_made_latent_after_a_map_fit_is_laplace_torch_last_layer() -> None:
     for site in ("0.core", "2.core"):
         torch.testing.assert_close(guide.loc(site).detach(), map_guide.loc(site).detach())
     net = _plain_net(model, guide)
-    la = laplace.Laplace(
-        net,
-        "classification",
-        subset_of_weights="last_layer",
-        hessian_structure="kron",
-        prior_precision=TAU,
-    )
-    la.fit(tensor_loader(x, y, 20))
+    la = _laplace_torch(net, x, y, "last_layer")
     ours = _dense_precision(guide, ["4.weight", "4.bias"])
     torch.testing.assert_close(ours, la.posterior_precision.to_matrix(), rtol=1e-10, atol=1e-10)
     guide.pred_type = "probit"
