@@ -360,7 +360,11 @@ class FineTuneModel(nn.Module):
                 module = None
             names = [f"{path}.{n}" for n, _ in module.named_parameters()] if module else []
             parent = path.rpartition(".")[0]
-            if parent and isinstance(self.net.get_submodule(parent), LoRALinear):
+            if module is not None and parent:
+                in_lora = isinstance(self.net.get_submodule(parent), LoRALinear)
+            else:
+                in_lora = False
+            if in_lora:
                 names = []  # a point LoRA factor (LoRA(latent="A")'s B) is the adapter's choice
             if not names or any(n not in self.point_params for n in names):
                 heads = sorted(

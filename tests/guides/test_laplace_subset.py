@@ -263,6 +263,6 @@ def test_head_made_latent_after_a_map_fit_is_laplace_torch_last_layer() -> None:
     ref_p = la(x[:7], pred_type="glm", link_approx="probit")
     torch.testing.assert_close(ours_p, ref_p, rtol=1e-10, atol=1e-12)
     # a module that is not a point parameter (an adapted layer, or the head twice) is refused
-    for bad in ("0", "4", "nope"):
+    for bad in ("0", "4", "nope", "nope.deeper"):
         with pytest.raises(ValueError, match=f"make_latent: '{bad}' is not a point-estimated"):
             model.make_latent([bad])
