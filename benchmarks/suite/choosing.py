@@ -222,24 +222,21 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             out.append(mi)
         if _ran(task, "laplace") and values(task, "laplace-torch", key):
             d = paired(task, "laplace", "laplace-torch", key)
-            verdict = {True: "level with or above", False: "below", None: "one seed"}[level(d)]
-            out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {verdict}.")
+            out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {_vs(d)}.")
             if _ran(task, "laplace-head"):
                 dh = paired(task, "laplace-head", "laplace-torch", key)
-                vh = {True: "level with or above", False: "below", None: "one seed"}[level(dh)]
                 out.append(
                     "The default Laplace over the adapter and the MAP's trained head jointly "
                     "(laplace-head, the head made latent post hoc by `model.make_latent`) vs "
-                    f"laplace-torch ({ood}): {_d(dh)}, {vh}; its NLL vs the default over the "
+                    f"laplace-torch ({ood}): {_d(dh)}, {_vs(dh)}; its NLL vs the default over the "
                     f"adapter alone: {_d(paired(task, 'laplace-head', 'laplace', 'nll'))}."
                 )
             if _ran(task, "laplace-probit"):
                 dp = paired(task, "laplace-probit", "laplace-torch", key)
-                vp = {True: "level with or above", False: "below", None: "one seed"}[level(dp)]
                 out.append(
                     f"The same Laplace posterior with laplace-torch's probit link "
                     f'(laplace-probit, `pred_type="probit"`) vs laplace-torch ({ood}): {_d(dp)}, '
-                    f"{vp}; its NLL vs the default Monte Carlo link: "
+                    f"{_vs(dp)}; its NLL vs the default Monte Carlo link: "
                     f"{_d(paired(task, 'laplace-probit', 'laplace', 'nll'))}, accuracy vs MAP "
                     f"{_d(paired(task, 'laplace-probit', 'map', 'accuracy'), 1, 100)} pp."
                 )
@@ -299,6 +296,11 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             "Not run here (CPU time; see the JSON's command): " + ", ".join(missing + not_run) + "."
         )
     return out
+
+
+def _vs(d: tuple[float, float | None, int]) -> str:
+    """An AUROC difference against laplace-torch in words."""
+    return {True: "level with or above", False: "below", None: "one seed"}[level(d)]
 
 
 def _sym_base(task: dict[str, Any]) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ def one_seed(name: str, seed: int) -> dict[str, Any]:
     assert lin is not None
     cov = torch.cat([laplace.functional_covariance(chunk[1]) for chunk in lin.chunks])
     # laplace-torch's last-layer Laplace on the same MAP network, as the suite fits it
-    la = _laplace_torch(task, model, map_guide)
+    la, _ = suite.fit_laplace_torch(task, model, map_guide)
     with torch.no_grad():
         la_cov = torch.cat([la._glm_predictive_distribution(x)[1] for x in _inputs(task)])
     return {
@@ -78,22 +77,6 @@ def _summary(cov: torch.Tensor) -> dict[str, Any]:
 def _inputs(task: Any) -> list[Any]:
     """The validation split's network inputs (labels dropped)."""
     return [b[0] if isinstance(b, (list, tuple)) else b for b in task.validation]
-
-
-def _laplace_torch(task: Any, model: Any, map_guide: Any) -> Any:
-    """``Laplace(net, "classification", subset_of_weights="last_layer", hessian_structure=
-    "kron")`` + ``optimize_prior_precision(method="marglik")`` on the MAP network (run.py's)."""
-    from laplace import Laplace
-
-    net = task.la_net(model, map_guide).eval()
-    for p in net.parameters():
-        p.requires_grad_(True)
-    la = Laplace(net, "classification", subset_of_weights="last_layer", hessian_structure="kron")
-    la.fit(task.la_data(task.train))
-    with warnings.catch_warnings():  # its notice that the default link is probit
-        warnings.simplefilter("ignore")
-        la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
-    return la
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

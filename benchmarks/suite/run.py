@@ -281,18 +281,11 @@ def _predict_cal(task: Task, model: Any, guide: Any) -> Prediction:
     return pb.predict(model, guide, task.calibration, num_samples=task.num_samples, seed=0)
 
 
-def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict[str, Any]:
-    """laplace-torch's last-layer Kronecker Laplace with marginal-likelihood prior precision,
-    with its documented defaults, on the MAP network (adapter merged): ``fit`` on the training
-    loader (N = the training set), ``optimize_prior_precision(method="marglik")``, the GLM
-    predictive with the probit link. Also ``laplace-torch+ts`` (that predictive with a
-    temperature fitted on the calibration split) and, for classification, ``laplace-torch-gs``
-    (the prior precision grid-searched on the calibration split's NLL, as laplace-torch's
-    README example does on a validation loader; not on the MiniLM tasks,
-    ``Task.la_gridsearch``). Diagnostics kept: the
-    prior precisions (and the MAP's own prior precision ``1 / prior_scale²``), the log marginal
-    likelihood, the mean predictive variance of the logits (classification) or of f
-    (regression) on the validation split."""
+def fit_laplace_torch(task: Task, model: Any, guide: Any) -> tuple[Any, float]:
+    """laplace-torch's last-layer Kronecker Laplace on the MAP network (adapter merged), with
+    its documented defaults: ``fit`` on the training loader, ``optimize_prior_precision(
+    method="marglik")`` (regression: the MAP's learned noise as ``sigma_noise``); and the
+    seconds of the fit and the prior precision (the merge of the adapter not counted)."""
     from laplace import Laplace
 
     assert task.la_net is not None
@@ -316,7 +309,22 @@ def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict
     with warnings.catch_warnings():  # its notice that the default link is probit (we use it)
         warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
         la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
-    fit_s = time.perf_counter() - start
+    return la, time.perf_counter() - start
+
+
+def _laplace_torch(task: Task, model: Any, guide: Any, map_fit_s: float) -> dict[str, Any]:
+    """laplace-torch's last-layer Kronecker Laplace with marginal-likelihood prior precision,
+    with its documented defaults, on the MAP network (adapter merged): ``fit`` on the training
+    loader (N = the training set), ``optimize_prior_precision(method="marglik")``, the GLM
+    predictive with the probit link. Also ``laplace-torch+ts`` (that predictive with a
+    temperature fitted on the calibration split) and, for classification, ``laplace-torch-gs``
+    (the prior precision grid-searched on the calibration split's NLL, as laplace-torch's
+    README example does on a validation loader; not on the MiniLM tasks,
+    ``Task.la_gridsearch``). Diagnostics kept: the
+    prior precisions (and the MAP's own prior precision ``1 / prior_scale²``), the log marginal
+    likelihood, the mean predictive variance of the logits (classification) or of f
+    (regression) on the validation split."""
+    la, fit_s = fit_laplace_torch(task, model, guide)
 
     def run(loader: Any) -> tuple[Prediction, float]:
         """The predictive on ``loader`` and the mean variance of f (per logit) under it."""
@@ -464,16 +472,18 @@ def run_seed(
             pyro.clear_param_store()
             init = None
             if settings.get("init") == "map":
+                head_latent = bool(settings.get("head_latent"))
                 map_guide.load_state_dict(map_state)
-                init = map_guide
-                if settings.get("head_latent"):  # a copy of both: init's model is the model
-                    model, init = copy.deepcopy((map_model, map_guide))
-                else:
-                    model = copy.deepcopy(map_model)
+                # copied together when the head is made latent: init's model must be the model
+                model, init = (
+                    copy.deepcopy((map_model, map_guide))
+                    if head_latent
+                    else (copy.deepcopy(map_model), map_guide)
+                )
                 with torch.no_grad():
                     for k, v in head.items():
                         model.point_params[k].copy_(v)
-                if settings.get("head_latent"):  # the MAP's trained head made latent post hoc
+                if head_latent:  # the MAP's trained head made latent post hoc
                     model.make_latent([task.head])
             else:
                 model = task.build_model(family, 0)

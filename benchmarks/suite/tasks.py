@@ -80,6 +80,8 @@ LAPLACE_GS: dict[str, Any] = {
     "family": "laplace",
     "select_prior_precision": True,
 }
+#: The default Laplace at the same MAP, the base of the other Laplace variant rows.
+LAPLACE_POSTHOC: dict[str, Any] = {"init": "map", "epochs": 0, "family": "laplace"}
 
 #: Fit settings of the MLP tasks, per family: the documented ones (examples/*.py: lr 1e-2 for
 #: Adam-fitted families, 0.1 for the IVONs with 60 epochs; SWAG 10 epochs at lr 1e-3 from the MAP
@@ -111,14 +113,10 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     "laplace-gs": LAPLACE_GS,
     # the default Laplace over the adapter and the MAP's trained head jointly, the head made
     # latent post hoc (FineTuneModel.make_latent): does uncertainty in the head help OOD?
-    "laplace-head": {**LAPLACE_GS, "select_prior_precision": False, "head_latent": True},
+    "laplace-head": {**LAPLACE_POSTHOC, "head_latent": True},
     # the same Laplace posterior with laplace-torch's default link (probit) instead of the Monte
     # Carlo GLM: post hoc at the same MAP, only the predictive differs
-    "laplace-probit": {
-        **LAPLACE_GS,
-        "select_prior_precision": False,
-        "options": {"pred_type": "probit"},
-    },
+    "laplace-probit": {**LAPLACE_POSTHOC, "options": {"pred_type": "probit"}},
     "ibdr": {"lr": 1e-2},
     "signorm": {"lr": 1e-2, "adapter": "signorm"},  # a LayerNorm appended (tests/families.py)
 }
@@ -163,11 +161,12 @@ def text_settings() -> dict[str, dict[str, Any]]:
         }
     else:
         out["laplace-gs"] = {**copy.deepcopy(laplace), **LAPLACE_GS}
-    probit = copy.deepcopy(out.get("laplace-evidence", laplace))
-    probit["options"] = {**probit.get("options", {}), "pred_type": "probit"}
-    out["laplace-probit"] = {**probit, "family": "laplace"}
-    head = {k: v for k, v in copy.deepcopy(laplace).items() if k != "optimizer"}
-    out["laplace-head"] = {**head, "family": "laplace", "head_latent": True}
+    # the demo's Laplace at the evidence's τ (without a held-out choice of its own), changed in
+    # one respect each: the probit link, or the MAP's head made latent post hoc
+    evidence = {k: v for k, v in copy.deepcopy(laplace).items() if k != "optimizer"}
+    options = {**evidence.get("options", {}), "pred_type": "probit"}
+    out["laplace-probit"] = {**evidence, "family": "laplace", "options": options}
+    out["laplace-head"] = {**evidence, "family": "laplace", "head_latent": True}
     return out
 
 

@@ -15,6 +15,7 @@ parameter, ``σ = softplus(ρ)``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -354,18 +355,13 @@ class FineTuneModel(nn.Module):
         """
         paths = [modules] if isinstance(modules, str) else list(modules)
         for path in paths:
-            try:
+            names: list[str] = []
+            with contextlib.suppress(AttributeError):  # no such module: refused below
                 module = self.net.get_submodule(path)
-            except AttributeError:
-                module = None
-            names = [f"{path}.{n}" for n, _ in module.named_parameters()] if module else []
-            parent = path.rpartition(".")[0]
-            if module is not None and parent:
-                in_lora = isinstance(self.net.get_submodule(parent), LoRALinear)
-            else:
-                in_lora = False
-            if in_lora:
-                names = []  # a point LoRA factor (LoRA(latent="A")'s B) is the adapter's choice
+                parent = self.net.get_submodule(path.rpartition(".")[0])  # "": the network
+                # a point LoRA factor (LoRA(latent="A")'s B) is the adapter's choice, not a head
+                if not isinstance(parent, LoRALinear):
+                    names = [f"{path}.{n}" for n, _ in module.named_parameters()]
             if not names or any(n not in self.point_params for n in names):
                 heads = sorted(
                     {
