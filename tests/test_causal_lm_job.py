@@ -101,6 +101,34 @@ def test_quick_job_writes_the_table_and_evaluates_without_drift(tmp_path, capsys
     assert "no drift" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("keep", [None, "best", "last"])
+def test_training_keep_chooses_last_iterate_or_the_validation_selected_epoch(tmp_path, keep):
+    """The causal-LM job keeps each fit's last iterate by default (``training.keep = "last"``,
+    no validation read by training); ``"best"`` selects the epoch of least validation NLL."""
+    write_task(tmp_path / "task.json", num=24)
+    user = {
+        "families": ["map"],
+        "causal_lm": {"task": {"path": str(tmp_path / "task.json")}},
+        "training": {"lr": 0.01} | ({"keep": keep} if keep else {}),
+    }
+    config = causal_lm.resolve_config(user, quick=True)
+    config["training"]["epochs"] = 2  # --quick runs one
+    (_, record) = causal_lm.run(config, tmp_path / "run", progress_bar=False)
+    assert record["family"] == "map" and record["epochs_run"] == 2
+    if keep == "best":
+        assert record["best_epoch"] in (1, 2)
+    else:
+        assert record["best_epoch"] is None and not record["stopped_early"]
+
+
+def test_training_keep_refuses_other_values(tmp_path, capsys):
+    write_task(tmp_path / "task.json", num=8)
+    write_config(tmp_path / "job.toml", tmp_path / "task.json", extra='keep = "first"')
+    assert main(["fit", str(tmp_path / "job.toml"), "--quick", "--out", str(tmp_path / "r")]) != 0
+    err = capsys.readouterr().err
+    assert "training.keep" in err and "'best', 'last'" in err
+
+
 def test_zero_shot_row_is_the_base_network(tmp_path):
     """The zero-shot metrics equal those of the map run's adapter at its initialisation
     (LoRA's B = 0: ΔW = 0), computed by pb.predict through the likelihood."""
@@ -252,3 +280,40 @@ def test_fit_seeds_is_refused_for_a_one_seed_config(tmp_path, capsys):
     (tmp_path / "demo.toml").write_text("[training]\nepochs = 1\n")
     assert main(["fit", str(tmp_path / "demo.toml"), "--seeds", "1"]) == 2
     assert "--seeds applies to causal-LM configs" in capsys.readouterr().err
+
+
+def test_lm_epochs_scores_every_epoch_without_changing_the_fit(tmp_path):
+    """benchmarks/lm_epochs.py scores the predictive after each epoch inside the fit: the fit's
+    losses equal those of the same fit without the scoring (pb.predict draws from its own generator), one curve
+    point per epoch, and the selected epoch is the one of least validation NLL."""
+    import importlib.util
+    from pathlib import Path
+
+    import pyrobayes as pb
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_epochs.py"
+    spec = importlib.util.spec_from_file_location("bench_lm_epochs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    write_task(tmp_path / "task.json", num=24)
+    config = causal_lm.resolve_config(
+        {"causal_lm": {"task": {"path": str(tmp_path / "task.json")}}, "training": {"lr": 0.01}},
+        quick=True,
+    )
+    out = module.epoch_curve(config, "meanfield", seed=1, epochs=2, num_samples=2)
+    assert [r["epoch"] for r in out["curve"]] == [1, 2]
+    nll = [r["val"]["nll"] for r in out["curve"]]
+    assert out["selected_epoch"] == 1 + nll.index(min(nll))
+    assert all(0.0 <= r["test"]["accuracy"] <= 1.0 for r in out["curve"])
+
+    base, tokenizer = causal_lm.load_base(config)
+    data = causal_lm.build_data(config, tokenizer)
+    model = causal_lm.build_model(config, base, data["num_train"], seed=1)
+    settings = causal_lm._settings("meanfield")
+    guide = pb.posterior(model, "meanfield", **settings["options"])
+    result = pb.fit(
+        model, guide, data["train"], epochs=2, lr=0.01, seed=1, progress=pb.Progress(bar=False)
+    )
+    assert out["losses"] == list(result.losses)

@@ -91,7 +91,16 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # the stopping rule of every validated fit: stop after `patience` epochs without a better
     # validation NLL (0: never early; a family may wait longer, FAMILY_SETTINGS), `epochs` at
     # most, keeping the epoch of least NLL
-    "training": {"epochs": 12, "patience": 1, "lr": 3e-3, "seed": 0, "device": "cpu"},
+    # keep: "best" (the epoch of least validation NLL, with early stopping) or "last" (every
+    # fit runs `epochs` and keeps its last iterate; the validation split is not read by training)
+    "training": {
+        "epochs": 12,
+        "patience": 1,
+        "keep": "best",
+        "lr": 3e-3,
+        "seed": 0,
+        "device": "cpu",
+    },
     "predict": {"num_samples": 6},
     "export": {"num_samples": 50, "num_batches": 2},
 }
@@ -249,6 +258,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "adapter.projection": ("svd", "wsvd", "dct", "random"),
     "adapter.moment": ("centered", "second"),
     "training.scheduler": ("cosine", "linear", "constant"),
+    "training.keep": ("best", "last"),
 }
 #: Smallest values of integer keys (a 0 batch size, length or count is never meant).
 MINIMA: dict[str, int] = {
@@ -572,6 +582,14 @@ def _evaluate(
     return result, pred
 
 
+def _keeps_best(config: dict[str, Any]) -> bool:
+    """Whether the trained families keep their epoch of least validation NLL
+    (``training.keep = "best"``, early stopping by ``training.patience``) rather than their last
+    iterate after ``training.epochs`` (``"last"``, the fixed budget of Laplace-LoRA's and BLoB's
+    tables, for validation splits too small to choose an epoch on)."""
+    return config["training"].get("keep", "best") == "best"
+
+
 def _uses_validation(optimizer: Any, epochs: int, validate: bool = True) -> bool:
     """Whether a family's fit is given the validation split: to select among its epochs (a
     validated fit with epochs to run), or because its fit settings ``optimizer`` choose on
@@ -683,7 +701,7 @@ def _fit_family(
     _rewind(loaders["train"], int(config["data"]["seed"]))
     model, _ = build_model(config, loaders["num_train"], loaders["train"], family=family)
     epochs = int(settings.get("epochs", cap))
-    validate = bool(settings.get("validate", True))
+    validate = bool(settings.get("validate", True)) and _keeps_best(config)
     source = settings.get("init")
     init = None
     if source in fitted:
@@ -691,7 +709,7 @@ def _fit_family(
         init = fitted[source].guide
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
         logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
-        epochs, validate, source = cap + epochs, True, None
+        epochs, validate, source = cap + epochs, _keeps_best(config), None
     validated = _uses_validation(settings.get("optimizer"), epochs, validate)
     if config["training"]["device"] is not None:  # fit runs where the model is
         model.to(config["training"]["device"])
@@ -1063,6 +1081,7 @@ merge_config = _merge
 did_you_mean = _did_you_mean
 fit_options = _fit_options
 uses_validation = _uses_validation
+keeps_best = _keeps_best
 FittedRun = _Fitted
 fit_record = _record
 reliability_plot = _plots
