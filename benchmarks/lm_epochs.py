@@ -49,10 +49,16 @@ def epoch_curve(
 
     Returns ``curve`` (per epoch: ``val`` and ``test`` metrics of the posterior predictive),
     ``losses`` (the fit's per-step losses), ``selected_epoch`` (least validation NLL, the epoch
-    a validated fit keeps), ``options`` and ``seconds``."""
+    a validated fit keeps), ``options`` and ``seconds``. A post-hoc family (Laplace, SWAG: an
+    ``init`` in the job's settings) is refused."""
     base, tokenizer = causal_lm.load_base(config)
     data = causal_lm.build_data(config, tokenizer)
     settings = causal_lm._settings(family)
+    if settings.get("init"):
+        raise ValueError(
+            f"lm_epochs.py: {family!r} is built post hoc at the {settings['init']} fit, with no "
+            "epochs of its own to score; pass a trained family (map, meanfield, ivon, ...)."
+        )
     options = {**settings.get("options", {}), **(options or {})}
     model = causal_lm.build_model(config, base, data["num_train"], seed)
     guide = posterior(model, family, **options)

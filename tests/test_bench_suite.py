@@ -500,6 +500,9 @@ def test_text_tasks_laplace_variant_follows_the_demos_laplace(monkeypatch) -> No
     assert pipeline.uses_validation(laplace["optimizer"], 0)
     assert not pipeline.uses_validation(evidence.get("optimizer"), 0)
     assert pipeline.uses_validation(None, 3) and not pipeline.uses_validation(None, 3, False)
+    # training.keep = "last": no epoch selection, but a held-out τ still reads the split
+    assert not pipeline.uses_validation(None, 3, keep="last")
+    assert pipeline.uses_validation(laplace["optimizer"], 0, keep="last")
 
 
 def test_choosing_compares_held_out_and_evidence_tau_in_either_naming() -> None:

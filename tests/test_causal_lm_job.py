@@ -317,3 +317,5 @@ def test_lm_epochs_scores_every_epoch_without_changing_the_fit(tmp_path):
         model, guide, data["train"], epochs=2, lr=0.01, seed=1, progress=pb.Progress(bar=False)
     )
     assert out["losses"] == list(result.losses)
+    with pytest.raises(ValueError, match="'laplace' is built post hoc"):
+        module.epoch_curve(config, "laplace", epochs=1)

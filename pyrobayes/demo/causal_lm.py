@@ -80,7 +80,6 @@ from .pipeline import (
     export_posterior,
     fit_options,
     fit_record,
-    keeps_best,
     merge_config,
     read_json,
     reliability_plot,
@@ -566,17 +565,18 @@ def _fit_one(
     cap = int(config["training"]["epochs"])
     model = build_model(config, base, data["num_train"], seed)
     epochs = int(settings.get("epochs", cap))
-    validate = bool(settings.get("validate", True)) and keeps_best(config)
+    validate = bool(settings.get("validate", True))
     source = settings.get("init")
     init = None
     if source in fitted:
         init = fitted[source].guide
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
-        epochs, validate, source = cap + epochs, keeps_best(config), None
+        epochs, validate, source = cap + epochs, True, None
     if config["training"]["device"] is not None:  # fit runs where the model is
         model.to(config["training"]["device"])
     guide = posterior(model, family, init=init, **settings.get("options", {}))
     run_config = {**config, "training": {**config["training"], "seed": seed}}
+    keep = config["training"]["keep"]
     start = time.perf_counter()
     result = fit(
         model,
@@ -588,7 +588,9 @@ def _fit_one(
         **fit_options(
             run_config,
             settings,
-            data["val"] if uses_validation(settings.get("optimizer"), epochs, validate) else None,
+            data["val"]
+            if uses_validation(settings.get("optimizer"), epochs, validate, keep)
+            else None,
         ),
         progress=Progress(bar=progress_bar),
     )

@@ -582,19 +582,16 @@ def _evaluate(
     return result, pred
 
 
-def _keeps_best(config: dict[str, Any]) -> bool:
-    """Whether the trained families keep their epoch of least validation NLL
-    (``training.keep = "best"``, early stopping by ``training.patience``) rather than their last
-    iterate after ``training.epochs`` (``"last"``, the fixed budget of Laplace-LoRA's and BLoB's
-    tables, for validation splits too small to choose an epoch on)."""
-    return config["training"].get("keep", "best") == "best"
-
-
-def _uses_validation(optimizer: Any, epochs: int, validate: bool = True) -> bool:
+def _uses_validation(
+    optimizer: Any, epochs: int, validate: bool = True, keep: str = "best"
+) -> bool:
     """Whether a family's fit is given the validation split: to select among its epochs (a
-    validated fit with epochs to run), or because its fit settings ``optimizer`` choose on
+    validated fit with epochs to run, under ``training.keep = "best"``; ``"last"`` keeps every
+    fit's last iterate, the fixed budget of Laplace-LoRA's and BLoB's tables, for validation
+    splits too small to choose an epoch on), or because its fit settings ``optimizer`` choose on
     held-out data (``Laplace(prior_optimization="validation")``, even with no epochs)."""
-    return (validate and epochs > 0) or bool(getattr(optimizer, "needs_validation", False))
+    selects = validate and epochs > 0 and keep == "best"
+    return selects or bool(getattr(optimizer, "needs_validation", False))
 
 
 def _fit_options(config: dict[str, Any], settings: dict[str, Any], val_data: Any) -> dict[str, Any]:
@@ -701,7 +698,7 @@ def _fit_family(
     _rewind(loaders["train"], int(config["data"]["seed"]))
     model, _ = build_model(config, loaders["num_train"], loaders["train"], family=family)
     epochs = int(settings.get("epochs", cap))
-    validate = bool(settings.get("validate", True)) and _keeps_best(config)
+    validate = bool(settings.get("validate", True))
     source = settings.get("init")
     init = None
     if source in fitted:
@@ -709,8 +706,9 @@ def _fit_family(
         init = fitted[source].guide
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
         logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
-        epochs, validate, source = cap + epochs, _keeps_best(config), None
-    validated = _uses_validation(settings.get("optimizer"), epochs, validate)
+        epochs, validate, source = cap + epochs, True, None
+    keep = config["training"].get("keep", "best")
+    validated = _uses_validation(settings.get("optimizer"), epochs, validate, keep)
     if config["training"]["device"] is not None:  # fit runs where the model is
         model.to(config["training"]["device"])
     guide = posterior(model, family, init=init, **settings.get("options", {}))
@@ -1081,7 +1079,6 @@ merge_config = _merge
 did_you_mean = _did_you_mean
 fit_options = _fit_options
 uses_validation = _uses_validation
-keeps_best = _keeps_best
 FittedRun = _Fitted
 fit_record = _record
 reliability_plot = _plots
