@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -325,6 +326,29 @@ def test_quick_tune_scores_specs_on_the_calibration_split() -> None:
     # two epochs of a quick task move h little from h0: the ratio stays within 3x of 10
     ratio = rows[0]["scale_core_median"] / rows[1]["scale_core_median"]
     assert 3 < ratio < 30
+
+
+def test_validated_fit_records_the_calibration_nll_after_every_epoch() -> None:
+    """run.py's ``_fit`` under early stopping: one calibration NLL per epoch run, the kept epoch
+    its argmin, and the run stops ``patience`` epochs after it (what any other patience would
+    have chosen is read off this curve)."""
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(torch.float32)
+    sys.path.insert(0, str(SUITE))
+    try:
+        run, tasks = _load("run"), _load("tasks")
+        task = dataclasses.replace(tasks.TASKS["digits"](0, True), patience=1, epochs=4)
+        model = task.build_model("map", 0)
+        info = run._fit(task, model, pb.posterior(model, "map"), {}, 0)
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+    curve = info["calibration_nll"]
+    assert len(curve) == info["epochs_run"] >= 1 and all(math.isfinite(v) for v in curve)
+    assert curve.index(min(curve)) == info["best_epoch"]
+    # stopped by the rule (one epoch without a better NLL) or at the cap, never otherwise
+    assert len(curve) == info["best_epoch"] + 2 or len(curve) == task.epochs
 
 
 def test_tune_optimizer_spec_builds_the_family_fit_settings() -> None:

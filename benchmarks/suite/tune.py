@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 **{k: report[k] for k in ("accuracy", "nll", "ece") if k in report},
                 "epochs_run": info["epochs_run"],
                 "best_epoch": info["best_epoch"],
+                "calibration_nll": info["calibration_nll"],  # after every epoch
                 "seconds": time.perf_counter() - start,
                 **_scale_summary(guide),
             }
