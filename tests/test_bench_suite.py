@@ -351,6 +351,44 @@ def test_validated_fit_records_the_calibration_nll_after_every_epoch() -> None:
     assert len(curve) == info["best_epoch"] + 2 or len(curve) == task.epochs
 
 
+def test_task_header_states_the_stopping_rule_its_rows_ran_under() -> None:
+    """report.py: each task's header says the run's epoch cap, rate and patience, so tables
+    made under different stopping rules are told apart."""
+    rule = _load("report")._fit_rule
+    assert rule({"epochs": 12, "lr": 0.003, "patience": 2}) == (
+        "; fits: 12 epochs at most, lr 0.003, early stopping after 2 epochs without a better "
+        "calibration NLL, keeping the best"
+    )
+    assert "after 1 epoch without" in rule({"epochs": 12, "lr": 0.003, "patience": 1})
+    assert rule({"epochs": 30, "lr": 0.01, "patience": None}).endswith("no early stopping")
+    assert rule({}) == ""
+
+
+def test_git_state_names_the_modified_library_files(tmp_path: Path) -> None:
+    """run.py's provenance lists uncommitted changes under ``pyrobayes/`` of the repository
+    (not of the script's folder), and only those."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "pyrobayes").mkdir()
+    (tmp_path / "pyrobayes" / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.md").write_text("n\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    state = _load("run")._git_state(tmp_path)
+    assert len(state["commit"]) == 40 and state["modified"] == []
+    (tmp_path / "pyrobayes" / "a.py").write_text("x = 2\n")
+    (tmp_path / "notes.md").write_text("m\n")  # outside the library: not listed
+    assert _load("run")._git_state(tmp_path)["modified"] == [" M pyrobayes/a.py"]
+
+
 def test_tune_optimizer_spec_builds_the_family_fit_settings() -> None:
     """tune.py's ``optimizer`` object becomes the family's fit settings (IVON, MeanField) and is
     refused, naming the families that read it, for a family without such settings."""

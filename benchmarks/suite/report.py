@@ -193,11 +193,28 @@ def paired_table(task: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _fit_rule(fit: dict[str, Any]) -> str:
+    """The run's fit settings in words (a family's own settings, listed below its tables,
+    replace them): epoch cap, learning rate and the early-stopping patience on the calibration
+    split, or fixed epochs."""
+    if not fit:
+        return ""
+    words = f"; fits: {fit.get('epochs')} epochs at most, lr {fit.get('lr')}"
+    patience = fit.get("patience")
+    if patience:
+        return words + (
+            f", early stopping after {patience} epoch{'s' * (patience != 1)} without a better "
+            "calibration NLL, keeping the best"
+        )
+    return words + ", no early stopping"
+
+
 def task_markdown(name: str, task: dict[str, Any]) -> str:
     seeds = ", ".join(task["runs"])
     head = f"### {TASK_TITLES.get(name, name)}\n\nSeeds {seeds} ({len(task['runs'])}); "
     info = task.get("info", {})
     head += ", ".join(f"{k} {v}" for k, v in info.items() if isinstance(v, (int, float)))
+    head += _fit_rule(task.get("fit") or {})
     return (
         head
         + ".\n\nValidation-split metrics, mean ± sd over seeds (every temperature, grid search "

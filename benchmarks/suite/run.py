@@ -571,19 +571,21 @@ def _record(
     }
 
 
-def _git_state() -> dict[str, Any]:
+def _git_state(root: Path = HERE.parents[1]) -> dict[str, Any]:
     """The commit the run used and the library files that differed from it (uncommitted work
-    in a shared tree changes what a run measures)."""
+    in a shared tree changes what a run measures). Git runs in the repository ``root``: its
+    pathspec ``pyrobayes`` is relative to the working directory (from ``benchmarks/suite``
+    it named nothing, and every run before 2026-12-05 recorded ``modified: []``)."""
     import subprocess
 
     def git(*args: str) -> str:
         try:
             done = subprocess.run(
-                ["git", *args], cwd=HERE, capture_output=True, text=True, timeout=30, check=False
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=False
             )
         except (OSError, subprocess.SubprocessError):
             return ""
-        return done.stdout.strip()
+        return done.stdout.rstrip("\n")  # porcelain lines start with a status column
 
     return {
         "commit": git("rev-parse", "HEAD"),
