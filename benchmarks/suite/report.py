@@ -33,7 +33,8 @@ TASK_TITLES = {
     "polarity": "polarity: MiniLM + LoRA, VADER movie sentences, 2 classes (OOD: tweets, chatterbot)",
     "fine": "fine-grained: MiniLM + LoRA, VADER movie sentences, 5 classes (OOD: NYT editorials)",
     "amazon": "amazon: MiniLM + LoRA, VADER Amazon review sentences, 2 classes (OOD: NYT "
-    "editorials; held out of the demo's settings)",
+    "editorials; held out of the demo's settings but its early-stopping patience, which its "
+    "calibration split showed)",
 }
 
 
