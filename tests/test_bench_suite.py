@@ -382,11 +382,12 @@ def test_git_state_names_the_modified_library_files(tmp_path: Path) -> None:
     git("init", "-q")
     git("add", "-A")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
-    state = _load("run")._git_state(tmp_path)
+    git_state = _load("run")._git_state
+    state = git_state(tmp_path)
     assert len(state["commit"]) == 40 and state["modified"] == []
     (tmp_path / "pyrobayes" / "a.py").write_text("x = 2\n")
     (tmp_path / "notes.md").write_text("m\n")  # outside the library: not listed
-    assert _load("run")._git_state(tmp_path)["modified"] == [" M pyrobayes/a.py"]
+    assert git_state(tmp_path)["modified"] == [" M pyrobayes/a.py"]
 
 
 def test_tune_optimizer_spec_builds_the_family_fit_settings() -> None:

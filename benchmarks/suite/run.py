@@ -123,7 +123,7 @@ def _fit(task: Task, model: Any, guide: Any, settings: dict[str, Any], seed: int
         "best_epoch": state.get("best_epoch"),
         # the calibration split's NLL after every epoch of a validated fit: what any other
         # patience would have chosen, read off the same run
-        "calibration_nll": [float(h["nll"]) for h in state.get("validation") or [] if "nll" in h],
+        "calibration_nll": [float(h["nll"]) for h in state.get("validation") or []],
         # Laplace's τ and, where it was chosen on held-out data, the evidence's it started from
         **{
             {"prior_precision_start": "prior_precision_evidence"}.get(k, k): float(v)
