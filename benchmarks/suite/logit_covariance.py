@@ -46,18 +46,100 @@ def one_seed(name: str, seed: int) -> dict[str, Any]:
     laplace = pb.posterior(model, "laplace", init=map_guide, **settings.get("options", {}))
     suite._fit(task, model, laplace, settings, 1000 * seed)
     laplace.pred_type = "probit"  # the plain Jacobian rows (the Monte Carlo link contrasts them)
-    lin = linearize(model, laplace, task.validation)
-    assert lin is not None
-    cov = torch.cat([laplace.functional_covariance(chunk[1]) for chunk in lin.chunks])
+    moments = _covariance(model, laplace, task.validation)
     # laplace-torch's last-layer Laplace on the same MAP network, as the suite fits it
     la, _ = suite.fit_laplace_torch(task, model, map_guide)
-    with torch.no_grad():
-        la_cov = torch.cat([la._glm_predictive_distribution(x)[1] for x in _inputs(task)])
-    return {
+    la_moments = _la_covariance(la, task.validation)
+    out: dict[str, Any] = {
         "prior_precision": laplace.prior_precision,
-        **_summary(cov),
-        "laplace_torch": {"prior_precision": float(la.prior_precision.mean()), **_summary(la_cov)},
+        **_summary(moments[1]),
+        "laplace_torch": {
+            "prior_precision": float(la.prior_precision.mean()),
+            **_summary(la_moments[1]),
+        },
     }
+    # where the spread falls: the variance the softmax reads (of the logits' deviations from
+    # their mean over classes) on the validation split against each OOD set, and how well that
+    # variance alone tells the OOD set apart (AUROC, OOD = 1)
+    for ood_name, loader in task.ood.items():
+        out[f"ood_{ood_name}"] = {
+            "pyrobayes": _spread(moments, _covariance(model, laplace, loader)),
+            "laplace_torch": _spread(la_moments, _la_covariance(la, loader)),
+        }
+    return out
+
+
+Moments = tuple[torch.Tensor, torch.Tensor]
+
+
+def _covariance(model: Any, laplace: Any, loader: Any) -> Moments:
+    """pyrobayes' linearised logits on ``loader``: ``f(x; θ̂)`` ``(N, K)`` and ``J Σ Jᵀ``
+    ``(N, K, K)``."""
+    lin = linearize(model, laplace, loader)
+    assert lin is not None
+    mean = torch.cat([chunk[0].reshape(chunk[0].shape[0], -1) for chunk in lin.chunks])
+    cov = torch.cat([laplace.functional_covariance(chunk[1]) for chunk in lin.chunks])
+    return mean, cov
+
+
+def _la_covariance(la: Any, loader: Any) -> Moments:
+    """laplace-torch's GLM logits on ``loader``: mean ``(N, K)`` and covariance ``(N, K, K)``."""
+    with torch.no_grad():
+        parts = [la._glm_predictive_distribution(x) for x in _inputs(loader)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _centred_variance(cov: torch.Tensor) -> torch.Tensor:
+    """``tr(C Σ C)`` with ``C = I − 11ᵀ/K``: the logits' variance that a softmax reads (a shift
+    common to every class changes no probability), per example."""
+    k = cov.shape[-1]
+    c = torch.eye(k, dtype=cov.dtype) - torch.full((k, k), 1.0 / k, dtype=cov.dtype)
+    return torch.einsum("ij,njk,ki->n", c, cov, c)
+
+
+def _entropy(mean: torch.Tensor, cov: torch.Tensor | None, num_samples: int) -> torch.Tensor:
+    """Predictive entropy of ``softmax(f)``, ``f ~ N(mean, cov)`` by ``num_samples`` Monte
+    Carlo draws per example (``cov`` ``None``: the point ``mean``)."""
+    if cov is None:
+        return pb.metrics.predictive_entropy(torch.softmax(mean, -1).unsqueeze(0))
+    k = mean.shape[-1]
+    jitter = 1e-6 * torch.eye(k, dtype=cov.dtype)
+    scale = torch.linalg.cholesky(cov.double() + jitter.double()).to(mean.dtype)
+    gen = torch.Generator().manual_seed(0)
+    eps = torch.randn(num_samples, *mean.shape, generator=gen)
+    draws = mean + torch.einsum("nij,snj->sni", scale, eps)
+    return pb.metrics.predictive_entropy(torch.softmax(draws, -1))
+
+
+def _spread(id_moments: Moments, ood_moments: Moments) -> dict[str, float]:
+    """Median centred logit variance in and out of distribution, its OOD AUROC, its rank
+    correlation with the point logits' margin in distribution, and the predictive entropy's
+    AUROC at the point, at 100 draws and at 10,000 (the Monte Carlo noise of the score)."""
+    (m_id, c_id), (m_ood, c_ood) = id_moments, ood_moments
+    v_id, v_ood = _centred_variance(c_id), _centred_variance(c_ood)
+    top2 = torch.softmax(m_id, -1).topk(2, -1).indices
+    margin = (m_id.gather(-1, top2[:, :1]) - m_id.gather(-1, top2[:, 1:])).squeeze(-1)
+    out = {
+        "variance_median_id": float(v_id.median()),
+        "variance_median_ood": float(v_ood.median()),
+        "auroc_variance": pb.metrics.ood_auroc(v_id, v_ood),
+        "spearman_variance_margin_id": _spearman(v_id, margin),
+    }
+    for name, cov_id, cov_ood, s in [
+        ("point", None, None, 1),
+        ("mc100", c_id, c_ood, 100),
+        ("mc10000", c_id, c_ood, 10_000),
+    ]:
+        out[f"auroc_entropy_{name}"] = pb.metrics.ood_auroc(
+            _entropy(m_id, cov_id, s), _entropy(m_ood, cov_ood, s)
+        )
+    return out
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra = a.argsort().argsort().double()
+    rb = b.argsort().argsort().double()
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
 def _summary(cov: torch.Tensor) -> dict[str, Any]:
@@ -74,9 +156,9 @@ def _summary(cov: torch.Tensor) -> dict[str, Any]:
     return {"logit_var_median": float(var.median()), "pairs": pairs}
 
 
-def _inputs(task: Any) -> list[Any]:
-    """The validation split's network inputs (labels dropped)."""
-    return [b[0] if isinstance(b, (list, tuple)) else b for b in task.validation]
+def _inputs(loader: Any) -> list[Any]:
+    """A split's network inputs (labels dropped)."""
+    return [b[0] if isinstance(b, (list, tuple)) else b for b in loader]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
