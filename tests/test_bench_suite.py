@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -626,3 +627,39 @@ def test_quick_laplace_evidence_compares_both_evidences_at_one_map() -> None:
     assert pb.infer.Laplace().evidence == "likelihood_mode"
     assert all(math.isfinite(r["nll"]) for r in rows)
     assert by["laplace (likelihood_mode)"]["tau"] >= by["laplace (posterior_mode)"]["tau"]
+
+
+def test_logit_covariance_spread_summaries_against_direct_formulas() -> None:
+    """logit_covariance.py's OOD summaries: the softmax-read variance equals Var(f₁ − f₀)/2 for
+    two classes; the Monte Carlo entropy matches the exact one (Gauss–Hermite over the logit
+    difference); the rank
+    correlation is ±1 on monotone pairs."""
+    sys.path.insert(0, str(SUITE))  # logit_covariance imports run and tasks
+    try:
+        lc = _load("logit_covariance")
+    finally:
+        sys.path.remove(str(SUITE))
+    gen = torch.Generator().manual_seed(0)
+    root = torch.randn(50, 2, 2, generator=gen)
+    cov = root @ root.transpose(-1, -2)
+    diff = cov[:, 0, 0] + cov[:, 1, 1] - 2 * cov[:, 0, 1]
+    torch.testing.assert_close(lc._centred_variance(cov), diff / 2)
+    a = torch.randn(40, generator=gen)
+    assert lc._spearman(a, 3 * a + 1) == pytest.approx(1.0)
+    assert lc._spearman(a, -a.exp()) == pytest.approx(-1.0)
+    # binary entropy under N(μ, Σ): exact by quadrature on the difference d ~ N(μ₁ − μ₀, v)
+    mean = torch.tensor([[0.3, -0.2], [1.5, 0.0]])
+    small = torch.stack([torch.eye(2) * 0.5, torch.tensor([[1.0, -0.5], [-0.5, 1.0]])])
+    d_mean = mean[:, 1] - mean[:, 0]
+    d_var = small[:, 0, 0] + small[:, 1, 1] - 2 * small[:, 0, 1]
+    nodes, weights = np.polynomial.hermite_e.hermegauss(80)
+    d = d_mean[:, None].double() + d_var[:, None].double().sqrt() * torch.tensor(nodes)[None]
+    p1 = (torch.sigmoid(d) * torch.tensor(weights)).sum(-1) / math.sqrt(2 * math.pi)
+    exact = -(p1 * p1.log() + (1 - p1) * (1 - p1).log())
+    # 10,000 draws: the sd of a mean of bounded p ∈ [0, 1] is ≤ 0.5/√10⁴ = .005, and the entropy's
+    # slope |log(p/(1−p))| ≤ 1.2 at these p̄ (.4-.7), so 4σ ≈ .024
+    estimate = lc._entropy(mean, small, 10_000).double()
+    torch.testing.assert_close(estimate, exact, atol=0.024, rtol=0)
+    point = lc._entropy(mean, None, 1).double()
+    p_point = torch.softmax(mean.double(), -1)
+    torch.testing.assert_close(point, -(p_point * p_point.log()).sum(-1), atol=1e-6, rtol=0)
