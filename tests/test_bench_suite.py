@@ -663,3 +663,33 @@ def test_logit_covariance_spread_summaries_against_direct_formulas() -> None:
     point = lc._entropy(mean, None, 1).double()
     p_point = torch.softmax(mean.double(), -1)
     torch.testing.assert_close(point, -(p_point * p_point.log()).sum(-1), atol=1e-6, rtol=0)
+
+
+def test_a_task_whose_times_are_marked_not_comparable_drops_out_of_the_cost_views() -> None:
+    """``"timing": {"comparable": false}`` on a task: no fit-time ratios, no fastest method, and
+    the task's header and findings say why; an unmarked task keeps its ratios."""
+    runs = {
+        s: {
+            "map": {"nll": 0.5, "accuracy": 0.8, "ece": 0.1, "fit_s": 2.0},
+            "ivon": {"nll": 0.4, "accuracy": 0.8, "ece": 0.1, "fit_s": 6.0},
+        }
+        for s in "01"
+    }
+    task = _result(runs)["tasks"]["polarity"]
+    sys.path.insert(0, str(SUITE))  # choosing imports report
+    try:
+        choosing = _load("choosing")
+        report = _load("report")
+    finally:
+        sys.path.remove(str(SUITE))
+    assert choosing._fit_ratios(task, "ivon") == [3.0, 3.0]
+    assert "not comparable" not in report.task_markdown("polarity", task)
+    task["timing"] = {"comparable": False, "why": "another job shared the cores"}
+    assert choosing._fit_ratios(task, "ivon") == []
+    assert "fit times not comparable across methods (another job shared the cores)" in (
+        report.task_markdown("polarity", task)
+    )
+    task["source"] = {"command": "run.py", "git": {"commit": "x"}}
+    assert any("not comparable" in line for line in choosing.task_findings("polarity", task))
+    assert "| polarity |" in "\n".join(choosing._by_goal({"polarity": task}))
+    assert "| – |" in "\n".join(choosing._by_goal({"polarity": task}))

@@ -22,6 +22,7 @@ from report import (
     paired,
     summary,
     task_markdown,
+    timing_comparable,
     values,
 )
 
@@ -126,6 +127,11 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
                 "part the reported one, then named val and test)."
             )
         )
+        if not timing_comparable(task):
+            out.append(
+                f"Fit times not comparable across methods ({task['timing'].get('why', '')}): "
+                "the cost table leaves this task out."
+            )
         by_command: dict[str, list[str]] = {}
         for family, command in (source.get("updates") or {}).items():
             if not _ran(task, family):  # a result file's update of another of its tasks
@@ -370,7 +376,10 @@ def _laplace_gs_line(task: dict[str, Any], held_out: str, evidence: str) -> str:
 def _fit_ratios(task: dict[str, Any], m: str) -> list[float]:
     """``m``'s fit time over the MAP's of the same process, per seed: a row merged in from
     another run (``merge.py --base``) carries that run's MAP time as ``map_fit_s``, since the
-    base's MAP ran under another machine load."""
+    base's MAP ran under another machine load. None where the task's times are marked not
+    comparable (``timing``, :func:`report.timing_comparable`)."""
+    if not timing_comparable(task):
+        return []
     a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
     own = values(task, m, "map_fit_s")
     ref = {s: own.get(s, b.get(s, 0.0)) for s in a}
@@ -651,7 +660,10 @@ def _by_goal(tasks: dict[str, dict[str, Any]]) -> list[str]:
             best = max((m for m in ms if values(task, m, key)), key=lambda m: _mean(task, m, key))
             auroc = f"{best} ({_mean(task, best, key):.3f}, {oods[0]})"
         fast = [m for m in ms if m not in ("map", "map+ts") and not m.endswith("+ts")]
-        fastest = min(fast, key=lambda m: _mean(task, m, "fit_s")) if fast else "–"
+        if not fast or not timing_comparable(task):
+            fastest = "–"
+        else:
+            fastest = min(fast, key=lambda m: _mean(task, m, "fit_s"))
         rows.append(
             f"| {name} | {nll} ({_mean(task, nll, 'nll'):.3f}) | "
             + (f"{ece} ({_mean(task, ece, 'ece'):.3f})" if ece else "–")
@@ -796,7 +808,8 @@ def page(
         "## Cost and memory",
         "",
         "Fit time relative to the MAP fit of the same seed (a post-hoc method includes its MAP; "
-        "the ensemble is M MAP fits), and the numbers stored to describe q on digits "
+        "the ensemble is M MAP fits; – where a task's run marks its times not comparable), and "
+        "the numbers stored to describe q on digits "
         "(`pyrobayes.count_parameters(guide)['posterior_storage']`).",
         "",
         *_cost_rows(tasks),
@@ -811,8 +824,10 @@ def page(
         "2 of 3 seeds (at its 2nd epoch, .361/.335, where its 4th reaches .317/.302), so that "
         "families that ran on beat MAP + TS only at another accuracy: the demo's patience is "
         "now two epochs (polarity and fine-grained keep the same MAP epoch under one and "
-        "three, `benchmarks/results/suite/tune_*_map_patience.jsonl`; their tables ran under "
-        "one, as their headers say) and amazon was re-run under two: its MAP gained 1.6 pp "
+        "three, `benchmarks/results/suite/tune_*_map_patience.jsonl`; polarity was re-run "
+        "under two and every family's own row came out the same to four decimals, while "
+        "fine-grained's table ran under one, as its header says) and amazon was re-run under "
+        "two: its MAP gained 1.6 pp "
         "accuracy but is over-confident (T = 1.36), MAP + TS went from NLL .419 to .382, and "
         "no family beats that at equal accuracy any more (1/8 before, laplace+ts); "
         "IVON's Hessian EMA β₂ became 0.999, Kronecker "

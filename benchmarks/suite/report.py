@@ -210,12 +210,25 @@ def _fit_rule(fit: dict[str, Any]) -> str:
     return words + ", no early stopping"
 
 
+def timing_comparable(task: dict[str, Any]) -> bool:
+    """Whether a task's fit times compare across its methods: ``False`` where the result file
+    marks them otherwise (``"timing": {"comparable": false, "why": ...}``, e.g. other jobs
+    shared the cores for part of the run, so the ratios to the MAP's time would mislead)."""
+    return bool((task.get("timing") or {}).get("comparable", True))
+
+
+def _timing_note(task: dict[str, Any]) -> str:
+    if timing_comparable(task):
+        return ""
+    return f"; fit times not comparable across methods ({task['timing'].get('why', '')})"
+
+
 def task_markdown(name: str, task: dict[str, Any]) -> str:
     seeds = ", ".join(task["runs"])
     head = f"### {TASK_TITLES.get(name, name)}\n\nSeeds {seeds} ({len(task['runs'])}); "
     info = task.get("info", {})
     head += ", ".join(f"{k} {v}" for k, v in info.items() if isinstance(v, (int, float)))
-    head += _fit_rule(task.get("fit") or {})
+    head += _fit_rule(task.get("fit") or {}) + _timing_note(task)
     return (
         head
         + ".\n\nValidation-split metrics, mean ± sd over seeds (every temperature, grid search "
