@@ -376,8 +376,8 @@ def _laplace_gs_line(task: dict[str, Any], held_out: str, evidence: str) -> str:
 def _fit_ratios(task: dict[str, Any], m: str) -> list[float]:
     """``m``'s fit time over the MAP's of the same process, per seed: a row merged in from
     another run (``merge.py --base``) carries that run's MAP time as ``map_fit_s``, since the
-    base's MAP ran under another machine load. None where the task's times are marked not
-    comparable (``timing``, :func:`report.timing_comparable`)."""
+    base's MAP ran under another machine load. No ratios where the task's times are marked
+    not comparable (``timing``, :func:`report.timing_comparable`)."""
     if not timing_comparable(task):
         return []
     a, b = values(task, m, "fit_s"), values(task, "map", "fit_s")
