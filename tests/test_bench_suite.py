@@ -632,8 +632,7 @@ def test_quick_laplace_evidence_compares_both_evidences_at_one_map() -> None:
 def test_logit_covariance_spread_summaries_against_direct_formulas() -> None:
     """logit_covariance.py's OOD summaries: the softmax-read variance equals Var(f₁ − f₀)/2 for
     two classes; the Monte Carlo entropy matches the exact one (Gauss–Hermite over the logit
-    difference); the rank
-    correlation is ±1 on monotone pairs."""
+    difference); the rank correlation is ±1 on monotone pairs."""
     sys.path.insert(0, str(SUITE))  # logit_covariance imports run and tasks
     try:
         lc = _load("logit_covariance")

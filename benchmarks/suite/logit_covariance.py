@@ -42,6 +42,9 @@ from pyrobayes.linearized import linearize  # noqa: E402
 
 OUT = HERE.parents[0] / "results" / "suite" / "logit_covariance.json"
 
+#: Linearised logits on a split: their mean ``(N, K)`` and covariance ``(N, K, K)``.
+Moments = tuple[torch.Tensor, torch.Tensor]
+
 
 def one_seed(name: str, seed: int) -> dict[str, Any]:
     """The default Laplace at the suite's MAP of ``seed``: per class pair, the logits'
@@ -75,9 +78,6 @@ def one_seed(name: str, seed: int) -> dict[str, Any]:
     return out
 
 
-Moments = tuple[torch.Tensor, torch.Tensor]
-
-
 def _covariance(model: Any, laplace: Any, loader: Any) -> Moments:
     """pyrobayes' linearised logits on ``loader``: ``f(x; θ̂)`` ``(N, K)`` and ``J Σ Jᵀ``
     ``(N, K, K)``."""
@@ -109,8 +109,8 @@ def _entropy(mean: torch.Tensor, cov: torch.Tensor | None, num_samples: int) -> 
     if cov is None:
         return pb.metrics.predictive_entropy(torch.softmax(mean, -1).unsqueeze(0))
     k = mean.shape[-1]
-    jitter = 1e-6 * torch.eye(k, dtype=cov.dtype)
-    scale = torch.linalg.cholesky(cov.double() + jitter.double()).to(mean.dtype)
+    jitter = 1e-6 * torch.eye(k, dtype=torch.float64)
+    scale = torch.linalg.cholesky(cov.double() + jitter).to(mean.dtype)
     gen = torch.Generator().manual_seed(0)
     eps = torch.randn(num_samples, *mean.shape, generator=gen)
     draws = mean + torch.einsum("nij,snj->sni", scale, eps)
@@ -123,8 +123,8 @@ def _spread(id_moments: Moments, ood_moments: Moments) -> dict[str, float]:
     AUROC at the point, at 100 draws and at 10,000 (the Monte Carlo noise of the score)."""
     (m_id, c_id), (m_ood, c_ood) = id_moments, ood_moments
     v_id, v_ood = _centred_variance(c_id), _centred_variance(c_ood)
-    top2 = torch.softmax(m_id, -1).topk(2, -1).indices
-    margin = (m_id.gather(-1, top2[:, :1]) - m_id.gather(-1, top2[:, 1:])).squeeze(-1)
+    top2 = m_id.topk(2, -1).values
+    margin = top2[:, 0] - top2[:, 1]
     out = {
         "variance_median_id": float(v_id.median()),
         "variance_median_ood": float(v_ood.median()),
