@@ -41,6 +41,12 @@ the rounds. ``llama_smol``: the same with 8 blocks and an 8,192-token vocabulary
 head costs about what SmolLM2-135M's does next to its blocks (0.36x against 0.27x a token's
 blocks; the 49,152 x 256 head of ``llama`` costs 4.5x).
 
+(e) minilm_demo_fit: the demo's MAP fit (its MiniLM, LoRA r = 8 on layers 3-5, its 768 VADER
+training sentences in batches of 32, three epochs, no validation) with the frozen blocks 0-2
+read from the fit's per-example cache (``pyrobayes.models.lower_cache``) against the same fit
+inside ``sharing.unshared()`` (every block in every step); a fresh model per fit, built outside
+the timed call; paired per round.
+
 (d) minilm_demo: ``pb.predict`` at S = 16 (the blocks below layer 3 once per batch for all draws
 and chunks) against the plain ways of (b) and ``pb.predict`` inside ``sharing.unshared()``.
 
@@ -59,11 +65,14 @@ Run::
         --out benchmarks/results/overhead_llama_smol_t1.json           # SmolLM2's head share
     .venv/bin/python benchmarks/overhead.py --only minilm_demo --threads 1 \
         --out benchmarks/results/overhead_minilm_demo_t1.json          # lower layers shared
+    .venv/bin/python benchmarks/overhead.py --only minilm_demo_fit \
+        --out benchmarks/results/overhead_minilm_demo_fit.json         # the fit's lower-block cache
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as _dt
 import json
@@ -85,7 +94,7 @@ from torch import Tensor, nn
 import pyrobayes as pb
 from pyrobayes.batch import expand_samples, split_batch
 from pyrobayes.guides import MeanFieldGuide
-from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.models import FineTuneModel, LoRAXS, sharing
 from pyrobayes.models.layers import LoRAXSLinear
 from pyrobayes.models.likelihoods import Gaussian, network_output
 
@@ -635,13 +644,62 @@ def llama_predict_case(setup: dict[str, Any], repeats: int, device: torch.device
 
 
 # ------------------------------------------------------------------------------------ main
+def demo_fit_case(repeats: int, epochs: int, device: torch.device) -> dict:
+    """The demo's MAP fit with the lower-block cache against the same fit unshared."""
+    from pyrobayes.demo import pipeline
+
+    config = pipeline.resolve_config()
+    config["training"]["device"] = device.type
+    loaders = pipeline.build_data(config, pipeline._load_tokenizer(config))
+    data = loaders["train"]
+
+    def fit(shared: bool) -> Callable[[], Any]:
+        def run() -> float:
+            model, _ = pipeline.build_model(config, loaders["num_train"], data, family="map")
+            model.to(device)
+            guide = pb.posterior(model, "map")
+            _sync(device)
+            start = time.perf_counter()
+            with contextlib.nullcontext() if shared else sharing.unshared():
+                pb.fit(model, guide, data, epochs=epochs, lr=3e-3, seed=0, progress=False)
+            _sync(device)
+            return time.perf_counter() - start
+
+        return run
+
+    variants = {"pb.fit (lower blocks cached)": fit(True), "pb.fit unshared": fit(False)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            times[name].append(run())
+    res: dict[str, dict[str, Any]] = {
+        k: {
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "cpu_median_s": float("nan"),
+            "times_s": v,
+            "ratio_vs_fastest_plain": statistics.median(v)
+            / statistics.median(times["pb.fit unshared"]),
+            "paired_ratio_vs_fastest_plain": paired_ratio(
+                {n: {"times_s": t} for n, t in times.items()}, k, "pb.fit unshared"
+            ),
+        }
+        for k, v in times.items()
+    }
+    print(f"[minilm_demo_fit] {epochs} epochs x {repeats} rounds:", flush=True)
+    paired_spread(res, "pb.fit unshared")
+    return {"fit": {"epochs": epochs, "reference": "pb.fit unshared", "variants": res}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument(
-        "--only", choices=["mlp", "minilm", "llama", "llama_smol", "minilm_demo"], default=None
+        "--only",
+        choices=["mlp", "minilm", "llama", "llama_smol", "minilm_demo", "minilm_demo_fit"],
+        default=None,
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--repeats", type=int, default=None, help="fit rounds (default 25)")
@@ -704,6 +762,9 @@ def main() -> None:
         print(f"[minilm_demo] predict: S={NUM_SAMPLES} ...", flush=True)
         pred_res = predict_case(setup, 1, 2 if q else 5, device)
         results["cases"]["minilm_demo"] = {"predict": pred_res}
+
+    if args.only in (None, "minilm_demo_fit"):
+        results["cases"]["minilm_demo_fit"] = demo_fit_case(2 if q else 5, 2 if q else 3, device)
 
     if args.only in (None, "llama") and not args.fit_only:
         setup = build_llama(device)

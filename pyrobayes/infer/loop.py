@@ -496,11 +496,27 @@ class _Loop:
         )
         self.start = time.perf_counter()
         try:
-            self._epochs()
+            with self._lower_block_cache():
+                self._epochs()
         finally:
             self.order.restore()
             self.bar.close()
         return self._result()
+
+    def _lower_block_cache(self) -> contextlib.AbstractContextManager[None]:
+        """A FineTuneModel's cache of its frozen lower blocks over the training and validation
+        data, for a fit planned to pass the data at least twice (the cache's one pass over it
+        costs about what one epoch's lower blocks do; the same plan on resume, the same choice)."""
+        caching = getattr(self.model, "caching_lower_blocks", None)
+        plan = self.plan
+        if not callable(caching) or not plan.total or not plan.steps_per_epoch:
+            return contextlib.nullcontext()
+        if plan.total < 2 * plan.steps_per_epoch:
+            return contextlib.nullcontext()
+        # it reads the data ahead, in an order of its own: no draw from the loader's
+        # generators (which every epoch replaces and the end of the fit restores)
+        self.order.set_epoch(-1)
+        return caching(self.data, self.fitter.validation_data)
 
     def _epochs(self) -> None:
         """Epochs (or their remainder) until the plan, or the early-stopping rule, ends."""

@@ -19,13 +19,14 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyro
 import pyro.distributions as dist
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from ..batch import batch_size, expand_samples, split_batch, token_mask
 from .adapters import (
@@ -39,6 +40,7 @@ from .adapters import (
 )
 from .layers import LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, make_likelihood, network_output
+from .lower_cache import LowerBlockCache, stubbed_below
 from .sharing import (
     TokenLogProbs,
     batch_memo,
@@ -455,7 +457,12 @@ class FineTuneModel(nn.Module):
         params = {self.latent_sites[s].param_name: v for s, v in values.items()}
         if overrides:
             params.update(overrides)
-        out = self._functional(inputs, params)
+        cached = None if "_lower_rows" in self.__dict__ else self._cached_lower(inputs)
+        if cached is None:
+            out = self._functional(inputs, params)
+        else:
+            with stubbed_below(cached[0], cached[1]):
+                out = self._functional(inputs, params)
         if isinstance(out, TokenLogProbs):  # the shared prompts' scored continuations
             return self.likelihood.params(out, inputs)  # type: ignore[arg-type]
         return self.likelihood.params(network_output(out), inputs)
@@ -555,9 +562,13 @@ class FineTuneModel(nn.Module):
         if found is None:
             return None
         rows = batch_size(inputs) * (self.likelihood.rows_per_output(inputs) or 1)
+        cached = self._cached_lower(inputs)  # the fit's per-example memory of the lower blocks
         self.__dict__["_lower_rows"] = (rows, num_samples)
         key = tuple(sorted(self.latent_sites))
         memo = batch_memo(inputs, ("lower", key))  # the chunks of one batch in pb.predict
+        if cached is not None:
+            memo = {} if memo is None else memo
+            memo["below"] = cached[1]
         try:
             blocks, first = found
             below = list(blocks)[:first]
@@ -570,6 +581,48 @@ class FineTuneModel(nn.Module):
         finally:
             del self.__dict__["_lower_rows"]
         return out
+
+    @contextlib.contextmanager
+    def caching_lower_blocks(self, *datasets: Iterable[Any]) -> Iterator[None]:
+        """Within the block (:func:`pyrobayes.fit` opens it with its training and validation
+        data), the frozen blocks below the first adapted one are not run on the examples of
+        ``datasets``: their output is computed once per example on entry and read back
+        (:mod:`pyrobayes.models.lower_cache`). Where that does not apply, the plain forward
+        runs. Data other than a ``DataLoader``, list or tuple is not read ahead (the first, the
+        training data, must be one)."""
+        found = self._first_adapted()
+        readable = [d for d in datasets if isinstance(d, (DataLoader, list, tuple))]
+        if (
+            found is None
+            or not datasets
+            or not isinstance(datasets[0], (DataLoader, list, tuple))
+            or "_lower_cache" in self.__dict__
+            or not sharing_enabled()
+        ):
+            yield
+            return
+        changing = [spec.param_name for spec in self.latent_sites.values()]
+        changing += [name for name in self.point_params if name != NOISE_PARAM]
+        cache = LowerBlockCache(self.net, list(found[0]), found[1], changing)
+
+        def network_inputs(batch: Any) -> Any:
+            return self.likelihood.network_inputs(split_batch(batch, self.label_key)[0], self.net)
+
+        if cache.build(readable, network_inputs, self.device):
+            self.__dict__["_lower_cache"] = cache
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_lower_cache", None)
+
+    def _cached_lower(self, inputs: Any) -> tuple[list[nn.Module], Any] | None:
+        """``(lower blocks, their output for inputs)`` from the fit's lower-block cache, or
+        ``None`` outside :meth:`caching_lower_blocks` or where it does not apply."""
+        cache = self.__dict__.get("_lower_cache")
+        if cache is None or not sharing_enabled():
+            return None
+        output = cache.output(self.likelihood.network_inputs(inputs, self.net))
+        return None if output is None else (cache.below, output)
 
     def tokens_per_draw(self, inputs: Any) -> int | None:
         """Token positions one more draw costs on ``inputs`` in prediction, the work

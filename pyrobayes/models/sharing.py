@@ -25,7 +25,9 @@ choice, and this module runs that work once:
 Both are on by default wherever they apply (the prompt states in prediction, with gradients off)
 and fall back silently to the plain computation otherwise; inside :func:`reuse_within_batch`
 (``pyrobayes.predict`` opens it) the lower layers' output of a batch is kept for all its chunks
-of draws. :func:`unshared` turns everything off (for reference computations and benchmarks).
+of draws. In a fit the frozen lower blocks' output is kept per example across epochs
+(:mod:`pyrobayes.models.lower_cache`). :func:`unshared` turns everything off (for reference
+computations and benchmarks).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .layers import BatchedLinear, _AdapterBase
+from .lower_cache import stubbed_below
 from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
 
 logger = logging.getLogger(__name__)
@@ -72,7 +75,8 @@ _LOWER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids"
 
 @contextlib.contextmanager
 def unshared() -> Iterator[None]:
-    """Within the block, compute every draw and choice from the full rows (no sharing).
+    """Within the block, compute every draw and choice from the full rows (no sharing), and
+    every block of every training step (no lower-block cache in :func:`pyrobayes.fit`).
 
     Examples
     --------
@@ -476,22 +480,17 @@ def lower_layers_shared(
             recorded["below"] = output
 
     handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
-    stubbed: list[nn.Module] = []
     try:
-        if recorded is not None and below:
-            if "below" in recorded:
-                output = recorded["below"]
-                for block in below:  # an instance attribute shadows the class's forward
-                    block.forward = lambda *args, **kwargs: output
-                    stubbed.append(block)
-            else:
-                handles.append(below[-1].register_forward_hook(record))
-        yield
+        with contextlib.ExitStack() as stack:
+            if recorded is not None and below:
+                if "below" in recorded:
+                    stack.enter_context(stubbed_below(below, recorded["below"]))
+                else:
+                    handles.append(below[-1].register_forward_hook(record))
+            yield
     finally:
         for handle in handles:
             handle.remove()
-        for block in stubbed:
-            del block.forward
 
 
 @contextlib.contextmanager

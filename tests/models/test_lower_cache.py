@@ -1,0 +1,253 @@
+"""The fit's cache of the frozen lower blocks (pyrobayes.models.lower_cache): each example's
+input to the first adapted block is computed once per fit, the fit equals the plain one, a
+resumed fit stays bit-exact, and where the cache does not apply every block runs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import pyrobayes as pb
+from pyrobayes.models import FineTuneModel, LoRA, MultipleChoice
+from pyrobayes.models.lower_cache import LowerBlockCache
+from pyrobayes.models.multiple_choice import encode_multiple_choice
+from pyrobayes.models.sharing import unshared
+from tests.common import tiny_bert
+
+#: adapted blocks 2 and 3 of 4: blocks 0 and 1 (and the embeddings) are the cached lower part
+ADAPTED = r".*layer\.[23]\.attention\.self\.(query|value)"
+
+
+def _model(dtype=torch.float64, **options):
+    torch.manual_seed(0)
+    net = tiny_bert(num_labels=3, num_hidden_layers=4).to(dtype)
+    return FineTuneModel(
+        net, LoRA(rank=2, target_modules=ADAPTED), likelihood="categorical", num_data=20, **options
+    )
+
+
+def _batches(order=(0, 1, 2, 3), left=False):
+    """Four batches of five sentences of 3..9 tokens, right padded (or left) to the batch's
+    longest; ``order`` permutes the 20 sentences' batch membership."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(3, 10, (20,), generator=gen)
+    tokens = [torch.randint(3, 90, (int(n),), generator=gen) for n in lengths]
+    labels = torch.randint(0, 3, (20,), generator=gen)
+    index = torch.arange(20).reshape(4, 5)[list(order)].reshape(-1)
+    if order != (0, 1, 2, 3):  # also mix rows across batches
+        index = index[torch.randperm(20, generator=torch.Generator().manual_seed(5))]
+    batches = []
+    for rows in index.reshape(4, 5):
+        width = max(int(lengths[i]) for i in rows)
+        ids = torch.zeros(5, width, dtype=torch.long)
+        mask = torch.zeros(5, width, dtype=torch.long)
+        for j, i in enumerate(rows.tolist()):
+            n = int(lengths[i])
+            cols = slice(width - n, width) if left else slice(0, n)
+            ids[j, cols], mask[j, cols] = tokens[i], 1
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels[rows]})
+    return batches
+
+
+class _Iterable:
+    """Batches behind an iterable that is not a list, tuple or DataLoader (not read ahead)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _block0_rows(model):
+    """Rows block 0 computes on, call by call (its attention runs only when it computes)."""
+    rows: list[int] = []
+    attention = model.net.bert.encoder.layer[0].attention
+    attention.register_forward_hook(lambda m, a, o: rows.append(int(a[0].shape[0])))
+    return rows
+
+
+def _fit(model, data, epochs=3, **kwargs):
+    guide = pb.posterior(model, "meanfield", init_scale=0.05)
+    result = pb.fit(model, guide, data, epochs=epochs, lr=1e-2, seed=0, **kwargs)
+    return guide, result
+
+
+def test_a_fit_computes_the_lower_blocks_once_and_equals_the_plain_fit():
+    data = _batches()
+    model = _model()
+    rows = _block0_rows(model)
+    guide, result = _fit(model, data)
+    # one probe of one example, then the 20 sentences in groups of one length (no padding):
+    # 20 rows in all, and never again in the 12 training steps
+    assert rows[0] == 1 and sum(rows[1:]) == 20
+    plain_model = _model()
+    plain_rows = _block0_rows(plain_model)
+    with unshared():
+        plain_guide, plain_result = _fit(plain_model, data)
+    assert plain_rows == [5] * 12  # every step computes block 0 on its padded batch
+    # float64: the cached entries differ from the padded batch's by rounding (~1e-16 relative);
+    # twelve Adam steps on a 4-block network amplify that by far less than 1e6
+    torch.testing.assert_close(result.losses, plain_result.losses, rtol=1e-10, atol=0)
+    for name, value in plain_guide.state_dict().items():
+        torch.testing.assert_close(guide.state_dict()[name], value, rtol=0, atol=1e-10, msg=name)
+
+
+def test_entries_do_not_depend_on_the_batches_the_examples_came_in():
+    model = _model(dtype=torch.float32)
+    found = model._first_adapted()
+    assert found is not None and found[1] == 2
+
+    def build(data):
+        cache = LowerBlockCache(model.net, found[0], found[1], [])
+        assert cache.build(
+            [data], lambda b: {k: v for k, v in b.items() if k != "labels"}, model.device
+        )
+        return cache
+
+    a, b = build(_batches()), build(_batches(order=(3, 1, 0, 2)))
+    assert a.entries.keys() == b.entries.keys() and len(a.entries) == 20
+    for key, entry in a.entries.items():
+        assert torch.equal(entry, b.entries[key])  # bit for bit: the canonical groups
+    # assembled for a padded batch, the entries are the plain lower blocks' output at the real
+    # tokens (float32 rounding apart: the padded rows run through other kernels' orders)
+    batch = {k: v for k, v in _batches()[1].items() if k != "labels"}
+    recorded = {}
+    block = model.net.bert.encoder.layer[1]
+    handle = block.register_forward_hook(lambda m, a, o: recorded.setdefault("out", o))
+    with torch.no_grad():
+        model.net(**batch)
+    handle.remove()
+    plain = recorded["out"][0] if isinstance(recorded["out"], tuple) else recorded["out"]
+    assembled = a.output(batch)
+    hidden = assembled[0] if isinstance(assembled, tuple) else assembled
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(hidden[real], plain[real], rtol=0, atol=1e-5)
+    assert torch.all(hidden[~real] == 0)
+
+
+def test_a_resumed_fit_with_the_cache_is_bit_identical(tmp_path):
+    data = _batches()
+    full_guide, full = _fit(_model(dtype=torch.float32), data)
+
+    def interrupt(step: int, loss: float) -> None:
+        if step == 7:
+            raise KeyboardInterrupt
+
+    checkpoint = pb.Checkpointing(tmp_path, every=1)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(
+            _model(dtype=torch.float32),
+            data,
+            checkpoint=checkpoint,
+            progress=pb.Progress(callback=interrupt),
+        )
+    model = _model(dtype=torch.float32)
+    rows = _block0_rows(model)
+    guide, resumed = _fit(model, data, checkpoint=pb.Checkpointing(tmp_path, resume=True))
+    assert rows[0] == 1 and sum(rows[1:]) == 20  # the resumed fit rebuilt its cache
+    torch.testing.assert_close(resumed.losses, full.losses, rtol=0, atol=0)
+    for name, value in full_guide.state_dict().items():
+        torch.testing.assert_close(guide.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["left padding", "dropout", "trained embeddings", "site in block 0", "an iterable", "short"],
+)
+def test_every_block_runs_where_the_cache_does_not_apply(case):
+    data = _batches(left=case == "left padding")
+    options = {
+        "dropout": {"train_backbone_mode": True},
+        "trained embeddings": {"trainable_modules": ["classifier", "bert.embeddings.LayerNorm"]},
+    }.get(case, {})
+    if case == "site in block 0":
+        torch.manual_seed(0)
+        net = tiny_bert(num_labels=3, num_hidden_layers=4).double()
+        model = FineTuneModel(
+            net, LoRA(rank=2, target_modules=["query"]), likelihood="categorical", num_data=20
+        )
+    else:
+        model = _model(**options)
+    rows = _block0_rows(model)
+    # "short": a fit of less than two passes over the data (the cache's own pass would cost
+    # more than it saves) -- 1.5 epochs here
+    steps = {"short": pb.Optimization(num_steps=6)}.get(case)
+    _fit(
+        model,
+        _Iterable(data) if case == "an iterable" else data,
+        **({"optim": steps} if steps else {}),
+    )
+    if case == "short":
+        assert rows == [5] * 6
+        return
+    # every step computes block 0 on its padded batch (at most a probe of one example before:
+    # the trained embeddings are found by running one)
+    assert rows[-12:] == [5] * 12 and rows[:-12] in ([], [1])
+
+
+# ---------------------------------------------------------------------- causal LMs
+def _lm_model(arch, dtype=torch.float64):
+    """A three-block causal LM adapted in blocks 1-2 (block 0 and the embeddings cached),
+    scoring continuations."""
+    from tests.models.test_multiple_choice import NETS
+
+    torch.manual_seed(0)
+    layers = {"llama": {"num_hidden_layers": 3}, "gpt2": {"n_layer": 3}}[arch]
+    net = NETS[arch](**layers).to(dtype)
+    targets = {
+        "llama": r".*layers\.[12]\.self_attn\.(q_proj|v_proj)",
+        "gpt2": r".*h\.[12]\.attn\.c_attn",
+    }
+    return FineTuneModel(
+        net,
+        LoRA(rank=2, target_modules=targets[arch]),
+        likelihood=MultipleChoice(normalize="length"),
+        trainable_modules=[],
+        num_data=6,
+    )
+
+
+def _lm_batches(side):
+    from tests.models.test_multiple_choice import CHOICES, PROMPTS, CharTokenizer
+
+    tok = CharTokenizer()
+    encode = functools.partial(encode_multiple_choice, tok, padding_side=side)
+    return [
+        encode(PROMPTS, CHOICES, answers=[0, 1, 2]),
+        encode(PROMPTS[::-1], [c[::-1] for c in CHOICES[::-1]], answers=[1, 0, 2]),
+    ]
+
+
+def _lm_block0_rows(model):
+    rows: list[int] = []
+    blocks = model.net.model.layers if hasattr(model.net, "model") else model.net.transformer.h
+    blocks[0].mlp.register_forward_hook(lambda m, a, o: rows.append(int(a[0].shape[0])))
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_causal_lm_fit_caches_its_choice_rows_and_equals_the_plain_fit(arch, side):
+    """Multiple-choice rows (prompt + choice; position ids count the real tokens, so left
+    padding is cached too): block 0 runs on each of the distinct rows once, and the fit is the
+    plain one."""
+    data = _lm_batches(side)
+    model = _lm_model(arch)
+    rows = _lm_block0_rows(model)
+    guide = pb.posterior(model, "map")
+    result = pb.fit(model, guide, data, epochs=3, lr=1e-2, seed=0)
+    # the two batches' 18 rows are 9 distinct prompt + choice rows: one probe, then those 9
+    assert rows[0] == 1 and sum(rows[1:]) == 9
+    plain_model = _lm_model(arch)
+    plain_rows = _lm_block0_rows(plain_model)
+    plain_guide = pb.posterior(plain_model, "map")
+    with unshared():
+        plain = pb.fit(plain_model, plain_guide, data, epochs=3, lr=1e-2, seed=0)
+    assert plain_rows == [9] * 6  # 3 questions x 3 choices, every step
+    # float64: rounding-level entries (~1e-16 relative) through six Adam steps
+    torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
+    for name, value in plain_guide.state_dict().items():
+        torch.testing.assert_close(guide.state_dict()[name], value, rtol=0, atol=1e-10, msg=name)
