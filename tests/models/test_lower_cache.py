@@ -251,3 +251,29 @@ def test_a_causal_lm_fit_caches_its_choice_rows_and_equals_the_plain_fit(arch, s
     torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
     for name, value in plain_guide.state_dict().items():
         torch.testing.assert_close(guide.state_dict()[name], value, rtol=0, atol=1e-10, msg=name)
+
+
+def test_a_loop_of_ones_own_inside_the_cache_is_pb_fit_bit_for_bit():
+    """docs/fitting.md: the step API inside ``model.caching_lower_blocks(data)`` gives the
+    posterior pb.fit gives, bit for bit (float32)."""
+    data = _batches()
+    model = _model(dtype=torch.float32)
+    guide, result = _fit(model, data)
+
+    import pyro
+
+    own_model = _model(dtype=torch.float32)
+    own_guide = pb.posterior(own_model, "meanfield", init_scale=0.05)
+    pyro.set_rng_seed(0)
+    fitter = pb.infer.make_fitter(own_model, own_guide, lr=1e-2)
+    own_model.train(True)
+    losses = []
+    with own_model.caching_lower_blocks(data):
+        fitter.begin(data)
+        for epoch in range(3):
+            losses += [fitter.step(batch) for batch in data]
+            fitter.epoch_end(epoch)
+        fitter.end(data)
+    assert torch.equal(torch.tensor(losses, dtype=result.losses.dtype), result.losses)
+    for name, value in guide.state_dict().items():
+        assert torch.equal(own_guide.state_dict()[name], value), name
