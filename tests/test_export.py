@@ -229,3 +229,24 @@ def test_plot_posterior_summary_writes_png(tmp_path):
             idata, tmp_path / f"{kind}.png", var_names=["0.core"], kind=kind
         )
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_posterior_summary_shows_the_first_entries_of_a_large_posterior(tmp_path):
+    """A forest of every scalar of a LoRA factor took minutes to draw (the demo's 9,216 rows):
+    ``max_rows`` keeps index 0 of the leading dims and an equal share of the last dim."""
+    from pyrobayes.diagnostics.plots import _first_entries
+
+    model, guide, data, _ = _classifier()
+    idata = to_datatree(model, guide, data, num_samples=20)
+    sizes = {n: idata.posterior[n].shape[2:] for n in idata.posterior.data_vars}
+    total = sum(int(math.prod(s)) for s in sizes.values())
+    assert _first_entries(idata, None, total) is None  # within the budget: everything
+    coords = _first_entries(idata, None, 2 * len(sizes))
+    assert coords is not None
+    for name, shape in sizes.items():
+        dims = [d for d in idata.posterior[name].dims if d not in ("chain", "draw")]
+        kept = [len(coords[d]) for d in dims]
+        expected = [1] * (len(dims) - 1) + [min(2, shape[-1])] if dims else []
+        assert kept == expected, name
+    out = plot_posterior_summary(idata, tmp_path / "few.png", max_rows=2 * len(sizes))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

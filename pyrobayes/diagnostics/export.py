@@ -48,6 +48,7 @@ from torch import Tensor
 from .._version import __version__
 from ..batch import split_batch, to_device
 from ..contract import Mixture, implements
+from ..models.sharing import reuse_within_batch
 from ..predictive import cat_examples, default_samples_per_forward
 
 __all__ = [
@@ -376,7 +377,9 @@ def _evaluate_chunk(
     chunk = _Chunk(torch.zeros(n, dtype=torch.float64), [], [], [], [], True)
     has_targets = True
     devices = [dev] if dev.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    # reuse_within_batch: the layers below the first adapted one run once per batch for all its
+    # chunks of draws, as in pyrobayes.predict
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse_within_batch():
         if pp_seed is not None:
             torch.manual_seed(pp_seed)
         for batch in data:
@@ -403,7 +406,7 @@ def _evaluate_batch(
     """``(log-likelihoods (n, B), predictive draws, class log-probabilities)`` on one batch,
     ``samples_per_forward`` draws per forward pass; each ``None`` when not computed."""
     parts_ll, parts_pp, parts_lp = [], [], []
-    spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs)
+    spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs, model)
     for s0 in range(0, n, spf):
         sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
         params = model.batched_output(inputs, sub)  # (s, B, ...)

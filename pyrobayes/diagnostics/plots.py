@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from ..metrics import calibration_error
@@ -70,7 +71,12 @@ def reliability_diagram(probs: Tensor, labels: Tensor, num_bins: int = 15, ax: A
 
 
 def plot_posterior_summary(
-    idata: Any, path: str | Path, *, var_names: list[str] | None = None, kind: str = "forest"
+    idata: Any,
+    path: str | Path,
+    *,
+    var_names: list[str] | None = None,
+    kind: str = "forest",
+    max_rows: int | None = 48,
 ) -> Path:
     """Plot the posterior group of an export and save it as a PNG.
 
@@ -85,6 +91,11 @@ def plot_posterior_summary(
     kind : {"forest", "posterior"}
         ``az.plot_forest`` (one row per scalar, compact for matrices) or ``az.plot_posterior``
         (one density panel per scalar).
+    max_rows : int or None
+        At most this many scalars in all: each variable shows its first entries (the first
+        index of every dimension but the last, the first entries of the last), as many as an
+        equal share of ``max_rows`` allows. A forest of a LoRA factor's thousands of entries
+        is unreadable and took minutes to draw; the file keeps every draw. ``None``: all.
 
     Returns
     -------
@@ -95,10 +106,11 @@ def plot_posterior_summary(
     import matplotlib.pyplot as plt
 
     path = Path(path)
+    coords = None if max_rows is None else _first_entries(idata, var_names, max_rows)
     if kind == "forest":
-        axes = az.plot_forest(idata, var_names=var_names, combined=True)
+        axes = az.plot_forest(idata, var_names=var_names, coords=coords, combined=True)
     elif kind == "posterior":
-        axes = az.plot_posterior(idata, var_names=var_names)
+        axes = az.plot_posterior(idata, var_names=var_names, coords=coords)
     else:
         raise ValueError(f"Expected kind 'forest' or 'posterior' but got {kind!r}.")
     first = axes.flat[0] if hasattr(axes, "flat") else axes
@@ -106,3 +118,30 @@ def plot_posterior_summary(
     fig.savefig(path, format="png", dpi=80, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _first_entries(
+    idata: Any, var_names: list[str] | None, max_rows: int
+) -> dict[str, list[Any]] | None:
+    """ArviZ ``coords`` that keep about ``max_rows`` scalars of the posterior group in all
+    (``None`` when it holds no more): per variable, index 0 of every dimension but the last and
+    the first entries of the last."""
+    posterior = getattr(idata, "posterior", None)
+    if posterior is None:
+        try:
+            posterior = idata["posterior"].to_dataset()
+        except (KeyError, TypeError, AttributeError):
+            return None
+    names = list(var_names) if var_names is not None else list(posterior.data_vars)
+    dims = {n: [d for d in posterior[n].dims if d not in ("chain", "draw")] for n in names}
+    total = sum(int(np.prod([posterior.sizes[d] for d in ds])) for ds in dims.values())
+    if total <= max_rows:
+        return None
+    share = max(1, max_rows // max(1, len(names)))
+    coords: dict[str, list[Any]] = {}
+    for ds in dims.values():
+        for d in ds[:-1]:
+            coords[d] = posterior[d].values[:1].tolist()
+        if ds:
+            coords[ds[-1]] = posterior[ds[-1]].values[:share].tolist()
+    return coords
