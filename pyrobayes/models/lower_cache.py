@@ -15,12 +15,15 @@ plain padded forward an entry differs by floating-point rounding only (MiniLM, f
 2e-6).
 
 It applies to training data given as a ``DataLoader``, list or tuple of batches of token ids
-with right padding (``input_ids``, an ``attention_mask`` whose rows are ones then zeros,
-``token_type_ids``, the labels), and falls back to the plain forward otherwise: other batch
-keys (a causal LM's ``position_ids``, multiple-choice rows), left padding, dropout in the
-backbone (``train_backbone_mode``), a trainable or pyrobayes module (an adapter, a σNorm member)
-that runs before block ``i_0``, a block whose output is more than its hidden states, data over
-:data:`MAX_BYTES` of hidden states, or a batch holding an example the pass did not see.
+(``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, the labels; the
+multiple-choice likelihood's flattened choice rows with ``logits_to_keep``) whose rows hold one
+run of real tokens each: right padding, or left padding with ``position_ids`` that count the
+real tokens (without them the network numbers the padding too). It falls back to the plain
+forward otherwise: other batch keys, left padding without positions, a 4-d attention mask,
+dropout in the backbone (``train_backbone_mode``), a trainable or pyrobayes module (an adapter,
+a σNorm member) that runs before block ``i_0``, a block whose output is more than its hidden
+states, data over :data:`MAX_BYTES` of hidden states, or a batch holding an example the pass
+did not see.
 :func:`pyrobayes.models.sharing.unshared` turns it off.
 """
 
@@ -106,7 +109,9 @@ class LowerBlockCache:
                 net_inputs = network_inputs(batch)
                 rows = _rows(net_inputs)
                 if rows is None:
-                    return self._off("a batch is not right-padded token ids")
+                    return self._off(
+                        "a batch is not rows of token ids with one run of real tokens each"
+                    )
                 host = _host(net_inputs)
                 for i, a, n in rows:
                     one = {k: v[i : i + 1, a : a + n] for k, v in host.items()}
@@ -115,7 +120,7 @@ class LowerBlockCache:
                         examples[key] = one
                         tokens += n
                 if width is None:
-                    width = self._width(examples)
+                    width = self._width(examples, device)
                     if width is None:
                         return False
                 if tokens * width > self.max_bytes:
@@ -127,7 +132,9 @@ class LowerBlockCache:
                 self.entries[key] = hidden[j]
         return bool(self.entries)
 
-    def _width(self, examples: Mapping[bytes, Mapping[str, Tensor]]) -> int | None:
+    def _width(
+        self, examples: Mapping[bytes, Mapping[str, Tensor]], device: torch.device
+    ) -> int | None:
         """Bytes per token of the entries (from a probe forward of one example), or ``None``
         when the cache does not apply to the network (what runs before the cut)."""
         one = next(iter(examples.values()))
@@ -136,7 +143,7 @@ class LowerBlockCache:
             m.register_forward_pre_hook(lambda m, a: ran.append(m)) for m in self.net.modules()
         ]
         try:
-            output = self._run(one, device=next(self.net.parameters()).device)
+            output = self._run(one, device=device)
         finally:
             for handle in handles:
                 handle.remove()
