@@ -621,6 +621,8 @@ class FineTuneModel(nn.Module):
         cache = self.__dict__.get("_lower_cache")
         if cache is None or not sharing_enabled():
             return None
+        if prefix_applies(self.net, self.likelihood, inputs):
+            return None  # prompts and continuations run as rows of their own
         output = cache.output(self.likelihood.network_inputs(inputs, self.net))
         return None if output is None else (cache.below, output)
 

@@ -232,12 +232,26 @@ class LowerBlockCache:
 
 @contextlib.contextmanager
 def stubbed_below(below: Sequence[nn.Module], output: Any) -> Iterator[None]:
-    """Within the block, every module of ``below`` returns ``output`` without computing (the
-    next block's input is then ``output``'s hidden states, whatever the lower blocks were given)."""
+    """Within the block, every module of ``below`` called on hidden states of ``output``'s
+    rows and length returns ``output`` without computing (the next block's input is then
+    ``output``'s hidden states); a call on other rows (a forward the output is not of) computes.
+    """
+    hidden = output[0] if isinstance(output, tuple) else output
+    shape = tuple(hidden.shape[:2]) if isinstance(hidden, Tensor) else None
+
+    def stub(block: nn.Module) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            given = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(given, Tensor) and tuple(given.shape[:2]) == shape:
+                return output
+            return type(block).forward(block, *args, **kwargs)
+
+        return forward
+
     stubbed: list[nn.Module] = []
     try:
         for block in below:  # an instance attribute shadows the class's forward
-            block.forward = lambda *args, **kwargs: output
+            block.forward = stub(block)
             stubbed.append(block)
         yield
     finally:

@@ -277,3 +277,41 @@ def test_a_loop_of_ones_own_inside_the_cache_is_pb_fit_bit_for_bit():
     assert torch.equal(torch.tensor(losses, dtype=result.losses.dtype), result.losses)
     for name, value in guide.state_dict().items():
         assert torch.equal(own_guide.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_validation_with_shared_prompts_is_not_read_from_the_cache(arch):
+    """A fit's validation passes (gradients off) score choices from shared prompt states, whose
+    forwards see other rows than the cached ones: they run their own lower blocks, and the
+    validation history equals the plain fit's."""
+    data, val = _lm_batches("left"), _lm_batches("left")[::-1]
+
+    def fit(model):
+        guide = pb.posterior(model, "map")
+        validation = pb.Validation(data=val)
+        return pb.fit(model, guide, data, epochs=3, lr=1e-2, seed=0, validation=validation)
+
+    def steps_in_block0(model):  # block 0's calls with gradients on: the training steps'
+        calls: list[int] = []
+        blocks = model.net.model.layers if hasattr(model.net, "model") else model.net.transformer.h
+        blocks[0].mlp.register_forward_hook(
+            lambda m, a, o: calls.append(1) if torch.is_grad_enabled() else None
+        )
+        return calls
+
+    model = _lm_model(arch)
+    calls = steps_in_block0(model)
+    result = fit(model)
+    assert calls == []  # the cache served every training step
+    plain_model = _lm_model(arch)
+    plain_calls = steps_in_block0(plain_model)
+    with unshared():
+        plain = fit(plain_model)
+    assert len(plain_calls) == 6
+    # float64: rounding-level entries through six Adam steps (as above)
+    torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
+    history = result.state["validation"]
+    plain_history = plain.state["validation"]
+    assert len(history) == len(plain_history) == 3
+    for ours, theirs in zip(history, plain_history, strict=True):
+        assert ours["nll"] == pytest.approx(theirs["nll"], rel=1e-10)
