@@ -151,6 +151,7 @@ class LowerBlockCache:
         if why is not None:
             self._off(why)
             return None
+        self.structure = tuple(output[1:]) if isinstance(output, tuple) else None
         hidden = output[0] if isinstance(output, tuple) else output
         return int(hidden[0, 0].numel()) * hidden.element_size()
 
@@ -196,7 +197,6 @@ class LowerBlockCache:
                 return "the block returns no hidden states"
             if any(o is not None for o in output[1:]):
                 return "the block returns more than its hidden states"
-            self.structure = tuple(output[1:])
             return None
         if not isinstance(output, Tensor):
             return f"the block returns a {type(output).__name__}"
