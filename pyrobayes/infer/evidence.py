@@ -31,6 +31,7 @@ the prior would give. Both forms agree when every ``λ_i ≫ τ``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,9 +45,10 @@ __all__ = [
 ]
 
 
-def eigen_coordinates(guide: Any) -> tuple[Tensor, Tensor]:
+def eigen_coordinates(guide: Any, sites: Sequence[str] | None = None) -> tuple[Tensor, Tensor]:
     """``(λ, θ̂)``: the curvature's eigenvalues and the point in its eigenbasis, over every
-    latent site of a fitted :class:`~pyrobayes.guides.LaplaceGuide`, flattened (float64).
+    latent site of a fitted :class:`~pyrobayes.guides.LaplaceGuide` (or those of ``sites``),
+    flattened (float64).
 
     ``structure="diag"``: ``λ`` is the diagonal GGN and ``θ̂`` the point as it is. ``"kron"``:
     ``λ = γ aᵀ`` (the factors' eigenvalue products) and ``θ̂ = Q_Gᵀ Θ Q_A`` (a bias: ``Q_Gᵀ θ``).
@@ -54,7 +56,7 @@ def eigen_coordinates(guide: Any) -> tuple[Tensor, Tensor]:
     lams: list[Tensor] = []
     coords: list[Tensor] = []
     for site in guide.sites:
-        if not guide.is_latent(site):
+        if not guide.is_latent(site) or (sites is not None and site not in sites):
             continue
         lam = guide.curvature(site).detach().double()
         theta = guide.loc(site).detach().double()

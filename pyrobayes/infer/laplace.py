@@ -57,11 +57,17 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, to_device
+from ..guides.laplace import _ALTERNATE_LAYERWISE
 from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.adapters import check_int, check_real
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
-from .evidence import effective_parameters, eigen_coordinates, likelihood_mode_log_evidence
+from .evidence import (
+    effective_parameters,
+    eigen_coordinates,
+    likelihood_mode_log_evidence,
+    posterior_mode_log_evidence,
+)
 from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
@@ -253,6 +259,11 @@ class LaplaceFitter(Fitter):
                 "Laplace(prior_optimization='alternate') tunes τ by the marginal likelihood; it "
                 f"needs the guide's prior_precision='marglik', not {spec!r}."
             )
+        if (
+            self.settings.prior_optimization == "alternate"
+            and getattr(guide, "prior_structure", "scalar") == "layerwise"
+        ):
+            raise ValueError(_ALTERNATE_LAYERWISE)
         super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
             "the Laplace posterior is built at the MAP of its point, not fitted by an ELBO (its "
@@ -667,9 +678,15 @@ def _laplace_likelihood(model: Any) -> tuple[str, float]:
 
 
 def tune_prior_precision(
-    log_marglik: Any, bounds: tuple[float, float] = (-5.0, 10.0), grid: int = 61, iters: int = 40
+    log_marglik: Any,
+    bounds: tuple[float, float] = (-5.0, 10.0),
+    grid: int = 61,
+    iters: int = 40,
+    *,
+    warn: bool = True,
 ) -> float:
-    """``argmax_τ log_marglik(τ)`` over ``log τ ∈ bounds``: a grid then golden-section search."""
+    """``argmax_τ log_marglik(τ)`` over ``log τ ∈ bounds``: a grid then golden-section search
+    (``warn``: log a warning when the maximum is at a bound)."""
     lo, hi = bounds
     xs = torch.linspace(lo, hi, grid, dtype=torch.float64)
     values = [float(log_marglik(math.exp(float(x)))) for x in xs]
@@ -692,7 +709,7 @@ def tune_prior_precision(
     x_best, f_best = (c, fc) if fc >= fd else (d, fd)
     if finite[best] > f_best:
         x_best = float(xs[best])
-    if x_best <= lo + 1e-6 or x_best >= hi - 1e-6:
+    if warn and (x_best <= lo + 1e-6 or x_best >= hi - 1e-6):
         logger.warning("Laplace prior precision hit the search bound: log τ = %.3g", x_best)
     return math.exp(x_best)
 
@@ -752,11 +769,18 @@ def fit_laplace(
         else:
             _store_kron(guide, la, order)
         chosen = settings or _settings_of(guide)
-        tau = _choose_prior_precision(
-            model, guide, la, chosen.log_prior_bounds, evidence=str(chosen.evidence)
-        )
-        la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
-        guide.set_prior_precision(tau)
+        bounds, evidence = chosen.log_prior_bounds, str(chosen.evidence)
+        if getattr(guide, "prior_structure", "scalar") == "layerwise":
+            taus = _choose_site_prior_precisions(model, guide, bounds, evidence=evidence)
+            guide.set_site_prior_precisions(taus)
+            la.prior_precision = torch.tensor(
+                [taus[s] for s in order], dtype=la._dtype, device=la._device
+            )
+            tau = guide.prior_precision
+        else:
+            tau = _choose_prior_precision(model, guide, la, bounds, evidence=evidence)
+            la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
+            guide.set_prior_precision(tau)
         guide.mark_fitted(True)
         logger.info("Laplace (%s): τ = %.4g over %d sites", guide.structure, tau, len(order))
         return la
@@ -891,6 +915,57 @@ def _choose_prior_precision(
 
     with _no_exit("maximising the marginal likelihood"):
         return tune_prior_precision(log_marglik, (lo, hi))
+
+
+def _choose_site_prior_precisions(
+    model: Any,
+    guide: Any,
+    bounds: Sequence[float] = (-5.0, 10.0),
+    *,
+    evidence: str = EVIDENCE[0],
+) -> dict[str, float]:
+    r"""``τ_l`` per latent site (``prior_structure="layerwise"``): with ``H`` block-diagonal over
+    sites both evidences are sums of per-site terms (:mod:`pyrobayes.infer.evidence`; for
+    ``"posterior_mode"``, laplace-torch's ``−½[τ_l‖θ_l‖² + log det(I + H_l/τ_l)]``), so each
+    ``τ_l`` maximises its own term. ``"model"`` or a fixed τ: the same value for every site."""
+    spec = guide.prior_precision_spec
+    sites = guide.latent_subset
+    if spec != "marglik":
+        value = 1.0 / model.prior_scale**2 if spec == "model" else float(spec)
+        return dict.fromkeys(sites, value)
+    term = (
+        likelihood_mode_log_evidence
+        if evidence == "likelihood_mode"
+        else posterior_mode_log_evidence
+    )
+    lo, hi = float(bounds[0]), float(bounds[1])
+    taus: dict[str, float] = {}
+    at_bound: list[str] = []
+    for site in sites:
+        curvature, coords = eigen_coordinates(guide, sites=[site])
+        taus[site] = tune_prior_precision(
+            lambda t, c=curvature, x=coords: term(c, x, t), (lo, hi), warn=False
+        )
+        if math.log(taus[site]) >= hi - 1e-6 or math.log(taus[site]) <= lo + 1e-6:
+            at_bound.append(site)
+    logger.info(
+        "Laplace: per-site τ by the evidence (%s): %s",
+        evidence,
+        ", ".join(f"{s} {t:.4g}" for s, t in taus.items()),
+    )
+    if at_bound:
+        logger.warning(
+            "Laplace (layerwise): τ of %d of %d sites is at the search bound log τ ∈ [%g, %g] "
+            "(%s): at the upper bound the data do not determine the site beyond its posterior "
+            "sd and it keeps no spread; at the lower bound nothing limits it. Widen "
+            "pb.infer.Laplace(log_prior_bounds=...) or use prior_structure='scalar'.",
+            len(at_bound),
+            len(sites),
+            lo,
+            hi,
+            ", ".join(at_bound[:6]),
+        )
+    return taus
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ POSTERIOR_OPTIONS: dict[str, set[str]] = {
         "pred_type",
         "link_samples",
         "subset",
+        "prior_structure",
     },
     "swag": {"rank", "scale"},
     "ibdr": {"num_particles", "scale", "init_scale", "average"},
