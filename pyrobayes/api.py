@@ -85,7 +85,8 @@ def start_from(guide: Any, init: Any) -> Any:
     point = guide
     target = cast(Posterior, guide).sites
     # sites the model made latent after init was fitted (FineTuneModel.make_latent: a trained
-    # head) start at the network's values; any other difference in sites is an error
+    # head, on init's model or on a rebuilt one with that head copied over) start at the
+    # network's values; any other difference in sites is an error
     added = _made_latent_since(guide, init)
     if {s: v for s, v in target.items() if s not in added} != dict(init.sites):
         missing = sorted(set(target) - set(init.sites))
@@ -100,7 +101,7 @@ def start_from(guide: Any, init: Any) -> Any:
             f"{type(guide).__name__} (missing {missing[:5]}, extra {extra[:5]}, shapes "
             f"(init, new) {dict(list(shapes.items())[:5])}). Pass a guide fitted on the same model."
         )
-    _check_init_model(guide, init)
+    _check_init_model(guide, init, added)
     values = init.mean()
     _check_init_fitted(init, values)
     model: Any = getattr(guide, "model", None)
@@ -115,20 +116,36 @@ def start_from(guide: Any, init: Any) -> Any:
 
 
 def _made_latent_since(guide: Any, init: Any) -> set[str]:
-    """The new guide's sites that ``init`` lacks because its (same) model made them latent
-    later (:meth:`~pyrobayes.models.FineTuneModel.make_latent`): their value is the network's."""
+    """The new guide's sites that ``init`` lacks because the model made them latent later
+    (:meth:`~pyrobayes.models.FineTuneModel.make_latent`): their value is the network's. On
+    init's own model any such layer; on a rebuilt model only point parameters of init's model
+    whose trained values were copied over (equal), so the new posterior sits at init's fit."""
     model: Any = getattr(guide, "model", None)
-    if model is None or getattr(init, "model", None) is not model:
+    theirs: Any = getattr(init, "model", None)
+    if model is None or theirs is None:
         return set()
     extra = set(cast(Posterior, guide).sites) - set(init.sites)
     specs = getattr(model, "latent_sites", {})
     kinds = {getattr(specs.get(s), "kind", None) for s in extra}
-    return extra if kinds <= {"weight", "bias"} else set()
+    if not kinds <= {"weight", "bias"}:
+        return set()
+    if theirs is model:
+        return extra
+    fitted = getattr(theirs, "point_params", {})
+    for site in extra:
+        value = fitted.get(specs[site].param_name)
+        mine = model.site_value(site)
+        if value is None or value.shape != mine.shape:
+            return set()
+        if not torch.equal(value.detach().cpu(), mine.detach().cpu()):
+            return set()
+    return extra
 
 
-def _check_init_model(guide: Any, init: Any) -> None:
+def _check_init_model(guide: Any, init: Any, made_latent: set[str] | None = None) -> None:
     """``init`` must sit on the new guide's model, or on one with the same frozen base weights
-    and the same point parameters (a rebuilt copy with the head copied over)."""
+    and the same point parameters (a rebuilt copy with the head copied over; a point parameter
+    the rebuilt model then made latent, ``made_latent``, has been compared already)."""
     from .io import base_fingerprint  # local: io imports the guide registry
 
     mine, theirs = getattr(guide, "model", None), getattr(init, "model", None)
@@ -146,6 +163,9 @@ def _check_init_model(guide: Any, init: Any) -> None:
             f"{here['sha256'][:16]}… for the model of the new {type(guide).__name__})." + fix
         )
     ours, fitted = getattr(mine, "point_params", {}), getattr(theirs, "point_params", {})
+    specs = getattr(mine, "latent_sites", {})
+    moved = {specs[s].param_name for s in made_latent or ()}
+    fitted = {k: v for k, v in fitted.items() if k not in moved}
     differ = sorted(set(ours) ^ set(fitted))
     differ += [
         k

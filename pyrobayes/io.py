@@ -585,6 +585,24 @@ def _kwargs(config: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
 
+def _make_saved_layers_latent(path: str | Path, header: dict[str, Any], model: Any) -> None:
+    """Layers saved as latent sites (``FineTuneModel.make_latent`` before the fit: a task head
+    under a post-hoc Laplace) that ``model`` still holds as point parameters are made latent
+    here, as they were when the posterior was saved; anything else is left to the site check."""
+    point = getattr(model, "point_params", None)
+    make_latent = getattr(model, "make_latent", None)
+    if not point or make_latent is None:
+        return
+    have = set(getattr(model, "latent_sites", None) or {})
+    missing = [s for s in header.get("sites", {}) if s not in have]
+    if not missing or any(s not in point for s in missing):
+        return
+    owners = {s.rpartition(".")[0] for s in missing}
+    modules = [m for m, _ in model.net.named_modules() if m in owners]
+    make_latent(modules)
+    logger.info("%s: made %s latent, as they were when the posterior was saved", path, modules)
+
+
 def _check_sites(
     path: str | Path, header: dict[str, Any], sites: Mapping[str, Any], whose: str
 ) -> None:
@@ -792,6 +810,7 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
         The file's family is not registered in this session.
     """
     header, tensors = _read_verified(path, key)
+    _make_saved_layers_latent(path, header, model)
     latent = getattr(model, "latent_sites", None)
     if latent:
         _check_sites(path, header, {s: spec.shape for s, spec in latent.items()}, "model")

@@ -228,22 +228,47 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             out.append(mi)
         if _ran(task, "laplace") and values(task, "laplace-torch", key):
             d = paired(task, "laplace", "laplace-torch", key)
-            out.append(f"pyrobayes' default Laplace vs laplace-torch ({ood}): {_d(d)}, {_vs(d)}.")
+            out.append(
+                f"pyrobayes' default Laplace ({_laplace_kind(task)}) vs laplace-torch ({ood}): "
+                f"{_d(d)}, {_vs(d)}."
+            )
+            # the rows below change the library's default (adapter, one τ) in one respect
+            base = _adapter_laplace(task)
+            if base != "laplace" and _ran(task, base):
+                da = paired(task, base, "laplace-torch", key)
+                out.append(
+                    "The library's default Laplace over the adapter alone with one τ (laplace-"
+                    f"adapter, the demo's setting before) vs laplace-torch ({ood}): {_d(da)}, "
+                    f"{_vs(da)}; the default's NLL vs it: "
+                    f"{_d(paired(task, 'laplace', base, 'nll'))}, OOD AUROC vs it: "
+                    f"{_d(paired(task, 'laplace', base, key))}."
+                )
             if _ran(task, "laplace-head"):
                 dh = paired(task, "laplace-head", "laplace-torch", key)
                 out.append(
-                    "The default Laplace over the adapter and the MAP's trained head jointly "
+                    "Laplace over the adapter and the MAP's trained head jointly with one τ "
                     "(laplace-head, the head made latent post hoc by `model.make_latent`) vs "
-                    f"laplace-torch ({ood}): {_d(dh)}, {_vs(dh)}; its NLL vs the default over the "
-                    f"adapter alone: {_d(paired(task, 'laplace-head', 'laplace', 'nll'))}."
+                    f"laplace-torch ({ood}): {_d(dh)}, {_vs(dh)}; its NLL vs the adapter alone: "
+                    f"{_d(paired(task, 'laplace-head', base, 'nll'))}."
+                )
+            if _ran(task, "laplace-head-lw"):
+                dl = paired(task, "laplace-head-lw", "laplace-torch", key)
+                out.append(
+                    "The same with one prior precision per site (laplace-head-lw, "
+                    '`prior_structure="layerwise"`) vs laplace-torch '
+                    f"({ood}): {_d(dl)}, {_vs(dl)}; its NLL vs laplace-torch: "
+                    f"{_d(paired(task, 'laplace-head-lw', 'laplace-torch', 'nll'))}, vs the "
+                    f"adapter alone: {_d(paired(task, 'laplace-head-lw', base, 'nll'))}; its "
+                    f"OOD AUROC vs the adapter alone: "
+                    f"{_d(paired(task, 'laplace-head-lw', base, key))}."
                 )
             if _ran(task, "laplace-probit"):
                 dp = paired(task, "laplace-probit", "laplace-torch", key)
                 out.append(
-                    f"The same Laplace posterior with laplace-torch's probit link "
+                    f"The adapter's Laplace posterior with laplace-torch's probit link "
                     f'(laplace-probit, `pred_type="probit"`) vs laplace-torch ({ood}): {_d(dp)}, '
-                    f"{_vs(dp)}; its NLL vs the default Monte Carlo link: "
-                    f"{_d(paired(task, 'laplace-probit', 'laplace', 'nll'))}, accuracy vs MAP "
+                    f"{_vs(dp)}; its NLL vs the Monte Carlo link: "
+                    f"{_d(paired(task, 'laplace-probit', base, 'nll'))}, accuracy vs MAP "
                     f"{_d(paired(task, 'laplace-probit', 'map', 'accuracy'), 1, 100)} pp."
                 )
     if _ran(task, "symmetrized") and _ran(task, "meanfield"):
@@ -283,8 +308,8 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             f"every B a point; an option) vs both factors latent, paired NLL: {_d(da)}; vs MAP: "
             f"{_d(dm)}{same}."
         )
-    if _ran(task, "laplace-gs") and _ran(task, "laplace"):
-        out.append(_laplace_gs_line(task, "laplace-gs", "laplace"))
+    if _ran(task, "laplace-gs") and _ran(task, _adapter_laplace(task)):
+        out.append(_laplace_gs_line(task, "laplace-gs", _adapter_laplace(task)))
     elif _ran(task, "laplace-evidence") and _ran(task, "laplace"):
         out.append(_laplace_gs_line(task, "laplace", "laplace-evidence"))
     skipped = {
@@ -336,6 +361,21 @@ def _mi_line(task: dict[str, Any], ood: str, fams: list[str]) -> str | None:
         f"{best} ({_d(diffs[best])}); above MAP by more than the spread: "
         f"{', '.join(above) or 'none'}; below: {', '.join(below) or 'none'}."
     )
+
+
+def _adapter_laplace(task: dict[str, Any]) -> str:
+    """The row of the library's default Laplace (over the adapter, one τ): ``laplace-adapter``
+    where the task's ``laplace`` row runs other settings (the demo's, on the text tasks), else
+    ``laplace``."""
+    return "laplace-adapter" if "laplace-adapter" in task.get("settings", {}) else "laplace"
+
+
+def _laplace_kind(task: dict[str, Any]) -> str:
+    """What the task's ``laplace`` row covers, from its settings."""
+    st = task.get("settings", {}).get("laplace", {})
+    head = " and the MAP's head" if st.get("head_latent") else ""
+    per_site = st.get("options", {}).get("prior_structure") == "layerwise"
+    return f"over the adapter{head}, " + ("one τ per site" if per_site else "one τ")
 
 
 def _laplace_gs_line(task: dict[str, Any], held_out: str, evidence: str) -> str:

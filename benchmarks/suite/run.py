@@ -494,6 +494,8 @@ def run_seed(
                 model, settings.get("family", family), init=init, **settings.get("options", {})
             )
             fi = _fit(task, model, guide, settings, 1000 * seed)
+            if getattr(guide, "prior_structure", None) == "layerwise":
+                fi["site_prior_precisions"] = guide.site_prior_precisions()
             if settings.get("select_prior_precision"):
                 start = time.perf_counter()
                 fi["prior_precision_evidence"] = guide.prior_precision

@@ -83,6 +83,14 @@ LAPLACE_GS: dict[str, Any] = {
 #: The default Laplace at the same MAP, the base of the other Laplace variant rows.
 LAPLACE_POSTHOC: dict[str, Any] = {"init": "map", "epochs": 0, "family": "laplace"}
 
+#: The default Laplace over the adapter and the MAP's head made latent post hoc, one prior
+#: precision per site (the ``laplace-head-lw`` variant row on every task).
+LAPLACE_HEAD_LW: dict[str, Any] = {
+    **LAPLACE_POSTHOC,
+    "head_latent": True,
+    "options": {"prior_structure": "layerwise"},
+}
+
 #: Fit settings of the MLP tasks, per family: the documented ones (examples/*.py: lr 1e-2 for
 #: Adam-fitted families, 0.1 for the IVONs with 60 epochs; SWAG 10 epochs at lr 1e-3 from the MAP
 #: and Laplace at the MAP, examples/posthoc_from_map.py). Constructor options stay the family's
@@ -114,6 +122,9 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     # the default Laplace over the adapter and the MAP's trained head jointly, the head made
     # latent post hoc (FineTuneModel.make_latent): does uncertainty in the head help OOD?
     "laplace-head": {**LAPLACE_POSTHOC, "head_latent": True},
+    # the same with one prior precision per site (prior_structure="layerwise"): the head's τ
+    # its own, not the compromise one τ makes with the many adapter coordinates
+    "laplace-head-lw": {**LAPLACE_HEAD_LW},
     # the same Laplace posterior with laplace-torch's default link (probit) instead of the Monte
     # Carlo GLM: post hoc at the same MAP, only the predictive differs
     "laplace-probit": {**LAPLACE_POSTHOC, "options": {"pred_type": "probit"}},
@@ -148,10 +159,22 @@ def text_settings() -> dict[str, dict[str, Any]]:
             out[family]["adapter_fn"] = s["adapter"]
         if "optimizer" in s:  # the fit's settings (e.g. SWAG's collection schedule)
             out[family]["optimizer"] = s["optimizer"]
+        if s.get("latent_head"):  # the MAP's head made latent post hoc (run.py's head_latent)
+            out[family]["head_latent"] = True
     # mean-field on the symmetrized guide's adapter and options (both LoRA factors latent): the
     # paired base of the symmetrized row, now that the demo's mean-field keeps only A latent
     out["meanfield-ab"] = {**copy.deepcopy(out["symmetrized"]), "family": "meanfield"}
     laplace = out["laplace"]
+    # the library's default Laplace at the same MAP: over the adapter alone, one τ (the demo's
+    # setting until it covered the head with a τ per site); the variant rows change it in one
+    # respect each
+    adapter = {
+        "init": laplace["init"],
+        "epochs": laplace["epochs"],
+        "options": {k: v for k, v in laplace.get("options", {}).items() if k != "prior_structure"},
+        "family": "laplace",
+    }
+    out["laplace-adapter"] = copy.deepcopy(adapter)
     if getattr(laplace.get("optimizer"), "needs_validation", False):
         # the demo's Laplace already chooses τ on held-out data (the calibration split here):
         # the variant row is the library's default, τ by the evidence, at the same MAP
@@ -160,13 +183,14 @@ def text_settings() -> dict[str, dict[str, Any]]:
             "family": "laplace",
         }
     else:
-        out["laplace-gs"] = {**copy.deepcopy(laplace), **LAPLACE_GS}
-    # the demo's Laplace at the evidence's τ (without a held-out choice of its own), changed in
-    # one respect each: the probit link, or the MAP's head made latent post hoc
-    evidence = {k: v for k, v in copy.deepcopy(laplace).items() if k != "optimizer"}
-    options = {**evidence.get("options", {}), "pred_type": "probit"}
-    out["laplace-probit"] = {**evidence, "family": "laplace", "options": options}
-    out["laplace-head"] = {**evidence, "family": "laplace", "head_latent": True}
+        out["laplace-gs"] = {**copy.deepcopy(adapter), **LAPLACE_GS}
+    # the probit link, or the MAP's head made latent post hoc under one τ
+    options = {**adapter["options"], "pred_type": "probit"}
+    out["laplace-probit"] = {**copy.deepcopy(adapter), "options": options}
+    out["laplace-head"] = {**copy.deepcopy(adapter), "head_latent": True}
+    if not laplace.get("head_latent") or laplace["options"].get("prior_structure") != "layerwise":
+        lw = {**adapter["options"], **LAPLACE_HEAD_LW["options"]}
+        out["laplace-head-lw"] = {**copy.deepcopy(adapter), "head_latent": True, "options": lw}
     return out
 
 

@@ -940,30 +940,41 @@ def _choose_site_prior_precisions(
     )
     lo, hi = float(bounds[0]), float(bounds[1])
     taus: dict[str, float] = {}
-    at_bound: list[str] = []
+    upper: list[str] = []
+    lower: list[str] = []
     for site in sites:
         curvature, coords = eigen_coordinates(guide, sites=[site])
         taus[site] = tune_prior_precision(
             lambda t, c=curvature, x=coords: term(c, x, t), (lo, hi), warn=False
         )
-        if math.log(taus[site]) >= hi - 1e-6 or math.log(taus[site]) <= lo + 1e-6:
-            at_bound.append(site)
+        if math.log(taus[site]) >= hi - 1e-6:
+            upper.append(site)
+        elif math.log(taus[site]) <= lo + 1e-6:
+            lower.append(site)
     logger.info(
         "Laplace: per-site τ by the evidence (%s): %s",
         evidence,
         ", ".join(f"{s} {t:.4g}" for s, t in taus.items()),
     )
-    if at_bound:
+    if upper:  # the evidence's own answer: the data do not determine the site (no spread)
+        (logger.warning if len(upper) == len(sites) else logger.info)(
+            "Laplace (layerwise): %d of %d sites at the upper bound of τ (log τ = %g): the data "
+            "do not determine them beyond their posterior sd, so they keep (almost) no spread%s: %s",
+            len(upper),
+            len(sites),
+            hi,
+            " and the predictive is the MAP's" if len(upper) == len(sites) else "",
+            ", ".join(upper[:6]),
+        )
+    if lower:
         logger.warning(
-            "Laplace (layerwise): τ of %d of %d sites is at the search bound log τ ∈ [%g, %g] "
-            "(%s): at the upper bound the data do not determine the site beyond its posterior "
-            "sd and it keeps no spread; at the lower bound nothing limits it. Widen "
+            "Laplace (layerwise): τ of %d of %d sites is at the lower search bound log τ = %g "
+            "(%s): nothing in the evidence limits their spread. Widen "
             "pb.infer.Laplace(log_prior_bounds=...) or use prior_structure='scalar'.",
-            len(at_bound),
+            len(lower),
             len(sites),
             lo,
-            hi,
-            ", ".join(at_bound[:6]),
+            ", ".join(lower[:6]),
         )
     return taus
 

@@ -266,3 +266,60 @@ def test_head_made_latent_after_a_map_fit_is_laplace_torch_last_layer() -> None:
     for bad in ("0", "4", "nope", "nope.deeper"):
         with pytest.raises(ValueError, match=f"make_latent: '{bad}' is not a point-estimated"):
             model.make_latent([bad])
+
+
+def test_head_made_latent_on_a_rebuilt_model_with_the_map_head() -> None:
+    """A post-hoc Laplace on a *rebuilt* model (the same pretrained network, the MAP's head
+    copied over, then made latent: what the demo's job does per family) starts at the MAP like
+    the same-model route and gives the same posterior; a rebuilt model whose head was not
+    copied is refused by name."""
+    model, x, y = _head_latent(point_head=True)
+    rebuilt, _, _ = _head_latent(point_head=True)  # same seed: the same network and cores
+    map_guide = pb.posterior(model, "map")
+    pb.fit(model, map_guide, tensor_loader(x, y, 20), epochs=20, lr=1e-2, progress=False)
+    untrained = {k: v.detach().clone() for k, v in rebuilt.point_params.items()}
+    with torch.no_grad():
+        for k, v in model.point_params.items():
+            rebuilt.point_params[k].copy_(v)
+    rebuilt.make_latent(["4"])
+    same = copy.deepcopy((model, map_guide))
+    same[0].make_latent(["4"])
+    guides = []
+    for m, init in ((rebuilt, map_guide), same):
+        guide = pb.posterior(m, "laplace", init=init, prior_precision=TAU)
+        pb.fit(m, guide, tensor_loader(x, y, 20), epochs=0, progress=False)
+        guides.append(guide)
+    for site in ("0.core", "2.core", "4.weight", "4.bias"):
+        torch.testing.assert_close(guides[0].loc(site), guides[1].loc(site), rtol=0, atol=0)
+        torch.testing.assert_close(
+            guides[0].posterior_precision(site), guides[1].posterior_precision(site)
+        )
+    # the head left at its initial values: not the MAP's model, refused (sites differ)
+    stale, _, _ = _head_latent(point_head=True)
+    with torch.no_grad():
+        for k, v in untrained.items():
+            stale.point_params[k].copy_(v)
+    stale.make_latent(["4"])
+    with pytest.raises(ValueError, match=r"covers other sites than the new LaplaceGuide"):
+        pb.posterior(stale, "laplace", init=map_guide)
+
+
+def test_a_head_made_latent_is_made_latent_again_on_load(tmp_path) -> None:
+    """A posterior saved with the head made latent post hoc loads onto a freshly built model
+    (the head a point parameter again): ``load`` makes it latent as it was, and the loaded
+    posterior predicts exactly as the saved one."""
+    model, x, y = _head_latent(point_head=True)
+    map_guide = pb.posterior(model, "map")
+    pb.fit(model, map_guide, tensor_loader(x, y, 20), epochs=5, lr=1e-2, progress=False)
+    model.make_latent(["4"])
+    guide = pb.posterior(model, "laplace", init=map_guide, prior_structure="layerwise")
+    pb.fit(model, guide, tensor_loader(x, y, 20), epochs=0, progress=False)
+    path = pb.save(guide, tmp_path / "head.safetensors")
+    fresh, _, _ = _head_latent(point_head=True)
+    assert "4.weight" in fresh.point_params
+    loaded = pb.load(path, fresh)
+    assert "4.weight" not in fresh.point_params and "4.weight" in fresh.latent_sites
+    assert loaded.site_prior_precisions() == guide.site_prior_precisions()
+    before = pb.predict(model, guide, [(x[:5], y[:5])]).mean_probs
+    after = pb.predict(fresh, loaded, [(x[:5], y[:5])]).mean_probs
+    torch.testing.assert_close(after, before, rtol=0.0, atol=0.0)
