@@ -470,6 +470,44 @@ def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:
     assert "ivon" not in dropped["updates"] and "ivon" in base["tasks"]["polarity"]["settings"]
 
 
+def test_merge_takes_post_hoc_rows_from_another_stopping_rule_with_the_same_map() -> None:
+    """Rows built at the MAP alone (init "map", 0 epochs) may come from a run under other fit
+    settings when the MAP's selected epoch and scores equal the base's (its curves run on);
+    any other row, or another selected MAP, is refused."""
+    update = _load("merge").update
+    base = _result(
+        {"0": {"map": {"nll": 0.5, "best_epoch": 3, "epochs_run": 4}, "laplace": {"nll": 0.4}}}
+    )
+    base["tasks"]["polarity"]["fit"] = {"patience": 1}
+    fresh = _result(
+        {
+            "0": {
+                "map": {"nll": 0.5, "best_epoch": 3, "epochs_run": 5},
+                "laplace": {"nll": 0.3},
+                "laplace+ts": {"nll": 0.3},
+                "ivon": {"nll": 0.2},
+                "ivon+ts": {"nll": 0.2},
+            }
+        }
+    )
+    fresh["tasks"]["polarity"]["fit"] = {"patience": 2}
+    fresh["tasks"]["polarity"]["settings"] = {
+        "laplace": {"init": "map", "epochs": 0},
+        "ivon": {"lr": 0.3},
+    }
+    fresh["dates"] = [fresh["date"]]
+    out = update(base, fresh, ["laplace"])
+    assert out["tasks"]["polarity"]["runs"]["0"]["laplace"]["nll"] == 0.3
+    assert out["fit_of_updates"] == {"laplace": {"patience": 2}}
+    assert out["tasks"]["polarity"]["fit"] == {"patience": 1}  # the table's own rule stays
+    with pytest.raises(SystemExit, match="ran with another 'fit' than the base"):
+        update(base, fresh, ["ivon"])  # trained rows depend on the stopping rule
+    moved = json.loads(json.dumps(fresh))
+    moved["tasks"]["polarity"]["runs"]["0"]["map"]["best_epoch"] = 4
+    with pytest.raises(SystemExit, match="MAP is not the base's"):
+        update(base, moved, ["laplace"])
+
+
 def test_merge_refuses_an_update_only_result_without_a_base(tmp_path) -> None:
     """run.py --update-only results carry no anchors: alone they would make a table without
     laplace-torch and the ensemble, so merge.py takes them only with --base."""
@@ -539,12 +577,24 @@ def test_text_tasks_laplace_variant_follows_the_demos_laplace(monkeypatch) -> No
         settings = tasks.text_settings()
         assert "optimizer" not in settings["laplace"] and "laplace-evidence" not in settings
         assert settings["laplace-gs"]["select_prior_precision"]
-        # the probit row: the demo's Laplace with only the link changed
-        probit = settings["laplace-probit"]
-        assert probit["options"] == {**settings["laplace"]["options"], "pred_type": "probit"}
-        assert {k: v for k, v in probit.items() if k not in ("options", "family")} == {
-            k: v for k, v in settings["laplace"].items() if k != "options"
+        # the demo's Laplace covers the MAP's head with a τ per site; laplace-adapter is the
+        # library's default (the adapter alone, one τ), and the probit row that with only the
+        # link changed
+        demo = settings["laplace"]
+        assert demo["head_latent"] and demo["options"]["prior_structure"] == "layerwise"
+        adapter = settings["laplace-adapter"]
+        assert "head_latent" not in adapter and "prior_structure" not in adapter["options"]
+        assert {k: v for k, v in adapter.items() if k != "family"} == {
+            **{k: v for k, v in demo.items() if k != "head_latent"},
+            "options": {k: v for k, v in demo["options"].items() if k != "prior_structure"},
         }
+        probit = settings["laplace-probit"]
+        assert probit["options"] == {**adapter["options"], "pred_type": "probit"}
+        assert {k: v for k, v in probit.items() if k != "options"} == {
+            k: v for k, v in adapter.items() if k != "options"
+        }
+        assert settings["laplace-head"] == {**adapter, "head_latent": True}
+        assert "laplace-head-lw" not in settings  # that is the demo's row itself
         held_out = pb.infer.Laplace(prior_optimization="validation")
         monkeypatch.setitem(
             pipeline.FAMILY_SETTINGS,

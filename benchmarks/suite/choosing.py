@@ -7,6 +7,7 @@ the page cannot drift from its tables.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from typing import Any
@@ -137,8 +138,16 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             if not _ran(task, family):  # a result file's update of another of its tasks
                 continue
             by_command.setdefault(command, []).append(family)
+        other_fit = source.get("fit_of_updates") or {}
         for command, families in by_command.items():
-            out.append(f"Rows of {', '.join(families)} replaced (same MAP) by: `{command}`.")
+            fits = {json.dumps(other_fit[f], sort_keys=True) for f in families if f in other_fit}
+            note = (
+                f" (fit settings {', '.join(sorted(fits))}: these rows are built at the MAP "
+                "alone, whose selected epoch and scores equal this table's)"
+                if fits
+                else ""
+            )
+            out.append(f"Rows of {', '.join(families)} replaced (same MAP) by: `{command}`{note}.")
     ts = paired(task, "map+ts", "map", "nll")
     out.append(
         f"MAP + temperature scaling changes NLL by {_d(ts)} against MAP "

@@ -11,7 +11,12 @@ inputs must hold every seed of ``B`` and their MAP must be ``B``'s MAP (the same
 post-hoc references and paired differences stay valid): every recorded number equal within a
 relative 1e-4 or an absolute 1e-5 (another thread count or BLAS path sums in another order; on
 the suite's MiniLM tasks such re-runs agree to 7e-5 relative, 1.3e-6 absolute, where the paired
-spreads are ~1e-2), every other field exactly; ``B``'s MAP row is kept. The families' settings
+spreads are ~1e-2), every other field exactly; ``B``'s MAP row is kept. The task's fit settings (e.g. the early-stopping patience) may differ
+only when every replaced row is post hoc at the MAP with no epochs of its own (a Laplace at the
+MAP) and the MAP's selected point is ``B``'s (its best epoch and every score equal: the
+training curves, which another stopping rule lengthens past the same best epoch, are not
+compared); the result then names the inputs' fit settings per such row
+(``fit_of_updates``). The families' settings
 are taken from the inputs, everything else is refused when it differs. ``run.py --update-only``
 results (MAP and the families, no laplace-torch and no ensemble) are made for this and can only
 be merged with ``--base``. The result's ``command`` stays the base's (what made MAP and the
@@ -97,15 +102,24 @@ def update(
         if name not in out["tasks"]:
             raise SystemExit(f"merge: task {name!r} is not in the base result")
         joined = out["tasks"][name]
+        selected_only = False  # compare the MAP's selected point, not how training got there
         for key in ("kind", "info", "fit", "num_samples"):
-            if _comparable(joined, key) != _comparable(task, key):
-                raise SystemExit(f"merge: task {name!r} ran with another {key!r} than the base")
+            if _comparable(joined, key) == _comparable(task, key):
+                continue
+            if key == "fit" and _post_hoc_only(task, families):
+                # rows built at the MAP alone: another stopping rule that gave the same MAP
+                # (checked below, seed by seed) gives the same rows
+                out.setdefault("fit_of_updates", {}).update({f: task.get("fit") for f in families})
+                selected_only = True
+                continue
+            raise SystemExit(f"merge: task {name!r} ran with another {key!r} than the base")
         missing = set(joined["runs"]) - set(task["runs"])
         if missing:
             raise SystemExit(f"merge: task {name!r} seed(s) {sorted(missing)} not in the inputs")
         for seed, run in joined["runs"].items():
             fresh = task["runs"][seed]
-            if not _same_fit(_untimed(fresh["map"]), _untimed(run["map"])):
+            view = _selected if selected_only else _untimed
+            if not _same_fit(view(fresh["map"]), view(run["map"])):
                 raise SystemExit(
                     f"merge: task {name!r} seed {seed}: the inputs' MAP is not the base's "
                     "(another fit: the paired differences would not be paired)"
@@ -131,6 +145,24 @@ def update(
     return out
 
 
+def _selected(record: dict[str, Any]) -> dict[str, Any]:
+    """A MAP record's selected point: its epoch and every score of its predictive (what a row
+    built at the MAP depends on), without the training curves, which another stopping rule
+    lengthens past the same best epoch."""
+    keep = ("best_epoch", "accuracy", "nll", "ece", "brier", "rmse", "storage")
+    return {k: v for k, v in record.items() if k in keep or k.startswith("auroc_")}
+
+
+def _post_hoc_only(task: dict[str, Any], families: list[str]) -> bool:
+    """Every row of ``families`` is post hoc at the MAP with no epochs of its own (a Laplace
+    at the MAP): its numbers depend on the task's fit settings only through the MAP."""
+    settings = task.get("settings", {})
+    return bool(families) and all(
+        settings.get(f, {}).get("init") == "map" and settings.get(f, {}).get("epochs") == 0
+        for f in families
+    )
+
+
 #: a MAP record's wall-clock fields (not compared)
 _TIMES = ("fit_s", "predict_s")
 
@@ -152,7 +184,10 @@ def _same_fit(a: Any, b: Any) -> bool:
 
 
 def _untimed(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k not in _TIMES}
+    """The record without its times, and without empty lists (a diagnostic with nothing in
+    it, e.g. the calibration-NLL curve of a fit without validation, which results from before
+    that curve was recorded do not have)."""
+    return {k: v for k, v in record.items() if k not in _TIMES and v != []}
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -356,6 +356,7 @@ def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dic
                     "date": data.get("date"),
                     "command": data.get("command"),
                     "updates": data.get("updates", {}),
+                    "fit_of_updates": data.get("fit_of_updates", {}),
                 },
             )
             task["source"].setdefault("git", data.get("git"))
