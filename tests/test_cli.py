@@ -355,12 +355,15 @@ def test_demo_families_are_config_entries_not_branches():
         assert f'"{family}"' not in source and f"'{family}'" not in source, family
     allowed = {
         *("options", "lr", "epochs", "patience", "init", "validate"),
-        *("scheduler", "warmup", "adapter", "optimizer"),
+        *("scheduler", "warmup", "adapter", "optimizer", "latent_head"),
     }
     for family, settings in pipeline.FAMILY_SETTINGS.items():
         assert set(settings) <= allowed, (family, set(settings) - allowed)
         assert settings.get("init") in (None, *pipeline.FAMILY_SETTINGS), family
     assert set(DEFAULT_CONFIG["families"]) <= set(available_guides())
+    # latent_head makes the head of the run it starts from latent: it needs an init
+    for family, settings in pipeline.FAMILY_SETTINGS.items():
+        assert not settings.get("latent_head") or settings.get("init"), family
 
 
 def test_demo_meanfield_keeps_only_lora_a_latent_and_the_lm_job_keeps_both():

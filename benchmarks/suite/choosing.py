@@ -243,43 +243,14 @@ def task_findings(name: str, task: dict[str, Any]) -> list[str]:
             )
             # the rows below change the library's default (adapter, one τ) in one respect
             base = _adapter_laplace(task)
-            if base != "laplace" and _ran(task, base):
-                da = paired(task, base, "laplace-torch", key)
-                out.append(
-                    "The library's default Laplace over the adapter alone with one τ (laplace-"
-                    f"adapter, the demo's setting before) vs laplace-torch ({ood}): {_d(da)}, "
-                    f"{_vs(da)}; the default's NLL vs it: "
-                    f"{_d(paired(task, 'laplace', base, 'nll'))}, OOD AUROC vs it: "
-                    f"{_d(paired(task, 'laplace', base, key))}."
-                )
-            if _ran(task, "laplace-head"):
-                dh = paired(task, "laplace-head", "laplace-torch", key)
-                out.append(
-                    "Laplace over the adapter and the MAP's trained head jointly with one τ "
-                    "(laplace-head, the head made latent post hoc by `model.make_latent`) vs "
-                    f"laplace-torch ({ood}): {_d(dh)}, {_vs(dh)}; its NLL vs the adapter alone: "
-                    f"{_d(paired(task, 'laplace-head', base, 'nll'))}."
-                )
-            if _ran(task, "laplace-head-lw"):
-                dl = paired(task, "laplace-head-lw", "laplace-torch", key)
-                out.append(
-                    "The same with one prior precision per site (laplace-head-lw, "
-                    '`prior_structure="layerwise"`) vs laplace-torch '
-                    f"({ood}): {_d(dl)}, {_vs(dl)}; its NLL vs laplace-torch: "
-                    f"{_d(paired(task, 'laplace-head-lw', 'laplace-torch', 'nll'))}, vs the "
-                    f"adapter alone: {_d(paired(task, 'laplace-head-lw', base, 'nll'))}; its "
-                    f"OOD AUROC vs the adapter alone: "
-                    f"{_d(paired(task, 'laplace-head-lw', base, key))}."
-                )
-            if _ran(task, "laplace-probit"):
-                dp = paired(task, "laplace-probit", "laplace-torch", key)
-                out.append(
-                    f"The adapter's Laplace posterior with laplace-torch's probit link "
-                    f'(laplace-probit, `pred_type="probit"`) vs laplace-torch ({ood}): {_d(dp)}, '
-                    f"{_vs(dp)}; its NLL vs the Monte Carlo link: "
-                    f"{_d(paired(task, 'laplace-probit', base, 'nll'))}, accuracy vs MAP "
-                    f"{_d(paired(task, 'laplace-probit', 'map', 'accuracy'), 1, 100)} pp."
-                )
+            for row, what, extras in _laplace_variants(base, key):
+                if row != "laplace" and _ran(task, row):
+                    dv = paired(task, row, "laplace-torch", key)
+                    details = "; ".join(
+                        f"{label}: {_d(paired(task, a, b, metric), *scale)}{unit}"
+                        for label, a, b, metric, scale, unit in extras
+                    )
+                    out.append(f"{what} vs laplace-torch ({ood}): {_d(dv)}, {_vs(dv)}; {details}.")
     if _ran(task, "symmetrized") and _ran(task, "meanfield"):
         d = paired(task, "symmetrized", "meanfield", "nll")
         verdict = "worse" if beats(d, lower_better=False) else ("better" if beats(d) else "level")
@@ -370,6 +341,48 @@ def _mi_line(task: dict[str, Any], ood: str, fams: list[str]) -> str | None:
         f"{best} ({_d(diffs[best])}); above MAP by more than the spread: "
         f"{', '.join(above) or 'none'}; below: {', '.join(below) or 'none'}."
     )
+
+
+def _laplace_variants(base: str, key: str) -> list[tuple[str, str, list[tuple[Any, ...]]]]:
+    """The Laplace variant rows compared with laplace-torch on OOD set ``key``: (row, what it
+    is, its further comparisons as (label, row, against, metric, _d's scale, unit)); ``base``
+    is the library's default Laplace row (adapter, one τ)."""
+    return [
+        (
+            base,
+            "The library's default Laplace over the adapter alone with one τ (laplace-adapter, "
+            "the demo's setting before)",
+            [
+                ("the default's NLL vs it", "laplace", base, "nll", (), ""),
+                ("OOD AUROC vs it", "laplace", base, key, (), ""),
+            ],
+        ),
+        (
+            "laplace-head",
+            "Laplace over the adapter and the MAP's trained head jointly with one τ "
+            "(laplace-head, the head made latent post hoc by `model.make_latent`)",
+            [("its NLL vs the adapter alone", "laplace-head", base, "nll", (), "")],
+        ),
+        (
+            "laplace-head-lw",
+            'The same with one prior precision per site (laplace-head-lw, `prior_structure="'
+            'layerwise"`)',
+            [
+                ("its NLL vs laplace-torch", "laplace-head-lw", "laplace-torch", "nll", (), ""),
+                ("vs the adapter alone", "laplace-head-lw", base, "nll", (), ""),
+                ("its OOD AUROC vs the adapter alone", "laplace-head-lw", base, key, (), ""),
+            ],
+        ),
+        (
+            "laplace-probit",
+            "The adapter's Laplace posterior with laplace-torch's probit link (laplace-probit, "
+            '`pred_type="probit"`)',
+            [
+                ("its NLL vs the Monte Carlo link", "laplace-probit", base, "nll", (), ""),
+                ("accuracy vs MAP", "laplace-probit", "map", "accuracy", (1, 100), " pp"),
+            ],
+        ),
+    ]
 
 
 def _adapter_laplace(task: dict[str, Any]) -> str:

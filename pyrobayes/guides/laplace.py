@@ -79,10 +79,11 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
 
     .. math::
 
-        q(θ) = \prod_{\text{sites } l} \mathcal N\big(θ_{l,\rm MAP},\ (H_l + τ I)^{-1}\big),\qquad
+        q(θ) = \prod_{\text{sites } l} \mathcal N\big(θ_{l,\rm MAP},\ (H_l + τ_l I)^{-1}\big),\qquad
         H_l \approx \sum_i J_{il}^\top Λ_i J_{il}
 
-    (block-diagonal across sites). Fitted by :class:`~pyrobayes.infer.laplace.LaplaceFitter`
+    (block-diagonal across sites; ``τ_l = τ`` for every site unless ``prior_structure=
+    "layerwise"``). Fitted by :class:`~pyrobayes.infer.laplace.LaplaceFitter`
     (what ``pyrobayes.fit(model, guide, data, epochs=E)`` uses): it first optimises the MAP
     objective ``−(N/B) Σ_b log p(y_b|θ) − log p(θ)`` over the guide's point ``θ`` (and the head),
     with the model's prior ``N(0, s_p² I)``, i.e. ``τ₀ = 1/s_p²``, then fits ``H`` over ``data``
