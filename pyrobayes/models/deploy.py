@@ -126,11 +126,27 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
     return net
 
 
+def _head_paths(model: Any) -> list[str]:
+    """The modules trained beside the adapter that peft must save with it: those of the point
+    parameters that are not LoRA factors and the layers made latent (weight and bias sites)."""
+    owners = {
+        name.rpartition(".")[0]
+        for name in model.point_params
+        if name.removesuffix(".weight").rpartition(".")[2] not in ("lora_A", "lora_B")
+    }
+    owners |= {s.module_path for s in model.latent_sites.values() if s.kind in ("weight", "bias")}
+    return sorted(owners)
+
+
 def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     """A ``peft.PeftModel`` carrying the LoRA sites' values (posterior mean or one draw).
 
     The base network is a copy without pyrobayes layers; ``save_pretrained`` writes a peft
-    adapter that plain ``peft.PeftModel.from_pretrained`` loads.
+    adapter that plain ``peft.PeftModel.from_pretrained`` loads. A task head trained with the
+    adapter (a point parameter, or a layer made latent: ``FineTuneModel.make_latent``) is one of
+    peft's ``modules_to_save``, so the saved adapter carries it (at ``values`` where it is
+    latent) and loading onto a freshly initialised pretrained network restores it; without it
+    the reloaded head would be the fresh one.
 
     Parameters
     ----------
@@ -164,6 +180,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     paths = sorted(
         {s.module_path for s in model.latent_sites.values() if s.kind.startswith("lora")}
     )
+    heads = _head_paths(model)
     config = LoraConfig(
         r=adapter.rank,
         # peft annotates lora_alpha as int but only divides by it: a float alpha is kept exact
@@ -172,7 +189,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
         lora_dropout=0.0,
         bias="none",
         init_lora_weights=False,
-        modules_to_save=None,
+        modules_to_save=heads or None,
     )
     peft_model = get_peft_model(net, config)
     state = {}
@@ -180,10 +197,13 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
         spec = model.latent_sites[site]
         if spec.kind in ("lora_A", "lora_B"):
             state[f"base_model.model.{spec.module_path}.{spec.kind}.default.weight"] = v
+        elif spec.module_path in heads:  # a head made latent: its weight or bias, as given
+            state[f"base_model.model.{spec.module_path}.modules_to_save.default.{spec.kind}"] = v
     for name, p in model.point_params.items():  # LoRA(latent="A"): every B is a point
         path, _, role = name.removesuffix(".weight").rpartition(".")
         if role in ("lora_A", "lora_B"):
             state[f"base_model.model.{path}.{role}.default.weight"] = p.detach()
+    # a point head needs nothing more: peft's copy (modules_to_save) holds its trained values
     missing = set(state) - set(dict(peft_model.named_parameters()))
     if missing:
         raise RuntimeError(f"peft layout mismatch; missing {sorted(missing)[:3]}")

@@ -90,3 +90,39 @@ def test_to_peft_round_trip(adapter_name, tmp_path):
         got = reloaded(input_ids=ids).logits
     assert not torch.allclose(expected, tiny_llama_logits(model, ids))  # the adapter matters
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["point", "latent"])
+def test_to_peft_carries_the_task_head(head, tmp_path):
+    """A sequence classifier's head trained beside LoRA (a point parameter, or made latent post
+    hoc with the draw's values) is saved with the adapter (peft's ``modules_to_save``), so
+    loading onto a *freshly initialised* pretrained network, as a user does, restores it."""
+    from peft import PeftModel
+
+    from tests.common import tiny_bert
+
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_bert(num_labels=3).eval(), LoRA(rank=2, target_modules=["query", "value"])
+    )
+    with torch.no_grad():
+        for p in model.point_params.values():
+            p.copy_(torch.randn(p.shape))  # a "trained" head
+    # the pretrained body with a freshly initialised head, as loading the checkpoint gives
+    fresh = pb.models.deploy.unwrapped_network(model).eval()
+    fresh.classifier.reset_parameters()
+    assert not torch.equal(fresh.classifier.weight, model.point_params["classifier.weight"])
+    if head == "latent":
+        model.make_latent(["classifier"])
+    values = {s: 0.5 * torch.randn(v.shape) for s, v in model.init_values().items()}
+    peft_model = pb.models.to_peft(model, values)
+    peft_model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path).eval()
+    ids = torch.randint(1, 99, (2, 6))
+    params = {model.latent_sites[s].param_name: v for s, v in values.items()}
+    with torch.no_grad():
+        expected = torch.func.functional_call(
+            model.net, params, args=(), kwargs={"input_ids": ids}
+        ).logits
+        got = reloaded(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
