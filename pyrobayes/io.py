@@ -590,16 +590,18 @@ def _make_saved_layers_latent(path: str | Path, header: dict[str, Any], model: A
     under a post-hoc Laplace) that ``model`` still holds as point parameters are made latent
     here, as they were when the posterior was saved; anything else is left to the site check."""
     point = getattr(model, "point_params", None)
-    make_latent = getattr(model, "make_latent", None)
-    if not point or make_latent is None:
+    heads = getattr(model, "head_modules", None)
+    if not point or heads is None:
         return
     have = set(getattr(model, "latent_sites", None) or {})
     missing = [s for s in header.get("sites", {}) if s not in have]
     if not missing or any(s not in point for s in missing):
         return
     owners = {s.rpartition(".")[0] for s in missing}
-    modules = [m for m, _ in model.net.named_modules() if m in owners]
-    make_latent(modules)
+    modules = [m for m in heads() if m in owners]
+    if set(modules) != owners:  # not all of them head layers (e.g. LoRA factors): mismatch
+        return
+    model.make_latent(modules)
     logger.info("%s: made %s latent, as they were when the posterior was saved", path, modules)
 
 

@@ -11,15 +11,15 @@ inputs must hold every seed of ``B`` and their MAP must be ``B``'s MAP (the same
 post-hoc references and paired differences stay valid): every recorded number equal within a
 relative 1e-4 or an absolute 1e-5 (another thread count or BLAS path sums in another order; on
 the suite's MiniLM tasks such re-runs agree to 7e-5 relative, 1.3e-6 absolute, where the paired
-spreads are ~1e-2), every other field exactly; ``B``'s MAP row is kept. The task's fit settings (e.g. the early-stopping patience) may differ
-only when every replaced row is post hoc at the MAP with no epochs of its own (a Laplace at the
-MAP) and the MAP's selected point is ``B``'s (its best epoch and every score equal: the
-training curves, which another stopping rule lengthens past the same best epoch, are not
-compared); the result then names the inputs' fit settings per such row
-(``fit_of_updates``). The families' settings
-are taken from the inputs, everything else is refused when it differs. ``run.py --update-only``
-results (MAP and the families, no laplace-torch and no ensemble) are made for this and can only
-be merged with ``--base``. The result's ``command`` stays the base's (what made MAP and the
+spreads are ~1e-2), every other field exactly; ``B``'s MAP row is kept. The task's fit
+settings (e.g. the early-stopping patience) may differ only when every replaced row is post hoc
+at the MAP with no epochs of its own (a Laplace at the MAP) and the MAP's selected point is
+``B``'s (its best epoch and every score equal: the training curves, which another stopping rule
+lengthens past the same best epoch, are not compared); the result then names the inputs' fit
+settings per such row (``fit_of_updates``). The families' settings are taken from the inputs,
+everything else is refused when it differs. ``run.py --update-only`` results (MAP and the
+families, no laplace-torch and no ensemble) are made for this and can only be merged with
+``--base``. The result's ``command`` stays the base's (what made MAP and the
 anchors); ``updates`` maps each replaced family to the command (runs and merge) its rows now come
 from, the latest replacing an earlier one, so the report names what made every row and nothing
 that no longer does. ``--drop D ...`` (with ``--base``) removes the rows of ``D`` (a variant the

@@ -206,7 +206,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # about laplace-torch's τ and most adapter sites none (the evidence puts their τ at its
     # bound). On the suite's text tasks (3 seeds, validation splits) against the adapter
     # alone with one τ (the previous setting, the `laplace-adapter` row of docs/choosing.md):
-    # OOD AUROC +.012 (amazon) and +.006 (fine-grained), level with laplace-torch's where the
+    # OOD AUROC +.017 (amazon) and +.006 (fine-grained), level with laplace-torch's where the
     # adapter alone was below it, at the same NLL. τ: the marginal likelihood's, with θ̂
     # read as the likelihood's mode (Laplace's default evidence, issue 27; laplace-torch's,
     # evidence="posterior_mode", gave test NLL .4844/.4819/.5103 on seeds 0-2 against
@@ -697,12 +697,6 @@ class _Fitted(NamedTuple):
     epochs: int = 0  # its epoch cap
 
 
-def _head_modules(model: Any) -> list[str]:
-    """The modules of the model's point parameters (the task head), in network order."""
-    owners = {name.rpartition(".")[0] for name in model.point_params}
-    return [path for path, _ in model.net.named_modules() if path in owners]
-
-
 def _set_head(model: Any, head: dict[str, torch.Tensor]) -> None:
     """Write a fitted run's point parameters (the head) into a fresh model."""
     with torch.no_grad():
@@ -730,10 +724,9 @@ def _fit_family(
     if source in fitted:
         _set_head(model, fitted[source].head)
         init = fitted[source].guide
-        if settings.get("latent_head"):
-            heads = _head_modules(model)
-            if heads:
-                model.make_latent(heads)
+        heads = model.head_modules() if settings.get("latent_head") else []
+        if heads:
+            model.make_latent(heads)
     elif source is not None:  # that run is not in the job: the family fits its own MAP stage
         logger.info("%s: no %s run to start from; fitting its own MAP stage", family, source)
         epochs, validate, source = cap + epochs, True, None

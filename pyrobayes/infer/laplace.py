@@ -926,13 +926,11 @@ def _choose_site_prior_precisions(
 ) -> dict[str, float]:
     r"""``τ_l`` per latent site (``prior_structure="layerwise"``): with ``H`` block-diagonal over
     sites both evidences are sums of per-site terms (:mod:`pyrobayes.infer.evidence`; for
-    ``"posterior_mode"``, laplace-torch's ``−½[τ_l‖θ_l‖² + log det(I + H_l/τ_l)]``), so each
-    ``τ_l`` maximises its own term. ``"model"`` or a fixed τ: the same value for every site."""
-    spec = guide.prior_precision_spec
+    ``"posterior_mode"``, laplace-torch's ``−½[τ_l‖θ_l‖² + log det(I + H_l/τ_l)]``), so
+    each ``τ_l`` maximises its own term. ``"model"`` or a fixed τ: the same value for every site."""
     sites = guide.latent_subset
-    if spec != "marglik":
-        value = 1.0 / model.prior_scale**2 if spec == "model" else float(spec)
-        return dict.fromkeys(sites, value)
+    if guide.prior_precision_spec != "marglik":  # the model's τ or a given one: no search
+        return dict.fromkeys(sites, _choose_prior_precision(model, guide, None, bounds))
     term = (
         likelihood_mode_log_evidence
         if evidence == "likelihood_mode"
@@ -959,7 +957,8 @@ def _choose_site_prior_precisions(
     if upper:  # the evidence's own answer: the data do not determine the site (no spread)
         (logger.warning if len(upper) == len(sites) else logger.info)(
             "Laplace (layerwise): %d of %d sites at the upper bound of τ (log τ = %g): the data "
-            "do not determine them beyond their posterior sd, so they keep (almost) no spread%s: %s",
+            "do not determine them beyond their posterior sd, so they keep (almost) no "
+            "spread%s: %s",
             len(upper),
             len(sites),
             hi,

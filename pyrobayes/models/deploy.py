@@ -126,18 +126,6 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
     return net
 
 
-def _head_paths(model: Any) -> list[str]:
-    """The modules trained beside the adapter that peft must save with it: those of the point
-    parameters that are not LoRA factors and the layers made latent (weight and bias sites)."""
-    owners = {
-        name.rpartition(".")[0]
-        for name in model.point_params
-        if name.removesuffix(".weight").rpartition(".")[2] not in ("lora_A", "lora_B")
-    }
-    owners |= {s.module_path for s in model.latent_sites.values() if s.kind in ("weight", "bias")}
-    return sorted(owners)
-
-
 def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     """A ``peft.PeftModel`` carrying the LoRA sites' values (posterior mean or one draw).
 
@@ -180,7 +168,14 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     paths = sorted(
         {s.module_path for s in model.latent_sites.values() if s.kind.startswith("lora")}
     )
-    heads = _head_paths(model)
+    # the modules trained beside the adapter, which peft must save with it: the point head and
+    # the layers made latent (weight and bias sites)
+    heads = sorted(
+        {
+            *model.head_modules(),
+            *(s.module_path for s in model.latent_sites.values() if s.kind in ("weight", "bias")),
+        }
+    )
     config = LoraConfig(
         r=adapter.rank,
         # peft annotates lora_alpha as int but only divides by it: a float alpha is kept exact

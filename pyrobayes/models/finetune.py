@@ -365,18 +365,11 @@ class FineTuneModel(nn.Module):
                 if not isinstance(parent, LoRALinear):
                     names = [f"{path}.{n}" for n, _ in module.named_parameters()]
             if not names or any(n not in self.point_params for n in names):
-                heads = sorted(
-                    {
-                        n.rpartition(".")[0]
-                        for n in self.point_params
-                        if n != NOISE_PARAM and ".lora_" not in n
-                    }
-                )
                 raise ValueError(
                     f"FineTuneModel.make_latent: {path!r} is not a point-estimated module (its "
                     f"parameters must all be point parameters); the point-estimated modules are "
-                    f"{heads}. Pass one of them, or build the model with latent_modules=[...] "
-                    '(a LoRA factor: LoRA(latent="AB")).'
+                    f"{self.head_modules()}. Pass one of them, or build the model with "
+                    'latent_modules=[...] (a LoRA factor: LoRA(latent="AB")).'
                 )
         specs = make_latent(self.net, paths)
         for spec in specs:
@@ -385,6 +378,17 @@ class FineTuneModel(nn.Module):
         for cache in ("_slot_cache", "_lower_block"):  # they list the sites and point params
             self.__dict__.pop(cache, None)
         return [s.site for s in specs]
+
+    def head_modules(self) -> list[str]:
+        """The network's modules trained as point parameters beside the adapter (the task head),
+        in network order: the owners of ``point_params`` but the learned noise and the point
+        LoRA factors (``LoRA(latent="A")``'s B, the adapter's own)."""
+        owners = {
+            n.rpartition(".")[0]
+            for n in self.point_params
+            if n != NOISE_PARAM and ".lora_" not in n
+        }
+        return [path for path, _ in self.net.named_modules() if path in owners]
 
     def site_prior(self, site: str) -> dist.TorchDistribution:
         """``N(0, s_p² I)`` over one site, event-shaped like the site."""

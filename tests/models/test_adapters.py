@@ -327,7 +327,25 @@ def test_make_latent_refuses_a_point_lora_factor() -> None:
         net, LoRA(rank=2, target_modules=["0"], latent="A"), num_data=10, trainable_modules=["2"]
     )
     assert "0.lora_B.weight" in model.point_params
+    assert model.head_modules() == ["2"]  # the point B factors are the adapter's, not a head
     with pytest.raises(ValueError, match=r"'0\.lora_B' is not a point-estimated.*'2'"):
         model.make_latent(["0.lora_B"])
     assert model.make_latent(["2"]) == ["2.weight", "2.bias"]
     assert set(model.point_params) == {"0.lora_B.weight"}
+    assert model.head_modules() == []
+
+
+def test_head_modules_leave_out_a_learned_noise() -> None:
+    """A learned Gaussian noise is a point parameter outside the network: not a head module
+    (to_peft saves the head modules with the adapter; the demo makes them latent)."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    model = FineTuneModel(
+        net,
+        LoRA(rank=2, target_modules=["0"]),
+        num_data=10,
+        likelihood="gaussian",
+        obs_scale="learn",
+        trainable_modules=["2"],
+    )
+    assert "likelihood.raw_scale" in model.point_params
+    assert model.head_modules() == ["2"]
