@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import itertools
 import json
 import logging
@@ -564,9 +565,27 @@ def _posterior_config(path: str | Path, header: dict[str, Any], cls: type) -> di
     return config
 
 
+def _option_defaults(cls: type) -> dict[str, Any]:
+    """The constructor's default of each option (as JSON reads it back): what a file saved
+    before an option existed means by its absence."""
+    out = {}
+    for name, param in inspect.signature(cls).parameters.items():
+        if param.default is not inspect.Parameter.empty:
+            try:
+                out[name] = _jsonable(param.default)
+            except TypeError:  # not JSON: no file could hold it either
+                continue
+    return out
+
+
 def _check_config(path: str | Path, header: dict[str, Any], guide: Any) -> None:
-    saved = _posterior_config(path, header, type(guide))
     here = _jsonable(guide.config())
+    # an option a file saved before it existed does not hold is read as its default
+    defaults = _option_defaults(type(guide))
+    saved = {
+        **{k: defaults[k] for k in here if k in defaults},
+        **_posterior_config(path, header, type(guide)),
+    }
     diffs = [
         f"{k}={saved.get(k, '<absent>')!r} in the file but {k}={here.get(k, '<absent>')!r} in the "
         "guide"
