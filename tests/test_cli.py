@@ -508,3 +508,34 @@ def test_every_shipped_config_resolves(path: Path) -> None:
     if module is causal_lm:  # whole splits are asked for by 0, never by a missing key
         task = user["causal_lm"]["task"]
         assert {k: config["causal_lm"]["task"][k] for k in task} == task
+
+
+@pytest.mark.hf
+@pytest.mark.integration
+def test_shift_benchmark_scores_every_saved_family_on_labelled_tweets(smoke_run, tmp_path):
+    """benchmarks/shift.py on the smoke run: every family scored on the same labelled tweets,
+    and the stopping split's temperature never raises that split's NLL (it is fitted there,
+    over bounds that include T = 1, on the same draws)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import shift
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "shift.json"
+    shift.main([str(smoke_run), "--num", "24", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    (records,) = payload["results"].values()  # the smoke run's one seed
+    assert sorted(records) == ["laplace", "map", "meanfield"]
+    for family, r in records.items():
+        assert r["num_shifted"] == 24
+        for key in ("shift", "shift+ts"):
+            assert 0.0 <= r[key]["accuracy"] <= 1.0 and math.isfinite(r[key]["nll"]), family
+        assert r["stopping split+ts nll"] <= r["stopping split nll"] + 1e-6, family
+    for row in ("| map |", "| map+ts |", "| meanfield+ts |", "| laplace |"):
+        assert row in payload["table"]
+    # MAP paired with itself: a zero difference (one seed: the mean alone)
+    (map_row,) = [r for r in payload["table"].splitlines() if r.startswith("| map |")]
+    assert map_row.split(" | ")[5:7] == [
+        "+0.000",
+        f"{records['map']['shift']['nll'] - records['map']['shift+ts']['nll']:+.3f}",
+    ]

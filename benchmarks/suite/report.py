@@ -383,7 +383,9 @@ def main() -> None:
 
         diag_path = args.folder / "diagnostics.json"
         diagnostics = json.loads(diag_path.read_text()) if diag_path.exists() else None
-        (DOCS / "choosing.md").write_text(choosing.page(tasks, sources, diagnostics))
+        shift_path = args.folder.parent / "shift_tweets.json"  # benchmarks/shift.py
+        shift = json.loads(shift_path.read_text()) if shift_path.exists() else None
+        (DOCS / "choosing.md").write_text(choosing.page(tasks, sources, diagnostics, shift))
         print(f"wrote {DOCS / 'choosing.md'}")
 
 
