@@ -742,3 +742,40 @@ def test_a_task_whose_times_are_marked_not_comparable_drops_out_of_the_cost_view
     assert any("not comparable" in line for line in choosing.task_findings("polarity", task))
     assert "| polarity |" in "\n".join(choosing._by_goal({"polarity": task}))
     assert "| – |" in "\n".join(choosing._by_goal({"polarity": task}))
+
+
+def test_choosing_shift_section_lists_who_beats_map_ts_by_more_than_the_spread() -> None:
+    """docs/choosing.md's dataset-shift section from a benchmarks/shift.py result: a family
+    ahead of MAP + TS on every seed by more than the seeds' spread is listed, one whose lead is
+    within the spread is not, and one behind MAP by more than the spread is named as worse."""
+    sys.path.insert(0, str(SUITE))  # choosing imports report
+    try:
+        choosing = _load("choosing")
+    finally:
+        sys.path.remove(str(SUITE))
+
+    def rec(acc: float, nll: float, nll_ts: float) -> dict:
+        return {
+            "shift": {"accuracy": acc, "nll": nll, "ece": 0.1, "brier": 0.4},
+            "shift+ts": {"accuracy": acc, "nll": nll_ts, "ece": 0.1, "brier": 0.4},
+        }
+
+    results = {
+        str(s): {
+            "map": rec(0.70, 0.60, 0.58),
+            "good": rec(0.75, 0.48 + 0.01 * s, 0.47 + 0.01 * s),  # -0.09 (+ts -0.10) ± 0.01
+            "noisy": rec(0.70, 0.58 + 0.05 * (s - 1), 0.58 + 0.05 * (s - 1)),  # ±0.05 around it
+            "bad": rec(0.65, 0.70 + 0.001 * s, 0.60),
+        }
+        for s in range(3)
+    }
+    table = "| method | ... |"
+    lines = choosing._shift_section({"results": results, "table": table, "num": 9, "shift": "x"})
+    beats = next(line for line in lines if line.startswith("- Beat MAP + TS"))
+    worse = next(line for line in lines if line.startswith("- Worse than MAP"))
+    assert "good (ΔNLL -0.090 ± 0.010, Δacc +5.0 ± 0.0 pp)" in beats
+    assert "good+ts" in beats and "noisy" not in beats and "bad" not in beats
+    assert (
+        worse == "- Worse than MAP there by more than the spread: bad (ΔNLL vs MAP +0.101 ± 0.001)."
+    )
+    assert table in lines and choosing._shift_section(None)[0].startswith("*No dataset-shift")
