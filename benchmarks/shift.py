@@ -139,6 +139,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     paired NLL / accuracy differences against MAP and MAP + TS."""
     seeds = list(results)
     families = [f for f in results[seeds[0]] if all(f in results[s] for s in seeds)]
+    families.sort(key=lambda f: f != "map")  # the anchor first, the rest as scored
     lines = [
         "| method | acc | NLL | ECE | Brier | ΔNLL vs map | ΔNLL vs map+ts | Δacc (pp) vs map |",
         "|---|---|---|---|---|---|---|---|",
@@ -179,11 +180,25 @@ def _git_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="*", type=Path)
+    parser.add_argument(
+        "--render", type=Path, help="re-write the table of this result (after a renderer change)"
+    )
     parser.add_argument("--shift", default="vader:tweets", help="the labelled shifted set")
     parser.add_argument("--num", type=int, default=1000, help="shifted examples scored")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--note", help="where the run folders came from (kept in the result)")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        payload = json.loads(args.render.read_text())
+        payload["table"] = table(payload["results"])
+        if args.note is not None:
+            payload["note"] = args.note
+        args.render.write_text(json.dumps(payload, indent=1))
+        print(payload["table"])
+        return
+    if not args.runs:
+        parser.error("give run folders (or --render RESULT)")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     grouped = _group(args.runs)
     for seed, families in grouped.items():
@@ -201,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             "git": _git_commit(),
             "shift": args.shift,
             "num": args.num,
+            "note": args.note,
             "runs": [str(r) for r in args.runs],
             "torch": torch.__version__,
             "results": results,

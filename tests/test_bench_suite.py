@@ -778,4 +778,7 @@ def test_choosing_shift_section_lists_who_beats_map_ts_by_more_than_the_spread()
     assert (
         worse == "- Worse than MAP there by more than the spread: bad (ΔNLL vs MAP +0.101 ± 0.001)."
     )
+    seeds = next(line for line in lines if line.startswith("- Seeds on which"))
+    assert "good 3 of 3 (-0.100, -0.090, -0.080)" in seeds and "noisy 1 of 3" in seeds
+    assert "map " not in seeds
     assert table in lines and choosing._shift_section(None)[0].startswith("*No dataset-shift")

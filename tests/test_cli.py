@@ -533,6 +533,11 @@ def test_shift_benchmark_scores_every_saved_family_on_labelled_tweets(smoke_run,
         assert r["stopping split+ts nll"] <= r["stopping split nll"] + 1e-6, family
     for row in ("| map |", "| map+ts |", "| meanfield+ts |", "| laplace |"):
         assert row in payload["table"]
+    table = payload["table"]
+    shift.main(["--render", str(out)])  # re-rendering a result's table changes nothing
+    assert json.loads(out.read_text())["table"] == table and table.splitlines()[2].startswith(
+        "| map |"
+    )
     # MAP paired with itself: a zero difference (one seed: the mean alone)
     (map_row,) = [r for r in payload["table"].splitlines() if r.startswith("| map |")]
     assert map_row.split(" | ")[5:7] == [

@@ -841,7 +841,7 @@ def _shift_section(shift: dict[str, Any] | None) -> list[str]:
         spread = statistics.stdev(values) if len(values) > 1 else None
         return statistics.mean(values), spread, len(values)
 
-    beats, worse = [], []
+    beats, worse, by_seed = [], [], []
     for family in families:
         for key, name in (("shift", family), ("shift+ts", f"{family}+ts")):
             if name in ("map", "map+ts"):
@@ -851,6 +851,14 @@ def _shift_section(shift: dict[str, Any] | None) -> list[str]:
             text = f"{name} (ΔNLL {_d(d_ts)}, Δacc {_d(d_acc, 1, 100.0)} pp)"
             if d_ts[1] is not None and d_ts[0] < -d_ts[1]:
                 beats.append(text)
+            if key == "shift":
+                per_seed = [
+                    results[s][family]["shift"]["nll"] - results[s]["map"]["shift+ts"]["nll"]
+                    for s in seeds
+                ]
+                below = sum(d < 0 for d in per_seed)
+                listed = ", ".join(f"{d:+.3f}" for d in per_seed)
+                by_seed.append(f"{family} {below} of {len(seeds)} ({listed})")
             d_map = paired(family, key, "shift", "nll")
             if key == "shift" and d_map[1] is not None and d_map[0] > d_map[1]:
                 worse.append(f"{name} (ΔNLL vs MAP {_d(d_map)})")
@@ -866,7 +874,9 @@ def _shift_section(shift: dict[str, Any] | None) -> list[str]:
         f"`{shift.get('shift')}` (none used for any choice), every family as fitted and with "
         "the temperature of the run's stopping split, on the demo's saved posteriors "
         f"({len(seeds)} seed{'s' if len(seeds) != 1 else ''}: {runs}; "
-        f"{shift.get('date', '')}). Mean ± sd over seeds; paired differences per seed:",
+        f"{shift.get('date', '')}"
+        + (f"; {shift['note']}" if shift.get("note") else "")
+        + "). Mean ± sd over seeds; paired differences per seed:",
         "",
         *shift["table"].splitlines(),
         "",
@@ -876,6 +886,8 @@ def _shift_section(shift: dict[str, Any] | None) -> list[str]:
         "- Worse than MAP there by more than the spread: "
         + ("; ".join(worse) if worse else "none")
         + ".",
+        "- Seeds on which a family as fitted has a lower shifted NLL than MAP + TS (ΔNLL per "
+        "seed): " + "; ".join(f for f in by_seed if not f.startswith("map ")) + ".",
     ]
 
 
