@@ -6,8 +6,8 @@ shift), the setting of Ovadia et al. (2019, *Can you trust your model's uncertai
 predictive uncertainty under dataset shift*). Where a detector's entropy AUROC asks "does the
 model notice the shift", this asks "is it still right, and calibrated, after it": accuracy, NLL,
 ECE and Brier on labelled tweets, each family as fitted and with one temperature fitted on the
-run's stopping split (what ``pyrobayes.calibrate`` fits, on the same draws; the split the run already chose its epochs on; no
-tweet is used for any choice).
+run's stopping split (what ``pyrobayes.calibrate`` fits, on the same draws; the split the run
+already chose its epochs on; no tweet is used for any choice).
 
 Inputs are ``pyrobayes fit`` run folders of the demo's config (any seeds; folders of the same seed
 are joined by family, e.g. a ``families = ["map", "laplace"]`` run beside a full one, and a MAP
@@ -199,7 +199,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.runs:
         parser.error("give run folders (or --render RESULT)")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     grouped = _group(args.runs)
     for seed, families in grouped.items():
         if "map" not in families:
