@@ -864,7 +864,7 @@ def _shift_section(shift: dict[str, Any] | None) -> list[str]:
                 worse.append(f"{name} (ΔNLL vs MAP {_d(d_map)})")
     runs = ", ".join(f"`{r}`" for r in shift.get("runs", []))
     return [
-        "The text tasks' OOD sets but chatterbot are not another task: VADER rates tweets and "
+        "Apart from chatterbot, the text tasks' OOD sets are not another task: VADER rates tweets and "
         "NYT editorial sentences on the movie sentences' sentiment scale, so they are a shifted "
         "domain of the same labels (a covariate shift), the setting of Ovadia et al. (2019). "
         "Entropy AUROC asks whether a model notices the shift; a model that still classifies "
