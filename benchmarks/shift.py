@@ -122,16 +122,13 @@ def score_seed(families: dict[str, Path], spec: str, num: int) -> dict[str, Any]
     return out
 
 
-def _mean_sd(values: list[float], signed: bool = False, scale: float = 1.0) -> str:
-    """``mean ± sample sd`` (the mean alone for one seed)."""
+def _mean_sd(values: list[float], signed: bool = False, digits: int = 3, scale: float = 1.0) -> str:
+    """``mean ± sample sd`` of ``scale · values`` (the mean alone for one seed)."""
     mean = scale * statistics.mean(values)
-    text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
-    if scale != 1.0:
-        text = f"{mean:+.1f}"
+    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
     if len(values) < 2:
         return text
-    sd = scale * statistics.stdev(values)
-    return f"{text} ± {sd:.1f}" if scale != 1.0 else f"{text} ± {sd:.3f}"
+    return f"{text} ± {scale * statistics.stdev(values):.{digits}f}"
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -159,7 +156,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 for s in seeds
             ]
             paired = [_mean_sd(d_map, signed=True), _mean_sd(d_ts, signed=True)]
-            paired.append(_mean_sd(d_acc, signed=True, scale=100.0))
+            paired.append(_mean_sd(d_acc, signed=True, digits=1, scale=100.0))
             lines.append(f"| {name} | {' | '.join(cells + paired)} |")
     return "\n".join(lines)
 
