@@ -31,7 +31,10 @@ RMSE and the accuracy, never change; :math:`T = 1` is the fitted posterior bit f
 
 The temperature is a buffer of the guide (``predictive_temperature``, with
 ``predictive_temperature_pooled`` for the form), so it is part of ``guide.state_dict()`` and
-:func:`pyrobayes.save` / :func:`pyrobayes.load` keep it.
+:func:`pyrobayes.save` / :func:`pyrobayes.load` keep it. A later fit of the guide
+(:func:`pyrobayes.fit`, a fitter of :func:`pyrobayes.infer.make_fitter`, or
+:func:`pyrobayes.infer.laplace.fit_laplace`) removes it with a warning
+(:func:`drop_temperature`): it was fitted for the posterior the fit replaces.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -58,6 +62,7 @@ __all__ = [
     "fit_temperature",
     "temperature",
     "set_temperature",
+    "drop_temperature",
     "apply_temperature",
     "tempered_nll",
 ]
@@ -114,6 +119,26 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
     guide.register_buffer(
         POOL_BUFFER, torch.tensor(1.0 if pool else 0.0, dtype=torch.float64, device=device)
     )
+
+
+def drop_temperature(guide: Any, owner: str) -> None:
+    """Remove a temperature before ``owner`` changes the posterior it was fitted for, and say so.
+
+    ``T`` is fitted to one posterior's predictive; a fit moves that posterior (or, post hoc,
+    recomputes it), after which the old ``T`` calibrates nothing and would silently temper
+    every later prediction (and the fit's own validation scores).
+    """
+    if TEMPERATURE_BUFFER not in getattr(guide, "_buffers", {}):
+        return
+    value = temperature(guide)
+    set_temperature(guide, None)
+    message = (
+        f"{owner}{type(guide).__name__} was calibrated (T = {value:.4g}) for the posterior it "
+        "held; this fit changes that posterior, so the temperature is removed. Call "
+        "pyrobayes.calibrate(model, guide, val_data) again after the fit."
+    )
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def match_state(guide: Any, state: Mapping[str, Any]) -> None:

@@ -794,6 +794,12 @@ def report(
         ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
         ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``.
     """
+    if labels is None:  # pb.predict over batches without targets: pred.targets is None
+        raise ValueError(
+            "report: labels is None (a prediction's targets are None when its batches carried "
+            "none). Predict on labelled batches, (x, y) or a dict with the model's label_key, "
+            "or pass the labels explicitly: report(pred, y)."
+        )
     loc = getattr(probs_or_prediction, "loc", None)
     if isinstance(loc, Tensor) and getattr(probs_or_prediction, "log_probs", None) is None:
         # the predictive σ: the likelihood's, or sqrt(loc_var + σ²) for a closed-form predictive

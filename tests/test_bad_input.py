@@ -935,6 +935,17 @@ ISSUE30_CASES: list[Case] = [
         "NLL, ECE and Brier",
     ),
     _case(
+        "metrics-report-of-an-unlabelled-prediction",
+        lambda: (
+            lambda m: pb.metrics.report(  # pb.predict over batches without targets
+                p := pb.predict(m, pb.posterior(m, "map"), [(_x(),)], num_samples=1), p.targets
+            )
+        )(_model()),
+        ValueError,
+        "labels is None",
+        "report(pred, y)",
+    ),
+    _case(
         "metrics-nan-regression-means",
         lambda: pb.metrics.gaussian_rmse(_with(torch.zeros(2, 4), NAN, (0, 2)), torch.zeros(4)),
         ValueError,

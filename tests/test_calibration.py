@@ -172,6 +172,29 @@ def test_the_temperature_survives_save_and_load(tmp_path) -> None:
     assert temperature(loaded) == 1.0
 
 
+@pytest.mark.parametrize("family", ["map", "laplace"])
+def test_a_fit_removes_the_temperature_of_the_posterior_it_replaces(family: str) -> None:
+    # T = 3 fitted for the scaled teacher's MAP; fitting again moves the posterior, after which
+    # that T would temper every later prediction (and the fit's validation) with no basis
+    model, train, val = _teacher_problem(3.0)
+    guide = pb.posterior(model, family)
+    pb.fit(model, guide, train, epochs=1, lr=1e-3)
+    t = pb.calibrate(model, guide, val)
+    assert t > 1.5
+    with pytest.warns(
+        UserWarning, match=rf"fit: {type(guide).__name__} was calibrated .*calibrate"
+    ):
+        pb.fit(model, guide, train, epochs=1, lr=1e-3)
+    assert TEMPERATURE_BUFFER not in dict(guide.named_buffers()) and temperature(guide) == 1.0
+    if family == "laplace":  # the post-hoc refit of the curvature alone says the same
+        pb.calibrate(model, guide, val)
+        with pytest.warns(UserWarning, match="fit_laplace: LaplaceGuide was calibrated"):
+            pb.infer.laplace.fit_laplace(model, guide, train)
+        assert temperature(guide) == 1.0
+    # an uncalibrated guide fits without a word (warnings are errors in the suite)
+    pb.fit(model, guide, train, epochs=1, lr=1e-3)
+
+
 def test_regression_scales_the_predictive_standard_deviation() -> None:
     # noise σ = 0.5 / 4 against a true 0.5 (means 4x too large too): over-confident by far
     model, val, _ = _teacher_problem(4.0, obs="reg")

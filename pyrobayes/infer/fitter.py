@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..calibration import drop_temperature
 from ..contract import implements
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .meanfield import MeanField
@@ -131,6 +132,7 @@ class Fitter:
                 "far too wide). Build the model with FineTuneModel(num_data=N), N the number of "
                 "training examples."
             )
+        drop_temperature(guide, owner="fit: ")
         self.params = trainable_parameters(model, guide)
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, to_device
+from ..calibration import drop_temperature
 from ..guides.laplace import _ALTERNATE_LAYERWISE
 from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.adapters import check_int, check_real
@@ -737,6 +738,7 @@ def fit_laplace(
     from laplace import Laplace as LaplaceTorch
 
     guide.require_setup()
+    drop_temperature(guide, owner="fit_laplace: ")
     net = model.net
     specs = model.latent_sites
     flags = {name: p.requires_grad for name, p in net.named_parameters()}
@@ -848,8 +850,15 @@ def _store_kron(guide: Any, la: Any, order: list[str]) -> None:
     if not isinstance(decomposed, KronDecomposed):  # what KronLaplace.fit leaves
         raise RuntimeError(_unexpected("KronDecomposed", decomposed))
     factor = float(la._H_factor)
-    for s, vecs, vals in zip(order, decomposed.eigenvectors, decomposed.eigenvalues, strict=True):
+    for s, site_vecs, site_vals in zip(
+        order, decomposed.eigenvectors, decomposed.eigenvalues, strict=True
+    ):
         shape = guide.sites[s]
+        vecs: list[Tensor] = list(site_vecs)
+        vals: list[Tensor] = list(site_vals)
+        if len(vals) == 1 and tuple(shape) == (1, 1):  # laplace-torch keeps a 1×1 weight's G·A
+            vecs.append(vecs[0].new_ones(1, 1))  # whole: A = 1 makes it the two-factor case
+            vals.append(vals[0].new_ones(1))
         if len(vals) != len(shape):
             raise RuntimeError(
                 f"Laplace: expected {len(shape)} Kronecker factor(s) for site {s!r} of "

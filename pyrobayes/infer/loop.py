@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..batch import to_device
+from ..batch import batch_size, split_batch, to_device
 from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
@@ -169,6 +169,55 @@ class _Divergence:
         )
         logger.warning(message)
         warnings.warn(message, DivergenceWarning, stacklevel=4)
+
+
+class _DataSize:
+    """Counts the examples of the first epoch against the model's ``num_data``; warns once.
+
+    ``num_data`` is N, the size of the training set: every family weighs its prior (the MAP's
+    ``log p(θ)``, the ELBO's ``KL(q ‖ p)``) as ``1/N`` of a minibatch's mean log-likelihood.
+    A pass over the data that yields more than N examples (``R·n`` over R ranks, where a
+    ``DistributedSampler`` pads each rank to ``ceil(N/R)``, so up to ``N + R − 1``) means N is
+    too small: typically the batch size passed as ``num_data``, which makes the prior weigh
+    ``R·n/N`` times too much and the posterior that much too wide, with no error anywhere
+    else (a batch is refused only when it alone exceeds N).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.num_data: int | None = getattr(model, "num_data", None)
+        self.label_key: str = getattr(model, "label_key", "labels")
+        self.size, self.rank = world()
+        self.count = 0
+        self.done = not isinstance(self.num_data, int)
+
+    def see(self, batch: Any) -> None:
+        if self.done:
+            return
+        try:
+            self.count += batch_size(split_batch(batch, self.label_key)[0])
+        except TypeError:  # a batch whose size cannot be told: no check
+            self.done = True
+
+    def finish(self) -> None:
+        """After the first epoch's batches (or the fit's, if it ends inside that epoch)."""
+        if self.done:
+            return
+        self.done = True
+        assert self.num_data is not None
+        seen = self.count * self.size
+        if seen <= self.num_data + self.size - 1 or self.rank != 0:
+            return
+        over = "" if self.size == 1 else f" ({self.size} ranks × {self.count})"
+        message = (
+            f"fit(): the first epoch yielded {seen} examples{over}, but the model's num_data "
+            f"is {self.num_data}. num_data must be the size of the training set (not the "
+            f"batch size): with it too small the prior (and KL) weighs {seen / self.num_data:.3g}"
+            "x too much and the posterior is too wide. Build the model with "
+            "FineTuneModel(..., num_data=len(train_set)); if the data repeats examples on "
+            "purpose (augmented copies), ignore this warning."
+        )
+        logger.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=6)
 
 
 def _device_of(model: Any) -> torch.device | None:
@@ -441,6 +490,7 @@ class _Loop:
         )
         self.terms: dict[str, list[torch.Tensor]] = {}
         self.divergence = _Divergence(lr)
+        self.data_size = _DataSize(model)
         self.stopped_early = False
 
     def _prepare(self, optim: Optimization, lr: float) -> tuple[Fitter, Any]:
@@ -527,7 +577,9 @@ class _Loop:
             if self._stops_early():
                 return
             if not self._batches_done():  # else: resumed after the last batch, before the end
-                if not self._train_epoch():  # num_steps reached inside the epoch
+                trained_on = self._train_epoch()
+                self.data_size.finish()  # the first epoch's count, checked once
+                if not trained_on:  # num_steps reached inside the epoch
                     if self.write and pos.saved_at != pos.step:
                         self._checkpoint(epoch_end_done=False)
                     return
@@ -564,6 +616,8 @@ class _Loop:
         seen = 0
         for batch in self.data:
             seen += 1
+            if pos.epoch == 0:
+                self.data_size.see(batch)
             if seen <= pos.in_epoch:  # resumed mid-epoch: done already
                 continue
             if num_steps is not None and pos.step >= num_steps:

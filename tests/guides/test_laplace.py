@@ -16,10 +16,10 @@ from tests.common import conjugate_core, mlp_problem, split_batches, tensor_load
 laplace = pytest.importorskip("laplace")
 
 
-def _linear_one_output(num_data: int = 40, noise: float = 0.3):
+def _linear_one_output(num_data: int = 40, noise: float = 0.3, rank: int = 3):
     prob = mlp_problem(
         (6, 4, 1),
-        LoRAXS(rank=3, target_modules=["0"]),
+        LoRAXS(rank=rank, target_modules=["0"]),
         num_data=num_data,
         seed=2,
         activation=None,
@@ -41,15 +41,16 @@ def _mlp(num_data: int = 60):
     return prob.model, prob.x, prob.y, tensor_loader(prob.x, prob.y, 20)
 
 
+@pytest.mark.parametrize("rank", [3, 1])  # 1: a 1×1 core, whose G ⊗ A laplace-torch stores whole
 @pytest.mark.parametrize("structure", ["kron", "diag"])
-def test_ggn_equals_exact_hessian_linear_gaussian(structure: str) -> None:
+def test_ggn_equals_exact_hessian_linear_gaussian(structure: str, rank: int) -> None:
     """SPECS 2(d) 5: f is linear in R with one output, so GGN = Hessian and K-FAC is exact."""
-    model, x, y, loader = _linear_one_output()
+    model, x, y, loader = _linear_one_output(rank=rank)
     tau = 0.7
     guide = LaplaceGuide(model, structure=structure, prior_precision=tau)
     site = next(iter(guide.sites))
     with torch.no_grad():
-        guide.loc(site).copy_(0.1 * torch.randn(3, 3))
+        guide.loc(site).copy_(0.1 * torch.randn(rank, rank))
     fit_laplace(model, guide, loader)
 
     def neg_log_joint(core: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ def test_ggn_equals_exact_hessian_linear_gaussian(structure: str) -> None:
         return nll + 0.5 * tau * core.square().sum()
 
     hess = torch.autograd.functional.hessian(neg_log_joint, guide.loc(site).detach())
-    hess = hess.reshape(9, 9)
+    hess = hess.reshape(rank * rank, rank * rank)
     ours = guide.posterior_precision(site)
     if structure == "kron":
         torch.testing.assert_close(ours, hess, rtol=1e-5, atol=1e-5 * hess.abs().max())

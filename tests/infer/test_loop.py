@@ -299,6 +299,29 @@ def test_a_diverging_fit_is_reported():
     )
 
 
+def test_num_data_below_the_epoch_size_is_reported_once():
+    # num_data = 16 (the batch size) for a training set of 64: the prior weighs 4x too much
+    prob = conjugate_core(num_data=64)
+    data = split_batches(prob.x, prob.y, size=16)
+    prob.model.num_data = 16
+    with pytest.warns(
+        UserWarning, match=r"first epoch yielded 64 examples.*num_data is 16"
+    ) as seen:
+        pb.fit(prob.model, pb.posterior(prob.model, "meanfield"), data, epochs=3)
+    assert len([w for w in seen if "num_data is 16" in str(w.message)]) == 1  # once, not per epoch
+    assert seen[0].filename == __file__  # it points at the call
+    # a fit ended inside its first epoch that already yielded too many says so too
+    with pytest.warns(UserWarning, match=r"first epoch yielded 32 examples"):
+        pb.fit(
+            prob.model, pb.posterior(prob.model, "map"), data, optim=pb.Optimization(num_steps=2)
+        )
+    # the right N, or a loader that drops or pads to N, does not warn (warnings are errors here)
+    prob.model.num_data = 64
+    pb.fit(prob.model, pb.posterior(prob.model, "meanfield"), data, epochs=2)
+    prob.model.num_data = 50  # a partial pass (a subset per epoch) is a legitimate plan
+    pb.fit(prob.model, pb.posterior(prob.model, "map"), data[:3], epochs=1)
+
+
 def test_the_progress_bar_is_on_in_interactive_use_only(monkeypatch):
     from pyrobayes.infer import options
 
