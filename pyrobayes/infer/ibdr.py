@@ -36,6 +36,7 @@ deep ensemble of K MAP fits (β = 1/(2K s_p²) in the paper's notation). One ste
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .diversity import diversity_loss
 from .fitter import Fitter, register_fitter
 from .objectives import split_training_batch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["IBDR", "IBDRLoss", "IBDRFitter", "FUNCTION_COST_TEMPERATURE"]
 
@@ -72,8 +75,9 @@ class IBDR:
     ----------
     alpha : float, optional
         α, weight of the diversity term (0.02, as the released code). ``None`` (default): 0.02
-        with a classification likelihood, 0 otherwise (the term is defined on class
-        probabilities; an explicit ``alpha > 0`` without them is refused).
+        with a classification likelihood of at least K + 1 classes, 0 otherwise (the term is
+        defined on class probabilities, and vanishes identically with fewer than K + 1 classes:
+        a binary task at K = 4; logged); an explicit ``alpha > 0`` there is refused.
     rho : float
         ρ, the Wasserstein radius the dual variable λ targets (0.0025: a mean squared ascent step
         of 0.05² per particle; 0 switches the robust step off exactly).
@@ -169,9 +173,20 @@ class IBDRLoss:
     loss : {"mean", "logits"}
     epsilon : float
         ε of ``−log det(Uᵀ U + ε I)``.
+    auto_alpha : bool
+        ``alpha`` is the default rather than the user's: where the term is undefined, fewer
+        than K + 1 classes (``det(Uᵀ U) ≡ 0``, :func:`~pyrobayes.infer.diversity.check_diversity_classes`),
+        it is switched off (α = 0, logged once) instead of refused.
     """
 
-    def __init__(self, alpha: float = 0.02, loss: str = "mean", epsilon: float = 1e-7) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.02,
+        loss: str = "mean",
+        epsilon: float = 1e-7,
+        *,
+        auto_alpha: bool = False,
+    ) -> None:
         if alpha < 0 or not math.isfinite(alpha):
             raise ValueError(f"IBDRLoss: expected a finite alpha >= 0 but got {alpha}.")
         if loss not in ("mean", "logits"):
@@ -179,6 +194,7 @@ class IBDRLoss:
         self.alpha = float(alpha)
         self.kind = loss
         self.epsilon = float(epsilon)
+        self.auto_alpha = bool(auto_alpha)
 
     def data_term(
         self, model: Any, values: Mapping[str, Tensor], batch: Any
@@ -198,6 +214,18 @@ class IBDRLoss:
             nll = -model.log_likelihood(params, targets).mean(0).sum()
         total = scale * nll
         logits = model.likelihood.dist(params).logits if classification else None
+        if self.alpha > 0 and self.auto_alpha and logits is not None:
+            num_classes, num_particles = logits.shape[-1], logits.shape[0]
+            if num_classes - 1 < num_particles:
+                logger.info(
+                    "IBDR: the diversity term needs at least K + 1 = %d classes, the task has "
+                    "%d: alpha's default is 0 here (robust particles without the term; fewer "
+                    "particles, num_particles <= %d, would keep it).",
+                    num_particles + 1,
+                    num_classes,
+                    num_classes - 1,
+                )
+                self.alpha = 0.0
         if self.alpha > 0:
             if logits is None:
                 raise ValueError(
@@ -299,7 +327,12 @@ class IBDRFitter(Fitter):
 
     def default_objective(self) -> IBDRLoss:
         settings = self.settings
-        return IBDRLoss(alpha=self.alpha, loss=settings.loss, epsilon=settings.epsilon)
+        return IBDRLoss(
+            alpha=self.alpha,
+            loss=settings.loss,
+            epsilon=settings.epsilon,
+            auto_alpha=settings.alpha is None,
+        )
 
     # ------------------------------------------------------------------ the step
     def _values(self, locs: Mapping[str, Tensor], noise: Mapping[str, Tensor]) -> dict[str, Tensor]:

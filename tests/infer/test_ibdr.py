@@ -96,6 +96,32 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
+def test_the_default_alpha_is_zero_where_the_task_has_too_few_classes(caplog):
+    # 3 classes, K = 4 particles: det(U^T U) = 0 for every input, so the default fit is the
+    # alpha = 0 fit step for step (logged), while an explicit alpha > 0 is still refused
+    def fitted(optimizer):
+        model, data = _mlp_problem(classes=3)
+        guide = pb.posterior(model, "ibdr", num_particles=4)
+        result = pb.fit(model, guide, data, epochs=2, seed=0, optim=optimizer)
+        return result.losses, guide.component_locs()
+
+    with caplog.at_level("INFO", logger="pyrobayes.infer.ibdr"):
+        default = fitted(pb.Optimization())
+    assert "alpha's default is 0 here" in caplog.text and "num_particles <= 2" in caplog.text
+    zero = fitted(pb.Optimization(optimizer=IBDR(alpha=0.0)))
+    assert torch.equal(default[0], zero[0])
+    for site, loc in default[1].items():
+        assert torch.equal(loc, zero[1][site]), site
+    with pytest.raises(ValueError, match="K \\+ 1 classes"):
+        fitted(pb.Optimization(optimizer=IBDR(alpha=0.02)))
+    # with K + 1 classes the default keeps the term (alpha 0.02): another fit
+    model, data = _mlp_problem(classes=5)
+    guide = pb.posterior(model, "ibdr", num_particles=4)
+    fitter = pb.infer.make_fitter(model, guide)
+    fitter.step(data[0])
+    assert fitter.objective.alpha == 0.02
+
+
 def test_one_particle_without_diversity_or_robustness_is_map_step_for_step():
     """K = 1, α = 0, σ = 0, λ → ∞ (the ascent g/(2λ) ≤ c_max/2e12 vanishes): the MAP fitter's
     trajectory with the same optimizer, loss and parameters to 1e-6 at every step."""
@@ -482,7 +508,7 @@ def test_bad_requests_are_refused_by_name():
     pyro.clear_param_store()
     model, data = _mlp_problem(classes=3)
     guide = pb.posterior(model, "ibdr", num_particles=3)  # C − 1 = 2 < K = 3
-    fitter = pb.infer.make_fitter(model, guide, lr=1e-3)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-3, optimizer=IBDR(alpha=0.02))
     with pytest.raises(ValueError, match="num_particles <= C - 1"):
         fitter.step(data[0])
     prob = conjugate_core()
