@@ -935,6 +935,20 @@ ISSUE30_CASES: list[Case] = [
         "NLL, ECE and Brier",
     ),
     _case(
+        "categorical-labels-per-token",  # a (B, T, C) output with (B, T) labels: NER-style
+        lambda: (
+            lambda m: pb.fit(
+                m,
+                pb.posterior(m, "map"),
+                [(torch.randn(ROWS, 5, 4), torch.randint(0, CLASSES, (ROWS, 5)))],
+                epochs=1,
+            )
+        )(_model()),
+        ValueError,
+        "labels of shape (8, 5) label every position",
+        "per-token labels are not supported",
+    ),
+    _case(
         "metrics-report-of-an-unlabelled-prediction",
         lambda: (
             lambda m: pb.metrics.report(  # pb.predict over batches without targets

@@ -167,6 +167,14 @@ def check_class_targets(
     if shape == (rows, 1):
         targets = targets.squeeze(-1)
     elif shape not in ((rows,), lead):
+        if len(shape) >= 2 and shape == lead[-len(shape) :]:  # a label per output position
+            raise ValueError(
+                f"{what}: labels of shape {_shape(shape)} label every position of the network's "
+                f"output (logits {_shape(out)}): a token-classification batch. This likelihood "
+                "takes one label per example and the network's output one row of class logits "
+                "per example (sequence classification, e.g. BertForSequenceClassification); "
+                "per-token labels are not supported."
+            )
         raise ValueError(
             f"{what}: labels of shape {_shape(shape)} do not match the batch of {rows} examples "
             f"(logits {_shape(out)}); pass one label per example, shape ({rows},)."
