@@ -204,6 +204,35 @@ def test_fitting_a_guide_with_another_model_is_refused_naming_both():
     pb.infer.make_fitter(a.model, guide, lr=1e-2)  # its own model: fine
 
 
+def test_predicting_with_a_guide_on_another_model_that_differs_is_refused(tmp_path):
+    """The reported case: a notebook rebuilds the model after the fit and predicts with the
+    old guide: the posterior's sites fit, but the model's head is untrained (the guide does
+    not hold it), and the prediction was silently another model's."""
+    a, guide = _fitted("meanfield")
+    data = split_batches(a.x, a.y, 16)
+    reference = pb.predict(a.model, guide, data, num_samples=2, seed=0).probs
+    rebuilt = _problem(seed=0).model  # the same base weights, its own (unfitted) head
+    other_base = _problem(seed=1).model  # other base weights (and head)
+    calls = [
+        ("predict", lambda m: pb.predict(m, guide, data, num_samples=2, seed=0)),
+        ("predict", lambda m: pb.calibrate(m, guide, data, num_samples=2)),  # through predict
+        ("to_inference_data", lambda m: pb.to_inference_data(m, guide, data, num_samples=2)),
+    ]
+    for where, call in calls:
+        pattern = rf"{where}: the MeanFieldGuide was fitted with another model .* differ in "
+        with pytest.raises(ValueError, match=pattern + r"'2\.bias', '2\.weight' \(the"):
+            call(rebuilt)
+    with pytest.raises(ValueError, match=r"differ in .*'0\.base\.weight'"):
+        pb.predict(other_base, guide, data, num_samples=2, seed=0)
+    # a copy with equal weights predicts the same; so does the file loaded into the rebuilt model
+    copy = _problem(seed=0).model
+    copy.load_state_dict(a.model.state_dict())
+    assert torch.equal(pb.predict(copy, guide, data, num_samples=2, seed=0).probs, reference)
+    pb.save(guide, tmp_path / "q.safetensors")
+    loaded = pb.load(tmp_path / "q.safetensors", rebuilt)
+    assert torch.equal(pb.predict(rebuilt, loaded, data, num_samples=2, seed=0).probs, reference)
+
+
 def test_init_from_a_guide_fitted_on_another_model_is_refused():
     """pb.posterior(model_B, "laplace", init=map_guide_of_model_A): other base weights, or the
     same base but another head, are refused; a rebuilt copy with the head copied is accepted

@@ -49,7 +49,7 @@ from .._version import __version__
 from ..batch import split_batch, to_device
 from ..contract import Mixture, implements
 from ..models.sharing import reuse_within_batch
-from ..predictive import cat_examples, default_samples_per_forward
+from ..predictive import cat_examples, check_fitted_model, default_samples_per_forward
 
 __all__ = [
     "to_datatree",
@@ -261,6 +261,7 @@ def evaluate_draws(
     """
     if num_samples < 1:
         raise ValueError(f"Expected num_samples >= 1 but got {num_samples}.")
+    check_fitted_model(model, guide, "to_inference_data")
     if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
         data = list(data)
     model.train(False)
