@@ -319,3 +319,43 @@ def test_lm_epochs_scores_every_epoch_without_changing_the_fit(tmp_path):
     assert out["losses"] == list(result.losses)
     with pytest.raises(ValueError, match="'laplace' is built post hoc"):
         module.epoch_curve(config, "laplace", epochs=1)
+
+
+def test_lm_posthoc_reproduces_the_run_and_tunes_on_the_validation_split(tmp_path, capsys):
+    """benchmarks/lm_posthoc.py: the saved posteriors re-scored equal the run's table; a
+    temperature keeps the accuracy (it keeps every argmax); Laplace's τ chosen on the validation
+    split is the saved τ times a factor of the default grid."""
+    import importlib.util
+    from pathlib import Path
+
+    from pyrobayes.infer.prior_precision import DEFAULT_FACTORS
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_posthoc.py"
+    spec = importlib.util.spec_from_file_location("bench_lm_posthoc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    write_task(tmp_path / "task.json")
+    write_config(tmp_path / "job.toml", tmp_path / "task.json")
+    out = tmp_path / "run"
+    assert (
+        main(["fit", str(tmp_path / "job.toml"), "--quick", "--out", str(out), "--no-progress"])
+        == 0
+    )
+    capsys.readouterr()
+    saved = {(r["family"], r["seed"]): r for r in json.loads((out / "metrics.json").read_text())}
+    rows = {(r["family"], r["seed"]): r for r in module.posthoc_rows(out)}
+    assert sorted(rows) == sorted(
+        (f, s) for s in (0, 1) for f in ("map", "map+ts", "laplace", "laplace+ts", "laplace-gs")
+    )
+    for seed in (0, 1):
+        for family in ("map", "laplace"):
+            again, before = rows[(family, seed)], saved[(family, seed)]
+            assert again["accuracy"] == before["accuracy"]
+            assert again["nll"] == pytest.approx(before["nll"], rel=1e-5)
+            tempered = rows[(f"{family}+ts", seed)]
+            assert tempered["temperature"] > 0 and tempered["accuracy"] == again["accuracy"]
+        gs = rows[("laplace-gs", seed)]
+        factor = gs["tau"] / gs["tau_evidence"]
+        assert min(abs(factor / f - 1) for f in DEFAULT_FACTORS) < 1e-4, factor
