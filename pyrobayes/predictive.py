@@ -231,11 +231,16 @@ def _differing_tensors(model: Any, other: Any) -> list[str]:
                 full = f"{path}.{name}" if path else name
                 if full not in skip and full not in mine:
                     tensors[full] = (t, theirs_all.get(full))
+
+    def rounded(t: Tensor) -> Tensor:  # as pb.load's fingerprint: a bf16 / f64 copy is equal
+        t = t.detach().cpu()
+        return t.to(torch.float32).to(torch.bfloat16) if t.is_floating_point() else t
+
     differ = []
     for name, (a, b) in sorted(tensors.items()):
         if a is None or b is None or a.shape != b.shape:
             differ.append(name)
-        elif not torch.equal(a.detach().cpu(), b.detach().to("cpu", a.dtype)):
+        elif not torch.equal(rounded(a), rounded(b)):
             differ.append(name)
     return differ
 
@@ -246,7 +251,8 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
 
     A guide holds the posterior over the latent sites only; the trained head and the frozen base
     weights are read from the model passed. Another model object with equal values there (a
-    copy) predicts the same and passes; one whose head or base weights differ (a model rebuilt
+    copy, or a float64 / bfloat16 cast of one: values are compared rounded to bfloat16, as
+    :func:`pyrobayes.io.base_fingerprint` hashes them) passes; one whose head or base weights differ (a model rebuilt
     after the fit, its head untrained) would pair the posterior with weights it was not fitted
     with, and predict silently wrong.
 

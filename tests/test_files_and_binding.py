@@ -228,6 +228,7 @@ def test_predicting_with_a_guide_on_another_model_that_differs_is_refused(tmp_pa
     copy = _problem(seed=0).model
     copy.load_state_dict(a.model.state_dict())
     assert torch.equal(pb.predict(copy, guide, data, num_samples=2, seed=0).probs, reference)
+    pb.predict(copy.to(torch.float64), guide, data, num_samples=2)  # a cast copy: accepted
     pb.save(guide, tmp_path / "q.safetensors")
     loaded = pb.load(tmp_path / "q.safetensors", rebuilt)
     assert torch.equal(pb.predict(rebuilt, loaded, data, num_samples=2, seed=0).probs, reference)
