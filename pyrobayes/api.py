@@ -146,7 +146,7 @@ def _check_init_model(guide: Any, init: Any, made_latent: set[str] | None = None
     """``init`` must sit on the new guide's model, or on one with the same frozen base weights
     and the same point parameters (a rebuilt copy with the head copied over; a point parameter
     the rebuilt model then made latent, ``made_latent``, has been compared already)."""
-    from .io import base_fingerprint  # local: io imports the guide registry
+    from .io import base_fingerprint, differing_point_params  # local: io imports the registry
 
     mine, theirs = getattr(guide, "model", None), getattr(init, "model", None)
     if mine is None or theirs is None or mine is theirs:
@@ -162,17 +162,9 @@ def _check_init_model(guide: Any, init: Any, made_latent: set[str] | None = None
             f"frozen base weights differ (fingerprint {there['sha256'][:16]}… for init.model, "
             f"{here['sha256'][:16]}… for the model of the new {type(guide).__name__})." + fix
         )
-    ours, fitted = getattr(mine, "point_params", {}), getattr(theirs, "point_params", {})
     specs = getattr(mine, "latent_sites", {})
     moved = {specs[s].param_name for s in made_latent or ()}
-    fitted = {k: v for k, v in fitted.items() if k not in moved}
-    differ = sorted(set(ours) ^ set(fitted))
-    differ += [
-        k
-        for k in sorted(set(ours) & set(fitted))
-        if ours[k].shape != fitted[k].shape
-        or not torch.equal(ours[k].detach().cpu(), fitted[k].detach().cpu())
-    ]
+    differ = differing_point_params(mine, theirs, skip=moved)
     if differ:
         raise ValueError(
             f"posterior(init=...): the {type(init).__name__} was fitted on another model whose "

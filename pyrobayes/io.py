@@ -182,6 +182,23 @@ def base_fingerprint(model: Any) -> dict[str, Any] | None:
     return {"sha256": h.hexdigest(), "scope": scope, "tensors": len(hashed)}
 
 
+def differing_point_params(model: Any, other: Any, skip: Any = ()) -> list[str]:
+    """Names of the point-estimated parameters (the head) where ``model`` and ``other`` differ:
+    present in one only (sorted, first), then another shape or other values (sorted). Values are
+    compared exactly (``torch.equal``, so a lossless cast such as float32 → float64 is equal);
+    names in ``skip`` are left out on both sides."""
+    mine = {k: v for k, v in getattr(model, "point_params", {}).items() if k not in skip}
+    theirs = {k: v for k, v in getattr(other, "point_params", {}).items() if k not in skip}
+    differ = sorted(set(mine) ^ set(theirs))
+    differ += [
+        k
+        for k in sorted(set(mine) & set(theirs))
+        if mine[k].shape != theirs[k].shape
+        or not torch.equal(mine[k].detach().cpu(), theirs[k].detach().cpu())
+    ]
+    return differ
+
+
 def _non_finite(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int] | None:
     """The first key (in key order) whose floating tensor holds NaN/inf, and how many."""
     for key in sorted(tensors):
@@ -335,15 +352,14 @@ def _check_guide_belongs(guide: Any, model: Any, guide_model: Any) -> None:
             f"built on (model: {sorted(mine)}, guide.model: {sorted(fitted)}). Pass the model "
             "the guide was fitted with as model= (or omit model=)."
         )
-    for name, p in mine.items():
-        q = fitted[name]
-        if p.shape != q.shape or not torch.equal(p.detach().cpu(), q.detach().cpu()):
-            raise PosteriorMismatchError(
-                f"pb.save: model's point parameter {name!r} (the head) differs from that of the "
-                "model the guide was built on; the file would pair this posterior with a head it "
-                "was not fitted with. Pass the model the guide was fitted with as model= (or "
-                "omit model=), or build the guide on this model."
-            )
+    differ = differing_point_params(model, guide_model)
+    if differ:
+        raise PosteriorMismatchError(
+            f"pb.save: model's point parameter {differ[0]!r} (the head) differs from that of the "
+            "model the guide was built on; the file would pair this posterior with a head it "
+            "was not fitted with. Pass the model the guide was fitted with as model= (or "
+            "omit model=), or build the guide on this model."
+        )
 
 
 def _site_difference(

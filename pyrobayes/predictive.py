@@ -212,71 +212,42 @@ def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any 
     )
 
 
-def _differing_tensors(model: Any, other: Any) -> list[str]:
-    """Names of the tensors a prediction reads from the model outside the posterior where
-    ``model`` and ``other`` differ: the point-estimated parameters (the head) and the frozen
-    parameters and buffers of the adapted layers (the base weights the adapter sits on)."""
-    latent = getattr(model, "latent_sites", None) or {}
-    skip = {spec.param_name for spec in latent.values()}
-    tensors: dict[str, tuple[Any, Any]] = {}
-    mine, theirs = getattr(model, "point_params", {}), getattr(other, "point_params", {})
-    for name in set(mine) | set(theirs):
-        tensors[name] = (mine.get(name), theirs.get(name))
-    net, other_net = getattr(model, "net", None), getattr(other, "net", None)
-    if isinstance(net, torch.nn.Module) and isinstance(other_net, torch.nn.Module):
-        theirs_all = dict(other_net.named_parameters()) | dict(other_net.named_buffers())
-        for path in sorted({spec.module_path for spec in latent.values()}):
-            module = net.get_submodule(path)
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                full = f"{path}.{name}" if path else name
-                if full not in skip and full not in mine:
-                    tensors[full] = (t, theirs_all.get(full))
-
-    def rounded(t: Tensor) -> Tensor:  # as pb.load's fingerprint: a bf16 / f64 copy is equal
-        t = t.detach().cpu()
-        return t.to(torch.float32).to(torch.bfloat16) if t.is_floating_point() else t
-
-    differ = []
-    for name, (a, b) in sorted(tensors.items()):
-        if a is None or b is None or a.shape != b.shape:
-            differ.append(name)
-        elif not torch.equal(rounded(a), rounded(b)):
-            differ.append(name)
-    return differ
-
-
 def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     """Refuse to predict with ``guide`` on a ``model`` other than the one it was fitted on when
     the two differ outside the posterior.
 
     A guide holds the posterior over the latent sites only; the trained head and the frozen base
     weights are read from the model passed. Another model object with equal values there (a
-    copy, or a float64 / bfloat16 cast of one: values are compared rounded to bfloat16, as
-    :func:`pyrobayes.io.base_fingerprint` hashes them) passes; one whose head or base weights differ (a model rebuilt
-    after the fit, its head untrained) would pair the posterior with weights it was not fitted
-    with, and predict silently wrong.
+    copy, or a float64 cast of one; base weights are compared by
+    :func:`pyrobayes.io.base_fingerprint`, as :func:`pyrobayes.load` compares them) passes; one
+    whose head or base weights differ (a model rebuilt after the fit, its head untrained) would
+    pair the posterior with weights it was not fitted with, and predict silently wrong.
 
     Raises
     ------
     ValueError
-        Naming the differing tensors and the fix.
+        Naming what differs and the fix.
     """
+    from .io import base_fingerprint, differing_point_params  # local: io imports the registry
+
     try:
         bound = getattr(guide, "model", None)
     except TypeError:  # an AutoGuide whose model reference was dropped (pickling)
         return
     if bound is None or bound is model or getattr(model, "latent_sites", None) is None:
         return
-    differ = _differing_tensors(model, bound)
+    heads = differing_point_params(model, bound)
+    differ = [f"the point parameters {heads[:4]} (the head)"] if heads else []
+    here, there = base_fingerprint(model), base_fingerprint(bound)
+    if here is not None and there is not None and here["sha256"] != there["sha256"]:
+        differ.append("the frozen base weights of the adapted layers")
     if differ:
-        shown = ", ".join(repr(n) for n in differ[:4]) + (" ..." if len(differ) > 4 else "")
         raise ValueError(
             f"{where}: the {type(guide).__name__} was fitted with another model (guide.model) "
-            f"than the one passed, and the two differ in {shown} (the trained head or the base "
-            "weights, which the guide does not hold): the prediction would pair the posterior "
-            "with weights it was not fitted with. Pass guide.model, or save the posterior "
-            "(pb.save(guide, path)) and load it into this model (pb.load(path, model)), which "
-            "restores the head."
+            f"than the one passed, and the two differ in {' and '.join(differ)}, which the "
+            "guide does not hold: the prediction would pair the posterior with weights it was "
+            "not fitted with. Pass guide.model, or save the posterior (pb.save(guide, path)) "
+            "and load it into this model (pb.load(path, model)), which restores the head."
         )
 
 

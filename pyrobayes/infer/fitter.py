@@ -132,7 +132,6 @@ class Fitter:
                 "far too wide). Build the model with FineTuneModel(num_data=N), N the number of "
                 "training examples."
             )
-        drop_temperature(guide, owner="fit: ")
         self.params = trainable_parameters(model, guide)
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
@@ -455,4 +454,5 @@ def make_fitter(model: Any, guide: Any, **kwargs: Any) -> Fitter:
         ) from None
     fitter = cls(model, guide, **kwargs)  # its own argument errors first (e.g. no sites yet)
     check_guide_model(model, guide, "fit")
+    drop_temperature(guide, owner="fit: ")  # once nothing can refuse the fit any more
     return fitter

@@ -184,11 +184,12 @@ class _DataSize:
     """
 
     def __init__(self, model: Any) -> None:
-        self.num_data: int | None = getattr(model, "num_data", None)
+        num_data = getattr(model, "num_data", None)
+        self.num_data = num_data if isinstance(num_data, int) else 0  # 0: nothing to check
         self.label_key: str = getattr(model, "label_key", "labels")
         self.size, self.rank = world()
         self.count = 0
-        self.done = not isinstance(self.num_data, int)
+        self.done = not self.num_data
 
     def see(self, batch: Any) -> None:
         if self.done:
@@ -203,7 +204,6 @@ class _DataSize:
         if self.done:
             return
         self.done = True
-        assert self.num_data is not None
         seen = self.count * self.size
         if seen <= self.num_data + self.size - 1 or self.rank != 0:
             return
