@@ -44,6 +44,7 @@ __all__ = [
     "LinearizedPredictive",
     "Symmetrized",
     "implements",
+    "bound_model",
 ]
 
 
@@ -309,3 +310,12 @@ def implements(obj: Any, protocol: type) -> bool:
     if hit is None:
         hit = _IMPLEMENTS[key] = isinstance(obj, protocol)
     return hit
+
+
+def bound_model(guide: Any) -> Any:
+    """The model ``guide`` was built on (``guide.model``), or ``None``: a guide without one, or
+    an AutoGuide whose model reference was dropped (pickling), whose ``.model`` raises."""
+    try:
+        return getattr(guide, "model", None)
+    except TypeError:
+        return None

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .batch import batch_size, split_batch, to_device
 from .calibration import apply_temperature
-from .contract import LinearizedPredictive, Mixture, implements
+from .contract import LinearizedPredictive, Mixture, bound_model, implements
 from .models.adapters import check_int
 from .models.sharing import reuse_within_batch
 
@@ -230,10 +230,7 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     """
     from .io import base_fingerprint, differing_point_params  # local: io imports the registry
 
-    try:
-        bound = getattr(guide, "model", None)
-    except TypeError:  # an AutoGuide whose model reference was dropped (pickling)
-        return
+    bound = bound_model(guide)
     if bound is None or bound is model or getattr(model, "latent_sites", None) is None:
         return
     heads = differing_point_params(model, bound)

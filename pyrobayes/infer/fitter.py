@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..calibration import drop_temperature
-from ..contract import implements
+from ..contract import bound_model, implements
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .meanfield import MeanField
 from .objectives import MAP, SurrogateObjective, is_variational, make_objective
@@ -415,10 +415,7 @@ def check_guide_model(model: Any, guide: Any, where: str = "fit") -> None:
     ValueError
         Naming both models and the fix.
     """
-    try:
-        bound = getattr(guide, "model", None)
-    except TypeError:  # an AutoGuide whose model reference was dropped (pickling)
-        return
+    bound = bound_model(guide)
     if bound is None or bound is model:
         return
     same = getattr(bound, "latent_sites", None) is not None and {
