@@ -45,7 +45,7 @@ from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
 from .schedule import check_schedule, make_scheduler
-from .selection import Selection, data_fingerprint
+from .selection import Selection, data_fingerprint, warn_if_training_data
 
 logger = logging.getLogger(__name__)
 
@@ -362,6 +362,9 @@ def fit(
         Once, when the median loss of the last 10 steps exceeds the first step's loss by over
         10³ times its magnitude (at least 10³ for a first loss within 1 of zero): a diverging
         fit; lower ``lr``.
+    UserWarning
+        When ``validation``'s data are ``data`` itself (or a loader over the same dataset):
+        selection and early stopping would follow the training fit.
 
     Raises
     ------
@@ -397,6 +400,8 @@ def fit(
         validated=options.validation is not None,
     )
     plan = _Plan.of(data, epochs, num_steps)
+    if options.validation is not None:
+        warn_if_training_data(options.validation.data, data)
     # argument errors before anything is touched (begin() resets what a fitter collects)
     check_schedule(options.optim.scheduler, plan.total, options.optim.warmup)
     with contextlib.ExitStack() as stack:

@@ -16,6 +16,7 @@ Scores (all "lower is better" internally):
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,9 +27,34 @@ from .. import metrics
 from ..batch import split_batch
 from .distributed import all_reduce_mean_, world
 
-__all__ = ["SELECT_BY", "Snapshot", "Selection", "data_fingerprint", "validation_score"]
+__all__ = [
+    "SELECT_BY",
+    "Snapshot",
+    "Selection",
+    "data_fingerprint",
+    "validation_score",
+    "warn_if_training_data",
+]
 
 SELECT_BY = ("nll", "accuracy", "rmse")
+
+
+def warn_if_training_data(validation_data: Iterable[Any], data: Iterable[Any]) -> None:
+    """Warn when ``fit``'s held-out data are its training data (the same object, or loaders
+    over the same dataset object): every epoch then scores the training fit, so the "best"
+    epoch is the last one that fits the training set best and early stopping never helps."""
+    same = validation_data is data
+    dataset = getattr(data, "dataset", None)
+    same = same or (dataset is not None and getattr(validation_data, "dataset", None) is dataset)
+    if same:
+        warnings.warn(
+            "fit(validation=Validation(data)): the validation data are the training data "
+            "(the same object or a loader over the same dataset); the selected epoch and early "
+            "stopping then follow the training fit. Pass held-out batches, e.g. a split made "
+            "with torch.utils.data.random_split.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def validation_score(

@@ -16,7 +16,7 @@ def _run(family: str, epochs: int, val: str | None, select_by: str = "nll", **kw
     prob = conjugate_core()
     train = split_batches(prob.x, prob.y)
     if val == "train":  # the fit improves it every epoch: the last epoch is the best
-        val_data = train
+        val_data = split_batches(prob.x, prob.y)  # a copy: fit warns on the training object
     elif val == "flipped":  # targets of the opposite sign: the fit worsens it every epoch
         val_data = split_batches(prob.x, 2 * prob.model.net[0].base(prob.x).detach() - prob.y)
     else:
@@ -137,7 +137,11 @@ def test_bad_select_by_is_named():
         pb.Validation(data, select_by="f1")
     with pytest.raises(ValueError, match="classification"):
         pb.fit(
-            prob.model, guide, data, epochs=1, validation=pb.Validation(data, select_by="accuracy")
+            prob.model,
+            guide,
+            data,
+            epochs=1,
+            validation=pb.Validation(data[:1], select_by="accuracy"),
         )
 
 
@@ -214,3 +218,22 @@ def test_bad_patience_is_named():
         pb.Validation(data, patience=0)
     with pytest.raises(TypeError, match="patience"):
         pb.Validation(data, patience=1.5)
+
+
+def test_validating_on_the_training_data_is_warned():
+    # the same object, or a second loader over the same dataset, makes "the best epoch" the
+    # training fit's; a held-out loader over another dataset passes without a word
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    train_set = torch.utils.data.TensorDataset(prob.x, prob.y)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=8)
+    again = torch.utils.data.DataLoader(train_set, batch_size=16)
+    held_out = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(prob.x[:8], prob.y[:8]), batch_size=8
+    )
+    for val in (loader, again):
+        guide = pb.posterior(prob.model, "map")
+        with pytest.warns(UserWarning, match="validation data are the training data"):
+            pb.fit(prob.model, guide, loader, epochs=1, validation=pb.Validation(val))
+    guide = pb.posterior(prob.model, "map")
+    pb.fit(prob.model, guide, loader, epochs=1, validation=pb.Validation(held_out))
