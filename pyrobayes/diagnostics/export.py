@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -550,7 +551,11 @@ def _to_arviz(
     # `attrs` goes on the InferenceData itself (and observed_data); `<group>_attrs` on each group
     group_attrs = {f"{g}_attrs": dict(attrs) for g in groups if g != "observed_data"}
     arguments: dict[str, Any] = {**groups, **group_attrs}  # keyword arguments of from_dict
-    idata = az.from_dict(dims=dims, attrs=dict(attrs), **arguments)
+    with warnings.catch_warnings():
+        # a mixture's chains are its K components (a delta particle has one distinct draw):
+        # ArviZ's guess that chains > draws means swapped axes does not apply to this layout
+        warnings.filterwarnings("ignore", "More chains .* than draws", UserWarning)
+        idata = az.from_dict(dims=dims, attrs=dict(attrs), **arguments)
     if extra_groups:
         idata.add_groups(extra_groups)
     return idata
