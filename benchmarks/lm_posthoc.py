@@ -65,7 +65,7 @@ def posthoc_rows(run_dir: str | Path) -> list[dict[str, Any]]:
         if family not in FAMILIES:
             continue
         seed = int(seed_text)
-        model = causal_lm.build_model(config, base, data["num_train"], seed)
+        model = causal_lm.build_model(config, base, data["num_train"], seed, family)
         guide = pb.load(path, model)
         rows.append({"family": family, "seed": seed, **score(model, guide)})
         if family == "laplace":

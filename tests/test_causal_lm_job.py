@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from pyrobayes.cli import main
 from pyrobayes.demo import causal_lm
@@ -359,3 +360,56 @@ def test_lm_posthoc_reproduces_the_run_and_tunes_on_the_validation_split(tmp_pat
         gs = rows[("laplace-gs", seed)]
         factor = gs["tau"] / gs["tau_evidence"]
         assert min(abs(factor / f - 1) for f in DEFAULT_FACTORS) < 1e-4, factor
+
+
+def test_signorm_members_sit_in_the_adapted_blocks_and_evaluate_without_drift(tmp_path, capsys):
+    """σN in the job: member RMSNorms in exactly the blocks that hold an adapted module (the
+    lower blocks and the final norm keep the pretrained ones), fitted, saved and re-scored by
+    ``pyrobayes evaluate`` to the saved metrics."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pyrobayes.models.signorm import MemberNorm
+
+    net = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    upper = r"model\.layers\.[12]\.self_attn\.(q_proj|v_proj)"
+    assert causal_lm.member_norm_paths(net, upper) == [
+        f"model.layers.{i}.{n}"
+        for i in (1, 2)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
+    with pytest.raises(ValueError, match="no stack of decoder blocks"):
+        causal_lm.member_norm_paths(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0"])
+
+    write_task(tmp_path / "task.json", num=16)
+    config = causal_lm.resolve_config(
+        {
+            "families": ["signorm"],
+            "seeds": [0],
+            "causal_lm": {"task": {"path": str(tmp_path / "task.json")}},
+        },
+        quick=True,
+    )
+    records = causal_lm.run(config, tmp_path / "run", progress_bar=False)
+    assert [r["family"] for r in records] == ["zero-shot", "signorm"]
+    assert math.isfinite(records[1]["nll"])
+    base, _ = causal_lm.load_base(config)
+    model = causal_lm.build_model(config, base, 16, 0, "signorm")
+    members = sorted(n for n, m in model.net.named_modules() if isinstance(m, MemberNorm))
+    blocks = len(causal_lm_sharing.block_stack(base))
+    assert members == sorted(
+        f"model.layers.{i}.{n}"
+        for i in range(blocks)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    )
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "run")]) == 0
+    assert "no drift" in capsys.readouterr().out

@@ -55,11 +55,13 @@ from ..calibration import fit_temperature, tempered_nll
 from ..infer.ivon import IVON
 from ..infer.loop import fit
 from ..infer.options import Progress
+from ..infer.signorm import SigmaNormDiversity
 from ..io import load, save
 from ..models import FineTuneModel, MultipleChoice
 from ..models.accounting import count_parameters
-from ..models.adapters import adapter_from_dict
-from ..models.sharing import prefix_shared_logits, sharing_enabled
+from ..models.adapters import adapter_from_dict, find_target_modules
+from ..models.sharing import block_stack, prefix_shared_logits, sharing_enabled
+from ..models.signorm import SigmaNorm, is_norm
 from ..predictive import Prediction, predict
 from ..tasks import (
     DEFAULT_TEMPLATE,
@@ -276,11 +278,6 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
     if quick:
         config = merge_config(config, QUICK_OVERRIDES)
     check_families(config["families"])
-    if "signorm" in config["families"]:
-        raise ConfigError(
-            "families: signorm is not available in the causal-LM job yet (its member norms "
-            "need the model's RMSNorm module names); use pyrobayes.posterior directly."
-        )
     if not config["seeds"]:
         raise ConfigError("Config key 'seeds' is empty; give at least one seed, e.g. [0].")
     if not config["causal_lm"]["task"]["path"]:
@@ -423,6 +420,11 @@ LM_FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # as measured in docs/causal_lm.md: over the adapter with one τ (the MiniLM demo's head
     # made latent with a τ per site has no head to cover here: the LM head stays frozen)
     "laplace": {"init": "map", "epochs": 0},
+    # σN-ensemble (Lopez-Gonzalez et al. 2025) on a decoder: M = 4 members, each with its own
+    # RMSNorm scales/shifts in the blocks that hold an adapted module (member_norm_paths; the
+    # blocks below stay shared, the LM head frozen), the LoRA factors shared; the demo's
+    # diversity weight λ = 0.01
+    "signorm": {"optimizer": SigmaNormDiversity(strength=0.01), "members": 4},
 }
 
 
@@ -430,15 +432,60 @@ def _settings(family: str) -> dict[str, Any]:
     """The fit settings of ``family`` in this job: :data:`LM_FAMILY_SETTINGS`, else the demo's
     (its MiniLM-specific adapter transform dropped)."""
     settings = LM_FAMILY_SETTINGS.get(family, FAMILY_SETTINGS.get(family, {}))
-    return {k: v for k, v in settings.items() if k != "adapter"}
+    return {k: v for k, v in settings.items() if k not in ("adapter", "members")}
 
 
-def build_model(config: dict[str, Any], base: torch.nn.Module, num_data: int, seed: int) -> Any:
-    """A copy of ``base`` with the configured adapter (initialised under ``seed``)."""
+def member_norm_paths(net: torch.nn.Module, target_modules: Sequence[str] | str) -> list[str]:
+    """The norm layers (LLaMA's ``RMSNorm``) inside the decoder blocks that hold a module of
+    ``target_modules``: the σN members' own layers in this job. The blocks below the first
+    adapted one keep their pretrained norms, so they stay shared by every member (one backward
+    stop, one lower pass per batch), and so does the final norm under the frozen head."""
+    blocks = block_stack(net)
+    if blocks is None:
+        raise ValueError(
+            f"signorm: {type(net).__name__} has no stack of decoder blocks to place member norm "
+            "layers in; fit pyrobayes.models.SigmaNorm(norm_modules=...) with pyrobayes.fit."
+        )
+    stack = next(name for name, module in net.named_modules() if module is blocks)
+    adapted = find_target_modules(net, target_modules)
+    indices = sorted(
+        {int(p[len(stack) + 1 :].split(".", 1)[0]) for p in adapted if p.startswith(stack + ".")}
+    )
+    paths = [
+        f"{stack}.{i}.{name}"
+        for i in indices
+        for name, module in blocks[i].named_modules()
+        if name and is_norm(module)
+    ]
+    if not paths:
+        raise ValueError(
+            f"signorm: no norm layer inside the decoder blocks of adapter.target_modules="
+            f"{target_modules!r} (blocks {indices} of {stack}); adapt modules inside blocks "
+            "that hold RMSNorm/LayerNorm layers."
+        )
+    return paths
+
+
+def build_model(
+    config: dict[str, Any],
+    base: torch.nn.Module,
+    num_data: int,
+    seed: int,
+    family: str | None = None,
+) -> Any:
+    """A copy of ``base`` with the configured adapter (initialised under ``seed``); for
+    ``family="signorm"`` wrapped in member norm layers (:func:`member_norm_paths`)."""
     torch.manual_seed(seed)
-    adapter = adapter_from_dict(
+    adapter: Any = adapter_from_dict(
         {**config["adapter"], "target_modules": config["adapter"]["target_modules"]}
     )
+    if family == "signorm":
+        adapter = SigmaNorm(
+            num_members=int(LM_FAMILY_SETTINGS["signorm"]["members"]),
+            norm_modules=member_norm_paths(base, adapter.target_modules),
+            heads=[],
+            adapter=adapter,
+        )
     return FineTuneModel(
         copy.deepcopy(base),
         adapter,
@@ -567,7 +614,7 @@ def _fit_one(
     """``family`` under ``seed`` (post-hoc families from that seed's fitted ``init`` run)."""
     settings = _settings(family)
     cap = int(config["training"]["epochs"])
-    model = build_model(config, base, data["num_train"], seed)
+    model = build_model(config, base, data["num_train"], seed, family)
     epochs = int(settings.get("epochs", cap))
     validate = bool(settings.get("validate", True))
     source = settings.get("init")
@@ -748,7 +795,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
         path = _guide_path(run_dir, family, seed)
         if not path.is_file():
             continue
-        model = build_model(config, base, data["num_train"], seed)
+        model = build_model(config, base, data["num_train"], seed, family)
         guide = load(path, model)
         pred = predict(
             model,

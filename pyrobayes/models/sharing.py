@@ -54,6 +54,7 @@ __all__ = [
     "prefix_applies",
     "prefix_shared_logits",
     "TokenLogProbs",
+    "block_stack",
     "first_adapted_block",
     "lower_layers_shared",
     "lower_inputs",
@@ -388,7 +389,7 @@ def tokens_per_draw(
 
 
 # ---------------------------------------------------------------------- lower layers
-def _blocks(net: nn.Module) -> nn.ModuleList | None:
+def block_stack(net: nn.Module) -> nn.ModuleList | None:
     """The network's stack of blocks: the longest ``nn.ModuleList`` of identical module types."""
     best: nn.ModuleList | None = None
     for module in net.modules():
@@ -411,7 +412,7 @@ def first_adapted_block(
     param_names : list of str
         Names (in ``net``) of the parameters that change with the draw.
     """
-    blocks = _blocks(net)
+    blocks = block_stack(net)
     if blocks is None or not param_names:
         return None
     paths = {id(module): name for name, module in net.named_modules()}
