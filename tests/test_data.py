@@ -455,3 +455,30 @@ def test_minilm_classifier_real() -> None:
     with torch.no_grad():
         logits = model.eval()(**batch).logits
     assert logits.shape == (4, 2) and torch.isfinite(logits).all() and labels.shape == (4,)
+
+
+def test_vader_multiple_choice_task_is_balanced_and_reads_back(tmp_path: Path) -> None:
+    # the fake tweets hold classes 0..4 with 1, 2, 3, 2, 1 sentences
+    from pyrobayes.tasks import read_json_examples
+    from pyrobayes.tasks.vader import VADER_CHOICES, write_vader_multiple_choice
+
+    write_fake_vader(tmp_path / "vader")
+    out = write_vader_multiple_choice(
+        tmp_path / "mc" / "task.jsonl", domain="tweets", per_class=1, cache=tmp_path
+    )
+    examples = read_json_examples(out)
+    fine = D.load_vader("tweets", task="fine", cache=tmp_path)
+    label_of = dict(zip(fine.texts, fine.labels.tolist(), strict=True))
+    assert sorted(e.answer for e in examples) == [0, 1, 2, 3, 4]  # one sentence per class
+    for e in examples:
+        assert e.choices == VADER_CHOICES
+        assert e.answer == label_of[e.prompt.removeprefix("Question: ").removesuffix("\nAnswer:")]
+    # the same seed writes the same file; a class with too few sentences is named
+    again = write_vader_multiple_choice(
+        tmp_path / "again.jsonl", domain="tweets", per_class=1, cache=tmp_path
+    )
+    assert again.read_text() == out.read_text()
+    with pytest.raises(ValueError, match="1 'very negative' sentences, fewer than per_class=2"):
+        write_vader_multiple_choice(
+            tmp_path / "x.jsonl", domain="tweets", per_class=2, cache=tmp_path
+        )
