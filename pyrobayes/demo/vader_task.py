@@ -7,14 +7,22 @@ lm-evaluation-harness-style JSONL file (``question``, ``choices``, ``answer``) w
 are the classes' names, most of them two tokens long ("very negative"). The job reads it with
 ``format = "json"`` (``examples/configs/smollm2_vader_sentiment.toml``). The corpus ships in the
 ``vaderSentiment`` sdist that ``make data`` puts in the cache, so this task needs no model hub
-and no BIG-bench archive.
+and no BIG-bench archive. ``make lm-data`` runs::
+
+    python -m pyrobayes.demo.vader_task OUT.jsonl
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import sys
 from pathlib import Path
+
+from .data import load_vader
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["VADER_CHOICES", "write_vader_multiple_choice"]
 
@@ -55,8 +63,6 @@ def write_vader_multiple_choice(
     ValueError
         When a class has fewer than ``per_class`` sentences.
     """
-    from ..demo.data import load_vader  # the demo's data module: loaded only for this task
-
     data = load_vader(domain, task="fine", cache=cache)
     labels = [] if data.labels is None else data.labels.tolist()
     rng = random.Random(seed)
@@ -77,3 +83,11 @@ def write_vader_multiple_choice(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if len(sys.argv) != 2:
+        logger.error("usage: python -m pyrobayes.demo.vader_task OUT.jsonl")
+        sys.exit(2)
+    logger.info("wrote %s", write_vader_multiple_choice(sys.argv[1]))
