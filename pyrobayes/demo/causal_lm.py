@@ -424,15 +424,24 @@ LM_FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # RMSNorm scales/shifts in the blocks that hold an adapted module (member_norm_paths; the
     # blocks below stay shared, the LM head frozen), the LoRA factors shared; the demo's
     # diversity weight λ = 0.01
-    "signorm": {"optimizer": SigmaNormDiversity(strength=0.01), "members": 4},
+    "signorm": {
+        "adapter": lambda adapter, net: SigmaNorm(
+            num_members=4,
+            norm_modules=member_norm_paths(net, adapter.target_modules),
+            heads=[],
+            adapter=adapter,
+        ),
+        "optimizer": SigmaNormDiversity(strength=0.01),
+    },
 }
 
 
 def _settings(family: str) -> dict[str, Any]:
     """The fit settings of ``family`` in this job: :data:`LM_FAMILY_SETTINGS`, else the demo's
-    (its MiniLM-specific adapter transform dropped)."""
+    (its MiniLM-specific adapter transform dropped; this job's own, an ``adapter`` callable
+    ``(adapter, net) -> adapter``, is applied by :func:`build_model`)."""
     settings = LM_FAMILY_SETTINGS.get(family, FAMILY_SETTINGS.get(family, {}))
-    return {k: v for k, v in settings.items() if k not in ("adapter", "members")}
+    return {k: v for k, v in settings.items() if k != "adapter"}
 
 
 def member_norm_paths(net: torch.nn.Module, target_modules: Sequence[str] | str) -> list[str]:
@@ -473,19 +482,16 @@ def build_model(
     seed: int,
     family: str | None = None,
 ) -> Any:
-    """A copy of ``base`` with the configured adapter (initialised under ``seed``); for
-    ``family="signorm"`` wrapped in member norm layers (:func:`member_norm_paths`)."""
+    """A copy of ``base`` with the configured adapter (initialised under ``seed``), replaced by
+    ``family``'s own where :data:`LM_FAMILY_SETTINGS` gives an ``adapter`` callable (σN: member
+    norm layers around it, :func:`member_norm_paths`)."""
     torch.manual_seed(seed)
     adapter: Any = adapter_from_dict(
         {**config["adapter"], "target_modules": config["adapter"]["target_modules"]}
     )
-    if family == "signorm":
-        adapter = SigmaNorm(
-            num_members=int(LM_FAMILY_SETTINGS["signorm"]["members"]),
-            norm_modules=member_norm_paths(base, adapter.target_modules),
-            heads=[],
-            adapter=adapter,
-        )
+    transform = LM_FAMILY_SETTINGS.get(family or "", {}).get("adapter")
+    if transform is not None:
+        adapter = transform(adapter, base)
     return FineTuneModel(
         copy.deepcopy(base),
         adapter,

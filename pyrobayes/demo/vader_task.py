@@ -4,7 +4,7 @@ VADER's ground-truth sentences (Hutto & Gilbert, ICWSM 2014) carry the mean of a
 ratings on ``[-4, 4]``; :func:`~pyrobayes.demo.data.load_vader` cuts them into five ordered
 classes. :func:`write_vader_multiple_choice` turns a class-balanced sample into an
 lm-evaluation-harness-style JSONL file (``question``, ``choices``, ``answer``) whose five choices
-are the classes' names, most of them two tokens long ("very negative"). The job reads it with
+are the classes' names ("very negative" and "very positive" are two tokens long for SmolLM2). The job reads it with
 ``format = "json"`` (``examples/configs/smollm2_vader_sentiment.toml``). The corpus ships in the
 ``vaderSentiment`` sdist that ``make data`` puts in the cache, so this task needs no model hub
 and no BIG-bench archive. ``make lm-data`` runs::

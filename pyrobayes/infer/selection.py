@@ -42,7 +42,8 @@ SELECT_BY = ("nll", "accuracy", "rmse")
 def warn_if_training_data(validation_data: Iterable[Any], data: Iterable[Any]) -> None:
     """Warn when ``fit``'s held-out data are its training data (the same object, or loaders
     over the same dataset object): every epoch then scores the training fit, so the "best"
-    epoch is the last one that fits the training set best and early stopping never helps."""
+    epoch is the one that fits the training set best and early stopping never guards against
+    over-fitting."""
     same = validation_data is data
     dataset = getattr(data, "dataset", None)
     same = same or (dataset is not None and getattr(validation_data, "dataset", None) is dataset)
