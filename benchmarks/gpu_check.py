@@ -29,6 +29,7 @@ MiniLM only unless ``--laplace-end``. Run::
 
     .venv/bin/python benchmarks/gpu_check.py --device cuda              # ≤ 8 min on one H200
     .venv/bin/python benchmarks/gpu_check.py --tiny --device cpu        # seconds
+    .venv/bin/python benchmarks/gpu_check.py --tiny --tiny-bf16 --device cpu --models llama7b
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ def _timed(fn: Callable[[], Any], device: torch.device, steps: int) -> tuple[flo
     return statistics.median(times), int(peak)
 
 
-def _network(name: str, tiny: bool, device: torch.device) -> tuple[Any, list[str], int, int, int]:
-    """``(network, target modules, batch size, tokens, vocabulary)`` on ``device``."""
+def _network(
+    name: str, tiny: bool, device: torch.device, bf16: bool = False
+) -> tuple[Any, list[str], int, int, int]:
+    """``(network, target modules, batch size, tokens, vocabulary)`` on ``device`` (the LLaMA in
+    bfloat16 at full size, or with ``bf16``)."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -98,7 +102,7 @@ def _network(name: str, tiny: bool, device: torch.device) -> tuple[Any, list[str
                   num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
     )  # fmt: skip
     cfg = LlamaConfig(**shape, num_labels=2, pad_token_id=0, max_position_embeddings=512)
-    dtype = torch.float32 if tiny else torch.bfloat16
+    dtype = torch.bfloat16 if bf16 or not tiny else torch.float32
     with torch.device(device):
         net = LlamaForSequenceClassification._from_config(cfg, dtype=dtype)
     return (
@@ -122,10 +126,15 @@ OPTIMIZERS: dict[str, Any] = {"ibdr": pb.infer.IBDR(alpha=0.0)}
 
 
 def _build(
-    name: str, tiny: bool, device: torch.device, seed: int = 0, family: str = "map"
+    name: str,
+    tiny: bool,
+    device: torch.device,
+    seed: int = 0,
+    family: str = "map",
+    bf16: bool = False,
 ) -> tuple[Any, Any]:
     torch.manual_seed(seed)
-    net, targets, batch, tokens, vocab = _network(name, tiny, device)
+    net, targets, batch, tokens, vocab = _network(name, tiny, device, bf16)
     projection = "svd" if name == "minilm" else "random"
     adapter: Any = pb.models.LoRAXS(rank=8, projection=projection, target_modules=targets)
     if family in ADAPTERS:
@@ -170,7 +179,8 @@ def _family(
     name: str, family: str, args: argparse.Namespace, device: torch.device, plain: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, float] | None]:
     """One family's fitter step against the plain MAP step (and, for mean-field, predict)."""
-    model, data = _build(name, args.tiny, device, family=family)  # a fresh network per family
+    # a fresh network per family
+    model, data = _build(name, args.tiny, device, family=family, bf16=args.tiny_bf16)
     model.train(True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,7 +208,7 @@ def _family(
 
 def check(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Every registered family on ``name`` against the plain LoRA-XS MAP step."""
-    model, data = _build(name, args.tiny, device)
+    model, data = _build(name, args.tiny, device, bf16=args.tiny_bf16)
     model.train(True)
     t_plain, m_plain = _timed(_plain_map_step(model, data[0]), device, args.steps)
     del model, data
@@ -248,7 +258,7 @@ def causal_lm_job(args: argparse.Namespace, device: torch.device, folder: Path) 
 
     user = {
         "causal_lm": {
-            "dtype": "float32" if args.tiny else "bfloat16",
+            "dtype": "float32" if args.tiny and not args.tiny_bf16 else "bfloat16",
             "max_length": 64,
             "task": {"path": str(_arithmetic_task(folder)), "format": "json",
                      "num_train": 16, "num_val": 8, "num_test": 16, "batch_size": 4},
@@ -276,6 +286,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny random networks (CPU, seconds)")
+    parser.add_argument(
+        "--tiny-bf16",
+        action="store_true",
+        help="with --tiny: the LLaMA and the causal-LM job in bfloat16, as the GPU run has them",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per family")
     parser.add_argument("--models", nargs="+", default=["minilm", "llama7b"])
     parser.add_argument("--laplace-end", action="store_true", help="Laplace curvature at 7B too")

@@ -42,6 +42,10 @@ class SitePacking:
     numel(shape_l)``, row-major (``value.reshape(-1)``), the sites in ``self.sites``'s order.
     """
 
+    #: the sites' dtype, once set up: draws of a joint kept in another (float32 moments of a
+    #: bf16 network's sites) are cast back to it by :meth:`unpack`
+    _value_dtype: torch.dtype | None = None
+
     sites: dict[str, torch.Size]
 
     @property
@@ -91,6 +95,8 @@ class SitePacking:
                 f"but got shape {tuple(flat.shape)}."
             )
         lead = flat.shape[:-1]
+        if self._value_dtype in (torch.float16, torch.bfloat16):
+            flat = flat.to(self._value_dtype)  # only a half-precision network's draws
         return {
             s: flat[..., sl.start : sl.stop].reshape(*lead, *self.sites[s])
             for s, sl in self.site_slices.items()
@@ -146,7 +152,9 @@ class JointGaussianGuide(SitePacking, PosteriorGuide):
 
     def _setup_sites(self, inits: Mapping[str, Tensor]) -> None:
         super()._setup_sites(inits)
-        self._setup_joint(self.pack({s: v.detach() for s, v in inits.items()}))
+        flat = self.pack({s: v.detach() for s, v in inits.items()})
+        self._value_dtype = flat.dtype
+        self._setup_joint(flat)
 
     def _setup_joint(self, flat_init: Tensor) -> None:
         """Allocate the joint parameters, given the sites' initial values laid flat ``(d,)``."""

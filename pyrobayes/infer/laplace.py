@@ -49,6 +49,7 @@ import contextlib
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,9 @@ from .evidence import (
 from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
+
+#: dtypes without a CPU/CUDA eigendecomposition kernel; their curvature is accumulated in float32
+_HALF = (torch.float16, torch.bfloat16)
 
 __all__ = [
     "LaplaceFitter",
@@ -243,6 +247,7 @@ class LaplaceFitter(Fitter):
     """
 
     settings: Laplace  # the fit's settings record (Fitter.settings)
+    reads_data_at_end = True  # the curvature pass over the training data
 
     prior_precisions: list[float]
     map_residuals: list[float]
@@ -471,15 +476,35 @@ class LaplaceNet(nn.Module):
 
     def forward(self, x: Any) -> Tensor:
         model = self._model[0]
-        inputs = split_batch(x, model.label_key)[0] if isinstance(x, Mapping) else x
+        inputs = _network_inputs(x, model.label_key)
         out = model.likelihood.params(network_output(model._call_net(self.net, inputs)), inputs)
         if not model.likelihood.is_classification and out.dim() == 1:
             out = out.unsqueeze(-1)
         return out
 
 
+#: keys of the dict batches :class:`_Loader` hands laplace-torch for inputs that are not one
+#: tensor: the network's inputs as the user's batch holds them, and a ``(B, 0)`` tensor whose
+#: leading size laplace-torch reads as the batch size (its ``dict_key_x``)
+_INPUTS, _ROWS = "__pyrobayes_inputs__", "__pyrobayes_rows__"
+
+
+def _network_inputs(x: Any, label_key: str) -> Any:
+    """The network's inputs in a batch laplace-torch passes back (see :class:`_Loader`)."""
+    if isinstance(x, Mapping):
+        return x[_INPUTS] if _INPUTS in x else split_batch(x, label_key)[0]
+    return x
+
+
 class _Loader:
     """Re-iterable ``(X, y)`` / dict batches with ``.dataset`` of length N, as laplace-torch wants.
+
+    A batch whose inputs are one tensor goes as ``(X, y)``; any other inputs (a dict of tensors
+    such as ``pixel_values`` or ``input_ids``, a tuple of tensors) go as the dict
+    ``{_INPUTS: inputs, _ROWS: (B, 0) tensor, label_key: y}``, laplace-torch's dict form with
+    ``dict_key_x=_ROWS`` (it reads only the batch size from there; :class:`LaplaceNet` runs
+    the network on ``_INPUTS``). Class labels become ``(B,)`` int64 (``(B, 1)`` and any integer
+    dtype are accepted, as every other family accepts them).
 
     Regression targets are checked against the network output (``check_gaussian_targets``: a
     scalar output takes ``(B,)`` or ``(B, 1)``, a ``(B, D)`` output ``(B, D)``, anything else
@@ -505,10 +530,13 @@ class _Loader:
             _check_finite_batch(inputs, y, index)
             if regression and y is not None:
                 y = self._regression_targets(inputs, y)
-            if isinstance(batch, Mapping):
-                yield {**batch, key: y} if y is not None else dict(batch)
-            else:
+            elif y is not None:
+                y = _class_targets(y, index)
+            if isinstance(inputs, Tensor):
                 yield inputs, y
+            else:
+                rows = torch.empty(batch_size(inputs), 0, device=self.device)
+                yield {_INPUTS: inputs, _ROWS: rows, key: y}
 
     def _regression_targets(self, inputs: Any, y: Tensor) -> Tensor:
         """``y`` checked against the output of ``inputs``: ``(B, 1)`` (scalar) or ``(B, *event)``."""
@@ -521,6 +549,19 @@ class _Loader:
             self._event_shape = tuple(int(n) for n in out.shape[1:])
         y = check_gaussian_targets(y, (batch_size(inputs), *self._event_shape))
         return y if self._event_shape else y.unsqueeze(-1)
+
+
+def _class_targets(y: Tensor, index: int) -> Tensor:
+    """Class labels as laplace-torch's cross-entropy wants them: ``(B,)`` int64."""
+    if y.is_floating_point() or y.is_complex():
+        raise ValueError(
+            f"Laplace: batch {index} has class labels of dtype {y.dtype}; the categorical "
+            "likelihood takes integer class indices of shape (B,) or (B, 1). Pass y.long() "
+            "if they are whole numbers (multi-label 0/1 targets are not supported)."
+        )
+    if y.dim() == 2 and y.shape[-1] == 1:
+        y = y.squeeze(-1)
+    return y.long()
 
 
 def _check_finite_batch(inputs: Any, y: Any, index: int) -> None:
@@ -541,6 +582,18 @@ def _check_finite_batch(inputs: Any, y: Any, index: int) -> None:
                     f"Laplace: batch {index} of the curvature data has non-finite {name} (NaN or "
                     f"inf) in rows {rows[:5]}; drop or impute those examples."
                 )
+
+
+@functools.cache
+def _import_laplace() -> None:
+    """Import laplace-torch once, without the FutureWarning its dependency asdl raises on import
+    (it decorates helpers with the deprecated ``torch.jit.script``): nothing the user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`torch.jit.script` is deprecated", category=FutureWarning
+        )
+        import laplace  # noqa: F401
+        import laplace.curvature  # noqa: F401
 
 
 @functools.cache
@@ -565,9 +618,20 @@ def per_example_ggn_backend() -> type:
         A subclass of ``laplace.curvature.CurvlinopsGGN`` (built on first use: laplace-torch is
         imported only when a Laplace posterior is fitted).
     """
+    _import_laplace()
     from laplace.curvature import CurvlinopsGGN
 
     class PerExampleGGN(CurvlinopsGGN):
+        def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+            # half-precision sites (a bf16 network): the factors go on in float32, since their
+            # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
+            loss, kron = super().kron(x, y, N, **kwargs)
+            if any(f.dtype in _HALF for factors in kron.kfacs for f in factors):
+                upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
+                kron = type(kron)(upcast)
+                loss = loss.float()
+            return loss, kron
+
         def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
             wrapper: Any = self.model
             sites = _site_names(wrapper, self.params)
@@ -580,7 +644,7 @@ def per_example_ggn_backend() -> type:
                 return super().diag(x, y, **kwargs)
             model = wrapper.pyro_model
             classification = model.likelihood.is_classification
-            inputs = split_batch(x, model.label_key)[0] if isinstance(x, Mapping) else x
+            inputs = _network_inputs(x, model.label_key)
             point = {s: p.detach() for s, p in zip(sites, self.params, strict=True)}
             size = batch_size(inputs)
             rows: Iterator[tuple[int, dict[str, Tensor]]]
@@ -735,6 +799,7 @@ def fit_laplace(
     ``settings`` (:class:`Laplace`): the τ search's bounds (default: those given to the guide,
     deprecated, else :class:`Laplace`'s).
     """
+    _import_laplace()
     from laplace import Laplace as LaplaceTorch
 
     guide.require_setup()
@@ -759,6 +824,7 @@ def fit_laplace(
             sigma_noise=sigma,
             prior_precision=1.0,
             temperature=guide.temperature,
+            dict_key_x=_ROWS,
             dict_key_y=model.label_key,
             backend=per_example_ggn_backend() if backend is None else backend,
         )
