@@ -28,6 +28,12 @@ def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | No
             return batch[0], None
         if len(batch) == 2:
             return batch[0], batch[1]
+    if isinstance(batch, (tuple, list)):  # three or more items: which are the inputs?
+        raise TypeError(
+            f"Expected a batch (x, y) but got a {type(batch).__name__} of {len(batch)} items. "
+            "For several inputs, nest them: ((x1, x2), y) (the network is called as "
+            f"net(x1, x2)), or pass a dict of tensors with the targets under {label_key!r}."
+        )
     raise TypeError(
         "Expected a batch as a dict of tensors (Hugging Face style, targets under "
         f"{label_key!r}), a tensor, or a tuple (x, y) but got {type(batch).__name__}."

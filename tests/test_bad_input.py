@@ -1280,3 +1280,72 @@ class TestIBDRZeroRadius:
             pb.infer.IBDR(rho=-0.01)
         with pytest.raises(ValueError, match="rho"):
             pb.posterior(model, "ibdr", rho=-0.01)  # the deprecated keyword, checked too
+
+
+# ------------------------------------------------------------------------------------------------
+# found by probing unusual but plausible use (each raised a bare torch/pyro error or a misleading
+# one before): a one-shot iterator, a batch of three items, NaN logits under IBDR
+# ------------------------------------------------------------------------------------------------
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(_x(), _labels()), (_x(), _labels())]
+
+
+def _fit_iterator(family: str, epochs: int) -> Any:
+    model = _model()
+    return pb.fit(model, pb.posterior(model, family), iter(_batches()), epochs=epochs)
+
+
+def _nan_head() -> FineTuneModel:
+    # finite inputs, a head gone non-finite (a diverged fit): NaN logits reach IBDR's data term
+    model = _model()
+    with torch.no_grad():
+        model.net[2].weight.fill_(NAN)
+    return model
+
+
+PROBE_CASES: list[Case] = [
+    _case(
+        "fit-one-shot-iterator-two-epochs",
+        lambda: _fit_iterator("map", 2),
+        ValueError,
+        "one-shot iterator",
+        "used up by the first epoch",
+        "list of batches or a DataLoader",
+    ),
+    _case(
+        "laplace-one-shot-iterator",
+        lambda: _fit_iterator("laplace", 1),
+        ValueError,
+        "one-shot iterator",
+        "curvature pass",
+        "list of batches or a DataLoader",
+    ),
+    _case(
+        "batch-of-three-items",
+        lambda: _step((_x(), _x(), _labels())),
+        TypeError,
+        "tuple of 3 items",
+        "((x1, x2), y)",
+    ),
+    _case(
+        "ibdr-forward-overflows",
+        lambda: _step((_x(), _labels()), "ibdr", model=_nan_head()),
+        FloatingPointError,
+        "Non-finite loss",
+    ),
+]
+CASES = CASES + PROBE_CASES
+
+
+@pytest.mark.parametrize("case", PROBE_CASES, ids=[c.id for c in PROBE_CASES])
+def test_probe_bad_input(case: Case):
+    assert check_case(case) is None
+
+
+def test_a_one_shot_iterator_still_fits_one_epoch():
+    # streaming data without len(): one pass is all a one-epoch fit needs
+    model = _model()
+    result = pb.fit(model, pb.posterior(model, "map"), iter(_batches()), epochs=1)
+    assert len(result.losses) == 2

@@ -224,7 +224,7 @@ def test_resume_with_another_ess_is_refused_by_fit(tmp_path):
             q.model,
             other,
             data,
-            epochs=2,
+            epochs=1,  # the run's length: IVON's cosine over another would be refused first
             lr=0.05,
             seed=0,
             checkpoint=pb.Checkpointing(tmp_path, resume=True),

@@ -86,6 +86,10 @@ class Fitter:
         The family's learning-rate schedule where ``fit``'s ``Optimization(scheduler=...)`` is
         left unset (``None``: a constant rate; IVON's: ``"cosine"``). ``scheduler="constant"``
         turns it off.
+    reads_data_at_end : bool
+        True when :meth:`end` makes another pass over the training data (Laplace's
+        curvature): :func:`pyrobayes.fit` then refuses a one-shot iterator that training
+        would have used up.
     settings : dataclass or None
         The fit's settings record (``pb.infer.IVON``, ``SWAG``, ...; ``None`` for a family
         without any, e.g. MAP): saved in :meth:`state_dict`, checked on resume. A subclass sets
@@ -99,6 +103,7 @@ class Fitter:
     settings: Any = None
     validation_data: Iterable[Any] | None = None
     default_scheduler: str | None = None
+    reads_data_at_end: bool = False
 
     def __init__(
         self,

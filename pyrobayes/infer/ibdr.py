@@ -213,7 +213,9 @@ class IBDRLoss:
         else:
             nll = -model.log_likelihood(params, targets).mean(0).sum()
         total = scale * nll
-        logits = model.likelihood.dist(params).logits if classification else None
+        # the normalised logits Categorical(logits=params).logits, without its argument check
+        # (a non-finite forward then reaches the fitter's FloatingPointError, not a ValueError)
+        logits = params - params.logsumexp(-1, keepdim=True) if classification else None
         if self.alpha > 0 and self.auto_alpha and logits is not None:
             num_classes, num_particles = logits.shape[-1], logits.shape[0]
             if num_classes - 1 < num_particles:

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -400,6 +400,12 @@ def fit(
         validated=options.validation is not None,
     )
     plan = _Plan.of(data, epochs, num_steps)
+    if isinstance(data, Iterator) and epochs is not None and epochs > 1:
+        raise ValueError(
+            f"fit(epochs={epochs}): data is a one-shot iterator ({type(data).__name__}), "
+            "used up by the first epoch. Pass a list of batches or a DataLoader (which every "
+            "epoch iterates afresh), or fit one epoch."
+        )
     if options.validation is not None:
         warn_if_training_data(options.validation.data, data)
     # argument errors before anything is touched (begin() resets what a fitter collects)
@@ -486,7 +492,15 @@ class _Loop:
             if options.validation is not None
             else None
         )
+        self.lr = lr
         self.fitter, self.sched = self._prepare(options.optim, lr)
+        if isinstance(data, Iterator) and self.fitter.reads_data_at_end and plan.epochs != 0:
+            raise ValueError(
+                f"fit(): data is a one-shot iterator ({type(data).__name__}), and "
+                f"{type(self.fitter).__name__} reads the training data again after training "
+                "(the curvature pass), when training has used it up. Pass a list of batches "
+                "or a DataLoader."
+            )
         self.pos = _Position(data_seed=seed)
         self.write = self.ckpt is not None and world()[1] == 0
         self.show = self.progress.show_bar and world()[1] == 0
@@ -632,6 +646,12 @@ class _Loop:
                 if pos.in_epoch < per_epoch:  # ends inside the epoch: no next batch to fetch
                     return False
         if seen == 0 and pos.in_epoch == 0:
+            if pos.epoch > 0 and isinstance(self.data, Iterator):
+                raise ValueError(
+                    f"fit(): data yielded no batches in epoch {pos.epoch}: it is a one-shot "
+                    f"iterator ({type(self.data).__name__}) that epoch 0 used up. Pass a list "
+                    "of batches or a DataLoader."
+                )
             raise ValueError("fit(): data yielded no batches.")
         if seen < pos.in_epoch:
             raise ValueError(
@@ -716,6 +736,9 @@ class _Loop:
             "losses": pos.losses,
             "validation": selection.history if selection is not None else [],
             "validation_data": self._val_fingerprint(),
+            "lr": self.lr,
+            # the steps the schedule spans (its shape depends on them): None without one
+            "schedule_steps": self.plan.total if self.sched is not None else None,
         }
         best = selection.best if selection is not None else None
         if self.ckpt is None:  # called only when writing checkpoints
@@ -728,7 +751,9 @@ class _Loop:
         found = latest(self.ckpt) if self.resume and self.ckpt is not None else None
         if found is None:
             return
-        self._check_validation(_read_meta(found), found)  # before anything is restored
+        saved_meta = _read_meta(found)
+        self._check_validation(saved_meta, found)  # before anything is restored
+        self._check_rate(saved_meta, found)
         meta, saved_best = load_checkpoint(
             found,
             self.guide,
@@ -749,6 +774,31 @@ class _Loop:
             self.selection.best = saved_best
             self.selection.history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", found, pos.step, pos.epoch)
+
+    def _check_rate(self, meta: dict[str, Any] | None, found: Path) -> None:
+        """Refuse a resume with another learning rate or schedule length than the checkpointed
+        run's: the optimizer's restored state would keep the old rate without a word, and a
+        schedule over another number of steps would join two curves."""
+        if meta is None:
+            return
+        saved_lr = meta.get("lr")  # absent in checkpoints written before it was recorded
+        if saved_lr is not None and float(saved_lr) != float(self.lr):
+            raise ValueError(
+                f"fit(lr={self.lr:g}): the checkpoint {found} was written by a fit with "
+                f"lr={float(saved_lr):g}, and resuming restores its optimizer with that rate. "
+                f"Resume with lr={float(saved_lr):g}, or start a new fit at the new rate "
+                "(Checkpointing(..., overwrite=True))."
+            )
+        saved_steps = meta.get("schedule_steps")
+        now_steps = self.plan.total if self.sched is not None else None
+        if saved_steps is not None and now_steps is not None and saved_steps != now_steps:
+            raise ValueError(
+                f"fit(): the checkpoint {found} was written by a fit whose learning-rate "
+                f"schedule spans {saved_steps} steps; this fit's spans {now_steps} (another "
+                "epochs or num_steps), so the rest of the run would follow another curve. "
+                "Resume with the run's epochs and num_steps, or start a new fit "
+                "(Checkpointing(..., overwrite=True))."
+            )
 
     def _check_validation(self, meta: dict[str, Any] | None, found: Path) -> None:
         """Refuse a resume whose validation data is not the checkpointed run's."""

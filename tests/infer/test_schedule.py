@@ -294,6 +294,22 @@ def test_resume_under_another_schedule_is_refused(tmp_path):
         _fit("ivon", epochs=1, scheduler="constant", checkpoint_dir=tmp_path / "b", resume=True)
 
 
+def test_resume_with_another_rate_or_schedule_length_is_refused(tmp_path):
+    """A resumed optimizer restores the checkpointed rate, so a new ``lr`` would be ignored
+    without a word, and a schedule over another number of steps would join two curves: both
+    refused by name; the same settings resume, and so do more epochs at a constant rate."""
+    _fit("map", epochs=1, checkpoint_dir=tmp_path / "a")
+    with pytest.raises(ValueError, match=r"fit\(lr=0.01\).*lr=0.05"):
+        _fit("map", epochs=2, lr=0.01, checkpoint_dir=tmp_path / "a", resume=True)
+    _, resumed = _fit("map", epochs=2, checkpoint_dir=tmp_path / "a", resume=True)
+    assert len(resumed.losses) == 8  # a constant rate: more epochs continue the run
+    _fit("map", epochs=1, scheduler="cosine", checkpoint_dir=tmp_path / "b")
+    with pytest.raises(ValueError, match="spans 4 steps; this fit's spans 8"):
+        _fit("map", epochs=2, scheduler="cosine", checkpoint_dir=tmp_path / "b", resume=True)
+    _, same = _fit("map", epochs=1, scheduler="cosine", checkpoint_dir=tmp_path / "b", resume=True)
+    assert len(same.losses) == 4
+
+
 def _problem_for(family: str):
     torch.manual_seed(0)
     prob = conjugate_core()
