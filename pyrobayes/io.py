@@ -27,6 +27,8 @@ not checked.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import hmac
 import inspect
@@ -36,7 +38,7 @@ import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -259,6 +261,13 @@ def save(
         A tensor holds NaN or inf (named by key), or the guide is not registered.
     TypeError
         ``key`` is not non-empty bytes.
+    IsADirectoryError
+        ``path`` is a folder (pass a file name in it).
+    NotADirectoryError
+        One of ``path``'s parent folders is a file, so the folder cannot be created.
+    OSError
+        The folder cannot be created or written (e.g. ``PermissionError``); the message names
+        ``path``. Missing parent folders are created.
 
     Notes
     -----
@@ -308,17 +317,81 @@ def save(
     return path
 
 
+def _os_error(err: OSError, message: str) -> OSError:
+    """An error of ``err``'s type (``FileNotFoundError``, ``PermissionError``, ...) and errno
+    whose message names the user's path and the fix instead of an internal file."""
+    try:
+        return type(err)(err.errno, message) if err.errno is not None else type(err)(message)
+    except TypeError:  # an OSError subclass with another constructor
+        return OSError(err.errno, message)
+
+
+def _blocking_file(folder: Path) -> Path | None:
+    """The first of ``folder`` and its parents (outermost first) that exists but is not a
+    folder: what keeps ``folder`` from being created."""
+    for candidate in [*reversed(folder.parents), folder]:
+        if candidate.exists() and not candidate.is_dir():
+            return candidate
+    return None
+
+
+def _target_folder(path: Path) -> None:
+    """Refuse a ``path`` that cannot be a file, and create its folder, with errors that name
+    ``path`` (not the temporary file ``save`` writes first)."""
+    if path.is_dir():
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"pb.save: {path} is a folder, not a file name; pass the path of the file to write "
+            f"in it, e.g. {path / 'posterior.safetensors'}.",
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        blocker = _blocking_file(path.parent)
+        if blocker is not None:
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"pb.save: cannot write {path}: {blocker} is a file, not a folder"
+                + ("" if blocker == path.parent else f", so {path.parent} cannot be created")
+                + f". Save to a path whose parent folders are folders (or move {blocker} away).",
+            ) from err
+        raise _os_error(
+            err,
+            f"pb.save: cannot create the folder {path.parent} for {path}: "
+            f"{err.strerror or err}. Save to a folder you can write to.",
+        ) from err
+
+
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: str) -> None:
     """``save_file`` into a temporary file next to ``path``, flushed, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _target_folder(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise _os_error(
+            err,
+            f"pb.save: cannot write {path}: cannot create a file in {path.parent} "
+            f"({err.strerror or err}). Save to a folder you can write to.",
+        ) from err
     os.close(fd)
     tmp = Path(name)
     try:
         save_file(tensors, str(tmp), metadata={_HEADER_KEY: header})
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as err:
+            hint = (
+                f"{path} is a folder; pass the path of a file in it"
+                if path.is_dir()
+                else "save to a path you can write to"
+            )
+            raise _os_error(
+                err,
+                f"pb.save: cannot move the written posterior into place at {path} "
+                f"({err.strerror or err}); {hint}. Nothing was written.",
+            ) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -382,6 +455,42 @@ def _site_difference(
 
 
 # ------------------------------------------------------------------------------ read
+def _check_readable(path: str | Path) -> None:
+    """A ``path`` that is no file gets an error naming it and the fix: ``FileNotFoundError``
+    (missing), ``IsADirectoryError`` (a folder, with the posterior files in it)."""
+    target = Path(path)
+    if target.is_dir():
+        found = sorted(p.name for p in target.glob("*.safetensors"))
+        more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+        listed = f" (posterior files in it: {found[:5]}{more})" if found else ""
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"{path} is a folder, not a posterior file{listed}; pass the path of the "
+            ".safetensors file pb.save wrote.",
+        )
+    if not target.exists():
+        where = (
+            f"the folder {target.parent} exists but holds no such file"
+            if target.parent.is_dir()
+            else f"the folder {target.parent} does not exist"
+        )
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"No posterior file at {path} ({where}); pass the path pb.save wrote to.",
+        )
+
+
+def _safe_open(path: str | Path) -> Any:
+    """``safe_open(path)`` on the CPU; the OS errors it can raise name ``path`` and the fix."""
+    _check_readable(path)
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except OSError as err:
+        raise _os_error(
+            err, f"cannot read the posterior file {path}: {err.strerror or err}."
+        ) from err
+
+
 def _open_error(path: str | Path, err: Exception) -> PosteriorFileError:
     return PosteriorFileError(
         f"{path} cannot be read as a pyrobayes posterior file (truncated, or not a safetensors "
@@ -439,7 +548,7 @@ def read_header(
     if verify:
         return _read_verified(path, key)[0]
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with _safe_open(path) as f:
             meta = f.metadata()
     except SafetensorError as err:  # truncated or foreign file
         raise _open_error(path, err) from err
@@ -451,7 +560,7 @@ def _read_verified(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Header and tensors of ``path``, after the hash, signature and finiteness checks."""
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with _safe_open(path) as f:
             meta = f.metadata()
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
     except SafetensorError as err:  # truncated or foreign file
@@ -620,24 +729,75 @@ def _kwargs(config: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
 
-def _make_saved_layers_latent(path: str | Path, header: dict[str, Any], model: Any) -> None:
-    """Layers saved as latent sites (``FineTuneModel.make_latent`` before the fit: a task head
-    under a post-hoc Laplace) that ``model`` still holds as point parameters are made latent
-    here, as they were when the posterior was saved; anything else is left to the site check."""
+def _saved_latent_layers(header: dict[str, Any], model: Any) -> list[str]:
+    """The layers the file holds as latent sites (``FineTuneModel.make_latent`` before the fit:
+    a task head under a post-hoc Laplace) that ``model`` still holds as point parameters, to be
+    made latent as they were when the posterior was saved; ``[]`` when there are none, or when
+    the file's extra sites are not all whole point-estimated head layers (left to the site
+    check). Changes nothing."""
     point = getattr(model, "point_params", None)
     heads = getattr(model, "head_modules", None)
-    if not point or heads is None:
-        return
+    if not point or heads is None or not hasattr(model, "make_latent"):
+        return []
     have = set(getattr(model, "latent_sites", None) or {})
     missing = [s for s in header.get("sites", {}) if s not in have]
     if not missing or any(s not in point for s in missing):
-        return
+        return []
     owners = {s.rpartition(".")[0] for s in missing}
     modules = [m for m in heads() if m in owners]
     if set(modules) != owners:  # not all of them head layers (e.g. LoRA factors): mismatch
+        return []
+    return modules
+
+
+def _sites_after(model: Any, layers: list[str]) -> dict[str, tuple[int, ...]]:
+    """``model``'s sites and their shapes once ``layers`` are made latent (each layer's point
+    ``weight`` and ``bias`` become sites of their own shapes), without making them latent."""
+    sites = {
+        s: tuple(spec.shape) for s, spec in (getattr(model, "latent_sites", None) or {}).items()
+    }
+    point = getattr(model, "point_params", {})
+    for layer in layers:
+        for role in ("weight", "bias"):
+            name = f"{layer}.{role}"
+            if name in point:
+                sites[name] = tuple(point[name].shape)
+    return sites
+
+
+@contextlib.contextmanager
+def _latent_until_refused(path: str | Path, model: Any, layers: list[str]) -> Iterator[None]:
+    """Make ``layers`` of ``model`` latent for the rest of a load; if the load then fails (a
+    check that needs them latent refuses the file), undo it: the original modules, sites, point
+    parameters (with their ``requires_grad``) and the model's caches are put back, so a refused
+    load leaves the model as it was."""
+    if not layers:
+        yield
         return
-    model.make_latent(modules)
-    logger.info("%s: made %s latent, as they were when the posterior was saved", path, modules)
+    net = model.net
+    modules = {layer: net.get_submodule(layer) for layer in layers}
+    latent = dict(model.latent_sites)
+    point = dict(model.point_params)
+    grads = {name: p.requires_grad for name, p in point.items()}
+    attributes = dict(model.__dict__)  # caches a conversion drops (FineTuneModel's slot cache)
+    try:
+        model.make_latent(layers)
+        logger.info("%s: made %s latent, as they were when the posterior was saved", path, layers)
+        yield
+    except BaseException:
+        for layer, module in modules.items():
+            parent_path, _, child = layer.rpartition(".")
+            setattr(net.get_submodule(parent_path) if parent_path else net, child, module)
+        model.latent_sites.clear()
+        model.latent_sites.update(latent)
+        model.point_params.clear()
+        model.point_params.update(point)
+        for name, p in point.items():
+            p.requires_grad_(grads[name])
+        for name in [k for k in model.__dict__ if k not in attributes]:
+            del model.__dict__[name]
+        model.__dict__.update(attributes)
+        raise
 
 
 def _check_sites(
@@ -793,6 +953,8 @@ def _check_loadable(
 
 def _apply(path: str | Path, guide: Any, model: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     guide_state, model_state = _split(tensors)
+    point = getattr(model, "point_params", {})
+    converted = {k: v.to(point[k].device, point[k].dtype) for k, v in model_state.items()}
     device = guide.device
     backup = {k: v.detach().clone() for k, v in guide.state_dict().items()}
     try:
@@ -805,10 +967,9 @@ def _apply(path: str | Path, guide: Any, model: Any, tensors: Mapping[str, torch
             f"{path}: the file's guide tensors do not fit {type(guide).__name__} ({err}); it was "
             "written by another version or family. Re-save it from the fitted guide."
         ) from err
-    point = getattr(model, "point_params", {})
-    with torch.no_grad():
-        for name, value in model_state.items():
-            point[name].copy_(value.to(point[name].device, point[name].dtype))
+    with torch.no_grad():  # (shapes checked, values converted: the copies cannot fail)
+        for name, value in converted.items():
+            point[name].copy_(value)
     return guide
 
 
@@ -816,11 +977,19 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
     """Rebuild the guide saved at ``path`` for ``model`` and load its state.
 
     The family is looked up in the registry; its constructor options come from the (verified)
-    header.
+    header. Layers the file holds as latent sites that ``model`` still holds as point
+    parameters (a head made latent with ``model.make_latent`` before a post-hoc Laplace) are
+    made latent first, as they were when the posterior was saved.
+
+    A refused load leaves ``model`` as it was: every check that can run on the model as it is
+    runs before anything changes, and where a check needs those layers latent (the base-weight
+    fingerprint, the guide's tensors) a refusal puts the original layers, sites, point
+    parameters and their values back before the error is raised.
 
     Parameters
     ----------
     path : path
+        The ``.safetensors`` file :func:`save` wrote.
     model : FineTuneModel
         Built as when the posterior was saved: same network, adapter, likelihood and settings.
     key : bytes, optional
@@ -845,15 +1014,17 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
         the file's.
     ValueError
         The file's family is not registered in this session.
+    FileNotFoundError
+        No file at ``path``.
+    IsADirectoryError
+        ``path`` is a folder (the message lists the posterior files in it).
     """
     header, tensors = _read_verified(path, key)
-    _make_saved_layers_latent(path, header, model)
-    latent = getattr(model, "latent_sites", None)
-    if latent:
-        _check_sites(path, header, {s: spec.shape for s, spec in latent.items()}, "model")
+    # every check that can run on the model as it is runs before anything changes
+    layers = _saved_latent_layers(header, model)
+    if getattr(model, "latent_sites", None) or layers:
+        _check_sites(path, header, _sites_after(model, layers), "model")
     _check_model(path, header, model)
-    if check_base:
-        _check_base(path, header, model)
     try:
         cls = get_guide_class(str(header["family"]))
     except ValueError as err:
@@ -861,12 +1032,19 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
             f"{path}: {err} Import the package that registers it (pyrobayes.register_guide) "
             "before loading."
         ) from None
-    try:
-        guide = cls(model, **_posterior_config(path, header, cls))
-    except TypeError as err:
-        raise PosteriorMismatchError(
-            f"{path}: {cls.__name__} of this pyrobayes version does not take the file's options "
-            f"({_kwargs(header['config'])}): {err}."
-        ) from err
-    _check_loadable(path, header, tensors, guide, model)
-    return _apply(path, guide, model, tensors)
+    # the rest needs the saved layers latent; a refusal there undoes it
+    with _latent_until_refused(path, model, layers):
+        latent = getattr(model, "latent_sites", None)
+        if latent:
+            _check_sites(path, header, {s: spec.shape for s, spec in latent.items()}, "model")
+        if check_base:
+            _check_base(path, header, model)
+        try:
+            guide = cls(model, **_posterior_config(path, header, cls))
+        except TypeError as err:
+            raise PosteriorMismatchError(
+                f"{path}: {cls.__name__} of this pyrobayes version does not take the file's "
+                f"options ({_kwargs(header['config'])}): {err}."
+            ) from err
+        _check_loadable(path, header, tensors, guide, model)
+        return _apply(path, guide, model, tensors)

@@ -15,7 +15,7 @@ Nothing here imports the demo application (:mod:`pyrobayes.demo`).
 
 from __future__ import annotations
 
-from .export import select_sites, to_datatree, to_inference_data
+from .export import UncalibratedExportWarning, select_sites, to_datatree, to_inference_data
 from .khat import Diagnostics, diagnose, khat_interpretation, khat_threshold
 from .plots import plot_posterior_summary, reliability_diagram
 from .psis import importance_ess, pareto_khat, psis_smooth
@@ -24,6 +24,7 @@ __all__ = [
     "to_datatree",
     "to_inference_data",
     "select_sites",
+    "UncalibratedExportWarning",
     "diagnose",
     "Diagnostics",
     "khat_interpretation",

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,12 +44,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyro
+import pyro.distributions as dist
 import torch
 from torch import Tensor
 
 from .._version import __version__
 from ..batch import split_batch, to_device
+from ..calibration import TEMPERATURE_BUFFER, pooled, temperature
 from ..contract import Mixture, implements
+from ..models.likelihoods import Gaussian
 from ..models.sharing import reuse_within_batch
 from ..predictive import cat_examples, check_fitted_model, default_samples_per_forward
 
@@ -59,6 +63,7 @@ __all__ = [
     "evaluate_draws",
     "DrawEvaluation",
     "DEFAULT_MAX_SITE_NUMEL",
+    "UncalibratedExportWarning",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,14 @@ logger = logging.getLogger(__name__)
 #: Default cap on the number of posterior scalars per draw exported to the ``posterior`` group.
 DEFAULT_MAX_SITE_NUMEL = 10_000
 _SAMPLE_DIMS = ("chain", "draw")
+
+
+class UncalibratedExportWarning(UserWarning):
+    """A calibrated guide (:func:`pyrobayes.calibrate`) exported without its temperature: its
+    ``T`` tempers the posterior-predictive average (the default, pooled form), which no single
+    draw's log-likelihood or predictive draw can carry, so ``log_likelihood`` and
+    ``posterior_predictive`` are those of the uncalibrated posterior (attribute
+    ``temperature_applied = 0``). :func:`pyrobayes.predict` gives the calibrated predictive."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +236,8 @@ def evaluate_draws(
     summarise_omitted: bool = True,
     num_class_samples: int = 0,
     samples_per_forward: int | None = None,
+    temperature: float | None = None,
+    training_data: bool = True,
 ) -> DrawEvaluation:
     """Draw S joint samples from ``guide`` and evaluate the model on every batch of ``data``.
 
@@ -255,6 +270,14 @@ def evaluate_draws(
         Keep the class log-probabilities of this many first draws (classification only).
     samples_per_forward : int, optional
         Draws per forward pass (default: ``pyrobayes.predictive.default_samples_per_forward``).
+    temperature : float, optional
+        Temper every draw's likelihood by ``T`` in ``pointwise`` and ``predictive`` as
+        :func:`pyrobayes.predict` tempers a draw (classification: ``log_softmax(log p_s / T)``;
+        Gaussian: ``σ → T σ``). ``log_lik_sum`` (so ``log_joint``) and the class
+        log-probabilities stay the model's own. Default: none.
+    training_data : bool
+        ``data`` is the training set the posterior is conditioned on (the k-hat diagnostics):
+        a ``model.num_data`` that differs from its size is logged. ``False`` for held-out data.
 
     Returns
     -------
@@ -262,6 +285,8 @@ def evaluate_draws(
     """
     if num_samples < 1:
         raise ValueError(f"Expected num_samples >= 1 but got {num_samples}.")
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"evaluate_draws: temperature must be finite and > 0, got {temperature}.")
     check_fitted_model(model, guide, "to_inference_data")
     if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
         data = list(data)
@@ -276,10 +301,10 @@ def evaluate_draws(
         out.add_draws(model, guide, values, n)
         pp_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else None
         keep_class = max(0, min(n, num_class_samples - start)) if classification else 0
-        wanted = _Wanted(pointwise, predictive, keep_class, samples_per_forward)
+        wanted = _Wanted(pointwise, predictive, keep_class, samples_per_forward, temperature)
         out.add_chunk(_evaluate_chunk(model, data, values, n, wanted, pp_seed, start == 0))
         del values
-    return out.result(model)
+    return out.result(model if training_data else None)
 
 
 class _DrawPlan(NamedTuple):
@@ -352,6 +377,7 @@ class _Wanted(NamedTuple):
     predictive: bool
     keep_class: int  # class log-probabilities of this many first draws of the chunk
     samples_per_forward: int | None
+    temperature: float | None = None  # tempers pointwise and predictive, per draw
 
 
 class _Chunk(NamedTuple):
@@ -390,11 +416,11 @@ def _evaluate_chunk(
                 has_targets = False
             elif first:
                 chunk.observed.append(y.detach().cpu())
-            ll, pp, lp = _evaluate_batch(model, inputs, y, values, n, wanted)
+            ll, pointwise, pp, lp = _evaluate_batch(model, inputs, y, values, n, wanted)
             if ll is not None:
                 chunk.ll_sum.add_(ll.sum(1))
-                if wanted.pointwise:
-                    chunk.pointwise.append(ll)
+            if pointwise is not None:
+                chunk.pointwise.append(pointwise)
             if pp is not None:
                 chunk.predictive.append(pp)
             if lp is not None:
@@ -404,29 +430,53 @@ def _evaluate_chunk(
 
 def _evaluate_batch(
     model: Any, inputs: Any, y: Tensor | None, values: dict[str, Tensor], n: int, wanted: _Wanted
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(log-likelihoods (n, B), predictive draws, class log-probabilities)`` on one batch,
-    ``samples_per_forward`` draws per forward pass; each ``None`` when not computed."""
-    parts_ll, parts_pp, parts_lp = [], [], []
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """``(log-likelihoods (n, B), pointwise log-likelihoods (n, B), predictive draws, class
+    log-probabilities)`` on one batch, ``samples_per_forward`` draws per forward pass; each
+    ``None`` when not computed. The pointwise values and the predictive draws are tempered by
+    ``wanted.temperature`` (the log-likelihoods are the model's)."""
+    parts_ll, parts_pw, parts_pp, parts_lp = [], [], [], []
     spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs, model)
     for s0 in range(0, n, spf):
         sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
         params = model.batched_output(inputs, sub)  # (s, B, ...)
         s_here = int(params.shape[0])
+        likelihood_dist = model.likelihood.dist(params)
+        tempered = (
+            likelihood_dist
+            if wanted.temperature is None
+            else _tempered(model.likelihood, params, likelihood_dist, wanted.temperature)
+        )
         if y is not None:
             ll = model.log_likelihood(params, y)  # (s, B, [event...])
             parts_ll.append(ll.reshape(s_here, ll.shape[1], -1).sum(-1).double())
-        likelihood_dist = model.likelihood.dist(params)
+            if wanted.pointwise and tempered is likelihood_dist:
+                parts_pw.append(parts_ll[-1])
+            elif wanted.pointwise:
+                tll = tempered.log_prob(model.likelihood.check_targets(params, y))
+                parts_pw.append(tll.reshape(s_here, tll.shape[1], -1).sum(-1).double())
         if wanted.predictive:
-            parts_pp.append(likelihood_dist.sample().cpu())
+            parts_pp.append(tempered.sample().cpu())
         if wanted.keep_class > s0:
             logits = likelihood_dist.logits[: wanted.keep_class - s0]
             parts_lp.append(torch.log_softmax(logits, dim=-1).cpu())
     return (
         torch.cat(parts_ll, 0).cpu() if parts_ll else None,  # (n, B)
+        torch.cat(parts_pw, 0).cpu() if parts_pw else None,  # (n, B)
         torch.cat(parts_pp, 0) if parts_pp else None,
         torch.cat(parts_lp, 0) if parts_lp else None,
     )
+
+
+def _tempered(likelihood: Any, params: Tensor, untempered: Any, value: float) -> Any:
+    """One draw's likelihood under ``pyrobayes.calibrate``'s ``T``, as ``pyrobayes.predict``
+    tempers a draw: ``Categorical(log_softmax(log p / T))`` for a classifier, σ → T σ for a
+    Gaussian (:func:`pyrobayes.calibration.apply_temperature`)."""
+    if likelihood.is_classification:
+        log_probs = torch.log_softmax(untempered.logits, dim=-1)
+        return dist.Categorical(logits=torch.log_softmax(log_probs / value, dim=-1))
+    normal = dist.Normal(params, likelihood.scale() * value)
+    return normal.to_event(likelihood.event_dim) if likelihood.event_dim else normal
 
 
 class _Collected:
@@ -472,6 +522,8 @@ class _Collected:
             self.class_lp.append(cat_examples(chunk.class_log_probs, True))
 
     def result(self, model: Any) -> DrawEvaluation:
+        """The draws' evaluation; a ``model`` (the data being its training set) whose
+        ``num_data`` differs from the data's size is logged."""
         plan = self.plan
         result = DrawEvaluation(
             num_samples=plan.num_samples, chosen=plan.chosen, omitted=plan.omitted
@@ -581,6 +633,46 @@ def _site_dims(site: str, shape: torch.Size) -> list[str]:
     return [f"{site}_dim_{k}" for k in range(len(shape))]
 
 
+def _export_temperature(model: Any, guide: Any) -> tuple[float | None, dict[str, Any], str]:
+    """The temperature of a calibrated ``guide`` that the export applies per draw (``None``:
+    none, or one that is not defined per draw), the attributes that record it (none for an
+    uncalibrated guide), and the warning to give when it is not applied (else ``""``)."""
+    if TEMPERATURE_BUFFER not in getattr(guide, "_buffers", {}):
+        return None, {}, ""
+    value = temperature(guide)
+    likelihood = model.likelihood
+    classification = bool(likelihood.is_classification)
+    pooled_form = classification and pooled(guide)
+    if classification:
+        # the pooled T tempers the average of the draws; with one distinct draw (a point mass)
+        # that average is the draw, so per draw is exact
+        per_draw = not pooled_form or bool(getattr(guide, "is_deterministic", False))
+        why = (
+            "it was fitted in the pooled form (pyrobayes.calibrate's default), which tempers "
+            "the posterior-predictive average log (1/S) sum_s p(y | x, theta_s), not any one "
+            "draw, so no per-draw log-likelihood or predictive draw carries it"
+        )
+    else:
+        per_draw = isinstance(likelihood, Gaussian)
+        why = f"the {likelihood.name!r} likelihood has no Gaussian scale to temper"
+    attrs: dict[str, Any] = {
+        "temperature": float(value),
+        "temperature_pooled": int(pooled_form),
+        "temperature_applied": int(per_draw),
+    }
+    if per_draw:  # (T = 1 is the fitted posterior bit for bit, as in pyrobayes.predict)
+        return (None if value == 1.0 else value), attrs, ""
+    return (
+        None,
+        attrs,
+        f"to_inference_data: {type(guide).__name__} is calibrated (pyrobayes.calibrate, "
+        f"T = {value:.4g}) but {why}: log_likelihood and posterior_predictive are exported "
+        "UNCALIBRATED (T = 1; attributes temperature_applied = 0, temperature = T). "
+        "pyrobayes.predict gives the calibrated predictive; pyrobayes.calibrate(..., "
+        "pool=False) fits a per-draw temperature, which the export applies.",
+    )
+
+
 def to_datatree(
     model: Any,
     guide: Any,
@@ -634,11 +726,40 @@ def to_datatree(
         ``InferenceData`` with arviz 0.x, ``DataTree`` with ArviZ >= 1 (the latter path is not
         exercised by the test-suite).
 
+    Warns
+    -----
+    UncalibratedExportWarning
+        The guide is calibrated in a form that no single draw carries (see the Notes): the
+        export is of the uncalibrated posterior.
+
+    Notes
+    -----
+    **Calibrated guides.** A temperature ``T`` fitted by :func:`pyrobayes.calibrate` is
+    applied as :func:`pyrobayes.predict` applies it wherever it is defined per draw, to
+    ``log_likelihood`` and ``posterior_predictive``: for a classifier calibrated per draw
+    (``calibrate(..., pool=False)``), or in the default pooled form on a point mass (MAP,
+    whose one draw is the average), :math:`\log p_T(y \mid x, θ_s) =
+    \operatorname{log\_softmax}(\log p(\cdot \mid x, θ_s) / T)_y`; for a Gaussian
+    likelihood the draw's :math:`σ` becomes :math:`Tσ`. The pooled form on any other posterior
+    tempers the posterior-predictive average :math:`\log \frac1S \sum_s p(y \mid x, θ_s)`,
+    which no per-draw log-likelihood can hold: those groups are then the uncalibrated
+    posterior's, with an :class:`UncalibratedExportWarning`. Either way the attributes record
+    ``temperature`` (T), ``temperature_pooled`` (1 for the pooled form) and
+    ``temperature_applied`` (1 when the two groups are tempered, 0 when uncalibrated); an
+    uncalibrated guide's export has none of them and is unchanged. ``sample_stats`` (``log_q``,
+    ``log_prior``, ``log_joint``, ``lp``) are always the model's own, untempered: ``T``
+    calibrates the predictive, it is no part of the posterior's density.
+
+    ``log_joint`` is summed over ``data``: it is the log joint of the training posterior only
+    when ``data`` is the training set (``model.num_data`` examples); held-out data is
+    exported as it is, without a warning.
+
     Examples
     --------
     >>> idata = pyrobayes.to_inference_data(model, guide, test_loader, num_samples=200)  # doctest: +SKIP
     >>> az.loo(idata)                                                                    # doctest: +SKIP
     """
+    tempered, temperature_attrs, uncalibrated = _export_temperature(model, guide)
     ev = evaluate_draws(
         model,
         guide,
@@ -648,7 +769,11 @@ def to_datatree(
         sites=sites,
         max_site_numel=max_site_numel,
         samples_per_forward=samples_per_forward,
+        temperature=tempered,
+        training_data=False,
     )
+    if uncalibrated:
+        warnings.warn(uncalibrated, UncalibratedExportWarning, stacklevel=2)
     shapes = _site_shapes(model, guide)
 
     chains = _num_components(guide)
@@ -684,6 +809,7 @@ def to_datatree(
         "num_data": int(model.num_data or ev.num_examples),
         "seed": -1 if seed is None else int(seed),
         "omitted_sites": ",".join(ev.omitted),
+        **temperature_attrs,
     }
     extra: dict[str, Any] = {}
     if losses is not None:
