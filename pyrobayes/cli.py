@@ -1,4 +1,4 @@
-"""The ``pyrobayes`` command line: ``demo``, ``fit CONFIG``, ``evaluate RUN_DIR``.
+"""The ``pyrobayes`` command line: ``demo``, ``fit CONFIG``, ``join``, ``evaluate RUN_DIR``.
 
 ``pyrobayes demo`` runs the main job (MiniLM + LoRA on the VADER movie sentences, OOD on tweets
 and chatterbot dialogue) for every posterior family of the default config: MAP and the
@@ -12,7 +12,10 @@ An ``--out`` folder that already holds a run (its ``config.json``, ``metrics.jso
 is refused unless ``--overwrite`` is given, which removes that run's files first.
 
 Exit status: 0 on success, 1 when ``evaluate`` finds drift, 2 on a usage, config or run-folder
-error (the message, no traceback), 130 when interrupted.
+error, or on an error the library reports about its input after the config check (a model or
+file that cannot be read, a value the fit refuses): ``pyrobayes <command>: error: <message>``,
+no traceback (``PYROBAYES_TRACEBACK=1`` in the environment prints it too), 130 when
+interrupted.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +34,14 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the tomli backport (same API)
     import tomli as tomllib
 
+import torch
+
+from .demo.data import DataUnavailableError
 from .demo.pipeline import (
     DRIFT_TOLERANCE,
     ConfigError,
     RunFolderError,
+    check_inputs,
     compare_metrics,
     evaluate,
     format_table,
@@ -45,6 +53,23 @@ from .demo.run_folder import claim_run_folder
 from .io import PosteriorFileError, PosteriorMismatchError
 
 __all__ = ["main"]
+
+#: Set to 1 (or any value but 0 / empty) to print the traceback of an error the command line
+#: reports as ``pyrobayes <command>: error: <message>``.
+TRACEBACK_ENV = "PYROBAYES_TRACEBACK"
+
+_DESCRIPTION = """\
+The pyrobayes command line: demo (the main job), fit CONFIG (the job from a
+TOML config), join RUN_DIR... (causal-LM runs of one job), evaluate RUN_DIR
+(recompute a run's metrics and compare them with its metrics.json).
+"""
+_EPILOG = f"""\
+exit status: 0 on success, 1 when evaluate finds drift, 2 on a usage, config or
+run-folder error or an error the library reports about its input (a model or
+file that cannot be read), 130 when interrupted. Errors print
+"pyrobayes <command>: error: <message>" without a traceback; set
+{TRACEBACK_ENV}=1 in the environment to print the traceback as well.
+"""
 
 
 def _out_dir(arg: str | None, name: str) -> Path:
@@ -83,6 +108,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # MAP, a VI family and a post-hoc family built at the MAP
         user.setdefault("families", ["map", "meanfield", "laplace"])
     config = resolve_config(user, quick=args.quick or args.smoke)
+    check_inputs(config)
     out = _out_dir(args.out, "demo")
     _claim_out(out, args.overwrite)
     records = run(config, out, progress_bar=not args.no_progress)
@@ -93,8 +119,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_fit(args: argparse.Namespace) -> int:
     path = Path(args.config)
     if not path.exists():
-        print(f"error: config file {path} does not exist", file=sys.stderr)
-        return 2
+        raise ConfigError(f"config file {path} does not exist")
     with path.open("rb") as f:
         try:
             user = tomllib.load(f)
@@ -115,6 +140,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         )
     try:
         config = resolve_config(user, quick=args.quick)
+        check_inputs(config)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     out = _out_dir(args.out, path.stem)
@@ -196,6 +222,17 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        hint = " (did you mean cuda?)" if text.lower().startswith("gpu") else ""
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device such as cpu, cuda, cuda:1 or mps, got {text!r}{hint}"
+        ) from None
+    return text
+
+
 def _tolerance(text: str) -> float:
     value = float(text)
     if not (value >= 0) or value == float("inf"):
@@ -204,14 +241,19 @@ def _tolerance(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyrobayes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pyrobayes",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="the main job on the bundled real model and data")
     demo.add_argument("--quick", action="store_true", help="a ≤ 2-minute version")
     demo.add_argument("--smoke", action="store_true", help="a seconds-long version (tests)")
-    demo.add_argument("--device", default="cpu", help="cpu or cuda")
+    demo.add_argument("--device", type=_device, default="cpu", help="cpu or cuda")
     demo.add_argument(
         "--families",
         help="comma-separated families (default: map,meanfield,ivon,kron-ivon,swag,laplace,symmetrized)",
@@ -224,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit = sub.add_parser("fit", help="run the pipeline from a TOML config")
     fit.add_argument("config")
     fit.add_argument("--quick", action="store_true")
-    fit.add_argument("--device")
+    fit.add_argument("--device", type=_device, help="overrides [training] device")
     fit.add_argument("--out", help="run folder (default runs/<config name>-<time>)")
     fit.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     fit.add_argument("--no-progress", action="store_true")
@@ -251,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics.json (exit 1 on drift)",
     )
     ev.add_argument("run_dir")
-    ev.add_argument("--device")
+    ev.add_argument("--device", type=_device, help="default: the run's training.device")
     ev.add_argument(
         "--tolerance",
         type=_tolerance,
@@ -274,11 +316,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ConfigError, RunFolderError, PosteriorFileError, PosteriorMismatchError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _report(args.command, err)
+    except (ValueError, OSError, DataUnavailableError) as err:
+        # what the library raises about its input after the config check (a model folder or
+        # hub id that cannot be loaded, a file it cannot read, a value a fit refuses): the
+        # message is the library's; anything else (a bug) keeps its traceback
+        return _report(args.command, err, hint=True)
     except KeyboardInterrupt:
         print("interrupted; completed families are saved in the run folder", file=sys.stderr)
         return 130
+
+
+def _report(command: str, err: BaseException, *, hint: bool = False) -> int:
+    """Print ``pyrobayes <command>: error: <message>`` (with the traceback when
+    ``PYROBAYES_TRACEBACK`` is set) and return exit status 2."""
+    show = os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0")
+    if show:
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    message = str(err) or type(err).__name__
+    print(f"pyrobayes {command}: error: {message}", file=sys.stderr)
+    if hint and not show:
+        print(f"(set {TRACEBACK_ENV}=1 to see where it was raised)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

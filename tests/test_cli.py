@@ -119,7 +119,7 @@ def test_fit_exits_2_with_the_message_on_a_config_error(tmp_path, capsys):
     config.write_text('families = "map"\n[training]\nepochz = 2\n')
     assert main(["fit", str(config), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
+    assert err.startswith("pyrobayes fit: error: ") and "Traceback" not in err
     assert "'training.epochz' (did you mean 'training.epochs'?)" in err and "bad.toml" in err
     assert not (tmp_path / "run").exists()
 
@@ -442,7 +442,8 @@ def test_out_into_a_finished_run_is_refused_and_overwrite_replaces_it(
     args = ["fit", str(config)] if command == "fit" else ["demo", "--smoke"]
     assert main([*args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and f"--out {out} already holds a run" in err
+    assert err.startswith(f"pyrobayes {command}: error: ")
+    assert f"--out {out} already holds a run" in err
     assert "config.json, metrics.json, table.md, guides/map.safetensors and 1 more" in err
     assert "Pass --overwrite to replace that run, or another --out" in err
     assert calls == []  # nothing ran, nothing was touched

@@ -23,6 +23,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +45,7 @@ from ..infer.swag import SWAG
 from ..io import load, save
 from ..models import FineTuneModel, LoRA, SigmaNorm
 from ..models.accounting import count_parameters
-from ..models.adapters import adapter_from_dict
+from ..models.adapters import adapter_from_dict, find_target_modules
 from ..predictive import predict
 from ..registry import available_guides
 from . import data as pbdata
@@ -59,6 +61,8 @@ __all__ = [
     "RunFolderError",
     "validate_config",
     "resolve_config",
+    "check_inputs",
+    "parse_data_spec",
     "run",
     "evaluate",
     "compare_metrics",
@@ -285,12 +289,49 @@ MINIMA: dict[str, int] = {
     # tokens per text, the tokenizer's special tokens ([CLS], [SEP]) included
     "model.max_length": 2,
     "model.num_labels": 2,
+    "adapter.rank": 1,
     "data.batch_size": 1,
     "data.num_train": 1,
+    # the validation split is tokenised for every run (it selects each fit's epoch)
+    "data.num_val": 1,
     "data.num_test": 1,
+    # (data.num_ood: at least 1 while data.ood names a set, _check_combinations)
+    "training.epochs": 1,
+    "training.patience": 0,
     "predict.num_samples": 1,
     "export.num_samples": 1,
+    "export.num_batches": 1,
 }
+#: What a key of :data:`MINIMA` or :data:`LOWER_BOUNDS` means, said when its value is refused.
+_MEANING: dict[str, str] = {
+    "adapter.rank": "the adapter's rank r, e.g. 8",
+    "adapter.alpha": "the adapter's scaling α, the update is scaled by α/r; e.g. 16.0",
+    "adapter.init_scale": "the standard deviation of LoRA-XS's initial core entries, e.g. 1e-5",
+    "data.num_val": "the validation split, which selects each fit's epoch and stops it early",
+    "training.epochs": "the epoch cap of every fit, e.g. 12",
+    "training.patience": (
+        "epochs without a better validation NLL before a fit stops; 0 turns early stopping off"
+    ),
+    "training.lr": "the learning rate of every fit, e.g. 3e-3",
+    "training.warmup": (
+        "the learning-rate warm-up: a number of steps, an integer >= 1, or a fraction of the "
+        "run below 1"
+    ),
+    "prior_scale": "the standard deviation of the Gaussian prior over the adapter, e.g. 1.0",
+    "export.num_batches": "the test batches the ArviZ export posterior.nc covers",
+}
+#: Lower bounds of number keys: ``(bound, whether the bound itself is allowed)``.
+LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "training.lr": (0.0, False),
+    "training.warmup": (0.0, True),
+    "prior_scale": (0.0, False),
+    "adapter.alpha": (0.0, False),
+    "adapter.init_scale": (0.0, True),
+}
+#: ``data.train`` / ``data.ood`` specs: ``vader:<domain>`` (labelled) or ``chatterbot`` (OOD).
+DATA_SPECS: tuple[str, ...] = (*(f"vader:{d}" for d in pbdata.VADER_DOMAINS), "chatterbot")
+#: The class counts of a VADER training set: ``task="binary"`` and ``task="fine"``.
+_VADER_NUM_LABELS = (2, 5)
 #: LoRA-XS options that plain LoRA (``adapter.kind = "lora"``) does not take.
 _LORA_XS_ONLY = ("projection", "init_scale", "moment", "seed")
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -342,15 +383,89 @@ def _check_type(path: str, value: Any, types: tuple[type, ...]) -> None:
             f"Config key {path!r} must be {expected} but got {value!r} ({type(value).__name__})."
         )
     if path in MINIMA and value < MINIMA[path]:
+        meaning = f" ({_MEANING[path]})" if path in _MEANING else ""
         raise ConfigError(
-            f"Config key {path!r} must be an integer >= {MINIMA[path]} but got {value!r}; it "
-            "would otherwise be ignored or fail later. Set it in the config file."
+            f"Config key {path!r}{meaning} must be an integer >= {MINIMA[path]} but got "
+            f"{value!r}; it would otherwise be ignored or fail later. Set it in the config file."
         )
+    if path in LOWER_BOUNDS:
+        bound, inclusive = LOWER_BOUNDS[path]
+        if value < bound or (value == bound and not inclusive):
+            meaning = f" ({_MEANING[path]})" if path in _MEANING else ""
+            raise ConfigError(
+                f"Config key {path!r}{meaning} must be a number {'>=' if inclusive else '>'} "
+                f"{bound:g} but got {value!r}. Set it in the config file."
+            )
     if path in CHOICES and value not in CHOICES[path]:
         raise ConfigError(
             f"Config key {path!r} must be one of {list(CHOICES[path])} but got {value!r}"
             f"{_did_you_mean(str(value), CHOICES[path])}."
         )
+    _check_value(path, value)
+
+
+def _check_value(path: str, value: Any) -> None:
+    """The checks of single keys that bounds and choices do not express."""
+    if path == "training.warmup" and value >= 1 and value != int(value):
+        raise ConfigError(
+            f"Config key 'training.warmup' ({_MEANING[path]}) got {value!r}, neither a whole "
+            "number of steps nor a fraction below 1. Set it in the config file."
+        )
+    if path == "training.device":
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            hint = " (did you mean 'cuda'?)" if value.lower().startswith("gpu") else ""
+            raise ConfigError(
+                f"Config key 'training.device' must be a torch device such as 'cpu', 'cuda' "
+                f"(an NVIDIA GPU), 'cuda:1' or 'mps' but got {value!r}{hint}."
+            ) from None
+    if path == "adapter.target_modules":
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ConfigError(
+                    f"Config key 'adapter.target_modules' = {value!r} is not a valid regular "
+                    f"expression ({err}); a string is a regex over full module paths, a list "
+                    'names modules (e.g. ["query", "value"]).'
+                ) from None
+        elif not value or not all(name.strip() for name in value):
+            raise ConfigError(
+                f"Config key 'adapter.target_modules' = {value!r} names no module; give the "
+                'names of linear modules to adapt, e.g. ["query", "value"].'
+            )
+    if path in ("data.train", "data.ood"):
+        for spec in [value] if isinstance(value, str) else value:
+            parse_data_spec(spec, path)
+        if path == "data.train" and value == "chatterbot":
+            raise ConfigError(
+                "Config key 'data.train' = 'chatterbot' names an unlabelled corpus (an OOD set); "
+                "train on a labelled one: "
+                f"{', '.join(repr(s) for s in DATA_SPECS if s.startswith('vader:'))}."
+            )
+
+
+def parse_data_spec(spec: str, path: str | None = None) -> tuple[str, str]:
+    """``("vader", domain)`` or ``("chatterbot", "")`` for a ``data.train`` / ``data.ood`` entry
+    (the parser of the loader and of the config check).
+
+    Raises
+    ------
+    ConfigError
+        Any other spec (naming ``path``, the config key it came from, and the valid specs).
+    """
+    if spec == "chatterbot":
+        return "chatterbot", ""
+    if spec.startswith("vader:") and spec.split(":", 1)[1] in pbdata.VADER_DOMAINS:
+        return "vader", spec.split(":", 1)[1]
+    what = "an unknown VADER domain" if spec.startswith("vader:") else "not a data set of this job"
+    where = f"Config key {path!r}: " if path else "Data spec "
+    raise ConfigError(
+        f"{where}{spec!r} is {what}{_did_you_mean(spec, DATA_SPECS)}. Use one of "
+        f"{', '.join(repr(s) for s in DATA_SPECS)} (files are not read; the VADER corpora and "
+        "chatterbot-corpus are the job's data)."
+    )
 
 
 def _did_you_mean(word: str, options: Sequence[str], prefix: str = "") -> str:
@@ -432,7 +547,11 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     ------
     ConfigError
         An unknown key at any depth (naming its path and the nearest valid key), a wrong type,
-        a value outside its choices or an unknown family.
+        a value outside its bounds or choices (:data:`MINIMA`, :data:`LOWER_BOUNDS`,
+        :data:`CHOICES`), an unknown data spec (:data:`DATA_SPECS`), a device string torch does
+        not parse, an unknown family, or keys that do not fit together (``model.num_labels``
+        and a VADER ``data.train``, ``training.warmup`` without ``training.scheduler``). What
+        the config names on this machine (the model, the device) is :func:`check_inputs`'s.
     """
     if not isinstance(config, dict):
         raise ConfigError(f"A config is a table of sections; got {type(config).__name__}.")
@@ -448,7 +567,133 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
                 f"Config key 'adapter.{given[0]}' is a LoRA-XS option; adapter.kind = 'lora' "
                 "takes rank, alpha and target_modules."
             )
+    _check_combinations(_merge(DEFAULT_CONFIG, config))
     return config
+
+
+def _check_combinations(config: dict[str, Any]) -> None:
+    """The checks between keys of a full config (the user's keys over ``DEFAULT_CONFIG``)."""
+    data, training = config["data"], config["training"]
+    num_labels = config["model"]["num_labels"]
+    if num_labels not in _VADER_NUM_LABELS:  # data.train is a VADER corpus (_check_value)
+        raise ConfigError(
+            f"Config key 'model.num_labels' = {num_labels!r} does not fit data.train = "
+            f"{data['train']!r}: a VADER corpus has 2 classes (positive/negative) or 5 "
+            "(fine-grained ratings). Set model.num_labels to 2 or 5."
+        )
+    _, domain = parse_data_spec(data["train"], "data.train")
+    wanted = {k: data[k] for k in ("num_train", "num_val", "num_test")}
+    if sum(wanted.values()) > pbdata.VADER_DOMAINS[domain]:
+        raise ConfigError(
+            f"Config keys {', '.join(f'data.{k} = {v}' for k, v in wanted.items())} ask for "
+            f"{sum(wanted.values())} sentences, more than the {pbdata.VADER_DOMAINS[domain]} of "
+            f"data.train = {data['train']!r}; make them smaller."
+        )
+    if data["ood"] and data["num_ood"] < 1:
+        raise ConfigError(
+            f"Config key 'data.num_ood' (sentences drawn from each OOD set) must be an integer "
+            f">= 1 but got {data['num_ood']!r}; to score no OOD set, set data.ood = [] instead."
+        )
+    if training.get("warmup", 0) and "scheduler" not in training:
+        raise ConfigError(
+            f"Config key 'training.warmup' = {training['warmup']!r} needs 'training.scheduler' "
+            f"(one of {list(CHOICES['training.scheduler'])}): the warm-up leads into a named "
+            'learning-rate schedule. Set training.scheduler ("constant" keeps the rate after '
+            "the warm-up) or remove training.warmup."
+        )
+
+
+def _offline() -> bool:
+    """Whether the Hugging Face hub is off (``HF_HUB_OFFLINE``; the command line's default)."""
+    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(flag.strip().upper() in {"1", "ON", "YES", "TRUE"} for flag in flags)
+
+
+def check_inputs(config: dict[str, Any]) -> None:
+    """Check what a valid config names on this machine, before anything is loaded.
+
+    The model (``model.name``: ``"minilm"``, a folder that exists, or a Hugging Face id, which
+    must be in the local cache while the hub is offline), the modules ``adapter.target_modules``
+    names in it (on its skeleton, built from its config on the meta device: no weights are
+    read), and the device (``training.device`` must be available).
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, its value and what to do.
+    """
+    name = config["model"]["name"]
+    if name != "minilm":
+        _check_model_name(name)
+    _check_target_modules(config)
+    device = torch.device(config["training"]["device"])
+    if device.type == "cuda" and (
+        not torch.cuda.is_available()
+        or (device.index is not None and device.index >= torch.cuda.device_count())
+    ):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(
+            f"Config key 'training.device' = {str(device)!r}, but this machine has {found} CUDA "
+            'device(s) that torch can use; use device = "cpu" (or --device cpu).'
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "Config key 'training.device' = 'mps', but MPS is not available on this machine; "
+            'use device = "cpu" (or --device cpu).'
+        )
+
+
+def _check_target_modules(config: dict[str, Any]) -> None:
+    """``adapter.target_modules`` must select some linear module of the configured network."""
+    targets = config["adapter"].get("target_modules")
+    if targets is None:
+        return
+    try:  # the skeleton only; what cannot be read here, the loader reports with its own error
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        name = config["model"]["name"]
+        path = pbdata.minilm_path() if name == "minilm" else name
+        model_config = AutoConfig.from_pretrained(path, num_labels=config["model"]["num_labels"])
+        with torch.device("meta"):
+            net = AutoModelForSequenceClassification.from_config(model_config)
+    except (ImportError, OSError, ValueError, KeyError):
+        return
+    try:
+        find_target_modules(net, targets)
+    except ValueError as err:
+        raise ConfigError(f"Config key 'adapter.target_modules': {err}") from None
+
+
+def _check_model_name(name: str) -> None:
+    """``model.name`` other than ``"minilm"``: a model folder, or a hub id it can load."""
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"Config key 'model.name' = {name!r} is a folder without a config.json; give a "
+                "folder saved by save_pretrained (or a Hugging Face model id)."
+            )
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # transformers brings it; without it the load reports what is missing
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ConfigError(
+            f"Config key 'model.name' = {name!r} is neither 'minilm', a model folder that "
+            "exists, nor a Hugging Face model id ('name' or 'org/name'). Fix the path, or use "
+            'name = "minilm".'
+        ) from None
+    if _offline() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise ConfigError(
+            f"Config key 'model.name' = {name!r} is not a folder, and as a Hugging Face model "
+            "id it is not in the local cache while the hub is offline (HF_HUB_OFFLINE=1, the "
+            "command line's default). Download it once (HF_HUB_OFFLINE=0, or `hf download "
+            f"{name}`), or give the folder it was saved to."
+        )
 
 
 def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
@@ -481,13 +726,10 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
 
 # ---------------------------------------------------------------------------------------- data
 def _load_text(spec: str, *, num_labels: int) -> pbdata.TextDataset:
-    if spec.startswith("vader:"):
-        return pbdata.load_vader(
-            spec.split(":", 1)[1], task="binary" if num_labels == 2 else "fine"
-        )
-    if spec == "chatterbot":
-        return pbdata.load_chatterbot()
-    raise ValueError(f"Unknown data spec {spec!r}; use 'vader:<domain>' or 'chatterbot'.")
+    kind, domain = parse_data_spec(spec)  # a ConfigError (a ValueError) on another spec
+    if kind == "vader":
+        return pbdata.load_vader(domain, task="binary" if num_labels == 2 else "fine")
+    return pbdata.load_chatterbot()
 
 
 def _load_network(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
@@ -512,6 +754,13 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     d = config["data"]
     num_labels = int(config["model"]["num_labels"])
     full = _load_text(d["train"], num_labels=num_labels)
+    wanted = {k: int(d[k]) for k in ("num_train", "num_val", "num_test")}
+    if sum(wanted.values()) > len(full):
+        raise ConfigError(
+            f"Config keys {', '.join(f'data.{k} = {v}' for k, v in wanted.items())} ask for "
+            f"{sum(wanted.values())} sentences, more than the {len(full)} of data.train = "
+            f"{d['train']!r} ({full.name}); make them smaller."
+        )
     seed = int(d["seed"])
     train, val, test = full.split(
         [int(d["num_train"]), int(d["num_val"]), int(d["num_test"])], seed=seed
@@ -555,6 +804,12 @@ def build_model(
     # every process (it used to depend on whatever had drawn from the global RNG before)
     torch.manual_seed(int(config["training"]["seed"]))
     net, tokenizer = _load_network(config)
+    targets = config["adapter"].get("target_modules")
+    try:  # checked here, where the network is first at hand (before the adapter is built)
+        if targets is not None:
+            find_target_modules(net, targets)
+    except ValueError as err:
+        raise ConfigError(f"Config key 'adapter.target_modules': {err}") from None
     adapter: Any = adapter_from_dict(config["adapter"])
     transform = FAMILY_SETTINGS.get(family or "", {}).get("adapter")
     if transform is not None:
@@ -647,7 +902,8 @@ def run(
     Raises
     ------
     ConfigError
-        ``config`` does not fit the schema, or a family is unknown (before anything is written).
+        ``config`` does not fit the schema, a family is unknown, or the model or device it
+        names is not on this machine (:func:`check_inputs`; before anything is written).
     RunFolderError
         ``out_dir`` holds another run and ``overwrite`` is false (before anything is written).
     """
@@ -655,6 +911,7 @@ def run(
         families = [families]
     config = validate_config(config)
     families = check_families(list(families or config["families"]))
+    check_inputs(config)
     out = Path(out_dir)
     claim_run_folder(out, overwrite)
     (out / "guides").mkdir(parents=True, exist_ok=True)
