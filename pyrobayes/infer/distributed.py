@@ -12,7 +12,14 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor
 
-__all__ = ["world", "broadcast_", "all_reduce_mean_", "all_reduce_grads_"]
+__all__ = [
+    "world",
+    "broadcast_",
+    "all_reduce_mean_",
+    "all_reduce_sum_",
+    "all_reduce_grads_",
+    "barrier",
+]
 
 
 def world() -> tuple[int, int]:
@@ -39,6 +46,20 @@ def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
     for t in tensors:
         torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
         t.div_(size)
+
+
+def all_reduce_sum_(tensors: Sequence[Tensor]) -> None:
+    """Sum ``tensors`` in place across processes."""
+    if world()[0] == 1:
+        return
+    for t in tensors:
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+
+
+def barrier() -> None:
+    """Wait until every process reaches this point (e.g. rank 0's last checkpoint is written)."""
+    if world()[0] > 1:
+        torch_dist.barrier()
 
 
 def all_reduce_grads_(params: Sequence[Tensor]) -> None:

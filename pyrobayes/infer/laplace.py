@@ -64,6 +64,7 @@ from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.adapters import check_int, check_real
 from ..models.likelihoods import check_gaussian_targets, network_output
 from ..predictive import Prediction
+from .distributed import all_reduce_sum_
 from .evidence import (
     effective_parameters,
     eigen_coordinates,
@@ -517,8 +518,11 @@ class _Loader:
         dataset: Any = getattr(data, "dataset", None)
         try:
             n = len(dataset)  # None or an unsized dataset: TypeError
-        except TypeError:
-            n = sum(batch_size(split_batch(b, model.label_key)[0]) for b in data)
+        except TypeError:  # counted: this rank's share, summed over ranks (a sampler's
+            # dataset is the whole set already)
+            count = torch.tensor(sum(batch_size(split_batch(b, model.label_key)[0]) for b in data))
+            all_reduce_sum_([count])
+            n = int(count)
         self.dataset = range(n)
 
     def __iter__(self) -> Iterator[Any]:
@@ -630,9 +634,18 @@ def per_example_ggn_backend() -> type:
                 upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
                 kron = type(kron)(upcast)
                 loss = loss.float()
+            # under torch.distributed each rank holds its share of the batch: the factors are
+            # summed over ranks as laplace-torch sums them over batches (H += H_batch), so every
+            # rank holds the curvature of one process whose batches are the ranks' shares
+            all_reduce_sum_([loss, *(f for factors in kron.kfacs for f in factors)])
             return loss, kron
 
         def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            loss, diag = self._local_diag(x, y, **kwargs)
+            all_reduce_sum_([loss, diag])  # a sum over examples: exact under any sharding
+            return loss, diag
+
+        def _local_diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
             wrapper: Any = self.model
             sites = _site_names(wrapper, self.params)
             if (

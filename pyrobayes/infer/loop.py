@@ -40,7 +40,7 @@ from ..batch import batch_size, split_batch, to_device
 from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
-from .distributed import broadcast_, world
+from .distributed import barrier, broadcast_, world
 from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
@@ -570,6 +570,9 @@ class _Loop:
         finally:
             self.order.restore()
             self.bar.close()
+        # rank 0 wrote the last checkpoint: no rank returns (and, say, resumes from the folder
+        # in its next fit) before the write is complete
+        barrier()
         return self._result()
 
     def _lower_block_cache(self) -> contextlib.AbstractContextManager[None]:
