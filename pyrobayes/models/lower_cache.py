@@ -22,8 +22,11 @@ real tokens (without them the network numbers the padding too). It falls back to
 forward otherwise: other batch keys, left padding without positions, a 4-d attention mask,
 dropout in the backbone (``train_backbone_mode``), a trainable or pyrobayes module (an adapter,
 a σNorm member) that runs before block ``i_0``, a block whose output is more than its hidden
-states, data over :data:`MAX_BYTES` of hidden states, or a batch holding an example the pass
-did not see.
+states, a block of the stack that runs more than once in a forward or a lower block that runs
+after a later one (ALBERT's shared layer groups and inner layers: the output of block
+``i_0 - 1`` at its first call is then not the input of block ``i_0``; also a stack holding one
+module twice), data over :data:`MAX_BYTES` of hidden states, or a batch holding an example the
+pass did not see.
 :func:`pyrobayes.models.sharing.unshared` turns it off.
 """
 
@@ -84,7 +87,8 @@ class LowerBlockCache:
         max_bytes: int = MAX_BYTES,
     ) -> None:
         self.net = net
-        self.below = list(blocks)[:first]
+        self.blocks = list(blocks)
+        self.below = self.blocks[:first]
         self.changing = set(changing)
         self.max_bytes = max_bytes
         self.entries: dict[bytes, Tensor] = {}
@@ -136,18 +140,36 @@ class LowerBlockCache:
         self, examples: Mapping[bytes, Mapping[str, Tensor]], device: torch.device
     ) -> int | None:
         """Bytes per token of the entries (from a probe forward of one example), or ``None``
-        when the cache does not apply to the network (what runs before the cut)."""
+        when the cache does not apply to the network (what runs before the cut, or blocks that
+        do not run once each, in order)."""
         one = next(iter(examples.values()))
-        ran: list[nn.Module] = []
-        handles = [
-            m.register_forward_pre_hook(lambda m, a: ran.append(m)) for m in self.net.modules()
-        ]
+        if len({id(block) for block in self.blocks}) != len(self.blocks):
+            self._off("the stack of blocks holds one module twice")
+            return None
+        ran: list[nn.Module] = []  # every module called before the cut
+        order: list[int] = []  # the stack's blocks, call by call, in the whole forward
+        holder: dict[str, Any] = {}
+        position = {id(block): i for i, block in enumerate(self.blocks)}
+
+        def called(module: nn.Module, args: tuple) -> None:
+            if "output" not in holder:
+                ran.append(module)
+            if id(module) in position:
+                order.append(position[id(module)])
+
+        def cut(module: nn.Module, args: tuple, output: Any) -> None:
+            holder.setdefault("output", output)
+
+        handles = [m.register_forward_pre_hook(called) for m in self.net.modules()]
+        handles.append(self.below[-1].register_forward_hook(cut))
         try:
-            output = self._run(one, device=device)
+            with torch.no_grad():
+                self.net(**{k: v.to(device) for k, v in one.items()})
         finally:
             for handle in handles:
                 handle.remove()
-        why = self._refusal(ran, output)
+        output: Any = holder.get("output")
+        why = _order_refusal(order, len(self.below)) or self._refusal(ran, output)
         if why is not None:
             self._off(why)
             return None
@@ -230,11 +252,27 @@ class LowerBlockCache:
         return hidden if self.structure is None else (hidden, *self.structure)
 
 
+def _order_refusal(order: Sequence[int], first: int) -> str | None:
+    """Why the stack's blocks, called in ``order`` (their indices) in a forward, do not run
+    once each and in order up to the cut below block ``first``, or ``None``."""
+    for j, i in enumerate(order):
+        if i in order[:j]:
+            return f"block {i} of the stack runs more than once in a forward"
+        if j and i < order[j - 1]:
+            return f"block {i} of the stack runs after block {order[j - 1]}"
+    if first - 1 not in order:
+        return f"block {first - 1} of the stack does not run"
+    return None
+
+
 @contextlib.contextmanager
 def stubbed_below(below: Sequence[nn.Module], output: Any) -> Iterator[None]:
     """Within the block, every module of ``below`` called on hidden states of ``output``'s
     rows and length returns ``output`` without computing (the next block's input is then
     ``output``'s hidden states); a call on other rows (a forward the output is not of) computes.
+    Valid only where each block of the stack runs once per forward, in order (the callers
+    check it: :class:`LowerBlockCache`'s probe, :func:`~pyrobayes.models.sharing.
+    lower_layers_shared`).
     """
     hidden = output[0] if isinstance(output, tuple) else output
     shape = tuple(hidden.shape[:2]) if isinstance(hidden, Tensor) else None

@@ -20,7 +20,13 @@ choice, and this module runs that work once:
   6), the embeddings and blocks ``< i_0`` see the same input under every draw. The network then
   runs on the B un-expanded rows and a forward pre-hook on block ``i_0`` expands its hidden
   states (and every per-row argument) S-fold, sample-major, as :func:`pyrobayes.batch.
-  expand_samples` would have done at the input.
+  expand_samples` would have done at the input. Where that is not the unshared computation
+  the plain forward runs, and the reason is logged once per network (INFO): a block of the
+  stack that runs more than once in a forward, or a lower block after a later one (ALBERT's
+  shared layer groups and inner layers), a stack holding one module twice, an output that
+  loses the S-fold rows (a pooled head indexing with the un-expanded ``input_ids``: LLaMA's
+  and Qwen2's sequence classifiers), or a one-row batch whose blocks take another one-row
+  tensor (shared by the batch or the row's: the leading size cannot tell, :func:`_expand`).
 
 Both are on by default wherever they apply (the prompt states in prediction, with gradients off)
 and fall back silently to the plain computation otherwise; inside :func:`reuse_within_batch`
@@ -44,7 +50,7 @@ from torch import Tensor, nn
 
 from .layers import BatchedLinear, _AdapterBase
 from .lower_cache import stubbed_below
-from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
+from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask, score_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +216,12 @@ def _output_head(net: nn.Module, body: nn.Module) -> nn.Module | None:
     return head
 
 
-def _check_head(net: nn.Module, head: nn.Module, hidden: Tensor, kwargs: dict[str, Any]) -> bool:
-    """Whether ``net`` called with ``kwargs`` (its last position kept) gives ``head`` of the
-    decoder's last ``hidden`` state (a network that scales or caps its logits does not)."""
+def _check_head(
+    net: nn.Module, head: nn.Module, hidden: Tensor, kwargs: dict[str, Any]
+) -> Tensor | None:
+    """``None`` when ``net`` called with ``kwargs`` (its last position kept) gives ``head`` of
+    the decoder's last ``hidden`` state, else those logits (a network that scales or caps its
+    logits); the finding is kept per network."""
     logits = net(**kwargs, use_cache=False, logits_to_keep=1).logits[:, -1]
     plain = head(hidden)
     same = logits.shape == plain.shape and torch.allclose(logits, plain, rtol=1e-4, atol=1e-4)
@@ -223,7 +232,7 @@ def _check_head(net: nn.Module, head: nn.Module, hidden: Tensor, kwargs: dict[st
             "head runs on every continuation slot.",
             type(net).__name__,
         )
-    return bool(same)
+    return None if same else logits
 
 
 def prefix_shared_logits(
@@ -279,12 +288,34 @@ def prefix_shared_logits(
     draws = num_samples if lower is not None and num_samples > 1 else 1
     if draws > 1 and not _sample_copies(inputs, draws):
         draws = 1  # rows of different examples (per-row parameter sets): nothing to share
+    if draws > 1 and lower is not None and _lower_declined(lower, num // draws, draws):
+        draws = 1  # known not to apply to this network (logged once)
+    if draws > 1:
+        try:
+            return _prefix_pass(net, layout, num, k_choices, draws, lower)
+        except _declined_type():
+            pass  # a block of the stack runs twice, say (logged once): every row runs them
+    return _prefix_pass(net, layout, num, k_choices, 1, None)
+
+
+def _prefix_pass(
+    net: nn.Module,
+    layout: Mapping[str, Tensor],
+    num: int,
+    k_choices: int,
+    draws: int,
+    lower: tuple[nn.ModuleList, int] | None,
+) -> Tensor | TokenLogProbs:
+    """:func:`prefix_shared_logits` of the ``num`` rows of ``layout``, the blocks below the
+    first adapted one run once for ``draws`` draws (on sample 0's rows)."""
     rows = num // draws
 
     def shared(width: int) -> contextlib.AbstractContextManager[None]:
+        # one context per forward: lower_layers_shared checks that each block runs once
         if draws == 1 or lower is None:
             return contextlib.nullcontext()
-        return lower_layers_shared(list(lower[0])[lower[1] :], rows * width, draws)
+        blocks = list(lower[0])
+        return lower_layers_shared(blocks[lower[1] :], rows * width, draws, blocks[: lower[1]])
 
     # the whole prompt once per row (left-padded: its last token in the last column), whose last
     # position predicts every choice's first token; then the continuations but their last token
@@ -303,9 +334,11 @@ def prefix_shared_logits(
         else:
             out = body(**prompt, use_cache=True)
             first = out.last_hidden_state[:, -1]  # (R, H): the head runs below, with the rest
-            if net not in _PLAIN_HEAD and not _check_head(net, head, first, prompt):
-                head = None
-                first = net(**prompt, use_cache=False, logits_to_keep=1).logits[:, -1]
+    if head is not None and net not in _PLAIN_HEAD:
+        with shared(1):
+            logits = _check_head(net, head, first, prompt)
+        if logits is not None:  # not the plain head: the network's own logits
+            head, first = None, logits
     cache = getattr(out, "cache", None)
     cache = out.past_key_values if cache is None else cache
     with shared(k_choices):
@@ -317,7 +350,9 @@ def prefix_shared_logits(
     tokens = layout["cont_ids"].reshape(num * k_choices, -1)
     later = valid[:, 1:]  # slots 1..: the real continuation tokens only (no padding slots)
     states = first if rest is None else torch.cat([first, rest.last_hidden_state[later]])
-    log_probs = torch.log_softmax(head(states), dim=-1)  # one head call: (R + N, V)
+    logits = head(states)  # one head call: (R + N, V)
+    # in float32 at least, as continuation_scores: bf16 rounds a token's log-probability
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=score_dtype(logits.dtype))
     values = torch.zeros(valid.shape, dtype=log_probs.dtype, device=log_probs.device)
     # slot 0: one softmax per prompt, read at its K choices' first tokens
     values[:, 0] = log_probs[:num].gather(-1, tokens[:, 0].reshape(num, k_choices)).reshape(-1)
@@ -381,8 +416,8 @@ def tokens_per_draw(
         layout = _prefix_layout(inputs)
         if layout is not None:
             tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
-    if lower is None:
-        return tokens
+    if lower is None or _lower_declined(lower, int(ids.shape[0]), 2):
+        return tokens  # (lower blocks known not to be shared for this network)
     blocks, first = lower
     tokens = int(ids.numel()) if tokens is None else tokens
     return max(1, -(-tokens * (len(blocks) - first) // len(blocks)))
@@ -415,6 +450,9 @@ def first_adapted_block(
     blocks = block_stack(net)
     if blocks is None or not param_names:
         return None
+    if len({id(block) for block in blocks}) != len(blocks):
+        logger.debug("sharing: %s's stack of blocks holds one module twice", type(net).__name__)
+        return None  # one block at two depths: its output at the cut is not the next input
     paths = {id(module): name for name, module in net.named_modules()}
     # by name, not by identity: inside a forward the sites hold swapped-in draws
     prefixes = [paths[id(block)] + "." for block in blocks]
@@ -428,8 +466,85 @@ def first_adapted_block(
     return (blocks, first) if first > 0 else None
 
 
+#: Why the lower layers are not shared below a first adapted block (weakly keyed by that block:
+#: per network and cut), by kind: ``"order"`` a block of the stack runs more than once in a
+#: forward, or a lower block after a later one (ALBERT's shared layer groups): never shared;
+#: ``"rows"`` the network's output does not keep the expanded rows (a pooled head indexing with
+#: the un-expanded ``input_ids``): not for S > 1; ``"one_row"`` a one-row batch's block
+#: arguments are ambiguous (see :func:`_ambiguous`): not for one row and S > 1.
+_DECLINED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def _declined_type() -> type[Exception]:
+    """The exception the callers of :func:`lower_layers_shared` catch to run the plain forward
+    instead (``finetune._RowsMismatch``; imported here late: finetune imports this module)."""
+    from .finetune import _RowsMismatch
+
+    return _RowsMismatch
+
+
+def _refusal(block: nn.Module, rows: int, num_samples: int) -> str | None:
+    """Why the layers below ``block`` are known not to be shared for ``rows`` rows and
+    ``num_samples`` draws, or ``None``."""
+    reasons = _DECLINED.get(block, {})
+    if "order" in reasons:
+        return reasons["order"]
+    if num_samples > 1 and "rows" in reasons:
+        return reasons["rows"]
+    if num_samples > 1 and rows == 1 and "one_row" in reasons:
+        return reasons["one_row"]
+    return None
+
+
+def _lower_declined(lower: tuple[nn.ModuleList, int], rows: int, num_samples: int) -> bool:
+    """Whether the layers below ``lower``'s first adapted block are known not to be shared."""
+    blocks, first = lower
+    return _refusal(blocks[first], rows, num_samples) is not None
+
+
+def _decline(block: nn.Module, kind: str, why: str) -> Exception:
+    """Remember (once per network and kind, logged) why the layers below ``block`` are not
+    shared; the exception to raise so that the caller runs the plain forward."""
+    reasons = _DECLINED.setdefault(block, {})
+    if kind not in reasons:
+        reasons[kind] = why
+        logger.info(
+            "sharing: the layers below %s run for every draw%s: %s",
+            type(block).__name__,
+            {"order": "", "rows": " (S > 1)", "one_row": " on one-row batches"}[kind],
+            why,
+        )
+    return _declined_type()(why)
+
+
+def _hidden_states(args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """A block's hidden states: its first argument (Hugging Face blocks), or ``hidden_states``."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _ambiguous(value: Any, hidden: Any) -> bool:
+    """Whether ``value`` holds a tensor (of two or more dims) with one leading row other than
+    the ``hidden`` states: with a one-row batch it may carry the batch's row (a 2-d attention
+    mask) or be shared by the batch (DeBERTa's ``relative_pos`` ``(1, L, L)``)."""
+    if isinstance(value, Tensor):
+        return value is not hidden and value.dim() >= 2 and int(value.shape[0]) == 1
+    if isinstance(value, (tuple, list)):
+        return any(_ambiguous(v, hidden) for v in value)
+    return False
+
+
 def _expand(value: Any, rows: int, num_samples: int) -> Any:
-    """Sample-major S-fold copy of every tensor (of two or more dims) holding ``rows`` rows."""
+    """Sample-major S-fold copy of every tensor (of two or more dims) holding ``rows`` rows.
+
+    A block's tensor arguments either carry the batch's rows (hidden states, attention masks,
+    per-row positions and rotary embeddings) or are shared by the batch (DeBERTa's relative
+    positions and embeddings): only the leading size tells them apart, so with ``rows == 1``
+    (ambiguous) :func:`lower_layers_shared` does not share unless the hidden states are the only
+    one-row tensor (:func:`_ambiguous`). With ``rows > 1`` a tensor shared by the batch is
+    copied only if it holds exactly ``rows`` entries (DeBERTa's ``rel_embeddings`` of
+    ``2·position_buckets`` rows: harmless, its layers read the first ``2·position_buckets``,
+    sample 0's copy).
+    """
     if isinstance(value, Tensor):
         if value.dim() >= 2 and int(value.shape[0]) == rows:
             return (
@@ -455,6 +570,15 @@ def lower_layers_shared(
     (sample-major): the hidden states at the first, and at every block the arguments its stack
     computed once for the un-expanded rows (attention masks, rotary embeddings).
 
+    The block holds one forward of the network. That forward raises the callers' fallback
+    exception (``finetune._RowsMismatch``: the plain forward then runs) when sharing does not
+    give the unshared computation, and the reason is kept per network and logged once, so that
+    later calls fall back on entry: a block of the stack runs more than once, or a block of
+    ``below`` after a later block (ALBERT's layer groups and inner layers: the lower blocks'
+    output at the cut is not the first adapted block's input), or the network's output loses
+    the expanded rows (a head that reads the un-expanded inputs), or a one-row batch whose block
+    arguments cannot be told to carry the row or not (:func:`_expand`).
+
     Parameters
     ----------
     blocks : list of nn.Module
@@ -464,14 +588,49 @@ def lower_layers_shared(
     num_samples : int
         S, the draws of the adapted blocks above.
     below : list of nn.Module
-        The blocks under the first adapted one, in order (with ``recorded``).
+        The blocks under the first adapted one, in order (the rest of the stack).
     recorded : dict, optional
         Memory of the lower blocks' output for these inputs (:func:`reuse_within_batch`): when
         it holds ``"below"``, the blocks in ``below`` return it without computing (their input
         is the same as when it was recorded); otherwise the last of them records its output.
     """
+    if not blocks:
+        yield
+        return
+    key = blocks[0]
+    why = _refusal(key, rows, num_samples)
+    if why is not None:
+        raise _declined_type()(why)
+    stack = [*below, *blocks]
+    if len({id(block) for block in stack}) != len(stack):
+        raise _decline(key, "order", "the stack of blocks holds one module twice")
+    position = {id(block): i for i, block in enumerate(stack)}
+    ran: list[int] = []  # the stack's blocks called so far in this forward
+    declined: list[bool] = []
+
+    def refuse(kind: str, why: str) -> Exception:
+        declined.append(True)
+        return _decline(key, kind, why)
+
+    def in_order(module: nn.Module) -> None:
+        i = position[id(module)]
+        if ran and i <= ran[-1]:
+            again = "more than once in a forward" if i in ran else f"after block {ran[-1]}"
+            raise refuse("order", f"block {i} of the stack runs {again}")
+        ran.append(i)
+
+    def check(module: nn.Module, args: tuple) -> None:
+        in_order(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        in_order(module)
+        if rows == 1 and num_samples > 1:
+            hidden = _hidden_states(args, kwargs)
+            if _ambiguous(args, hidden) or _ambiguous(tuple(kwargs.values()), hidden):
+                raise refuse(
+                    "one_row",
+                    "a one-row tensor argument may be shared by the batch or be the row's",
+                )
         return _expand(args, rows, num_samples), {
             k: _expand(v, rows, num_samples) for k, v in kwargs.items()
         }
@@ -481,14 +640,20 @@ def lower_layers_shared(
             recorded["below"] = output
 
     handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
+    handles += [block.register_forward_pre_hook(check) for block in below]
     try:
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack_:
             if recorded is not None and below:
                 if "below" in recorded:
-                    stack.enter_context(stubbed_below(below, recorded["below"]))
+                    stack_.enter_context(stubbed_below(below, recorded["below"]))
                 else:
                     handles.append(below[-1].register_forward_hook(record))
-            yield
+            try:
+                yield
+            except _declined_type():
+                if not declined and num_samples > 1:  # raised by the caller: rows lost
+                    _decline(key, "rows", "the network's output does not keep the S-fold rows")
+                raise
     finally:
         for handle in handles:
             handle.remove()

@@ -842,7 +842,7 @@ def test_resuming_with_a_changed_point_prior_loc_is_refused_by_name(tmp_path):
             model_b,
             guide_b,
             data,
-            epochs=2,
+            epochs=1,  # the run's length: IVON's cosine over another would be refused first
             seed=0,
             checkpoint=pb.Checkpointing(tmp_path, resume=True),
         )

@@ -55,9 +55,10 @@ def tiny_gpt2_lm(**overrides):
 NETS = {"llama": tiny_llama, "gpt2": tiny_gpt2_lm}
 
 
-def hand_scores(net, batch, normalize):
+def hand_scores(net, batch, normalize, dtype=None):
     """Per-choice scores by a loop over rows: ``model(input_ids).logits`` of one row at a time,
-    its padding removed (no attention mask, no padding position for any attention to mishandle)."""
+    its padding removed (no attention mask, no padding position for any attention to mishandle);
+    the log-softmax in ``dtype`` (default: the logits')."""
     ids, mask, cont = batch["input_ids"], batch["attention_mask"], batch["continuation_mask"]
     num, k_choices, _ = ids.shape
     out = torch.zeros(num, k_choices, dtype=torch.float64)
@@ -65,7 +66,7 @@ def hand_scores(net, batch, normalize):
         for k in range(k_choices):
             real = mask[b, k].bool()
             row, row_cont = ids[b, k][real], cont[b, k][real]
-            logp = net(input_ids=row[None]).logits[0].log_softmax(-1)
+            logp = net(input_ids=row[None]).logits[0].log_softmax(-1, dtype=dtype)
             terms = [float(logp[t - 1, row[t]]) for t in range(len(row)) if row_cont[t]]
             score = math.fsum(terms)
             if normalize == "length":
@@ -134,7 +135,7 @@ def test_scores_equal_a_hand_loop(arch, side, normalize, attn, dtype):
     assert net.config._attn_implementation == attn
     model = FineTuneModel(
         net,
-        LoRAXS(rank=2, target_modules=["q_proj", "c_attn"]),
+        LoRAXS(rank=2, target_modules={"llama": ["q_proj"], "gpt2": ["c_attn"]}[arch]),
         likelihood=MultipleChoice(normalize=normalize),
         trainable_modules=[],
     )
@@ -149,6 +150,36 @@ def test_scores_equal_a_hand_loop(arch, side, normalize, attn, dtype):
     # float32 rounding of sums of ~30 log-probabilities of size ~5 (eps·30·5 ≈ 2e-5 at worst,
     # 3e-6 seen); eager attention takes its softmax in float32 even in float64
     torch.testing.assert_close(scores.double(), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(NETS))
+def test_bfloat16_scores_are_summed_in_float32(arch):
+    """A bf16 network's continuation scores are float32 sums of float32 log-softmaxes of its
+    bf16 logits, shared or not: a bf16 log-softmax rounds each token's log-probability to 2^-6
+    nats and tied or reordered choices (here it was off by 0.17-0.21 nats). The reference is the
+    same network's bf16 logits of one unpadded row at a time, log-softmaxed in float64; the
+    padded batch's bf16 logits may differ from those by an ulp (2^-8 relative), so the sums of
+    ~20 log-probabilities agree to a few 1e-3 (3e-3 seen): tolerance 0.02."""
+    from pyrobayes.models.sharing import unshared
+
+    torch.manual_seed(0)
+    net = NETS[arch]().eval().to(torch.bfloat16)
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=2, target_modules={"llama": ["q_proj"], "gpt2": ["c_attn"]}[arch]),
+        likelihood=MultipleChoice(),
+        trainable_modules=[],
+    )
+    batch = encode_multiple_choice(CharTokenizer(), PROMPTS, CHOICES, padding_side="left")
+    values = {s: (0.3 * torch.randn(v.shape)).to(v.dtype) for s, v in model.init_values().items()}
+    with torch.no_grad():
+        shared = model.output(batch, values)
+        with unshared():
+            plain = model.output(batch, values)
+        ref = hand_scores(_with_values(model, values), batch, "none", dtype=torch.float64)
+    assert shared.dtype == plain.dtype == torch.float32
+    torch.testing.assert_close(shared.double(), ref, rtol=0, atol=0.02)
+    torch.testing.assert_close(plain.double(), ref, rtol=0, atol=0.02)
 
 
 def _with_values(model, values):
