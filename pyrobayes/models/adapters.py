@@ -10,10 +10,12 @@ for LoRA).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import math
 import operator
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,42 +171,207 @@ def _is_adaptable(module: nn.Module) -> bool:
     )
 
 
-def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> list[str]:
-    """Paths of the linear modules of ``net`` that ``target_modules`` selects.
+#: Layers a ``target_modules`` regex may well match by accident (a ``proj`` / ``embed`` name)
+#: that no adapter here can act on: a regex that selects one is warned about, a list entry that
+#: names one is refused.
+_UNSUPPORTED_LEAVES: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Embedding,
+    nn.EmbeddingBag,
+)
 
-    A list matches a module whose path equals an entry or ends with ``"." + entry`` (peft's rule);
-    a string is a regular expression that must match the whole path.
+_SUPPORTED = "nn.Linear layers and transformers' GPT-2 Conv1D"
 
-    Raises
-    ------
-    ValueError
-        When nothing matches; the message lists the candidate module names.
+
+def _module_aliases(net: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """``{id(module): (module, every path it is registered under)}`` in network order.
+
+    ``named_modules()`` lists a module registered under two names (``net.dec = net.enc``) once;
+    every name is kept here, the first one first.
     """
-    candidates = [
-        name
-        for name, m in net.named_modules()
-        if name and _is_adaptable(m) and not isinstance(m, (LoRALinear, LoRAXSLinear))
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in net.named_modules(remove_duplicate=False):
+        if name:
+            found.setdefault(id(module), (module, []))[1].append(name)
+    return found
+
+
+def _unreachable_reason(module: nn.Module, path: str, net: nn.Module) -> str | None:
+    """Why an adapter on the linear ``module`` at ``path`` could never act, or ``None``.
+
+    ``nn.MultiheadAttention`` reads ``out_proj.weight`` / ``.bias`` itself (``F.multi_head_
+    attention_forward``) and never calls ``out_proj``, so a layer put there is never run.
+    """
+    parent_path, _, child = path.rpartition(".")
+    parent = net.get_submodule(parent_path) if parent_path else net
+    if child == "out_proj" and isinstance(parent, nn.MultiheadAttention):
+        return (
+            f"{path!r} is the output projection of the nn.MultiheadAttention {parent_path!r}, "
+            "which reads out_proj.weight and out_proj.bias directly and never calls out_proj, "
+            "so an adapter there could never act. Leave it out of target_modules (a regex over "
+            "full paths can skip it), or adapt the linear layers around the attention"
+        )
+    return None
+
+
+def _inside_adapter(module_paths: list[str], adapter_paths: list[str]) -> bool:
+    return any(p.startswith(a + ".") for p in module_paths for a in adapter_paths)
+
+
+_Found = list[tuple[nn.Module, list[str]]]  # (module, every path it is registered under)
+
+
+def _skipped_warning(target_modules: Any, skipped: list[str], more: str = "") -> None:
+    """Warn that ``target_modules`` also matches the Conv / Embedding layers ``skipped``."""
+    if skipped:
+        warnings.warn(
+            f"target_modules={target_modules!r} also matches {', '.join(skipped[:6])}"
+            f"{' ...' if len(skipped) > 6 else ''}, which no adapter supports (only "
+            f"{_SUPPORTED}): left as they are.{more}",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _by_regex(target_modules: str, modules: _Found, candidates: _Found) -> _Found:
+    """The candidates a regex over whole paths selects (any of a module's names)."""
+    pattern = re.compile(target_modules)
+    chosen = [(m, paths) for m, paths in candidates if any(pattern.fullmatch(p) for p in paths)]
+    skipped = [
+        f"{paths[0]!r} ({type(m).__name__})"
+        for m, paths in modules
+        if isinstance(m, _UNSUPPORTED_LEAVES) and any(pattern.fullmatch(p) for p in paths)
     ]
-    if isinstance(target_modules, str):
-        pattern = re.compile(target_modules)
-        chosen = [n for n in candidates if pattern.fullmatch(n)]
-    else:
-        targets = list(target_modules)
-        chosen = [n for n in candidates if any(n == t or n.endswith("." + t) for t in targets)]
-    if not chosen:
-        leaf_names = sorted({n.rsplit(".", 1)[-1] for n in candidates})
-        raise ValueError(
-            f"target_modules={target_modules!r} matched no linear module of "
-            f"{type(net).__name__}. Candidate module names: {leaf_names} "
-            f"(full paths, e.g. {candidates[:4]}). Pass some of these, or a regex over full paths."
+    if chosen:
+        _skipped_warning(target_modules, skipped, " Narrow the regex to silence this.")
+    return chosen
+
+
+def _matches(paths: list[str], entry: str) -> bool:
+    return any(p == entry or p.endswith("." + entry) for p in paths)
+
+
+def _unsupported_entry(entry: str, others: _Found) -> ValueError:
+    """The error for a list entry that names only modules no adapter supports."""
+    module, paths = others[0]
+    inner = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, c in module.named_modules()
+            if n and _is_adaptable(c) and _unreachable_reason(c, n, module) is None
+        }
+    )
+    hint = (
+        f"; it is a container: name the linear layers inside it, e.g. {inner[:6]}" if inner else ""
+    )
+    more = f" (and {len(others) - 1} more modules)" if len(others) > 1 else ""
+    return ValueError(
+        f"target_modules entry {entry!r} names {paths[0]!r}, a {type(module).__name__}{more}, "
+        f"which no adapter supports: LoRA and LoRA-XS adapt {_SUPPORTED} only{hint}. Remove "
+        f"{entry!r} from target_modules."
+    )
+
+
+def _by_names(targets: list[str], net: nn.Module, modules: _Found, candidates: _Found) -> _Found:
+    """The candidates a list of names selects (peft's suffix rule on any of a module's names)."""
+    chosen = [(m, paths) for m, paths in candidates if any(_matches(paths, t) for t in targets)]
+    unmatched: list[str] = []
+    skipped: list[str] = []
+    for t in targets:
+        if any(_matches(paths, t) for _, paths in candidates):
+            skipped += [
+                f"{paths[0]!r} ({type(m).__name__})"
+                for m, paths in modules
+                if isinstance(m, _UNSUPPORTED_LEAVES) and _matches(paths, t)
+            ]
+            continue
+        others = [(m, paths) for m, paths in modules if _matches(paths, t)]
+        if others:
+            raise _unsupported_entry(t, others)
+        unmatched.append(t)
+    _skipped_warning(targets, skipped)
+    if chosen and unmatched:
+        leaf_names = sorted({p.rsplit(".", 1)[-1] for _, paths in modules for p in paths})
+        listed = []
+        for t in unmatched:
+            close = difflib.get_close_matches(t, leaf_names, n=3)
+            listed.append(f"{t!r}" + (f" (did you mean {close}?)" if close else ""))
+        warnings.warn(
+            f"target_modules entries {', '.join(listed)} match no module of "
+            f"{type(net).__name__} and are ignored; only the other entries are adapted.",
+            UserWarning,
+            stacklevel=3,
         )
     return chosen
 
 
+def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> list[str]:
+    """Paths of the linear modules of ``net`` that ``target_modules`` selects.
+
+    A list matches a module whose path equals an entry or ends with ``"." + entry`` (peft's rule);
+    a string is a regular expression that must match the whole path. A module registered under
+    several names (``net.dec = net.enc``) is selected when any of its names matches and is
+    returned once, under its first name (the one ``named_modules()`` gives); the adapter layer
+    then replaces it under every name.
+
+    Raises
+    ------
+    ValueError
+        When nothing matches (the message lists the candidate module names); when a list entry
+        names only modules of a type no adapter supports (a Conv2d, an Embedding, a container:
+        only ``nn.Linear`` and GPT-2 ``Conv1D``); when a selected linear layer could never act
+        (``nn.MultiheadAttention.out_proj``, which its attention never calls).
+
+    Warns
+    -----
+    UserWarning
+        When a list entry matches no module at all while other entries do (a typo: the message
+        names close matches), and when a regex matches a Conv or Embedding layer it cannot
+        adapt (it is left as it is).
+    """
+    modules = list(_module_aliases(net).values())
+    adapter_paths = [paths[0] for m, paths in modules if isinstance(m, (LoRALinear, LoRAXSLinear))]
+    candidates = [
+        (m, paths)
+        for m, paths in modules
+        if _is_adaptable(m)
+        and not isinstance(m, (LoRALinear, LoRAXSLinear))
+        and not _inside_adapter(paths, adapter_paths)
+    ]
+    if isinstance(target_modules, str):
+        chosen = _by_regex(target_modules, modules, candidates)
+    else:
+        chosen = _by_names(list(target_modules), net, modules, candidates)
+    if not chosen:
+        names = [paths[0] for _, paths in candidates]
+        leaf_names = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ValueError(
+            f"target_modules={target_modules!r} matched no linear module of "
+            f"{type(net).__name__}. Candidate module names: {leaf_names} "
+            f"(full paths, e.g. {names[:4]}). Pass some of these, or a regex over full paths."
+        )
+    for _, paths in chosen:
+        for path in paths:
+            reason = _unreachable_reason(net.get_submodule(path), path, net)
+            if reason is not None:
+                raise ValueError(f"target_modules={target_modules!r} selects {reason}.")
+    return [paths[0] for _, paths in chosen]
+
+
 def _set_submodule(net: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, child = path.rpartition(".")
-    parent = net.get_submodule(parent_path) if parent_path else net
-    setattr(parent, child, module)
+    """Put ``module`` at ``path`` and under every other name of the module found there (a module
+    registered twice, ``net.dec = net.enc``, stays one module: ``net.enc is net.dec``)."""
+    old = net.get_submodule(path)
+    paths = [p for p, m in net.named_modules(remove_duplicate=False) if m is old and p]
+    for where in paths or [path]:
+        parent_path, _, child = where.rpartition(".")
+        parent = net.get_submodule(parent_path) if parent_path else net
+        setattr(parent, child, module)
 
 
 @dataclass
@@ -352,6 +519,19 @@ def adapter_from_dict(config: dict[str, Any]) -> Any:
     return {"lora": LoRA, "lora_xs": LoRAXS}[kind](**config)
 
 
+def _inject_lora(net: nn.Module, adapter: LoRA, paths: list[str]) -> list[SiteSpec]:
+    """Replace the modules at ``paths`` by :class:`LoRALinear` layers: their latent sites."""
+    sites: list[SiteSpec] = []
+    for path in paths:
+        layer = LoRALinear(net.get_submodule(path), adapter.rank, scaling=adapter.scaling)
+        layer.lora_A.module_path = layer.lora_B.module_path = path  # named by its errors
+        _set_submodule(net, path, layer)
+        for role in adapter.latent_roles:
+            shape = tuple(getattr(layer, role).weight.shape)
+            sites.append(SiteSpec(f"{path}.{role}", f"{path}.{role}.weight", path, shape, role))
+    return sites
+
+
 def inject_adapter(
     net: nn.Module,
     adapter: LoRA | LoRAXS,
@@ -379,13 +559,7 @@ def inject_adapter(
     paths = find_target_modules(net, adapter.target_modules)
     sites: list[SiteSpec] = []
     if isinstance(adapter, LoRA):
-        for path in paths:
-            layer = LoRALinear(net.get_submodule(path), adapter.rank, scaling=adapter.scaling)
-            _set_submodule(net, path, layer)
-            for role in adapter.latent_roles:
-                shape = tuple(getattr(layer, role).weight.shape)
-                sites.append(SiteSpec(f"{path}.{role}", f"{path}.{role}.weight", path, shape, role))
-        return sites
+        return _inject_lora(net, adapter, paths)
     if not isinstance(adapter, LoRAXS):
         raise TypeError(f"Expected a LoRA or LoRAXS adapter config but got {type(adapter)}.")
     covariances: dict[str, torch.Tensor] = {}
@@ -434,6 +608,7 @@ def inject_adapter(
         xs_layer = LoRAXSLinear(
             base, down, up, scaling=adapter.scaling, init_scale=adapter.init_scale
         )
+        xs_layer.core.module_path = path  # named by its errors
         _set_submodule(net, path, xs_layer)
         sites.append(SiteSpec(f"{path}.core", f"{path}.core.weight", path, (rank, rank), "core"))
     return sites
@@ -452,7 +627,13 @@ def make_latent(net: nn.Module, module_paths: Sequence[str]) -> list[SiteSpec]:
                 f"latent_modules: {path!r} is a {type(module).__name__}; only nn.Linear modules "
                 "can be made latent."
             )
+        if isinstance(module, BatchedLinear):  # e.g. one module registered under two names
+            raise ValueError(
+                f"latent_modules: {path!r} is latent already (as {module.module_path!r}: a "
+                "module registered under several names is one module); name it once."
+            )
         layer = BatchedLinear.from_linear(module)
+        layer.module_path = path
         _set_submodule(net, path, layer)
         for role in ("weight", "bias"):
             p = getattr(layer, role)

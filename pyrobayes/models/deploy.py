@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .adapters import _set_submodule
+from .adapters import _module_aliases, _set_submodule
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 
 __all__ = ["to_peft", "merged_network", "unwrapped_network"]
@@ -38,7 +38,9 @@ def unwrapped_network(model: Any) -> nn.Module:
     """A deep copy of the network with every pyrobayes adapter layer replaced by its base.
 
     The adapter's own submodules (a LoRA-XS ``core``, LoRA's ``lora_A`` / ``lora_B``) go with
-    it; a latent :class:`BatchedLinear` elsewhere becomes an ``nn.Linear`` with its weights.
+    it; a latent :class:`BatchedLinear` elsewhere becomes an ``nn.Linear`` with its weights. A
+    module registered under several names (``net.dec = net.enc``) is replaced under every name,
+    so the copy keeps it one module.
     """
     net = copy.deepcopy(model.net)
     adapters: list[str] = []
@@ -152,6 +154,9 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     TypeError
         When the model's adapter is not LoRA (LoRA-XS has no peft layout: use
         :func:`merged_network`).
+    ValueError
+        When an adapted module is registered under several names (``net.dec = net.enc``),
+        which peft adapts under one name only (use :func:`merged_network`).
     """
     from peft import LoraConfig, get_peft_model
 
@@ -163,11 +168,21 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
             f"to_peft needs a LoRA adapter but the model has {type(adapter).__name__}; "
             "use pyrobayes.models.merged_network(model, values) instead."
         )
-    values = dict(values or model.init_values())
-    net = unwrapped_network(model)
     paths = sorted(
         {s.module_path for s in model.latent_sites.values() if s.kind.startswith("lora")}
     )
+    names = {aliases[0]: aliases for _, aliases in _module_aliases(model.net).values()}
+    shared = {p: names[p] for p in paths if len(names.get(p, ())) > 1}
+    if shared:  # peft adapts a module under the one name named_modules() gives, not the others
+        path, aliases = next(iter(shared.items()))
+        raise ValueError(
+            f"to_peft: the adapted module {path!r} is registered under several names "
+            f"{aliases}; peft would adapt it under {path!r} only and leave the others the "
+            "frozen layer. Use pyrobayes.models.merged_network(model, values), which folds the "
+            "adapter into the one shared layer."
+        )
+    values = dict(values or model.init_values())
+    net = unwrapped_network(model)
     # the modules trained beside the adapter, which peft must save with it: the point head and
     # the layers made latent (weight and bias sites)
     heads = sorted(

@@ -16,6 +16,7 @@ parameter, ``σ = softplus(ρ)``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import logging
 import math
@@ -39,7 +40,14 @@ from .adapters import (
     make_latent,
 )
 from .layers import LoRALinear, LoRAXSLinear
-from .likelihoods import Gaussian, Likelihood, make_likelihood, network_output
+from .likelihoods import (
+    MULTI_LABEL_ADVICE,
+    Categorical,
+    Gaussian,
+    Likelihood,
+    make_likelihood,
+    network_output,
+)
 from .lower_cache import LowerBlockCache, stubbed_below
 from .sharing import (
     TokenLogProbs,
@@ -56,10 +64,111 @@ from .sharing import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FineTuneModel", "HEAD_NAMES", "NOISE_PARAM"]
+__all__ = ["FineTuneModel", "HEAD_NAMES", "NOISE_PARAM", "task_head_modules"]
 
-#: Module names treated as the task head of Hugging Face models (trained as point estimates).
+#: Module names treated as the task head of Hugging Face models (trained as point estimates by
+#: ``trainable_modules="auto"``, besides the modules a task model adds outside its base model:
+#: :func:`task_head_modules`).
 HEAD_NAMES = ("classifier", "score", "qa_outputs", "pre_classifier")
+
+
+def task_head_modules(net: nn.Module) -> list[str]:
+    """The modules ``trainable_modules="auto"`` point-estimates: the task head, in network order.
+
+    Two rules, joined:
+
+    - every module named in :data:`HEAD_NAMES` (``classifier``, ``score``, ``qa_outputs``,
+      ``pre_classifier``), in any network;
+    - in a Hugging Face task model, every child module outside the base model
+      (``net.base_model_prefix``: ``bert``, ``deberta``, ``model``, ...) that holds parameters:
+      the layers the task head adds on top of the pretrained encoder, which ``from_pretrained``
+      initialises fresh, such as DeBERTa's ``pooler`` beside its ``classifier`` (BERT's and
+      ALBERT's poolers sit inside the base model, pretrained, and stay frozen). A child that
+      is or holds the output embeddings (a causal or masked LM's ``lm_head``, pretrained and
+      usually tied to the input embeddings) or that shares a tensor with the base model is left
+      out.
+
+    Parameters
+    ----------
+    net : nn.Module
+
+    Returns
+    -------
+    list of str
+        Module paths.
+    """
+    chosen = {n for n, _ in net.named_modules() if n and n.rsplit(".", 1)[-1] in HEAD_NAMES}
+    prefix = getattr(net, "base_model_prefix", None)
+    base = getattr(net, prefix, None) if isinstance(prefix, str) and prefix else None
+    if isinstance(base, nn.Module) and base is not net:
+        output_embeddings = None
+        get_output = getattr(net, "get_output_embeddings", None)
+        if callable(get_output):
+            with contextlib.suppress(Exception):  # some models raise instead of returning None
+                output_embeddings = get_output()
+        base_tensors = {id(p) for p in base.parameters()}
+        for name, child in net.named_children():
+            tensors = list(child.parameters())
+            if (
+                child is base
+                or not tensors
+                or any(id(p) in base_tensors for p in tensors)
+                or any(m is output_embeddings for m in child.modules())
+            ):
+                continue
+            chosen.add(name)
+    return [n for n, _ in net.named_modules() if n in chosen]
+
+
+def _check_pad_token(net: nn.Module) -> None:
+    """Refuse a sequence classifier that pools at the last non-pad token but has no pad token.
+
+    Such a Hugging Face classifier (GPT-2, LLaMA, Qwen2, Mistral, ... ``ForSequenceClassification``:
+    transformers' ``GenericForSequenceClassification`` and the classes that raise "Cannot handle
+    batch sizes > 1 if no padding token is defined") runs only one row at a time without
+    ``config.pad_token_id``, while every draw of a posterior runs S·B rows.
+    """
+    cls = type(net)
+    if not cls.__name__.endswith("ForSequenceClassification"):
+        return
+    config = getattr(net, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    if config is None or getattr(text, "pad_token_id", 0) is not None:
+        return
+    pools_last = False
+    with contextlib.suppress(ImportError):
+        from transformers.modeling_layers import GenericForSequenceClassification
+
+        pools_last = isinstance(net, GenericForSequenceClassification)
+    if not pools_last:
+        with contextlib.suppress(OSError, TypeError):
+            pools_last = "no padding token" in inspect.getsource(cls.forward)
+    if not pools_last:
+        return
+    where = "net.config" if text is config else "net.config.get_text_config()"
+    raise ValueError(
+        f"FineTuneModel: {cls.__name__} reads each sequence's last non-pad token, and its "
+        f"{where}.pad_token_id is None, so transformers runs one row at a time only ('Cannot "
+        "handle batch sizes > 1 if no padding token is defined'); every posterior draw runs S·B "
+        f"rows, even for batches of one. Set {where}.pad_token_id = tokenizer.pad_token_id (a "
+        "tokenizer without a pad token: tokenizer.pad_token = tokenizer.eos_token, and "
+        f"{where}.pad_token_id = tokenizer.eos_token_id) before building the model."
+    )
+
+
+def _check_problem_type(net: nn.Module, likelihood: Likelihood) -> None:
+    """Refuse a Hugging Face multi-label classifier under the categorical likelihood."""
+    problem = getattr(getattr(net, "config", None), "problem_type", None)
+    if problem == "multi_label_classification" and isinstance(likelihood, Categorical):
+        raise ValueError(
+            f"FineTuneModel: the network's config.problem_type is {problem!r}, but the "
+            "categorical likelihood models one class per example (a softmax over classes); "
+            "multi-label classification (a 0/1 target per class) is not supported. "
+            f"{MULTI_LABEL_ADVICE} Build such a classifier with problem_type="
+            "'single_label_classification' (or None)."
+        )
+
 
 #: ``point_params`` key of a learned Gaussian noise ``ρ`` (``σ = softplus(ρ)``).
 NOISE_PARAM = "likelihood.raw_scale"
@@ -136,7 +245,13 @@ class FineTuneModel(nn.Module):
         (``DeltaGuide``) and IVON with an explicit ``ess`` fit without it.
     trainable_modules : list of str or "auto"
         Module paths (suffix match) whose parameters are point-estimated (``pyro.param``).
-        ``"auto"`` picks the Hugging Face task head (``classifier``, ``score``, ...).
+        ``"auto"`` picks the task head (:func:`task_head_modules`): modules named
+        ``classifier``, ``score``, ``qa_outputs`` or ``pre_classifier``, and in a Hugging Face
+        task model every module outside the base model but the output embeddings (the layers
+        ``from_pretrained`` initialises fresh, e.g. DeBERTa's ``pooler``), less the layers that
+        are latent (``latent_modules``, σN member heads) or adapted: a composite head such as
+        RoBERTa's ``classifier`` with ``latent_modules=["classifier.out_proj"]`` trains
+        ``classifier.dense``.
     latent_modules : list of str
         ``nn.Linear`` modules whose weight and bias become latent sites instead.
     obs_scale : float or "learn", optional
@@ -209,6 +324,8 @@ class FineTuneModel(nn.Module):
         self.adapter = adapter
         self.train_backbone_mode = train_backbone_mode
         self.likelihood = _make_likelihood(likelihood, obs_scale, choice_token_ids)
+        _check_problem_type(net, self.likelihood)
+        _check_pad_token(net)
 
         for p in net.parameters():
             p.requires_grad_(False)
@@ -288,10 +405,14 @@ class FineTuneModel(nn.Module):
 
         A module that is (or holds) an adapted layer or a latent module cannot also be
         point-estimated: its tensors are latent sites, or the frozen weights an adapter is built
-        on. That is an error naming both (``"auto"`` skips a head that is itself latent).
+        on. Named in ``trainable_modules``, that is an error naming both; ``"auto"``
+        (:func:`task_head_modules`) skips a head that is itself latent or adapted and, in a
+        composite head (RoBERTa's ``classifier``: ``dense`` + ``out_proj``), trains the
+        parameters outside its latent and adapted modules.
         """
-        if trainable_modules == "auto":
-            names = [n for n, _ in self.net.named_modules() if n.rsplit(".", 1)[-1] in HEAD_NAMES]
+        auto = isinstance(trainable_modules, str) and trainable_modules == "auto"
+        if auto:
+            names = task_head_modules(self.net)
         elif isinstance(trainable_modules, str):
             names = [trainable_modules]
         else:
@@ -299,18 +420,27 @@ class FineTuneModel(nn.Module):
         chosen: dict[str, nn.Parameter] = {}
         module_paths = [n for n, _ in self.net.named_modules() if n]
         for target in names:
-            matched = [p for p in module_paths if p == target or p.endswith("." + target)]
-            if not matched and trainable_modules != "auto":
+            if auto:  # full paths already
+                matched = [target]
+            else:
+                matched = [p for p in module_paths if p == target or p.endswith("." + target)]
+            if not matched:
                 raise ValueError(
                     f"trainable_modules: {target!r} matches no module. Some module names: "
                     f"{sorted({p.rsplit('.', 1)[-1] for p in module_paths})[:30]}."
                 )
             for path in matched:
-                if trainable_modules == "auto" and path in latent_paths:
-                    continue  # a head made latent: Bayesian, not a point estimate
                 inside = sorted(
                     m for m in adapted | latent_paths if m == path or m.startswith(path + ".")
                 )
+                if auto:  # the head's own parameters, its latent and adapted layers left out
+                    skip = tuple(m + "." for m in inside)
+                    for pname, p in self.net.get_submodule(path).named_parameters():
+                        full = f"{path}.{pname}"
+                        if path not in inside and not full.startswith(skip) and full not in chosen:
+                            p.requires_grad_(True)
+                            chosen[full] = p
+                    continue
                 if inside:
                     what = "an adapted layer" if inside[0] in adapted else "a latent module"
                     where = "target_modules" if inside[0] in adapted else "latent_modules"

@@ -18,7 +18,9 @@ from torch import Tensor, nn
 __all__ = ["batched_linear", "LoRAXSLinear", "LoRALinear", "BatchedLinear", "base_weight_in_out"]
 
 
-def batched_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def batched_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, module_path: str = ""
+) -> Tensor:
     """``y = x Wᵀ + b`` where ``W`` may carry a leading sample axis.
 
     Parameters
@@ -27,14 +29,31 @@ def batched_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
         Sample-major expanded input (or any input when ``weight`` is 2-D).
     weight : Tensor `(d_out, d_in)` or `(S, d_out, d_in)`
     bias : Tensor `(d_out,)` or `(S, d_out)`, optional
+    module_path : str
+        Path of the adapted (or latent) module in the network, named by the error below.
+
+    Raises
+    ------
+    RuntimeError
+        When ``weight`` carries S samples but the input's leading size is no multiple of S: the
+        input does not carry the batch's rows (e.g. a table the network computes once for the
+        whole batch), so the layer cannot apply a draw per row.
     """
     if weight.dim() == 2:
         return F.linear(x, weight, bias if bias is None or bias.dim() == 1 else bias[0])
     num_samples = weight.shape[0]
     if x.shape[0] % num_samples != 0:
+        where = f"The adapted module {module_path!r}" if module_path else "An adapted module"
         raise RuntimeError(
-            f"Expected the input's leading size to be a multiple of the {num_samples} parameter "
-            f"samples (a sample-major expanded batch) but got input shape {tuple(x.shape)}."
+            f"{where} got an input of shape {tuple(x.shape)} while running {num_samples} "
+            f"parameter samples: its leading size is not a multiple of {num_samples}, so the "
+            "input does not carry the batch's rows (S sample-major copies of the B examples). "
+            "Such an input is a table shared by the whole batch (e.g. DeBERTa's relative-position "
+            "projections pos_key_proj / pos_query_proj, which project one (1, 2k, d) table of "
+            "position embeddings), so its adapter cannot be sampled per draw. Leave it out of "
+            "target_modules: note that a regex like '.*(query_proj|value_proj)' selects "
+            "pos_query_proj too; pass the names ['query_proj', 'value_proj'] (a list entry "
+            r"matches whole names) or anchor the regex, '.*\.(query_proj|value_proj)'."
         )
     xs = x.reshape(num_samples, -1, x.shape[-1])  # (S, B*..., d_in)
     if bias is None:
@@ -170,7 +189,13 @@ class LoRALinear(_AdapterBase):
 
 
 class BatchedLinear(nn.Linear):
-    """``nn.Linear`` whose weight and bias may carry a leading sample axis (latent layers)."""
+    """``nn.Linear`` whose weight and bias may carry a leading sample axis (latent layers).
+
+    ``module_path`` names the adapted (or latent) module in the network, for errors; set by
+    :func:`~pyrobayes.models.adapters.inject_adapter` and ``make_latent``.
+    """
+
+    module_path: str = ""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> BatchedLinear:
@@ -182,4 +207,4 @@ class BatchedLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return batched_linear(x, self.weight, self.bias)
+        return batched_linear(x, self.weight, self.bias, module_path=self.module_path)

@@ -42,6 +42,7 @@ __all__ = [
     "make_likelihood",
     "check_gaussian_targets",
     "check_class_targets",
+    "MULTI_LABEL_ADVICE",
 ]
 
 
@@ -99,10 +100,20 @@ class Likelihood:
 
 
 def _categorical_log_prob(logits: Tensor, targets: Tensor) -> Tensor:
-    # = Categorical(logits=logits).log_prob(targets), without argument validation
-    log_probs = torch.log_softmax(logits, dim=-1)
+    # = Categorical(logits=logits).log_prob(targets), without argument validation; in float32
+    # at least (a bf16 log-softmax rounds a log-probability to 2^-6 nats near -4)
+    half = logits.dtype in (torch.float16, torch.bfloat16)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32 if half else None)
     index = targets.long().expand(logits.shape[:-1]).unsqueeze(-1)
     return log_probs.gather(-1, index).squeeze(-1)
+
+
+#: What to do instead of multi-label classification, which no likelihood here models.
+MULTI_LABEL_ADVICE = (
+    "For one-hot rows (exactly one 1 per example) pass the class indices, y.argmax(-1); for "
+    "multi-label data, fit one binary classifier per label (num_labels=2, labels "
+    "y[:, k].long()), or one classifier over the label combinations that occur."
+)
 
 
 def check_class_targets(
@@ -117,7 +128,8 @@ def check_class_targets(
 
     Labels must be an integer (or bool) tensor of shape ``(B,)``, ``(B, 1)`` or ``(*lead, B)``
     (per-sample labels) with values in ``0 .. C-1``. A float tensor is refused rather than
-    truncated (``0.7`` is no class); so are labels out of range and another batch size. Explicit
+    truncated (``0.7`` is no class); so are labels out of range and another batch size, and
+    ``(B, C)`` labels, a value per class (multi-label targets: not supported). Explicit
     checks (no ``assert``, no torch argument validation), so they hold under ``python -O``; the
     range costs one reduction and one synchronisation.
 
@@ -157,13 +169,20 @@ def check_class_targets(
         )
     lead, num_classes = out[:-1], out[-1]
     rows = lead[-1]
+    shape = tuple(int(n) for n in targets.shape)
+    if num_classes > 1 and shape == (rows, num_classes) and shape != lead:
+        raise ValueError(
+            f"{what}: labels of shape {_shape(shape)} hold a value per class for each of the "
+            f"{rows} examples (logits {_shape(out)}): multi-hot (multi-label) targets, or "
+            "one-hot / soft labels. Multi-label classification (a 0/1 per class) is not "
+            f"supported: the {what} takes one class index per example. {MULTI_LABEL_ADVICE}"
+        )
     if targets.is_floating_point() or targets.is_complex():
         raise ValueError(
             f"{what}: labels must be integer class indices (torch.long) in 0..{num_classes - 1} "
             f"but have dtype {targets.dtype}; a float label is not truncated to a class. Pass "
             "integer labels (y.long() only if every value is already a whole number)."
         )
-    shape = tuple(int(n) for n in targets.shape)
     if shape == (rows, 1):
         targets = targets.squeeze(-1)
     elif shape not in ((rows,), lead):
