@@ -33,7 +33,13 @@ and writes::
 
 The splits come from ``task.split_seed`` alone, so every seed sees the same test questions; a
 seed sets the adapter's initialisation and the fit's randomness. ``--quick`` swaps in the tiny
-LLaMA and at most 16 questions per split (the tests run it).
+LLaMA and at most 16 questions per split (the tests run it), with a logged warning naming the
+configured values it replaces (:data:`QUICK_OVERRIDES`).
+
+Config mistakes are :class:`~pyrobayes.demo.pipeline.ConfigError` naming the key:
+:func:`resolve_config` checks the schema, bounds and combinations, :func:`check_inputs` what the
+config names on this machine (before :func:`run` writes the folder); a run that fails before its
+first result removes what it wrote.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import copy
 import json
 import logging
 import math
+import os
+import string
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,8 +78,11 @@ from ..tasks import (
     read_hf_dataset,
     read_json_examples,
 )
+from ..tasks.task import _check_fractions
 from .pipeline import (
+    CHOICES,
     FAMILY_SETTINGS,
+    OPTIONAL_KEYS,
     ConfigError,
     FittedRun,
     RunFolderError,
@@ -87,7 +98,7 @@ from .pipeline import (
     reliability_plot,
     uses_validation,
 )
-from .run_folder import claim_run_folder
+from .run_folder import claim_run_folder, run_files
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +107,7 @@ __all__ = [
     "QUICK_OVERRIDES",
     "is_causal_lm_config",
     "resolve_config",
+    "check_inputs",
     "run",
     "evaluate",
     "compare",
@@ -185,9 +197,35 @@ _OPTIONAL = {"adapter.projection", "adapter.init_scale", "training.scheduler", "
 _MINIMA = {
     "causal_lm.max_length": 2,
     "causal_lm.task.batch_size": 1,
+    "causal_lm.task.split_seed": 0,
+    "causal_lm.task.num_fewshot": 0,
+    "causal_lm.task.num_train": 0,
+    "causal_lm.task.num_val": 0,
+    "causal_lm.task.num_test": 0,
+    "training.epochs": 1,
+    "training.patience": 0,
+    "training.seed": 0,
     "predict.num_samples": 1,
+    "predict.samples_per_forward": 0,
     "export.num_samples": 1,
+    "export.num_batches": 1,
     "adapter.rank": 1,
+}
+#: Number keys that must be above a bound (not equal to it).
+_ABOVE = {"training.lr": 0.0, "prior_scale": 0.0, "adapter.alpha": 0.0}
+#: What a bounded key means, said when its value is refused.
+_MEANING = {
+    "causal_lm.task.num_train": "training questions to use; 0: the whole split",
+    "causal_lm.task.num_val": "validation questions to use; 0: the whole split",
+    "causal_lm.task.num_test": "test questions to use; 0: the whole split",
+    "causal_lm.task.num_fewshot": "training examples put before each prompt; 0: zero-shot",
+    "causal_lm.task.split_seed": "seeds the split permutation",
+    "training.epochs": "the epoch cap of every fit, e.g. 3",
+    "training.lr": "the learning rate of every fit, e.g. 1e-3",
+    "prior_scale": "the standard deviation of the Gaussian prior over the adapter, e.g. 1.0",
+    "adapter.alpha": "the adapter's scaling α, the update is scaled by α/r; e.g. 16.0",
+    "predict.samples_per_forward": "posterior draws per forward; 0: pb.predict's chunking",
+    "export.num_batches": "the test batches the ArviZ export posterior.nc covers",
 }
 
 
@@ -224,14 +262,74 @@ def _check_value(path: str, value: Any, default: Any) -> None:
             f"Config key {path!r} must be one of {list(_CHOICES[path])} but got {value!r}"
             f"{did_you_mean(str(value), _CHOICES[path])}."
         )
+    meaning = f" ({_MEANING[path]})" if path in _MEANING else ""
     if path in _MINIMA and value < _MINIMA[path]:
-        raise ConfigError(f"Config key {path!r} must be >= {_MINIMA[path]} but got {value!r}.")
+        raise ConfigError(
+            f"Config key {path!r}{meaning} must be >= {_MINIMA[path]} but got {value!r}. Set it "
+            "in the config file."
+        )
+    if path in _ABOVE and not value > _ABOVE[path]:
+        raise ConfigError(
+            f"Config key {path!r}{meaning} must be > {_ABOVE[path]:g} but got {value!r}. Set it "
+            "in the config file."
+        )
+    if path == "training.device":
+        _check_device(value)
+
+
+def _check_optional(path: str, value: Any) -> None:
+    """The keys the defaults leave unset (:data:`_OPTIONAL`): the demo's types and choices."""
+    types = OPTIONAL_KEYS[path]
+    ok = any(
+        isinstance(value, (int, float)) and math.isfinite(value)
+        if t is float
+        else isinstance(value, t)
+        for t in types
+    ) and not isinstance(value, bool)
+    if not ok:
+        names = " or ".join("a number" if t is float else t.__name__ for t in types)
+        raise ConfigError(f"Config key {path!r} must be {names} but got {value!r}.")
+    if path in CHOICES and value not in CHOICES[path]:
+        raise ConfigError(
+            f"Config key {path!r} must be one of {list(CHOICES[path])} but got {value!r}"
+            f"{did_you_mean(str(value), CHOICES[path])}."
+        )
+    if path in ("training.warmup", "adapter.init_scale") and value < 0:
+        raise ConfigError(f"Config key {path!r} must be >= 0 but got {value!r}.")
+
+
+def _check_device(value: str) -> None:
+    """``training.device``: a device string torch reads, and available on this machine (the
+    demo's wording, :func:`pyrobayes.demo.pipeline.check_inputs`)."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        hint = " (did you mean 'cuda'?)" if value.lower().startswith("gpu") else ""
+        raise ConfigError(
+            f"Config key 'training.device' must be a torch device such as 'cpu', 'cuda' (an "
+            f"NVIDIA GPU), 'cuda:1' or 'mps' but got {value!r}{hint}."
+        ) from None
+    if device.type == "cuda" and (
+        not torch.cuda.is_available()
+        or (device.index is not None and device.index >= torch.cuda.device_count())
+    ):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(
+            f"Config key 'training.device' = {str(device)!r}, but this machine has {found} CUDA "
+            'device(s) that torch can use; use device = "cpu" (or --device cpu).'
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "Config key 'training.device' = 'mps', but MPS is not available on this machine; "
+            'use device = "cpu" (or --device cpu).'
+        )
 
 
 def _validate(node: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> None:
     for key, value in node.items():
         path = f"{prefix}{key}"
         if path in _OPTIONAL:
+            _check_optional(path, value)
             continue
         if key not in defaults:
             valid = sorted(defaults)
@@ -257,7 +355,8 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
     user : dict, optional
         The user's sections (see the module docstring).
     quick : bool
-        Apply :data:`QUICK_OVERRIDES` over the user's values (the tiny LLaMA, small splits).
+        Apply :data:`QUICK_OVERRIDES` over the user's values (the tiny LLaMA, small splits); a
+        logged warning lists the values of the user's it replaces.
 
     Returns
     -------
@@ -267,8 +366,13 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
     Raises
     ------
     ConfigError
-        An unknown key (named with its path and the nearest valid one), a wrong type or value,
-        an unknown family, no seeds, or no task path.
+        An unknown key (named with its path and the nearest valid one), a wrong type or value
+        (a count below its minimum, a learning rate or prior scale <= 0, an unknown scheduler,
+        a device torch cannot read or this machine lacks), an unknown family, no seeds or a
+        seed listed twice, no task path, fractions that do not sum to 1, a template with a
+        stray brace, ``dtype = "float16"`` (fits overflow), or ``keep = "best"`` with no
+        validation split. What the config names on this machine (model, task file, target
+        modules) is :func:`check_inputs`'s.
     """
     user = copy.deepcopy(user or {})
     if isinstance(user.get("families"), str):
@@ -276,16 +380,181 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
     _validate(user, DEFAULT_CONFIG)
     config = merge_config(DEFAULT_CONFIG, user)
     if quick:
+        replaced = _replaced(user, QUICK_OVERRIDES)
+        if replaced:
+            logger.warning(
+                "--quick replaces the config's %s (the tiny LLaMA, at most 16 questions per "
+                "split, 1 epoch); run without --quick for the configured job.",
+                ", ".join(replaced),
+            )
         config = merge_config(config, QUICK_OVERRIDES)
     check_families(config["families"])
-    if not config["seeds"]:
+    seeds = config["seeds"]
+    if not seeds:
         raise ConfigError("Config key 'seeds' is empty; give at least one seed, e.g. [0].")
-    if not config["causal_lm"]["task"]["path"]:
+    if any(s < 0 for s in seeds):
+        raise ConfigError(f"Config key 'seeds' = {seeds!r} holds a negative seed; use seeds >= 0.")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ConfigError(
+            f"Config key 'seeds' = {seeds!r} lists seed(s) {repeated} more than once: the same "
+            "run would be fitted twice and counted as two seeds. Give each seed once."
+        )
+    lm, spec = config["causal_lm"], config["causal_lm"]["task"]
+    if not spec["path"]:
         raise ConfigError(
             "Config key 'causal_lm.task.path' is empty: name the task (a BIG-bench task.json, a "
             "JSON/JSONL file, or a Hugging Face dataset folder or id)."
         )
+    if lm["dtype"] == "float16":
+        raise ConfigError(
+            "Config key 'causal_lm.dtype' = 'float16' cannot fit: the adapter's gradients and "
+            "the loss overflow float16's range (the fit's loss goes NaN at its first step). Use "
+            'dtype = "bfloat16" (as little memory, with float32 range) or "float32".'
+        )
+    if lm["gguf_file"] and lm["model"] == TINY_LLAMA:
+        raise ConfigError(
+            f"Config key 'causal_lm.gguf_file' = {lm['gguf_file']!r} names a file in a model "
+            f"folder, but causal_lm.model = {TINY_LLAMA!r} is built from a config; set "
+            "causal_lm.model to the folder holding the GGUF file, or remove gguf_file."
+        )
+    try:
+        fractions = _check_fractions(spec["fractions"])
+    except ValueError:
+        raise ConfigError(
+            f"Config key 'causal_lm.task.fractions' must be three numbers in [0, 1] summing to "
+            f"1 (train, validation, test) but got {spec['fractions']!r}."
+        ) from None
+    if spec["format"] == "json":
+        try:
+            list(string.Formatter().parse(spec["template"]))
+        except ValueError as err:
+            raise ConfigError(
+                f"Config key 'causal_lm.task.template' = {spec['template']!r} is not a "
+                f"str.format template ({err}); fields are {{question}} or another record field, "
+                "and a literal brace is written '{{' or '}}'."
+            ) from None
+    if config["training"]["keep"] == "best" and spec["format"] != "hf" and fractions[1] == 0:
+        raise ConfigError(
+            "Config key 'training.keep' = 'best' selects each fit's epoch on the validation "
+            f"split, but causal_lm.task.fractions = {spec['fractions']!r} gives it no questions. "
+            'Give the validation split a share (e.g. [0.5, 0.1, 0.4]) or set keep = "last".'
+        )
     return config
+
+
+def _replaced(user: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"key = user's value -> override"`` for every key the user set that ``overrides``
+    changes."""
+    out = []
+    for key, value in overrides.items():
+        if key not in user:
+            continue
+        if isinstance(value, dict):
+            if isinstance(user[key], dict):
+                out += _replaced(user[key], value, f"{prefix}{key}.")
+        elif user[key] != value:
+            out.append(f"{prefix}{key} = {user[key]!r} -> {value!r}")
+    return out
+
+
+def check_inputs(config: dict[str, Any]) -> None:
+    """Check what a resolved config names on this machine, before a run folder is written.
+
+    The model (``"tiny-llama"``, a folder that exists, or a Hugging Face id, which must be in
+    the local cache while the hub is offline; with ``gguf_file``, that file in the folder), the
+    modules ``adapter.target_modules`` names in it (on its skeleton, built from its config on
+    the meta device: no weights are read) and the device. The task is read after the run folder
+    is claimed (:func:`run` removes what it wrote when that fails).
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, its value and what to do.
+    """
+    lm = config["causal_lm"]
+    if config["training"]["device"] is not None:
+        _check_device(str(config["training"]["device"]))
+    if lm["model"] != TINY_LLAMA:
+        _check_model(lm["model"], lm["gguf_file"])
+    skeleton = _skeleton(config)
+    if skeleton is not None:
+        _check_targets(config, skeleton)
+
+
+def _check_model(name: str, gguf_file: str) -> None:
+    """``causal_lm.model`` other than the tiny LLaMA: a model folder, or a hub id it can load."""
+    path = Path(_expand(name))
+    if path.is_dir():
+        if gguf_file and not (path / gguf_file).is_file():
+            raise ConfigError(
+                f"Config key 'causal_lm.gguf_file' = {gguf_file!r} is not a file in the model "
+                f"folder {str(path)!r}; name one of its .gguf files "
+                f"({sorted(p.name for p in path.glob('*.gguf'))})."
+            )
+        if not gguf_file and not (path / "config.json").is_file():
+            raise ConfigError(
+                f"Config key 'causal_lm.model' = {name!r} is a folder without a config.json; "
+                "give a folder saved by save_pretrained (or set gguf_file for a GGUF folder)."
+            )
+        return
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_like_path:
+        raise ConfigError(
+            f"Config key 'causal_lm.model' = {name!r}: the folder {str(path)!r} does not exist. "
+            f"Fix the path (a folder saved by save_pretrained), or use model = {TINY_LLAMA!r}."
+        )
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # transformers brings it; without it the load reports what is missing
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ConfigError(
+            f"Config key 'causal_lm.model' = {name!r} is neither {TINY_LLAMA!r}, a model folder "
+            "that exists, nor a Hugging Face model id ('name' or 'org/name'). Fix the path."
+        ) from None
+    wanted = gguf_file or "config.json"
+    if _offline() and not isinstance(try_to_load_from_cache(name, wanted), str):
+        raise ConfigError(
+            f"Config key 'causal_lm.model' = {name!r} is not a folder, and as a Hugging Face "
+            "model id it is not in the local cache while the hub is offline (HF_HUB_OFFLINE=1, "
+            "the command line's default). Download it once (HF_HUB_OFFLINE=0, or `hf download "
+            f"{name}`), or give the folder it was saved to."
+        )
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(flag.strip().upper() in {"1", "ON", "YES", "TRUE"} for flag in flags)
+
+
+def _skeleton(config: dict[str, Any]) -> torch.nn.Module | None:
+    """The configured network's modules without its weights (None where its config cannot be
+    read here: the load reports that)."""
+    lm = config["causal_lm"]
+    if lm["model"] == TINY_LLAMA:
+        return _tiny_llama()[0]
+    if lm["gguf_file"]:
+        return None
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_config = AutoConfig.from_pretrained(_expand(lm["model"]))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config)
+    except (ImportError, OSError, ValueError, KeyError):
+        return None
+
+
+def _check_targets(config: dict[str, Any], net: torch.nn.Module) -> None:
+    """``adapter.target_modules`` must select some linear module of ``net``."""
+    try:
+        find_target_modules(net, config["adapter"]["target_modules"])
+    except ValueError as err:
+        raise ConfigError(f"Config key 'adapter.target_modules': {err}") from None
 
 
 # ------------------------------------------------------------------------------- model, task
@@ -339,10 +608,32 @@ def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
     spec = config["causal_lm"]["task"]
     path, fmt = _expand(spec["path"]), spec["format"]
     options = {"name": Path(path).stem or path, "num_fewshot": int(spec["num_fewshot"])}
+    looks_like_path = path.startswith(("/", ".")) or Path(path).suffix in (".json", ".jsonl")
+    if (fmt != "hf" or looks_like_path) and not Path(path).exists():
+        raise ConfigError(
+            f"Config key 'causal_lm.task.path' = {spec['path']!r}: {path} does not exist. Name "
+            + (
+                "the task file (a BIG-bench task.json)"
+                if fmt == "bigbench"
+                else "the task file (JSON/JSONL)"
+                if fmt == "json"
+                else "a folder written by DatasetDict.save_to_disk, or a hub id"
+            )
+            + "."
+        )
     if fmt == "hf":
         if not spec["adapter"]:
             raise ConfigError("causal_lm.task.format = 'hf' needs causal_lm.task.adapter.")
         splits = read_hf_dataset(path, spec["adapter"], config=spec["config"] or None)
+        for split in ("train", "test"):
+            if not splits.get(split):
+                raise ConfigError(
+                    f"causal_lm.task.path = {spec['path']!r}: the dataset's {split!r} split is "
+                    f"{'missing' if split not in splits else 'empty or unlabelled'} (Winogrande's "
+                    "test split, for one, has no answers: its rows are skipped). The job needs "
+                    "labelled 'train' and 'test' splits; save a DatasetDict whose 'test' split "
+                    "holds labelled rows (e.g. its validation split)."
+                )
         return MultipleChoiceTask.from_splits(splits, seed=int(spec["split_seed"]), **options)
     if fmt == "bigbench":
         examples = read_bigbench(path)
@@ -364,10 +655,38 @@ def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
 
 
 def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    """Encoded batches ``train``, ``val`` (None when empty), ``test`` and ``num_train``."""
+    """Encoded batches ``train``, ``val`` (None when empty), ``test`` and ``num_train``.
+
+    A split smaller than its configured ``num_*`` is used whole, with a logged warning naming
+    the sizes asked for and found; an empty training or test split is refused. Questions cut
+    by ``max_length`` are counted in one logged warning."""
     task = load_task(config)
     spec, lm = config["causal_lm"]["task"], config["causal_lm"]
     kwargs = {"max_length": int(lm["max_length"]), "padding_side": lm["padding_side"]}
+    keys = {"train": "num_train", "validation": "num_val", "test": "num_test"}
+    sizes = {split: len(task.splits[split]) for split in keys}
+    empty = [split for split in ("train", "test") if not sizes[split]]
+    if empty:
+        raise ConfigError(
+            f"task {task.name!r}: the {' and '.join(empty)} split(s) would be empty (the task "
+            f"has {len(task)} questions: {sizes['train']} train, {sizes['validation']} "
+            f"validation, {sizes['test']} test); give causal_lm.task.fractions larger train and "
+            "test shares or a larger task."
+        )
+    short = [
+        f"{key} = {spec[key]} but the {split} split has {sizes[split]}"
+        for split, key in keys.items()
+        if spec[key] > sizes[split]
+    ]
+    if short:
+        logger.warning(
+            "causal-LM job: task %r is smaller than asked: %s (%d questions, fractions %s); "
+            "those splits are used whole.",
+            task.name,
+            "; ".join(short),
+            len(task),
+            spec["fractions"],
+        )
 
     def batches(split: str, limit: int) -> list[dict[str, torch.Tensor]] | None:
         if not task.splits[split]:
@@ -381,18 +700,22 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
         )
 
     train, test = batches("train", spec["num_train"]), batches("test", spec["num_test"])
-    if train is None or test is None:
-        raise ConfigError(
-            f"task {task.name!r}: the training or test split is empty; change "
-            "causal_lm.task.fractions (or give the dataset those splits)."
+    val = batches("validation", spec["num_val"])
+    assert train is not None and test is not None  # (the splits are not empty)
+    cut = {split: t for split, t in task.truncation.items() if t["truncated"]}
+    if cut:
+        logger.warning(
+            "causal-LM job: questions longer than causal_lm.max_length = %d tokens lose prompt "
+            "tokens from the left: %s. Raise max_length to keep them whole.",
+            lm["max_length"],
+            "; ".join(
+                f"{split} {int(t['truncated'])} of {int(t['questions'])} (up to "
+                f"{int(t['max_tokens'])} tokens, mean {t['mean_tokens']:.1f})"
+                for split, t in cut.items()
+            ),
         )
     num_train = sum(int(b["labels"].shape[0]) for b in train)
-    return {
-        "train": train,
-        "val": batches("validation", spec["num_val"]),
-        "test": test,
-        "num_train": num_train,
-    }
+    return {"train": train, "val": val, "test": test, "num_train": num_train}
 
 
 #: The causal-LM recipes: fit settings that differ from the demo's ``FAMILY_SETTINGS`` (same
@@ -677,18 +1000,55 @@ def run(
         Replace a run already in ``out_dir`` (its files are removed first); without it such a
         folder is refused (``RunFolderError``) before the model is loaded.
 
+    What the config names on this machine is checked (:func:`check_inputs`) before the folder
+    is written. A run that fails before its first result (a task file that cannot be read, a
+    fit that diverges at once) removes the files it wrote, so the folder takes the corrected
+    run without ``overwrite``.
+
     Returns
     -------
     list of dict
         The records of ``metrics.json``: the zero-shot row, then one per (family, seed).
     """
     out = Path(out_dir)
+    if not overwrite:  # refuse another run's folder before anything is checked or loaded
+        claim_run_folder(out, overwrite)
+    check_inputs(config)
     claim_run_folder(out, overwrite)
+    made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    try:
+        return _run(config, out, progress_bar)
+    except Exception:
+        if not (out / "metrics.json").exists():  # failed before any result: leave no run behind
+            _remove_run(out, made)
+        raise
+
+
+def _remove_run(out: Path, made: Sequence[Path]) -> None:
+    """Remove what a run that failed before its first result wrote into ``out`` (the folder
+    held no run before it: :func:`claim_run_folder`), so the corrected config can use it."""
+    for file in [*run_files(out), out / "normalize.json"]:
+        file.unlink(missing_ok=True)
+    for folder in reversed(made):  # the folders this run made, if left empty
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    logger.warning("causal-LM job failed before its first result; removed its files in %s", out)
+
+
+def _run(config: dict[str, Any], out: Path, progress_bar: bool) -> list[dict[str, Any]]:
+    """:func:`run` in a claimed folder holding the config."""
     base, tokenizer = load_base(config)
+    _check_targets(config, base)
     data = build_data(config, tokenizer)
+    if config["training"]["keep"] == "best" and data["val"] is None:
+        raise ConfigError(
+            "Config key 'training.keep' = 'best' selects each fit's epoch on the validation "
+            f"split, but task {config['causal_lm']['task']['path']!r} has an empty validation "
+            'split; give it one (causal_lm.task.fractions) or set keep = "last".'
+        )
     num_samples = int(config["predict"]["num_samples"])
     device = config["training"]["device"]
     if config["causal_lm"]["compare_normalize"]:
@@ -788,6 +1148,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
         raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
     config = read_json(config_path)
     if device:
+        _check_device(device)
         config["training"]["device"] = device
     paths = sorted((run_dir / "guides").glob("*-seed*.safetensors"))
     if not paths:
@@ -841,4 +1202,16 @@ def compare(
             for r in records
         ]
 
-    return compare_metrics(keyed(saved), keyed(recomputed), tolerance=tolerance)
+    # a record without its posterior, named by the file the run writes (compare_metrics would
+    # name "guides/<family>@seed<seed>.safetensors")
+    have = {(r["family"], r.get("seed")) for r in recomputed}
+    missing = [
+        r for r in saved if r.get("seed") is not None and (r["family"], r["seed"]) not in have
+    ]
+    drifts = [
+        f"{r['family']}@seed{r['seed']}: in metrics.json but no saved posterior "
+        f"({_guide_path(Path(), r['family'], r['seed']).as_posix()})"
+        for r in missing
+    ]
+    kept = [r for r in saved if r not in missing]
+    return drifts + compare_metrics(keyed(kept), keyed(recomputed), tolerance=tolerance)

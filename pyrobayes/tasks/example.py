@@ -9,6 +9,11 @@ from typing import Any
 __all__ = ["MCExample"]
 
 
+def _short(text: str, width: int = 80) -> str:
+    """``text`` quoted, cut to ``width`` characters for an error message."""
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
+
+
 @dataclass(frozen=True)
 class MCExample:
     """A multiple-choice question scored as continuations of its prompt.
@@ -18,7 +23,8 @@ class MCExample:
     prompt : str
         The rendered question (the template already applied), without few-shot examples.
     choices : tuple of str
-        Its K >= 2 choices, each a continuation of the prompt (put after a delimiter).
+        Its K >= 2 distinct choices, each a continuation of the prompt (put after a delimiter);
+        two identical choices get identical scores, so such a question is refused.
     answer : int
         Index of the right choice in ``[0, K)``.
     meta : dict
@@ -42,6 +48,13 @@ class MCExample:
         if len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
             raise ValueError(
                 f"MCExample{where}: needs >= 2 non-empty string choices, got {list(choices)!r}."
+            )
+        repeated = sorted({c for c in choices if choices.count(c) > 1})
+        if repeated:
+            raise ValueError(
+                f"MCExample{where}: the question {_short(self.prompt)} lists the choice(s) "
+                f"{repeated!r} more than once ({list(choices)!r}); identical choices score the "
+                "same, so the question cannot be answered. Remove the duplicate from the data."
             )
         object.__setattr__(self, "choices", choices)
         if isinstance(self.answer, bool) or not isinstance(self.answer, int):

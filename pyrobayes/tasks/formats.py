@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .example import MCExample
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "read_json_examples",
@@ -104,6 +108,11 @@ def read_json_examples(
     out = []
     for i, record in enumerate(_records(path)):
         where = f"{path} record {i}"
+        if not isinstance(record, Mapping):
+            raise ValueError(
+                f"{where} is {type(record).__name__} {record!r}, not an object with the fields "
+                f"{[question_key, choices_key, answer_key]}."
+            )
         missing = [k for k in (question_key, choices_key, answer_key) if k not in record]
         if missing:
             raise ValueError(
@@ -116,13 +125,46 @@ def read_json_examples(
         fields = {**record, "question": record[question_key]}
         try:
             prompt = template.format(**fields)
-        except (KeyError, IndexError) as err:
+        except (KeyError, IndexError, AttributeError) as err:
             raise ValueError(
-                f"{where}: template {template!r} names a missing field {err}."
+                f"{where}: template {template!r} names a missing field {err}; the record has "
+                f"{sorted(record)}."
+            ) from None
+        except ValueError as err:  # a stray brace or a bad format spec
+            raise ValueError(
+                f"template {template!r} is not a valid str.format template ({err}); write a "
+                "literal brace as '{{' or '}}'."
             ) from None
         answer = _answer_index(record[answer_key], choices, where)
         out.append(MCExample(prompt, tuple(choices), answer, {"source": where}))
     return out
+
+
+class _Pairs(dict):
+    """A JSON object that remembers the keys it held more than once (``json`` keeps the last)."""
+
+    repeated: list[str]
+
+
+def _object_pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    out = _Pairs(pairs)
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            repeated.add(key)
+        seen.add(key)
+    out.repeated = sorted(repeated)
+    return out
+
+
+def _score(value: Any, choice: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(
+            f"{where}: target_scores[{choice!r}] = {value!r} is not a finite number; BIG-bench "
+            "scores each choice with a number (1 for a right answer, 0 for a wrong one)."
+        )
+    return float(value)
 
 
 def read_bigbench(path: str | Path) -> list[MCExample]:
@@ -131,18 +173,27 @@ def read_bigbench(path: str | Path) -> list[MCExample]:
     Parameters
     ----------
     path : str or Path
-        A ``task.json`` whose examples carry ``target_scores``.
+        A ``task.json`` whose examples carry ``input`` (a string) and ``target_scores`` (each
+        choice's score, a finite number).
 
     Returns
     -------
     list of MCExample
         Choices in the file's order; the answer is the first choice of the highest score.
+
+    Raises
+    ------
+    ValueError
+        Naming the file and the example: an example that is not an object or lacks ``input``,
+        ``target_scores`` that are not an object of >= 2 choices, a choice listed twice, a
+        score that is not a finite number, or no right answer (no choice scores above 0, or
+        every choice scores the same).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"BIG-bench task file {path} does not exist.")
     try:
-        task = json.loads(path.read_text(encoding="utf-8"))
+        task = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_object_pairs)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(task, Mapping) or not isinstance(task.get("examples"), list):
@@ -153,24 +204,65 @@ def read_bigbench(path: str | Path) -> list[MCExample]:
     out = []
     for i, example in enumerate(task["examples"]):
         where = f"{path} example {i}"
+        if not isinstance(example, Mapping):
+            raise ValueError(
+                f"{where} is {type(example).__name__} {example!r}, not an object with 'input' "
+                "and 'target_scores'."
+            )
         scores = example.get("target_scores")
         if not isinstance(scores, Mapping) or len(scores) < 2:
             raise ValueError(
                 f"{where} has no 'target_scores' with >= 2 choices; it is not a multiple-choice "
                 "task (generative BIG-bench tasks are not supported)."
             )
+        repeated = getattr(scores, "repeated", None)
+        if repeated:
+            raise ValueError(
+                f"{where}: target_scores lists the choice(s) {repeated!r} more than once (JSON "
+                "keeps only the last score); give each choice once."
+            )
+        if "input" not in example:
+            raise ValueError(
+                f"{where} lacks the key 'input' (the question; has {sorted(example)})."
+            )
+        question = example["input"]
+        if isinstance(question, bool) or not isinstance(question, (str, int, float)):
+            raise ValueError(f"{where}: 'input' must be a string (the question), got {question!r}.")
         choices = [str(c) for c in scores]
-        values = [float(v) for v in scores.values()]
-        answer = values.index(max(values))
-        prompt = f"{prefix}{q_prefix}{example['input']}{a_prefix}"
+        values = [_score(v, c, where) for c, v in scores.items()]
+        best = max(values)
+        if best <= 0 or min(values) == best:
+            raise ValueError(
+                f"{where} has no right answer: target_scores {dict(scores)!r} give no choice a "
+                "score above 0 and above the others. Fix the example's scores (1 for the right "
+                "answer) or remove it."
+            )
+        answer = values.index(best)
+        prompt = f"{prefix}{q_prefix}{question}{a_prefix}"
         out.append(MCExample(prompt, tuple(choices), answer, {"source": where}))
     return out
 
 
+class _Unlabelled(ValueError):
+    """A dataset row without an answer (e.g. Winogrande's test split: ``answer = ""``)."""
+
+
+def _unlabelled(answer: Any) -> bool:
+    return answer is None or (isinstance(answer, str) and not answer.strip())
+
+
 def _labelled(row: Mapping[str, Any], question: str, where: str) -> MCExample:
     """ARC / OpenBookQA: ``choices = {"text": [...], "label": [...]}``, ``answerKey`` a label."""
-    texts = list(row["choices"]["text"])
-    labels = [str(label) for label in row["choices"]["label"]]
+    choices = row["choices"]
+    if not isinstance(choices, Mapping) or not {"text", "label"} <= set(choices):
+        raise ValueError(
+            f"{where}: 'choices' must be an object with lists 'text' and 'label' (the "
+            f"allenai/ai2_arc layout), got {choices!r}."
+        )
+    texts = list(choices["text"])
+    labels = [str(label) for label in choices["label"]]
+    if _unlabelled(row["answerKey"]):
+        raise _Unlabelled(f"{where}: answerKey {row['answerKey']!r} is empty (an unlabelled row).")
     key = str(row["answerKey"])
     if key not in labels:
         raise ValueError(f"{where}: answerKey {key!r} is not among the labels {labels}.")
@@ -191,21 +283,28 @@ def openbookqa_adapter(row: Mapping[str, Any], where: str = "openbookqa row") ->
 
 def winogrande_adapter(row: Mapping[str, Any], where: str = "winogrande row") -> MCExample:
     """``allenai/winogrande``: ``sentence`` with one ``_``, ``option1``, ``option2``, ``answer``
-    (``"1"`` or ``"2"``). The prompt is the sentence before the blank; choice k is option k
-    followed by the rest of the sentence (full-sentence scoring; lm-evaluation-harness scores the
-    shared rest given each filled-in start instead)."""
+    (``"1"`` or ``"2"``; ``""`` in the unlabelled test split). The prompt is the sentence before
+    the blank; choice k is option k followed by the rest of the sentence (full-sentence scoring;
+    lm-evaluation-harness scores the shared rest given each filled-in start instead)."""
     sentence = str(row["sentence"])
     if sentence.count("_") != 1:
         raise ValueError(f"{where}: a Winogrande sentence holds one '_', got {sentence!r}.")
+    answer = row["answer"]
+    if _unlabelled(answer):
+        raise _Unlabelled(f"{where}: answer {answer!r} is empty (an unlabelled row).")
+    if str(answer).strip() not in ("1", "2"):
+        raise ValueError(f"{where}: a Winogrande answer is '1' or '2', got {answer!r}.")
     before, after = sentence.split("_")
     choices = (str(row["option1"]) + after, str(row["option2"]) + after)
-    return MCExample(before.rstrip(), choices, int(row["answer"]) - 1, {"source": where})
+    return MCExample(before.rstrip(), choices, int(str(answer)) - 1, {"source": where})
 
 
 def boolq_adapter(row: Mapping[str, Any], where: str = "boolq row") -> MCExample:
     """``google/boolq``: ``passage``, ``question``, ``answer`` (bool); choices ``no`` / ``yes``
     (lm-evaluation-harness's prompt)."""
     prompt = f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:"
+    if row["answer"] is None:
+        raise _Unlabelled(f"{where}: answer is null (an unlabelled row).")
     return MCExample(prompt, ("no", "yes"), int(bool(row["answer"])), {"source": where})
 
 
@@ -219,21 +318,67 @@ ADAPTERS: dict[str, Callable[..., MCExample]] = {
 
 
 def adapt_rows(
-    rows: Iterable[Mapping[str, Any]], adapter: str, *, name: str = "rows"
+    rows: Iterable[Mapping[str, Any]],
+    adapter: str,
+    *,
+    name: str = "rows",
+    skip_unlabelled: bool = False,
 ) -> list[MCExample]:
-    """Rows (a ``datasets.Dataset`` or a list of dicts) as examples through ``ADAPTERS[adapter]``."""
+    """Rows (a ``datasets.Dataset`` or a list of dicts) as examples through ``ADAPTERS[adapter]``.
+
+    Parameters
+    ----------
+    rows : iterable of dict
+    adapter : str
+        A key of :data:`ADAPTERS`.
+    name : str
+        Names the rows in error messages (e.g. ``"data[test]"``).
+    skip_unlabelled : bool
+        Leave out rows without an answer (Winogrande's test split has ``answer = ""``), with a
+        logged warning that counts them; without it such a row is an error.
+
+    Raises
+    ------
+    ValueError
+        Naming the row: a field the adapter needs is missing or has the wrong shape, or (without
+        ``skip_unlabelled``) the row has no answer.
+    """
     if adapter not in ADAPTERS:
         raise ValueError(f"unknown dataset adapter {adapter!r}; use one of {sorted(ADAPTERS)}.")
     convert = ADAPTERS[adapter]
     out = []
+    skipped = 0
     for i, row in enumerate(rows):
+        where = f"{name} row {i}"
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{where} is {type(row).__name__} {row!r}, not a record (a dict).")
         try:
-            out.append(convert(row, f"{name} row {i}"))
+            out.append(convert(row, where))
+        except _Unlabelled as err:
+            if not skip_unlabelled:
+                raise ValueError(
+                    f"{err} The {adapter!r} adapter needs labelled rows; leave this split out "
+                    "(or pass skip_unlabelled=True)."
+                ) from None
+            skipped += 1
         except KeyError as err:
             raise ValueError(
-                f"{name} row {i}: the {adapter!r} adapter needs field {err} (row has "
+                f"{where}: the {adapter!r} adapter needs field {err} (row has "
                 f"{sorted(row)}); is this a {adapter} dataset?"
             ) from None
+        except (TypeError, AttributeError, IndexError) as err:
+            raise ValueError(
+                f"{where}: a field does not have the {adapter!r} dataset's layout ({err}; row "
+                f"has {sorted(row)}); is this a {adapter} dataset?"
+            ) from None
+    if skipped:
+        logger.warning(
+            "%s: skipped %d of %d rows without an answer (unlabelled)%s.",
+            name,
+            skipped,
+            skipped + len(out),
+            "; the split is empty" if not out else "",
+        )
     return out
 
 
@@ -254,7 +399,9 @@ def read_hf_dataset(
     Returns
     -------
     dict of str to list of MCExample
-        Keyed ``train`` / ``validation`` / ``test`` (splits the dataset lacks are absent).
+        Keyed ``train`` / ``validation`` / ``test`` (splits the dataset lacks are absent). Rows
+        without an answer (Winogrande's test split) are left out with a logged warning, so an
+        unlabelled split is an empty list.
     """
     try:
         datasets: Any = importlib.import_module("datasets")  # optional dependency
@@ -269,7 +416,7 @@ def read_hf_dataset(
     if isinstance(data, datasets.Dataset):
         data = datasets.DatasetDict({"test": data})
     return {
-        split: adapt_rows(data[split], adapter, name=f"{source}[{split}]")
+        split: adapt_rows(data[split], adapter, name=f"{source}[{split}]", skip_unlabelled=True)
         for split in ("train", "validation", "test")
         if split in data
     }

@@ -11,13 +11,21 @@ Few-shot prompts. With ``num_fewshot = k > 0`` each example's prompt is preceded
 training examples, each rendered as ``prompt + delimiter + right choice``, joined by
 ``fewshot_separator`` (lm-evaluation-harness's convention; Gao et al. 2021; Brown et al. 2020,
 "Language models are few-shot learners", Sec. 2). The ``k`` shots of the example at index ``i`` of
-split ``s`` are drawn without replacement from the training split (the example itself excluded)
-by ``random.Random(f"{seed}:{s}:{i}")``: they depend on nothing but the seed, the split and the
-position, so re-reading the task or encoding another batch first changes nothing.
+split ``s`` are drawn without replacement from the training split by
+``random.Random(f"{seed}:{s}:{i}")``, leaving out the example itself and every training example
+with the same prompt (a question repeated in the data would otherwise show its own answer): they
+depend on nothing but the seed, the split and the position, so re-reading the task or encoding
+another batch first changes nothing. Questions that appear in two splits (the same prompt and
+choices) are counted and reported by a logged warning when the task is built.
+
+Truncation. :meth:`MultipleChoiceTask.encode` with ``max_length`` counts the questions whose
+longest row (few-shot prompt, question and choice) is cut from the left, and by how many tokens,
+in :attr:`MultipleChoiceTask.truncation` (and a logged message).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +37,8 @@ from ..models.multiple_choice import encode_multiple_choice
 from .example import MCExample
 
 __all__ = ["MultipleChoiceTask", "SPLITS"]
+
+logger = logging.getLogger(__name__)
 
 #: The split names, in order.
 SPLITS = ("train", "validation", "test")
@@ -102,6 +112,34 @@ class MultipleChoiceTask:
         self.fewshot_separator = fewshot_separator
         self.delimiter = delimiter
         self.seed = int(seed)
+        #: per encoded split: ``{"questions", "truncated", "max_tokens", "mean_tokens"}`` — how
+        #: many of the encoded questions lost prompt tokens to ``max_length``, and how many
+        #: (the most and the mean over the truncated ones), from the last :meth:`encode`
+        self.truncation: dict[str, dict[str, float]] = {}
+        self.duplicates = self._count_duplicates()
+        if any(self.duplicates.values()):
+            logger.warning(
+                "MultipleChoiceTask %r: the same question (prompt and choices) appears in two "
+                "splits: %s; their scores are not held out. Few-shot prompts leave out training "
+                "examples with the target's prompt.",
+                name,
+                ", ".join(f"{n} {pair}" for pair, n in self.duplicates.items() if n),
+            )
+
+    def _count_duplicates(self) -> dict[str, int]:
+        """Questions of a later split that an earlier split also holds (same prompt and choice
+        set), per pair ``"validation in train"``, ``"test in train"``, ``"test in validation"``."""
+
+        def keys(split: str) -> set[tuple[str, frozenset[str]]]:
+            return {(e.prompt, frozenset(e.choices)) for e in self.splits[split]}
+
+        out = {}
+        for later, earlier in (("validation", "train"), ("test", "train"), ("test", "validation")):
+            seen = keys(earlier)
+            out[f"{later} in {earlier}"] = sum(
+                (e.prompt, frozenset(e.choices)) in seen for e in self.splits[later]
+            )
+        return out
 
     @classmethod
     def from_examples(
@@ -157,9 +195,25 @@ class MultipleChoiceTask:
         if not self.num_fewshot:
             return []
         pool = self.splits["train"]
-        candidates = [j for j in range(len(pool)) if not (split == "train" and j == index)]
+        target = self._split(split)[index].prompt
+        candidates = [
+            j
+            for j in range(len(pool))
+            if not (split == "train" and j == index) and pool[j].prompt != target
+        ]
+        count = min(self.num_fewshot, len(candidates))
+        if count < self.num_fewshot:
+            logger.warning(
+                "MultipleChoiceTask %r: %s example %d gets %d few-shot examples, not %d: the "
+                "other training examples repeat its question.",
+                self.name,
+                split,
+                index,
+                count,
+                self.num_fewshot,
+            )
         rng = random.Random(f"{self.seed}:{split}:{index}")
-        return [pool[j] for j in rng.sample(candidates, self.num_fewshot)]
+        return [pool[j] for j in rng.sample(candidates, count)]
 
     def prompt(self, split: str, index: int) -> str:
         """Example ``index`` of ``split``'s prompt, few-shot examples first."""
@@ -205,15 +259,18 @@ class MultipleChoiceTask:
                 f"MultipleChoiceTask {self.name!r}: split {split!r} is empty; change the split "
                 "fractions or give that split data."
             )
+        max_length = encode_kwargs.get("max_length")
+        cuts: list[int] = []
         batches = []
         for start in range(0, count, batch_size):
             idx = range(start, min(start + batch_size, count))
             chunk = [examples[i] for i in idx]
+            prompts = [self.prompt(split, i) for i in idx]
             ragged = len({len(e.choices) for e in chunk}) > 1
             batches.append(
                 encode_multiple_choice(
                     tokenizer,
-                    [self.prompt(split, i) for i in idx],
+                    prompts,
                     [list(e.choices) for e in chunk],
                     [e.answer for e in chunk],
                     delimiter=self.delimiter,
@@ -221,4 +278,38 @@ class MultipleChoiceTask:
                     **encode_kwargs,
                 )
             )
+            if max_length is not None:
+                cuts += [
+                    self._overflow(tokenizer, p, e.choices, int(max_length))
+                    for p, e in zip(prompts, chunk, strict=True)
+                ]
+        cut = [c for c in cuts if c > 0]
+        self.truncation[split] = {
+            "questions": count,
+            "truncated": len(cut),
+            "max_tokens": max(cut, default=0),
+            "mean_tokens": sum(cut) / len(cut) if cut else 0.0,
+        }
+        if cut:
+            logger.info(
+                "MultipleChoiceTask %r: %d of %d %s questions are longer than max_length=%s "
+                "tokens and lose prompt tokens from the left (up to %d, mean %.1f).",
+                self.name,
+                len(cut),
+                count,
+                split,
+                max_length,
+                max(cut),
+                sum(cut) / len(cut),
+            )
         return batches
+
+    def _overflow(self, tokenizer: Any, prompt: str, choices: Sequence[str], limit: int) -> int:
+        """Tokens the question's longest row (prompt, delimiter and choice) exceeds ``limit`` by:
+        the prompt tokens ``encode_multiple_choice`` cuts from its left (0: none)."""
+        context = len(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        longest = max(
+            len(tokenizer(self.delimiter + c, add_special_tokens=False)["input_ids"])
+            for c in choices
+        )
+        return max(0, context + longest - limit)

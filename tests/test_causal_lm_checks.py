@@ -1,0 +1,165 @@
+"""The causal-LM job's refusals and reports: config mistakes named by their key before a run
+folder is written, a run that fails before its first result leaves the folder free, small or
+truncated tasks are reported, ``--quick`` says what it replaced, and ``pyrobayes evaluate``
+names the posterior file it misses."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pyrobayes.cli import main
+from pyrobayes.demo import causal_lm
+from pyrobayes.demo.pipeline import ConfigError
+from tests.test_causal_lm_job import write_config, write_task
+
+
+def user(task="task.json", **sections):
+    base = {"families": ["map"], "causal_lm": {"task": {"path": str(task)}}}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
+def task_section(**keys):
+    return {"task": {"path": "task.json", **keys}}
+
+
+@pytest.mark.parametrize(
+    "sections, match",
+    [
+        ({"training": {"device": "gpu"}}, r"'training.device' .* got 'gpu' \(did you mean 'cuda'"),
+        ({"training": {"device": "cuda:99"}}, r"'training.device' = 'cuda:99', but this machine"),
+        ({"causal_lm": {"dtype": "float16", **task_section()}}, "'causal_lm.dtype' = 'float16'"),
+        ({"causal_lm": task_section(split_seed=-1)}, "'causal_lm.task.split_seed'.* >= 0"),
+        ({"causal_lm": task_section(num_train=-1)}, "'causal_lm.task.num_train'.* >= 0"),
+        ({"causal_lm": task_section(num_test=-2)}, "'causal_lm.task.num_test'.* >= 0"),
+        ({"causal_lm": task_section(num_fewshot=-1)}, "'causal_lm.task.num_fewshot'.* >= 0"),
+        ({"training": {"epochs": 0}}, "'training.epochs'.* >= 1"),
+        ({"training": {"lr": 0.0}}, "'training.lr'.* > 0"),
+        ({"training": {"lr": -1.0}}, "'training.lr'.* > 0"),
+        ({"prior_scale": 0.0}, "'prior_scale'.* > 0"),
+        ({"predict": {"samples_per_forward": -1}}, "'predict.samples_per_forward'.* >= 0"),
+        ({"export": {"num_batches": 0}}, "'export.num_batches'.* >= 1"),
+        ({"training": {"scheduler": "cosinee"}}, "'training.scheduler'.*did you mean 'cosine'"),
+        (
+            {"causal_lm": {"task": {"path": "t.jsonl", "format": "json", "template": "Q {"}}},
+            "'causal_lm.task.template' = 'Q {' is not a str.format template",
+        ),
+        ({"seeds": [0, 0]}, r"'seeds' = \[0, 0\] lists seed\(s\) \[0\] more than once"),
+        (
+            {"causal_lm": task_section(fractions=[0.6, 0.0, 0.4]), "training": {"keep": "best"}},
+            "'training.keep' = 'best' .* gives it no questions",
+        ),
+        (
+            {"causal_lm": task_section(fractions=[0.5, 0.5])},
+            "'causal_lm.task.fractions' must be three numbers",
+        ),
+        ({"causal_lm": {"gguf_file": "m.gguf", **task_section()}}, "'causal_lm.gguf_file'"),
+    ],
+)
+def test_config_mistakes_are_refused_naming_the_key(sections, match):
+    with pytest.raises(ConfigError, match=match):
+        causal_lm.resolve_config(user(**sections))
+
+
+def test_machine_checks_come_before_the_run_folder(tmp_path):
+    write_task(tmp_path / "task.json", num=8)
+    out = tmp_path / "run"
+    config = causal_lm.resolve_config(
+        user(tmp_path / "task.json", adapter={"target_modules": ["query", "value"]}), quick=True
+    )
+    with pytest.raises(ConfigError, match="'adapter.target_modules'.* matched no linear module"):
+        causal_lm.run(config, out, progress_bar=False)
+    assert not out.exists()
+    config = causal_lm.resolve_config(user(tmp_path / "task.json"))
+    config["causal_lm"]["model"] = str(tmp_path / "no_such_model")
+    with pytest.raises(ConfigError, match=r"'causal_lm.model' = .*no_such_model.*does not exist"):
+        causal_lm.run(config, out, progress_bar=False)
+    assert not out.exists()
+
+
+def test_a_run_that_fails_before_a_result_leaves_the_folder_for_the_corrected_run(tmp_path, capsys):
+    write_task(tmp_path / "task.json", num=8)
+    write_config(tmp_path / "bad.toml", tmp_path / "missing.json", families='["map"]')
+    write_config(tmp_path / "good.toml", tmp_path / "task.json", families='["map"]')
+    out = tmp_path / "run"
+    job = ["--quick", "--no-progress", "--out", str(out)]
+    assert main(["fit", str(tmp_path / "bad.toml"), *job]) == 2
+    err = capsys.readouterr().err
+    assert "'causal_lm.task.path'" in err and "missing.json does not exist" in err
+    assert not out.exists()
+    assert main(["fit", str(tmp_path / "good.toml"), *job]) == 0
+    assert [r["family"] for r in json.loads((out / "metrics.json").read_text())][-1] == "map"
+
+
+def test_keep_best_without_a_validation_split_and_small_tasks(tmp_path, caplog):
+    write_task(tmp_path / "task.json", num=3)  # train 2, validation 0, test 1
+    config = causal_lm.resolve_config(user(tmp_path / "task.json"), quick=True)
+    _, tokenizer = causal_lm._tiny_llama()
+    with caplog.at_level(logging.WARNING):
+        data = causal_lm.build_data(config, tokenizer)
+    assert data["val"] is None and data["num_train"] == 2
+    assert "num_train = 16 but the train split has 2" in caplog.text
+    assert "num_test = 16 but the test split has 1" in caplog.text
+    config["training"]["keep"] = "best"
+    with pytest.raises(ConfigError, match="'training.keep' = 'best' .* empty validation split"):
+        causal_lm.run(config, tmp_path / "run", progress_bar=False)
+    assert not (tmp_path / "run").exists()
+    config["causal_lm"]["task"]["fractions"] = [0.5, 0.5, 0.0]
+    with pytest.raises(ConfigError, match=r"the test split\(s\) would be empty"):
+        causal_lm.build_data(config, tokenizer)
+
+
+def test_truncation_and_quick_replacements_are_logged(tmp_path, caplog):
+    write_task(tmp_path / "task.json", num=8)
+    spec = {"task": {"path": str(tmp_path / "task.json"), "num_test": 100}, "max_length": 512}
+    with caplog.at_level(logging.WARNING):
+        config = causal_lm.resolve_config(
+            user(causal_lm=spec, training={"epochs": 5}, predict={"num_samples": 2}), quick=True
+        )
+    assert "--quick replaces" in caplog.text
+    for said in ("causal_lm.max_length = 512 -> 128", "task.num_test = 100 -> 16", "epochs = 5"):
+        assert said in caplog.text
+    assert "num_samples" not in caplog.text  # the user's value equals --quick's
+    caplog.clear()
+    config["causal_lm"]["max_length"] = 40
+    _, tokenizer = causal_lm._tiny_llama()
+    with caplog.at_level(logging.WARNING):
+        causal_lm.build_data(config, tokenizer)
+    assert "longer than causal_lm.max_length = 40 tokens lose prompt tokens" in caplog.text
+    assert "test 3 of 3 (up to" in caplog.text  # the 8 questions' 3 test ones: ~47 bytes each
+
+
+def test_evaluate_names_the_missing_posterior_file():
+    saved = [
+        {"family": "zero-shot", "seed": None, "accuracy": 0.5},
+        {"family": "map", "seed": 0, "accuracy": 0.5},
+        {"family": "swag", "seed": 0, "accuracy": 0.5},
+    ]
+    drifts = causal_lm.compare(saved, saved[:2], tolerance=1e-6)
+    assert drifts == [
+        "swag@seed0: in metrics.json but no saved posterior (guides/swag-seed0.safetensors)"
+    ]
+
+
+def test_unlabelled_hf_test_split_is_refused_naming_the_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    wino = {"sentence": ["Sam thanked Pat because _ helped."] * 4, "option1": ["Sam"] * 4}
+    wino["option2"] = ["Pat"] * 4
+
+    def split(answer):
+        return datasets.Dataset.from_dict({**wino, "answer": [answer] * 4})
+
+    folder = tmp_path / "wino"
+    datasets.DatasetDict({"train": split("1"), "test": split("")}).save_to_disk(str(folder))
+    config = causal_lm.resolve_config(
+        {"causal_lm": {"task": {"path": str(folder), "format": "hf", "adapter": "winogrande"}}}
+    )
+    with pytest.raises(ConfigError, match="the dataset's 'test' split is empty or unlabelled"):
+        causal_lm.load_task(config)
