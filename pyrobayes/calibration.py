@@ -11,7 +11,10 @@ quantification and deep ensembles", NeurIPS),
 
 which is Guo et al. (2017, "On calibration of modern neural networks", eq. 9) with the Bayesian
 model average's log-probabilities as the logits; for a point mass (MAP) it is exactly their
-temperature scaling. The calibrated prediction is that one row. ``pool=False`` tempers every
+temperature scaling. The calibrated prediction is that one row (``Prediction.pooled_draws``
+records the S draws it averaged): it has no per-draw spread, so its mutual information is 0 by
+construction, and :func:`pyrobayes.metrics.report` gives NaN for it rather than a 0 (and an
+MI-based OOD AUROC of 0.5) that would read as a certain posterior. ``pool=False`` tempers every
 draw before the average instead, :math:`\frac1S \sum_s \operatorname{softmax}(f_{θ_s}(x)/T)`
 ("calibrate then pool", what this module did before and what a file calibrated then still
 applies): a :math:`T < 1` then sharpens every draw, so on a wide, under-confident posterior the
@@ -28,6 +31,12 @@ T^2 (v_s(x) + σ^2))` (``σ`` the likelihood's noise, ``v_s`` a closed-form vari
 linearised Laplace's :math:`J Σ J^\top`): the "std scaling" of Levi et al. (2022, "Evaluating
 and calibrating uncertainty prediction in regression tasks", eq. 11). The means, and so the
 RMSE and the accuracy, never change; :math:`T = 1` is the fitted posterior bit for bit.
+
+Under ``torch.distributed`` (more than one process) the objective is the NLL summed over
+every rank's held-out shard divided by the ranks' total count, both all-reduced inside the
+objective: every rank evaluates the same function, takes the same search steps and stores the
+same ``T``, the one-process ``T`` on the union of the shards. A held-out set too small to pin
+``T`` (:func:`min_examples`) and a ``T`` at an end of its search interval warn.
 
 The temperature is a buffer of the guide (``predictive_temperature``, with
 ``predictive_temperature_pooled`` for the form), so it is part of ``guide.state_dict()`` and
@@ -60,6 +69,7 @@ __all__ = [
     "calibrate",
     "labelled_prediction",
     "fit_temperature",
+    "min_examples",
     "temperature",
     "set_temperature",
     "drop_temperature",
@@ -163,8 +173,9 @@ def apply_temperature(prediction: Any, guide_or_value: Any, *, pool: bool | None
     """``prediction`` under the temperature of a guide (or a number): a new ``Prediction``.
 
     Classification, pooled (a guide calibrated so, or a number with ``pool`` left ``True``):
-    one row ``log_softmax(logmeanexp_s(log_probs) / T)``; per draw: ``log_probs ←
-    log_softmax(log_probs / T)``. Regression: the Gaussian ``scale`` and any closed-form
+    one row ``log_softmax(logmeanexp_s(log_probs) / T)``, with ``pooled_draws`` set to the S
+    draws it averaged (no per-draw spread is left: :func:`pyrobayes.metrics.report` gives NaN
+    mutual information for it); per draw: ``log_probs ← log_softmax(log_probs / T)``. Regression: the Gaussian ``scale`` and any closed-form
     ``loc_var`` become ``T·σ`` and ``T²·v``. At ``T = 1`` the same object is returned
     (bit-identical predictions).
     """
@@ -178,7 +189,12 @@ def apply_temperature(prediction: Any, guide_or_value: Any, *, pool: bool | None
     if prediction.log_probs is not None:
         log_probs = _pooled_log_probs(prediction.log_probs) if pool else prediction.log_probs
         log_probs = torch.log_softmax(log_probs / value, dim=-1)
-        return dataclasses.replace(prediction, log_probs=log_probs)
+        changes: dict[str, Any] = {"log_probs": log_probs}
+        if pool and "pooled_draws" in {f.name for f in dataclasses.fields(prediction)}:
+            # the draws are averaged away: metrics.report gives NaN for their mutual information
+            draws = int(prediction.log_probs.shape[0])
+            changes["pooled_draws"] = max(draws, getattr(prediction, "pooled_draws", None) or 0)
+        return dataclasses.replace(prediction, **changes)
     if prediction.scale is None:
         raise ValueError(
             "apply_temperature: this regression prediction has no Gaussian scale to temper "
@@ -206,6 +222,11 @@ def tempered_nll(
     (``pool=False``: ``-mean_n log (1/S) Σ_s softmax(log_probs_s / T)[y_n]``); regression: the
     Gaussian mixture with every component's σ multiplied by ``T``.
     """
+    return _nll_terms(prediction, targets, value, pool=pool).mean()
+
+
+def _nll_terms(prediction: Any, targets: Tensor, value: float | Tensor, *, pool: bool) -> Tensor:
+    """The per-example (regression: per target entry) NLL terms :func:`tempered_nll` averages."""
     t = torch.as_tensor(value, dtype=torch.float64)
     if prediction.log_probs is not None:
         lp = prediction.log_probs.detach().to(torch.float64)
@@ -214,8 +235,7 @@ def tempered_nll(
         tempered = torch.log_softmax(lp / t, dim=-1)  # (S, N, C)
         y = targets.to(lp.device).long().reshape(1, -1, 1).expand(lp.shape[0], -1, 1)
         picked = tempered.gather(-1, y).squeeze(-1)  # (S, N)
-        log_pred = torch.logsumexp(picked, dim=0) - math.log(lp.shape[0])
-        return -log_pred.mean()
+        return -(torch.logsumexp(picked, dim=0) - math.log(lp.shape[0]))
     loc = prediction.loc.detach().to(torch.float64)
     loc = loc.reshape(loc.shape[0], -1)
     var = torch.as_tensor(float(prediction.scale) ** 2, dtype=torch.float64)
@@ -223,7 +243,7 @@ def tempered_nll(
         var = prediction.loc_var.detach().to(torch.float64).reshape(loc.shape) + var
     y = targets.detach().to(torch.float64).reshape(1, -1)
     log_lik = torch.distributions.Normal(loc, t * var.sqrt()).log_prob(y)
-    return -(torch.logsumexp(log_lik, dim=0) - math.log(loc.shape[0])).mean()
+    return -(torch.logsumexp(log_lik, dim=0) - math.log(loc.shape[0]))
 
 
 def _minimise(objective: Any, low: float, high: float, num_grid: int = 49) -> float:
@@ -259,6 +279,7 @@ def calibrate(
     bounds: tuple[float, float] = (0.05, 20.0),
     device: str | torch.device | None = None,
     pool: bool = True,
+    all_ranks: bool = True,
     **predict_kwargs: Any,
 ) -> float:
     r"""Fit the predictive temperature ``T`` on held-out data and store it on ``guide``.
@@ -273,24 +294,38 @@ def calibrate(
     Any previous temperature is replaced (``T`` is fitted against the uncalibrated predictive).
     Afterwards :func:`pyrobayes.predict` applies ``T``; :func:`pyrobayes.save` stores it.
 
+    Under ``torch.distributed`` (an initialised process group of more than one process) every
+    rank passes its shard of the held-out data (e.g. a loader with a ``DistributedSampler``)
+    and the objective is the NLL summed over all ranks' examples divided by their total
+    count (both all-reduced inside the objective, as :func:`pyrobayes.fit`'s validation
+    reduces its score): every rank gets the same ``T``, the one-process ``T`` on the union of
+    the shards (a ``DistributedSampler`` that pads the shards to equal length counts its
+    repeated examples twice). Every rank must then call ``calibrate``; ``all_ranks=False``
+    fits on this process's data alone (e.g. calibrating on rank 0 only).
+
     Parameters
     ----------
     model : FineTuneModel
     guide : PosteriorGuide
         A fitted posterior of any family (a MAP point mass included).
     val_data : iterable of batches
-        Labelled held-out batches, as for :func:`pyrobayes.predict` (never the test split).
+        Labelled held-out batches, as for :func:`pyrobayes.predict` (never the test split, nor
+        the training data: ``T`` then undoes the fit's over-confidence on the examples it saw).
     num_samples : int
         Posterior draws S of the predictive (1 for a point mass).
     seed : int
         Seed of the draws (use the one predictions will use, e.g. 0, predict's default).
     bounds : (float, float)
-        The search interval of ``T``; a fit at either end is logged as a warning.
+        The search interval of ``T``; a fit at either end warns (``UserWarning``).
     device : str or torch.device, optional
     pool : bool
         Classification: temper the averaged predictive (default) or, ``False``, every draw
         before the average (:mod:`pyrobayes.calibration` says why the default is the former).
-        Stored with ``T``.
+        Stored with ``T``. A pooled prediction is one row: it has no mutual information left
+        (:func:`pyrobayes.metrics.report` gives NaN for it).
+    all_ranks : bool
+        Under ``torch.distributed``: fit ``T`` on every rank's data together (default; every
+        rank must call ``calibrate``), or, ``False``, on this process's alone.
     **predict_kwargs
         Passed to :func:`pyrobayes.predict` (e.g. ``samples_per_forward``).
 
@@ -303,7 +338,21 @@ def calibrate(
     ------
     ValueError
         ``val_data`` yields no batches or no labels, ``bounds`` is not ``0 < low < high``, or the
-        Gaussian likelihood has no noise scale to temper.
+        Gaussian likelihood has no noise scale to temper. Under ``torch.distributed`` an error
+        on one rank is raised on every rank (none is left waiting in the objective's
+        all-reduce).
+
+    Warns
+    -----
+    UserWarning
+        When the held-out set is too small to determine ``T`` (fewer than 30 examples for a
+        classifier, 5 targets for a Gaussian likelihood, all ranks together; see
+        :func:`min_examples`), or when ``T`` ends at either end of ``bounds``.
+
+    Notes
+    -----
+    Calibrating on the training data is not detected: neither the guide nor the model keeps a
+    reference to the data it was fitted on.
     """
     num_samples = check_int("num_samples", num_samples, ge=1, owner="calibrate: ")
     low, high = (float(b) for b in bounds)
@@ -311,9 +360,11 @@ def calibrate(
         raise ValueError(
             f"calibrate: bounds must be two finite numbers 0 < low < high, got {bounds!r}."
         )
+    size = _world_size() if all_ranks else 1
     previous = guide._buffers.get(TEMPERATURE_BUFFER) if hasattr(guide, "_buffers") else None
     was_pooled = pooled(guide)
     set_temperature(guide, None)  # fit against the uncalibrated predictive
+    failure: Exception | None = None
     try:
         pred = labelled_prediction(
             model,
@@ -326,18 +377,71 @@ def calibrate(
             device=device,
             **predict_kwargs,
         )
-    except ValueError:
+        if pred.log_probs is None and pred.scale is None:
+            raise ValueError(
+                "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; "
+                "build the model with obs_scale=<float> or 'learn'."
+            )
+    except Exception as err:  # (every rank learns of it before the objective's all-reduce)
+        failure = err
+    if size > 1:
+        failure = _agree_on_failure(failure, _collective_device(model))
+    if failure is not None:
         if previous is not None:
             set_temperature(guide, float(previous), pool=was_pooled)
-        raise
-    if pred.log_probs is None and pred.scale is None:
-        raise ValueError(
-            "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; build "
-            "the model with obs_scale=<float> or 'learn'."
-        )
-    value = fit_temperature(pred, bounds=(low, high), pool=pool)
+        raise failure
+    value, count, at_bound = _fit(pred, pred.targets, low, high, pool=pool, size=size)
     set_temperature(guide, value, pool=pool)
+    _warn_if_poorly_determined(value, count, at_bound, bounds, pred.log_probs is not None, size)
     return value
+
+
+def _agree_on_failure(failure: Exception | None, device: torch.device) -> Exception | None:
+    """Under ``torch.distributed``: this rank's ``failure``, or, when only another rank
+    failed, an error saying so, so that every rank raises before the objective's all-reduce."""
+    flag = [0.0 if failure is None else 1.0]
+    failed = torch.tensor(flag, dtype=torch.float64, device=device)
+    _all_reduce_mean(failed)
+    if failure is None and float(failed) > 0:
+        return ValueError(
+            "calibrate: another rank's held-out data failed (its error is raised there); "
+            "under torch.distributed every rank fits T together, so none goes on."
+        )
+    return failure
+
+
+def _warn_if_poorly_determined(
+    value: float,
+    count: int,
+    at_bound: str | None,
+    bounds: tuple[float, float],
+    classification: bool,
+    size: int,
+) -> None:
+    """:func:`calibrate`'s warnings: too few held-out examples (:func:`min_examples`), or ``T``
+    at an end of ``bounds``."""
+    needed = min_examples(classification=classification)
+    if count < needed:
+        what = "example" if classification else "target value"
+        _warn(
+            f"calibrate: T = {value:.4g} was fitted on {count} held-out {what}"
+            f"{'' if count == 1 else 's'}"
+            f"{' (all ranks)' if size > 1 else ''}, fewer than {needed}: T is poorly determined "
+            "(its standard error in log T exceeds 1/3, a factor of 2 either way at two "
+            "standard errors). Calibrate on a larger held-out split."
+        )
+    if at_bound is not None:
+        _warn(
+            f"calibrate: T = {value:.4g} is at the {at_bound} end of bounds={bounds!r}: the "
+            "validation NLL still falls beyond it"
+            + (
+                ", i.e. the held-out labels are predicted (almost) perfectly: is val_data the "
+                "training data, or too small?"
+                if at_bound == "lower"
+                else ", i.e. the predictive is that badly over-confident."
+            )
+            + " Widen bounds if the temperature is meant to go further."
+        )
 
 
 def labelled_prediction(
@@ -385,6 +489,7 @@ def fit_temperature(
     *,
     bounds: tuple[float, float] = (0.05, 20.0),
     pool: bool = True,
+    all_ranks: bool = True,
 ) -> float:
     """The temperature ``T`` minimising the NLL of an (uncalibrated) ``Prediction``'s tempered
     posterior predictive on its ``targets`` (:func:`tempered_nll`, pooled or per draw as
@@ -392,7 +497,10 @@ def fit_temperature(
 
     For predictives that are not a guide's (a deep ensemble's members stacked as the draws,
     another library's probabilities as one row): apply the result with
-    :func:`apply_temperature`. Never worse than ``T = 1`` on these targets.
+    :func:`apply_temperature`. Never worse than ``T = 1`` on these targets. A fit at either
+    end of ``bounds`` is logged (:func:`calibrate` warns). Under ``torch.distributed`` with
+    ``all_ranks`` (default) the NLL is summed over every rank's prediction, so every rank must
+    call it and all get the same ``T`` (see :func:`calibrate`).
 
     Raises
     ------
@@ -407,21 +515,101 @@ def fit_temperature(
         raise ValueError(
             f"fit_temperature: bounds must be two finite numbers 0 < low < high, got {bounds!r}."
         )
+    size = _world_size() if all_ranks else 1
+    value, _, at_bound = _fit(prediction, targets, low, high, pool=pool, size=size)
+    if at_bound is not None:
+        logger.warning(
+            "fit_temperature: T = %.4g is at the %s end of bounds=%s; widen bounds if the "
+            "predictive is that badly calibrated.",
+            value,
+            at_bound,
+            bounds,
+        )
+    return value
+
+
+def min_examples(*, classification: bool) -> int:
+    """The fewest held-out examples (regression: target values) on which :func:`calibrate`
+    fits ``T`` without warning that it is poorly determined.
+
+    The maximum-likelihood ``log T`` from ``n`` examples has a standard error of about
+    ``1 / sqrt(n·I)``, ``I`` the Fisher information of ``log T`` per example: the variance,
+    under the tempered predictive, of the derivative of ``log p_T(y | x)`` in ``log T``. For a
+    classifier that is the predictive variance of the tempered logits, about 0.3 on the
+    teacher problems of tests/test_calibration.py (two classes: ``p(1-p)·log²(p/(1-p))``,
+    at most 0.44, at p ≈ 0.92); for a Gaussian σ scale it is exactly 2 (the derivative is
+    ``r² - 1``, ``r²`` a χ²₁). We ask for a standard error of at most 1/3 (``T`` within a
+    factor of 2 either way at two standard errors): ``n ≥ 9 / I``, 30 examples for a
+    classifier and 5 target values for a Gaussian likelihood.
+    """
+    return 30 if classification else 5
+
+
+def _collective_device(prediction_or_model: Any) -> torch.device:
+    """Where a collective's tensor lives: the prediction's (or model's) device; CPU for gloo."""
+    device = getattr(prediction_or_model, "device", None)
+    if device is None:
+        ref = getattr(prediction_or_model, "log_probs", None)
+        if ref is None:
+            ref = getattr(prediction_or_model, "loc", None)
+        device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
+    return torch.device(device)
+
+
+def _fit(
+    prediction: Any, targets: Tensor, low: float, high: float, *, pool: bool, size: int
+) -> tuple[float, int, str | None]:
+    """``(T, n, at_bound)``: the NLL-minimising ``T`` in ``[low, high]``, the number of
+    examples it was fitted on (all ranks), and ``"lower"`` / ``"upper"`` when ``T`` ended at
+    that end of the interval (else ``None``). ``size > 1``: the objective is the NLL summed
+    over the ranks' examples divided by their total count, all-reduced inside the objective,
+    so every rank evaluates the same values, takes the same steps and returns the same ``T``.
+    """
+    device = _collective_device(prediction)
+    count = int(targets.numel())
+    if size > 1:
+        total = torch.tensor([float(count)], dtype=torch.float64, device=device)
+        _all_reduce_mean(total)
+        count = round(float(total) * size)
 
     def objective(log_t: float) -> float:
-        return float(tempered_nll(prediction, targets, math.exp(log_t), pool=pool))
+        terms = _nll_terms(prediction, targets, math.exp(log_t), pool=pool)
+        if size == 1:
+            return float(terms.mean())
+        # (Σ_rank NLL sum, Σ_rank count) in one all-reduce; all_reduce_mean_ divides both by
+        # the world size, which their ratio does not see
+        both = torch.stack([terms.sum(), terms.new_tensor(float(terms.numel()))]).to(device)
+        _all_reduce_mean(both)
+        return float(both[0] / both[1])
 
     log_t = _minimise(objective, math.log(low), math.log(high))
     value = math.exp(log_t)
     before, after = objective(0.0), objective(log_t)
     if after > before:  # the grid holds log T = 0 only approximately: never worse than T = 1
         value, after = 1.0, before
-    if min(abs(log_t - math.log(low)), abs(log_t - math.log(high))) < 1e-6:
-        logger.warning(
-            "calibrate: T = %.4g is at the end of bounds=%s; widen bounds if the predictive "
-            "is that badly calibrated.",
-            value,
-            bounds,
-        )
+    at_bound = None
+    if value != 1.0 and abs(log_t - math.log(low)) < 1e-6:
+        at_bound = "lower"
+    elif value != 1.0 and abs(log_t - math.log(high)) < 1e-6:
+        at_bound = "upper"
     logger.info("calibrate: T = %.4f, validation NLL %.4f -> %.4f", value, before, after)
-    return value
+    return value, count, at_bound
+
+
+def _world_size() -> int:
+    from .infer.distributed import world  # (function-local: infer imports this module)
+
+    return world()[0]
+
+
+def _all_reduce_mean(values: Tensor) -> None:
+    """Average ``values`` in place over the ranks (as :func:`pyrobayes.fit`'s validation does)."""
+    from .infer.distributed import all_reduce_mean_
+
+    all_reduce_mean_([values])
+
+
+def _warn(message: str) -> None:
+    """A ``UserWarning`` at :func:`calibrate`'s caller (and the same line in the log)."""
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=4)

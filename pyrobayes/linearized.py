@@ -350,6 +350,10 @@ def _chunk_predictive(
     """One chunk's predictive from ``f(x; θ̂)`` and ``J(x)``: the Monte Carlo log-probabilities
     `(S, b, K)` (``deltas`` = the draws' ``θ_s − θ̂``), the probit ones `(1, b, K)`, or the
     regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``)."""
+    if out.dtype in (torch.float16, torch.bfloat16):  # a half-precision network: the
+        # linearisation and its log-softmax in float32 (J·δ of small δ vanishes in bf16)
+        out, jac = out.float(), {s: j.float() for s, j in jac.items()}
+        deltas = None if deltas is None else deltas.float()
     mean = out.reshape(out.shape[0], -1)  # (b, K)
     if deltas is not None:  # (the Monte Carlo predictive)
         flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)

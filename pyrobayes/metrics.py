@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from .models.adapters import check_int
 from .models.likelihoods import check_gaussian_targets
 
 __all__ = [
@@ -60,8 +62,10 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------
 
 
-def _as_3d(values: Tensor, name: str) -> Tensor:
-    """Return ``values`` as ``(S, N, C)``, promoting a 2-D ``(N, C)`` point prediction to S = 1."""
+def _as_3d(values: Tensor, name: str, *, probabilities: bool = False) -> Tensor:
+    """Return ``values`` as ``(S, N, C)``, promoting a 2-D ``(N, C)`` point prediction to S = 1;
+    with ``probabilities``, refuse rows that are not probability vectors
+    (:func:`_check_probabilities`)."""
     if not isinstance(values, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() == 2:
@@ -70,8 +74,70 @@ def _as_3d(values: Tensor, name: str) -> Tensor:
         raise ValueError(f"{name} must have shape (S, N, C) or (N, C), got {tuple(values.shape)}")
     if not values.is_floating_point():
         values = values.to(torch.get_default_dtype())
-    _check_no_nan(values, name, example_dim=1)
+    if probabilities:
+        _check_probabilities(values, name)
+    else:
+        _check_no_nan(values, name, example_dim=1)
     return values
+
+
+def _sum_tolerance(dtype: torch.dtype) -> float:
+    """How far a row of probabilities in ``dtype`` may sum from 1 and still be accepted.
+
+    An exactly normalised row stored in a format of unit round-off ``u`` sums to 1 within about
+    ``u·(1 + log2 C)`` (each entry rounded relative to itself, then a cascade sum). Computing it
+    adds more: ``exp(log_softmax(z))`` turns the absolute error ``u·|z|`` of a log-probability
+    into a relative error of the probability, ~100u for logits up to |z| ≈ 100, and averaging
+    S draws a few u. 1000u covers these with margin; it is floored at 1e-4 (float32's
+    1000u = 6e-5, and float64 probabilities cast from float32 ones keep float32's error) and
+    capped at 0.05 for the half formats (1000u is 0.5 to 4 there; a bf16 log-probability of
+    |log p| ≤ 12 is exact to 12u ≈ 0.05 relative). So: 1e-4 for float32 and float64, 0.05 for
+    float16 and bfloat16. Anything further off (1.4, 0.7: unnormalised scores, the wrong
+    axis) is not a distribution, and its NLL, entropy and Brier score are meaningless.
+    """
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    return min(max(1e-4, 1000 * unit_roundoff), 0.05)
+
+
+def _check_probabilities(probs: Tensor, name: str, *, what: str | None = None) -> None:
+    """Raise ``ValueError`` unless every row of ``probs`` ``(S, N, C)`` is a probability vector:
+    entries >= 0 whose sum over the classes is 1 within :func:`_sum_tolerance`.
+
+    Two reductions over the data, one more than the NaN check alone: ``amin`` (NaN propagates
+    into it, so it is also the NaN check; the examples are then located as before) and the row
+    sums. An entry > 1 needs a negative one beside it or a row sum > 1, so these two catch it.
+    """
+    if probs.numel() == 0:
+        return
+    what = what or name
+    low = float(probs.amin())
+    if math.isnan(low):
+        _check_no_nan(probs, name, example_dim=1)
+    sums = probs.sum(dim=-1)  # (S, N)
+    tol = _sum_tolerance(probs.dtype)
+    off = (sums - 1).abs() > tol
+    if low >= 0 and not bool(off.any()):
+        return
+    if low < 0:
+        bad = (probs < 0).any(-1).any(0)
+        problem = f"negative entries (the smallest is {low:.4g})"
+    else:
+        bad = off.any(0)
+        high = float(probs.amax())
+        worst = float(sums.flatten()[(sums - 1).abs().flatten().argmax()])
+        problem = (
+            "rows (over the last dimension, the classes) whose sums are off from 1 by more "
+            f"than the {probs.dtype} tolerance {tol:.0e} (the furthest sums to {worst:.6g})"
+            + (f", and entries above 1 (the largest is {high:.4g})" if high > 1 else "")
+        )
+    rows = bad.nonzero().flatten().tolist()
+    raise ValueError(
+        f"{what} must hold probabilities (entries in [0, 1], each row summing to 1); it has "
+        f"{problem} at examples {rows[:8]}{' ...' if len(rows) > 8 else ''} (of "
+        f"{probs.shape[1]}). Pass softmax outputs (torch.softmax(logits, -1)), not logits or "
+        "unnormalised scores, with the classes on the last dimension; renormalise rounded "
+        "probabilities (p / p.sum(-1, keepdim=True))."
+    )
 
 
 def _check_no_nan(values: Tensor, name: str, *, example_dim: int) -> None:
@@ -96,8 +162,9 @@ def _resolve(probs: Tensor | None, log_probs: Tensor | None) -> tuple[Tensor, Te
             raise ValueError("give probs or log_probs")
         log_probs = _as_3d(log_probs, "log_probs")
         probs = log_probs.exp()
+        _check_probabilities(probs, "log_probs", what="exp(log_probs)")
     else:
-        probs = _as_3d(probs, "probs")
+        probs = _as_3d(probs, "probs", probabilities=True)
         log_probs = probs.log() if log_probs is None else _as_3d(log_probs, "log_probs")
     if probs.shape != log_probs.shape:
         raise ValueError(
@@ -120,6 +187,13 @@ def _check_labels(labels: Tensor, num_examples: int, num_classes: int) -> Tensor
             f"[{int(labels.min())}, {int(labels.max())}]"
         )
     return labels
+
+
+def _pooled_draws(prediction: Any) -> int:
+    """The number of posterior draws a pooled temperature averaged into ``prediction``'s one
+    row (``Prediction.pooled_draws``), 0 when it keeps its draws (or is a plain tensor)."""
+    draws = getattr(prediction, "pooled_draws", None)
+    return int(draws) if isinstance(draws, int) and draws > 1 else 0
 
 
 def _unpack(prediction: Any) -> tuple[Tensor, Tensor | None]:
@@ -158,7 +232,7 @@ def mean_probs(probs: Tensor) -> Tensor:
     Tensor
         Shape ``(N, C)``.
     """
-    return _as_3d(probs, "probs").mean(dim=0)
+    return _as_3d(probs, "probs", probabilities=True).mean(dim=0)
 
 
 def predictive_log_probs(log_probs: Tensor) -> Tensor:
@@ -322,8 +396,7 @@ def calibration_error(probs: Tensor, labels: Tensor, *, num_bins: int = 15) -> C
     -------
     CalibrationError
     """
-    if num_bins < 1:
-        raise ValueError(f"num_bins must be positive, got {num_bins}")
+    num_bins = check_int("num_bins", num_bins, ge=1)
     p_bar = mean_probs(probs)
     labels = _check_labels(labels, *p_bar.shape)
     if p_bar.shape[0] == 0:
@@ -407,8 +480,8 @@ def ece_floor(
     (float, float)
         The mean and the standard deviation of the ECE over the draws.
     """
-    if num_bins < 1 or num_draws < 2:
-        raise ValueError(f"need num_bins >= 1 and num_draws >= 2, got {num_bins}, {num_draws}")
+    num_bins = check_int("num_bins", num_bins, ge=1, owner="ece_floor: ")
+    num_draws = check_int("num_draws", num_draws, ge=2, owner="ece_floor: ")
     p_bar = mean_probs(probs).double()
     if p_bar.shape[0] == 0:
         raise ValueError("ece_floor needs at least one example")
@@ -467,7 +540,7 @@ def expected_entropy(probs: Tensor) -> Tensor:
     Tensor
         Shape ``(N,)``, in nats.
     """
-    return _entropy(_as_3d(probs, "probs")).mean(dim=0)
+    return _entropy(_as_3d(probs, "probs", probabilities=True)).mean(dim=0)
 
 
 def mutual_information(probs: Tensor) -> Tensor:
@@ -475,7 +548,10 @@ def mutual_information(probs: Tensor) -> Tensor:
 
     .. math:: \mathrm{MI}_n = \mathcal H[\bar p_n] - \frac1S\sum_s \mathcal H[p_{s,n}] \ge 0
 
-    It is 0 for :math:`S = 1`; round-off below 0 is clamped to 0.
+    It is 0 for :math:`S = 1`; round-off below 0 is clamped to 0. So it is 0, too, for a
+    prediction under a pooled temperature (:func:`pyrobayes.calibrate`'s default: one row, the
+    draws averaged away), where it says nothing about the posterior; :func:`report` gives NaN
+    for such a prediction.
 
     Parameters
     ----------
@@ -565,15 +641,34 @@ def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:
     Parameters
     ----------
     id_scores : Tensor
-        Shape ``(N,)``, scores of in-distribution examples.
+        Shape ``(N,)``, scores of in-distribution examples (1-D; other shapes are refused).
     ood_scores : Tensor
         Shape ``(M,)``, scores of out-of-distribution examples.
 
     Returns
     -------
     float
+
+    Raises
+    ------
+    ValueError
+        When either set of scores is not 1-D: a 2-D tensor (a per-draw ``(S, N)`` score, or
+        ``(N, 1)``) is refused rather than flattened into ``S·N`` "examples".
     """
-    scores = torch.cat([id_scores.flatten(), ood_scores.flatten().to(id_scores.dtype)])
+    for name, scores in (("id_scores", id_scores), ("ood_scores", ood_scores)):
+        if not isinstance(scores, Tensor):
+            raise TypeError(
+                f"ood_auroc: {name} must be a torch.Tensor, got {type(scores).__name__}"
+            )
+        if scores.dim() != 1:
+            raise ValueError(
+                f"ood_auroc: {name} must be 1-D, one score per example (N,), got shape "
+                f"{tuple(scores.shape)}. Per-example scores such as predictive_entropy(probs) "
+                "are (N,); reduce a per-draw score over the draws first, or squeeze an (N, 1)."
+            )
+        if scores.numel() == 0:
+            raise ValueError(f"ood_auroc: {name} is empty; the AUROC needs examples of both kinds.")
+    scores = torch.cat([id_scores, ood_scores.to(id_scores.dtype)])
     labels = torch.cat(
         [
             torch.zeros(id_scores.numel(), dtype=torch.long, device=scores.device),
@@ -606,7 +701,7 @@ def disagreement(probs: Tensor) -> float:
     -------
     float
     """
-    probs = _as_3d(probs, "probs")
+    probs = _as_3d(probs, "probs", probabilities=True)
     num_samples, _, num_classes = probs.shape
     if num_samples < 2:
         return 0.0
@@ -701,21 +796,56 @@ def gaussian_nll(means: Tensor, targets: Tensor, noise_scale: Tensor | float) ->
     targets : Tensor
         Shape ``(N,)`` or ``(N, 1)``.
     noise_scale : Tensor or float
-        Observation noise standard deviation :math:`\sigma`, broadcastable to ``(S, N)``
-        (a scalar, per-sample ``(S, 1)``, per-example ``(N,)`` or full ``(S, N)``).
+        Observation noise standard deviation :math:`\sigma` (finite, > 0), broadcastable to
+        ``(S, N)``: a scalar, per-sample ``(S, 1)``, per-example ``(N,)`` or full ``(S, N)``. A
+        1-D per-sample ``(S,)`` (with ``S != N``) is taken as ``(S, 1)``; with ``S == N > 1`` a
+        1-D scale is ambiguous and refused (pass ``(S, 1)`` or ``(1, N)``).
 
     Returns
     -------
     float
+
+    Raises
+    ------
+    ValueError
+        When ``noise_scale`` holds a value that is not finite and > 0 (NaN included), or has a
+        shape that does not broadcast to ``(S, N)`` as above.
     """
     means, targets = _as_2d_means(means, targets)
-    scale = torch.as_tensor(noise_scale, dtype=means.dtype, device=means.device)
-    if (scale <= 0).any():
-        raise ValueError("noise_scale must be positive")
-    scale = torch.broadcast_to(scale, means.shape)
+    scale = _noise_scale(noise_scale, means)
     log_lik = torch.distributions.Normal(means, scale).log_prob(targets.to(means.dtype))
     log_pred = torch.logsumexp(log_lik, dim=0) - math.log(means.shape[0])
     return (-log_pred.mean()).item()
+
+
+def _noise_scale(noise_scale: Tensor | float, means: Tensor) -> Tensor:
+    """``noise_scale`` as a tensor broadcast to ``means``' ``(S, N)`` (see :func:`gaussian_nll`)."""
+    scale = torch.as_tensor(noise_scale, dtype=means.dtype, device=means.device)
+    # NaN fails every comparison, so "not (finite and > 0)" rather than "<= 0"
+    if not bool((scale.isfinite() & (scale > 0)).all()):
+        bad = scale[~(scale.isfinite() & (scale > 0))].flatten()[:4].tolist()
+        raise ValueError(
+            f"gaussian_nll: noise_scale must be finite and > 0 everywhere; got {bad} (a NaN "
+            "scale comes from a diverged fit of a learned noise, a 0 or inf one from a wrong "
+            "obs_scale)."
+        )
+    num_samples, num_examples = means.shape
+    if scale.dim() == 1 and scale.shape[0] == num_samples != num_examples:
+        scale = scale.unsqueeze(-1)  # per-sample (S,): unambiguous, the documented (S, 1)
+    elif scale.dim() == 1 and scale.shape[0] == num_samples == num_examples > 1:
+        raise ValueError(
+            f"gaussian_nll: a 1-D noise_scale of length {num_samples} is ambiguous for means of "
+            f"shape ({num_samples}, {num_examples}) (S = N): pass it as ({num_samples}, 1) for "
+            f"one σ per sample or (1, {num_examples}) for one σ per example."
+        )
+    try:
+        return torch.broadcast_to(scale, means.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"gaussian_nll: noise_scale of shape {tuple(scale.shape)} does not broadcast to the "
+            f"means' (S, N) = {tuple(means.shape)}; pass a scalar, (S, 1) per sample, (N,) per "
+            "example, or (S, N)."
+        ) from None
 
 
 def regression_report(
@@ -793,6 +923,19 @@ def report(
         Keys ``accuracy``, ``nll``, ``ece``, ``ece_bins`` (the number of bins), ``brier``,
         ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
         ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``.
+
+    Notes
+    -----
+    A prediction under a pooled temperature (:func:`pyrobayes.calibrate`'s default form) is one
+    row, ``softmax(log p̄ / T)``: the draws were averaged before tempering, so it has no
+    per-draw spread and its mutual information is 0 by construction, not because the
+    posterior is certain. Such a prediction carries ``pooled_draws`` (the draws it averaged,
+    :class:`~pyrobayes.predictive.Prediction`); for it ``mutual_information`` and
+    ``auroc_mi`` are NaN ("not available"), not 0 and 0.5, and with ``ood_probs`` a
+    ``UserWarning`` says so. The other scores are those of the calibrated predictive. For
+    epistemic scores, predict with the uncalibrated posterior
+    (``pyrobayes.calibration.set_temperature(guide, None)``) or calibrate with ``pool=False``
+    (a temperature per draw keeps the draws).
     """
     if labels is None:  # pb.predict over batches without targets: pred.targets is None
         raise ValueError(
@@ -808,8 +951,9 @@ def report(
             scale = getattr(probs_or_prediction, "scale", None)
         return regression_report(loc, labels, scale)
     probs, log_probs = _unpack(probs_or_prediction)
-    probs = _as_3d(probs, "probs")
+    probs = _as_3d(probs, "probs", probabilities=True)
     calibration = calibration_error(probs, labels, num_bins=num_bins)
+    pooled = _pooled_draws(probs_or_prediction)
     result: dict[str, float] = {
         "accuracy": accuracy(probs, labels),
         "nll": nll(probs, labels, log_probs=log_probs),
@@ -817,15 +961,31 @@ def report(
         "ece_bins": float(calibration.num_bins),
         "brier": brier_score(probs, labels),
         "entropy": predictive_entropy(probs).mean().item(),
-        "mutual_information": mutual_information(probs).mean().item(),
+        "mutual_information": math.nan if pooled else mutual_information(probs).mean().item(),
     }
     if ood_probs is not None:
         ood, _ = _unpack(ood_probs)
-        ood = _as_3d(ood, "ood_probs")
+        ood = _as_3d(ood, "ood_probs", probabilities=True)
         if ood.shape[2] != probs.shape[2]:
             raise ValueError(f"ood_probs has {ood.shape[2]} classes, probs has {probs.shape[2]}")
         result["auroc_entropy"] = ood_auroc(predictive_entropy(probs), predictive_entropy(ood))
         result["auroc_maxprob"] = ood_auroc(max_prob_score(probs), max_prob_score(ood))
-        result["auroc_mi"] = ood_auroc(mutual_information(probs), mutual_information(ood))
+        pooled = pooled or _pooled_draws(ood_probs)
+        if pooled:
+            warnings.warn(
+                "report: the prediction (or ood_probs) is tempered by a pooled temperature "
+                f"(pyrobayes.calibrate's default), which averaged {pooled} posterior draws "
+                "into one row before tempering: there is no per-draw "
+                "spread left, so mutual information and the MI-based OOD AUROC are not "
+                "available (auroc_mi and mutual_information are NaN, not 0 and 0.5). For "
+                "epistemic scores predict with the uncalibrated posterior "
+                "(pyrobayes.calibration.set_temperature(guide, None)) or calibrate with "
+                "pool=False.",
+                UserWarning,
+                stacklevel=2,
+            )
+            result["auroc_mi"] = math.nan
+        else:
+            result["auroc_mi"] = ood_auroc(mutual_information(probs), mutual_information(ood))
     logger.debug("metrics report: %s", result)
     return result

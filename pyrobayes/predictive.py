@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -55,6 +55,12 @@ class Prediction:
         is then ``N(loc, loc_var + σ²)`` per sample (:attr:`predictive_scale`).
     targets : Tensor `(N, ...)` or None
         Regression targets in the shape of ``loc[0]`` (``(N,)`` for a scalar output).
+    pooled_draws : int or None
+        Classification under a pooled temperature (:func:`pyrobayes.calibrate`'s default):
+        the number of posterior draws averaged into the one row of ``log_probs`` before
+        tempering. That row has no per-draw spread, so mutual information (and any epistemic
+        score) is 0 by construction; :func:`pyrobayes.metrics.report` reports it as NaN.
+        ``None``: the rows are the draws.
     """
 
     log_probs: Tensor | None = None
@@ -62,6 +68,7 @@ class Prediction:
     scale: float | None = None
     targets: Tensor | None = None
     loc_var: Tensor | None = None
+    pooled_draws: int | None = None
 
     @property
     def predictive_scale(self) -> float | Tensor | None:
@@ -168,6 +175,36 @@ def _nonfinite_rows(inputs: Any, size: int) -> Tensor:
         ):
             bad |= (~item.isfinite()).reshape(size, -1).any(-1).cpu()
     return bad
+
+
+class _AlikeLabelled:
+    """``data``'s batches, refusing one that carries labels where the first did not, or none
+    where the first did: the prediction would hold outputs for every example and targets for
+    the labelled ones only, misaligned (``targets[i]`` no longer the label of example ``i``)."""
+
+    def __init__(self, data: Iterable[Any], label_key: str) -> None:
+        self.data, self.label_key = data, label_key
+
+    def __len__(self) -> int:  # for a progress bar; TypeError (no total) when data has none
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        first: bool | None = None
+        for index, batch in enumerate(self.data):
+            labelled = split_batch(batch, self.label_key)[1] is not None
+            if first is None:
+                first = labelled
+            elif labelled != first:
+                has, lacks = (
+                    ("batch 0", f"batch {index}") if first else (f"batch {index}", "batch 0")
+                )
+                raise ValueError(
+                    f"predict: {has} carries labels and {lacks} does not; the prediction would "
+                    "hold outputs for every example but targets for the labelled batches only, "
+                    "misaligned with them. Give every batch its labels ((x, y), or a dict with "
+                    f"the model's label key {self.label_key!r}) or none of them ((x,) or x)."
+                )
+            yield batch
 
 
 def _listed(rows: list[int]) -> str:
@@ -307,8 +344,9 @@ def predict(
     ------
     ValueError
         When ``data`` yields no batches, when ``num_samples`` / ``samples_per_forward`` is < 1,
-        or when input rows holding NaN or ±inf give NaN predictions (the batch and its rows are
-        named).
+        when some batches carry labels and others do not (the first batch that differs from
+        batch 0 is named), or when input rows holding NaN or ±inf give NaN predictions (the
+        batch and its rows are named).
     TypeError
         When ``num_samples`` / ``samples_per_forward`` is not an integer.
     FloatingPointError
@@ -339,6 +377,7 @@ def predict(
         guide.to(device)
     model.train(False)
     dev = model.device
+    data = _AlikeLabelled(data, model.label_key)
     if (
         values is None
         and implements(guide, LinearizedPredictive)
@@ -432,8 +471,10 @@ def _predict_batches(
                 params = model.batched_output(inputs, sub)  # (s, B, ...)
                 # before the likelihood's distribution (whose validation gives a raw dump)
                 check_outputs(params, classification, where=f"batch {index}:", inputs=inputs)
-                if classification:
-                    params = torch.log_softmax(model.likelihood.dist(params).logits, dim=-1)
+                if classification:  # in float32 at least (bf16 rounds log-probabilities)
+                    logits = model.likelihood.dist(params).logits
+                    half = logits.dtype in (torch.float16, torch.bfloat16)
+                    params = torch.log_softmax(logits, -1, dtype=torch.float32 if half else None)
                 parts.append(params)
             out = torch.cat(parts, 0)
             if average_logits:  # log_softmax(mean_s log_softmax_s) = log_softmax(mean_s logits_s)

@@ -200,7 +200,9 @@ def test_regression_scales_the_predictive_standard_deviation() -> None:
     model, val, _ = _teacher_problem(4.0, obs="reg")
     guide = pb.posterior(model, "map")
     raw = pb.predict(model, guide, val)
-    t = pb.calibrate(model, guide, val)
+    # the means 4x too large need a σ scale beyond the default bounds: it stops there, and says so
+    with pytest.warns(UserWarning, match=r"T = 20 is at the upper end of bounds=\(0.05, 20.0\)"):
+        t = pb.calibrate(model, guide, val)
     tempered = pb.predict(model, guide, val)
     assert t > 1.0
     assert tempered.scale == pytest.approx(raw.scale * t)
@@ -222,3 +224,60 @@ def test_bad_input_is_refused_with_the_site_named() -> None:
     with pytest.raises(ValueError, match="set_temperature: value must be a finite number > 0"):
         set_temperature(guide, -1.0)
     assert TEMPERATURE_BUFFER not in dict(guide.named_buffers())  # nothing was stored
+
+
+def test_a_tiny_calibration_set_warns_that_t_is_poorly_determined() -> None:
+    model, val, _ = _teacher_problem(3.0)
+    x, y = next(iter(val))
+    guide = pb.posterior(model, "map")
+    # 10 examples: the standard error of log T is about 1/sqrt(0.3 · 10) ≈ 0.6
+    with pytest.warns(UserWarning, match=r"fitted on 10 held-out examples, fewer than 30"):
+        t = pb.calibrate(model, guide, [(x[:10], y[:10])])
+    assert temperature(guide) == t  # stored all the same
+    pb.calibrate(model, guide, [(x[:30], y[:30])])  # 30: no warning (warnings are errors here)
+    # a Gaussian σ scale is better determined per value (Fisher information 2, not ~0.3)
+    model, val, _ = _teacher_problem(1.0, obs="reg")
+    x, y = next(iter(val))
+    with pytest.warns(UserWarning, match=r"fitted on 4 held-out target values, fewer than 5"):
+        pb.calibrate(model, pb.posterior(model, "map"), [(x[:4], y[:4])])
+    pb.calibrate(model, pb.posterior(model, "map"), [(x[:5], y[:5])])
+
+
+def test_a_temperature_at_the_end_of_bounds_warns_naming_it() -> None:
+    model, val, _ = _teacher_problem(3.0)
+    guide = pb.posterior(model, "map")
+    # labels that are the predictive's own argmax: the NLL falls all the way to T -> 0
+    x = torch.cat([b[0] for b in val])
+    argmax = pb.predict(model, guide, [(x,)]).log_probs[0].argmax(-1)
+    with pytest.warns(UserWarning, match=r"T = 0.05 is at the lower end of bounds=\(0.05, 20.0\)"):
+        assert pb.calibrate(model, guide, [(x, argmax)]) == pytest.approx(0.05)
+    with pytest.warns(UserWarning, match=r"T = 0.01 is at the lower end of bounds=\(0.01, 0.5\)"):
+        pb.calibrate(model, guide, [(x, argmax)], bounds=(0.01, 0.5))
+
+
+def test_a_pooled_prediction_reports_no_mutual_information() -> None:
+    # the pooled T averages the draws into one row: MI 0 and an MI AUROC of 0.5 said nothing
+    model, val, _ = _teacher_problem(3.0)
+    guide = pb.posterior(model, "meanfield", init_scale=0.3)
+    ood = [(4.0 * torch.randn(200, 6, generator=torch.Generator().manual_seed(5)),)]
+    raw, raw_ood = pb.predict(model, guide, val), pb.predict(model, guide, ood)
+    assert raw.pooled_draws is None
+    before = pb.metrics.report(raw, raw.targets, ood_probs=raw_ood)
+    assert before["mutual_information"] > 0 and before["auroc_mi"] != 0.5
+    pb.calibrate(model, guide, val)
+    pred, pred_ood = pb.predict(model, guide, val), pb.predict(model, guide, ood)
+    assert pred.num_samples == 1 and pred.pooled_draws == 32 == pred_ood.pooled_draws
+    result = pb.metrics.report(pred, pred.targets)  # no OOD scores asked: NaN, no warning
+    assert math.isnan(result["mutual_information"]) and math.isfinite(result["nll"])
+    with pytest.warns(UserWarning, match=r"averaged 32 posterior draws into one row"):
+        result = pb.metrics.report(pred, pred.targets, ood_probs=pred_ood)
+    assert math.isnan(result["auroc_mi"]) and math.isnan(result["mutual_information"])
+    assert 0 < result["auroc_entropy"] < 1  # the other scores are the calibrated predictive's
+    # a temperature per draw keeps the draws, and their mutual information
+    pb.calibrate(model, guide, val, pool=False)
+    per_draw = pb.predict(model, guide, val)
+    assert per_draw.pooled_draws is None and per_draw.num_samples == 32
+    assert pb.metrics.report(per_draw, per_draw.targets)["mutual_information"] > 0
+    # a number, as the benchmarks apply it, marks the prediction the same way
+    assert apply_temperature(raw, 2.0).pooled_draws == 32
+    assert apply_temperature(raw, 2.0, pool=False).pooled_draws is None

@@ -189,9 +189,12 @@ def test_calibration_error_bins_and_empty_bins() -> None:
     assert torch.all(result.bin_accuracy[result.bin_counts == 0] == 0)
     assert result.ece == pytest.approx(0.9 - 2 / 3, rel=1e-13)
     assert result.mce == pytest.approx(0.9 - 2 / 3, rel=1e-13)
-    # confidence 0 (degenerate all-zero row) goes to bin 1
-    zero = calibration_error(torch.zeros(1, 2), torch.tensor([0]), num_bins=4)
-    assert zero.bin_counts.tolist() == [1, 0, 0, 0]
+    # a confidence on a bin edge goes to the bin it closes: 0.5 in (0.25, 0.5], the second
+    edge = calibration_error(torch.tensor([[0.5, 0.5]]), torch.tensor([0]), num_bins=4)
+    assert edge.bin_counts.tolist() == [0, 1, 0, 0]
+    # an all-zero row (confidence 0) is no distribution: refused, not binned
+    with pytest.raises(ValueError, match="sums are off from 1"):
+        calibration_error(torch.zeros(1, 2), torch.tensor([0]), num_bins=4)
 
 
 def test_auroc_hand_with_ties() -> None:
@@ -431,3 +434,98 @@ def test_ece_floor_of_one_example_is_two_c_one_minus_c(c):
     mean, _ = ece_floor(probs, num_draws=draws, seed=0)
     sd = math.sqrt(c * (1 - c) - 4 * c**2 * (1 - c) ** 2)
     assert abs(mean - 2 * c * (1 - c)) <= 4 * sd / math.sqrt(draws)
+
+
+# ----------------------------------------------------------------------------------------------
+# invalid input
+# ----------------------------------------------------------------------------------------------
+
+
+def test_probabilities_that_are_not_distributions_are_refused() -> None:
+    labels = torch.tensor([0, 1])
+    # the probe's cases: a row summing to 1.4 gave an NLL of unnormalised numbers, a negative
+    # entry a negative NLL and a NaN entropy
+    unnormalised = torch.tensor([[0.7, 0.7], [0.2, 0.8]], dtype=torch.float64)
+    negative = torch.tensor([[1.2, -0.2], [0.2, 0.8]], dtype=torch.float64)
+    above_one = torch.tensor([[1.5, 0.2], [0.2, 0.8]], dtype=torch.float64)
+    for call in (report, nll, ece, brier_score, accuracy):
+        with pytest.raises(ValueError, match=r"sums are off from 1 .* furthest sums to 1\.4"):
+            call(unnormalised, labels)
+        with pytest.raises(ValueError, match=r"negative entries \(the smallest is -0\.2\)"):
+            call(negative, labels)
+        with pytest.raises(ValueError, match=r"entries above 1 \(the largest is 1\.5\)"):
+            call(above_one, labels)
+    for call in (predictive_entropy, expected_entropy, mutual_information, max_prob_score):
+        with pytest.raises(ValueError, match="at examples \\[0\\] \\(of 2\\)"):
+            call(negative)
+    with pytest.raises(ValueError, match="ood_probs must hold probabilities"):
+        report(unnormalised.abs().softmax(-1), labels, ood_probs=unnormalised)
+    # logits passed as log-probabilities: exp(log_probs) is no distribution
+    with pytest.raises(ValueError, match=r"exp\(log_probs\) must hold probabilities"):
+        nll(None, labels, log_probs=torch.tensor([[2.0, -1.0], [0.5, 0.1]]))
+    # NaN keeps its own message (the examples whose inputs are probably not finite)
+    with pytest.raises(ValueError, match="probs holds NaN at examples \\[1\\]"):
+        report(torch.tensor([[0.5, 0.5], [math.nan, 0.5]]), labels)
+
+
+def test_float_round_off_in_the_row_sums_is_accepted() -> None:
+    labels = torch.tensor([0, 1])
+    # a row off by 1e-7 (float64) and by 5e-5 (float32, half its 1e-4 tolerance) is round-off
+    off64 = torch.tensor([[0.7, 0.3 + 1e-7], [0.2, 0.8]], dtype=torch.float64)
+    assert nll(off64, labels) == pytest.approx(-(math.log(0.7) + math.log(0.8)) / 2)
+    off32 = torch.tensor([[0.7, 0.3 + 5e-5], [0.2, 0.8]], dtype=torch.float32)
+    assert math.isfinite(report(off32, labels)["nll"])
+    with pytest.raises(ValueError, match="torch.float32 tolerance 1e-04"):
+        nll(torch.tensor([[0.7, 0.301], [0.2, 0.8]], dtype=torch.float32), labels)
+    # a float32 softmax over a large vocabulary, and exp of its log_softmax, pass
+    logits = 30.0 * torch.randn(2, 4, 50_000, dtype=torch.float32)
+    big_labels = torch.randint(0, 50_000, (4,))
+    assert math.isfinite(brier_score(torch.softmax(logits, -1), big_labels))
+    assert math.isfinite(nll(None, big_labels, log_probs=torch.log_softmax(logits, -1)))
+
+
+def test_num_bins_and_num_draws_must_be_integers() -> None:
+    probs, labels = hand_probs(), hand_labels()
+    for bad in (2.5, True, "3"):
+        with pytest.raises(TypeError, match="num_bins must be an integer >= 1"):
+            ece(probs, labels, num_bins=bad)
+    with pytest.raises(TypeError, match=r"pass num_bins=10"):
+        report(probs, labels, num_bins=10.0)
+    with pytest.raises(ValueError, match="num_bins must be an integer >= 1; got 0"):
+        calibration_error(probs, labels, num_bins=0)
+    from pyrobayes.metrics import ece_floor
+
+    with pytest.raises(TypeError, match="ece_floor: num_draws must be an integer >= 2"):
+        ece_floor(probs, num_draws=10.5)
+    assert ece(probs, labels, num_bins=torch.tensor(4)) == ece(probs, labels, num_bins=4)
+
+
+def test_gaussian_nll_refuses_bad_scales_and_reads_a_per_sample_vector() -> None:
+    means, targets = torch.randn(6, 50), torch.randn(50)
+    for bad in (math.nan, math.inf, 0.0, -1.0):
+        with pytest.raises(ValueError, match="noise_scale must be finite and > 0"):
+            gaussian_nll(means, targets, bad)
+    with pytest.raises(ValueError, match="noise_scale must be finite and > 0"):
+        gaussian_nll(means, targets, torch.tensor([[0.5], [math.nan], *[[0.5]] * 4]))
+    # (S,) is the documented per-sample (S, 1) when S != N
+    scales = 0.3 + torch.rand(6)
+    assert gaussian_nll(means, targets, scales) == gaussian_nll(means, targets, scales[:, None])
+    # S == N: a 1-D scale could be either; refused rather than guessed
+    square = torch.randn(5, 5)
+    with pytest.raises(ValueError, match=r"ambiguous .* pass it as \(5, 1\) .* or \(1, 5\)"):
+        gaussian_nll(square, torch.randn(5), 0.3 + torch.rand(5))
+    with pytest.raises(ValueError, match=r"shape \(7,\) does not broadcast to the means' \(S, N\)"):
+        gaussian_nll(means, targets, torch.ones(7))
+
+
+def test_ood_auroc_refuses_scores_that_are_not_one_per_example() -> None:
+    # a 2-D id_scores was flattened: 6 "examples" from 3
+    with pytest.raises(ValueError, match=r"id_scores must be 1-D.* got shape \(3, 2\)"):
+        ood_auroc(torch.rand(3, 2), torch.rand(4))
+    with pytest.raises(ValueError, match=r"ood_scores must be 1-D.* got shape \(4, 1\)"):
+        ood_auroc(torch.rand(3), torch.rand(4, 1))
+    with pytest.raises(ValueError, match="ood_scores is empty"):
+        ood_auroc(torch.rand(3), torch.rand(0))
+    with pytest.raises(TypeError, match="id_scores must be a torch.Tensor"):
+        ood_auroc([0.1, 0.2], torch.rand(4))
+    assert ood_auroc(torch.zeros(5), torch.ones(5)) == 1.0

@@ -84,3 +84,46 @@ def test_map_guide_predicts_with_one_draw():
     guide = pb.guides.DeltaGuide(model)
     pred = pb.predict(model, guide, data, num_samples=16)
     assert pred.num_samples == 1
+
+
+def test_batches_with_and_without_labels_are_refused_naming_the_batch():
+    # [(x,), (x, y)] gave log-probs for 20 examples and targets for 10, misaligned
+    prob = conjugate_core(num_data=40)
+    guide = pb.guides.MeanFieldGuide(prob.model)
+    x, y = prob.x, prob.y
+    with pytest.raises(ValueError, match=r"predict: batch 1 carries labels and batch 0 does not"):
+        pb.predict(prob.model, guide, [(x[:10],), (x[10:20], y[10:20])], num_samples=2)
+    with pytest.raises(ValueError, match=r"predict: batch 0 carries labels and batch 2 does not"):
+        pb.predict(prob.model, guide, [(x[:5], y[:5]), (x[5:10], y[5:10]), x[10:20]])
+    # the linearised predictive (Laplace's) reads the batches itself: the same refusal
+    laplace = pb.guides.LaplaceGuide(prob.model, structure="diag", prior_precision="model")
+    pb.fit(prob.model, laplace, [(x, y)], epochs=0)
+    with pytest.raises(ValueError, match=r"predict: batch 1 carries labels and batch 0 does not"):
+        pb.predict(prob.model, laplace, [(x[:10],), (x[10:20], y[10:20])])
+    # all labelled or none: as before
+    assert pb.predict(prob.model, guide, [(x[:10],), x[10:20]], num_samples=2).targets is None
+    both = pb.predict(prob.model, guide, [(x[:10], y[:10]), (x[10:20], y[10:20])], num_samples=2)
+    assert torch.equal(both.targets, y[:20])
+
+
+@pytest.mark.parametrize("family", ["map", "meanfield", "laplace"])
+def test_a_bfloat16_classifier_predicts_float32_log_probabilities(family):
+    """bf16 logits, float32 log-softmax: a bf16 log-probability near -4 is rounded to 2^-6 nats,
+    which the metrics' row-sum check and the NLL would inherit."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = pb.models.FineTuneModel(
+        net.bfloat16(),
+        pb.models.LoRAXS(rank=2, target_modules=["0"]),
+        num_data=32,
+        trainable_modules=["2"],
+    )
+    x, y = torch.randn(32, 4).bfloat16(), torch.arange(32) % 3
+    guide = pb.posterior(model, family)
+    pb.fit(model, guide, [(x, y)], epochs=1, progress=False)
+    pred = pb.predict(model, guide, [(x, y)], num_samples=4)
+    assert pred.log_probs.dtype == torch.float32
+    logits = model.output(x, {s: v for s, v in guide.mean().items()}).float()
+    if family == "map":  # one draw at the point: the float32 log-softmax of its bf16 logits,
+        # up to the bf16 rounding of logits near 1 by the batched and the plain forward (2^-8)
+        torch.testing.assert_close(pred.log_probs[0], logits.log_softmax(-1), rtol=0, atol=1e-2)

@@ -78,7 +78,7 @@ from ..tasks import (
     read_hf_dataset,
     read_json_examples,
 )
-from ..tasks.task import _check_fractions
+from ..tasks.task import check_fractions
 from .pipeline import (
     CHOICES,
     FAMILY_SETTINGS,
@@ -419,7 +419,7 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
             "causal_lm.model to the folder holding the GGUF file, or remove gguf_file."
         )
     try:
-        fractions = _check_fractions(spec["fractions"])
+        fractions = check_fractions(spec["fractions"])
     except ValueError:
         raise ConfigError(
             f"Config key 'causal_lm.task.fractions' must be three numbers in [0, 1] summing to "

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..models.multiple_choice import encode_multiple_choice
 from .example import MCExample
 
-__all__ = ["MultipleChoiceTask", "SPLITS"]
+__all__ = ["MultipleChoiceTask", "SPLITS", "check_fractions"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
 
 
-def _check_fractions(fractions: Sequence[float]) -> tuple[float, float, float]:
+def check_fractions(fractions: Sequence[float]) -> tuple[float, float, float]:
+    """``(train, validation, test)`` fractions as floats, or a ``ValueError`` unless they are
+    three numbers in [0, 1] summing to 1."""
     values = tuple(float(f) for f in fractions)
     if len(values) != 3 or any(not 0 <= f <= 1 for f in values) or abs(sum(values) - 1) > 1e-9:
         raise ValueError(
@@ -162,7 +164,7 @@ class MultipleChoiceTask:
         **kwargs
             As for :class:`MultipleChoiceTask`.
         """
-        f_train, f_val, _ = _check_fractions(fractions)
+        f_train, f_val, _ = check_fractions(fractions)
         examples = list(examples)
         n = len(examples)
         order = np.random.default_rng(split_seed).permutation(n)
