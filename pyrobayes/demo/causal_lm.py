@@ -86,6 +86,7 @@ from .pipeline import (
     ConfigError,
     FittedRun,
     RunFolderError,
+    check_device,
     check_families,
     compare_metrics,
     comparison_plot,
@@ -274,7 +275,7 @@ def _check_value(path: str, value: Any, default: Any) -> None:
             "in the config file."
         )
     if path == "training.device":
-        _check_device(value)
+        check_device(value)
 
 
 def _check_optional(path: str, value: Any) -> None:
@@ -296,33 +297,6 @@ def _check_optional(path: str, value: Any) -> None:
         )
     if path in ("training.warmup", "adapter.init_scale") and value < 0:
         raise ConfigError(f"Config key {path!r} must be >= 0 but got {value!r}.")
-
-
-def _check_device(value: str) -> None:
-    """``training.device``: a device string torch reads, and available on this machine (the
-    demo's wording, :func:`pyrobayes.demo.pipeline.check_inputs`)."""
-    try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError):
-        hint = " (did you mean 'cuda'?)" if value.lower().startswith("gpu") else ""
-        raise ConfigError(
-            f"Config key 'training.device' must be a torch device such as 'cpu', 'cuda' (an "
-            f"NVIDIA GPU), 'cuda:1' or 'mps' but got {value!r}{hint}."
-        ) from None
-    if device.type == "cuda" and (
-        not torch.cuda.is_available()
-        or (device.index is not None and device.index >= torch.cuda.device_count())
-    ):
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ConfigError(
-            f"Config key 'training.device' = {str(device)!r}, but this machine has {found} CUDA "
-            'device(s) that torch can use; use device = "cpu" (or --device cpu).'
-        )
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(
-            "Config key 'training.device' = 'mps', but MPS is not available on this machine; "
-            'use device = "cpu" (or --device cpu).'
-        )
 
 
 def _validate(node: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> None:
@@ -474,7 +448,7 @@ def check_inputs(config: dict[str, Any]) -> None:
     """
     lm = config["causal_lm"]
     if config["training"]["device"] is not None:
-        _check_device(str(config["training"]["device"]))
+        check_device(str(config["training"]["device"]))
     if lm["model"] != TINY_LLAMA:
         _check_model(lm["model"], lm["gguf_file"])
     skeleton = _skeleton(config)
@@ -1148,7 +1122,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
         raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
     config = read_json(config_path)
     if device:
-        _check_device(device)
+        check_device(device)
         config["training"]["device"] = device
     paths = sorted((run_dir / "guides").glob("*-seed*.safetensors"))
     if not paths:

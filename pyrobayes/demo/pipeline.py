@@ -61,6 +61,7 @@ __all__ = [
     "RunFolderError",
     "validate_config",
     "resolve_config",
+    "check_device",
     "check_inputs",
     "parse_data_spec",
     "run",
@@ -412,14 +413,7 @@ def _check_value(path: str, value: Any) -> None:
             "number of steps nor a fraction below 1. Set it in the config file."
         )
     if path == "training.device":
-        try:
-            torch.device(value)
-        except (RuntimeError, ValueError):
-            hint = " (did you mean 'cuda'?)" if value.lower().startswith("gpu") else ""
-            raise ConfigError(
-                f"Config key 'training.device' must be a torch device such as 'cpu', 'cuda' "
-                f"(an NVIDIA GPU), 'cuda:1' or 'mps' but got {value!r}{hint}."
-            ) from None
+        check_device(value, available=False)
     if path == "adapter.target_modules":
         if isinstance(value, str):
             try:
@@ -626,7 +620,28 @@ def check_inputs(config: dict[str, Any]) -> None:
     if name != "minilm":
         _check_model_name(name)
     _check_target_modules(config)
-    device = torch.device(config["training"]["device"])
+    check_device(str(config["training"]["device"]))
+
+
+def check_device(value: str, *, available: bool = True) -> None:
+    """Config key ``training.device``: a device string torch reads, and (``available``) one this
+    machine has.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, the value and what to use instead.
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        hint = " (did you mean 'cuda'?)" if value.lower().startswith("gpu") else ""
+        raise ConfigError(
+            f"Config key 'training.device' must be a torch device such as 'cpu', 'cuda' "
+            f"(an NVIDIA GPU), 'cuda:1' or 'mps' but got {value!r}{hint}."
+        ) from None
+    if not available:
+        return
     if device.type == "cuda" and (
         not torch.cuda.is_available()
         or (device.index is not None and device.index >= torch.cuda.device_count())

@@ -116,15 +116,20 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
     return state
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, init_file: str, out_dir: str, job: str = "fit") -> None:
+    """One gloo rank: ``job`` "fit" (every family of :data:`FAMILIES`) or "laplace" (every
+    structure of :data:`STRUCTURES`), its results saved as ``<job><rank>.pt``."""
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     torch_dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
     )
     try:
-        results = {family: _fit(family, rank) for family in FAMILIES}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        if job == "fit":
+            results = {family: _fit(family, rank) for family in FAMILIES}
+        else:
+            results = {s: _laplace(s, rank) for s in STRUCTURES}
+        torch.save(results, os.path.join(out_dir, f"{job}{rank}.pt"))
         torch_dist.barrier()  # both ranks done before the teardown (see _nan_worker)
     finally:
         torch_dist.destroy_process_group()
@@ -137,7 +142,7 @@ def distributed_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         pytest.skip("torch.distributed is not available in this torch build")
     tmp = tmp_path_factory.mktemp("dist")
     mp.spawn(_worker, args=(str(tmp / "init"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return [torch.load(tmp / f"fit{r}.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -224,23 +229,9 @@ def _laplace(structure: str, rank: int | None) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in guide.state_dict().items()}
 
 
-def _laplace_worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    torch_dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
-    )
-    try:
-        results = {s: _laplace(s, rank) for s in STRUCTURES}
-        torch.save(results, os.path.join(out_dir, f"laplace{rank}.pt"))
-        torch_dist.barrier()  # both ranks done before the teardown (see _nan_worker)
-    finally:
-        torch_dist.destroy_process_group()
-    _exit_without_finalizers()
-
-
 def test_laplace_curvature_is_summed_over_ranks(tmp_path: Path) -> None:
-    mp.spawn(_laplace_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    args = (str(tmp_path / "init"), str(tmp_path), "laplace")
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"laplace{r}.pt", weights_only=True) for r in range(2)]
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
