@@ -122,7 +122,10 @@ def test_splits_larger_than_the_corpus_are_refused_before_tokenising(monkeypatch
 @pytest.mark.parametrize(
     ("name", "words"),
     [
-        ("/tmp/pyrobayes-no-such-model", ["'model.name'", "neither 'minilm', a model folder"]),
+        (
+            "/tmp/pyrobayes-no-such-model",
+            ["'model.name'", "neither a model folder that exists", 'name = "minilm"'],
+        ),
         ("pyrobayes-test/no-such-model", ["'model.name'", "not in the local cache"]),
     ],
 )

@@ -48,7 +48,6 @@ import copy
 import json
 import logging
 import math
-import os
 import string
 import time
 from collections.abc import Sequence
@@ -88,6 +87,7 @@ from .pipeline import (
     RunFolderError,
     check_device,
     check_families,
+    check_hub_model,
     compare_metrics,
     comparison_plot,
     did_you_mean,
@@ -478,31 +478,7 @@ def _check_model(name: str, gguf_file: str) -> None:
             f"Config key 'causal_lm.model' = {name!r}: the folder {str(path)!r} does not exist. "
             f"Fix the path (a folder saved by save_pretrained), or use model = {TINY_LLAMA!r}."
         )
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-    except ImportError:  # transformers brings it; without it the load reports what is missing
-        return
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        raise ConfigError(
-            f"Config key 'causal_lm.model' = {name!r} is neither {TINY_LLAMA!r}, a model folder "
-            "that exists, nor a Hugging Face model id ('name' or 'org/name'). Fix the path."
-        ) from None
-    wanted = gguf_file or "config.json"
-    if _offline() and not isinstance(try_to_load_from_cache(name, wanted), str):
-        raise ConfigError(
-            f"Config key 'causal_lm.model' = {name!r} is not a folder, and as a Hugging Face "
-            "model id it is not in the local cache while the hub is offline (HF_HUB_OFFLINE=1, "
-            "the command line's default). Download it once (HF_HUB_OFFLINE=0, or `hf download "
-            f"{name}`), or give the folder it was saved to."
-        )
-
-
-def _offline() -> bool:
-    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return any(flag.strip().upper() in {"1", "ON", "YES", "TRUE"} for flag in flags)
+    check_hub_model(name, "causal_lm.model", f"model = {TINY_LLAMA!r}", gguf_file or "config.json")
 
 
 def _skeleton(config: dict[str, Any]) -> torch.nn.Module | None:

@@ -62,6 +62,7 @@ __all__ = [
     "validate_config",
     "resolve_config",
     "check_device",
+    "check_hub_model",
     "check_inputs",
     "parse_data_spec",
     "run",
@@ -689,6 +690,19 @@ def _check_model_name(name: str) -> None:
                 "folder saved by save_pretrained (or a Hugging Face model id)."
             )
         return
+    check_hub_model(name, "model.name", 'name = "minilm"')
+
+
+def check_hub_model(name: str, key: str, alternative: str, wanted: str = "config.json") -> None:
+    """A model source that is not a folder: a valid Hugging Face model id, and (the hub being
+    offline) one whose ``wanted`` file is in the local cache.
+
+    Raises
+    ------
+    ConfigError
+        Naming the config ``key``, the value and what to do (``alternative``: the setting that
+        needs no download).
+    """
     try:
         from huggingface_hub import try_to_load_from_cache
         from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -698,16 +712,15 @@ def _check_model_name(name: str) -> None:
         validate_repo_id(name)
     except HFValidationError:
         raise ConfigError(
-            f"Config key 'model.name' = {name!r} is neither 'minilm', a model folder that "
-            "exists, nor a Hugging Face model id ('name' or 'org/name'). Fix the path, or use "
-            'name = "minilm".'
+            f"Config key {key!r} = {name!r} is neither a model folder that exists nor a Hugging "
+            f"Face model id ('name' or 'org/name'). Fix the path, or use {alternative}."
         ) from None
-    if _offline() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+    if _offline() and not isinstance(try_to_load_from_cache(name, wanted), str):
         raise ConfigError(
-            f"Config key 'model.name' = {name!r} is not a folder, and as a Hugging Face model "
-            "id it is not in the local cache while the hub is offline (HF_HUB_OFFLINE=1, the "
-            "command line's default). Download it once (HF_HUB_OFFLINE=0, or `hf download "
-            f"{name}`), or give the folder it was saved to."
+            f"Config key {key!r} = {name!r} is not a folder, and as a Hugging Face model id it "
+            "is not in the local cache while the hub is offline (HF_HUB_OFFLINE=1, the command "
+            f"line's default). Download it once (HF_HUB_OFFLINE=0, or `hf download {name}`), or "
+            "give the folder it was saved to."
         )
 
 
