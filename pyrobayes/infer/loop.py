@@ -40,7 +40,7 @@ from ..batch import batch_size, split_batch, to_device
 from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
-from .distributed import barrier, broadcast_, world
+from .distributed import barrier, broadcast_, spread, world
 from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
@@ -550,6 +550,7 @@ class _Loop:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> FitResult:
+        self._check_shards()
         self._resume()
         pos = self.pos
         if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
@@ -777,6 +778,22 @@ class _Loop:
             self.selection.best = saved_best
             self.selection.history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", found, pos.step, pos.epoch)
+
+    def _check_shards(self) -> None:
+        """Under ``torch.distributed``, refuse (on every rank) data with another number of
+        batches per epoch on some rank: the ranks all-reduce every step, so the longer rank
+        would wait for a step the shorter never takes (gloo times out after 30 minutes)."""
+        if world()[0] == 1:
+            return
+        per_epoch = self.plan.steps_per_epoch
+        low, high = spread(-1 if per_epoch is None else per_epoch)
+        if low != high:
+            raise ValueError(
+                f"fit(): under torch.distributed the ranks' data have different numbers of "
+                f"batches per epoch ({low} to {high}; -1: no len()), but every step all-reduces "
+                "over the ranks. Give each rank a DistributedSampler over the same dataset (it "
+                "pads the shards to equal sizes) and the same batch size."
+            )
 
     def _check_rate(self, meta: dict[str, Any] | None, found: Path) -> None:
         """Refuse a resume with another learning rate or schedule length than the checkpointed

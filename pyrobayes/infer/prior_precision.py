@@ -31,6 +31,7 @@ from ..calibration import TEMPERATURE_BUFFER, labelled_prediction, temperature
 from ..linearized import linearize, linearized_predict
 from ..models.adapters import check_int
 from ..predictive import Prediction
+from .distributed import all_reduce_sum_, world
 
 logger = logging.getLogger(__name__)
 
@@ -240,4 +241,12 @@ def _held_out_nll(
         predict_fn=predict_fn,
         **predict_kwargs,
     )
-    return float(report(pred, pred.targets)["nll"])
+    nll = float(report(pred, pred.targets)["nll"])
+    if world()[0] == 1:
+        return nll
+    # under torch.distributed: the NLL of the union of the ranks' shards (a count-weighted sum
+    # of their means), the same on every rank, so every rank picks the same τ
+    count = int(pred.targets.shape[0])
+    sums = torch.tensor([count, count * nll], dtype=torch.float64)
+    all_reduce_sum_([sums])
+    return float(sums[1] / sums[0])

@@ -16,6 +16,7 @@ Scores (all "lower is better" internally):
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from .. import metrics
 from ..batch import split_batch
-from .distributed import all_reduce_mean_, world
+from .distributed import all_reduce_sum_, world
 
 __all__ = [
     "SELECT_BY",
@@ -65,6 +66,14 @@ def validation_score(
 
     The model is left in training mode afterwards (this runs between epochs).
     """
+    measured, _ = _measure(model, guide, data, select_by)
+    return _key(measured, select_by), measured
+
+
+def _measure(
+    model: Any, guide: Any, data: Iterable[Any], select_by: str
+) -> tuple[dict[str, float], int]:
+    """The validation metrics of ``guide`` on ``data`` and the number of examples scored."""
     from ..predictive import predict  # local: predictive imports nothing from infer
 
     pred = predict(model, guide, data, values=guide.validation_values(), seed=None)
@@ -73,16 +82,15 @@ def validation_score(
         raise ValueError(
             "fit(validation=Validation(data)): the validation batches carry no targets."
         )
+    count = int(pred.targets.shape[0])
     if pred.log_probs is not None:
+        if select_by not in ("nll", "accuracy"):
+            raise ValueError(
+                f"Validation(select_by={select_by!r}) is for regression; use 'nll' or "
+                "'accuracy' here."
+            )
         nll = metrics.nll(None, pred.targets, log_probs=pred.log_probs)
-        measured = {"nll": nll, "accuracy": metrics.accuracy(pred.probs, pred.targets)}
-        if select_by == "accuracy":
-            return (-measured["accuracy"], nll), measured
-        if select_by == "nll":
-            return (nll,), measured
-        raise ValueError(
-            f"Validation(select_by={select_by!r}) is for regression; use 'nll' or 'accuracy' here."
-        )
+        return {"nll": nll, "accuracy": metrics.accuracy(pred.probs, pred.targets)}, count
     if select_by == "accuracy":
         raise ValueError(
             "Validation(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
@@ -92,8 +100,30 @@ def validation_score(
             "fit(validation=...): a regression likelihood needs an obs_scale to score the NLL."
         )
     # targets checked against the means: (N,) or (N, 1) for a scalar output, else a ValueError
-    measured = metrics.regression_report(pred.loc, pred.targets, pred.scale)
-    return (measured[select_by],), measured
+    return metrics.regression_report(pred.loc, pred.targets, pred.scale), count
+
+
+def _key(measured: dict[str, float], select_by: str) -> tuple[float, ...]:
+    """The sort key of ``measured`` (smaller is better; accuracy ties broken by the NLL)."""
+    if select_by == "accuracy":
+        return (-measured["accuracy"], measured["nll"])
+    return (measured[select_by],)
+
+
+def _pooled(measured: dict[str, float], count: int, device: Any) -> dict[str, float]:
+    """``measured`` over the union of the ranks' validation shards: each metric is a mean over
+    examples (accuracy, NLL) or the root of one (RMSE), so the count-weighted sum of the ranks'
+    means (of squares, for RMSE) over the total count is the union's value — not the mean of
+    the ranks' means, which a DistributedSampler's padding or uneven shards would bias."""
+    names = sorted(measured)
+    means = [measured[k] ** 2 if k == "rmse" else measured[k] for k in names]
+    sums = torch.tensor([count, *(count * m for m in means)], dtype=torch.float64, device=device)
+    all_reduce_sum_([sums])
+    total = float(sums[0])
+    pooled = {k: float(v) / total for k, v in zip(names, sums[1:].tolist(), strict=True)}
+    if "rmse" in pooled:
+        pooled["rmse"] = math.sqrt(pooled["rmse"])
+    return pooled
 
 
 def data_fingerprint(data: Iterable[Any], model: Any = None) -> dict[str, Any]:
@@ -170,13 +200,13 @@ class Selection:
     def score(self, model: Any, guide: Any, epoch: int) -> dict[str, float]:
         """Score ``guide`` at the end of ``epoch``; keep a snapshot when it is the best so far.
 
-        Under ``torch.distributed`` every rank scores its shard and the ranks agree on the mean.
+        Under ``torch.distributed`` every rank scores its shard and every rank records the metrics
+        of the union of the shards (:func:`_pooled`), so all agree on the history and the best.
         """
-        key, measured = validation_score(model, guide, self.data, self.select_by)
+        measured, count = _measure(model, guide, self.data, self.select_by)
         if world()[0] > 1:
-            mean_key = torch.tensor(key, dtype=torch.float64, device=model.device)
-            all_reduce_mean_([mean_key])
-            key = tuple(mean_key.tolist())
+            measured = _pooled(measured, count, model.device)
+        key = _key(measured, self.select_by)
         self.history.append({"epoch": epoch, "key": list(key), **measured})
         if self.best_index() == len(self.history) - 1:
             self.best = Snapshot.capture(model, guide)

@@ -27,7 +27,7 @@ from tests.common import mlp, split_batches
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
-# "map+val": MAP with validation selection; the ranks hold opposite halves of the validation set
+# "map+val": MAP with validation selection; the ranks hold uneven shares of the validation set
 FAMILIES = ("map", "meanfield", "ivon", "kron-ivon", "map+val", "kron-ivon+pad")
 NUM_DATA, BATCH, STEPS = 96, 16, 12
 LR = {"map": 1e-2, "meanfield": 1e-2, "ivon": 0.05, "kron-ivon": 0.05, "map+val": 5e-2}
@@ -96,7 +96,10 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
         vx = torch.randn(2 * BATCH, 5, generator=g)
         vy = (vx[:, 0] + vx[:, 1] > 0).long() + (vx[:, 2] > 1).long()
         vy[BATCH:] = (vy[BATCH:] + 1) % 3
-        halves = [(vx[:BATCH], vy[:BATCH]), (vx[BATCH:], vy[BATCH:])]
+        # uneven shards (12 and 20 examples): the ranks' metrics are pooled over the union,
+        # not averaged as two means (which would weigh rank 0's examples 5/3 times as much)
+        cut = BATCH - 4
+        halves = [(vx[:cut], vy[:cut]), (vx[cut:], vy[cut:])]
         val = [halves[rank]] if rank is not None else [(vx, vy)]
         result = pb.fit(
             model,
@@ -107,7 +110,11 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
             seed=3,
             validation=pb.Validation(val, select_by="nll"),
         )
-        state = {"best_epoch": torch.tensor(result.state["best_epoch"])}
+        history = result.state["validation"]
+        state = {
+            "best_epoch": torch.tensor(result.state["best_epoch"]),
+            "validation": torch.tensor([[h["nll"], h["accuracy"]] for h in history]),
+        }
     else:
         pb.fit(model, guide, batches, optim=pb.Optimization(num_steps=STEPS), lr=LR[family], seed=3)
         state = {}
@@ -117,8 +124,8 @@ def _fit(family: str, rank: int | None) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, init_file: str, out_dir: str, job: str = "fit") -> None:
-    """One gloo rank: ``job`` "fit" (every family of :data:`FAMILIES`) or "laplace" (every
-    structure of :data:`STRUCTURES`), its results saved as ``<job><rank>.pt``."""
+    """One gloo rank: ``job`` "fit" (every family of :data:`FAMILIES`), "laplace" (every
+    structure of :data:`STRUCTURES`) or "uneven", its results saved as ``<job><rank>.pt``."""
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     torch_dist.init_process_group(
@@ -127,8 +134,15 @@ def _worker(rank: int, init_file: str, out_dir: str, job: str = "fit") -> None:
     try:
         if job == "fit":
             results = {family: _fit(family, rank) for family in FAMILIES}
-        else:
+        elif job == "laplace":
             results = {s: _laplace(s, rank) for s in STRUCTURES}
+        else:  # "uneven": rank 1 holds one batch fewer
+            model, batches = _problem("map")
+            try:
+                pb.fit(model, pb.posterior(model, "map"), batches[: len(batches) - rank], epochs=1)
+                results = {"raised": "nothing"}
+            except ValueError as err:
+                results = {"raised": str(err)}
         torch.save(results, os.path.join(out_dir, f"{job}{rank}.pt"))
         torch_dist.barrier()  # both ranks done before the teardown (see _nan_worker)
     finally:
@@ -226,7 +240,18 @@ def _laplace(structure: str, rank: int | None) -> dict[str, torch.Tensor]:
     data = [b for pair in zip(*shares, strict=True) for b in pair] if rank is None else shares[rank]
     guide = pb.posterior(model, "laplace", structure=structure)
     pb.fit(model, guide, data, epochs=0)  # post hoc at the model's point: the curvature pass
-    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    if structure == "kron":  # then τ chosen on held-out shards of 12 and 20 examples: the NLL
+        # of their union on every rank (the same draws: one seed), so one τ, one process's.
+        # Alone, the shards choose 2.2e5 and 2.2e4 here (the second's inputs scaled by 10)
+        g = torch.Generator().manual_seed(5)
+        vx, vy = torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g)
+        vx[12:] *= 10
+        shards = [[(vx[:12], vy[:12])], [(vx[12:], vy[12:])]]
+        val = [(vx, vy)] if rank is None else shards[rank]
+        tau = pb.infer.select_prior_precision(model, guide, val, factors=(1e-3, 1e-2, 0.1, 1, 10))
+        state["selected_tau"] = torch.tensor(tau)
+    return state
 
 
 def test_laplace_curvature_is_summed_over_ranks(tmp_path: Path) -> None:
@@ -248,3 +273,12 @@ def test_laplace_curvature_is_summed_over_ranks(tmp_path: Path) -> None:
             # the same sums in another order (the ranks' shares reduced pairwise): float64
             # round-off, amplified by the eigendecomposition of the Kronecker factors
             torch.testing.assert_close(r0[key], value, rtol=1e-7, atol=1e-9, msg=key)
+
+
+def test_ranks_with_different_numbers_of_batches_are_refused_on_every_rank(tmp_path: Path) -> None:
+    # before: the shorter rank returned (its all-reduces paired with the other's steps out of
+    # order) and the longer one waited for gloo's timeout (30 minutes by default)
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "uneven"), nprocs=2, join=True)
+    for rank in range(2):
+        raised = torch.load(tmp_path / f"uneven{rank}.pt", weights_only=True)["raised"]
+        assert "different numbers of batches per epoch (5 to 6" in raised, raised
