@@ -155,6 +155,7 @@ def _fit_causal_lm(args: argparse.Namespace, path: Path, user: dict[str, Any]) -
 
     try:
         config = causal_lm.resolve_config(user, quick=args.quick)
+        causal_lm.check_inputs(config)  # before --overwrite removes the old run
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     out = _out_dir(args.out, path.stem)

@@ -163,3 +163,19 @@ def test_unlabelled_hf_test_split_is_refused_naming_the_split(tmp_path):
     )
     with pytest.raises(ConfigError, match="the dataset's 'test' split is empty or unlabelled"):
         causal_lm.load_task(config)
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_config_names_what_is_not_here(tmp_path, capsys):
+    # --overwrite removes the old run's files, so the machine checks (model, target modules,
+    # device) come first: a config whose target_modules match nothing leaves the old run intact
+    write_task(tmp_path / "task.json", num=8)
+    write_config(tmp_path / "good.toml", tmp_path / "task.json", families='["map"]')
+    out = tmp_path / "run"
+    job = ["--quick", "--no-progress", "--out", str(out)]
+    assert main(["fit", str(tmp_path / "good.toml"), *job]) == 0
+    before = (out / "metrics.json").read_text()
+    bad = (tmp_path / "good.toml").read_text().replace('["q_proj", "v_proj"]', '["qeury"]')
+    (tmp_path / "bad.toml").write_text(bad)
+    assert main(["fit", str(tmp_path / "bad.toml"), *job, "--overwrite"]) == 2
+    assert "'adapter.target_modules'" in capsys.readouterr().err
+    assert (out / "metrics.json").read_text() == before
