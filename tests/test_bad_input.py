@@ -1349,3 +1349,66 @@ def test_a_one_shot_iterator_still_fits_one_epoch():
     model = _model()
     result = pb.fit(model, pb.posterior(model, "map"), iter(_batches()), epochs=1)
     assert len(result.losses) == 2
+
+
+def _fit_with(family: str, optimizer: Any) -> Any:
+    model = _model(adapter=LoRA(rank=2, target_modules=["0"])) if family == "symmetrized" else None
+    model = _model() if model is None else model
+    guide = pb.posterior(model, family)
+    return pb.fit(model, guide, _batches(), epochs=1, optim=pb.Optimization(optimizer=optimizer))
+
+
+SETTINGS_CASES: list[Case] = [
+    _case(
+        "ivon-with-a-torch-optimizer",  # IVON's update never ran: sigma stayed at its init
+        lambda: _fit_with("ivon", torch.optim.SGD),
+        TypeError,
+        "is not IVON's",
+        "pb.infer.IVON(...)",
+    ),
+    _case(
+        "meanfield-with-symmetrized-settings",  # num_permutations was silently ignored
+        lambda: _fit_with("meanfield", pb.infer.Symmetrized(num_permutations=4)),
+        TypeError,
+        "Symmetrized(...) holds another family's settings",
+        "pb.infer.MeanField(...)",
+    ),
+    _case(
+        "swag-with-ivon-settings",
+        lambda: _fit_with("swag", pb.infer.IVON()),
+        TypeError,
+        "IVON(...) holds another family's settings",
+        "pb.infer.SWAG(...)",
+    ),
+]
+CASES = CASES + SETTINGS_CASES
+
+
+@pytest.mark.parametrize("case", SETTINGS_CASES, ids=[c.id for c in SETTINGS_CASES])
+def test_another_familys_settings_are_refused(case: Case):
+    assert check_case(case) is None
+
+
+def test_a_base_settings_record_is_widened_for_its_subfamily():
+    # pb.infer.IVON(...) for Kronecker IVON and MeanField(...) for the symmetrized guide: bases
+    # their families widen (documented), not another family's settings
+    _fit_with("kron-ivon", pb.infer.IVON(beta2=0.999))
+    _fit_with("symmetrized", pb.infer.MeanField())
+
+
+def test_posterior_knobs_set_after_fitting_are_checked():
+    # SWAG's scale and Laplace's pred_type are read at predict time and may be retuned after a
+    # fit; a bad value failed inside torch (a Cholesky of a non-positive-definite matrix) or
+    # with a message that left out the valid "nn"
+    model = _model()
+    swag = pb.posterior(model, "swag")
+    for bad in (0.0, -1.0, NAN):
+        with pytest.raises(ValueError, match="scale"):
+            swag.scale = bad
+    swag.scale = 0.25
+    assert swag.scale == 0.25
+    laplace = pb.posterior(model, "laplace")
+    with pytest.raises(ValueError, match=r"pred_type must be one of \['glm', 'probit', 'nn'\]"):
+        laplace.pred_type = "NN"
+    laplace.pred_type = "nn"
+    assert laplace.pred_type == "nn"

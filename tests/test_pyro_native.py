@@ -303,3 +303,23 @@ def test_autoguidelist_composes_a_pyrobayes_guide_with_a_pyro_autoguide():
     assert abs(float(draws["shift"].mean()) - 0.7) < 0.12
     assert 0.7 * 0.028 < float(draws["shift"].std()) < 1.3 * 0.028
     assert set(guide[0].sites) == set(fm.latent_sites)
+
+
+def test_count_parameters_names_a_guide_whose_model_is_not_a_finetune_model():
+    # a guide of an AutoGuideList over the user's own model function: its site specs are not
+    # known, so a clear error, not the zeros it returned before
+    from pyro import poutine
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = pb.models.FineTuneModel(
+        net, pb.models.LoRAXS(rank=2, target_modules=["0"]), num_data=8, trainable_modules=["2"]
+    )
+
+    def my_model(batch):
+        return model(batch)
+
+    guide = pb.guides.MeanFieldGuide(poutine.block(my_model, expose=list(model.latent_sites)))
+    with pytest.raises(TypeError, match="not a pyrobayes FineTuneModel"):
+        pb.count_parameters(guide)
+    assert pb.count_parameters(pb.posterior(model, "meanfield"))["latent"] == 4

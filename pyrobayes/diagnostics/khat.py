@@ -194,8 +194,12 @@ def diagnose(
     if log_joint is None or ev.log_q is None:
         raise ValueError("diagnose needs targets in the data (the log joint needs y).")
     log_ratios = log_joint - ev.log_q  # (S,)
-    if deterministic or not np.isfinite(log_ratios).all():
-        if not deterministic:
+    # a mixture of point masses (IBDR's particles, a sigma-N ensemble's members) has no density
+    # against the continuous posterior either: its ratios take K values and the Pareto fit of
+    # their tail reads "bad" (k-hat inf) at ESS = S; undefined, as for MAP
+    point_mixture = getattr(guide, "component_scale", None) == 0
+    if deterministic or point_mixture or not np.isfinite(log_ratios).all():
+        if not (deterministic or point_mixture):
             logger.warning("Non-finite log importance ratios; k-hat is undefined.")
         k_hat, ess, ess_raw = math.nan, math.nan, math.nan
     else:

@@ -73,8 +73,12 @@ def _psis(log_ratios: np.ndarray, r_eff: float) -> tuple[np.ndarray, float]:
     """PSIS on a validated float64 1-D array: normalised smoothed log-weights and k-hat."""
     psis_tail_length(log_ratios.size, r_eff)  # validates r_eff
     finite = log_ratios[np.isfinite(log_ratios)]
-    if finite.min() == finite.max():
-        # All non-zero weights are equal: importance sampling is exact, the tail is a point mass.
+    if log_ratios.size == 1:  # one draw: no tail to fit (arviz.psislw indexes past it)
+        return log_ratios - log_ratios, math.inf
+    if finite.size == log_ratios.size and finite.min() == finite.max():
+        # All weights are equal: importance sampling is exact, the tail is a point mass. (Not
+        # when some draws have zero weight: one finite ratio among -inf ones is one draw
+        # carrying all the weight, the worst case, which the Pareto fit reports as inf.)
         shifted = log_ratios - finite.max()
         return shifted - math.log(finite.size), -math.inf
     try:

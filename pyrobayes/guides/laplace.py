@@ -245,11 +245,6 @@ alternate_map_tol, alternate_lr : optional
         #: fit settings passed to the constructor (deprecated): the fitter's defaults
         self.fit_settings: dict[str, Any] = given
         warn_fit_settings(owner, given, self.fit_settings_class)
-        if pred_type not in PRED_TYPES:
-            raise ValueError(
-                f"{owner}pred_type must be one of {list(PRED_TYPES)} (the linearised predictive, "
-                f"its probit approximation, or network sampling); got {pred_type!r}."
-            )
         if link_samples is not None:
             link_samples = check_int("link_samples", link_samples, ge=1, owner=owner)
         if prior_structure not in PRIOR_STRUCTURES:
@@ -293,6 +288,21 @@ alternate_map_tol, alternate_lr : optional
             m, n = (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
             self.register_buffer(f"eigvecs_out_{i}", torch.eye(m, dtype=init.dtype))
             self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
+
+    @property
+    def pred_type(self) -> str:
+        """The predictive :func:`pyrobayes.predict` returns (may be set after fitting: checked)."""
+        return self._pred_type
+
+    @pred_type.setter
+    def pred_type(self, value: str) -> None:
+        if value not in PRED_TYPES:
+            raise ValueError(
+                f"{type(self).__name__}: pred_type must be one of {list(PRED_TYPES)} (the "
+                "linearised predictive, its probit approximation, or network sampling); got "
+                f"{value!r}."
+            )
+        self._pred_type = value
 
     def config(self) -> dict[str, Any]:
         """The constructor options, with ``pred_type`` and ``link_samples`` as they are now (they

@@ -222,6 +222,15 @@ optimizer : optional
     def _setup_site(self, site: str, init: Tensor) -> None:
         self._add_param("locs", site, init.detach().clone())
 
+    @property
+    def scale(self) -> float:
+        """s, the covariance scale of the predictive (may be set after fitting: checked)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = check_real("scale", value, gt=0, owner=f"{type(self).__name__}: ")
+
     def _setup_joint(self, flat_init: Tensor) -> None:
         dim, dtype, device = int(flat_init.numel()), flat_init.dtype, flat_init.device
         if dtype in (torch.float16, torch.bfloat16):

@@ -389,6 +389,26 @@ def _settings_of(guide: Any) -> MeanField | None:
     return None if cls is None else cls(**getattr(guide, "fit_settings", {}))
 
 
+def _check_settings_family(guide: Any, optimizer: Any) -> None:
+    """Refuse another family's fit-settings record (``pb.infer.SWAG(...)`` for an IVON guide,
+    ``Symmetrized(...)`` for mean-field, whose ``num_permutations`` it would ignore): the record
+    must be the guide's own (``fit_settings_class``) or a base it widens (``IVON`` for
+    Kronecker IVON)."""
+    from . import IBDR, IVON, SWAG, KronIVON, Laplace, SigmaNormDiversity
+
+    records = (IBDR, IVON, SWAG, KronIVON, Laplace, SigmaNormDiversity, MeanField, Symmetrized)
+    if not isinstance(optimizer, records):
+        return
+    expected = {c.__name__: c for c in records}.get(str(getattr(guide, "fit_settings_class", "")))
+    if expected is not None and issubclass(expected, type(optimizer)):
+        return
+    own = f"pb.infer.{expected.__name__}(...)" if expected else "a torch optimizer (or none)"
+    raise TypeError(
+        f"fit: optimizer={type(optimizer).__name__}(...) holds another family's settings; "
+        f"{type(guide).__name__} takes {own}."
+    )
+
+
 #: Fitter classes by name; a guide's ``default_fitter`` is a key.
 FITTERS: dict[str, type[Fitter]] = {"svi": SVIFitter}
 
@@ -454,6 +474,7 @@ def make_fitter(model: Any, guide: Any, **kwargs: Any) -> Fitter:
             f"{type(guide).__name__}.default_fitter = {name!r} is not a registered fitter "
             f"({sorted(FITTERS)}); register it with pyrobayes.infer.register_fitter."
         ) from None
+    _check_settings_family(guide, kwargs.get("optimizer"))
     fitter = cls(model, guide, **kwargs)  # its own argument errors first (e.g. no sites yet)
     check_guide_model(model, guide, "fit")
     drop_temperature(guide, owner="fit: ")  # once nothing can refuse the fit any more

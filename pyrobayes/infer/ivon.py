@@ -641,6 +641,14 @@ class IVONFitter(Fitter):
         #: the fit's settings: ``optimizer`` when it is one, else those given to the guide's
         #: constructor (deprecated), else the defaults
         self.settings = self._resolve_settings(optimizer, guide)
+        if optimizer is not None and not isinstance(optimizer, IVON):
+            raise TypeError(
+                f"{type(self).__name__}: optimizer={getattr(optimizer, '__name__', optimizer)!r} "
+                f"is not IVON's: {type(guide).__name__}'s posterior (its curvature h and so "
+                "its scales) is fitted by IVON's own update, which a torch optimizer never runs "
+                f"(sigma would stay at its initial value). Pass pb.infer.{self.settings_class.__name__}"
+                "(...) for its settings, or fit another family."
+            )
         if isinstance(optimizer, IVON):
             optimizer = None
         #: the fit's hyperparameters (``IVON.hyper`` with the family's defaults)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -29,10 +30,23 @@ def count_parameters(guide_or_model: Any) -> dict[str, int]:
           layers would have (``Σ_l r_l (d_in + d_out)``; 0 when no LoRA-XS layer is present);
         - ``posterior_storage``: numbers that describe q (only for a guide, a
           :class:`~pyrobayes.contract.Posterior`: its ``num_posterior_parameters()``).
+
+    Raises
+    ------
+    TypeError
+        When the guide's model is not a :class:`~pyrobayes.models.FineTuneModel` (a guide of
+        an ``AutoGuideList`` over a model function of your own): its sites' specs are unknown.
     """
     is_guide = isinstance(guide_or_model, Posterior)
     model = guide_or_model.model if is_guide else guide_or_model
-    sites = getattr(model, "latent_sites", {})
+    if not hasattr(model, "latent_sites"):  # a guide of an AutoGuideList: poutine.block(model)
+        model = inspect.unwrap(model)
+    if not hasattr(model, "latent_sites"):
+        raise TypeError(
+            f"count_parameters: {type(model).__name__} is not a pyrobayes FineTuneModel (no "
+            "latent_sites); pass the guide of one, or the model itself."
+        )
+    sites = model.latent_sites
     latent = sum(int(torch.Size(s.shape).numel()) for s in sites.values())
     head = sum(int(p.numel()) for p in getattr(model, "point_params", {}).values())
     lora = 0

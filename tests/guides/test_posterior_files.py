@@ -459,9 +459,9 @@ def test_mean_field_scale_lr_is_in_the_checkpoint_and_checked_on_resume(tmp_path
     # two parameter groups, so the optimizer state fits)
     earlier = {k: v for k, v in state.items() if k != "settings"}
     make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(earlier)
-    # MAP has no scales: a scale learning rate other than 1 is refused, by name
+    # MAP has no scales and no settings record: mean-field's is refused, by name
     point = pb.posterior(model, "map")
-    with pytest.raises(ValueError, match="scale_lr=10.0.*has none"):
+    with pytest.raises(TypeError, match="MeanField.*another family's settings; DeltaGuide takes"):
         make_fitter(model, point, optimizer=settings)
     assert make_fitter(model, point).state_dict().keys() == {"optimizer", "num_steps"}
 
