@@ -57,6 +57,37 @@ def unwrapped_network(model: Any) -> nn.Module:
     return net
 
 
+def _one_parameter_set(
+    model: Any, values: Mapping[str, Tensor] | None, owner: str
+) -> dict[str, Tensor]:
+    """``values`` (default: the network's own) checked to be one parameter set of the model's
+    sites: known names, each of its site's shape (not ``S`` draws of it)."""
+    if not values:  # None or {}: the values stored in the network
+        return dict(model.init_values())
+    sites = model.latent_sites
+    unknown = [s for s in values if s not in sites]
+    if unknown:
+        raise KeyError(
+            f"{owner}: values has no site(s) {unknown} of this model; its sites are "
+            f"{list(sites)[:8]}{' ...' if len(sites) > 8 else ''}."
+        )
+    for site, value in values.items():
+        shape = tuple(sites[site].shape)
+        if tuple(value.shape) != shape:
+            many = tuple(value.shape[1:]) == shape
+            raise ValueError(
+                f"{owner}: values[{site!r}] has shape {tuple(value.shape)}, but one parameter "
+                f"set of the site has {shape}"
+                + (
+                    f": these are {value.shape[0]} draws; pass one, e.g. "
+                    "{s: v[0] for s, v in draws.items()}, or guide.mean()."
+                    if many
+                    else "."
+                )
+            )
+    return dict(values)
+
+
 def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn.Module:
     r"""Copy of the network with the adapter folded into the frozen weights.
 
@@ -77,7 +108,7 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
     nn.Module
         The network (for a Hugging Face model, its class), parameters frozen.
     """
-    values = dict(values or model.init_values())
+    values = _one_parameter_set(model, values, "merged_network")
     net = unwrapped_network(model)
     from .signorm import MemberNorm  # (signorm imports the model, which this module serves)
 
@@ -181,7 +212,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
             "frozen layer. Use pyrobayes.models.merged_network(model, values), which folds the "
             "adapter into the one shared layer."
         )
-    values = dict(values or model.init_values())
+    values = _one_parameter_set(model, values, "to_peft")
     net = unwrapped_network(model)
     # the modules trained beside the adapter, which peft must save with it: the point head and
     # the layers made latent (weight and bias sites)

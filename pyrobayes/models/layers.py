@@ -136,13 +136,16 @@ class LoRAXSLinear(_AdapterBase):
     def forward(self, x: Tensor) -> Tensor:
         result = self.base(x)
         h = F.linear(x.to(self.down.dtype), self.down)  # (..., r), shared across samples
-        h = self.core(h)  # (..., r); per-sample cores on a sample-major expanded batch
+        # (..., r); per-sample cores on a sample-major expanded batch. The core's values may
+        # come in another dtype than the bases (float32 draws for a bf16 network), as LoRA's
+        # factors may: computed in theirs, cast back (no-ops when the dtypes agree)
+        h = self.core(h.to(self.core.weight.dtype)).to(self.up.dtype)
         return result + (self.scaling * F.linear(h, self.up)).to(result.dtype)
 
     def delta_weight(self, core: Tensor | None = None) -> Tensor:
         """``ΔW = (α/r) up · core · down`` in torch orientation `(d_out, d_in)`."""
         core = self.core.weight if core is None else core
-        return self.scaling * self.up @ core @ self.down
+        return self.scaling * self.up @ core.to(self.up.dtype) @ self.down
 
 
 class LoRALinear(_AdapterBase):

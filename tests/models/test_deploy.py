@@ -126,3 +126,45 @@ def test_to_peft_carries_the_task_head(head, tmp_path):
         ).logits
         got = reloaded(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_deploying_refuses_draws_and_unknown_sites_by_name():
+    # S draws (guide.sample_posterior(S)) instead of one parameter set failed inside torch
+    # ("output with shape [32, 32] doesn't match the broadcast shape [4, 32, 32]")
+    from pyrobayes.models.deploy import merged_network
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = pb.models.FineTuneModel(
+        net, pb.models.LoRA(rank=2, target_modules=["0"]), num_data=8, trainable_modules=["2"]
+    )
+    draws = pb.posterior(model, "meanfield").sample_posterior(4)
+    with pytest.raises(ValueError, match=r"these are 4 draws; pass one"):
+        merged_network(model, draws)
+    with pytest.raises(KeyError, match="no site"):
+        merged_network(model, {"nope": torch.zeros(2)})
+    one = {s: v[0] for s, v in draws.items()}
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(merged_network(model, one)(x), model.output(x, one))
+
+
+def test_lora_xs_takes_float32_values_on_a_bfloat16_network_as_lora_does():
+    # the core's values in float32 on a bf16 network raised a dtype mismatch in the core's
+    # matmul (LoRA casts its factors); now computed in the values' dtype and cast back
+    from pyrobayes.models.deploy import merged_network
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = pb.models.FineTuneModel(
+        net.bfloat16(), LoRAXS(rank=2, target_modules=["0"]), num_data=8, trainable_modules=["2"]
+    )
+    values = {s: 0.3 * torch.randn(v.shape) for s, v in model.init_values().items()}  # float32
+    x = torch.randn(5, 4).bfloat16()
+    out = model.output(x, values)
+    assert out.dtype == torch.bfloat16
+    low = {s: v.bfloat16() for s, v in values.items()}
+    # the same values rounded to bf16 first: equal up to bf16 rounding of outputs near 1 (2^-8)
+    torch.testing.assert_close(out.float(), model.output(x, low).float(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(
+        merged_network(model, values)(x).float(), out.float(), rtol=0, atol=2e-2
+    )
