@@ -1010,8 +1010,8 @@ ISSUE30_CASES: list[Case] = [
             _signorm_model(), pb.posterior(_signorm_model(), "signorm").component_locs()
         ),
         ValueError,
-        "merged_norm: gamma has shape (3, 6)",
-        "one member's values",
+        "values['1.gamma'] has shape (3, 6)",
+        "these are 3 draws; pass one",
     ),
     _case(
         "merged-network-rms-shift",

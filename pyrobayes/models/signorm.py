@@ -541,7 +541,16 @@ class SigmaNorm:
                     paths += [
                         f"{head}.{n}" for n, m in module.named_modules() if isinstance(m, nn.Linear)
                     ]
-            return [p for p in paths if not any(p.startswith(h + ".") for h in paths if h != p)]
+            paths = [p for p in paths if not any(p.startswith(h + ".") for h in paths if h != p)]
+            if not paths:  # (an explicit heads=[] is a choice: said nothing)
+                logger.warning(
+                    "SigmaNorm(heads='auto') found no head (a linear module named one of %s): "
+                    "the members share the network's output layer, so only their norm layers "
+                    "differ (and head_init has nothing to act on). Pass heads=[<path of the "
+                    "output layer>] to give each member its own.",
+                    sorted(HEAD_NAMES),
+                )
+            return paths
         linears = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
         return _select(net, self.heads, linears, "heads")
 

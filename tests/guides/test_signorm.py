@@ -160,3 +160,16 @@ def test_tau_sweep_writes_the_frontier_and_obeys_jensen(tmp_path):
     assert any(r["on_frontier"] == 1.0 for r in rows)
     assert json.loads((tmp_path / "tau_sweep.json").read_text()) == rows
     assert (tmp_path / "tau_sweep.png").stat().st_size > 1000
+
+
+def test_auto_heads_that_find_no_head_say_so(caplog):
+    # a plain network's output layer is named "3", not a head name: "auto" replicated nothing,
+    # so the head stayed frozen and head_init had no effect, without a word
+    with caplog.at_level("WARNING", logger="pyrobayes.models.signorm"):
+        model = SigmaNormEnsemble(_net(), None, num_members=2, trainable_modules=[], num_data=60)
+    assert "found no head" in caplog.text and "heads=[" in caplog.text
+    assert not any(s.startswith("3.") for s in model.latent_sites)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pyrobayes.models.signorm"):
+        SigmaNormEnsemble(_net(), None, num_members=2, heads=[], trainable_modules=[], num_data=60)
+    assert "found no head" not in caplog.text  # an explicit choice
