@@ -13,7 +13,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["split_batch", "to_device", "expand_samples", "batch_size", "token_mask"]
+__all__ = [
+    "split_batch",
+    "to_device",
+    "expand_samples",
+    "batch_size",
+    "token_mask",
+    "compute_dtype",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute with values of ``dtype``: float32 for float16/bfloat16 (a half
+    log-softmax rounds a log-probability to a few bits; ``eigh`` and ``cholesky`` have no half
+    kernels; running sums need the mantissa), else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | None]:

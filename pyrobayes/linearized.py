@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .batch import batch_size, split_batch, to_device
+from .batch import batch_size, compute_dtype, split_batch, to_device
 from .predictive import CPU_MAX_ROWS_PER_FORWARD, Prediction, _rows, cat_examples
 
 logger = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def _chunk_predictive(
     """One chunk's predictive from ``f(x; θ̂)`` and ``J(x)``: the Monte Carlo log-probabilities
     `(S, b, K)` (``deltas`` = the draws' ``θ_s − θ̂``), the probit ones `(1, b, K)`, or the
     regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``)."""
-    if out.dtype in (torch.float16, torch.bfloat16):  # a half-precision network: the
+    if compute_dtype(out.dtype) != out.dtype:  # a half-precision network: the
         # linearisation and its log-softmax in float32 (J·δ of small δ vanishes in bf16)
         out, jac = out.float(), {s: j.float() for s, j in jac.items()}
         deltas = None if deltas is None else deltas.float()

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .batch import batch_size, split_batch, to_device
+from .batch import batch_size, compute_dtype, split_batch, to_device
 from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, bound_model, implements
 from .models.adapters import check_int
@@ -473,8 +473,7 @@ def _predict_batches(
                 check_outputs(params, classification, where=f"batch {index}:", inputs=inputs)
                 if classification:  # in float32 at least (bf16 rounds log-probabilities)
                     logits = model.likelihood.dist(params).logits
-                    half = logits.dtype in (torch.float16, torch.bfloat16)
-                    params = torch.log_softmax(logits, -1, dtype=torch.float32 if half else None)
+                    params = torch.log_softmax(logits, -1, dtype=compute_dtype(logits.dtype))
                 parts.append(params)
             out = torch.cat(parts, 0)
             if average_logits:  # log_softmax(mean_s log_softmax_s) = log_softmax(mean_s logits_s)

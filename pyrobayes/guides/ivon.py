@@ -19,6 +19,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import compute_dtype
 from ..models.adapters import check_int, check_real
 from ._fit_options import warn_fit_settings
 from .base import SitewiseKL
@@ -27,9 +28,8 @@ from .joint import SitePacking
 __all__ = ["IVONGuide", "state_dtype_for"]
 
 
-def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Statistics dtype for weights of ``dtype``: float32 for half/bfloat16, else ``dtype``."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+#: statistics dtype for weights of a dtype: float32 for half/bfloat16, else that dtype
+state_dtype_for = compute_dtype
 
 
 class IVONGuide(SitePacking, SitewiseKL):

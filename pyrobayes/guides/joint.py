@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.distributions.transforms import ReshapeTransform
 
+from ..batch import compute_dtype
 from .base import PosteriorGuide
 
 __all__ = ["SitePacking", "JointGaussianGuide", "marginal"]
@@ -95,7 +96,7 @@ class SitePacking:
                 f"but got shape {tuple(flat.shape)}."
             )
         lead = flat.shape[:-1]
-        if self._value_dtype in (torch.float16, torch.bfloat16):
+        if self._value_dtype is not None and compute_dtype(self._value_dtype) != self._value_dtype:
             flat = flat.to(self._value_dtype)  # only a half-precision network's draws
         return {
             s: flat[..., sl.start : sl.stop].reshape(*lead, *self.sites[s])

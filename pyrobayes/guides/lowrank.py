@@ -21,6 +21,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import compute_dtype
 from ..models.adapters import check_int, check_real
 from ._fit_options import warn_fit_settings
 from .joint import JointGaussianGuide
@@ -233,11 +234,10 @@ optimizer : optional
 
     def _setup_joint(self, flat_init: Tensor) -> None:
         dim, dtype, device = int(flat_init.numel()), flat_init.dtype, flat_init.device
-        if dtype in (torch.float16, torch.bfloat16):
-            # moments of half-precision sites in float32: Welford's sums need the mantissa,
-            # and the posterior's Cholesky (LowRankMultivariateNormal) has no half kernel;
-            # draws are cast back to the sites' dtype (JointGaussianGuide.unpack)
-            dtype = torch.float32
+        # moments of half-precision sites in float32: Welford's sums need the mantissa, and the
+        # posterior's Cholesky (LowRankMultivariateNormal) has no half kernel; draws are cast
+        # back to the sites' dtype (SitePacking.unpack)
+        dtype = compute_dtype(dtype)
         self.register_buffer("swag_num_collected", torch.zeros((), dtype=torch.long))
         self.register_buffer("swag_mean", torch.zeros(dim, dtype=dtype, device=device))
         self.register_buffer("swag_m2", torch.zeros(dim, dtype=dtype, device=device))

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import batch_size, split_batch, to_device
+from ..batch import batch_size, compute_dtype, split_batch, to_device
 from ..calibration import drop_temperature
 from ..guides.laplace import _ALTERNATE_LAYERWISE
 from ..linearized import output_jacobian_rows, output_jacobians
@@ -74,9 +74,6 @@ from .evidence import (
 from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
-
-#: dtypes without a CPU/CUDA eigendecomposition kernel; their curvature is accumulated in float32
-_HALF = (torch.float16, torch.bfloat16)
 
 __all__ = [
     "LaplaceFitter",
@@ -630,7 +627,7 @@ def per_example_ggn_backend() -> type:
             # half-precision sites (a bf16 network): the factors go on in float32, since their
             # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
             loss, kron = super().kron(x, y, N, **kwargs)
-            if any(f.dtype in _HALF for factors in kron.kfacs for f in factors):
+            if any(compute_dtype(f.dtype) != f.dtype for factors in kron.kfacs for f in factors):
                 upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
                 kron = type(kron)(upcast)
                 loss = loss.float()

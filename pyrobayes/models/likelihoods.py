@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..batch import compute_dtype
 from .adapters import check_int, check_real
 from .multiple_choice import (
     NORMALIZATIONS,
@@ -102,8 +103,7 @@ class Likelihood:
 def _categorical_log_prob(logits: Tensor, targets: Tensor) -> Tensor:
     # = Categorical(logits=logits).log_prob(targets), without argument validation; in float32
     # at least (a bf16 log-softmax rounds a log-probability to 2^-6 nats near -4)
-    half = logits.dtype in (torch.float16, torch.bfloat16)
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32 if half else None)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
     index = targets.long().expand(logits.shape[:-1]).unsqueeze(-1)
     return log_probs.gather(-1, index).squeeze(-1)
 

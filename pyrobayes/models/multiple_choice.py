@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..batch import compute_dtype
+
 __all__ = [
     "encode_multiple_choice",
     "continuation_targets",
     "continuation_scores",
-    "score_dtype",
     "last_positions",
     "head_positions_supported",
     "NORMALIZATIONS",
@@ -251,12 +252,12 @@ def continuation_scores(
     # lands on a multiple of 0.25-0.5 nats), enough to tie or reorder a question's choices
     if token_log_probs is None:
         log_probs = (
-            torch.log_softmax(logits, dim=-1, dtype=score_dtype(logits.dtype))
+            torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
             .gather(-1, tokens.unsqueeze(-1))
             .squeeze(-1)
         )
     else:
-        log_probs = token_log_probs.to(score_dtype(token_log_probs.dtype))
+        log_probs = token_log_probs.to(compute_dtype(token_log_probs.dtype))
     total = torch.where(valid, log_probs, torch.zeros_like(log_probs)).sum(-1)
     if normalize == "length":
         return total / valid.sum(-1).to(total.dtype)
@@ -268,12 +269,6 @@ def continuation_scores(
             )
         return total / chars.to(total.dtype).clamp_min(1)
     return total
-
-
-def score_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype continuation scores are computed in: float32 for a half-precision network's
-    logits (bf16/fp16 round a token's log-probability to a few bits), else the logits' own."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _as_choice_lists(prompts: Sequence[str], choices: Any, ragged: bool = False) -> list[list[str]]:

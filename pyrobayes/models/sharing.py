@@ -48,9 +48,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..batch import compute_dtype
 from .layers import BatchedLinear, _AdapterBase
 from .lower_cache import stubbed_below
-from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask, score_dtype
+from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
 
 logger = logging.getLogger(__name__)
 
@@ -352,7 +353,7 @@ def _prefix_pass(
     states = first if rest is None else torch.cat([first, rest.last_hidden_state[later]])
     logits = head(states)  # one head call: (R + N, V)
     # in float32 at least, as continuation_scores: bf16 rounds a token's log-probability
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=score_dtype(logits.dtype))
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
     values = torch.zeros(valid.shape, dtype=log_probs.dtype, device=log_probs.device)
     # slot 0: one softmax per prompt, read at its K choices' first tokens
     values[:, 0] = log_probs[:num].gather(-1, tokens[:, 0].reshape(num, k_choices)).reshape(-1)
