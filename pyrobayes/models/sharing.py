@@ -351,16 +351,54 @@ def _prefix_pass(
     tokens = layout["cont_ids"].reshape(num * k_choices, -1)
     later = valid[:, 1:]  # slots 1..: the real continuation tokens only (no padding slots)
     states = first if rest is None else torch.cat([first, rest.last_hidden_state[later]])
-    logits = head(states)  # one head call: (R + N, V)
-    # in float32 at least, as continuation_scores: bf16 rounds a token's log-probability
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
-    values = torch.zeros(valid.shape, dtype=log_probs.dtype, device=log_probs.device)
-    # slot 0: one softmax per prompt, read at its K choices' first tokens
-    values[:, 0] = log_probs[:num].gather(-1, tokens[:, 0].reshape(num, k_choices)).reshape(-1)
+    # one head call over (R + N, V): each prompt's row is read at its K choices' first tokens
+    # (one softmax per prompt), each later row at its own token (repeated to K columns)
+    read = tokens[:, 0].reshape(num, k_choices)
     if rest is not None:
-        picked = log_probs[num:].gather(-1, tokens[:, 1:][later].unsqueeze(-1)).squeeze(-1)
-        values[:, 1:] = values[:, 1:].masked_scatter(later, picked)
+        read = torch.cat([read, tokens[:, 1:][later].unsqueeze(-1).expand(-1, k_choices)])
+    log_probs = head_log_probs(head, states, read)
+    values = torch.zeros(valid.shape, dtype=log_probs.dtype, device=log_probs.device)
+    values[:, 0] = log_probs[:num].reshape(-1)
+    if rest is not None:
+        values[:, 1:] = values[:, 1:].masked_scatter(later, log_probs[num:, 0])
     return TokenLogProbs(values)
+
+
+#: Logits per vocabulary block of :func:`head_log_probs` on the CPU: 2^20 (4 MiB in float32)
+#: stay in cache from the matrix product through the log-sum-exp and the gather.
+_HEAD_BLOCK_LOGITS = 1 << 20
+
+
+def head_log_probs(head: nn.Module, states: Tensor, tokens: Tensor) -> Tensor:
+    r"""``log_softmax(head(states))`` read at ``tokens`` ``(R, m)``, in float32 at least.
+
+    An ``nn.Linear`` head on the CPU runs over blocks of its vocabulary, each block's logits
+    reduced while they are in cache, :math:`\log p_{rv} = z_{rv} - \operatorname{logsumexp}_b
+    \operatorname{logsumexp}_{u \in b} z_{ru}`: the R x V logits are never written out (for a
+    49,152-token vocabulary 1.35x faster than one product and a log-softmax over them, on one
+    core). Elsewhere (a GPU, another head): one call and a log-softmax.
+    """
+    dtype = compute_dtype(states.dtype)
+    if type(head) is not nn.Linear or states.device.type != "cpu":
+        logits = head(states)  # in float32 at least: bf16 rounds a token's log-probability
+        return torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype)).gather(
+            -1, tokens
+        )
+    weight, bias = head.weight, head.bias
+    vocab = int(weight.shape[0])
+    width = min(vocab, max(1024, _HEAD_BLOCK_LOGITS // max(1, int(states.shape[0]))))
+    starts = range(0, vocab, width)
+    block_lse = torch.empty((states.shape[0], len(starts)), dtype=dtype)
+    picked = torch.zeros(tokens.shape, dtype=dtype)
+    for n, start in enumerate(starts):
+        stop = min(vocab, start + width)
+        part = None if bias is None else bias[start:stop]
+        logits = nn.functional.linear(states, weight[start:stop], part).to(dtype)
+        block_lse[:, n] = logits.logsumexp(-1)
+        inside = (tokens >= start) & (tokens < stop)
+        local = (tokens - start).clamp(0, stop - start - 1)
+        picked = torch.where(inside, logits.gather(-1, local), picked)
+    return picked - block_lse.logsumexp(-1, keepdim=True)
 
 
 def _sample_copies(inputs: Mapping[str, Any], draws: int) -> bool:

@@ -156,6 +156,30 @@ def test_a_scaled_head_is_detected_and_run_as_the_network_does(arch):
     torch.testing.assert_close(again, shared, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "dtype", "atol"),
+    # float32: a log-probability of ~ -9 nats from sums over <= 5,000 logits, a few ulps of 9
+    # (1e-6) each way -> 2e-5; bfloat16 logits are the same rounded numbers on both paths, the
+    # sums in float32 -> the same bound
+    [(300, torch.float32, 2e-5), (2100, torch.float32, 2e-5), (300, torch.bfloat16, 2e-5)],
+)
+def test_the_blocked_head_reads_the_log_softmax_of_the_whole_vocabulary(rows, dtype, atol, bias):
+    """On the CPU the head runs over blocks of the vocabulary (300 rows: 2 blocks of 3,495 of
+    5,000 tokens; 2,100 rows: 5 blocks of 1,024) and gives the log-softmax of its full output
+    read at the tokens, for an ``(R, K)`` read as for a prompt's K first tokens."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 5000, bias=bias).to(dtype)
+    states = torch.randn(rows, 16).to(dtype)
+    tokens = torch.randint(0, 5000, (rows, 3))
+    tokens[0] = torch.tensor([0, 4999, 3495])  # the first, last and a block's first column
+    with torch.no_grad():
+        got = sharing.head_log_probs(head, states, tokens)
+        want = torch.log_softmax(head(states).double(), -1).gather(-1, tokens)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("latent_head", [False, True])
 def test_an_adapted_head_scores_its_slots_per_draw(latent_head):
     """A head with per-draw weights (LoRA on ``lm_head``, or the head made latent) is not packed
