@@ -62,7 +62,7 @@ from ..calibration import drop_temperature
 from ..guides.laplace import _ALTERNATE_LAYERWISE
 from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.adapters import check_int, check_real
-from ..models.likelihoods import check_gaussian_targets, network_output
+from ..models.likelihoods import check_gaussian_targets
 from ..predictive import Prediction
 from .distributed import all_reduce_sum_
 from .evidence import (
@@ -475,7 +475,9 @@ class LaplaceNet(nn.Module):
     def forward(self, x: Any) -> Tensor:
         model = self._model[0]
         inputs = _network_inputs(x, model.label_key)
-        out = model.likelihood.params(network_output(model._call_net(self.net, inputs)), inputs)
+        out = model.likelihood.params(
+            model.network_prediction(model._call_net(self.net, inputs)), inputs
+        )
         if not model.likelihood.is_classification and out.dim() == 1:
             out = out.unsqueeze(-1)
         return out
@@ -545,7 +547,7 @@ class _Loader:
         if self._event_shape is None:  # one probe forward for the output's per-example shape
             with torch.no_grad():
                 out = model.likelihood.params(
-                    network_output(model._call_net(model.net, inputs)), inputs
+                    model.network_prediction(model._call_net(model.net, inputs)), inputs
                 )
             self._event_shape = tuple(int(n) for n in out.shape[1:])
         y = check_gaussian_targets(y, (batch_size(inputs), *self._event_shape))

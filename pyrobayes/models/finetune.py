@@ -45,6 +45,7 @@ from .likelihoods import (
     Categorical,
     Gaussian,
     Likelihood,
+    OutputKey,
     make_likelihood,
     network_output,
 )
@@ -274,6 +275,12 @@ class FineTuneModel(nn.Module):
         Key of the targets in dict batches.
     train_backbone_mode : bool
         Keep dropout active in the backbone during fitting (default off: deterministic network).
+    output_key : int, str or callable, optional
+        Where the prediction (logits, or the Gaussian mean) is in what the network returns:
+        ``out[output_key]`` (a tuple's index or a mapping's key), ``getattr(out, output_key)``,
+        or ``output_key(out)``. Without it: a tensor, a Hugging Face output's ``logits``, or the
+        first item of a Hugging Face model's tuple; a plain network that returns several items
+        (``(features, logits)``) is refused until it is given.
 
     Examples
     --------
@@ -299,6 +306,7 @@ class FineTuneModel(nn.Module):
         max_calibration_batches: int | None = None,
         label_key: str = "labels",
         train_backbone_mode: bool = False,
+        output_key: OutputKey | None = None,
     ) -> None:
         super().__init__()
         # the param-store prefix of this model's point parameters: unique, so an earlier model's
@@ -318,6 +326,16 @@ class FineTuneModel(nn.Module):
                 "FineTuneModel needs something to be Bayesian about: pass adapter=LoRAXS(...) or "
                 "LoRA(...), or latent_modules=[...] naming nn.Linear modules."
             )
+        if output_key is not None and not (
+            callable(output_key) or isinstance(output_key, (int, str))
+        ):
+            raise TypeError(
+                "FineTuneModel: output_key must be an index, a key or attribute name, or a "
+                f"callable taking the network's output; got {type(output_key).__name__}."
+            )
+        self.output_key = output_key
+        # a Hugging Face model's tuple output (return_dict=False) holds its logits first
+        self._tuple_first = getattr(net, "base_model_prefix", None) is not None
         self.label_key = label_key
         self.prior_scale = float(prior_scale)
         self.num_data = num_data
@@ -577,7 +595,7 @@ class FineTuneModel(nn.Module):
         if lower is None or not isinstance(net_inputs, Mapping):
             return _call(self.net, net_inputs)
         out = _call(self.net, lower_inputs(net_inputs, lower[0]))
-        if int(network_output(out).shape[0]) != lower[0] * lower[1]:
+        if int(self.network_prediction(out).shape[0]) != lower[0] * lower[1]:
             raise _RowsMismatch  # a head that reads the (un-expanded) inputs again
         return out
 
@@ -599,7 +617,11 @@ class FineTuneModel(nn.Module):
                 out = self._functional(inputs, params)
         if isinstance(out, TokenLogProbs):  # the shared prompts' scored continuations
             return self.likelihood.params(out, inputs)  # type: ignore[arg-type]
-        return self.likelihood.params(network_output(out), inputs)
+        return self.likelihood.params(self.network_prediction(out), inputs)
+
+    def network_prediction(self, out: Any) -> Tensor:
+        """The prediction tensor in the network's output ``out`` (``output_key``)."""
+        return network_output(out, self.output_key, first_of_tuple=self._tuple_first)
 
     def _draws_in_net(self) -> int:
         """Parameter sets the network holds now: the leading size of a site swapped in with a

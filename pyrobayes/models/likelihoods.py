@@ -13,7 +13,7 @@ integer labels in range, one per example).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pyro.distributions as dist
@@ -41,24 +41,75 @@ __all__ = [
     "Gaussian",
     "MultipleChoice",
     "make_likelihood",
+    "network_output",
+    "OutputKey",
     "check_gaussian_targets",
     "check_class_targets",
     "MULTI_LABEL_ADVICE",
 ]
 
 
-def network_output(out: Any) -> Tensor:
-    """The prediction tensor of a network output (HF ``ModelOutput.logits``, tuple, tensor)."""
+#: How :func:`network_output` reads a network's output: an index of a tuple, a key of a mapping
+#: or an attribute name, or a callable taking the output.
+OutputKey = int | str | Callable[[Any], Tensor]
+
+
+def _describe(item: Any) -> str:
+    if isinstance(item, Tensor):
+        return f"Tensor {tuple(item.shape)}"
+    return type(item).__name__
+
+
+def network_output(
+    out: Any, key: OutputKey | None = None, *, first_of_tuple: bool = True
+) -> Tensor:
+    """The prediction tensor of a network output.
+
+    Parameters
+    ----------
+    out : Any
+        What the network returned.
+    key : int, str or callable, optional
+        Where the prediction is: ``out[key]`` (an index, or a key of a mapping),
+        ``getattr(out, key)``, or ``key(out)``. Without it: a tensor itself, the ``logits`` of a
+        Hugging Face ``ModelOutput`` (or a mapping's ``"logits"``), a tuple's first item.
+    first_of_tuple : bool
+        Read a tuple of several items by its first (a Hugging Face model's ``return_dict=False``
+        output, logits first); ``False`` (a plain network) refuses it as ambiguous.
+    """
+    if key is not None:
+        if callable(key):
+            value = key(out)
+        elif isinstance(key, int) or isinstance(out, Mapping):
+            value = out[key]
+        else:
+            value = getattr(out, key)
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"output_key={key!r} selected a {type(value).__name__} from the network's "
+                f"{type(out).__name__} output, not the prediction tensor."
+            )
+        return value
     if isinstance(out, Tensor):
         return out
-    logits = getattr(out, "logits", None)
-    if logits is not None:
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
         return logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
+        if len(out) == 1 or first_of_tuple:
+            return out[0]
+        items = ", ".join(_describe(item) for item in out)
+        raise TypeError(
+            f"The network returned a {type(out).__name__} of {len(out)} items ({items}), and "
+            "which one is the prediction cannot be told (only a Hugging Face model's tuple is "
+            "read by its first item, its logits). Pass FineTuneModel(..., output_key=i) with "
+            "the index of the logits (or mean), or a callable taking the output."
+        )
     raise TypeError(
         f"Cannot find the prediction in a network output of type {type(out).__name__}; expected "
-        "a tensor, an object with `.logits`, or a tuple whose first item is a tensor."
+        "a tensor, an object with `.logits`, or a tuple whose first item is a tensor. Pass "
+        "FineTuneModel(..., output_key=...) (an index, a key or attribute name, or a callable) "
+        "to say where it is."
     )
 
 
