@@ -1407,3 +1407,25 @@ def test_posterior_knobs_set_after_fitting_are_checked():
         laplace.pred_type = "NN"
     laplace.pred_type = "nn"
     assert laplace.pred_type == "nn"
+
+
+def test_the_laplace_temperature_is_a_setting_of_its_fit():
+    # T scales the curvature the fit stores (H/T) and the evidence that chooses tau: set after a
+    # fit it was silently ignored; now it is refused there and recorded when set before
+    model = _model()
+    laplace = pb.posterior(model, "laplace")
+    laplace.temperature = 0.5  # before the fit: a setting of it
+    assert laplace.config()["temperature"] == 0.5
+    with pytest.raises(ValueError, match="temperature must be"):
+        laplace.temperature = -1.0
+    pb.fit(model, laplace, _batches(), epochs=1)
+    curvature = {s: laplace.curvature(s).clone() for s in laplace.latent_subset}
+    twin_model = _model()
+    twin = pb.posterior(twin_model, "laplace", temperature=1.0)
+    pb.fit(twin_model, twin, _batches(), epochs=1)
+    for s, value in curvature.items():  # the fit ran at T = 0.5: twice the T = 1 curvature
+        torch.testing.assert_close(value, 2.0 * twin.curvature(s), rtol=1e-5, atol=1e-7)
+    laplace.temperature = 0.5  # the same value: nothing changes
+    with pytest.raises(ValueError, match=r"fitted at T = 0.5.*temperature=2\)\) and fit it again"):
+        laplace.temperature = 2.0
+    assert laplace.temperature == 0.5

@@ -260,7 +260,7 @@ alternate_map_tol, alternate_lr : optional
         self.link_samples = link_samples
         self.structure = structure
         self.prior_precision_spec = prior_precision
-        self.temperature = float(temperature)
+        self._temperature = float(temperature)
         self._index: dict[str, int] = {}
         super().__init__(model)
 
@@ -304,14 +304,33 @@ alternate_map_tol, alternate_lr : optional
             )
         self._pred_type = value
 
+    @property
+    def temperature(self) -> float:
+        """T in ``H/T``: a setting of the fit (the curvature and τ are computed under it)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        value = check_real("temperature", value, gt=0, owner=f"{type(self).__name__}: ")
+        if value != self._temperature and self._index and self.is_fitted:
+            raise ValueError(
+                f"{type(self).__name__}.temperature: the curvature and the prior precision were "
+                f"fitted at T = {self._temperature:g}, and changing T changes both. Build the "
+                f'posterior with it (pb.posterior(model, "laplace", temperature={value:g})) and '
+                "fit it again; to soften or sharpen the predictive instead, use "
+                "pyrobayes.calibrate (a predictive temperature)."
+            )
+        self._temperature = float(value)
+
     def config(self) -> dict[str, Any]:
-        """The constructor options, with ``pred_type`` and ``link_samples`` as they are now (they
-        may be set after fitting)."""
+        """The constructor options, with ``pred_type``, ``link_samples`` and ``temperature`` as
+        they are now (the first two may be set after fitting, the third before it)."""
         options = {k: v for k, v in super().config().items() if k not in self.fit_options}
         return {
             **options,
             "pred_type": self.pred_type,
             "link_samples": self.link_samples,
+            "temperature": self.temperature,
         }
 
     # ------------------------------------------------------------------ accessors
