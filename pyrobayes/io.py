@@ -139,24 +139,46 @@ def _signature(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], k
     return str(_feed(hmac.new(key, digestmod=hashlib.sha256), text, tensors).hexdigest())
 
 
-def base_fingerprint(model: Any) -> dict[str, Any] | None:
-    """A SHA-256 fingerprint of the frozen base weights a posterior over ``model`` sits on.
+#: Values of a frozen tensor outside the adapted layers that the fingerprint reads: evenly
+#: strided, so another checkpoint of the same shapes (values differ everywhere) differs in them.
+_SAMPLED_VALUES = 4096
 
-    What is hashed, in name order: every parameter and buffer of the network modules that hold
-    a latent site (the adapted layers: a LoRA layer's frozen ``base.weight``/``base.bias``, a
-    LoRA-XS layer's frozen base and its fixed projections ``down``/``up``), except the latent
-    tensors themselves and the model's point-estimated parameters (those are stored in the file
-    and loaded with it). When those modules hold nothing frozen (the latent sites are whole
-    layers, e.g. a Bayesian head), every other parameter of the network is hashed instead
-    (scope ``"network"``). Each tensor contributes its name, shape and values; floating values
+
+def _feed_tensor(h: Any, name: str, tensor: torch.Tensor, sample: bool = False) -> None:
+    """``name``, shape and values (rounded to bfloat16; ``sample``: a strided sample)."""
+    t = tensor.detach().reshape(-1)
+    if sample and t.numel() > _SAMPLED_VALUES:
+        t = t[:: -(-t.numel() // _SAMPLED_VALUES)]
+    if t.is_floating_point():
+        t = t.to(torch.float32).to(torch.bfloat16)
+    h.update(json.dumps([name, list(tensor.shape)]).encode())
+    h.update(t.cpu().contiguous().view(torch.uint8).numpy().data)
+
+
+def base_fingerprint(model: Any, version: int = 2) -> dict[str, Any] | None:
+    """A SHA-256 fingerprint of the frozen network a posterior over ``model`` sits on.
+
+    What is hashed, in name order (version 2): every parameter and buffer of the network
+    modules that hold a latent site (the adapted layers: a LoRA layer's frozen
+    ``base.weight``/``base.bias``, a LoRA-XS layer's frozen base and its fixed projections
+    ``down``/``up``) in full; every other parameter of the network by its name, its shape and
+    4,096 evenly strided values (the lower blocks, embeddings and norm layers an adapter leaves
+    alone: another checkpoint differs there too); and the network's modules, each path with its
+    class (``Tanh`` against ``ReLU``; the modules holding latent or point tensors left out, as
+    a head made latent post hoc changes its class). The latent tensors and the model's point-estimated
+    parameters are left out (they are stored in the file and loaded with it). Floating values
     are rounded to bfloat16 (through float32) first, so float64, float32 and bfloat16 copies of
-    one checkpoint share a fingerprint. Cost: one pass over the hashed tensors.
+    one checkpoint share a fingerprint. Cost: one pass over the adapted layers' tensors.
+
+    Version 1 (files saved before 2026-12-06): the adapted modules' tensors only, or, when they
+    hold nothing frozen, every other parameter in full (``load`` checks a file by the version
+    it was saved with).
 
     Returns
     -------
     dict or None
-        ``{"sha256": hex, "scope": "adapted_modules" | "network", "tensors": count}``; None for
-        a model without a ``net`` and ``latent_sites`` (a plain Pyro model).
+        ``{"sha256": hex, "scope": ..., "tensors": count, "version": 2}``; None for a model
+        without a ``net`` and ``latent_sites`` (a plain Pyro model).
     """
     net, latent = getattr(model, "net", None), getattr(model, "latent_sites", None)
     if not isinstance(net, torch.nn.Module) or not latent:
@@ -169,19 +191,37 @@ def base_fingerprint(model: Any) -> dict[str, Any] | None:
             full = f"{path}.{name}" if path else name
             if full not in skip:
                 hashed[full] = t
-    scope = "adapted_modules"
-    if not hashed:
-        scope = "network"
-        hashed = {n: p for n, p in net.named_parameters() if n not in skip}
     h = hashlib.sha256()
+    if version == 1:
+        scope = "adapted_modules"
+        if not hashed:
+            scope = "network"
+            hashed = {n: p for n, p in net.named_parameters() if n not in skip}
+        for name in sorted(hashed):
+            _feed_tensor(h, name, hashed[name])
+        return {"sha256": h.hexdigest(), "scope": scope, "tensors": len(hashed)}
+    others = {n: p for n, p in net.named_parameters(remove_duplicate=False) if n not in skip}
+    others = {n: p for n, p in others.items() if n not in hashed}
     for name in sorted(hashed):
-        t = hashed[name].detach()
-        if t.is_floating_point():
-            t = t.to(torch.float32).to(torch.bfloat16)
-        t = t.cpu().contiguous().reshape(-1)
-        h.update(json.dumps([name, list(hashed[name].shape)]).encode())
-        h.update(t.view(torch.uint8).numpy().data)
-    return {"sha256": h.hexdigest(), "scope": scope, "tensors": len(hashed)}
+        _feed_tensor(h, name, hashed[name])
+    for name in sorted(others):
+        _feed_tensor(h, name, others[name], sample=True)
+    # the layer types, but of the modules holding a latent or point tensor (a head made latent
+    # post hoc becomes a BatchedLinear: the same network)
+    owners = {name.rpartition(".")[0] for name in skip}
+    owners |= {spec.module_path for spec in latent.values()}
+    modules = [
+        [n, type(m).__name__]
+        for n, m in net.named_modules(remove_duplicate=False)
+        if n not in owners
+    ]
+    h.update(json.dumps(modules).encode())
+    return {
+        "sha256": h.hexdigest(),
+        "scope": "adapted_modules+network",
+        "tensors": len(hashed) + len(others),
+        "version": 2,
+    }
 
 
 def differing_point_params(model: Any, other: Any, skip: Any = ()) -> list[str]:
@@ -199,6 +239,20 @@ def differing_point_params(model: Any, other: Any, skip: Any = ()) -> list[str]:
         or not torch.equal(mine[k].detach().cpu(), theirs[k].detach().cpu())
     ]
     return differ
+
+
+def _model_settings(model: Any) -> dict[str, Any]:
+    """The model settings a posterior depends on: N and the prior's scale, and where the
+    prediction is in the network's output (``output_key`` when an index or a name; a callable
+    cannot be recorded)."""
+    settings = {
+        "num_data": getattr(model, "num_data", None),
+        "prior_scale": getattr(model, "prior_scale", None),
+    }
+    output_key = getattr(model, "output_key", None)
+    if isinstance(output_key, (int, str)):
+        settings["output_key"] = output_key
+    return settings
 
 
 def _non_finite(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int] | None:
@@ -274,6 +328,11 @@ def save(
     The header records :func:`base_fingerprint` of ``model``, so the file loads only into a
     model with the same frozen base weights.
     """
+    if isinstance(guide, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"pb.save(guide, path): the arguments are the other way round (got a path, then a "
+            f"{type(path).__name__}); call pb.save(guide, path)."
+        )
     path = Path(path)
     secret = None if key is None else _check_key(key, "pb.save")
     guide_model = getattr(guide, "model", None)
@@ -298,10 +357,7 @@ def save(
         "sites": {s: list(shape) for s, shape in guide.sites.items()},
         "adapter": adapter.to_dict() if hasattr(adapter, "to_dict") else None,
         "likelihood": model.likelihood.to_dict() if hasattr(model, "likelihood") else None,
-        "model": {
-            "num_data": getattr(model, "num_data", None),
-            "prior_scale": getattr(model, "prior_scale", None),
-        },
+        "model": _model_settings(model),
         "versions": library_versions(),
         "extra": extra or {},
         _FINGERPRINT_FIELD: base_fingerprint(model),
@@ -362,6 +418,13 @@ def _target_folder(path: Path) -> None:
         ) from err
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: str) -> None:
     """``save_file`` into a temporary file next to ``path``, flushed, then ``os.replace``."""
     _target_folder(path)
@@ -377,6 +440,9 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: str) -> 
     tmp = Path(name)
     try:
         save_file(tensors, str(tmp), metadata={_HEADER_KEY: header})
+        # mkstemp's file is 0600: give it the mode a plain open() would (an existing file's,
+        # or 0666 less the umask), so that the posterior stays readable as before
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.is_file() else 0o666 & ~_umask())
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
         try:
@@ -433,6 +499,52 @@ def _check_guide_belongs(guide: Any, model: Any, guide_model: Any) -> None:
             "was not fitted with. Pass the model the guide was fitted with as model= (or "
             "omit model=), or build the guide on this model."
         )
+    # the header records model's base, adapter, likelihood and settings: they must be the fit's
+    here, there = base_fingerprint(model), base_fingerprint(guide_model)
+    mismatch = []
+    if here is not None and there is not None and here["sha256"] != there["sha256"]:
+        mismatch.append("the frozen network (base_fingerprint)")
+    for what, get in (
+        ("settings", _model_settings),
+        ("likelihood", lambda m: _to_dict(getattr(m, "likelihood", None))),
+    ):
+        if get(model) != get(guide_model):
+            mismatch.append(f"the {what} ({get(model)} against {get(guide_model)})")
+    mine, fitted = (_to_dict(getattr(m, "adapter", None)) for m in (model, guide_model))
+    if isinstance(mine, dict) and isinstance(fitted, dict):
+        option = _adapter_difference(fitted, mine)
+        if option is not None:
+            mismatch.append(f"the adapter's {option[0]} ({option[2]!r} against {option[1]!r})")
+    if mismatch:
+        raise PosteriorMismatchError(
+            f"pb.save: model differs from the model the guide was built on in "
+            f"{'; '.join(mismatch)}; the file would record a model the posterior was not "
+            "fitted on. Pass the model the guide was fitted with as model= (or omit model=)."
+        )
+
+
+def _adapter_difference(
+    saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = ""
+) -> tuple[str, Any, Any] | None:
+    """The first adapter option (dotted into a nested adapter, e.g. σN's ``adapter.rank``)
+    whose values differ, but the options that do not change the posterior's sites and bases
+    (:data:`_ADAPTER_IGNORED`: the sites are compared by name and shape), or ``None``."""
+    for key in sorted(set(saved) | set(current)):
+        if key in _ADAPTER_IGNORED:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = _adapter_difference(a, b, f"{prefix}{key}.")
+            if inner is not None:
+                return inner
+        elif a != b:
+            return f"{prefix}{key}", a, b
+    return None
+
+
+def _to_dict(config: Any) -> Any:
+    """A config object's ``to_dict()`` as it reads back from JSON (``None`` without one)."""
+    return _jsonable(config.to_dict()) if hasattr(config, "to_dict") else None
 
 
 def _site_difference(
@@ -559,6 +671,12 @@ def _read_verified(
     path: str | Path, key: bytes | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Header and tensors of ``path``, after the hash, signature and finiteness checks."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"pyrobayes.load / load_state: path must be a file path, got a "
+            f"{type(path).__name__}; the signatures are pb.load(path, model) and "
+            "load_state(guide, path)."
+        )
     try:
         with _safe_open(path) as f:
             meta = f.metadata()
@@ -641,17 +759,23 @@ def _check_base(path: str | Path, header: Mapping[str, Any], model: Any) -> None
             path,
         )
         return
-    saved, here = header[_FINGERPRINT_FIELD], base_fingerprint(model)
-    if not isinstance(saved, dict) or here is None:
-        return  # saved from (or loaded into) a model without a network: nothing to compare
+    saved = header[_FINGERPRINT_FIELD]
+    if not isinstance(saved, dict):
+        return  # saved from a model without a network: nothing to compare
+    here = base_fingerprint(model, version=int(saved.get("version", 1)))
+    if here is None:
+        return  # loaded into a model without a network
     if saved.get("sha256") != here["sha256"]:
         raise PosteriorMismatchError(
-            f"{path} was fitted on another base model: the fingerprint of the frozen base "
-            f"weights it sits on is {str(saved.get('sha256'))[:16]}… in the file "
+            f"{path} was fitted on another base model: the fingerprint of the frozen network "
+            f"it sits on is {str(saved.get('sha256'))[:16]}… in the file "
             f"({saved.get('tensors')} tensors, {saved.get('scope')}) but {here['sha256'][:16]}… "
-            f"for this model ({here['tensors']} tensors, {here['scope']}). Load it into the "
-            "model built from the same pretrained weights it was fitted on; pass "
-            "check_base=False only if you know the base weights differ harmlessly."
+            f"for this model ({here['tensors']} tensors, {here['scope']}). It covers the "
+            "frozen weights (the adapted layers' in full, the others sampled), the adapter's "
+            "fixed projections (a whitened SVD from other calibration_data has other bases) "
+            "and the network's layer types. Load it into the model built from the same "
+            "pretrained weights and adapter it was fitted on; pass check_base=False only if "
+            "you know the difference is harmless."
         )
 
 
@@ -817,17 +941,14 @@ def _check_model(path: str | Path, header: dict[str, Any], model: Any) -> None:
     """The adapter, likelihood and model settings the file was fitted under."""
     adapter: Any = getattr(model, "adapter", None)
     saved_adapter = header.get("adapter")
-    if saved_adapter is not None and hasattr(adapter, "to_dict"):
-        current = _jsonable(adapter.to_dict())
-        for key in sorted(set(saved_adapter) | set(current)):
-            if key in _ADAPTER_IGNORED:
-                continue
-            a, b = saved_adapter.get(key), current.get(key)
-            if a != b:
-                raise PosteriorMismatchError(
-                    f"{path}: adapter {key} is {a!r} in the file but {b!r} in the model. Build "
-                    f"the model with the adapter config it was saved with ({saved_adapter})."
-                )
+    if isinstance(saved_adapter, dict) and hasattr(adapter, "to_dict"):
+        differ = _adapter_difference(saved_adapter, _jsonable(adapter.to_dict()))
+        if differ is not None:
+            key, a, b = differ
+            raise PosteriorMismatchError(
+                f"{path}: adapter {key} is {a!r} in the file but {b!r} in the model. Build "
+                f"the model with the adapter config it was saved with ({saved_adapter})."
+            )
     saved_lik = header.get("likelihood")
     likelihood: Any = getattr(model, "likelihood", None)
     if saved_lik is not None and hasattr(likelihood, "to_dict"):
@@ -841,6 +962,14 @@ def _check_model(path: str | Path, header: dict[str, Any], model: Any) -> None:
                 )
     for key, value in (header.get("model") or {}).items():
         current_value = getattr(model, key, None)
+        if key == "output_key" and callable(current_value):
+            continue  # a callable: not comparable with the recorded index or name
+        if key == "output_key" and value != current_value:
+            raise PosteriorMismatchError(
+                f"{path}: model output_key is {value!r} in the file but {current_value!r} in "
+                f"the model; build the model with output_key={value!r} (the output the "
+                "posterior was fitted to predict)."
+            )
         if value is not None and current_value is not None and value != current_value:
             raise PosteriorMismatchError(
                 f"{path}: model {key} is {value!r} in the file but {current_value!r} in the "
@@ -1037,8 +1166,6 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
         latent = getattr(model, "latent_sites", None)
         if latent:
             _check_sites(path, header, {s: spec.shape for s, spec in latent.items()}, "model")
-        if check_base:
-            _check_base(path, header, model)
         try:
             guide = cls(model, **_posterior_config(path, header, cls))
         except TypeError as err:
@@ -1047,4 +1174,6 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
                 f"options ({_kwargs(header['config'])}): {err}."
             ) from err
         _check_loadable(path, header, tensors, guide, model)
+        if check_base:  # after the head's check: a model without the head differs here too
+            _check_base(path, header, model)
         return _apply(path, guide, model, tensors)

@@ -274,7 +274,7 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     differ = [f"the point parameters {heads[:4]} (the head)"] if heads else []
     here, there = base_fingerprint(model), base_fingerprint(bound)
     if here is not None and there is not None and here["sha256"] != there["sha256"]:
-        differ.append("the frozen base weights of the adapted layers")
+        differ.append("the frozen network (base weights, fixed projections or layer types)")
     if differ:
         raise ValueError(
             f"{where}: the {type(guide).__name__} was fitted with another model (guide.model) "

@@ -21,7 +21,7 @@ from pyrobayes.io import (
     base_fingerprint,
     load_state,
 )
-from pyrobayes.models import LoRA, LoRAXS
+from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
 from tests.common import mlp_problem, split_batches
 
 KEY = b"a key of the user's own"
@@ -68,9 +68,10 @@ def test_a_posterior_is_refused_on_other_base_weights_of_the_same_shapes(tmp_pat
     path = pb.save(guide, tmp_path / "post.safetensors")
     header, _ = _read(path)
     saved = header["base_fingerprint"]
-    # LoRA-XS layer "0": base.weight, base.bias and the fixed projections down, up
+    # LoRA-XS layer "0": base.weight, base.bias and the fixed projections down, up (the head
+    # "2" is a point parameter, stored in the file: no other frozen tensor)
     assert saved == base_fingerprint(p.model) and (saved["scope"], saved["tensors"]) == (
-        "adapted_modules",
+        "adapted_modules+network",
         4,
     )
     other = _problem(seed=1).model  # same shapes, other frozen base weights
@@ -109,12 +110,66 @@ def test_one_changed_base_weight_is_refused_and_the_head_is_not_part_of_it(tmp_p
 def test_the_fingerprint_covers_a_lora_layers_base_and_ignores_the_dtype():
     model = _problem(adapter=LoRA(rank=2, target_modules=["0"])).model
     fp = base_fingerprint(model)
-    assert fp is not None and (fp["scope"], fp["tensors"]) == ("adapted_modules", 2)  # W, b
+    assert fp is not None and (fp["scope"], fp["tensors"]) == ("adapted_modules+network", 2)
     model.net.to(torch.float32)  # a float32 copy of the same (float64) base weights
     assert base_fingerprint(model) == fp
     with torch.no_grad():
         _base(model).bias[0] += 0.1
     assert base_fingerprint(model) != fp
+
+
+def _deep(seed: int = 0, act=torch.nn.Tanh, lower_seed: int | None = None) -> FineTuneModel:
+    """``Linear(4, 6) - act - Linear(6, 6) - act - Linear(6, 3)``: the adapter on "2" only, so
+    "0" is frozen and un-adapted (a lower block), "4" the point head."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), act(), torch.nn.Linear(6, 6), act(), torch.nn.Linear(6, 3)
+    )
+    if lower_seed is not None:
+        torch.manual_seed(lower_seed)
+        net[0] = torch.nn.Linear(4, 6)
+    return FineTuneModel(
+        net, LoRAXS(rank=2, target_modules=["2"]), num_data=32, trainable_modules=["4"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [
+        ({"lower_seed": 5}, "a lower layer's frozen weights (outside the adapted ones)"),
+        ({"act": torch.nn.ReLU}, "a layer type (no weights)"),
+    ],
+)
+def test_the_fingerprint_covers_the_frozen_network_outside_the_adapted_layers(
+    tmp_path, change, differs
+):
+    """Version 1 hashed the adapted layers only: a model whose lower, un-adapted layer held other
+    weights (or whose activations differ) loaded, and predicted 0.5-0.9 nats off."""
+    model = _deep()
+    guide = pb.posterior(model, "meanfield")
+    path = pb.save(guide, tmp_path / "post.safetensors")
+    other = _deep(**change)
+    v1 = base_fingerprint(model, version=1)
+    assert v1 == base_fingerprint(other, version=1), differs  # what version 1 could not see
+    with pytest.raises(PosteriorMismatchError, match="fitted on another base model"):
+        pb.load(path, other)
+    pb.load(path, _deep())  # the same network rebuilt: loads
+    # a float64 copy of it too (values rounded to bfloat16 in the hash, sampled or not)
+    pb.load(path, _deep().to(torch.float64))
+
+
+def test_a_version_1_file_is_checked_by_its_own_fingerprint(tmp_path):
+    """Files saved before version 2 record the adapted layers' fingerprint: they still load into
+    the same model, and another base is still refused by that fingerprint."""
+    _, guide = _fitted("map")
+    path = pb.save(guide, tmp_path / "post.safetensors")
+    header, tensors = _read(path)
+    header["base_fingerprint"] = base_fingerprint(guide.model, version=1)
+    assert "version" not in header["base_fingerprint"]
+    _rewrite(path, header, tensors)
+    pb.load(path, _problem().model)
+    with pytest.raises(PosteriorMismatchError, match="fitted on another base model"):
+        pb.load(path, _problem(seed=1).model)
 
 
 def test_a_file_from_before_fingerprints_loads_with_a_logged_warning(tmp_path, caplog):
@@ -224,7 +279,7 @@ def test_predicting_with_a_guide_on_another_model_that_differs_is_refused(tmp_pa
         with pytest.raises(ValueError, match=pattern + head) as err:
             call(rebuilt)
         assert "base weights" not in str(err.value)  # the rebuilt model's base is the same
-    base = r"\(the head\) and the frozen base weights of the adapted layers, which"
+    base = r"\(the head\) and the frozen network \(base weights, fixed projections or layer types\)"
     with pytest.raises(ValueError, match=base):
         pb.predict(other_base, guide, data, num_samples=2, seed=0)
     # a copy with equal weights predicts the same; so does the file loaded into the rebuilt model
@@ -266,3 +321,106 @@ def test_init_from_an_unfitted_guide_is_refused():
     assert "Fit it first" in str(err.value) and "without init=" in str(err.value)
     pb.fit(p.model, map_guide, split_batches(p.x, p.y, 16), epochs=1, lr=0.05, seed=0)
     assert not pb.posterior(p.model, "laplace", init=map_guide).is_fitted  # fitted: accepted
+
+
+# ------------------------------------------------------------------ what the header records
+def test_a_swag_scale_set_after_fitting_is_saved(tmp_path):
+    p, guide = _fitted("swag")
+    guide.scale = 2.0  # documented: may be set after fitting (the file recorded 0.5)
+    loaded = pb.load(pb.save(guide, tmp_path / "post.safetensors"), _problem().model)
+    assert loaded.scale == 2.0
+
+
+def test_saving_with_another_model_than_the_fits_is_refused(tmp_path):
+    """``model=`` other than ``guide.model``: the header would record its base and settings,
+    so the file refused the true model and loaded into the wrong one."""
+    p, guide = _fitted("map")
+    for other in (_problem(seed=1).model, _problem().model):
+        if other.net[0].base.weight.equal(p.model.net[0].base.weight):
+            other.num_data = 999  # the same base, other settings
+        with torch.no_grad():  # the same head, so that only the base or the settings differ
+            for k, v in p.model.point_params.items():
+                other.point_params[k].copy_(v)
+        with pytest.raises(PosteriorMismatchError, match="model differs from the model the guide"):
+            pb.save(guide, tmp_path / "post.safetensors", model=other)
+    assert not (tmp_path / "post.safetensors").exists()
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = (
+            torch.nn.Linear(4, 4),
+            torch.nn.Linear(4, 3),
+            torch.nn.Linear(4, 3),
+        )
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h), self.b(h)
+
+
+def _two_outputs(output_key):
+    torch.manual_seed(0)
+    return FineTuneModel(
+        _TwoOutputs(),
+        LoRAXS(rank=2, target_modules=["body"]),
+        num_data=32,
+        trainable_modules=["a", "b"],
+        output_key=output_key,
+    )
+
+
+def test_the_output_key_is_recorded_and_checked_on_load(tmp_path):
+    guide = pb.posterior(_two_outputs(0), "map")
+    path = pb.save(guide, tmp_path / "post.safetensors")
+    assert _read(path)[0]["model"]["output_key"] == 0
+    pb.load(path, _two_outputs(0))
+    pb.load(path, _two_outputs(lambda out: out[0]))  # a callable: cannot be compared
+    for other in (1, None):
+        with pytest.raises(PosteriorMismatchError, match=r"output_key is 0 in the file but"):
+            pb.load(path, _two_outputs(other))
+
+
+def test_a_nested_adapters_init_scale_is_ignored_as_a_plain_ones(tmp_path):
+    """sigma-N wraps LoRA-XS: its adapter's init_scale (the cores' initial draw) does not change
+    the posterior's sites or bases, as for plain LoRA-XS; its projection does."""
+
+    def build(**lora):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+        )
+        adapter = pb.models.SigmaNorm(num_members=2, adapter=LoRAXS(target_modules=["0"], **lora))
+        return FineTuneModel(net, adapter, num_data=32, trainable_modules=["3"])
+
+    guide = pb.posterior(build(rank=2), "signorm")
+    path = pb.save(guide, tmp_path / "post.safetensors")
+    pb.load(path, build(rank=2, init_scale=0.1))
+    with pytest.raises(PosteriorMismatchError, match=r"adapter adapter.projection is 'svd' in"):
+        pb.load(path, build(rank=2, projection="dct"))
+
+
+def test_a_saved_file_gets_the_mode_a_plain_write_gives(tmp_path):
+    import os
+    import stat
+
+    _, guide = _fitted("map")
+    mask = os.umask(0o022)
+    try:
+        path = pb.save(guide, tmp_path / "post.safetensors")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # was 0600 (mkstemp's)
+        path.chmod(0o640)
+        pb.save(guide, path)  # an overwrite keeps the file's mode
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    finally:
+        os.umask(mask)
+
+
+def test_swapped_save_and_load_arguments_are_named(tmp_path):
+    p, guide = _fitted("map")
+    with pytest.raises(TypeError, match=r"other way round.*pb.save\(guide, path\)"):
+        pb.save(tmp_path / "post.safetensors", guide)
+    path = pb.save(guide, tmp_path / "post.safetensors")
+    with pytest.raises(TypeError, match=r"pb.load\(path, model\)"):
+        pb.load(p.model, path)

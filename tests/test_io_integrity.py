@@ -312,7 +312,7 @@ def test_save_refuses_a_guide_of_another_models_sites(tmp_path):
 
 def test_save_refuses_another_models_head(tmp_path):
     p, guide = _fitted("meanfield")
-    fresh = _problem(seed=5).model  # same sites, an unfitted head
+    fresh = _problem().model  # the same network rebuilt: same sites, an unfitted head
     with pytest.raises(PosteriorMismatchError, match="point parameter '2.*' \\(the head\\)") as e:
         pb.save(guide, tmp_path / "post.safetensors", model=fresh)
     assert "Pass the model the guide was fitted with as model=" in str(e.value)
@@ -323,6 +323,13 @@ def test_save_refuses_another_models_head(tmp_path):
             v.copy_(p.model.point_params[name])
     pb.save(guide, tmp_path / "post.safetensors", model=fresh)
     assert _files(tmp_path) == ["post.safetensors"]
+    # other base weights with the fitted head copied: refused (the header would record them)
+    other = _problem(seed=5).model
+    with torch.no_grad():
+        for name, v in other.point_params.items():
+            v.copy_(p.model.point_params[name])
+    with pytest.raises(PosteriorMismatchError, match=r"frozen network \(base_fingerprint\)"):
+        pb.save(guide, tmp_path / "other.safetensors", model=other)
 
 
 # ------------------------------------------------------------------------------ atomic writes

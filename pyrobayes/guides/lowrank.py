@@ -216,8 +216,10 @@ optimizer : optional
         super().__init__(model)
 
     def config(self) -> dict[str, Any]:
-        """The posterior's constructor options (the deprecated fit settings left out)."""
-        return {k: v for k, v in super().config().items() if k not in self.fit_options}
+        """The posterior's constructor options (the deprecated fit settings left out), with
+        ``scale`` as it is now (it may be set after fitting)."""
+        options = {k: v for k, v in super().config().items() if k not in self.fit_options}
+        return {**options, "scale": self.scale}
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:
