@@ -30,9 +30,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+#: Names targets go by in dict batches (Hugging Face's ``labels``, the ``datasets`` column
+#: ``label``): a batch holding the other one than ``label_key`` is refused, not fed to forward().
+_LABEL_NAMES = ("labels", "label")
+
+
 def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | None]:
     """Return ``(inputs, targets)``; ``targets`` is ``None`` when the batch carries none."""
     if isinstance(batch, Mapping):
+        if label_key not in batch:
+            other = next((k for k in _LABEL_NAMES if k != label_key and k in batch), None)
+            if other is not None:  # e.g. a `datasets` column "label": it would reach forward()
+                raise ValueError(
+                    f"The batch has no {label_key!r} but has {other!r} (keys: {sorted(batch)}): "
+                    f"pass FineTuneModel(..., label_key={other!r}) if those are the targets, or "
+                    f"rename the column to {label_key!r} (datasets: "
+                    f'dataset.rename_column({other!r}, {label_key!r})).'
+                )
         inputs = {k: v for k, v in batch.items() if k != label_key}
         return inputs, batch.get(label_key)
     if isinstance(batch, Tensor):
@@ -46,7 +60,10 @@ def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | No
         raise TypeError(
             f"Expected a batch (x, y) but got a {type(batch).__name__} of {len(batch)} items. "
             "For several inputs, nest them: ((x1, x2), y) (the network is called as "
-            f"net(x1, x2)), or pass a dict of tensors with the targets under {label_key!r}."
+            f"net(x1, x2)), or pass a dict of tensors with the targets under {label_key!r}; "
+            "for a Hugging Face model pass the dict ({'input_ids': ..., 'attention_mask': ..., "
+            f"{label_key!r}: y}}): its arguments are read by name, and its second positional "
+            "argument is not the attention mask in every model (GPT-2: past_key_values)."
         )
     raise TypeError(
         "Expected a batch as a dict of tensors (Hugging Face style, targets under "

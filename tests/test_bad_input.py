@@ -1429,3 +1429,35 @@ def test_the_laplace_temperature_is_a_setting_of_its_fit():
     with pytest.raises(ValueError, match=r"fitted at T = 0.5.*temperature=2\)\) and fit it again"):
         laplace.temperature = 2.0
     assert laplace.temperature == 0.5
+
+
+def test_targets_under_the_other_label_name_are_named():
+    # a `datasets` column "label" (not "labels"): fit said only "must carry targets", and
+    # predict passed label= into the network's forward and returned no targets
+    from tests.common import tiny_bert
+
+    model = FineTuneModel(tiny_bert(), LoRAXS(rank=2, target_modules=["query"]), num_data=8)
+    guide = pb.posterior(model, "map")
+    batch = {
+        "input_ids": torch.randint(1, 99, (4, 6)),
+        "attention_mask": torch.ones(4, 6, dtype=torch.long),
+        "label": torch.tensor([0, 1, 0, 1]),
+    }
+    for call in (
+        lambda: pb.fit(model, guide, [batch], epochs=1),
+        lambda: pb.predict(model, guide, [batch]),
+    ):
+        with pytest.raises(ValueError, match=r"has no 'labels' but has 'label'.*label_key='label'"):
+            call()
+    renamed = FineTuneModel(
+        tiny_bert(), LoRAXS(rank=2, target_modules=["query"]), num_data=8, label_key="label"
+    )
+    pred = pb.predict(renamed, pb.posterior(renamed, "map"), [batch])
+    assert torch.equal(pred.targets, batch["label"])
+
+
+def test_a_long_tuple_batch_points_a_hugging_face_user_to_a_dict():
+    with pytest.raises(
+        TypeError, match=r"Hugging Face model pass the dict .*GPT-2: past_key_values"
+    ):
+        pb.batch.split_batch((torch.ones(2, 3), torch.ones(2, 3), torch.zeros(2)))
