@@ -20,6 +20,7 @@ __all__ = [
     "batch_size",
     "token_mask",
     "compute_dtype",
+    "check_batches",
 ]
 
 
@@ -45,7 +46,7 @@ def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | No
                     f"The batch has no {label_key!r} but has {other!r} (keys: {sorted(batch)}): "
                     f"pass FineTuneModel(..., label_key={other!r}) if those are the targets, or "
                     f"rename the column to {label_key!r} (datasets: "
-                    f'dataset.rename_column({other!r}, {label_key!r})).'
+                    f"dataset.rename_column({other!r}, {label_key!r}))."
                 )
         inputs = {k: v for k, v in batch.items() if k != label_key}
         return inputs, batch.get(label_key)
@@ -110,7 +111,28 @@ def batch_size(inputs: Any) -> int:
                 return int(v.shape[0])
     if isinstance(inputs, (tuple, list)):
         return batch_size(inputs[0])
+    if isinstance(inputs, Mapping) and any(isinstance(v, list) for v in inputs.values()):
+        raise TypeError(
+            f"Cannot tell the batch size of a dict whose values are Python lists (keys: "
+            f"{sorted(inputs)}): collate the batch to tensors (datasets: "
+            "dataset.with_format('torch'), or a DataLoader with a collator such as "
+            "transformers' DataCollatorWithPadding)."
+        )
     raise TypeError(f"Cannot tell the batch size of {type(inputs).__name__}.")
+
+
+def check_batches(data: Any, owner: str) -> None:
+    """Refuse a data set whose items are single examples, not batches: a Hugging Face
+    ``datasets.Dataset`` (or ``IterableDataset``) passed as ``data`` yields one example dict at
+    a time, read as batches of the sequence length."""
+    if hasattr(data, "column_names") and hasattr(data, "features"):
+        raise TypeError(
+            f"{owner}: data is a {type(data).__name__} (Hugging Face datasets), whose items "
+            "are single examples, not batches. Batch it: "
+            "torch.utils.data.DataLoader(dataset.with_format('torch'), batch_size=32, "
+            "collate_fn=DataCollatorWithPadding(tokenizer)), or dataset.with_format('torch')"
+            ".iter(batch_size=32) for equal-length rows."
+        )
 
 
 def token_mask(inputs: Any) -> Tensor | None:

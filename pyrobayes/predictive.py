@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .batch import batch_size, compute_dtype, split_batch, to_device
+from .batch import batch_size, check_batches, compute_dtype, split_batch, to_device
 from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, bound_model, implements
 from .models.adapters import check_int
@@ -372,6 +372,7 @@ def predict(
             "samples_per_forward", samples_per_forward, ge=1, owner="predict: "
         )
     check_fitted_model(model, guide, "predict")
+    check_batches(data, "predict")
     if device is not None:
         model.to(device)
         guide.to(device)

@@ -1461,3 +1461,25 @@ def test_a_long_tuple_batch_points_a_hugging_face_user_to_a_dict():
         TypeError, match=r"Hugging Face model pass the dict .*GPT-2: past_key_values"
     ):
         pb.batch.split_batch((torch.ones(2, 3), torch.ones(2, 3), torch.zeros(2)))
+
+
+def test_a_data_set_of_single_examples_is_refused_with_how_to_batch_it():
+    # a Hugging Face `datasets.Dataset` passed as data yields one example dict at a time: fit
+    # read its 8 tokens as 8 examples of a 0-dim target, predict failed inside the network
+    class ExampleDataset:  # what fit and predict see of datasets.Dataset
+        column_names = ["input_ids", "labels"]
+        features: dict[str, Any] = {}
+
+        def __iter__(self):
+            return iter([{"input_ids": torch.arange(8), "labels": torch.tensor(1)}])
+
+    model = _model()
+    guide = pb.posterior(model, "map")
+    for call in (
+        lambda: pb.fit(model, guide, ExampleDataset(), epochs=1),
+        lambda: pb.predict(model, guide, ExampleDataset()),
+    ):
+        with pytest.raises(TypeError, match=r"single examples, not batches.*DataLoader"):
+            call()
+    with pytest.raises(TypeError, match=r"values are Python lists.*with_format\('torch'\)"):
+        pb.predict(model, guide, [{"x": [[1.0] * 4] * 2}])

@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..batch import batch_size, split_batch, to_device
+from ..batch import batch_size, check_batches, split_batch, to_device
 from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
@@ -399,6 +399,7 @@ def fit(
         warmup=options.optim.warmup,
         validated=options.validation is not None,
     )
+    check_batches(data, "fit()")
     plan = _Plan.of(data, epochs, num_steps)
     if isinstance(data, Iterator) and epochs is not None and epochs > 1:
         raise ValueError(
