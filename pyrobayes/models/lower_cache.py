@@ -8,7 +8,10 @@ the training and validation batches once, computes ``h_{i_0}(x)`` for every dist
 on its real tokens only, in a canonical order (examples of equal length together, sorted by
 their tokens, at most :data:`GROUP_TOKENS` tokens per forward, no padding), and each batch's
 input to block ``i_0`` is then assembled from those entries (zeros at the padded positions,
-which the attention mask hides from every real token). The lower blocks cost one pass over the
+which the attention mask hides from every real token). Examples are told apart by every input
+they carry (a sentence pair's ``token_type_ids``, ``position_ids``) and computed in forwards of
+examples carrying the same inputs, so an entry is the lower blocks' output on exactly its own
+example's inputs, whatever the other batches hold. The lower blocks cost one pass over the
 data per fit instead of one per epoch, and an example's entry depends on the data alone, not on
 the batch it falls in or where a run was resumed, so resumed fits stay bit-exact. Against the
 plain padded forward an entry differs by floating-point rounding only (MiniLM, float32: at most
@@ -18,15 +21,22 @@ It applies to training data given as a ``DataLoader``, list or tuple of batches 
 (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``, the labels; the
 multiple-choice likelihood's flattened choice rows with ``logits_to_keep``) whose rows hold one
 run of real tokens each: right padding, or left padding with ``position_ids`` that count the
-real tokens (without them the network numbers the padding too). It falls back to the plain
-forward otherwise: other batch keys, left padding without positions, a 4-d attention mask,
-dropout in the backbone (``train_backbone_mode``), a trainable or pyrobayes module (an adapter,
-a σNorm member) that runs before block ``i_0``, a block whose output is more than its hidden
-states, a block of the stack that runs more than once in a forward or a lower block that runs
-after a later one (ALBERT's shared layer groups and inner layers: the output of block
-``i_0 - 1`` at its first call is then not the input of block ``i_0``; also a stack holding one
-module twice), data over :data:`MAX_BYTES` of hidden states, or a batch holding an example the
-pass did not see.
+real tokens (without them the network numbers the padding too) on a network that attends
+causally (found by a probe: a change at the last position of an example leaves every earlier
+position's output at the cut bit for bit unchanged), whose head reads real tokens only (the
+last one, or the scored continuations). A bidirectional encoder computes the padding's hidden
+states from the real tokens, and its head may read them (BERT, ELECTRA and DistilBERT pool
+position 0, a padding token under left padding): zeros there would fit another function than
+the plain forward computes, so left padding on it runs the plain forward (logged at INFO,
+once). It falls back to the plain forward otherwise too: other batch keys, left padding without
+positions, a 4-d attention mask, dropout in the backbone (``train_backbone_mode``), a trainable
+or pyrobayes module (an adapter, a σNorm member) that runs before block ``i_0``, a block whose
+output is more than its hidden states or whose hidden states are not ``(rows, tokens, ...)``
+(XLNet's are tokens first), a block of the stack that runs more than once in a forward or a
+lower block that runs after a later one (ALBERT's shared layer groups and inner layers: the
+output of block ``i_0 - 1`` at its first call is then not the input of block ``i_0``; also a
+stack holding one module twice), data over :data:`MAX_BYTES` of hidden states, or a batch
+holding an example the pass did not see.
 :func:`pyrobayes.models.sharing.unshared` turns it off.
 """
 
@@ -55,6 +65,18 @@ _KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_id
 
 #: Keys read above the blocks (the head's positions, no key/value cache): not per token.
 _ABOVE = frozenset({"logits_to_keep", "use_cache"})
+
+
+#: Why left-padded rows of a network that does not attend causally run the plain forward.
+_LEFT = (
+    "left padding on a network that does not attend causally (a bidirectional encoder): its "
+    "padding's hidden states are computed from the real tokens and may be read (BERT pools "
+    "position 0)"
+)
+
+
+#: Why a block whose hidden states are not laid out as the token ids is not cached.
+_LAYOUT = "the block's hidden states are not (rows, tokens, ...) (XLNet's are tokens first)"
 
 
 class _Stop(Exception):
@@ -93,6 +115,9 @@ class LowerBlockCache:
         self.max_bytes = max_bytes
         self.entries: dict[bytes, Tensor] = {}
         self.structure: tuple | None = None  # the block output's entries after the hidden states
+        #: whether the network attends causally (probed where the data holds left padding)
+        self.causal: bool | None = None
+        self._told: set[str] = set()  # the reasons a batch ran the plain forward, logged once
 
     # ------------------------------------------------------------------ building
     def build(
@@ -107,7 +132,7 @@ class LowerBlockCache:
         if self.net.training:
             return self._off("the backbone is in training mode (dropout)")
         examples: dict[bytes, dict[str, Tensor]] = {}
-        width, tokens = None, 0
+        width, tokens, left = None, 0, False
         for data in datasets:
             for batch in data:
                 net_inputs = network_inputs(batch)
@@ -118,6 +143,7 @@ class LowerBlockCache:
                     )
                 host = _host(net_inputs)
                 for i, a, n in rows:
+                    left = left or a > 0
                     one = {k: v[i : i + 1, a : a + n] for k, v in host.items()}
                     key = _key(one)
                     if key not in examples:
@@ -129,9 +155,15 @@ class LowerBlockCache:
                         return False
                 if tokens * width > self.max_bytes:
                     return self._off(f"the data's hidden states exceed {self.max_bytes} bytes")
+        if left:
+            self.causal = self._attends_causally(examples.values(), device)
+            if not self.causal:
+                return self._off(_LEFT, logging.INFO)
         for group in _groups(examples):
             stacked = {k: torch.cat([o[k] for _, o in group]).to(device) for k in group[0][1]}
             hidden = self._forward(stacked)
+            if tuple(hidden.shape[:2]) != tuple(stacked["input_ids"].shape):
+                return self._off(_LAYOUT)
             for j, (key, _) in enumerate(group):
                 self.entries[key] = hidden[j]
         return bool(self.entries)
@@ -175,6 +207,9 @@ class LowerBlockCache:
             return None
         self.structure = tuple(output[1:]) if isinstance(output, tuple) else None
         hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.dim() < 2 or tuple(hidden.shape[:2]) != tuple(one["input_ids"].shape):
+            self._off(_LAYOUT)
+            return None
         return int(hidden[0, 0].numel()) * hidden.element_size()
 
     def _run(self, inputs: Mapping[str, Tensor], device: torch.device | None = None) -> Any:
@@ -202,6 +237,44 @@ class LowerBlockCache:
         hidden = output[0] if isinstance(output, tuple) else output
         return hidden.detach().clone()
 
+    def _attends_causally(
+        self, examples: Iterable[Mapping[str, Tensor]], device: torch.device
+    ) -> bool:
+        """Whether a change of the hidden states entering block 0 at the last position of the
+        longest example leaves every earlier position's output at the cut bit for bit unchanged
+        (causal attention: no position reads a later one). ``False`` where that cannot be
+        probed (no example of two tokens, block 0 without hidden states to change)."""
+        one = max(examples, key=lambda o: int(o["input_ids"].shape[1]))
+        n = int(one["input_ids"].shape[1])
+        if n < 2:
+            return False
+        changed: list[bool] = []
+
+        def change(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if args and isinstance(args[0], Tensor):
+                hidden = args[0].clone()
+                hidden[:, -1] += 1
+                changed.append(True)
+                return (hidden, *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), Tensor):
+                hidden = kwargs["hidden_states"].clone()
+                hidden[:, -1] += 1
+                changed.append(True)
+                return args, {**kwargs, "hidden_states": hidden}
+            return None
+
+        plain = self._run(one, device)
+        handle = self.blocks[0].register_forward_pre_hook(change, with_kwargs=True)
+        try:
+            other = self._run(one, device)
+        finally:
+            handle.remove()
+        plain = plain[0] if isinstance(plain, tuple) else plain
+        other = other[0] if isinstance(other, tuple) else other
+        if not changed or not isinstance(plain, Tensor) or not isinstance(other, Tensor):
+            return False
+        return bool(torch.equal(plain[:, : n - 1], other[:, : n - 1]))
+
     def _refusal(self, ran: list[nn.Module], output: Any) -> str | None:
         """Why the cache does not apply: a pyrobayes or trained module runs before the cut, or
         the block returns more than its hidden states (alone, or first of a tuple of ``None``)."""
@@ -224,10 +297,16 @@ class LowerBlockCache:
             return f"the block returns a {type(output).__name__}"
         return None
 
-    def _off(self, why: str) -> bool:
-        logger.debug("lower-block cache off: %s", why)
+    def _off(self, why: str, level: int = logging.DEBUG) -> bool:
+        logger.log(level, "lower-block cache off: %s", why)
         self.entries.clear()
         return False
+
+    def _plain(self, why: str) -> None:
+        """A batch runs the plain forward for ``why`` (logged at INFO, once per reason)."""
+        if why not in self._told:
+            self._told.add(why)
+            logger.info("lower-block cache: the plain forward runs: %s", why)
 
     # ------------------------------------------------------------------ lookup
     def output(self, net_inputs: Any) -> Any | None:
@@ -237,6 +316,9 @@ class LowerBlockCache:
             return None
         rows = _rows(net_inputs)
         if rows is None:
+            return None
+        if not self.causal and any(a > 0 for _, a, _ in rows):
+            self._plain(_LEFT)
             return None
         host = _host(net_inputs)
         found = []
@@ -343,27 +425,32 @@ def _host(net_inputs: Mapping[str, Any]) -> dict[str, Tensor]:
 
 
 def _key(one: Mapping[str, Tensor]) -> bytes:
-    """An example's identity: its real tokens (ids, then token types and positions if given)."""
-    parts = [one[k].to(torch.int64).numpy().tobytes() for k in sorted(one)]
+    """An example's identity: its real tokens (ids, then token types and positions if given),
+    each under its input's name (``token_type_ids`` and ``position_ids`` of equal values are
+    other examples)."""
+    parts = [k.encode() + b"=" + one[k].to(torch.int64).numpy().tobytes() for k in sorted(one)]
     return b"|".join(parts)
 
 
 def _groups(
     examples: Mapping[bytes, Mapping[str, Tensor]],
 ) -> list[list[tuple[bytes, Mapping[str, Tensor]]]]:
-    """The examples in a canonical order (by length, then by their tokens) cut into forwards of
-    one length and at most :data:`GROUP_TOKENS` tokens: the same groups whatever order the data
-    came in."""
-    ordered = sorted(
-        examples.items(), key=lambda item: (int(item[1]["input_ids"].shape[1]), item[0])
-    )
+    """The examples in a canonical order (by length and inputs, then by their tokens) cut into
+    forwards of one length and one set of inputs (an example's entry is computed on its own
+    inputs: none taken from, or missing for, another example of its forward) and at most
+    :data:`GROUP_TOKENS` tokens: the same groups whatever order the data came in."""
+
+    def kind(one: Mapping[str, Tensor]) -> tuple[int, tuple[str, ...]]:
+        return int(one["input_ids"].shape[1]), tuple(sorted(one))
+
+    ordered = sorted(examples.items(), key=lambda item: (kind(item[1]), item[0]))
     groups: list[list[tuple[bytes, Mapping[str, Tensor]]]] = []
     for key, one in ordered:
         n = int(one["input_ids"].shape[1])
         last = groups[-1] if groups else None
         if (
             last is not None
-            and int(last[0][1]["input_ids"].shape[1]) == n
+            and kind(last[0][1]) == kind(one)
             and (len(last) + 1) * n <= max(GROUP_TOKENS, n)
         ):
             last.append((key, one))

@@ -5,6 +5,7 @@ resumed fit stays bit-exact, and where the cache does not apply every block runs
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -239,8 +240,10 @@ def test_a_causal_lm_fit_caches_its_choice_rows_and_equals_the_plain_fit(arch, s
     rows = _lm_block0_rows(model)
     guide = pb.posterior(model, "map")
     result = pb.fit(model, guide, data, epochs=3, lr=1e-2, seed=0)
-    # the two batches' 18 rows are 9 distinct prompt + choice rows: one probe, then those 9
-    assert rows[0] == 1 and sum(rows[1:]) == 9
+    # the two batches' 18 rows are 9 distinct prompt + choice rows: one probe (and on left
+    # padding two forwards of one row that find the network causal), then those 9
+    probes = 3 if side == "left" else 1
+    assert rows[:probes] == [1] * probes and sum(rows[probes:]) == 9
     plain_model = _lm_model(arch)
     plain_rows = _lm_block0_rows(plain_model)
     plain_guide = pb.posterior(plain_model, "map")
@@ -315,3 +318,189 @@ def test_validation_with_shared_prompts_is_not_read_from_the_cache(arch):
     assert len(history) == len(plain_history) == 3
     for ours, theirs in zip(history, plain_history, strict=True):
         assert ours["nll"] == pytest.approx(theirs["nll"], rel=1e-10)
+
+
+# ---------------------------------------------------------------------- inputs of each example
+def _pairs(batches):
+    """``batches`` as sentence pairs: token type 1 on the second half of each row's real
+    tokens (the segment embedding then changes the lower blocks' output)."""
+    out = []
+    for batch in batches:
+        mask = batch["attention_mask"]
+        real = mask.sum(1, keepdim=True)
+        rank = mask.cumsum(1)  # 1..n on the real tokens (right padding)
+        types = ((rank > real // 2) & (mask == 1)).long()
+        out.append({**batch, "token_type_ids": types})
+    return out
+
+
+def _without_types(batch):
+    return {k: v for k, v in batch.items() if k != "token_type_ids"}
+
+
+def _steps_in_block0(model):
+    """Block 0's calls with gradients on (the training steps'; a validation pass has them off)."""
+    calls: list[int] = []
+    model.net.bert.encoder.layer[0].attention.register_forward_hook(
+        lambda m, a, o: calls.append(1) if torch.is_grad_enabled() else None
+    )
+    return calls
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["validation without token types", "other validation sentences", "some batches without"],
+)
+def test_each_examples_entry_is_computed_on_its_own_inputs(case):
+    """Examples carrying other inputs (a sentence pair's token types; validation batches
+    without them) are computed in forwards of their own: the first example of a forward no
+    longer decides the inputs of all (without token types: silently; with them first: a
+    KeyError), and the fit equals the plain one."""
+    train = _pairs(_batches())
+    val = [_without_types(b) for b in train]
+    if case == "other validation sentences":  # sorting after the training sentences
+        val = [{**b, "input_ids": torch.where(b["input_ids"] > 0, 95, 0)} for b in val]
+    if case == "some batches without":
+        train = [b if j % 2 else _without_types(b) for j, b in enumerate(train)]
+        val = None
+
+    def fit(model):
+        validation = pb.Validation(data=val) if val is not None else None
+        return _fit(model, train, validation=validation)
+
+    model = _model()
+    calls = _steps_in_block0(model)
+    guide, result = fit(model)
+    assert calls == []  # the cache served every training step
+    plain_model = _model()
+    with unshared():
+        plain_guide, plain = fit(plain_model)
+    # float64: rounding-level entries (~1e-16 relative) through twelve Adam steps (the first
+    # test); an entry computed without its token types is off by O(1)
+    torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
+    for name, value in plain_guide.state_dict().items():
+        torch.testing.assert_close(guide.state_dict()[name], value, rtol=0, atol=1e-10, msg=name)
+    if val is not None:
+        history, plain_history = result.state["validation"], plain.state["validation"]
+        assert len(history) == len(plain_history) == 3
+        for ours, theirs in zip(history, plain_history, strict=True):
+            assert ours["nll"] == pytest.approx(theirs["nll"], rel=1e-10)
+
+
+def test_token_types_and_positions_of_equal_values_are_other_examples():
+    """One sentence with token types ``t`` and the same sentence with position ids ``t`` (and
+    no token types) are two examples: each batch reads the lower blocks' output on its own
+    inputs."""
+    model = _model()
+    found = model._first_adapted()
+    assert found is not None
+    ids = torch.tensor([[5, 17, 33, 8, 61, 2]])
+    values = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    typed = {"input_ids": ids, "token_type_ids": values}
+    positioned = {"input_ids": ids, "position_ids": values}
+    cache = LowerBlockCache(model.net, found[0], found[1], [])
+    assert cache.build([[typed, positioned]], dict, model.device)
+    assert len(cache.entries) == 2
+    block = model.net.bert.encoder.layer[found[1] - 1]
+    recorded: list = []
+    handle = block.register_forward_hook(lambda m, a, o: recorded.append(o))
+    for batch in (typed, positioned):
+        recorded.clear()
+        with torch.no_grad():
+            model.net(**batch)
+        plain = recorded[0][0] if isinstance(recorded[0], tuple) else recorded[0]
+        assembled = cache.output(batch)
+        hidden = assembled[0] if isinstance(assembled, tuple) else assembled
+        # float64, one row of the same length: the same forward, bit for bit up to kernels
+        torch.testing.assert_close(hidden, plain, rtol=0, atol=1e-12)
+    handle.remove()
+
+
+# ---------------------------------------------------------------------- left padding, encoders
+def _left_with_positions(batches):
+    """Left-padded batches whose ``position_ids`` count the real tokens (0 on the padding)."""
+    out = []
+    for batch in batches:
+        mask = batch["attention_mask"]
+        positions = ((mask.cumsum(1) - 1) * mask).long()
+        out.append({**batch, "position_ids": positions})
+    return out
+
+
+def test_left_padding_on_an_encoder_runs_the_plain_forward(caplog):
+    """BERT pools position 0, a padding token under left padding, whose hidden states the
+    plain forward computes from the real tokens (zeros in the cache's assembly): the fit on
+    such batches runs every block, logs why once, and equals the plain fit."""
+    data = _left_with_positions(_batches(left=True))
+    assert bool((data[0]["attention_mask"][:, 0] == 0).any())  # position 0 is padding
+    model = _model()
+    rows = _block0_rows(model)
+    with caplog.at_level(logging.INFO, logger="pyrobayes.models.lower_cache"):
+        guide, result = _fit(model, data)
+    plain_model = _model()
+    with unshared():
+        plain_guide, plain = _fit(plain_model, data)
+    # float64, the same forwards: equal to rounding (~1e-16 relative); zeros in place of the
+    # padding's hidden states moved the losses by up to 4e-4 relative
+    torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
+    for name, value in plain_guide.state_dict().items():
+        torch.testing.assert_close(guide.state_dict()[name], value, rtol=0, atol=1e-10, msg=name)
+    assert rows[-12:] == [5] * 12  # every step computes block 0 on its padded batch
+    told = [r for r in caplog.records if "does not attend causally" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.INFO
+
+
+def test_left_padded_validation_not_read_ahead_runs_the_plain_forward():
+    """Right-padded training data is cached; validation batches not read ahead (an iterable)
+    holding the same sentences left padded are not assembled from the entries (zeros where
+    BERT pools): the validation history equals the plain fit's."""
+    data = _left_with_positions(_batches())  # positions 0..n-1 on the real tokens
+    val = _Iterable(_left_with_positions(_batches(left=True)))
+
+    def fit(model):
+        return _fit(model, data, validation=pb.Validation(data=val))
+
+    model = _model()
+    calls = _steps_in_block0(model)
+    _, result = fit(model)
+    assert calls == []  # the training steps still read the cache
+    with unshared():
+        _, plain = fit(_model())
+    # float64: rounding-level entries through twelve Adam steps, as above
+    torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
+    history, plain_history = result.state["validation"], plain.state["validation"]
+    assert len(history) == len(plain_history) == 3
+    for ours, theirs in zip(history, plain_history, strict=True):
+        assert ours["nll"] == pytest.approx(theirs["nll"], rel=1e-10)
+
+
+def test_hidden_states_tokens_first_turn_the_cache_off():
+    """XLNet's blocks take and return (tokens, rows, width): the cache, which assembles
+    (rows, tokens, width), is off (it failed inside the fit), and the fit is the plain one."""
+    from transformers import XLNetConfig, XLNetForSequenceClassification
+
+    def model():
+        torch.manual_seed(0)
+        config = XLNetConfig(
+            vocab_size=99, d_model=32, n_layer=4, n_head=2, d_inner=37, pad_token_id=0, num_labels=3
+        )
+        net = XLNetForSequenceClassification(config).double()
+        return FineTuneModel(
+            net,
+            LoRA(rank=2, target_modules=r".*layer\.[23]\.ff\.layer_1"),
+            likelihood="categorical",
+            num_data=20,
+        )
+
+    data = [_without_types(b) for b in _batches()]
+    cached = model()
+    found = cached._first_adapted()
+    assert found is not None and found[1] == 2
+    assert not LowerBlockCache(cached.net, found[0], found[1], []).build(
+        [data], lambda b: {k: v for k, v in b.items() if k != "labels"}, cached.device
+    )
+    guide, result = _fit(cached, data)
+    with unshared():
+        plain_guide, plain = _fit(model(), data)
+    # the same forwards (the cache is off): equal to rounding
+    torch.testing.assert_close(result.losses, plain.losses, rtol=1e-10, atol=0)
