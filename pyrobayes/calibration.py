@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 from .models.adapters import check_int
+from .models.likelihoods import check_class_targets, check_gaussian_targets
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +222,53 @@ def tempered_nll(
     Classification: ``-mean_n log softmax(log p̄ / T)[y_n]`` with ``p̄`` the draws' average
     (``pool=False``: ``-mean_n log (1/S) Σ_s softmax(log_probs_s / T)[y_n]``); regression: the
     Gaussian mixture with every component's σ multiplied by ``T``.
+
+    Raises
+    ------
+    ValueError
+        When ``targets`` do not match the prediction (:func:`fit_temperature`'s check).
     """
+    targets = _checked_targets(prediction, targets, "tempered_nll")
     return _nll_terms(prediction, targets, value, pool=pool).mean()
+
+
+def _checked_targets(prediction: Any, targets: Any, owner: str) -> Tensor:
+    """``targets`` checked against ``prediction`` as :func:`pyrobayes.metrics.report` checks
+    them: class labels ``(N,)`` or ``(N, 1)`` in range (:func:`check_class_targets`); regression
+    targets in the shape of one draw of ``loc``, ``(N, *event)`` (``(N,)`` or ``(N, 1)`` for a
+    scalar output), real and finite (:func:`check_gaussian_targets`). The NLL flattens the
+    targets, so a transposed ``(D, N)`` or a per-sample shape would otherwise be paired with the
+    wrong means and give another ``T`` without an error.
+
+    Raises
+    ------
+    TypeError
+        When ``targets`` is not a tensor.
+    ValueError
+        When they do not match the prediction (the message starts with ``owner``, the
+        function's name), or a regression prediction has no Gaussian scale to temper.
+    """
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{owner}: targets must be a tensor, got {type(targets).__name__}.")
+    if prediction.log_probs is not None:
+        return check_class_targets(targets, prediction.log_probs.shape[1:], what=owner)
+    loc = prediction.loc
+    if loc is None:
+        raise ValueError(
+            f"{owner}: the prediction holds neither log_probs nor loc; pass a pyrobayes.predict "
+            "result."
+        )
+    if prediction.scale is None:
+        raise ValueError(
+            f"{owner}: this regression prediction has no Gaussian scale to temper; build the "
+            "model with obs_scale=<float> or 'learn'."
+        )
+    try:  # against one draw's (N, *event): one target per example, never per draw
+        return check_gaussian_targets(
+            targets, loc.shape[1:], loc.dim() - 2, what="predictive mean (loc of one draw)"
+        )
+    except ValueError as err:
+        raise ValueError(f"{owner}: {err}") from None
 
 
 def _nll_terms(prediction: Any, targets: Tensor, value: float | Tensor, *, pool: bool) -> Tensor:
@@ -431,16 +477,30 @@ def _warn_if_poorly_determined(
             "standard errors). Calibrate on a larger held-out split."
         )
     if at_bound is not None:
-        _warn(
-            f"calibrate: T = {value:.4g} is at the {at_bound} end of bounds={bounds!r}: the "
-            "validation NLL still falls beyond it"
-            + (
+        if classification:
+            why = (
                 ", i.e. the held-out labels are predicted (almost) perfectly: is val_data the "
                 "training data, or too small?"
                 if at_bound == "lower"
                 else ", i.e. the predictive is that badly over-confident."
             )
-            + " Widen bounds if the temperature is meant to go further."
+        elif at_bound == "lower":  # the predictive σ is over 1/low times the residuals' scale
+            why = (
+                ", i.e. the predictive standard deviation is far too wide for the held-out "
+                "residuals: the Gaussian noise scale (obs_scale) is probably far too large for "
+                "these targets (their units?); refit with a smaller obs_scale or "
+                "obs_scale='learn' (or is val_data the training data?)."
+            )
+        else:
+            why = (
+                ", i.e. the predictive standard deviation is far too narrow for the held-out "
+                "residuals: the Gaussian noise scale (obs_scale) is probably far too small for "
+                "these targets; refit with a larger obs_scale or obs_scale='learn'."
+            )
+        _warn(
+            f"calibrate: T = {value:.4g} is at the {at_bound} end of bounds={bounds!r}: the "
+            f"validation NLL still falls beyond it{why} Widen bounds if the temperature is "
+            "meant to go further."
         )
 
 
@@ -505,11 +565,14 @@ def fit_temperature(
     Raises
     ------
     ValueError
-        No targets, or ``bounds`` not ``0 < low < high``.
+        No targets, targets that do not match the prediction (class labels ``(N,)`` or
+        ``(N, 1)``; regression targets shaped like one draw of ``loc``, ``(N, *event)``, and
+        finite), or ``bounds`` not ``0 < low < high``.
     """
     targets = prediction.targets if targets is None else targets
     if targets is None or targets.numel() == 0:
         raise ValueError("fit_temperature: the prediction has no targets; pass targets=.")
+    targets = _checked_targets(prediction, targets, "fit_temperature")
     low, high = (float(b) for b in bounds)
     if not (0 < low < high and math.isfinite(high)):
         raise ValueError(

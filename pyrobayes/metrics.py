@@ -895,7 +895,7 @@ def report(
     labels: Tensor,
     *,
     ood_probs: Any = None,
-    num_bins: int = 15,
+    num_bins: int | None = None,
 ) -> dict[str, float]:
     """All standard classification metrics in one dictionary (or a regression report).
 
@@ -913,16 +913,25 @@ def report(
     ood_probs : Tensor or object, optional
         Predictions on out-of-distribution inputs, ``(S, M, C)`` or an object as above. When
         given, OOD-detection AUROCs (in-distribution = 0, OOD = 1) are added for three scores:
-        predictive entropy, :func:`max_prob_score` and mutual information.
-    num_bins : int, default 15
-        Number of calibration bins.
+        predictive entropy, :func:`max_prob_score` and mutual information. For a regression
+        prediction: the regression prediction on the OOD inputs (``loc`` ``(S', M, ...)`` with
+        the same trailing shape, and ``scale``), scored per example by the variance of the
+        posterior predictive (the mean over draws of the predictive σ² plus the variance over
+        draws of ``loc``, averaged over the outputs); anything else is refused.
+    num_bins : int, optional
+        Number of calibration bins (default 15). Classification only: a regression report has
+        no binned calibration, and a ``num_bins`` given for one warns that it is ignored.
 
     Returns
     -------
     dict of str to float
         Keys ``accuracy``, ``nll``, ``ece``, ``ece_bins`` (the number of bins), ``brier``,
         ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
-        ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``.
+        ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``. Regression:
+        ``rmse`` and ``nll`` (:func:`regression_report`), and with ``ood_probs`` also
+        ``auroc_variance``, the AUROC of the predictive variance (NaN, with a ``UserWarning``,
+        when either prediction has no epistemic spread: one draw and no ``loc_var``, so every
+        example's variance is the same ``σ²``).
 
     Notes
     -----
@@ -943,13 +952,9 @@ def report(
             "none). Predict on labelled batches, (x, y) or a dict with the model's label_key, "
             "or pass the labels explicitly: report(pred, y)."
         )
-    loc = getattr(probs_or_prediction, "loc", None)
-    if isinstance(loc, Tensor) and getattr(probs_or_prediction, "log_probs", None) is None:
-        # the predictive σ: the likelihood's, or sqrt(loc_var + σ²) for a closed-form predictive
-        scale = getattr(probs_or_prediction, "predictive_scale", None)
-        if scale is None:
-            scale = getattr(probs_or_prediction, "scale", None)
-        return regression_report(loc, labels, scale)
+    if _is_regression(probs_or_prediction):
+        return _regression_report(probs_or_prediction, labels, ood_probs, num_bins)
+    num_bins = 15 if num_bins is None else num_bins
     probs, log_probs = _unpack(probs_or_prediction)
     probs = _as_3d(probs, "probs", probabilities=True)
     calibration = calibration_error(probs, labels, num_bins=num_bins)
@@ -987,5 +992,102 @@ def report(
             result["auroc_mi"] = math.nan
         else:
             result["auroc_mi"] = ood_auroc(mutual_information(probs), mutual_information(ood))
+    logger.debug("metrics report: %s", result)
+    return result
+
+
+def _is_regression(prediction: Any) -> bool:
+    """Whether ``prediction`` is a regression prediction: a ``loc`` tensor, no ``log_probs``."""
+    loc = getattr(prediction, "loc", None)
+    return isinstance(loc, Tensor) and getattr(prediction, "log_probs", None) is None
+
+
+def _predictive_scale(prediction: Any) -> Tensor | float | None:
+    """The predictive σ of a regression prediction: the likelihood's, or ``sqrt(loc_var + σ²)``
+    for a closed-form predictive (``predictive_scale`` when the object has it)."""
+    scale = getattr(prediction, "predictive_scale", None)
+    return getattr(prediction, "scale", None) if scale is None else scale
+
+
+def _predictive_variance(prediction: Any) -> tuple[Tensor, bool]:
+    r"""Per example, the variance of the Gaussian-mixture predictive, averaged over the outputs.
+
+    .. math:: v_n = \frac1D \sum_d \Big[\frac1S \sum_s \sigma_{s,nd}^2
+        + \frac1S \sum_s (\mu_{s,nd} - \bar\mu_{nd})^2\Big]
+
+    (the law of total variance of the equal-weight mixture of the S draws: the expected noise
+    plus the spread of the means; ``σ`` the predictive scale, ``sqrt(loc_var + σ²)`` for a
+    closed-form predictive). Returns ``(v (N,), spread)``, ``spread`` telling whether ``v``
+    holds any epistemic part (more than one draw, or a ``loc_var``): without one every ``v_n``
+    is the same ``σ²``.
+    """
+    loc = prediction.loc.detach()
+    if loc.dim() < 2:
+        raise ValueError(
+            f"report: a regression prediction's loc must be (S, N, *event), got {tuple(loc.shape)}."
+        )
+    flat = loc.to(torch.float64).reshape(loc.shape[0], -1)  # (S, N·D), as regression_report
+    variance = flat.var(dim=0, unbiased=False)  # (N·D,)
+    scale = _predictive_scale(prediction)
+    if scale is not None:
+        if isinstance(scale, Tensor) and scale.shape == loc.shape:  # per-sample, per-entry σ
+            scale = scale.detach().reshape(flat.shape)
+        variance = variance + _noise_scale(scale, flat).pow(2).mean(0)
+    spread = loc.shape[0] > 1 or getattr(prediction, "loc_var", None) is not None
+    return variance.reshape(loc.shape[1], -1).mean(-1), spread
+
+
+def _regression_report(
+    prediction: Any, targets: Tensor, ood: Any, num_bins: int | None
+) -> dict[str, float]:
+    """:func:`report` of a regression prediction: :func:`regression_report`, and with ``ood``
+    (the regression prediction on OOD inputs) ``auroc_variance``."""
+    if num_bins is not None:
+        warnings.warn(
+            f"report: num_bins={num_bins!r} is ignored for a regression prediction: it sets the "
+            "bins of the classification calibration error (ECE), and a regression report has "
+            "none (rmse and nll). Leave num_bins out for regression.",
+            UserWarning,
+            stacklevel=3,
+        )
+    result = regression_report(prediction.loc, targets, _predictive_scale(prediction))
+    if ood is None:
+        logger.debug("metrics report: %s", result)
+        return result
+    if not _is_regression(ood):
+        got = (
+            f"a tensor of shape {tuple(ood.shape)}"
+            if isinstance(ood, Tensor)
+            else f"a classification prediction ({type(ood).__name__} with log_probs)"
+            if getattr(ood, "log_probs", None) is not None
+            else f"a {type(ood).__name__}"
+        )
+        raise TypeError(
+            "report: for a regression prediction, ood_probs must be the regression prediction "
+            "on the out-of-distribution inputs (pyrobayes.predict(model, guide, ood_data), with "
+            f"loc and scale), got {got}."
+        )
+    loc, ood_loc = prediction.loc, ood.loc
+    if ood_loc.dim() < 2 or ood_loc.shape[2:] != loc.shape[2:]:
+        raise ValueError(
+            f"report: ood_probs.loc of shape {tuple(ood_loc.shape)} does not match the "
+            f"prediction's loc {tuple(loc.shape)}: both are (draws, examples, *event) with the "
+            f"same event shape {tuple(loc.shape[2:])}; predict the OOD inputs with the same model."
+        )
+    _check_no_nan(ood_loc, "ood_probs.loc", example_dim=1)
+    id_variance, id_spread = _predictive_variance(prediction)
+    ood_variance, ood_spread = _predictive_variance(ood)
+    if id_spread and ood_spread:
+        result["auroc_variance"] = ood_auroc(id_variance, ood_variance.to(id_variance.device))
+    else:
+        warnings.warn(
+            "report: the prediction (or ood_probs) has one posterior draw and no closed-form "
+            "variance (loc_var): its predictive variance is the likelihood's σ² for every "
+            "example, so it cannot tell OOD inputs apart and auroc_variance is NaN (not 0.5). "
+            "Predict with a posterior's draws (num_samples > 1) or a linearised predictive.",
+            UserWarning,
+            stacklevel=3,
+        )
+        result["auroc_variance"] = math.nan
     logger.debug("metrics report: %s", result)
     return result

@@ -40,7 +40,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import pyro
@@ -169,12 +169,14 @@ class DrawEvaluation:
     predictive : numpy.ndarray or None
         ``(S, N, ...)`` posterior-predictive draws (``predictive=True``).
     observed : numpy.ndarray or None
-        ``(N, ...)`` targets.
+        ``(N, ...)`` targets, in the shape the likelihood scores (its ``check_targets``: a
+        scalar Gaussian output's ``(N, 1)`` targets are ``(N,)``, as the draws of
+        ``predictive``).
     class_log_probs : Tensor or None
         ``(P, N, C)`` class log-probabilities of the first ``P = num_class_samples`` draws
         (classification likelihoods only).
     targets : Tensor or None
-        ``(N, ...)`` targets as a tensor.
+        ``(N, ...)`` targets as a tensor (as ``observed``).
     num_examples : int
         N (0 without targets).
     """
@@ -410,13 +412,13 @@ def _evaluate_chunk(
     with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse_within_batch():
         if pp_seed is not None:
             torch.manual_seed(pp_seed)
-        for batch in data:
+        for index, batch in enumerate(data):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
+            ll, pointwise, pp, lp, y = _evaluate_batch(model, inputs, y, values, n, wanted, index)
             if y is None:
                 has_targets = False
-            elif first:
+            elif first:  # in the likelihood's shape, as log_likelihood and posterior_predictive
                 chunk.observed.append(y.detach().cpu())
-            ll, pointwise, pp, lp = _evaluate_batch(model, inputs, y, values, n, wanted)
             if ll is not None:
                 chunk.ll_sum.add_(ll.sum(1))
             if pointwise is not None:
@@ -429,18 +431,28 @@ def _evaluate_chunk(
 
 
 def _evaluate_batch(
-    model: Any, inputs: Any, y: Tensor | None, values: dict[str, Tensor], n: int, wanted: _Wanted
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    model: Any,
+    inputs: Any,
+    y: Tensor | None,
+    values: dict[str, Tensor],
+    n: int,
+    wanted: _Wanted,
+    index: int,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """``(log-likelihoods (n, B), pointwise log-likelihoods (n, B), predictive draws, class
-    log-probabilities)`` on one batch, ``samples_per_forward`` draws per forward pass; each
-    ``None`` when not computed. The pointwise values and the predictive draws are tempered by
-    ``wanted.temperature`` (the log-likelihoods are the model's)."""
+    log-probabilities, targets)`` on batch ``index``, ``samples_per_forward`` draws per forward
+    pass; each ``None`` when not computed (no targets: ``y`` is ``None``). The pointwise values
+    and the predictive draws are tempered by ``wanted.temperature`` (the log-likelihoods are the
+    model's). The targets come back checked by the likelihood (:func:`_checked_targets`), in
+    the shape it scores."""
     parts_ll, parts_pw, parts_pp, parts_lp = [], [], [], []
     spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs, model)
     for s0 in range(0, n, spf):
         sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
         params = model.batched_output(inputs, sub)  # (s, B, ...)
         s_here = int(params.shape[0])
+        if y is not None and s0 == 0:
+            y = _checked_targets(model, params, y, index)
         likelihood_dist = model.likelihood.dist(params)
         tempered = (
             likelihood_dist
@@ -453,7 +465,7 @@ def _evaluate_batch(
             if wanted.pointwise and tempered is likelihood_dist:
                 parts_pw.append(parts_ll[-1])
             elif wanted.pointwise:
-                tll = tempered.log_prob(model.likelihood.check_targets(params, y))
+                tll = tempered.log_prob(y)
                 parts_pw.append(tll.reshape(s_here, tll.shape[1], -1).sum(-1).double())
         if wanted.predictive:
             parts_pp.append(tempered.sample().cpu())
@@ -465,7 +477,22 @@ def _evaluate_batch(
         torch.cat(parts_pw, 0).cpu() if parts_pw else None,  # (n, B)
         torch.cat(parts_pp, 0) if parts_pp else None,
         torch.cat(parts_lp, 0) if parts_lp else None,
+        y,
     )
+
+
+def _checked_targets(model: Any, params: Tensor, y: Tensor, index: int) -> Tensor:
+    """Batch ``index``'s targets checked by the likelihood (``check_targets``: their shape,
+    ``(B, 1)`` → ``(B,)`` for a scalar output or class labels, and for a Gaussian likelihood
+    finite values), or a ``ValueError`` that names the batch. Unchecked, a NaN target gives a
+    NaN log-likelihood that :func:`pyrobayes.diagnose` reads as a bad guide."""
+    check = getattr(model.likelihood, "check_targets", None)
+    if check is None:
+        return y
+    try:
+        return cast(Tensor, check(params, y))
+    except ValueError as err:
+        raise ValueError(f"batch {index} of the data: {err}") from None
 
 
 def _tempered(likelihood: Any, params: Tensor, untempered: Any, value: float) -> Any:

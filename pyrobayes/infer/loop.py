@@ -240,6 +240,7 @@ class _Plan(NamedTuple):
 
     @classmethod
     def of(cls, data: Any, epochs: int | None, num_steps: int | None) -> _Plan:
+        check_batches(data, "fit()")  # a data set of single examples has a length too
         try:
             per_epoch: int | None = len(data) if isinstance(data, Sized) else None
         except TypeError:  # a DataLoader over an IterableDataset has a __len__ that raises
@@ -399,7 +400,6 @@ def fit(
         warmup=options.optim.warmup,
         validated=options.validation is not None,
     )
-    check_batches(data, "fit()")
     plan = _Plan.of(data, epochs, num_steps)
     if isinstance(data, Iterator) and epochs is not None and epochs > 1:
         raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import pyro.distributions as dist
 import torch
@@ -286,6 +286,7 @@ def check_gaussian_targets(
     event_dim: int | None = None,
     *,
     what: str = "network output",
+    finite: bool = True,
 ) -> Tensor:
     """Targets of a Gaussian likelihood checked against its means; ``(B, 1)`` becomes ``(B,)``.
 
@@ -297,7 +298,12 @@ def check_gaussian_targets(
     - the full shape of the means (per-sample targets, e.g. draws from the likelihood).
 
     Anything else (``(B, 2)`` targets for a scalar output, ``(B,)`` for a vector output, another
-    batch size) raises a ``ValueError`` that names both shapes and the shape to pass.
+    batch size) raises a ``ValueError`` that names both shapes and the shape to pass. So do bool
+    and complex targets (a Gaussian models real numbers; torch cannot subtract a bool tensor)
+    and, with ``finite``, NaN or ±inf targets (their log-density, RMSE and NLL would be NaN, and
+    torch's own check names no target): held-out data reaches this check in
+    :func:`pyrobayes.predict`, the metrics, :func:`pyrobayes.calibrate` and the ArviZ export, which
+    the training batches' check (``pyrobayes.infer.objectives``) does not cover.
 
     Parameters
     ----------
@@ -308,14 +314,33 @@ def check_gaussian_targets(
         Number of event dims of the output.
     what : str
         What the means are called in the error message.
+    finite : bool
+        Refuse NaN and ±inf targets (one reduction and one synchronisation). ``False`` where the
+        targets were checked already: :meth:`Gaussian.log_prob`, the training hot path, whose
+        batches ``pyrobayes.infer.objectives.split_training_batch`` checks.
 
     Returns
     -------
     Tensor
         ``targets``, with a trailing unit dim dropped for a scalar output.
+
+    Raises
+    ------
+    TypeError
+        When ``targets`` is not a tensor.
+    ValueError
+        For a bool or complex dtype, a shape that does not match the means, or (``finite``) a
+        NaN or ±inf target.
     """
     if not isinstance(targets, Tensor):
         raise TypeError(f"Gaussian likelihood: targets must be a tensor, got {type(targets)}.")
+    if targets.dtype == torch.bool or targets.is_complex():
+        raise ValueError(
+            f"Gaussian likelihood: targets have dtype {targets.dtype}, but the Gaussian "
+            "likelihood models real-valued targets. For binary labels use a classifier "
+            "(likelihood='categorical' with two outputs, labels y.long()); for 0/1 regression "
+            "targets pass y.float() (or y.to(the network's dtype))."
+        )
     out = tuple(int(n) for n in output_shape)
     event_dim = len(out) - 1 if event_dim is None else int(event_dim)
     if event_dim < 0 or len(out) < event_dim + 1:
@@ -326,19 +351,38 @@ def check_gaussian_targets(
     per_batch = out[len(out) - event_dim - 1 :]  # (B, *event)
     shape = tuple(int(n) for n in targets.shape)
     if shape in (per_batch, out):
-        return targets
-    if not event_dim and shape == (*per_batch, 1):
-        return targets.squeeze(-1)
-    rows = per_batch[0]
-    if event_dim:
-        expected = f"{_shape(per_batch)}"
-        output = f"the {what} of shape {_shape(per_batch)}"
+        batch_dim = 0 if shape == per_batch else len(out) - event_dim - 1
+    elif not event_dim and shape == (*per_batch, 1):
+        targets, batch_dim = targets.squeeze(-1), 0
     else:
-        expected = f"({rows},) or ({rows}, 1)"
-        output = f"the {what}, one scalar per example for {rows} examples (shape {expected})"
+        rows = per_batch[0]
+        if event_dim:
+            expected = f"{_shape(per_batch)}"
+            output = f"the {what} of shape {_shape(per_batch)}"
+        else:
+            expected = f"({rows},) or ({rows}, 1)"
+            output = f"the {what}, one scalar per example for {rows} examples (shape {expected})"
+        raise ValueError(
+            f"Gaussian likelihood: targets of shape {_shape(shape)} do not match {output}; pass "
+            f"targets of shape {expected}."
+        )
+    if finite and targets.is_floating_point() and not bool(targets.isfinite().all()):
+        _raise_non_finite(targets, batch_dim)
+    return targets
+
+
+def _raise_non_finite(targets: Tensor, batch_dim: int) -> NoReturn:
+    """The ``ValueError`` for NaN or ±inf ``targets``, naming the examples (along ``batch_dim``)."""
+    bad = ~targets.isfinite()
+    per_example = bad.movedim(batch_dim, 0).reshape(targets.shape[batch_dim], -1).any(-1)
+    rows = per_example.nonzero().flatten().tolist()
     raise ValueError(
-        f"Gaussian likelihood: targets of shape {_shape(shape)} do not match {output}; pass "
-        f"targets of shape {expected}."
+        f"Gaussian likelihood: targets hold non-finite values ({int(targets.isnan().sum())} "
+        f"NaN, {int(targets.isinf().sum())} inf of {targets.numel()}) at examples "
+        f"{rows[:8]}{' ...' if len(rows) > 8 else ''} (of {targets.shape[batch_dim]}): "
+        "their log-likelihood, RMSE and NLL would be NaN. This is a data problem: drop those "
+        "examples (keep the rows where torch.isfinite(y) holds) or fill them in before "
+        "predicting, evaluating or calibrating."
     )
 
 
@@ -409,6 +453,15 @@ class Gaussian(Likelihood):
         return F.softplus(self.raw_scale if raw_scale is None else raw_scale)
 
     def params(self, output: Tensor, inputs: Any) -> Tensor:
+        if output.dim() == 0:
+            raise ValueError(
+                "Gaussian likelihood: the network returned a 0-dim output (one number, no "
+                "batch dim) for a batch of one example: its forward probably ends in "
+                ".squeeze(), which drops the batch dim as well when the batch holds a single "
+                "example (often the last batch of a loader). Squeeze the output dim only "
+                "(.squeeze(-1)), or return the (B, 1) output: the likelihood takes (B, 1) and "
+                "(B,) alike."
+            )
         if output.dim() == 2 and output.shape[-1] == 1:
             output = output.squeeze(-1)
         # output is (rows, *event): every dim after the leading row dim is part of one target
@@ -416,7 +469,8 @@ class Gaussian(Likelihood):
         return output
 
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
-        """:func:`check_gaussian_targets` against ``params`` ``(*lead, B, *event)``."""
+        """:func:`check_gaussian_targets` against ``params`` ``(*lead, B, *event)``: the shape,
+        the dtype (no bool) and finite values."""
         return check_gaussian_targets(targets, params.shape, self.event_dim)
 
     def dist(self, params: Tensor, raw_scale: Tensor | None = None) -> dist.TorchDistribution:
@@ -424,7 +478,9 @@ class Gaussian(Likelihood):
         return d.to_event(self.event_dim) if self.event_dim else d
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
-        targets = self.check_targets(params, targets)
+        # the shape and dtype checks cost no synchronisation; the finiteness check (one) is the
+        # training batch's (split_training_batch) on this hot path, and check_targets' elsewhere
+        targets = check_gaussian_targets(targets, params.shape, self.event_dim, finite=False)
         scale = self.scale()
         log_scale = torch.log(scale) if isinstance(scale, Tensor) else math.log(scale)
         z = (targets - params) / scale
