@@ -1483,3 +1483,13 @@ def test_a_data_set_of_single_examples_is_refused_with_how_to_batch_it():
             call()
     with pytest.raises(TypeError, match=r"values are Python lists.*with_format\('torch'\)"):
         pb.predict(model, guide, [{"x": [[1.0] * 4] * 2}])
+
+
+def test_the_ignore_index_is_named_among_labels_out_of_range():
+    model = _model()
+    guide = pb.posterior(model, "map")
+    x, y = _batches()[0]
+    y = y.clone()
+    y[0] = -100
+    with pytest.raises(ValueError, match=r"out of range.*-100 is Hugging Face's ignore index"):
+        pb.fit(model, guide, [(x, y)], epochs=1)

@@ -252,10 +252,16 @@ def check_class_targets(
     bad = (targets < 0) | (targets >= num_classes)
     if bool(bad.any()):
         low, high = int(targets.min()), int(targets.max())
+        ignored = (
+            " -100 is Hugging Face's ignore index (a loss skips it); here every example is "
+            "scored: drop those examples."
+            if bool((targets == -100).any())
+            else ""
+        )
         raise ValueError(
             f"{what}: labels must lie in 0..{num_classes - 1} ({num_classes} {classes}) but "
             f"range over {low}..{high} ({int(bad.sum())} of {targets.numel()} out of range). "
-            f"Encode the labels as 0..{num_classes - 1}, or {fix}."
+            f"Encode the labels as 0..{num_classes - 1}, or {fix}.{ignored}"
         )
     return targets
 
