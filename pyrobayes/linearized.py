@@ -47,7 +47,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .batch import batch_size, compute_dtype, split_batch, to_device
-from .predictive import CPU_MAX_ROWS_PER_FORWARD, Prediction, _rows, cat_examples
+from .predictive import (
+    CPU_MAX_ROWS_PER_FORWARD,
+    Prediction,
+    _rows,
+    cat_examples,
+    checked_targets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -488,7 +494,8 @@ def linearized_predict(
             variances.append(torch.cat(part_vars, 1))
         parts, part_vars = [], []
         if y is not None:
-            targets.append(check_targets(locs[-1], y) if check_targets else y)
+            where = f"batch {len(locs) - 1}"
+            targets.append(checked_targets(check_targets, locs[-1], y, where))
     if not locs:
         raise ValueError(
             "predict: data yielded no batches; pass a non-empty iterable of batches (a "

@@ -481,5 +481,16 @@ def _predict_batches(
                 out = torch.log_softmax(out.mean(0, keepdim=True), dim=-1)
             outputs.append(out)
             if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
-                targets.append(check_targets(parts[0], y) if check_targets else y)
+                targets.append(checked_targets(check_targets, parts[0], y, f"batch {index}"))
     return outputs, targets
+
+
+def checked_targets(check: Any, params: Tensor, targets: Tensor, where: str) -> Tensor:
+    """``check(params, targets)`` (the likelihood's target check; none: ``targets``), its
+    refusal naming the batch."""
+    if check is None:
+        return targets
+    try:
+        return cast(Tensor, check(params, targets))
+    except ValueError as err:
+        raise ValueError(f"predict: {where}: {err}") from err

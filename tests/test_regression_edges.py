@@ -63,12 +63,14 @@ def _with_bad(y: torch.Tensor, value: float, index: int = 23) -> torch.Tensor:
 
 # ------------------------------------------------------------------ 1. non-finite held-out targets
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_predict_refuses_non_finite_held_out_targets(value):
-    prob, guide = _fitted()
+@pytest.mark.parametrize("family", ["meanfield", "laplace"])  # laplace: the linearised predict
+def test_predict_refuses_non_finite_held_out_targets(value, family):
+    prob, guide = _fitted(family=family)
     data = split_batches(prob.x, _with_bad(prob.y, value), 20)
     with pytest.raises(ValueError, match=NON_FINITE) as err:
         pb.predict(prob.model, guide, data, num_samples=4)
     assert "drop those examples" in str(err.value)
+    assert str(err.value).startswith("predict: batch 1: ")  # the second batch of 20
 
 
 def test_the_export_and_diagnose_refuse_non_finite_targets_naming_the_batch():
