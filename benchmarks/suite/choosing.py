@@ -62,7 +62,7 @@ guide = pb.posterior(model, "map")  # any family works the same way
 pb.fit(model, guide, train, epochs=30, lr=1e-2, seed=0)
 before = pb.predict(model, guide, validation)
 T = pb.calibrate(model, guide, calibration)  # stored on the guide; pb.save keeps it
-after = pb.predict(model, guide, validation)  # p_T(y|x) = E_q[softmax(f(x)/T)]
+after = pb.predict(model, guide, validation)  # p_T(y|x) = softmax(log E_q[p(y|x)] / T)
 print(f"T = {T:.2f}")
 print(f"validation NLL {pb.metrics.report(before, before.targets)['nll']:.3f} -> "
       f"{pb.metrics.report(after, after.targets)['nll']:.3f}")

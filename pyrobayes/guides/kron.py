@@ -67,7 +67,9 @@ def damped_eigenvalues(a: Tensor, g: Tensor, weight_decay: float, damping: str =
 
 
 class KroneckerIVONGuide(IVONGuide):
-    r"""Kronecker-factored Gaussian over 2-D adapter weights, fitted by Kronecker IVON.
+    r"""Kronecker-factored Gaussian over 2-D adapter weights, fitted by Kronecker IVON (the
+    Kronecker-factored natural-gradient VI of Zhang et al., 2018, "Noisy natural gradient as
+    variational inference", with IVON's update of Shen et al., 2024).
 
     .. math:: q(\operatorname{vec} W) = \mathcal N\big(\operatorname{vec} M,\
               [λ(A ⊗ G + δ I)]^{-1}\big)

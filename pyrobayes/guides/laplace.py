@@ -105,31 +105,32 @@ class LaplaceGuide(SitePacking, PosteriorGuide):
     classification by ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))`` (MacKay 1992). ``"nn"``:
     the network sampled at draws of q (overdispersed on regression, see Immer et al. 2021).
 
-    With ``prior_precision="marglik"``, ``τ`` maximises the Laplace log marginal likelihood
-    (MacKay 1992; Immer et al. 2021)
+    With ``prior_precision="marglik"``, ``τ`` maximises a Laplace log marginal likelihood
+    (MacKay 1992), by default with the MAP ``θ*`` read as the log-likelihood's mode and the
+    prior integrated exactly against its quadratic (``λ_i``, ``θ*_i`` in the curvature's
+    eigenbasis; ``pb.infer.Laplace(evidence="likelihood_mode")``)
 
     .. math::
 
-        \log p(D\mid τ) \approx \log p(D\mid θ^*) - \tfrac τ2 \lVert θ^*\rVert^2
-        - \tfrac12 \log\det(H + τ I) + \tfrac d2 \log τ
+        \log p(D\mid τ) \approx \log p(D\mid θ^*)
+        - \tfrac12 \sum_i \Big[θ^{*2}_i \frac{λ_i τ}{λ_i+τ} + \log\big(1 + λ_i/τ\big)\Big],
 
-    in one of two ways (the fit's ``prior_optimization``, :class:`pyrobayes.infer.Laplace`):
+    or (``evidence="posterior_mode"``) laplace-torch's, ``θ*`` read as the posterior's mode
+    (Immer et al. 2021), ``log p(D|θ*) − τ/2 ‖θ*‖² − ½ log det(H + τ I) + d/2 log τ``. It is
+    searched in one of three ways (the fit's ``prior_optimization``,
+    :class:`pyrobayes.infer.Laplace`, which documents each):
 
-    - ``"evidence"`` (default; laplace-torch's post-hoc marginal likelihood): ``θ*`` and ``H``
-      stay at the MAP trained under the model's prior ``τ₀ = 1/s_p²``, and only ``τ`` moves. The
-      guide then pairs a mean that belongs to ``τ₀`` with a covariance ``(H + τ I)^{-1}`` at the
-      selected ``τ``: when ``τ ≠ τ₀`` the mean is not the MAP under the prior the covariance uses.
-    - ``"alternate"`` (MacKay's evidence iteration): repeat *refit the MAP at the current τ*
-      (epochs of the fitter's optimizer at ``alternate_lr`` over the training data with the
-      model's prior set to ``N(0, τ^{-1} I)``, until the MAP is stationary to
-      ``alternate_map_tol`` or ``alternate_epochs`` epochs), *refit H at it*, *re-maximise τ*,
-      until ``|log τ_new − log τ| < alternate_tol`` or ``alternate_max_iter`` refits (then a
-      warning names the gap). The guide keeps
-      the τ its last MAP and ``H`` were fitted under, so mean and covariance belong to one prior.
-      At convergence τ maximises the Laplace evidence at its own MAP; in a linear-Gaussian model
-      that is a stationary point of the exact evidence. Costs up to ``alternate_max_iter ×
-      alternate_epochs`` more epochs, and the refits move the MAP away from a best epoch that
-      ``pyrobayes.fit(val_data=...)`` selected (they train on the training data only).
+    - ``"evidence"`` (default): post hoc at the MAP; ``θ*`` and ``H`` stay at the MAP trained
+      under the model's prior ``τ₀ = 1/s_p²`` and only ``τ`` moves (when ``τ ≠ τ₀`` the mean is
+      not the MAP under the prior the covariance uses).
+    - ``"alternate"`` (MacKay's evidence iteration, with ``evidence="posterior_mode"``): refit
+      the MAP at the current τ, refit ``H`` at it, re-maximise τ, until ``log τ`` moves less than
+      ``alternate_tol``; mean and covariance then belong to one prior. Costs up to
+      ``alternate_max_iter × alternate_epochs`` more epochs, and the refits move the MAP away
+      from a best epoch that ``pyrobayes.fit(validation=pb.Validation(...))`` selected.
+    - ``"validation"``: the evidence's τ, then the multiple of it of least NLL on the fit's
+      held-out data (laplace-torch's grid search,
+      :func:`pyrobayes.infer.select_prior_precision`).
 
     Parameters
     ----------

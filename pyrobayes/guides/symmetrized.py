@@ -54,8 +54,11 @@ class SymmetrizedGuide(PosteriorGuide):
     .. math:: q_G(θ) = \frac1{|G|}\sum_{g∈G} q(g^{-1}·θ),\qquad
               G = S_{n_1}×…×S_{n_H}\ \text{(hidden units, LoRA rank axes)}
 
-    Fitted by default with :class:`~pyrobayes.infer.symmetrized.SymmetrizedELBO`:
-    ``L_K = E_q log p(D|θ) − KL(q‖p) + I_K`` (the base's analytic KL when it has one).
+    Fitted by :func:`pyrobayes.fit` with the batched objective
+    :class:`~pyrobayes.infer.symmetrized.BatchedSymmetrizedELBO` (``"symmetrized-elbo"``;
+    :class:`~pyrobayes.infer.symmetrized.SymmetrizedELBO` is the same loss for Pyro's ``SVI``):
+    ``L_K = E_q log p(D|θ) − KL(q‖p) + I_K`` (the base's analytic KL when it has one; Gelberg
+    et al. 2024, Sec. 4).
 
     Parameters
     ----------

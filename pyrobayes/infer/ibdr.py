@@ -155,7 +155,9 @@ def _mixture(guide: Any, who: str) -> Mixture:
 
 
 class IBDRLoss:
-    r"""IBDR's interactive objective at K particles (dataset-sum convention).
+    r"""IBDR's interactive objective at K particles (dataset-sum convention; Pham et al., 2025,
+    "Interactive Bayesian distributional robustness", with the ensemble-diversity term of Pang
+    et al., 2019).
 
     .. math::
 
@@ -260,13 +262,14 @@ class IBDRLoss:
 
 
 class IBDRFitter(Fitter):
-    r"""The two-pass distributionally robust step of IBDR, with the dual variable λ.
+    r"""The two-pass distributionally robust step of IBDR, with the dual variable λ (Pham et
+    al., 2025).
 
     Its settings, :class:`IBDR` (``optimizer=pb.infer.IBDR(...)``), set the step: ``alpha``,
     ``loss``, ``epsilon`` (the objective, :class:`IBDRLoss`), ``rho`` (ρ), ``lam`` (λ₀),
     ``lam_min`` / ``lam_max`` (the projection interval), ``lam_lr`` (η_λ; ``None``: ``0.25/ρ``),
     ``max_grad_norm`` (c_max) and ``cost`` (``"param"`` or ``"function"``). The base optimizer (the descent step) is any
-    torch optimizer; the default is Adam, as for every pyrobayes fitter: the objective is a
+    torch optimizer; the default is Adam, as for every pyrobayes fitter but the IVON ones: the objective is a
     dataset sum (N/B-scaled), to which Adam is scale-invariant. The released code's SGD with
     momentum 0.9 on the per-example mean loss at learning rate η is
     ``optimizer=pb.infer.IBDR(optimizer=lambda p: torch.optim.SGD(p, lr=η / N, momentum=0.9))``

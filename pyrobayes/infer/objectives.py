@@ -209,7 +209,7 @@ def _log_likelihood_sum(
 
 
 class ELBO:
-    r"""Reparameterized negative ELBO.
+    r"""Reparameterized negative ELBO (Kingma & Welling, 2014; Blundell et al., 2015).
 
     .. math::
 

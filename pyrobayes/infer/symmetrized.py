@@ -129,7 +129,8 @@ def _check_guide(guide: Any, owner: str) -> None:
 
 
 class BatchedSymmetrizedELBO(ELBO):
-    r"""Negative ``L_K`` on the batched path: ``−(N/B) Σ_b mean_s log p(y_b|θ_s) + KL − I_K``.
+    r"""Negative ``L_K`` on the batched path: ``−(N/B) Σ_b mean_s log p(y_b|θ_s) + KL − I_K``
+    (the symmetrized ELBO of Gelberg et al., 2024, Sec. 4).
 
     Parameters
     ----------
@@ -188,7 +189,8 @@ class BatchedSymmetrizedELBO(ELBO):
 
 
 class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
-    r"""``TraceMeanField_ELBO − I_K``: the symmetrized ELBO for plain ``pyro.infer.SVI``.
+    r"""``TraceMeanField_ELBO − I_K``: the symmetrized ELBO for plain ``pyro.infer.SVI``
+    (Gelberg et al., 2024, Sec. 4).
 
     .. math:: \mathcal L = -\big(\mathbb E_q\log p(D\mid θ) - \mathrm{KL}(q\,\|\,p)\big) - I_K
 

@@ -444,7 +444,9 @@ class LoRA:
 
 @dataclass
 class LoRAXS:
-    """LoRA-XS adapter: ``W = W0 + (α/r) A R B`` with frozen bases and a trainable r×r core R.
+    """LoRA-XS adapter: ``W = W0 + (α/r) A R B`` with frozen bases and a trainable r×r core R
+    (Bałazy et al., 2024, "LoRA-XS: low-rank adaptation with extremely small number of
+    parameters").
 
     Parameters
     ----------
