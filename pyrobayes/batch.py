@@ -140,11 +140,15 @@ def token_mask(inputs: Any) -> Tensor | None:
 
     Curvature and input statistics over token activations ``(B, T, d)`` skip the padded
     positions with it: padding is not data. A multiple-choice batch's ``(B, K, T)`` mask is
-    returned as ``(B·K, T)``, the rows the network sees.
+    returned as ``(B·K, T)``, the rows the network sees, zero on the rows of padded choices
+    (``choice_mask`` of a ragged batch: copies of a question's first choice, not data either).
     """
     if isinstance(inputs, Mapping):
         mask = inputs.get("attention_mask")
         if not isinstance(mask, Tensor):
             return None
+        choices = inputs.get("choice_mask")
+        if isinstance(choices, Tensor) and mask.dim() == 3 and choices.shape == mask.shape[:2]:
+            mask = mask * choices.to(mask.dtype).unsqueeze(-1)
         return mask.reshape(-1, mask.shape[-1]) if mask.dim() > 2 else mask
     return None

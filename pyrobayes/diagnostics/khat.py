@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..calibration import apply_temperature
 from ..metrics import report
 from ..predictive import Prediction
 from .export import DEFAULT_MAX_SITE_NUMEL, evaluate_draws
@@ -166,7 +167,9 @@ def diagnose(
         Calibration bins of the ECE.
     num_predictive_samples : int
         The first this-many draws (the same draws as for :math:`\hat k`) give the posterior
-        predictive whose calibration is reported (classification likelihoods only).
+        predictive whose calibration is reported (classification likelihoods only), under the
+        guide's :func:`pyrobayes.calibrate` temperature as :func:`pyrobayes.predict` applies it
+        (:math:`\hat k` is the posterior's, untouched by it).
     samples_per_forward : int, optional
 
     Returns
@@ -210,7 +213,10 @@ def diagnose(
     log_evidence = top + math.log(float(np.mean(np.exp(log_ratios - top))))
     calibration: dict[str, float] = {}
     if ev.class_log_probs is not None and ev.targets is not None:
-        prediction = Prediction(log_probs=ev.class_log_probs, targets=ev.targets)
+        # under the guide's pyrobayes.calibrate temperature, as pyrobayes.predict reports it
+        prediction = apply_temperature(
+            Prediction(log_probs=ev.class_log_probs, targets=ev.targets), guide
+        )
         calibration = report(prediction, ev.targets, num_bins=num_bins)
         calibration["num_predictive_samples"] = float(ev.class_log_probs.shape[0])
     result = Diagnostics(

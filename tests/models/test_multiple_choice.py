@@ -457,3 +457,56 @@ def test_pyro_predictive_and_save_load(tmp_path):
         torch.testing.assert_close(loaded.loc(site), guide.loc(site), rtol=0, atol=0)
     with pytest.raises(PosteriorMismatchError, match="normalize"):
         pb.load(path, build("none"))
+
+
+def test_padded_choice_rows_are_not_data_for_kronecker_statistics():
+    """A ragged batch pads a question's choice list with copies of its first choice (masked out
+    of the likelihood); Kronecker IVON's input factor averaged over them too, so the fit depended
+    on what the padded rows held (3.8e-3 in the posterior mean against 9e-3 moved by the fit).
+    With the rows masked (``batch.token_mask``), padded rows copying choice 0 or choice 1 give
+    the same fit in float64, to rounding."""
+    from pyrobayes.batch import token_mask
+
+    questions = [
+        ("Q0 pick one", ["alpha", "betabeta"], 0),
+        ("Q1 pick one", ["gamma", "delta", "epsilon", "zeta"], 2),
+        ("Q2 pick one", ["eta", "theta", "iota"], 1),
+        ("Q3 pick one", ["kappa", "lambda"], 1),
+    ]
+
+    def batches(copy: int) -> list:
+        out = []
+        for i in (0, 2):
+            chunk = questions[i : i + 2]
+            b = encode_multiple_choice(
+                CharTokenizer(),
+                [q[0] for q in chunk],
+                [q[1] for q in chunk],
+                answers=[q[2] for q in chunk],
+                padding_side="left",
+                ragged=True,
+            )
+            for row, col in (b["choice_mask"] == 0).nonzero().tolist():
+                for key in ("input_ids", "attention_mask", "continuation_mask", "position_ids"):
+                    b[key][row, col] = b[key][row, copy]
+                b["continuation_chars"][row, col] = b["continuation_chars"][row, copy]
+            out.append(b)
+        return out
+
+    mask = token_mask(batches(0)[0])
+    assert mask is not None and int(mask.reshape(2, 4, -1)[0, 2:].sum()) == 0  # padded rows
+    means = []
+    for copy in (0, 1):
+        torch.manual_seed(0)
+        model = FineTuneModel(
+            NETS["llama"]().eval().double(),
+            LoRA(rank=2, target_modules=TARGETS["llama"]),
+            likelihood=MultipleChoice(normalize="length"),
+            num_data=4,
+            trainable_modules=[],
+        )
+        guide = pb.posterior(model, "kron-ivon")
+        pb.fit(model, guide, batches(copy), epochs=2, lr=0.1, seed=0, progress=False)
+        means.append(guide.mean())
+    for site, value in means[0].items():
+        torch.testing.assert_close(value, means[1][site], rtol=0, atol=1e-12)
