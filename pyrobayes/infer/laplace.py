@@ -49,6 +49,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import batch_size, compute_dtype, split_batch, to_device
+from ..batch import batch_size, compute_dtype, split_batch, to_device, token_mask
 from ..calibration import drop_temperature
 from ..guides.laplace import _ALTERNATE_LAYERWISE
 from ..linearized import output_jacobian_rows, output_jacobians
@@ -624,11 +625,31 @@ def per_example_ggn_backend() -> type:
     _import_laplace()
     from laplace.curvature import CurvlinopsGGN
 
+    masked_kfac: Any = _masked_kfac()
+
     class PerExampleGGN(CurvlinopsGGN):
         def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+            # token batches: the K-FAC input factors over the real tokens only (padding and a
+            # ragged batch's padded choice rows are not data; laplace-torch's KFAC counts them)
+            wrapper: Any = self.model
+            model = getattr(wrapper, "pyro_model", None)
+            mask = None
+            if model is not None and isinstance(x, Mapping):
+                mask = token_mask(_network_inputs(x, model.label_key))
+            if mask is not None and not bool(mask.bool().all()):
+                masked_kfac.token_mask = mask.bool()
+                module: Any = sys.modules[CurvlinopsGGN.__module__]
+                plain = module.KFACLinearOperator
+                module.KFACLinearOperator = masked_kfac
+                try:
+                    loss, kron = super().kron(x, y, N, **kwargs)
+                finally:
+                    module.KFACLinearOperator = plain
+                    masked_kfac.token_mask = None
+            else:
+                loss, kron = super().kron(x, y, N, **kwargs)
             # half-precision sites (a bf16 network): the factors go on in float32, since their
             # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
-            loss, kron = super().kron(x, y, N, **kwargs)
             if any(compute_dtype(f.dtype) != f.dtype for factors in kron.kfacs for f in factors):
                 upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
                 kron = type(kron)(upcast)
@@ -681,6 +702,46 @@ def per_example_ggn_backend() -> type:
             return loss.detach(), diag.detach()
 
     return PerExampleGGN
+
+
+@functools.cache
+def _masked_kfac() -> type:
+    """curvlinops' ``KFACLinearOperator`` whose K-FAC-expand input factor of a token layer sums
+    over the real tokens only (``token_mask`` ``(rows, T)``, set around one call) and divides by
+    ``N`` times the real rows' mean length: ``A = Σ_real a aᵀ / (N · n_tok / n_rows)``, which is
+    curvlinops' ``Σ a aᵀ / (N · T)`` for a batch without padding and does not depend on how a
+    batch is padded (left or right, or with copies of a choice in a ragged batch's padded rows).
+    The output-gradient factor needs nothing: padding gets no gradient."""
+    from curvlinops import KFACLinearOperator  # type: ignore[import-untyped]
+
+    class MaskedKFAC(KFACLinearOperator):
+        token_mask: Tensor | None = None
+
+        def _hook_accumulate_input_covariance(
+            self, module: nn.Module, inputs: tuple[Tensor, ...], module_name: str
+        ) -> None:
+            mask, x = type(self).token_mask, inputs[0].data.detach() if inputs else None
+            if (
+                mask is None
+                or x is None
+                or len(inputs) != 1
+                or x.dim() != 3
+                or tuple(x.shape[:-1]) != tuple(mask.shape)
+                or str(getattr(self._kfac_approx, "value", self._kfac_approx)) != "expand"
+            ):  # a layer without the batch's token axis (a pooled head), or KFAC-reduce
+                super()._hook_accumulate_input_covariance(module, inputs, module_name)
+                return
+            real = mask.to(x.device)
+            a = x[real]  # (n_tok, d): the real tokens' inputs
+            params = self._mapping[module_name]
+            if "weight" in params and "bias" in params and not self._separate_weight_and_bias:
+                a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+            tokens, rows = int(real.sum()), int(real.any(-1).sum())
+            covariance = (a.T @ a).div_(self._N_data * tokens / rows)
+            me: Any = self
+            me._input_covariances = me._set_or_add_(me._input_covariances, module_name, covariance)
+
+    return MaskedKFAC
 
 
 def _streamed_diag_ggn(
