@@ -494,7 +494,7 @@ def linearized_predict(
             variances.append(torch.cat(part_vars, 1))
         parts, part_vars = [], []
         if y is not None:
-            where = f"batch {len(locs) - 1}"
+            where = f"predict: batch {len(locs) - 1}"
             targets.append(checked_targets(check_targets, locs[-1], y, where))
     if not locs:
         raise ValueError(

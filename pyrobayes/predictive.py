@@ -481,16 +481,19 @@ def _predict_batches(
                 out = torch.log_softmax(out.mean(0, keepdim=True), dim=-1)
             outputs.append(out)
             if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
-                targets.append(checked_targets(check_targets, parts[0], y, f"batch {index}"))
+                where = f"predict: batch {index}"
+                targets.append(checked_targets(check_targets, parts[0], y, where))
     return outputs, targets
 
 
 def checked_targets(check: Any, params: Tensor, targets: Tensor, where: str) -> Tensor:
-    """``check(params, targets)`` (the likelihood's target check; none: ``targets``), its
-    refusal naming the batch."""
+    """``check(params, targets)`` (the likelihood's target check: shape, ``(B, 1)`` → ``(B,)``,
+    and a Gaussian's finite values; none: ``targets``), its refusal prefixed by ``where`` (the
+    batch). Unchecked, a NaN target gives a NaN log-likelihood that
+    :func:`pyrobayes.diagnose` reads as a bad guide."""
     if check is None:
         return targets
     try:
         return cast(Tensor, check(params, targets))
     except ValueError as err:
-        raise ValueError(f"predict: {where}: {err}") from err
+        raise ValueError(f"{where}: {err}") from None

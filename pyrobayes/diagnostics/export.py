@@ -40,7 +40,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyro
@@ -54,7 +54,12 @@ from ..calibration import TEMPERATURE_BUFFER, pooled, temperature
 from ..contract import Mixture, implements
 from ..models.likelihoods import Gaussian
 from ..models.sharing import reuse_within_batch
-from ..predictive import cat_examples, check_fitted_model, default_samples_per_forward
+from ..predictive import (
+    cat_examples,
+    check_fitted_model,
+    checked_targets,
+    default_samples_per_forward,
+)
 
 __all__ = [
     "to_datatree",
@@ -452,7 +457,8 @@ def _evaluate_batch(
         params = model.batched_output(inputs, sub)  # (s, B, ...)
         s_here = int(params.shape[0])
         if y is not None and s0 == 0:
-            y = _checked_targets(model, params, y, index)
+            check = getattr(model.likelihood, "check_targets", None)
+            y = checked_targets(check, params, y, f"batch {index} of the data")
         likelihood_dist = model.likelihood.dist(params)
         tempered = (
             likelihood_dist
@@ -479,20 +485,6 @@ def _evaluate_batch(
         torch.cat(parts_lp, 0) if parts_lp else None,
         y,
     )
-
-
-def _checked_targets(model: Any, params: Tensor, y: Tensor, index: int) -> Tensor:
-    """Batch ``index``'s targets checked by the likelihood (``check_targets``: their shape,
-    ``(B, 1)`` → ``(B,)`` for a scalar output or class labels, and for a Gaussian likelihood
-    finite values), or a ``ValueError`` that names the batch. Unchecked, a NaN target gives a
-    NaN log-likelihood that :func:`pyrobayes.diagnose` reads as a bad guide."""
-    check = getattr(model.likelihood, "check_targets", None)
-    if check is None:
-        return y
-    try:
-        return cast(Tensor, check(params, y))
-    except ValueError as err:
-        raise ValueError(f"batch {index} of the data: {err}") from None
 
 
 def _tempered(likelihood: Any, params: Tensor, untempered: Any, value: float) -> Any:

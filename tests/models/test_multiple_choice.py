@@ -459,6 +459,18 @@ def test_pyro_predictive_and_save_load(tmp_path):
         pb.load(path, build("none"))
 
 
+def _float64_llama(num_data: int) -> FineTuneModel:
+    """The tiny LLaMA in float64 with LoRA r = 2 on q/v, length-normalised continuations."""
+    torch.manual_seed(0)
+    return FineTuneModel(
+        NETS["llama"]().eval().double(),
+        LoRA(rank=2, target_modules=TARGETS["llama"]),
+        likelihood=MultipleChoice(normalize="length"),
+        num_data=num_data,
+        trainable_modules=[],
+    )
+
+
 def test_padded_choice_rows_are_not_data_for_kronecker_statistics():
     """A ragged batch pads a question's choice list with copies of its first choice (masked out
     of the likelihood); Kronecker IVON's input factor averaged over them too, so the fit depended
@@ -497,14 +509,7 @@ def test_padded_choice_rows_are_not_data_for_kronecker_statistics():
     assert mask is not None and int(mask.reshape(2, 4, -1)[0, 2:].sum()) == 0  # padded rows
     means = []
     for copy in (0, 1):
-        torch.manual_seed(0)
-        model = FineTuneModel(
-            NETS["llama"]().eval().double(),
-            LoRA(rank=2, target_modules=TARGETS["llama"]),
-            likelihood=MultipleChoice(normalize="length"),
-            num_data=4,
-            trainable_modules=[],
-        )
+        model = _float64_llama(num_data=4)
         guide = pb.posterior(model, "kron-ivon")
         pb.fit(model, guide, batches(copy), epochs=2, lr=0.1, seed=0, progress=False)
         means.append(guide.mean())
@@ -532,14 +537,7 @@ def test_padding_is_not_data_for_the_kronecker_laplace(side):
         padded[key] = torch.cat(parts, -1)
     curvature = []
     for data in (batch, padded):
-        torch.manual_seed(0)
-        model = FineTuneModel(
-            NETS["llama"]().eval().double(),
-            LoRA(rank=2, target_modules=TARGETS["llama"]),
-            likelihood=MultipleChoice(normalize="length"),
-            num_data=2,
-            trainable_modules=[],
-        )
+        model = _float64_llama(num_data=2)
         start = pb.posterior(model, "map")
         with torch.no_grad():  # a point away from LoRA's B = 0, where A gets no gradient
             for site in start.sites:
