@@ -625,28 +625,11 @@ def per_example_ggn_backend() -> type:
     _import_laplace()
     from laplace.curvature import CurvlinopsGGN
 
-    masked_kfac: Any = _masked_kfac()
-
     class PerExampleGGN(CurvlinopsGGN):
         def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
             # token batches: the K-FAC input factors over the real tokens only (padding and a
             # ragged batch's padded choice rows are not data; laplace-torch's KFAC counts them)
-            wrapper: Any = self.model
-            model = getattr(wrapper, "pyro_model", None)
-            mask = None
-            if model is not None and isinstance(x, Mapping):
-                mask = token_mask(_network_inputs(x, model.label_key))
-            if mask is not None and not bool(mask.bool().all()):
-                masked_kfac.token_mask = mask.bool()
-                module: Any = sys.modules[CurvlinopsGGN.__module__]
-                plain = module.KFACLinearOperator
-                module.KFACLinearOperator = masked_kfac
-                try:
-                    loss, kron = super().kron(x, y, N, **kwargs)
-                finally:
-                    module.KFACLinearOperator = plain
-                    masked_kfac.token_mask = None
-            else:
+            with _real_token_kfac(self.model, x, sys.modules[CurvlinopsGGN.__module__]):
                 loss, kron = super().kron(x, y, N, **kwargs)
             # half-precision sites (a bf16 network): the factors go on in float32, since their
             # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
@@ -702,6 +685,30 @@ def per_example_ggn_backend() -> type:
             return loss.detach(), diag.detach()
 
     return PerExampleGGN
+
+
+@contextlib.contextmanager
+def _real_token_kfac(wrapper: Any, x: Any, backend: Any) -> Iterator[None]:
+    """Within the block, ``backend`` (laplace-torch's curvlinops module) builds K-FAC with
+    :func:`_masked_kfac`'s operator over the real tokens of the batch ``x`` (nothing changes
+    for a batch without padding or token axes)."""
+    model = getattr(wrapper, "pyro_model", None)
+    mask = None
+    if model is not None and isinstance(x, Mapping):
+        mask = token_mask(_network_inputs(x, model.label_key))
+    if mask is None or bool(mask.bool().all()):
+        yield
+        return
+    masked: Any = _masked_kfac()
+    plain, backend.KFACLinearOperator, masked.token_mask = (
+        backend.KFACLinearOperator,
+        masked,
+        mask.bool(),
+    )
+    try:
+        yield
+    finally:
+        backend.KFACLinearOperator, masked.token_mask = plain, None
 
 
 @functools.cache
