@@ -972,7 +972,15 @@ def report(
         ood, _ = _unpack(ood_probs)
         ood = _as_3d(ood, "ood_probs", probabilities=True)
         if ood.shape[2] != probs.shape[2]:
-            raise ValueError(f"ood_probs has {ood.shape[2]} classes, probs has {probs.shape[2]}")
+            raise ValueError(
+                f"report: ood_probs has {ood.shape[2]} classes, probs has {probs.shape[2]}. "
+                "Both must come from the same classifier. Multiple-choice predictions of "
+                "different widths (at most K choices in one set, K' in the other) can be "
+                "compared once the narrower is padded with probability 0 (log-probability "
+                "-inf) to the wider width, as pyrobayes.predict pads a ragged batch; the "
+                "entropy and max-probability scores then still depend on each question's "
+                "number of choices."
+            )
         result["auroc_entropy"] = ood_auroc(predictive_entropy(probs), predictive_entropy(ood))
         result["auroc_maxprob"] = ood_auroc(max_prob_score(probs), max_prob_score(ood))
         pooled = pooled or _pooled_draws(ood_probs)

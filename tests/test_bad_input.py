@@ -1493,3 +1493,15 @@ def test_the_ignore_index_is_named_among_labels_out_of_range():
     y[0] = -100
     with pytest.raises(ValueError, match=r"out of range.*-100 is Hugging Face's ignore index"):
         pb.fit(model, guide, [(x, y)], epochs=1)
+
+
+def test_ood_predictions_of_another_width_say_how_to_compare_them():
+    # multiple-choice sets of different widths (up to 4 choices, up to 3): the message said
+    # only "ood_probs has 3 classes, probs has 4"
+    probs = torch.softmax(torch.randn(2, 5, 4), -1)
+    ood = torch.softmax(torch.randn(2, 6, 3), -1)
+    labels = torch.zeros(5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"has 3 classes, probs has 4.*padded with probability 0"):
+        pb.metrics.report(probs, labels, ood_probs=ood)
+    padded = torch.cat([ood, torch.zeros(2, 6, 1)], -1)  # what the message says works
+    assert 0.0 <= pb.metrics.report(probs, labels, ood_probs=padded)["auroc_entropy"] <= 1.0
