@@ -218,6 +218,19 @@ class IBDRLoss:
         # the normalised logits Categorical(logits=params).logits, without its argument check
         # (a non-finite forward then reaches the fitter's FloatingPointError, not a ValueError)
         logits = params - params.logsumexp(-1, keepdim=True) if classification else None
+        # a ragged multiple-choice batch: the term is defined per question with at least K + 1
+        # real choices (its padded choices add zero coordinates, which leave U's cosines as they
+        # are); the others get none, whatever batch they fall in
+        choices = inputs.get("choice_mask") if isinstance(inputs, Mapping) else None
+        if isinstance(choices, Tensor) and choices.dim() == 2 and logits is not None:
+            if self.alpha > 0:
+                labels = model.likelihood.check_targets(params, targets)
+                wide = choices.sum(-1) - 1 >= logits.shape[0]
+                if bool(wide.any()):
+                    probs = torch.softmax(logits[:, wide], dim=-1)
+                    div = diversity_loss(probs, labels[wide], self.epsilon)
+                    total = total + scale * self.alpha * div.sum()
+            return total, torch.softmax(logits.detach().mean(0), dim=-1)
         if self.alpha > 0 and self.auto_alpha and logits is not None:
             num_classes, num_particles = logits.shape[-1], logits.shape[0]
             if num_classes - 1 < num_particles:

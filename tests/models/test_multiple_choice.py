@@ -547,3 +547,38 @@ def test_padding_is_not_data_for_the_kronecker_laplace(side):
         curvature.append({s: guide.posterior_precision(s) for s in guide.sites})
     for site, value in curvature[0].items():
         torch.testing.assert_close(curvature[1][site], value, rtol=1e-8, atol=1e-10)
+
+
+def test_ibdr_diversity_is_taken_per_question_with_enough_real_choices():
+    """A ragged batch's 2-choice question padded to the 5 of another passed IBDR's C − 1 ≥ K
+    check (on the padded width) and added a constant 46.97 nats without gradient; the default α was switched off by the first narrow batch, so the objective
+    depended on the batch order. Now the term is the 5-choice question's alone (padded choices
+    add zero coordinates, leaving the cosines as they are), in any batch."""
+    from pyrobayes.infer.diversity import diversity_loss
+    from pyrobayes.infer.ibdr import IBDRLoss
+
+    model = _float64_llama(num_data=4)
+    guide = pb.posterior(model, "ibdr")  # K = 4 particles
+    narrow, wide = ["red", "blue"], ["red", "blue", "green", "black", "white"]
+    batch = encode_multiple_choice(
+        CharTokenizer(), ["Pick"] * 2, [narrow, wide], answers=[0, 1], ragged=True
+    )
+    torch.manual_seed(3)
+    values = {
+        s: 0.3 * torch.randn(4, *shape, dtype=torch.float64) for s, shape in guide.sites.items()
+    }
+    with torch.no_grad():
+        total, _ = IBDRLoss(alpha=0.02).data_term(model, values, batch)
+        plain, _ = IBDRLoss(alpha=0.0).data_term(model, values, batch)
+        scores = model.batched_output(batch, values)  # (K, 2, 5), -inf on padded choices
+        wide_div = diversity_loss(torch.softmax(scores[:, 1:], -1), torch.tensor([1]))
+    scale = 4 / 2  # N / B
+    torch.testing.assert_close(total - plain, scale * 0.02 * wide_div.sum(), rtol=1e-12, atol=0)
+    # a batch of narrow questions only: no term, and the default alpha stays for the next batch
+    loss = IBDRLoss()
+    narrow_only = encode_multiple_choice(
+        CharTokenizer(), ["Pick"] * 2, [narrow, narrow], answers=[0, 1], ragged=True
+    )
+    with torch.no_grad():
+        loss.data_term(model, values, narrow_only)
+    assert loss.alpha == 0.02
