@@ -21,6 +21,7 @@ __all__ = [
     "token_mask",
     "compute_dtype",
     "check_batches",
+    "flagged_examples",
 ]
 
 
@@ -98,6 +99,15 @@ def expand_samples(inputs: Any, num_samples: int) -> Any:
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(expand_samples(v, num_samples) for v in inputs)
     return inputs
+
+
+def flagged_examples(flags: Tensor | list[int], example_dim: int = 0) -> str:
+    """The examples an error message names: those along ``example_dim`` where the boolean
+    ``flags`` holds anywhere (or the indices given), the first 8, e.g. ``[0, 3, 9] ...``."""
+    if isinstance(flags, Tensor):
+        flags = flags.movedim(example_dim, 0).reshape(flags.shape[example_dim], -1).any(-1)
+        flags = flags.nonzero().flatten().tolist()
+    return f"{flags[:8]}{' ...' if len(flags) > 8 else ''}"
 
 
 def batch_size(inputs: Any) -> int:

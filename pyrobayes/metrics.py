@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .batch import flagged_examples
 from .models.adapters import check_int
 from .models.likelihoods import check_gaussian_targets
 
@@ -130,10 +131,9 @@ def _check_probabilities(probs: Tensor, name: str, *, what: str | None = None) -
             f"than the {probs.dtype} tolerance {tol:.0e} (the furthest sums to {worst:.6g})"
             + (f", and entries above 1 (the largest is {high:.4g})" if high > 1 else "")
         )
-    rows = bad.nonzero().flatten().tolist()
     raise ValueError(
         f"{what} must hold probabilities (entries in [0, 1], each row summing to 1); it has "
-        f"{problem} at examples {rows[:8]}{' ...' if len(rows) > 8 else ''} (of "
+        f"{problem} at examples {flagged_examples(bad)} (of "
         f"{probs.shape[1]}). Pass softmax outputs (torch.softmax(logits, -1)), not logits or "
         "unnormalised scores, with the classes on the last dimension; renormalise rounded "
         "probabilities (p / p.sum(-1, keepdim=True))."
@@ -146,10 +146,8 @@ def _check_no_nan(values: Tensor, name: str, *, example_dim: int) -> None:
     nan = values.isnan()
     if not bool(nan.any()):
         return
-    per_example = nan.movedim(example_dim, 0).reshape(values.shape[example_dim], -1).any(-1)
-    rows = per_example.nonzero().flatten().tolist()
     raise ValueError(
-        f"{name} holds NaN at examples {rows[:8]}{' ...' if len(rows) > 8 else ''} (of "
+        f"{name} holds NaN at examples {flagged_examples(nan, example_dim)} (of "
         f"{values.shape[example_dim]}): the NLL, ECE and Brier score would be NaN. Those "
         "examples' inputs are probably not finite; clean or drop them and predict again."
     )

@@ -20,7 +20,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .batch import batch_size, check_batches, compute_dtype, split_batch, to_device
+from .batch import (
+    batch_size,
+    check_batches,
+    compute_dtype,
+    flagged_examples,
+    split_batch,
+    to_device,
+)
 from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, bound_model, implements
 from .models.adapters import check_int
@@ -207,10 +214,6 @@ class _AlikeLabelled:
             yield batch
 
 
-def _listed(rows: list[int]) -> str:
-    return f"{rows[:8]}{' ...' if len(rows) > 8 else ''}"
-
-
 def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any = None) -> None:
     """Raise when a predictive's per-sample outputs ``(S, B, ...)`` are not usable.
 
@@ -237,13 +240,13 @@ def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any 
         data_rows = _nonfinite_rows(inputs, int(out.shape[1])).nonzero().flatten().tolist()
         if data_rows:
             raise ValueError(
-                f"predict: {where} rows {_listed(data_rows)} of the inputs hold NaN or inf, "
+                f"predict: {where} rows {flagged_examples(data_rows)} of the inputs hold NaN or inf, "
                 f"which gives {what} (NaN NLL, ECE and Brier score beside a finite accuracy). "
                 "This is a data problem: clean or drop those rows (torch.nan_to_num, or filter "
                 "with torch.isfinite) before predicting."
             )
     raise FloatingPointError(
-        f"predict: {where} rows {_listed(rows)} get {what} from finite inputs: the parameter "
+        f"predict: {where} rows {flagged_examples(rows)} get {what} from finite inputs: the parameter "
         "draws or the network's output are not finite (a diverged fit: refit with a smaller "
         "lr, or check the posterior's values with guide.mean())."
     )

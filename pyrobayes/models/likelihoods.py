@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..batch import compute_dtype
+from ..batch import compute_dtype, flagged_examples
 from .adapters import check_int, check_real
 from .multiple_choice import (
     NORMALIZATIONS,
@@ -379,13 +379,10 @@ def check_gaussian_targets(
 
 def _raise_non_finite(targets: Tensor, batch_dim: int) -> NoReturn:
     """The ``ValueError`` for NaN or ±inf ``targets``, naming the examples (along ``batch_dim``)."""
-    bad = ~targets.isfinite()
-    per_example = bad.movedim(batch_dim, 0).reshape(targets.shape[batch_dim], -1).any(-1)
-    rows = per_example.nonzero().flatten().tolist()
     raise ValueError(
         f"Gaussian likelihood: targets hold non-finite values ({int(targets.isnan().sum())} "
         f"NaN, {int(targets.isinf().sum())} inf of {targets.numel()}) at examples "
-        f"{rows[:8]}{' ...' if len(rows) > 8 else ''} (of {targets.shape[batch_dim]}): "
+        f"{flagged_examples(~targets.isfinite(), batch_dim)} (of {targets.shape[batch_dim]}): "
         "their log-likelihood, RMSE and NLL would be NaN. This is a data problem: drop those "
         "examples (keep the rows where torch.isfinite(y) holds) or fill them in before "
         "predicting, evaluating or calibrating."
