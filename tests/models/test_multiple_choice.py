@@ -522,8 +522,8 @@ def test_padding_is_not_data_for_the_kronecker_laplace(side):
     """laplace-torch's K-FAC (curvlinops, KFAC-expand) averaged the input factor over every
     position of a token batch: the same questions padded left instead of right moved the
     curvature by 61 % (relative norm), and the contents of a ragged batch's padded choice rows
-    by 15 %. With the factor over the real tokens (pyrobayes.infer.laplace, ``Σ_real a aᵀ /
-    (N · n_tok / n_rows)``), one more padding column changes nothing: float64, equal to the
+    by 15 %. With the factor over the real tokens (pyrobayes.infer.laplace, ``(1/N) Σ_rows
+    (1/L_row) Σ_real a aᵀ``), one more padding column changes nothing: float64, equal to the
     eigendecomposition's rounding (1e-8 relative)."""
     from pyrobayes.models.multiple_choice import encode_multiple_choice as encode
 
@@ -547,6 +547,58 @@ def test_padding_is_not_data_for_the_kronecker_laplace(side):
         curvature.append({s: guide.posterior_precision(s) for s in guide.sites})
     for site, value in curvature[0].items():
         torch.testing.assert_close(curvature[1][site], value, rtol=1e-8, atol=1e-10)
+
+
+def _laplace_curvature(batches: list, num_data: int) -> dict[str, torch.Tensor]:
+    """The Kronecker Laplace's curvature (posterior precision less the prior's τ I) of the
+    float64 tiny LLaMA at a fixed point away from LoRA's B = 0 (where A gets no gradient)."""
+    model = _float64_llama(num_data=num_data)
+    start = pb.posterior(model, "map")
+    with torch.no_grad():
+        for site in start.sites:
+            start.loc(site).normal_(0.0, 0.3, generator=torch.Generator().manual_seed(1))
+    guide = pb.posterior(model, "laplace", init=start, prior_precision=1.0)
+    pb.fit(model, guide, batches, epochs=0, progress=False)
+    out = {}
+    for site in guide.sites:
+        precision = guide.posterior_precision(site)
+        out[site] = precision - torch.eye(precision.shape[0], dtype=precision.dtype)
+    return out
+
+
+def test_the_kronecker_laplace_does_not_depend_on_how_questions_are_batched():
+    """The K-FAC input factor averaged over a batch's real tokens (``Σ_real a aᵀ / (N · n_tok /
+    n_rows)``) weighted a sequence by the batch's mean length, so the same four questions of
+    different lengths grouped [0 1 | 2 3], [0 2 | 1 3] or in one batch moved the curvature by
+    2.9-7.7 % against one question per batch. Each sequence averaged over its own real tokens
+    (``(1/N) Σ_rows (1/L_row) Σ_real a aᵀ``) is additive over questions: the groupings agree to
+    the eigendecomposition's rounding (float64, 1e-8 relative)."""
+    from pyrobayes.models.multiple_choice import encode_multiple_choice as encode
+
+    questions = [
+        ("The sky is", ["blue", "gray"], 0),
+        ("Grass is a lovely", ["green", "red"], 0),
+        ("Snow", ["white", "black as coal"], 0),
+        ("A long prompt about fire is", ["hot", "cold"], 1),
+    ]
+
+    def batches(groups: list[list[int]]) -> list:
+        return [
+            encode(
+                CharTokenizer(),
+                [questions[i][0] for i in group],
+                [questions[i][1] for i in group],
+                answers=[questions[i][2] for i in group],
+                padding_side="left",
+            )
+            for group in groups
+        ]
+
+    single = _laplace_curvature(batches([[0], [1], [2], [3]]), num_data=4)
+    for groups in ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1, 2, 3]]):
+        grouped = _laplace_curvature(batches(groups), num_data=4)
+        for site, value in single.items():
+            torch.testing.assert_close(grouped[site], value, rtol=1e-8, atol=1e-10)
 
 
 def test_ibdr_diversity_is_taken_per_question_with_enough_real_choices():
