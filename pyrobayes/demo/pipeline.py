@@ -212,8 +212,8 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # about laplace-torch's τ and most adapter sites none (the evidence puts their τ at its
     # bound). On the suite's text tasks (3 seeds, validation splits) against the adapter
     # alone with one τ (the previous setting, the `laplace-adapter` row of docs/choosing.md):
-    # OOD AUROC +.017 (amazon) and +.006 (fine-grained), level with laplace-torch's where the
-    # adapter alone was below it, at the same NLL. τ: the marginal likelihood's, with θ̂
+    # OOD AUROC +.010 (amazon) and +.007 (fine-grained), nearer laplace-torch's than the adapter
+    # alone (level on polarity and fine-grained, .004 below on amazon), at the same NLL. τ: the marginal likelihood's, with θ̂
     # read as the likelihood's mode (Laplace's default evidence, issue 27; laplace-torch's,
     # evidence="posterior_mode", gave test NLL .4844/.4819/.5103 on seeds 0-2 against
     # .4899/.4949/.5184, and +.05 to +.13 over the MAP on the fine-grained task and the
