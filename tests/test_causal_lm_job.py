@@ -415,3 +415,37 @@ def test_signorm_members_sit_in_the_adapted_blocks_and_evaluate_without_drift(tm
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "run")]) == 0
     assert "no drift" in capsys.readouterr().out
+
+
+def test_lm_ivon_recipes_runs_a_variant_and_restores_the_job_settings(tmp_path, monkeypatch):
+    """benchmarks/lm_ivon_recipes.py fits IVON with the variant's options (IVON-LoRA's h0 and
+    ess here) and leaves the job's IVON settings as they were."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_ivon_recipes.py"
+    spec = importlib.util.spec_from_file_location("bench_lm_ivon_recipes", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    seen: list[dict] = []
+    built = causal_lm.posterior
+
+    def posterior(model, family, init=None, **options):
+        seen.append({"family": family, "init": init, **options})
+        options["init"] = init
+        return built(model, family, **options)
+
+    monkeypatch.setattr(causal_lm, "posterior", posterior)
+    before = causal_lm.LM_FAMILY_SETTINGS["ivon"]
+    write_task(tmp_path / "task.json", num=24)
+    extra = 'keep = "best"\npatience = 0'
+    write_config(tmp_path / "job.toml", tmp_path / "task.json", families='["ivon"]', extra=extra)
+    out = tmp_path / "run"
+    argv = ["lora_a1", str(tmp_path / "job.toml"), "--out", str(out), "--quick"]
+    assert module.main(argv) == 0
+    assert seen == [{"family": "ivon", "init": None, "hess_init": 1e-3, "ess": 1e7}]
+    rows = json.loads((out / "metrics.json").read_text())
+    assert [r["family"] for r in rows] == ["zero-shot", "ivon"]
+    assert causal_lm.LM_FAMILY_SETTINGS["ivon"] is before

@@ -1,0 +1,57 @@
+"""IVON recipes on a causal-LM multiple-choice job: the job's against IVON-LoRA's settings.
+
+Each variant replaces ``pyrobayes.demo.causal_lm.LM_FAMILY_SETTINGS["ivon"]`` and runs the job
+(``pyrobayes fit CONFIG --seeds S``) with ``families = ["ivon"]``; give the config
+``[training] keep = "best"`` and ``patience = 0`` so that the fit validates every epoch (its log,
+``-v``, has the validation NLL per epoch). IVON-LoRA: Cong et al. (2024), *Variational low-rank
+adaptation using IVON*, whose released runs use α = 0.03, h0 = 3e-4 to 1e-3, ess = 1e6 to 1e8,
+β2 = 0.99999, clip radius 1e-3 and 10,000 steps.
+
+Run (one process per variant)::
+
+    for v in recipe recipe_ess lora_a1 lora_a03; do
+        OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lm_ivon_recipes.py $v CONFIG --out runs/ivon-$v \\
+            > runs/ivon-$v.log 2>&1 & done; wait
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import pyrobayes.demo.causal_lm as causal_lm
+from pyrobayes.cli import main as cli_main
+from pyrobayes.infer.ivon import IVON
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # the job's recipe: α 0.3, h0 10, ess = N, clip 1e-3
+    "recipe": {"lr": 0.3, "options": {"hess_init": 10.0}},
+    # the job's recipe with IVON-LoRA's effective sample size (less noise, the same steps)
+    "recipe_ess": {"lr": 0.3, "options": {"hess_init": 10.0, "ess": 1e7}},
+    # IVON-LoRA's h0 and ess, at α = 1 (the clip then bounds a step at Adam's 1e-3) and 0.3
+    "lora_a1": {"lr": 1.0, "options": {"hess_init": 1e-3, "ess": 1e7}},
+    "lora_a03": {"lr": 0.3, "options": {"hess_init": 1e-3, "ess": 1e7}},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    parser.add_argument("config", help="a causal-LM job config with families = ['ivon']")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="the job's tiny LLaMA (tests)")
+    args = parser.parse_args(argv)
+    settings = {**VARIANTS[args.variant], "scheduler": "constant"}
+    job = ["-v", "fit", args.config, "--seeds", args.seeds, "--out", args.out, "--no-progress"]
+    saved = causal_lm.LM_FAMILY_SETTINGS["ivon"]
+    causal_lm.LM_FAMILY_SETTINGS["ivon"] = {**settings, "optimizer": IVON(clip_radius=1e-3)}
+    try:
+        return cli_main(job + (["--quick"] if args.quick else []))
+    finally:
+        causal_lm.LM_FAMILY_SETTINGS["ivon"] = saved
+
+
+if __name__ == "__main__":
+    sys.exit(main())
