@@ -672,8 +672,9 @@ def build_data(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 #: keys; a family not listed runs the demo's settings, its MiniLM-specific adapter dropped).
 #:
 #: * ``ivon``: IVON-LoRA's Hessian initialisation, sample size, clip and unrescaled step
-#:   (Cong et al. 2024, *Variational low-rank adaptation using IVON*): h0 = 1e-3, effective sample size ess = 1e7 (a posterior
-#:   tempered far below N's spread: with h0 = 1e-3 and ess = N the draws' sd would be ~2),
+#:   (Cong et al. 2024, *Variational low-rank adaptation using IVON*): h0 = 1e-3, effective
+#:   sample size ess = 1e7 (a posterior tempered far below N's spread: with h0 = 1e-3 and
+#:   ess = N the draws' sd would be ~2),
 #:   IVON's elementwise clip of the preconditioned step at 1e-3 (Shen et al. 2024, Algorithm 1,
 #:   ``clip_radius``) and no ``rescale_lr`` (the step is α times the clipped step, not
 #:   α (h0 + δ) times it), at α = 0.3 and a constant rate for the job's short budget. Chosen

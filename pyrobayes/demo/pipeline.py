@@ -213,12 +213,12 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     # bound). On the suite's text tasks (3 seeds, validation splits) against the adapter
     # alone with one τ (the previous setting, the `laplace-adapter` row of docs/choosing.md):
     # OOD AUROC +.010 (amazon) and +.007 (fine-grained), nearer laplace-torch's than the adapter
-    # alone (level on polarity and fine-grained, .004 below on amazon), at the same NLL. τ: the marginal likelihood's, with θ̂
-    # read as the likelihood's mode (Laplace's default evidence, issue 27; laplace-torch's,
-    # evidence="posterior_mode", gave test NLL .4844/.4819/.5103 on seeds 0-2 against
-    # .4899/.4949/.5184, and +.05 to +.13 over the MAP on the fine-grained task and the
-    # 12-epoch causal LM, where the default is within .015: docs/methods/swag_laplace.md, "The
-    # evidence on Adam-trained adapters"). τ chosen on the validation split instead
+    # alone (level on polarity and fine-grained, .004 below on amazon), at the same NLL. τ: the
+    # marginal likelihood's, with θ̂ read as the likelihood's mode (Laplace's default evidence,
+    # issue 27; laplace-torch's, evidence="posterior_mode", gave test NLL .4844/.4819/.5103 on
+    # seeds 0-2 against .4899/.4949/.5184, and +.05 to +.13 over the MAP on the fine-grained
+    # task and the 12-epoch causal LM, where the default is within .015:
+    # docs/methods/swag_laplace.md, "The evidence on Adam-trained adapters"). τ chosen on the validation split instead
     # (Laplace(prior_optimization="validation")) was measured and not kept: the MAP was
     # early-stopped on the same 256 sentences, whose NLL then favours the MAP itself (τ × 10^4
     # on seed 1): test NLL .503 ± .014 against laplace-torch's evidence's .492 ± .016 (seeds

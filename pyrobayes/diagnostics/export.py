@@ -448,8 +448,8 @@ def _evaluate_batch(
     log-probabilities, targets)`` on batch ``index``, ``samples_per_forward`` draws per forward
     pass; each ``None`` when not computed (no targets: ``y`` is ``None``). The pointwise values
     and the predictive draws are tempered by ``wanted.temperature`` (the log-likelihoods are the
-    model's). The targets come back checked by the likelihood (:func:`_checked_targets`), in
-    the shape it scores."""
+    model's). The targets come back checked by the likelihood
+    (:func:`~pyrobayes.predictive.checked_targets`), in the shape it scores."""
     parts_ll, parts_pw, parts_pp, parts_lp = [], [], [], []
     spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs, model)
     for s0 in range(0, n, spf):

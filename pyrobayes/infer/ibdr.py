@@ -222,16 +222,10 @@ class IBDRLoss:
         # real choices (its padded choices add zero coordinates, which leave U's cosines as they
         # are); the others get none, whatever batch they fall in
         choices = inputs.get("choice_mask") if isinstance(inputs, Mapping) else None
+        rows: Tensor | None = None  # the examples that get the term (None: all)
         if isinstance(choices, Tensor) and choices.dim() == 2 and logits is not None:
-            if self.alpha > 0:
-                labels = model.likelihood.check_targets(params, targets)
-                wide = choices.sum(-1) - 1 >= logits.shape[0]
-                if bool(wide.any()):
-                    probs = torch.softmax(logits[:, wide], dim=-1)
-                    div = diversity_loss(probs, labels[wide], self.epsilon)
-                    total = total + scale * self.alpha * div.sum()
-            return total, torch.softmax(logits.detach().mean(0), dim=-1)
-        if self.alpha > 0 and self.auto_alpha and logits is not None:
+            rows = choices.sum(-1) - 1 >= logits.shape[0]
+        elif self.alpha > 0 and self.auto_alpha and logits is not None:
             num_classes, num_particles = logits.shape[-1], logits.shape[0]
             if num_classes - 1 < num_particles:
                 logger.info(
@@ -243,14 +237,16 @@ class IBDRLoss:
                     num_classes - 1,
                 )
                 self.alpha = 0.0
-        if self.alpha > 0:
+        if self.alpha > 0 and (rows is None or bool(rows.any())):
             if logits is None:
                 raise ValueError(
                     f"IBDR's diversity term needs class probabilities, but the likelihood is "
                     f"{model.likelihood.name!r}. Use alpha=0 for a non-categorical likelihood."
                 )
             labels = model.likelihood.check_targets(params, targets)
-            div = diversity_loss(torch.softmax(logits, dim=-1), labels, self.epsilon)
+            taken = logits if rows is None else logits[:, rows]
+            labels = labels if rows is None else labels[rows]
+            div = diversity_loss(torch.softmax(taken, dim=-1), labels, self.epsilon)
             total = total + scale * self.alpha * div.sum()
         mean_probs = None
         if logits is not None:
