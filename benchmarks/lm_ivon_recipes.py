@@ -1,6 +1,7 @@
 """IVON recipes on a causal-LM multiple-choice job: the job's against IVON-LoRA's settings.
 
-Each variant replaces ``pyrobayes.demo.causal_lm.LM_FAMILY_SETTINGS["ivon"]`` and runs the job
+Each variant sets ``pyrobayes.demo.causal_lm.LM_FAMILY_SETTINGS["ivon"]`` (over the demo's
+``FAMILY_SETTINGS["ivon"]``, which the job runs without it) and runs the job
 (``pyrobayes fit CONFIG --seeds S``) with ``families = ["ivon"]``; give the config
 ``[training] keep = "best"`` and ``patience = 0`` so that the fit validates every epoch (its log,
 ``-v``, has the validation NLL per epoch). IVON-LoRA: Cong et al. (2024), *Variational low-rank
@@ -25,7 +26,7 @@ from pyrobayes.cli import main as cli_main
 from pyrobayes.infer.ivon import IVON
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # the job's recipe until 2026-12-06 (the MiniLM demo's): α 0.3, h0 10, ess = N, clip 1e-3
+    # the job's recipe until 2026-12-06 (the MiniLM demo's then): α 0.3, h0 10, ess = N, clip 1e-3
     "recipe": {"lr": 0.3, "options": {"hess_init": 10.0}},
     # that recipe with IVON-LoRA's effective sample size (less noise, the same steps)
     "recipe_ess": {"lr": 0.3, "options": {"hess_init": 10.0, "ess": 1e7}},
@@ -34,7 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lora_a1": {"lr": 1.0, "options": {"hess_init": 1e-3, "ess": 1e7}},
     "lora_a03": {"lr": 0.3, "options": {"hess_init": 1e-3, "ess": 1e7}},
     # ... and without it, as IVON-LoRA runs (a step ≤ α · 1e-3: Adam's 1e-3 at α = 1); at
-    # α = 0.3 the job's recipe since 2026-12-06
+    # α = 0.3 the job's recipe since 2026-12-06 (and the MiniLM demo's)
     "lora_a1_norescale": {
         "lr": 1.0,
         "options": {"hess_init": 1e-3, "ess": 1e7},
@@ -60,12 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     rescale = bool(settings.pop("rescale_lr", True))
     optimizer = IVON(clip_radius=1e-3, rescale_lr=rescale)
     job = ["-v", "fit", args.config, "--seeds", args.seeds, "--out", args.out, "--no-progress"]
-    saved = causal_lm.LM_FAMILY_SETTINGS["ivon"]
+    saved = causal_lm.LM_FAMILY_SETTINGS.get("ivon")
     causal_lm.LM_FAMILY_SETTINGS["ivon"] = {**settings, "optimizer": optimizer}
     try:
         return cli_main(job + (["--quick"] if args.quick else []))
     finally:
-        causal_lm.LM_FAMILY_SETTINGS["ivon"] = saved
+        if saved is None:
+            del causal_lm.LM_FAMILY_SETTINGS["ivon"]
+        else:
+            causal_lm.LM_FAMILY_SETTINGS["ivon"] = saved
 
 
 if __name__ == "__main__":
