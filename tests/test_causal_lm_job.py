@@ -418,8 +418,9 @@ def test_signorm_members_sit_in_the_adapted_blocks_and_evaluate_without_drift(tm
 
 
 def test_lm_ivon_recipes_runs_a_variant_and_restores_the_job_settings(tmp_path, monkeypatch):
-    """benchmarks/lm_ivon_recipes.py fits IVON with the variant's options (IVON-LoRA's h0 and
-    ess here) and leaves the job's IVON settings as they were."""
+    """benchmarks/lm_ivon_recipes.py fits IVON with the variant's options (the earlier recipe's
+    h0 = 10 here, not the job's IVON-LoRA h0 and ess) and leaves the job's settings as they
+    were."""
     import importlib.util
     from pathlib import Path
 
@@ -443,9 +444,9 @@ def test_lm_ivon_recipes_runs_a_variant_and_restores_the_job_settings(tmp_path, 
     extra = 'keep = "best"\npatience = 0'
     write_config(tmp_path / "job.toml", tmp_path / "task.json", families='["ivon"]', extra=extra)
     out = tmp_path / "run"
-    argv = ["lora_a1", str(tmp_path / "job.toml"), "--out", str(out), "--quick"]
+    argv = ["recipe", str(tmp_path / "job.toml"), "--out", str(out), "--quick"]
     assert module.main(argv) == 0
-    assert seen == [{"family": "ivon", "init": None, "hess_init": 1e-3, "ess": 1e7}]
+    assert seen == [{"family": "ivon", "init": None, "hess_init": 10.0}]
     rows = json.loads((out / "metrics.json").read_text())
     assert [r["family"] for r in rows] == ["zero-shot", "ivon"]
     assert causal_lm.LM_FAMILY_SETTINGS == before  # the variant is taken back
