@@ -279,6 +279,53 @@ def test_a_squeezed_output_of_a_batch_of_one_is_explained():
         pb.fit(model, guide, split_batches(x, y, 4), epochs=1)  # batches of 4, then 1
 
 
+class _SqueezingVectorNet(nn.Module):
+    """Three outputs per example, ``.squeeze()``-ed: ``(B, 3)``, and ``(3,)`` for B = 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.l0(x))).squeeze()
+
+
+@pytest.mark.parametrize("likelihood", ["gaussian", "categorical"])
+@pytest.mark.parametrize("family", ["map", "laplace"])
+def test_a_squeezed_vector_output_of_a_batch_of_one_is_not_read_as_several_examples(
+    likelihood, family
+):
+    # before the check: the fit passed (the (3,) output of the last batch was read as three
+    # scalar examples; with one draw its Gaussian log-density happened to be the right sum) and
+    # predict then failed inside a reshape ("shape '[1, 1]' is invalid for input of size 3"),
+    # Laplace's inside curvlinops ("expected >=2 dims")
+    torch.manual_seed(0)
+    options = {"obs_scale": 0.3} if likelihood == "gaussian" else {}
+    model = FineTuneModel(
+        _SqueezingVectorNet(),
+        LoRAXS(rank=2, target_modules=["l0"]),
+        likelihood=likelihood,
+        num_data=9,
+        trainable_modules=["head"],
+        **options,
+    )
+    x = torch.randn(9, 4)
+    y = torch.randn(9, 3) if likelihood == "gaussian" else torch.randint(0, 3, (9,))
+    guide = pb.posterior(model, family)
+    name = likelihood.capitalize()
+    with pytest.raises(ValueError, match=rf"{name} likelihood: .*shape \(3,\) for a batch of one"):
+        pb.fit(model, guide, split_batches(x, y, 4), epochs=2)  # batches of 4, 4, then 1
+    # the same batches of more than one example fit and predict
+    guide = pb.posterior(model, family)
+    pb.fit(model, guide, split_batches(x[:8], y[:8], 4), epochs=2)
+    pred = pb.predict(model, guide, split_batches(x[:8], y[:8], 4), num_samples=4)
+    assert pred.targets.shape[0] == 8
+    # and predicting on a batch of one is refused the same way
+    with pytest.raises(ValueError, match=r"shape \(3,\) for a batch of one.*\.squeeze\(-1\)"):
+        pb.predict(model, guide, split_batches(x[:1], y[:1], 1), num_samples=4)
+
+
 # ------------------------------------------------------------------ 7. bool targets
 def test_bool_targets_are_refused_by_the_likelihood():
     prob = _problem()

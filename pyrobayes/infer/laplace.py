@@ -476,9 +476,18 @@ class LaplaceNet(nn.Module):
     def forward(self, x: Any) -> Tensor:
         model = self._model[0]
         inputs = _network_inputs(x, model.label_key)
-        out = model.likelihood.params(
-            model.network_prediction(model._call_net(self.net, inputs)), inputs
-        )
+        prediction = model.network_prediction(model._call_net(self.net, inputs))
+        if (
+            not torch.is_grad_enabled()
+            and prediction.dim() == 1
+            and prediction.shape[0] != 1
+            and batch_size(inputs) == 1
+        ):
+            # laplace-torch's probe of the output width (its fit runs X[:1] under no_grad): a
+            # forward that squeezes a batch of one is refused where rows are read (the
+            # curvature's passes, the predictive), not on a probe the user's data never made
+            prediction = prediction.unsqueeze(0)
+        out = model.likelihood.params(prediction, inputs)
         if not model.likelihood.is_classification and out.dim() == 1:
             out = out.unsqueeze(-1)
         return out

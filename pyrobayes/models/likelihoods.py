@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..batch import compute_dtype, flagged_examples
+from ..batch import batch_size, compute_dtype, flagged_examples
 from .adapters import check_int, check_real
 from .multiple_choice import (
     NORMALIZATIONS,
@@ -266,10 +266,43 @@ def check_class_targets(
     return targets
 
 
+def check_example_rows(output: Tensor, inputs: Any, owner: str) -> None:
+    """Refuse a per-example output whose leading dim is not the batch of one it came from.
+
+    A forward that ends in ``.squeeze()`` drops the batch dim together with the unit dims when
+    a batch holds a single example (often a loader's last batch): a ``(1, D)`` output becomes
+    ``(D,)`` and would be read as D examples. Only a batch of one is compared (the one case a
+    squeeze can change; larger batches' rows are checked against their targets).
+
+    Raises
+    ------
+    ValueError
+        When ``inputs`` hold one example and ``output`` leads with another size.
+    """
+    if output.dim() == 0 or output.shape[0] == 1:
+        return
+    try:
+        rows = batch_size(inputs)
+    except TypeError:  # inputs of no tensor size: nothing to compare with
+        return
+    if rows == 1:
+        raise ValueError(
+            f"{owner}: the network returned an output of shape {_shape(output.shape)} for a "
+            f"batch of one example, which reads as {output.shape[0]} examples: its forward "
+            "probably ends in .squeeze(), which drops the batch dim as well when the batch "
+            "holds a single example (often the last batch of a loader). Squeeze only the dims "
+            "you mean (.squeeze(-1) for a (B, 1) output), or return the (B, ...) output."
+        )
+
+
 class Categorical(Likelihood):
     """``y ~ Categorical(softmax(f(x; θ)))``; labels are checked (:func:`check_class_targets`)."""
 
     name = "categorical"
+
+    def params(self, output: Tensor, inputs: Any) -> Tensor:
+        check_example_rows(output, inputs, "Categorical likelihood")
+        return output
 
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
@@ -465,6 +498,7 @@ class Gaussian(Likelihood):
                 "(.squeeze(-1)), or return the (B, 1) output: the likelihood takes (B, 1) and "
                 "(B,) alike."
             )
+        check_example_rows(output, inputs, "Gaussian likelihood")
         if output.dim() == 2 and output.shape[-1] == 1:
             output = output.squeeze(-1)
         # output is (rows, *event): every dim after the leading row dim is part of one target
