@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -408,6 +409,28 @@ def test_tune_optimizer_spec_builds_the_family_fit_settings() -> None:
             merged({}, {"optimizer": {}}, "laplace")
     finally:
         sys.path.remove(str(SUITE))
+
+
+@pytest.mark.parametrize("task_name", ["digits", "diabetes"])
+def test_tune_adapter_spec_fits_the_family_on_plain_lora(task_name: str) -> None:
+    """tune.py's ``adapter`` spec reaches the MLP tasks' model (plain LoRA factors in place of
+    LoRA-XS cores), and the task's settings table is the same afterwards."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the suite's tasks run in float32
+    sys.path.insert(0, str(SUITE))
+    try:
+        tune, tasks = _load("tune"), _load("tasks")
+        task = tasks.TASKS[task_name](0, True)
+        before = copy.deepcopy(task.settings)
+        row = tune._merged(task.settings["ivon"], {"adapter": "lora"}, "ivon")
+        kinds = {spec.kind for spec in tune._build(task, "ivon", row).latent_sites.values()}
+        assert kinds == {"lora_A", "lora_B"}
+        assert task.settings == before
+        default = {spec.kind for spec in task.build_model("ivon", 0).latent_sites.values()}
+        assert "lora_A" not in default and default
+    finally:
+        sys.path.remove(str(SUITE))
+        torch.set_default_dtype(dtype)
 
 
 def test_merge_update_replaces_a_family_only_on_the_same_map() -> None:

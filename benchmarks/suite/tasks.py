@@ -195,8 +195,9 @@ def text_settings() -> dict[str, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------ MLP tasks
-def _mlp_adapter(family: str, targets: list[str]) -> Any:
-    kind = MLP_SETTINGS.get(family, {}).get("adapter")
+def _mlp_adapter(settings: dict[str, Any], targets: list[str]) -> Any:
+    """The adapter of a family's settings row (``adapter``; LoRA-XS cores when unset)."""
+    kind = settings.get("adapter")
     if kind in ("lora", "lora-a"):
         return pb.models.LoRA(
             rank=4, target_modules=targets, latent="A" if kind == "lora-a" else "AB"
@@ -314,11 +315,12 @@ def _shift_task(
         net.load_state_dict(state)
         torch.manual_seed(1000 * seed + member)
         net[4] = nn.Linear(128, 7)  # the new 7-class head
-        if MLP_SETTINGS.get(family, {}).get("adapter") == "signorm":
+        row = MLP_SETTINGS.get(family, {})
+        if row.get("adapter") == "signorm":
             net.append(nn.LayerNorm(7))
         return pb.models.FineTuneModel(
             net,
-            _mlp_adapter(family, ["0", "2"]),
+            _mlp_adapter(row, ["0", "2"]),
             num_data=len(x),
             trainable_modules=["4"],
         )
@@ -421,7 +423,7 @@ def _regression_task(name: str, seed: int, quick: bool, x_np: Any, y_np: Any) ->
             body[4].reset_parameters()
         return pb.models.FineTuneModel(
             body,
-            _mlp_adapter(family, ["0", "2"]),
+            _mlp_adapter(settings.get(family, {}), ["0", "2"]),
             likelihood="gaussian",
             obs_scale="learn",
             prior_scale=1.0,

@@ -6,7 +6,8 @@ A spec is a JSON object merged into the task's settings for the family (``benchm
 tasks.py``, read at run time): ``lr``, ``epochs``, ``patience`` replace the fit's; ``options``
 are merged into the guide's constructor options; ``optimizer`` (an object) replaces the fit's
 settings by ``pyrobayes.infer.IVON(**optimizer)`` for the IVON families and by
-``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field. One JSON
+``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field; on the MLP
+tasks ``adapter`` (``"lora"``, ``"lora-a"``) fits the family on plain LoRA instead of LoRA-XS. One JSON
 line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
 stopping uses the same split, as the suite's text tasks do), the epochs run, and for guides with
 per-site scales the median and 99th percentile of the posterior standard deviation per site
@@ -95,6 +96,21 @@ def _scale_summary(guide: Any) -> dict[str, float]:
     return out
 
 
+def _build(task: Any, family: str, settings: dict[str, Any]) -> Any:
+    """``task.build_model(family)`` with the family's settings row replaced by ``settings`` while
+    it builds: the MLP tasks read the row's ``adapter`` there (e.g. ``{"adapter": "lora"}``)."""
+    table = task.settings
+    saved = table.get(family)
+    table[family] = settings
+    try:
+        return task.build_model(family, 0)
+    finally:
+        if saved is None:
+            del table[family]
+        else:
+            table[family] = saved
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", required=True, choices=list(TASKS))
@@ -113,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             spec = json.loads(text)
             settings = _merged(task.settings.get(args.family, {}), spec, args.family)
             pyro.clear_param_store()
-            model = task.build_model(args.family, 0)
+            model = _build(task, args.family, settings)
             guide = pb.posterior(
                 model, settings.get("family", args.family), **settings.get("options", {})
             )
