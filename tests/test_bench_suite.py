@@ -403,8 +403,10 @@ def test_tune_optimizer_spec_builds_the_family_fit_settings() -> None:
         assert out["optimizer"] == pb.infer.MeanField(scale_lr=10.0)
         assert out["options"] == {"init_scale": 1e-3, "x": 1} and out["lr"] == 3e-3
         assert base["options"] == {"init_scale": 1e-3}  # the task's settings are not mutated
-        out = merged({}, {"optimizer": {"beta2": 0.99}}, "kron-ivon")
+        out = merged({}, {"optimizer": {"beta2": 0.99}}, "ivon")
         assert out["optimizer"] == pb.infer.IVON(beta2=0.99)
+        out = merged({}, {"optimizer": {"beta2": 0.99, "fisher": "mc"}}, "kron-ivon")
+        assert out["optimizer"] == pb.infer.KronIVON(beta2=0.99, fisher="mc")
         with pytest.raises(ValueError, match="'optimizer' spec.*'laplace'"):
             merged({}, {"optimizer": {}}, "laplace")
     finally:

@@ -5,7 +5,8 @@ calibration split says, never the validation split the suite reports.
 A spec is a JSON object merged into the task's settings for the family (``benchmarks/suite/
 tasks.py``, read at run time): ``lr``, ``epochs``, ``patience`` replace the fit's; ``options``
 are merged into the guide's constructor options; ``optimizer`` (an object) replaces the fit's
-settings by ``pyrobayes.infer.IVON(**optimizer)`` for the IVON families and by
+settings by ``pyrobayes.infer.IVON(**optimizer)`` for IVON, ``pyrobayes.infer.KronIVON(**optimizer)``
+for Kronecker IVON (e.g. ``{"fisher": "mc"}``) and
 ``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field; on the MLP
 tasks ``adapter`` (``"lora"``, ``"lora-a"``) fits the family on plain LoRA instead of LoRA-XS. One JSON
 line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
@@ -46,7 +47,11 @@ logger = logging.getLogger("suite.tune")
 
 def _fit_settings(family: str) -> Any:
     """The fit-settings class a spec's ``optimizer`` object builds for ``family``."""
-    classes = {"ivon": pb.infer.IVON, "kron-ivon": pb.infer.IVON, "meanfield": pb.infer.MeanField}
+    classes = {
+        "ivon": pb.infer.IVON,
+        "kron-ivon": pb.infer.KronIVON,  # IVON's fields and fisher, T_stats, T_inv
+        "meanfield": pb.infer.MeanField,
+    }
     if family not in classes:
         raise ValueError(
             f"tune.py: an 'optimizer' spec is read for {sorted(classes)}, not {family!r}; "
