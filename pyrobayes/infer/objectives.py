@@ -220,10 +220,16 @@ class ELBO:
     Gaussian prior), else the Monte Carlo estimate ``(1/S) Σ_s [log q(θ_s) − log p(θ_s)]``.
     Unbiased for the ELBO in both cases; particles run in one batched forward.
 
+    With ``kl_weight`` w ≠ 1 the loss is ``−(N/B) Σ_b (1/S) Σ_s log p(y_b | x_b, θ_s) + w ·
+    KL(q ‖ p)``: a tempered ("cold" for w < 1) variational objective, whose optimum is the
+    ELBO's for the likelihood raised to ``1/w`` (Wenzel et al., 2020, *How Good is the Bayes
+    Posterior in Deep Neural Networks Really?*, Sec. 4; the KL re-weighting of Blundell et al.,
+    2015, Sec. 3.4). Not a bound on the evidence unless w = 1.
+
     Reports (:meth:`terms`, what :func:`pyrobayes.fit` shows and returns in
     ``FitResult.state["terms"]``) the two parts of the last evaluation per training example, so
-    that ``loss = N · (nll + kl)`` exactly and the terms compare across families (MAP's
-    ``nll + prior``, σN's ``nll + div``):
+    that ``loss = N · (nll + kl_weight · kl)`` exactly and the terms compare across families
+    (MAP's ``nll + prior``, σN's ``nll + div``):
 
     - ``nll``: the data term per example, ``−(1/B) Σ_b (1/S) Σ_s log p(y_b | x_b, θ_s)`` (the
       expected negative log-likelihood of one training example);
@@ -235,13 +241,20 @@ class ELBO:
         S, draws per step.
     analytic_kl : bool
         Use the closed-form KL when available.
+    kl_weight : float
+        w > 0, the KL's weight (1: the ELBO).
     """
 
-    def __init__(self, num_particles: int = 1, analytic_kl: bool = True) -> None:
+    def __init__(
+        self, num_particles: int = 1, analytic_kl: bool = True, *, kl_weight: float = 1.0
+    ) -> None:
         if num_particles < 1:
             raise ValueError(f"Expected num_particles >= 1 but got {num_particles}.")
         self.num_particles = int(num_particles)
         self.analytic_kl = analytic_kl
+        if not (isinstance(kl_weight, (int, float)) and math.isfinite(kl_weight) and kl_weight > 0):
+            raise ValueError(f"ELBO: kl_weight must be a finite number > 0; got {kl_weight!r}.")
+        self.kl_weight = float(kl_weight)
         self._last_terms: dict[str, Tensor] = {}
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
@@ -264,10 +277,11 @@ class ELBO:
         else:
             nll, num_data = _scaled_nll(model, values, batch)
         self._last_terms = {"nll": nll.detach() / num_data, "kl": kl.detach() / num_data}
-        return nll + kl
+        return nll + kl if self.kl_weight == 1.0 else nll + self.kl_weight * kl
 
     def terms(self) -> dict[str, Tensor]:
-        """``{"nll", "kl"}`` of the last evaluation, per example: ``loss = N · (nll + kl)``."""
+        """``{"nll", "kl"}`` of the last evaluation, per example:
+        ``loss = N · (nll + kl_weight · kl)``."""
         return dict(self._last_terms)
 
 

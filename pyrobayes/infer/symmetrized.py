@@ -67,6 +67,8 @@ class Symmetrized(MeanField):
     num_permutations : int
         K ≥ 1, the group elements per draw of the InfoNCE estimate ``I_K`` (Gelberg et al.,
         2024, Sec. 4; default 16). K = 1 is the base's ELBO exactly.
+    kl_weight : float
+        Only 1 (the bound's); another value is refused.
     """
 
     num_permutations: int = 16
@@ -76,6 +78,12 @@ class Symmetrized(MeanField):
         owner = f"{type(self).__name__}(): "
         num = check_int("num_permutations", self.num_permutations, ge=1, owner=owner)
         object.__setattr__(self, "num_permutations", num)
+        if self.kl_weight != 1.0:
+            raise ValueError(
+                f"{owner}kl_weight={self.kl_weight:g}: the symmetrized objective is the ELBO "
+                "plus I_K, a bound with the KL at weight 1; a tempered KL is mean-field's "
+                "(pb.infer.MeanField(kl_weight=...))."
+            )
 
     def bind(self, objective: Any) -> Any:
         """``objective`` with K set to ``num_permutations`` when it is the batched symmetrized

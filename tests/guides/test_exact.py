@@ -239,3 +239,73 @@ def test_empirical_prior_kl_is_the_minimum_over_the_prior_scale() -> None:
 
     with pytest.raises(ValueError, match="overrides get_posterior, so use prior='model'"):
         Wider(model, prior="empirical")
+
+
+def test_meanfield_with_a_weighted_kl_recovers_the_tempered_posterior() -> None:
+    """``MeanField(kl_weight=w)``: the fit minimises ``nll + w·KL``, whose optimum is the exact
+    posterior of the likelihood raised to ``1/w``. On the conjugate core that posterior is
+    Gaussian and diagonal: the data's precision and natural location scale by ``1/w``,
+    ``Λ_w = τ + (Λ − τ)/w``, ``μ_w = (Λ μ)/(w Λ_w)`` (τ = 1, the core's prior precision)."""
+    prob = conjugate_core()
+    w, tau = 0.25, 1.0
+    precision = prob.post_scale.pow(-2)
+    precision_w = tau + (precision - tau) / w
+    loc_w, sd_w = precision * prob.post_loc / (w * precision_w), precision_w.rsqrt()
+    # the tempered posterior is another posterior: its sds are 0.53-0.59x the ELBO's here
+    assert (sd_w / prob.post_scale).max() < 0.6
+    guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
+    data = [(prob.x, prob.y)]
+    settings = pb.infer.MeanField(kl_weight=w)
+    objective = pb.infer.objectives.ELBO(num_particles=32)  # bound to kl_weight = w by the fitter
+    pb.fit(
+        prob.model,
+        guide,
+        data,
+        lr=0.02,
+        optim=pb.Optimization(optimizer=settings, loss=objective, num_steps=1500),
+    )
+    locs, scales = [], []
+
+    def record(step: int, value: float) -> None:
+        if step > 500:
+            locs.append(guide.loc(prob.site).detach().clone())
+            scales.append(guide.scale(prob.site).detach().clone())
+
+    result = pb.fit(
+        prob.model,
+        guide,
+        data,
+        lr=0.002,
+        optim=pb.Optimization(optimizer=settings, loss=objective, num_steps=1500),
+        progress=pb.Progress(callback=record),
+    )
+    loc, scale = torch.stack(locs).mean(0), torch.stack(scales).mean(0)
+    # the tolerances of test_meanfield_recovers_exact_posterior (same optimiser, particles and
+    # averaging), relative to the tempered sds
+    assert ((loc - loc_w).abs() / sd_w).max() < 0.1, (loc, loc_w)
+    assert ((scale - sd_w).abs() / sd_w).max() < 0.05, (scale, sd_w)
+    # the reported terms still add up to the optimised objective at every step:
+    # loss = N·(nll + w·kl), kl the KL itself (float32 sums: 1e-5 relative)
+    terms, num_data = result.state["terms"], prob.model.num_data
+    total = num_data * (terms["nll"] + w * terms["kl"])
+    torch.testing.assert_close(total, result.losses.to(total.dtype), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(num_data * (terms["nll"] + terms["kl"]), total)
+
+
+def test_a_weighted_kl_is_refused_where_it_has_no_meaning() -> None:
+    prob = conjugate_core()
+    guide = pb.guides.MeanFieldGuide(prob.model)
+    with pytest.raises(ValueError, match=r"kl_weight must be a finite number > 0"):
+        pb.infer.objectives.ELBO(kl_weight=0.0)
+    with pytest.raises(ValueError, match=r"kl_weight"):
+        pb.infer.MeanField(kl_weight=-1.0)
+    with pytest.raises(ValueError, match=r"Symmetrized\(\): kl_weight=0\.5.*MeanField"):
+        pb.infer.Symmetrized(kl_weight=0.5)
+    with pytest.raises(TypeError, match=r"kl_weight=0\.5\) weights the KL of pyrobayes"):
+        pb.infer.make_fitter(
+            prob.model,
+            guide,
+            lr=0.01,
+            loss=pb.infer.objectives.MAP(),
+            optimizer=pb.infer.MeanField(kl_weight=0.5),
+        )
