@@ -735,7 +735,7 @@ def warn_if_shapeless(optimizer: IVONOptimizer) -> bool:
     if not state or not parts or world()[1] != 0:
         return False
     steps, hp = int(state["step"]), optimizer.hyper
-    h0, decay = float(hp["hess_init"]), float(hp["diag_beta2"]) ** int(state["step"])
+    h0, decay = float(hp["hess_init"]), float(hp["diag_beta2"]) ** steps
     h = torch.cat(parts).double()
     if 1.0 - decay < SHAPELESS_MIN_FORGOTTEN or h.numel() < 2:
         return False
@@ -752,8 +752,9 @@ def warn_if_shapeless(optimizer: IVONOptimizer) -> bool:
         f"{SHAPELESS_QUANTILE:.0%} of the coordinates: the data's curvature estimates (there "
         f"at most {level / (1.0 - decay):.2g} on average) are far below hess_init = {h0:g}, so "
         f"nearly every posterior sd is the same ({sd:.3g}) and q's shape is its "
-        "initialisation's, not the data's (the fit is SGD with momentum and isotropic noise). To let the data shape q, lower hess_init below their curvature and raise ess "
-        "to keep the sd, with a clip radius for the larger steps (IVON-LoRA's regime for a "
+        "initialisation's, not the data's (the fit is SGD with momentum and isotropic noise). "
+        "To let the data shape q, lower hess_init below their curvature and raise ess to keep "
+        "the sd, with a clip radius for the larger steps (IVON-LoRA's regime for a "
         "transformer's LoRA factors, docs/methods/ivon.md); keep it if an isotropic posterior "
         "is what you want.",
         RuntimeWarning,

@@ -45,6 +45,7 @@ __all__ = [
     "OutputKey",
     "check_gaussian_targets",
     "check_class_targets",
+    "check_example_rows",
     "MULTI_LABEL_ADVICE",
 ]
 
