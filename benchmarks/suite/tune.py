@@ -5,11 +5,11 @@ calibration split says, never the validation split the suite reports.
 A spec is a JSON object merged into the task's settings for the family (``benchmarks/suite/
 tasks.py``, read at run time): ``lr``, ``epochs``, ``patience`` replace the fit's; ``options``
 are merged into the guide's constructor options; ``optimizer`` (an object) replaces the fit's
-settings by ``pyrobayes.infer.IVON(**optimizer)`` for IVON, ``pyrobayes.infer.KronIVON(**optimizer)``
-for Kronecker IVON (e.g. ``{"fisher": "mc"}``) and
-``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``) for mean-field; on the MLP
-tasks ``adapter`` (``"lora"``, ``"lora-a"``) fits the family on plain LoRA instead of LoRA-XS. One JSON
-line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
+settings by ``pyrobayes.infer.IVON(**optimizer)`` for IVON,
+``pyrobayes.infer.KronIVON(**optimizer)`` for Kronecker IVON (e.g. ``{"fisher": "mc"}``) and
+``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``, ``{"kl_weight": 0.1}``)
+for mean-field; on the MLP tasks ``adapter`` (``"lora"``, ``"lora-a"``) fits the family on plain
+LoRA instead of LoRA-XS cores. One JSON line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
 stopping uses the same split, as the suite's text tasks do), the epochs run, and for guides with
 per-site scales the median and 99th percentile of the posterior standard deviation per site
 kind (LoRA ``A``/``B`` factors, cores, whole layers) at the end of the fit.
