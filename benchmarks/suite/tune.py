@@ -9,9 +9,9 @@ settings by ``pyrobayes.infer.IVON(**optimizer)`` for IVON,
 ``pyrobayes.infer.KronIVON(**optimizer)`` for Kronecker IVON (e.g. ``{"fisher": "mc"}``) and
 ``pyrobayes.infer.MeanField(**optimizer)`` (e.g. ``{"scale_lr": 10}``, ``{"kl_weight": 0.1}``)
 for mean-field; on the MLP tasks ``adapter`` (``"lora"``, ``"lora-a"``) fits the family on plain
-LoRA instead of LoRA-XS cores. One JSON line per spec and seed: calibration-split accuracy, NLL and ECE of the selected epoch (the fit's early
-stopping uses the same split, as the suite's text tasks do), the epochs run, and for guides with
-per-site scales the median and 99th percentile of the posterior standard deviation per site
+LoRA instead of LoRA-XS cores. One JSON line per spec and seed: calibration-split accuracy, NLL
+and ECE of the selected epoch (the fit's early stopping uses the same split, as the suite's text
+tasks do), the epochs run, and for guides with per-site scales the median and 99th percentile of the posterior standard deviation per site
 kind (LoRA ``A``/``B`` factors, cores, whole layers) at the end of the fit.
 
 Usage::
