@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import pyrobayes as pb
+from tests.common import conjugate_core
 
 pytest.importorskip("laplace")
 pytest.importorskip("sklearn")
@@ -328,6 +329,28 @@ def test_quick_tune_scores_specs_on_the_calibration_split() -> None:
     # two epochs of a quick task move h little from h0: the ratio stays within 3x of 10
     ratio = rows[0]["scale_core_median"] / rows[1]["scale_core_median"]
     assert 3 < ratio < 30
+    assert not any(k.startswith("kron_") for k in rows[0])  # no Kronecker sites here
+
+
+def test_tune_reports_how_far_each_kronecker_factor_left_the_identity() -> None:
+    """tune.py's ``kron_A_spread`` / ``kron_G_spread``: the eigenvalue ratio q90/q10 of each
+    factor, 1 for a factor still at its initial multiple of the identity."""
+    sys.path.insert(0, str(SUITE))
+    try:
+        tune = _load("tune")
+    finally:
+        sys.path.remove(str(SUITE))
+    model = conjugate_core(d_out=4, d_in=6, rank=3).model
+    guide = pb.posterior(model, "kron-ivon")
+    site = next(iter(guide.sites))
+    assert tune._factor_spread(guide) == {"kron_A_spread": 1.0, "kron_G_spread": 1.0}
+    A, G = guide.factors(site)
+    with torch.no_grad():
+        A.copy_(torch.diag(torch.tensor([1.0, 2.0, 4.0], dtype=A.dtype)))
+    spread = tune._factor_spread(guide)
+    assert spread["kron_G_spread"] == 1.0
+    # eigenvalues 1, 2, 4: torch's linear interpolation puts q10 at 1.2 and q90 at 3.6
+    assert spread["kron_A_spread"] == pytest.approx(3.0)
 
 
 def test_validated_fit_records_the_calibration_nll_after_every_epoch() -> None:

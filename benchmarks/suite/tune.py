@@ -98,7 +98,23 @@ def _scale_summary(guide: Any) -> dict[str, float]:
         out[f"scale_{kind}_q99"] = float(v.quantile(0.99))
     for kind, values in locs.items():
         out[f"loc_{kind}_rms"] = float(torch.cat(values).square().mean().sqrt())
-    return out
+    return {**out, **_factor_spread(guide)}
+
+
+def _factor_spread(guide: Any) -> dict[str, float]:
+    """Kronecker IVON: the median over its Kronecker sites of each factor's eigenvalue ratio
+    ``q90 / q10`` (``kron_A_spread``, ``kron_G_spread``; 1: the factor is still a multiple of
+    the identity it started from, ``sqrt(h0) I``, and gives q no shape)."""
+    is_kron, factors = getattr(guide, "is_kron", None), getattr(guide, "factors", None)
+    if not callable(is_kron) or not callable(factors):
+        return {}
+    spreads: dict[str, list[float]] = {"A": [], "G": []}
+    for site in guide.sites:
+        if is_kron(site):
+            for name, factor in zip("AG", factors(site), strict=True):
+                eig = torch.linalg.eigvalsh(factor.detach().double())
+                spreads[name].append(float(eig.quantile(0.9) / eig.quantile(0.1)))
+    return {f"kron_{k}_spread": float(torch.tensor(v).median()) for k, v in spreads.items() if v}
 
 
 def _build(task: Any, family: str, settings: dict[str, Any]) -> Any:
