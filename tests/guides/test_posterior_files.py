@@ -450,11 +450,17 @@ def test_mean_field_scale_lr_is_in_the_checkpoint_and_checked_on_resume(tmp_path
     fitter.step(data[0])
     torch.save(fitter.state_dict(), tmp_path / "fitter.pt")
     state = torch.load(tmp_path / "fitter.pt", weights_only=True)
-    assert state["settings"] == {"scale_lr": 10.0}
+    assert state["settings"] == {"scale_lr": 10.0, "kl_weight": 1.0}
     make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
     other = make_fitter(model, guide, lr=0.05, optimizer=pb.infer.MeanField(scale_lr=2.0))
     with pytest.raises(ValueError, match=r"other MeanField settings \(scale_lr=10.0 there, 2.0"):
         other.load_state_dict(state)
+    tempered = pb.infer.MeanField(scale_lr=10.0, kl_weight=0.5)
+    with pytest.raises(ValueError, match=r"other MeanField settings \(kl_weight=1.0 there, 0.5"):
+        make_fitter(model, guide, lr=0.05, optimizer=tempered).load_state_dict(state)
+    # a checkpoint written before kl_weight existed carries none: it resumes under any weight
+    before = {**state, "settings": {"scale_lr": 10.0}}
+    make_fitter(model, guide, lr=0.05, optimizer=tempered).load_state_dict(before)
     # a checkpoint written before scale_lr moved to the fitter carries none: it resumes (same
     # two parameter groups, so the optimizer state fits)
     earlier = {k: v for k, v in state.items() if k != "settings"}
@@ -479,7 +485,7 @@ def test_symmetrized_settings_bind_k_and_are_checked_on_resume():
     assert make_fitter(model, guide).objective.num_permutations == 16
     fitter.step(data[0])
     state = fitter.state_dict()
-    assert state["settings"] == {"scale_lr": 1.0, "num_permutations": 4}
+    assert state["settings"] == {"scale_lr": 1.0, "kl_weight": 1.0, "num_permutations": 4}
     make_fitter(model, guide, lr=0.05, optimizer=settings).load_state_dict(state)  # resumes
     other = make_fitter(model, guide, lr=0.05, optimizer=pb.infer.Symmetrized())
     with pytest.raises(
