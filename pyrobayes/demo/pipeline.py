@@ -148,6 +148,11 @@ QUICK_OVERRIDES: dict[str, Any] = {
 #: posterior mean).
 _MEANFIELD_OPTIONS: dict[str, Any] = {"init_scale": 1e-3}
 
+#: IVON-LoRA's regime (Cong et al. 2024), both IVONs' on the text tasks: the posterior's h0 and
+#: effective sample size, and the fit's clip radius and unrescaled step (``FAMILY_SETTINGS``)
+_IVON_LORA_OPTIONS: dict[str, Any] = {"hess_init": 1e-3, "ess": 1e7}
+_IVON_LORA_FIT: dict[str, Any] = {"clip_radius": 1e-3, "rescale_lr": False}
+
 
 def _a_latent(adapter: Any) -> Any:
     """A plain LoRA adapter with only its A factors latent (every B a point); others unchanged."""
@@ -184,8 +189,8 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "ivon": {
         "lr": 0.3,
         "patience": 3,
-        "options": {"hess_init": 1e-3, "ess": 1e7},
-        "optimizer": IVON(clip_radius=1e-3, rescale_lr=False),
+        "options": dict(_IVON_LORA_OPTIONS),
+        "optimizer": IVON(**_IVON_LORA_FIT),
         "scheduler": "constant",
     },
     # IVON's regime, factor EMA 0.999 (the fine-tuning recommendation of docs/methods/ivon.md).
@@ -194,8 +199,8 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "kron-ivon": {
         "lr": 0.3,
         "patience": 3,
-        "options": {"hess_init": 1e-3, "ess": 1e7},
-        "optimizer": IVON(beta2=0.999, clip_radius=1e-3, rescale_lr=False),
+        "options": dict(_IVON_LORA_OPTIONS),
+        "optimizer": IVON(beta2=0.999, **_IVON_LORA_FIT),
         "scheduler": "constant",
     },
     # one more epoch of Adam from the MAP, collecting every 4 steps (K = 5 deviations)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..batch import batch_size, split_batch
 from ..contract import AnalyticKL, Posterior, PostHoc, implements
+from ..models.adapters import check_real
 from .distributed import world
 
 logger = logging.getLogger(__name__)
@@ -252,9 +253,7 @@ class ELBO:
             raise ValueError(f"Expected num_particles >= 1 but got {num_particles}.")
         self.num_particles = int(num_particles)
         self.analytic_kl = analytic_kl
-        if not (isinstance(kl_weight, (int, float)) and math.isfinite(kl_weight) and kl_weight > 0):
-            raise ValueError(f"ELBO: kl_weight must be a finite number > 0; got {kl_weight!r}.")
-        self.kl_weight = float(kl_weight)
+        self.kl_weight = check_real("kl_weight", kl_weight, gt=0, owner="ELBO: ")
         self._last_terms: dict[str, Tensor] = {}
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -32,13 +33,15 @@ def test_closed_form_is_the_posterior():
     assert off.abs().max() < 1e-5 * cov.diagonal().min()
 
 
-def _fit_and_average(prob, guide) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_and_average(prob, guide, settings=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Fit ``guide`` to the conjugate core (full batch: the only noise is the
     reparameterization), anneal, and average the last 1000 iterates (Polyak) to remove the
-    optimizer's jitter: the averaged ``(loc, scale)`` of the core's site."""
+    optimizer's jitter: the averaged ``(loc, scale)`` of the core's site and the annealing
+    fit's ``FitResult``. ``settings``: the fit's settings record (e.g. ``pb.infer.MeanField``)."""
     data = [(prob.x, prob.y)]
     objective = pb.infer.objectives.ELBO(num_particles=32)
-    pb.fit(prob.model, guide, data, lr=0.02, optim=pb.Optimization(loss=objective, num_steps=1500))
+    optim = pb.Optimization(optimizer=settings, loss=objective, num_steps=1500)
+    pb.fit(prob.model, guide, data, lr=0.02, optim=optim)
     locs, scales = [], []
 
     def record(step: int, value: float) -> None:
@@ -46,21 +49,16 @@ def _fit_and_average(prob, guide) -> tuple[torch.Tensor, torch.Tensor]:
             locs.append(guide.loc(prob.site).detach().clone())
             scales.append(guide.scale(prob.site).detach().clone())
 
-    pb.fit(
-        prob.model,
-        guide,
-        data,
-        lr=0.002,
-        optim=pb.Optimization(loss=objective, num_steps=1500),
-        progress=pb.Progress(callback=record),
+    result = pb.fit(
+        prob.model, guide, data, lr=0.002, optim=optim, progress=pb.Progress(callback=record)
     )
-    return torch.stack(locs).mean(0), torch.stack(scales).mean(0)
+    return torch.stack(locs).mean(0), torch.stack(scales).mean(0), result
 
 
 def test_meanfield_recovers_exact_posterior():
     prob = conjugate_core()
     guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
-    loc, scale = _fit_and_average(prob, guide)
+    loc, scale, _ = _fit_and_average(prob, guide)
     sd = prob.post_scale
     # Tolerances. Posterior sds here are 0.05-0.16. The averaged iterate's error comes from the
     # gradient noise of 32 particles: each step's data-term gradient has relative noise ≈ 1/√32,
@@ -152,7 +150,7 @@ def test_empirical_prior_meanfield_recovers_the_type2_posterior() -> None:
     moment = (exact.post_loc.square() + exact.post_scale.square()).mean()
     assert abs(float(moment.sqrt()) / s_star - 1) < 1e-4
     guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1, prior="empirical")
-    loc, scale = _fit_and_average(prob, guide)
+    loc, scale, _ = _fit_and_average(prob, guide)
     sd = exact.post_scale
     # the tolerances of test_meanfield_recovers_exact_posterior (same optimiser, particles and
     # averaging; the reasoning there): 0.1 sd for the mean, 5% for the scale; ŝ is a root mean
@@ -254,32 +252,8 @@ def test_meanfield_with_a_weighted_kl_recovers_the_tempered_posterior() -> None:
     # the tempered posterior is another posterior: its sds are 0.53-0.59x the ELBO's here
     assert (sd_w / prob.post_scale).max() < 0.6
     guide = pb.guides.MeanFieldGuide(prob.model, init_scale=0.1)
-    data = [(prob.x, prob.y)]
-    settings = pb.infer.MeanField(kl_weight=w)
-    objective = pb.infer.objectives.ELBO(num_particles=32)  # bound to kl_weight = w by the fitter
-    pb.fit(
-        prob.model,
-        guide,
-        data,
-        lr=0.02,
-        optim=pb.Optimization(optimizer=settings, loss=objective, num_steps=1500),
-    )
-    locs, scales = [], []
-
-    def record(step: int, value: float) -> None:
-        if step > 500:
-            locs.append(guide.loc(prob.site).detach().clone())
-            scales.append(guide.scale(prob.site).detach().clone())
-
-    result = pb.fit(
-        prob.model,
-        guide,
-        data,
-        lr=0.002,
-        optim=pb.Optimization(optimizer=settings, loss=objective, num_steps=1500),
-        progress=pb.Progress(callback=record),
-    )
-    loc, scale = torch.stack(locs).mean(0), torch.stack(scales).mean(0)
+    # the helper's ELBO(num_particles=32) is bound to kl_weight = w by the fitter
+    loc, scale, result = _fit_and_average(prob, guide, pb.infer.MeanField(kl_weight=w))
     # the tolerances of test_meanfield_recovers_exact_posterior (same optimiser, particles and
     # averaging), relative to the tempered sds
     assert ((loc - loc_w).abs() / sd_w).max() < 0.1, (loc, loc_w)
