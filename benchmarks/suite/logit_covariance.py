@@ -12,13 +12,16 @@ Laplace on the same MAP network (``laplace_torch``). On each of the task's OOD s
 (``ood_<name>``), for both: the median variance the softmax reads, ``tr(C Σ_f C)`` with
 ``C = I − 11ᵀ/K``, in and out of distribution, its AUROC as an OOD score, its rank correlation
 with the MAP's margin, and the predictive entropy's AUROC at the point and under 100 and 10,000
-Monte Carlo draws of the logits. docs/methods/swag_laplace.md quotes it.
+Monte Carlo draws of the logits, and the median norm of the features the MAP's head reads in
+and out of distribution. docs/methods/swag_laplace.md quotes it.
 
 Run::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/logit_covariance.py --task amazon --seeds 0 1 2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/logit_covariance.py --task fine \
         --out benchmarks/results/suite/logit_covariance_fine.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/logit_covariance.py --task digits \
+        --out benchmarks/results/suite/logit_covariance_digits.json
 """
 
 from __future__ import annotations
@@ -69,11 +72,16 @@ def one_seed(name: str, seed: int) -> dict[str, Any]:
     }
     # where the spread falls: the variance the softmax reads (of the logits' deviations from
     # their mean over classes) on the validation split against each OOD set, and how well that
-    # variance alone tells the OOD set apart (AUROC, OOD = 1)
+    # variance alone tells the OOD set apart (AUROC, OOD = 1); and the norm of the features the
+    # MAP's head reads (laplace-torch's last-layer inputs), which sets a last-layer variance
+    norm_id = _feature_norms(la, task.validation)
     for ood_name, loader in task.ood.items():
+        norm_ood = _feature_norms(la, loader)
         out[f"ood_{ood_name}"] = {
             "pyrobayes": _spread(moments, _covariance(model, laplace, loader)),
             "laplace_torch": _spread(la_moments, _la_covariance(la, loader)),
+            "head_feature_norm_median_id": float(norm_id.median()),
+            "head_feature_norm_median_ood": float(norm_ood.median()),
         }
     return out
 
@@ -93,6 +101,13 @@ def _la_covariance(la: Any, loader: Any) -> Moments:
     with torch.no_grad():
         parts = [la._glm_predictive_distribution(x) for x in _inputs(loader)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _feature_norms(la: Any, loader: Any) -> torch.Tensor:
+    """Euclidean norm, per example, of the features laplace-torch's last layer reads."""
+    with torch.no_grad():
+        feats = [la.model.forward_with_features(x)[1] for x in _inputs(loader)]
+    return torch.cat([f.reshape(f.shape[0], -1) for f in feats]).norm(dim=-1)
 
 
 def _centred_variance(cov: torch.Tensor) -> torch.Tensor:
