@@ -439,7 +439,24 @@ def calibrate(
     value, count, at_bound = _fit(pred, pred.targets, low, high, pool=pool, size=size)
     set_temperature(guide, value, pool=pool)
     _warn_if_poorly_determined(value, count, at_bound, bounds, pred.log_probs is not None, size)
+    if size == 1 and pred.log_probs is not None and pred.targets is not None:
+        _warn_if_few_classes(value, pred.targets, int(pred.log_probs.shape[-1]))
     return value
+
+
+def _warn_if_few_classes(value: float, labels: Tensor, num_classes: int) -> None:
+    """:func:`calibrate`'s warning for held-out labels of one class, or of fewer than half the
+    classes (a class-sorted, unshuffled slice): a temperature fitted there rewards confidence
+    in those classes only."""
+    seen = int(torch.unique(labels).numel())
+    if num_classes < 2 or (seen > 1 and 2 * seen >= num_classes):
+        return
+    _warn(
+        f"calibrate: T = {value:.4g} was fitted on held-out labels of only {seen} of the "
+        f"{num_classes} classes: a temperature fitted there rewards confidence in "
+        f"{'that class' if seen == 1 else 'those classes'} alone (an unshuffled, class-sorted "
+        "slice of the data?). Calibrate on a held-out split drawn from every class."
+    )
 
 
 def _agree_on_failure(failure: Exception | None, device: torch.device) -> Exception | None:
@@ -528,6 +545,13 @@ def labelled_prediction(
 
     try:
         pred = (predict_fn or predict)(model, guide, val_data, **predict_kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" in str(err):
+            raise TypeError(
+                f"{owner}{err}: its keyword arguments beyond its own are predict()'s "
+                "(num_samples, seed, device, samples_per_forward, ...)."
+            ) from None
+        raise
     except ValueError as err:
         if "no batches" in str(err):
             raise ValueError(

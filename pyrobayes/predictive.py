@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -331,6 +331,8 @@ def predict(
         Samples evaluated per forward pass (chunking of the S-fold expanded batch). Default:
         :func:`default_samples_per_forward`.
     device : str or torch.device, optional
+        Move ``model`` and ``guide`` there (in place: they stay there afterwards, as after
+        ``model.to(device)``) and every batch with them.
     progress_bar : bool
     values : dict, optional
         Use these parameter draws ``{site: (S, *shape)}`` instead of sampling the guide.
@@ -403,6 +405,8 @@ def predict(
         )
     if values is None:
         values = _posterior_draws(guide, num_samples, seed)
+    else:
+        check_values(model, values)
     values = {k: v.detach().to(dev) for k, v in values.items()}
     # a Mixture may ask for the softmax of its draws' averaged logits (the released IBDR code)
     average_logits = (
@@ -445,6 +449,39 @@ def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str
         num_samples = _equal_weight_samples(cast(Mixture, guide), num_samples)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     return cast(dict[str, Tensor], guide.sample_posterior(num_samples, generator=generator))
+
+
+def check_values(model: Any, values: Any) -> None:
+    """Refuse explicit draws ``{site: (S, *shape)}`` that do not cover the model's latent sites
+    with one draw count, or that name another site or shape (``predict(values=...)``)."""
+    sites = model.latent_sites
+    if not isinstance(values, Mapping) or not values:
+        raise ValueError(
+            "predict(values=...): pass a dict {site: (S, *shape) tensor} with a draw for every "
+            f"latent site ({sorted(sites)}); got {values!r:.80}."
+        )
+    unknown = sorted(set(values) - set(sites))
+    missing = sorted(set(sites) - set(values))
+    if unknown or missing:
+        raise ValueError(
+            f"predict(values=...): the draws must name exactly the model's latent sites "
+            f"{sorted(sites)}; unknown: {unknown}, missing: {missing}."
+        )
+    counts = set()
+    for site, value in values.items():
+        expected = tuple(int(n) for n in sites[site].shape)
+        shape = tuple(int(n) for n in getattr(value, "shape", ()))
+        if not isinstance(value, Tensor) or shape[1:] != expected:
+            raise ValueError(
+                f"predict(values=...): site {site!r} takes draws of shape (S, *{expected}); got "
+                f"{shape if isinstance(value, Tensor) else type(value).__name__}."
+            )
+        counts.add(shape[0])
+    if len(counts) != 1 or 0 in counts:
+        raise ValueError(
+            f"predict(values=...): every site needs the same number S >= 1 of draws; got "
+            f"{sorted(counts)}."
+        )
 
 
 def _predict_batches(

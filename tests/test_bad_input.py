@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1505,3 +1506,208 @@ def test_ood_predictions_of_another_width_say_how_to_compare_them():
         pb.metrics.report(probs, labels, ood_probs=ood)
     padded = torch.cat([ood, torch.zeros(2, 6, 1)], -1)  # what the message says works
     assert 0.0 <= pb.metrics.report(probs, labels, ood_probs=padded)["auroc_entropy"] <= 1.0
+
+
+# ================================================================================================
+# the silent-case sweep of 2026-12-06: mistakes that ran on silently or failed inside torch
+# ================================================================================================
+
+
+def _softmax_model() -> FineTuneModel:
+    """``_model``'s network with a final ``nn.Softmax``: it returns probabilities."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*mlp(4, 6, CLASSES), nn.Softmax(-1))
+    return FineTuneModel(
+        net, LoRAXS(rank=2, target_modules=["0"]), trainable_modules=["2"], num_data=32
+    )
+
+
+def _other_float() -> torch.dtype:
+    """A floating dtype other than the network's (the suite's default dtype)."""
+    return torch.float32 if torch.get_default_dtype() == torch.float64 else torch.float64
+
+
+class _UnitDimNet(nn.Module):
+    """``mlp(4, 6, C)`` whose output keeps a unit dim: ``(B, 1, C)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(4, 6, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).unsqueeze(1)
+
+
+def _unit_dim_model() -> FineTuneModel:
+    torch.manual_seed(0)
+    adapter = LoRAXS(rank=2, target_modules=["body.0"])
+    return FineTuneModel(_UnitDimNet(), adapter, trainable_modules=["body.2"], num_data=ROWS)
+
+
+def _fitted_meanfield() -> tuple[FineTuneModel, Any]:
+    model = _model(num_data=ROWS)
+    guide = pb.posterior(model, "meanfield")
+    pb.fit(model, guide, [(_x(), _labels())], optim=pb.Optimization(num_steps=1))
+    return model, guide
+
+
+SWEEP_CASES: list[Case] = [
+    # a head ending in nn.Softmax: the likelihood's softmax ran twice, accuracy unchanged, NLL
+    # and ECE silently wrong
+    _case(
+        "softmax-head",
+        lambda: _fit((_x(), _labels()), model=_softmax_model()),
+        ValueError,
+        "outputs are probabilities",
+        "Remove the final nn.Softmax",
+    ),
+    # a one-logit "categorical" head: a softmax over one class, a constant loss
+    _case(
+        "one-class-head",
+        lambda: _fit((_x(), torch.zeros(ROWS, dtype=torch.long)), model=_model(widths=(4, 6, 1))),
+        ValueError,
+        "one logit per example",
+        "2 for a binary task",
+    ),
+    # inputs of another dtype than the network: torch's "mat1 and mat2 must have the same dtype"
+    _case(
+        "float-inputs-of-another-dtype",
+        lambda: _fit((_x().to(_other_float()), _labels())),
+        TypeError,
+        f"inputs are {_other_float()}",
+        f"parameters are {torch.get_default_dtype()}",
+        f"x.to({torch.get_default_dtype()})",
+    ),
+    _case(
+        "float-inputs-of-another-dtype-predict",
+        lambda: _predict([(_x().to(_other_float()), _labels())]),
+        TypeError,
+        f"inputs are {_other_float()}",
+    ),
+    _case(
+        "integer-inputs",
+        lambda: _fit((torch.randint(0, 5, (ROWS, 4)), _labels())),
+        TypeError,
+        "integer tensors (torch.int64)",
+        "x.float()",
+    ),
+    # a dict batch with a column the network's forward does not take (GLUE's "idx")
+    _case(
+        "dict-extra-key",
+        lambda: _fit({"input": _x(), "idx": torch.arange(ROWS), "labels": _labels()}),
+        TypeError,
+        "net(**batch)",
+        "'idx'",
+        "Drop that column",
+    ),
+    # a (B, 1, C) output: the message blamed the labels ("do not match the batch of 1")
+    _case(
+        "output-with-a-unit-dim",
+        lambda: _fit((_x(), _labels()), model=_unit_dim_model()),
+        ValueError,
+        "(1, 3) per example for the 8 labels",
+        "returns (B, C)",
+    ),
+    _case("fit-seed-negative", lambda: _fit_seed(-1), ValueError, "fit(): seed", ">= 0"),
+    _case("fit-seed-too-large", lambda: _fit_seed(2**40), ValueError, "fit(): seed", "2**32 - 1"),
+    # explicit draws: a bare StopIteration, KeyError or bmm size error before
+    _case(
+        "predict-values-empty",
+        lambda: _predict([(_x(), _labels())], values={}),
+        ValueError,
+        "predict(values=...)",
+        "'0.core'",
+    ),
+    _case(
+        "predict-values-unknown-site",
+        lambda: _predict([(_x(), _labels())], values={"0.cor": torch.zeros(3, 2, 2)}),
+        ValueError,
+        "unknown: ['0.cor']",
+        "missing: ['0.core']",
+    ),
+    _case(
+        "predict-values-shape",
+        lambda: _predict([(_x(), _labels())], values={"0.core": torch.zeros(3, 3, 3)}),
+        ValueError,
+        "'0.core' takes draws of shape (S, *(2, 2))",
+    ),
+    _case(
+        "validation-empty",
+        lambda: _fit_validated([]),
+        ValueError,
+        "fit(validation=Validation(data))",
+        "no batches",
+    ),
+    _case(
+        "calibrate-keyword-typo",
+        lambda: pb.calibrate(*_fitted_meanfield(), [(_x(), _labels())], num_sample=8),
+        TypeError,
+        "calibrate: ",
+        "'num_sample'",
+        "num_samples",
+    ),
+]
+CASES = CASES + SWEEP_CASES
+
+
+def _fit_validated(validation_data: Any) -> Any:
+    model = _model(num_data=ROWS)
+    guide = pb.posterior(model, "map")
+    return pb.fit(
+        model, guide, [(_x(), _labels())], epochs=1, validation=pb.Validation(validation_data)
+    )
+
+
+def _fit_seed(seed: int) -> Any:
+    model = _model(num_data=ROWS)
+    return pb.fit(model, pb.posterior(model, "map"), [(_x(), _labels())], epochs=1, seed=seed)
+
+
+@pytest.mark.parametrize("case", SWEEP_CASES, ids=[c.id for c in SWEEP_CASES])
+def test_sweep_bad_input(case: Case):
+    assert check_case(case) is None
+
+
+def test_log_softmax_outputs_are_logits_and_pass():
+    # log-probabilities differ from the logits by a per-row constant: the same likelihood
+    torch.manual_seed(0)
+    net = nn.Sequential(*mlp(4, 6, CLASSES), nn.LogSoftmax(-1))
+    model = FineTuneModel(
+        net, LoRAXS(rank=2, target_modules=["0"]), trainable_modules=["2"], num_data=ROWS
+    )
+    guide = pb.posterior(model, "map")
+    pb.fit(model, guide, [(_x(), _labels())], epochs=2)
+    pred = pb.predict(model, guide, [(_x(), _labels())])
+    assert torch.allclose(pred.probs.sum(-1), torch.ones(1, ROWS))
+
+
+def test_calibrate_on_labels_of_one_class_warns():
+    model, guide = _fitted_meanfield()
+    x = _x(60)
+    with pytest.warns(UserWarning) as seen:
+        pb.calibrate(model, guide, [(x, torch.zeros(60, dtype=torch.long))])
+    assert [w for w in seen if "labels of only 1 of the 3 classes" in str(w.message)]
+    # every class present: no such warning (T may sit at a bound on this untrained model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pb.calibrate(model, guide, [(x, torch.arange(60) % CLASSES)])
+    assert not [w for w in seen if "of only" in str(w.message)]
+
+
+def test_calibration_data_unread_by_the_adapter_warns():
+    batch = [(_x(), _labels())]
+    for adapter in (LoRAXS(rank=2, target_modules=["0"]), LoRA(rank=2, target_modules=["0"])):
+        with pytest.warns(UserWarning, match=r"calibration_data is read only by .*'wsvd'"):
+            _model(adapter=adapter, calibration_data=batch)
+    # W-SVD reads it: no warning (warnings are errors in the suite)
+    _model(adapter=LoRAXS(rank=2, target_modules=["0"], projection="wsvd"), calibration_data=batch)
+
+
+def test_diagnose_with_too_few_draws_says_so():
+    from pyrobayes.diagnostics.khat import khat_interpretation
+
+    model, guide = _fitted_meanfield()
+    result = pb.diagnose(model, guide, [(_x(), _labels())], num_samples=8)
+    assert result.interpretation.startswith("undefined: S = 8 draws leave 2 in the tail")
+    # with enough draws for a tail fit, the reading is the k-hat's
+    assert khat_interpretation(math.inf, 1000).startswith("bad")

@@ -60,6 +60,8 @@ REFUSED: list[tuple[dict[str, Any], list[str]]] = [
     ),
     ({"training": {"warmup": 1.5, "scheduler": "cosine"}}, ["'training.warmup'", "got 1.5"]),
     ({"training": {"warmup": -0.1, "scheduler": "cosine"}}, ["'training.warmup'", ">= 0"]),
+    # a family twice: its run folder and its table row are keyed by name
+    ({"families": ["map", "laplace", "map"]}, ["'families'", "'map' more than once"]),
 ]
 
 

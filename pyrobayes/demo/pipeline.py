@@ -43,7 +43,7 @@ from ..infer.options import Optimization, Progress, Validation
 from ..infer.signorm import SigmaNormDiversity
 from ..infer.swag import SWAG
 from ..io import load, save
-from ..models import FineTuneModel, LoRA, SigmaNorm
+from ..models import FineTuneModel, LoRA, LoRAXS, SigmaNorm
 from ..models.accounting import count_parameters
 from ..models.adapters import adapter_from_dict, find_target_modules
 from ..predictive import predict
@@ -530,6 +530,12 @@ def check_families(families: Sequence[str]) -> list[str]:
                 f"Unknown family {family!r} in 'families'{_did_you_mean(family, known)}. "
                 f"Available: {', '.join(known)}."
             )
+    repeated = sorted({f for f in families if list(families).count(f) > 1})
+    if repeated:
+        raise ConfigError(
+            f"Config key 'families' names {', '.join(map(repr, repeated))} more than once: each "
+            "family is fitted once per seed (its run folder and table row are keyed by name)."
+        )
     return list(families)
 
 
@@ -850,12 +856,17 @@ def build_model(
     transform = FAMILY_SETTINGS.get(family or "", {}).get("adapter")
     if transform is not None:
         adapter = transform(adapter)
+    reads_data = (  # W-SVD's input statistics, or an adapter of its own (σN)
+        adapter.projection == "wsvd"
+        if isinstance(adapter, LoRAXS)
+        else not isinstance(adapter, LoRA)
+    )
     model = FineTuneModel(
         net,
         adapter,
         prior_scale=float(config["prior_scale"]),
         num_data=num_data,
-        calibration_data=calibration_data,
+        calibration_data=calibration_data if reads_data else None,
         max_calibration_batches=16,
     )
     return model, tokenizer

@@ -30,7 +30,7 @@ from ..calibration import apply_temperature
 from ..metrics import report
 from ..predictive import Prediction
 from .export import DEFAULT_MAX_SITE_NUMEL, evaluate_draws
-from .psis import importance_ess, psis_smooth
+from .psis import importance_ess, psis_smooth, psis_tail_length
 
 __all__ = ["Diagnostics", "diagnose", "khat_interpretation", "khat_threshold"]
 
@@ -65,6 +65,11 @@ def khat_interpretation(k: float, num_samples: int | None = None) -> str:
     """
     if math.isnan(k):
         return "undefined: k-hat is NaN (point-mass guide or no log-density)"
+    if num_samples is not None and k == math.inf and psis_tail_length(num_samples) < 5:
+        return (
+            f"undefined: S = {num_samples} draws leave {psis_tail_length(num_samples)} in the "
+            "tail, fewer than the 5 a Pareto fit needs (S >= 24); diagnose with S >= 1000"
+        )
     if k == -math.inf:
         return "good: all importance ratios are equal, q matches the posterior up to a constant"
     if k < 0.5:

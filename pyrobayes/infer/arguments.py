@@ -28,6 +28,7 @@ def validate_fit_arguments(
     overwrite: Any = False,
     patience: Any = None,
     validated: bool = False,
+    seed: Any = None,
 ) -> None:
     """Raise on an invalid combination of :func:`pyrobayes.fit` arguments.
 
@@ -49,6 +50,8 @@ def validate_fit_arguments(
         An integer >= 1; needs validation data (``validated``), the only thing it can wait on.
     validated : bool
         Whether ``val_data`` was passed.
+    seed : int, optional
+        An integer in ``0 .. 2**32 - 1`` (NumPy's range, which Pyro's seeding uses).
 
     Raises
     ------
@@ -66,6 +69,11 @@ def validate_fit_arguments(
         check_int("num_steps", num_steps, ge=0, owner=_OWNER)
     check_real("lr", lr, ge=0, owner=_OWNER)
     check_real("warmup", warmup, ge=0, owner=_OWNER)
+    if seed is not None and check_int("seed", seed, ge=0, owner=_OWNER) >= 2**32:
+        raise ValueError(
+            f"{_OWNER}seed must be at most 2**32 - 1 (the range NumPy's generator, seeded "
+            f"with it, takes); got {seed}."
+        )
     for name, flag in (("resume", resume), ("overwrite", overwrite)):
         if not isinstance(flag, bool):
             raise TypeError(f"{_OWNER}{name} must be True or False; got {flag!r}.")

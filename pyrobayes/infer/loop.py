@@ -199,13 +199,27 @@ class _DataSize:
         except TypeError:  # a batch whose size cannot be told: no check
             self.done = True
 
-    def finish(self) -> None:
-        """After the first epoch's batches (or the fit's, if it ends inside that epoch)."""
+    def finish(self, complete: bool = True) -> None:
+        """After the first epoch's batches (or the fit's, if it ends inside that epoch:
+        ``complete`` false, when only an excess can be told)."""
         if self.done:
             return
         self.done = True
         seen = self.count * self.size
-        if seen <= self.num_data + self.size - 1 or self.rank != 0:
+        if self.rank != 0 or seen == 0:  # seen 0: resumed after the first epoch
+            return
+        if complete and 2 * seen < self.num_data:
+            self._warn(
+                f"fit(): the first epoch yielded {seen} examples, but the model's num_data is "
+                f"{self.num_data}. num_data must be the size of the data the fit iterates: "
+                f"with it {self.num_data / seen:.3g}x too large the prior (and KL) weighs that "
+                "much too little and the posterior is too narrow (often the whole data set's "
+                "size passed while training on a subset). Build the model with "
+                "FineTuneModel(..., num_data=len(train_set)); if each epoch draws a sample of a "
+                "larger set on purpose, ignore this warning."
+            )
+            return
+        if seen <= self.num_data + self.size - 1:
             return
         over = "" if self.size == 1 else f" ({self.size} ranks × {self.count})"
         message = (
@@ -216,8 +230,12 @@ class _DataSize:
             "FineTuneModel(..., num_data=len(train_set)); if the data repeats examples on "
             "purpose (augmented copies), ignore this warning."
         )
+        self._warn(message)
+
+    @staticmethod
+    def _warn(message: str) -> None:
         logger.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=6)
+        warnings.warn(message, UserWarning, stacklevel=7)
 
 
 def _device_of(model: Any) -> torch.device | None:
@@ -392,15 +410,15 @@ def fit(
     """
     groups = {"optim": optim, "validation": validation, "checkpoint": checkpoint}
     options = _Options.of({**groups, "progress": progress})
-    num_steps = options.optim.num_steps
     validate_fit_arguments(
         epochs=epochs,
-        num_steps=num_steps,
+        num_steps=options.optim.num_steps,
         lr=lr,
         warmup=options.optim.warmup,
         validated=options.validation is not None,
+        seed=seed,
     )
-    plan = _Plan.of(data, epochs, num_steps)
+    plan = _Plan.of(data, epochs, options.optim.num_steps)
     if isinstance(data, Iterator) and epochs is not None and epochs > 1:
         raise ValueError(
             f"fit(epochs={epochs}): data is a one-shot iterator ({type(data).__name__}), "
@@ -602,7 +620,7 @@ class _Loop:
                 return
             if not self._batches_done():  # else: resumed after the last batch, before the end
                 trained_on = self._train_epoch()
-                self.data_size.finish()  # the first epoch's count, checked once
+                self.data_size.finish(trained_on)  # the first epoch's count, checked once
                 if not trained_on:  # num_steps reached inside the epoch
                     if self.write and pos.saved_at != pos.step:
                         self._checkpoint(epoch_end_done=False)

@@ -76,7 +76,15 @@ def _measure(
     """The validation metrics of ``guide`` on ``data`` and the number of examples scored."""
     from ..predictive import predict  # local: predictive imports nothing from infer
 
-    pred = predict(model, guide, data, values=guide.validation_values(), seed=None)
+    try:
+        pred = predict(model, guide, data, values=guide.validation_values(), seed=None)
+    except ValueError as err:
+        if "no batches" not in str(err):
+            raise
+        raise ValueError(
+            "fit(validation=Validation(data)): the validation data yielded no batches; pass "
+            "a non-empty iterable of labelled held-out batches."
+        ) from None
     model.train(True)
     if pred.targets is None:
         raise ValueError(

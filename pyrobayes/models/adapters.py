@@ -534,6 +534,21 @@ def _inject_lora(net: nn.Module, adapter: LoRA, paths: list[str]) -> list[SiteSp
     return sites
 
 
+def _warn_if_unread(adapter: LoRA | LoRAXS) -> None:
+    """Calibration batches given to an adapter that reads none (all but W-SVD's LoRA-XS)."""
+    if isinstance(adapter, LoRAXS) and adapter.projection == "wsvd":
+        return
+    which = "LoRA" if isinstance(adapter, LoRA) else f"LoRAXS(projection={adapter.projection!r})"
+    warnings.warn(
+        f"FineTuneModel: calibration_data is read only by LoRAXS(projection='wsvd') (the input "
+        f"statistics of its weighted SVD) and by SigmaNorm; {which} does not use it, so it was "
+        "ignored. Temperature scaling on held-out data is pb.calibrate(model, guide, val_data), "
+        "after the fit.",
+        UserWarning,
+        stacklevel=5,
+    )
+
+
 def inject_adapter(
     net: nn.Module,
     adapter: LoRA | LoRAXS,
@@ -560,6 +575,8 @@ def inject_adapter(
         return specs
     paths = find_target_modules(net, adapter.target_modules)
     sites: list[SiteSpec] = []
+    if calibration_batches is not None:
+        _warn_if_unread(adapter)
     if isinstance(adapter, LoRA):
         return _inject_lora(net, adapter, paths)
     if not isinstance(adapter, LoRAXS):

@@ -246,6 +246,16 @@ def check_class_targets(
                 "per example (sequence classification, e.g. BertForSequenceClassification); "
                 "per-token labels are not supported."
             )
+        if len(shape) == 1 and shape[0] in lead[:-1]:  # the examples sit further left
+            per_example = out[lead.index(shape[0]) + 1 :]
+            raise ValueError(
+                f"{what}: the network returns logits of shape {_shape(out)}, i.e. "
+                f"{_shape(per_example)} per example for the {shape[0]} labels: one row of "
+                f"{num_classes} class logits per example was expected. An unpooled sequence "
+                "output (B, T, C) or a kept unit dim (B, 1, C)? Pool over the positions or "
+                "select one (e.g. out[:, 0]), or squeeze the unit dim, so that the network "
+                "returns (B, C)."
+            )
         raise ValueError(
             f"{what}: labels of shape {_shape(shape)} do not match the batch of {rows} examples "
             f"(logits {_shape(out)}); pass one label per example, shape ({rows},)."
@@ -296,6 +306,36 @@ def check_example_rows(output: Tensor, inputs: Any, owner: str) -> None:
         )
 
 
+def check_not_probabilities(logits: Tensor, owner: str) -> None:
+    """Refuse class "logits" that are probabilities: every row non-negative and summing to 1.
+
+    A network whose head ends in ``nn.Softmax`` returns probabilities; the likelihood applies
+    the softmax again, which squeezes every prediction towards uniform (with 2 classes the top
+    probability can never exceed ``e/(1 + e) ≈ .73``) while the accuracy stays the same: fits
+    and metrics run, and only the NLL and calibration are wrong. Log-probabilities
+    (``log_softmax``) are logits up to a constant and pass. Checked with the labels (one
+    reduction and one synchronisation, as the label range is).
+
+    Raises
+    ------
+    ValueError
+        When ``logits`` has at least 2 classes and every row is a probability vector.
+    """
+    if logits.dim() < 2 or logits.shape[-1] < 2 or logits.numel() == 0:
+        return
+    detached = logits.detach()
+    rows_sum = detached.sum(-1)
+    looks = (detached.min() >= 0) & ((rows_sum - 1).abs().max() <= 1e-4 * logits.shape[-1])
+    if bool(looks):
+        raise ValueError(
+            f"{owner}: the network's outputs are probabilities (every row of its "
+            f"{logits.shape[-1]} class scores is non-negative and sums to 1), but the "
+            "likelihood reads logits and applies the softmax itself, so it would be applied "
+            "twice and every prediction squeezed towards uniform. Remove the final "
+            "nn.Softmax from the network (or return log_softmax, which reads as logits)."
+        )
+
+
 class Categorical(Likelihood):
     """``y ~ Categorical(softmax(f(x; θ)))``; labels are checked (:func:`check_class_targets`)."""
 
@@ -309,7 +349,16 @@ class Categorical(Likelihood):
         return dist.Categorical(logits=params)
 
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
-        """:func:`check_class_targets` against the logits ``params`` ``(*lead, B, C)``."""
+        """:func:`check_class_targets` against the logits ``params`` ``(*lead, B, C)``, which
+        must not be probabilities already (:func:`check_not_probabilities`)."""
+        check_not_probabilities(params, "Categorical likelihood")
+        if params.dim() >= 1 and params.shape[-1] == 1:
+            raise ValueError(
+                "Categorical likelihood: the network returns one logit per example, and a "
+                "softmax over one class is always 1 (nothing to learn, no uncertainty). Give "
+                "the head one output per class (2 for a binary task), or use a Gaussian "
+                "likelihood for a real-valued target."
+            )
         return check_class_targets(targets, params.shape)
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:

@@ -377,7 +377,7 @@ def test_empirical_factors_equal_the_gram_matrices_of_the_step(adapter):
         adapt, suffixes = pb.models.LoRAXS(rank=2, target_modules=["0", "2"]), ["core"]
     else:
         adapt, suffixes = pb.models.LoRA(rank=2, target_modules=["0"]), ["lora_A", "lora_B"]
-    model = FineTuneModel(net, adapt, num_data=40, trainable_modules=[])  # cores only
+    model = FineTuneModel(net, adapt, num_data=10, trainable_modules=[])  # cores only
     guide = KroneckerIVONGuide(model)
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
     drawn = _one_step_keeping_the_draw(model, guide, (x, y), mc_samples=2)
@@ -485,7 +485,7 @@ def test_input_factor_skips_padded_tokens():
     model = FineTuneModel(
         tiny_bert(num_labels=2),
         pb.models.LoRAXS(rank=2, target_modules=["query", "value"]),
-        num_data=40,
+        num_data=6,
         trainable_modules=[],
     )
     S, B, T = 2, 6, 7

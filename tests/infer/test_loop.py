@@ -323,6 +323,26 @@ def test_num_data_below_the_epoch_size_is_reported_once():
     pb.fit(prob.model, pb.posterior(prob.model, "map"), data[:3], epochs=1)
 
 
+def test_num_data_far_above_the_epoch_size_is_reported():
+    # num_data = 640 (the whole set's size) while the fit iterates a subset of 64: the prior
+    # and KL weigh 10x too little, the posterior comes out too narrow
+    prob = conjugate_core(num_data=64)
+    data = split_batches(prob.x, prob.y, size=16)
+    prob.model.num_data = 640
+    with pytest.warns(
+        UserWarning, match=r"yielded 64 examples.*num_data is 640.*10x too large"
+    ) as seen:
+        pb.fit(prob.model, pb.posterior(prob.model, "meanfield"), data, epochs=2)
+    assert len([w for w in seen if "num_data is 640" in str(w.message)]) == 1
+    assert seen[0].filename == __file__
+    # a fit that ends inside its first epoch cannot tell the epoch's size: no warning (warnings
+    # are errors in the suite)
+    pb.fit(prob.model, pb.posterior(prob.model, "map"), data, optim=pb.Optimization(num_steps=2))
+    # half of num_data per epoch or more passes (a sampled subset of a set is a plan)
+    prob.model.num_data = 128
+    pb.fit(prob.model, pb.posterior(prob.model, "map"), data, epochs=1)
+
+
 def test_the_progress_bar_is_on_in_interactive_use_only(monkeypatch):
     from pyrobayes.infer import options
 

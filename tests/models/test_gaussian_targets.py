@@ -209,6 +209,7 @@ def test_wrong_target_shapes_raise(path, outputs, shape, expected):
         elif path == "predict":
             pb.predict(model, pb.posterior(model, "meanfield"), [(x, bad)], num_samples=4)
         elif path == "selection":
+            model.num_data = 8  # the fit's one batch
             guide = pb.posterior(model, "map")
             pb.fit(
                 model,
