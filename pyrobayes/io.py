@@ -792,7 +792,9 @@ def _check_family(path: str | Path, header: dict[str, Any], guide: Any) -> None:
         raise PosteriorMismatchError(
             f"{path} holds a {header['family']!r} posterior ({header.get('guide_class')}) but the "
             f"guide is {here!r} ({type(guide).__name__}). Load it with pb.load(path, model), or "
-            f"build the guide as pb.posterior(model, {header['family']!r}, ...)."
+            f"build the guide as pb.posterior(model, {header['family']!r}, ...) (to resume the "
+            "fit that wrote it; a new fit of another family: Checkpointing(..., overwrite=True) "
+            "or another folder)."
         )
 
 

@@ -450,7 +450,7 @@ def load_checkpoint(
     batches per epoch of the data the fit resumes with, if known): on a ``ValueError`` nothing
     has been restored.
     """
-    from ..io import load_state
+    from ..io import _check_family, load_state, read_header
 
     folder = Path(folder)
     state_file = folder / "state.json"
@@ -462,6 +462,8 @@ def load_checkpoint(
             "Restore it, or start a new run with overwrite=True."
         ) from None
     check_position(meta, steps_per_epoch, source=state_file)
+    posterior = folder / "posterior.safetensors"  # another family first: nothing else matters
+    _check_family(posterior, read_header(posterior), guide)
     _check_schedule_matches(folder, meta, scheduler)
     load_state(guide, folder / "posterior.safetensors", model=model)
     fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))

@@ -294,6 +294,16 @@ def test_resume_under_another_schedule_is_refused(tmp_path):
         _fit("ivon", epochs=1, scheduler="constant", checkpoint_dir=tmp_path / "b", resume=True)
 
 
+def test_resume_with_another_family_names_the_family_first(tmp_path):
+    """A mean-field checkpoint resumed by IVON (whose default cosine schedule the mean-field run
+    did not have): the family is what differs, so that is the refusal, not the schedule."""
+    from pyrobayes.io import PosteriorMismatchError
+
+    _fit("meanfield", epochs=1, checkpoint_dir=tmp_path / "a")
+    with pytest.raises(PosteriorMismatchError, match="holds a 'meanfield' posterior.*overwrite"):
+        _fit("ivon", epochs=2, checkpoint_dir=tmp_path / "a", resume=True)
+
+
 def test_resume_with_another_rate_or_schedule_length_is_refused(tmp_path):
     """A resumed optimizer restores the checkpointed rate, so a new ``lr`` would be ignored
     without a word, and a schedule over another number of steps would join two curves: both
