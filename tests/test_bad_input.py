@@ -1639,6 +1639,13 @@ SWEEP_CASES: list[Case] = [
         "no batches",
     ),
     _case(
+        "export-empty-data",
+        lambda: pb.to_inference_data(*_fitted_meanfield(), []),
+        ValueError,
+        "to_inference_data",
+        "no batches",
+    ),
+    _case(
         "calibrate-keyword-typo",
         lambda: pb.calibrate(*_fitted_meanfield(), [(_x(), _labels())], num_sample=8),
         TypeError,

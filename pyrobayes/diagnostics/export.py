@@ -417,6 +417,7 @@ def _evaluate_chunk(
     with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse_within_batch():
         if pp_seed is not None:
             torch.manual_seed(pp_seed)
+        index = -1
         for index, batch in enumerate(data):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
             ll, pointwise, pp, lp, y = _evaluate_batch(model, inputs, y, values, n, wanted, index)
@@ -432,6 +433,11 @@ def _evaluate_chunk(
                 chunk.predictive.append(pp)
             if lp is not None:
                 chunk.class_log_probs.append(lp)
+    if index < 0:
+        raise ValueError(
+            "to_inference_data / diagnose: data yielded no batches; pass a non-empty iterable of "
+            "batches (the data set the posterior is evaluated on, e.g. the training loader)."
+        )
     return chunk._replace(has_targets=has_targets)
 
 
