@@ -350,10 +350,17 @@ def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> 
     if not chosen:
         names = [paths[0] for _, paths in candidates]
         leaf_names = sorted({n.rsplit(".", 1)[-1] for n in names})
+        as_regex = (
+            f" A string is a regular expression matched against whole paths; for module "
+            f"names pass a list, target_modules=[{target_modules!r}]."
+            if isinstance(target_modules, str) and target_modules in leaf_names
+            else ""
+        )
         raise ValueError(
             f"target_modules={target_modules!r} matched no linear module of "
             f"{type(net).__name__}. Candidate module names: {leaf_names} "
             f"(full paths, e.g. {names[:4]}). Pass some of these, or a regex over full paths."
+            + as_regex
         )
     for _, paths in chosen:
         for path in paths:
@@ -421,9 +428,46 @@ class LoRA:
         return (self.alpha if self.alpha is not None else self.rank) / self.rank
 
     @classmethod
-    def from_peft(cls, config: Any) -> LoRA:
-        """Build from a ``peft.LoraConfig``."""
+    def from_peft(cls, config: Any, *, scoped: bool = False) -> LoRA:
+        """Build from a ``peft.LoraConfig``.
+
+        Settings that change the adapted function and have no counterpart here are refused by
+        name rather than dropped (rsLoRA's ``α/√r`` scaling, DoRA's magnitudes, per-module
+        ranks or scalings, peft's default targets). ``scoped``: the caller resolves which
+        modules peft adapted (a peft model's own layers), so ``layers_to_transform``,
+        ``layers_pattern`` and ``exclude_modules`` are taken care of; without it they are
+        refused too.
+        """
+        unsupported = [
+            f"{name}={value!r}"
+            for name, value in (
+                ("use_rslora", getattr(config, "use_rslora", False)),
+                ("use_dora", getattr(config, "use_dora", False)),
+                ("rank_pattern", getattr(config, "rank_pattern", None)),
+                ("alpha_pattern", getattr(config, "alpha_pattern", None)),
+            )
+            if value
+        ]
+        if not scoped:
+            unsupported += [
+                f"{name}={value!r}"
+                for name in ("layers_to_transform", "layers_pattern", "exclude_modules")
+                if (value := getattr(config, name, None))
+            ]
+        if unsupported:
+            raise ValueError(
+                f"LoRA.from_peft: the LoraConfig sets {', '.join(unsupported)}, which pyrobayes' "
+                "LoRA (W0 + (alpha/r) B A, one rank and alpha for every targeted module) does not "
+                "represent; importing it would silently change the adapted function. Use a "
+                "plain LoraConfig (and target_modules naming exactly the modules to adapt)."
+            )
         targets = config.target_modules
+        if targets is None:
+            raise ValueError(
+                "LoRA.from_peft: the LoraConfig has target_modules=None (peft picks defaults "
+                "per architecture when it wraps a model); name the modules, e.g. "
+                "target_modules=['query', 'value'], or pass the peft-wrapped model itself."
+            )
         if isinstance(targets, set):
             targets = sorted(targets)
         return cls(rank=int(config.r), alpha=float(config.lora_alpha), target_modules=targets)

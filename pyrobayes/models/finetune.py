@@ -16,10 +16,12 @@ parameter, ``σ = softplus(ρ)``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +38,7 @@ from .adapters import (
     SiteSpec,
     check_int,
     check_real,
+    find_target_modules,
     inject_adapter,
     make_latent,
 )
@@ -159,8 +162,16 @@ def _check_pad_token(net: nn.Module) -> None:
 
 
 def _check_problem_type(net: nn.Module, likelihood: Likelihood) -> None:
-    """Refuse a Hugging Face multi-label classifier under the categorical likelihood."""
+    """Refuse a Hugging Face multi-label classifier, or a regression head, under the
+    categorical likelihood."""
     problem = getattr(getattr(net, "config", None), "problem_type", None)
+    if problem == "regression" and isinstance(likelihood, Categorical):
+        raise ValueError(
+            "FineTuneModel: the network's config.problem_type is 'regression' (its outputs "
+            "are real-valued targets), but the likelihood is categorical, which reads them as "
+            "class logits. Pass likelihood='gaussian' (with obs_scale=... or 'learn'), or "
+            "build a classifier (problem_type='single_label_classification' or None)."
+        )
     if problem == "multi_label_classification" and isinstance(likelihood, Categorical):
         raise ValueError(
             f"FineTuneModel: the network's config.problem_type is {problem!r}, but the "
@@ -175,13 +186,37 @@ def _check_problem_type(net: nn.Module, likelihood: Likelihood) -> None:
 NOISE_PARAM = "likelihood.raw_scale"
 
 
-def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
+def _refuse_checkpointing(net: nn.Module) -> None:
+    """Gradient (activation) checkpointing re-runs a forward during the backward pass, after
+    the sampled adapter weights were swapped back out: the adapter would get no gradient (or
+    torch's checkpoint would fail on the changed tensors). Hugging Face modules run it only in
+    training mode, i.e. under ``train_backbone_mode``."""
+    on = [
+        name or "<net>"
+        for name, m in net.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
+    if on:
+        raise ValueError(
+            f"FineTuneModel(train_backbone_mode=True): the network has gradient checkpointing on "
+            f"({', '.join(on[:3])}{', ...' if len(on) > 3 else ''}), which recomputes the forward "
+            "after pyrobayes has put the sampled adapter weights back, so the adapter would not "
+            "train. Turn it off (net.gradient_checkpointing_disable()), or keep "
+            "train_backbone_mode=False (the backbone in eval mode, where Hugging Face models "
+            "do not checkpoint)."
+        )
+
+
+def _peft_to_pyrobayes(net: Any, explicit: Any = None) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
     """Unwrap a ``peft.PeftModel`` with LoRA layers: base network, LoRA config, trained weights.
 
     ``net`` is duck-typed (``peft_config``, ``active_adapter``, ``unload``), as the caller checks.
+    The adapter targets exactly the modules peft adapted (its ``layers_to_transform`` and
+    ``exclude_modules`` included); an ``explicit`` adapter may only change which factors are
+    latent (``LoRA(latent="A")``), not the rank, scaling or modules of the trained weights.
     """
     config = net.peft_config[net.active_adapter]
-    adapter = LoRA.from_peft(config)
+    adapter = LoRA.from_peft(config, scoped=True)
     weights: dict[str, Tensor] = {}
     prefix = "base_model.model."
     for name, module in net.named_modules():
@@ -199,7 +234,37 @@ def _peft_to_pyrobayes(net: Any) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
                     )
                 weights[f"{path}.{role}.weight"] = weight.detach().clone()
     base = net.unload()
+    adapted = sorted({name.rsplit(".", 2)[0] for name in weights})
+    if adapted and sorted(find_target_modules(base, adapter.target_modules)) != adapted:
+        # peft's layers_to_transform / exclude_modules narrowed its targets: name the paths
+        adapter = dataclasses.replace(
+            adapter, target_modules="^(" + "|".join(re.escape(p) for p in adapted) + ")$"
+        )
+    if explicit is not None:  # (no LoRA layers left, e.g. merged: nothing trained to fit)
+        adapter = _explicit_peft_adapter(explicit, adapter, base, adapted) if adapted else explicit
     return base, adapter, weights
+
+
+def _explicit_peft_adapter(
+    explicit: Any, adapter: LoRA, base: nn.Module, adapted: list[str]
+) -> LoRA:
+    """``explicit``, checked against the peft model's own ``adapter`` (its trained weights fix
+    the rank, scaling and modules): only ``latent`` may differ."""
+    same = (
+        isinstance(explicit, LoRA)
+        and explicit.rank == adapter.rank
+        and math.isclose(explicit.scaling, adapter.scaling)
+        and sorted(find_target_modules(base, explicit.target_modules)) == adapted
+    )
+    if not same:
+        raise ValueError(
+            f"FineTuneModel: net is a peft LoRA model (r={adapter.rank}, alpha={adapter.alpha:g} "
+            f"on {adapted}) and adapter={explicit!r} differs from it, so its trained weights do "
+            "not fit. Drop adapter= to keep the peft adapter (LoRA(rank, alpha, the same targets, "
+            "latent='A') may change only which factors are latent), or pass net.unload() (the "
+            "base network) with the adapter you want."
+        )
+    return dataclasses.replace(adapter, latent=explicit.latent)
 
 
 _INSTANCES = itertools.count()
@@ -317,8 +382,8 @@ class FineTuneModel(nn.Module):
             num_data = check_int("num_data", num_data, ge=1, owner="FineTuneModel: ")
         peft_weights: dict[str, Tensor] = {}
         if hasattr(net, "peft_config") and hasattr(net, "unload"):
-            net, peft_adapter, peft_weights = _peft_to_pyrobayes(net)
-            adapter = adapter if isinstance(adapter, (LoRA, LoRAXS)) else peft_adapter
+            explicit = adapter if isinstance(adapter, (LoRA, LoRAXS)) else None
+            net, adapter, peft_weights = _peft_to_pyrobayes(net, explicit)
         elif adapter is not None and type(adapter).__name__ == "LoraConfig":
             adapter = LoRA.from_peft(adapter)
         if adapter is None and not latent_modules:
@@ -347,6 +412,8 @@ class FineTuneModel(nn.Module):
 
         for p in net.parameters():
             p.requires_grad_(False)
+        if train_backbone_mode:
+            _refuse_checkpointing(net)
         net.train(train_backbone_mode)
         self.net = net
 
@@ -572,6 +639,8 @@ class FineTuneModel(nn.Module):
     def train(self, mode: bool = True) -> FineTuneModel:
         # the backbone keeps its own mode (dropout off unless train_backbone_mode)
         self.training = mode
+        if mode and self.train_backbone_mode:
+            _refuse_checkpointing(self.net)
         self.net.train(mode and self.train_backbone_mode)
         return self
 
@@ -585,6 +654,9 @@ class FineTuneModel(nn.Module):
         """:meth:`_call_net` with the work shared across choices and draws (``sharing``): a
         multiple-choice batch runs each prompt once for its K choices; inside
         :meth:`_lower_shared` the blocks below the first adapted one see the un-expanded rows."""
+        check_positions = getattr(self.likelihood, "check_positions", None)
+        if check_positions is not None:
+            check_positions(inputs, self.net)
         shared = prefix_shared_logits(
             self.net, self.likelihood, inputs, self._draws_in_net(), self._first_adapted()
         )

@@ -692,6 +692,27 @@ class MultipleChoice(Likelihood):
                 return int(ids.shape[1])
         return None
 
+    def check_positions(self, inputs: Any, net: nn.Module) -> None:
+        """Refuse rows longer than the network's position table (``max_position_embeddings`` /
+        ``n_positions`` of its config): learned positions fail inside torch (an index out of
+        range), rotary ones extrapolate silently past the context the model was trained on."""
+        config = getattr(net, "config", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+        if not isinstance(limit, int) or not isinstance(ids, Tensor) or ids.shape[-1] <= limit:
+            return
+        positions = inputs.get("position_ids")
+        longest = int(positions.max()) + 1 if isinstance(positions, Tensor) else int(ids.shape[-1])
+        if longest > limit:
+            raise ValueError(
+                f"MultipleChoice likelihood: rows of {longest} token positions exceed the "
+                f"network's {limit} (its config's max_position_embeddings / n_positions). "
+                "Shorten the prompts, or pass max_length=... to encode_multiple_choice (which "
+                "truncates each prompt from the left and keeps the choice)."
+            )
+
     def network_inputs(self, inputs: Any, net: nn.Module) -> Any:
         """``(B, K, L)`` rows flattened to ``(B·K, L)``, the scoring keys dropped, and the
         positions the likelihood reads passed as ``logits_to_keep`` when ``net`` takes them."""
@@ -726,7 +747,15 @@ class MultipleChoice(Likelihood):
                 f"expected {length} (all) or {read.shape[1]} (the positions read)."
             )
         if valid is None:
-            ids = torch.as_tensor(self.choice_token_ids, device=output.device)
+            token_ids = self.choice_token_ids or []
+            ids = torch.as_tensor(token_ids, device=output.device)
+            if max(token_ids) >= output.shape[-1]:
+                raise ValueError(
+                    f"MultipleChoice(choice_token_ids={token_ids}): the network "
+                    f"scores {output.shape[-1]} tokens, so id {max(token_ids)} is "
+                    "no token of its vocabulary. Take the ids from the model's own tokenizer "
+                    "(tokenizer.convert_tokens_to_ids)."
+                )
             return output[:, 0, ids]  # (B, num_choices)
         ids = inputs["input_ids"]
         chars = inputs.get("continuation_chars")

@@ -285,7 +285,7 @@ def _as_choice_lists(prompts: Sequence[str], choices: Any, ragged: bool = False)
                 f"({list(choices)!r}); a multiple-choice question needs K >= 2 choices (one "
                 "choice always has probability 1). Pass every choice, or one list per prompt."
             )
-        return [list(choices) for _ in prompts]  # one list shared by every prompt
+        return _checked_texts([list(choices) for _ in prompts])  # one list shared by all
     if not isinstance(choices, Sequence) or len(choices) != len(prompts):
         raise ValueError(
             f"encode_multiple_choice: choices must be one list of strings shared by all prompts or "
@@ -313,6 +313,28 @@ def _as_choice_lists(prompts: Sequence[str], choices: Any, ragged: bool = False)
             f"sizes {sizes}. Pass ragged=True for a batch of questions with different numbers "
             "of choices (padded choices masked out by 'choice_mask'), or group prompts by size."
         )
+    return _checked_texts(lists)
+
+
+def _checked_texts(lists: list[list[str]]) -> list[list[str]]:
+    """Refuse an empty answer text and an answer given twice to one question."""
+    for b, options in enumerate(lists):
+        empty = [k for k, c in enumerate(options) if not c.strip()]
+        if empty:
+            raise ValueError(
+                f"encode_multiple_choice: choices[{b}][{empty[0]}] is {options[empty[0]]!r}, an "
+                "empty answer: it would be scored on the delimiter alone (or nothing), which "
+                "no answer text competes with. Drop it, or give it its text."
+            )
+        seen: dict[str, int] = {}
+        for k, c in enumerate(options):
+            if c in seen:
+                raise ValueError(
+                    f"encode_multiple_choice: choices[{b}] holds {c!r} twice (choices "
+                    f"{seen[c]} and {k}): the two always get the same score, so neither can "
+                    "have a probability above 1/2. Remove the duplicate."
+                )
+            seen[c] = k
     return lists
 
 

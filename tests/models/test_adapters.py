@@ -54,6 +54,11 @@ def test_no_match_lists_candidates():
     with pytest.raises(ValueError, match="Candidate module names") as err:
         FineTuneModel(tiny_bert(), LoRAXS(rank=2, target_modules=["q_proj"]))
     assert "query" in str(err.value) and "q_proj" in str(err.value)
+    # a module name given as a string is a regex over whole paths: the message says so
+    with pytest.raises(
+        ValueError, match=r"for module names pass a list, target_modules=\['query'\]"
+    ):
+        FineTuneModel(tiny_bert(), LoRAXS(rank=2, target_modules="query"))
 
 
 def test_bad_arguments_are_named():
@@ -250,6 +255,77 @@ def test_lora_config_is_accepted_as_adapter():
     ]
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"use_rslora": True},
+        {"use_dora": True},
+        {"rank_pattern": {"value": 1}},
+        {"alpha_pattern": {"value": 32}},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_peft_settings_without_a_counterpart_are_refused_not_dropped(option):
+    # each changes the adapted function (rsLoRA's alpha/sqrt(r), DoRA's magnitudes, per-module
+    # rank or scaling): imported as plain LoRA the logits moved by up to 7e-3 with no word
+    peft = pytest.importorskip("peft")
+    name = next(iter(option))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], **option)
+    with pytest.raises(ValueError, match=rf"LoRA.from_peft: the LoraConfig sets {name}="):
+        FineTuneModel(tiny_bert(), config)
+    with pytest.raises(ValueError, match=rf"sets {name}="):
+        FineTuneModel(peft.get_peft_model(tiny_bert(), config))
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        {"layers_to_transform": [0]},
+        {"exclude_modules": ["bert.encoder.layer.1.attention.self.value"]},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_a_peft_model_keeps_exactly_the_modules_peft_adapted(scope):
+    # peft's layers_to_transform / exclude_modules narrow its targets; target_modules alone
+    # adapted every query and value (a posterior over modules the user had excluded)
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["query", "value"], init_lora_weights=False, **scope
+    )
+    peft_model = peft.get_peft_model(tiny_bert().eval(), config)
+    adapted = sorted(
+        n.removeprefix("base_model.model.")
+        for n, m in peft_model.named_modules()
+        if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
+    )
+    inputs = {k: v for k, v in _bert_batch().items() if k != "labels"}
+    with torch.no_grad():
+        reference = peft_model(**inputs).logits.clone()
+    model = FineTuneModel(peft_model)
+    assert sorted({s.module_path for s in model.latent_sites.values()}) == adapted
+    assert len(adapted) in (2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(model.output(inputs, model.init_values()), reference)
+    # the same scope in a bare LoraConfig cannot be resolved without the model: refused
+    with pytest.raises(ValueError, match=rf"sets {next(iter(scope))}="):
+        FineTuneModel(tiny_bert(), config)
+
+
+def test_an_explicit_adapter_on_a_peft_model_may_only_change_the_latent_factors():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"])
+    for other in (
+        LoRA(rank=4, alpha=8, target_modules=["query", "value"]),  # another rank
+        LoRA(rank=2, alpha=4, target_modules=["query"]),  # other modules
+        LoRAXS(rank=2, target_modules=["query", "value"]),
+    ):
+        with pytest.raises(ValueError, match=r"net is a peft LoRA model \(r=2, alpha=4"):
+            FineTuneModel(peft.get_peft_model(tiny_bert(), config), other)
+    same = LoRA(rank=2, alpha=4, target_modules=["query", "value"], latent="A")
+    model = FineTuneModel(peft.get_peft_model(tiny_bert(), config), same)
+    assert model.adapter.latent == "A" and all(s.endswith("lora_A") for s in model.latent_sites)
+
+
 @pytest.mark.parametrize("projection", ["svd", "random"])
 def test_full_rank_lora_xs_reconstructs_float64_weights(projection):
     # with r = min(d_in, d_out) the frozen bases span W0 exactly (SPECS 2(d) 1): A B = W0. The
@@ -349,3 +425,35 @@ def test_head_modules_leave_out_a_learned_noise() -> None:
     )
     assert "likelihood.raw_scale" in model.point_params
     assert model.head_modules() == ["2"]
+
+
+def _enable_checkpointing(net: torch.nn.Module) -> None:
+    """Hugging Face's activation (gradient) checkpointing, by whichever name this version has."""
+    enable = (
+        getattr(net, "activation_checkpointing_enable", None) or net.gradient_checkpointing_enable
+    )
+    enable()
+
+
+def test_gradient_checkpointing_under_a_training_backbone_is_refused():
+    # the checkpointed forward re-ran after the sampled adapter weights were put back: with
+    # use_reentrant the LoRA B factors never left 0 (no error), without it torch's checkpoint
+    # failed on "a different number of tensors saved"
+    torch.manual_seed(0)
+    net = tiny_bert()
+    _enable_checkpointing(net)
+    with pytest.raises(
+        ValueError, match=r"gradient checkpointing on \(bert.*gradient_checkpointing_disable"
+    ):
+        FineTuneModel(net, LoRA(rank=2, target_modules=["query"]), train_backbone_mode=True)
+    # in eval mode (the default) Hugging Face models do not checkpoint: allowed
+    FineTuneModel(net, LoRA(rank=2, target_modules=["query"]), num_data=4)
+    # switched on after the model was built: refused when the fit puts the backbone in training
+    clean = tiny_bert()
+    model = FineTuneModel(
+        clean, LoRA(rank=2, target_modules=["query"]), train_backbone_mode=True, num_data=4
+    )
+    _enable_checkpointing(model.net)
+    guide = pb.posterior(model, "map")
+    with pytest.raises(ValueError, match=r"gradient checkpointing on"):
+        pb.fit(model, guide, [_bert_batch()], epochs=1)

@@ -177,3 +177,11 @@ def test_a_multi_label_classifier_is_refused_at_construction() -> None:
         LoRA(rank=2, target_modules=["query"]),
         likelihood="gaussian",
     )
+
+
+def test_a_regression_head_under_the_categorical_likelihood_is_refused() -> None:
+    # problem_type="regression" with num_labels = 3 was read as three class logits
+    net = tiny_bert(num_labels=3, problem_type="regression")
+    with pytest.raises(ValueError, match=r"'regression'.*likelihood='gaussian'"):
+        FineTuneModel(net, LoRA(rank=2, target_modules=["query"]))
+    FineTuneModel(net, LoRA(rank=2, target_modules=["query"]), likelihood="gaussian")

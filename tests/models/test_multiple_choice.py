@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -634,3 +635,53 @@ def test_ibdr_diversity_is_taken_per_question_with_enough_real_choices():
     with torch.no_grad():
         loss.data_term(model, values, narrow_only)
     assert loss.alpha == 0.02
+
+
+@pytest.mark.parametrize(
+    ("choices", "words"),
+    [
+        (["yes", "yes"], "holds 'yes' twice (choices 0 and 1)"),  # shared by every prompt
+        ([["a", "b"], ["c", "c"], ["d", "e"]], "choices[1] holds 'c' twice"),
+        ([["a", ""], ["c", "d"], ["e", "f"]], "choices[0][1] is '', an empty answer"),
+        (["yes", "  "], "an empty answer"),
+    ],
+)
+def test_duplicate_and_empty_answer_texts_are_refused(choices, words):
+    # a duplicate capped its question's probability at 1/2; an empty answer was scored on the
+    # delimiter alone and won with p = .997 under normalize="none"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        encode_multiple_choice(CharTokenizer(), PROMPTS, choices)
+
+
+@pytest.mark.parametrize("net", ["llama", "gpt2"])
+def test_rows_longer_than_the_position_table_are_refused(net):
+    # GPT-2's learned positions failed inside torch ("index out of range in self"); LLaMA's
+    # rotary ones scored 203-token rows of a 64-position model without a word
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        NETS[net]().eval(),
+        LoRA(rank=2, target_modules=["q_proj"] if net == "llama" else ["c_attn"]),
+        likelihood="multiple_choice",
+        trainable_modules=[],
+    )
+    prompts = [p * 8 for p in PROMPTS]  # 130+ characters: rows past the 64 positions
+    batch = encode_multiple_choice(CharTokenizer(), prompts, CHOICES)
+    with pytest.raises(ValueError, match=r"token positions exceed the network's 64.*max_length"):
+        model.output(batch, model.init_values())
+    short = encode_multiple_choice(CharTokenizer(), prompts, CHOICES, max_length=48)
+    with torch.no_grad():
+        assert model.output(short, model.init_values()).isfinite().all()
+
+
+def test_choice_token_ids_outside_the_vocabulary_are_refused():
+    torch.manual_seed(0)
+    model = FineTuneModel(
+        tiny_llama().eval(),
+        LoRA(rank=2, target_modules=["q_proj"]),
+        likelihood="multiple_choice",
+        choice_token_ids=[5, 500],
+        trainable_modules=[],
+    )
+    batch = {"input_ids": torch.randint(3, 90, (2, 6)), "labels": torch.tensor([0, 1])}
+    with pytest.raises(ValueError, match=r"scores 99 tokens, so id 500 is no token"):
+        model.output({"input_ids": batch["input_ids"]}, model.init_values())
