@@ -1638,6 +1638,20 @@ SWEEP_CASES: list[Case] = [
         "fit(validation=Validation(data))",
         "no batches",
     ),
+    # σN over a LayerNorm of a binary classifier's two logits: ±γ + β, a sign with no
+    # gradient back; the stress sweep's fits collapsed to the majority class (−30 to −46 pp)
+    _case(
+        "signorm-layernorm-over-two-logits",
+        lambda: pb.models.SigmaNormEnsemble(
+            nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2), nn.LayerNorm(2)),
+            num_members=2,
+            trainable_modules=["2"],
+            num_data=8,
+        ),
+        ValueError,
+        "LayerNorm over 2 feature(s)",
+        "norm_modules=[...]",
+    ),
     _case(
         "export-empty-data",
         lambda: pb.to_inference_data(*_fitted_meanfield(), []),

@@ -352,3 +352,19 @@ def test_calibrate_at_a_bound_points_a_regression_at_its_noise_scale(obs_scale, 
     message = " ".join(str(w.message) for w in caught)
     assert f"obs_scale) is probably {advice}" in message
     assert "predicted (almost) perfectly" not in message  # the classifier's wording
+
+
+# ------------------------------------------------------------------ a learned σ far from the targets
+def test_a_learned_noise_far_from_the_targets_scale_is_reported():
+    # targets in the hundreds (diabetes' raw units), σ learned from softplus(ρ) = 1: Adam at
+    # lr 1e-2 moved it to about 2 in 420 steps against residuals of 60-80, and the fit
+    # followed r²/2σ², silently
+    prob = _problem(obs_scale="learn")  # type: ignore[arg-type]
+    guide = pb.posterior(prob.model, "map")
+    with pytest.warns(
+        UserWarning, match=r"standard deviation on the first batch is 1\d\d.*init_scale=1\d\d"
+    ):
+        pb.fit(prob.model, guide, split_batches(prob.x, 150.0 * prob.y, 20), epochs=1)
+    # standardised targets: no warning (warnings are errors in the suite)
+    prob = _problem(obs_scale="learn")  # type: ignore[arg-type]
+    pb.fit(prob.model, pb.posterior(prob.model, "map"), split_batches(prob.x, prob.y, 20), epochs=1)

@@ -238,6 +238,19 @@ class _DataSize:
         warnings.warn(message, UserWarning, stacklevel=7)
 
 
+def _check_target_scale(model: Any, batch: Any) -> None:
+    """The likelihood's check of the first batch's targets against its starting noise scale
+    (a learned Gaussian σ far from the targets' units), where it has one."""
+    check = getattr(getattr(model, "likelihood", None), "check_target_scale", None)
+    if check is None:
+        return
+    try:
+        targets = split_batch(batch, getattr(model, "label_key", "labels"))[1]
+    except (TypeError, ValueError):  # the step reports a malformed batch itself
+        return
+    check(targets)
+
+
 def _device_of(model: Any) -> torch.device | None:
     """The device of ``model``'s parameters when it is not the CPU (batches are moved there),
     else ``None`` (batches are used as given)."""
@@ -660,6 +673,8 @@ class _Loop:
             seen += 1
             if pos.epoch == 0:
                 self.data_size.see(batch)
+                if seen == 1 and pos.step == 0:  # a fresh fit's first batch
+                    _check_target_scale(self.model, batch)
             if seen <= pos.in_epoch:  # resumed mid-epoch: done already
                 continue
             if num_steps is not None and pos.step >= num_steps:

@@ -13,6 +13,7 @@ integer labels in range, one per example).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -516,6 +517,32 @@ class Gaussian(Likelihood):
                 "obs_scale", obs_scale, gt=0, owner="Gaussian likelihood: "
             )
         self.event_dim = 0
+
+    def check_target_scale(self, targets: Any) -> None:
+        """Warn when a learned noise starts far from the targets' scale (first batch).
+
+        ``σ = softplus(ρ)`` moves by about the learning rate per step in ``ρ``, so from
+        ``init_scale = 1`` it takes thousands of Adam steps to reach targets in the hundreds
+        (the NLL is ``r²/2σ²`` meanwhile, and the fit follows it, not the data's noise).
+        """
+        if self.raw_scale is None or not isinstance(targets, Tensor):
+            return
+        if not targets.is_floating_point() or targets.numel() < 2:
+            return
+        spread = float(targets.detach().double().std())
+        start = self.obs_scale
+        if not math.isfinite(spread) or spread == 0 or 1 / 30 <= spread / start <= 30:
+            return
+        warnings.warn(
+            f"Gaussian likelihood: the targets' standard deviation on the first batch is "
+            f"{spread:.3g}, but the learned noise starts at σ = {start:.3g}; σ = softplus(ρ) "
+            "moves by about the learning rate per step, so it may not reach the targets' "
+            "scale within the fit (the NLL is r²/2σ² meanwhile). Standardize the targets "
+            "((y − mean) / sd, undone after predict), or start σ near their scale: "
+            f"likelihood=pb.models.Gaussian('learn', init_scale={spread:.3g}).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     @property
     def learned(self) -> bool:

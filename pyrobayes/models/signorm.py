@@ -122,6 +122,43 @@ def _is_hf_rms(module: nn.Module) -> bool:
     )
 
 
+def _norm_channels(norm: nn.Module, upcast: bool) -> int:
+    """The channel count of a norm layer that can become a member layer (refusing the ones whose
+    output carries nothing the data determine: a LayerNorm over one or two features)."""
+    if isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+        if len(norm.normalized_shape) != 1:
+            raise ValueError(
+                f"MemberNorm: {type(norm).__name__} over several trailing dimensions "
+                f"(normalized_shape={tuple(norm.normalized_shape)}) is not supported; only "
+                "a LayerNorm over the last (feature) dimension."
+            )
+        channels = int(norm.normalized_shape[0])
+        if isinstance(norm, nn.LayerNorm) and channels <= 2:
+            what = (
+                "its bias alone"
+                if channels == 1
+                else "±1 times its weight plus its bias: the sign of the two features' difference"
+            )
+            raise ValueError(
+                f"MemberNorm: a LayerNorm over {channels} feature(s) outputs {what}, with no "
+                "gradient back into the network, so its members cannot differ in anything "
+                "the data determine (a binary classifier with a LayerNorm over its two "
+                "logits collapsed to the majority class). Put σN on norm layers over wider "
+                "features (a hidden layer's), or leave this one out with norm_modules=[...]."
+            )
+    elif upcast:
+        hf_weight = getattr(norm, "weight", None)
+        if not isinstance(hf_weight, Tensor):
+            raise TypeError(
+                f"MemberNorm: the RMSNorm {type(norm).__name__} has no weight tensor to "
+                "take the channel count from; leave it out with norm_modules=[...]."
+            )
+        channels = int(hf_weight.shape[0])
+    else:
+        channels = int(getattr(norm, "num_features", 0))
+    return channels
+
+
 class MemberNorm(nn.Module):
     r"""A normalization layer with per-member σ-bounded scale, shift and BatchNorm statistics.
 
@@ -170,24 +207,7 @@ class MemberNorm(nn.Module):
         eps = getattr(norm, "variance_epsilon" if self.upcast else "eps", None)
         #: ε; −1 for torch's RMSNorm default (``finfo(x.dtype).eps`` at call time)
         self.eps = -1.0 if eps is None else float(eps)
-        if isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
-            if len(norm.normalized_shape) != 1:
-                raise ValueError(
-                    f"MemberNorm: {type(norm).__name__} over several trailing dimensions "
-                    f"(normalized_shape={tuple(norm.normalized_shape)}) is not supported; only "
-                    "a LayerNorm over the last (feature) dimension."
-                )
-            channels = int(norm.normalized_shape[0])
-        elif self.upcast:
-            hf_weight = getattr(norm, "weight", None)
-            if not isinstance(hf_weight, Tensor):
-                raise TypeError(
-                    f"MemberNorm: the RMSNorm {type(norm).__name__} has no weight tensor to "
-                    "take the channel count from; leave it out with norm_modules=[...]."
-                )
-            channels = int(hf_weight.shape[0])
-        else:
-            channels = int(getattr(norm, "num_features", 0))
+        channels = _norm_channels(norm, self.upcast)
         self.num_features = channels
         weight = getattr(norm, "weight", None)
         bias = getattr(norm, "bias", None)
