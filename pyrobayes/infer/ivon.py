@@ -34,7 +34,7 @@ from ..batch import batch_size
 from ..models.adapters import check_int, check_real
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
-from .objectives import split_training_batch
+from .objectives import _float_leaves, split_training_batch
 
 __all__ = [
     "IVON",
@@ -695,6 +695,31 @@ class IVONFitter(Fitter):
 
     def default_objective(self) -> IVONLoss:
         return IVONLoss()
+
+    def check_input_scale(self, inputs: Any) -> None:
+        """The first batch: warn when floating-point inputs are far from unit scale.
+
+        ``h0`` (``hess_init``) and the step ``α·(h0 + δ)`` presume curvature of order one,
+        i.e. features of order one: on raw features in the hundreds IVON diverged and
+        Kronecker IVON interpolated the training set (docs/methods/ivon.md).
+        """
+        spreads = [
+            float(t.detach().double().std())
+            for t in _float_leaves(inputs)
+            if t.numel() > 1 and t.dim() >= 1
+        ]
+        spread = max((v for v in spreads if math.isfinite(v)), default=0.0)
+        if spread <= 30.0:
+            return
+        warnings.warn(
+            f"{type(self.guide).__name__}: the first batch's floating-point inputs have a "
+            f"standard deviation of {spread:.3g}. IVON's Hessian initialisation (hess_init = "
+            f"{self.guide.hyper['hess_init']:g}) and step size presume features of order one; "
+            "on raw features in the hundreds it diverges or over-fits. Standardize the inputs "
+            "(per feature: (x − mean) / sd over the training set).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def end(self, data: Iterable[Any] | None = None) -> None:
         """After the last step: warn when ``h`` never left ``h0`` (:func:`warn_if_shapeless`)."""

@@ -238,17 +238,19 @@ class _DataSize:
         warnings.warn(message, UserWarning, stacklevel=7)
 
 
-def _check_target_scale(model: Any, batch: Any) -> None:
-    """The likelihood's check of the first batch's targets against its starting noise scale
-    (a learned Gaussian σ far from the targets' units), where it has one."""
-    check = getattr(getattr(model, "likelihood", None), "check_target_scale", None)
-    if check is None:
-        return
+def _check_first_batch(model: Any, fitter: Any, batch: Any) -> None:
+    """The checks of a fresh fit's first batch, where the likelihood or the fitter has one: the
+    targets against a learned Gaussian σ's start, the inputs' scale against IVON's ``h0``."""
     try:
-        targets = split_batch(batch, getattr(model, "label_key", "labels"))[1]
+        inputs, targets = split_batch(batch, getattr(model, "label_key", "labels"))
     except (TypeError, ValueError):  # the step reports a malformed batch itself
         return
-    check(targets)
+    check_targets = getattr(getattr(model, "likelihood", None), "check_target_scale", None)
+    if check_targets is not None:
+        check_targets(targets)
+    check_inputs = getattr(fitter, "check_input_scale", None)
+    if check_inputs is not None:
+        check_inputs(inputs)
 
 
 def _device_of(model: Any) -> torch.device | None:
@@ -674,7 +676,7 @@ class _Loop:
             if pos.epoch == 0:
                 self.data_size.see(batch)
                 if seen == 1 and pos.step == 0:  # a fresh fit's first batch
-                    _check_target_scale(self.model, batch)
+                    _check_first_batch(self.model, self.fitter, batch)
             if seen <= pos.in_epoch:  # resumed mid-epoch: done already
                 continue
             if num_steps is not None and pos.step >= num_steps:
