@@ -314,8 +314,9 @@ def check_not_probabilities(logits: Tensor, owner: str) -> None:
     the softmax again, which squeezes every prediction towards uniform (with 2 classes the top
     probability can never exceed ``e/(1 + e) ≈ .73``) while the accuracy stays the same: fits
     and metrics run, and only the NLL and calibration are wrong. Log-probabilities
-    (``log_softmax``) are logits up to a constant and pass. Checked with the labels (one
-    reduction and one synchronisation, as the label range is).
+    (``log_softmax``) are logits up to a constant and pass. ``Categorical.check_targets`` runs
+    it on the first labelled batch its likelihood sees: a network returns probabilities by
+    construction, so once suffices and no step pays for it.
 
     Raises
     ------
@@ -352,7 +353,9 @@ class Categorical(Likelihood):
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
         """:func:`check_class_targets` against the logits ``params`` ``(*lead, B, C)``, which
         must not be probabilities already (:func:`check_not_probabilities`)."""
-        check_not_probabilities(params, "Categorical likelihood")
+        if not self.__dict__.get("_outputs_checked", False):  # structural: once suffices
+            check_not_probabilities(params, "Categorical likelihood")
+            self.__dict__["_outputs_checked"] = True
         if params.dim() >= 1 and params.shape[-1] == 1:
             raise ValueError(
                 "Categorical likelihood: the network returns one logit per example, and a "
