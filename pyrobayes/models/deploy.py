@@ -222,8 +222,12 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
             *(s.module_path for s in model.latent_sites.values() if s.kind in ("weight", "bias")),
         }
     )
+    # GPT-2's Conv1D stores its weight (in, out): peft needs fan_in_fan_out for it (and warns
+    # and sets it itself otherwise)
+    conv1d = any(type(net.get_submodule(p)).__name__ == "Conv1D" for p in paths)
     config = LoraConfig(
         r=adapter.rank,
+        fan_in_fan_out=conv1d,
         # peft annotates lora_alpha as int but only divides by it: a float alpha is kept exact
         lora_alpha=adapter.alpha if adapter.alpha is not None else adapter.rank,  # type: ignore[arg-type]
         target_modules=paths,
