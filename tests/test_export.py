@@ -250,3 +250,16 @@ def test_plot_posterior_summary_shows_the_first_entries_of_a_large_posterior(tmp
         assert kept == expected, name
     out = plot_posterior_summary(idata, tmp_path / "few.png", max_rows=2 * len(sizes))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_export_says_what_its_chains_and_draws_are():
+    # a point mass exports S copies of one value (ArviZ's r-hat / ESS NaN, LOO k-hat > 0.7) and
+    # a mixture one chain per component (r-hat = inf): the attribute says how to read them
+    model, guide, data, _ = _classifier()
+    idata = pb.to_inference_data(model, guide, data, num_samples=8)
+    assert idata.attrs["draws"].startswith("independent draws of q in one chain")
+    for family, start in (("map", "point mass"), ("ibdr", "equal-weight mixture")):
+        other = pb.posterior(model, family)
+        exported = pb.to_inference_data(model, other, data, num_samples=8)
+        assert exported.attrs["draws"].startswith(start)
+        assert exported.posterior.attrs["draws"] == exported.attrs["draws"]

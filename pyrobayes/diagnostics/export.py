@@ -30,6 +30,10 @@ component, and ``draw`` size S/K, S rounded up to a multiple of K):
 ``sample_stats``            ``log_q``, ``log_joint``, ``lp`` (= ``log_joint``, ArviZ's name)
 ``optimization``            ``loss`` over dim ``step`` (only with ``losses=``)
 ==========================  ================================================================
+
+The attribute ``draws`` says how ArviZ's chains and draws are to be read: independent draws of
+``q`` (one chain), a point mass (every draw equal: r-hat, ESS and PSIS-LOO are undefined) or a
+mixture (a chain per component: r-hat measures the components' spread, not convergence).
 """
 
 from __future__ import annotations
@@ -698,6 +702,21 @@ def _export_temperature(model: Any, guide: Any) -> tuple[float | None, dict[str,
     )
 
 
+def _draws_attr(guide: Any) -> str:
+    """The ``draws`` attribute of an export: what its chains and draws are."""
+    if bool(getattr(guide, "is_deterministic", False)):
+        return (
+            "point mass: every draw is the same value, so r-hat, ESS and PSIS-LOO are undefined "
+            "(ArviZ reports NaN or k-hat > 0.7); compare families by their log_likelihood instead"
+        )
+    if _num_components(guide) > 1:
+        return (
+            "equal-weight mixture: one chain per component, independent draws within it; r-hat "
+            "across chains measures how far apart the components are, not convergence"
+        )
+    return "independent draws of q in one chain (not a Markov chain: r-hat ≈ 1, ESS ≈ S)"
+
+
 def to_datatree(
     model: Any,
     guide: Any,
@@ -834,6 +853,10 @@ def to_datatree(
         "num_data": int(model.num_data or ev.num_examples),
         "seed": -1 if seed is None else int(seed),
         "omitted_sites": ",".join(ev.omitted),
+        # what ArviZ's chain and draw mean here, so that r-hat, ESS and PSIS-LOO read right: a
+        # point mass repeats one draw (they are undefined), a mixture's chains are its components
+        # (r-hat measures their spread, not convergence)
+        "draws": _draws_attr(guide),
         **temperature_attrs,
     }
     extra: dict[str, Any] = {}
