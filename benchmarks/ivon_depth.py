@@ -15,7 +15,9 @@ Run::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ivon_depth.py --seeds 0 1 --depths 2 3 5
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ivon_depth.py --seeds 1 --depths 5 \
-        --lrs 0.1 0.03 0.01 --clips none 0.01 0.001
+        --lrs 0.1 0.03 0.01 --clips none 0.01
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ivon_depth.py --seeds 0 1 2 --depths 2 3 5 \
+        --warmups 0 0.1
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ def _scores(model: Any, guide: Any, data: list[Any], **kw: Any) -> dict[str, flo
     return {"accuracy": float(report["accuracy"]), "nll": float(report["nll"])}
 
 
-def one(seed: int, depth: int, lrs: list[float], clips: list[float | None]) -> list[dict[str, Any]]:
-    """MAP and IVON (each ``lr`` × ``clip``) on one seed's transfer task of ``depth`` layers."""
+def one(
+    seed: int, depth: int, lrs: list[float], clips: list[float | None], warmups: list[float]
+) -> list[dict[str, Any]]:
+    """MAP, mean-field and IVON (each ``lr`` × ``clip`` × ``warmup``) on one seed's transfer
+    task of ``depth`` layers."""
     x, y, held, train, pre = _data(seed)
     net = _body(depth)
     optim = torch.optim.Adam(net.parameters(), lr=1e-3)
@@ -84,17 +89,20 @@ def one(seed: int, depth: int, lrs: list[float], clips: list[float | None]) -> l
         return pb.models.FineTuneModel(body, cores, num_data=len(train), trainable_modules=[head])
 
     rows = []
-    runs: list[tuple[str, float, int, float | None]] = [
-        ("map", 1e-2, 30, None),
-        ("meanfield", 1e-2, 30, None),  # an Adam-trained posterior on the same cores
+    runs: list[tuple[str, float, int, float | None, float]] = [
+        ("map", 1e-2, 30, None, 0.0),
+        ("meanfield", 1e-2, 30, None, 0.0),  # an Adam-trained posterior on the same cores
     ]
-    runs += [("ivon", lr, 60, clip) for lr in lrs for clip in clips]
-    for family, lr, epochs, clip in runs:
+    runs += [("ivon", lr, 60, clip, w) for lr in lrs for clip in clips for w in warmups]
+    for family, lr, epochs, clip, warmup in runs:
         model = build()
         guide = pb.posterior(model, family)
-        options = {}
+        settings: dict[str, Any] = {}
         if clip is not None:
-            options["optim"] = pb.Optimization(optimizer=pb.infer.IVON(clip_radius=clip))
+            settings["optimizer"] = pb.infer.IVON(clip_radius=clip)
+        if warmup > 0:  # IVON's default cosine, after a linear warm-up over this fraction
+            settings.update(scheduler="cosine", warmup=warmup)
+        options = {"optim": pb.Optimization(**settings)} if settings else {}
         pb.fit(model, guide, batches, epochs=epochs, lr=lr, seed=seed, progress=False, **options)
         mean = {k: v[None] for k, v in guide.mean().items()}
         rows.append(
@@ -104,6 +112,7 @@ def one(seed: int, depth: int, lrs: list[float], clips: list[float | None]) -> l
                 "family": family,
                 "lr": lr,
                 "clip_radius": clip,
+                "warmup": warmup,
                 **_scores(model, guide, scored, num_samples=32, seed=0),
                 "at_mean": _scores(model, guide, scored, values=mean),
                 "abs_loc_median": [round(float(v.abs().median()), 4) for v in mean.values()],
@@ -119,10 +128,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--depths", nargs="+", type=int, default=[2, 3, 5])
     parser.add_argument("--lrs", nargs="+", type=float, default=[0.1])
     parser.add_argument("--clips", nargs="+", default=["none"])
+    parser.add_argument("--warmups", nargs="+", type=float, default=[0.0])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     clips = [None if c == "none" else float(c) for c in args.clips]
-    return [row for s in args.seeds for d in args.depths for row in one(s, d, args.lrs, clips)]
+    return [
+        row
+        for s in args.seeds
+        for d in args.depths
+        for row in one(s, d, args.lrs, clips, args.warmups)
+    ]
 
 
 if __name__ == "__main__":

@@ -86,6 +86,9 @@ class Fitter:
         The family's learning-rate schedule where ``fit``'s ``Optimization(scheduler=...)`` is
         left unset (``None``: a constant rate; IVON's: ``"cosine"``). ``scheduler="constant"``
         turns it off.
+    default_warmup : float
+        The warm-up of that default schedule when ``Optimization(warmup=...)`` is left at 0
+        (a fraction of the run; IVON's: 0.1). A schedule the fit names gets the fit's warm-up.
     reads_data_at_end : bool
         True when :meth:`end` makes another pass over the training data (Laplace's
         curvature): :func:`pyrobayes.fit` then refuses a one-shot iterator that training
@@ -103,6 +106,7 @@ class Fitter:
     settings: Any = None
     validation_data: Iterable[Any] | None = None
     default_scheduler: str | None = None
+    default_warmup: float = 0.0
     reads_data_at_end: bool = False
 
     def __init__(

@@ -568,9 +568,10 @@ class _Loop:
         validation = self.validation
         fitter.validation_data = validation.data if validation is not None else None
         fitter.begin(data)
-        spec = optim.scheduler
+        spec, warmup = optim.scheduler, optim.warmup
         if spec is None and not fitter.manages_lr:  # the family's own (IVON: cosine)
             spec = fitter.default_scheduler
+            warmup = warmup or (fitter.default_warmup if spec is not None else 0)
             if spec is not None and self.plan.total is None:
                 logger.info(
                     "fit: %s's default %r schedule needs the run's length (epochs with a "
@@ -578,8 +579,8 @@ class _Loop:
                     type(fitter).__name__,
                     spec,
                 )
-                spec = None
-        sched = make_scheduler(spec, fitter.optimizer, self.plan.total, optim.warmup)
+                spec, warmup = None, 0
+        sched = make_scheduler(spec, fitter.optimizer, self.plan.total, warmup)
         return fitter, sched
 
     # ------------------------------------------------------------------ the run

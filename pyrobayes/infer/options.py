@@ -66,7 +66,8 @@ class Optimization:
         (``α_t = α·½(1 + cos(π t/T))``, Loshchilov & Hutter, 2017, eq. 5 without restarts),
         ``"linear"`` (``α_t = α(1 − t/T)``) over the run's ``T`` steps, ``"constant"``, or a
         factory ``optimizer -> LRScheduler``. Default: the family's (a constant rate; IVON and
-        Kronecker IVON: ``"cosine"``, as Shen et al., 2024, anneal it). Saved in checkpoints.
+        Kronecker IVON: ``"cosine"`` after a warm-up over the first 10% of the run, as Shen
+        et al., 2024, anneal it). Saved in checkpoints.
         Not with a fitter that schedules the learning rate itself
         (``pb.infer.SWAG(swa_lr=...)``).
     warmup : int or float

@@ -56,8 +56,9 @@ def test_a_hand_written_loop_over_the_fitter_is_fit(family):
     assert isinstance(fitter, pb.infer.FITTERS[guide_b.default_fitter])
     model_b.train(True)
     fitter.begin(data_b)
-    # the family's learning-rate schedule over the run's 9 steps (IVON's cosine; else none)
-    sched = make_scheduler(fitter.default_scheduler, fitter.optimizer, 9)
+    # the family's learning-rate schedule over the run's 9 steps (IVON's cosine after its
+    # warm-up; else none)
+    sched = make_scheduler(fitter.default_scheduler, fitter.optimizer, 9, fitter.default_warmup)
     losses = []
     for epoch in range(3):
         for batch in data_b:
