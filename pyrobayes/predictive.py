@@ -471,7 +471,7 @@ def check_values(model: Any, values: Any) -> None:
     for site, value in values.items():
         expected = tuple(int(n) for n in sites[site].shape)
         shape = tuple(int(n) for n in getattr(value, "shape", ()))
-        if not isinstance(value, Tensor) or shape[1:] != expected:
+        if not isinstance(value, Tensor) or shape[1:] != expected or not shape:
             raise ValueError(
                 f"predict(values=...): site {site!r} takes draws of shape (S, *{expected}); got "
                 f"{shape if isinstance(value, Tensor) else type(value).__name__}."

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .. import metrics
 from ..batch import split_batch
+from ..calibration import labelled_prediction
 from .distributed import all_reduce_sum_, world
 
 __all__ = [
@@ -74,22 +75,16 @@ def _measure(
     model: Any, guide: Any, data: Iterable[Any], select_by: str
 ) -> tuple[dict[str, float], int]:
     """The validation metrics of ``guide`` on ``data`` and the number of examples scored."""
-    from ..predictive import predict  # local: predictive imports nothing from infer
-
-    try:
-        pred = predict(model, guide, data, values=guide.validation_values(), seed=None)
-    except ValueError as err:
-        if "no batches" not in str(err):
-            raise
-        raise ValueError(
-            "fit(validation=Validation(data)): the validation data yielded no batches; pass "
-            "a non-empty iterable of labelled held-out batches."
-        ) from None
+    pred = labelled_prediction(
+        model,
+        guide,
+        data,
+        owner="fit(validation=Validation(data)): ",
+        why="the epoch is chosen by its score on held-out labels",
+        values=guide.validation_values(),
+        seed=None,
+    )
     model.train(True)
-    if pred.targets is None:
-        raise ValueError(
-            "fit(validation=Validation(data)): the validation batches carry no targets."
-        )
     count = int(pred.targets.shape[0])
     if pred.log_probs is not None:
         if select_by not in ("nll", "accuracy"):

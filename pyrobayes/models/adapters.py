@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, base_weight_in_out
+from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, base_weight_in_out, is_conv1d
 from .projections import PROJECTIONS, collect_input_moments, project
 
 logger = logging.getLogger(__name__)
@@ -166,9 +166,7 @@ class SiteSpec:
 
 
 def _is_adaptable(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or (
-        type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-    )
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 #: Layers a ``target_modules`` regex may well match by accident (a ``proj`` / ``embed`` name)

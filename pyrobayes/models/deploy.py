@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import _module_aliases, _set_submodule
-from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
+from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, is_conv1d
 
 __all__ = ["to_peft", "merged_network", "unwrapped_network"]
 
@@ -224,7 +224,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     )
     # GPT-2's Conv1D stores its weight (in, out): peft needs fan_in_fan_out for it (and warns
     # and sets it itself otherwise)
-    conv1d = any(type(net.get_submodule(p)).__name__ == "Conv1D" for p in paths)
+    conv1d = any(is_conv1d(net.get_submodule(p)) for p in paths)
     config = LoraConfig(
         r=adapter.rank,
         fan_in_fan_out=conv1d,

@@ -65,6 +65,12 @@ def batched_linear(
     return out.reshape(*x.shape[:-1], weight.shape[-2])  # (S*B, ..., d_out)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' GPT-2 ``Conv1D`` (a linear layer storing its weight
+    ``(d_in, d_out)``), told by name so that transformers need not be imported."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def base_weight_in_out(base: nn.Module) -> Tensor:
     """The frozen weight of ``base`` in row-vector orientation ``W0 ∈ R^{d_in×d_out}``.
 
@@ -72,7 +78,7 @@ def base_weight_in_out(base: nn.Module) -> Tensor:
     """
     if isinstance(base, nn.Linear):
         return base.weight.detach().T
-    if type(base).__name__ == "Conv1D" and hasattr(base, "nf") and isinstance(base.weight, Tensor):
+    if is_conv1d(base) and isinstance(base.weight, Tensor):
         return base.weight.detach()
     raise TypeError(
         f"Expected an nn.Linear or transformers Conv1D module but got {type(base).__name__}."

@@ -327,6 +327,8 @@ def check_not_probabilities(logits: Tensor, owner: str) -> None:
         return
     detached = logits.detach()
     rows_sum = detached.sum(-1)
+    # a float32 (float64) softmax row sums to 1 within about C·1.2e-7 (C·2.2e-16), its unit
+    # roundoff per addend: 1e-4·C leaves a wide margin; half-precision rows may escape the test
     looks = (detached.min() >= 0) & ((rows_sum - 1).abs().max() <= 1e-4 * logits.shape[-1])
     if bool(looks):
         raise ValueError(
@@ -342,6 +344,8 @@ class Categorical(Likelihood):
     """``y ~ Categorical(softmax(f(x; θ)))``; labels are checked (:func:`check_class_targets`)."""
 
     name = "categorical"
+    #: whether :func:`check_not_probabilities` has seen this likelihood's outputs (once suffices)
+    _outputs_checked: bool = False
 
     def params(self, output: Tensor, inputs: Any) -> Tensor:
         check_example_rows(output, inputs, "Categorical likelihood")
@@ -353,9 +357,9 @@ class Categorical(Likelihood):
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
         """:func:`check_class_targets` against the logits ``params`` ``(*lead, B, C)``, which
         must not be probabilities already (:func:`check_not_probabilities`)."""
-        if not self.__dict__.get("_outputs_checked", False):  # structural: once suffices
+        if not self._outputs_checked:  # probabilities come from the network's structure
             check_not_probabilities(params, "Categorical likelihood")
-            self.__dict__["_outputs_checked"] = True
+            self._outputs_checked = True
         if params.dim() >= 1 and params.shape[-1] == 1:
             raise ValueError(
                 "Categorical likelihood: the network returns one logit per example, and a "
