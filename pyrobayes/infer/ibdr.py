@@ -338,6 +338,10 @@ class IBDRFitter(Fitter):
             )
         seed = int(torch.randint(0, 2**62, (1,)))
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        #: the parameters the robust step perturbs: the particles' locations (the guide's),
+        #: not the model's point parameters
+        particle_ids = {id(p) for p in guide.parameters()}
+        self._particle_params = [p for p in self.params if id(p) in particle_ids]
 
     def default_objective(self) -> IBDRLoss:
         settings = self.settings
@@ -398,13 +402,16 @@ class IBDRFitter(Fitter):
         if distributed:
             all_reduce_grads_(params)
         self._check_grads()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # the ascent moves the particles θ_k only: a point parameter shared by every particle
+        # (a trainable head) is not in the transport cost Σ_k ‖θ'_k − θ_k‖²
+        ascent = self._particle_params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ascent]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         clip = min(1.0, self.max_grad_norm / (float(norm) + 1e-12))
         step = clip / (2.0 * self.lam)
-        saved = [p.detach().clone() for p in params]
+        saved = [p.detach().clone() for p in ascent]
         with torch.no_grad():  # ascent: θ' = θ + clip(g) / (2λ)
-            for p, g in zip(params, grads, strict=True):
+            for p, g in zip(ascent, grads, strict=True):
                 p.add_(g, alpha=step)
         # pass 2: g' at θ'; then restore θ and add the prior's gradient at μ
         optim.zero_grad(set_to_none=True)
@@ -413,7 +420,7 @@ class IBDRFitter(Fitter):
             data_adv.backward()
         finally:
             with torch.no_grad():
-                for p, s in zip(params, saved, strict=True):
+                for p, s in zip(ascent, saved, strict=True):
                     p.copy_(s)
         IBDRLoss.prior_term(model, locs).backward()
         if distributed:
