@@ -327,8 +327,10 @@ class SymmetrizedGuide(PosteriorGuide):
             ]
         num = int(perms[0].shape[0])
         if torch.is_grad_enabled():
-            # saturated (every copy's weight exp(diff_k − max) underflows to 0 but θ₀'s): I_K is
-            # log K and its gradient exactly 0, so the graph over the K·D terms is not built
+            # inert (every permuted copy below 1e-8 of θ₀'s weight, or underflowing to 0): I_K
+            # is log K to (K − 1)·1e-8 and its gradient is dropped, so the graph over the K·D
+            # terms is not built and the fit is the base's bit for bit (a sub-1e-8 gradient
+            # still changes the rounding of every step, which a long fit amplifies)
             with torch.no_grad():
                 lq = self._relative_log_prob(values, perms)
             diff = lq - lq[:, :1]
@@ -344,20 +346,20 @@ class SymmetrizedGuide(PosteriorGuide):
         return _infonce(diff, num)
 
     def _note_saturation(self, diff: Tensor) -> bool:
-        """Record whether ``I_K`` is saturated at these log-ratios ``(S, K)``: every permuted
-        copy's weight ``exp(diff_k − max)`` underflows to 0 but θ₀'s, so ``I_K = log K`` with a
-        zero gradient (the return value). :attr:`last_saturation` holds ``(inert, max_k≥2
-        diff_k)``, inert when the nearest permuted copy's log density ratio at the draws is below
-        :data:`INERT_LOG_RATIO` (``I_K`` then within ``(K − 1)·1e-8`` of log K, its gradient as
-        small)."""
+        """Record whether ``I_K`` is inert at these log-ratios ``(S, K)`` (the return value):
+        the nearest permuted copy's log density ratio at the draws is below
+        :data:`INERT_LOG_RATIO`, or every copy's weight ``exp(diff_k − max)`` underflows to 0
+        but θ₀'s. ``I_K`` is then within ``(K − 1)·1e-8`` of log K and its gradient as small, so
+        the caller drops it. :attr:`last_saturation` holds ``(inert, max_k≥2 diff_k)``."""
         detached = diff.detach()
         others = detached[:, 1:]
         underflow = not bool((others - detached.max(dim=1, keepdim=True).values).exp().any())
         nearest = float(others.max()) if others.numel() else 0.0
         # inert: every copy weighs < e^-18.4 = 1e-8 against θ₀, so log K − I_K and I_K's
         # gradient are below (K − 1)·1e-8 relative to the data term's
-        self.__dict__["last_saturation"] = (underflow or nearest < INERT_LOG_RATIO, nearest)
-        return underflow
+        inert = underflow or nearest < INERT_LOG_RATIO
+        self.__dict__["last_saturation"] = (inert, nearest)
+        return inert
 
     def symmetrized_log_prob(self, values: Mapping[str, Tensor]) -> Tensor:
         r"""``log q_G(θ_s) = logsumexp_g log q(g·θ_s) − log|G|`` by enumerating G (tiny groups)."""
