@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     merged = merge([json.loads(p.read_text()) for p in args.inputs])
     extra = ["--base", str(args.base), "--families", *args.families] if args.base else []
     extra += ["--drop", *args.drop] if args.drop else []
+    extra += ["--"] if extra else []  # the inputs after a list option: the line runs as shown
     merged["command"] += " + " + " ".join(
         ["benchmarks/suite/merge.py", "--out", str(args.out), *extra, *map(str, args.inputs)]
     )

@@ -264,7 +264,9 @@ def test_the_ascent_moves_the_particles_and_not_a_shared_point_head():
     guide = pb.posterior(model, "ibdr", num_particles=2)
     fitter = pb.infer.make_fitter(model, guide, lr=1e-3, optimizer=IBDR(alpha=0.0))
     head = model.point_params
-    assert head and all(id(p) not in {id(q) for q in fitter._particle_params} for p in head.values())
+    assert head and all(
+        id(p) not in {id(q) for q in fitter._particle_params} for p in head.values()
+    )
     seen: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
     data_term = fitter._data_term
 
