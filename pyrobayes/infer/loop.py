@@ -171,6 +171,45 @@ class _Divergence:
         warnings.warn(message, DivergenceWarning, stacklevel=4)
 
 
+#: The ELBO's data term gave its fit back when its mean over the last tenth of the run is more
+#: than ``_GIVEN_BACK`` of the way from its lowest tenth back to its first, at least
+#: ``_MIN_RISE`` nats and ``_NUM_SE`` standard errors above the lowest tenth (the difference of
+#: two tenths' means of w per-step values has standard error sqrt(s_last² + s_low²)/sqrt(w),
+#: s the per-step sd in each; 4 of them leave about 3e-5 to a Gaussian fluctuation): the
+#: optimiser, which lowers ``nll + kl`` on average, then bought KL with the data fit (σ growing
+#: towards the prior), which minibatch and Monte-Carlo noise do not explain.
+_GIVEN_BACK, _MIN_RISE, _NUM_SE = 0.5, 0.1, 4.0
+
+
+def _warn_if_fit_given_back(terms: dict[str, list[torch.Tensor]], model: Any) -> None:
+    """Warn when the ELBO's expected NLL per example rose back towards its start (rank 0)."""
+    if "nll" not in terms or "kl" not in terms or world()[1] != 0 or len(terms["nll"]) < 10:
+        return
+    nll = torch.stack(terms["nll"]).detach().double().cpu()
+    width = len(nll) // 10
+    tenths = nll[: 10 * width].reshape(10, width)
+    means, lowest = tenths.mean(1), int(tenths.mean(1).argmin())
+    first, low, last = float(means[0]), float(means[lowest]), float(means[-1])
+    spread = float((tenths[-1].var() + tenths[lowest].var()).div(width).sqrt()) if width > 1 else 0
+    if width < 2 or last - low < max(_MIN_RISE, _GIVEN_BACK * (first - low), _NUM_SE * spread):
+        return
+    kl = float(torch.stack(terms["kl"][-width:]).mean())
+    sites = getattr(model, "latent_sites", {})
+    latent = sum(int(torch.Size(spec.shape).numel()) for spec in sites.values())
+    message = (
+        f"fit(): the ELBO's data term (expected NLL per example) rose from its lowest {low:.3g} "
+        f"back to {last:.3g} by the end of the fit (it started at {first:.3g}): q's scales grew "
+        f"to pay less KL(q ‖ p)/N (now {kl:.3g}) at the data's expense, and its draws blur "
+        f"the network's output. At this prior, {latent} latent values for "
+        f"N = {getattr(model, 'num_data', '?')} examples cost more KL than the data term can pay back. Make "
+        "fewer values latent (LoRA(latent='A'), LoRA-XS cores), temper the KL "
+        "(optim=pb.Optimization(optimizer=pb.infer.MeanField(kl_weight=0.1))), or stop "
+        "earlier on held-out data (validation=pb.Validation(...))."
+    )
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
 class _DataSize:
     """Counts the examples of the first epoch against the model's ``num_data``; warns once.
 
@@ -898,6 +937,8 @@ class _Loop:
                 "fit: restored the best validated epoch %d (%s)", best_epoch, selection.select_by
             )
         fitter.end(self.data)
+        if best_epoch is None:  # a restored epoch is not the run's last q
+            _warn_if_fit_given_back(self.terms, model)
         model.train(False)
         elapsed = time.perf_counter() - self.start
         final = pos.losses[-1] if pos.losses else float("nan")

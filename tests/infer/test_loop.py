@@ -355,3 +355,65 @@ def test_the_progress_bar_is_on_in_interactive_use_only(monkeypatch):
     monkeypatch.delenv("CI")
     monkeypatch.setattr(options.sys.stderr, "isatty", lambda: False)
     assert not pb.Progress().show_bar
+
+
+def _drowning_problem(adapter):
+    """832 latent LoRA values (r = 8, both factors, two layers) for N = 32 examples of a
+    3-class rule: the ELBO at the N(0, 1) prior pays more KL than the data term can repay."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
+    )
+    x = torch.randn(32, 8)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    model = pb.models.FineTuneModel(net, adapter, trainable_modules=["4"], num_data=32)
+    return model, split_batches(x, y, 16)
+
+
+def test_a_fit_whose_elbo_buys_kl_with_the_data_term_is_reported():
+    """Mean-field on plain LoRA factors with 26 latent values per example: the expected NLL
+    falls to .2 and climbs back to chance (log 3 = 1.10) as the scales grow towards the prior;
+    the predictive then scores the training data near chance while MAP fits it. The fit warns
+    with the cause and the counts; the same fit on LoRA-XS cores (128 values) does not."""
+    import warnings
+
+    model, data = _drowning_problem(pb.models.LoRA(rank=8, target_modules=["0", "2"]))
+    guide = pb.posterior(model, "meanfield")
+    with pytest.warns(UserWarning, match=r"data term .* rose .* 832 latent values for N = 32"):
+        pb.fit(model, guide, data, epochs=200, lr=3e-2, seed=0, progress=False)
+    pred = pb.predict(model, guide, data, num_samples=16, seed=0)
+    assert pred.targets is not None
+    assert pb.metrics.report(pred, pred.targets)["nll"] > 0.8  # near log 3: the warning is true
+    model, data = _drowning_problem(pb.models.LoRAXS(rank=4, target_modules=["0", "2"]))
+    guide = pb.posterior(model, "meanfield")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pb.fit(model, guide, data, epochs=200, lr=3e-2, seed=0, progress=False)
+
+
+@pytest.mark.parametrize(
+    "tenths,warns",
+    [
+        ([1.0, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.4, 0.7, 0.9], True),  # gave 80% back
+        ([1.0, 0.5, 0.3, 0.2, 0.15, 0.12, 0.1, 0.1, 0.1, 0.1], False),  # a plain descent
+        ([1.0, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.2, 0.3, 0.4], False),  # 1/3 back: the ELBO's σ
+        ([0.3, 0.25, 0.2, 0.2, 0.2, 0.2, 0.2, 0.22, 0.25, 0.28], False),  # under 0.1 nats
+    ],
+)
+def test_the_given_back_rule_on_tenths_of_a_run(tenths, warns):
+    """The rule of ``_warn_if_fit_given_back`` on a run of 10 steps per tenth with a per-step
+    spread of ±0.01 (its standard error, 4.5e-3 per tenth, far below every rise here)."""
+    import warnings
+
+    from pyrobayes.infer.loop import _warn_if_fit_given_back
+
+    model, _ = _drowning_problem(pb.models.LoRA(rank=8, target_modules=["0", "2"]))
+    jitter = torch.tensor([0.01, -0.01] * 5)
+    nll = [torch.tensor(v) + j for v in tenths for j in jitter]
+    terms = {"nll": nll, "kl": [torch.tensor(1.0)] * len(nll)}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _warn_if_fit_given_back(terms, model)
+    assert any("data term" in str(w.message) for w in record) == warns
