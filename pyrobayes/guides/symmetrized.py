@@ -334,7 +334,7 @@ class SymmetrizedGuide(PosteriorGuide):
             with torch.no_grad():
                 lq = self._relative_log_prob(values, perms)
             diff = lq - lq[:, :1]
-            if self._note_saturation(diff):
+            if self._note_saturation(diff, _identities(perms)):
                 first = values[next(iter(self.sites))]
                 anchor = first.reshape(first.shape[0], -1)[:, 0] * 0.0  # in the graph, grad 0
                 return _infonce(diff, num) + anchor
@@ -342,17 +342,20 @@ class SymmetrizedGuide(PosteriorGuide):
             return _infonce(lq - lq[:, :1], num)
         lq = self._relative_log_prob(values, perms)
         diff = lq - lq[:, :1]
-        self._note_saturation(diff)
+        self._note_saturation(diff, _identities(perms))
         return _infonce(diff, num)
 
-    def _note_saturation(self, diff: Tensor) -> bool:
+    def _note_saturation(self, diff: Tensor, identity: Tensor) -> bool:
         """Record whether ``I_K`` is inert at these log-ratios ``(S, K)`` (the return value):
         the nearest permuted copy's log density ratio at the draws is below
         :data:`INERT_LOG_RATIO`, or every copy's weight ``exp(diff_k − max)`` underflows to 0
         but θ₀'s. ``I_K`` is then within ``(K − 1)·1e-8`` of log K and its gradient as small, so
-        the caller drops it. :attr:`last_saturation` holds ``(inert, max_k≥2 diff_k)``."""
+        the caller drops it. :attr:`last_saturation` holds ``(inert, max_k≥2 diff_k)``.
+        Copies whose group element is the identity (``identity``, ``(K,)``; a uniform draw
+        from a small group can be) are θ₀ itself: their ratio is 0 and their gradient exactly
+        0, so they are left out."""
         detached = diff.detach()
-        others = detached[:, 1:]
+        others = detached[:, 1:].masked_fill(identity[1:].to(diff.device), -math.inf)
         underflow = not bool((others - detached.max(dim=1, keepdim=True).values).exp().any())
         nearest = float(others.max()) if others.numel() else 0.0
         # inert: every copy weighs < e^-18.4 = 1e-8 against θ₀, so log K − I_K and I_K's
@@ -366,6 +369,14 @@ class SymmetrizedGuide(PosteriorGuide):
         device = next(iter(values.values())).device
         lq = self.permuted_log_prob(values, self.spec.enumerate(device))
         return torch.logsumexp(lq, dim=1) - self.spec.log_order
+
+
+def _identities(perms: list[Tensor]) -> Tensor:
+    """``(K,)``: whether group element k is the identity in every layer (``perms[l]`` is
+    ``(K, n_l)``)."""
+    return torch.stack(
+        [(p == torch.arange(p.shape[1], device=p.device)).all(dim=1) for p in perms]
+    ).all(dim=0)
 
 
 def _side_generator(device: torch.device) -> torch.Generator:

@@ -196,6 +196,28 @@ def test_an_engaged_i_k_does_not_warn():
     assert not guide.last_saturation[0]
 
 
+def test_a_drawn_identity_does_not_make_an_inert_i_k_active():
+    """A uniform draw from a small group can be the identity: that copy is θ₀ itself (log ratio
+    exactly 0, gradient exactly 0), so it must not count as the nearest copy. With σ = 1e-3
+    every other copy underflows; the same K elements with one more identity among them stay
+    inert, and the recorded nearest ratio is the non-identity copies' (equal in both)."""
+    model, _ = _problem()
+    pyro.clear_param_store()
+    guide = pb.posterior(model, "symmetrized", init_scale=1e-3)
+    with torch.no_grad():
+        for site in guide.sites:
+            guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    values = {s: v.unsqueeze(0) for s, v in guide.base.mean().items()}
+    drawn = guide.spec.sample(3, generator=torch.Generator().manual_seed(0))
+    identity = guide.spec.identity(torch.device("cpu"))
+    plain = [torch.cat([i, d]) for i, d in zip(identity, drawn, strict=True)]
+    with_identity = [torch.cat([i, i, d]) for i, d in zip(identity, drawn, strict=True)]
+    guide.infonce(values, perms=plain)
+    inert, nearest = guide.last_saturation
+    guide.infonce(values, perms=with_identity)
+    assert inert and guide.last_saturation == (True, nearest)
+
+
 def test_a_near_saturated_i_k_counts_as_inert():
     """σ = 0.1 around locs ~ N(0, 0.5²): the nearest permuted copy is e^-300 to e^-900 as likely
     at θ₀ (measured over 60 steps), so on many steps no weight underflows in float64 (the limit
@@ -241,8 +263,8 @@ def test_an_inert_i_k_fits_exactly_as_the_base(init_scale, monkeypatch):
     nearest: list[float] = []
     note = SymmetrizedGuide._note_saturation
 
-    def recording(self, diff):
-        inert = note(self, diff)
+    def recording(self, diff, identity):
+        inert = note(self, diff, identity)
         nearest.append(self.last_saturation[1])
         return inert
 
