@@ -183,25 +183,27 @@ _GIVEN_BACK, _MIN_RISE, _NUM_SE = 0.5, 0.1, 4.0
 
 def _warn_if_fit_given_back(terms: dict[str, list[torch.Tensor]], model: Any) -> None:
     """Warn when the ELBO's expected NLL per example rose back towards its start (rank 0)."""
-    if "nll" not in terms or "kl" not in terms or world()[1] != 0 or len(terms["nll"]) < 10:
-        return
+    if "nll" not in terms or "kl" not in terms or world()[1] != 0 or len(terms["nll"]) < 20:
+        return  # (20 steps: two per tenth, the fewest that give each tenth a spread)
     nll = torch.stack(terms["nll"]).detach().double().cpu()
     width = len(nll) // 10
     tenths = nll[: 10 * width].reshape(10, width)
-    means, lowest = tenths.mean(1), int(tenths.mean(1).argmin())
+    means = tenths.mean(1)
+    lowest = int(means.argmin())
     first, low, last = float(means[0]), float(means[lowest]), float(means[-1])
-    spread = float((tenths[-1].var() + tenths[lowest].var()).div(width).sqrt()) if width > 1 else 0
-    if width < 2 or last - low < max(_MIN_RISE, _GIVEN_BACK * (first - low), _NUM_SE * spread):
+    spread = float((tenths[-1].var() + tenths[lowest].var()).div(width).sqrt())
+    if last - low < max(_MIN_RISE, _GIVEN_BACK * (first - low), _NUM_SE * spread):
         return
     kl = float(torch.stack(terms["kl"][-width:]).mean())
     sites = getattr(model, "latent_sites", {})
     latent = sum(int(torch.Size(spec.shape).numel()) for spec in sites.values())
+    num_data = getattr(model, "num_data", "?")
     message = (
         f"fit(): the ELBO's data term (expected NLL per example) rose from its lowest {low:.3g} "
         f"back to {last:.3g} by the end of the fit (it started at {first:.3g}): q's scales grew "
         f"to pay less KL(q ‖ p)/N (now {kl:.3g}) at the data's expense, and its draws blur "
-        f"the network's output. At this prior, {latent} latent values for "
-        f"N = {getattr(model, 'num_data', '?')} examples cost more KL than the data term can pay back. Make "
+        f"the network's output. At this prior, {latent} latent values for N = {num_data} "
+        "examples cost more KL than the data term can pay back. Make "
         "fewer values latent (LoRA(latent='A'), LoRA-XS cores), temper the KL "
         "(optim=pb.Optimization(optimizer=pb.infer.MeanField(kl_weight=0.1))), or stop "
         "earlier on held-out data (validation=pb.Validation(...))."
