@@ -12,6 +12,7 @@ from pyro.distributions import constraints
 from torch import Tensor
 from torch.distributions import transform_to
 
+from ..batch import compute_dtype
 from ..models.adapters import check_real
 from ._fit_options import warn_fit_settings
 from .base import SitewiseKL
@@ -114,7 +115,11 @@ class MeanFieldGuide(SitewiseKL):
         return self._prior
 
     def _setup_site(self, site: str, init: Tensor) -> None:
-        loc = init.detach().clone() if self._init_loc == "model" else init.new_zeros(init.shape)
+        # a half-precision site keeps q's parameters in float32 (the network runs the draws in
+        # its dtype): Adam moves softplus⁻¹(σ) ≈ −4.6 by about lr a step, below bfloat16's
+        # spacing of 0.031 there, so σ would never move
+        init = init.detach().to(compute_dtype(init.dtype))
+        loc = init.clone() if self._init_loc == "model" else init.new_zeros(init.shape)
         self._add_param("locs", site, loc)
         scale = init.new_full(init.shape, self._init_scale)
         self._add_param("scales", site, scale, self.scale_constraint)

@@ -677,8 +677,20 @@ class FineTuneModel(nn.Module):
         values: Mapping[str, Tensor],
         overrides: Mapping[str, Tensor] | None = None,
     ) -> Tensor:
-        """Likelihood parameters for one parameter set (or a sample-major batch): ``(B, ...)``."""
-        params = {self.latent_sites[s].param_name: v for s, v in values.items()}
+        """Likelihood parameters for one parameter set (or a sample-major batch): ``(B, ...)``.
+
+        A value of another floating dtype than the tensor it replaces runs in the network's
+        dtype (a guide keeps a half-precision network's parameters in float32: its steps would
+        round away in bfloat16)."""
+        slots = self._slots()
+        params = {}
+        for site, value in values.items():
+            name = self.latent_sites[site].param_name
+            module, leaf = slots[name]
+            held = module._parameters[leaf]
+            if held is not None and value.dtype != held.dtype:
+                value = value.to(held.dtype)
+            params[name] = value
         if overrides:
             params.update(overrides)
         cached = None if "_lower_rows" in self.__dict__ else self._cached_lower(inputs)
