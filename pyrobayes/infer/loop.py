@@ -212,6 +212,36 @@ def _warn_if_fit_given_back(terms: dict[str, list[torch.Tensor]], model: Any) ->
     warnings.warn(message, UserWarning, stacklevel=4)
 
 
+#: Optimizer param-group keys a resume may change or that schedules move (the rate is checked
+#: on its own, with its own message).
+_RATE_KEYS = frozenset({"params", "lr", "initial_lr"})
+#: The run record's keys and what they are, for the refusal's message.
+_RUN_KEYS = {
+    "optimizer": "optimizer (class, per-group settings)",
+    "schedule": "learning-rate schedule (kind, warm-up fraction)",
+    "select_by": "validation criterion (select_by)",
+    "seed": "seed",
+}
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a JSON scalar or a tuple/list of them (an optimizer setting)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _name_of(obj: Any) -> Any:
+    """A schedule or optimizer named for the record: a string as it is, else its qualified name."""
+    if obj is None or isinstance(obj, str):
+        return obj
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, separators=(", ", ": "))
+
+
 class _DataSize:
     """Counts the examples of the first epoch against the model's ``num_data``; warns once.
 
@@ -622,6 +652,7 @@ class _Loop:
                 )
                 spec, warmup = None, 0
         sched = make_scheduler(spec, fitter.optimizer, self.plan.total, warmup)
+        self.schedule_record = None if sched is None else [_name_of(spec), float(warmup)]
         return fitter, sched
 
     # ------------------------------------------------------------------ the run
@@ -821,6 +852,7 @@ class _Loop:
             "lr": self.lr,
             # the steps the schedule spans (its shape depends on them): None without one
             "schedule_steps": self.plan.total if self.sched is not None else None,
+            "run": self._run_record(),
         }
         best = selection.best if selection is not None else None
         if self.ckpt is None:  # called only when writing checkpoints
@@ -836,6 +868,7 @@ class _Loop:
         saved_meta = _read_meta(found)
         self._check_validation(saved_meta, found)  # before anything is restored
         self._check_rate(saved_meta, found)
+        run = self._run_record()  # before the checkpoint's optimizer state overwrites its own
         meta, saved_best = load_checkpoint(
             found,
             self.guide,
@@ -844,6 +877,7 @@ class _Loop:
             self.sched,
             steps_per_epoch=self.plan.steps_per_epoch,
         )
+        self._check_run(meta, found, run)  # after the checkpoint's own (family, schedule) ones
         pos = self.pos
         pos.step, pos.epoch, pos.losses = meta["step"], meta["epoch"], list(meta["losses"])
         if "batch" in meta:
@@ -898,6 +932,55 @@ class _Loop:
                 "(Checkpointing(..., overwrite=True))."
             )
 
+    def _run_record(self) -> dict[str, Any]:
+        """The fit's settings a resume restores from the checkpoint rather than takes from the
+        call (JSON values): the optimizer's class and per-group hyperparameters (the rate
+        aside: :meth:`_check_rate`), the schedule's kind and warm-up, the validation's
+        ``select_by`` and the seed."""
+        optimizer = self.fitter.optimizer
+        groups = [
+            {k: v for k, v in group.items() if k not in _RATE_KEYS and _plain(v)}
+            for group in optimizer.param_groups
+        ]
+        record = {
+            "optimizer": [_name_of(type(optimizer)), groups],
+            "schedule": self.schedule_record,
+            "select_by": self.selection.select_by if self.selection is not None else None,
+            "seed": self.seed,
+        }
+        return json.loads(json.dumps(record))  # tuples as lists: as the file will hold them
+
+    def _check_run(self, meta: dict[str, Any] | None, found: Path, now: dict[str, Any]) -> None:
+        """Refuse a resume under other settings than :meth:`_run_record`'s: the restored
+        optimizer, schedule, selection history and random streams would keep the old ones
+        without a word (a seed passed as None takes the checkpoint's). ``now`` is this fit's
+        record, taken before the checkpoint was loaded."""
+        saved = meta.get("run") if meta is not None else None
+        if not isinstance(saved, dict):  # written before the record: nothing to compare
+            return
+        if now["seed"] is None:
+            now["seed"] = saved.get("seed")
+        for key, meaning in _RUN_KEYS.items():
+            if key not in saved or saved[key] == now[key]:
+                continue
+            then, there = saved[key], now[key]
+            if key == "optimizer" and then[0] != there[0]:  # another class: name the classes
+                meaning, then, there = "optimizer", then[0], there[0]
+            elif key == "optimizer" and len(then[1]) == len(there[1]):  # the first setting
+                name, then, there = next(
+                    (k, a.get(k), b.get(k))
+                    for a, b in zip(then[1], there[1], strict=True)
+                    for k in sorted({*a, *b})
+                    if a.get(k) != b.get(k)
+                )
+                meaning = f"optimizer setting {name!r}"
+            raise ValueError(
+                f"fit(): the checkpoint {found} was written by a fit with another {meaning} "
+                f"({_shown(then)} then, {_shown(there)} now), and resuming restores the run's. "
+                "Resume with the run's settings, or start a new fit "
+                "(Checkpointing(..., overwrite=True))."
+            )
+
     def _check_validation(self, meta: dict[str, Any] | None, found: Path) -> None:
         """Refuse a resume whose validation data is not the checkpointed run's."""
         if meta is None or "validation_data" not in meta:  # unreadable (load_checkpoint says
@@ -917,7 +1000,9 @@ class _Loop:
                 "data again (validation=pyrobayes.Validation(data, ...)) to resume it, or its "
                 "validation history and best epoch would be dropped."
             )
-        if saved is not None and saved != now:
+        same = ("examples", "targets_sha256")  # the examples, not how they are batched: the
+        # score is a per-example mean at the guide's validation values
+        if saved is not None and now is not None and any(saved[k] != now[k] for k in same):
             raise ValueError(
                 f"fit(validation=...): the validation data differ from those of the "
                 f"checkpoint {found} ({_describe(now)} now, {_describe(saved)} then); resume "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 
 import pyro
 import pytest
@@ -66,7 +67,7 @@ def test_resume_continues_where_it_stopped(tmp_path, family):
         guide_c,
         data,
         epochs=4,
-        seed=123,
+        seed=0,  # another seed is refused (test_resume_refuses_other_run_settings_by_name)
         checkpoint=pb.Checkpointing(tmp_path, resume=True),
         lr=lr,
         optim=optim,
@@ -417,3 +418,64 @@ def test_the_given_back_rule_on_tenths_of_a_run(tenths, warns):
         warnings.simplefilter("always")
         _warn_if_fit_given_back(terms, model)
     assert any("data term" in str(w.message) for w in record) == warns
+
+
+@pytest.mark.parametrize(
+    "then,now,named",
+    [
+        ({}, {"seed": 1}, "another seed"),
+        (
+            {"optim": pb.Optimization(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))},
+            {
+                "optim": pb.Optimization(
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=5.0)
+                )
+            },
+            "optimizer setting 'weight_decay'",
+        ),
+        ({}, {"optim": pb.Optimization(optimizer=torch.optim.SGD)}, "another optimizer"),
+        (
+            {"optim": pb.Optimization(scheduler="cosine")},
+            {"optim": pb.Optimization(scheduler="linear")},
+            "learning-rate schedule",
+        ),
+        (
+            {"optim": pb.Optimization(scheduler="cosine")},
+            {"optim": pb.Optimization(scheduler="cosine", warmup=0.5)},
+            "learning-rate schedule",
+        ),
+        ({"select_by": "rmse"}, {"select_by": "nll"}, "validation criterion"),
+    ],
+)
+def test_resume_refuses_other_run_settings_by_name(tmp_path, then, now, named):
+    """A resume restores the optimizer (its class and settings), the schedule, the selection
+    history and the random streams of the checkpointed run: under other settings it would keep
+    the old ones without a word (the optimizer's load_state_dict overwrites every group
+    setting; an SGD loading Adam's state failed later on a KeyError), so it is refused with the
+    setting's name and both values. (Both calls run 2 epochs: another run length under a
+    schedule is refused on its own.)"""
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+
+    def kwargs(spec):
+        out = {k: v for k, v in spec.items() if k != "select_by"}
+        if "select_by" in spec:
+            out["validation"] = pb.Validation(data, select_by=spec["select_by"])
+        return {"seed": 0, **out}
+
+    guide = pb.posterior(prob.model, "map")
+    with warnings.catch_warnings():  # validating on the training data warns: not the point here
+        warnings.simplefilter("ignore", UserWarning)
+        pb.fit(
+            prob.model, guide, data, epochs=2, checkpoint=pb.Checkpointing(tmp_path), **kwargs(then)
+        )
+        with pytest.raises(ValueError, match=named):
+            pb.fit(
+                prob.model,
+                guide,
+                data,
+                epochs=2,
+                checkpoint=pb.Checkpointing(tmp_path, resume=True),
+                **kwargs({**then, **now}),
+            )
