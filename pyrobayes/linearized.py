@@ -356,10 +356,14 @@ def _chunk_predictive(
     """One chunk's predictive from ``f(x; θ̂)`` and ``J(x)``: the Monte Carlo log-probabilities
     `(S, b, K)` (``deltas`` = the draws' ``θ_s − θ̂``), the probit ones `(1, b, K)`, or the
     regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``)."""
-    if compute_dtype(out.dtype) != out.dtype:  # a half-precision network: the
-        # linearisation and its log-softmax in float32 (J·δ of small δ vanishes in bf16)
-        out, jac = out.float(), {s: j.float() for s, j in jac.items()}
-        deltas = None if deltas is None else deltas.float()
+    # a half-precision network: the linearisation and its log-softmax in float32 (J·δ of small
+    # δ vanishes in bf16), whichever of the output (a multiple-choice score is float32 already),
+    # the Jacobian and the draws (float32 from a Laplace posterior's buffers) is half
+    dtype = compute_dtype(out.dtype)
+    for j in jac.values():
+        dtype = torch.promote_types(dtype, compute_dtype(j.dtype))
+    out, jac = out.to(dtype), {s: j.to(dtype) for s, j in jac.items()}
+    deltas = None if deltas is None else deltas.to(dtype)
     mean = out.reshape(out.shape[0], -1)  # (b, K)
     if deltas is not None:  # (the Monte Carlo predictive)
         flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)

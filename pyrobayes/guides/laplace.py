@@ -24,6 +24,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import compute_dtype
 from ..distributions import KronEigenNormal
 from ..models.adapters import check_int, check_real
 from ._fit_options import warn_fit_settings
@@ -267,17 +268,20 @@ alternate_map_tol, alternate_lr : optional
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:
+        # the curvature, its eigenbases and τ in float32 on a half-precision network (computed
+        # there; a bfloat16 buffer rounded them, and τ above 65504 is inf in float16)
+        dtype = compute_dtype(init.dtype)
         if not self._index:
-            self.register_buffer("lap_prior_precision", init.new_ones(()))
+            self.register_buffer("lap_prior_precision", init.new_ones((), dtype=dtype))
             self.register_buffer("lap_fitted", torch.zeros((), dtype=torch.bool))
         self._add_param("locs", site, init.detach().clone())
         i = len(self._index)
         self._index[site] = i
         shape = init.shape
         if self.prior_structure == "layerwise":  # τ_l = τ · factor_l (1 until the evidence's)
-            self.register_buffer(f"prior_factor_{i}", init.new_ones(()))
+            self.register_buffer(f"prior_factor_{i}", init.new_ones((), dtype=dtype))
         # curvature: diag GGN (same shape as the site) or the Kronecker eigenvalue products γ aᵀ
-        self.register_buffer(f"curv_{i}", init.new_zeros(shape))
+        self.register_buffer(f"curv_{i}", init.new_zeros(shape, dtype=dtype))
         if self.structure == "kron" and self.is_latent(site):
             if len(shape) not in (1, 2):
                 raise ValueError(
@@ -287,8 +291,8 @@ alternate_map_tol, alternate_lr : optional
                 )
             # a bias (m,) is laplace-torch's one-factor block: Q_G (m×m), Q_A = [[1]]
             m, n = (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
-            self.register_buffer(f"eigvecs_out_{i}", torch.eye(m, dtype=init.dtype))
-            self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=init.dtype))
+            self.register_buffer(f"eigvecs_out_{i}", torch.eye(m, dtype=dtype))
+            self.register_buffer(f"eigvecs_in_{i}", torch.eye(n, dtype=dtype))
 
     @property
     def pred_type(self) -> str:
