@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .batch import flagged_examples
+from .batch import compute_dtype, flagged_examples
 from .models.adapters import check_int
 from .models.likelihoods import check_gaussian_targets
 
@@ -79,7 +79,10 @@ def _as_3d(values: Tensor, name: str, *, probabilities: bool = False) -> Tensor:
         _check_probabilities(values, name)
     else:
         _check_no_nan(values, name, example_dim=1)
-    return values
+    # half precision in float32 (checked at its own precision above): bf16 running sums stop
+    # at 256 counts, so bin accuracies and ECE came out wrong, and logs of tiny half values
+    # underflow
+    return values.to(compute_dtype(values.dtype))
 
 
 def _sum_tolerance(dtype: torch.dtype) -> float:
@@ -757,7 +760,11 @@ def _as_2d_means(means: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     if means.dim() != 2:
         raise ValueError(f"means must be (S, N) or (N,), got {tuple(means.shape)}")
     _check_no_nan(means, "means", example_dim=1)
-    return means, check_gaussian_targets(targets, means.shape[1:], what="predictive mean")
+    targets = check_gaussian_targets(targets, means.shape[1:], what="predictive mean")
+    dtype = compute_dtype(means.dtype)  # a half network's means in float32, targets alike
+    if targets.is_floating_point():
+        dtype = torch.promote_types(dtype, compute_dtype(targets.dtype))
+    return means.to(dtype), targets.to(dtype)
 
 
 def gaussian_rmse(means: Tensor, targets: Tensor) -> float:
