@@ -52,6 +52,7 @@ def task_section(**keys):
             "'causal_lm.task.template' = 'Q {' is not a str.format template",
         ),
         ({"seeds": [0, 0]}, r"'seeds' = \[0, 0\] lists seed\(s\) \[0\] more than once"),
+        ({"seeds": [0, "1"]}, r"'seeds' must be a list of int .* seeds\[1\] = '1' is a str"),
         (
             {"causal_lm": task_section(fractions=[0.6, 0.0, 0.4]), "training": {"keep": "best"}},
             "'training.keep' = 'best' .* gives it no questions",

@@ -458,6 +458,24 @@ def test_out_into_a_finished_run_is_refused_and_overwrite_replaces_it(
     assert main([*args, "--out", str(other)]) == 0 and (other / "notes.txt").exists()
 
 
+@pytest.mark.parametrize("command", ["fit", "evaluate"])
+def test_a_file_where_the_run_folder_goes_is_named(tmp_path, capsys, command):
+    """``--out`` onto a file (or below one) and ``evaluate`` of a file say that it is a file
+    (they said "Not a directory: .../guides" and "does not exist")."""
+    taken = tmp_path / "afile"
+    taken.write_text("x")
+    config = tmp_path / "job.toml"
+    config.write_text('families = ["map"]\n')
+    for target in (taken, taken / "sub") if command == "fit" else (taken,):
+        if command == "fit":
+            args = ["fit", str(config), "--out", str(target)]
+        else:
+            args = ["evaluate", str(target)]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"{taken} is a file" in err, err
+
+
 @pytest.mark.parametrize("job", ["pipeline", "causal_lm"])
 def test_the_library_run_refuses_a_finished_run_too(tmp_path, monkeypatch, job):
     # pyrobayes.demo.pipeline.run / causal_lm.run called from Python follow the command line's

@@ -252,6 +252,15 @@ def _check_value(path: str, value: Any, default: Any) -> None:
             ok = True
     else:
         ok = isinstance(value, type(default))
+    if not ok and isinstance(default, list) and isinstance(value, list):  # name the element
+        kind = type(default[0]).__name__ if default else "str"
+        index, bad = next(
+            (i, v) for i, v in enumerate(value) if not isinstance(v, kinds) or isinstance(v, bool)
+        )
+        raise ConfigError(
+            f"Config key {path!r} must be a list of {kind} like {default!r}, but {path}[{index}] "
+            f"= {bad!r} is a {type(bad).__name__}; write it as {kind} (e.g. {default!r})."
+        )
     if not ok:
         raise ConfigError(
             f"Config key {path!r} must be like {default!r} ({type(default).__name__}) but got "

@@ -1307,6 +1307,11 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
         The run's ``config.json`` does not fit the schema.
     """
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderError(
+            f"{run_dir} is a file, not a run folder; pass the folder `pyrobayes fit` or "
+            "`pyrobayes demo` wrote (--out)."
+        )
     if not run_dir.is_dir():
         raise RunFolderError(f"Run folder {run_dir} does not exist.")
     config_path = run_dir / "config.json"

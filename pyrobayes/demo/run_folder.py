@@ -59,10 +59,16 @@ def claim_run_folder(
     RunFolderError
         ``out`` holds another run's files and ``overwrite`` is false.
     """
+    root = Path(out)
+    taken = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+    if taken is not None:
+        raise RunFolderError(
+            f"{folder} {root}: {taken} is a file, not a folder, so the run cannot be written "
+            f"there; pass another {folder} (a new or existing folder)."
+        )
     files = run_files(out)
     if not files:
         return
-    root = Path(out)
     if not overwrite:
         listed = ", ".join(str(f.relative_to(root)) for f in files[:4])
         more = f" and {len(files) - 4} more" if len(files) > 4 else ""
