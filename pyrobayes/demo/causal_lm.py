@@ -253,13 +253,14 @@ def _check_value(path: str, value: Any, default: Any) -> None:
     else:
         ok = isinstance(value, type(default))
     if not ok and isinstance(default, list) and isinstance(value, list):  # name the element
-        kind = type(default[0]).__name__ if default else "str"
+        wanted = type(default[0]).__name__ if default else "str"
         index, bad = next(
             (i, v) for i, v in enumerate(value) if not isinstance(v, kinds) or isinstance(v, bool)
         )
         raise ConfigError(
-            f"Config key {path!r} must be a list of {kind} like {default!r}, but {path}[{index}] "
-            f"= {bad!r} is a {type(bad).__name__}; write it as {kind} (e.g. {default!r})."
+            f"Config key {path!r} must be a list of {wanted} like {default!r}, but "
+            f"{path}[{index}] = {bad!r} is a {type(bad).__name__}; write it as {wanted} (e.g. "
+            f"{default!r})."
         )
     if not ok:
         raise ConfigError(
