@@ -200,12 +200,14 @@ class KroneckerIVONGuide(IVONGuide):
     def get_posterior(self, site: str) -> dist.TorchDistribution:
         if site not in self.kron_sites:
             return super().get_posterior(site)
-        dtype = self.param_dtype[site]
+        # q in the state's dtype (float32 on a half-precision network; the model runs each draw
+        # in its site's dtype): λ(A ⊗ G + δ) of about 1e5 is inf in float16, and every draw
+        # of a float16 q came out equal to its mean
         (a, Qa), (g, Qg) = self.eigen(site)
         loc = self.loc(site)
         if self.damping == "exact":
             P = self.ess * self.damped(site)
-            return KronEigenNormal(loc.to(dtype), Qa.to(dtype), Qg.to(dtype), P.to(dtype))
+            return KronEigenNormal(loc.to(P.dtype), Qa, Qg, P)
         # factored: U = λ⁻¹ Q_G diag(1/(γ+√δ/π)) Q_Gᵀ, V = Q_A diag(1/(a+π√δ)) Q_Aᵀ
         tiny = torch.finfo(a.dtype).tiny
         pi = (a.mean().clamp_min(tiny) / g.mean().clamp_min(tiny)).sqrt()
@@ -214,7 +216,7 @@ class KroneckerIVONGuide(IVONGuide):
         V = (Qa / (a + pi * root)) @ Qa.mT
         L_U = torch.linalg.cholesky(0.5 * (U + U.mT))
         L_V = torch.linalg.cholesky(0.5 * (V + V.mT))
-        return MatrixNormal(loc.to(dtype), L_U.to(dtype), L_V.to(dtype))
+        return MatrixNormal(loc.to(L_U.dtype), L_U, L_V)
 
     def basis(self, sites: Sequence[str]) -> tuple[Tensor, Tensor, Tensor]:
         """``(Q_A, Q_G, D)`` of ``K`` same-shape Kronecker sites stacked on a leading axis:

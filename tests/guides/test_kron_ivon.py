@@ -528,3 +528,32 @@ def test_input_factor_skips_padded_tokens():
         g = g.reshape(-1, g.shape[-1])
         torch.testing.assert_close(G, S * B * (g.T @ g), rtol=1e-12, atol=1e-14)
         assert G.abs().max() > 0
+
+
+@pytest.mark.parametrize("damping", ["exact", "factored"])
+def test_a_float16_networks_draws_spread_as_the_float32_networks(damping):
+    """Inputs of size ~25 on 600 examples put λ(A ⊗ G + δ) near 2e5, past float16's largest
+    65504: q built in the network's float16 had an infinite precision and every draw equal to
+    its mean (damping="exact"; the factored form's covariance factors fit float16 here, and
+    are float32 now too). q stays in the state's float32 (the model runs each draw in float16); the
+    fitted statistics agree to float16's rounding of the inputs, and the draws' spread to 10%
+    (50 draws: the sd of a sample sd is about sd/sqrt(2·50) = 10%, and both fits share the
+    seed)."""
+    spread = {}
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(0)
+        x = torch.randn(600, 4) * 25  # (an sd under 30: no raw-input warning)
+        y = (x @ torch.randn(4, 3)).argmax(-1)
+        net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+        adapter = pb.models.LoRAXS(rank=3, target_modules=["0"])
+        model = FineTuneModel(net, adapter, num_data=600, trainable_modules=["2"])
+        guide = pb.posterior(model, "kron-ivon", damping=damping)
+        data = [(x[i : i + 30].to(dtype), y[i : i + 30]) for i in range(0, 600, 30)]
+        pb.fit(model, guide, data, epochs=2, lr=1e-3, seed=0, progress=False)
+        torch.manual_seed(1)
+        draws = guide.sample_posterior(50)["0.core"].float()
+        assert not (draws == draws[:1]).all(0).any()  # no coordinate constant over the draws
+        spread[dtype] = float(draws.std(0).mean())
+        pred = pb.predict(model, guide, data[:1], num_samples=4, seed=0)
+        assert torch.isfinite(pred.probs).all()
+    assert spread[torch.float16] == pytest.approx(spread[torch.float32], rel=0.1)
