@@ -159,3 +159,28 @@ def test_a_laplace_fit_raises_no_warning_from_laplace_torchs_imports():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_bfloat16_networks_diagonal_curvature_sums_in_float32():
+    """laplace-torch sums the per-batch diagonal GGN in the dtype of the network's first
+    parameter: in bfloat16 a sum over 30,000 examples came out half the float32 one (1 - 2^-8
+    relative per addition, and a term below half a unit of the sum's last place is lost). The
+    network as laplace-torch sees it now leads with an empty float32 parameter; the bf16 and
+    float32 networks (the same bf16-representable weights) then agree to the bf16 forward's
+    own rounding, under 3% (measured 1.6% at 600, 6,000 and 30,000 examples)."""
+    curvature = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).bfloat16().to(dtype)
+        model = FineTuneModel(
+            net, LoRAXS(rank=3, target_modules=["0"]), num_data=30000, trainable_modules=["2"]
+        )
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(30000, 4, generator=g)
+        y = (x @ torch.randn(4, 3, generator=g)).argmax(-1)
+        data = [(x[i : i + 30].to(dtype), y[i : i + 30]) for i in range(0, 30000, 30)]
+        guide = pb.posterior(model, "laplace", structure="diag", prior_precision=1.0)
+        pb.fit(model, guide, data, epochs=0, progress=False)
+        curvature[dtype] = guide.curvature("0.core").float()
+    ratio = curvature[torch.bfloat16] / curvature[torch.float32]
+    assert float((ratio - 1).abs().max()) < 0.03
