@@ -68,6 +68,8 @@ _HEADER_KEY = "pyrobayes"
 _HASH_FIELD = "sha256"
 _SIGNATURE_FIELD = "hmac_sha256"
 _FINGERPRINT_FIELD = "base_fingerprint"
+#: the dtype of the network the posterior was fitted on (told when the fingerprint differs)
+_DTYPE_FIELD = "base_dtype"
 #: 1: no hash; 2: ``sha256`` over header and tensors, ``model`` settings in the header
 FORMAT_VERSION = 2
 #: adapter settings that do not change what a saved core means (the initial draw; the layers
@@ -168,7 +170,10 @@ def base_fingerprint(model: Any, version: int = 2) -> dict[str, Any] | None:
     a head made latent post hoc changes its class). The latent tensors and the model's point-estimated
     parameters are left out (they are stored in the file and loaded with it). Floating values
     are rounded to bfloat16 (through float32) first, so float64, float32 and bfloat16 copies of
-    one checkpoint share a fingerprint. Cost: one pass over the adapted layers' tensors.
+    one checkpoint share a fingerprint when the adapter is built on the same copy (a LoRA-XS
+    adapter built on a bfloat16 copy has other SVD bases; the refusal then names both dtypes
+    and the remedy, from the network's dtype the file records beside it). Cost: one pass over
+    the adapted layers' tensors.
 
     Version 1 (files saved before 2026-12-06): the adapted modules' tensors only, or, when they
     hold nothing frozen, every other parameter in full (``load`` checks a file by the version
@@ -222,6 +227,12 @@ def base_fingerprint(model: Any, version: int = 2) -> dict[str, Any] | None:
         "tensors": len(hashed) + len(others),
         "version": 2,
     }
+
+
+def _dtype_name(model: Any) -> str | None:
+    """``model``'s dtype without the ``torch.`` prefix (None for a model without one)."""
+    dtype = getattr(model, "dtype", None)
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
 
 def differing_point_params(model: Any, other: Any, skip: Any = ()) -> list[str]:
@@ -361,6 +372,7 @@ def save(
         "versions": library_versions(),
         "extra": extra or {},
         _FINGERPRINT_FIELD: base_fingerprint(model),
+        _DTYPE_FIELD: _dtype_name(model),
     }
     try:
         header = _jsonable(header)
@@ -766,6 +778,16 @@ def _check_base(path: str | Path, header: Mapping[str, Any], model: Any) -> None
     if here is None:
         return  # loaded into a model without a network
     if saved.get("sha256") != here["sha256"]:
+        then, now = header.get(_DTYPE_FIELD), _dtype_name(model)
+        dtype_note = (
+            f" The file was fitted on a {then} network and this one is {now}: an adapter's "
+            f"fixed projections computed from weights already rounded to {now} (LoRA-XS's SVD "
+            "bases) differ from those of the original weights (by up to 6e-3 in bfloat16). "
+            f"Build the FineTuneModel on the {then} network, load, then cast "
+            f"(model.to(torch.{now})), or pass check_base=False."
+            if then is not None and then != now
+            else ""
+        )
         raise PosteriorMismatchError(
             f"{path} was fitted on another base model: the fingerprint of the frozen network "
             f"it sits on is {str(saved.get('sha256'))[:16]}… in the file "
@@ -775,7 +797,7 @@ def _check_base(path: str | Path, header: Mapping[str, Any], model: Any) -> None
             "fixed projections (a whitened SVD from other calibration_data has other bases) "
             "and the network's layer types. Load it into the model built from the same "
             "pretrained weights and adapter it was fitted on; pass check_base=False only if "
-            "you know the difference is harmless."
+            "you know the difference is harmless." + dtype_note
         )
 
 

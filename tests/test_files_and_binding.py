@@ -424,3 +424,28 @@ def test_swapped_save_and_load_arguments_are_named(tmp_path):
     path = pb.save(guide, tmp_path / "post.safetensors")
     with pytest.raises(TypeError, match=r"pb.load\(path, model\)"):
         pb.load(p.model, path)
+
+
+def test_a_file_refused_for_a_network_of_another_dtype_names_both_and_the_remedy(tmp_path):
+    """A LoRA-XS posterior fitted on a float32 network, loaded into a model built on a bfloat16
+    copy of that network: the SVD bases computed from the rounded weights differ, so the base
+    check refuses; the message names both dtypes and the remedy (build on the float32 network,
+    load, cast), which loads."""
+
+    def model(dtype: torch.dtype) -> FineTuneModel:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        adapter = LoRAXS(rank=2, target_modules=["0"])
+        return FineTuneModel(net.to(dtype), adapter, num_data=32, trainable_modules=["2"])
+
+    fitted = model(torch.float32)
+    guide = pb.posterior(fitted, "meanfield")
+    x, y = torch.randn(32, 4, dtype=torch.float32), torch.arange(32) % 3
+    pb.fit(fitted, guide, [(x, y)], epochs=1, progress=False)
+    pb.save(guide, tmp_path / "q.safetensors")
+    with pytest.raises(PosteriorMismatchError, match=r"a float32 network and this one is bfloat16"):
+        pb.load(tmp_path / "q.safetensors", model(torch.bfloat16))
+    remedy = model(torch.float32)
+    loaded = pb.load(tmp_path / "q.safetensors", remedy)
+    remedy.to(torch.bfloat16)
+    assert torch.equal(loaded.mean()["0.core"], guide.mean()["0.core"])
