@@ -648,7 +648,16 @@ def per_example_ggn_backend() -> type:
                 loss, kron = super().kron(x, y, N, **kwargs)
             # half-precision sites (a bf16 network): the factors go on in float32, since their
             # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
-            if any(compute_dtype(f.dtype) != f.dtype for factors in kron.kfacs for f in factors):
+            factors = [f for fs in kron.kfacs for f in fs]
+            if any(f.dtype == torch.float16 and not bool(f.isfinite().all()) for f in factors):
+                raise FloatingPointError(
+                    "Laplace: the Kronecker (K-FAC) factors of this float16 network overflowed "
+                    "(a sum of squared activations past float16's largest value, 65504), which "
+                    "laplace-torch's eigendecomposition would turn into a zero curvature. Fit "
+                    "the posterior on a bfloat16 or float32 copy of the network "
+                    "(model.to(torch.bfloat16) before pb.fit), or use structure='diag'."
+                )
+            if any(compute_dtype(f.dtype) != f.dtype for f in factors):
                 upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
                 kron = type(kron)(upcast)
                 loss = loss.float()

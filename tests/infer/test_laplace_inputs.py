@@ -184,3 +184,25 @@ def test_a_bfloat16_networks_diagonal_curvature_sums_in_float32():
         curvature[dtype] = guide.curvature("0.core").float()
     ratio = curvature[torch.bfloat16] / curvature[torch.float32]
     assert float((ratio - 1).abs().max()) < 0.03
+
+
+def test_a_float16_networks_overflowing_kfac_factors_are_refused_by_name():
+    """Inputs of size ~40 on 600 examples: the K-FAC input factor (a sum of squared
+    activations) passes float16's 65504 and laplace-torch's eigendecomposition turned its
+    NaN eigenvalues into a zero curvature (τ collapsed, the predictive 150x too wide), silently.
+    Now refused with the cause and the remedies; the same fit in bfloat16 runs."""
+    x, y = torch.randn(600, 4) * 40, torch.arange(600) % 3
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+        model = FineTuneModel(
+            net, LoRAXS(rank=3, target_modules=["0"]), num_data=600, trainable_modules=["2"]
+        )
+        guide = pb.posterior(model, "laplace", structure="kron")
+        data = [(x[i : i + 30].to(dtype), y[i : i + 30]) for i in range(0, 600, 30)]
+        if dtype == torch.float16:
+            with pytest.raises(FloatingPointError, match="float16 network overflowed"):
+                pb.fit(model, guide, data, epochs=0, progress=False)
+        else:
+            pb.fit(model, guide, data, epochs=0, progress=False)
+            assert float(guide.curvature("0.core").min()) > 0
