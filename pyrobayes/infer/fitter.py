@@ -55,6 +55,28 @@ def trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
     return params
 
 
+def _refuse_float16_adam(optimizer: torch.optim.Optimizer, model: Any, guide: Any) -> None:
+    """Refuse float16 parameters under an optimizer whose ``eps`` rounds to 0 in float16 (Adam's
+    1e-8 is below float16's smallest subnormal, 6e-8): its squared-gradient average of a small
+    gradient underflows too, so the first step divides by 0 and writes inf or NaN into them."""
+    names = {id(p): n for n, p in getattr(model, "point_params", {}).items()}
+    names.update({id(p): f"the guide's {n}" for n, p in guide.named_parameters()})
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        if not isinstance(eps, float) or torch.tensor(eps, dtype=torch.float16) != 0:
+            continue
+        half = [p for p in group["params"] if p.dtype == torch.float16]
+        if half:
+            which = [names.get(id(p), f"a tensor of shape {tuple(p.shape)}") for p in half][:3]
+            raise TypeError(
+                f"fit(): {len(half)} trained parameter(s) are float16 ({', '.join(which)}...), "
+                f"and {type(optimizer).__name__}'s eps = {eps:g} rounds to 0 in float16, so its "
+                "first step divides by zero and writes inf/NaN into them (whatever the learning "
+                "rate). Fit a bfloat16 or float32 copy of the network (net.to(torch.bfloat16) "
+                "before building the model), or pass an optimizer with eps >= 1e-4."
+            )
+
+
 class Fitter:
     r"""Fits ``guide`` to ``model`` one minibatch at a time (the base of every family's fitter).
 
@@ -201,6 +223,8 @@ class Fitter:
             On a non-finite loss or gradient, before any parameter is touched (the message
             names the parameters, and their sites, whose gradients are not finite).
         """
+        if self.num_steps == 0:  # before the first update only (a post-hoc fit takes none)
+            _refuse_float16_adam(self.optimizer, self.model, self.guide)
         value = self._update(batch)
         if not math.isfinite(value):
             raise FloatingPointError(

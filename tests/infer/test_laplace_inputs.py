@@ -134,7 +134,8 @@ def test_a_half_networks_laplace_keeps_float32_buffers_and_predicts_by_probit(dt
         options = {"structure": structure, "pred_type": "probit", "prior_precision": 1e5}
         guide = pb.posterior(model, "laplace", **options)
         data = [(b.to(dt), t) for b, t in batches]
-        pb.fit(model, guide, data, epochs=2, lr=1e-2, seed=0, progress=False)
+        # post hoc at the pretrained point (Adam refuses to train float16 parameters)
+        pb.fit(model, guide, data, epochs=0, seed=0, progress=False)
         buffers = [b for name, b in guide.named_buffers() if b.is_floating_point()]
         assert buffers and all(b.dtype == torch.float32 for b in buffers)
         assert float(guide.prior_precision) == 1e5
