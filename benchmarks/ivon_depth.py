@@ -60,11 +60,10 @@ def _scores(model: Any, guide: Any, data: list[Any], **kw: Any) -> dict[str, flo
     return {"accuracy": float(report["accuracy"]), "nll": float(report["nll"])}
 
 
-def one(
-    seed: int, depth: int, lrs: list[float], clips: list[float | None], warmups: list[float]
-) -> list[dict[str, Any]]:
-    """MAP, mean-field and IVON (each ``lr`` × ``clip`` × ``warmup``) on one seed's transfer
-    task of ``depth`` layers."""
+def pretrained(seed: int, depth: int) -> tuple[Any, ...]:
+    """``(x, y, held, train, state)``: one seed's split and the body of ``depth`` hidden layers
+    pretrained on digits 0-4 (100 epochs, Adam 1e-3; also benchmarks/meanfield_depth.py's and
+    benchmarks/ivon_small_data.py's)."""
     x, y, held, train, pre = _data(seed)
     net = _body(depth)
     optim = torch.optim.Adam(net.parameters(), lr=1e-3)
@@ -75,7 +74,15 @@ def one(
             optim.zero_grad()
             loss.backward()
             optim.step()
-    state = net.state_dict()
+    return x, y, held, train, net.state_dict()
+
+
+def one(
+    seed: int, depth: int, lrs: list[float], clips: list[float | None], warmups: list[float]
+) -> list[dict[str, Any]]:
+    """MAP, mean-field and IVON (each ``lr`` × ``clip`` × ``warmup``) on one seed's transfer
+    task of ``depth`` layers."""
+    x, y, held, train, state = pretrained(seed, depth)
     batches = [(x[train[i : i + 32]], y[train[i : i + 32]]) for i in range(0, len(train), 32)]
     scored = [(x[held], y[held])]
     head = str(2 * depth)

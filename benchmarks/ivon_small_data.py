@@ -48,18 +48,8 @@ def _runs(ivon_epochs: list[int]) -> list[tuple[str, int, dict[str, Any]]]:
 
 def one(seed: int, num_train: int, ivon_epochs: list[int]) -> list[dict[str, Any]]:
     """Every fit on one seed's task."""
-    x, y, held, train, pre = _depth._data(seed)
+    x, y, held, train, state = _depth.pretrained(seed, 1)
     train = train[:num_train]
-    net = _depth._body(1)
-    optim = torch.optim.Adam(net.parameters(), lr=1e-3)
-    for _ in range(100):
-        for i in range(0, len(pre), 64):
-            batch = pre[i : i + 64]
-            loss = nn.functional.cross_entropy(net(x[batch]), y[batch])
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-    state = net.state_dict()
     batches = [(x[train[i : i + 32]], y[train[i : i + 32]]) for i in range(0, len(train), 32)]
     scored = [(x[held], y[held])]
 

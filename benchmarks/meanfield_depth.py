@@ -45,25 +45,11 @@ ARMS = {  # arm: (family, adapter)
 }
 
 
-def _pretrained(seed: int, depth: int) -> tuple[Any, ...]:
-    x, y, held, train, pre = _depth._data(seed)
-    net = _depth._body(depth)
-    optim = torch.optim.Adam(net.parameters(), lr=1e-3)
-    for _ in range(100):
-        for i in range(0, len(pre), 64):
-            batch = pre[i : i + 64]
-            loss = nn.functional.cross_entropy(net(x[batch]), y[batch])
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-    return x, y, held, train, net.state_dict()
-
-
 def one(
     seed: int, depth: int, arms: list[str], epochs: int, scale_lr: float
 ) -> list[dict[str, Any]]:
     """Every arm on one seed's task of ``depth`` hidden layers."""
-    x, y, held, train, state = _pretrained(seed, depth)
+    x, y, held, train, state = _depth.pretrained(seed, depth)
     batches = [(x[train[i : i + 32]], y[train[i : i + 32]]) for i in range(0, len(train), 32)]
     targets = [str(2 * i) for i in range(depth)]
     rows = []
