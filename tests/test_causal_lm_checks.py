@@ -145,8 +145,32 @@ def test_evaluate_names_the_missing_posterior_file():
     ]
     drifts = causal_lm.compare(saved, saved[:2], tolerance=1e-6)
     assert drifts == [
-        "swag@seed0: in metrics.json but no saved posterior (guides/swag-seed0.safetensors)"
+        "swag@seed0: in metrics.json but not recomputed: no saved posterior "
+        "(guides/swag-seed0.safetensors), or not among config.json's families and seeds"
     ]
+
+
+def test_evaluate_checks_a_hand_edited_config_and_names_a_listed_family_without_a_file(
+    tmp_path, caplog
+):
+    """``evaluate`` of a run folder whose config.json was edited by hand: an unknown key is
+    refused naming it and the file (it was accepted), and a listed family with no saved
+    posterior is named in a warning (it was skipped silently)."""
+    write_task(tmp_path / "task.json")
+    config = causal_lm.resolve_config(user(task=tmp_path / "task.json"), quick=True)
+    run = tmp_path / "run"
+    (run / "guides").mkdir(parents=True)
+    (run / "guides" / "map-seed0.safetensors").write_bytes(b"")
+    (run / "config.json").write_text(
+        json.dumps({**config, "training": {**config["training"], "epoch": 5}})
+    )
+    with pytest.raises(ConfigError, match=r"config.json: .*'training.epoch'"):
+        causal_lm.evaluate(run)
+    (run / "config.json").write_text(json.dumps({**config, "families": ["ivon"]}))
+    with caplog.at_level(logging.WARNING):
+        records = causal_lm.evaluate(run)
+    assert "ivon@seed0 is in config.json's families and seeds but has no saved" in caplog.text
+    assert [r["family"] for r in records] == ["zero-shot"]
 
 
 def test_unlabelled_hf_test_split_is_refused_naming_the_split(tmp_path):

@@ -1097,6 +1097,11 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     if not config_path.is_file():
         raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
     config = read_json(config_path)
+    try:  # a hand-edited config.json: its keys and families checked as a new config's are
+        _validate(config, DEFAULT_CONFIG)
+        check_families(config["families"])
+    except ConfigError as err:
+        raise ConfigError(f"{config_path}: {err}") from None
     if device:
         check_device(device)
         config["training"]["device"] = device
@@ -1111,6 +1116,14 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     for family, seed in wanted:
         path = _guide_path(run_dir, family, seed)
         if not path.is_file():
+            logger.warning(
+                "evaluate: %s@seed%d is in %s's families and seeds but has no saved posterior "
+                "(%s); skipped.",
+                family,
+                seed,
+                config_path.name,
+                path.relative_to(run_dir).as_posix(),
+            )
             continue
         model = build_model(config, base, data["num_train"], seed, family)
         guide = load(path, model)
@@ -1159,8 +1172,9 @@ def compare(
         r for r in saved if r.get("seed") is not None and (r["family"], r["seed"]) not in have
     ]
     drifts = [
-        f"{r['family']}@seed{r['seed']}: in metrics.json but no saved posterior "
-        f"({_guide_path(Path(), r['family'], r['seed']).as_posix()})"
+        f"{r['family']}@seed{r['seed']}: in metrics.json but not recomputed: no saved posterior "
+        f"({_guide_path(Path(), r['family'], r['seed']).as_posix()}), or not among "
+        "config.json's families and seeds"
         for r in missing
     ]
     kept = [r for r in saved if r not in missing]
