@@ -818,7 +818,7 @@ def gaussian_nll(means: Tensor, targets: Tensor, noise_scale: Tensor | float) ->
     """
     means, targets = _as_2d_means(means, targets)
     scale = _noise_scale(noise_scale, means)
-    log_lik = torch.distributions.Normal(means, scale).log_prob(targets.to(means.dtype))
+    log_lik = torch.distributions.Normal(means, scale).log_prob(targets)
     log_pred = torch.logsumexp(log_lik, dim=0) - math.log(means.shape[0])
     return (-log_pred.mean()).item()
 
