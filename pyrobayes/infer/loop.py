@@ -40,6 +40,7 @@ from ..batch import batch_size, check_batches, split_batch, to_device
 from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
+from .data_record import describe_difference, training_data_record
 from .distributed import barrier, broadcast_, spread, world
 from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
@@ -221,6 +222,7 @@ _RUN_KEYS = {
     "schedule": "learning-rate schedule (kind, warm-up fraction)",
     "select_by": "validation criterion (select_by)",
     "seed": "seed",
+    "training_data": "training data",
 }
 
 
@@ -838,6 +840,13 @@ class _Loop:
             self._fingerprint = data_fingerprint(self.selection.data, self.model)
         return self._fingerprint
 
+    def _data_record(self) -> dict[str, Any] | None:
+        if not hasattr(self, "_training_record"):  # under torch.distributed each rank has its
+            # own shard while rank 0's record is the one saved: nothing to compare
+            sharded = world()[0] > 1
+            self._training_record = None if sharded else training_data_record(self.data)
+        return self._training_record
+
     def _checkpoint(self, epoch_end_done: bool) -> None:
         pos, selection = self.pos, self.selection
         meta = {
@@ -936,7 +945,8 @@ class _Loop:
         """The fit's settings a resume restores from the checkpoint rather than takes from the
         call (JSON values): the optimizer's class and per-group hyperparameters (the rate
         aside: :meth:`_check_rate`), the schedule's kind and warm-up, the validation's
-        ``select_by`` and the seed."""
+        ``select_by``, the seed and what a resume can check of the training data without a
+        pass over them (:func:`~pyrobayes.infer.data_record.training_data_record`)."""
         optimizer = self.fitter.optimizer
         groups = [
             {k: v for k, v in group.items() if k not in _RATE_KEYS and _plain(v)}
@@ -947,6 +957,7 @@ class _Loop:
             "schedule": self.schedule_record,
             "select_by": self.selection.select_by if self.selection is not None else None,
             "seed": self.seed,
+            "training_data": self._data_record(),
         }
         return json.loads(json.dumps(record))  # tuples as lists: as the file will hold them
 
@@ -966,6 +977,14 @@ class _Loop:
             then, there = saved[key], now[key]
             if key == "optimizer" and then[0] != there[0]:  # another class: name the classes
                 meaning, then, there = "optimizer", then[0], there[0]
+            elif key == "training_data":  # the first field that differs
+                meaning = f"training data ({describe_difference(then, there)})"
+                raise ValueError(
+                    f"fit(): the checkpoint {found} was written by a fit on other {meaning}, "
+                    "and resuming would go on from its position in those data. Resume with "
+                    "the run's training data, or start a new fit (Checkpointing(..., "
+                    "overwrite=True))."
+                )
             elif key == "optimizer" and len(then[1]) == len(there[1]):  # the first setting
                 name, then, there = next(
                     (k, a.get(k), b.get(k))

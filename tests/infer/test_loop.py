@@ -506,3 +506,89 @@ def test_adam_on_float16_parameters_is_refused_before_its_first_step():
         else:
             result = pb.fit(model, guide, data, epochs=3, progress=False)
             assert torch.isfinite(result.losses).all()
+
+
+def _loader(x, y, **kwargs):
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "now,named",
+    [
+        ({"batch_size": 20}, r"batch size: 16 then, 20 now"),  # 4 batches of 64 either way
+        ({"shuffle": False}, r"sampler \(shuffle on or off\): torch\.utils\.data\.sampler\.Rand"),
+        ({"x_offset": 1.0}, r"examples themselves \(a hash of the first, middle and last\)"),
+        ({"examples": 60}, r"number of examples: 64 then, 60 now"),  # 4 batches again
+    ],
+)
+def test_resume_refuses_other_training_data_of_the_same_batch_count(tmp_path, now, named):
+    """A resume goes on from the run's position (epoch, batch) in its data: on other training
+    data with the same number of batches per epoch (which the schedule's length checks) it
+    went on without a word. The loader's dataset size, batch size, sampler and three of its
+    examples are compared, each named when it differs; the same data in a fresh loader with
+    a new shuffling order resumes."""
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    assert len(prob.x) == 64  # the batch counts in the cases above assume 64 examples
+    settings = {"batch_size": 16, "shuffle": True, "x_offset": 0.0, "examples": 64}
+
+    def data(spec):
+        spec = {**settings, **spec}
+        n, offset = spec.pop("examples"), spec.pop("x_offset")
+        return _loader(prob.x[:n] + offset, prob.y[:n], **spec)
+
+    guide = pb.posterior(prob.model, "map")
+    pb.fit(prob.model, guide, data({}), epochs=2, seed=0, checkpoint=pb.Checkpointing(tmp_path))
+    again = pb.Checkpointing(tmp_path, resume=True)
+    with pytest.raises(ValueError, match=rf"on other training data \({named}"):
+        pb.fit(prob.model, guide, data(now), epochs=2, seed=0, checkpoint=again)
+    fresh = _loader(prob.x.clone(), prob.y.clone(), batch_size=16, shuffle=True)
+    result = pb.fit(prob.model, guide, fresh, epochs=2, seed=0, checkpoint=again)
+    assert result.state["epoch"] == 2
+
+
+def test_resume_refuses_another_list_of_batches_and_data_of_another_kind(tmp_path):
+    torch.manual_seed(0)
+    prob = conjugate_core()
+    data = split_batches(prob.x, prob.y)
+    guide = pb.posterior(prob.model, "map")
+    pb.fit(prob.model, guide, data, epochs=2, seed=0, checkpoint=pb.Checkpointing(tmp_path))
+    again = pb.Checkpointing(tmp_path, resume=True)
+    other = [(x * 2.0, y) for x, y in data]
+    with pytest.raises(ValueError, match=r"examples themselves \(a hash of the first, middle"):
+        pb.fit(prob.model, guide, other, epochs=2, seed=0, checkpoint=again)
+    loader = _loader(prob.x, prob.y, batch_size=16)
+    with pytest.raises(ValueError, match=r"a list or tuple of batches then, a DataLoader now"):
+        pb.fit(prob.model, guide, loader, epochs=2, seed=0, checkpoint=again)
+    copied = [(x.clone(), y.clone()) for x, y in data]
+    assert pb.fit(prob.model, guide, copied, epochs=2, seed=0, checkpoint=again).state["epoch"] == 2
+
+
+def test_the_training_data_record_is_the_same_under_random_augmentation_and_draws_nothing():
+    """A dataset whose ``__getitem__`` draws (an augmentation from torch's, NumPy's or
+    Python's global generator) gives the same record on every call, and recording moves none
+    of the caller's generators."""
+    import random
+
+    import numpy as np
+
+    from pyrobayes.infer.data_record import training_data_record
+
+    class Augmented(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            noise = torch.randn(3) + np.random.rand() + random.random()
+            return torch.full((3,), float(i)) + noise, i % 2
+
+    loader = torch.utils.data.DataLoader(Augmented(), batch_size=4)
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    first = training_data_record(loader)
+    states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    second = training_data_record(loader)
+    assert first == second and first["sample_sha256"] is not None
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert np.array_equal(np.random.get_state()[1], states[1]) and random.getstate() == states[2]
+    assert first["examples"] == 10 and first["batch_size"] == 4 and first["drop_last"] is False
+    assert training_data_record(iter([])) is None  # a one-shot iterator: nothing to compare
