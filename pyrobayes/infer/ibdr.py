@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -59,6 +60,10 @@ __all__ = ["IBDR", "IBDRLoss", "IBDRFitter", "FUNCTION_COST_TEMPERATURE"]
 
 #: τ of the released code's function-space cost ``exp(max(0, r − ρ)/τ)·r``.
 FUNCTION_COST_TEMPERATURE = 0.01
+
+#: Consecutive steps with λ at ``lam_min`` or ``lam_max`` after which the fit warns that the
+#: dual controller does not act (at the defaults λ settles inside the interval, at λ* = 1).
+PINNED_PATIENCE = 20
 
 
 @dataclass(frozen=True)
@@ -325,6 +330,8 @@ class IBDRFitter(Fitter):
         self.cost_kind = str(settings.cost)
         self.cost = 0.0
         self.radius = 0.0
+        #: consecutive steps λ ended at lam_min or lam_max (the warning of _watch_bound)
+        self.pinned = 0
         if isinstance(self.objective, IBDRLoss) and self.objective.alpha > 0:
             if not classification:
                 raise ValueError(
@@ -441,7 +448,37 @@ class IBDRFitter(Fitter):
         self.lam = min(self.lam_max, max(self.lam_min, self.lam - lam_lr * (self.rho - cost)))
         self.cost = cost
         self.radius = shift
+        self._watch_bound()
         return value
+
+    def _watch_bound(self) -> None:
+        """Count the consecutive steps λ ended at a bound of its interval; warn once at
+        :data:`PINNED_PATIENCE`: the transport cost then stays on one side of ρ whatever λ
+        does, so the robust step's radius is set by the bound, not by ρ."""
+        at_bound = self.rho > 0 and self.lam in (self.lam_min, self.lam_max)
+        self.pinned = self.pinned + 1 if at_bound else 0
+        if self.pinned != PINNED_PATIENCE:
+            return
+        if self.lam == self.lam_max:
+            why = (
+                f"the transport cost ({self.cost:.3g}) stayed above rho = {self.rho:g} even at "
+                f"lam_max = {self.lam_max:g}, so the ascent is held at its shortest; raise rho "
+                "or lam_max"
+            )
+        else:
+            why = (
+                f"the transport cost ({self.cost:.3g}) stayed below rho = {self.rho:g} even at "
+                f"lam_min = {self.lam_min:g}: the ascent, clipped at max_grad_norm = "
+                f"{self.max_grad_norm:g}, cannot reach that radius; lower rho or raise "
+                "max_grad_norm"
+            )
+        warnings.warn(
+            f"IBDR: λ sat at its bound {self.lam:g} for {self.pinned} consecutive steps: {why} "
+            f"(cost={self.cost_kind!r}; the radius is now {self.radius:.3g}). The dual "
+            "controller does not act; see docs/methods/ibdr.md, 'The dual controller at the defaults'.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------------ reporting and state
     def report(self) -> dict[str, float]:
@@ -456,6 +493,7 @@ class IBDRFitter(Fitter):
             "lam": self.lam,
             "cost": self.cost,
             "radius": self.radius,
+            "pinned": self.pinned,
             "generator": self.generator.get_state(),
         }
         return state
@@ -468,6 +506,7 @@ class IBDRFitter(Fitter):
             self.lam = float(ibdr["lam"])
             self.cost = float(ibdr["cost"])
             self.radius = float(ibdr["radius"])
+            self.pinned = int(ibdr.get("pinned", 0))  # absent before it was recorded
             self.generator.set_state(ibdr["generator"])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import warnings
 
 import pyro
 import pytest
@@ -435,6 +436,28 @@ def test_the_dual_variable_engages_at_the_defaults():
     assert lams_wide[-1] == pytest.approx(2.0, abs=2e-3)
     drift = [3.0 - 100.0 * 0.0025 * t for t in range(61)]
     assert max(abs(a - b) for a, b in zip(lams, drift, strict=True)) > 1.0
+
+
+def test_a_lambda_held_at_its_bound_is_reported_once():
+    """λ ends PINNED_PATIENCE = 20 steps in a row at a bound of its interval: the cost stays on
+    one side of ρ whatever λ does, so the dual controller cannot act and the fit says so, once,
+    with the remedy. With the clip binding, c = c_max²/(4Kλ²) (K = 4, c_max = 0.2): at
+    λ ≤ lam_max = 5, c ≥ 1e-4 > ρ = 1e-6, so λ rises to 5 and stays; at λ ≥ lam_min = 0.5,
+    c ≤ 0.01 < ρ = 0.1, so λ falls to 0.5 and stays. At the defaults (λ settles at λ* = 1
+    inside [0.05, 50]) nothing is said."""
+    with pytest.warns(RuntimeWarning, match=r"λ sat at its bound") as record:
+        fitter, lams, _ = _lambda_trajectory(60, rho=1e-6, lam_max=5.0)
+    messages = [str(w.message) for w in record if "λ sat" in str(w.message)]
+    assert lams[-1] == 5.0 and fitter.pinned >= 40 and len(messages) == 1
+    assert "bound 5 for 20 consecutive steps" in messages[0]
+    assert "stayed above rho = 1e-06 even at lam_max = 5" in messages[0]
+    with pytest.warns(RuntimeWarning, match=r"stayed below rho = 0\.1 even at lam_min = 0\.5"):
+        _, lams, _ = _lambda_trajectory(40, rho=0.1, lam_min=0.5)
+    assert lams[-1] == 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fitter, lams, _ = _lambda_trajectory(60)
+    assert fitter.pinned == 0 and lams[-1] == pytest.approx(1.0, abs=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------
