@@ -222,7 +222,6 @@ _RUN_KEYS = {
     "schedule": "learning-rate schedule (kind, warm-up fraction)",
     "select_by": "validation criterion (select_by)",
     "seed": "seed",
-    "training_data": "training data",
 }
 
 
@@ -877,6 +876,7 @@ class _Loop:
         saved_meta = _read_meta(found)
         self._check_validation(saved_meta, found)  # before anything is restored
         self._check_rate(saved_meta, found)
+        self._check_training_data(saved_meta, found)
         run = self._run_record()  # before the checkpoint's optimizer state overwrites its own
         meta, saved_best = load_checkpoint(
             found,
@@ -977,14 +977,6 @@ class _Loop:
             then, there = saved[key], now[key]
             if key == "optimizer" and then[0] != there[0]:  # another class: name the classes
                 meaning, then, there = "optimizer", then[0], there[0]
-            elif key == "training_data":  # the first field that differs
-                meaning = f"training data ({describe_difference(then, there)})"
-                raise ValueError(
-                    f"fit(): the checkpoint {found} was written by a fit on other {meaning}, "
-                    "and resuming would go on from its position in those data. Resume with "
-                    "the run's training data, or start a new fit (Checkpointing(..., "
-                    "overwrite=True))."
-                )
             elif key == "optimizer" and len(then[1]) == len(there[1]):  # the first setting
                 name, then, there = next(
                     (k, a.get(k), b.get(k))
@@ -999,6 +991,24 @@ class _Loop:
                 "Resume with the run's settings, or start a new fit "
                 "(Checkpointing(..., overwrite=True))."
             )
+
+    def _check_training_data(self, meta: dict[str, Any] | None, found: Path) -> None:
+        """Refuse a resume on other training data than the checkpointed run's (before anything
+        is restored): it would go on from the run's position in those data."""
+        saved = meta.get("run") if meta is not None else None
+        if not isinstance(saved, dict) or saved.get("training_data") is None:  # written
+            return  # before the record, or without one (torch.distributed, an iterator)
+        then, now = saved["training_data"], self._data_record()
+        if now is None and world()[0] > 1:  # a single-process run resumed on several ranks
+            return
+        if then == json.loads(json.dumps(now)):
+            return
+        raise ValueError(
+            f"fit(): the checkpoint {found} was written by a fit on other training data "
+            f"({describe_difference(then, now)}), and resuming would go on from its position "
+            "in those data. Resume with the run's training data, or start a new fit "
+            "(Checkpointing(..., overwrite=True))."
+        )
 
     def _check_validation(self, meta: dict[str, Any] | None, found: Path) -> None:
         """Refuse a resume whose validation data is not the checkpointed run's."""

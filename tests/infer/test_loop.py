@@ -555,8 +555,16 @@ def test_resume_refuses_another_list_of_batches_and_data_of_another_kind(tmp_pat
     pb.fit(prob.model, guide, data, epochs=2, seed=0, checkpoint=pb.Checkpointing(tmp_path))
     again = pb.Checkpointing(tmp_path, resume=True)
     other = [(x * 2.0, y) for x, y in data]
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
+    with torch.no_grad():  # moved after the run, so a restored checkpoint would show
+        for p in guide.parameters():
+            p.add_(1.0)
+    moved = {k: v.clone() for k, v in guide.state_dict().items()}
     with pytest.raises(ValueError, match=r"examples themselves \(a hash of the first, middle"):
         pb.fit(prob.model, guide, other, epochs=2, seed=0, checkpoint=again)
+    # refused before anything was restored: the guide keeps the caller's values
+    assert all(torch.equal(guide.state_dict()[k], v) for k, v in moved.items())
+    assert any(not torch.equal(before[k], v) for k, v in moved.items())
     loader = _loader(prob.x, prob.y, batch_size=16)
     with pytest.raises(ValueError, match=r"a list or tuple of batches then, a DataLoader now"):
         pb.fit(prob.model, guide, loader, epochs=2, seed=0, checkpoint=again)
