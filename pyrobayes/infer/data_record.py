@@ -108,8 +108,8 @@ def _update(digest: Any, value: Any) -> None:
         flat = value.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())
-    elif isinstance(value, np.ndarray):
-        digest.update(f"{value.dtype}{value.shape}".encode())
+    elif isinstance(value, (np.ndarray, np.generic)):  # arrays and NumPy scalars
+        digest.update(f"{value.dtype}{np.shape(value)}".encode())
         digest.update(np.ascontiguousarray(value).tobytes())
     elif isinstance(value, Mapping):
         for key in sorted(value, key=repr):

@@ -600,3 +600,14 @@ def test_the_training_data_record_is_the_same_under_random_augmentation_and_draw
     assert np.array_equal(np.random.get_state()[1], states[1]) and random.getstate() == states[2]
     assert first["examples"] == 10 and first["batch_size"] == 4 and first["drop_last"] is False
     assert training_data_record(iter([])) is None  # a one-shot iterator: nothing to compare
+    # NumPy scalars, arrays, strings and nested mappings are read by value
+    for a, b in [
+        (np.float32(1.0), np.float32(2.0)),
+        (np.arange(3), np.arange(3) + 1),
+        ("good", "bad"),
+        ({"ids": [1, 2], "label": 0}, {"ids": [1, 3], "label": 0}),
+    ]:
+        assert (
+            training_data_record([a])["sample_sha256"] != training_data_record([b])["sample_sha256"]
+        )
+        assert training_data_record([a]) == training_data_record([a])
