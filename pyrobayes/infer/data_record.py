@@ -105,7 +105,8 @@ def _update(digest: Any, value: Any) -> None:
     mappings by sorted key, sequences in order, scalars and strings by ``repr``; any other
     object by its type's name only (its ``repr`` may hold a memory address)."""
     if isinstance(value, torch.Tensor):
-        flat = value.detach().to("cpu").contiguous().reshape(-1)
+        dense = value if value.layout == torch.strided else value.to_dense()  # sparse inputs
+        flat = dense.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     elif isinstance(value, (np.ndarray, np.generic)):  # arrays and NumPy scalars
