@@ -606,6 +606,7 @@ def test_the_training_data_record_is_the_same_under_random_augmentation_and_draw
         (np.arange(3), np.arange(3) + 1),
         ("good", "bad"),
         ({"ids": [1, 2], "label": 0}, {"ids": [1, 3], "label": 0}),
+        (torch.eye(3).to_sparse(), (2 * torch.eye(3)).to_sparse()),  # read densely
     ]:
         assert (
             training_data_record([a])["sample_sha256"] != training_data_record([b])["sample_sha256"]
