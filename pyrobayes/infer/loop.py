@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import json
 import logging
@@ -36,12 +35,20 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..batch import batch_size, check_batches, split_batch, to_device
+from ..batch import check_batches, to_device
 from ..contract import implements
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
+from .data_order import DataOrder
 from .data_record import describe_difference, training_data_record
 from .distributed import barrier, broadcast_, spread, world
+from .fit_checks import (
+    DataSize,
+    Divergence,
+    DivergenceWarning,
+    check_first_batch,
+    warn_if_fit_given_back,
+)
 from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
@@ -77,142 +84,6 @@ class FitResult(NamedTuple):
     state: dict[str, Any]
 
 
-def _mix_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts``, the same on every machine and Python (not ``hash``)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-class _DataOrder:
-    """``fit``'s ownership of a ``DataLoader``'s per-epoch order.
-
-    Before each epoch the generators of its samplers (``RandomSampler`` of ``shuffle=True``,
-    or any sampler with a ``generator`` attribute) and the loader's own generator (the base
-    seed of its workers) are replaced by ones seeded from ``(seed, epoch)``, and ``set_epoch``
-    is called on samplers that have it (``DistributedSampler``). Nothing is drawn from the
-    global RNG, so the order of an epoch does not depend on where in it a run was resumed.
-    The original generators are put back by :meth:`restore`.
-    """
-
-    def __init__(self, data: Any, seed: int) -> None:
-        self.seed = seed
-        self.loader = data if isinstance(data, DataLoader) else None
-        self.samplers: list[Any] = []
-        self._saved: list[tuple[Any, Any]] = []
-        if self.loader is None:
-            return
-        for sampler in (
-            self.loader.sampler,
-            self.loader.batch_sampler,
-            getattr(self.loader.batch_sampler, "sampler", None),
-        ):
-            if sampler is not None and all(sampler is not s for s in self.samplers):
-                self.samplers.append(sampler)
-        self._saved = [
-            (obj, obj.generator)
-            for obj in (self.loader, *self.samplers)
-            if hasattr(obj, "generator")
-        ]
-
-    def set_epoch(self, epoch: int) -> None:
-        for k, (obj, _) in enumerate(self._saved):
-            obj.generator = torch.Generator().manual_seed(_mix_seed(self.seed, epoch, k))
-        for sampler in self.samplers:
-            if callable(getattr(sampler, "set_epoch", None)):
-                sampler.set_epoch(epoch)
-
-    def restore(self) -> None:
-        for obj, generator in self._saved:
-            obj.generator = generator
-
-
-class DivergenceWarning(RuntimeWarning):
-    """A fit whose loss rose far above its first value: the learning rate is likely too high."""
-
-
-#: A fit diverges when the median loss of the last ``_WINDOW`` steps exceeds its first loss by
-#: ``_RISE`` times that loss's magnitude (three orders of magnitude; at least ``_RISE`` nats
-#: for a loss that starts within 1 of zero): a descent method lowers the objective on average,
-#: so a rise this large means steps overshoot (the classic sign of a too-large step size,
-#: Goodfellow, Bengio & Courville, 2016, sec. 8.5), whereas the noise of a stochastic objective
-#: (a minibatch, one Monte-Carlo draw) moves it by fractions of itself. The median of a window
-#: ignores a single spike.
-_RISE, _WINDOW = 1e3, 10
-
-
-class _Divergence:
-    """Watches the step losses for divergence; warns once (logged and ``DivergenceWarning``).
-
-    One comparison per step; the median is taken only once the cheap bound is crossed.
-    """
-
-    def __init__(self, lr: float) -> None:
-        self.lr = lr
-        self.limit: float | None = None
-        self.warned = False
-
-    def see(self, losses: list[float], step: int) -> None:
-        if self.warned:
-            return
-        if self.limit is None:
-            self.limit = losses[0] + _RISE * max(abs(losses[0]), 1.0)
-        if losses[-1] <= self.limit or len(losses) < _WINDOW:
-            return
-        recent = sorted(losses[-_WINDOW:])
-        median = recent[_WINDOW // 2]
-        if median <= self.limit:
-            return
-        self.warned = True
-        message = (
-            f"fit: the loss is diverging: the median of steps {step - _WINDOW + 1}..{step} is "
-            f"{median:.4g}, over {_RISE:.0e} times the first step's {losses[0]:.4g}. Lower "
-            f"the learning rate (lr={self.lr:g} now)."
-        )
-        logger.warning(message)
-        warnings.warn(message, DivergenceWarning, stacklevel=4)
-
-
-#: The ELBO's data term gave its fit back when its mean over the last tenth of the run is more
-#: than ``_GIVEN_BACK`` of the way from its lowest tenth back to its first, at least
-#: ``_MIN_RISE`` nats and ``_NUM_SE`` standard errors above the lowest tenth (the difference of
-#: two tenths' means of w per-step values has standard error sqrt(s_last² + s_low²)/sqrt(w),
-#: s the per-step sd in each; 4 of them leave about 3e-5 to a Gaussian fluctuation): the
-#: optimiser, which lowers ``nll + kl`` on average, then bought KL with the data fit (σ growing
-#: towards the prior), which minibatch and Monte-Carlo noise do not explain.
-_GIVEN_BACK, _MIN_RISE, _NUM_SE = 0.5, 0.1, 4.0
-
-
-def _warn_if_fit_given_back(terms: dict[str, list[torch.Tensor]], model: Any) -> None:
-    """Warn when the ELBO's expected NLL per example rose back towards its start (rank 0)."""
-    if "nll" not in terms or "kl" not in terms or world()[1] != 0 or len(terms["nll"]) < 20:
-        return  # (20 steps: two per tenth, the fewest that give each tenth a spread)
-    nll = torch.stack(terms["nll"]).detach().double().cpu()
-    width = len(nll) // 10
-    tenths = nll[: 10 * width].reshape(10, width)
-    means = tenths.mean(1)
-    lowest = int(means.argmin())
-    first, low, last = float(means[0]), float(means[lowest]), float(means[-1])
-    spread = float((tenths[-1].var() + tenths[lowest].var()).div(width).sqrt())
-    if last - low < max(_MIN_RISE, _GIVEN_BACK * (first - low), _NUM_SE * spread):
-        return
-    kl = float(torch.stack(terms["kl"][-width:]).mean())
-    sites = getattr(model, "latent_sites", {})
-    latent = sum(int(torch.Size(spec.shape).numel()) for spec in sites.values())
-    num_data = getattr(model, "num_data", "?")
-    message = (
-        f"fit(): the ELBO's data term (expected NLL per example) rose from its lowest {low:.3g} "
-        f"back to {last:.3g} by the end of the fit (it started at {first:.3g}): q's scales grew "
-        f"to pay less KL(q ‖ p)/N (now {kl:.3g}) at the data's expense, and its draws blur "
-        f"the network's output. At this prior, {latent} latent values for N = {num_data} "
-        "examples cost more KL than the data term can pay back. Make "
-        "fewer values latent (LoRA(latent='A'), LoRA-XS cores), temper the KL "
-        "(optim=pb.Optimization(optimizer=pb.infer.MeanField(kl_weight=0.1))), or stop "
-        "earlier on held-out data (validation=pb.Validation(...))."
-    )
-    logger.warning(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
-
-
 #: Optimizer param-group keys a resume may change or that schedules move (the rate is checked
 #: on its own, with its own message).
 _RATE_KEYS = frozenset({"params", "lr", "initial_lr"})
@@ -241,88 +112,6 @@ def _name_of(obj: Any) -> Any:
 
 def _shown(value: Any) -> str:
     return json.dumps(value, separators=(", ", ": "))
-
-
-class _DataSize:
-    """Counts the examples of the first epoch against the model's ``num_data``; warns once.
-
-    ``num_data`` is N, the size of the training set: every family weighs its prior (the MAP's
-    ``log p(θ)``, the ELBO's ``KL(q ‖ p)``) as ``1/N`` of a minibatch's mean log-likelihood.
-    A pass over the data that yields more than N examples (``R·n`` over R ranks, where a
-    ``DistributedSampler`` pads each rank to ``ceil(N/R)``, so up to ``N + R − 1``) means N is
-    too small: typically the batch size passed as ``num_data``, which makes the prior weigh
-    ``R·n/N`` times too much and the posterior that much too wide, with no error anywhere
-    else (a batch is refused only when it alone exceeds N).
-    """
-
-    def __init__(self, model: Any) -> None:
-        num_data = getattr(model, "num_data", None)
-        self.num_data = num_data if isinstance(num_data, int) else 0  # 0: nothing to check
-        self.label_key: str = getattr(model, "label_key", "labels")
-        self.size, self.rank = world()
-        self.count = 0
-        self.done = not self.num_data
-
-    def see(self, batch: Any) -> None:
-        if self.done:
-            return
-        try:
-            self.count += batch_size(split_batch(batch, self.label_key)[0])
-        except TypeError:  # a batch whose size cannot be told: no check
-            self.done = True
-
-    def finish(self, complete: bool = True) -> None:
-        """After the first epoch's batches (or the fit's, if it ends inside that epoch:
-        ``complete`` false, when only an excess can be told)."""
-        if self.done:
-            return
-        self.done = True
-        seen = self.count * self.size
-        if self.rank != 0 or seen == 0:  # seen 0: resumed after the first epoch
-            return
-        if complete and 2 * seen < self.num_data:
-            self._warn(
-                f"fit(): the first epoch yielded {seen} examples, but the model's num_data is "
-                f"{self.num_data}. num_data must be the size of the data the fit iterates: "
-                f"with it {self.num_data / seen:.3g}x too large the prior (and KL) weighs that "
-                "much too little and the posterior is too narrow (often the whole data set's "
-                "size passed while training on a subset). Build the model with "
-                "FineTuneModel(..., num_data=len(train_set)); if each epoch draws a sample of a "
-                "larger set on purpose, ignore this warning."
-            )
-            return
-        if seen <= self.num_data + self.size - 1:
-            return
-        over = "" if self.size == 1 else f" ({self.size} ranks × {self.count})"
-        message = (
-            f"fit(): the first epoch yielded {seen} examples{over}, but the model's num_data "
-            f"is {self.num_data}. num_data must be the size of the training set (not the "
-            f"batch size): with it too small the prior (and KL) weighs {seen / self.num_data:.3g}"
-            "x too much and the posterior is too wide. Build the model with "
-            "FineTuneModel(..., num_data=len(train_set)); if the data repeats examples on "
-            "purpose (augmented copies), ignore this warning."
-        )
-        self._warn(message)
-
-    @staticmethod
-    def _warn(message: str) -> None:
-        logger.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=7)
-
-
-def _check_first_batch(model: Any, fitter: Any, batch: Any) -> None:
-    """The checks of a fresh fit's first batch, where the likelihood or the fitter has one: the
-    targets against a learned Gaussian σ's start, the inputs' scale against IVON's ``h0``."""
-    try:
-        inputs, targets = split_batch(batch, getattr(model, "label_key", "labels"))
-    except (TypeError, ValueError):  # the step reports a malformed batch itself
-        return
-    check_targets = getattr(getattr(model, "likelihood", None), "check_target_scale", None)
-    if check_targets is not None:
-        check_targets(targets)
-    check_inputs = getattr(fitter, "check_input_scale", None)
-    if check_inputs is not None:
-        check_inputs(inputs)
 
 
 def _device_of(model: Any) -> torch.device | None:
@@ -614,8 +403,8 @@ class _Loop:
             self.fitter.objective if implements(self.fitter.objective, ReportsTerms) else None
         )
         self.terms: dict[str, list[torch.Tensor]] = {}
-        self.divergence = _Divergence(lr)
-        self.data_size = _DataSize(model)
+        self.divergence = Divergence(lr)
+        self.data_size = DataSize(model)
         self.stopped_early = False
 
     def _prepare(self, optim: Optimization, lr: float) -> tuple[Fitter, Any]:
@@ -663,7 +452,7 @@ class _Loop:
         pos = self.pos
         if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
             pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        self.order = _DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
+        self.order = DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
         if world()[0] > 1:
             broadcast_(self.fitter.broadcast_tensors())
         self.bar = tqdm(
@@ -750,7 +539,7 @@ class _Loop:
             if pos.epoch == 0:
                 self.data_size.see(batch)
                 if seen == 1 and pos.step == 0:  # a fresh fit's first batch
-                    _check_first_batch(self.model, self.fitter, batch)
+                    check_first_batch(self.model, self.fitter, batch)
             if seen <= pos.in_epoch:  # resumed mid-epoch: done already
                 continue
             if num_steps is not None and pos.step >= num_steps:
@@ -1054,7 +843,7 @@ class _Loop:
             )
         fitter.end(self.data)
         if best_epoch is None:  # a restored epoch is not the run's last q
-            _warn_if_fit_given_back(self.terms, model)
+            warn_if_fit_given_back(self.terms, model)
         model.train(False)
         elapsed = time.perf_counter() - self.start
         final = pos.losses[-1] if pos.losses else float("nan")

@@ -404,11 +404,11 @@ def test_a_fit_whose_elbo_buys_kl_with_the_data_term_is_reported():
     ],
 )
 def test_the_given_back_rule_on_tenths_of_a_run(tenths, warns):
-    """The rule of ``_warn_if_fit_given_back`` on a run of 10 steps per tenth with a per-step
+    """The rule of ``warn_if_fit_given_back`` on a run of 10 steps per tenth with a per-step
     spread of ±0.01 (its standard error, 4.5e-3 per tenth, far below every rise here)."""
     import warnings
 
-    from pyrobayes.infer.loop import _warn_if_fit_given_back
+    from pyrobayes.infer.fit_checks import warn_if_fit_given_back
 
     model, _ = _drowning_problem(pb.models.LoRA(rank=8, target_modules=["0", "2"]))
     jitter = torch.tensor([0.01, -0.01] * 5)
@@ -416,7 +416,7 @@ def test_the_given_back_rule_on_tenths_of_a_run(tenths, warns):
     terms = {"nll": nll, "kl": [torch.tensor(1.0)] * len(nll)}
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _warn_if_fit_given_back(terms, model)
+        warn_if_fit_given_back(terms, model)
     assert any("data term" in str(w.message) for w in record) == warns
 
 
