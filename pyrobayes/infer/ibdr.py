@@ -457,7 +457,7 @@ class IBDRFitter(Fitter):
         does, so the robust step's radius is set by the bound, not by ρ."""
         at_bound = self.rho > 0 and self.lam in (self.lam_min, self.lam_max)
         self.pinned = self.pinned + 1 if at_bound else 0
-        if self.pinned != PINNED_PATIENCE:
+        if self.pinned != PINNED_PATIENCE or world()[1] != 0:  # λ is the same on every rank
             return
         if self.lam == self.lam_max:
             why = (
