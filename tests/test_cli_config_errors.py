@@ -13,6 +13,7 @@ import torch
 
 from pyrobayes.cli import build_parser, main, tomllib
 from pyrobayes.demo import pipeline
+from pyrobayes.demo.config import merge_config
 from pyrobayes.demo.pipeline import ConfigError, check_inputs, resolve_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "minilm_meanfield.toml"
@@ -75,7 +76,7 @@ def test_a_value_that_cannot_run_is_a_config_error(user, words):
     with pytest.raises(ConfigError):
         resolve_config(user, quick=True)
     with pytest.raises(ConfigError):
-        pipeline.validate_config(pipeline._merge(pipeline.DEFAULT_CONFIG, user))
+        pipeline.validate_config(merge_config(pipeline.DEFAULT_CONFIG, user))
 
 
 @pytest.mark.parametrize(
@@ -209,7 +210,7 @@ def test_fit_refuses_the_value_before_any_work(tmp_path, capsys, monkeypatch, ov
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("pyrobayes.cli.run", lambda *a, **k: pytest.fail("the job ran"))
     config = tmp_path / "job.toml"
-    config.write_text(_toml(pipeline._merge(BASE, override)))
+    config.write_text(_toml(merge_config(BASE, override)))
     assert main(["fit", str(config), "--quick", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pyrobayes fit: error: ") and str(config) in err

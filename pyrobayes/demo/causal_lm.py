@@ -36,7 +36,7 @@ seed sets the adapter's initialisation and the fit's randomness. ``--quick`` swa
 LLaMA and at most 16 questions per split (the tests run it), with a logged warning naming the
 configured values it replaces (:data:`QUICK_OVERRIDES`).
 
-Config mistakes are :class:`~pyrobayes.demo.pipeline.ConfigError` naming the key:
+Config mistakes are :class:`~pyrobayes.demo.config.ConfigError` naming the key:
 :func:`resolve_config` checks the schema, bounds and combinations, :func:`check_inputs` what the
 config names on this machine (before :func:`run` writes the folder); a run that fails before its
 first result removes what it wrote.
@@ -77,23 +77,25 @@ from ..tasks import (
     read_json_examples,
 )
 from ..tasks.task import check_fractions
-from .pipeline import (
+from .config import (
     CHOICES,
-    FAMILY_SETTINGS,
     OPTIONAL_KEYS,
     ConfigError,
-    FittedRun,
-    RunFolderError,
     check_device,
     check_families,
     check_hub_model,
+    did_you_mean,
+    merge_config,
+)
+from .pipeline import (
+    FAMILY_SETTINGS,
+    FittedRun,
+    RunFolderError,
     compare_metrics,
     comparison_plot,
-    did_you_mean,
     export_posterior,
     fit_options,
     fit_record,
-    merge_config,
     read_json,
     reliability_plot,
     uses_validation,
