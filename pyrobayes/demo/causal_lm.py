@@ -81,6 +81,7 @@ from .config import (
     CHOICES,
     OPTIONAL_KEYS,
     ConfigError,
+    check_choice,
     check_device,
     check_families,
     check_hub_model,
@@ -269,11 +270,7 @@ def _check_value(path: str, value: Any, default: Any) -> None:
             f"Config key {path!r} must be like {default!r} ({type(default).__name__}) but got "
             f"{value!r} ({type(value).__name__})."
         )
-    if path in _CHOICES and value not in _CHOICES[path]:
-        raise ConfigError(
-            f"Config key {path!r} must be one of {list(_CHOICES[path])} but got {value!r}"
-            f"{did_you_mean(str(value), _CHOICES[path])}."
-        )
+    check_choice(path, value, _CHOICES)
     meaning = f" ({_MEANING[path]})" if path in _MEANING else ""
     if path in _MINIMA and value < _MINIMA[path]:
         raise ConfigError(

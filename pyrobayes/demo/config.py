@@ -14,7 +14,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "QUICK_OVERRIDES",
     "ConfigError",
     "check_device",
+    "check_choice",
     "check_families",
     "check_hub_model",
     "check_inputs",
@@ -244,12 +245,18 @@ def _check_type(path: str, value: Any, types: tuple[type, ...]) -> None:
                 f"Config key {path!r}{meaning} must be a number {'>=' if inclusive else '>'} "
                 f"{bound:g} but got {value!r}. Set it in the config file."
             )
-    if path in CHOICES and value not in CHOICES[path]:
-        raise ConfigError(
-            f"Config key {path!r} must be one of {list(CHOICES[path])} but got {value!r}"
-            f"{did_you_mean(str(value), CHOICES[path])}."
-        )
+    check_choice(path, value, CHOICES)
     _check_value(path, value)
+
+
+def check_choice(path: str, value: Any, choices: Mapping[str, Sequence[str]]) -> None:
+    """Refuse a value of key ``path`` outside ``choices[path]`` (when the key has choices),
+    naming the allowed values and the nearest one."""
+    if path in choices and value not in choices[path]:
+        raise ConfigError(
+            f"Config key {path!r} must be one of {list(choices[path])} but got {value!r}"
+            f"{did_you_mean(str(value), choices[path])}."
+        )
 
 
 def _check_value(path: str, value: Any) -> None:
