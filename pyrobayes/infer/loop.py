@@ -787,10 +787,10 @@ class _Loop:
         saved = meta.get("run") if meta is not None else None
         if not isinstance(saved, dict) or saved.get("training_data") is None:  # written
             return  # before the record, or without one (torch.distributed, an iterator)
-        then, now = saved["training_data"], self._data_record()
-        if now is None and world()[0] > 1:  # a single-process run resumed on several ranks
+        if world()[0] > 1:  # a single-process run resumed on several ranks: no record now
             return
-        if then == json.loads(json.dumps(now)):
+        then, now = saved["training_data"], self._data_record()
+        if then == now:  # the record holds JSON values only (no tuples to normalise)
             return
         raise ValueError(
             f"fit(): the checkpoint {found} was written by a fit on other training data "
