@@ -523,7 +523,7 @@ def test_padding_is_not_data_for_the_kronecker_laplace(side):
     """laplace-torch's K-FAC (curvlinops, KFAC-expand) averaged the input factor over every
     position of a token batch: the same questions padded left instead of right moved the
     curvature by 61 % (relative norm), and the contents of a ragged batch's padded choice rows
-    by 15 %. With the factor over the real tokens (pyrobayes.infer.laplace, ``(1/N) Σ_rows
+    by 15 %. With the factor over the real tokens (pyrobayes.infer.curvature, ``(1/N) Σ_rows
     (1/L_row) Σ_real a aᵀ``), one more padding column changes nothing: float64, equal to the
     eigendecomposition's rounding (1e-8 relative)."""
     from pyrobayes.models.multiple_choice import encode_multiple_choice as encode

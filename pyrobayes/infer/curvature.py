@@ -1,0 +1,442 @@
+r"""Curvature through laplace-torch: the network and data as it sees them, and its GGN backend.
+
+Curvature. At the MAP ``θ*`` (the guide's point), with the head fixed, laplace-torch computes the
+GGN of the summed negative log-likelihood over the sites only,
+
+.. math:: H = \sum_i J_i^\top Λ_i J_i,\qquad J_i = ∂f(x_i; θ)/∂θ\,|_{θ^*},
+
+as its diagonal (``DIAG``) or K-FAC blocks (``KRON``; a LoRA-XS core is an ordinary
+``nn.Linear(r, r)``, so both factors are ``r×r``). The diagonal is accumulated from per-example
+Jacobian rows (:func:`pyrobayes.linearized.output_jacobian_rows`: one forward and ``K − 1``
+backward passes per batch for ``K`` classes, ``K`` for ``K`` regression outputs, a few rows at a
+time, so memory stays a few ``B·d`` numbers, never the ``B·K·d`` Jacobian), with softmax's
+``Λ_i = diag(p_i) − p_i p_iᵀ``
+
+.. math:: \operatorname{diag} H = \sum_i \sum_k p_{ik} \big(J_{ik} - \textstyle\sum_j p_{ij} J_{ij}\big)^{2},
+
+(``J_{ik}`` the k-th row of ``J_i``, squared elementwise) and ``Σ_i Σ_k J_{ik}²`` for a Gaussian
+likelihood (laplace-torch's ``1/σ²`` applied as its ``_H_factor``). laplace-torch's default
+backend forms the same diagonal from the Jacobian of the whole batch output with respect to the
+parameters, ``B·K`` backward passes of the whole batch each (quadratic in the batch size).
+
+:class:`LaplaceNet` is the network laplace-torch differentiates (a batch → the likelihood's
+parameters), ``_Loader`` the re-iterable ``(X, y)`` / dict batches it reads, and
+:func:`per_example_ggn_backend` its curvlinops backend with the per-example diagonal and the
+real-token K-FAC. :func:`pyrobayes.infer.laplace.fit_laplace` puts them together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..batch import batch_size, compute_dtype, split_batch, to_device, token_mask
+from ..linearized import output_jacobian_rows, output_jacobians
+from ..models.likelihoods import check_gaussian_targets
+from .distributed import all_reduce_sum_
+
+__all__ = ["LaplaceNet", "per_example_ggn_backend"]
+
+
+class LaplaceNet(nn.Module):
+    """The network as laplace-torch sees it: a batch (dict or tensor) → likelihood parameters.
+
+    The sites' current values live in the network's own parameters (``fit_laplace`` copies the
+    MAP in); a Gaussian likelihood returns ``(B, 1)`` so laplace-torch's regression code applies.
+    """
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        dtype = compute_dtype(model.dtype)
+        if dtype != model.dtype:
+            # laplace-torch keeps its curvature sum, τ and evidence in the dtype of the model's
+            # first parameter: a frozen, empty float32 one first makes that float32 (a bfloat16
+            # sum of 30,000 examples' diagonal GGN came out half the float32 one)
+            self.dtype_anchor = nn.Parameter(torch.zeros(0, dtype=dtype), requires_grad=False)
+        self.net = model.net
+        self._model = [model]  # not a submodule: its point params must not be seen twice
+
+    @property
+    def pyro_model(self) -> Any:
+        """The :class:`~pyrobayes.models.FineTuneModel` whose network this is."""
+        return self._model[0]
+
+    def forward(self, x: Any) -> Tensor:
+        model = self._model[0]
+        inputs = _network_inputs(x, model.label_key)
+        prediction = model.network_prediction(model._call_net(self.net, inputs))
+        if (
+            not torch.is_grad_enabled()
+            and prediction.dim() == 1
+            and prediction.shape[0] != 1
+            and batch_size(inputs) == 1
+        ):
+            # laplace-torch's probe of the output width (its fit runs X[:1] under no_grad): a
+            # forward that squeezes a batch of one is refused where rows are read (the
+            # curvature's passes, the predictive), not on a probe the user's data never made
+            prediction = prediction.unsqueeze(0)
+        out = model.likelihood.params(prediction, inputs)
+        if not model.likelihood.is_classification and out.dim() == 1:
+            out = out.unsqueeze(-1)
+        return out
+
+
+#: keys of the dict batches :class:`_Loader` hands laplace-torch for inputs that are not one
+#: tensor: the network's inputs as the user's batch holds them, and a ``(B, 0)`` tensor whose
+#: leading size laplace-torch reads as the batch size (its ``dict_key_x``)
+_INPUTS, _ROWS = "__pyrobayes_inputs__", "__pyrobayes_rows__"
+
+
+def _network_inputs(x: Any, label_key: str) -> Any:
+    """The network's inputs in a batch laplace-torch passes back (see :class:`_Loader`)."""
+    if isinstance(x, Mapping):
+        return x[_INPUTS] if _INPUTS in x else split_batch(x, label_key)[0]
+    return x
+
+
+class _Loader:
+    """Re-iterable ``(X, y)`` / dict batches with ``.dataset`` of length N, as laplace-torch wants.
+
+    A batch whose inputs are one tensor goes as ``(X, y)``; any other inputs (a dict of tensors
+    such as ``pixel_values`` or ``input_ids``, a tuple of tensors) go as the dict
+    ``{_INPUTS: inputs, _ROWS: (B, 0) tensor, label_key: y}``, laplace-torch's dict form with
+    ``dict_key_x=_ROWS`` (it reads only the batch size from there; :class:`LaplaceNet` runs
+    the network on ``_INPUTS``). Class labels become ``(B,)`` int64 (``(B, 1)`` and any integer
+    dtype are accepted, as every other family accepts them).
+
+    Regression targets are checked against the network output (``check_gaussian_targets``: a
+    scalar output takes ``(B,)`` or ``(B, 1)``, a ``(B, D)`` output ``(B, D)``, anything else
+    raises) and passed as laplace-torch wants them, ``(B, 1)`` or ``(B, D)``.
+    """
+
+    def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
+        self.model, self.data, self.device = model, data, device
+        self._event_shape: tuple[int, ...] | None = None  # of one example's output, once probed
+        dataset: Any = getattr(data, "dataset", None)
+        try:
+            n = len(dataset)  # None or an unsized dataset: TypeError
+        except TypeError:  # counted: this rank's share, summed over ranks (a sampler's
+            # dataset is the whole set already)
+            count = torch.tensor(sum(batch_size(split_batch(b, model.label_key)[0]) for b in data))
+            all_reduce_sum_([count])
+            n = int(count)
+        self.dataset = range(n)
+
+    def __iter__(self) -> Iterator[Any]:
+        regression = not self.model.likelihood.is_classification
+        key = self.model.label_key
+        for index, batch in enumerate(self.data):
+            batch = to_device(batch, self.device)
+            inputs, y = split_batch(batch, key)
+            _check_finite_batch(inputs, y, index)
+            if regression and y is not None:
+                y = self._regression_targets(inputs, y)
+            elif y is not None:
+                y = _class_targets(y, index)
+            if isinstance(inputs, Tensor):
+                yield inputs, y
+            else:
+                rows = torch.empty(batch_size(inputs), 0, device=self.device)
+                yield {_INPUTS: inputs, _ROWS: rows, key: y}
+
+    def _regression_targets(self, inputs: Any, y: Tensor) -> Tensor:
+        """``y`` checked against the output of ``inputs``: ``(B, 1)`` (scalar) or ``(B, *event)``."""
+        model = self.model
+        if self._event_shape is None:  # one probe forward for the output's per-example shape
+            with torch.no_grad():
+                out = model.likelihood.params(
+                    model.network_prediction(model._call_net(model.net, inputs)), inputs
+                )
+            self._event_shape = tuple(int(n) for n in out.shape[1:])
+        y = check_gaussian_targets(y, (batch_size(inputs), *self._event_shape))
+        return y if self._event_shape else y.unsqueeze(-1)
+
+
+def _class_targets(y: Tensor, index: int) -> Tensor:
+    """Class labels as laplace-torch's cross-entropy wants them: ``(B,)`` int64."""
+    if y.is_floating_point() or y.is_complex():
+        raise ValueError(
+            f"Laplace: batch {index} has class labels of dtype {y.dtype}; the categorical "
+            "likelihood takes integer class indices of shape (B,) or (B, 1). Pass y.long() "
+            "if they are whole numbers (multi-label 0/1 targets are not supported)."
+        )
+    if y.dim() == 2 and y.shape[-1] == 1:
+        y = y.squeeze(-1)
+    return y.long()
+
+
+def _check_finite_batch(inputs: Any, y: Any, index: int) -> None:
+    """Refuse a batch whose floating-point inputs or targets hold NaN or inf (they would reach the
+    curvature, where laplace-torch's eigendecomposition fails)."""
+    named = dict(inputs) if isinstance(inputs, Mapping) else {"inputs": inputs}
+    named["targets"] = y
+    for name, value in named.items():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            bad = ~torch.isfinite(value)
+            if bool(bad.any()):
+                rows: list[int] = (
+                    bad.reshape(bad.shape[0], -1).any(-1).nonzero().flatten().tolist()
+                    if value.dim()
+                    else []
+                )
+                raise ValueError(
+                    f"Laplace: batch {index} of the curvature data has non-finite {name} (NaN or "
+                    f"inf) in rows {rows[:5]}; drop or impute those examples."
+                )
+
+
+@functools.cache
+def _import_laplace() -> None:
+    """Import laplace-torch once, without the FutureWarning its dependency asdl raises on import
+    (it decorates helpers with the deprecated ``torch.jit.script``): nothing the user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`torch.jit.script` is deprecated", category=FutureWarning
+        )
+        import laplace  # noqa: F401
+        import laplace.curvature  # noqa: F401
+
+
+@functools.cache
+def per_example_ggn_backend() -> type:
+    """laplace-torch's default backend (curvlinops GGN) with an exact, per-example diagonal.
+
+    ``kron`` and ``full`` are curvlinops'. ``diag`` returns the same ``(loss, diag GGN)`` as
+    laplace-torch's ``GGNInterface.diag`` but from per-example Jacobians of the sites
+    (:func:`pyrobayes.linearized.output_jacobian_rows` on the sample-batched forward): one
+    forward and ``K − 1`` (classification) or ``K`` (regression) backward passes per batch
+    instead of ``B·K`` backward passes of the whole batch, the rows reduced four at a time as
+    they are formed (memory ``O(B·d)``, not the ``B·K·d`` Jacobian; a multiple-choice likelihood
+    with ``rows_per_output``, whose copies are ``B·K·d`` anyway, uses
+    :func:`pyrobayes.linearized.output_jacobians`). It applies to a :class:`LaplaceNet` whose
+    gradient-requiring parameters are latent sites and to a deterministic GGN; anything else
+    (``stochastic=True``, last-layer or subnetwork Laplace, another network) goes to
+    laplace-torch's own ``diag``.
+
+    Returns
+    -------
+    type
+        A subclass of ``laplace.curvature.CurvlinopsGGN`` (built on first use: laplace-torch is
+        imported only when a Laplace posterior is fitted).
+    """
+    _import_laplace()
+    from laplace.curvature import CurvlinopsGGN
+
+    class PerExampleGGN(CurvlinopsGGN):
+        def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+            # token batches: the K-FAC input factors over the real tokens only (padding and a
+            # ragged batch's padded choice rows are not data; laplace-torch's KFAC counts them)
+            with _real_token_kfac(self.model, x, sys.modules[CurvlinopsGGN.__module__]):
+                loss, kron = super().kron(x, y, N, **kwargs)
+            # half-precision sites (a bf16 network): the factors go on in float32, since their
+            # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
+            factors = [f for fs in kron.kfacs for f in fs]
+            if any(f.dtype == torch.float16 and not bool(f.isfinite().all()) for f in factors):
+                raise FloatingPointError(
+                    "Laplace: the Kronecker (K-FAC) factors of this float16 network overflowed "
+                    "(a sum of squared activations past float16's largest value, 65504), which "
+                    "laplace-torch's eigendecomposition would turn into a zero curvature. Fit "
+                    "the posterior on a bfloat16 or float32 copy of the network "
+                    "(model.to(torch.bfloat16) before pb.fit), or use structure='diag'."
+                )
+            if any(compute_dtype(f.dtype) != f.dtype for f in factors):
+                upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
+                kron = type(kron)(upcast)
+                loss = loss.float()
+            # under torch.distributed each rank holds its share of the batch: the factors are
+            # summed over ranks as laplace-torch sums them over batches (H += H_batch), so every
+            # rank holds the curvature of one process whose batches are the ranks' shares
+            all_reduce_sum_([loss, *(f for factors in kron.kfacs for f in factors)])
+            return loss, kron
+
+        def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            loss, diag = self._local_diag(x, y, **kwargs)
+            all_reduce_sum_([loss, diag])  # a sum over examples: exact under any sharding
+            return loss, diag
+
+        def _local_diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            wrapper: Any = self.model
+            sites = _site_names(wrapper, self.params)
+            if (
+                sites is None
+                or self.stochastic
+                or self.last_layer
+                or self.subnetwork_indices is not None
+            ):
+                return super().diag(x, y, **kwargs)
+            model = wrapper.pyro_model
+            classification = model.likelihood.is_classification
+            inputs = _network_inputs(x, model.label_key)
+            point = {s: p.detach() for s, p in zip(sites, self.params, strict=True)}
+            size = batch_size(inputs)
+            rows: Iterator[tuple[int, dict[str, Tensor]]]
+            if model.likelihood.rows_per_output(inputs) is not None:
+                # one network row per output: one backward pass gives all K rows (the copies
+                # alone are B·K·d, so nothing to stream); handed on as one chunk
+                out, jac = output_jacobians(model, inputs, point)
+                if classification:  # the contrasts J_k − J_K, k < K, that the sum expects
+                    jac = {s: j[:, :-1] - j[:, -1:] for s, j in jac.items()}
+                rows = iter([(0, {s: j.movedim(1, 0) for s, j in jac.items()})])
+            else:
+                # Σ_k J_k − J_K: softmax's Λ annihilates a shift common to the K rows
+                out, rows = output_jacobian_rows(
+                    model, inputs, point, contrast=classification, outputs_per_pass=4
+                )
+            if classification and out.dim() != 2:  # laplace-torch's cross-entropy: (B, K)
+                return super().diag(x, y, **kwargs)
+            diag = _streamed_diag_ggn(out, rows, point, sites, classification)
+            if not classification:
+                out = out.reshape(size, -1) if out.dim() == 1 else out  # LaplaceNet's (B, 1)
+            loss = self.factor * self.lossfunc(out, y)
+            return loss.detach(), diag.detach()
+
+    return PerExampleGGN
+
+
+@contextlib.contextmanager
+def _real_token_kfac(wrapper: Any, x: Any, backend: Any) -> Iterator[None]:
+    """Within the block, ``backend`` (laplace-torch's curvlinops module) builds K-FAC with
+    :func:`_masked_kfac`'s operator over the real tokens of the batch ``x`` (nothing changes
+    for a batch without padding or token axes)."""
+    model = getattr(wrapper, "pyro_model", None)
+    mask = None
+    if model is not None and isinstance(x, Mapping):
+        mask = token_mask(_network_inputs(x, model.label_key))
+    if mask is None or bool(mask.bool().all()):
+        yield
+        return
+    masked: Any = _masked_kfac()
+    plain, backend.KFACLinearOperator, masked.token_mask = (
+        backend.KFACLinearOperator,
+        masked,
+        mask.bool(),
+    )
+    try:
+        yield
+    finally:
+        backend.KFACLinearOperator, masked.token_mask = plain, None
+
+
+@functools.cache
+def _masked_kfac() -> type:
+    """curvlinops' ``KFACLinearOperator`` whose K-FAC-expand input factor of a token layer
+    averages each row (sequence) over its own real tokens (``token_mask`` ``(rows, T)``, set
+    around one call): ``A = (1/N) Σ_rows (1/L_row) Σ_{t real} a_t a_tᵀ``, K-FAC-expand's
+    input factor ``(1/(N R)) Σ_n Σ_r a_{n,r} a_{n,r}ᵀ`` for ``R`` positions per sequence
+    (Eschenhagen et al. 2023, Sec. 3) with each sequence's own length for ``R``. It is
+    curvlinops' ``Σ a aᵀ / (N · T)`` for a batch without padding, and depends neither on how a batch is
+    padded (left or right, copies of a choice in a ragged batch's padded rows, which get weight
+    0) nor on how examples of different lengths are grouped into batches (a batch-wide mean
+    length, ``Σ_real a aᵀ / (N · n_tok / n_rows)``, moved the curvature by 3-8 % with the
+    grouping). The output-gradient factor needs nothing: padding gets no gradient."""
+    from curvlinops import KFACLinearOperator  # type: ignore[import-untyped]
+
+    class MaskedKFAC(KFACLinearOperator):
+        token_mask: Tensor | None = None
+
+        def _hook_accumulate_input_covariance(
+            self, module: nn.Module, inputs: tuple[Tensor, ...], module_name: str
+        ) -> None:
+            mask, x = type(self).token_mask, inputs[0].data.detach() if inputs else None
+            if (
+                mask is None
+                or x is None
+                or len(inputs) != 1
+                or x.dim() != 3
+                or tuple(x.shape[:-1]) != tuple(mask.shape)
+                or str(getattr(self._kfac_approx, "value", self._kfac_approx)) != "expand"
+            ):  # a layer without the batch's token axis (a pooled head), or KFAC-reduce
+                super()._hook_accumulate_input_covariance(module, inputs, module_name)
+                return
+            real = mask.to(x.device)
+            a = x[real]  # (n_tok, d): the real tokens' inputs
+            params = self._mapping[module_name]
+            if "weight" in params and "bias" in params and not self._separate_weight_and_bias:
+                a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+            # each real token weighted by 1 / its row's real length (rows without any: none)
+            length = real.sum(-1, keepdim=True).clamp_min(1).to(a.dtype)
+            weight = (1 / length).expand(real.shape)[real]  # (n_tok,)
+            covariance = (a.T * weight) @ a
+            covariance.div_(self._N_data)
+            me: Any = self
+            me._input_covariances = me._set_or_add_(me._input_covariances, module_name, covariance)
+
+    return MaskedKFAC
+
+
+def _streamed_diag_ggn(
+    out: Tensor,
+    rows: Iterator[tuple[int, dict[str, Tensor]]],
+    point: Mapping[str, Tensor],
+    sites: list[str],
+    classification: bool,
+) -> Tensor:
+    r"""The diagonal GGN accumulated from Jacobian rows as they come (never all ``K`` at once).
+
+    Regression: ``Σ_i Σ_k J_{ik}²``. Classification (``rows`` the contrasts ``J_{ik} − J_{iK}``
+    for ``k < K``, the K-th zero): per example the ``p_i``-weighted sum of squared deviations
+    ``Σ_k p_{ik} (J_{ik} − Σ_j p_{ij} J_{ij})²``, merged chunk by chunk with the pairwise update
+    of Chan, Golub & LeVeque (1983, "Algorithms for computing the sample variance", eq. 2.1,
+    weighted): a chunk of weight ``w``, mean ``m_c`` and centred sum ``M_c`` joins the running
+    ``(W, m, M)`` as ``δ = m_c − m``, ``m ← m + δ w/(W + w)``, ``M ← M + M_c + δ² W w/(W + w)``,
+    ``W ← W + w`` — the centred sum without the cancellation of ``Σ p J² − (Σ p J)²``. Memory:
+    ``m`` and a few temporaries of the chunk's size, ``B·d`` numbers each per row.
+    """
+    diag = {s: point[s].new_zeros(point[s].shape) for s in sites}
+    if not classification:
+        for _, chunk in rows:
+            for s in sites:
+                diag[s] += chunk[s].square().sum((0, 1))
+        return torch.cat([diag[s].reshape(-1) for s in sites])
+    probs = torch.softmax(out, -1)  # (B, K)
+    size = probs.shape[0]
+    tiny = torch.finfo(probs.dtype).tiny
+    total = probs[:, -1].clone()  # W: the K-th row (zero) enters first, m = 0 and M = 0 after it
+    mean = {s: point[s].new_zeros(size, *point[s].shape) for s in sites}
+    for k0, chunk in rows:
+        count = next(iter(chunk.values())).shape[0]
+        weight = probs[:, k0 : k0 + count].T  # (c, B)
+        chunk_total = weight.sum(0)  # w
+        merged = total + chunk_total
+        # w/(W + w) and W w/(W + w): 0 where the weights are 0 (then so are the terms they scale)
+        ratio = chunk_total / merged.clamp_min(tiny)
+        cross = total * ratio
+        for s in sites:
+            g, m = chunk[s], mean[s]
+            shape = (size,) + (1,) * (m.dim() - 1)
+            chunk_mean = torch.einsum("cb,cb...->b...", weight, g) / chunk_total.clamp_min(
+                tiny
+            ).view(shape)
+            deviation = (g - chunk_mean).square_()
+            delta = chunk_mean.sub_(m)
+            diag[s] += torch.einsum("cb,cb...->...", weight, deviation)
+            del deviation
+            diag[s] += torch.einsum("b,b...->...", cross, delta.square())
+            m.add_(delta.mul_(ratio.view(shape)))
+        total = merged
+    return torch.cat([diag[s].reshape(-1) for s in sites])
+
+
+def _site_names(wrapper: Any, params: Iterable[Tensor]) -> list[str] | None:
+    """The latent site of each of ``params`` (in order), or ``None`` if one is not a site."""
+    if not isinstance(wrapper, LaplaceNet):
+        return None
+    model = wrapper.pyro_model
+    net = model.net
+    by_id = {id(net.get_parameter(spec.param_name)): s for s, spec in model.latent_sites.items()}
+    names = [by_id.get(id(p)) for p in params]
+    return None if any(n is None for n in names) else [n for n in names if n is not None]
+
+
+def _laplace_likelihood(model: Any) -> tuple[str, float]:
+    """laplace-torch's ``likelihood`` and ``sigma_noise`` (a learned σ: its current value)."""
+    if model.likelihood.is_classification:
+        return "classification", 1.0
+    return "regression", float(getattr(model.likelihood, "obs_scale", 1.0))
