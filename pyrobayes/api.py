@@ -146,7 +146,10 @@ def _check_init_model(guide: Any, init: Any, made_latent: set[str] | None = None
     """``init`` must sit on the new guide's model, or on one with the same frozen base weights
     and the same point parameters (a rebuilt copy with the head copied over; a point parameter
     the rebuilt model then made latent, ``made_latent``, has been compared already)."""
-    from .io import base_fingerprint, differing_point_params  # local: io imports the registry
+    from .io.compatibility import (  # local: io imports the registry
+        base_fingerprint,
+        differing_point_params,
+    )
 
     mine, theirs = getattr(guide, "model", None), getattr(init, "model", None)
     if mine is None or theirs is None or mine is theirs:

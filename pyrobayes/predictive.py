@@ -268,7 +268,10 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     ValueError
         Naming what differs and the fix.
     """
-    from .io import base_fingerprint, differing_point_params  # local: io imports the registry
+    from .io.compatibility import (  # local: io imports the registry
+        base_fingerprint,
+        differing_point_params,
+    )
 
     bound = bound_model(guide)
     if bound is None or bound is model or getattr(model, "latent_sites", None) is None:

@@ -341,7 +341,7 @@ def test_a_failing_write_leaves_the_old_file_and_no_partial_files(saved, monkeyp
         Path(filename).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(pb.io, "save_file", half_write)
+    monkeypatch.setattr(pb.io.files, "save_file", half_write)
     with pytest.raises(OSError, match="disk full"):
         pb.save(guide, path)
     assert path.read_bytes() == before
@@ -373,7 +373,7 @@ def test_a_kill_during_a_write_leaves_the_previous_posterior(tmp_path):
         def dying_write(tensors, filename, metadata=None):
             Path(filename).write_bytes(b"half a posterior")
             os.kill(os.getpid(), signal.SIGKILL)
-        pb.io.save_file = dying_write
+        pb.io.files.save_file = dying_write
         pb.save(guide, path)
         """
     )

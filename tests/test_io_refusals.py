@@ -204,7 +204,7 @@ def test_an_unwritable_folder_keeps_the_error_type_and_names_the_path(
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(pb.io.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(pb.io.files.tempfile, "mkstemp", refuse)
     target = tmp_path / "post.safetensors"
     with pytest.raises(PermissionError, match="Save to a folder you can write to") as err:
         pb.save(guide, target)
@@ -220,7 +220,7 @@ def test_a_failed_replace_names_the_path_and_leaves_no_temporary_file(
     def refuse(src, dst):
         raise PermissionError(13, "Permission denied", str(src), None, str(dst))
 
-    monkeypatch.setattr(pb.io.os, "replace", refuse)
+    monkeypatch.setattr(pb.io.files.os, "replace", refuse)
     target = tmp_path / "post.safetensors"
     with pytest.raises(PermissionError, match="cannot move the written posterior") as err:
         pb.save(guide, target)

@@ -450,7 +450,8 @@ def load_checkpoint(
     batches per epoch of the data the fit resumes with, if known): on a ``ValueError`` nothing
     has been restored.
     """
-    from ..io import _check_family, load_state, read_header
+    from ..io import load_state, read_header
+    from ..io.compatibility import _check_family
 
     folder = Path(folder)
     state_file = folder / "state.json"
