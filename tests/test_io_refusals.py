@@ -269,3 +269,17 @@ def test_an_unreadable_file_keeps_the_permission_error_and_names_it(fitted, tmp_
         assert str(path) in str(err.value)
     finally:
         Path(path).chmod(0o644)
+
+
+def test_save_after_make_latent_says_the_model_changed_since_the_guide(tmp_path) -> None:
+    # the same model object: "pass the model the guide was fitted on" would send the user in a
+    # circle; the refusal names make_latent and what to save instead
+    p = _problem()
+    guide = pb.posterior(p.model, "map")
+    pb.fit(p.model, guide, split_batches(p.x, p.y, 16), epochs=1, lr=0.05, seed=0)
+    p.model.make_latent(["2"])
+    with pytest.raises(PosteriorMismatchError, match=r"no longer its model's: only in the model"):
+        pb.save(guide, tmp_path / "map.safetensors")
+    with pytest.raises(PosteriorMismatchError, match=r"make_latent"):
+        pb.save(guide, tmp_path / "map.safetensors")
+    assert not (tmp_path / "map.safetensors").exists()

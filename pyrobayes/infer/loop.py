@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from ..batch import check_batches, to_device
 from ..contract import implements
+from ..fitted_head import forget_fitted_head, record_fitted_head
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .data_order import DataOrder
@@ -447,6 +448,7 @@ class _Loop:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> FitResult:
+        forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
         self._check_shards()
         self._resume()
         pos = self.pos
@@ -471,7 +473,9 @@ class _Loop:
         # rank 0 wrote the last checkpoint: no rank returns (and, say, resumes from the folder
         # in its next fit) before the write is complete
         barrier()
-        return self._result()
+        result = self._result()  # (the fitter's end: Laplace's MAP refits may train the head)
+        record_fitted_head(self.guide, self.model)  # what predict checks the head against
+        return result
 
     def _lower_block_cache(self) -> contextlib.AbstractContextManager[None]:
         """A FineTuneModel's cache of its frozen lower blocks over the training and validation

@@ -38,6 +38,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..calibration import match_state
+from ..fitted_head import record_fitted_head, warn_if_head_changed
 from ..registry import family_of, get_guide_class
 from .compatibility import (
     _check_base,
@@ -168,6 +169,8 @@ def save(
             "(NaN/inf). The fit diverged; refit with a smaller learning rate, or resume from the "
             "last checkpoint."
         )
+    if model is guide_model:
+        warn_if_head_changed(guide, model, "pb.save", stacklevel=3)
     adapter: Any = getattr(model, "adapter", None)  # LoRA, LoRAXS or None (duck-typed)
     header: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -442,4 +445,6 @@ def load(path: str | Path, model: Any, *, key: bytes | None = None, check_base: 
         _check_loadable(path, header, tensors, guide, model)
         if check_base:  # after the head's check: a model without the head differs here too
             _check_base(path, header, model)
-        return _apply(path, guide, model, tensors)
+        _apply(path, guide, model, tensors)
+        record_fitted_head(guide, model)  # the head this posterior now sits with
+        return guide

@@ -64,6 +64,14 @@ def _check_guide_belongs(guide: Any, model: Any, guide_model: Any) -> None:
     if latent:
         theirs = {s: tuple(spec.shape) for s, spec in latent.items()}
         ours = {s: tuple(shape) for s, shape in guide.sites.items()}
+        if ours != theirs and model is guide_model:  # the model's sites changed since
+            raise PosteriorMismatchError(
+                "pb.save: the guide's sites are no longer its model's: "
+                f"{_site_difference(ours, theirs, 'guide', 'model')}. The model changed after "
+                "the guide was built (model.make_latent(...) made layers latent); save the "
+                "guide before that change, or save the guide built on the model as it is now "
+                "(e.g. the post-hoc Laplace over the head)."
+            )
         if ours != theirs:
             raise PosteriorMismatchError(
                 "pb.save: the guide's sites do not belong to model: "

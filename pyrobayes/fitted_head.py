@@ -1,0 +1,118 @@
+"""The point-estimated parameters a guide was fitted with, and the warning when they change.
+
+A guide holds the posterior over the latent sites only; the model's point-estimated parameters
+(a trained head, a learned noise scale, point LoRA factors) live in the model, which several
+guides can share: the post-hoc recipe fits SWAG or Laplace from a MAP on the same model, and
+``pb.load`` writes a file's head into the model it loads into. A fit that trains the head (SWAG,
+Laplace with ``epochs > 0``) or a load then changes the head under every other guide on that
+model, whose predictions would pair its posterior with a head it was not fitted with.
+
+:func:`record_fitted_head` stores, on the guide, what each point parameter held when its fit
+ended (or its file was loaded): the tensor's version counter and storage (a fast path) and a
+SHA-256 of its values rounded to bfloat16 (so a cast of the model to float64 or bfloat16, or a
+move to another device, is not a change; nor is a change below bfloat16's resolution, 2⁻⁸
+relative). :func:`warn_if_head_changed` compares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "HeadChangedWarning",
+    "record_fitted_head",
+    "forget_fitted_head",
+    "changed_heads",
+    "warn_if_head_changed",
+]
+
+#: the guide attribute that holds the record (not part of its state: a file's load sets it anew)
+_ATTRIBUTE = "_pyrobayes_fitted_head"
+
+
+class HeadChangedWarning(UserWarning):
+    """The model's point-estimated parameters (the head) changed since the guide was fitted or
+    loaded: another fit on the same model trained them, or ``pb.load`` wrote another file's."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    version: int
+    data_ptr: int
+    digest: str
+
+
+def _digest(value: Tensor) -> str:
+    """SHA-256 of ``value``'s shape and values rounded to bfloat16 (through float32)."""
+    from .io.integrity import _feed_tensor  # local: pyrobayes.io imports the guide registry
+
+    h = hashlib.sha256()
+    _feed_tensor(h, "", value)
+    return h.hexdigest()
+
+
+def _entry(value: Tensor) -> _Entry:
+    return _Entry(int(value._version), int(value.data_ptr()), _digest(value))
+
+
+def record_fitted_head(guide: Any, model: Any) -> None:
+    """Store on ``guide`` the current values of ``model``'s point-estimated parameters (called
+    at the end of a fit and after a load)."""
+    point = getattr(model, "point_params", None)
+    if point is None:
+        return
+    record = {name: _entry(p.detach()) for name, p in point.items()}
+    object.__setattr__(guide, _ATTRIBUTE, (id(model), record))
+
+
+def forget_fitted_head(guide: Any) -> None:
+    """Drop ``guide``'s record (a fit begins: until it ends, the head is the fit's to change)."""
+    guide.__dict__.pop(_ATTRIBUTE, None)
+
+
+def changed_heads(guide: Any, model: Any) -> list[str]:
+    """Names of ``model``'s point parameters whose values differ from those ``guide`` was
+    fitted or loaded with (sorted; present in one of the two only counts as changed); ``[]``
+    when the guide holds no record for this model (never fitted by ``pb.fit``, or fitted on
+    another model object, which :func:`pyrobayes.predictive.check_fitted_model` compares)."""
+    stored = getattr(guide, _ATTRIBUTE, None)
+    point = getattr(model, "point_params", None)
+    if stored is None or point is None or stored[0] != id(model):
+        return []
+    record: dict[str, _Entry] = stored[1]
+    changed = sorted(set(record) ^ set(point))
+    for name in sorted(set(record) & set(point)):
+        value, entry = point[name].detach(), record[name]
+        if int(value._version) == entry.version and int(value.data_ptr()) == entry.data_ptr:
+            continue  # not written to since (the fast path: no pass over the values)
+        digest = _digest(value)
+        if digest != entry.digest:
+            changed.append(name)
+        else:  # written with the same values, moved or cast: the same head
+            record[name] = _Entry(int(value._version), int(value.data_ptr()), digest)
+    return changed
+
+
+def warn_if_head_changed(guide: Any, model: Any, where: str, stacklevel: int = 4) -> None:
+    """Warn (:class:`HeadChangedWarning`) when ``model``'s point parameters changed since
+    ``guide`` was fitted or loaded (:func:`changed_heads`), naming them and the remedy
+    (``stacklevel`` as :func:`warnings.warn`'s, counted from this function)."""
+    changed = changed_heads(guide, model)
+    if not changed:
+        return
+    warnings.warn(
+        f"{where}: the model's point-estimated parameters {changed[:4]} (the head) changed since "
+        f"this {type(guide).__name__} was fitted or loaded, by another fit on the same model "
+        "(SWAG, or Laplace with epochs > 0, train the head of the MAP they start from) or by "
+        "pb.load of another posterior into it; the result pairs this posterior with a head it "
+        "was not fitted with. Give each fit its own copy of the model (copy.deepcopy(model) "
+        "before the second fit), or pb.save this posterior and pb.load it back to restore its "
+        "head.",
+        HeadChangedWarning,
+        stacklevel=stacklevel,
+    )
