@@ -541,10 +541,15 @@ def labelled_prediction(
         ``val_data`` yields no batches, or its batches carry no labels (the message starts with
         ``owner`` and says ``why`` the labels are needed).
     """
-    from .predictive import predict  # (predict applies the temperature: a function-local import)
+    from .predictive import (  # (predict applies the temperature: a function-local import)
+        ShuffledDataWarning,
+        predict,
+    )
 
     try:
-        pred = (predict_fn or predict)(model, guide, val_data, **predict_kwargs)
+        with warnings.catch_warnings():  # scored against pred.targets: any order is right
+            warnings.simplefilter("ignore", ShuffledDataWarning)
+            pred = (predict_fn or predict)(model, guide, val_data, **predict_kwargs)
     except TypeError as err:
         if "unexpected keyword argument" in str(err):
             raise TypeError(

@@ -409,6 +409,13 @@ def linearize(
     return Linearization(contrast, kept)
 
 
+#: :attr:`~pyrobayes.predictive.Prediction.pooled_by` of the probit predictive
+_PROBIT = (
+    "the probit approximation (pred_type='probit'), one closed-form row; predict with "
+    "pred_type='glm' (Monte Carlo over the linearised logits) to keep the draws"
+)
+
+
 def linearized_predict(
     model: Any,
     guide: Any,
@@ -507,7 +514,11 @@ def linearized_predict(
         )
     target = torch.cat(targets, 0) if targets else None
     if classification:
-        return Prediction(log_probs=cat_examples(locs, True), targets=target)
+        return Prediction(
+            log_probs=cat_examples(locs, True),
+            targets=target,
+            pooled_by=None if monte_carlo else _PROBIT,
+        )
     return Prediction(
         loc=torch.cat(locs, 1),
         scale=float(likelihood.obs_scale),

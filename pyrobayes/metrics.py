@@ -197,6 +197,21 @@ def _pooled_draws(prediction: Any) -> int:
     return int(draws) if isinstance(draws, int) and draws > 1 else 0
 
 
+def _pooled(prediction: Any) -> str | None:
+    """Why ``prediction`` (classification) is one row without per-draw spread, with the way
+    to keep the draws, in words; ``None`` when its rows are the draws."""
+    draws = _pooled_draws(prediction)
+    if draws:
+        return (
+            "tempered by a pooled temperature (pyrobayes.calibrate's default), which averaged "
+            f"{draws} posterior draws into one row before tempering; predict with the "
+            "uncalibrated posterior (pyrobayes.calibration.set_temperature(guide, None)) or "
+            "calibrate with pool=False to keep the draws"
+        )
+    how = getattr(prediction, "pooled_by", None)
+    return how if isinstance(how, str) else None
+
+
 def _unpack(prediction: Any) -> tuple[Tensor, Tensor | None]:
     """Duck-typed access to ``(probs, log_probs)`` of a tensor or a prediction object."""
     if isinstance(prediction, Tensor):
@@ -949,7 +964,10 @@ def report(
     ``UserWarning`` says so. The other scores are those of the calibrated predictive. For
     epistemic scores, predict with the uncalibrated posterior
     (``pyrobayes.calibration.set_temperature(guide, None)``) or calibrate with ``pool=False``
-    (a temperature per draw keeps the draws).
+    (a temperature per draw keeps the draws). The same holds for the other one-row predictives
+    of a posterior with spread, which carry ``pooled_by``: Laplace's probit predictive
+    (``pred_type="probit"``; ``"glm"`` keeps Monte Carlo draws) and a mixture's logit average
+    (``average="logits"``; ``"probs"`` keeps the draws).
     """
     if labels is None:  # pb.predict over batches without targets: pred.targets is None
         raise ValueError(
@@ -963,7 +981,7 @@ def report(
     probs, log_probs = _unpack(probs_or_prediction)
     probs = _as_3d(probs, "probs", probabilities=True)
     calibration = calibration_error(probs, labels, num_bins=num_bins)
-    pooled = _pooled_draws(probs_or_prediction)
+    pooled = _pooled(probs_or_prediction)
     result: dict[str, float] = {
         "accuracy": accuracy(probs, labels),
         "nll": nll(probs, labels, log_probs=log_probs),
@@ -988,17 +1006,12 @@ def report(
             )
         result["auroc_entropy"] = ood_auroc(predictive_entropy(probs), predictive_entropy(ood))
         result["auroc_maxprob"] = ood_auroc(max_prob_score(probs), max_prob_score(ood))
-        pooled = pooled or _pooled_draws(ood_probs)
+        pooled = pooled or _pooled(ood_probs)
         if pooled:
             warnings.warn(
-                "report: the prediction (or ood_probs) is tempered by a pooled temperature "
-                f"(pyrobayes.calibrate's default), which averaged {pooled} posterior draws "
-                "into one row before tempering: there is no per-draw "
+                f"report: the prediction (or ood_probs) is {pooled}. There is no per-draw "
                 "spread left, so mutual information and the MI-based OOD AUROC are not "
-                "available (auroc_mi and mutual_information are NaN, not 0 and 0.5). For "
-                "epistemic scores predict with the uncalibrated posterior "
-                "(pyrobayes.calibration.set_temperature(guide, None)) or calibrate with "
-                "pool=False.",
+                "available (auroc_mi and mutual_information are NaN, not 0 and 0.5).",
                 UserWarning,
                 stacklevel=2,
             )

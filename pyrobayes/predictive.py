@@ -10,14 +10,17 @@ on CPU the chunk is capped only to bound memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from .batch import (
@@ -30,6 +33,7 @@ from .batch import (
 )
 from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, bound_model, implements
+from .fitted_head import warn_if_head_changed
 from .models.adapters import check_int
 from .models.sharing import reuse_within_batch
 
@@ -68,6 +72,11 @@ class Prediction:
         tempering. That row has no per-draw spread, so mutual information (and any epistemic
         score) is 0 by construction; :func:`pyrobayes.metrics.report` reports it as NaN.
         ``None``: the rows are the draws.
+    pooled_by : str or None
+        Classification: how a posterior with spread became one row without a temperature
+        (Laplace's probit predictive, a mixture's logit average), and how to keep the draws, in
+        words; :func:`pyrobayes.metrics.report` then gives NaN mutual information, as for
+        ``pooled_draws``. ``None``: the rows are the draws (or ``pooled_draws`` says why not).
     """
 
     log_probs: Tensor | None = None
@@ -76,6 +85,7 @@ class Prediction:
     targets: Tensor | None = None
     loc_var: Tensor | None = None
     pooled_draws: int | None = None
+    pooled_by: str | None = None
 
     @property
     def predictive_scale(self) -> float | Tensor | None:
@@ -252,6 +262,42 @@ def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any 
     )
 
 
+class ShuffledDataWarning(UserWarning):
+    """A prediction over a shuffling ``DataLoader``: its rows follow the pass's random order,
+    not the dataset's (``pred.targets`` follows it too)."""
+
+
+def warn_if_rows_differ(data: Any, where: str) -> None:
+    """Warn when the rows of a prediction over ``data`` will not be the dataset's, in its
+    order: a ``DataLoader`` with ``drop_last=True`` that drops examples (``UserWarning``), or
+    one that shuffles (:class:`ShuffledDataWarning`; scoring against ``pred.targets`` is then
+    still right, against the dataset's own labels wrong)."""
+    if not isinstance(data, DataLoader):
+        return
+    dataset: Any = data.dataset
+    try:
+        size = len(dataset)
+    except TypeError:  # an iterable dataset: no rows to count, no sampler order
+        return
+    if data.drop_last and data.batch_size and size % data.batch_size:
+        warnings.warn(
+            f"{where}: data is a DataLoader with drop_last=True, so the last "
+            f"{size % data.batch_size} of its {size} examples are not predicted (and not "
+            "scored). Predict on a loader with drop_last=False.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if isinstance(data.sampler, RandomSampler):
+        warnings.warn(
+            f"{where}: data is a DataLoader that shuffles (RandomSampler), so the prediction's "
+            "rows come in this pass's random order, not the dataset's. Score it against "
+            "pred.targets (collected in the same order), not the dataset's labels, or predict "
+            "on a loader with shuffle=False.",
+            ShuffledDataWarning,
+            stacklevel=3,
+        )
+
+
 def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     """Refuse to predict with ``guide`` on a ``model`` other than the one it was fitted on when
     the two differ outside the posterior.
@@ -261,7 +307,10 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     copy, or a float64 cast of one; base weights are compared by
     :func:`pyrobayes.io.base_fingerprint`, as :func:`pyrobayes.load` compares them) passes; one
     whose head or base weights differ (a model rebuilt after the fit, its head untrained) would
-    pair the posterior with weights it was not fitted with, and predict silently wrong.
+    pair the posterior with weights it was not fitted with, and predict silently wrong. On the
+    guide's own model, a head changed since the guide was fitted or loaded (another fit on the
+    same model trained it, or ``pb.load`` wrote another file's) gives a
+    :class:`~pyrobayes.fitted_head.HeadChangedWarning`.
 
     Raises
     ------
@@ -274,6 +323,8 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     )
 
     bound = bound_model(guide)
+    if bound is model:
+        warn_if_head_changed(guide, model, where)
     if bound is None or bound is model or getattr(model, "latent_sites", None) is None:
         return
     heads = differing_point_params(model, bound)
@@ -380,6 +431,7 @@ def predict(
             "samples_per_forward", samples_per_forward, ge=1, owner="predict: "
         )
     check_fitted_model(model, guide, "predict")
+    warn_if_rows_differ(data, "predict")
     check_batches(data, "predict")
     if device is not None:
         model.to(device)
@@ -427,7 +479,16 @@ def predict(
     target = torch.cat(targets, 0) if targets else None
     joined = cat_examples(outputs, model.likelihood.is_classification)
     prediction = Prediction.from_outputs(joined, target, model.likelihood)
+    if average_logits and len(next(iter(values.values()))) > 1:
+        prediction = dataclasses.replace(prediction, pooled_by=_LOGIT_AVERAGE)
     return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
+
+
+#: :attr:`Prediction.pooled_by` of a mixture's logit average
+_LOGIT_AVERAGE = (
+    "the softmax of the particles' averaged logits (average='logits'), one row; build the "
+    "guide with average='probs' to keep the draws"
+)
 
 
 def cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:

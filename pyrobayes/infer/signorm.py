@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -373,7 +374,7 @@ def tau_sweep(
         ``nll ≤ member_nll``) and ``on_frontier`` (1.0 / 0.0).
     """
     from ..metrics import calibration_error
-    from ..predictive import predict
+    from ..predictive import ShuffledDataWarning, predict
     from ..registry import get_guide_class
     from .loop import fit
     from .options import Optimization
@@ -389,7 +390,9 @@ def tau_sweep(
         optim = Optimization(optimizer=settings)
         fit(model, guide, train_data, epochs=epochs, lr=lr, seed=seed, optim=optim)
         members = int(cast(Mixture, guide).num_components)
-        pred = predict(model, guide, eval_data, num_samples=members)
+        with warnings.catch_warnings():  # scored against pred.targets: any order is right
+            warnings.simplefilter("ignore", ShuffledDataWarning)
+            pred = predict(model, guide, eval_data, num_samples=members)
         probs, labels = pred.probs, pred.targets
         if labels is None:
             raise ValueError(
