@@ -19,6 +19,10 @@ from pyrobayes.models import FineTuneModel, LoRAXS
 
 from .common import conjugate_core, mlp_problem
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 NUM_SAMPLES = 40
 NUM_DATA = 48
 NUM_CLASSES = 3
@@ -263,3 +267,124 @@ def test_the_export_says_what_its_chains_and_draws_are():
         exported = pb.to_inference_data(model, other, data, num_samples=8)
         assert exported.attrs["draws"].startswith(start)
         assert exported.posterior.attrs["draws"] == exported.attrs["draws"]
+
+
+def _fitted_laplace(likelihood: str):
+    """A Laplace posterior (GLM predictive, its default) over a tanh MLP's LoRA-XS cores."""
+    pytest.importorskip("laplace")
+    prob = mlp_problem(
+        (6, 10, NUM_CLASSES),  # (Gaussian: 3 outputs)
+        LoRAXS(rank=2, target_modules=["0", "2"]),
+        num_data=NUM_DATA,
+        seed=0,
+        data_seed=0,
+        likelihood=likelihood,
+        trainable_modules=[],
+        **({"obs_scale": 0.5} if likelihood == "gaussian" else {}),
+    )
+    data = [(prob.x[:20], prob.y[:20]), (prob.x[20:], prob.y[20:])]
+    guide = pb.posterior(prob.model, "laplace", prior_precision=0.3)
+    with torch.no_grad():  # a point away from 0, where the network is visibly non-linear
+        for site in guide.sites:
+            guide.loc(site).normal_(0.0, 1.0, generator=torch.Generator().manual_seed(5))
+    pb.fit(prob.model, guide, data, epochs=0)
+    assert guide.pred_type == "glm"
+    return prob.model, guide, data, prob.x, prob.y
+
+
+def _linearized_reference(model, guide, x, num_samples, seed):
+    """``f(x; θ̂) + J(x)(θ_s − θ̂)`` of the draws ``sample_posterior(S, seed)``, by jacrev."""
+    point = guide.linearization_point()
+    draws = guide.sample_posterior(num_samples, generator=torch.Generator().manual_seed(seed))
+    mean = model.output(x, point).reshape(len(x), -1)  # (N, K)
+    jac = torch.func.jacrev(lambda values: model.output(x, values))(point)
+    shift = sum(
+        torch.einsum(
+            "nkd,sd->snk",
+            jac[s].reshape(len(x), mean.shape[1], -1),
+            (draws[s] - point[s]).reshape(num_samples, -1),
+        )
+        for s in point
+    )
+    return mean + shift, draws
+
+
+def test_a_laplace_export_evaluates_the_predictive_that_predict_gives(monkeypatch):
+    # log_likelihood was the sampled network's (pred_type="nn") while pb.predict gave the GLM
+    # predictive: az.loo / az.waic described another predictive than the one reported
+    model, guide, data, x, y = _fitted_laplace("categorical")
+    num = guide.link_samples  # pb.predict's GLM draws: the same S and seed, the same draws
+    idata = to_datatree(model, guide, data, num_samples=num, seed=0)
+    assert idata.log_likelihood.attrs["predictive"] == "glm"
+    exported = torch.as_tensor(idata.log_likelihood["obs"].values[0])  # (S, N)
+    pred = pb.predict(model, guide, data, seed=0)
+    glm = pred.log_probs.gather(-1, y.expand(num, -1).unsqueeze(-1)).squeeze(-1).double()
+    torch.testing.assert_close(exported, glm, rtol=0, atol=1e-5)
+    logits, draws = _linearized_reference(model, guide, x, num, seed=0)
+    reference = torch.log_softmax(logits, -1).gather(-1, y.expand(num, -1).unsqueeze(-1))
+    torch.testing.assert_close(exported, reference.squeeze(-1).double(), rtol=0, atol=1e-5)
+    # the Jacobians a few examples at a time (as on CPU with long inputs): the same values
+    from pyrobayes import linearized
+
+    monkeypatch.setattr(linearized, "default_examples_per_forward", lambda inputs, device: 7)
+    chunked = to_datatree(model, guide, data, num_samples=num, seed=0)
+    np.testing.assert_allclose(
+        chunked.log_likelihood["obs"].values, idata.log_likelihood["obs"].values, atol=1e-6
+    )
+    monkeypatch.undo()
+    # (the network's draws differ: they are what the export held before)
+    with torch.no_grad():
+        network = torch.log_softmax(model.batched_output(x, draws), -1)
+    network_ll = network.gather(-1, y.expand(num, -1).unsqueeze(-1)).squeeze(-1).double()
+    assert float((network_ll - exported).abs().max()) > 1e-2
+    # pred_type="nn" exports the network, as pb.predict then predicts
+    guide.pred_type = "nn"
+    idata_nn = to_datatree(model, guide, data, num_samples=num, seed=0)
+    assert idata_nn.log_likelihood.attrs["predictive"] == "nn"
+    torch.testing.assert_close(
+        torch.as_tensor(idata_nn.log_likelihood["obs"].values[0]), network_ll, rtol=0, atol=1e-6
+    )
+    # probit has no per-draw form: the GLM's draws, with a warning naming it
+    guide.pred_type = "probit"
+    with pytest.warns(
+        UserWarning, match=r"pred_type='probit'.*az\.loo / az\.waic describe the GLM"
+    ):
+        idata_probit = to_datatree(model, guide, data, num_samples=num, seed=0)
+    assert idata_probit.log_likelihood.attrs["predictive"] == "glm"
+    np.testing.assert_array_equal(
+        idata_probit.log_likelihood["obs"].values, idata.log_likelihood["obs"].values
+    )
+
+
+def test_a_laplace_regression_export_is_the_linearised_networks_draws():
+    model, guide, data, x, y = _fitted_laplace("gaussian")
+    idata = to_datatree(model, guide, data, num_samples=30, seed=2)
+    assert idata.posterior_predictive.attrs["predictive"] == "glm"
+    loc, draws = _linearized_reference(model, guide, x, 30, seed=2)  # (S, N, 3)
+    expected = torch.distributions.Normal(loc, 0.5).log_prob(y).sum(-1).double()
+    exported = torch.as_tensor(idata.log_likelihood["obs"].values[0])
+    torch.testing.assert_close(exported, expected, rtol=0, atol=1e-5)
+    prior = torch.distributions.Normal(0.0, 1.0)
+    log_prior = sum(prior.log_prob(v).reshape(30, -1).sum(-1) for v in draws.values())
+    np.testing.assert_allclose(
+        idata.sample_stats["log_joint"].values[0],
+        (expected.sum(-1) + log_prior.double()).numpy(),
+        rtol=1e-6,
+    )
+    # calibrated: pb.predict's tempered GLM predictive N(f, T² (J Σ Jᵀ + σ²)) is, per draw,
+    # N(f + T J(θ_s − θ̂), T² σ²); log_joint stays the model's own
+    t = pb.calibrate(model, guide, data)
+    assert abs(t - 1.0) > 1e-2
+    tempered = to_datatree(model, guide, data, num_samples=30, seed=2)
+    assert tempered.log_likelihood.attrs["temperature_applied"] == 1
+    mean = model.output(x, guide.linearization_point()).detach()
+    shifted = torch.distributions.Normal(mean + t * (loc - mean), 0.5 * t)
+    torch.testing.assert_close(
+        torch.as_tensor(tempered.log_likelihood["obs"].values[0]),
+        shifted.log_prob(y).sum(-1).double(),
+        rtol=0,
+        atol=1e-5,
+    )
+    np.testing.assert_array_equal(
+        tempered.sample_stats["log_joint"].values, idata.sample_stats["log_joint"].values
+    )

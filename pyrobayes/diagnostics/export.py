@@ -38,11 +38,12 @@ mixture (a chain per component: r-hat measures the components' spread, not conve
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -53,9 +54,10 @@ import torch
 from torch import Tensor
 
 from .._version import __version__
-from ..batch import split_batch, to_device
+from ..batch import batch_size, compute_dtype, split_batch, to_device
 from ..calibration import TEMPERATURE_BUFFER, pooled, temperature
-from ..contract import Mixture, implements
+from ..contract import LinearizedPredictive, Mixture, implements
+from ..fitted_head import warn_if_never_fitted
 from ..models.likelihoods import Gaussian
 from ..models.sharing import reuse_within_batch
 from ..predictive import (
@@ -249,6 +251,7 @@ def evaluate_draws(
     samples_per_forward: int | None = None,
     temperature: float | None = None,
     training_data: bool = True,
+    linearized: bool = False,
 ) -> DrawEvaluation:
     """Draw S joint samples from ``guide`` and evaluate the model on every batch of ``data``.
 
@@ -289,16 +292,33 @@ def evaluate_draws(
     training_data : bool
         ``data`` is the training set the posterior is conditioned on (the k-hat diagnostics):
         a ``model.num_data`` that differs from its size is logged. ``False`` for held-out data.
+    linearized : bool
+        Evaluate the guide's linearised network ``f(x; θ̂) + J(x)(θ_s − θ̂)`` at every draw
+        instead of the network ``f(x; θ_s)`` (a :class:`~pyrobayes.contract.LinearizedPredictive`
+        guide only: the per-draw form of its GLM predictive, what :func:`pyrobayes.predict`
+        evaluates for ``pred_type="glm"``). Every result that the likelihood gives is then the
+        linearised network's. Default: the network.
 
     Returns
     -------
     DrawEvaluation
+
+    Raises
+    ------
+    ValueError
+        ``linearized=True`` for a guide that has no linearised predictive.
     """
     if num_samples < 1:
         raise ValueError(f"Expected num_samples >= 1 but got {num_samples}.")
     if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"evaluate_draws: temperature must be finite and > 0, got {temperature}.")
+    if linearized and not implements(guide, LinearizedPredictive):
+        raise ValueError(
+            f"evaluate_draws: linearized=True needs a guide with a linearised predictive "
+            f"(Laplace); {type(guide).__name__} has none. Pass linearized=False."
+        )
     check_fitted_model(model, guide, "to_inference_data")
+    warn_if_never_fitted(guide, model, "to_inference_data", stacklevel=5)
     if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
         data = list(data)
     model.train(False)
@@ -306,13 +326,16 @@ def evaluate_draws(
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     classification = bool(model.likelihood.is_classification)
     out = _Collected(plan)
+    linearization = _Linearization.of(model, guide) if linearized else None
     for start in range(0, plan.num_samples, plan.chunk):
         n = min(plan.chunk, plan.num_samples - start)
         values = _draw(guide, n, plan.components, generator, model.device)
         out.add_draws(model, guide, values, n)
         pp_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else None
         keep_class = max(0, min(n, num_class_samples - start)) if classification else 0
-        wanted = _Wanted(pointwise, predictive, keep_class, samples_per_forward, temperature)
+        wanted = _Wanted(
+            pointwise, predictive, keep_class, samples_per_forward, temperature, linearization
+        )
         out.add_chunk(_evaluate_chunk(model, data, values, n, wanted, pp_seed, start == 0))
         del values
     return out.result(model if training_data else None)
@@ -389,6 +412,52 @@ class _Wanted(NamedTuple):
     keep_class: int  # class log-probabilities of this many first draws of the chunk
     samples_per_forward: int | None
     temperature: float | None = None  # tempers pointwise and predictive, per draw
+    linearization: _Linearization | None = None  # the linearised network, else the network's
+
+
+class _Linearization(NamedTuple):
+    """A :class:`~pyrobayes.contract.LinearizedPredictive` guide's linearised network
+    ``f_lin(x; θ) = f(x; θ̂) + J(x)(θ − θ̂)`` (:mod:`pyrobayes.linearized`), at the export's
+    draws: the per-draw form of the GLM predictive that :func:`pyrobayes.predict` evaluates."""
+
+    point: dict[str, Tensor]  # θ̂ of the sites with a Gaussian posterior, in the Jacobians' order
+    fixed: dict[str, Tensor] | None  # sites held at their point (Laplace's subset=): no Jacobian
+
+    @classmethod
+    def of(cls, model: Any, guide: Any) -> _Linearization:
+        dev = model.device
+        point = {s: v.to(dev) for s, v in guide.linearization_point().items()}
+        fixed_point = getattr(guide, "fixed_point", None)
+        fixed = {s: v.to(dev) for s, v in fixed_point().items()} if callable(fixed_point) else None
+        return cls(point, fixed)
+
+    def at(self, model: Any, inputs: Any, values: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``f(x; θ̂)`` `(B, *event)` and the draws' ``J(x)(θ_s − θ̂)`` `(n, B, *event)` on
+        ``inputs``: the Jacobians of as many examples at a time as :func:`pyrobayes.predict`'s
+        linearised predictive forms, each reduced against the draws at once."""
+        # (linearized imports the predictive module, as this one)
+        from ..linearized import default_examples_per_forward, output_jacobians
+
+        n = next(iter(values.values())).shape[0]
+        deltas = torch.cat(
+            [(values[s] - p).reshape(n, -1) for s, p in self.point.items()], -1
+        )  # (n, d)
+        size = batch_size(inputs)
+        step = default_examples_per_forward(inputs, model.device)
+        means, shifts = [], []
+        for start in range(0, size, step):
+            sub = _example_rows(inputs, start, min(size, start + step), size)
+            with torch.enable_grad():  # (the export evaluates under no_grad)
+                out, jac = output_jacobians(model, sub, self.point, fixed=self.fixed)
+            # in float32 on a half-precision network, as the linearised predictive computes it
+            dtype = compute_dtype(out.dtype)
+            for j in jac.values():
+                dtype = torch.promote_types(dtype, compute_dtype(j.dtype))
+            flat = torch.cat([jac[s].reshape(*jac[s].shape[:2], -1) for s in self.point], -1)
+            shift = torch.einsum("bkd,sd->sbk", flat.to(dtype), deltas.to(dtype))
+            means.append(out.to(dtype))
+            shifts.append(shift.reshape(n, *out.shape))
+        return torch.cat(means, 0), torch.cat(shifts, 1)
 
 
 class _Chunk(NamedTuple):
@@ -400,6 +469,18 @@ class _Chunk(NamedTuple):
     class_log_probs: list[Tensor]  # per batch (P, B, C)
     observed: list[Tensor]  # per batch targets, first chunk only
     has_targets: bool
+
+
+def _example_rows(inputs: Any, start: int, stop: int, size: int) -> Any:
+    """Examples ``start:stop`` of a batch of ``size`` (the tensors whose leading size is
+    ``size``; the rest as they are)."""
+    if isinstance(inputs, Tensor):
+        return inputs[start:stop] if inputs.dim() and inputs.shape[0] == size else inputs
+    if isinstance(inputs, Mapping):
+        return {k: _example_rows(v, start, stop, size) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_example_rows(v, start, stop, size) for v in inputs)
+    return inputs
 
 
 def _evaluate_chunk(
@@ -418,7 +499,9 @@ def _evaluate_chunk(
     devices = [dev] if dev.type == "cuda" else []
     # reuse_within_batch: the layers below the first adapted one run once per batch for all its
     # chunks of draws, as in pyrobayes.predict
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse_within_batch():
+    # (the linearised network's Jacobians run their own forward passes, with autograd)
+    reuse = contextlib.nullcontext() if wanted.linearization else reuse_within_batch()
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse:
         if pp_seed is not None:
             torch.manual_seed(pp_seed)
         index = -1
@@ -462,9 +545,12 @@ def _evaluate_batch(
     (:func:`~pyrobayes.predictive.checked_targets`), in the shape it scores."""
     parts_ll, parts_pw, parts_pp, parts_lp = [], [], [], []
     spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs, model)
+    linear = (
+        None if wanted.linearization is None else wanted.linearization.at(model, inputs, values)
+    )
     for s0 in range(0, n, spf):
         sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
-        params = model.batched_output(inputs, sub)  # (s, B, ...)
+        params, at_temperature = _draw_params(model, inputs, sub, linear, s0, wanted.temperature)
         s_here = int(params.shape[0])
         if y is not None and s0 == 0:
             check = getattr(model.likelihood, "check_targets", None)
@@ -473,7 +559,7 @@ def _evaluate_batch(
         tempered = (
             likelihood_dist
             if wanted.temperature is None
-            else _tempered(model.likelihood, params, likelihood_dist, wanted.temperature)
+            else _tempered(model.likelihood, at_temperature, likelihood_dist, wanted.temperature)
         )
         if y is not None:
             ll = model.log_likelihood(params, y)  # (s, B, [event...])
@@ -495,6 +581,31 @@ def _evaluate_batch(
         torch.cat(parts_lp, 0) if parts_lp else None,
         y,
     )
+
+
+def _draw_params(
+    model: Any,
+    inputs: Any,
+    sub: dict[str, Tensor],
+    linear: tuple[Tensor, Tensor] | None,
+    s0: int,
+    temperature: float | None,
+) -> tuple[Tensor, Tensor]:
+    """The likelihood's parameters `(s, B, ...)` at the draws ``sub`` (draws ``s0..`` of the
+    chunk): the network's, or with ``linear`` (``f(x; θ̂)`` and every draw's ``J(x)(θ_s − θ̂)``)
+    the linearised network's; and the parameters a Gaussian is tempered at. Tempering the
+    linearised regression predictive multiplies its whole variance ``J Σ Jᵀ + σ²`` by ``T²``
+    (:func:`pyrobayes.calibration.apply_temperature`): per draw, the shift by ``T`` and σ by
+    ``T`` (:func:`_tempered`); the network's draws keep their means."""
+    if linear is None:
+        params = model.batched_output(inputs, sub)  # (s, B, ...)
+        return params, params
+    mean, shifts = linear
+    shift = shifts[s0 : s0 + next(iter(sub.values())).shape[0]]
+    params = mean.unsqueeze(0) + shift
+    if temperature is None or model.likelihood.is_classification:
+        return params, params
+    return params, mean.unsqueeze(0) + temperature * shift
 
 
 def _tempered(likelihood: Any, params: Tensor, untempered: Any, value: float) -> Any:
@@ -702,6 +813,28 @@ def _export_temperature(model: Any, guide: Any) -> tuple[float | None, dict[str,
     )
 
 
+def _export_predictive(guide: Any) -> tuple[bool, str]:
+    """Whether the export evaluates ``guide``'s linearised network (the predictive
+    :func:`pyrobayes.predict` gives for a Laplace guide's ``pred_type="glm"``, its default)
+    rather than the network at each draw, and the warning to give (else ``""``)."""
+    if not implements(guide, LinearizedPredictive):
+        return False, ""
+    pred_type = str(guide.pred_type)
+    if pred_type == "nn":
+        return False, ""
+    if pred_type == "glm":
+        return True, ""
+    return True, (
+        f"to_inference_data: {type(guide).__name__} has pred_type={pred_type!r}, which "
+        "pyrobayes.predict evaluates in closed form (the probit approximation of the "
+        "linearised predictive) and which has no per-draw log-likelihood: log_likelihood, "
+        "posterior_predictive and log_joint are those of the linearised network at each draw "
+        "(pred_type='glm', attribute predictive = 'glm'), so az.loo / az.waic describe the GLM "
+        "predictive that probit approximates. Set guide.pred_type = 'glm' (or 'nn', the "
+        "network at each draw) before exporting to export the predictive you predict with."
+    )
+
+
 def _draws_attr(guide: Any) -> str:
     """The ``draws`` attribute of an export: what its chains and draws are."""
     if bool(getattr(guide, "is_deterministic", False)):
@@ -715,6 +848,34 @@ def _draws_attr(guide: Any) -> str:
             "across chains measures how far apart the components are, not convergence"
         )
     return "independent draws of q in one chain (not a Markov chain: r-hat ≈ 1, ESS ≈ S)"
+
+
+def _export_attrs(
+    model: Any,
+    guide: Any,
+    ev: DrawEvaluation,
+    seed: int | None,
+    linearized: bool,
+    temperature_attrs: dict[str, Any],
+) -> dict[str, Any]:
+    """The attributes of every group of an export."""
+    return {
+        **_versions(),
+        "guide_family": str(guide.family or type(guide).__name__),
+        "guide_class": type(guide).__name__,
+        "likelihood": str(model.likelihood.name),
+        "num_data": int(model.num_data or ev.num_examples),
+        "seed": -1 if seed is None else int(seed),
+        "omitted_sites": ",".join(ev.omitted),
+        # what ArviZ's chain and draw mean here, so that r-hat, ESS and PSIS-LOO read right: a
+        # point mass repeats one draw (they are undefined), a mixture's chains are its components
+        # (r-hat measures their spread, not convergence)
+        "draws": _draws_attr(guide),
+        # the predictive log_likelihood and posterior_predictive hold, per draw: the network's
+        # ("nn") or the linearised network's ("glm", a Laplace guide's pyrobayes.predict)
+        "predictive": "glm" if linearized else "nn",
+        **temperature_attrs,
+    }
 
 
 def to_datatree(
@@ -775,9 +936,25 @@ def to_datatree(
     UncalibratedExportWarning
         The guide is calibrated in a form that no single draw carries (see the Notes): the
         export is of the uncalibrated posterior.
+    UserWarning
+        A Laplace guide with ``pred_type="probit"``, which has no per-draw form: the export is
+        of its linearised (``"glm"``) predictive (see the Notes).
 
     Notes
     -----
+    **The predictive.** The draws are evaluated with the predictive :func:`pyrobayes.predict`
+    gives, as the attribute ``predictive`` records: ``"nn"``, the network at each draw,
+    :math:`p(y \mid f(x; θ_s))`, for every family but Laplace's linearised predictive;
+    ``"glm"``, the linearised network :math:`f(x; θ̂) + J(x)(θ_s - θ̂)` at each draw, for a
+    Laplace guide with ``pred_type="glm"`` (its default; the Monte Carlo form of its
+    predictive, whose regression mixture tends to the closed-form Gaussian ``pb.predict``
+    reports) and, with a warning, ``pred_type="probit"`` (probit is a closed-form approximation
+    of it, with no per-draw log-likelihood). ``log_likelihood``, ``posterior_predictive`` and
+    ``log_joint`` are then the linearised model's, so ``az.loo`` / ``az.waic`` describe the
+    predictive the guide predicts with; set ``guide.pred_type = "nn"`` to export the network's.
+    The Jacobians cost what ``pb.predict``'s linearised predictive costs (one forward and K
+    backward passes per chunk of examples).
+
     **Calibrated guides.** A temperature ``T`` fitted by :func:`pyrobayes.calibrate` is
     applied as :func:`pyrobayes.predict` applies it wherever it is defined per draw, to
     ``log_likelihood`` and ``posterior_predictive``: for a classifier calibrated per draw
@@ -804,6 +981,7 @@ def to_datatree(
     >>> az.loo(idata)                                                                    # doctest: +SKIP
     """
     tempered, temperature_attrs, uncalibrated = _export_temperature(model, guide)
+    linearized, other_predictive = _export_predictive(guide)
     ev = evaluate_draws(
         model,
         guide,
@@ -815,7 +993,10 @@ def to_datatree(
         samples_per_forward=samples_per_forward,
         temperature=tempered,
         training_data=False,
+        linearized=linearized,
     )
+    if other_predictive:
+        warnings.warn(other_predictive, UserWarning, stacklevel=2)
     if uncalibrated:
         warnings.warn(uncalibrated, UncalibratedExportWarning, stacklevel=2)
     shapes = _site_shapes(model, guide)
@@ -845,20 +1026,7 @@ def to_datatree(
     if ev.pointwise is not None and ev.observed is not None:
         groups["log_likelihood"] = {"obs": chained(ev.pointwise)}
         groups["observed_data"] = {"obs": ev.observed}
-    attrs: dict[str, Any] = {
-        **_versions(),
-        "guide_family": str(guide.family or type(guide).__name__),
-        "guide_class": type(guide).__name__,
-        "likelihood": str(model.likelihood.name),
-        "num_data": int(model.num_data or ev.num_examples),
-        "seed": -1 if seed is None else int(seed),
-        "omitted_sites": ",".join(ev.omitted),
-        # what ArviZ's chain and draw mean here, so that r-hat, ESS and PSIS-LOO read right: a
-        # point mass repeats one draw (they are undefined), a mixture's chains are its components
-        # (r-hat measures their spread, not convergence)
-        "draws": _draws_attr(guide),
-        **temperature_attrs,
-    }
+    attrs = _export_attrs(model, guide, ev, seed, linearized, temperature_attrs)
     extra: dict[str, Any] = {}
     if losses is not None:
         import xarray as xr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..batch import compute_dtype
+from ..calibration import TEMPERATURE_BUFFER, set_temperature, temperature
 from ..distributions import KronEigenNormal
 from ..models.adapters import check_int, check_real
 from ._fit_options import warn_fit_settings
@@ -151,7 +153,9 @@ alternate_map_tol, alternate_lr : optional
         T in ``H/T`` (1: the Bayesian posterior).
     pred_type : {"glm", "probit", "nn"}
         The predictive :func:`pyrobayes.predict` evaluates (see above); may be changed after
-        fitting (``guide.pred_type = "nn"``).
+        fitting (``guide.pred_type = "nn"``). Changing it on a calibrated guide removes the
+        temperature, which was fitted for the old predictive, with a warning: call
+        :func:`pyrobayes.calibrate` again.
     prior_structure : {"scalar", "layerwise"}
         One ``τ`` for every latent site (default), or one ``τ_l`` per site (laplace-torch's
         ``prior_structure="layerwise"``; each weight and bias its own), each maximising its
@@ -296,7 +300,8 @@ alternate_map_tol, alternate_lr : optional
 
     @property
     def pred_type(self) -> str:
-        """The predictive :func:`pyrobayes.predict` returns (may be set after fitting: checked)."""
+        """The predictive :func:`pyrobayes.predict` returns (may be set after fitting: checked;
+        another value drops a :func:`pyrobayes.calibrate` temperature, with a warning)."""
         return self._pred_type
 
     @pred_type.setter
@@ -307,7 +312,26 @@ alternate_map_tol, alternate_lr : optional
                 "linearised predictive, its probit approximation, or network sampling); got "
                 f"{value!r}."
             )
+        previous = self.__dict__.get("_pred_type")  # (None while the constructor sets it)
+        if previous is not None and value != previous:
+            self._drop_temperature_of(previous, value)
         self._pred_type = value
+
+    def _drop_temperature_of(self, previous: str, value: str) -> None:
+        """Remove a :func:`pyrobayes.calibrate` temperature fitted under ``pred_type=previous``
+        (it calibrates that predictive, not ``value``'s), with a warning."""
+        if TEMPERATURE_BUFFER not in getattr(self, "_buffers", {}):
+            return
+        fitted = temperature(self)
+        set_temperature(self, None)
+        message = (
+            f"{type(self).__name__}.pred_type: the guide was calibrated (T = {fitted:.4g}) for "
+            f"its pred_type={previous!r} predictive, and pred_type={value!r} is another "
+            "predictive, which that temperature does not calibrate; it is removed. Call "
+            "pyrobayes.calibrate(model, guide, val_data) again to calibrate this one."
+        )
+        logger.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
     @property
     def temperature(self) -> float:

@@ -33,6 +33,7 @@ W. J. Maddox et al., "A simple baseline for Bayesian uncertainty in deep learnin
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,8 @@ class SWAGFitter(Fitter):
         self._default_optim = optimizer is None
         self._swalr: Any = None
         self.epochs_done = 0
+        #: iterates the guide held when :meth:`begin` reset it (warned about, then 0)
+        self._discarded = 0
 
     @property
     def manages_lr(self) -> bool:
@@ -221,6 +224,13 @@ class SWAGFitter(Fitter):
         return self._build_optimizer(spec, lr)  # a class or factory of one's own
 
     def begin(self, data: Iterable[Any] | None = None) -> None:
+        """Start a new collection: the guide's moments are reset.
+
+        Moments the guide already holds (a fitted guide fitted again, even with ``epochs=0``)
+        are discarded with a warning at the fit's first step or its end, unless the fit resumes
+        from a checkpoint (:meth:`load_state_dict` in between: the checkpoint restores them).
+        """
+        self._discarded = int(self.guide.swag_num_collected)
         self.guide.reset()
         self._swalr, self.epochs_done = None, 0
         if not self._default_optim and (
@@ -231,10 +241,27 @@ class SWAGFitter(Fitter):
                 "pb.infer.SWAG(...)); collecting per epoch without annealing."
             )
 
+    def _warn_discarded(self) -> None:
+        """Warn once that :meth:`begin` discarded the iterates the guide had collected (not on
+        a resume, whose checkpoint restored them)."""
+        discarded, self._discarded = self._discarded, 0
+        if not discarded:
+            return
+        message = (
+            f"SWAGFitter: the SWAGGuide held {discarded} collected iterate(s) when this fit "
+            "began, and a fit starts a new collection: they are discarded. To keep them, do not "
+            "fit the guide again (it is fitted: pyrobayes.predict uses it as it is), save it "
+            "first (pyrobayes.save), or continue the earlier fit from its checkpoint "
+            "(pyrobayes.fit(..., checkpoint=pyrobayes.Checkpointing(dir, resume=True)))."
+        )
+        logger.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
+
     def _collect(self) -> None:
         self.guide.set_state(swag_step(self.guide.state, self.guide.iterate()))
 
     def _after_step(self) -> None:
+        self._warn_discarded()
         every = self.settings.collect_every_steps
         if (
             every is not None
@@ -258,6 +285,7 @@ class SWAGFitter(Fitter):
         )
 
     def epoch_end(self, epoch: int) -> None:
+        self._warn_discarded()
         settings = self.settings
         self.epochs_done = epoch + 1
         since = self.epochs_done - settings.start_epoch
@@ -273,6 +301,7 @@ class SWAGFitter(Fitter):
             self._swalr.step()
 
     def end(self, data: Iterable[Any] | None = None) -> None:
+        self._warn_discarded()
         guide = self.guide
         if int(guide.swag_num_collected) == 0:
             self._collect()  # a short run (num_steps < one epoch): keep at least the last iterate
@@ -295,6 +324,7 @@ class SWAGFitter(Fitter):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # refuses other settings first
+        self._discarded = 0  # a resume: the checkpoint's guide state holds the moments
         self.epochs_done = int(state.get("epochs_done", 0))
         if "swalr" in state:
             self._anneal()

@@ -11,9 +11,13 @@ and a σN-ensemble's member norm layers into plain norm layers at one member's v
 ``c ⊙ σ(γ)``, bias ``β``, running statistics), giving a plain network with no pyrobayes layers: a Hugging Face model's ``save_pretrained``
 checkpoint reloads with ``from_pretrained`` and no unexpected keys.
 
+Both take the values to deploy, a parameter set or a fitted guide (its posterior mean): a fit
+keeps the fitted values in the guide and never writes them into the network, which holds the
+values the model was built with (``model.init_values()``, passed explicitly when meant).
+
 Examples
 --------
->>> net = pb.models.merged_network(model, guide.mean())       # doctest: +SKIP
+>>> net = pb.models.merged_network(model, guide)   # the posterior mean  # doctest: +SKIP
 >>> net.save_pretrained("merged")                              # doctest: +SKIP
 >>> AutoModelForCausalLM.from_pretrained("merged")             # doctest: +SKIP
 >>> pb.models.to_peft(model, guide.mean()).save_pretrained("adapter")  # LoRA only  # doctest: +SKIP
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..contract import Mixture, implements
 from .adapters import _module_aliases, _set_submodule
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, is_conv1d
 
@@ -57,13 +62,33 @@ def unwrapped_network(model: Any) -> nn.Module:
     return net
 
 
-def _one_parameter_set(
-    model: Any, values: Mapping[str, Tensor] | None, owner: str
-) -> dict[str, Tensor]:
-    """``values`` (default: the network's own) checked to be one parameter set of the model's
-    sites: known names, each of its site's shape (not ``S`` draws of it)."""
-    if not values:  # None or {}: the values stored in the network
-        return dict(model.init_values())
+def _one_parameter_set(model: Any, values: Any, owner: str) -> dict[str, Tensor]:
+    """``values`` as one parameter set of the model's sites, checked: known names, each of its
+    site's shape (not ``S`` draws of it). A fitted guide gives its posterior mean (a point
+    guide's point, a Laplace guide's MAP); a mixture of particles has no one parameter set.
+
+    Raises
+    ------
+    ValueError
+        ``values`` is ``None`` or empty: the network holds the values the model was built with,
+        which a fit never changes (the fitted values live in the guide); a mixture guide; a
+        value of another shape.
+    KeyError
+        A site the model does not have.
+    """
+    if values is None or (isinstance(values, Mapping) and not values):
+        raise ValueError(
+            f"{owner}: pass the parameter values to deploy, e.g. pyrobayes.models.{owner}(model, "
+            "guide) (the "
+            "fitted guide's posterior mean) or values=guide.mean() or one draw of "
+            "guide.sample_posterior. Without them it would use the values stored in the "
+            "network, which are those the model was built with: a fit keeps its fitted values "
+            "in the guide and never writes them into the network. To deploy the stored values "
+            "on purpose (e.g. the trained weights of a peft adapter the model was built from), "
+            "pass values=model.init_values()."
+        )
+    if not isinstance(values, Mapping):
+        values = _guide_values(values, owner)
     sites = model.latent_sites
     unknown = [s for s in values if s not in sites]
     if unknown:
@@ -88,7 +113,27 @@ def _one_parameter_set(
     return dict(values)
 
 
-def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn.Module:
+def _guide_values(guide: Any, owner: str) -> Mapping[str, Tensor]:
+    """The posterior mean of a fitted ``guide`` (its ``mean()``), refused for a mixture."""
+    mean = getattr(guide, "mean", None)
+    if not callable(mean) or not hasattr(guide, "sites"):
+        raise TypeError(
+            f"{owner}: values must be a dict {{site: Tensor}} or a fitted pyrobayes posterior "
+            f"(guide); got {type(guide).__name__}."
+        )
+    if implements(guide, Mixture):
+        raise ValueError(
+            f"{owner}: {type(guide).__name__} is a mixture of {guide.num_components} "
+            "components, whose predictive is the average of its members' and whose mean is no "
+            "member: deploy one member, e.g. values={s: v[0] for s, v in "
+            "guide.component_locs().items()}, or merge each member and average their "
+            "predictions."
+        )
+    values: Mapping[str, Tensor] = mean()
+    return values
+
+
+def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> nn.Module:
     r"""Copy of the network with the adapter folded into the frozen weights.
 
     ``W = W_0 + ΔW(θ)`` for every adapted layer (``ΔW = (α/r) B A`` for LoRA,
@@ -99,14 +144,24 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
     Parameters
     ----------
     model : FineTuneModel
-    values : dict, optional
-        One parameter set ``{site: Tensor(*shape)}`` (e.g. ``guide.mean()`` or one draw of
-        ``guide.sample_posterior``); defaults to the values stored in the network.
+    values : dict or PosteriorGuide
+        Required. One parameter set ``{site: Tensor(*shape)}`` (e.g. ``guide.mean()`` or one
+        draw of ``guide.sample_posterior``), or a fitted guide, which gives its posterior mean
+        (a MAP's point, a Laplace guide's MAP). The network itself holds the values the model
+        was built with (a fit keeps the fitted ones in the guide), so they are merged only when
+        asked for: ``values=model.init_values()`` (e.g. a peft adapter's trained weights that
+        the model was built from).
 
     Returns
     -------
     nn.Module
         The network (for a Hugging Face model, its class), parameters frozen.
+
+    Raises
+    ------
+    ValueError
+        ``values`` is missing (``None`` or ``{}``), a mixture guide (particles, σN ensemble:
+        merge one member), or several draws rather than one.
     """
     values = _one_parameter_set(model, values, "merged_network")
     net = unwrapped_network(model)
@@ -159,7 +214,7 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | None = None) -> nn
     return net
 
 
-def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
+def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any:
     """A ``peft.PeftModel`` carrying the LoRA sites' values (posterior mean or one draw).
 
     The base network is a copy without pyrobayes layers; ``save_pretrained`` writes a peft
@@ -173,8 +228,11 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
     ----------
     model : FineTuneModel
         Built with a LoRA adapter.
-    values : dict, optional
-        One parameter set ``{site: Tensor(*shape)}``; defaults to the values in the network.
+    values : dict or PosteriorGuide
+        Required. One parameter set ``{site: Tensor(*shape)}`` (``guide.mean()``, one draw),
+        or a fitted guide (its posterior mean), as for :func:`merged_network`; the network's
+        own values (``model.init_values()``: the adapter's initialisation, ``lora_B = 0``,
+        unless the model was built from a trained peft adapter) only when passed explicitly.
 
     Returns
     -------
@@ -187,7 +245,8 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | None = None) -> Any:
         :func:`merged_network`).
     ValueError
         When an adapted module is registered under several names (``net.dec = net.enc``),
-        which peft adapts under one name only (use :func:`merged_network`).
+        which peft adapts under one name only (use :func:`merged_network`); when ``values``
+        is missing, a mixture guide or several draws (see :func:`merged_network`).
     """
     from peft import LoraConfig, get_peft_model
 

@@ -268,3 +268,31 @@ def test_set_curvature_kron_needs_eigenvectors() -> None:
     guide = LaplaceGuide(model, structure="kron")
     with pytest.raises(ValueError, match="needs the eigenvectors eigvecs_out and eigvecs_in"):
         guide.set_curvature("0.core", torch.ones(3, 3))
+
+
+def test_changing_pred_type_drops_a_temperature_fitted_for_the_old_predictive() -> None:
+    # T fitted under "glm" was applied to "nn" (whose own T differs) without a word
+    from pyrobayes.calibration import TEMPERATURE_BUFFER, temperature
+
+    model, x, y, loader = _mlp()
+    guide = LaplaceGuide(model, structure="kron", prior_precision=0.05)
+    pb.fit(model, guide, loader, epochs=4, lr=0.05)
+    fitted = pb.calibrate(model, guide, loader)
+    assert fitted != 1.0 and temperature(guide) == fitted
+    guide.pred_type = "glm"  # the same predictive: the temperature stays, silently
+    assert temperature(guide) == fitted
+    with pytest.warns(
+        UserWarning,
+        match=r"LaplaceGuide\.pred_type: the guide was calibrated \(T = .*pred_type='glm'.*"
+        r"pred_type='nn'.*removed\. Call pyrobayes\.calibrate",
+    ):
+        guide.pred_type = "nn"
+    assert guide.pred_type == "nn" and TEMPERATURE_BUFFER not in guide._buffers
+    # the predictive is now the uncalibrated one, and calibrating it again works
+    untempered = pb.predict(model, guide, loader, num_samples=4, seed=0)
+    assert pb.calibrate(model, guide, loader) != fitted
+    pb.calibration.set_temperature(guide, None)
+    torch.testing.assert_close(
+        pb.predict(model, guide, loader, num_samples=4, seed=0).log_probs, untempered.log_probs
+    )
+    guide.pred_type = "probit"  # uncalibrated: nothing to drop, no warning (errors would fail)

@@ -302,3 +302,33 @@ def test_an_older_file_with_optimizer_settings_still_loads(tmp_path, caplog) -> 
     for key, value in guide.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key])
     pb.io.load_state(SWAGGuide(model, rank=2), path)  # into a guide built as today: no mismatch
+
+
+def test_fitting_a_fitted_guide_again_warns_that_its_iterates_are_discarded(tmp_path) -> None:
+    # a second pb.fit (even epochs=0, the way Laplace is refitted) reset the collected moments
+    # (6 iterates -> 1, a degenerate posterior) with log lines only
+    model, loader = _two_core_model()
+    guide = SWAGGuide(model, rank=3)
+    pb.fit(model, guide, loader, epochs=6, lr=0.05)  # a fresh guide: nothing to discard
+    assert int(guide.swag_num_collected) == 6
+    with pytest.warns(UserWarning, match=r"held 6 collected iterate\(s\).*discarded.*resume=True"):
+        pb.fit(model, guide, loader, epochs=0)
+    assert int(guide.swag_num_collected) == 1
+    with pytest.warns(UserWarning, match=r"held 1 collected iterate\(s\)") as caught:
+        pb.fit(model, guide, loader, epochs=2, lr=0.05)
+    assert len([w for w in caught if "collected iterate" in str(w.message)]) == 1  # once per fit
+    # resuming a fit from its checkpoint with the guide that ran it restores its moments:
+    # nothing is lost, no warning (warnings are errors in this suite)
+    other = SWAGGuide(model, rank=3)
+    optim = pb.Optimization(num_steps=8)  # 4 batches per epoch: 2 epochs, 2 iterates
+    pb.fit(model, other, loader, lr=0.05, optim=optim, checkpoint=pb.Checkpointing(tmp_path))
+    assert int(other.swag_num_collected) == 2
+    pb.fit(
+        model,
+        other,
+        loader,
+        lr=0.05,
+        optim=pb.Optimization(num_steps=16),
+        checkpoint=pb.Checkpointing(tmp_path, resume=True),
+    )
+    assert int(other.swag_num_collected) == 4

@@ -168,3 +168,59 @@ def test_lora_xs_takes_float32_values_on_a_bfloat16_network_as_lora_does():
     torch.testing.assert_close(
         merged_network(model, values)(x).float(), out.float(), rtol=0, atol=2e-2
     )
+
+
+def _fitted_lora_map():
+    """A small LoRA classifier and its MAP guide after a few steps (lora_B away from 0)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = pb.models.FineTuneModel(
+        net, LoRA(rank=2, target_modules=["0"]), num_data=40, trainable_modules=["2"]
+    )
+    x = torch.randn(40, 4)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    guide = pb.posterior(model, "map")
+    pb.fit(model, guide, [(x[:20], y[:20]), (x[20:], y[20:])], epochs=3, lr=0.05, progress=False)
+    return model, guide, x
+
+
+def test_deploying_needs_the_values_the_network_never_holds_after_a_fit():
+    # a fit keeps its values in the guide: merged_network(model) and to_peft(model) merged the
+    # adapter's initialisation (to_peft wrote lora_B = 0, a no-op adapter) without a word
+    from pyrobayes.models.deploy import merged_network, to_peft
+
+    model, guide, x = _fitted_lora_map()
+    fitted = guide.mean()
+    assert float(fitted["0.lora_B"].abs().max()) > 1e-3  # the fit moved B away from 0
+    for deploy in (merged_network, to_peft):
+        for missing in ((), (None,), ({},)):
+            with pytest.raises(
+                ValueError,
+                match=rf"{deploy.__name__}: pass the parameter values.*"
+                r"values=guide\.mean\(\).*values=model\.init_values\(\)",
+            ):
+                deploy(model, *missing)
+    # the guide itself stands for its posterior mean
+    with torch.no_grad():
+        torch.testing.assert_close(merged_network(model, guide)(x), model.output(x, fitted))
+        torch.testing.assert_close(
+            merged_network(model, guide)(x), merged_network(model, fitted)(x), rtol=0, atol=0
+        )
+    peft_b = {k: v for k, v in to_peft(model, guide).state_dict().items() if "lora_B" in k}
+    assert len(peft_b) == 1
+    torch.testing.assert_close(next(iter(peft_b.values())), fitted["0.lora_B"], rtol=0, atol=0)
+    # the stored values on purpose: the adapter's initialisation (B = 0: the base network)
+    with torch.no_grad():
+        base = merged_network(model, model.init_values())
+        torch.testing.assert_close(base(x), model.output(x, model.init_values()))
+
+
+def test_deploying_a_mixture_guide_asks_for_one_member():
+    from pyrobayes.models.deploy import merged_network
+
+    model, _, _ = _fitted_lora_map()
+    particles = pb.posterior(model, "ibdr", num_particles=3)
+    with pytest.raises(ValueError, match=r"mixture of 3 components.*deploy one member"):
+        merged_network(model, particles)
+    with pytest.raises(TypeError, match=r"values must be a dict .* or a fitted pyrobayes"):
+        merged_network(model, [1, 2])
