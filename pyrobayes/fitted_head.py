@@ -29,6 +29,8 @@ __all__ = [
     "forget_fitted_head",
     "changed_heads",
     "warn_if_head_changed",
+    "NeverFittedWarning",
+    "warn_if_never_fitted",
 ]
 
 #: the guide attribute that holds the record (not part of its state: a file's load sets it anew)
@@ -38,6 +40,11 @@ _ATTRIBUTE = "_pyrobayes_fitted_head"
 class HeadChangedWarning(UserWarning):
     """The model's point-estimated parameters (the head) changed since the guide was fitted or
     loaded: another fit on the same model trained them, or ``pb.load`` wrote another file's."""
+
+
+class NeverFittedWarning(UserWarning):
+    """A guide used for prediction that was never fitted nor loaded: its posterior is still its
+    initialisation (the model's initial values at every site)."""
 
 
 @dataclass(frozen=True)
@@ -114,5 +121,42 @@ def warn_if_head_changed(guide: Any, model: Any, where: str, stacklevel: int = 4
         "before the second fit), or pb.save this posterior and pb.load it back to restore its "
         "head.",
         HeadChangedWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _at_initial_values(guide: Any, model: Any) -> bool:
+    """``guide``'s point (its mean) equals ``model``'s initial value at every site."""
+    site_value = getattr(model, "site_value", None)
+    mean = getattr(guide, "mean", None)
+    if site_value is None or mean is None:
+        return False
+    try:
+        values = mean()
+    except (RuntimeError, ValueError, NotImplementedError):  # a family that refuses it unfitted
+        return False
+    if not values:
+        return False
+    for site, value in values.items():
+        start = site_value(site)
+        if start.shape != value.shape or not bool((start.to(value) == value.detach()).all()):
+            return False
+    return True
+
+
+def warn_if_never_fitted(guide: Any, model: Any, where: str, stacklevel: int = 4) -> None:
+    """Warn (:class:`NeverFittedWarning`) when ``guide`` was neither fitted by ``pb.fit`` nor
+    loaded by ``pb.load`` and its point is still ``model``'s initial value at every site (a
+    guide built and passed to ``predict`` without a fit; a fit that moved nothing reads the
+    same). Guides whose initialisation is not the model's values (IBDR's particles, σN's
+    members) are not told apart from fitted ones."""
+    if getattr(guide, _ATTRIBUTE, None) is not None or not _at_initial_values(guide, model):
+        return
+    warnings.warn(
+        f"{where}: this {type(guide).__name__} was never fitted (pb.fit) nor loaded (pb.load): "
+        "its posterior is its initialisation, the model's initial value at every site. Fit it "
+        "first; to predict with the initial values on purpose (a zero-shot baseline), pass "
+        "values=model.init_values() to pb.predict.",
+        NeverFittedWarning,
         stacklevel=stacklevel,
     )

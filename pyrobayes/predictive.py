@@ -33,7 +33,7 @@ from .batch import (
 )
 from .calibration import apply_temperature
 from .contract import LinearizedPredictive, Mixture, bound_model, implements
-from .fitted_head import warn_if_head_changed
+from .fitted_head import warn_if_head_changed, warn_if_never_fitted
 from .models.adapters import check_int
 from .models.sharing import reuse_within_batch
 
@@ -389,7 +389,9 @@ def predict(
         ``model.to(device)``) and every batch with them.
     progress_bar : bool
     values : dict, optional
-        Use these parameter draws ``{site: (S, *shape)}`` instead of sampling the guide.
+        Use these parameter draws ``{site: (S, *shape)}`` instead of sampling the guide; one
+        parameter set ``{site: shape}`` (e.g. ``model.init_values()``, the network as built: a
+        zero-shot baseline) is one draw.
     examples_per_forward : int, optional
         Linearised predictive only: examples per Jacobian forward (one forward with autograd
         and K backward passes; bounds its memory). Default: the whole batch on an accelerator,
@@ -431,6 +433,8 @@ def predict(
             "samples_per_forward", samples_per_forward, ge=1, owner="predict: "
         )
     check_fitted_model(model, guide, "predict")
+    if values is None:
+        warn_if_never_fitted(guide, model, "predict")
     warn_if_rows_differ(data, "predict")
     check_batches(data, "predict")
     if device is not None:
@@ -461,6 +465,7 @@ def predict(
     if values is None:
         values = _posterior_draws(guide, num_samples, seed)
     else:
+        values = _as_draws(model, values)
         check_values(model, values)
     values = {k: v.detach().to(dev) for k, v in values.items()}
     # a Mixture may ask for the softmax of its draws' averaged logits (the released IBDR code)
@@ -513,6 +518,19 @@ def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str
         num_samples = _equal_weight_samples(cast(Mixture, guide), num_samples)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     return cast(dict[str, Tensor], guide.sample_posterior(num_samples, generator=generator))
+
+
+def _as_draws(model: Any, values: Any) -> Any:
+    """One parameter set ``{site: shape}`` as one draw ``{site: (1, *shape)}``; anything else
+    as given (:func:`check_values` judges it)."""
+    sites = getattr(model, "latent_sites", None)
+    if not isinstance(values, Mapping) or not values or not sites or set(values) != set(sites):
+        return values
+    one_set = all(
+        isinstance(v, Tensor) and tuple(v.shape) == tuple(int(n) for n in sites[s].shape)
+        for s, v in values.items()
+    )
+    return {s: v.unsqueeze(0) for s, v in values.items()} if one_set else values
 
 
 def check_values(model: Any, values: Any) -> None:

@@ -39,6 +39,10 @@ from pyrobayes.registry import available_guides, get_guide_class
 from tests import families
 from tests.common import mlp
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = math.nan, math.inf
 ROWS, CLASSES = 8, 3

@@ -21,6 +21,10 @@ from pyrobayes.calibration import (
 from pyrobayes.models import LoRAXS
 from tests.common import tensor_loader
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 
 def _teacher_problem(logit_scale: float, *, num: int = 3000, seed: int = 0, obs: str = "cat"):
     """A linear model whose frozen weight is ``logit_scale`` times the teacher's that drew the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,16 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pyrobayes as pb
+from pyrobayes.fitted_head import NeverFittedWarning
 from pyrobayes.models import LoRAXS
 from tests.common import split_batches
 
-pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
+pytestmark = [
+    pytest.mark.integration,  # every test spawns two gloo ranks
+    # the MAP at its initialisation on purpose (the teacher's weights); the never-fitted warning
+    # itself is tested in tests/test_fitted_head.py
+    pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning"),
+]
 
 NUM_PER_RANK, SCALE = 400, 3.0
 # the labels of rank r's shard are drawn from softmax(W x / LABEL_T[r]) while the model's logits
@@ -64,6 +71,7 @@ def _calibrate(shard: list, **kwargs) -> float:
 def _worker(rank: int, init_file: str, out_dir: str, dtype: str) -> None:
     torch.set_default_dtype(getattr(torch, dtype))
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=NeverFittedWarning)  # as pytestmark, per rank
     torch_dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",

@@ -145,7 +145,9 @@ def test_zero_shot_row_is_the_base_network(tmp_path):
     model = causal_lm.build_model(config, base, data["num_train"], seed=0)
     guide = pb.posterior(model, "map")
     with unshared():  # the K full rows per question: an independent computation
-        pred = pb.predict(model, guide, data["test"], num_samples=1)
+        pred = pb.predict(  # the initial values on purpose: the zero-shot network
+            model, guide, data["test"], num_samples=1, values=model.init_values()
+        )
     want = causal_lm._metrics(pred)
     for key, value in want.items():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
@@ -191,7 +193,13 @@ def test_compare_normalize_equals_each_normalize_through_the_likelihood(tmp_path
         config["causal_lm"]["normalize"] = normalize
         model = causal_lm.build_model(config, base, data["num_train"], seed=0)
         with unshared():
-            pred = pb.predict(model, pb.posterior(model, "map"), data["test"], num_samples=1)
+            pred = pb.predict(
+                model,
+                pb.posterior(model, "map"),
+                data["test"],
+                num_samples=1,
+                values=model.init_values(),  # on purpose: the zero-shot network
+            )
         for key, value in causal_lm._metrics(pred).items():
             # pb.predict's log-probabilities are float32 (relative rounding 6e-8 per value):
             # 1e-6 relative holds a mean over 16 questions of an NLL up to ~10 nats

@@ -18,6 +18,10 @@ from pyrobayes.models import LoRAXS
 
 from .common import conjugate_core, mlp_problem, split_batches
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 NUM_DRAWS = 1000  # S >= 1000 for a stable k-hat (SPECS 6, step 1)
 
 

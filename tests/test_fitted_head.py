@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
-from pyrobayes.fitted_head import HeadChangedWarning, changed_heads
+from pyrobayes.fitted_head import HeadChangedWarning, NeverFittedWarning, changed_heads
 
 
 def _data() -> tuple[DataLoader, list]:
@@ -109,3 +109,27 @@ def test_casts_moves_and_refits_are_not_changes(tmp_path) -> None:
     with torch.no_grad():
         model.net[2].bias.add_(0.1)  # a hand edit is a change
     assert changed_heads(guide, model) == ["2.bias"]
+
+
+def test_a_guide_never_fitted_nor_loaded_is_told_on_predict(tmp_path) -> None:
+    train, test = _data()
+    model = _model()
+    guide = pb.posterior(model, "meanfield")  # built, never fitted
+    with pytest.warns(NeverFittedWarning, match=r"predict: this .* was never fitted"):
+        pb.predict(model, guide, test, num_samples=4)
+    with pytest.warns(NeverFittedWarning):  # calibrate predicts: told there too
+        pb.calibrate(model, pb.posterior(model, "map"), test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the initial values on purpose (a zero-shot baseline): silent; one parameter set is
+        # one draw
+        one_set = pb.predict(model, guide, test, values=model.init_values())
+        one_draw = {s: v[None] for s, v in model.init_values().items()}
+        assert torch.equal(
+            one_set.log_probs, pb.predict(model, guide, test, values=one_draw).log_probs
+        )
+        pb.fit(model, guide, train, epochs=1, lr=1e-2, seed=0)
+        pb.predict(model, guide, test, num_samples=4)
+        pb.save(guide, tmp_path / "mf.safetensors")
+        loaded = pb.load(tmp_path / "mf.safetensors", _model())
+        pb.predict(loaded.model, loaded, test, num_samples=4)

@@ -19,6 +19,10 @@ from pyrobayes.io import PosteriorFileError, PosteriorMismatchError, _digest, re
 from pyrobayes.models import LoRAXS
 from tests.common import mlp_problem, split_batches
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 
 def _problem(num_data: int = 32, seed: int = 0, classes: int = 3):
     """MLP 4 -> 6 -> classes, LoRA-XS cores (rank 2) on layer 0, the head "2" a point estimate."""

@@ -8,6 +8,10 @@ import torch
 import pyrobayes as pb
 from tests.common import conjugate_core, tiny_bert
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 
 def _bert_problem():
     torch.manual_seed(0)

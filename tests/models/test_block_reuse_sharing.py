@@ -17,6 +17,10 @@ from pyrobayes.models.lower_cache import LowerBlockCache
 from pyrobayes.models.sharing import first_adapted_block, lower_layers_shared, unshared
 from tests.common import tiny_bert
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 VOCAB = 60
 
 #: (num_hidden_groups, inner_group_num, num_hidden_layers, adapted): the stack's blocks run

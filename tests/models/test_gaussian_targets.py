@@ -25,6 +25,10 @@ from pyrobayes.models import LoRAXS
 from pyrobayes.models.finetune import NOISE_PARAM
 from tests.common import conjugate_core, mlp_problem, split_batches, tensor_loader
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 pytest.importorskip("laplace")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,6 +12,10 @@ from pyrobayes.models.finetune import task_head_modules
 from pyrobayes.models.likelihoods import check_class_targets
 from tests.common import tiny_bert, tiny_gpt2, tiny_llama
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 transformers = pytest.importorskip("transformers")
 
 SMALL = dict(

@@ -24,6 +24,10 @@ from tests.models.test_multiple_choice import (
     CharTokenizer,
 )
 
+#: these tests check the predictive's arithmetic on guides at their initialisation, on purpose;
+#: the never-fitted warning itself is tested in tests/test_fitted_head.py
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 FAMILIES = sorted({cls.family for cls in _REGISTRY.values()})
 
 #: ragged: 4, 2 and 3 choices, one of them as long as a prompt
