@@ -1,0 +1,377 @@
+"""The causal-LM job's config: its defaults, the ``--quick`` overrides, and the checks of a
+user's config (keys, types, bounds, choices, seeds, task fields) before anything runs.
+
+:func:`resolve_config` merges defaults, ``--quick`` overrides and the user's sections, and
+refuses a bad value naming its key, the value and the fix. What a config names on this machine
+(the model folder, the target modules) is :func:`pyrobayes.demo.causal_lm.check_inputs`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import string
+from pathlib import Path
+from typing import Any
+
+from ..tasks import DEFAULT_TEMPLATE
+from ..tasks.task import check_fractions
+from .config import (
+    CHOICES,
+    OPTIONAL_KEYS,
+    ConfigError,
+    check_choice,
+    check_device,
+    check_families,
+    did_you_mean,
+    merge_config,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "QUICK_OVERRIDES",
+    "TINY_LLAMA",
+    "is_causal_lm_config",
+    "resolve_config",
+]
+
+#: ``causal_lm.model`` naming the config-built tiny LLaMA (tests, ``--quick``).
+TINY_LLAMA = "tiny-llama"
+
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "causal_lm": {
+        "model": TINY_LLAMA,
+        "gguf_file": "",
+        "dtype": "float32",
+        # per-token mean log-likelihood: the default "none" (summed) starts training badly
+        # over-confident on multi-token answers (issue 28: zero-shot NLL 5.4 on SmolLM2)
+        "normalize": "length",
+        # also score the validation split (the test split without one) zero-shot under every
+        # normalize, from one forward per question, into normalize.json
+        "compare_normalize": False,
+        "max_length": 256,
+        "padding_side": "left",
+        "task": {
+            "path": "",
+            "format": "bigbench",
+            "adapter": "",
+            "config": "",
+            "template": DEFAULT_TEMPLATE,
+            "question_key": "question",
+            "choices_key": "choices",
+            "answer_key": "answer",
+            "fractions": [0.5, 0.1, 0.4],
+            "split_seed": 0,
+            "num_fewshot": 0,
+            "batch_size": 4,
+            "num_train": 0,
+            "num_val": 0,
+            "num_test": 0,
+        },
+    },
+    "adapter": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
+    "prior_scale": 1.0,
+    "families": ["map", "laplace"],
+    "seeds": [0],
+    # keep = "last": every family runs `epochs` and keeps its last iterate, as Laplace-LoRA's
+    # and BLoB's tables train (a BIG-bench validation split of 26 questions chose the wrong
+    # epoch: docs/causal_lm.md, "Which epoch to keep"); "best" selects on validation NLL
+    "training": {
+        "epochs": 3,
+        "patience": 0,
+        "keep": "last",
+        "lr": 1e-3,
+        "seed": 0,
+        "device": "cpu",
+    },
+    # samples_per_forward: posterior draws per forward in pb.predict (0: pb.predict's default
+    # chunking); all S in one forward was 0.73x the default's time on SmolLM2 at S = 4
+    "predict": {"num_samples": 8, "samples_per_forward": 0},
+    "export": {"num_samples": 20, "num_batches": 1},
+}
+
+
+#: ``--quick``: the tiny LLaMA and at most 16 questions per split.
+QUICK_OVERRIDES: dict[str, Any] = {
+    "causal_lm": {
+        "model": TINY_LLAMA,
+        "gguf_file": "",
+        "max_length": 128,
+        "task": {"num_train": 16, "num_val": 8, "num_test": 16},
+    },
+    "training": {"epochs": 1},
+    "predict": {"num_samples": 2},
+    "export": {"num_samples": 4, "num_batches": 1},
+}
+
+
+#: the keys whose value is one of a few, and those values
+LM_CHOICES = {
+    "causal_lm.dtype": ("float32", "float64", "bfloat16", "float16"),
+    "causal_lm.normalize": ("none", "length", "chars"),
+    "causal_lm.padding_side": ("left", "right"),
+    "causal_lm.task.format": ("bigbench", "json", "hf"),
+    "adapter.kind": ("lora", "lora_xs"),
+    "training.keep": ("best", "last"),
+}
+
+
+_OPTIONAL = {"adapter.projection", "adapter.init_scale", "training.scheduler", "training.warmup"}
+
+
+_MINIMA = {
+    "causal_lm.max_length": 2,
+    "causal_lm.task.batch_size": 1,
+    "causal_lm.task.split_seed": 0,
+    "causal_lm.task.num_fewshot": 0,
+    "causal_lm.task.num_train": 0,
+    "causal_lm.task.num_val": 0,
+    "causal_lm.task.num_test": 0,
+    "training.epochs": 1,
+    "training.patience": 0,
+    "training.seed": 0,
+    "predict.num_samples": 1,
+    "predict.samples_per_forward": 0,
+    "export.num_samples": 1,
+    "export.num_batches": 1,
+    "adapter.rank": 1,
+}
+
+
+#: Number keys that must be above a bound (not equal to it).
+_ABOVE = {"training.lr": 0.0, "prior_scale": 0.0, "adapter.alpha": 0.0}
+
+
+#: What a bounded key means, said when its value is refused.
+_MEANING = {
+    "causal_lm.task.num_train": "training questions to use; 0: the whole split",
+    "causal_lm.task.num_val": "validation questions to use; 0: the whole split",
+    "causal_lm.task.num_test": "test questions to use; 0: the whole split",
+    "causal_lm.task.num_fewshot": "training examples put before each prompt; 0: zero-shot",
+    "causal_lm.task.split_seed": "seeds the split permutation",
+    "training.epochs": "the epoch cap of every fit, e.g. 3",
+    "training.lr": "the learning rate of every fit, e.g. 1e-3",
+    "prior_scale": "the standard deviation of the Gaussian prior over the adapter, e.g. 1.0",
+    "adapter.alpha": "the adapter's scaling α, the update is scaled by α/r; e.g. 16.0",
+    "predict.samples_per_forward": "posterior draws per forward; 0: pb.predict's chunking",
+    "export.num_batches": "the test batches the ArviZ export posterior.nc covers",
+}
+
+
+def is_causal_lm_config(config: Any) -> bool:
+    """Whether a (user or saved) config is this job's: it holds a ``[causal_lm]`` section."""
+    return isinstance(config, dict) and "causal_lm" in config
+
+
+def _check_value(path: str, value: Any, default: Any) -> None:
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(float(value))
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, list):
+        kind = type(default[0]) if default else str
+        kinds: tuple[type, ...] = (int, float) if kind is float else (kind,)
+        ok = isinstance(value, list) and all(
+            isinstance(v, kinds) and not isinstance(v, bool) for v in value
+        )
+        if path == "adapter.target_modules" and isinstance(value, str):
+            ok = True
+    else:
+        ok = isinstance(value, type(default))
+    if not ok and isinstance(default, list) and isinstance(value, list):  # name the element
+        wanted = type(default[0]).__name__ if default else "str"
+        index, bad = next(
+            (i, v) for i, v in enumerate(value) if not isinstance(v, kinds) or isinstance(v, bool)
+        )
+        raise ConfigError(
+            f"Config key {path!r} must be a list of {wanted} like {default!r}, but "
+            f"{path}[{index}] = {bad!r} is a {type(bad).__name__}; write it as {wanted} (e.g. "
+            f"{default!r})."
+        )
+    if not ok:
+        raise ConfigError(
+            f"Config key {path!r} must be like {default!r} ({type(default).__name__}) but got "
+            f"{value!r} ({type(value).__name__})."
+        )
+    check_choice(path, value, LM_CHOICES)
+    meaning = f" ({_MEANING[path]})" if path in _MEANING else ""
+    if path in _MINIMA and value < _MINIMA[path]:
+        raise ConfigError(
+            f"Config key {path!r}{meaning} must be >= {_MINIMA[path]} but got {value!r}. Set it "
+            "in the config file."
+        )
+    if path in _ABOVE and not value > _ABOVE[path]:
+        raise ConfigError(
+            f"Config key {path!r}{meaning} must be > {_ABOVE[path]:g} but got {value!r}. Set it "
+            "in the config file."
+        )
+    if path == "training.device":
+        check_device(value)
+
+
+def _check_optional(path: str, value: Any) -> None:
+    """The keys the defaults leave unset (:data:`_OPTIONAL`): the demo's types and choices."""
+    types = OPTIONAL_KEYS[path]
+    ok = any(
+        isinstance(value, (int, float)) and math.isfinite(value)
+        if t is float
+        else isinstance(value, t)
+        for t in types
+    ) and not isinstance(value, bool)
+    if not ok:
+        names = " or ".join("a number" if t is float else t.__name__ for t in types)
+        raise ConfigError(f"Config key {path!r} must be {names} but got {value!r}.")
+    if path in CHOICES and value not in CHOICES[path]:
+        raise ConfigError(
+            f"Config key {path!r} must be one of {list(CHOICES[path])} but got {value!r}"
+            f"{did_you_mean(str(value), CHOICES[path])}."
+        )
+    if path in ("training.warmup", "adapter.init_scale") and value < 0:
+        raise ConfigError(f"Config key {path!r} must be >= 0 but got {value!r}.")
+
+
+def validate_keys(node: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> None:
+    """Refuse a key of ``node`` that ``defaults`` lacks (naming the nearest valid one) or a value
+    of another type, outside its bounds or its choices (:class:`ConfigError`)."""
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if path in _OPTIONAL:
+            _check_optional(path, value)
+            continue
+        if key not in defaults:
+            valid = sorted(defaults)
+            where = f"[{prefix[:-1]}]" if prefix else "the top level"
+            raise ConfigError(
+                f"Unknown causal-LM config key {path!r}{did_you_mean(str(key), valid, prefix)}. "
+                f"Valid keys in {where}: {', '.join(valid)}."
+            )
+        default = defaults[key]
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"Config key {path!r} must be a table ([{path}]), got {value!r}.")
+            validate_keys(value, default, f"{path}.")
+        else:
+            _check_value(path, value, default)
+
+
+def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
+    """Defaults ← ``--quick`` overrides ← the user's config, validated.
+
+    Parameters
+    ----------
+    user : dict, optional
+        The user's sections (see the module docstring).
+    quick : bool
+        Apply :data:`QUICK_OVERRIDES` over the user's values (the tiny LLaMA, small splits); a
+        logged warning lists the values of the user's it replaces.
+
+    Returns
+    -------
+    dict
+        The full config.
+
+    Raises
+    ------
+    ConfigError
+        An unknown key (named with its path and the nearest valid one), a wrong type or value
+        (a count below its minimum, a learning rate or prior scale <= 0, an unknown scheduler,
+        a device torch cannot read or this machine lacks), an unknown family, no seeds or a
+        seed listed twice, no task path, fractions that do not sum to 1, a template with a
+        stray brace, ``dtype = "float16"`` (fits overflow), or ``keep = "best"`` with no
+        validation split. What the config names on this machine (model, task file, target
+        modules) is :func:`check_inputs`'s.
+    """
+    user = copy.deepcopy(user or {})
+    if isinstance(user.get("families"), str):
+        user["families"] = [user["families"]]
+    validate_keys(user, DEFAULT_CONFIG)
+    config = merge_config(DEFAULT_CONFIG, user)
+    if quick:
+        replaced = _replaced(user, QUICK_OVERRIDES)
+        if replaced:
+            logger.warning(
+                "--quick replaces the config's %s (the tiny LLaMA, at most 16 questions per "
+                "split, 1 epoch); run without --quick for the configured job.",
+                ", ".join(replaced),
+            )
+        config = merge_config(config, QUICK_OVERRIDES)
+    check_families(config["families"])
+    seeds = config["seeds"]
+    if not seeds:
+        raise ConfigError("Config key 'seeds' is empty; give at least one seed, e.g. [0].")
+    if any(s < 0 for s in seeds):
+        raise ConfigError(f"Config key 'seeds' = {seeds!r} holds a negative seed; use seeds >= 0.")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ConfigError(
+            f"Config key 'seeds' = {seeds!r} lists seed(s) {repeated} more than once: the same "
+            "run would be fitted twice and counted as two seeds. Give each seed once."
+        )
+    lm, spec = config["causal_lm"], config["causal_lm"]["task"]
+    if not spec["path"]:
+        raise ConfigError(
+            "Config key 'causal_lm.task.path' is empty: name the task (a BIG-bench task.json, a "
+            "JSON/JSONL file, or a Hugging Face dataset folder or id)."
+        )
+    if lm["dtype"] == "float16":
+        raise ConfigError(
+            "Config key 'causal_lm.dtype' = 'float16' cannot fit: the adapter's gradients and "
+            "the loss overflow float16's range (the fit's loss goes NaN at its first step). Use "
+            'dtype = "bfloat16" (as little memory, with float32 range) or "float32".'
+        )
+    if lm["gguf_file"] and lm["model"] == TINY_LLAMA:
+        raise ConfigError(
+            f"Config key 'causal_lm.gguf_file' = {lm['gguf_file']!r} names a file in a model "
+            f"folder, but causal_lm.model = {TINY_LLAMA!r} is built from a config; set "
+            "causal_lm.model to the folder holding the GGUF file, or remove gguf_file."
+        )
+    try:
+        fractions = check_fractions(spec["fractions"])
+    except ValueError:
+        raise ConfigError(
+            f"Config key 'causal_lm.task.fractions' must be three numbers in [0, 1] summing to "
+            f"1 (train, validation, test) but got {spec['fractions']!r}."
+        ) from None
+    if spec["format"] == "json":
+        try:
+            list(string.Formatter().parse(spec["template"]))
+        except ValueError as err:
+            raise ConfigError(
+                f"Config key 'causal_lm.task.template' = {spec['template']!r} is not a "
+                f"str.format template ({err}); fields are {{question}} or another record field, "
+                "and a literal brace is written '{{' or '}}'."
+            ) from None
+    if config["training"]["keep"] == "best" and spec["format"] != "hf" and fractions[1] == 0:
+        raise ConfigError(
+            "Config key 'training.keep' = 'best' selects each fit's epoch on the validation "
+            f"split, but causal_lm.task.fractions = {spec['fractions']!r} gives it no questions. "
+            'Give the validation split a share (e.g. [0.5, 0.1, 0.4]) or set keep = "last".'
+        )
+    return config
+
+
+def _replaced(user: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"key = user's value -> override"`` for every key the user set that ``overrides``
+    changes."""
+    out = []
+    for key, value in overrides.items():
+        if key not in user:
+            continue
+        if isinstance(value, dict):
+            if isinstance(user[key], dict):
+                out += _replaced(user[key], value, f"{prefix}{key}.")
+        elif user[key] != value:
+            out.append(f"{prefix}{key} = {user[key]!r} -> {value!r}")
+    return out
+
+
+def expand_path(path: str) -> str:
+    """``~`` in a configured path is the user's home (a hub id has none and is unchanged)."""
+    return str(Path(path).expanduser()) if path.startswith("~") else path
