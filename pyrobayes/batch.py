@@ -22,6 +22,7 @@ __all__ = [
     "compute_dtype",
     "check_batches",
     "flagged_examples",
+    "slice_examples",
 ]
 
 
@@ -162,3 +163,15 @@ def token_mask(inputs: Any) -> Tensor | None:
             mask = mask * choices.to(mask.dtype).unsqueeze(-1)
         return mask.reshape(-1, mask.shape[-1]) if mask.dim() > 2 else mask
     return None
+
+
+def slice_examples(inputs: Any, start: int, stop: int, size: int) -> Any:
+    """Examples ``start:stop`` of a batch of ``size``: every tensor whose leading size is
+    ``size`` sliced (in dicts, tuples and lists too), anything else as it is."""
+    if isinstance(inputs, Tensor):
+        return inputs[start:stop] if inputs.dim() and inputs.shape[0] == size else inputs
+    if isinstance(inputs, Mapping):
+        return {k: slice_examples(v, start, stop, size) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(slice_examples(v, start, stop, size) for v in inputs)
+    return inputs

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .batch import batch_size, compute_dtype, split_batch, to_device
+from .batch import batch_size, compute_dtype, slice_examples, split_batch, to_device
 from .predictive import (
     CPU_MAX_ROWS_PER_FORWARD,
     Prediction,
@@ -75,17 +75,6 @@ def default_examples_per_forward(inputs: Any, device: torch.device) -> int:
         return size
     per_example = max(1, _rows(inputs) // size)
     return max(1, min(size, CPU_MAX_ROWS_PER_FORWARD // per_example))
-
-
-def _slice_rows(inputs: Any, start: int, stop: int, size: int) -> Any:
-    """Examples ``start:stop`` of a batch of ``size`` (tensors whose leading size is ``size``)."""
-    if isinstance(inputs, Tensor):
-        return inputs[start:stop] if inputs.dim() and inputs.shape[0] == size else inputs
-    if isinstance(inputs, Mapping):
-        return {k: _slice_rows(v, start, stop, size) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_slice_rows(v, start, stop, size) for v in inputs)
-    return inputs
 
 
 def output_jacobians(
@@ -327,7 +316,7 @@ def _chunks(
         chunk = examples_per_forward or default_examples_per_forward(inputs, dev)
         starts = range(0, size, chunk)
         for start in starts:
-            sub = _slice_rows(inputs, start, min(size, start + chunk), size)
+            sub = slice_examples(inputs, start, min(size, start + chunk), size)
             out, jac = output_jacobians(model, sub, point, contrast=contrast, fixed=fixed)
             last = start == starts[-1]
             yield out, jac, (y if last else None), last

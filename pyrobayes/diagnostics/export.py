@@ -43,7 +43,7 @@ import importlib.metadata
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from .._version import __version__
-from ..batch import batch_size, compute_dtype, split_batch, to_device
+from ..batch import batch_size, compute_dtype, slice_examples, split_batch, to_device
 from ..calibration import TEMPERATURE_BUFFER, pooled, temperature
 from ..contract import LinearizedPredictive, Mixture, implements
 from ..fitted_head import warn_if_never_fitted
@@ -446,7 +446,7 @@ class _Linearization(NamedTuple):
         step = default_examples_per_forward(inputs, model.device)
         means, shifts = [], []
         for start in range(0, size, step):
-            sub = _example_rows(inputs, start, min(size, start + step), size)
+            sub = slice_examples(inputs, start, min(size, start + step), size)
             with torch.enable_grad():  # (the export evaluates under no_grad)
                 out, jac = output_jacobians(model, sub, self.point, fixed=self.fixed)
             # in float32 on a half-precision network, as the linearised predictive computes it
@@ -469,18 +469,6 @@ class _Chunk(NamedTuple):
     class_log_probs: list[Tensor]  # per batch (P, B, C)
     observed: list[Tensor]  # per batch targets, first chunk only
     has_targets: bool
-
-
-def _example_rows(inputs: Any, start: int, stop: int, size: int) -> Any:
-    """Examples ``start:stop`` of a batch of ``size`` (the tensors whose leading size is
-    ``size``; the rest as they are)."""
-    if isinstance(inputs, Tensor):
-        return inputs[start:stop] if inputs.dim() and inputs.shape[0] == size else inputs
-    if isinstance(inputs, Mapping):
-        return {k: _example_rows(v, start, stop, size) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_example_rows(v, start, stop, size) for v in inputs)
-    return inputs
 
 
 def _evaluate_chunk(
