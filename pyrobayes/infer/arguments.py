@@ -20,7 +20,7 @@ def validate_fit_arguments(
     *,
     epochs: Any = None,
     num_steps: Any = None,
-    lr: Any = 1e-2,
+    lr: Any = None,
     warmup: Any = 0,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: Any = None,
@@ -36,8 +36,8 @@ def validate_fit_arguments(
     ----------
     epochs, num_steps : int, optional
         At least one of them; integers >= 0 (``2.5`` or ``3.0`` is refused, not truncated).
-    lr : float
-        A finite number >= 0.
+    lr : float, optional
+        A finite number >= 0 (``None``: the family's default).
     warmup : int or float
         A finite number >= 0 (the schedule checks the rest).
     checkpoint_dir : str or Path, optional
@@ -67,7 +67,8 @@ def validate_fit_arguments(
         check_int("epochs", epochs, ge=0, owner=_OWNER)
     if num_steps is not None:
         check_int("num_steps", num_steps, ge=0, owner=_OWNER)
-    check_real("lr", lr, ge=0, owner=_OWNER)
+    if lr is not None:  # None: the family's default
+        check_real("lr", lr, ge=0, owner=_OWNER)
     check_real("warmup", warmup, ge=0, owner=_OWNER)
     if seed is not None and check_int("seed", seed, ge=0, owner=_OWNER) >= 2**32:
         raise ValueError(

@@ -89,8 +89,9 @@ class Fitter:
         The objective; default the family's (:meth:`default_objective`).
     optimizer : torch optimizer, Optimizer class or callable ``params -> Optimizer``, optional
         Default the family's (:meth:`default_optimizer`).
-    lr : float
-        Learning rate of the default optimizer (or of an Optimizer class).
+    lr : float, optional
+        Learning rate of the default optimizer (or of an Optimizer class); default the family's
+        :attr:`default_lr` (Adam's 1e-2; IVON's and Kronecker IVON's step α = 0.1).
 
     Attributes
     ----------
@@ -129,6 +130,8 @@ class Fitter:
     validation_data: Iterable[Any] | None = None
     default_scheduler: str | None = None
     default_warmup: float = 0.0
+    #: the learning rate when the caller gives none (``pb.fit(lr=None)``): Adam's 1e-2
+    default_lr: float = 1e-2
     reads_data_at_end: bool = False
 
     def __init__(
@@ -138,15 +141,18 @@ class Fitter:
         *,
         loss: Any = None,
         optimizer: Any = None,
-        lr: float = 1e-2,
+        lr: float | None = None,
     ) -> None:
         if not guide.sites:
             raise RuntimeError(
                 f"{type(guide).__name__} has no sites yet: build it from a FineTuneModel, or call "
                 "it once on a batch (guide(batch)) before making its fitter."
             )
+        lr = type(self).default_lr if lr is None else lr
         if lr < 0:
             raise ValueError(f"Expected lr >= 0 but got {lr}.")
+        #: the learning rate the optimizer was built with (the family's default when none given)
+        self.lr = float(lr)
         self.model = model
         self.guide = guide
         self.objective = make_objective(self.default_objective() if loss is None else loss)

@@ -649,6 +649,12 @@ class IVONFitter(Fitter):
     #: against MAP's .89-.93; with the warm-up .84-.89, and level or lower NLL on two and three
     #: layers; ``benchmarks/ivon_depth.py``, docs/methods/ivon.md).
     default_warmup: float = 0.1
+    #: α when the caller gives no ``lr``: the examples' and the suite's MLP setting. At Adam's
+    #: 1e-2 IVON's step (``α·ĝ`` while ``h`` is near ``h0``, a plain momentum step on the
+    #: per-example mean loss) barely moves in a short fit: on the README's quick start (3
+    #: epochs, 2 seeds) accuracy .24-.50 against MAP's .94; at 0.1 .81-.86, and .95-.96 after
+    #: 10 epochs (0.3 was faster there, but 0.1 is the rate the suite's tasks are stable at).
+    default_lr: float = 0.1
 
     #: the family's ``(beta2, diag_beta2)`` when :class:`IVON` leaves them unset
     default_betas: tuple[float, float | None] = (DEFAULT_BETA2, None)

@@ -187,7 +187,7 @@ def _earlier_keywords(fit: Callable[..., FitResult]) -> Callable[..., FitResult]
             flat.setdefault("num_steps", getattr(kwargs.get("optim"), "num_steps", None))
             validate_fit_arguments(
                 epochs=kwargs.get("epochs"),
-                lr=kwargs.get("lr", 1e-2),
+                lr=kwargs.get("lr"),
                 validated=old.get("val_data") is not None,
                 **flat,
             )
@@ -206,7 +206,7 @@ def fit(
     data: Iterable[Any],
     *,
     epochs: int | None = None,
-    lr: float = 1e-2,
+    lr: float | None = None,
     seed: int | None = None,
     optim: Optimization | None = None,
     validation: Validation | None = None,
@@ -233,8 +233,10 @@ def fit(
     epochs : int, optional
         Train for this many passes over ``data`` (or pass a step budget,
         ``optim=Optimization(num_steps=...)``; with both, whichever ends first).
-    lr : float
-        Learning rate for the default optimizer.
+    lr : float, optional
+        Learning rate for the default optimizer; default the family's
+        (:attr:`~pyrobayes.infer.Fitter.default_lr`: 1e-2 for Adam, the optimizer of every
+        family but IVON's and Kronecker IVON's, whose step α defaults to 0.1).
     seed : int, optional
         Seeds torch and Pyro (``pyro.set_rng_seed``) and the data order.
     optim : Optimization, optional
@@ -374,7 +376,7 @@ class _Loop:
         plan: _Plan,
         options: _Options,
         *,
-        lr: float,
+        lr: float | None,
         seed: int | None,
     ) -> None:
         self.model, self.guide, self.data, self.plan = model, guide, data, plan
@@ -388,8 +390,8 @@ class _Loop:
             if options.validation is not None
             else None
         )
-        self.lr = lr
         self.fitter, self.sched = self._prepare(options.optim, lr)
+        self.lr = self.fitter.lr  # the family's default where none was given
         if isinstance(data, Iterator) and self.fitter.reads_data_at_end and plan.epochs != 0:
             raise ValueError(
                 f"fit(): data is a one-shot iterator ({type(data).__name__}), and "
@@ -404,11 +406,11 @@ class _Loop:
             self.fitter.objective if implements(self.fitter.objective, ReportsTerms) else None
         )
         self.terms: dict[str, list[torch.Tensor]] = {}
-        self.divergence = Divergence(lr)
+        self.divergence = Divergence(self.lr)
         self.data_size = DataSize(model)
         self.stopped_early = False
 
-    def _prepare(self, optim: Optimization, lr: float) -> tuple[Fitter, Any]:
+    def _prepare(self, optim: Optimization, lr: float | None) -> tuple[Fitter, Any]:
         """Seed, move, set up the guide, build the fitter and the schedule."""
         model, guide, data = self.model, self.guide, self.data
         if self.seed is not None:
