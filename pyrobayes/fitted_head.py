@@ -27,6 +27,7 @@ __all__ = [
     "HeadChangedWarning",
     "record_fitted_head",
     "forget_fitted_head",
+    "restore_fitted_head",
     "changed_heads",
     "warn_if_head_changed",
     "NeverFittedWarning",
@@ -77,9 +78,16 @@ def record_fitted_head(guide: Any, model: Any) -> None:
     object.__setattr__(guide, _ATTRIBUTE, (id(model), record))
 
 
-def forget_fitted_head(guide: Any) -> None:
-    """Drop ``guide``'s record (a fit begins: until it ends, the head is the fit's to change)."""
-    guide.__dict__.pop(_ATTRIBUTE, None)
+def forget_fitted_head(guide: Any) -> Any:
+    """Drop ``guide``'s record (a fit begins: until it ends, the head is the fit's to change);
+    returns it, for :func:`restore_fitted_head` when the fit changes nothing."""
+    return guide.__dict__.pop(_ATTRIBUTE, None)
+
+
+def restore_fitted_head(guide: Any, record: Any) -> None:
+    """Put back a record :func:`forget_fitted_head` returned (``None``: leave none)."""
+    if record is not None:
+        object.__setattr__(guide, _ATTRIBUTE, record)
 
 
 def changed_heads(guide: Any, model: Any) -> list[str]:

@@ -62,6 +62,8 @@ def task_section(**keys):
             "'causal_lm.task.fractions' must be three numbers",
         ),
         ({"causal_lm": {"gguf_file": "m.gguf", **task_section()}}, "'causal_lm.gguf_file'"),
+        # keep = "last" (the default) reads no validation split: a patience would be ignored
+        ({"training": {"patience": 2}}, "'training.patience' = 2 is ignored under"),
     ],
 )
 def test_config_mistakes_are_refused_naming_the_key(sections, match):

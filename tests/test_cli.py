@@ -75,6 +75,10 @@ def test_unknown_config_section_is_an_error():
         ({"families": "bogus"}, "Unknown family 'bogus'"),
         ({"families": []}, "'families' is empty"),
         ({"adapter": {"kind": "lora", "projection": "svd"}}, "'adapter.projection' is a LoRA-XS"),
+        (
+            {"training": {"keep": "last", "patience": 3}},
+            "'training.patience' = 3 is ignored under training.keep = 'last'",
+        ),
     ],
 )
 def test_config_errors_name_the_key_and_the_fix(user, words):

@@ -133,3 +133,24 @@ def test_a_guide_never_fitted_nor_loaded_is_told_on_predict(tmp_path) -> None:
         pb.save(guide, tmp_path / "mf.safetensors")
         loaded = pb.load(tmp_path / "mf.safetensors", _model())
         pb.predict(loaded.model, loaded, test, num_samples=4)
+
+
+def test_a_fit_of_no_step_says_so_and_leaves_the_guide_unfitted() -> None:
+    # epochs=0 (or num_steps=0) on a trained family took no step, said nothing, and marked the
+    # guide fitted: predict's never-fitted warning went quiet on a posterior at its start
+    train, test = _data()
+    model = _model()
+    guide = pb.posterior(model, "meanfield")
+    with pytest.warns(UserWarning, match=r"no optimizer step was taken \(epochs=0"):
+        pb.fit(model, guide, train, epochs=0)
+    with pytest.warns(NeverFittedWarning):
+        pb.predict(model, guide, test, num_samples=4)
+    with pytest.warns(UserWarning, match=r"num_steps=0"):
+        pb.fit(model, guide, train, epochs=3, optim=pb.Optimization(num_steps=0))
+    # a post-hoc Laplace at a MAP fits at epochs=0: silent, and fitted
+    model, map_guide, train, test = _fitted_map()
+    laplace = pb.posterior(model, "laplace", init=map_guide)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pb.fit(model, laplace, train, epochs=0)
+        pb.predict(model, laplace, test, num_samples=4)

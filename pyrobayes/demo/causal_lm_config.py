@@ -24,6 +24,7 @@ from .config import (
     check_choice,
     check_device,
     check_families,
+    check_patience_needs_best,
     did_you_mean,
     merge_config,
 )
@@ -303,6 +304,7 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
             )
         config = merge_config(config, QUICK_OVERRIDES)
     check_families(config["families"])
+    check_patience_needs_best(user, config)
     seeds = config["seeds"]
     if not seeds:
         raise ConfigError("Config key 'seeds' is empty; give at least one seed, e.g. [0].")

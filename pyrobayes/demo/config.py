@@ -33,6 +33,7 @@ __all__ = [
     "check_device",
     "check_choice",
     "check_families",
+    "check_patience_needs_best",
     "check_hub_model",
     "check_inputs",
     "did_you_mean",
@@ -610,4 +611,19 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
     if user.get("adapter", {}).get("kind") == "lora":  # drop the LoRA-XS defaults
         for key in _LORA_XS_ONLY:
             config["adapter"].pop(key, None)
-    return merge_config(config, user)
+    config = merge_config(config, user)
+    check_patience_needs_best(user, config)
+    return config
+
+
+def check_patience_needs_best(user: dict[str, Any], config: dict[str, Any]) -> None:
+    """Refuse a ``training.patience`` the user set (> 0) under ``training.keep = "last"``,
+    which reads no validation split, so the patience would be ignored."""
+    patience = (user.get("training") or {}).get("patience")
+    if patience and config["training"]["keep"] == "last":
+        raise ConfigError(
+            f"Config key 'training.patience' = {patience!r} is ignored under training.keep = "
+            "'last': every fit then runs training.epochs and reads no validation split, so "
+            'nothing can stop it early. Set keep = "best" (the epoch of least validation NLL, '
+            "with early stopping) or remove training.patience."
+        )

@@ -23,6 +23,7 @@ checkpoint is ``(guide state, model point parameters, fitter state)``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -132,6 +133,9 @@ class Fitter:
     default_warmup: float = 0.0
     #: the learning rate when the caller gives none (``pb.fit(lr=None)``): Adam's 1e-2
     default_lr: float = 1e-2
+    #: the posterior is collected along the training trajectory (SWAG's moments): restoring an
+    #: earlier epoch's state (``pb.Validation``'s selection) drops what came after it
+    collects_trajectory: bool = False
     reads_data_at_end: bool = False
 
     def __init__(
@@ -148,6 +152,7 @@ class Fitter:
                 f"{type(guide).__name__} has no sites yet: build it from a FineTuneModel, or call "
                 "it once on a batch (guide(batch)) before making its fitter."
             )
+        self._lr_given = lr  # None: the family's default (an optimizer passed keeps its own)
         lr = type(self).default_lr if lr is None else lr
         if lr < 0:
             raise ValueError(f"Expected lr >= 0 but got {lr}.")
@@ -193,6 +198,36 @@ class Fitter:
                 "Pass loss=None (the family's own objective)."
             )
 
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """A built optimizer (an instance, or a factory's) must step every parameter the fit
+        trains (the guide's and the model's point parameters), and its own rate is the fit's:
+        an ``lr`` given beside it is not used (warned), and :attr:`lr` reads the optimizer's."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [p for p in self.params if id(p) not in held]
+        if missing:
+            names = {id(p): f"guide.{n}" for n, p in self.guide.named_parameters()}
+            names.update({id(p): f"model.{n}" for n, p in self.model.named_parameters()})
+            listed = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in missing]
+            raise ValueError(
+                f"{type(self).__name__}: the optimizer passed does not hold {len(missing)} of "
+                f"the {len(self.params)} parameters this fit trains ({listed[:4]}): they would "
+                "never move, and the fit would report losses of a posterior it does not train. "
+                "Build it over pb.infer.trainable_parameters(model, guide) (or pass an "
+                "Optimizer class, or a factory params -> Optimizer, which gets them); to keep "
+                "the head fixed, leave it out of the model's trainable_modules."
+            )
+        rate = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        if self._lr_given is not None and rate is not None and rate != self._lr_given:
+            warnings.warn(
+                f"{type(self).__name__}: lr={self._lr_given:g} is not used: the optimizer "
+                f"passed carries its own rate (lr={float(rate):g}, its first group's). Set the "
+                "rate when building the optimizer, or pass its class.",
+                UserWarning,
+                stacklevel=5,
+            )
+        if rate is not None:
+            self.lr = float(rate)
+
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
         """The family's optimizer over ``params``; Adam here."""
         return torch.optim.Adam(params, lr=lr)
@@ -200,14 +235,15 @@ class Fitter:
     def _build_optimizer(self, spec: Any, lr: float) -> torch.optim.Optimizer:
         if spec is None:
             return self.default_optimizer(self.params, lr)
-        if isinstance(spec, torch.optim.Optimizer):
-            return spec
         if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
             # every concrete optimizer takes lr (the abstract base takes a defaults dict)
             optimizer_class: Callable[..., torch.optim.Optimizer] = spec
             return optimizer_class(self.params, lr=lr)
-        if callable(spec):
-            return spec(self.params)
+        if isinstance(spec, torch.optim.Optimizer) or callable(spec):
+            built = spec if isinstance(spec, torch.optim.Optimizer) else spec(self.params)
+            if isinstance(built, torch.optim.Optimizer):
+                self._adopt_optimizer(built)
+            return built
         raise TypeError(
             "optimizer must be a torch.optim.Optimizer, an Optimizer class, or a callable "
             f"params -> Optimizer; got {type(spec).__name__}."

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from ..batch import check_batches, to_device
 from ..contract import implements
-from ..fitted_head import forget_fitted_head, record_fitted_head
+from ..fitted_head import forget_fitted_head, record_fitted_head, restore_fitted_head
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .data_order import DataOrder
@@ -365,6 +365,23 @@ def _claim_folder(stack: contextlib.ExitStack, checkpoint: Checkpointing) -> Non
         logger.info("Removed what an interrupted fit left in %s: %s", folder, removed)
 
 
+def _warn_if_rate_zero(optimizer: Any, plan: _Plan) -> None:
+    """Warn when every parameter group steps at rate 0 (before any schedule) in a fit that
+    plans steps: nothing would move, and the fit would report the losses of its start."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or plan.total == 0:
+        return
+    rates = [g.get("initial_lr", g.get("lr")) for g in groups]
+    if all(isinstance(r, (int, float)) and r == 0 for r in rates):
+        warnings.warn(
+            "fit: the learning rate is 0 (lr=0, or an optimizer built so), so no parameter "
+            "moves and the guide stays as it starts. Pass lr > 0 (or leave lr out: the "
+            "family's default).",
+            UserWarning,
+            stacklevel=5,  # _Loop, fit, its keyword decorator, the caller
+        )
+
+
 class _Loop:
     """One call of :func:`fit`: its arguments checked and its checkpoint folder locked."""
 
@@ -392,6 +409,16 @@ class _Loop:
         )
         self.fitter, self.sched = self._prepare(options.optim, lr)
         self.lr = self.fitter.lr  # the family's default where none was given
+        _warn_if_rate_zero(self.fitter.optimizer, plan)
+        if self.selection is not None and self.fitter.collects_trajectory:
+            warnings.warn(
+                f"fit: validation= selects an epoch and restores the guide's state there, so "
+                f"the {type(self.guide).__name__}'s moments collected after the selected epoch "
+                "are dropped (and an early stop ends the collection). To keep every collected "
+                "iterate, fit it without validation= and choose its start_epoch instead.",
+                UserWarning,
+                stacklevel=4,  # _Loop, fit, its keyword decorator, the caller
+            )
         if isinstance(data, Iterator) and self.fitter.reads_data_at_end and plan.epochs != 0:
             raise ValueError(
                 f"fit(): data is a one-shot iterator ({type(data).__name__}), and "
@@ -450,7 +477,7 @@ class _Loop:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> FitResult:
-        forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
+        before = forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
         self._check_shards()
         self._resume()
         pos = self.pos
@@ -476,7 +503,18 @@ class _Loop:
         # in its next fit) before the write is complete
         barrier()
         result = self._result()  # (the fitter's end: Laplace's MAP refits may train the head)
-        record_fitted_head(self.guide, self.model)  # what predict checks the head against
+        fitter = self.fitter  # a 0-step fit still fits Laplace (at a MAP) and SWAG (one iterate)
+        if self.pos.step > 0 or fitter.reads_data_at_end or fitter.collects_trajectory:
+            record_fitted_head(self.guide, self.model)  # what predict checks the head against
+        else:  # nothing was fitted: the guide is what it was (never fitted stays never fitted)
+            restore_fitted_head(self.guide, before)
+            warnings.warn(
+                f"fit: no optimizer step was taken (epochs={self.plan.epochs}, "
+                f"num_steps={self.plan.num_steps}), so the {type(self.guide).__name__} is "
+                "unchanged. Give it epochs >= 1 (a post-hoc Laplace fits at epochs=0).",
+                UserWarning,
+                stacklevel=4,  # run, fit, its keyword decorator, the caller
+            )
         return result
 
     def _lower_block_cache(self) -> contextlib.AbstractContextManager[None]:

@@ -190,6 +190,8 @@ class SWAGFitter(Fitter):
 
     settings: SWAG  # the fit's settings record (Fitter.settings)
 
+    collects_trajectory = True  # its moments are the iterates' (Fitter.collects_trajectory)
+
     def __init__(self, model: Any, guide: Any, *, optimizer: Any = None, **kwargs: Any) -> None:
         #: the fit's settings: ``optimizer`` when it is a :class:`SWAG`, else those given to the
         #: guide's constructor (deprecated), else the defaults

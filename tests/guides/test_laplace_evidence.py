@@ -283,7 +283,10 @@ def test_alternating_refuses_a_zero_learning_rate() -> None:
     guide = LaplaceGuide(prob.model)
     optim = pb.Optimization(optimizer=pb.infer.Laplace(prior_optimization="alternate"))
     data = tensor_loader(prob.x, prob.y, 64)
-    with pytest.raises(ValueError, match="learning rate 0.*pass alternate_lr > 0"):
+    with (
+        pytest.warns(UserWarning, match="learning rate is 0"),
+        pytest.raises(ValueError, match="learning rate 0.*pass alternate_lr > 0"),
+    ):
         pb.fit(prob.model, guide, data, epochs=1, lr=0.0, progress=False, optim=optim)
 
 

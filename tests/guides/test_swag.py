@@ -332,3 +332,16 @@ def test_fitting_a_fitted_guide_again_warns_that_its_iterates_are_discarded(tmp_
         checkpoint=pb.Checkpointing(tmp_path, resume=True),
     )
     assert int(other.swag_num_collected) == 4
+
+
+def test_validation_on_swag_says_it_drops_the_moments_after_the_selected_epoch():
+    # Validation restored the selected epoch's guide state: 8 epochs kept 7 iterates (best 6),
+    # or 1 (best 0), with no word
+    torch.manual_seed(0)
+    x, y = torch.randn(80, 4), torch.randint(0, 3, (80,))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = FineTuneModel(net, LoRAXS(rank=2, target_modules=["0"]), num_data=60)
+    guide = SWAGGuide(model, rank=2)
+    train = [(x[i : i + 20], y[i : i + 20]) for i in range(0, 60, 20)]
+    with pytest.warns(UserWarning, match=r"moments collected after the selected epoch"):
+        pb.fit(model, guide, train, epochs=3, validation=pb.Validation([(x[60:], y[60:])]))

@@ -310,6 +310,8 @@ def test_a_non_finite_gradient_is_refused_before_the_update(tmp_path, family):
         assert torch.equal(v, expected[k]), k
 
 
+# SWAG with validation on purpose: the epoch end a resume must run holds both
+@pytest.mark.filterwarnings("ignore:fit. validation= selects an epoch:UserWarning")
 def test_a_kill_after_an_epochs_last_step_resumes_its_end(tmp_path, monkeypatch):
     """In-process: the epoch-end checkpoint fails, so the newest is the one after the last step;
     resume runs the epoch's end (SWAG's epoch collection, validation) and goes on."""

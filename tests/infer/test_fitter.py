@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pyro
 import pytest
@@ -175,3 +176,44 @@ def test_config_records_the_constructor_options():
     lap = pb.guides.LaplaceGuide(model, structure="diag")
     # the τ search's bounds are the fit's (pb.infer.Laplace), not saved with q
     assert lap.config()["structure"] == "diag" and "log_prior_bounds" not in lap.config()
+
+
+def _head_problem():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = pb.models.FineTuneModel(
+        net, LoRAXS(rank=2, target_modules=["0"]), num_data=40, trainable_modules=["2"]
+    )
+    return model, pb.posterior(model, "map")
+
+
+def test_an_optimizer_passed_must_step_every_trained_parameter_and_keeps_its_rate():
+    # an instance over the guide alone left the trained head fixed, and one over other
+    # parameters trained nothing, both without a word; an lr beside one was dropped silently
+    model, guide = _head_problem()
+    partial = torch.optim.Adam(guide.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"does not hold 2 of the 3 .*'model.net.2.weight'"):
+        pb.infer.make_fitter(model, guide, optimizer=partial)
+    params = pb.infer.trainable_parameters(model, guide)
+    with pytest.warns(UserWarning, match=r"lr=0.5 is not used: .*lr=0.001"):
+        fitter = pb.infer.make_fitter(
+            model, guide, lr=0.5, optimizer=torch.optim.Adam(params, lr=1e-3)
+        )
+    assert fitter.lr == 1e-3  # what the optimizer steps at (and a checkpoint records)
+    with pytest.warns(UserWarning, match="lr=0.5 is not used"):
+        fitter = pb.infer.make_fitter(
+            model, guide, lr=0.5, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4)
+        )
+    assert fitter.lr == 1e-4
+    fitter = pb.infer.make_fitter(model, guide, optimizer=torch.optim.SGD(params, lr=0.2))
+    assert fitter.lr == 0.2  # no lr given: nothing to warn about
+
+
+def test_a_fit_at_rate_zero_says_nothing_moves():
+    model, guide = _head_problem()
+    data = [(torch.randn(20, 4), torch.randint(0, 3, (20,))) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"learning rate is 0"):
+        pb.fit(model, guide, data, epochs=1, lr=0)
+    with warnings.catch_warnings():  # a warm-up starts at rate 0 by design: silent
+        warnings.simplefilter("error")
+        pb.fit(model, guide, data, epochs=2, optim=pb.Optimization(scheduler="cosine", warmup=0.5))

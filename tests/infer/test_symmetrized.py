@@ -70,6 +70,7 @@ def test_the_default_objective_adds_i_k_to_the_same_draws():
     assert 0 < float(terms["I_K"]) <= torch.log(torch.tensor(8.0)).item()
 
 
+@pytest.mark.filterwarnings("ignore:fit. the learning rate is 0:UserWarning")  # on purpose
 def test_pyro_svi_and_pb_fit_give_the_same_loss_on_the_same_draws():
     """Full batch (Pyro's plate then draws no subsample): Pyro's SVI step with SymmetrizedELBO
     and pb.fit's first step use the same θ₀ and the same permutations; the losses agree to
