@@ -365,6 +365,20 @@ def _claim_folder(stack: contextlib.ExitStack, checkpoint: Checkpointing) -> Non
         logger.info("Removed what an interrupted fit left in %s: %s", folder, removed)
 
 
+def _warn_if_no_epoch_ends(plan: _Plan) -> None:
+    """Warn when a validated fit's step budget ends inside its first epoch: validation (and
+    its selection and patience) runs at epoch ends, so it would never run."""
+    per_epoch, total = plan.steps_per_epoch, plan.total
+    if per_epoch and total is not None and 0 < total < per_epoch:
+        warnings.warn(
+            f"fit: num_steps={total} ends the fit inside its first epoch ({per_epoch} steps), "
+            "and validation= runs at epoch ends, so no epoch is scored or selected and "
+            "patience never acts. Give at least one epoch's steps, or drop validation=.",
+            UserWarning,
+            stacklevel=5,  # _Loop, fit, its keyword decorator, the caller
+        )
+
+
 def _warn_if_rate_zero(optimizer: Any, plan: _Plan) -> None:
     """Warn when every parameter group steps at rate 0 (before any schedule) in a fit that
     plans steps: nothing would move, and the fit would report the losses of its start."""
@@ -410,6 +424,8 @@ class _Loop:
         self.fitter, self.sched = self._prepare(options.optim, lr)
         self.lr = self.fitter.lr  # the family's default where none was given
         _warn_if_rate_zero(self.fitter.optimizer, plan)
+        if self.selection is not None:
+            _warn_if_no_epoch_ends(plan)
         if self.selection is not None and self.fitter.collects_trajectory:
             warnings.warn(
                 f"fit: validation= selects an epoch and restores the guide's state there, so "
@@ -705,6 +721,8 @@ class _Loop:
         """Continue from the newest checkpoint, when resuming and there is one."""
         found = latest(self.ckpt) if self.resume and self.ckpt is not None else None
         if found is None:
+            if self.resume:  # a job that always resumes starts so; a mistyped folder too
+                logger.info("resume: no checkpoint in %s; starting a new fit there", self.ckpt)
             return
         saved_meta = _read_meta(found)
         self._check_validation(saved_meta, found)  # before anything is restored

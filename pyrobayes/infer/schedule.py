@@ -128,4 +128,11 @@ def make_scheduler(
             "fit(scheduler=...) factory must return a torch.optim.lr_scheduler.LRScheduler "
             f"(with step() and state_dict()); got {type(scheduler).__name__}."
         )
+    other = getattr(scheduler, "optimizer", optimizer)
+    if other is not optimizer:  # it would schedule that one: the fit's rate never changes
+        raise ValueError(
+            "fit(scheduler=...) factory returned a scheduler over another optimizer than the "
+            "one it was given, so the fit's rate would never be scheduled; build it on its "
+            "argument, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, ...)."
+        )
     return scheduler

@@ -217,3 +217,26 @@ def test_a_fit_at_rate_zero_says_nothing_moves():
     with warnings.catch_warnings():  # a warm-up starts at rate 0 by design: silent
         warnings.simplefilter("error")
         pb.fit(model, guide, data, epochs=2, optim=pb.Optimization(scheduler="cosine", warmup=0.5))
+
+
+def test_a_scheduler_over_another_optimizer_is_refused():
+    model, guide = _head_problem()
+    data = [(torch.randn(20, 4), torch.randint(0, 3, (20,)))]
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    optim = pb.Optimization(
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(other, lambda s: 0.5)
+    )
+    with pytest.raises(ValueError, match="scheduler over another optimizer"):
+        pb.fit(model, guide, data, epochs=1, optim=optim)
+
+
+def test_validation_that_no_epoch_end_reaches_is_told():
+    # num_steps inside the first epoch: validation, selection and patience never ran, silently
+    model, guide = _head_problem()
+    data = [(torch.randn(10, 4), torch.randint(0, 3, (10,))) for _ in range(4)]
+    val = pb.Validation(data[:1], patience=1)
+    with pytest.warns(UserWarning, match=r"num_steps=2 ends the fit inside its first epoch"):
+        result = pb.fit(
+            model, guide, data, epochs=5, optim=pb.Optimization(num_steps=2), validation=val
+        )
+    assert result.state.get("validation") in (None, [])  # what the warning is about
