@@ -132,24 +132,32 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
     )
 
 
-def drop_temperature(guide: Any, owner: str) -> None:
-    """Remove a temperature before ``owner`` changes the posterior it was fitted for, and say so.
+def drop_temperature(
+    guide: Any,
+    owner: str,
+    reason: str = "the posterior it held; this fit changes that posterior",
+    then: str = "after the fit",
+    stacklevel: int = 4,
+) -> None:
+    """Remove a temperature before ``owner`` changes the predictive it was fitted for, and say
+    so (``reason``: what it was fitted for and what changes it; ``then``: when to calibrate
+    again).
 
     ``T`` is fitted to one posterior's predictive; a fit moves that posterior (or, post hoc,
-    recomputes it), after which the old ``T`` calibrates nothing and would silently temper
-    every later prediction (and the fit's own validation scores).
+    recomputes it), and Laplace's ``pred_type`` selects another predictive, after which the old
+    ``T`` calibrates nothing and would silently temper every later prediction (and the fit's
+    own validation scores).
     """
     if TEMPERATURE_BUFFER not in getattr(guide, "_buffers", {}):
         return
     value = temperature(guide)
     set_temperature(guide, None)
     message = (
-        f"{owner}{type(guide).__name__} was calibrated (T = {value:.4g}) for the posterior it "
-        "held; this fit changes that posterior, so the temperature is removed. Call "
-        "pyrobayes.calibrate(model, guide, val_data) again after the fit."
+        f"{owner}{type(guide).__name__} was calibrated (T = {value:.4g}) for {reason}, so the "
+        f"temperature is removed. Call pyrobayes.calibrate(model, guide, val_data) again {then}."
     )
     logger.warning(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
 def match_state(guide: Any, state: Mapping[str, Any]) -> None:

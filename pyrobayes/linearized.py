@@ -64,6 +64,7 @@ __all__ = [
     "linearize",
     "Linearization",
     "default_examples_per_forward",
+    "linear_shifts",
 ]
 
 
@@ -335,6 +336,41 @@ def _draw_deltas(guide: Any, num_samples: int, seed: int | None, dev: torch.devi
     )
 
 
+def _linear_dtype(out: Tensor, jac: Mapping[str, Tensor]) -> torch.dtype:
+    """The dtype the linearised network is computed in: float32 on a half-precision network
+    (``J·δ`` of a small ``δ`` vanishes in bf16), whichever of the output (a multiple-choice
+    score is float32 already) and the Jacobians is half."""
+    dtype = compute_dtype(out.dtype)
+    for j in jac.values():
+        dtype = torch.promote_types(dtype, compute_dtype(j.dtype))
+    return dtype
+
+
+def linear_shifts(out: Tensor, jac: Mapping[str, Tensor], deltas: Tensor) -> tuple[Tensor, Tensor]:
+    """``f(x; θ̂)`` `(b, *event)` and every draw's ``J(x)(θ_s − θ̂)`` `(S, b, *event)` on one
+    chunk of examples: the linearised network ``f_lin(x; θ_s)`` is their sum.
+
+    Parameters
+    ----------
+    out : Tensor
+        ``f(x; θ̂)`` `(b, *event)` (:func:`output_jacobians`).
+    jac : dict of str to Tensor
+        Per-site Jacobians `(b, K, *site_shape)`, in the order of ``deltas``' columns.
+    deltas : Tensor
+        `(S, d)`: each draw's ``θ_s − θ̂``, its sites flattened and concatenated in ``jac``'s
+        order (a Laplace posterior's float32 draws included).
+
+    Returns
+    -------
+    tuple of Tensor
+        Both in float32 on a half-precision network (``_linear_dtype``), else in its dtype.
+    """
+    dtype = _linear_dtype(out, jac)
+    flat = torch.cat([j.reshape(*j.shape[:2], -1).to(dtype) for j in jac.values()], -1)
+    shifts = torch.einsum("bkd,sd->sbk", flat, deltas.to(dtype))  # (S, b, K)
+    return out.to(dtype), shifts.reshape(deltas.shape[0], *out.shape)
+
+
 def _chunk_predictive(
     guide: Any,
     out: Tensor,
@@ -345,18 +381,12 @@ def _chunk_predictive(
     """One chunk's predictive from ``f(x; θ̂)`` and ``J(x)``: the Monte Carlo log-probabilities
     `(S, b, K)` (``deltas`` = the draws' ``θ_s − θ̂``), the probit ones `(1, b, K)`, or the
     regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``)."""
-    # a half-precision network: the linearisation and its log-softmax in float32 (J·δ of small
-    # δ vanishes in bf16), whichever of the output (a multiple-choice score is float32 already),
-    # the Jacobian and the draws (float32 from a Laplace posterior's buffers) is half
-    dtype = compute_dtype(out.dtype)
-    for j in jac.values():
-        dtype = torch.promote_types(dtype, compute_dtype(j.dtype))
+    dtype = _linear_dtype(out, jac)
     out, jac = out.to(dtype), {s: j.to(dtype) for s, j in jac.items()}
-    deltas = None if deltas is None else deltas.to(dtype)
     mean = out.reshape(out.shape[0], -1)  # (b, K)
     if deltas is not None:  # (the Monte Carlo predictive)
-        flat_jac = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac.values()], -1)
-        logits = mean.unsqueeze(0) + torch.einsum("bkd,sd->sbk", flat_jac, deltas)
+        _, shifts = linear_shifts(out, jac, deltas)
+        logits = mean.unsqueeze(0) + shifts.reshape(deltas.shape[0], *mean.shape)
         return torch.log_softmax(logits, -1), None
     var = torch.diagonal(guide.functional_covariance(jac), dim1=-2, dim2=-1)  # (b, K)
     if classification:  # probit (MacKay 1992)

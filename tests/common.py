@@ -319,3 +319,18 @@ def split_batches(
 def tensor_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
     """``DataLoader(TensorDataset(x, y), batch_size)``: unshuffled batches of tensors."""
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def teacher_mlp(
+    num_examples: int, num_data: int
+) -> tuple[FineTuneModel, torch.Tensor, torch.Tensor]:
+    """A 4 -> 16 -> 3 tanh MLP with LoRA-XS cores (rank 2) on both layers (``num_data`` its N)
+    and ``num_examples`` standard-normal inputs labelled by a random linear teacher (labels a
+    fit can learn), all seeded: the same problem in every test that asks for it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_examples, 4, generator=g)
+    y = (x @ torch.randn(4, 3, generator=g)).argmax(-1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = FineTuneModel(net, LoRAXS(rank=2, target_modules=["0", "2"]), num_data=num_data)
+    return model, x, y

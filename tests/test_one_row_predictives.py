@@ -15,23 +15,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
+from tests.common import teacher_mlp
 
 
 def _problem() -> tuple[pb.models.FineTuneModel, DataLoader, list, list]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 4, generator=g)
-    y = (x @ torch.randn(4, 3, generator=g)).argmax(-1)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    model = pb.models.FineTuneModel(
-        net,
-        adapter=pb.models.LoRAXS(rank=2, target_modules=["0", "2"]),
-        likelihood="categorical",
-        num_data=150,
-    )
+    model, x, y = teacher_mlp(200, num_data=150)
     train = DataLoader(TensorDataset(x[:150], y[:150]), batch_size=50, shuffle=True)
     test = [(x[150:], y[150:])]
-    ood = [(5.0 * torch.randn(50, 4, generator=g),)]
+    ood = [(5.0 * torch.randn(50, 4, generator=torch.Generator().manual_seed(1)),)]
     return model, train, test, ood
 
 

@@ -16,17 +16,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyrobayes as pb
 from pyrobayes.predictive import ShuffledDataWarning
+from tests.common import teacher_mlp
 
 
 def _fitted() -> tuple[pb.models.FineTuneModel, object, TensorDataset]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(130, 4, generator=g)
-    y = (x @ torch.randn(4, 3, generator=g)).argmax(-1)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    model = pb.models.FineTuneModel(
-        net, adapter=pb.models.LoRAXS(rank=2, target_modules=["0", "2"]), num_data=130
-    )
+    model, x, y = teacher_mlp(130, num_data=130)
     guide = pb.posterior(model, "map")
     data = TensorDataset(x, y)
     pb.fit(model, guide, DataLoader(data, batch_size=50), epochs=3, lr=1e-2, seed=0)

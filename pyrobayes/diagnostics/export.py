@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from .._version import __version__
-from ..batch import batch_size, compute_dtype, slice_examples, split_batch, to_device
+from ..batch import batch_size, slice_examples, split_batch, to_device
 from ..calibration import TEMPERATURE_BUFFER, pooled, temperature
 from ..contract import LinearizedPredictive, Mixture, implements
 from ..fitted_head import warn_if_never_fitted
@@ -436,7 +436,7 @@ class _Linearization(NamedTuple):
         ``inputs``: the Jacobians of as many examples at a time as :func:`pyrobayes.predict`'s
         linearised predictive forms, each reduced against the draws at once."""
         # (linearized imports the predictive module, as this one)
-        from ..linearized import default_examples_per_forward, output_jacobians
+        from ..linearized import default_examples_per_forward, linear_shifts, output_jacobians
 
         n = next(iter(values.values())).shape[0]
         deltas = torch.cat(
@@ -449,14 +449,10 @@ class _Linearization(NamedTuple):
             sub = slice_examples(inputs, start, min(size, start + step), size)
             with torch.enable_grad():  # (the export evaluates under no_grad)
                 out, jac = output_jacobians(model, sub, self.point, fixed=self.fixed)
-            # in float32 on a half-precision network, as the linearised predictive computes it
-            dtype = compute_dtype(out.dtype)
-            for j in jac.values():
-                dtype = torch.promote_types(dtype, compute_dtype(j.dtype))
-            flat = torch.cat([jac[s].reshape(*jac[s].shape[:2], -1) for s in self.point], -1)
-            shift = torch.einsum("bkd,sd->sbk", flat.to(dtype), deltas.to(dtype))
-            means.append(out.to(dtype))
-            shifts.append(shift.reshape(n, *out.shape))
+            # the Jacobians in the order of deltas' columns; float32 on a half-precision network
+            mean, shift = linear_shifts(out, {s: jac[s] for s in self.point}, deltas)
+            means.append(mean)
+            shifts.append(shift)
         return torch.cat(means, 0), torch.cat(shifts, 1)
 
 

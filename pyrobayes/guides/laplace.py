@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -26,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..batch import compute_dtype
-from ..calibration import TEMPERATURE_BUFFER, set_temperature, temperature
+from ..calibration import drop_temperature
 from ..distributions import KronEigenNormal
 from ..models.adapters import check_int, check_real
 from ._fit_options import warn_fit_settings
@@ -313,25 +312,16 @@ alternate_map_tol, alternate_lr : optional
                 f"{value!r}."
             )
         previous = self.__dict__.get("_pred_type")  # (None while the constructor sets it)
-        if previous is not None and value != previous:
-            self._drop_temperature_of(previous, value)
+        if previous is not None and value != previous:  # a temperature calibrates one predictive
+            drop_temperature(
+                self,
+                f"{type(self).__name__}.pred_type: ",
+                reason=f"its pred_type={previous!r} predictive; pred_type={value!r} is another "
+                "predictive, which that temperature does not calibrate",
+                then="to calibrate this one",
+                stacklevel=3,
+            )
         self._pred_type = value
-
-    def _drop_temperature_of(self, previous: str, value: str) -> None:
-        """Remove a :func:`pyrobayes.calibrate` temperature fitted under ``pred_type=previous``
-        (it calibrates that predictive, not ``value``'s), with a warning."""
-        if TEMPERATURE_BUFFER not in getattr(self, "_buffers", {}):
-            return
-        fitted = temperature(self)
-        set_temperature(self, None)
-        message = (
-            f"{type(self).__name__}.pred_type: the guide was calibrated (T = {fitted:.4g}) for "
-            f"its pred_type={previous!r} predictive, and pred_type={value!r} is another "
-            "predictive, which that temperature does not calibrate; it is removed. Call "
-            "pyrobayes.calibrate(model, guide, val_data) again to calibrate this one."
-        )
-        logger.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
     @property
     def temperature(self) -> float:

@@ -283,7 +283,7 @@ def test_changing_pred_type_drops_a_temperature_fitted_for_the_old_predictive() 
     assert temperature(guide) == fitted
     with pytest.warns(
         UserWarning,
-        match=r"LaplaceGuide\.pred_type: the guide was calibrated \(T = .*pred_type='glm'.*"
+        match=r"LaplaceGuide\.pred_type: LaplaceGuide was calibrated \(T = .*pred_type='glm'.*"
         r"pred_type='nn'.*removed\. Call pyrobayes\.calibrate",
     ):
         guide.pred_type = "nn"
