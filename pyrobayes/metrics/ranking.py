@@ -1,0 +1,100 @@
+"""Ranking metrics for OOD detection: :func:`auroc` and :func:`ood_auroc`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "auroc",
+    "ood_auroc",
+]
+
+
+def auroc(scores: Tensor, labels: Tensor) -> float:
+    r"""Area under the ROC curve (scikit-learn's ``roc_auc_score``; ties count one half).
+
+    Scores are higher for the positive class (label 1, e.g. out-of-distribution). It equals the
+    Mann-Whitney statistic (Hanley & McNeil, 1982, Radiology 143(1), Eq. 2): with average ranks
+    :math:`R_i` of all :math:`n_0 + n_1` scores,
+
+    .. math:: \mathrm{AUROC} = \frac{\sum_{i: y_i = 1} R_i - n_1(n_1 + 1)/2}{n_0\, n_1}
+        = \frac{1}{n_0 n_1}\sum_{i: y_i=1}\sum_{j: y_j=0}
+        \big(1[s_i > s_j] + \tfrac12 1[s_i = s_j]\big).
+
+    Parameters
+    ----------
+    scores : Tensor
+        Shape ``(N,)``, higher = more likely positive (OOD).
+    labels : Tensor
+        Shape ``(N,)``, 0 (negative / in-distribution) or 1 (positive / OOD).
+
+    Returns
+    -------
+    float
+    """
+    if scores.dim() != 1 or labels.shape != scores.shape:
+        raise ValueError(
+            f"scores and labels must be 1-D of equal length, got {tuple(scores.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
+    if torch.isnan(scores.double()).any():
+        raise ValueError("scores contain NaN")
+    positive = labels.bool()
+    if not torch.equal(positive.long(), labels.long()):
+        raise ValueError("labels must be 0 or 1")
+    n_pos = int(positive.sum())
+    n_neg = scores.shape[0] - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUROC needs at least one positive and one negative example")
+    from sklearn.metrics import roc_auc_score  # imported here: only AUROC needs scikit-learn
+
+    # AUROC depends on the scores' order only: their dense ranks (ties kept) let +-inf through,
+    # which scikit-learn's input check refuses
+    _, dense_ranks = torch.unique(scores.detach().double(), return_inverse=True)
+    return float(roc_auc_score(positive.cpu().numpy(), dense_ranks.cpu().numpy()))
+
+
+def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:
+    """AUROC for separating in-distribution (label 0) from OOD (label 1) scores.
+
+    See :func:`auroc`; higher scores must mean "more OOD".
+
+    Parameters
+    ----------
+    id_scores : Tensor
+        Shape ``(N,)``, scores of in-distribution examples (1-D; other shapes are refused).
+    ood_scores : Tensor
+        Shape ``(M,)``, scores of out-of-distribution examples.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    ValueError
+        When either set of scores is not 1-D: a 2-D tensor (a per-draw ``(S, N)`` score, or
+        ``(N, 1)``) is refused rather than flattened into ``S·N`` "examples".
+    """
+    for name, scores in (("id_scores", id_scores), ("ood_scores", ood_scores)):
+        if not isinstance(scores, Tensor):
+            raise TypeError(
+                f"ood_auroc: {name} must be a torch.Tensor, got {type(scores).__name__}"
+            )
+        if scores.dim() != 1:
+            raise ValueError(
+                f"ood_auroc: {name} must be 1-D, one score per example (N,), got shape "
+                f"{tuple(scores.shape)}. Per-example scores such as predictive_entropy(probs) "
+                "are (N,); reduce a per-draw score over the draws first, or squeeze an (N, 1)."
+            )
+        if scores.numel() == 0:
+            raise ValueError(f"ood_auroc: {name} is empty; the AUROC needs examples of both kinds.")
+    scores = torch.cat([id_scores, ood_scores.to(id_scores.dtype)])
+    labels = torch.cat(
+        [
+            torch.zeros(id_scores.numel(), dtype=torch.long, device=scores.device),
+            torch.ones(ood_scores.numel(), dtype=torch.long, device=scores.device),
+        ]
+    )
+    return auroc(scores, labels)
