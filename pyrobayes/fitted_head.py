@@ -31,11 +31,14 @@ __all__ = [
     "changed_heads",
     "warn_if_head_changed",
     "NeverFittedWarning",
+    "record_initial_state",
     "warn_if_never_fitted",
 ]
 
 #: the guide attribute that holds the record (not part of its state: a file's load sets it anew)
 _ATTRIBUTE = "_pyrobayes_fitted_head"
+#: the guide attribute that holds :func:`record_initial_state`'s digest
+_INITIAL = "_pyrobayes_initial_state"
 
 
 class HeadChangedWarning(UserWarning):
@@ -152,18 +155,45 @@ def _at_initial_values(guide: Any, model: Any) -> bool:
     return True
 
 
+def _parameters_digest(guide: Any) -> str:
+    """One SHA-256 over the guide's parameters' names and :func:`_digest` of each."""
+    h = hashlib.sha256()
+    for name, p in guide.named_parameters():
+        h.update(name.encode())
+        h.update(_digest(p.detach()).encode())
+    return h.hexdigest()
+
+
+def record_initial_state(guide: Any) -> None:
+    """Store a digest of ``guide``'s parameters as built (called by guides whose initialisation
+    is not the model's values, e.g. perturbed particles), for :func:`warn_if_never_fitted`."""
+    object.__setattr__(guide, _INITIAL, _parameters_digest(guide))
+
+
+def _at_initial_state(guide: Any) -> bool:
+    """``guide``'s parameters are still those :func:`record_initial_state` saw."""
+    initial = guide.__dict__.get(_INITIAL)
+    return initial is not None and _parameters_digest(guide) == initial
+
+
 def warn_if_never_fitted(guide: Any, model: Any, where: str, stacklevel: int = 4) -> None:
     """Warn (:class:`NeverFittedWarning`) when ``guide`` was neither fitted by ``pb.fit`` nor
-    loaded by ``pb.load`` and its point is still ``model``'s initial value at every site (a
-    guide built and passed to ``predict`` without a fit; a fit that moved nothing reads the
-    same). Guides whose initialisation is not the model's values (IBDR's particles, σN's
-    members) are not told apart from fitted ones."""
-    if getattr(guide, _ATTRIBUTE, None) is not None or not _at_initial_values(guide, model):
+    loaded by ``pb.load`` and its point is still ``model``'s initial value at every site, or
+    its parameters are still those it was built with (:func:`record_initial_state`: IBDR's
+    perturbed particles, σN's members); a guide built and passed to ``predict`` without a
+    fit (a fit that moved nothing reads the same)."""
+    if getattr(guide, _ATTRIBUTE, None) is not None:
+        return
+    if _at_initial_values(guide, model):
+        what = "the model's initial value at every site"
+    elif _at_initial_state(guide):
+        what = "the values it was built with"
+    else:
         return
     warnings.warn(
         f"{where}: this {type(guide).__name__} was never fitted (pb.fit) nor loaded (pb.load): "
-        "its posterior is its initialisation, the model's initial value at every site. Fit it "
-        "first; to predict with the initial values on purpose (a zero-shot baseline), pass "
+        f"its posterior is its initialisation, {what}. Fit it first; to predict with the "
+        "model's initial values on purpose (a zero-shot baseline), pass "
         "values=model.init_values() to pb.predict.",
         NeverFittedWarning,
         stacklevel=stacklevel,

@@ -135,6 +135,29 @@ def test_a_guide_never_fitted_nor_loaded_is_told_on_predict(tmp_path) -> None:
         pb.predict(loaded.model, loaded, test, num_samples=4)
 
 
+@pytest.mark.parametrize("family", ["ibdr", "signorm"])
+def test_a_mixture_never_fitted_is_told_though_its_members_start_apart(family) -> None:
+    # IBDR's particles and σN's members start perturbed away from the model's values, so the
+    # "point still at the model's initial values" test missed them: they predicted unfitted in
+    # silence. They are compared with the values they were built with instead.
+    train, test = _data()
+    model = _model()
+    with warnings.catch_warnings():  # σN on a model without member norm layers (logged)
+        warnings.simplefilter("ignore")
+        guide = pb.posterior(model, family)
+    with pytest.warns(NeverFittedWarning, match=r"was never fitted .* its initialisation"):
+        pb.predict(model, guide, test)
+    guide.to(torch.float64).to(torch.float32)  # casts are not a fit: still told
+    with pytest.warns(NeverFittedWarning):
+        pb.predict(model, guide, test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # a Pyro SVI step of the user's own moves the particles: not told (no false alarm)
+        with torch.no_grad():
+            next(guide.parameters()).add_(0.1)
+        pb.predict(model, guide, test)
+
+
 def test_a_fit_of_no_step_says_so_and_leaves_the_guide_unfitted() -> None:
     # epochs=0 (or num_steps=0) on a trained family took no step, said nothing, and marked the
     # guide fitted: predict's never-fitted warning went quiet on a posterior at its start

@@ -12,26 +12,12 @@ the fitter, left out of ``config()`` and never saved.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
-from types import FrameType
 from typing import Any
 
+from ..user_frame import user_stacklevel
+
 __all__ = ["warn_fit_settings"]
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` of the first caller outside the pyrobayes package (the user's line)."""
-    frame: FrameType | None = sys._getframe(2)  # stacklevel 2: the caller of warn_fit_settings
-    level = 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-        _PACKAGE + os.sep
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def warn_fit_settings(owner: str, given: dict[str, Any], settings: str) -> None:
@@ -56,5 +42,5 @@ def warn_fit_settings(owner: str, given: dict[str, Any], settings: str) -> None:
         f"make_fitter(..., optimizer=pb.infer.{settings}(...))). The guide keeps them for its "
         "fitter for one release; they are no longer saved with the posterior.",
         DeprecationWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )

@@ -22,6 +22,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..fitted_head import record_initial_state
 from ..models.adapters import check_int, check_real
 from ..models.finetune import NOISE_PARAM
 from ._fit_options import warn_fit_settings
@@ -117,6 +118,12 @@ class ParticleGuide(PosteriorGuide):
         return self.num_components
 
     # ------------------------------------------------------------------ set-up
+    def _setup_sites(self, inits: Mapping[str, Tensor]) -> None:
+        super()._setup_sites(inits)
+        # the particles start away from the model's values: record them as built, so that a
+        # guide predicted without a fit is told (pyrobayes.fitted_head.warn_if_never_fitted)
+        record_initial_state(self)
+
     def _setup_site(self, site: str, init: Tensor) -> None:
         init = init.detach()
         locs = init.unsqueeze(0).repeat(self.num_components, *([1] * init.dim()))

@@ -31,6 +31,7 @@ import torch
 
 from ..calibration import drop_temperature
 from ..contract import bound_model, implements
+from ..user_frame import user_stacklevel
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .meanfield import MeanField
 from .objectives import MAP, SurrogateObjective, is_variational, make_objective
@@ -178,6 +179,9 @@ class Fitter:
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
         self._grad_check: tuple[torch.Tensor, torch.Tensor] | None = None  # _check_buffers
+        #: why :meth:`step` is refused after :meth:`end` (a family whose ``end`` fixed a
+        #: posterior at the current parameters sets it; its :meth:`begin` clears it)
+        self.ended: str | None = None
 
     @property
     def manages_lr(self) -> bool:
@@ -223,7 +227,7 @@ class Fitter:
                 f"passed carries its own rate (lr={float(rate):g}, its first group's). Set the "
                 "rate when building the optimizer, or pass its class.",
                 UserWarning,
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )
         if rate is not None:
             self.lr = float(rate)
@@ -265,6 +269,8 @@ class Fitter:
             On a non-finite loss or gradient, before any parameter is touched (the message
             names the parameters, and their sites, whose gradients are not finite).
         """
+        if self.ended is not None:
+            raise RuntimeError(f"{type(self).__name__}.step() after end(): {self.ended}")
         if self.num_steps == 0:  # before the first update only (a post-hoc fit takes none)
             _refuse_float16_adam(self.optimizer, self.model, self.guide)
         value = self._update(batch)

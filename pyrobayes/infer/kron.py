@@ -404,6 +404,10 @@ class KronIVONFitter(IVONFitter):
         curvature = getattr(self.optimizer, "curvature", None)
         if curvature is not None:
             curvature.remove()
+            self.ended = (
+                "end() removed the layer hooks that record the Kronecker factors. To train "
+                "on, make a new fitter (pyrobayes.infer.make_fitter) for the guide."
+            )
 
 
 register_fitter("kron-ivon", KronIVONFitter)

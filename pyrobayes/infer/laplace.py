@@ -276,6 +276,7 @@ class LaplaceFitter(Fitter):
 
     def begin(self, data: Iterable[Any] | None = None) -> None:
         self.guide.reset()
+        self.ended = None
         self.prior_precisions = []
         self.map_residuals = []
         if self._alternating:
@@ -308,6 +309,11 @@ class LaplaceFitter(Fitter):
             fit_laplace(self.model, self.guide, data, settings=self.settings)
         if self.settings.prior_optimization == "validation":
             self._select_on_validation()
+        self.ended = (
+            "the Laplace posterior's curvature was computed at the current parameters, and a "
+            "step would move its mean away from them (the covariance would belong to another "
+            "point). Start a new fit with fitter.begin(data), or predict with this posterior."
+        )
 
     def _require_validation(self) -> Iterable[Any]:
         """The fit's held-out data, or an error that says how to pass it."""

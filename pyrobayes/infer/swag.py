@@ -234,6 +234,7 @@ class SWAGFitter(Fitter):
         """
         self._discarded = int(self.guide.swag_num_collected)
         self.guide.reset()
+        self.ended = None
         self._swalr, self.epochs_done = None, 0
         if not self._default_optim and (
             self.settings.collect_every_steps is not None or self.settings.swa_lr is not None
@@ -315,6 +316,11 @@ class SWAGFitter(Fitter):
                 self.settings.start_epoch,
             )
         guide.mark_fitted(n >= 1)
+        self.ended = (
+            "the SWAG moments are final, and a step would train the model's point parameters "
+            "(its head) away from the iterates they were collected with. Start a new "
+            "collection with fitter.begin(data), or predict with this posterior."
+        )
         logger.info("SWAG: %d iterates collected, rank %d, scale %g", n, guide.rank, guide.scale)
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,6 +15,9 @@ from pyrobayes.guides import IBDRGuide, ParticleGuide
 from pyrobayes.models import LoRA, LoRAXS
 from tests.common import conjugate_core, mlp_problem, split_batches
 
+# the predictive's arithmetic is checked on particles as built (never fitted: warned)
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
 
 def _problem(num_classes: int = 6, adapter=None):
     prob = mlp_problem(

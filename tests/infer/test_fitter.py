@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pyro
@@ -241,3 +242,56 @@ def test_validation_that_no_epoch_end_reaches_is_told():
         )
     # what the warning is about: no epoch scored, none selected
     assert result.state["validation"] == [] and result.state["best_epoch"] is None
+
+
+#: the families whose end() fixes the posterior at the current parameters: a step after it
+#: would leave the curvature / moments / factor hooks behind (begin() re-opens the first two)
+ENDS_THE_FIT = {"laplace": True, "swag": True, "kron-ivon": False}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_after_end_is_refused_where_end_fixed_the_posterior(family):
+    pyro.clear_param_store()
+    model, data = _problem(family=family)
+    guide = families.posterior(model, family)
+    fitter = pb.infer.make_fitter(model, guide, lr=1e-2)
+    model.train(True)
+    fitter.begin(data)
+    for batch in data:
+        fitter.step(batch)
+    fitter.epoch_end(0)
+    fitter.end(data)
+    if family not in ENDS_THE_FIT:  # an SVI-type fit trains on after end()
+        fitter.step(data[0])
+        return
+    before = _state(model, guide)
+    with pytest.raises(RuntimeError, match=r"step\(\) after end\(\)"):
+        fitter.step(data[0])
+    after = _state(model, guide)
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing moved
+    if ENDS_THE_FIT[family]:  # begin() starts a new fit, whose steps are taken
+        fitter.begin(data)
+        with warnings.catch_warnings():  # SWAG's new collection discards the old (warned)
+            warnings.filterwarnings("ignore", "SWAGFitter: the SWAGGuide held")
+            assert math.isfinite(fitter.step(data[0]))
+    else:
+        fitter.begin(data)
+        with pytest.raises(RuntimeError, match="make a new fitter"):
+            fitter.step(data[0])
+
+
+def test_an_ivon_record_lr_beside_the_fit_lr_warns_and_is_the_fitters_rate():
+    """``optimizer=pb.infer.IVON(lr=a)`` sets the rate; an lr given to the fit beside it is not
+    used: a warning says so, and fitter.lr (so the checkpoint's record) reads the record's."""
+    pyro.clear_param_store()
+    model, _ = _problem(family="ivon")
+    guide = pb.posterior(model, "ivon")
+    with pytest.warns(UserWarning, match=r"lr=0.2 is not used: IVON\(lr=0.05\)") as caught:
+        fitter = pb.infer.make_fitter(model, guide, lr=0.2, optimizer=pb.infer.IVON(lr=0.05))
+    assert caught[0].filename == __file__  # it points at the line that passed both
+    assert fitter.lr == 0.05
+    assert fitter.optimizer.param_groups[0]["lr"] == 0.05
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same rate twice, or the record's alone: no warning
+        assert pb.infer.make_fitter(model, guide, optimizer=pb.infer.IVON(lr=0.05)).lr == 0.05
+        pb.infer.make_fitter(model, guide, lr=0.05, optimizer=pb.infer.IVON(lr=0.05))
