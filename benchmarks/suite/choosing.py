@@ -69,6 +69,127 @@ print(f"validation NLL {pb.metrics.report(before, before.targets)['nll']:.3f} ->
 """
 
 
+#: docs/choosing.md's record of what was tried where a target is missed (title, text): each
+#: measured on the suite's calibration splits when it was tried (the numbers are that run's)
+TRIED: tuple[tuple[str, str], ...] = (
+    (
+        "The text tasks' early stopping",
+        "one epoch of patience stopped amazon's MAP at a one-epoch rise of the calibration NLL "
+        "on 2 of 3 seeds (at its 2nd epoch, .361/.335, where its 4th reaches .317/.302), so "
+        "that families that ran on beat MAP + TS only at another accuracy. The demo's patience "
+        "is now two epochs: polarity and fine-grained keep the same MAP epoch under one and "
+        "three (`benchmarks/results/suite/tune_*_map_patience.jsonl`); polarity was re-run "
+        "under two and every family's own row came out the same to four decimals; "
+        "fine-grained was re-run under two, where MAP, the ensemble and every post-hoc row "
+        "came out the same and the trained families moved within their seed spread "
+        "(mean-field's NLL 1.201 → 1.219, IBDR's 1.192 → 1.209, Kronecker IVON's 1.301 → "
+        "1.271); amazon was re-run under two: its MAP gained 1.6 pp accuracy but is "
+        "over-confident (T = 1.36), MAP + TS went from NLL .419 to .382, and no family beat "
+        "that at equal accuracy any more (1/8 before, laplace+ts; laplace+ts again since the "
+        "K-FAC input factor averages each sentence over its own tokens).",
+    ),
+    (
+        "IVON and Kronecker IVON",
+        "IVON's Hessian EMA β₂ became 0.999; Kronecker IVON's diagonal β₂ was measured and "
+        "left. Both IVONs' step size on the text tasks' LoRA factors went from 1 to 0.3 (at 1 "
+        "IVON stopped near chance on a polarity seed; at 0.3 it learns on every seed but "
+        "neither IVON beat MAP there), then both to IVON-LoRA's regime (h0 = 1e-3, "
+        "ess = 1e7, a clip radius of 1e-3 and no rescale_lr, Cong et al. 2024: h learns a "
+        "shape; IVON's NLL level with MAP on fine-grained and .011 behind on polarity, its OOD "
+        "AUROC from below MAP to above it on both; Kronecker IVON nearer MAP on both, still "
+        "behind, its Fisher estimator not the reason: the Monte Carlo and exact-GGN Fishers "
+        "are level with the empirical one on polarity's calibration split). That regime was "
+        "not made the library default for plain LoRA factors, since on the MLP tasks' plain "
+        "LoRA no step size of it suited both digits and mnist and the defaults matched its "
+        "best on each (docs/methods/ivon.md). Both IVONs' fits anneal α by a cosine by "
+        "default (at a constant rate the step grows as h falls, and IVON diverged late on two "
+        "mnist seeds; the cosine lowered the calibration NLL in 15 of 18 MLP fits) after a "
+        "warm-up over the first 10% of the run (its first steps, at h = h0, threw the cores "
+        "of a network with adapters on five layers far off: accuracy .40–.74 against MAP's "
+        ".89–.93, with the warm-up .84–.89; `benchmarks/ivon_depth.py`; the suite's MLP rows "
+        "were re-run with it).",
+    ),
+    (
+        "Mean-field",
+        "its posterior scale was diagnosed (Adam bounds each step of log σ) and `scale_lr` "
+        "offered, kept at 1 because it reached the ELBO's optimum but worsened the digits "
+        'predictive. A prior scale chosen by the ELBO itself (empirical Bayes, `prior="empirical"`, '
+        "the `meanfield-eb` row) was offered but not made the default: it helps on digits, "
+        "not on diabetes, and on the text tasks' LoRA factors it shrinks the random A and "
+        "stalls the fit. A tempered objective (`pb.infer.MeanField(kl_weight=0.1)`, the "
+        "`meanfield-cold` rows, chosen on the calibration splits) was offered but not made the "
+        "default: better than the ELBO on digits, worse on mnist and diabetes "
+        "(docs/methods/meanfield.md). On plain LoRA factors, whose pair the KL held near the "
+        'prior, only A is latent and every B a point (`LoRA(latent="A")`, BLoB\'s '
+        "parameterisation; the `meanfield-lora-a` rows on the MLP tasks, and the demo's "
+        "mean-field on the text tasks since it lowered the calibration NLL on all six of their "
+        "fits).",
+    ),
+    (
+        "SWAG, σN, IBDR and the symmetrized guide",
+        "SWAG's documented settings and a constant-SGD rate (docs/methods/swag_laplace.md); "
+        "σN's τ/λ and why it is under-confident on digits (docs/methods/signorm.md); IBDR's ρ "
+        "and dual step, so that its controller engages (docs/methods/ibdr.md); the symmetrized "
+        "bonus, inert on these pretrained networks, so the fit equals mean-field on the same "
+        "adapter (docs/methods/symmetrized.md).",
+    ),
+    (
+        "Laplace's prior precision on held-out data",
+        "chosen by the calibration split's NLL instead of the marginal likelihood "
+        "(`pyrobayes.infer.select_prior_precision`, the `laplace-gs` row: the evidence's τ is "
+        "too weak on Adam-trained LoRA factors, whose norm holds A's random initialisation; "
+        "docs/methods/swag_laplace.md), offered as an option "
+        '(`Laplace(prior_optimization="validation")` inside a fit) but not made the demo\'s '
+        "setting: measured as that setting on the demo's own task (3 seeds), it lost to the "
+        "evidence's τ on every seed (test NLL .503 ± .014 against .492 ± .016), because the "
+        "MAP is early-stopped on the same split, whose NLL then favours the MAP itself.",
+    ),
+    (
+        "Laplace's marginal likelihood",
+        "laplace-torch's reads the MAP as the posterior's mode and charges τ for the drift "
+        "Adam leaves in directions without curvature, so the default now reads it as the "
+        'likelihood\'s mode (`Laplace(evidence="likelihood_mode")`; at the same MAPs: fine NLL '
+        "−.039 ± .009 against laplace-torch's evidence, polarity −.004 ± .011, digits "
+        "+.000 ± .003, diabetes +.014 ± .003; `benchmarks/laplace_evidence.py`, "
+        "docs/methods/swag_laplace.md).",
+    ),
+    (
+        "Laplace for OOD detection",
+        "with laplace-torch's probit link (the `laplace-probit` row: nearer laplace-torch on "
+        "the text tasks, where the default is below, but on digits and mnist 1.1–1.3 pp less "
+        "accurate, NLL +.04 and OOD AUROC lower, because the link drops the covariance of the "
+        "logits; docs/methods/swag_laplace.md). Where the adapter's spread falls "
+        "(`benchmarks/suite/logit_covariance.py`): on amazon it is larger on the editorials "
+        "but nearly a function of the MAP's margin (rank correlation −.89 to −.96), and as a "
+        "score ranks them below laplace-torch's last-layer variance (AUROC .66–.70 against "
+        ".77–.82); on fine-grained it does not tell them apart; 100 and 10,000 Monte Carlo "
+        "draws give the same AUROC, so the score's noise is not the cause; on digits and "
+        "mnist it is smaller on the held-out classes, laplace-torch's last-layer variance "
+        "too (as scores AUROC .33–.44 and .21–.43), because the pretrained features of unseen "
+        "digits are 10–14% smaller: on digits every linearised spread lowers the entropy "
+        "AUROC, ours by .013–.017 and laplace-torch's by .036–.064 against the MAP's (ours by "
+        ".006 ± .004 with τ chosen on the calibration split). So the head's own spread, which "
+        "one τ shared with the adapter shrinks (τ 30–70 jointly against laplace-torch's 5–10 "
+        'for the head alone): one τ per site (`prior_structure="layerwise"`, laplace-torch\'s '
+        "name) over the adapter and the MAP's head made latent is now the demo's Laplace and "
+        "the text tasks' `laplace` row (level with laplace-torch's OOD AUROC on polarity and "
+        "fine-grained at the adapter's NLL, and on amazon .004 ± .002 below it since the "
+        "K-FAC input factor averages each sentence over its own real tokens, +.001 ± .002 "
+        "with the padding counted; the adapter alone is the `laplace-adapter` row). On the "
+        "MLP tasks it is the `laplace-head-lw` row: better NLL on mnist, diabetes and "
+        "autompg, worse NLL and OOD AUROC on digits, so the default there stays the "
+        "adapter's.",
+    ),
+    (
+        "The OOD score",
+        "the mutual information between label and parameters (recorded on the MLP tasks): on "
+        "digits it is below the predictive entropy for most families, since the held-out "
+        "classes are told apart by the predictive's total uncertainty, not its epistemic "
+        "part.",
+    ),
+)
+
+
 def _mean(task: dict[str, Any], method: str, metric: str) -> float:
     return summary(list(values(task, method, metric).values()))[0]
 
@@ -987,101 +1108,14 @@ def page(
         "",
         *_targets(tasks),
         "",
-        "Where a target is missed, what was tried (each with its measurements on the suite's "
-        "tasks, never on the reported split): the text tasks' early stopping, where one "
-        "epoch of patience stopped amazon's MAP at a one-epoch rise of the calibration NLL on "
-        "2 of 3 seeds (at its 2nd epoch, .361/.335, where its 4th reaches .317/.302), so that "
-        "families that ran on beat MAP + TS only at another accuracy: the demo's patience is "
-        "now two epochs (polarity and fine-grained keep the same MAP epoch under one and "
-        "three, `benchmarks/results/suite/tune_*_map_patience.jsonl`; polarity was re-run "
-        "under two and every family's own row came out the same to four decimals; "
-        "fine-grained was re-run under two, where MAP, the ensemble and every post-hoc row "
-        "came out the same and the trained families moved within their seed spread: "
-        "mean-field's NLL 1.201 → 1.219, IBDR's 1.192 → 1.209, Kronecker IVON's 1.301 → "
-        "1.271) and amazon was re-run under "
-        "two: its MAP gained 1.6 pp "
-        "accuracy but is over-confident (T = 1.36), MAP + TS went from NLL .419 to .382, and "
-        "no family beat that at equal accuracy any more (1/8 before, laplace+ts; laplace+ts "
-        "again since the K-FAC input factor averages each sentence over its own tokens); "
-        "IVON's Hessian EMA β₂ became 0.999, Kronecker "
-        "IVON's diagonal β₂ was measured and left, and both IVONs' step size on the text "
-        "tasks' LoRA factors went from 1 to 0.3 (at 1 IVON stopped near chance on a polarity "
-        "seed; at 0.3 it learns on every seed but neither IVON beat MAP there), then both "
-        "to IVON-LoRA's regime (h0 = 1e-3, ess = 1e7, a clip radius of 1e-3 and no "
-        "rescale_lr, Cong et al. 2024: h learns a shape; IVON's NLL level with MAP on "
-        "fine-grained and .011 behind on polarity, its OOD AUROC from below MAP to above it "
-        "on both; Kronecker IVON nearer MAP on both, still behind, its Fisher estimator "
-        "not the reason (the Monte Carlo and exact-GGN Fishers level with the empirical one "
-        "on polarity's calibration split); not made the library default for plain LoRA "
-        "factors, since on the MLP tasks' plain LoRA no step size of it suited both digits "
-        "and mnist and the defaults matched its best on each; docs/methods/ivon.md), and "
-        "both IVONs' fits anneal α by a cosine by default (at a "
-        "constant rate the step grows as h falls, and IVON diverged late on two mnist seeds; "
-        "the cosine lowered the calibration NLL in 15 of 18 MLP fits) after a warm-up over "
-        "the first 10% of the run (its first steps, at h = h0, threw the cores of a network "
-        "with adapters on five layers far off: accuracy .40–.74 against MAP's .89–.93, with "
-        "the warm-up .84–.89; `benchmarks/ivon_depth.py`; the suite's MLP rows were re-run "
-        "with it); mean-field's "
-        "posterior scale was diagnosed (Adam bounds each step of log σ) and `scale_lr` offered, "
-        "kept at 1 because it reached the ELBO's optimum but worsened the digits predictive, "
-        'and a prior scale chosen by the ELBO itself (empirical Bayes, `prior="empirical"`, '
-        "the `meanfield-eb` row) offered but not made the default: it helps on digits, not on "
-        "diabetes, and on the text tasks' LoRA factors it shrinks the random A and stalls the "
-        "fit, and a tempered objective (`pb.infer.MeanField(kl_weight=0.1)`, the "
-        "`meanfield-cold` rows, chosen on the calibration splits) offered but not made the "
-        "default: better than the ELBO on digits, worse on mnist and diabetes "
-        "(docs/methods/meanfield.md); on plain LoRA factors, whose pair the KL held near the "
-        'prior, only A latent and every B a point (`LoRA(latent="A")`, BLoB\'s '
-        "parameterisation; the `meanfield-lora-a` rows on the MLP tasks, and the demo's "
-        "mean-field on the text tasks since it lowered the calibration NLL on all six of their "
-        "fits); SWAG's documented settings and a constant-SGD rate "
-        "(docs/methods/swag_laplace.md); σN's τ/λ and why it is under-confident on digits "
-        "(docs/methods/signorm.md); IBDR's ρ and dual step, so that its controller engages "
-        "(docs/methods/ibdr.md); the symmetrized bonus, inert on these pretrained networks, so "
-        "the fit equals mean-field on the same adapter (docs/methods/symmetrized.md); "
-        "Laplace's prior precision chosen by the calibration split's NLL instead of the "
-        "marginal likelihood (`pyrobayes.infer.select_prior_precision`, the `laplace-gs` row: "
-        "the evidence's τ is too weak on Adam-trained LoRA factors, whose norm holds A's random "
-        "initialisation; docs/methods/swag_laplace.md), offered as an option "
-        '(`Laplace(prior_optimization="validation")` inside a fit) but not made the demo\'s '
-        "setting: measured as that setting on the demo's own task (3 seeds), it lost to the "
-        "evidence's τ on every seed (test NLL .503 ± .014 against .492 ± .016), because the "
-        "MAP is early-stopped on the same split, whose NLL then favours the MAP itself; "
-        "Laplace's marginal likelihood itself: laplace-torch's reads the MAP as the posterior's "
-        "mode and charges τ for the drift Adam leaves in directions without curvature, so the "
-        'default now reads it as the likelihood\'s mode (`Laplace(evidence="likelihood_mode")`; '
-        "at the same MAPs: fine NLL −.039 ± .009 against laplace-torch's evidence, polarity "
-        "−.004 ± .011, digits +.000 ± .003, diabetes +.014 ± .003; `benchmarks/"
-        "laplace_evidence.py`, docs/methods/swag_laplace.md); for OOD detection, Laplace "
-        "with laplace-torch's probit link (the `laplace-probit` row: nearer laplace-torch "
-        "on the text tasks, where the default is below, but on digits and mnist 1.1–1.3 pp "
-        "less accurate, NLL +.04 and OOD AUROC lower, because the link drops the covariance "
-        "of the logits; docs/methods/swag_laplace.md), where the adapter's spread falls "
-        "(`benchmarks/suite/logit_covariance.py`: on amazon it is larger on the editorials but "
-        "nearly a function of the MAP's margin, rank correlation −.89 to −.96, and as a score "
-        "ranks them below laplace-torch's last-layer variance, AUROC .66–.70 against .77–.82; on "
-        "fine-grained it does not tell them apart; 100 and 10,000 Monte Carlo draws give the "
-        "same AUROC, so the score's noise is not the cause; on digits and mnist it is smaller on "
-        "the held-out classes, laplace-torch's last-layer variance too, as scores AUROC .33–.44 "
-        "and .21–.43, because the pretrained features of unseen digits are 10–14% smaller: on "
-        "digits every linearised spread lowers the entropy AUROC, ours by .013–.017 and "
-        "laplace-torch's by .036–.064 against the MAP's; ours by .006 ± .004 with τ chosen on "
-        "the calibration split), so the head's own spread, which "
-        "one τ shared with the adapter shrinks (τ 30–70 jointly against laplace-torch's 5–10 "
-        'for the head alone): one τ per site (`prior_structure="layerwise"`, laplace-torch\'s '
-        "name) over the adapter and the MAP's head made latent is now the demo's Laplace and "
-        "the text tasks' `laplace` row (level with laplace-torch's OOD AUROC on polarity and "
-        "fine-grained at the adapter's NLL, and on amazon .004 ± .002 below it since the "
-        "K-FAC input factor averages each sentence over its own real tokens, +.001 ± .002 "
-        "with the padding counted; the adapter alone is the `laplace-adapter` row; on "
-        "the MLP tasks the `laplace-head-lw` row, better NLL on mnist, diabetes and autompg, "
-        "worse NLL and OOD AUROC on digits, so the default there stays the adapter's), and "
-        "the mutual information between label and parameters as the score (recorded on the MLP "
-        "tasks; on digits it is below the predictive entropy for most families: the held-out "
-        "classes are told apart by the predictive's total uncertainty, not its epistemic "
-        "part). In this "
-        "suite every method is also shown with a temperature (`+ts`), and laplace-torch with "
-        "its grid-searched prior precision"
+        "### Where a target is missed: what was tried",
+        "",
+        "Each with its measurements on the suite's tasks, never on the reported split.",
+        "",
+        *[f"- **{title}**: {text}" for title, text in TRIED],
+        "",
+        "In this suite every method is also shown with a temperature (`+ts`), and laplace-torch "
+        "with its grid-searched prior precision"
         + _single_seed_clause(tasks)
         + "."
         + _near_ood_clause(tasks),
