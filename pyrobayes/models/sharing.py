@@ -52,6 +52,7 @@ from ..batch import compute_dtype
 from .layers import BatchedLinear, _AdapterBase
 from .lower_cache import stubbed_below
 from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
+from .net_call import _RowsMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ def prefix_shared_logits(
     if draws > 1:
         try:
             return _prefix_pass(net, layout, num, k_choices, draws, lower)
-        except _declined_type():
+        except _RowsMismatch:
             pass  # a block of the stack runs twice, say (logged once): every row runs them
     return _prefix_pass(net, layout, num, k_choices, 1, None)
 
@@ -514,14 +515,6 @@ def first_adapted_block(
 _DECLINED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
-def _declined_type() -> type[Exception]:
-    """The exception the callers of :func:`lower_layers_shared` catch to run the plain forward
-    instead (``finetune._RowsMismatch``; imported here late: finetune imports this module)."""
-    from .finetune import _RowsMismatch
-
-    return _RowsMismatch
-
-
 def _refusal(block: nn.Module, rows: int, num_samples: int) -> str | None:
     """Why the layers below ``block`` are known not to be shared for ``rows`` rows and
     ``num_samples`` draws, or ``None``."""
@@ -553,7 +546,7 @@ def _decline(block: nn.Module, kind: str, why: str) -> Exception:
             {"order": "", "rows": " (S > 1)", "one_row": " on one-row batches"}[kind],
             why,
         )
-    return _declined_type()(why)
+    return _RowsMismatch(why)
 
 
 def _hidden_states(args: tuple, kwargs: Mapping[str, Any]) -> Any:
@@ -610,7 +603,7 @@ def lower_layers_shared(
     computed once for the un-expanded rows (attention masks, rotary embeddings).
 
     The block holds one forward of the network. That forward raises the callers' fallback
-    exception (``finetune._RowsMismatch``: the plain forward then runs) when sharing does not
+    exception (``net_call._RowsMismatch``: the plain forward then runs) when sharing does not
     give the unshared computation, and the reason is kept per network and logged once, so that
     later calls fall back on entry: a block of the stack runs more than once, or a block of
     ``below`` after a later block (ALBERT's layer groups and inner layers: the lower blocks'
@@ -639,7 +632,7 @@ def lower_layers_shared(
     key = blocks[0]
     why = _refusal(key, rows, num_samples)
     if why is not None:
-        raise _declined_type()(why)
+        raise _RowsMismatch(why)
     stack = [*below, *blocks]
     if len({id(block) for block in stack}) != len(stack):
         raise _decline(key, "order", "the stack of blocks holds one module twice")
@@ -689,7 +682,7 @@ def lower_layers_shared(
                     handles.append(below[-1].register_forward_hook(record))
             try:
                 yield
-            except _declined_type():
+            except _RowsMismatch:
                 if not declined and num_samples > 1:  # raised by the caller: rows lost
                     _decline(key, "rows", "the network's output does not keep the S-fold rows")
                 raise

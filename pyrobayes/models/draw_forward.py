@@ -1,0 +1,300 @@
+"""``DrawEvaluation``: the network evaluated at posterior draws, the base of
+:class:`~pyrobayes.models.FineTuneModel`.
+
+One parameter set or S of them (a sample-major batch) are swapped into the network's cached
+slots for one forward, with the work that does not depend on the draws shared: a
+multiple-choice prompt run once for its choices, the blocks below the first adapted one run
+once on the un-expanded rows (:mod:`pyrobayes.models.sharing`) or read back from the fit's
+lower-block cache (:mod:`pyrobayes.models.lower_cache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from ..batch import batch_size, expand_samples, split_batch
+from .adapters import SiteSpec
+from .likelihoods import Likelihood, OutputKey, network_output
+from .lower_cache import LowerBlockCache, stubbed_below
+from .net_call import _call, _functional_call, _num_samples, _RowsMismatch
+from .sharing import (
+    TokenLogProbs,
+    batch_memo,
+    first_adapted_block,
+    lower_inputs,
+    lower_layers_shared,
+    prefix_applies,
+    prefix_shared_logits,
+    reusing_within_batch,
+    sharing_enabled,
+    tokens_per_draw,
+)
+
+__all__ = ["DrawEvaluation", "NOISE_PARAM"]
+
+#: ``point_params`` key of a learned Gaussian noise ``ρ`` (``σ = softplus(ρ)``).
+NOISE_PARAM = "likelihood.raw_scale"
+
+
+class DrawEvaluation:
+    """The network at one or S posterior draws: the evaluation methods of
+    :class:`~pyrobayes.models.FineTuneModel`, which inherits them and sets what they read."""
+
+    # set by FineTuneModel.__init__
+    net: nn.Module
+    likelihood: Likelihood
+    latent_sites: dict[str, SiteSpec]
+    point_params: dict[str, nn.Parameter]
+    label_key: str
+    output_key: OutputKey | None
+    _tuple_first: bool
+
+    @property
+    def device(self) -> torch.device:
+        for t in self.net.parameters():
+            return t.device
+        return torch.device("cpu")
+
+    def _call_net(self, net: nn.Module, inputs: Any) -> Any:
+        """``net`` on ``inputs`` as the likelihood wants it called (``network_inputs``: e.g. the
+        ``(B, K, L)`` choices flattened and the head restricted to the positions read)."""
+        return _call(net, self.likelihood.network_inputs(inputs, net))
+
+    def _run(self, inputs: Any) -> Any:
+        """:meth:`_call_net` with the work shared across choices and draws (``sharing``): a
+        multiple-choice batch runs each prompt once for its K choices; inside
+        :meth:`_lower_shared` the blocks below the first adapted one see the un-expanded rows."""
+        check_positions = getattr(self.likelihood, "check_positions", None)
+        if check_positions is not None:
+            check_positions(inputs, self.net)
+        shared = prefix_shared_logits(
+            self.net, self.likelihood, inputs, self._draws_in_net(), self._first_adapted()
+        )
+        if shared is not None:
+            return shared
+        lower = self.__dict__.get("_lower_rows")  # set by _lower_shared
+        net_inputs = self.likelihood.network_inputs(inputs, self.net)
+        if lower is None or not isinstance(net_inputs, Mapping):
+            return _call(self.net, net_inputs)
+        out = _call(self.net, lower_inputs(net_inputs, lower[0]))
+        if int(self.network_prediction(out).shape[0]) != lower[0] * lower[1]:
+            raise _RowsMismatch  # a head that reads the (un-expanded) inputs again
+        return out
+
+    def output(
+        self,
+        inputs: Any,
+        values: Mapping[str, Tensor],
+        overrides: Mapping[str, Tensor] | None = None,
+    ) -> Tensor:
+        """Likelihood parameters for one parameter set (or a sample-major batch): ``(B, ...)``.
+
+        A value of another floating dtype than the tensor it replaces runs in the network's
+        dtype (a guide keeps a half-precision network's parameters in float32: its steps would
+        round away in bfloat16)."""
+        slots = self._slots()
+        params = {}
+        for site, value in values.items():
+            name = self.latent_sites[site].param_name
+            module, leaf = slots[name]
+            held = module._parameters[leaf]
+            if held is not None and value.dtype != held.dtype:
+                value = value.to(held.dtype)
+            params[name] = value
+        if overrides:
+            params.update(overrides)
+        cached = None if "_lower_rows" in self.__dict__ else self._cached_lower(inputs)
+        if cached is None:
+            out = self._functional(inputs, params)
+        else:
+            with stubbed_below(cached[0], cached[1]):
+                out = self._functional(inputs, params)
+        if isinstance(out, TokenLogProbs):  # the shared prompts' scored continuations
+            return self.likelihood.params(out, inputs)  # type: ignore[arg-type]
+        return self.likelihood.params(self.network_prediction(out), inputs)
+
+    def network_prediction(self, out: Any) -> Tensor:
+        """The prediction tensor in the network's output ``out`` (``output_key``)."""
+        return network_output(out, self.output_key, first_of_tuple=self._tuple_first)
+
+    def _draws_in_net(self) -> int:
+        """Parameter sets the network holds now: the leading size of a site swapped in with a
+        sample axis (a sample-major batch, or the linearised predictive's per-row copies)."""
+        for spec in self.latent_sites.values():
+            module, leaf = self._slots()[spec.param_name]
+            value = module._parameters[leaf]
+            if value is not None and value.dim() > len(spec.shape):
+                return int(value.shape[0])
+        return 1
+
+    def _slots(self) -> dict[str, tuple[nn.Module, str]]:
+        """``{parameter name: (owning module, attribute)}`` for every site and point parameter."""
+        slots = self.__dict__.get("_slot_cache")
+        if slots is None:
+            slots = {}
+            names = [s.param_name for s in self.latent_sites.values()]
+            names += [n for n in self.point_params if n != NOISE_PARAM]  # the rest: the network's
+            for name in names:
+                parent, _, leaf = name.rpartition(".")
+                module = self.net.get_submodule(parent) if parent else self.net
+                if leaf not in module._parameters:
+                    raise RuntimeError(f"{name!r} is not a registered parameter of the network.")
+                slots[name] = (module, leaf)
+            self.__dict__["_slot_cache"] = slots
+        return slots
+
+    def _functional(self, inputs: Any, params: dict[str, Tensor]) -> Any:
+        """Run the network with ``params`` in place of its own tensors (as ``functional_call``).
+
+        The sites and point parameters are known in advance, so their slots are cached and
+        swapped directly (``functional_call`` walks every module each call, a millisecond-scale
+        fixed cost per step on small networks); other names go through ``functional_call``.
+        """
+        slots = self._slots()
+        if not all(name in slots for name in params):
+            net_inputs = self.likelihood.network_inputs(inputs, self.net)
+            return _functional_call(self.net, net_inputs, params)
+        saved = []
+        try:
+            for name, value in params.items():
+                module, leaf = slots[name]
+                saved.append((module, leaf, module._parameters[leaf]))
+                module._parameters[leaf] = value  # type: ignore[assignment]
+            return self._run(inputs)
+        finally:
+            for module, leaf, original in reversed(saved):
+                module._parameters[leaf] = original
+
+    def batched_output(self, inputs: Any, values: Mapping[str, Tensor]) -> Tensor:
+        """Likelihood parameters for S parameter sets in ONE forward: ``(S, B, ...)``.
+
+        ``values[site]`` has shape ``(S, *site_shape)``. The input batch is expanded S-fold
+        (sample-major) and each adapter layer applies its own sample to its slice.
+        """
+        return self._batched(inputs, values)
+
+    def _batched(
+        self,
+        inputs: Any,
+        values: Mapping[str, Tensor],
+        overrides: Mapping[str, Tensor] | None = None,
+    ) -> Tensor:
+        num_samples = _num_samples(values)
+        num_rows = batch_size(inputs)
+        if num_samples == 1 and not reusing_within_batch():
+            out = self.output(inputs, {s: v[0] for s, v in values.items()}, overrides)
+            return out.unsqueeze(0)
+        expanded = expand_samples(inputs, num_samples)
+        shared = self._lower_shared(inputs, expanded, values, overrides, num_samples)
+        out = self.output(expanded, values, overrides) if shared is None else shared
+        return out.reshape(num_samples, num_rows, *out.shape[1:])
+
+    def _lower_shared(
+        self,
+        inputs: Any,
+        expanded: Any,
+        values: Mapping[str, Tensor],
+        overrides: Mapping[str, Tensor] | None,
+        num_samples: int,
+    ) -> Tensor | None:
+        """:meth:`output` of the S-fold ``expanded`` batch with the network's blocks below the
+        first adapted one run once on the un-expanded rows (``sharing``), or ``None`` where
+        that does not apply (or the network's output does not keep the expanded rows)."""
+        if (
+            not sharing_enabled()
+            or not isinstance(inputs, Mapping)
+            or "_lower_rows" in self.__dict__
+        ):
+            return None
+        if prefix_applies(self.net, self.likelihood, expanded):
+            return None  # the prompt-sharing path runs the choices instead
+        found = self._first_adapted()
+        if found is None:
+            return None
+        rows = batch_size(inputs) * (self.likelihood.rows_per_output(inputs) or 1)
+        cached = self._cached_lower(inputs)  # the fit's per-example memory of the lower blocks
+        self.__dict__["_lower_rows"] = (rows, num_samples)
+        key = tuple(sorted(self.latent_sites))
+        memo = batch_memo(inputs, ("lower", key))  # the chunks of one batch in pb.predict
+        if cached is not None:
+            memo = {} if memo is None else memo
+            memo["below"] = cached[1]
+        try:
+            blocks, first = found
+            below = list(blocks)[:first]
+            with lower_layers_shared(list(blocks)[first:], rows, num_samples, below, memo):
+                out = self.output(expanded, values, overrides)
+        except _RowsMismatch:
+            if memo is not None:
+                memo.pop("below", None)
+            return None
+        finally:
+            del self.__dict__["_lower_rows"]
+        return out
+
+    @contextlib.contextmanager
+    def caching_lower_blocks(self, *datasets: Iterable[Any]) -> Iterator[None]:
+        """Within the block (:func:`pyrobayes.fit` opens it with its training and validation
+        data), the frozen blocks below the first adapted one are not run on the examples of
+        ``datasets``: their output is computed once per example on entry and read back
+        (:mod:`pyrobayes.models.lower_cache`). Where that does not apply, the plain forward
+        runs. Data other than a ``DataLoader``, list or tuple is not read ahead (the first, the
+        training data, must be one)."""
+        found = self._first_adapted()
+        readable = [d for d in datasets if isinstance(d, (DataLoader, list, tuple))]
+        if (
+            found is None
+            or not datasets
+            or not isinstance(datasets[0], (DataLoader, list, tuple))
+            or "_lower_cache" in self.__dict__
+            or not sharing_enabled()
+        ):
+            yield
+            return
+        changing = [spec.param_name for spec in self.latent_sites.values()]
+        changing += [name for name in self.point_params if name != NOISE_PARAM]
+        cache = LowerBlockCache(self.net, list(found[0]), found[1], changing)
+
+        def network_inputs(batch: Any) -> Any:
+            return self.likelihood.network_inputs(split_batch(batch, self.label_key)[0], self.net)
+
+        if cache.build(readable, network_inputs, self.device):
+            self.__dict__["_lower_cache"] = cache
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_lower_cache", None)
+
+    def _cached_lower(self, inputs: Any) -> tuple[list[nn.Module], Any] | None:
+        """``(lower blocks, their output for inputs)`` from the fit's lower-block cache, or
+        ``None`` outside :meth:`caching_lower_blocks` or where it does not apply."""
+        cache = self.__dict__.get("_lower_cache")
+        if cache is None or not sharing_enabled():
+            return None
+        if prefix_applies(self.net, self.likelihood, inputs):
+            return None  # prompts and continuations run as rows of their own
+        output = cache.output(self.likelihood.network_inputs(inputs, self.net))
+        return None if output is None else (cache.below, output)
+
+    def tokens_per_draw(self, inputs: Any) -> int | None:
+        """Token positions one more draw costs on ``inputs`` in prediction, the work
+        shared across draws left out (:func:`~pyrobayes.models.sharing.tokens_per_draw`);
+        ``None`` when nothing is shared. :func:`pyrobayes.predict` sizes its chunks of draws
+        by it."""
+        return tokens_per_draw(self.net, self.likelihood, inputs, self._first_adapted())
+
+    def _first_adapted(self) -> tuple[nn.ModuleList, int] | None:
+        """:func:`~pyrobayes.models.sharing.first_adapted_block` of the latent sites (cached)."""
+        key = tuple(sorted(self.latent_sites))
+        cached = self.__dict__.get("_lower_block")
+        if cached is None or cached[0] != key:
+            names = [spec.param_name for spec in self.latent_sites.values()]
+            cached = (key, first_adapted_block(self.net, names))
+            self.__dict__["_lower_block"] = cached
+        return cached[1]
