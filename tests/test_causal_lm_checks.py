@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 
 from pyrobayes.cli import main
 from pyrobayes.demo import causal_lm
+from pyrobayes.demo.join_runs import join_runs
 from pyrobayes.demo.pipeline import ConfigError
+from pyrobayes.demo.run_folder import RunFolderError, claim_run_folder
 from tests.test_causal_lm_job import write_config, write_task
 
 
@@ -64,6 +67,11 @@ def task_section(**keys):
         ({"causal_lm": {"gguf_file": "m.gguf", **task_section()}}, "'causal_lm.gguf_file'"),
         # keep = "last" (the default) reads no validation split: a patience would be ignored
         ({"training": {"patience": 2}}, "'training.patience' = 2 is ignored under"),
+        # the job fits each seed of `seeds` (the demo's training.seed would be ignored)
+        (
+            {"training": {"seed": 7}},
+            r"'training.seed' = 7 is ignored by a causal-LM job.*seeds = \[7\].*--seeds",
+        ),
     ],
 )
 def test_config_mistakes_are_refused_naming_the_key(sections, match):
@@ -206,3 +214,62 @@ def test_overwrite_keeps_the_old_run_when_the_new_config_names_what_is_not_here(
     assert main(["fit", str(tmp_path / "bad.toml"), *job, "--overwrite"]) == 2
     assert "'adapter.target_modules'" in capsys.readouterr().err
     assert (out / "metrics.json").read_text() == before
+
+
+def test_overwrite_removes_the_old_runs_normalize_json(tmp_path):
+    # compare_normalize's normalize.json is a run file: a replacing run that does not compare
+    # must not leave the old comparison next to its own metrics
+    out = tmp_path / "run"
+    (out / "guides").mkdir(parents=True)
+    for name in ("config.json", "metrics.json", "normalize.json"):
+        (out / name).write_text("{}")
+    claim_run_folder(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["guides"]
+    (out / "normalize.json").write_text("{}")  # an interrupted run's only result
+    with pytest.raises(RunFolderError, match=r"already holds a run \(normalize.json\)"):
+        claim_run_folder(out, overwrite=False)
+
+
+def test_join_of_an_interrupted_run_lists_only_its_recorded_seeds(tmp_path, caplog):
+    """A run folder whose config lists seed 2 but whose metrics.json (written after every
+    family) has no record of it joins as seed 1 alone, with a warning naming map@seed2; seed 2
+    fitted in its own folder then joins in."""
+    write_task(tmp_path / "task.json", num=8)
+    write_config(tmp_path / "job.toml", tmp_path / "task.json", families='["map"]')
+    full = tmp_path / "full"
+    job = ["fit", str(tmp_path / "job.toml"), "--quick", "--no-progress", "--seeds", "0,1,2"]
+    assert main([*job, "--out", str(full)]) == 0
+    config = json.loads((full / "config.json").read_text())
+    records = json.loads((full / "metrics.json").read_text())
+
+    def part(name, listed, recorded, files):
+        folder = tmp_path / name
+        (folder / "guides").mkdir(parents=True)
+        (folder / "plots").mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, "seeds": listed}))
+        kept = [r for r in records if r["seed"] is None or r["seed"] in recorded]
+        (folder / "metrics.json").write_text(json.dumps(kept))
+        for seed in files:
+            for file in (
+                f"guides/map-seed{seed}.safetensors",
+                f"plots/reliability_map-seed{seed}.png",
+            ):
+                shutil.copy2(full / file, folder / file)
+        return str(folder)
+
+    s0 = part("s0", [0], [0], [0])
+    # interrupted after seed 2's posterior was saved, before its record was written
+    s12 = part("s12", [1, 2], [1], [1, 2])
+    s2 = part("s2", [2], [2], [2])
+    with caplog.at_level(logging.WARNING, logger="pyrobayes.demo.join_runs"):
+        joined = join_runs([s0, s12], tmp_path / "j")
+    assert json.loads((tmp_path / "j" / "config.json").read_text())["seeds"] == [0, 1]
+    assert [r["seed"] for r in joined] == [None, 0, 1]
+    assert sorted(p.name for p in (tmp_path / "j" / "guides").iterdir()) == [
+        "map-seed0.safetensors",
+        "map-seed1.safetensors",
+    ]
+    assert f"{s12} has no metrics.json record of map@seed2" in caplog.text
+    assert "takes seeds [1] from it" in caplog.text and "--seeds S" in caplog.text
+    join_runs([s0, s12, s2], tmp_path / "j", overwrite=True)
+    assert json.loads((tmp_path / "j" / "config.json").read_text())["seeds"] == [0, 1, 2]

@@ -83,6 +83,7 @@ def test_a_value_that_cannot_run_is_a_config_error(user, words):
     "user",
     [
         {"training": {"patience": 0}},  # no early stopping
+        {"training": {"seed": 7}},  # the demo's one seed (a causal-LM config runs its seeds)
         {"data": {"num_ood": 0, "ood": []}},  # no OOD set to draw from
         {"training": {"warmup": 5, "scheduler": "cosine"}},  # steps
         {"training": {"warmup": 0.06, "scheduler": "linear"}},  # a fraction of the run

@@ -284,10 +284,11 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
         An unknown key (named with its path and the nearest valid one), a wrong type or value
         (a count below its minimum, a learning rate or prior scale <= 0, an unknown scheduler,
         a device torch cannot read or this machine lacks), an unknown family, no seeds or a
-        seed listed twice, no task path, fractions that do not sum to 1, a template with a
-        stray brace, ``dtype = "float16"`` (fits overflow), or ``keep = "best"`` with no
-        validation split. What the config names on this machine (model, task file, target
-        modules) is :func:`check_inputs`'s.
+        seed listed twice, a ``training.seed`` (the job runs its ``seeds`` list), no task
+        path, fractions that do not sum to 1, a template with a stray brace,
+        ``dtype = "float16"`` (fits overflow), or ``keep = "best"`` with no validation split.
+        What the config names on this machine (model, task file, target modules) is
+        :func:`check_inputs`'s.
     """
     user = copy.deepcopy(user or {})
     if isinstance(user.get("families"), str):
@@ -305,6 +306,7 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
         config = merge_config(config, QUICK_OVERRIDES)
     check_families(config["families"])
     check_patience_needs_best(user, config)
+    _check_no_training_seed(user)
     seeds = config["seeds"]
     if not seeds:
         raise ConfigError("Config key 'seeds' is empty; give at least one seed, e.g. [0].")
@@ -357,6 +359,19 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
             'Give the validation split a share (e.g. [0.5, 0.1, 0.4]) or set keep = "last".'
         )
     return config
+
+
+def _check_no_training_seed(user: dict[str, Any]) -> None:
+    """Refuse a ``training.seed`` the user set: the job fits each seed of its ``seeds`` list
+    (the run sets ``training.seed`` to that seed per fit), so the key would be ignored."""
+    training = user.get("training") or {}
+    if "seed" in training:
+        raise ConfigError(
+            f"Config key 'training.seed' = {training['seed']!r} is ignored by a causal-LM job: "
+            "it fits every seed of the top-level 'seeds' list (e.g. seeds = "
+            f"[{training['seed']!r}], or --seeds on the command line). Remove training.seed and "
+            "list the seed(s) in 'seeds'."
+        )
 
 
 def _replaced(user: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> list[str]:

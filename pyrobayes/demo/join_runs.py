@@ -11,6 +11,11 @@ that ``pyrobayes evaluate`` reloads and checks all of them.
 The inputs must be the same job: their configs equal apart from ``seeds`` and the device, no
 seed in two inputs, and their zero-shot rows (the base network on the same test split) equal
 within :data:`~pyrobayes.demo.pipeline.DRIFT_TOLERANCE`.
+
+An interrupted input (its config lists seeds that its ``metrics.json`` has no record of) adds
+only the seeds it recorded, and a logged warning names the missing (family, seed): the joined
+``config.json`` lists the seeds whose records and posteriors it holds, so a missing seed can be
+fitted in its own folder and joined in.
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return config, read_json(metrics_path)
 
 
+def _recorded_seeds(
+    run_dir: Path, config: dict[str, Any], records: list[dict[str, Any]]
+) -> list[int]:
+    """The seeds of ``config`` that ``records`` hold a family's record of, in its order. An
+    interrupted run (the job writes ``metrics.json`` after every family) lacks the rest: they
+    are left out of the join, with a logged warning naming the missing (family, seed)."""
+    have = {(r["family"], r.get("seed")) for r in records}
+    listed = [int(s) for s in config["seeds"]]
+    missing = [f"{f}@seed{s}" for s in listed for f in config["families"] if (f, s) not in have]
+    present = [s for s in listed if any((f, s) in have for f in config["families"])]
+    if missing:
+        logger.warning(
+            "join: %s has no metrics.json record of %s (an interrupted run?); the joined run "
+            "takes seeds %s from it. Fit a missing seed in its own folder (pyrobayes fit "
+            "CONFIG --seeds S) and join that folder too.",
+            run_dir,
+            ", ".join(missing),
+            present,
+        )
+    return present
+
+
 def join_runs(
     run_dirs: Sequence[str | Path], out_dir: str | Path, *, overwrite: bool = False
 ) -> list[dict[str, Any]]:
@@ -97,13 +124,14 @@ def join_runs(
                 f"{run_dir} ran another job than {inputs[0]} (their config.json differ beyond "
                 "'seeds' and the device); only seeds of the same job can be joined."
             )
-        shared = sorted(set(seeds) & set(config["seeds"]))
+        present = _recorded_seeds(run_dir, config, records)
+        shared = sorted(set(seeds) & set(present))
         if shared:
             raise RunFolderError(
                 f"seed(s) {shared} of {run_dir} are already in an earlier run folder; each seed "
                 "must come from one run."
             )
-        seeds += [int(s) for s in config["seeds"]]
+        seeds += present
         zero = [r for r in records if r["family"] == "zero-shot"]
         # the base network on the same test split, in another process: equal up to rounding
         drifts = compare_metrics(
@@ -116,15 +144,23 @@ def join_runs(
                 f"the zero-shot rows of {inputs[0]} and {run_dir} differ ({'; '.join(drifts)}): "
                 "the base network or the test split is not the same."
             )
+    if not seeds:
+        raise RunFolderError(
+            f"none of {[str(d) for d in inputs]} holds a fitted family's record in metrics.json; "
+            "there is nothing to join."
+        )
     claim_run_folder(out, overwrite, folder="out", replace="overwrite")
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     joined: list[dict[str, Any]] = [r for r in first_records if r["family"] == "zero-shot"]
     for run_dir, (_, records) in zip(inputs, runs, strict=True):
-        joined += [r for r in records if r["family"] != "zero-shot"]
-        for pattern in ("guides/*.safetensors", "plots/reliability_*-seed*.png"):
-            for file in sorted(run_dir.glob(pattern)):
-                shutil.copy2(file, out / file.relative_to(run_dir))
+        fitted = [r for r in records if r["family"] != "zero-shot"]
+        joined += fitted
+        for r in fitted:  # the files of the recorded fits only (not an interrupted fit's)
+            name = f"{r['family']}-seed{r['seed']}"
+            for file in (f"guides/{name}.safetensors", f"plots/reliability_{name}.png"):
+                if (run_dir / file).is_file():
+                    shutil.copy2(run_dir / file, out / file)
     # the first run's seed-independent files: the zero-shot diagram, the first seed's
     # comparison plot, the ArviZ export and the normalize comparison
     seed_free = ("plots/reliability_zero-shot.png", "plots/compare.png", "posterior.nc")

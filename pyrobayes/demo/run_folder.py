@@ -2,7 +2,8 @@
 
 :func:`pyrobayes.demo.pipeline.run` and :func:`pyrobayes.demo.causal_lm.run` (and through them
 ``pyrobayes demo`` / ``pyrobayes fit``) write ``config.json``, ``metrics.json``, ``table.md``,
-``posterior.nc``, ``guides/*.safetensors`` and ``plots/*.png``. A folder that already holds such
+``posterior.nc``, ``normalize.json`` (a causal-LM job with ``compare_normalize``),
+``guides/*.safetensors`` and ``plots/*.png``. A folder that already holds such
 files belongs to another run: it is refused unless the caller asks to replace it, and then that
 run's files are removed first, so no posterior of a family the new run does not fit is left
 behind next to the new metrics.
@@ -18,7 +19,7 @@ __all__ = ["RUN_FILES", "RUN_GLOBS", "RunFolderError", "claim_run_folder", "run_
 logger = logging.getLogger(__name__)
 
 #: the files of a run folder
-RUN_FILES = ("config.json", "metrics.json", "table.md", "posterior.nc")
+RUN_FILES = ("config.json", "metrics.json", "table.md", "posterior.nc", "normalize.json")
 #: the patterns of a run folder's per-family files
 RUN_GLOBS = ("guides/*.safetensors", "plots/*.png")
 

@@ -71,10 +71,20 @@ def _answer_index(answer: Any, choices: list[str], where: str) -> int:
     if isinstance(answer, int):
         return answer
     if isinstance(answer, str):
+        as_index = int(answer) if answer.strip().isdigit() else None
         if answer in choices:
-            return choices.index(answer)
-        if answer.strip().isdigit():
-            return int(answer)
+            as_text = choices.index(answer)
+            if as_index is not None and as_index != as_text and as_index < len(choices):
+                raise ValueError(
+                    f"{where}: answer {answer!r} reads two ways: the text of choice {as_text} "
+                    f"({choices[as_text]!r}) and the index of choice {as_index} "
+                    f"({choices[as_index]!r}). Write it as a JSON integer, which is read as "
+                    f"an index only: {as_text} for {choices[as_text]!r}, {as_index} for "
+                    f"{choices[as_index]!r}."
+                )
+            return as_text
+        if as_index is not None:
+            return as_index
     raise ValueError(
         f"{where}: answer {answer!r} is neither a choice index nor one of the choices {choices!r}."
     )
@@ -98,7 +108,9 @@ def read_json_examples(
         ``str.format`` template over the record's fields; ``{question}`` names ``question_key``.
     question_key, choices_key, answer_key : str
         The record's fields: the question text, the list of choices, the answer (an integer
-        index, a digit string, or the right choice's text).
+        index, a digit string, or the right choice's text). A digit string that is one choice's
+        text and another choice's index (``"1"`` of ``["2", "0", "1"]``) is refused: write the
+        answer as an integer.
 
     Returns
     -------
@@ -299,13 +311,34 @@ def winogrande_adapter(row: Mapping[str, Any], where: str = "winogrande row") ->
     return MCExample(before.rstrip(), choices, int(str(answer)) - 1, {"source": where})
 
 
+#: BoolQ answers given as text (case-insensitive, stripped), and the choice each one means
+_BOOL_TEXT = {"false": 0, "no": 0, "0": 0, "true": 1, "yes": 1, "1": 1}
+
+
+def _bool_answer(answer: Any, where: str) -> int:
+    """A BoolQ answer as the index of ``no`` (0) or ``yes`` (1): a bool, the integer 0 or 1, or
+    one of :data:`_BOOL_TEXT`; anything else is refused (``bool("false")`` would read yes)."""
+    if isinstance(answer, bool):
+        return int(answer)
+    if isinstance(answer, int) and answer in (0, 1):
+        return answer
+    if isinstance(answer, str) and answer.strip().lower() in _BOOL_TEXT:
+        return _BOOL_TEXT[answer.strip().lower()]
+    raise ValueError(
+        f"{where}: field 'answer' = {answer!r} ({type(answer).__name__}) is not a yes/no answer; "
+        "give a bool, the integer 0 or 1, or one of the strings true/false, yes/no, 1/0 (any "
+        "case)."
+    )
+
+
 def boolq_adapter(row: Mapping[str, Any], where: str = "boolq row") -> MCExample:
-    """``google/boolq``: ``passage``, ``question``, ``answer`` (bool); choices ``no`` / ``yes``
-    (lm-evaluation-harness's prompt)."""
+    """``google/boolq``: ``passage``, ``question``, ``answer`` (a bool; also 0/1 or the strings
+    true/false, yes/no, 1/0 in any case); choices ``no`` / ``yes`` (lm-evaluation-harness's
+    prompt)."""
     prompt = f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:"
-    if row["answer"] is None:
-        raise _Unlabelled(f"{where}: answer is null (an unlabelled row).")
-    return MCExample(prompt, ("no", "yes"), int(bool(row["answer"])), {"source": where})
+    if _unlabelled(row["answer"]):
+        raise _Unlabelled(f"{where}: answer {row['answer']!r} is empty (an unlabelled row).")
+    return MCExample(prompt, ("no", "yes"), _bool_answer(row["answer"], where), {"source": where})
 
 
 #: Adapter per dataset family: a row (dict) → MCExample.

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from ..models.adapters import check_int
 from ..models.multiple_choice import encode_multiple_choice
 from .example import MCExample
 
@@ -245,7 +246,7 @@ class MultipleChoiceTask:
         batch_size : int
             Questions per batch.
         limit : int, optional
-            Use the first ``limit`` examples only.
+            Use the first ``limit`` examples only (an integer >= 1; None: every example).
         **encode_kwargs
             ``max_length``, ``padding_side``, ``position_ids`` for ``encode_multiple_choice``.
         """
@@ -255,7 +256,12 @@ class MultipleChoiceTask:
                 f"{batch_size!r}."
             )
         examples = self._split(split)
-        count = len(examples) if limit is None else min(int(limit), len(examples))
+        if limit is not None:  # -1 is no "all" sentinel: it would encode nothing
+            try:
+                limit = check_int("limit", limit, ge=1, owner="MultipleChoiceTask.encode: ")
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{err} Pass limit=None to encode every example.") from None
+        count = len(examples) if limit is None else min(limit, len(examples))
         if count == 0:
             raise ValueError(
                 f"MultipleChoiceTask {self.name!r}: split {split!r} is empty; change the split "

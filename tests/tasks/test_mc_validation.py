@@ -119,3 +119,51 @@ def test_encode_counts_the_questions_max_length_truncates(caplog):
     assert "2 of 3 test questions are longer than max_length=32" in caplog.text
     task.encode(tokenizer, "test", batch_size=2, max_length=64)
     assert task.truncation["test"]["truncated"] == 0
+
+
+def test_boolq_answers_read_as_text_or_0_1_and_others_are_refused():
+    # bool("false") is True: a string answer must be read as what it says, not by truthiness
+    row = {"passage": "p", "question": "is it"}
+    answers = [False, True, 0, 1, "false", "False", " no ", "0", "TRUE", "Yes", "1"]
+    got = [e.answer for e in adapt_rows([{**row, "answer": a} for a in answers], "boolq")]
+    assert got == [0, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1]
+    for bad in ("maybe", 2, 0.5):
+        rows = [{**row, "answer": True}, {**row, "answer": bad}]
+        with pytest.raises(ValueError, match=r"data row 1: field 'answer' = .* true/false, yes/no"):
+            adapt_rows(rows, "boolq", name="data")
+
+
+def test_json_digit_answer_that_is_one_choices_text_and_anothers_index_is_refused(tmp_path):
+    path = tmp_path / "t.jsonl"
+    fine = [
+        {"question": "2+2?", "choices": ["3", "4", "5"], "answer": "1"},  # no choice "1": index
+        {"question": "1+0?", "choices": ["0", "1", "2"], "answer": "1"},  # both read choice 1
+        {"question": "3-1?", "choices": ["1", "2", "3"], "answer": 2},  # an int: an index only
+        {"question": "Is it?", "choices": ["no", "yes"], "answer": "yes"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in fine))
+    assert [e.answer for e in read_json_examples(path)] == [1, 1, 2, 1]
+    bad = {"question": "0+1?", "choices": ["2", "0", "1"], "answer": "1"}
+    path.write_text("\n".join(json.dumps(r) for r in [*fine, bad]))
+    with pytest.raises(ValueError, match=r"record 4: answer '1' reads two ways") as err:
+        read_json_examples(path)
+    assert "choice 2 ('1')" in str(err.value) and "choice 1 ('0')" in str(err.value)
+    assert "JSON integer" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "limit, error, match",
+    [
+        (-1, ValueError, "limit must be an integer >= 1; got -1"),
+        (0, ValueError, "limit must be an integer >= 1; got 0"),
+        (2.0, TypeError, r"limit must be an integer >= 1; got 2.0 .*\(pass limit=2\)"),
+        ("3", TypeError, "limit must be an integer >= 1; got '3'"),
+    ],
+)
+def test_encode_refuses_a_limit_that_is_not_a_positive_int(limit, error, match):
+    task = MultipleChoiceTask({"test": [MCExample(f"q{i}", ("a", "b"), i % 2) for i in range(4)]})
+    with pytest.raises(error, match=match) as err:
+        task.encode(ByT5Tokenizer(), "test", limit=limit)
+    assert "MultipleChoiceTask.encode" in str(err.value) and "limit=None" in str(err.value)
+    assert "test" not in task.truncation  # nothing was recorded for the refused call
+    assert len(task.encode(ByT5Tokenizer(), "test", batch_size=1, limit=3)) == 3
