@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .metrics._inputs import check_log_probabilities
 from .models.adapters import check_int
 from .models.likelihoods import check_class_targets, check_gaussian_targets
 
@@ -74,6 +76,7 @@ __all__ = [
     "temperature",
     "set_temperature",
     "drop_temperature",
+    "checked_temperature",
     "apply_temperature",
     "tempered_nll",
 ]
@@ -105,7 +108,7 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
     Raises
     ------
     ValueError
-        When ``value`` is not a finite number > 0.
+        When ``value`` is not a finite number > 0 (:func:`checked_temperature`).
     """
     buffers = getattr(guide, "_buffers", None)
     if buffers is None:
@@ -117,10 +120,7 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
         buffers.pop(TEMPERATURE_BUFFER, None)
         buffers.pop(POOL_BUFFER, None)
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"set_temperature: value must be a number, got {type(value).__name__}.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"set_temperature: value must be a finite number > 0, got {value!r}.")
+    value = checked_temperature(value, "set_temperature")
     device = next((b.device for b in guide.buffers()), None)
     if device is None:
         device = next((p.device for p in guide.parameters()), torch.device("cpu"))
@@ -130,6 +130,33 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
     guide.register_buffer(
         POOL_BUFFER, torch.tensor(1.0 if pool else 0.0, dtype=torch.float64, device=device)
     )
+
+
+def checked_temperature(value: Any, owner: str) -> float:
+    """``value`` as a float ``T``: a real number (Python, NumPy, or a one-element tensor),
+    finite and > 0.
+
+    Raises
+    ------
+    TypeError
+        When ``value`` is not a real number (a bool, a string, a tensor of several elements).
+    ValueError
+        When it is not finite or not > 0 (a negative ``T`` reverses the predictive's ranking).
+    """
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner}: the temperature must be a real number (or a one-element tensor), got "
+            f"{type(value).__name__}."
+        )
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{owner}: the temperature must be a finite number > 0, got {value!r} (T divides "
+            "the log-probabilities: T <= 0 reverses or erases the predictive's ranking)."
+        )
+    return value
 
 
 def drop_temperature(
@@ -186,19 +213,28 @@ def apply_temperature(prediction: Any, guide_or_value: Any, *, pool: bool | None
     draws it averaged (no per-draw spread is left: :func:`pyrobayes.metrics.report` gives NaN
     mutual information for it); per draw: ``log_probs ← log_softmax(log_probs / T)``. Regression: the Gaussian ``scale`` and any closed-form
     ``loc_var`` become ``T·σ`` and ``T²·v``. At ``T = 1`` the same object is returned
-    (bit-identical predictions).
+    (bit-identical predictions). The result records ``T`` (``Prediction.temperature``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A temperature that is not a finite real number > 0 (:func:`checked_temperature`), or
+        a prediction tempered already (a second ``T`` would compound the first).
     """
-    if isinstance(guide_or_value, (int, float)):
-        value, pool = float(guide_or_value), True if pool is None else pool
+    if not isinstance(guide_or_value, torch.nn.Module):  # a number (any real, or a tensor)
+        value = checked_temperature(guide_or_value, "apply_temperature")
+        pool = True if pool is None else pool
     else:
         value = temperature(guide_or_value)
         pool = pooled(guide_or_value) if pool is None else pool
     if value == 1.0:
         return prediction
+    _refuse_tempered(prediction, "apply_temperature", "temper")
+    marked = {"temperature": value} if hasattr(prediction, "temperature") else {}
     if prediction.log_probs is not None:
         log_probs = _pooled_log_probs(prediction.log_probs) if pool else prediction.log_probs
         log_probs = torch.log_softmax(log_probs / value, dim=-1)
-        changes: dict[str, Any] = {"log_probs": log_probs}
+        changes: dict[str, Any] = {"log_probs": log_probs, **marked}
         if pool and "pooled_draws" in {f.name for f in dataclasses.fields(prediction)}:
             # the draws are averaged away: metrics.report gives NaN for their mutual information
             draws = int(prediction.log_probs.shape[0])
@@ -214,6 +250,22 @@ def apply_temperature(prediction: Any, guide_or_value: Any, *, pool: bool | None
         prediction,
         scale=prediction.scale * value,
         loc_var=None if loc_var is None else loc_var * value**2,
+        **marked,
+    )
+
+
+def _refuse_tempered(prediction: Any, owner: str, verb: str) -> None:
+    """Raise when ``prediction`` was tempered already (``Prediction.temperature``): a second
+    ``T`` would compound the first."""
+    done = getattr(prediction, "temperature", None)
+    if done is None:
+        return
+    raise ValueError(
+        f"{owner}: this prediction was tempered already (T = {done:.4g}: pyrobayes.predict "
+        "applies a calibrated guide's temperature), and a second T would compound the first. "
+        f"{verb.capitalize()} the uncalibrated prediction: predict with the guide's temperature "
+        "removed (pyrobayes.calibration.set_temperature(guide, None), or a copy of the guide), "
+        "or use pyrobayes.calibrate(model, guide, val_data), which does so."
     )
 
 
@@ -237,6 +289,10 @@ def tempered_nll(
         When ``targets`` do not match the prediction (:func:`fit_temperature`'s check).
     """
     targets = _checked_targets(prediction, targets, "tempered_nll")
+    if not isinstance(value, Tensor):
+        value = checked_temperature(value, "tempered_nll")
+    elif not bool((value.detach() > 0).all()):  # a tensor stays differentiable in T
+        raise ValueError(f"tempered_nll: the temperature must be > 0, got {value.detach()}.")
     return _nll_terms(prediction, targets, value, pool=pool).mean()
 
 
@@ -259,6 +315,10 @@ def _checked_targets(prediction: Any, targets: Any, owner: str) -> Tensor:
     if not isinstance(targets, Tensor):
         raise TypeError(f"{owner}: targets must be a tensor, got {type(targets).__name__}.")
     if prediction.log_probs is not None:
+        try:  # a Prediction built by hand from probabilities or logits: T would be wrong
+            check_log_probabilities(prediction.log_probs, "prediction.log_probs")
+        except ValueError as err:
+            raise ValueError(f"{owner}: {err}") from None
         return check_class_targets(targets, prediction.log_probs.shape[1:], what=owner)
     loc = prediction.loc
     if loc is None:
@@ -604,12 +664,15 @@ def fit_temperature(
     ValueError
         No targets, targets that do not match the prediction (class labels ``(N,)`` or
         ``(N, 1)``; regression targets shaped like one draw of ``loc``, ``(N, *event)``, and
-        finite), or ``bounds`` not ``0 < low < high``.
+        finite), ``bounds`` not ``0 < low < high``, or a prediction tempered already
+        (``Prediction.temperature``: a calibrated guide's, which :func:`calibrate` removes
+        before it predicts).
     """
     targets = prediction.targets if targets is None else targets
     if targets is None or targets.numel() == 0:
         raise ValueError("fit_temperature: the prediction has no targets; pass targets=.")
     targets = _checked_targets(prediction, targets, "fit_temperature")
+    _refuse_tempered(prediction, "fit_temperature", "fit T on")
     low, high = (float(b) for b in bounds)
     if not (0 < low < high and math.isfinite(high)):
         raise ValueError(

@@ -77,6 +77,10 @@ class Prediction:
         (Laplace's probit predictive, a mixture's logit average), and how to keep the draws, in
         words; :func:`pyrobayes.metrics.report` then gives NaN mutual information, as for
         ``pooled_draws``. ``None``: the rows are the draws (or ``pooled_draws`` says why not).
+    temperature : float or None
+        The temperature ``T`` this prediction was tempered by (a calibrated guide's, applied by
+        :func:`pyrobayes.predict`, or :func:`pyrobayes.calibration.apply_temperature`'s);
+        ``None``: untempered. A tempered prediction is not tempered nor fitted a second time.
     """
 
     log_probs: Tensor | None = None
@@ -86,6 +90,7 @@ class Prediction:
     loc_var: Tensor | None = None
     pooled_draws: int | None = None
     pooled_by: str | None = None
+    temperature: float | None = None
 
     @property
     def predictive_scale(self) -> float | Tensor | None:

@@ -13,6 +13,7 @@ from pyrobayes.calibration import (
     POOL_BUFFER,
     TEMPERATURE_BUFFER,
     apply_temperature,
+    fit_temperature,
     pooled,
     set_temperature,
     temperature,
@@ -225,7 +226,7 @@ def test_bad_input_is_refused_with_the_site_named() -> None:
         pb.calibrate(model, guide, unlabelled)
     with pytest.raises(ValueError, match="calibrate: bounds"):
         pb.calibrate(model, guide, val, bounds=(2.0, 1.0))
-    with pytest.raises(ValueError, match="set_temperature: value must be a finite number > 0"):
+    with pytest.raises(ValueError, match="set_temperature: the temperature must be a finite"):
         set_temperature(guide, -1.0)
     assert TEMPERATURE_BUFFER not in dict(guide.named_buffers())  # nothing was stored
 
@@ -285,3 +286,61 @@ def test_a_pooled_prediction_reports_no_mutual_information() -> None:
     # a number, as the benchmarks apply it, marks the prediction the same way
     assert apply_temperature(raw, 2.0).pooled_draws == 32
     assert apply_temperature(raw, 2.0, pool=False).pooled_draws is None
+
+
+def test_a_temperature_given_as_any_real_number_is_applied_and_a_bad_one_refused() -> None:
+    # apply_temperature read anything but a Python int/float as a guide without a temperature:
+    # torch.tensor(T) and np.float32(T) silently applied T = 1; a negative T reversed the ranking
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    logits = 6 * torch.randn(1, 200, 3, generator=g)
+    y = torch.distributions.Categorical(logits=logits[0] / 3).sample()
+    pred = pb.predictive.Prediction(log_probs=logits.log_softmax(-1), targets=y)
+    expected = apply_temperature(pred, 3.0).log_probs
+    assert not torch.allclose(expected, pred.log_probs)
+    for value in (torch.tensor(3.0), torch.tensor([3.0]), np.float32(3.0), np.float64(3.0), 3):
+        assert torch.allclose(apply_temperature(pred, value).log_probs, expected), value
+    for bad, error in ((-3.0, ValueError), (0.0, ValueError), (math.inf, ValueError)):
+        with pytest.raises(error, match="apply_temperature: the temperature must be a finite"):
+            apply_temperature(pred, bad)
+    for bad in ("3", True, torch.ones(2), object()):
+        with pytest.raises(TypeError, match="apply_temperature: the temperature must be a real"):
+            apply_temperature(pred, bad)
+    with pytest.raises(ValueError, match="tempered_nll: the temperature must be a finite"):
+        tempered_nll(pred, y, -1.0)
+    with pytest.raises(ValueError, match="tempered_nll: the temperature must be > 0"):
+        tempered_nll(pred, y, torch.tensor(-1.0, requires_grad=True))
+
+
+def test_fit_temperature_refuses_log_probs_that_are_not_log_probabilities() -> None:
+    # a Prediction built by hand from probabilities or raw logits gave T = 0.27 or 4.5 for a
+    # model whose T is about 1, without a word
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(4, 300, 3, generator=g)
+    y = torch.distributions.Categorical(logits=logits.mean(0)).sample()
+    Prediction = pb.predictive.Prediction
+    fit_temperature(Prediction(log_probs=logits.log_softmax(-1), targets=y))  # accepted
+    for wrong in (logits.softmax(-1), logits):
+        with pytest.raises(ValueError, match=r"fit_temperature: exp\(prediction.log_probs\)"):
+            fit_temperature(Prediction(log_probs=wrong, targets=y))
+
+
+def test_a_tempered_prediction_is_not_tempered_nor_fitted_twice() -> None:
+    # predict applies a calibrated guide's T; applying it (or fitting T) again on that result
+    # compounded the two without a word
+    model, val, test = _teacher_problem(3.0)
+    guide = pb.posterior(model, "map")
+    t = pb.calibrate(model, guide, val)
+    pred = pb.predict(model, guide, test)
+    assert pred.temperature == pytest.approx(t)
+    with pytest.raises(ValueError, match=r"apply_temperature: this prediction was tempered"):
+        apply_temperature(pred, guide)
+    with pytest.raises(ValueError, match=r"fit_temperature: this prediction was tempered"):
+        fit_temperature(pred)
+    set_temperature(guide, None)
+    raw = pb.predict(model, guide, test)
+    assert raw.temperature is None
+    again = apply_temperature(raw, t)  # the uncalibrated one: tempered once, as predict does
+    assert again.temperature == pytest.approx(t)
+    assert torch.allclose(again.log_probs, pred.log_probs, atol=1e-6)

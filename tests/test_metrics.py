@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -369,8 +370,10 @@ def test_report_tensor_and_duck_typed_prediction() -> None:
     from_object = report(prediction, labels, num_bins=10)
     assert from_object["ece_bins"] == 10.0
     assert from_object["nll"] == pytest.approx(nll(None, labels, log_probs=log_probs), rel=1e-12)
-    underflow = SimpleNamespace(probs=log_probs.exp(), log_probs=log_probs - 2000.0)
-    assert report(underflow, labels)["nll"] == pytest.approx(result["nll"] + 2000.0, rel=1e-12)
+    # a label whose probability underflows (log p = -2000): its log-probability still counts
+    tiny = torch.tensor([[[0.0, -2000.0], [-2000.0, 0.0]]], dtype=torch.float64)
+    underflow = SimpleNamespace(probs=tiny.exp(), log_probs=tiny)
+    assert report(underflow, torch.tensor([1, 1]))["nll"] == pytest.approx(1000.0, rel=1e-12)
     with pytest.raises(TypeError):
         report([[0.5, 0.5]], labels)
 
@@ -463,6 +466,19 @@ def test_probabilities_that_are_not_distributions_are_refused() -> None:
     # logits passed as log-probabilities: exp(log_probs) is no distribution
     with pytest.raises(ValueError, match=r"exp\(log_probs\) must hold probabilities"):
         nll(None, labels, log_probs=torch.tensor([[2.0, -1.0], [0.5, 0.1]]))
+    # ... and beside probs (nll gave -2.0 for logits there; report of an object holding both,
+    # pairwise_kl), and into predictive_log_probs ("log-probabilities" above 0)
+    probs = torch.tensor([[0.9, 0.1], [0.4, 0.6]])
+    logits = torch.tensor([[2.0, -1.0], [0.5, 0.1]])
+    with pytest.raises(ValueError, match=r"exp\(log_probs\) must .*torch.log_softmax"):
+        nll(probs, labels, log_probs=logits)
+    with pytest.raises(ValueError, match=r"exp\(log_probs\) must hold probabilities"):
+        report(SimpleNamespace(probs=probs, log_probs=logits), labels)
+    with pytest.raises(ValueError, match=r"exp\(log_probs\) must hold probabilities"):
+        pairwise_kl(probs[None].expand(2, -1, -1), log_probs=logits[None].expand(2, -1, -1))
+    with pytest.raises(ValueError, match=r"exp\(log_probs\) must hold probabilities"):
+        predictive_log_probs(logits)
+    assert torch.allclose(predictive_log_probs(probs.log()), probs.log())  # the right input
     # NaN keeps its own message (the examples whose inputs are probably not finite)
     with pytest.raises(ValueError, match="probs holds NaN at examples \\[1\\]"):
         report(torch.tensor([[0.5, 0.5], [math.nan, 0.5]]), labels)
@@ -518,6 +534,12 @@ def test_gaussian_nll_refuses_bad_scales_and_reads_a_per_sample_vector() -> None
         gaussian_nll(means, targets, torch.ones(7))
 
 
+def test_ood_auroc_compares_scores_of_mixed_types_in_their_common_type() -> None:
+    # integer ID scores truncated float OOD scores (2.5 -> 2, 3.5 -> 3): 0.667 for 5/6
+    assert ood_auroc(torch.tensor([1, 2, 3]), torch.tensor([2.5, 3.5])) == pytest.approx(5 / 6)
+    assert ood_auroc(torch.tensor([2.5, 3.5]), torch.tensor([1, 2, 3])) == pytest.approx(1 / 6)
+
+
 def test_ood_auroc_refuses_scores_that_are_not_one_per_example() -> None:
     # a 2-D id_scores was flattened: 6 "examples" from 3
     with pytest.raises(ValueError, match=r"id_scores must be 1-D.* got shape \(3, 2\)"):
@@ -565,3 +587,31 @@ def test_half_precision_regression_means_are_scored_in_float32():
     assert gaussian_rmse(means, targets) == pytest.approx(
         gaussian_rmse(means.float(), targets), rel=1e-6
     )
+
+
+def test_report_warns_when_labels_are_not_the_predictions_own_targets() -> None:
+    # labels from the data set in another order than the loader's gave accuracy .34 for .98
+    from pyrobayes.predictive import Prediction
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (200,), generator=g)
+    logits = 3.0 * torch.nn.functional.one_hot(y, 3) + torch.randn(200, 3, generator=g)
+    pred = Prediction(log_probs=logits.log_softmax(-1)[None], targets=y)
+    shuffled = y[torch.randperm(200, generator=g)]
+    with pytest.warns(UserWarning, match=r"labels differ from the prediction's own targets at"):
+        report(pred, shuffled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert report(pred, y.clone())["accuracy"] > 0.9  # the same labels: silent
+        report(pred.probs, shuffled)  # a bare tensor carries no targets to compare
+
+
+def test_metrics_of_no_examples_are_refused_not_nan() -> None:
+    # accuracy, NLL and Brier of an empty prediction were NaN, pairwise KL 0.0 (a "result")
+    probs, labels = torch.full((2, 0, 3), 1 / 3), torch.zeros(0, dtype=torch.long)
+    for call in (accuracy, nll, brier_score, ece, report):
+        with pytest.raises(ValueError, match="needs at least one example"):
+            call(probs, labels)
+    for call in (disagreement, pairwise_kl):
+        with pytest.raises(ValueError, match=f"{call.__name__} needs at least one example"):
+            call(probs)

@@ -16,10 +16,12 @@ from torch import Tensor
 from ..batch import compute_dtype, flagged_examples
 
 
-def _as_3d(values: Tensor, name: str, *, probabilities: bool = False) -> Tensor:
+def _as_3d(
+    values: Tensor, name: str, *, probabilities: bool = False, log_probabilities: bool = False
+) -> Tensor:
     """Return ``values`` as ``(S, N, C)``, promoting a 2-D ``(N, C)`` point prediction to S = 1;
-    with ``probabilities``, refuse rows that are not probability vectors
-    (:func:`_check_probabilities`)."""
+    with ``probabilities`` (``log_probabilities``), refuse rows that are not probability vectors
+    (whose exponentials are not: :func:`_check_probabilities`), at the input's own precision."""
     if not isinstance(values, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() == 2:
@@ -30,6 +32,8 @@ def _as_3d(values: Tensor, name: str, *, probabilities: bool = False) -> Tensor:
         values = values.to(torch.get_default_dtype())
     if probabilities:
         _check_probabilities(values, name)
+    elif log_probabilities:
+        check_log_probabilities(values, name)
     else:
         _check_no_nan(values, name, example_dim=1)
     # half precision in float32 (checked at its own precision above): bf16 running sums stop
@@ -87,13 +91,25 @@ def _check_probabilities(probs: Tensor, name: str, *, what: str | None = None) -
             f"than the {probs.dtype} tolerance {tol:.0e} (the furthest sums to {worst:.6g})"
             + (f", and entries above 1 (the largest is {high:.4g})" if high > 1 else "")
         )
+    remedy = (
+        "Pass log-softmax outputs (torch.log_softmax(logits, -1)) as log-probabilities, not "
+        "logits, probabilities or unnormalised scores, with the classes on the last dimension."
+        if what.startswith("exp(")
+        else "Pass softmax outputs (torch.softmax(logits, -1)), not logits or unnormalised "
+        "scores, with the classes on the last dimension; renormalise rounded probabilities "
+        "(p / p.sum(-1, keepdim=True))."
+    )
     raise ValueError(
         f"{what} must hold probabilities (entries in [0, 1], each row summing to 1); it has "
-        f"{problem} at examples {flagged_examples(bad)} (of "
-        f"{probs.shape[1]}). Pass softmax outputs (torch.softmax(logits, -1)), not logits or "
-        "unnormalised scores, with the classes on the last dimension; renormalise rounded "
-        "probabilities (p / p.sum(-1, keepdim=True))."
+        f"{problem} at examples {flagged_examples(bad)} (of {probs.shape[1]}). {remedy}"
     )
+
+
+def check_log_probabilities(log_probs: Tensor, name: str = "log_probs") -> None:
+    """Raise ``ValueError`` unless ``exp(log_probs)`` ``(S, N, C)`` holds probability rows
+    (:func:`_check_probabilities`): logits, probabilities or unnormalised scores passed as
+    log-probabilities give a negative or meaningless NLL and a wrong temperature."""
+    _check_probabilities(log_probs.exp(), name, what=f"exp({name})")
 
 
 def _check_no_nan(values: Tensor, name: str, *, example_dim: int) -> None:
@@ -119,7 +135,10 @@ def _resolve(probs: Tensor | None, log_probs: Tensor | None) -> tuple[Tensor, Te
         _check_probabilities(probs, "log_probs", what="exp(log_probs)")
     else:
         probs = _as_3d(probs, "probs", probabilities=True)
-        log_probs = probs.log() if log_probs is None else _as_3d(log_probs, "log_probs")
+        if log_probs is None:
+            log_probs = probs.log()
+        else:  # beside probs: checked as when alone (logits here gave a negative NLL)
+            log_probs = _as_3d(log_probs, "log_probs", log_probabilities=True)
     if probs.shape != log_probs.shape:
         raise ValueError(
             f"probs {tuple(probs.shape)} and log_probs {tuple(log_probs.shape)} differ in shape"
@@ -135,12 +154,23 @@ def _check_labels(labels: Tensor, num_examples: int, num_classes: int) -> Tensor
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     labels = labels.long()
-    if num_examples and (labels.min() < 0 or labels.max() >= num_classes):
+    refuse_no_examples(num_examples, "a metric against labels (accuracy, NLL, ECE, Brier)")
+    if labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(
             f"labels must lie in [0, {num_classes}), got range "
             f"[{int(labels.min())}, {int(labels.max())}]"
         )
     return labels
+
+
+def refuse_no_examples(num_examples: int, what: str) -> None:
+    """Raise ``ValueError`` for a prediction of no examples: an average over none is NaN (or a
+    sum 0), which would read as a result."""
+    if num_examples == 0:
+        raise ValueError(
+            f"{what} needs at least one example; the prediction holds none (N = 0): an average "
+            "over no examples is undefined. Check that the data (or the split) is not empty."
+        )
 
 
 def _pooled_draws(prediction: Any) -> int:

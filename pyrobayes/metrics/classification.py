@@ -58,7 +58,7 @@ def predictive_log_probs(log_probs: Tensor) -> Tensor:
     Tensor
         Shape ``(N, C)``.
     """
-    log_probs = _as_3d(log_probs, "log_probs")
+    log_probs = _as_3d(log_probs, "log_probs", log_probabilities=True)
     return torch.logsumexp(log_probs, dim=0) - math.log(log_probs.shape[0])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._inputs import _as_3d, _resolve
+from ._inputs import _as_3d, _resolve, refuse_no_examples
 
 __all__ = [
     "disagreement",
@@ -32,7 +32,8 @@ def disagreement(probs: Tensor) -> float:
     float
     """
     probs = _as_3d(probs, "probs", probabilities=True)
-    num_samples, _, num_classes = probs.shape
+    num_samples, num_examples, num_classes = probs.shape
+    refuse_no_examples(num_examples, "disagreement")
     if num_samples < 2:
         return 0.0
     votes = torch.nn.functional.one_hot(probs.argmax(dim=-1), num_classes).sum(dim=0)  # (N, C)
@@ -67,6 +68,7 @@ def pairwise_kl(probs: Tensor | None, *, log_probs: Tensor | None = None) -> flo
     """
     probs, log_probs = _resolve(probs, log_probs)
     num_samples, num_examples, _ = probs.shape
+    refuse_no_examples(num_examples, "pairwise_kl")
     if num_samples < 2:
         return 0.0
     self_term = num_samples * torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=(0, 2))

@@ -90,7 +90,9 @@ def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:
             )
         if scores.numel() == 0:
             raise ValueError(f"ood_auroc: {name} is empty; the AUROC needs examples of both kinds.")
-    scores = torch.cat([id_scores, ood_scores.to(id_scores.dtype)])
+    # the common type of the two (integer ID scores truncated float OOD scores before)
+    dtype = torch.promote_types(id_scores.dtype, ood_scores.dtype)
+    scores = torch.cat([id_scores.to(dtype), ood_scores.to(dtype)])
     labels = torch.cat(
         [
             torch.zeros(id_scores.numel(), dtype=torch.long, device=scores.device),

@@ -95,7 +95,9 @@ def report(
             "or pass the labels explicitly: report(pred, y)."
         )
     if _is_regression(probs_or_prediction):
-        return _regression_report(probs_or_prediction, labels, ood_probs, num_bins)
+        regression = _regression_report(probs_or_prediction, labels, ood_probs, num_bins)
+        _warn_if_not_its_targets(probs_or_prediction, labels)  # once the labels are valid
+        return regression
     num_bins = 15 if num_bins is None else num_bins
     probs, log_probs = _unpack(probs_or_prediction)
     probs = _as_3d(probs, "probs", probabilities=True)
@@ -137,8 +139,36 @@ def report(
             result["auroc_mi"] = math.nan
         else:
             result["auroc_mi"] = ood_auroc(mutual_information(probs), mutual_information(ood))
+    _warn_if_not_its_targets(probs_or_prediction, labels)  # once the labels are valid
     logger.debug("metrics report: %s", result)
     return result
+
+
+def _warn_if_not_its_targets(prediction: Any, labels: Any) -> None:
+    """Warn when ``labels`` differ from the targets the prediction carries (``targets``, as
+    :func:`pyrobayes.predict` records them in the loader's order): labels taken from the data
+    set in another order (a shuffling loader) score every example against another's label."""
+    targets = getattr(prediction, "targets", None)
+    if not isinstance(targets, Tensor) or not isinstance(labels, Tensor) or labels is targets:
+        return
+    if _squeezed(targets).shape != _squeezed(labels).shape or targets.numel() == 0:
+        return  # the shape checks that follow say what is wrong
+    differ = targets.reshape(-1).to(labels.device) != labels.reshape(-1).to(targets.dtype)
+    count = int(differ.sum())
+    if count:
+        warnings.warn(
+            f"report: labels differ from the prediction's own targets at {count} of "
+            f"{labels.numel()} examples. pyrobayes.predict records the targets in the order the "
+            "loader gave the examples (a shuffling loader reorders them): score against "
+            "pred.targets, or predict on a loader that does not shuffle.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _squeezed(values: Tensor) -> Tensor:
+    """``values`` without a trailing singleton dimension (``(N, 1)`` targets are ``(N,)``)."""
+    return values.squeeze(-1) if values.dim() > 1 and values.shape[-1] == 1 else values
 
 
 def _is_regression(prediction: Any) -> bool:
