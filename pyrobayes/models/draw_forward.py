@@ -1,4 +1,4 @@
-"""``DrawEvaluation``: the network evaluated at posterior draws, the base of
+"""``DrawForward``: the network evaluated at posterior draws, the base of
 :class:`~pyrobayes.models.FineTuneModel`.
 
 One parameter set or S of them (a sample-major batch) are swapped into the network's cached
@@ -36,13 +36,13 @@ from .sharing import (
     tokens_per_draw,
 )
 
-__all__ = ["DrawEvaluation", "NOISE_PARAM"]
+__all__ = ["DrawForward", "NOISE_PARAM"]
 
 #: ``point_params`` key of a learned Gaussian noise ``ρ`` (``σ = softplus(ρ)``).
 NOISE_PARAM = "likelihood.raw_scale"
 
 
-class DrawEvaluation:
+class DrawForward:
     """The network at one or S posterior draws: the evaluation methods of
     :class:`~pyrobayes.models.FineTuneModel`, which inherits them and sets what they read."""
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, token_mask
 from .adapters import LoRA, LoRAXS, SiteSpec, check_int, check_real, inject_adapter, make_latent
-from .draw_forward import NOISE_PARAM, DrawEvaluation
+from .draw_forward import NOISE_PARAM, DrawForward
 from .layers import LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, OutputKey, make_likelihood
 from .net_checks import (
@@ -67,7 +67,7 @@ def _make_likelihood(
     return make_likelihood(likelihood, **lik_kwargs)
 
 
-class FineTuneModel(DrawEvaluation, nn.Module):
+class FineTuneModel(DrawForward, nn.Module):
     r"""Pyro model over the adapter (or LoRA-XS core) parameters of a network.
 
     Parameters
