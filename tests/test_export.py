@@ -190,7 +190,7 @@ def test_large_posterior_is_summarised_and_drawn_in_chunks(caplog):
 
     guide.sample_posterior = spy  # type: ignore[method-assign]
     total = 8  # two 2×2 cores
-    with caplog.at_level(logging.INFO, logger="pyrobayes.diagnostics.export"):
+    with caplog.at_level(logging.INFO, logger="pyrobayes.diagnostics.draw_evaluation"):
         # one-shot iterator: the batches must be kept for the second chunk of draws
         idata = to_datatree(model, guide, iter(data), num_samples=10, max_site_numel=5)
     # greedy in declaration order: 0.core (4) fits in 5, 2.core does not

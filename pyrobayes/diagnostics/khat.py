@@ -29,8 +29,9 @@ import numpy as np
 from ..calibration import apply_temperature
 from ..metrics import report
 from ..predictive import Prediction
-from .export import DEFAULT_MAX_SITE_NUMEL, evaluate_draws
+from .draw_evaluation import evaluate_draws
 from .psis import importance_ess, psis_smooth, psis_tail_length
+from .sites import DEFAULT_MAX_SITE_NUMEL
 
 __all__ = ["Diagnostics", "diagnose", "khat_interpretation", "khat_threshold"]
 

@@ -1,0 +1,218 @@
+"""The model at one chunk of guide draws, on every batch of the data (for :mod:`.draw_evaluation`).
+
+Per batch: the log-likelihoods, optionally tempered pointwise values and predictive draws, and
+class log-probabilities, of the network or of a Laplace guide's linearised network at each draw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import pyro.distributions as dist
+import torch
+from torch import Tensor
+
+from ..batch import batch_size, slice_examples, split_batch, to_device
+from ..models.sharing import reuse_within_batch
+from ..predictive import checked_targets, default_samples_per_forward
+
+
+class Wanted(NamedTuple):
+    """What a chunk's pass over the data keeps besides the log-likelihood sums."""
+
+    pointwise: bool
+    predictive: bool
+    keep_class: int  # class log-probabilities of this many first draws of the chunk
+    samples_per_forward: int | None
+    temperature: float | None = None  # tempers pointwise and predictive, per draw
+    linearization: Linearization | None = None  # the linearised network, else the network's
+
+
+class Linearization(NamedTuple):
+    """A :class:`~pyrobayes.contract.LinearizedPredictive` guide's linearised network
+    ``f_lin(x; θ) = f(x; θ̂) + J(x)(θ − θ̂)`` (:mod:`pyrobayes.linearized`), at the export's
+    draws: the per-draw form of the GLM predictive that :func:`pyrobayes.predict` evaluates."""
+
+    point: dict[str, Tensor]  # θ̂ of the sites with a Gaussian posterior, in the Jacobians' order
+    fixed: dict[str, Tensor] | None  # sites held at their point (Laplace's subset=): no Jacobian
+
+    @classmethod
+    def of(cls, model: Any, guide: Any) -> Linearization:
+        dev = model.device
+        point = {s: v.to(dev) for s, v in guide.linearization_point().items()}
+        fixed_point = getattr(guide, "fixed_point", None)
+        fixed = {s: v.to(dev) for s, v in fixed_point().items()} if callable(fixed_point) else None
+        return cls(point, fixed)
+
+    def at(self, model: Any, inputs: Any, values: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``f(x; θ̂)`` `(B, *event)` and the draws' ``J(x)(θ_s − θ̂)`` `(n, B, *event)` on
+        ``inputs``: the Jacobians of as many examples at a time as :func:`pyrobayes.predict`'s
+        linearised predictive forms, each reduced against the draws at once."""
+        # (linearized imports the predictive module, as this one)
+        from ..linearized import default_examples_per_forward, linear_shifts, output_jacobians
+
+        n = next(iter(values.values())).shape[0]
+        deltas = torch.cat(
+            [(values[s] - p).reshape(n, -1) for s, p in self.point.items()], -1
+        )  # (n, d)
+        size = batch_size(inputs)
+        step = default_examples_per_forward(inputs, model.device)
+        means, shifts = [], []
+        for start in range(0, size, step):
+            sub = slice_examples(inputs, start, min(size, start + step), size)
+            with torch.enable_grad():  # (the export evaluates under no_grad)
+                out, jac = output_jacobians(model, sub, self.point, fixed=self.fixed)
+            # the Jacobians in the order of deltas' columns; float32 on a half-precision network
+            mean, shift = linear_shifts(out, {s: jac[s] for s in self.point}, deltas)
+            means.append(mean)
+            shifts.append(shift)
+        return torch.cat(means, 0), torch.cat(shifts, 1)
+
+
+class Chunk(NamedTuple):
+    """One chunk of draws evaluated on all of the data."""
+
+    ll_sum: Tensor  # (n,)
+    pointwise: list[Tensor]  # per batch (n, B)
+    predictive: list[Tensor]  # per batch (n, B, ...)
+    class_log_probs: list[Tensor]  # per batch (P, B, C)
+    observed: list[Tensor]  # per batch targets, first chunk only
+    has_targets: bool
+
+
+def evaluate_chunk(
+    model: Any,
+    data: Iterable[Any],
+    values: dict[str, Tensor],
+    n: int,
+    wanted: Wanted,
+    pp_seed: int | None,
+    first: bool,
+) -> Chunk:
+    """The model on every batch of ``data`` at the ``n`` draws ``values``."""
+    dev = model.device
+    chunk = Chunk(torch.zeros(n, dtype=torch.float64), [], [], [], [], True)
+    has_targets = True
+    devices = [dev] if dev.type == "cuda" else []
+    # reuse_within_batch: the layers below the first adapted one run once per batch for all its
+    # chunks of draws, as in pyrobayes.predict
+    # (the linearised network's Jacobians run their own forward passes, with autograd)
+    reuse = contextlib.nullcontext() if wanted.linearization else reuse_within_batch()
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse:
+        if pp_seed is not None:
+            torch.manual_seed(pp_seed)
+        index = -1
+        for index, batch in enumerate(data):
+            inputs, y = split_batch(to_device(batch, dev), model.label_key)
+            ll, pointwise, pp, lp, y = _evaluate_batch(model, inputs, y, values, n, wanted, index)
+            if y is None:
+                has_targets = False
+            elif first:  # in the likelihood's shape, as log_likelihood and posterior_predictive
+                chunk.observed.append(y.detach().cpu())
+            if ll is not None:
+                chunk.ll_sum.add_(ll.sum(1))
+            if pointwise is not None:
+                chunk.pointwise.append(pointwise)
+            if pp is not None:
+                chunk.predictive.append(pp)
+            if lp is not None:
+                chunk.class_log_probs.append(lp)
+    if index < 0:
+        raise ValueError(
+            "to_inference_data / diagnose: data yielded no batches; pass a non-empty iterable of "
+            "batches (the data set the posterior is evaluated on, e.g. the training loader)."
+        )
+    return chunk._replace(has_targets=has_targets)
+
+
+def _evaluate_batch(
+    model: Any,
+    inputs: Any,
+    y: Tensor | None,
+    values: dict[str, Tensor],
+    n: int,
+    wanted: Wanted,
+    index: int,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """``(log-likelihoods (n, B), pointwise log-likelihoods (n, B), predictive draws, class
+    log-probabilities, targets)`` on batch ``index``, ``samples_per_forward`` draws per forward
+    pass; each ``None`` when not computed (no targets: ``y`` is ``None``). The pointwise values
+    and the predictive draws are tempered by ``wanted.temperature`` (the log-likelihoods are the
+    model's). The targets come back checked by the likelihood
+    (:func:`~pyrobayes.predictive.checked_targets`), in the shape it scores."""
+    parts_ll, parts_pw, parts_pp, parts_lp = [], [], [], []
+    spf = wanted.samples_per_forward or default_samples_per_forward(n, model.device, inputs, model)
+    linear = (
+        None if wanted.linearization is None else wanted.linearization.at(model, inputs, values)
+    )
+    for s0 in range(0, n, spf):
+        sub = {k: v[s0 : s0 + spf] for k, v in values.items()}
+        params, at_temperature = _draw_params(model, inputs, sub, linear, s0, wanted.temperature)
+        s_here = int(params.shape[0])
+        if y is not None and s0 == 0:
+            check = getattr(model.likelihood, "check_targets", None)
+            y = checked_targets(check, params, y, f"batch {index} of the data")
+        likelihood_dist = model.likelihood.dist(params)
+        tempered = (
+            likelihood_dist
+            if wanted.temperature is None
+            else _tempered(model.likelihood, at_temperature, likelihood_dist, wanted.temperature)
+        )
+        if y is not None:
+            ll = model.log_likelihood(params, y)  # (s, B, [event...])
+            parts_ll.append(ll.reshape(s_here, ll.shape[1], -1).sum(-1).double())
+            if wanted.pointwise and tempered is likelihood_dist:
+                parts_pw.append(parts_ll[-1])
+            elif wanted.pointwise:
+                tll = tempered.log_prob(y)
+                parts_pw.append(tll.reshape(s_here, tll.shape[1], -1).sum(-1).double())
+        if wanted.predictive:
+            parts_pp.append(tempered.sample().cpu())
+        if wanted.keep_class > s0:
+            logits = likelihood_dist.logits[: wanted.keep_class - s0]
+            parts_lp.append(torch.log_softmax(logits, dim=-1).cpu())
+    return (
+        torch.cat(parts_ll, 0).cpu() if parts_ll else None,  # (n, B)
+        torch.cat(parts_pw, 0).cpu() if parts_pw else None,  # (n, B)
+        torch.cat(parts_pp, 0) if parts_pp else None,
+        torch.cat(parts_lp, 0) if parts_lp else None,
+        y,
+    )
+
+
+def _draw_params(
+    model: Any,
+    inputs: Any,
+    sub: dict[str, Tensor],
+    linear: tuple[Tensor, Tensor] | None,
+    s0: int,
+    temperature: float | None,
+) -> tuple[Tensor, Tensor]:
+    """The likelihood's parameters `(s, B, ...)` at the draws ``sub`` (draws ``s0..`` of the
+    chunk): the network's, or with ``linear`` (``f(x; θ̂)`` and every draw's ``J(x)(θ_s − θ̂)``)
+    the linearised network's; and the parameters a Gaussian is tempered at. Tempering the
+    linearised regression predictive multiplies its whole variance ``J Σ Jᵀ + σ²`` by ``T²``
+    (:func:`pyrobayes.calibration.apply_temperature`): per draw, the shift by ``T`` and σ by
+    ``T`` (:func:`_tempered`); the network's draws keep their means."""
+    if linear is None:
+        params = model.batched_output(inputs, sub)  # (s, B, ...)
+        return params, params
+    mean, shifts = linear
+    shift = shifts[s0 : s0 + next(iter(sub.values())).shape[0]]
+    params = mean.unsqueeze(0) + shift
+    if temperature is None or model.likelihood.is_classification:
+        return params, params
+    return params, mean.unsqueeze(0) + temperature * shift
+
+
+def _tempered(likelihood: Any, params: Tensor, untempered: Any, value: float) -> Any:
+    """One draw's likelihood under ``pyrobayes.calibrate``'s ``T``, as ``pyrobayes.predict``
+    tempers a draw: ``Categorical(log_softmax(log p / T))`` for a classifier, σ → T σ for a
+    Gaussian (:func:`pyrobayes.calibration.apply_temperature`)."""
+    if likelihood.is_classification:
+        log_probs = torch.log_softmax(untempered.logits, dim=-1)
+        return dist.Categorical(logits=torch.log_softmax(log_probs / value, dim=-1))
+    normal = dist.Normal(params, likelihood.scale() * value)
+    return normal.to_event(likelihood.event_dim) if likelihood.event_dim else normal

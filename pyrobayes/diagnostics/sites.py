@@ -1,0 +1,63 @@
+"""Which latent sites an export keeps in full, and which it summarises by their norm."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_MAX_SITE_NUMEL", "select_sites"]
+
+#: Default cap on the number of posterior scalars per draw exported to the ``posterior`` group.
+DEFAULT_MAX_SITE_NUMEL = 10_000
+
+
+def site_numel(shape: Sequence[int]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def site_shapes(model: Any, guide: Any) -> dict[str, torch.Size]:
+    guide.require_setup()
+    shapes = dict(guide.sites)
+    if not shapes:
+        shapes = {s: torch.Size(spec.shape) for s, spec in model.latent_sites.items()}
+    return {s: torch.Size(v) for s, v in shapes.items()}
+
+
+def select_sites(
+    shapes: dict[str, torch.Size],
+    sites: Sequence[str] | None = None,
+    max_site_numel: int = DEFAULT_MAX_SITE_NUMEL,
+) -> tuple[list[str], list[str]]:
+    """Split latent sites into exported (full values) and summarised (norm only) ones.
+
+    With ``sites=None`` sites are taken in declaration order while their cumulative ``numel``
+    stays within ``max_site_numel``; the rest are summarised. An explicit ``sites`` list is
+    exported as asked (unknown names raise ``KeyError``).
+
+    Parameters
+    ----------
+    shapes : dict
+        ``{site: shape}`` of every latent site.
+    sites : sequence of str, optional
+    max_site_numel : int
+
+    Returns
+    -------
+    chosen, omitted : list of str
+    """
+    if sites is not None:
+        unknown = [s for s in sites if s not in shapes]
+        if unknown:
+            raise KeyError(f"Unknown sites {unknown}; the latent sites are {list(shapes)}.")
+        chosen = list(dict.fromkeys(sites))
+        return chosen, [s for s in shapes if s not in chosen]
+    chosen, omitted, used = [], [], 0
+    for site, shape in shapes.items():
+        if used + site_numel(shape) <= max_site_numel:
+            chosen.append(site)
+            used += site_numel(shape)
+        else:
+            omitted.append(site)
+    return chosen, omitted
