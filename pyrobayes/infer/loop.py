@@ -54,7 +54,7 @@ from .fitter import Fitter, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
 from .schedule import check_schedule, make_scheduler
-from .selection import Selection, data_fingerprint, warn_if_training_data
+from .selection import Selection, check_select_by, data_fingerprint, warn_if_training_data
 
 logger = logging.getLogger(__name__)
 
@@ -421,6 +421,10 @@ class _Loop:
             if options.validation is not None
             else None
         )
+        likelihood = getattr(model, "likelihood", None)
+        if self.selection is not None and likelihood is not None:  # before the first epoch
+            classification = bool(getattr(likelihood, "is_classification", True))
+            check_select_by(self.selection.select_by, classification=classification)
         self.fitter, self.sched = self._prepare(options.optim, lr)
         self.lr = self.fitter.lr  # the family's default where none was given
         _warn_if_rate_zero(self.fitter.optimizer, plan)

@@ -86,24 +86,30 @@ def _measure(
     )
     model.train(True)
     count = int(pred.targets.shape[0])
+    check_select_by(select_by, classification=pred.log_probs is not None)
     if pred.log_probs is not None:
-        if select_by not in ("nll", "accuracy"):
-            raise ValueError(
-                f"Validation(select_by={select_by!r}) is for regression; use 'nll' or "
-                "'accuracy' here."
-            )
         nll = metrics.nll(None, pred.targets, log_probs=pred.log_probs)
         return {"nll": nll, "accuracy": metrics.accuracy(pred.probs, pred.targets)}, count
-    if select_by == "accuracy":
-        raise ValueError(
-            "Validation(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
-        )
     if pred.loc is None or pred.scale is None:
         raise ValueError(
             "fit(validation=...): a regression likelihood needs an obs_scale to score the NLL."
         )
     # targets checked against the means: (N,) or (N, 1) for a scalar output, else a ValueError
     return metrics.regression_report(pred.loc, pred.targets, pred.scale), count
+
+
+def check_select_by(select_by: str, *, classification: bool) -> None:
+    """Refuse a criterion the likelihood has no score for: ``"rmse"`` for a classifier,
+    ``"accuracy"`` for a regression (checked when the fit starts, from the model's likelihood,
+    and again on the first validation, from the prediction)."""
+    if classification and select_by not in ("nll", "accuracy"):
+        raise ValueError(
+            f"Validation(select_by={select_by!r}) is for regression; use 'nll' or 'accuracy' here."
+        )
+    if not classification and select_by == "accuracy":
+        raise ValueError(
+            "Validation(select_by='accuracy') needs a classification likelihood; use 'nll' or 'rmse'."
+        )
 
 
 def _key(measured: dict[str, float], select_by: str) -> tuple[float, ...]:

@@ -135,6 +135,7 @@ def test_bad_select_by_is_named():
     data = split_batches(prob.x, prob.y)
     with pytest.raises(ValueError, match="select_by"):
         pb.Validation(data, select_by="f1")
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
     with pytest.raises(ValueError, match="classification"):
         pb.fit(
             prob.model,
@@ -143,6 +144,8 @@ def test_bad_select_by_is_named():
             epochs=1,
             validation=pb.Validation(data[:1], select_by="accuracy"),
         )
+    # refused before the first epoch (it was refused at the first validation, an epoch on)
+    assert all(torch.equal(v, guide.state_dict()[k]) for k, v in before.items())
 
 
 def test_best_state_survives_a_mid_epoch_interrupt(tmp_path):
