@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ..batch import batch_size, split_batch
+from ..user_frame import user_stacklevel
 from .distributed import world
 
 logger = logging.getLogger("pyrobayes.infer.loop")  # the fit's log, as before the split
@@ -143,7 +145,18 @@ class DataSize:
         except TypeError:  # a batch whose size cannot be told: no check
             self.done = True
 
-    def finish(self, complete: bool = True) -> None:
+    def count_pass(self, data: Iterable[Any]) -> None:
+        """Count one pass over ``data`` and check it (:meth:`finish`): a post-hoc fit that took
+        no epoch (Laplace at a MAP, ``epochs=0``) under ``torch.distributed``, whose curvature
+        pass sums over ranks, so a loader not split per rank counts every example R times.
+        Only the batches are read (no forward); a one-shot iterator is not counted."""
+        if self.done or self.count or self.size == 1 or isinstance(data, Iterator):
+            return
+        for batch in data:
+            self.see(batch)
+        self.finish(what="the training data's pass")
+
+    def finish(self, complete: bool = True, what: str = "the first epoch") -> None:
         """After the first epoch's batches (or the fit's, if it ends inside that epoch:
         ``complete`` false, when only an excess can be told)."""
         if self.done:
@@ -154,7 +167,7 @@ class DataSize:
             return
         if complete and 2 * seen < self.num_data:
             self._warn(
-                f"fit(): the first epoch yielded {seen} examples, but the model's num_data is "
+                f"fit(): {what} yielded {seen} examples, but the model's num_data is "
                 f"{self.num_data}. num_data must be the size of the data the fit iterates: "
                 f"with it {self.num_data / seen:.3g}x too large the prior (and KL) weighs that "
                 "much too little and the posterior is too narrow (often the whole data set's "
@@ -167,19 +180,26 @@ class DataSize:
             return
         over = "" if self.size == 1 else f" ({self.size} ranks × {self.count})"
         message = (
-            f"fit(): the first epoch yielded {seen} examples{over}, but the model's num_data "
+            f"fit(): {what} yielded {seen} examples{over}, but the model's num_data "
             f"is {self.num_data}. num_data must be the size of the training set (not the "
             f"batch size): with it too small the prior (and KL) weighs {seen / self.num_data:.3g}"
             "x too much and the posterior is too wide. Build the model with "
             "FineTuneModel(..., num_data=len(train_set)); if the data repeats examples on "
             "purpose (augmented copies), ignore this warning."
         )
+        if self.size > 1 and self.count * (self.size - 1) >= self.num_data:
+            message += (
+                f" Each of the {self.size} ranks read {self.count} examples: under "
+                "torch.distributed every rank must read its own share of the training set "
+                "(a DataLoader with a DistributedSampler), or every example counts once per "
+                "rank (a post-hoc Laplace sums its curvature over ranks)."
+            )
         self._warn(message)
 
     @staticmethod
     def _warn(message: str) -> None:
         logger.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=7)
+        warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
 
 def check_first_batch(model: Any, fitter: Any, batch: Any) -> None:

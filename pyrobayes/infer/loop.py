@@ -907,6 +907,8 @@ class _Loop:
             logger.info(
                 "fit: restored the best validated epoch %d (%s)", best_epoch, selection.select_by
             )
+        if fitter.reads_data_at_end:  # a post-hoc fit of no epoch: its pass is checked here
+            self.data_size.count_pass(self.data)
         fitter.end(self.data)
         if best_epoch is None:  # a restored epoch is not the run's last q
             warn_if_fit_given_back(self.terms, model)

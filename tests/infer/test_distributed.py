@@ -14,6 +14,7 @@ ranks' token rows (Σ aᵀa / Σ rows), as one process does, not average the ran
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,8 @@ def _worker(rank: int, init_file: str, out_dir: str, job: str = "fit") -> None:
             results = {family: _fit(family, rank) for family in FAMILIES}
         elif job == "laplace":
             results = {s: _laplace(s, rank) for s in STRUCTURES}
+        elif job == "unsplit":
+            results = _unsplit_laplace(rank)
         else:  # "uneven": rank 1 holds one batch fewer
             model, batches = _problem("map")
             try:
@@ -273,6 +276,36 @@ def test_laplace_curvature_is_summed_over_ranks(tmp_path: Path) -> None:
             # the same sums in another order (the ranks' shares reduced pairwise): float64
             # round-off, amplified by the eigendecomposition of the Kronecker factors
             torch.testing.assert_close(r0[key], value, rtol=1e-7, atol=1e-9, msg=key)
+
+
+def _unsplit_laplace(rank: int) -> dict[str, list[str]]:
+    """A post-hoc Laplace (no epoch) on every rank's copy of the whole training loader (no
+    DistributedSampler), then on the rank's own share: the warnings each fit raised."""
+    out = {}
+    for name in ("unsplit", "share"):
+        model, batches = _problem("laplace")
+        if name == "share":
+            part = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+            batches = [(x[part], y[part]) for x, y in batches]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pb.fit(model, pb.posterior(model, "laplace"), batches, epochs=0)
+        out[name] = [str(w.message) for w in caught]
+    return out
+
+
+def test_a_post_hoc_laplace_on_a_loader_not_split_per_rank_warns(tmp_path: Path) -> None:
+    # the curvature pass sums over ranks: each rank reading all N examples counted every
+    # example twice (posterior sd .447 against one process's .542), in silence, since the
+    # fit's per-epoch data-size check never ran on a fit of no epoch
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), "unsplit"), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"unsplit{r}.pt", weights_only=True) for r in range(2)]
+    told = [m for m in ranks[0]["unsplit"] if "training data's pass yielded" in m]
+    assert len(told) == 1, ranks[0]["unsplit"]
+    assert f"{2 * NUM_DATA} examples (2 ranks × {NUM_DATA})" in told[0]
+    assert "DistributedSampler" in told[0]
+    assert not ranks[1]["unsplit"]  # rank 0 alone warns
+    assert not ranks[0]["share"] and not ranks[1]["share"]  # each rank's share: silent
 
 
 def test_ranks_with_different_numbers_of_batches_are_refused_on_every_rank(tmp_path: Path) -> None:
