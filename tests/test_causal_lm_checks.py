@@ -79,6 +79,89 @@ def test_config_mistakes_are_refused_naming_the_key(sections, match):
         causal_lm.resolve_config(user(**sections))
 
 
+# task keys another format reads: the format, the key the user set, and the task keys the
+# message lists as read by that format
+FORMAT_MISMATCH = [
+    ("bigbench", {"template": "Solve: {question}\nResult:"}, "'json'", "append_choices"),
+    ("bigbench", {"answer_key": "label"}, "'json'", "fractions"),
+    ("bigbench", {"adapter": "arc"}, "'hf'", "split_seed"),
+    ("json", {"config": "ARC-Easy"}, "'hf'", "template"),
+    ("json", {"append_choices": True}, "'bigbench'", "question_key"),
+    ("hf", {"adapter": "arc", "fractions": [0.8, 0.1, 0.1]}, "'bigbench' or 'json'", "config"),
+    ("hf", {"adapter": "arc", "question_key": "q"}, "'json'", "adapter"),
+]
+
+
+@pytest.mark.parametrize("fmt, keys, owner, listed", FORMAT_MISMATCH)
+def test_a_task_key_the_format_does_not_read_is_refused(fmt, keys, owner, listed):
+    key = next(k for k in keys if k != "adapter" or fmt != "hf")
+    spec = {"path": "task.json", "format": fmt, **keys}
+    with pytest.raises(ConfigError) as err:
+        causal_lm.resolve_config(user(causal_lm={"task": spec}))
+    message = str(err.value)
+    assert f"'causal_lm.task.{key}' = {keys[key]!r} is not read with" in message
+    assert f"format = {fmt!r} (only with format {owner})" in message
+    assert f"Format {fmt!r} reads the task keys" in message and listed in message
+    assert f"Remove {key}" in message
+
+
+def test_task_keys_of_the_chosen_format_and_unset_ones_pass():
+    for spec in (
+        {"format": "bigbench", "append_choices": True, "fractions": [0.6, 0.1, 0.3]},
+        {"format": "bigbench", "adapter": "", "config": ""},  # "" is unset
+        {"format": "json", "template": "Q: {question}\nA:", "answer_key": "label"},
+        {"format": "hf", "adapter": "arc", "config": "ARC-Easy", "num_fewshot": 2},
+    ):
+        causal_lm.resolve_config(user(causal_lm={"task": {"path": "task.json", **spec}}))
+    # the defaults of other formats' keys are no user's: the saved config lists them all
+    config = causal_lm.resolve_config(user())
+    assert config["causal_lm"]["task"]["template"] and not config["causal_lm"]["task"]["adapter"]
+
+
+@pytest.mark.parametrize(
+    "adapter, match",
+    [("arcc", r"= 'arcc' \(did you mean 'arc'\?\)"), ("", "= '': format = 'hf' reads")],
+)
+def test_an_hf_task_needs_a_known_dataset_adapter(adapter, match):
+    spec = {"path": "data", "format": "hf", "adapter": adapter}
+    with pytest.raises(ConfigError, match=r"'causal_lm.task.adapter' " + match):
+        causal_lm.resolve_config(user(causal_lm={"task": spec}))
+
+
+def test_fit_refuses_a_task_key_of_another_format_before_the_run(tmp_path, capsys):
+    write_task(tmp_path / "task.json", num=8)
+    write_config(tmp_path / "job.toml", tmp_path / "task.json", families='["map"]')
+    text = (tmp_path / "job.toml").read_text()
+    (tmp_path / "job.toml").write_text(
+        text.replace('format = "bigbench"', 'format = "bigbench"\ntemplate = "Solve: {question}"')
+    )
+    out = tmp_path / "run"
+    assert main(["fit", str(tmp_path / "job.toml"), "--quick", "--out", str(out)]) == 2
+    assert "'causal_lm.task.template'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("append", [None, False, True])
+def test_task_append_choices_lists_the_choices_as_bigbench_does(tmp_path, caplog, append):
+    examples = [{"input": f"Colour {i}?", "target_scores": {"red": 1, "dog": 0}} for i in range(8)]
+    (tmp_path / "task.json").write_text(json.dumps({"examples": examples}))
+    spec = {"path": str(tmp_path / "task.json")}
+    if append is not None:
+        spec["append_choices"] = append
+    with pytest.raises(ConfigError, match=r"'causal_lm.task.append_choices' must be like False"):
+        causal_lm.resolve_config(user(causal_lm={"task": {**spec, "append_choices": "yes"}}))
+    config = causal_lm.resolve_config(user(causal_lm={"task": spec}))
+    with caplog.at_level(logging.WARNING, logger="pyrobayes.tasks.formats"):
+        task = causal_lm.load_task(config)
+    prompt = task.prompt("test", 0)
+    listed = prompt.endswith("?\n  choice: red\n  choice: dog\nA:")
+    assert listed == bool(append) and prompt.startswith("Q: Colour ")
+    said = caplog.text.count("these prompts leave them out")
+    assert said == (0 if append else 1)
+    if not append:
+        assert "causal_lm.task.append_choices = true" in caplog.text
+
+
 def test_machine_checks_come_before_the_run_folder(tmp_path):
     write_task(tmp_path / "task.json", num=8)
     out = tmp_path / "run"

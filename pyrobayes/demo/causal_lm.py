@@ -11,8 +11,9 @@ with a zero-shot row (the base network, no adapter) first. A config (TOML, read 
                            config-built two-layer LLaMA with a byte-level tokenizer; ``~`` is
                            the home folder), gguf_file, dtype, normalize, compare_normalize,
                            max_length, padding_side
-    [causal_lm.task]       path, format ("bigbench", "json" or "hf"), adapter and config (hf),
-                           template and field names (json), fractions, split_seed, num_fewshot,
+    [causal_lm.task]       path, format ("bigbench", "json" or "hf"), append_choices
+                           (bigbench), adapter and config (hf), template and field names
+                           (json), fractions (bigbench, json), split_seed, num_fewshot,
                            batch_size, num_train / num_val / num_test (0: all of the split)
     [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules
     families, seeds        the families (as LM_FAMILY_SETTINGS, else the demo's
@@ -274,7 +275,9 @@ def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
                 )
         return MultipleChoiceTask.from_splits(splits, seed=int(spec["split_seed"]), **options)
     if fmt == "bigbench":
-        examples = read_bigbench(path)
+        # true: the choices listed as BIG-bench lists them (where the task file asks for them)
+        append = None if spec.get("append_choices", False) else False  # absent: older configs
+        examples = read_bigbench(path, append_choices=append)
     else:
         examples = read_json_examples(
             path,

@@ -15,7 +15,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from ..tasks import DEFAULT_TEMPLATE
+from ..tasks import ADAPTERS, DEFAULT_TEMPLATE
 from ..tasks.task import check_fractions
 from .config import (
     CHOICES,
@@ -59,6 +59,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "task": {
             "path": "",
             "format": "bigbench",
+            # bigbench: list the choices after the question as BIG-bench's prompts do (where the
+            # task file asks for them); the measured tables were made without (false)
+            "append_choices": False,
             "adapter": "",
             "config": "",
             "template": DEFAULT_TEMPLATE,
@@ -343,7 +346,54 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
             f"Config key 'causal_lm.task.fractions' must be three numbers in [0, 1] summing to "
             f"1 (train, validation, test) but got {spec['fractions']!r}."
         ) from None
-    if spec["format"] == "json":
+    _check_task(user, spec)
+    if config["training"]["keep"] == "best" and spec["format"] != "hf" and fractions[1] == 0:
+        raise ConfigError(
+            "Config key 'training.keep' = 'best' selects each fit's epoch on the validation "
+            f"split, but causal_lm.task.fractions = {spec['fractions']!r} gives it no questions. "
+            'Give the validation split a share (e.g. [0.5, 0.1, 0.4]) or set keep = "last".'
+        )
+    return config
+
+
+#: The task keys only some formats read, and those formats; every other key is read by all.
+_FORMAT_KEYS = {
+    "append_choices": ("bigbench",),
+    "fractions": ("bigbench", "json"),
+    "template": ("json",),
+    "question_key": ("json",),
+    "choices_key": ("json",),
+    "answer_key": ("json",),
+    "adapter": ("hf",),
+    "config": ("hf",),
+}
+
+
+def _check_task(user: dict[str, Any], spec: dict[str, Any]) -> None:
+    """Refuse a task key the user set that the chosen format does not read (it would be
+    ignored), an ``hf`` task without a known dataset adapter, and a json template that
+    ``str.format`` cannot read."""
+    fmt = spec["format"]
+    given = ((user.get("causal_lm") or {}).get("task")) or {}
+    for key, value in given.items():
+        formats = _FORMAT_KEYS.get(key, (fmt,))
+        if fmt in formats or value == "":  # "" (adapter, config): unset
+            continue
+        reads = sorted(k for k in spec if fmt in _FORMAT_KEYS.get(k, (fmt,)))
+        raise ConfigError(
+            f"Config key 'causal_lm.task.{key}' = {value!r} is not read with causal_lm.task."
+            f"format = {fmt!r} (only with format {' or '.join(map(repr, formats))}), so it "
+            f"would be ignored. Format {fmt!r} reads the task keys {', '.join(reads)}. Remove "
+            f"{key}, or set the format that reads it."
+        )
+    if fmt == "hf" and spec["adapter"] not in ADAPTERS:
+        raise ConfigError(
+            f"Config key 'causal_lm.task.adapter' = {spec['adapter']!r}"
+            f"{did_you_mean(spec['adapter'], sorted(ADAPTERS))}: format = 'hf' reads a "
+            f"dataset's rows through an adapter, one of {sorted(ADAPTERS)}; set adapter to the "
+            "dataset's."
+        )
+    if fmt == "json":
         try:
             list(string.Formatter().parse(spec["template"]))
         except ValueError as err:
@@ -352,13 +402,6 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
                 f"str.format template ({err}); fields are {{question}} or another record field, "
                 "and a literal brace is written '{{' or '}}'."
             ) from None
-    if config["training"]["keep"] == "best" and spec["format"] != "hf" and fractions[1] == 0:
-        raise ConfigError(
-            "Config key 'training.keep' = 'best' selects each fit's epoch on the validation "
-            f"split, but causal_lm.task.fractions = {spec['fractions']!r} gives it no questions. "
-            'Give the validation split a share (e.g. [0.5, 0.1, 0.4]) or set keep = "last".'
-        )
-    return config
 
 
 def _check_no_training_seed(user: dict[str, Any]) -> None:

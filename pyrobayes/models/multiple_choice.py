@@ -381,6 +381,38 @@ def _as_answers(answers: Any, num_prompts: int, num_choices: int) -> Tensor:
     return labels
 
 
+def _trailing(ids: Sequence[int], special: set[int]) -> int:
+    """How many of ``ids``' last ids are in ``special``."""
+    count = 0
+    while count < len(ids) and int(ids[-1 - count]) in special:
+        count += 1
+    return count
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt's token ids as a continuation follows them: encoded with the tokenizer's
+    special tokens, less those it appends after the text.
+
+    A tokenizer that appends an end-of-sequence token to every encoded text (T5 / ByT5, a
+    LLaMA tokenizer saved with ``add_eos_token=True``) would put ``</s>`` between the prompt and
+    each choice, so every continuation would be scored after an end of sequence. The special
+    ids (``all_special_ids``, else ``eos_token_id``) that end the encoding but not the text
+    encoded without special tokens are dropped, so the continuation follows the prompt's own
+    tokens, as in lm-evaluation-harness. Tokenizers that append nothing (LLaMA, GPT-2) are
+    unchanged (the encoding without special tokens is only computed when a special id ends
+    the encoding)."""
+    context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    special = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        special.add(int(eos))
+    if not context or int(context[-1]) not in special:
+        return context
+    plain = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    extra = _trailing(context, special) - _trailing(plain, special)
+    return context[: len(context) - extra] if extra > 0 else context
+
+
 def _tokenize_rows(
     tokenizer: Any,
     prompts: list[str],
@@ -391,7 +423,7 @@ def _tokenize_rows(
     """Token ids of every (prompt, choice) row and its number of continuation tokens."""
     rows: list[list[tuple[list[int], int]]] = []
     for b, (prompt, options) in enumerate(zip(prompts, lists, strict=True)):
-        context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        context = prompt_ids(tokenizer, prompt)
         if not context:
             raise ValueError(
                 f"encode_multiple_choice: prompt {b} encodes to no tokens and the tokenizer "
@@ -454,7 +486,9 @@ def encode_multiple_choice(
 
     Each row is ``tokens(prompt) + tokens(delimiter + choice)``, the prompt encoded with the
     tokenizer's special tokens and the continuation without (as lm-evaluation-harness does),
-    truncated from the left to ``max_length`` and padded to the longest row.
+    truncated from the left to ``max_length`` and padded to the longest row. Special tokens the
+    tokenizer appends after the prompt's text (an end-of-sequence token, e.g. T5's) are left
+    out, so each continuation follows the prompt's tokens directly (:func:`prompt_ids`).
 
     Parameters
     ----------

@@ -7,8 +7,9 @@ r"""Reading multiple-choice examples from the formats users have.
 * **BIG-bench** ``task.json`` (Srivastava et al. 2023, "Beyond the imitation game"): ``examples``
   with ``input`` and ``target_scores`` (choice → score); the answer is the first choice of the
   highest score, the prompt ``task_prefix + "Q: " + input + "\nA:"`` (BIG-bench's default
-  ``example_input_prefix`` / ``example_output_prefix``, overridden by the file's own) —
-  :func:`read_bigbench`.
+  ``example_input_prefix`` / ``example_output_prefix``, overridden by the file's own), with
+  the choices listed after the input only on request (``append_choices``; BIG-bench's prompts
+  list them unless the file sets ``append_choices_to_input`` false) — :func:`read_bigbench`.
 * **Hugging Face datasets** rows through small adapters (field mappings, :data:`ADAPTERS`):
   ``arc`` (``allenai/ai2_arc``), ``openbookqa``, ``winogrande`` and ``boolq``, read from a folder
   saved with ``save_to_disk`` or a hub id (``datasets.load_dataset``, which needs the hub or its
@@ -106,6 +107,10 @@ def read_json_examples(
         ``.jsonl`` (one record a line) or ``.json`` (a list of records, or ``{"examples": [...]}``).
     template : str
         ``str.format`` template over the record's fields; ``{question}`` names ``question_key``.
+        Trailing spaces of the rendered prompt are dropped (as :func:`read_bigbench` drops
+        those of its output prefix ``"\\nA: "``): the task's delimiter (``" "``) goes between
+        the prompt and each choice, so a template ending in ``"Answer: "`` would otherwise put
+        two spaces before every choice.
     question_key, choices_key, answer_key : str
         The record's fields: the question text, the list of choices, the answer (an integer
         index, a digit string, or the right choice's text). A digit string that is one choice's
@@ -136,7 +141,7 @@ def read_json_examples(
             raise ValueError(f"{where}: {choices_key!r} must be a list, got {choices!r}.")
         fields = {**record, "question": record[question_key]}
         try:
-            prompt = template.format(**fields)
+            prompt = template.format(**fields).rstrip(" ")
         except (KeyError, IndexError, AttributeError) as err:
             raise ValueError(
                 f"{where}: template {template!r} names a missing field {err}; the record has "
@@ -179,7 +184,79 @@ def _score(value: Any, choice: str, where: str) -> float:
     return float(value)
 
 
-def read_bigbench(path: str | Path) -> list[MCExample]:
+#: BIG-bench's ``choice_prefix`` when a task file gives none (its ``json_task`` default).
+BIGBENCH_CHOICE_PREFIX = "\n  choice: "
+
+
+def _choice_prefix(task: Mapping[str, Any], path: Path, append_choices: bool | None) -> str | None:
+    """The text put before each listed choice, or None when the prompts list no choices.
+
+    ``append_choices`` True lists them, False does not, None follows the file's
+    ``append_choices_to_input`` (BIG-bench's default: true). A file that asks for them under
+    ``append_choices=False`` gets one logged warning saying how to list them."""
+    if append_choices is not None and not isinstance(append_choices, bool):
+        raise TypeError(
+            f"read_bigbench: append_choices must be True, False or None (follow the task "
+            f"file), got {append_choices!r} ({type(append_choices).__name__})."
+        )
+    asked = task.get("append_choices_to_input", True)
+    if not isinstance(asked, bool):
+        raise ValueError(
+            f"{path}: 'append_choices_to_input' = {asked!r} is not a JSON boolean (true or "
+            "false); fix the task file."
+        )
+    prefix = task.get("choice_prefix", BIGBENCH_CHOICE_PREFIX)
+    if not isinstance(prefix, str):
+        raise ValueError(f"{path}: 'choice_prefix' = {prefix!r} is not a string; fix the file.")
+    if append_choices is False and asked:
+        logger.warning(
+            "%s: the task file asks for the choices in the prompt (append_choices_to_input is "
+            "%s), as BIG-bench's own prompts list them; these prompts leave them out. Pass "
+            "read_bigbench(..., append_choices=None) (causal_lm.task.append_choices = true in a "
+            "job config) to list them.",
+            path,
+            "true" if "append_choices_to_input" in task else "absent, BIG-bench's default true",
+        )
+    return prefix if (asked if append_choices is None else append_choices) else None
+
+
+def _bigbench_example(example: Any, where: str) -> tuple[str, list[str], list[float]]:
+    """One example's question, choices (file order) and scores, or a ``ValueError``."""
+    if not isinstance(example, Mapping):
+        raise ValueError(
+            f"{where} is {type(example).__name__} {example!r}, not an object with 'input' "
+            "and 'target_scores'."
+        )
+    scores = example.get("target_scores")
+    if not isinstance(scores, Mapping) or len(scores) < 2:
+        raise ValueError(
+            f"{where} has no 'target_scores' with >= 2 choices; it is not a multiple-choice "
+            "task (generative BIG-bench tasks are not supported)."
+        )
+    repeated = getattr(scores, "repeated", None)
+    if repeated:
+        raise ValueError(
+            f"{where}: target_scores lists the choice(s) {repeated!r} more than once (JSON "
+            "keeps only the last score); give each choice once."
+        )
+    if "input" not in example:
+        raise ValueError(f"{where} lacks the key 'input' (the question; has {sorted(example)}).")
+    question = example["input"]
+    if isinstance(question, bool) or not isinstance(question, (str, int, float)):
+        raise ValueError(f"{where}: 'input' must be a string (the question), got {question!r}.")
+    choices = [str(c) for c in scores]
+    values = [_score(v, c, where) for c, v in scores.items()]
+    best = max(values)
+    if best <= 0 or min(values) == best:
+        raise ValueError(
+            f"{where} has no right answer: target_scores {dict(scores)!r} give no choice a "
+            "score above 0 and above the others. Fix the example's scores (1 for the right "
+            "answer) or remove it."
+        )
+    return str(question), choices, values
+
+
+def read_bigbench(path: str | Path, *, append_choices: bool | None = False) -> list[MCExample]:
     """Examples of a BIG-bench multiple-choice ``task.json`` (see the module docstring).
 
     Parameters
@@ -187,11 +264,25 @@ def read_bigbench(path: str | Path) -> list[MCExample]:
     path : str or Path
         A ``task.json`` whose examples carry ``input`` (a string) and ``target_scores`` (each
         choice's score, a finite number).
+    append_choices : bool or None
+        List the choices in the prompt, after the question, as BIG-bench's ``json_task``
+        formats an example (as we understand its source): ``input + choice_prefix +
+        choice_prefix.join(choices)``, with the file's ``choice_prefix`` (default
+        ``"\\n  choice: "``), before the output prefix. ``False`` (the default, with which
+        the measured tables of docs/causal_lm.md were made) never lists them, ``True``
+        always does, ``None`` follows the file's ``append_choices_to_input`` (BIG-bench's
+        default: true). The choices are listed in the file's order (BIG-bench may show them
+        in a seeded shuffled order, which is not reproduced). Under ``False``, a file that
+        asks for the choices (``append_choices_to_input`` true or absent) gets one logged
+        warning saying so.
 
     Returns
     -------
     list of MCExample
         Choices in the file's order; the answer is the first choice of the highest score.
+        Examples that give several choices the highest score (several right answers) are
+        counted in one logged warning: only the first of them is scored as right, so the
+        accuracy under-counts against BIG-bench's ``multiple_choice_grade``, which credits any.
 
     Raises
     ------
@@ -199,7 +290,8 @@ def read_bigbench(path: str | Path) -> list[MCExample]:
         Naming the file and the example: an example that is not an object or lacks ``input``,
         ``target_scores`` that are not an object of >= 2 choices, a choice listed twice, a
         score that is not a finite number, or no right answer (no choice scores above 0, or
-        every choice scores the same).
+        every choice scores the same); an ``append_choices_to_input`` that is not a boolean or
+        a ``choice_prefix`` that is not a string.
     """
     path = Path(path)
     if not path.is_file():
@@ -213,45 +305,27 @@ def read_bigbench(path: str | Path) -> list[MCExample]:
     prefix = str(task.get("task_prefix", ""))
     q_prefix = str(task.get("example_input_prefix", "Q: ")).lstrip("\n")
     a_prefix = str(task.get("example_output_prefix", "\nA: ")).rstrip(" ")
+    choice_prefix = _choice_prefix(task, path, append_choices)
     out = []
+    several = 0
     for i, example in enumerate(task["examples"]):
         where = f"{path} example {i}"
-        if not isinstance(example, Mapping):
-            raise ValueError(
-                f"{where} is {type(example).__name__} {example!r}, not an object with 'input' "
-                "and 'target_scores'."
-            )
-        scores = example.get("target_scores")
-        if not isinstance(scores, Mapping) or len(scores) < 2:
-            raise ValueError(
-                f"{where} has no 'target_scores' with >= 2 choices; it is not a multiple-choice "
-                "task (generative BIG-bench tasks are not supported)."
-            )
-        repeated = getattr(scores, "repeated", None)
-        if repeated:
-            raise ValueError(
-                f"{where}: target_scores lists the choice(s) {repeated!r} more than once (JSON "
-                "keeps only the last score); give each choice once."
-            )
-        if "input" not in example:
-            raise ValueError(
-                f"{where} lacks the key 'input' (the question; has {sorted(example)})."
-            )
-        question = example["input"]
-        if isinstance(question, bool) or not isinstance(question, (str, int, float)):
-            raise ValueError(f"{where}: 'input' must be a string (the question), got {question!r}.")
-        choices = [str(c) for c in scores]
-        values = [_score(v, c, where) for c, v in scores.items()]
-        best = max(values)
-        if best <= 0 or min(values) == best:
-            raise ValueError(
-                f"{where} has no right answer: target_scores {dict(scores)!r} give no choice a "
-                "score above 0 and above the others. Fix the example's scores (1 for the right "
-                "answer) or remove it."
-            )
-        answer = values.index(best)
+        question, choices, values = _bigbench_example(example, where)
+        several += values.count(max(values)) > 1
+        if choice_prefix is not None:
+            question += choice_prefix + choice_prefix.join(choices)
         prompt = f"{prefix}{q_prefix}{question}{a_prefix}"
+        answer = values.index(max(values))
         out.append(MCExample(prompt, tuple(choices), answer, {"source": where}))
+    if several:
+        logger.warning(
+            "%s: %d of %d examples give several choices the highest score (several right "
+            "answers); only the first of them is scored as right, so accuracy under-counts "
+            "against BIG-bench's multiple_choice_grade, which credits any of them.",
+            path,
+            several,
+            len(out),
+        )
     return out
 
 
@@ -415,6 +489,64 @@ def adapt_rows(
     return out
 
 
+#: Split names :func:`read_hf_dataset` reads (case-insensitive), and the split each one is.
+_SPLIT_NAMES = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "validation",
+    "test": "test",
+}
+_KNOWN_SPLITS = "'train', 'validation' (or 'valid', 'val', 'dev') and 'test'"
+_SPLIT_ORDER = {"train": 0, "validation": 1, "test": 2}
+
+
+def _named_splits(data: Any, source: str, datasets: Any) -> dict[str, Any]:
+    """``{"train" | "validation" | "test": dataset}`` of a loaded dataset (see
+    :func:`read_hf_dataset`); a split of another name is refused or reported, never dropped
+    silently."""
+    if isinstance(data, datasets.Dataset):
+        split = _SPLIT_NAMES.get(str(getattr(data, "split", None) or "").lower())
+        if split is None:
+            logger.warning(
+                "%s holds one Dataset, not a DatasetDict of named splits; it is read as the "
+                "'test' split. Save a DatasetDict (e.g. DatasetDict({'train': ..., 'test': "
+                "...})) to name its splits.",
+                source,
+            )
+        return {split or "test": data}
+    found = list(data)
+    out: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for name in found:
+        split = _SPLIT_NAMES.get(str(name).lower())
+        if split is None:
+            continue
+        if split in out:
+            raise ValueError(
+                f"{source}: splits {names[split]!r} and {name!r} both read as the {split!r} "
+                "split; save the dataset with one of them (or rename the other)."
+            )
+        out[split], names[split] = data[name], name
+    left = [name for name in found if name not in names.values()]
+    if not out:
+        raise ValueError(
+            f"{source} has the split(s) {found!r}, none of which is read: read_hf_dataset reads "
+            f"the splits named {_KNOWN_SPLITS}. Save the dataset with those names."
+        )
+    if left:
+        logger.warning(
+            "%s: split(s) %r are left out (read: %r); read_hf_dataset reads the splits named "
+            "%s. Rename a split to use it.",
+            source,
+            left,
+            [names[s] for s in out],
+            _KNOWN_SPLITS,
+        )
+    return out
+
+
 def read_hf_dataset(
     source: str, adapter: str, *, config: str | None = None
 ) -> dict[str, list[MCExample]]:
@@ -427,14 +559,26 @@ def read_hf_dataset(
         else a hub id for ``datasets.load_dataset`` (offline: only from its local cache).
     adapter : {"arc", "openbookqa", "winogrande", "boolq"}
     config : str, optional
-        The dataset configuration, e.g. ``"ARC-Challenge"`` or ``"winogrande_m"``.
+        The dataset configuration of a hub id, e.g. ``"ARC-Challenge"`` or ``"winogrande_m"``.
+        A folder holds the one configuration it was saved from: a ``config`` with a folder is
+        refused.
 
     Returns
     -------
     dict of str to list of MCExample
-        Keyed ``train`` / ``validation`` / ``test`` (splits the dataset lacks are absent). Rows
-        without an answer (Winogrande's test split) are left out with a logged warning, so an
-        unlabelled split is an empty list.
+        Keyed ``train`` / ``validation`` / ``test`` (splits the dataset lacks are absent); a
+        split named ``dev``, ``valid`` or ``val`` (any case) is the validation split. Other
+        splits are left out with a logged warning naming them (a dataset with none of these
+        names is refused). A lone ``Dataset`` saved without a ``DatasetDict`` is the split its
+        ``split`` attribute names, else the test split (with a logged warning). Rows without an
+        answer (Winogrande's test split) are left out with a logged warning, so an unlabelled
+        split is an empty list.
+
+    Raises
+    ------
+    ValueError
+        A ``config`` with a folder, two splits read as one (``dev`` and ``validation``), or no
+        split of a name read.
     """
     try:
         datasets: Any = importlib.import_module("datasets")  # optional dependency
@@ -443,13 +587,19 @@ def read_hf_dataset(
             "reading a Hugging Face dataset needs the 'datasets' package: pip install datasets"
         ) from None
     if Path(source).is_dir():
+        if config:
+            raise ValueError(
+                f"config {config!r} cannot apply to {source}: a folder written by save_to_disk "
+                "holds the one configuration it was saved from, and load_from_disk reads that. "
+                "Remove config (causal_lm.task.config in a job config), or name the hub id to "
+                "load that configuration."
+            )
         data = datasets.load_from_disk(source)
     else:
         data = datasets.load_dataset(source, config)
-    if isinstance(data, datasets.Dataset):
-        data = datasets.DatasetDict({"test": data})
     return {
-        split: adapt_rows(data[split], adapter, name=f"{source}[{split}]", skip_unlabelled=True)
-        for split in ("train", "validation", "test")
-        if split in data
+        split: adapt_rows(rows, adapter, name=f"{source}[{split}]", skip_unlabelled=True)
+        for split, rows in sorted(
+            _named_splits(data, source, datasets).items(), key=lambda kv: _SPLIT_ORDER[kv[0]]
+        )
     }

@@ -34,7 +34,7 @@ import numpy as np
 from torch import Tensor
 
 from ..models.adapters import check_int
-from ..models.multiple_choice import encode_multiple_choice
+from ..models.multiple_choice import encode_multiple_choice, prompt_ids
 from .example import MCExample
 
 __all__ = ["MultipleChoiceTask", "SPLITS", "check_fractions"]
@@ -315,7 +315,7 @@ class MultipleChoiceTask:
     def _overflow(self, tokenizer: Any, prompt: str, choices: Sequence[str], limit: int) -> int:
         """Tokens the question's longest row (prompt, delimiter and choice) exceeds ``limit`` by:
         the prompt tokens ``encode_multiple_choice`` cuts from its left (0: none)."""
-        context = len(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        context = len(prompt_ids(tokenizer, prompt))
         longest = max(
             len(tokenizer(self.delimiter + c, add_special_tokens=False)["input_ids"])
             for c in choices

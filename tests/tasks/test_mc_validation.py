@@ -108,8 +108,9 @@ def test_encode_counts_the_questions_max_length_truncates(caplog):
     task = MultipleChoiceTask({"test": examples})
     with caplog.at_level(logging.INFO, logger="pyrobayes.tasks.task"):
         task.encode(tokenizer, "test", batch_size=2, max_length=32)
-    # ByT5: one id a byte and an EOS after the prompt; the longest row is prompt + " no way"
-    over = [max(0, 41 + 1 + 7 - 32), max(0, 31 + 1 + 2 - 32)]
+    # ByT5: one id a byte (the EOS it appends to the prompt is left out, as the rows leave it
+    # out); the longest row is prompt + " no way"
+    over = [max(0, 41 + 7 - 32), max(0, 31 + 2 - 32)]
     assert task.truncation["test"] == {
         "questions": 3,
         "truncated": 2,
