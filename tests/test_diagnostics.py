@@ -119,6 +119,38 @@ def test_khat_interpretation_thresholds():
     assert "threshold" not in khat_interpretation(0.6, num_samples=10**6)
 
 
+@pytest.mark.parametrize("num_samples", [11, 30, 50, 80, 100, 1000, 2000])
+def test_a_khat_at_or_above_the_small_sample_threshold_reads_bad(num_samples):
+    """Vehtari et al. (2024): with S draws any k-hat >= min(1 - 1/log10 S, 0.7) is unreliable.
+    S = 30 (threshold 0.32) read k-hat 0.45 as "good ... can be trusted"."""
+    threshold = khat_threshold(num_samples)
+    for k in np.linspace(max(threshold, -0.5), 0.7, 8)[:-1]:
+        text = khat_interpretation(float(k), num_samples)
+        assert text.startswith("bad"), (k, text)
+        assert "more draws" in text and f"S = {num_samples}" in text
+        # the number of draws it names has a threshold above k-hat, one fewer not
+        needed = int(text.split("S >= ")[1].split()[0])
+        assert khat_threshold(needed) > k >= khat_threshold(needed - 1)
+    below = threshold - 0.01
+    assert khat_interpretation(below, num_samples).startswith("good" if below < 0.5 else "ok")
+    # k-hat >= 0.7 keeps its wording, whatever S
+    assert khat_interpretation(0.8, num_samples).startswith("bad (k-hat >= 0.7)")
+
+
+def test_diagnose_reads_a_khat_above_its_small_sample_threshold_as_bad(monkeypatch):
+    # a fitted guide gave k-hat 0.44 at S = 30 (threshold 0.32), read "good ... can be trusted";
+    # the Pareto fit is pinned to that value here
+    import pyrobayes.diagnostics.khat as khat_module
+
+    monkeypatch.setattr(khat_module, "psis_smooth", lambda log_ratios: (log_ratios, 0.44))
+    prob = mlp_problem((4, 6, 3), LoRAXS(rank=2, target_modules=["0"]), num_data=40, seed=0)
+    guide = MeanFieldGuide(prob.model, init_scale=0.3)
+    result = diagnose(prob.model, guide, split_batches(prob.x, prob.y, 20), num_samples=30)
+    assert (result.khat, result.khat_threshold) == (0.44, pytest.approx(0.3230, abs=1e-4))
+    assert result.interpretation.startswith("bad (k-hat 0.44 >= 0.32")
+    assert "diagnose with more draws (S >= 62" in result.interpretation
+
+
 def _classifier():
     prob = mlp_problem((5, 8, 4), LoRAXS(rank=2, target_modules=["0"]), num_data=60, data_seed=1)
     return prob.model, split_batches(prob.x, prob.y, 32), prob.y

@@ -235,6 +235,29 @@ def test_plot_posterior_summary_writes_png(tmp_path):
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_posterior_summary_writes_the_format_its_suffix_names(tmp_path):
+    # format="png" was hard-coded: a .pdf path got PNG bytes
+    model, guide, data, _ = _classifier()
+    idata = to_datatree(model, guide, data, num_samples=8)
+    magic = {"pdf": b"%PDF", "svg": b"<?xml", "png": b"\x89PNG", "PNG": b"\x89PNG"}
+    for suffix, start in magic.items():
+        out = plot_posterior_summary(idata, tmp_path / f"summary.{suffix}", max_rows=4)
+        assert out.read_bytes().startswith(start), suffix
+    bare = plot_posterior_summary(idata, tmp_path / "summary", max_rows=4)
+    assert bare == tmp_path / "summary" and bare.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match=r"'\.pnj', which names no format .*'\.pdf'"):
+        plot_posterior_summary(idata, tmp_path / "summary.pnj")
+
+
+@pytest.mark.parametrize("max_rows", [0, -5])
+def test_plot_posterior_summary_refuses_max_rows_below_one(tmp_path, max_rows):
+    model, guide, data, _ = _classifier()
+    idata = to_datatree(model, guide, data, num_samples=8)
+    with pytest.raises(ValueError, match=r"max_rows must be an integer >= 1"):
+        plot_posterior_summary(idata, tmp_path / "out.png", max_rows=max_rows)
+    assert not (tmp_path / "out.png").exists()
+
+
 def test_plot_posterior_summary_shows_the_first_entries_of_a_large_posterior(tmp_path):
     """A forest of every scalar of a LoRA factor took minutes to draw (the demo's 9,216 rows):
     ``max_rows`` keeps index 0 of the leading dims and an equal share of the last dim."""

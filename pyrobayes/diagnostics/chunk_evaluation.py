@@ -7,7 +7,7 @@ class log-probabilities, of the network or of a Laplace guide's linearised netwo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import pyro.distributions as dist
@@ -17,6 +17,7 @@ from torch import Tensor
 from ..batch import batch_size, slice_examples, split_batch, to_device
 from ..models.sharing import reuse_within_batch
 from ..predictive import checked_targets, default_samples_per_forward
+from .sites import DEFAULT_MAX_SITE_NUMEL
 
 
 class Wanted(NamedTuple):
@@ -71,6 +72,96 @@ class Linearization(NamedTuple):
         return torch.cat(means, 0), torch.cat(shifts, 1)
 
 
+class PassOrder:
+    """The examples of the first pass over the data, which every later pass must see again.
+
+    A posterior larger than ``max_site_numel`` is drawn in chunks, each evaluated on a new pass
+    over the data; the chunks' per-example results are joined column by column, so a pass in
+    another order (a shuffling ``DataLoader``) or over other examples would pair the later
+    draws with other examples than the first pass's ``observed_data`` (and the calibration
+    report's targets). Per batch the first pass keeps its targets and a fingerprint of its
+    inputs (a position-weighted sum of every input tensor per example); a later pass that
+    differs raises. Random augmentation or masking of the inputs is a difference too: the
+    chunks would be scored on different data.
+    """
+
+    def __init__(self, passes: int) -> None:
+        self.batches: list[tuple[Tensor | None, list[Tensor]]] = []
+        self.planned = passes
+        self.check = passes > 1  # one pass: nothing to check, nothing kept
+        self.passes = 0
+
+    def begin(self) -> None:
+        """A new pass over the data starts."""
+        self.passes += 1
+
+    @property
+    def first(self) -> bool:
+        """The current pass is the first."""
+        return self.passes == 1
+
+    def see(self, index: int, inputs: Any, y: Tensor | None) -> None:
+        """Record batch ``index`` of the first pass, or check it against the first pass's."""
+        if not self.check:
+            return
+        seen = (None if y is None else y.detach().cpu(), _fingerprint(inputs))
+        if self.first:
+            self.batches.append(seen)
+        elif index >= len(self.batches):
+            raise self._reordered(f"more batches than the first's {len(self.batches)}")
+        elif not _same_batch(self.batches[index], seen):
+            raise self._reordered(f"batch {index} differs")
+
+    def end(self, count: int) -> None:
+        """The pass yielded ``count`` batches: as many as the first."""
+        if self.check and not self.first and count != len(self.batches):
+            raise self._reordered(f"{count} batches instead of {len(self.batches)}")
+
+    def _reordered(self, what: str) -> ValueError:
+        return ValueError(
+            f"to_inference_data / diagnose: pass {self.passes} over data yielded other examples, "
+            f"or the same in another order, than the first ({what}). The draws are taken in "
+            f"{self.planned} chunks (the posterior has more scalars than max_site_numel; "
+            f"diagnose: {DEFAULT_MAX_SITE_NUMEL}), each evaluated on a new pass over data, so "
+            "every pass must yield the same examples in the same order, or the later draws are "
+            "scored on other examples than the observed targets. Pass an ordered loader "
+            "(DataLoader(..., shuffle=False), i.e. a SequentialSampler, without random "
+            "augmentation or masking) or a list of batches."
+        )
+
+
+def _fingerprint(inputs: Any) -> list[Tensor]:
+    """Per input tensor, a ``(B,)`` position-weighted sum of each example's values (CPU)."""
+    if isinstance(inputs, Tensor):
+        x = inputs.detach()
+        x = x.cpu() if x.device.type == "mps" else x  # (MPS has no float64)
+        if x.dim() == 0:
+            return [x.reshape(1).cpu().double()]
+        x = x.reshape(x.shape[0], -1).to(torch.float64)
+        weights = torch.arange(1, x.shape[1] + 1, dtype=torch.float64, device=x.device)
+        return [torch.mv(x, weights).cpu()]
+    if isinstance(inputs, Mapping):
+        return [f for k in sorted(inputs, key=str) for f in _fingerprint(inputs[k])]
+    if isinstance(inputs, (tuple, list)):
+        return [f for v in inputs for f in _fingerprint(v)]
+    return []
+
+
+def _same_batch(
+    first: tuple[Tensor | None, list[Tensor]], later: tuple[Tensor | None, list[Tensor]]
+) -> bool:
+    """The same targets and input fingerprints (up to float rounding)."""
+    (y0, f0), (y1, f1) = first, later
+    if (y0 is None) != (y1 is None) or len(f0) != len(f1):
+        return False
+    if y0 is not None and y1 is not None and (y0.shape != y1.shape or not torch.equal(y0, y1)):
+        return False
+    return all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=0.0, equal_nan=True)
+        for a, b in zip(f0, f1, strict=True)
+    )
+
+
 class Chunk(NamedTuple):
     """One chunk of draws evaluated on all of the data."""
 
@@ -89,9 +180,10 @@ def evaluate_chunk(
     n: int,
     wanted: Wanted,
     pp_seed: int | None,
-    first: bool,
+    order: PassOrder,
 ) -> Chunk:
-    """The model on every batch of ``data`` at the ``n`` draws ``values``."""
+    """The model on every batch of ``data`` at the ``n`` draws ``values``; ``order`` records
+    the first pass over ``data`` and checks every later one against it."""
     dev = model.device
     chunk = Chunk(torch.zeros(n, dtype=torch.float64), [], [], [], [], True)
     has_targets = True
@@ -100,16 +192,18 @@ def evaluate_chunk(
     # chunks of draws, as in pyrobayes.predict
     # (the linearised network's Jacobians run their own forward passes, with autograd)
     reuse = contextlib.nullcontext() if wanted.linearization else reuse_within_batch()
+    order.begin()
     with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse:
         if pp_seed is not None:
             torch.manual_seed(pp_seed)
         index = -1
         for index, batch in enumerate(data):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
+            order.see(index, inputs, y)
             ll, pointwise, pp, lp, y = _evaluate_batch(model, inputs, y, values, n, wanted, index)
             if y is None:
                 has_targets = False
-            elif first:  # in the likelihood's shape, as log_likelihood and posterior_predictive
+            elif order.first:  # in the likelihood's shape, as log_likelihood and predictive
                 chunk.observed.append(y.detach().cpu())
             if ll is not None:
                 chunk.ll_sum.add_(ll.sum(1))
@@ -124,6 +218,7 @@ def evaluate_chunk(
             "to_inference_data / diagnose: data yielded no batches; pass a non-empty iterable of "
             "batches (the data set the posterior is evaluated on, e.g. the training loader)."
         )
+    order.end(index + 1)
     return chunk._replace(has_targets=has_targets)
 
 

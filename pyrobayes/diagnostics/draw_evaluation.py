@@ -20,8 +20,9 @@ from torch import Tensor
 
 from ..contract import LinearizedPredictive, Mixture, implements
 from ..fitted_head import warn_if_never_fitted
+from ..models.adapters import check_int
 from ..predictive import cat_examples, check_fitted_model
-from .chunk_evaluation import Chunk, Linearization, Wanted, evaluate_chunk
+from .chunk_evaluation import Chunk, Linearization, PassOrder, Wanted, evaluate_chunk
 from .sites import DEFAULT_MAX_SITE_NUMEL, select_sites, site_numel, site_shapes
 
 __all__ = ["DrawEvaluation", "evaluate_draws"]
@@ -144,7 +145,7 @@ def evaluate_draws(
     guide : PosteriorGuide
     data : iterable of batches
     num_samples : int
-        S (>= 1).
+        S (an integer >= 1).
     seed : int or None
         Seed of the draws and of the posterior-predictive sampling.
     sites : sequence of str, optional
@@ -160,7 +161,8 @@ def evaluate_draws(
     num_class_samples : int
         Keep the class log-probabilities of this many first draws (classification only).
     samples_per_forward : int, optional
-        Draws per forward pass (default: ``pyrobayes.predictive.default_samples_per_forward``).
+        Draws per forward pass, an integer >= 1 (default:
+        ``pyrobayes.predictive.default_samples_per_forward``).
     temperature : float, optional
         Temper every draw's likelihood by ``T`` in ``pointwise`` and ``predictive`` as
         :func:`pyrobayes.predict` tempers a draw (classification: ``log_softmax(log p_s / T)``;
@@ -183,10 +185,19 @@ def evaluate_draws(
     Raises
     ------
     ValueError
-        ``linearized=True`` for a guide that has no linearised predictive.
+        ``linearized=True`` for a guide that has no linearised predictive; ``num_samples`` or
+        ``samples_per_forward`` below 1; a pass over ``data`` after the first (one per chunk
+        of draws) that yields other examples, or another order, than the first (a shuffling
+        loader: pass one with ``shuffle=False``).
+    TypeError
+        ``num_samples`` or ``samples_per_forward`` not an integer.
     """
-    if num_samples < 1:
-        raise ValueError(f"Expected num_samples >= 1 but got {num_samples}.")
+    owner = "to_inference_data / diagnose: "
+    num_samples = check_int("num_samples", num_samples, ge=1, owner=owner)
+    if samples_per_forward is not None:  # as pyrobayes.predict: < 1 left the per-draw loop empty
+        samples_per_forward = check_int(
+            "samples_per_forward", samples_per_forward, ge=1, owner=owner
+        )
     if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"evaluate_draws: temperature must be finite and > 0, got {temperature}.")
     if linearized and not implements(guide, LinearizedPredictive):
@@ -204,6 +215,7 @@ def evaluate_draws(
     classification = bool(model.likelihood.is_classification)
     out = _Collected(plan)
     linearization = Linearization.of(model, guide) if linearized else None
+    order = PassOrder(-(-plan.num_samples // plan.chunk))  # one pass over data per chunk
     for start in range(0, plan.num_samples, plan.chunk):
         n = min(plan.chunk, plan.num_samples - start)
         values = _draw(guide, n, plan.components, generator, model.device)
@@ -213,7 +225,7 @@ def evaluate_draws(
         wanted = Wanted(
             pointwise, predictive, keep_class, samples_per_forward, temperature, linearization
         )
-        out.add_chunk(evaluate_chunk(model, data, values, n, wanted, pp_seed, start == 0))
+        out.add_chunk(evaluate_chunk(model, data, values, n, wanted, pp_seed, order))
         del values
     return out.result(model if training_data else None)
 

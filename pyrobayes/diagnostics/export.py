@@ -76,6 +76,24 @@ def _site_dims(site: str, shape: torch.Size) -> list[str]:
     return [f"{site}_dim_{k}" for k in range(len(shape))]
 
 
+def _loss_trace(losses: Any) -> np.ndarray:
+    """``losses`` as a 1-D float64 array, one loss per step."""
+    try:
+        loss = torch.as_tensor(losses).detach().cpu().double()
+    except (TypeError, ValueError, RuntimeError) as err:
+        hint = " (pass its .losses)" if hasattr(losses, "losses") else f" ({err})"
+        raise TypeError(
+            f"to_datatree: losses must be a 1-D sequence of floats (FitResult.losses); got "
+            f"{type(losses).__name__}{hint}."
+        ) from err
+    if loss.dim() != 1:
+        raise ValueError(
+            f"to_datatree: losses must be 1-D, one loss per step (FitResult.losses); got shape "
+            f"{tuple(loss.shape)}. Pass the fit's loss trace, e.g. losses=fit_result.losses."
+        )
+    return loss.numpy()
+
+
 def to_datatree(
     model: Any,
     guide: Any,
@@ -102,7 +120,9 @@ def to_datatree(
     guide : PosteriorGuide
     data : iterable of batches
         The data set (re-iterable, e.g. a DataLoader or a list, when the posterior is larger
-        than ``max_site_numel``: it is then traversed once per chunk of draws).
+        than ``max_site_numel``: it is then traversed once per chunk of draws, and every pass
+        must yield the same examples in the same order, else a ``ValueError``: a loader with
+        ``shuffle=False``).
     num_samples : int
         S, the number of draws (the ``draw`` dimension; ``chain`` has size 1).
     seed : int, optional
@@ -117,10 +137,10 @@ def to_datatree(
         ``guide.sample_posterior`` call draws at most ``max(S · max_site_numel, numel(θ))``
         scalars, so a very large adapter is drawn a few samples at a time and never kept.
     losses : sequence of float, optional
-        The loss trace of the fit (``FitResult.losses``), stored as group ``optimization``,
-        variable ``loss`` over dimension ``step``.
+        The loss trace of the fit (``FitResult.losses``), 1-D, stored as group
+        ``optimization``, variable ``loss`` over dimension ``step``.
     samples_per_forward : int, optional
-        Draws evaluated per forward pass (default: all on an accelerator; on CPU as many as keep
+        Draws evaluated per forward pass, an integer >= 1 (default: all on an accelerator; on CPU as many as keep
         ``draws · rows · numel(net)`` under 2e8).
 
     Returns
@@ -229,7 +249,7 @@ def to_datatree(
     if losses is not None:
         import xarray as xr
 
-        loss = np.asarray(torch.as_tensor(losses).detach().cpu().double().numpy()).reshape(-1)
+        loss = _loss_trace(losses)
         extra["optimization"] = xr.Dataset(
             {"loss": (("step",), loss)},
             coords={"step": np.arange(loss.size)},

@@ -9,7 +9,9 @@ importance ratios of the guide against the posterior are
 and (Yao, Vehtari, Simpson & Gelman, 2018, *Yes, but did it work?: Evaluating variational
 inference*, ICML) the Pareto shape :math:`\hat k` of their upper tail tells whether :math:`q` is
 close to the posterior: :math:`\hat k < 0.5` good, :math:`0.5 \le \hat k < 0.7` usable,
-:math:`\hat k \ge 0.7` unreliable. :math:`\frac1S\sum_s r_s` estimates the ELBO and
+:math:`\hat k \ge 0.7` unreliable; with S draws, any :math:`\hat k \ge \min(1 - 1/\log_{10} S,
+0.7)` is unreliable too (Vehtari et al., 2024, *Pareto smoothed importance sampling*: too few
+draws; :func:`khat_threshold`). :math:`\frac1S\sum_s r_s` estimates the ELBO and
 :math:`\log \frac1S \sum_s e^{r_s}` the log evidence :math:`\log p(D)` (from below, in
 expectation). :math:`\hat k` is meaningful for small latent spaces (a LoRA-XS core with
 :math:`r \le 4`, a logistic regression); for thousands of parameters :math:`\hat k \gg 0.7` is
@@ -57,7 +59,9 @@ def khat_interpretation(k: float, num_samples: int | None = None) -> str:
         :math:`\hat k` of the log importance ratios of ``q`` against the posterior.
     num_samples : int, optional
         S; when given, the PSIS (2024) threshold :math:`\min(1 - 1/\log_{10} S, 0.7)` is also
-        checked.
+        checked: below 0.7, a :math:`\hat k` at or above it reads ``"bad"`` whatever band it is
+        in (S is too small for the Pareto fit and the PSIS estimates to be reliable), with the
+        number of draws whose threshold lies above it.
 
     Returns
     -------
@@ -73,22 +77,33 @@ def khat_interpretation(k: float, num_samples: int | None = None) -> str:
         )
     if k == -math.inf:
         return "good: all importance ratios are equal, q matches the posterior up to a constant"
+    if num_samples is not None and math.isfinite(k) and k < 0.7:
+        threshold = khat_threshold(num_samples)
+        if k >= threshold:  # Vehtari et al. (2024): S too small for this k-hat
+            return (
+                f"bad (k-hat {k:.2f} >= {threshold:.2f}, the PSIS threshold for S = "
+                f"{num_samples} draws): too few draws for a reliable k-hat and PSIS estimates; "
+                f"diagnose with more draws (S >= {_draws_above(k)} puts the threshold above "
+                f"{k:.2f})"
+            )
     if k < 0.5:
-        text = "good (k-hat < 0.5): q is close to the posterior; VI estimates can be trusted"
-    elif k < 0.7:
-        text = (
+        return "good (k-hat < 0.5): q is close to the posterior; VI estimates can be trusted"
+    if k < 0.7:
+        return (
             "ok (0.5 <= k-hat < 0.7): q is usable but needs improvement; PSIS-correct expectations"
         )
-    else:
-        text = (
-            "bad (k-hat >= 0.7): q is far from the posterior; do not trust VI estimates, nor "
-            "their PSIS correction"
-        )
-    if num_samples is not None and math.isfinite(k):
-        threshold = khat_threshold(num_samples)
-        if 0.5 <= k < 0.7 and k >= threshold:
-            text += f"; above the S = {num_samples} threshold {threshold:.2f}: use more draws"
-    return text
+    return (
+        "bad (k-hat >= 0.7): q is far from the posterior; do not trust VI estimates, nor "
+        "their PSIS correction"
+    )
+
+
+def _draws_above(k: float) -> int:
+    """The smallest S whose :func:`khat_threshold` exceeds ``k`` (``k < 0.7``)."""
+    needed = max(11, math.floor(10 ** (1.0 / (1.0 - k))))
+    while khat_threshold(needed) <= k:
+        needed += 1
+    return needed
 
 
 @dataclass
@@ -166,6 +181,9 @@ def diagnose(
     guide : PosteriorGuide
     data : iterable of batches
         The FULL data set the posterior is conditioned on (the training set), not a minibatch.
+        A posterior larger than ``DEFAULT_MAX_SITE_NUMEL`` scalars is drawn in chunks, one
+        pass over ``data`` each: every pass must then yield the same examples in the same order
+        (a loader with ``shuffle=False``), else a ``ValueError``.
     num_samples : int
         S; use S >= 1000 for a stable :math:`\hat k`.
     seed : int, optional
@@ -177,6 +195,7 @@ def diagnose(
         guide's :func:`pyrobayes.calibrate` temperature as :func:`pyrobayes.predict` applies it
         (:math:`\hat k` is the posterior's, untouched by it).
     samples_per_forward : int, optional
+        Draws per forward pass, an integer >= 1 (default: as :func:`pyrobayes.predict`).
 
     Returns
     -------

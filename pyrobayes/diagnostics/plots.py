@@ -14,6 +14,7 @@ import numpy as np
 from torch import Tensor
 
 from ..metrics import calibration_error
+from ..models.adapters import check_int
 
 __all__ = ["reliability_diagram", "plot_posterior_summary"]
 
@@ -78,20 +79,21 @@ def plot_posterior_summary(
     kind: str = "forest",
     max_rows: int | None = 48,
 ) -> Path:
-    """Plot the posterior group of an export and save it as a PNG.
+    """Plot the posterior group of an export and save it to ``path``.
 
     Parameters
     ----------
     idata : arviz.InferenceData or xarray.DataTree
         The result of :func:`pyrobayes.to_inference_data`.
     path : str or Path
-        Output file (``.png``).
+        Output file; its suffix picks the format (``.png``, ``.pdf``, ``.svg``, ... any that
+        matplotlib's ``savefig`` writes; PNG without a suffix).
     var_names : list of str, optional
         Variables of the ``posterior`` group to show (default: all).
     kind : {"forest", "posterior"}
         ``az.plot_forest`` (one row per scalar, compact for matrices) or ``az.plot_posterior``
         (one density panel per scalar).
-    max_rows : int or None
+    max_rows : int (>= 1) or None
         At most this many scalars in all: each variable shows its first entries (the first
         index of every dimension but the last, the first entries of the last), as many as an
         equal share of ``max_rows`` allows. A forest of a LoRA factor's thousands of entries
@@ -101,11 +103,19 @@ def plot_posterior_summary(
     -------
     Path
         ``path``.
+
+    Raises
+    ------
+    ValueError
+        ``max_rows`` below 1, or a suffix that names no format matplotlib writes.
     """
     import arviz as az
     import matplotlib.pyplot as plt
 
     path = Path(path)
+    file_format = _file_format(path)
+    if max_rows is not None:
+        max_rows = check_int("max_rows", max_rows, ge=1, owner="plot_posterior_summary: ")
     coords = None if max_rows is None else _first_entries(idata, var_names, max_rows)
     if kind == "forest":
         axes = az.plot_forest(idata, var_names=var_names, coords=coords, combined=True)
@@ -115,9 +125,27 @@ def plot_posterior_summary(
         raise ValueError(f"Expected kind 'forest' or 'posterior' but got {kind!r}.")
     first = axes.flat[0] if hasattr(axes, "flat") else axes
     fig = first.figure
-    fig.savefig(path, format="png", dpi=80, bbox_inches="tight")
+    fig.savefig(path, format=file_format, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _file_format(path: Path) -> str:
+    """The format ``path``'s suffix names, as matplotlib's ``savefig`` reads it; PNG for a
+    path without a suffix (written as given: ``savefig`` would append ``.png``)."""
+    from matplotlib.figure import Figure
+
+    suffix = path.suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix not in formats:
+        raise ValueError(
+            f"plot_posterior_summary: path {str(path)!r} ends in {path.suffix!r}, which names "
+            f"no format matplotlib writes; end it in one of {sorted('.' + f for f in formats)} "
+            "(e.g. '.png' or '.pdf')."
+        )
+    return suffix
 
 
 def _first_entries(
