@@ -10,7 +10,9 @@ categorical likelihood):
 ``"fit"``                 the family's fitter (what :func:`pyrobayes.fit` drives) runs a few
                           epochs with finite losses
 ``"contract"``            ``sample_posterior`` shapes, reproducibility under a generator,
-                          ``log_prob`` ``(S,)`` finite, ``mean`` and ``validation_values``
+                          ``log_prob`` ``(S,)`` finite, ``validation_values``, and ``mean``
+                          shaped as the sites and equal to the average of ``num_draws``
+                          draws (below)
 ``"log_prob"``            ``log_prob`` is the density of what ``sample_posterior`` draws
                           (a Monte-Carlo check, below)
 ``"pyro"``                Pyro's ``Predictive`` and ``Trace_ELBO`` run on the guide, and ``SVI``
@@ -34,6 +36,13 @@ dimensions; ``c²`` is chosen so this is 0.5, ``c² = 1 − sqrt(1 − 1.5^{-2/d
 miss). When the draws repeat (a point mass, a particle ensemble) ``q`` is discrete: each atom's
 frequency among ``S`` draws must match ``exp(log_prob)`` within five binomial standard errors
 ``sqrt(p(1 − p)/S)``.
+
+The ``mean`` check. The average of ``S`` independent draws of a coordinate ``θ_j`` has mean
+``E_q[θ_j]`` and, by the central limit theorem, standard error ``sd_j / sqrt(S)``, with
+``sd_j`` the draws' own sample standard deviation: ``mean()`` must lie within five of them of
+the average (a miss has probability 5.7e-7 per coordinate), plus ``1e-6 (1 + |mean|)`` for
+float32 rounding, so a point mass (``sd_j = 0``) must match its draws. For a mixture this is
+the mixture mean ``(1/K) Σ_k μ_k``.
 
 Examples
 --------
@@ -191,9 +200,11 @@ def check_family(
     optimizer : optional
         ``optimizer=`` of the fitter (default: the family's).
     checks : sequence of str
-        A subset of :data:`CHECKS` (default all).
+        A non-empty subset of :data:`CHECKS` (default all), with ``"setup"``, and ``"fit"``
+        unless only ``"resume"`` is asked for (the other checks run on the fitted guide).
     num_draws : int
-        Draws of the ``log_prob`` check (see the module docstring for its tolerance).
+        Draws of the ``log_prob`` check and of ``contract``'s ``mean`` check (see the module
+        docstring for their tolerances).
     raise_on_failure : bool
         Raise :class:`ConformanceError` (an ``AssertionError``) when a check fails.
 
@@ -207,11 +218,12 @@ def check_family(
     ConformanceError
         When ``raise_on_failure`` and a check failed; its message names the failing checks.
     ValueError
-        An unknown check name.
+        An unknown check name, an empty ``checks``, or ``checks`` without the ``"setup"`` /
+        ``"fit"`` the others need.
+    TypeError
+        ``checks`` is one string rather than a sequence of names.
     """
-    unknown = [c for c in checks if c not in CHECKS]
-    if unknown:
-        raise ValueError(f"check_family: unknown checks {unknown}; choose from {list(CHECKS)}.")
+    _check_checks(checks)
     kit = _Kit(family, dict(options or {}), adapter, net, epochs, lr, optimizer, num_draws)
     report = ConformanceReport(kit.name)
     for name in CHECKS:
@@ -232,6 +244,33 @@ def check_family(
     if raise_on_failure and not report.passed:
         raise ConformanceError(report)
     return report
+
+
+def _check_checks(checks: Sequence[str]) -> None:
+    """Refuse a ``checks`` list that would run nothing or run a check without what it needs."""
+    if isinstance(checks, str):
+        raise TypeError(
+            f"check_family: checks must be a sequence of check names, got the string "
+            f"{checks!r}; pass checks=({checks!r},) or a subset of {list(CHECKS)}."
+        )
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"check_family: unknown checks {unknown}; choose from {list(CHECKS)}.")
+    if not checks:
+        raise ValueError(
+            "check_family: checks is empty, so nothing would run and the report would pass; "
+            f"leave checks out to run all of {list(CHECKS)}, or name a subset of them."
+        )
+    # every check runs on the problem "setup" builds; all but "resume" also on the guide
+    # "fit" fitted (resume fits its own)
+    needs = ["setup"] + (["fit"] if set(checks) - {"setup", "fit", "resume"} else [])
+    lacking = [c for c in needs if c not in checks]
+    if lacking:
+        wanted = tuple(c for c in CHECKS if c in checks or c in lacking)
+        raise ValueError(
+            f"check_family: checks {list(checks)} need {lacking} (the others run on the guide "
+            f"they build and fit); pass checks={wanted}."
+        )
 
 
 def _perturb(tensors: Any) -> None:
@@ -362,15 +401,50 @@ class _Kit:
         log_q = guide.log_prob(a)
         _expect(tuple(log_q.shape) == (5,), f"log_prob shape {tuple(log_q.shape)}, expected (5,)")
         _expect(bool(torch.isfinite(log_q).all()), f"log_prob at own draws: {log_q.tolist()}")
-        for name, values in (("mean", guide.mean()), ("validation_values", None)):
-            if values is None:
-                values = guide.validation_values()
-                _expect(
-                    all(v.shape[1:] == model.latent_sites[s].shape for s, v in values.items()),
-                    "validation_values shapes are not (S, *site_shape)",
-                )
-            _expect(set(values) == set(guide.sites), f"{name}() covers {sorted(values)}")
-        return "shapes, reproducibility, log_prob, mean, validation_values"
+        values = guide.validation_values()
+        _expect(set(values) == set(guide.sites), f"validation_values() covers {sorted(values)}")
+        _expect(
+            all(v.shape[1:] == model.latent_sites[s].shape for s, v in values.items()),
+            "validation_values shapes are not (S, *site_shape)",
+        )
+        mean = self._check_mean()
+        return f"shapes, reproducibility, log_prob, {mean}, validation_values"
+
+    def _check_mean(self) -> str:
+        """``mean()`` covers the sites at their shapes and is the mean of the draws."""
+        guide, model, num = self.guide, self.model, self.num_draws
+        mean = guide.mean()
+        _expect(set(mean) == set(guide.sites), f"mean() covers {sorted(mean)}")
+        for site, value in mean.items():
+            shape = tuple(model.latent_sites[site].shape)
+            _expect(
+                tuple(value.shape) == shape,
+                f"site {site!r}: mean() has shape {tuple(value.shape)}, expected the site's "
+                f"{shape}",
+            )
+        draws = guide.sample_posterior(num, generator=torch.Generator().manual_seed(7))
+        worst = 0.0
+        for site, value in mean.items():
+            x, m = draws[site].detach().double(), value.detach().double()
+            # The average of n independent draws of θ_j has mean E_q[θ_j] and standard error
+            # sd_j / √n (estimated from the draws' own sample sd; n ≥ 1000 makes the CLT and the
+            # sd's estimate good, a mixture's mean included): a correct mean() lies within 5
+            # standard errors (a miss has probability 5.7e-7 per coordinate, ≈ 5e-6 over the
+            # kit's few coordinates). A point mass (sd 0) must match to float32 rounding
+            # (1e-6 relative).
+            avg, se = x.mean(0), x.std(0) / math.sqrt(num)
+            tol = 5 * se + 1e-6 * (1 + m.abs())
+            ratio = (avg - m).abs() / tol
+            j = int(ratio.flatten().argmax())
+            worst = max(worst, float(ratio.flatten()[j]))
+            _expect(
+                bool((ratio <= 1).all()),
+                f"site {site!r}: mean() is {float(m.flatten()[j]):.4g} at flat index {j} but the "
+                f"average of {num} draws of sample_posterior is {float(avg.flatten()[j]):.4g} "
+                f"(standard error {float(se.flatten()[j]):.2g}, tolerance "
+                f"{float(tol.flatten()[j]):.2g}): mean() is not the mean of q's draws",
+            )
+        return f"mean (shapes; {num} draws' average at {worst:.0%} of its 5-se tolerance)"
 
     def check_log_prob(self) -> str:
         guide = self.guide

@@ -3,6 +3,7 @@ packing base, and deliberately broken families that must fail it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pyro.distributions as dist
@@ -106,6 +107,61 @@ def test_a_wrong_log_prob_fails_the_kit_by_name(broken):
 def test_unknown_checks_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown checks \\['speed'\\]"):
         check_family(MeanFieldGuide, checks=("speed",))
+
+
+def test_a_check_list_that_runs_nothing_or_lacks_its_setup_is_refused():
+    # checks=[] reported passed=True with nothing run; checks=["log_prob"] failed log_prob with
+    # an AttributeError on the guide setup never built
+    with pytest.raises(ValueError, match=r"checks is empty, so nothing would run"):
+        check_family(MeanFieldGuide, checks=[])
+    with pytest.raises(
+        ValueError,
+        match=r"need \['setup', 'fit'\].*checks=\('setup', 'fit', 'log_prob'\)",
+    ):
+        check_family(MeanFieldGuide, checks=["log_prob"])
+    with pytest.raises(TypeError, match=r"got the string 'contract'"):
+        check_family(MeanFieldGuide, checks="contract")
+
+
+class MeanWrongShape(MeanFieldGuide):
+    """Broken on purpose: ``mean()`` has a leading dimension of 1 (one draw, not the mean)."""
+
+    def mean(self):
+        return {s: v.unsqueeze(0) for s, v in super().mean().items()}
+
+
+class MeanZeros(MeanFieldGuide):
+    """Broken on purpose: ``mean()`` is 0, not the mean of what ``sample_posterior`` draws."""
+
+    def mean(self):
+        return {s: torch.zeros_like(v) for s, v in super().mean().items()}
+
+
+class MeanShifted(MeanFieldGuide):
+    """Broken on purpose: ``mean()`` is off by 0.3 posterior standard deviations."""
+
+    def mean(self):
+        return {
+            s: v + 0.3 * self.get_posterior(s).base_dist.scale for s, v in super().mean().items()
+        }
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (MeanWrongShape, r"mean\(\) has shape \(1, 2, 2\), expected the site's \(2, 2\)"),
+        (MeanZeros, r"mean\(\) is 0 at flat index .* is not the mean of q's draws"),
+        (MeanShifted, r"standard error .* is not the mean of q's draws"),
+    ],
+    ids=["wrong-shape", "zeros", "shifted"],
+)
+def test_a_wrong_mean_fails_the_contract_check(broken, message):
+    # the contract check compared mean()'s site names only: all three passed the kit
+    report = check_family(
+        broken, checks=("setup", "fit", "contract", "log_prob"), raise_on_failure=False
+    )
+    assert report.failures == ["contract"], str(report)
+    assert re.search(message, report.results["contract"][1]), report.results["contract"][1]
 
 
 def test_a_factory_and_the_fits_optimizer_settings():

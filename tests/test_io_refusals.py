@@ -287,3 +287,19 @@ def test_save_after_make_latent_says_the_model_changed_since_the_guide(tmp_path)
     with pytest.raises(PosteriorMismatchError, match=r"make_latent"):
         pb.save(guide, tmp_path / "map.safetensors")
     assert not (tmp_path / "map.safetensors").exists()
+
+
+def test_read_header_with_a_key_checks_the_signature(fitted, tmp_path):
+    # read_header(path, key=wrong) ignored the key (it was used only with verify=True) and
+    # returned the header as if it were signed under it
+    _, guide = fitted
+    path = pb.save(guide, tmp_path / "signed.safetensors", key=b"right key")
+    assert read_header(path, key=b"right key")["family"] == "map"
+    with pytest.raises(PosteriorFileError, match="failed its signature check"):
+        read_header(path, key=b"wrong key")
+    unsigned = pb.save(guide, tmp_path / "unsigned.safetensors")
+    with pytest.raises(PosteriorFileError):
+        read_header(unsigned, key=b"right key")
+    with pytest.raises(ValueError, match=r"read_header: key= is given with verify=False.*"):
+        read_header(path, key=b"right key", verify=False)
+    assert read_header(path)["family"] == "map"  # no key: the header alone, as before

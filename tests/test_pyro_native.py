@@ -331,3 +331,28 @@ def test_count_parameters_names_a_guide_whose_model_is_not_a_finetune_model():
     with pytest.raises(TypeError, match="not a pyrobayes FineTuneModel"):
         pb.count_parameters(guide)
     assert pb.count_parameters(pb.posterior(model, "meanfield"))["latent"] == 4
+
+
+def test_count_parameters_counts_the_guides_sites_and_the_point_lora_factors():
+    # a guide built before make_latent counted the new latent head as "latent" though the guide
+    # neither fits nor stores it; LoRA(latent="A")'s point B factors were counted as "head"
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+    xs = pb.models.LoRAXS(rank=2, target_modules=["0"])
+    model = pb.models.FineTuneModel(net(), xs, num_data=8, trainable_modules=["2"])
+    guide = pb.posterior(model, "meanfield")
+    assert pb.count_parameters(guide)["latent"] == 4 and pb.count_parameters(guide)["head"] == 21
+    model.make_latent(["2"])
+    counts = pb.count_parameters(guide)  # the guide covers the core only; the head is frozen
+    assert counts["latent"] == 4 and counts["head"] == 0 and counts["trainable"] == 4
+    assert counts["posterior_storage"] == 8
+    assert pb.count_parameters(model)["latent"] == 4 + 21  # the model alone: all its sites
+    assert pb.count_parameters(pb.posterior(model, "meanfield"))["latent"] == 4 + 21
+    lora = pb.models.LoRA(rank=2, target_modules=["0"], latent="A")
+    model = pb.models.FineTuneModel(net(), lora, num_data=8, trainable_modules=["2"])
+    counts = pb.count_parameters(model)
+    # A: 2x4 latent; B: 6x2 a point factor; head: 6x3 + 3
+    assert counts["latent"] == 8 and counts["point_adapter"] == 12 and counts["head"] == 21
+    assert counts["trainable"] == 8 + 12 + 21

@@ -226,25 +226,35 @@ def _parse_header(path: str | Path, meta: Mapping[str, str] | None) -> dict[str,
 
 
 def read_header(
-    path: str | Path, *, verify: bool = False, key: bytes | None = None
+    path: str | Path, *, verify: bool | None = None, key: bytes | None = None
 ) -> dict[str, Any]:
     """The JSON header of a saved posterior.
 
     Parameters
     ----------
     path : path
-    verify : bool
+    verify : bool, optional
         Also read every tensor and check the file's hash and finiteness (as ``load`` does).
+        Default: ``True`` when a ``key`` is given, else ``False`` (the header alone, unchecked).
     key : bytes, optional
-        With ``verify``: also check the file's HMAC under this key (as ``load(key=...)``).
+        Also check the file's HMAC under this key (as ``load(key=...)``); a key means
+        verification, so it is refused with ``verify=False``.
 
     Raises
     ------
     PosteriorFileError
-        Not a (readable) posterior file, a format newer than this version, or with ``verify``
-        an edited or non-finite file.
+        Not a (readable) posterior file, a format newer than this version, or when verified
+        an edited, non-finite or (with ``key``) unsigned or otherwise signed file.
+    ValueError
+        A ``key`` with ``verify=False``, which would leave the signature unchecked.
     """
-    if verify:
+    if key is not None and verify is False:
+        raise ValueError(
+            "read_header: key= is given with verify=False, which would return the header "
+            "without checking the file's signature under the key. Drop verify=False (a key "
+            "verifies), or drop key= to read the header unchecked."
+        )
+    if verify or key is not None:
         return _read_verified(path, key)[0]
     try:
         with _safe_open(path) as f:

@@ -26,6 +26,7 @@ Examples
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +37,7 @@ from ..contract import Mixture, implements
 from .adapters import _module_aliases, _set_submodule
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, is_conv1d
 
-__all__ = ["to_peft", "merged_network", "unwrapped_network"]
+__all__ = ["to_peft", "merged_network", "unwrapped_network", "UntemperedDeployWarning"]
 
 
 def unwrapped_network(model: Any) -> nn.Module:
@@ -87,14 +88,26 @@ def _one_parameter_set(model: Any, values: Any, owner: str) -> dict[str, Tensor]
             "on purpose (e.g. the trained weights of a peft adapter the model was built from), "
             "pass values=model.init_values()."
         )
+    guide = None
     if not isinstance(values, Mapping):
-        values = _guide_values(values, owner)
+        guide, values = values, _guide_values(values, owner)
     sites = model.latent_sites
     unknown = [s for s in values if s not in sites]
     if unknown:
         raise KeyError(
             f"{owner}: values has no site(s) {unknown} of this model; its sites are "
             f"{list(sites)[:8]}{' ...' if len(sites) > 8 else ''}."
+        )
+    missing = [s for s in sites if s not in values]
+    if missing:  # they would silently keep the network's stored (initial) values
+        given = "guide.mean()" if guide is not None else "values"
+        raise ValueError(
+            f"{owner}: values has no value for the site(s) {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} of this model ({len(missing)} of "
+            f"{len(sites)}; a subset of the sites, or a guide built before model.make_latent): "
+            "every latent site needs one. Pass one parameter set of all the sites; to deploy "
+            "the network's stored (initial) values for the missing ones on purpose, pass "
+            f"values={{**model.init_values(), **{given}}}."
         )
     for site, value in values.items():
         shape = tuple(sites[site].shape)
@@ -110,6 +123,8 @@ def _one_parameter_set(model: Any, values: Any, owner: str) -> dict[str, Tensor]
                     else "."
                 )
             )
+    if guide is not None:
+        _warn_untempered(guide, model, owner)
     return dict(values)
 
 
@@ -131,6 +146,35 @@ def _guide_values(guide: Any, owner: str) -> Mapping[str, Tensor]:
         )
     values: Mapping[str, Tensor] = mean()
     return values
+
+
+class UntemperedDeployWarning(UserWarning):
+    """A calibrated guide (:func:`pyrobayes.calibrate`) deployed by :func:`merged_network` or
+    :func:`to_peft`: a network has no place for the guide's temperature ``T``, so the deployed
+    network's outputs are untempered; apply ``T`` to them yourself (logits ``/ T``; a Gaussian
+    likelihood's ``σ`` times ``T``), as :func:`pyrobayes.predict` applies it."""
+
+
+def _warn_untempered(guide: Any, model: Any, owner: str) -> None:
+    """Warn when ``guide`` carries a temperature ``T ≠ 1``, which the deployed network drops."""
+    from ..calibration import temperature  # (calibration imports models: a lazy import)
+    from .likelihoods import Gaussian
+
+    t = temperature(guide)
+    if t == 1.0:
+        return
+    if isinstance(getattr(model, "likelihood", None), Gaussian):
+        apply = f"multiply the likelihood's predictive scale σ by T (σ · {t:.4g})"
+    else:
+        apply = f"divide the network's logits by T before the softmax (logits / {t:.4g})"
+    warnings.warn(
+        f"{owner}: {type(guide).__name__} is calibrated (temperature T = {t:.4g}, "
+        "pyrobayes.calibrate), but a network has no place for T: the deployed network's "
+        f"outputs are untempered (the uncalibrated predictive at these values). To apply T, "
+        f"{apply}; pyrobayes.predict(model, guide, ...) applies it itself.",
+        UntemperedDeployWarning,
+        stacklevel=4,
+    )
 
 
 def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> nn.Module:
@@ -160,8 +204,16 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     Raises
     ------
     ValueError
-        ``values`` is missing (``None`` or ``{}``), a mixture guide (particles, σN ensemble:
-        merge one member), or several draws rather than one.
+        ``values`` is missing (``None`` or ``{}``), lacks a latent site (the network's initial
+        values on purpose: ``values={**model.init_values(), **values}``), is a mixture guide
+        (particles, σN ensemble: merge one member), or several draws rather than one.
+
+    Warns
+    -----
+    UntemperedDeployWarning
+        ``values`` is a calibrated guide (:func:`pyrobayes.calibrate`, temperature ``T ≠ 1``):
+        the network has no place for ``T``, so its outputs are untempered; divide its logits
+        by ``T`` (a Gaussian likelihood: multiply ``σ`` by ``T``) to apply it.
     """
     values = _one_parameter_set(model, values, "merged_network")
     net = unwrapped_network(model)
@@ -246,7 +298,14 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any
     ValueError
         When an adapted module is registered under several names (``net.dec = net.enc``),
         which peft adapts under one name only (use :func:`merged_network`); when ``values``
-        is missing, a mixture guide or several draws (see :func:`merged_network`).
+        is missing, lacks a latent site, is a mixture guide or several draws (see
+        :func:`merged_network`).
+
+    Warns
+    -----
+    UntemperedDeployWarning
+        ``values`` is a calibrated guide: the adapter's outputs are untempered (see
+        :func:`merged_network`).
     """
     from peft import LoraConfig, get_peft_model
 

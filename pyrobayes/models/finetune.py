@@ -406,7 +406,10 @@ class FineTuneModel(DrawForward, nn.Module):
         return self.net.get_parameter(self.latent_sites[site].param_name).detach()
 
     def init_values(self) -> dict[str, Tensor]:
-        return {s: self.site_value(s) for s in self.latent_sites}
+        """The sites' values stored in the network (those the model was built with), as
+        detached copies: editing them in place leaves the network and every later guide's
+        starting point unchanged."""
+        return {s: self.site_value(s).clone() for s in self.latent_sites}
 
     def train(self, mode: bool = True) -> FineTuneModel:
         # the backbone keeps its own mode (dropout off unless train_backbone_mode)

@@ -224,3 +224,79 @@ def test_deploying_a_mixture_guide_asks_for_one_member():
         merged_network(model, particles)
     with pytest.raises(TypeError, match=r"values must be a dict .* or a fitted pyrobayes"):
         merged_network(model, [1, 2])
+
+
+def test_deploying_refuses_values_missing_sites_by_name():
+    # a subset of the sites was accepted: merged_network merged the network's initial values for
+    # the others and to_peft left peft's random initialisation in them (B = 0.68, not 0)
+    from pyrobayes.models.deploy import merged_network, to_peft
+
+    model, guide, x = _fitted_lora_map()
+    fitted = guide.mean()
+    only_a = {s: v for s, v in fitted.items() if s.endswith("lora_A")}
+    for deploy in (merged_network, to_peft):
+        with pytest.raises(
+            ValueError,
+            match=rf"{deploy.__name__}: values has no value for the site\(s\) \['0\.lora_B'\].*"
+            r"values=\{\*\*model\.init_values\(\), \*\*values\}",
+        ):
+            deploy(model, only_a)
+    # the initial values on purpose, as the message says: B = 0, the base layer
+    both = {**model.init_values(), **only_a}
+    torch.testing.assert_close(merged_network(model, both)(x), model.output(x, both))
+    peft_b = {k: v for k, v in to_peft(model, both).state_dict().items() if "lora_B" in k}
+    assert all(float(v.abs().max()) == 0.0 for v in peft_b.values())
+
+
+def test_deploying_a_guide_built_before_make_latent_names_the_new_sites():
+    from pyrobayes.models.deploy import merged_network
+
+    model, guide, _ = _fitted_lora_map()
+    model.make_latent(["2"])
+    with pytest.raises(
+        ValueError,
+        match=r"no value for the site\(s\) \['2\.weight', '2\.bias'\].*"
+        r"values=\{\*\*model\.init_values\(\), \*\*guide\.mean\(\)\}",
+    ):
+        merged_network(model, guide)
+    merged_network(model, {**model.init_values(), **guide.mean()})
+
+
+def test_deploying_a_calibrated_guide_warns_that_its_outputs_are_untempered():
+    # the guide's temperature T was dropped without a word: a network has no place for it
+    import warnings
+
+    from pyrobayes.calibration import set_temperature
+    from pyrobayes.models.deploy import UntemperedDeployWarning, merged_network, to_peft
+
+    model, guide, x = _fitted_lora_map()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # uncalibrated: nothing to say
+        plain = merged_network(model, guide)(x)
+    set_temperature(guide, 2.0)
+    for deploy in (merged_network, to_peft):
+        with pytest.warns(
+            UntemperedDeployWarning,
+            match=rf"{deploy.__name__}: DeltaGuide is calibrated \(temperature T = 2, .*"
+            r"untempered.*divide the network's logits by T.*logits / 2",
+        ) as caught:
+            deploy(model, guide)
+        assert caught[0].filename == __file__  # points at the caller's line
+    # the network deployed is the uncalibrated one (dict values carry no T: no warning)
+    torch.testing.assert_close(merged_network(model, guide.mean())(x), plain)
+
+
+def test_init_values_are_copies_of_the_stored_values():
+    # init_values() returned the network's own tensors: an in-place edit of "the copy" changed
+    # the stored initial value, and every guide built after it started there
+    model, _, _ = _fitted_lora_map()
+    stored = {s: model.site_value(s).clone() for s in model.latent_sites}
+    values = model.init_values()
+    for v in values.values():
+        v.add_(1.0)
+    for s, v in stored.items():
+        torch.testing.assert_close(model.site_value(s), v, rtol=0, atol=0)
+        assert not model.init_values()[s].requires_grad
+    start = pb.posterior(model, "map").mean()
+    for s, v in stored.items():
+        torch.testing.assert_close(start[s], v, rtol=0, atol=0)
