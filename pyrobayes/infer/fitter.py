@@ -518,6 +518,7 @@ def check_guide_model(model: Any, guide: Any, where: str = "fit") -> None:
     """
     bound = bound_model(guide)
     if bound is None or bound is model:
+        _refuse_uncovered_sites(model, guide, where)
         return
     same = getattr(bound, "latent_sites", None) is not None and {
         s: tuple(spec.shape) for s, spec in bound.latent_sites.items()
@@ -529,6 +530,27 @@ def check_guide_model(model: Any, guide: Any, where: str = "fit") -> None:
         + ". A guide is bound to the model it was built on (pb.save(guide) writes that model's "
         "head). Build the guide on this model (pb.posterior(model, ...)), or pass the model it "
         "was built on."
+    )
+
+
+def _refuse_uncovered_sites(model: Any, guide: Any, where: str) -> None:
+    """Refuse a guide without a posterior over some of the model's latent sites (made latent
+    by ``model.make_latent`` after the guide was built): a fit would train them neither as
+    point parameters (they are latent now) nor as the guide's, leaving them as they are."""
+    latent = getattr(model, "latent_sites", None) or {}
+    sites = getattr(guide, "sites", None)
+    if not latent or not sites:
+        return
+    missing = sorted(set(latent) - set(sites))
+    if not missing:
+        return
+    raise ValueError(
+        f"{where}(model, guide): the {type(guide).__name__} has no posterior over the model's "
+        f"latent sites {missing[:4]}{' ...' if len(missing) > 4 else ''} (made latent by "
+        "model.make_latent after the guide was built): a fit would leave them at their values, "
+        "trained neither as point parameters nor as the guide's. Build a new guide on the model "
+        "(pb.posterior(model, family); a Laplace or SWAG posterior can start from this fitted "
+        "one: pb.posterior(model, 'laplace', init=guide))."
     )
 
 

@@ -268,6 +268,21 @@ def test_head_made_latent_after_a_map_fit_is_laplace_torch_last_layer() -> None:
             model.make_latent([bad])
 
 
+def test_a_guide_built_before_make_latent_is_not_fitted_again() -> None:
+    # the MAP guide has no site for the head made latent after it: fitting it again trained
+    # the head neither as a point parameter nor as the guide's (its values froze in silence)
+    model, x, y = _head_latent(point_head=True)
+    map_guide = pb.posterior(model, "map")
+    data = tensor_loader(x, y, 20)
+    pb.fit(model, map_guide, data, epochs=2, lr=1e-2, progress=False)
+    model.make_latent(["4"])
+    with pytest.raises(ValueError, match=r"no posterior over the model's latent sites \['4.bias', "):
+        pb.fit(model, map_guide, data, epochs=1, lr=1e-2, progress=False)
+    # the recipe: a new guide over every site (starting from the fitted one)
+    guide = pb.posterior(model, "laplace", init=map_guide)
+    pb.fit(model, guide, data, epochs=0, progress=False)
+
+
 def test_head_made_latent_on_a_rebuilt_model_with_the_map_head() -> None:
     """A post-hoc Laplace on a *rebuilt* model (the same pretrained network, the MAP's head
     copied over, then made latent: what the demo's job does per family) starts at the MAP like
