@@ -15,6 +15,10 @@ categorical likelihood):
                           draws (below)
 ``"log_prob"``            ``log_prob`` is the density of what ``sample_posterior`` draws
                           (a Monte-Carlo check, below)
+``"rsample"``             the fit's draws are q's: ``rsample`` (and, for an ``AnalyticKL``
+                          family, ``rsample_with_kl``, what the ELBO draws) match
+                          ``sample_posterior``'s means and sds per coordinate, and the
+                          closed-form KL is ``E_q[log q − log p]`` (below)
 ``"pyro"``                Pyro's ``Predictive`` and ``Trace_ELBO`` run on the guide, and ``SVI``
                           steps it (or, for a post-hoc family, refuses it before its fit)
 ``"save_load"``           :func:`pyrobayes.save` → :func:`pyrobayes.load` round-trips the state,
@@ -43,6 +47,22 @@ The ``mean`` check. The average of ``S`` independent draws of a coordinate ``θ_
 the average (a miss has probability 5.7e-7 per coordinate), plus ``1e-6 (1 + |mean|)`` for
 float32 rounding, so a point mass (``sd_j = 0``) must match its draws. For a mixture this is
 the mixture mean ``(1/K) Σ_k μ_k``.
+
+The ``rsample`` check. A family fits with the draws of ``rsample`` (an ``AnalyticKL`` family's
+ELBO: ``rsample_with_kl``, which also returns ``KL(q ‖ p)``) and predicts with
+``sample_posterior``: ``num_draws`` of each, per coordinate, must agree in mean within five
+standard errors of the difference of two averages, ``5 sqrt(sd_a²/n + sd_b²/n)``, and in
+standard deviation within five standard errors of the difference of two sample sds, each with
+``Var(s) ≈ (μ₄ − σ⁴)/(4σ²(n − 1))`` (the delta method), at least the Gaussian
+``σ²/(2(n − 1))``; both plus ``1e-6 (1 + |value|)`` for float32 rounding. With the default
+``n = 4000`` and a Gaussian q the tolerances are 0.11 sd (means) and 0.08 sd (sds). An ``AnalyticKL`` family's KL (from
+``rsample_with_kl`` and ``kl_to_prior``) must equal the Monte Carlo
+``E_q[log q(θ) − log p(θ)]`` (``log_prob`` and the model's ``log_prior`` at ``n`` draws of
+``sample_posterior``) within five of its standard errors ``sd/sqrt(n)`` plus
+``1e-4 (1 + |KL|)``. Not checked, and said so in the report: the KL of a family without a
+closed form (point masses, mixtures, SWAG, Laplace), of ``rsample_with_kl`` raising
+``NotImplementedError`` (the ELBO then falls back to ``rsample`` and a Monte Carlo KL), and of
+a ``prior`` other than ``"model"`` (an empirical prior the ELBO chooses).
 
 Examples
 --------
@@ -79,6 +99,7 @@ CHECKS: tuple[str, ...] = (
     "fit",
     "contract",
     "log_prob",
+    "rsample",
     "pyro",
     "save_load",
     "export",
@@ -203,8 +224,8 @@ def check_family(
         A non-empty subset of :data:`CHECKS` (default all), with ``"setup"``, and ``"fit"``
         unless only ``"resume"`` is asked for (the other checks run on the fitted guide).
     num_draws : int
-        Draws of the ``log_prob`` check and of ``contract``'s ``mean`` check (see the module
-        docstring for their tolerances).
+        Draws of the ``log_prob`` check, of ``contract``'s ``mean`` check and of each draw
+        set of the ``rsample`` check (see the module docstring for their tolerances).
     raise_on_failure : bool
         Raise :class:`ConformanceError` (an ``AssertionError``) when a check fails.
 
@@ -292,6 +313,37 @@ def _quiet() -> Iterator[None]:
         warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")
         warnings.filterwarnings("ignore", category=UserWarning, module="arviz")
         yield
+
+
+def _seeded(seed: int, draw: Callable[[], Any]) -> Any:
+    """``draw()`` without gradients on the global RNG seeded with ``seed``, restored after."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        return draw()
+
+
+def _no_analytic_kl(guide: Any) -> str:
+    """Why a family's KL is not checked against its Monte Carlo estimate."""
+    from .contract import Mixture, implements
+
+    if guide.is_deterministic:
+        return "a point mass has no KL to a continuous prior (its objective is not the ELBO)"
+    if implements(guide, Mixture):
+        return "a mixture has no closed-form KL (not AnalyticKL)"
+    return "no closed-form KL (not AnalyticKL; an ELBO estimates it from log_prob)"
+
+
+def _moments(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per column of ``x`` ``(n, d)``: the mean, the sample sd and the sample variance."""
+    var = x.var(0)
+    return x.mean(0), var.sqrt(), var
+
+
+def _var_sd(sd: Tensor, x: Tensor, num: int) -> Tensor:
+    """``Var(s)`` of the sample sd ``s`` of ``num`` draws (the derivation is at its use)."""
+    s2 = sd.square()
+    m4 = (x - x.mean(0)).pow(4).mean(0)
+    return (m4 - s2.square()).clamp_min(2 * s2.square()) / (4 * (num - 1) * s2.clamp_min(1e-300))
 
 
 class _Kit:
@@ -503,6 +555,84 @@ class _Kit:
             "density of sample_posterior's draws",
         )
         return f"E_q[r/q] = {mean:.4f} ± {se:.4f} (d = {dim}, c² = {shrink:.3f}, {len(w)} weights)"
+
+    def check_rsample(self) -> str:
+        """The fit's draws are q's, and an analytic KL is ``E_q[log q − log p]``."""
+        from .contract import AnalyticKL, implements
+
+        guide, model, num = self.guide, self.model, self.num_draws
+        ref = guide.sample_posterior(num, generator=torch.Generator().manual_seed(13))
+        parts = [self._same_law("rsample", _seeded(17, lambda: guide.rsample(num)), ref)]
+        if not implements(guide, AnalyticKL):
+            return "; ".join([*parts, f"KL not checked: {_no_analytic_kl(guide)}"])
+        try:
+            draws, kl = _seeded(19, lambda: guide.rsample_with_kl(num, model))
+        except NotImplementedError as err:  # the ELBO then uses rsample and a Monte Carlo KL
+            return "; ".join(
+                [*parts, f"KL not checked: rsample_with_kl has no closed form ({err})"]
+            )
+        parts.append(self._same_law("rsample_with_kl", draws, ref))
+        prior = getattr(guide, "prior", "model")
+        if prior != "model":
+            return "; ".join([*parts, f"KL not checked: prior={prior!r}, not the model's"])
+        with torch.no_grad():
+            terms = (guide.log_prob(ref) - model.log_prior(ref)).double()
+            analytic = {"rsample_with_kl": kl, "kl_to_prior": guide.kl_to_prior(model)}
+        _expect(bool(torch.isfinite(terms).all()), "log q − log p is not finite at q's draws")
+        # KL(q‖p) = E_q[log q(θ) − log p(θ)] (θ ~ sample_posterior, q's law by the log_prob
+        # check): the average of the n per-draw terms has standard error sd(terms)/√n (CLT), so
+        # the closed form must lie within 5 of them (a miss has probability 5.7e-7), plus
+        # 1e-4 (1 + |KL|) for the float32 rounding of the sums over coordinates.
+        mc, se = float(terms.mean()), float(terms.std()) / math.sqrt(num)
+        tol = 5 * se + 1e-4 * (1 + abs(mc))
+        for name, value in analytic.items():
+            _expect(
+                value.numel() == 1 and math.isfinite(float(value)),
+                f"{name}'s KL is {value.detach().tolist()}, not one finite number",
+            )
+            _expect(
+                abs(float(value) - mc) <= tol,
+                f"{name}'s KL is {float(value):.6g} but the Monte Carlo KL(q‖p) = "
+                f"E_q[log q − log p] over {num} draws of sample_posterior is {mc:.6g} "
+                f"(standard error {se:.2g}, tolerance {tol:.2g}): the ELBO's KL is not q's "
+                "to the model's prior",
+            )
+        parts.append(f"KL {float(kl):.4g} ~ Monte Carlo {mc:.4g} ± {se:.2g}")
+        return "; ".join(parts)
+
+    def _same_law(self, name: str, draws: Mapping[str, Tensor], ref: Mapping[str, Tensor]) -> str:
+        """Per coordinate, the means and sds of ``draws`` and of ``ref`` (q's) agree."""
+        num, worst = self.num_draws, 0.0
+        _expect(set(draws) == set(ref), f"{name} covers {sorted(draws)}, not {sorted(ref)}")
+        for site in ref:
+            shape = (num, *ref[site].shape[1:])
+            _expect(
+                tuple(draws[site].shape) == shape,
+                f"site {site!r}: {name}({num}) has shape {tuple(draws[site].shape)}, "
+                f"expected {shape}",
+            )
+            x, y = (v[site].detach().reshape(num, -1).double() for v in (draws, ref))
+            (mx, sx, vx), (my, sy, vy) = _moments(x), _moments(y)
+            # means: two independent averages of n draws, each with standard error sd/√n
+            # (CLT), so their difference has standard error √(sd_x²/n + sd_y²/n); sds: each
+            # sample sd has variance Var(s) ≈ (μ4 − σ⁴)/(4σ² (n−1)) (delta method on
+            # s² = σ² + O(1/√n), Var(s²) ≈ (μ4 − σ⁴)/n), at least the Gaussian σ²/(2(n−1))
+            # (two equal atoms have μ4 = σ⁴, where the first order vanishes), and their
+            # difference √(Var(s_x) + Var(s_y)). Both within 5 standard errors (5.7e-7 per
+            # coordinate), plus 1e-6 (1 + |value|) for float32 rounding (a point mass: sd 0).
+            tol_m = 5 * (vx.add(vy) / num).sqrt() + 1e-6 * (1 + my.abs())
+            tol_s = 5 * (_var_sd(sx, x, num) + _var_sd(sy, y, num)).sqrt() + 1e-6 * (1 + sy)
+            ratio = torch.maximum((mx - my).abs() / tol_m, (sx - sy).abs() / tol_s)
+            j = int(ratio.argmax())
+            worst = max(worst, float(ratio[j]))
+            _expect(
+                float(ratio[j]) <= 1,
+                f"site {site!r} at flat index {j}: {name}'s {num} draws have mean "
+                f"{float(mx[j]):.4g} and sd {float(sx[j]):.4g} but sample_posterior's have mean "
+                f"{float(my[j]):.4g} and sd {float(sy[j]):.4g} (tolerances {float(tol_m[j]):.2g} "
+                f"and {float(tol_s[j]):.2g}): the fit's draws do not follow q",
+            )
+        return f"{name}: means and sds at {worst:.0%} of their 5-se tolerances"
 
     def check_pyro(self) -> str:
         from .contract import PostHoc

@@ -164,6 +164,75 @@ def test_a_wrong_mean_fails_the_contract_check(broken, message):
     assert re.search(message, report.results["contract"][1]), report.results["contract"][1]
 
 
+class RsampleOther(MeanFieldGuide):
+    """Broken on purpose: the ELBO's draws (``rsample_with_kl``) come from a q 10 times wider
+    than the one ``sample_posterior`` and ``log_prob`` describe (it fits one q, predicts with
+    another)."""
+
+    def rsample_with_kl(self, num_samples, model):
+        draws, kl = super().rsample_with_kl(num_samples, model)
+        mean = super().mean()
+        return {s: mean[s] + 10 * (v - mean[s]) for s, v in draws.items()}, kl
+
+
+class NoKL(MeanFieldGuide):
+    """Broken on purpose: the closed-form KL is dropped (0), so the ELBO is a noisy likelihood."""
+
+    def kl_to_prior(self, model):
+        return 0.0 * super().kl_to_prior(model)
+
+    def rsample_with_kl(self, num_samples, model):
+        draws, kl = super().rsample_with_kl(num_samples, model)
+        return draws, 0.0 * kl
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (
+            RsampleOther,
+            r"site '0\.core' at flat index \d+: rsample_with_kl's 4000 draws have mean "
+            r"-?[\d.e-]+ and sd (?P<a>[\d.e-]+) but sample_posterior's have mean -?[\d.e-]+ and "
+            r"sd (?P<b>[\d.e-]+) \(tolerances .*\): the fit's draws do not follow q",
+        ),
+        (
+            NoKL,
+            r"rsample_with_kl's KL is 0 but the Monte Carlo KL\(q‖p\) = E_q\[log q − log p\] "
+            r"over 4000 draws of sample_posterior is (?P<b>[\d.]+) \(standard error .*\): the "
+            r"ELBO's KL is not q's to the model's prior",
+        ),
+    ],
+    ids=["rsample-10x-wider", "no-kl"],
+)
+def test_fitting_draws_or_a_kl_that_are_not_qs_fail_the_rsample_check(broken, message):
+    # both passed every check: the fit's draws and KL were never compared with q's
+    report = check_family(broken, checks=("setup", "fit", "rsample"), raise_on_failure=False)
+    assert report.failures == ["rsample"], str(report)
+    detail = report.results["rsample"][1]
+    found = re.search(message, detail)
+    assert found, detail
+    if broken is RsampleOther:  # the two sds named are q's and ten times q's
+        ratio = float(found["a"]) / float(found["b"])
+        assert 9 < ratio < 11, detail
+    else:
+        assert float(found["b"]) > 1, detail
+    # run with all checks, the failure is reported under its name, the others pass
+    with pytest.raises(ConformanceError, match=r"\[FAIL\] rsample"):
+        check_family(broken, checks=("setup", "fit", "contract", "log_prob", "rsample"))
+
+
+def test_the_rsample_check_says_what_it_did_not_check():
+    # a point mass has no KL to check, only its draws; a Gaussian with a closed form has both
+    point = check_family(pb.guides.DeltaGuide, checks=("setup", "fit", "rsample"))
+    assert "KL not checked: a point mass" in point.results["rsample"][1]
+    gauss = check_family(MeanFieldGuide, checks=("setup", "fit", "rsample")).results["rsample"]
+    assert "rsample_with_kl: means and sds" in gauss[1] and "~ Monte Carlo" in gauss[1]
+    empirical = check_family(
+        MeanFieldGuide, options={"prior": "empirical"}, checks=("setup", "fit", "rsample")
+    )
+    assert "KL not checked: prior='empirical'" in empirical.results["rsample"][1]
+
+
 def test_a_factory_and_the_fits_optimizer_settings():
     # a factory model -> guide is a family too; the fit's optimizer settings reach every fit of
     # the kit and the resumed fitter's checkpoint (which refuses other settings)
