@@ -276,7 +276,9 @@ def test_a_guide_built_before_make_latent_is_not_fitted_again() -> None:
     data = tensor_loader(x, y, 20)
     pb.fit(model, map_guide, data, epochs=2, lr=1e-2, progress=False)
     model.make_latent(["4"])
-    with pytest.raises(ValueError, match=r"no posterior over the model's latent sites \['4.bias', "):
+    with pytest.raises(
+        ValueError, match=r"no posterior over the model's latent sites \['4.bias', "
+    ):
         pb.fit(model, map_guide, data, epochs=1, lr=1e-2, progress=False)
     # the recipe: a new guide over every site (starting from the fitted one)
     guide = pb.posterior(model, "laplace", init=map_guide)
