@@ -272,6 +272,12 @@ class ShuffledDataWarning(UserWarning):
     not the dataset's (``pred.targets`` follows it too)."""
 
 
+def shuffles(data: Any) -> bool:
+    """Whether ``data`` is a ``DataLoader`` that draws its examples in a random order (a
+    ``RandomSampler``): each pass over it yields another order."""
+    return isinstance(data, DataLoader) and isinstance(data.sampler, RandomSampler)
+
+
 def warn_if_rows_differ(data: Any, where: str) -> None:
     """Warn when the rows of a prediction over ``data`` will not be the dataset's, in its
     order: a ``DataLoader`` with ``drop_last=True`` that drops examples (``UserWarning``), or
@@ -292,7 +298,7 @@ def warn_if_rows_differ(data: Any, where: str) -> None:
             UserWarning,
             stacklevel=3,
         )
-    if isinstance(data.sampler, RandomSampler):
+    if shuffles(data):
         warnings.warn(
             f"{where}: data is a DataLoader that shuffles (RandomSampler), so the prediction's "
             "rows come in this pass's random order, not the dataset's. Score it against "

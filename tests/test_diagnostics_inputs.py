@@ -65,8 +65,21 @@ def test_a_shuffling_loader_is_refused_when_the_draws_take_several_passes():
     model, guide, x, y = _problem()
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
     # max_site_numel=2: the core's 4 scalars are drawn 2 draws per chunk, 2 passes over data
-    with pytest.raises(ValueError, match=r"pass 2 over data .*shuffle=False"):
+    with pytest.raises(ValueError, match=r"a DataLoader that shuffles .* 2 chunks .*shuffle=False"):
         to_datatree(model, guide, loader, num_samples=4, max_site_numel=2)
+
+    # refused before any draw is evaluated: no example was read
+    class Counting(TensorDataset):
+        reads = 0
+
+        def __getitem__(self, index):
+            Counting.reads += 1
+            return super().__getitem__(index)
+
+    counting = DataLoader(Counting(x, y), batch_size=16, shuffle=True)
+    with pytest.raises(ValueError, match="a DataLoader that shuffles"):
+        to_datatree(model, guide, counting, num_samples=4, max_site_numel=2)
+    assert Counting.reads == 0
 
 
 def test_an_ordered_loader_over_several_passes_gives_the_list_of_batches_export():

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..batch import batch_size, slice_examples, split_batch, to_device
 from ..models.sharing import reuse_within_batch
-from ..predictive import checked_targets, default_samples_per_forward
+from ..predictive import checked_targets, default_samples_per_forward, shuffles
 from .sites import DEFAULT_MAX_SITE_NUMEL
 
 
@@ -90,6 +90,19 @@ class PassOrder:
         self.planned = passes
         self.check = passes > 1  # one pass: nothing to check, nothing kept
         self.passes = 0
+
+    def refuse_shuffling(self, data: Any) -> None:
+        """Raise before any work when ``data`` is a shuffling ``DataLoader`` and the draws take
+        several passes (every later pass would be refused by :meth:`see`)."""
+        if self.check and shuffles(data):
+            raise ValueError(
+                "to_inference_data / diagnose: data is a DataLoader that shuffles "
+                f"(RandomSampler), and the draws are taken in {self.planned} chunks (the "
+                "posterior has more scalars than max_site_numel; diagnose: "
+                f"{DEFAULT_MAX_SITE_NUMEL}), each evaluated on a new pass over data: every pass "
+                "would pair its draws with other examples than the observed targets. Pass an "
+                "ordered loader (DataLoader(..., shuffle=False)) or a list of batches."
+            )
 
     def begin(self) -> None:
         """A new pass over the data starts."""

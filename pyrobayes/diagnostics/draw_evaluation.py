@@ -216,6 +216,7 @@ def evaluate_draws(
     out = _Collected(plan)
     linearization = Linearization.of(model, guide) if linearized else None
     order = PassOrder(-(-plan.num_samples // plan.chunk))  # one pass over data per chunk
+    order.refuse_shuffling(data)  # before any work, where it can be told up front
     for start in range(0, plan.num_samples, plan.chunk):
         n = min(plan.chunk, plan.num_samples - start)
         values = _draw(guide, n, plan.components, generator, model.device)
