@@ -418,10 +418,21 @@ alternate_map_tol, alternate_lr : optional
                 getattr(self, f"eigvecs_in_{i}").copy_(eigvecs_in)
 
     def set_prior_precision(self, value: float) -> None:
-        """Set τ; with ``prior_structure="layerwise"`` every ``τ_l`` is scaled by the same factor
-        (their ratios are kept)."""
+        """Set τ (a finite number > 0; not log τ); with ``prior_structure="layerwise"`` every
+        ``τ_l`` is scaled by the same factor (their ratios are kept). A temperature fitted to
+        the guide's predictive under the old τ is removed, with a warning."""
+        tau = check_real("τ", value, gt=0, owner="LaplaceGuide.set_prior_precision: ")
+        if tau != float(self.lap_prior_precision):
+            drop_temperature(
+                self,
+                "LaplaceGuide.set_prior_precision: ",
+                reason=f"its predictive under τ = {float(self.lap_prior_precision):.4g}; "
+                f"τ = {tau:.4g} gives another posterior",
+                then="under the new τ",
+                stacklevel=3,
+            )
         with torch.no_grad():
-            self.lap_prior_precision.fill_(float(value))
+            self.lap_prior_precision.fill_(tau)
 
     def set_site_prior_precisions(self, values: Mapping[str, float]) -> None:
         """Set ``τ_l`` per latent site (``prior_structure="layerwise"``); τ becomes their

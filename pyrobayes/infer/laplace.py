@@ -505,6 +505,7 @@ def fit_laplace(
     from laplace import Laplace as LaplaceTorch
 
     guide.require_setup()
+    drop_temperature(guide, owner="fit_laplace: ")  # fitted for the posterior this replaces
     net = model.net
     specs = model.latent_sites
     flags = {name: p.requires_grad for name, p in net.named_parameters()}
@@ -550,7 +551,6 @@ def fit_laplace(
             tau = _choose_prior_precision(model, guide, la, bounds, evidence=evidence)
             la.prior_precision = torch.tensor(tau, dtype=la._dtype, device=la._device)
             guide.set_prior_precision(tau)
-        drop_temperature(guide, owner="fit_laplace: ")  # fitted for the posterior replaced
         guide.mark_fitted(True)
         logger.info("Laplace (%s): τ = %.4g over %d sites", guide.structure, tau, len(order))
         return la

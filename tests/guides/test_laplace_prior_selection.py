@@ -190,3 +190,17 @@ def test_the_grid_reuses_the_held_out_jacobians_with_the_same_result(
     guide.pred_type = "probit" if pred_type == "glm" else "glm"
     with pytest.raises(ValueError, match="call linearize\\(\\) again"):
         linearized.linearized_predict(model, guide, [], linearization=lin)
+
+
+def test_set_prior_precision_refuses_what_is_not_a_precision_and_drops_a_temperature() -> None:
+    # τ = 0 or -1 (log τ passed for τ: log_prior_bounds are natural logs) was accepted: the
+    # covariance became (H − I)⁻¹ and draws reached 29 against 1.3, without a word
+    model, guide, _, _ = _problem(1.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="set_prior_precision: τ must be a finite number > 0"):
+            guide.set_prior_precision(bad)
+    assert guide.prior_precision == 1.0
+    pb.calibration.set_temperature(guide, 0.9)
+    with pytest.warns(UserWarning, match=r"set_prior_precision: LaplaceGuide was calibrated"):
+        guide.set_prior_precision(2.0)  # a temperature of the old τ's predictive calibrates
+    assert guide.prior_precision == 2.0 and pb.calibration.temperature(guide) == 1.0
