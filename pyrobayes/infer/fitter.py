@@ -477,11 +477,30 @@ def _check_settings_family(guide: Any, optimizer: Any) -> None:
         return
     expected = {c.__name__: c for c in records}.get(str(getattr(guide, "fit_settings_class", "")))
     if expected is not None and issubclass(expected, type(optimizer)):
+        _warn_guide_settings_unused(guide, optimizer)
         return
     own = f"pb.infer.{expected.__name__}(...)" if expected else "a torch optimizer (or none)"
     raise TypeError(
         f"fit: optimizer={type(optimizer).__name__}(...) holds another family's settings; "
         f"{type(guide).__name__} takes {own}."
+    )
+
+
+def _warn_guide_settings_unused(guide: Any, record: Any) -> None:
+    """Warn that the fit settings given to ``guide``'s constructor (deprecated) are not used
+    when the fit passes its own record: the record holds every setting, at its defaults where
+    not given (a guide's ``start_epoch=5`` beside ``SWAG(swa_lr=...)`` collected from 0)."""
+    given = dict(getattr(guide, "fit_settings", None) or {})
+    if not given:
+        return
+    keys = ", ".join(f"{k}={v!r}" for k, v in given.items())
+    warnings.warn(
+        f"fit: the settings given to {type(guide).__name__}'s constructor ({keys}; deprecated) "
+        f"are not used: the fit's {type(record).__name__}(...) holds all of its settings, at "
+        f"their defaults where not given. Give them in the record: "
+        f"pb.infer.{type(record).__name__}({keys}, ...).",
+        UserWarning,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -236,6 +236,8 @@ class SWAGFitter(Fitter):
         self.guide.reset()
         self.ended = None
         self._swalr, self.epochs_done = None, 0
+        if self.settings.start_epoch == 0:  # anneal from the first step (after epoch 0 the
+            self._anneal()  # scheduler would be stepped before any step of its own: torch warns)
         if not self._default_optim and (
             self.settings.collect_every_steps is not None or self.settings.swa_lr is not None
         ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pyro
 import pytest
@@ -217,6 +218,31 @@ def test_swalr_schedule() -> None:
     assert lrs[-1] == pytest.approx(0.01)  # annealed to swa_lr
     # SWALR starts at start_epoch and steps at each later epoch end: halfway after one step
     assert lrs[3 * per] == pytest.approx(0.03)
+
+
+def test_swalr_from_the_first_epoch_anneals_as_from_a_later_one() -> None:
+    # start_epoch=0 built SWALR after epoch 0 and stepped it at once: torch warned that the
+    # scheduler stepped before the optimizer, and annealing started one epoch late
+    model, loader = _two_core_model()
+    guide = SWAGGuide(model, rank=2)
+    settings = pb.infer.SWAG(swa_lr=0.01, anneal_epochs=2, start_epoch=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's lr_scheduler-order warning included
+        _, lrs = _fit_recording(model, guide, loader, epochs=4, lr=0.05, settings=settings)
+    per = len(loader)
+    assert lrs[:per] == [0.05] * per  # epoch 0 at the start of the annealing
+    assert lrs[per] == pytest.approx(0.03)  # halfway after one epoch, as from start_epoch=2
+    assert lrs[-1] == pytest.approx(0.01)
+
+
+def test_settings_given_to_the_guide_beside_a_fit_record_are_said_to_be_unused() -> None:
+    # SWAGGuide(start_epoch=5) (deprecated) with optim=SWAG(swa_lr=...) collected from epoch 0
+    model, loader = _two_core_model()
+    with pytest.warns(DeprecationWarning):
+        guide = SWAGGuide(model, rank=2, start_epoch=5)
+    with pytest.warns(UserWarning, match=r"\(start_epoch=5; deprecated\) are not used") as w:
+        pb.infer.make_fitter(model, guide, lr=0.05, optimizer=pb.infer.SWAG(swa_lr=0.01))
+    assert any(r.filename == __file__ for r in w)  # at the user's line
 
 
 def test_unfitted_raises_and_pyro_contract() -> None:
