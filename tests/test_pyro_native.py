@@ -356,3 +356,27 @@ def test_count_parameters_counts_the_guides_sites_and_the_point_lora_factors():
     # A: 2x4 latent; B: 6x2 a point factor; head: 6x3 + 3
     assert counts["latent"] == 8 and counts["point_adapter"] == 12 and counts["head"] == 21
     assert counts["trainable"] == 8 + 12 + 21
+
+
+@pytest.mark.parametrize("family", ["laplace", "swag", "meanfield"])
+def test_pb_fit_leaves_no_gradients_and_a_fitted_post_hoc_guide_is_fixed_under_svi(family):
+    # pb.fit left the last step's gradients on every trained tensor: Pyro's SVI on the fitted
+    # Laplace guide then stepped them (its point moved by 1.3 at lr 0.5, away from the
+    # covariance fitted there); its draws carried gradient to the point as well
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    prob = conjugate_core(family=family)
+    guide = families.posterior(prob.model, family)
+    batch = (prob.x, prob.y)
+    pb.fit(prob.model, guide, [batch], epochs=3, lr=0.05, seed=0)
+    trained = pb.infer.trainable_parameters(prob.model, guide)
+    assert all(p.grad is None for p in trained)
+    before = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    svi = pyro.infer.SVI(prob.model, guide, pyro.optim.Adam({"lr": 0.5}), pyro.infer.Trace_ELBO())
+    for _ in range(3):
+        svi.step(batch)
+    moved = [k for k, v in guide.state_dict().items() if not torch.equal(v, before[k])]
+    if isinstance(guide, PostHoc):  # fixed once fitted: SVI moves nothing
+        assert not moved, moved
+    else:  # a variational guide trains on under SVI
+        assert moved

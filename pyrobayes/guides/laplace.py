@@ -493,7 +493,9 @@ alternate_map_tol, alternate_lr : optional
 
     # ------------------------------------------------------------------ guide contract
     def get_posterior(self, site: str) -> dist.TorchDistribution:
-        loc = self.loc(site)
+        # the fitted posterior is fixed: its draws carry no gradient to the point, whose
+        # curvature it is (Pyro's SVI on a fitted guide would move the mean away from it)
+        loc = self.loc(site).detach()
         self.require_fitted()
         if not self.is_latent(site):
             return dist.Delta(loc, event_dim=loc.dim())

@@ -910,6 +910,8 @@ class _Loop:
         if fitter.reads_data_at_end:  # a post-hoc fit of no epoch: its pass is checked here
             self.data_size.count_pass(self.data)
         fitter.end(self.data)
+        for p in fitter.params:  # the last step's gradients: memory, and stale for a later
+            p.grad = None  # optimizer (Pyro's SVI on the guide would step them)
         if best_epoch is None:  # a restored epoch is not the run's last q
             warn_if_fit_given_back(self.terms, model)
         model.train(False)
