@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from ..models.adapters import check_real
 from ..models.signorm import SCALE_KIND, STATS_KIND, scale_sites
+from ..user_frame import user_stacklevel
 from ._fit_options import warn_fit_settings
 from .particles import ParticleGuide
 
@@ -135,6 +137,15 @@ class SigmaNormGuide(ParticleGuide):
             init_scale=init_scale,
             average=average,
         )
+        if self.num_members > 1 and not (init_noise or init_scale) and head_init == "copy":
+            warnings.warn(
+                f"{owner}init_noise=0, init_scale=0 and head_init='copy' start all "
+                f"{self.num_members} members identical: a stationary point of the fit (every "
+                "member gets the same gradient, and the diversity term's is 0 there), so they "
+                "stay one network. Give init_noise > 0 (default 0.1) or head_init='reinit'.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
         if not any(kind == SCALE_KIND for kind in self._kinds.values()) and self.num_members > 1:
             logger.warning(
                 "%s: the model has no member norm layers (build it with "

@@ -83,7 +83,7 @@ class SWAG:
         built as ``cls(params, lr=lr)``). A checkpoint records a class or callable by its name.
     swa_lr : float, optional
         Target of ``torch.optim.swa_utils.SWALR``'s annealing from ``start_epoch`` on
-        (Izmailov et al., 2018); ``None`` keeps the learning rate.
+        (Izmailov et al., 2018), > 0; ``None`` keeps the learning rate.
     anneal_epochs : int
         SWALR's annealing length.
     anneal_strategy : {"linear", "cos"}
@@ -107,7 +107,8 @@ class SWAG:
                 f"params -> Optimizer; got {type(self.optimizer).__name__}."
             )
         if self.swa_lr is not None:
-            check_real("swa_lr", self.swa_lr, ge=0, owner=owner)
+            # > 0: at 0 the collected iterates are one point (a posterior of zero spread)
+            check_real("swa_lr", self.swa_lr, gt=0, owner=owner)
         check_int("anneal_epochs", self.anneal_epochs, ge=0, owner=owner)
         if self.anneal_strategy not in ("cos", "linear"):
             raise ValueError(

@@ -371,3 +371,9 @@ def test_validation_on_swag_says_it_drops_the_moments_after_the_selected_epoch()
     train = [(x[i : i + 20], y[i : i + 20]) for i in range(0, 60, 20)]
     with pytest.warns(UserWarning, match=r"moments collected after the selected epoch"):
         pb.fit(model, guide, train, epochs=3, validation=pb.Validation([(x[60:], y[60:])]))
+
+
+def test_swalr_to_zero_is_refused():
+    # swa_lr=0 collapsed the collected iterates to one point: a SWAG posterior of zero spread
+    with pytest.raises(ValueError, match="swa_lr must be a finite number > 0"):
+        pb.infer.SWAG(swa_lr=0.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import warnings
 
 import pyro
 import pytest
@@ -516,3 +517,16 @@ def test_jensen_and_monotone_diversity_in_tau_on_digits():
     med_o = [statistics.median(owners[t]) for t in taus]
     assert med_d[0] > med_d[1] > med_d[2], (med_d, disagreement)
     assert med_o[0] < med_o[1] < med_o[2], (med_o, owners)
+
+
+def test_members_that_start_identical_are_warned_of():
+    # init_noise=0 with head_init="copy" (and init_scale=0) gave M identical members that
+    # stay identical (member spread 0, disagreement 0) without a word
+    model = SigmaNormEnsemble(_ln_mlp(), num_members=3, heads=["3"], trainable_modules=[])
+    with pytest.warns(UserWarning, match=r"start all 3 members identical") as caught:
+        pb.posterior(model, "signorm", init_noise=0.0, head_init="copy")
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any source of difference: silent
+        pb.posterior(model, "signorm", init_noise=0.0)  # heads re-initialised per member
+        pb.posterior(model, "signorm", head_init="copy")  # norm scales perturbed
