@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -60,8 +59,9 @@ import torch
 from torch import Tensor
 
 from .metrics._inputs import check_log_probabilities
-from .models.adapters import check_int
+from .models.adapters import check_int, check_real
 from .models.likelihoods import check_class_targets, check_gaussian_targets
+from .user_frame import user_stacklevel
 
 logger = logging.getLogger(__name__)
 
@@ -133,30 +133,17 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
 
 
 def checked_temperature(value: Any, owner: str) -> float:
-    """``value`` as a float ``T``: a real number (Python, NumPy, or a one-element tensor),
-    finite and > 0.
+    """``value`` as a float ``T``: a finite real number > 0 (Python, NumPy, or a one-element
+    tensor); ``T <= 0`` would reverse or erase the predictive's ranking.
 
     Raises
     ------
     TypeError
         When ``value`` is not a real number (a bool, a string, a tensor of several elements).
     ValueError
-        When it is not finite or not > 0 (a negative ``T`` reverses the predictive's ranking).
+        When it is not finite or not > 0.
     """
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{owner}: the temperature must be a real number (or a one-element tensor), got "
-            f"{type(value).__name__}."
-        )
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{owner}: the temperature must be a finite number > 0, got {value!r} (T divides "
-            "the log-probabilities: T <= 0 reverses or erases the predictive's ranking)."
-        )
-    return value
+    return check_real("the temperature", value, gt=0, owner=f"{owner}: ")
 
 
 def drop_temperature(
@@ -164,7 +151,6 @@ def drop_temperature(
     owner: str,
     reason: str = "the posterior it held; this fit changes that posterior",
     then: str = "after the fit",
-    stacklevel: int = 4,
 ) -> None:
     """Remove a temperature before ``owner`` changes the predictive it was fitted for, and say
     so (``reason``: what it was fitted for and what changes it; ``then``: when to calibrate
@@ -184,7 +170,7 @@ def drop_temperature(
         f"temperature is removed. Call pyrobayes.calibrate(model, guide, val_data) again {then}."
     )
     logger.warning(message)
-    warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
 
 def match_state(guide: Any, state: Mapping[str, Any]) -> None:
@@ -775,4 +761,4 @@ def _all_reduce_mean(values: Tensor) -> None:
 def _warn(message: str) -> None:
     """A ``UserWarning`` at :func:`calibrate`'s caller (and the same line in the log)."""
     logger.warning(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())

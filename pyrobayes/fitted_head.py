@@ -23,6 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
+from .user_frame import user_stacklevel
+
 __all__ = [
     "HeadChangedWarning",
     "record_fitted_head",
@@ -116,10 +118,10 @@ def changed_heads(guide: Any, model: Any) -> list[str]:
     return changed
 
 
-def warn_if_head_changed(guide: Any, model: Any, where: str, stacklevel: int = 4) -> None:
+def warn_if_head_changed(guide: Any, model: Any, where: str) -> None:
     """Warn (:class:`HeadChangedWarning`) when ``model``'s point parameters changed since
     ``guide`` was fitted or loaded (:func:`changed_heads`), naming them and the remedy
-    (``stacklevel`` as :func:`warnings.warn`'s, counted from this function)."""
+    (the warning points at the user's line)."""
     changed = changed_heads(guide, model)
     if not changed:
         return
@@ -132,7 +134,7 @@ def warn_if_head_changed(guide: Any, model: Any, where: str, stacklevel: int = 4
         "before the second fit), or pb.save this posterior and pb.load it back to restore its "
         "head.",
         HeadChangedWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -176,7 +178,7 @@ def _at_initial_state(guide: Any) -> bool:
     return initial is not None and _parameters_digest(guide) == initial
 
 
-def warn_if_never_fitted(guide: Any, model: Any, where: str, stacklevel: int = 4) -> None:
+def warn_if_never_fitted(guide: Any, model: Any, where: str) -> None:
     """Warn (:class:`NeverFittedWarning`) when ``guide`` was neither fitted by ``pb.fit`` nor
     loaded by ``pb.load`` and its point is still ``model``'s initial value at every site, or
     its parameters are still those it was built with (:func:`record_initial_state`: IBDR's
@@ -196,5 +198,5 @@ def warn_if_never_fitted(guide: Any, model: Any, where: str, stacklevel: int = 4
         "model's initial values on purpose (a zero-shot baseline), pass "
         "values=model.init_values() to pb.predict.",
         NeverFittedWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),
     )

@@ -309,7 +309,7 @@ def warn_if_rows_differ(data: Any, where: str) -> None:
         )
 
 
-def check_fitted_model(model: Any, guide: Any, where: str, stacklevel: int = 4) -> None:
+def check_fitted_model(model: Any, guide: Any, where: str) -> None:
     """Refuse to predict with ``guide`` on a ``model`` other than the one it was fitted on when
     the two differ outside the posterior.
 
@@ -335,7 +335,7 @@ def check_fitted_model(model: Any, guide: Any, where: str, stacklevel: int = 4) 
 
     bound = bound_model(guide)
     if bound is model:
-        warn_if_head_changed(guide, model, where, stacklevel=stacklevel)
+        warn_if_head_changed(guide, model, where)
     if bound is None or bound is model or getattr(model, "latent_sites", None) is None:
         return
     heads = differing_point_params(model, bound)
@@ -445,7 +445,7 @@ def predict(
         )
     check_fitted_model(model, guide, "predict")
     if values is None:
-        warn_if_never_fitted(guide, model, "predict", stacklevel=3)
+        warn_if_never_fitted(guide, model, "predict")
     warn_if_rows_differ(data, "predict")
     check_batches(data, "predict")
     if device is not None:

@@ -305,7 +305,7 @@ def test_a_temperature_given_as_any_real_number_is_applied_and_a_bad_one_refused
         with pytest.raises(error, match="apply_temperature: the temperature must be a finite"):
             apply_temperature(pred, bad)
     for bad in ("3", True, torch.ones(2), object()):
-        with pytest.raises(TypeError, match="apply_temperature: the temperature must be a real"):
+        with pytest.raises(TypeError, match="apply_temperature: the temperature must be a finite"):
             apply_temperature(pred, bad)
     with pytest.raises(ValueError, match="tempered_nll: the temperature must be a finite"):
         tempered_nll(pred, y, -1.0)

@@ -662,7 +662,7 @@ def run(
 def _remove_run(out: Path, made: Sequence[Path]) -> None:
     """Remove what a run that failed before its first result wrote into ``out`` (the folder
     held no run before it: :func:`claim_run_folder`), so the corrected config can use it."""
-    for file in [*run_files(out), out / "normalize.json"]:
+    for file in run_files(out):  # normalize.json among them (RUN_FILES)
         file.unlink(missing_ok=True)
     for folder in reversed(made):  # the folders this run made, if left empty
         if folder.is_dir() and not any(folder.iterdir()):

@@ -97,11 +97,7 @@ class PassOrder:
         if self.check and shuffles(data):
             raise ValueError(
                 "to_inference_data / diagnose: data is a DataLoader that shuffles "
-                f"(RandomSampler), and the draws are taken in {self.planned} chunks (the "
-                "posterior has more scalars than max_site_numel; diagnose: "
-                f"{DEFAULT_MAX_SITE_NUMEL}), each evaluated on a new pass over data: every pass "
-                "would pair its draws with other examples than the observed targets. Pass an "
-                "ordered loader (DataLoader(..., shuffle=False)) or a list of batches."
+                f"(RandomSampler). {self._why()}"
             )
 
     def begin(self) -> None:
@@ -133,13 +129,18 @@ class PassOrder:
     def _reordered(self, what: str) -> ValueError:
         return ValueError(
             f"to_inference_data / diagnose: pass {self.passes} over data yielded other examples, "
-            f"or the same in another order, than the first ({what}). The draws are taken in "
-            f"{self.planned} chunks (the posterior has more scalars than max_site_numel; "
-            f"diagnose: {DEFAULT_MAX_SITE_NUMEL}), each evaluated on a new pass over data, so "
-            "every pass must yield the same examples in the same order, or the later draws are "
-            "scored on other examples than the observed targets. Pass an ordered loader "
-            "(DataLoader(..., shuffle=False), i.e. a SequentialSampler, without random "
-            "augmentation or masking) or a list of batches."
+            f"or the same in another order, than the first ({what}). {self._why()}"
+        )
+
+    def _why(self) -> str:
+        """Why every pass must yield the first's examples in its order, and the remedy."""
+        return (
+            f"The draws are taken in {self.planned} chunks (the posterior has more scalars than "
+            f"max_site_numel; diagnose: {DEFAULT_MAX_SITE_NUMEL}), each evaluated on a new pass "
+            "over data, so every pass must yield the same examples in the same order, or the "
+            "later draws are scored on other examples than the observed targets. Pass an "
+            "ordered loader (DataLoader(..., shuffle=False), i.e. a SequentialSampler, without "
+            "random augmentation or masking) or a list of batches."
         )
 
 

@@ -205,8 +205,8 @@ def evaluate_draws(
             f"evaluate_draws: linearized=True needs a guide with a linearised predictive "
             f"(Laplace); {type(guide).__name__} has none. Pass linearized=False."
         )
-    check_fitted_model(model, guide, "to_inference_data", stacklevel=5)
-    warn_if_never_fitted(guide, model, "to_inference_data", stacklevel=4)
+    check_fitted_model(model, guide, "to_inference_data")
+    warn_if_never_fitted(guide, model, "to_inference_data")
     if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
         data = list(data)
     model.train(False)

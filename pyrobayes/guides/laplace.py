@@ -319,7 +319,6 @@ alternate_map_tol, alternate_lr : optional
                 reason=f"its pred_type={previous!r} predictive; pred_type={value!r} is another "
                 "predictive, which that temperature does not calibrate",
                 then="to calibrate this one",
-                stacklevel=3,
             )
         self._pred_type = value
 
@@ -429,7 +428,6 @@ alternate_map_tol, alternate_lr : optional
                 reason=f"its predictive under τ = {float(self.lap_prior_precision):.4g}; "
                 f"τ = {tau:.4g} gives another posterior",
                 then="under the new τ",
-                stacklevel=3,
             )
         with torch.no_grad():
             self.lap_prior_precision.fill_(tau)

@@ -221,16 +221,26 @@ class Fitter:
                 "the head fixed, leave it out of the model's trainable_modules."
             )
         rate = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        if self._lr_given is not None and rate is not None and rate != self._lr_given:
+        if rate is not None:
+            self._take_rate(
+                float(rate),
+                f"the optimizer passed carries its own rate (lr={float(rate):g}, its first "
+                "group's). Set the rate when building the optimizer, or pass its class.",
+            )
+
+    def _take_rate(self, rate: float, why: str) -> float:
+        """Make ``rate``, set elsewhere than the fit's ``lr`` (an optimizer passed built, a
+        settings record's ``lr``), the fit's: :attr:`lr` reads it, and an ``lr`` given to the
+        fit beside it that differs is warned of as unused (``why`` says what sets the rate)."""
+        given = self._lr_given
+        if given is not None and float(given) != rate:
             warnings.warn(
-                f"{type(self).__name__}: lr={self._lr_given:g} is not used: the optimizer "
-                f"passed carries its own rate (lr={float(rate):g}, its first group's). Set the "
-                "rate when building the optimizer, or pass its class.",
+                f"{type(self).__name__}: lr={given:g} is not used: {why}",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
-        if rate is not None:
-            self.lr = float(rate)
+        self.lr = rate
+        return rate
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
         """The family's optimizer over ``params``; Adam here."""

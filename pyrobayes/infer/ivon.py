@@ -32,7 +32,6 @@ from torch import Tensor
 
 from ..batch import batch_size
 from ..models.adapters import check_int, check_real
-from ..user_frame import user_stacklevel
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import _float_leaves, split_training_batch
@@ -742,25 +741,16 @@ class IVONFitter(Fitter):
 
     def default_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> IVONOptimizer:
         if self.settings.lr is not None:
-            lr = self._settings_lr(float(self.settings.lr))
+            rate = float(self.settings.lr)
+            name = type(self.settings).__name__
+            lr = self._take_rate(
+                rate,
+                f"{name}(lr={rate:g}) sets the fit's rate. Give the rate in one place: "
+                "pyrobayes.fit(..., lr=...) or the record's lr.",
+            )
         optimizer = IVONOptimizer(params, self.guide, lr, self._curvature(), self.settings)
         optimizer.hyper.update(self.hyper)
         return optimizer
-
-    def _settings_lr(self, rate: float) -> float:
-        """The rate a settings record sets (``IVON(lr=...)``): it is the fit's (:attr:`lr` reads
-        it), and an ``lr`` given to the fit beside it is not used (warned when they differ)."""
-        given = self._lr_given
-        if given is not None and float(given) != rate:
-            warnings.warn(
-                f"{type(self).__name__}: lr={given:g} is not used: "
-                f"{type(self.settings).__name__}(lr={rate:g}) sets the fit's rate. Give the "
-                "rate in one place: pyrobayes.fit(..., lr=...) or the record's lr.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-        self.lr = rate
-        return rate
 
     def _curvature(self) -> Any:
         """The Kronecker statistics (:class:`~pyrobayes.infer.kron.KronIVONFitter`); none here."""

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from ..batch import check_batches, to_device
 from ..contract import implements
 from ..fitted_head import forget_fitted_head, record_fitted_head, restore_fitted_head
+from ..user_frame import user_stacklevel
 from .arguments import validate_fit_arguments
 from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
 from .data_order import DataOrder
@@ -375,7 +376,7 @@ def _warn_if_no_epoch_ends(plan: _Plan) -> None:
             "and validation= runs at epoch ends, so no epoch is scored or selected and "
             "patience never acts. Give at least one epoch's steps, or drop validation=.",
             UserWarning,
-            stacklevel=5,  # _Loop, fit, its keyword decorator, the caller
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -392,7 +393,7 @@ def _warn_if_rate_zero(optimizer: Any, plan: _Plan) -> None:
             "moves and the guide stays as it starts. Pass lr > 0 (or leave lr out: the "
             "family's default).",
             UserWarning,
-            stacklevel=5,  # _Loop, fit, its keyword decorator, the caller
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -437,7 +438,7 @@ class _Loop:
                 "are dropped (and an early stop ends the collection). To keep every collected "
                 "iterate, fit it without validation= and choose its start_epoch instead.",
                 UserWarning,
-                stacklevel=4,  # _Loop, fit, its keyword decorator, the caller
+                stacklevel=user_stacklevel(),
             )
         if isinstance(data, Iterator) and self.fitter.reads_data_at_end and plan.epochs != 0:
             raise ValueError(
@@ -533,7 +534,7 @@ class _Loop:
                 f"num_steps={self.plan.num_steps}), so the {type(self.guide).__name__} is "
                 "unchanged. Give it epochs >= 1 (a post-hoc Laplace fits at epochs=0).",
                 UserWarning,
-                stacklevel=4,  # run, fit, its keyword decorator, the caller
+                stacklevel=user_stacklevel(),
             )
         return result
 

@@ -170,7 +170,7 @@ def save(
             "last checkpoint."
         )
     if model is guide_model:
-        warn_if_head_changed(guide, model, "pb.save", stacklevel=3)
+        warn_if_head_changed(guide, model, "pb.save")
     adapter: Any = getattr(model, "adapter", None)  # LoRA, LoRAXS or None (duck-typed)
     header: dict[str, Any] = {
         "format_version": FORMAT_VERSION,

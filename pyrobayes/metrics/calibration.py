@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..models.adapters import check_int
-from ._inputs import _check_labels
+from ._inputs import _check_labels, refuse_no_examples
 from .classification import mean_probs
 
 __all__ = [
@@ -79,9 +79,7 @@ def calibration_error(probs: Tensor, labels: Tensor, *, num_bins: int = 15) -> C
     """
     num_bins = check_int("num_bins", num_bins, ge=1)
     p_bar = mean_probs(probs)
-    labels = _check_labels(labels, *p_bar.shape)
-    if p_bar.shape[0] == 0:
-        raise ValueError("calibration error needs at least one example")
+    labels = _check_labels(labels, *p_bar.shape)  # (refuses N = 0)
     confidence, prediction = p_bar.max(dim=-1)
     correct = (prediction == labels).to(p_bar.dtype)
     boundaries = torch.linspace(0.0, 1.0, num_bins + 1, dtype=p_bar.dtype, device=p_bar.device)
@@ -164,8 +162,7 @@ def ece_floor(
     num_bins = check_int("num_bins", num_bins, ge=1, owner="ece_floor: ")
     num_draws = check_int("num_draws", num_draws, ge=2, owner="ece_floor: ")
     p_bar = mean_probs(probs).double()
-    if p_bar.shape[0] == 0:
-        raise ValueError("ece_floor needs at least one example")
+    refuse_no_examples(p_bar.shape[0], "ece_floor")
     confidence = p_bar.max(dim=-1).values.cpu()  # the draws come from a CPU generator
     boundaries = torch.linspace(0.0, 1.0, num_bins + 1, dtype=confidence.dtype)
     bins = (torch.bucketize(confidence, boundaries, right=False) - 1).clamp(0, num_bins - 1)

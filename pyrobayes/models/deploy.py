@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..contract import Mixture, implements
+from ..user_frame import user_stacklevel
 from .adapters import _module_aliases, _set_submodule
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, is_conv1d
 
@@ -173,7 +174,7 @@ def _warn_untempered(guide: Any, model: Any, owner: str) -> None:
         f"outputs are untempered (the uncalibrated predictive at these values). To apply T, "
         f"{apply}; pyrobayes.predict(model, guide, ...) applies it itself.",
         UntemperedDeployWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
