@@ -7,11 +7,12 @@ computes its own loss.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 __all__ = [
     "split_batch",
@@ -74,8 +75,16 @@ def split_batch(batch: Any, label_key: str = "labels") -> tuple[Any, Tensor | No
     )
 
 
+def _rebuilt(obj: tuple[Any, ...] | list[Any], items: Iterable[Any]) -> Any:
+    """A tuple or list of ``obj``'s type holding ``items``: a namedtuple (which torch's
+    ``default_collate`` keeps) takes its fields as arguments, not one iterable."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*items)
+    return type(obj)(items)
+
+
 def to_device(obj: Any, device: torch.device | str | None) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+    """Move every tensor in a (nested) batch to ``device`` (a namedtuple stays one)."""
     if device is None:
         return obj
     if isinstance(obj, Tensor):
@@ -83,7 +92,7 @@ def to_device(obj: Any, device: torch.device | str | None) -> Any:
     if isinstance(obj, Mapping):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(v, device) for v in obj)
+        return _rebuilt(obj, (to_device(v, device) for v in obj))
     return obj
 
 
@@ -98,7 +107,7 @@ def expand_samples(inputs: Any, num_samples: int) -> Any:
     if isinstance(inputs, Mapping):
         return {k: expand_samples(v, num_samples) for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):
-        return type(inputs)(expand_samples(v, num_samples) for v in inputs)
+        return _rebuilt(inputs, (expand_samples(v, num_samples) for v in inputs))
     return inputs
 
 
@@ -132,10 +141,44 @@ def batch_size(inputs: Any) -> int:
     raise TypeError(f"Cannot tell the batch size of {type(inputs).__name__}.")
 
 
-def check_batches(data: Any, owner: str) -> None:
-    """Refuse a data set whose items are single examples, not batches: a Hugging Face
-    ``datasets.Dataset`` (or ``IterableDataset``) passed as ``data`` yields one example dict at
-    a time, read as batches of the sequence length."""
+#: What ``data`` must be, in the refusals of :func:`check_batches`.
+_PASS_BATCHES = (
+    "Pass an iterable of batches: a DataLoader with a batch size "
+    "(torch.utils.data.DataLoader(dataset, batch_size=32)), or a list of (inputs, targets) "
+    "batches ([(x, y)] for a single batch, list(zip(x.split(32), y.split(32))) for several)."
+)
+
+
+def check_batches(data: Any, owner: str, label_key: str = "labels") -> None:
+    """Refuse ``data`` whose items are not batches: iterating it would give single examples,
+    a tensor's rows, a dict's keys, or the inputs and then the targets of one batch.
+
+    ``data`` is an iterable of batches (a ``DataLoader`` with a batch size, a list of
+    ``(inputs, targets)`` batches, a generator). Refused, each with what to pass instead:
+
+    - a Hugging Face ``datasets.Dataset`` (or ``IterableDataset``): one example dict at a time;
+    - a map-style torch ``Dataset`` (``TensorDataset``, ``Subset``, ...) not wrapped in a
+      ``DataLoader``;
+    - a ``DataLoader`` that does not batch (``batch_size=None``) over a map-style dataset whose
+      first item is one example (a 0-dim or scalar target);
+    - a tensor (its rows) and a dict, a single batch (its keys);
+    - a single ``(inputs, targets)`` pair (the targets a tensor of another rank or dtype kind
+      than the inputs, with as many rows, or beside a dict or tuple of inputs).
+
+    Parameters
+    ----------
+    data : Any
+        The ``data`` argument of ``owner``.
+    owner : str
+        The function the message names (``"fit()"``, ``"predict"``).
+    label_key : str
+        The dict batches' target key (a ``DataLoader`` item's target is read under it).
+
+    Raises
+    ------
+    TypeError
+        Naming ``owner``'s ``data``, what it is, and what to pass.
+    """
     if hasattr(data, "column_names") and hasattr(data, "features"):
         raise TypeError(
             f"{owner}: data is a {type(data).__name__} (Hugging Face datasets), whose items "
@@ -144,6 +187,83 @@ def check_batches(data: Any, owner: str) -> None:
             "collate_fn=DataCollatorWithPadding(tokenizer)), or dataset.with_format('torch')"
             ".iter(batch_size=32) for equal-length rows."
         )
+    why = _not_batches(data, label_key)
+    if why is not None:
+        raise TypeError(f"{owner}: data is {why}. {_PASS_BATCHES}")
+
+
+def _not_batches(data: Any, label_key: str) -> str | None:
+    """What ``data`` is and why its items are not batches (:func:`check_batches`), or ``None``."""
+    name = type(data).__name__
+    if isinstance(data, Tensor):
+        return (
+            f"a tensor of shape {tuple(data.shape)}, which iterates its rows, one example at a "
+            "time (if its leading dim indexes whole batches, pass list(data))"
+        )
+    if isinstance(data, Mapping):
+        return (
+            f"a {name} (keys {sorted(map(str, data))[:6]}): one batch, and iterating it gives "
+            "its keys; for a single dict batch pass [batch]"
+        )
+    if isinstance(data, Dataset) and not isinstance(data, (IterableDataset, DataLoader)):
+        return (
+            f"a {name} (a torch Dataset), whose items are single examples, not batches: wrap "
+            "it in a DataLoader (or, if its items are whole batches already, "
+            "DataLoader(dataset, batch_size=None))"
+        )
+    if isinstance(data, DataLoader) and _one_example_per_item(data, label_key):
+        return (
+            "a DataLoader with batch_size=None over single examples (its first item's target "
+            "is one value), so every item is one example, not a batch: give it a batch_size"
+        )
+    if _one_batch(data):
+        return (
+            f"a {name} of two items that reads as one (inputs, targets) batch (the second, "
+            f"{_described(data[1])}, has a row per example of the first); iterating it gives "
+            "the inputs and then the targets, each as a batch of its own"
+        )
+    return None
+
+
+def _described(item: Any) -> str:
+    if isinstance(item, Tensor):
+        return f"a {item.dtype} tensor of shape {tuple(item.shape)}"
+    return f"a {type(item).__name__}"
+
+
+def _one_example_per_item(loader: DataLoader[Any], label_key: str) -> bool:
+    """Whether ``loader`` does not batch (``batch_size=None``, no batch sampler) and the first
+    item of its map-style dataset is one example: a 0-dim tensor or a scalar as its target."""
+    if loader.batch_sampler is not None or isinstance(loader.dataset, IterableDataset):
+        return False
+    try:
+        item = loader.dataset[0]
+        targets = split_batch(item, label_key)[1]
+    except (IndexError, KeyError, TypeError, ValueError):  # not indexable by 0, or no batch
+        return False
+    if isinstance(targets, Tensor):
+        return targets.dim() == 0
+    return isinstance(targets, (bool, int, float)) or getattr(targets, "ndim", None) == 0
+
+
+def _one_batch(data: Any) -> bool:
+    """Whether a pair ``data`` is one ``(inputs, targets)`` batch rather than two batches: its
+    second item is a tensor, beside a dict or tuple of inputs, or beside a tensor of as many
+    rows and of another rank or dtype kind (two batches are alike: x and x, not x and y)."""
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        return False
+    inputs, targets = data
+    if not isinstance(targets, Tensor) or targets.dim() == 0:
+        return False
+    if isinstance(inputs, Mapping):
+        return True
+    if isinstance(inputs, (tuple, list)):  # ((x1, x2), y): two inputs and their targets
+        return len(inputs) >= 2 and all(isinstance(t, Tensor) for t in inputs)
+    if not isinstance(inputs, Tensor) or inputs.dim() == 0:
+        return False
+    return inputs.shape[0] == targets.shape[0] and (
+        inputs.dim() != targets.dim() or inputs.is_floating_point() != targets.is_floating_point()
+    )
 
 
 def token_mask(inputs: Any) -> Tensor | None:
@@ -173,5 +293,5 @@ def slice_examples(inputs: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(inputs, Mapping):
         return {k: slice_examples(v, start, stop, size) for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):
-        return type(inputs)(slice_examples(v, start, stop, size) for v in inputs)
+        return _rebuilt(inputs, (slice_examples(v, start, stop, size) for v in inputs))
     return inputs

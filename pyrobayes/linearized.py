@@ -52,6 +52,9 @@ from .predictive import (
     Prediction,
     _rows,
     cat_examples,
+    check_not_empty,
+    check_outputs,
+    checked_params,
     checked_targets,
 )
 
@@ -311,14 +314,21 @@ def _chunks(
     # sites the posterior holds at a point (a Laplace subset=): their values, no Jacobian
     fixed_point = getattr(guide, "fixed_point", None)
     fixed = {s: v.to(dev) for s, v in fixed_point().items()} if fixed_point else None
-    for batch in tqdm(data, disable=not progress_bar, desc="predict (linearised)"):
+    classification = model.likelihood.is_classification
+    batches = tqdm(data, disable=not progress_bar, desc="predict (linearised)")
+    for index, batch in enumerate(batches):
         inputs, y = split_batch(to_device(batch, dev), model.label_key)
-        size = batch_size(inputs)
+        size = check_not_empty(inputs, f"predict: batch {index}")
         chunk = examples_per_forward or default_examples_per_forward(inputs, dev)
         starts = range(0, size, chunk)
         for start in starts:
             sub = slice_examples(inputs, start, min(size, start + chunk), size)
             out, jac = output_jacobians(model, sub, point, contrast=contrast, fixed=fixed)
+            # non-finite f(x; θ̂) (inputs holding NaN or inf: their rows named in the batch)
+            where = f"batch {index}:"
+            check_outputs(out.unsqueeze(0), classification, where=where, inputs=sub, offset=start)
+            if index == 0 and start == 0:  # f(x; θ̂), the network's raw outputs
+                checked_params(model.likelihood, out, "predict: batch 0")
             last = start == starts[-1]
             yield out, jac, (y if last else None), last
 
@@ -435,6 +445,47 @@ _PROBIT = (
 )
 
 
+def _batch_predictives(
+    guide: Any, likelihood: Any, chunks: Iterable[_Chunk], deltas: Tensor | None
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Per batch of ``chunks``: its predictive (:func:`_chunk_predictive` of its chunks,
+    joined), the variance of ``f_lin`` (regression only) and its targets, checked against
+    ``f(x; θ̂)`` (the raw outputs: log-probabilities would pass a categorical check as logits).
+
+    Raises
+    ------
+    FloatingPointError
+        When a chunk's predictive is NaN although ``f(x; θ̂)`` is finite (checked in
+        :func:`_chunks`): the posterior's draws or covariance are not finite.
+    """
+    classification = likelihood.is_classification
+    check_targets = getattr(likelihood, "check_targets", None)
+    locs: list[Tensor] = []
+    variances: list[Tensor] = []
+    targets: list[Tensor] = []
+    parts: list[Tensor] = []
+    part_vars: list[Tensor] = []
+    outs: list[Tensor] = []  # f(x; θ̂) of the batch's chunks
+    for out, jac, y, last in chunks:
+        part, var = _chunk_predictive(guide, out, jac, deltas, classification)
+        where = f"batch {len(locs)}:"
+        check_outputs(part, classification, where=where, offset=sum(p.shape[1] for p in parts))
+        parts.append(part)
+        outs.append(out)
+        if var is not None:
+            part_vars.append(var)
+        if not last:
+            continue
+        locs.append(torch.cat(parts, 1))
+        if part_vars:
+            variances.append(torch.cat(part_vars, 1))
+        if y is not None:
+            where = f"predict: batch {len(locs) - 1}"
+            targets.append(checked_targets(check_targets, torch.cat(outs, 0), y, where))
+        parts, part_vars, outs = [], [], []
+    return locs, variances, targets
+
+
 def linearized_predict(
     model: Any,
     guide: Any,
@@ -494,12 +545,6 @@ def linearized_predict(
             f"{monte_carlo}); call linearize() again after changing pred_type."
         )
     deltas = _draw_deltas(guide, num_samples, seed, dev) if monte_carlo else None
-    check_targets = getattr(likelihood, "check_targets", None)
-    locs: list[Tensor] = []
-    variances: list[Tensor] = []
-    targets: list[Tensor] = []
-    parts: list[Tensor] = []
-    part_vars: list[Tensor] = []
     chunks: Iterable[_Chunk] = (
         linearization.chunks
         if linearization is not None
@@ -512,20 +557,7 @@ def linearized_predict(
             progress_bar=progress_bar,
         )
     )
-    for out, jac, y, last in chunks:
-        part, var = _chunk_predictive(guide, out, jac, deltas, classification)
-        parts.append(part)
-        if var is not None:
-            part_vars.append(var)
-        if not last:
-            continue
-        locs.append(torch.cat(parts, 1))
-        if part_vars:
-            variances.append(torch.cat(part_vars, 1))
-        parts, part_vars = [], []
-        if y is not None:
-            where = f"predict: batch {len(locs) - 1}"
-            targets.append(checked_targets(check_targets, locs[-1], y, where))
+    locs, variances, targets = _batch_predictives(guide, likelihood, chunks, deltas)
     if not locs:
         raise ValueError(
             "predict: data yielded no batches; pass a non-empty iterable of batches (a "

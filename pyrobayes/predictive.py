@@ -229,13 +229,17 @@ class _AlikeLabelled:
             yield batch
 
 
-def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any = None) -> None:
+def check_outputs(
+    out: Tensor, classification: bool, *, where: str, inputs: Any = None, offset: int = 0
+) -> None:
     """Raise when a predictive's per-sample outputs ``(S, B, ...)`` are not usable.
 
     A NaN log-probability (or a non-finite regression mean) would turn the NLL, ECE and Brier
     score into NaN while the accuracy (an ``argmax``) stays finite, so it is refused here, with
     the example rows it sits on. ``-inf`` log-probabilities (a class masked by a ``-inf`` logit)
-    are valid and pass.
+    are valid and pass. ``inputs`` are the B rows' inputs (their non-finite rows are named as
+    the cause); ``offset`` is the index in its batch of ``out``'s first row, for a chunk of a
+    batch (the rows are named in the batch).
 
     Raises
     ------
@@ -249,14 +253,20 @@ def check_outputs(out: Tensor, classification: bool, *, where: str, inputs: Any 
     if not bool(bad.any()):
         return
     per_row = bad.reshape(out.shape[0], out.shape[1], -1).any(-1).any(0)  # (B,)
-    rows = per_row.nonzero().flatten().tolist()
+    rows = [offset + row for row in per_row.nonzero().flatten().tolist()]
     what = "NaN log-probabilities" if classification else "non-finite predictive means"
+    scores = (
+        "NaN NLL, ECE and Brier score beside a finite accuracy"
+        if classification
+        else "non-finite RMSE and NLL"
+    )
     if inputs is not None:
         data_rows = _nonfinite_rows(inputs, int(out.shape[1])).nonzero().flatten().tolist()
+        data_rows = [offset + row for row in data_rows]
         if data_rows:
             raise ValueError(
                 f"predict: {where} rows {flagged_examples(data_rows)} of the inputs hold NaN or inf, "
-                f"which gives {what} (NaN NLL, ECE and Brier score beside a finite accuracy). "
+                f"which gives {what} ({scores}). "
                 "This is a data problem: clean or drop those rows (torch.nan_to_num, or filter "
                 "with torch.isfinite) before predicting."
             )
@@ -415,12 +425,15 @@ def predict(
     Raises
     ------
     ValueError
-        When ``data`` yields no batches, when ``num_samples`` / ``samples_per_forward`` is < 1,
-        when some batches carry labels and others do not (the first batch that differs from
-        batch 0 is named), or when input rows holding NaN or ±inf give NaN predictions (the
-        batch and its rows are named).
+        When ``data`` yields no batches or a batch of no examples, when ``num_samples`` /
+        ``samples_per_forward`` is < 1, when some batches carry labels and others do not (the
+        first batch that differs from batch 0 is named), when input rows holding NaN or ±inf
+        give NaN predictions (the batch and its rows are named), or when a classifier's network
+        returns probabilities (a final ``nn.Softmax``; the raw outputs of batch 0 are checked).
     TypeError
-        When ``num_samples`` / ``samples_per_forward`` is not an integer.
+        When ``num_samples`` / ``samples_per_forward`` is not an integer, or when ``data`` is
+        not an iterable of batches (a tensor, a dict, a torch ``Dataset``, one ``(x, y)`` pair:
+        :func:`~pyrobayes.batch.check_batches`).
     FloatingPointError
         When finite inputs give NaN predictions (non-finite parameter draws: a diverged fit).
 
@@ -447,7 +460,7 @@ def predict(
     if values is None:
         warn_if_never_fitted(guide, model, "predict")
     warn_if_rows_differ(data, "predict")
-    check_batches(data, "predict")
+    check_batches(data, "predict", model.label_key)
     if device is not None:
         model.to(device)
         guide.to(device)
@@ -596,6 +609,7 @@ def _predict_batches(
     with torch.no_grad(), reuse_within_batch():
         for index, batch in enumerate(batches):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)
+            check_not_empty(inputs, f"predict: batch {index}")
             chunk = samples_per_forward or default_samples_per_forward(
                 num_samples, dev, inputs, model
             )
@@ -605,6 +619,12 @@ def _predict_batches(
                 params = model.batched_output(inputs, sub)  # (s, B, ...)
                 # before the likelihood's distribution (whose validation gives a raw dump)
                 check_outputs(params, classification, where=f"batch {index}:", inputs=inputs)
+                if start == 0:  # the raw parameters, before their log-softmax
+                    if index == 0:
+                        checked_params(model.likelihood, params, "predict: batch 0")
+                    if y is not None:  # in the likelihood's shape ((B, 1) → (B,), Gaussian)
+                        where = f"predict: batch {index}"
+                        targets.append(checked_targets(check_targets, params, y, where))
                 if classification:  # in float32 at least (bf16 rounds log-probabilities)
                     logits = model.likelihood.dist(params).logits
                     params = torch.log_softmax(logits, -1, dtype=compute_dtype(logits.dtype))
@@ -613,10 +633,41 @@ def _predict_batches(
             if average_logits:  # log_softmax(mean_s log_softmax_s) = log_softmax(mean_s logits_s)
                 out = torch.log_softmax(out.mean(0, keepdim=True), dim=-1)
             outputs.append(out)
-            if y is not None:  # in the likelihood's shape ((B, 1) → (B,) for a scalar Gaussian)
-                where = f"predict: batch {index}"
-                targets.append(checked_targets(check_targets, parts[0], y, where))
     return outputs, targets
+
+
+def check_not_empty(inputs: Any, where: str) -> int:
+    """The batch size of ``inputs``, refused when 0 (``where``, the batch, starts the message):
+    an empty batch has no rows to predict, and torch's distributions fail on it with a reshape
+    error.
+
+    Raises
+    ------
+    ValueError
+        When ``inputs`` hold no examples.
+    """
+    size = batch_size(inputs)
+    if size == 0:
+        raise ValueError(
+            f"{where} holds no examples (its inputs have a batch size of 0). Drop empty "
+            "batches from data (a DataLoader over an empty Subset, or a split or filter that "
+            "left a batch empty)."
+        )
+    return size
+
+
+def checked_params(likelihood: Any, params: Tensor, where: str) -> None:
+    """The likelihood's check of its raw parameters ``params`` (``check_params``: a categorical
+    likelihood refuses probabilities, a network ending in ``nn.Softmax``), its refusal
+    prefixed by ``where``; a likelihood without one: nothing. ``params`` must be what the
+    likelihood's ``params`` returned, not their log-softmax (which passes as logits)."""
+    check = getattr(likelihood, "check_params", None)
+    if check is None:
+        return
+    try:
+        check(params)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def checked_targets(check: Any, params: Tensor, targets: Tensor, where: str) -> Tensor:

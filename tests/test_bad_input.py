@@ -14,6 +14,7 @@ so there is no "no partial files left behind" case here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -21,13 +22,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyro
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import pyrobayes as pb
 from pyrobayes.infer import make_fitter
@@ -1736,3 +1737,481 @@ def test_diagnose_with_too_few_draws_says_so():
     assert result.interpretation.startswith("undefined: S = 8 draws leave 2 in the tail")
     # with enough draws for a tail fit, the reading is the k-hat's
     assert khat_interpretation(math.inf, 1000).startswith("bad")
+
+
+# ================================================================================================
+# probe B: silent or misleading failures of unusual data and networks (each ran on silently,
+# or failed with a torch error or a misleading message, before)
+# ================================================================================================
+
+
+class _Example(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _NamedExamples(Dataset):
+    """``ROWS`` examples as namedtuples, which torch's ``default_collate`` keeps."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(1)
+        self.x, self.y = _x(), _labels()
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, index: int) -> _Example:
+        return _Example(self.x[index], self.y[index])
+
+
+def test_namedtuple_batches_are_predicted_and_fitted():
+    # batch.to_device rebuilt a namedtuple from one generator: "missing 1 required positional
+    # argument" in pb.predict and in Laplace's curvature pass
+    data = _NamedExamples()
+    loader = DataLoader(data, batch_size=4)
+    assert isinstance(next(iter(loader)), _Example)
+    model = _model(num_data=ROWS)
+    guide = pb.posterior(model, "laplace")
+    pb.fit(model, guide, loader, epochs=1)
+    pred = pb.predict(model, guide, loader, num_samples=2)
+    assert pred.log_probs.shape[1] == ROWS
+    assert torch.equal(pred.targets, data.y)
+    batch = _Example(torch.ones(4, 2), torch.arange(4))
+    assert pb.batch.to_device(batch, "cpu") == batch
+    expanded = pb.batch.expand_samples(batch, 2)
+    assert isinstance(expanded, _Example) and expanded.x.shape == (8, 2)
+    sliced = pb.batch.slice_examples(batch, 1, 3, 4)
+    assert isinstance(sliced, _Example) and torch.equal(sliced.y, torch.tensor([1, 2]))
+
+
+def _fit_data(data: Any, model: FineTuneModel | None = None) -> Any:
+    """``pb.fit`` of MAP for one epoch on ``data`` as given (not wrapped in a list)."""
+    model = _model(num_data=ROWS) if model is None else model
+    return pb.fit(model, pb.posterior(model, "map"), data, epochs=1)
+
+
+def _xy() -> tuple[torch.Tensor, torch.Tensor]:
+    return _x(), _labels()
+
+
+#: data whose items are not batches (each was iterated one example, row or key at a time: a
+#: shape error inside torch, a 0-dim-target message, or a silent prediction of the wrong rows)
+DATA_CASES: list[Case] = [
+    _case(
+        "data-torch-dataset-fit",
+        lambda: _fit_data(TensorDataset(*_xy())),
+        TypeError,
+        "fit(): data is a TensorDataset (a torch Dataset)",
+        "single examples",
+        "DataLoader(dataset, batch_size=32)",
+    ),
+    _case(
+        "data-torch-dataset-predict",
+        lambda: _predict(TensorDataset(_x())),
+        TypeError,
+        "predict: data is a TensorDataset",
+        "Pass an iterable of batches",
+    ),
+    _case(
+        "data-loader-without-batch-size",
+        lambda: _predict(DataLoader(TensorDataset(*_xy()), batch_size=None)),
+        TypeError,
+        "predict: data is a DataLoader with batch_size=None",
+        "give it a batch_size",
+    ),
+    _case(
+        "data-tensor-predict",
+        lambda: _predict(_x()),
+        TypeError,
+        "predict: data is a tensor of shape (8, 4)",
+        "iterates its rows",
+        "list of (inputs, targets) batches",
+    ),
+    _case(
+        "data-tensor-gaussian-of-input-width",  # predicted silently: 8 rows as 8 batches of 4
+        lambda: _predict(_x(), model=_gaussian(4)),
+        TypeError,
+        "data is a tensor",
+    ),
+    _case(
+        "data-dict-batch-fit",
+        lambda: _fit_data({"input": _x(), "labels": _labels()}),
+        TypeError,
+        "fit(): data is a dict (keys ['input', 'labels'])",
+        "pass [batch]",
+    ),
+    _case(
+        "data-one-pair-predict",
+        lambda: _predict(_xy()),
+        TypeError,
+        "predict: data is a tuple of two items that reads as one (inputs, targets) batch",
+        "[(x, y)] for a single batch",
+    ),
+    _case(
+        "data-one-pair-fit",
+        lambda: _fit_data((_x(), torch.randn(ROWS)), model=_gaussian(num_data=ROWS)),
+        TypeError,
+        "fit(): data is a tuple",
+        "tensor of shape (8,), has a row per example of the first",
+    ),
+    _case(
+        "data-rows-as-batches",  # the refusal above bypassed: the network sees single rows
+        lambda: _predict(list(_x()), num_samples=1, values=_model().init_values()),
+        ValueError,
+        "FineTuneModel: the likelihood's parameters have 3 rows (shape (3,)) for a batch of 4",
+        "one example rather than a batch",
+    ),
+]
+CASES = CASES + DATA_CASES
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=[c.id for c in DATA_CASES])
+def test_data_of_single_examples_is_refused(case: Case):
+    assert check_case(case) is None
+
+
+class _BatchedDataset(Dataset):
+    """A map-style dataset whose items are whole batches (read with ``batch_size=None``)."""
+
+    def __init__(self) -> None:
+        self.batches = _batches()
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches[index]
+
+
+def test_iterables_of_batches_still_pass():
+    model = _model(num_data=2 * ROWS)
+    guide = pb.posterior(model, "map")
+    pre_batched = DataLoader(_BatchedDataset(), batch_size=None)  # items are batches already
+    pb.fit(model, guide, pre_batched, epochs=1)
+    assert pb.predict(model, guide, pre_batched).log_probs.shape == (1, 2 * ROWS, CLASSES)
+    x1, x2 = _x(), _x(5)
+    for data in ((x1, x2), [x1, x2], (x1,), iter([x1, x2]), tuple(torch.cat([x1, x2]).split(8))):
+        assert pb.predict(model, guide, data).log_probs.shape[1] in (ROWS, ROWS + 5)
+    pairs = [(x1, _labels()), (x2, _labels()[:5])]  # two labelled batches: a pair of pairs
+    assert pb.predict(model, guide, pairs).targets.shape == (ROWS + 5,)
+
+
+def _with_empty_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = _xy()
+    return [(x, y), (x[:0], y[:0])]
+
+
+def _fit_family(family: str, data: Any) -> Any:
+    model = _model(num_data=ROWS)
+    guide = pb.posterior(model, family)
+    pb.fit(model, guide, data, epochs=1)
+    return model, guide
+
+
+def _laplace_predict(data: Any, pred_type: str = "glm") -> Any:
+    model, guide = _fit_family("laplace", [_xy()])
+    guide.pred_type = pred_type
+    return pb.predict(model, guide, data, num_samples=2)
+
+
+#: a batch of no examples: a ZeroDivisionError in the objective, a "Lower the learning rate"
+#: FloatingPointError under IVON, a reshape error inside torch's distributions in predict
+EMPTY_CASES: list[Case] = [
+    _case(
+        "empty-batch-fit-map",
+        lambda: _fit_family("map", _with_empty_batch()),
+        ValueError,
+        "training batch holds no examples",
+        "Drop empty batches",
+    ),
+    _case(
+        "empty-batch-fit-ivon",
+        lambda: _fit_family("ivon", _with_empty_batch()),
+        ValueError,
+        "training batch holds no examples",
+        absent=("learning rate",),
+    ),
+    _case(
+        "empty-batch-predict",
+        lambda: _predict(_with_empty_batch(), num_samples=2),
+        ValueError,
+        "predict: batch 1 holds no examples",
+        "Drop empty batches",
+    ),
+    _case(
+        "empty-batch-predict-linearized",
+        lambda: _laplace_predict(_with_empty_batch()[::-1]),
+        ValueError,
+        "predict: batch 0 holds no examples",
+    ),
+]
+CASES = CASES + EMPTY_CASES
+
+
+@pytest.mark.parametrize("case", EMPTY_CASES, ids=[c.id for c in EMPTY_CASES])
+def test_an_empty_batch_is_refused(case: Case):
+    assert check_case(case) is None
+
+
+def _fit_after_predict() -> Any:
+    # predict read the network's log-softmax, which passes as logits, and marked the outputs
+    # checked: the fit that followed skipped the check too
+    model = _softmax_model()
+    guide = pb.posterior(model, "map")
+    with contextlib.suppress(ValueError):
+        pb.predict(model, guide, [_xy()], values=model.init_values())
+    return pb.fit(model, guide, [_xy()], epochs=1)
+
+
+def _softmax_added_after_the_fit(pred_type: str) -> Any:
+    model, guide = _fit_family("laplace", [_xy()])
+    model.net.append(nn.Softmax(-1))  # the same model object: its head now returns probabilities
+    guide.pred_type = pred_type
+    return pb.predict(model, guide, [_xy()], num_samples=2)
+
+
+#: a network ending in nn.Softmax reached predict unchecked: its log-softmax passed as logits
+SOFTMAX_CASES: list[Case] = [
+    _case(
+        "softmax-head-predict-zero-shot",
+        lambda: _predict([_xy()], model=_softmax_model(), values=_softmax_model().init_values()),
+        ValueError,
+        "predict: batch 0: Categorical likelihood: the network's outputs are probabilities",
+        "Remove the final nn.Softmax",
+    ),
+    _case(
+        "softmax-head-predict-unlabelled",
+        lambda: _predict([_x()], model=_softmax_model(), num_samples=2),
+        ValueError,
+        "outputs are probabilities",
+    ),
+    _case(
+        "softmax-head-fit-after-predict",
+        _fit_after_predict,
+        ValueError,
+        "Categorical likelihood: the network's outputs are probabilities",
+    ),
+    _case(
+        "softmax-head-linearized-glm",
+        lambda: _softmax_added_after_the_fit("glm"),
+        ValueError,
+        "predict: batch 0: Categorical likelihood: the network's outputs are probabilities",
+    ),
+    _case(
+        "softmax-head-linearized-probit",
+        lambda: _softmax_added_after_the_fit("probit"),
+        ValueError,
+        "outputs are probabilities",
+    ),
+]
+CASES = CASES + SOFTMAX_CASES
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=[c.id for c in SOFTMAX_CASES])
+def test_a_softmax_head_is_refused_at_predict(case: Case):
+    assert check_case(case) is None
+
+
+def _laplace_regression_predict(x: torch.Tensor) -> Any:
+    model = _gaussian(2, num_data=ROWS)
+    guide = pb.posterior(model, "laplace")
+    pb.fit(model, guide, [(_x(), torch.randn(ROWS, 2))], epochs=1)
+    return pb.predict(model, guide, [(x, torch.zeros(ROWS, 2))])
+
+
+def _laplace_calibrate(x: torch.Tensor) -> Any:
+    model, guide = _fit_family("laplace", [_xy()])
+    return pb.calibrate(model, guide, [(x, _labels())])
+
+
+def _probit_of_a_nan_posterior() -> Any:
+    model, guide = _fit_family("laplace", [_xy()])
+    with torch.no_grad():
+        guide.lap_prior_precision.fill_(NAN)
+    return _predict_with(model, guide, "probit")
+
+
+def _predict_with(model: FineTuneModel, guide: Any, pred_type: str) -> Any:
+    guide.pred_type = pred_type
+    return pb.predict(model, guide, [_xy()])
+
+
+#: NaN or inf inputs under the linearised predictive: NaN predictions without an error (and
+#: pb.calibrate fitted T at its bound on them)
+LINEARIZED_NAN_CASES: list[Case] = [
+    *[
+        _case(
+            f"laplace-{pred_type}-nan-input",
+            lambda pred_type=pred_type: _laplace_predict(
+                [(_with(_x(), NAN, (3, 0)), _labels())], pred_type
+            ),
+            ValueError,
+            "predict: batch 0: rows [3] of the inputs hold NaN or inf",
+            "NaN log-probabilities",
+            "data problem",
+        )
+        for pred_type in ("glm", "probit")
+    ],
+    _case(
+        "laplace-glm-inf-input-in-a-later-chunk",  # rows named in the batch, not in the chunk
+        lambda: _model_predict_in_chunks(_with(_x(), INF, (5, 1))),
+        ValueError,
+        "predict: batch 1: rows [5] of the inputs",
+    ),
+    _case(
+        "laplace-regression-glm-nan-input",
+        lambda: _laplace_regression_predict(_with(_x(), NAN, (2, 0))),
+        ValueError,
+        "predict: batch 0: rows [2]",
+        "non-finite predictive means (non-finite RMSE and NLL)",
+    ),
+    _case(
+        "laplace-calibrate-nan-input",
+        lambda: _laplace_calibrate(_with(_x(), NAN, (5, 1))),
+        ValueError,
+        "rows [5] of the inputs hold NaN or inf",
+    ),
+    _case(
+        "laplace-probit-nan-posterior",  # finite inputs and f(x; θ̂), a NaN covariance
+        _probit_of_a_nan_posterior,
+        FloatingPointError,
+        "predict: batch 0: rows [0, 1, 2, 3, 4, 5, 6, 7] get NaN log-probabilities from finite",
+    ),
+]
+CASES = CASES + LINEARIZED_NAN_CASES
+
+
+def _model_predict_in_chunks(x: torch.Tensor) -> Any:
+    model, guide = _fit_family("laplace", [_xy()])
+    data = [_xy(), (x, _labels())]
+    return pb.predict(model, guide, data, num_samples=2, examples_per_forward=2)
+
+
+@pytest.mark.parametrize("case", LINEARIZED_NAN_CASES, ids=[c.id for c in LINEARIZED_NAN_CASES])
+def test_non_finite_inputs_are_named_by_the_linearized_predictive(case: Case):
+    assert check_case(case) is None
+
+
+class _TinyLM(nn.Module):
+    """A causal LM of 11 tokens (no attention: each position's next-token logits from its own
+    token), enough for continuation scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(11, 8), nn.Linear(8, 8), nn.Linear(8, 11)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(input_ids))))
+
+
+def _ragged_choices() -> tuple[FineTuneModel, dict[str, torch.Tensor]]:
+    """4 questions of 3 choices, the first with 2 real ones (choice 2 padded) and label 2."""
+    torch.manual_seed(0)
+    shape = (4, 3, 5)
+    continuation = torch.zeros(shape, dtype=torch.long)
+    continuation[..., 3:] = 1
+    choice_mask = torch.ones(4, 3, dtype=torch.long)
+    choice_mask[0, 2] = 0
+    batch = {
+        "input_ids": torch.randint(1, 11, shape),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+        "continuation_mask": continuation,
+        "choice_mask": choice_mask,
+        "labels": torch.tensor([2, 0, 1, 2]),
+    }
+    adapter = LoRAXS(rank=2, target_modules=["mid"])
+    model = FineTuneModel(
+        _TinyLM(), adapter, likelihood="multiple_choice", num_data=4, trainable_modules=[]
+    )
+    return model, batch
+
+
+def _predict_ragged() -> Any:
+    model, batch = _ragged_choices()
+    return pb.predict(model, pb.posterior(model, "map"), [batch], values=model.init_values())
+
+
+def _fit_ragged() -> Any:
+    model, batch = _ragged_choices()
+    return pb.fit(model, pb.posterior(model, "map"), [batch], epochs=1)
+
+
+def _scores_with_a_masked_label() -> torch.Tensor:
+    scores = torch.randn(2, ROWS, 3)  # (S, B, K)
+    scores[:, 3, 2] = -INF
+    labels = torch.zeros(ROWS, dtype=torch.long)
+    labels[3] = 2
+    return MultipleChoice().log_prob(scores, labels)
+
+
+#: a label on a padded choice (choice_mask 0, scored -inf): an infinite NLL at predict, and a
+#: "Lower the learning rate" FloatingPointError in fit
+MASKED_CHOICE_CASES: list[Case] = [
+    _case(
+        "choice-label-on-a-padded-choice-log-prob",
+        _scores_with_a_masked_label,
+        ValueError,
+        "multiple_choice likelihood (continuations): the labels of examples [3] (of 8)",
+        "scored -inf",
+    ),
+    _case(
+        "choice-label-on-a-padded-choice-predict",
+        _predict_ragged,
+        ValueError,
+        "predict: batch 0: multiple_choice likelihood (continuations)",
+        "examples [0] (of 4)",
+        "choice_mask 0",
+    ),
+    _case(
+        "choice-label-on-a-padded-choice-fit",
+        _fit_ragged,
+        ValueError,
+        "examples [0] (of 4) point at a choice scored -inf",
+        absent=("learning rate",),
+    ),
+]
+CASES = CASES + MASKED_CHOICE_CASES
+
+
+@pytest.mark.parametrize("case", MASKED_CHOICE_CASES, ids=[c.id for c in MASKED_CHOICE_CASES])
+def test_a_label_on_a_padded_choice_is_refused(case: Case):
+    assert check_case(case) is None
+
+
+def test_labels_on_real_choices_of_a_ragged_batch_pass():
+    model, batch = _ragged_choices()
+    batch["labels"] = torch.tensor([1, 0, 1, 2])
+    pred = pb.predict(model, pb.posterior(model, "map"), [batch], values=model.init_values())
+    assert math.isfinite(pb.metrics.report(pred, pred.targets)["nll"])
+    assert pred.log_probs[0, 0, 2] == -INF  # the padded choice keeps probability 0
+
+
+#: IBDR fitted silently without num_data: its data term weighs each batch by N/B with N the
+#: batch's own size, so the prior weighed N/B times too much
+IBDR_NUM_DATA_CASES: list[Case] = [
+    _case(
+        "no-num-data-ibdr",
+        lambda: _step((_x(), _labels()), "ibdr", model=_model(num_data=None)),
+        ValueError,
+        "IBDRGuide is fitted with IBDRLoss",
+        "num_data=None",
+        "FineTuneModel(num_data=N)",
+    ),
+    _case(
+        "no-num-data-ibdr-fit",
+        lambda: _fit((_x(), _labels()), "ibdr", model=_model(num_data=None)),
+        ValueError,
+        "IBDRLoss, which weights each minibatch by N/B",
+    ),
+]
+CASES = CASES + IBDR_NUM_DATA_CASES
+
+
+@pytest.mark.parametrize("case", IBDR_NUM_DATA_CASES, ids=[c.id for c in IBDR_NUM_DATA_CASES])
+def test_ibdr_without_num_data_is_refused(case: Case):
+    assert check_case(case) is None

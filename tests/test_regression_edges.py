@@ -368,3 +368,20 @@ def test_a_learned_noise_far_from_the_targets_scale_is_reported():
     # standardised targets: no warning (warnings are errors in the suite)
     prob = _problem(obs_scale="learn")  # type: ignore[arg-type]
     pb.fit(prob.model, pb.posterior(prob.model, "map"), split_batches(prob.x, prob.y, 20), epochs=1)
+
+
+def test_nan_means_of_a_vector_output_name_the_examples_in_regression_terms():
+    # the (S, N, D) means were laid flat before the NaN check: example 2 of 8 was named as
+    # entry 7 of 24, and the message spoke of the ECE and Brier score regression has not
+    means = torch.randn(2, 8, 3)
+    means[:, 2, 1] = math.nan
+    targets = torch.randn(8, 3)
+    expected = r"means holds NaN at examples \[2\] \(of 8\): the RMSE and NLL would be NaN"
+    for call in (
+        lambda: regression_report(means, targets, 0.5),
+        lambda: report(Prediction(loc=means, scale=0.5, targets=targets), targets),
+        lambda: pb.metrics.gaussian_rmse(means[..., 1], targets[:, 1]),
+    ):
+        with pytest.raises(ValueError, match=expected) as info:
+            call()
+        assert "ECE" not in str(info.value) and "Brier" not in str(info.value)

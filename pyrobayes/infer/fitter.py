@@ -165,7 +165,11 @@ class Fitter:
         if (
             getattr(model, "num_data", 0) is None
             and not getattr(guide, "is_deterministic", False)
-            and (is_variational(self.objective) or isinstance(self.objective, MAP))
+            and (
+                is_variational(self.objective)
+                or isinstance(self.objective, MAP)
+                or getattr(self.objective, "weighs_batches_by_num_data", False)  # IBDRLoss
+            )
         ):  # N/B-weighted objective of a posterior with N unknown: N would be each batch's size
             raise ValueError(
                 f"{type(guide).__name__} is fitted with "

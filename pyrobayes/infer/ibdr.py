@@ -186,6 +186,11 @@ class IBDRLoss:
         it is switched off (α = 0, logged once) instead of refused.
     """
 
+    #: the data term weighs each minibatch by N/B with N the model's ``num_data``: a fit with
+    #: ``num_data=None`` is refused (N would be each batch's size, the prior weighted N/B times
+    #: too much), as for the ELBO and MAP (:class:`~pyrobayes.infer.fitter.Fitter`)
+    weighs_batches_by_num_data = True
+
     def __init__(
         self,
         alpha: float = 0.02,

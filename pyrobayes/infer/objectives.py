@@ -119,10 +119,11 @@ def split_training_batch(model: Any, batch: Any) -> tuple[Any, Tensor]:
     Raises
     ------
     ValueError
-        When the batch carries no targets, when the number of targets differs from the number
-        of examples, or when a floating-point input or target holds NaN or ±inf (one sum per
-        tensor and a single synchronisation, :func:`_all_finite`: a data error is reported as
-        one, not later as a non-finite loss blamed on the learning rate).
+        When the batch carries no targets or holds no examples, when the number of targets
+        differs from the number of examples, or when a floating-point input or target holds
+        NaN or ±inf (one sum per tensor and a single synchronisation, :func:`_all_finite`: a
+        data error is reported as one, not later as a non-finite loss blamed on the learning
+        rate).
     TypeError
         When the targets are not a tensor.
 
@@ -150,6 +151,13 @@ def _split_checked(model: Any, batch: Any) -> tuple[Any, Tensor, int]:
             "with torch.as_tensor (or collate them with a DataLoader)."
         )
     size = batch_size(inputs)
+    if size == 0:  # its N/B weight divides by zero; IVON's step reports NaN instead
+        raise ValueError(
+            "The training batch holds no examples (its inputs have a batch size of 0), so it "
+            "has no likelihood term to weight by N/B. Drop empty batches from the training "
+            "data (a DataLoader over an empty Subset, or a split or filter that left a batch "
+            "empty)."
+        )
     if targets.dim() == 0 or targets.shape[0] != size:
         count = "a 0-dim tensor" if targets.dim() == 0 else f"{targets.shape[0]} targets"
         raise ValueError(

@@ -11,9 +11,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..batch import compute_dtype
+from ..batch import compute_dtype, flagged_examples
 from ..models.likelihoods import check_gaussian_targets
-from ._inputs import _check_no_nan
 
 __all__ = [
     "gaussian_rmse",
@@ -28,12 +27,25 @@ def _as_2d_means(means: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         means = means.unsqueeze(0)
     if means.dim() != 2:
         raise ValueError(f"means must be (S, N) or (N,), got {tuple(means.shape)}")
-    _check_no_nan(means, "means", example_dim=1)
+    _check_means(means)
     targets = check_gaussian_targets(targets, means.shape[1:], what="predictive mean")
     dtype = compute_dtype(means.dtype)  # a half network's means in float32, targets alike
     if targets.is_floating_point():
         dtype = torch.promote_types(dtype, compute_dtype(targets.dtype))
     return means.to(dtype), targets.to(dtype)
+
+
+def _check_means(means: Tensor) -> None:
+    """Raise ``ValueError`` naming the examples (dim 1 of the ``(S, N, *event)`` means) where
+    ``means`` holds NaN: the RMSE and NLL would be NaN."""
+    nan = means.isnan()
+    if not bool(nan.any()):
+        return
+    raise ValueError(
+        f"means holds NaN at examples {flagged_examples(nan, 1)} (of {means.shape[1]}): the "
+        "RMSE and NLL would be NaN. Those examples' inputs are probably not finite (or the fit "
+        "diverged); clean or drop them and predict again."
+    )
 
 
 def gaussian_rmse(means: Tensor, targets: Tensor) -> float:
@@ -144,9 +156,16 @@ def regression_report(
     dict of str to float
         ``rmse`` (:func:`gaussian_rmse`) and ``nll`` (:func:`gaussian_nll`) over the
         ``N · prod(event)`` target entries.
+
+    Raises
+    ------
+    ValueError
+        When ``means`` holds NaN (the examples, along dim 1, are named), or the targets do not
+        match the means.
     """
     if not isinstance(means, Tensor) or means.dim() < 2:
         raise ValueError(f"means must be (S, N, *event), got {tuple(getattr(means, 'shape', ()))}")
+    _check_means(means)  # before the event dims are laid flat: the examples are named
     targets = check_gaussian_targets(
         targets, means.shape[1:], means.dim() - 2, what="predictive mean"
     )

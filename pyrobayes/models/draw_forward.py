@@ -189,10 +189,12 @@ class DrawForward:
         num_rows = batch_size(inputs)
         if num_samples == 1 and not reusing_within_batch():
             out = self.output(inputs, {s: v[0] for s, v in values.items()}, overrides)
+            _check_output_rows(out, 1, num_rows, type(self).__name__)
             return out.unsqueeze(0)
         expanded = expand_samples(inputs, num_samples)
         shared = self._lower_shared(inputs, expanded, values, overrides, num_samples)
         out = self.output(expanded, values, overrides) if shared is None else shared
+        _check_output_rows(out, num_samples, num_rows, type(self).__name__)
         return out.reshape(num_samples, num_rows, *out.shape[1:])
 
     def _lower_shared(
@@ -298,3 +300,29 @@ class DrawForward:
             cached = (key, first_adapted_block(self.net, names))
             self.__dict__["_lower_block"] = cached
         return cached[1]
+
+
+def _check_output_rows(out: Tensor, num_samples: int, num_rows: int, owner: str) -> None:
+    """Refuse likelihood parameters ``out`` that do not lead with ``S·B`` rows, one per draw
+    and example (``num_samples`` draws of a batch of ``num_rows`` examples; ``owner``, the
+    model's class, starts the message): read as ``(S, B, ...)`` they would pair outputs with
+    the wrong examples, or fail inside torch.
+
+    Raises
+    ------
+    ValueError
+        Naming both counts and the likely cause: ``data`` iterated one example at a time (a
+        torch ``Dataset`` or a tensor passed as ``data``), or a network that drops or merges
+        the batch dim.
+    """
+    rows = int(out.shape[0]) if out.dim() else 0
+    if rows == num_samples * num_rows:
+        return
+    draws = f" ({num_samples} draws x {num_rows} examples)" if num_samples > 1 else ""
+    raise ValueError(
+        f"{owner}: the likelihood's parameters have {rows} rows (shape {tuple(out.shape)}) "
+        f"for a batch of {num_rows} examples; {num_samples * num_rows} rows{draws} were "
+        "expected, one per example. Is each item of data one example rather than a batch (a torch Dataset, or a "
+        "tensor, iterated row by row)? Pass batches (a DataLoader with a batch_size, or a list "
+        "of (inputs, targets) batches), and a network that returns one row per example."
+    )

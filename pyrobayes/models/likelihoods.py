@@ -149,6 +149,12 @@ class Likelihood:
         """``targets`` in the shape ``dist(params)`` scores, or a ``ValueError`` (here: as given)."""
         return targets
 
+    def check_params(self, params: Tensor) -> None:
+        """Refuse parameters ``params`` (the network's raw outputs as :meth:`params` returns
+        them, never their log-softmax) that the likelihood cannot read as its parameters, with a
+        ``ValueError`` (here: none is refused). :func:`pyrobayes.predict` runs it on its first
+        batch, labelled or not."""
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name}
 
@@ -316,7 +322,8 @@ def check_not_probabilities(logits: Tensor, owner: str) -> None:
     and metrics run, and only the NLL and calibration are wrong. Log-probabilities
     (``log_softmax``) are logits up to a constant and pass. ``Categorical.check_targets`` runs
     it on the first labelled batch its likelihood sees: a network returns probabilities by
-    construction, so once suffices and no step pays for it.
+    construction, so once suffices and no step pays for it; :func:`pyrobayes.predict` runs it
+    (``Categorical.check_params``) on the raw outputs of its first batch, labelled or not.
 
     Raises
     ------
@@ -354,12 +361,19 @@ class Categorical(Likelihood):
     def dist(self, params: Tensor) -> dist.TorchDistribution:
         return dist.Categorical(logits=params)
 
+    def check_params(self, params: Tensor) -> None:
+        """:func:`check_not_probabilities` on the logits ``params`` ``(*lead, B, C)``, the
+        network's own (a log-softmax of probabilities passes as logits: pass the raw outputs).
+        Once they pass, :meth:`check_targets` checks them no more."""
+        check_not_probabilities(params, "Categorical likelihood")
+        self._outputs_checked = True  # probabilities come from the network's structure
+
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
         """:func:`check_class_targets` against the logits ``params`` ``(*lead, B, C)``, which
-        must not be probabilities already (:func:`check_not_probabilities`)."""
-        if not self._outputs_checked:  # probabilities come from the network's structure
-            check_not_probabilities(params, "Categorical likelihood")
-            self._outputs_checked = True
+        must not be probabilities already (:meth:`check_params`, on the first call: ``params``
+        are the network's logits, not their log-softmax)."""
+        if not self._outputs_checked:
+            self.check_params(params)
         if params.dim() >= 1 and params.shape[-1] == 1:
             raise ValueError(
                 "Categorical likelihood: the network returns one logit per example, and a "
@@ -812,22 +826,29 @@ class MultipleChoice(Likelihood):
         return dist.Categorical(logits=params)
 
     def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
-        """:func:`check_class_targets`: a label indexes the choices (not the vocabulary)."""
+        """:func:`check_class_targets`: a label indexes the choices (not the vocabulary), and
+        must not point at a choice scored ``-inf`` (:func:`check_labelled_choices`: a padded
+        choice of a ragged batch)."""
         if self.choice_token_ids is None:
-            return check_class_targets(
+            what = "multiple_choice likelihood (continuations)"
+            labels = check_class_targets(
                 targets,
                 params.shape,
-                what="multiple_choice likelihood (continuations)",
+                what=what,
                 classes="choices, the K rows of each example",
                 fix="give each example as many choices as its largest label + 1",
             )
-        return check_class_targets(
-            targets,
-            params.shape,
-            what=f"multiple_choice likelihood (choice_token_ids={self.choice_token_ids})",
-            classes="choices, one per entry of choice_token_ids",
-            fix="add a token to choice_token_ids for each choice",
-        )
+        else:
+            what = f"multiple_choice likelihood (choice_token_ids={self.choice_token_ids})"
+            labels = check_class_targets(
+                targets,
+                params.shape,
+                what=what,
+                classes="choices, one per entry of choice_token_ids",
+                fix="add a token to choice_token_ids for each choice",
+            )
+        check_labelled_choices(params, labels, what)
+        return labels
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
         return _categorical_log_prob(params, self.check_targets(params, targets))
@@ -836,6 +857,46 @@ class MultipleChoice(Likelihood):
         if self.choice_token_ids is None:
             return {"name": self.name, "normalize": self.normalize}
         return {"name": self.name, "choice_token_ids": self.choice_token_ids}
+
+
+def check_labelled_choices(scores: Tensor, labels: Tensor, what: str) -> None:
+    """Refuse labels that point at a choice scored ``-inf``: a padded choice of a ragged batch
+    (``choice_mask`` 0, which :meth:`MultipleChoice.params` scores ``-inf``), or a choice the
+    network gives probability 0. Its log-likelihood is ``-inf``: an infinite NLL in
+    :func:`pyrobayes.predict`'s metrics and a non-finite loss (blamed on the learning rate) in
+    a fit.
+
+    Parameters
+    ----------
+    scores : Tensor
+        Choice scores ``(*lead, B, K)``.
+    labels : Tensor
+        Checked labels ``(B,)`` or ``(*lead, B)`` in ``0 .. K-1``
+        (:func:`check_class_targets`).
+    what : str
+        The likelihood, as the message names it.
+
+    Raises
+    ------
+    ValueError
+        Naming the examples (the first 8) whose labelled choice scores ``-inf``.
+    """
+    if scores.numel() == 0 or not scores.is_floating_point():
+        return
+    index = labels.long().expand(scores.shape[:-1]).unsqueeze(-1)
+    chosen = scores.detach().gather(-1, index).squeeze(-1)  # (*lead, B)
+    masked = chosen == float("-inf")
+    if not bool(masked.any()):
+        return
+    example_dim = chosen.dim() - 1
+    raise ValueError(
+        f"{what}: the labels of examples {flagged_examples(masked, example_dim)} (of "
+        f"{chosen.shape[-1]}) point at a choice scored -inf: a padded choice (choice_mask 0 in "
+        "a ragged batch, past the example's own choices) or one the network gives probability "
+        "0. Their NLL would be infinite (and a fit's loss not finite). Give each example a "
+        "label among its own choices (encode_multiple_choice's answers= index each example's "
+        "choice list), or drop those examples."
+    )
 
 
 def make_likelihood(spec: str | Likelihood, **kwargs: Any) -> Likelihood:
