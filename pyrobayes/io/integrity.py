@@ -115,7 +115,8 @@ def base_fingerprint(model: Any, version: int = 2) -> dict[str, Any] | None:
     alone: another checkpoint differs there too); and the network's modules, each path with its
     class (``Tanh`` against ``ReLU``; the modules holding latent or point tensors left out, as
     a head made latent post hoc changes its class). The latent tensors and the model's point-estimated
-    parameters are left out (they are stored in the file and loaded with it). Floating values
+    parameters are left out (they are stored in the file and loaded with it), a point parameter
+    under every name it has (a head tied to the input embeddings). Floating values
     are rounded to bfloat16 (through float32) first, so float64, float32 and bfloat16 copies of
     one checkpoint share a fingerprint when the adapter is built on the same copy (a LoRA-XS
     adapter built on a bfloat16 copy has other SVD bases; the refusal then names both dtypes
@@ -152,8 +153,15 @@ def base_fingerprint(model: Any, version: int = 2) -> dict[str, Any] | None:
         for name in sorted(hashed):
             _feed_tensor(h, name, hashed[name])
         return {"sha256": h.hexdigest(), "scope": scope, "tensors": len(hashed)}
-    others = {n: p for n, p in net.named_parameters(remove_duplicate=False) if n not in skip}
-    others = {n: p for n, p in others.items() if n not in hashed}
+    # a frozen tensor that *is* a point parameter under another name (a head tied to the
+    # embeddings) is stored in the file and trained with it: left out by identity too
+    trained = {id(p) for p in getattr(model, "point_params", {}).values()}
+    hashed = {n: t for n, t in hashed.items() if id(t) not in trained}
+    others = {
+        n: p
+        for n, p in net.named_parameters(remove_duplicate=False)
+        if n not in skip and n not in hashed and id(p) not in trained
+    }
     for name in sorted(hashed):
         _feed_tensor(h, name, hashed[name])
     for name in sorted(others):

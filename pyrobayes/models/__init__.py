@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import deploy, signorm
 from .accounting import count_parameters
-from .adapters import LoRA, LoRAXS, SiteSpec, find_target_modules
+from .adapters import IneffectiveCoreWarning, LoRA, LoRAXS, SiteSpec, find_target_modules
 from .deploy import merged_network, to_peft
 from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
@@ -20,6 +20,7 @@ __all__ = [
     "LoRAXS",
     "SiteSpec",
     "find_target_modules",
+    "IneffectiveCoreWarning",
     "LoRALinear",
     "LoRAXSLinear",
     "BatchedLinear",

@@ -18,13 +18,14 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
+from ..user_frame import user_stacklevel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, base_weight_in_out, is_conv1d
-from .projections import PROJECTIONS, collect_input_moments, project
+from .projections import PROJECTIONS, InputMoments, collect_input_moments, project
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ __all__ = [
     "LoRA",
     "LoRAXS",
     "find_target_modules",
+    "IneffectiveCoreWarning",
     "inject_adapter",
     "make_latent",
+    "module_path_list",
     "check_real",
     "check_int",
 ]
@@ -308,6 +311,25 @@ def _by_names(targets: list[str], net: nn.Module, modules: _Found, candidates: _
     return chosen
 
 
+def _no_match_hint(net: nn.Module, target_modules: Any) -> str:
+    """More for the "matched no linear module" error: peft's ``"all-linear"``, which is no
+    regex here, and a network that is itself the one linear layer (no path to name)."""
+    if target_modules == "all-linear":
+        return (
+            " 'all-linear' is peft's special value (every linear layer but the output layer), "
+            "which pyrobayes does not expand: name the modules (a list, or a regex such as "
+            "r'.*\\.(query|key|value)'), or wrap the network with peft.get_peft_model(net, "
+            "LoraConfig(target_modules='all-linear', ...)) and pass that peft model, whose "
+            "adapted modules are imported as they are."
+        )
+    if _is_adaptable(net):
+        return (
+            f" The network itself is the {type(net).__name__}, which has no path to name: wrap "
+            "it, nn.Sequential(net), and target '0'."
+        )
+    return ""
+
+
 def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> list[str]:
     """Paths of the linear modules of ``net`` that ``target_modules`` selects.
 
@@ -359,6 +381,7 @@ def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> 
             f"{type(net).__name__}. Candidate module names: {leaf_names} "
             f"(full paths, e.g. {names[:4]}). Pass some of these, or a regex over full paths."
             + as_regex
+            + _no_match_hint(net, target_modules)
         )
     for _, paths in chosen:
         for path in paths:
@@ -377,6 +400,27 @@ def _set_submodule(net: nn.Module, path: str, module: nn.Module) -> None:
         parent_path, _, child = where.rpartition(".")
         parent = net.get_submodule(parent_path) if parent_path else net
         setattr(parent, child, module)
+
+
+def _checked_targets(value: Any, owner: str) -> Sequence[str] | str:
+    """An adapter's ``target_modules``: a regex (str) as it is, a list or tuple of module names
+    checked, a set as a sorted list (a fixed order for saved files); anything else refused."""
+    if isinstance(value, str):
+        return value
+    if (
+        value is None
+        or isinstance(value, (bytes, bytearray, dict))
+        or not isinstance(value, Iterable)
+    ):
+        raise TypeError(
+            f"{owner}target_modules must be a list of module names (each matching a path or "
+            "its dot-separated suffix) or a regex over full module paths (str); got "
+            f"{value!r} ({type(value).__name__})."
+        )
+    names = module_path_list("target_modules", value, owner=owner)
+    if isinstance(value, (list, tuple)):
+        return value
+    return sorted(names) if isinstance(value, (set, frozenset)) else names
 
 
 @dataclass
@@ -408,6 +452,7 @@ class LoRA:
 
     def __post_init__(self) -> None:
         self.rank = check_int("rank", self.rank, ge=1, owner="LoRA: ")
+        self.target_modules = _checked_targets(self.target_modules, "LoRA: ")
         if self.alpha is not None:
             self.alpha = check_real("alpha", self.alpha, gt=0, owner="LoRA: ")
         if self.latent not in ("AB", "A"):
@@ -431,33 +476,44 @@ class LoRA:
 
         Settings that change the adapted function and have no counterpart here are refused by
         name rather than dropped (rsLoRA's ``α/√r`` scaling, DoRA's magnitudes, per-module
-        ranks or scalings, peft's default targets). ``scoped``: the caller resolves which
-        modules peft adapted (a peft model's own layers), so ``layers_to_transform``,
-        ``layers_pattern`` and ``exclude_modules`` are taken care of; without it they are
-        refused too.
+        ranks or scalings, ``lora_bias``'s bias on ``B``, ``trainable_token_indices``' trained
+        embedding rows, peft's default targets). ``scoped``: the caller resolves which modules
+        peft adapted (a peft model's own layers, whose ``unload()`` keeps its trained
+        ``modules_to_save`` and biases), so ``layers_to_transform``, ``layers_pattern``,
+        ``exclude_modules``, ``modules_to_save`` and ``bias`` are taken care of; without it
+        they are refused too (name the modules to train beside the adapter in
+        ``FineTuneModel(trainable_modules=[...])``).
         """
-        unsupported = [
-            f"{name}={value!r}"
-            for name, value in (
-                ("use_rslora", getattr(config, "use_rslora", False)),
-                ("use_dora", getattr(config, "use_dora", False)),
-                ("rank_pattern", getattr(config, "rank_pattern", None)),
-                ("alpha_pattern", getattr(config, "alpha_pattern", None)),
-            )
-            if value
+        settings: list[tuple[str, Any]] = [
+            ("use_rslora", getattr(config, "use_rslora", False)),
+            ("use_dora", getattr(config, "use_dora", False)),
+            ("rank_pattern", getattr(config, "rank_pattern", None)),
+            ("alpha_pattern", getattr(config, "alpha_pattern", None)),
+            ("lora_bias", getattr(config, "lora_bias", False)),
+            ("trainable_token_indices", getattr(config, "trainable_token_indices", None)),
         ]
-        if not scoped:
-            unsupported += [
-                f"{name}={value!r}"
+        if not scoped:  # a peft model's own modules_to_save and biases are kept by its unload()
+            settings += [
+                (name, getattr(config, name, None))
                 for name in ("layers_to_transform", "layers_pattern", "exclude_modules")
-                if (value := getattr(config, name, None))
             ]
+            bias = getattr(config, "bias", "none")
+            settings += [
+                ("modules_to_save", getattr(config, "modules_to_save", None)),
+                ("bias", None if bias in (None, "none") else bias),
+            ]
+        unsupported = [f"{name}={value!r}" for name, value in settings if value]
         if unsupported:
             raise ValueError(
                 f"LoRA.from_peft: the LoraConfig sets {', '.join(unsupported)}, which pyrobayes' "
-                "LoRA (W0 + (alpha/r) B A, one rank and alpha for every targeted module) does not "
-                "represent; importing it would silently change the adapted function. Use a "
-                "plain LoraConfig (and target_modules naming exactly the modules to adapt)."
+                "LoRA (W0 + (alpha/r) B A, one rank and alpha for every targeted module, no bias "
+                "of its own) does not represent; importing it would silently change the adapted "
+                "function or leave trained parts out. Use a plain LoraConfig (and target_modules "
+                "naming exactly the modules to adapt); modules to train beside the adapter (peft's "
+                "modules_to_save, or a layer whose bias peft would train) are named in "
+                "FineTuneModel(trainable_modules=[...]). A trained peft model with such settings: "
+                "pass peft_model.merge_and_unload() (its adapter folded into the weights) with a "
+                "fresh adapter."
             )
         targets = config.target_modules
         if targets is None:
@@ -520,6 +576,7 @@ class LoRAXS:
 
     def __post_init__(self) -> None:
         self.rank = check_int("rank", self.rank, ge=1, owner="LoRAXS: ")
+        self.target_modules = _checked_targets(self.target_modules, "LoRAXS: ")
         if self.alpha is not None:
             self.alpha = check_real("alpha", self.alpha, gt=0, owner="LoRAXS: ")
         self.init_scale = check_real("init_scale", self.init_scale, ge=0, owner="LoRAXS: ")
@@ -591,6 +648,93 @@ def _warn_if_unread(adapter: LoRA | LoRAXS) -> None:
     )
 
 
+def _wsvd_covariances(
+    moments: dict[str, InputMoments], moment: str, max_batches: int | None
+) -> dict[str, torch.Tensor]:
+    """Each targeted layer's input covariance for W-SVD, or an error naming the layer and the
+    calibration argument when the calibration batches gave it too few rows."""
+    out: dict[str, torch.Tensor] = {}
+    for path, m in moments.items():
+        need = 2 if moment == "centered" else 1
+        if m.n < need:
+            if m.n == 0:
+                what = (
+                    "no input rows: calibration_data yielded no batch (it is empty or "
+                    "exhausted, e.g. a generator already consumed)"
+                    if max_batches is None
+                    else f"no input rows from calibration_data (max_calibration_batches="
+                    f"{max_batches})"
+                )
+            else:
+                what = f"{m.n} input row (the batches' unmasked rows reaching it)"
+            raise ValueError(
+                f"LoRAXS(projection='wsvd'): the targeted layer {path!r} got {what}, but the "
+                f"{moment} input covariance of W-SVD needs at least {need}. Pass calibration_"
+                "data with more rows (e.g. the training DataLoader), or another projection "
+                "(projection='svd')."
+            )
+        out[path] = m.covariance(moment=moment)
+    return out
+
+
+def _check_xs_rank(net: nn.Module, rank: int, paths: list[str]) -> None:
+    """Refuse a LoRA-XS rank above ``min(d_in, d_out)`` of a targeted layer, naming them."""
+    dims = {
+        path: tuple(int(n) for n in base_weight_in_out(net.get_submodule(path)).shape)
+        for path in paths
+    }
+    too_small = {path: d for path, d in dims.items() if rank > min(d)}
+    if too_small:
+        listed = ", ".join(f"{p!r} (d_in={i}, d_out={o})" for p, (i, o) in too_small.items())
+        raise ValueError(
+            f"LoRAXS(rank={rank}) exceeds the smaller dimension of {listed}: an r x r "
+            "core needs r <= min(d_in, d_out). Lower the rank to at most "
+            f"{min(min(d) for d in too_small.values())}, or leave these layers out of "
+            "target_modules."
+        )
+
+
+class IneffectiveCoreWarning(UserWarning):
+    """A LoRA-XS core some of whose directions cannot change the output: the frozen bases
+    built from a zero or rank-deficient weight span fewer than ``r`` dimensions, so the
+    posterior over those directions stays the prior."""
+
+
+#: Singular values of a LoRA-XS base below this fraction of its largest count as zero.
+_DEAD_BASE_RTOL = 1e-6
+
+
+def _base_rank(basis: torch.Tensor) -> int:
+    """The numerical rank of a frozen LoRA-XS base (0 for a zero one)."""
+    sv = torch.linalg.svdvals(basis.detach().to(torch.float64))
+    top = float(sv.max()) if sv.numel() else 0.0
+    return int((sv > _DEAD_BASE_RTOL * top).sum()) if top > 0 else 0
+
+
+def _warn_if_core_spans_less(path: str, a: torch.Tensor, b: torch.Tensor, adapter: LoRAXS) -> None:
+    """Warn when ``ΔW = A R B`` (``A`` ``(d_in, r)``, ``B`` ``(r, d_out)``) leaves directions of
+    the ``r × r`` core ``R`` without effect: ``r² − rank(A) rank(B)`` of them."""
+    r = adapter.rank
+    rank_a, rank_b = _base_rank(a), _base_rank(b)
+    if rank_a == r and rank_b == r:
+        return
+    dead = r * r - rank_a * rank_b
+    usable = min(rank_a, rank_b)
+    fix = (
+        f"Lower the rank to {usable}, or leave {path!r} out of target_modules"
+        if usable
+        else f"Leave {path!r} out of target_modules"
+    )
+    warnings.warn(
+        f"LoRAXS(projection={adapter.projection!r}, rank={r}): the frozen bases of {path!r} "
+        f"span {rank_a} x {rank_b} of the {r} x {r} core (its weight is zero or of rank below "
+        f"{r}), so {dead} of the core's {r * r} directions never change the output and their "
+        f"posterior stays the prior. {fix} (LoRA's factors do not depend on the weight).",
+        IneffectiveCoreWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 def inject_adapter(
     net: nn.Module,
     adapter: LoRA | LoRAXS,
@@ -638,20 +782,8 @@ def inject_adapter(
             mask_fn=calibration_mask,
             max_batches=max_calibration_batches,
         )
-        covariances = {p: m.covariance(moment=adapter.moment) for p, m in moments.items()}
-    too_small = {
-        path: tuple(int(n) for n in base_weight_in_out(net.get_submodule(path)).shape)
-        for path in paths
-    }
-    too_small = {path: dims for path, dims in too_small.items() if adapter.rank > min(dims)}
-    if too_small:
-        listed = ", ".join(f"{p!r} (d_in={i}, d_out={o})" for p, (i, o) in too_small.items())
-        raise ValueError(
-            f"LoRAXS(rank={adapter.rank}) exceeds the smaller dimension of {listed}: an r x r "
-            "core needs r <= min(d_in, d_out). Lower the rank to at most "
-            f"{min(min(d) for d in too_small.values())}, or leave these layers out of "
-            "target_modules."
-        )
+        covariances = _wsvd_covariances(moments, adapter.moment, max_calibration_batches)
+    _check_xs_rank(net, adapter.rank, paths)
     generator = torch.Generator().manual_seed(adapter.seed)
     for path in paths:
         base = net.get_submodule(path)
@@ -664,6 +796,7 @@ def inject_adapter(
             covariance=covariances.get(path),
             generator=generator,
         )  # A (d_in, r), B (r, d_out)
+        _warn_if_core_spans_less(path, a, b, adapter)
         down = a.T.to(dtype=w0.dtype, device=w0.device)
         up = b.T.to(dtype=w0.dtype, device=w0.device)
         xs_layer = LoRAXSLinear(
@@ -675,25 +808,158 @@ def inject_adapter(
     return sites
 
 
-def make_latent(net: nn.Module, module_paths: Sequence[str]) -> list[SiteSpec]:
+def module_path_list(name: str, value: Any, *, owner: str = "", also: str = "") -> list[str]:
+    """``value``, one module path or a collection of them, as a list of paths; or an error
+    naming the argument ``name``.
+
+    A single string is one path (``latent_modules="classifier"``), never split into characters.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, as the caller spells it (``"latent_modules"``).
+    value : Any
+    owner : str
+        Prefix of the message, e.g. ``"FineTuneModel: "``.
+    also : str
+        Other accepted values named in the message (``"'auto', "``).
+
+    Returns
+    -------
+    list of str
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not a string or a collection (``None``, a number, bytes), or an entry is
+        not a string.
+    ValueError
+        An entry is ``""``: the network itself, which has no path to name.
+    """
+    if isinstance(value, str):
+        return [value] if value else _root_path_error(name, owner)
+    if (
+        value is None
+        or isinstance(value, (bytes, bytearray, dict))
+        or not isinstance(value, Iterable)
+    ):
+        raise TypeError(
+            f"{owner}{name} must be {also}a module path (str) or a list of them ([] for none); "
+            f"got {value!r} ({type(value).__name__})."
+        )
+    items = list(value)
+    for item in items:
+        if not isinstance(item, str):
+            hint = f" (write {str(item)!r})" if isinstance(item, int) else ""
+            raise TypeError(
+                f"{owner}{name} entries must be module paths (str); got {item!r} "
+                f"({type(item).__name__}){hint} in {name}={items!r}."
+            )
+        if not item:
+            _root_path_error(name, owner)
+    return items
+
+
+def _root_path_error(name: str, owner: str) -> NoReturn:
+    """Raise: ``""`` names the network itself, whose attributes a layer cannot replace."""
+    raise ValueError(
+        f"{owner}{name} names '' (the network itself), which cannot be replaced from inside: "
+        "name its submodules by path (e.g. '0', 'classifier'); a network that is one layer, "
+        "wrap it first: nn.Sequential(net), then name '0'."
+    )
+
+
+def _latent_candidate(net: nn.Module, path: str) -> nn.Linear:
+    """The ``nn.Linear`` at ``path`` that :func:`make_latent` may convert, or an error naming
+    ``path`` and why not (nothing is changed yet)."""
+    try:
+        module = net.get_submodule(path)
+    except AttributeError:
+        names = sorted({n.rsplit(".", 1)[-1] for n, _ in net.named_modules() if n})
+        close = difflib.get_close_matches(path.rsplit(".", 1)[-1], names, n=3)
+        raise ValueError(
+            f"latent_modules: {path!r} is no module of {type(net).__name__}"
+            + (f" (did you mean {close}?)" if close else "")
+            + "; name nn.Linear modules by their full path (as in net.named_modules())."
+        ) from None
+    parts = path.split(".")
+    for i in range(len(parts), -1, -1):  # the module itself, then its ancestors
+        where = ".".join(parts[:i])
+        adapted = net.get_submodule(where)
+        if isinstance(adapted, (LoRALinear, LoRAXSLinear)):
+            what = "is" if where == path else f"sits inside the {type(adapted).__name__} {where!r},"
+            raise ValueError(
+                f"latent_modules: {path!r} {what} an adapted layer (its frozen base and its "
+                "adapter factors belong to the adapter), which cannot also be made latent. "
+                f"Remove {path!r} from latent_modules, or {where!r} from target_modules."
+            )
+    if isinstance(module, BatchedLinear):  # e.g. one module registered under two names
+        raise ValueError(
+            f"latent_modules: {path!r} is latent already (as {module.module_path!r}: a "
+            "module registered under several names is one module); name it once."
+        )
+    if not isinstance(module, nn.Linear):
+        raise TypeError(
+            f"latent_modules: {path!r} is a {type(module).__name__}; only nn.Linear modules "
+            "can be made latent."
+        )
+    if module._parameters.get("weight") is not module.weight:  # parametrize / weight_norm
+        raise ValueError(
+            f"latent_modules: the weight of {path!r} is computed by a parametrization "
+            "(torch.nn.utils.parametrize, weight_norm), which a latent weight would bypass. "
+            "Turn it into a plain weight first: torch.nn.utils.parametrize."
+            f"remove_parametrizations(net.get_submodule({path!r}), 'weight') (the older "
+            "torch.nn.utils.weight_norm: torch.nn.utils.remove_weight_norm)."
+        )
+    if type(module).forward is not nn.Linear.forward:
+        raise TypeError(
+            f"latent_modules: {path!r} is a {type(module).__name__}, an nn.Linear subclass with "
+            "a forward of its own, which the latent layer (a plain x W^T + b per draw) would "
+            "drop, changing the network. Only nn.Linear layers computing x W^T + b can be "
+            "made latent; leave it out of latent_modules."
+        )
+    return module
+
+
+def make_latent(net: nn.Module, module_paths: Sequence[str] | str) -> list[SiteSpec]:
     """Turn whole ``nn.Linear`` modules (e.g. a classifier head) into latent sites.
 
     Each becomes a :class:`BatchedLinear` with sites ``<path>.weight`` and ``<path>.bias``.
+    Every path is checked before any module is converted, so a refused call changes nothing.
+
+    Parameters
+    ----------
+    net : nn.Module
+    module_paths : list of str or str
+        Full module paths; a single string is one path.
+
+    Returns
+    -------
+    list of SiteSpec
+
+    Raises
+    ------
+    TypeError
+        A path is not a string, or names a module other than a plain ``nn.Linear`` (an
+        ``nn.Linear`` subclass with its own ``forward`` included).
+    ValueError
+        A path names no module, the network itself (``""``), a module named twice, a module
+        latent already, an adapted layer or a module inside one, or a parametrized layer.
     """
-    sites: list[SiteSpec] = []
-    for path in module_paths:
-        module = net.get_submodule(path)
-        if not isinstance(module, nn.Linear):
-            raise TypeError(
-                f"latent_modules: {path!r} is a {type(module).__name__}; only nn.Linear modules "
-                "can be made latent."
-            )
-        if isinstance(module, BatchedLinear):  # e.g. one module registered under two names
+    paths = module_path_list("latent_modules", module_paths)
+    seen: dict[int, str] = {}
+    for path in paths:
+        module = _latent_candidate(net, path)
+        if id(module) in seen:
             raise ValueError(
-                f"latent_modules: {path!r} is latent already (as {module.module_path!r}: a "
-                "module registered under several names is one module); name it once."
+                f"latent_modules: {path!r} is latent already (as {seen[id(module)]!r}: the same "
+                "module, a module registered under several names being one module); name it "
+                "once."
             )
-        layer = BatchedLinear.from_linear(module)
+        seen[id(module)] = path
+    sites: list[SiteSpec] = []
+    for path in paths:
+        layer = BatchedLinear.from_linear(net.get_submodule(path))  # type: ignore[arg-type]
         layer.module_path = path
         _set_submodule(net, path, layer)
         for role in ("weight", "bias"):

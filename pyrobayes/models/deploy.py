@@ -186,6 +186,11 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     result holds no pyrobayes module: saved with ``save_pretrained`` it reloads with
     ``from_pretrained`` (no unexpected keys) and computes ``f(x; θ)``.
 
+    Each merged layer gets a weight of its own: one tied to another module's (a language
+    model's ``lm_head`` and its input embeddings ``wte``) is untied in the copy, the other
+    module keeping the original values, and a Hugging Face config's ``tie_word_embeddings`` is
+    set to ``False`` so that ``from_pretrained`` does not tie them again.
+
     Parameters
     ----------
     model : FineTuneModel
@@ -207,7 +212,10 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     ValueError
         ``values`` is missing (``None`` or ``{}``), lacks a latent site (the network's initial
         values on purpose: ``values={**model.init_values(), **values}``), is a mixture guide
-        (particles, σN ensemble: merge one member), or several draws rather than one.
+        (particles, σN ensemble: merge one member), or several draws rather than one; an
+        adapter's base layer computes its weight from a parametrization
+        (``torch.nn.utils.parametrize``, ``weight_norm``), where a merged ``ΔW`` would be
+        recomputed away: turn it into a plain weight first (the message says how).
 
     Warns
     -----
@@ -224,6 +232,8 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     for site, v in values.items():
         spec = model.latent_sites[site]
         by_module.setdefault(spec.module_path, {})[spec.kind] = v
+    shared = _shared_tensor_ids(net)
+    untied: list[str] = []
     with torch.no_grad():
         for path, roles in by_module.items():
             layer = model.net.get_submodule(path)
@@ -247,24 +257,92 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
                         f"{type(base).__name__}, which it cannot merge (LoRA, LoRA-XS, latent "
                         "nn.Linear and σN member norm layers only)."
                     )
-                if "weight" in roles:
-                    base.weight.copy_(roles["weight"])
-                if "bias" in roles:
-                    base.bias.copy_(roles["bias"])
+                for role in ("weight", "bias"):
+                    if role in roles:
+                        untied += _replace_tensor(base, role, roles[role], shared, path)
                 continue
-            weight = base.weight
-            if not isinstance(weight, Tensor):  # an adapter's base: nn.Linear or GPT-2 Conv1D
-                raise TypeError(
-                    f"merged_network: the base layer of {path!r} ({type(base).__name__}) has no "
-                    "weight tensor to fold the adapter into."
-                )
-            if isinstance(base, nn.Linear):
-                weight.add_(delta.to(weight.dtype))
-            else:  # GPT-2 Conv1D stores (d_in, d_out)
-                weight.add_(delta.T.to(weight.dtype))
+            weight = _plain_weight(base, path)
+            if not isinstance(base, nn.Linear):  # GPT-2 Conv1D stores (d_in, d_out)
+                delta = delta.T
+            delta = delta.to(dtype=weight.dtype, device=weight.device)
+            untied += _replace_tensor(base, "weight", weight.detach() + delta, shared, path)
+    _untie_in_config(net, untied)
     for p in net.parameters():
         p.requires_grad_(False)
     return net
+
+
+def _shared_tensor_ids(net: nn.Module) -> set[int]:
+    """The ids of the parameters that several modules hold (tied weights: GPT-2's ``lm_head``
+    and ``wte``); a module registered under several names counts once."""
+    owners: dict[int, set[int]] = {}
+    for _, module in net.named_modules(remove_duplicate=False):
+        for _, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    return {pid for pid, mods in owners.items() if len(mods) > 1}
+
+
+def _replace_tensor(
+    module: nn.Module, name: str, value: Tensor, shared: set[int], path: str
+) -> list[str]:
+    """Give ``module`` a fresh parameter ``name`` holding ``value`` (never written into the old
+    tensor, which may be tied to another module's: the copy unties it).
+
+    Returns
+    -------
+    list of str
+        ``[f"{path}.{name}"]`` when the old tensor was shared with another module, else ``[]``.
+    """
+    old = getattr(module, name)
+    fresh = value.detach().to(dtype=old.dtype, device=old.device).clone()
+    setattr(module, name, nn.Parameter(fresh, requires_grad=False))
+    return [f"{path}.{name}"] if id(old) in shared else []
+
+
+def _plain_weight(base: nn.Module, path: str) -> Tensor:
+    """The stored weight of an adapter's base layer at ``path``, which ``merged_network`` can
+    replace: a plain parameter, not one computed from others by a parametrization.
+
+    Raises
+    ------
+    TypeError
+        The base layer has no weight tensor.
+    ValueError
+        Its weight is computed (``torch.nn.utils.parametrize``, ``weight_norm``): a merged
+        ``ΔW`` written there would be recomputed away.
+    """
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, Tensor):  # an adapter's base: nn.Linear or GPT-2 Conv1D
+        raise TypeError(
+            f"merged_network: the base layer of {path!r} ({type(base).__name__}) has no "
+            "weight tensor to fold the adapter into."
+        )
+    stored = base._parameters.get("weight", base._buffers.get("weight"))
+    if stored is None or stored is not weight:  # parametrize, or the hook-based weight_norm
+        raise ValueError(
+            f"merged_network: the base layer of {path!r} ({type(base).__name__}) computes its "
+            "weight from other tensors (a torch.nn.utils.parametrize parametrization such as "
+            "weight_norm's weight_g / weight_v), so a merged ΔW written into it would be "
+            "recomputed away and the merged network would be the original one. To merge, first "
+            "turn its weight into a plain tensor in the model (the function is unchanged): "
+            "torch.nn.utils.parametrize.remove_parametrizations(model.net.get_submodule("
+            f"{path + '.base'!r}), 'weight') (for the older torch.nn.utils.weight_norm: "
+            "torch.nn.utils.remove_weight_norm), or deploy the model itself."
+        )
+    return stored
+
+
+def _untie_in_config(net: nn.Module, untied: list[str]) -> None:
+    """After ``merged_network`` untied ``untied`` from the tensors they shared (a merged
+    ``lm_head`` and the input embeddings), a Hugging Face config must not tie them again:
+    ``from_pretrained`` would re-tie the reloaded copy (dropping the merged ``lm_head``)."""
+    if not untied:
+        return
+    config = getattr(net, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    for cfg in {id(c): c for c in (config, get_text() if callable(get_text) else None)}.values():
+        if cfg is not None and getattr(cfg, "tie_word_embeddings", False) is True:
+            cfg.tie_word_embeddings = False
 
 
 def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any:

@@ -28,15 +28,25 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import batch_size, split_batch, token_mask
-from .adapters import LoRA, LoRAXS, SiteSpec, check_int, check_real, inject_adapter, make_latent
+from .adapters import (
+    LoRA,
+    LoRAXS,
+    SiteSpec,
+    check_int,
+    check_real,
+    inject_adapter,
+    make_latent,
+    module_path_list,
+)
 from .draw_forward import NOISE_PARAM, DrawForward
-from .layers import LoRALinear, LoRAXSLinear
+from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, OutputKey, make_likelihood
 from .net_checks import (
     HEAD_NAMES,
     _check_pad_token,
     _check_problem_type,
     _refuse_checkpointing,
+    _set_backbone_mode,
     task_head_modules,
 )
 from .peft_import import _peft_to_pyrobayes
@@ -65,6 +75,73 @@ def _make_likelihood(
     if likelihood == "multiple_choice":
         lik_kwargs["choice_token_ids"] = choice_token_ids  # None: choices as continuations
     return make_likelihood(likelihood, **lik_kwargs)
+
+
+def _check_module_arguments(
+    trainable_modules: Any, latent_modules: Any
+) -> tuple[list[str] | str, list[str]]:
+    """``trainable_modules`` (``"auto"`` as it is) and ``latent_modules`` (``None``: none) as
+    lists of module paths, a single string being one path; checked before the network is
+    changed (:func:`~pyrobayes.models.adapters.module_path_list`)."""
+    trainable: list[str] | str = "auto"
+    if not (isinstance(trainable_modules, str) and trainable_modules == "auto"):
+        trainable = module_path_list(
+            "trainable_modules", trainable_modules, owner="FineTuneModel: ", also="'auto', "
+        )
+    if latent_modules is None:
+        return trainable, []
+    return trainable, module_path_list("latent_modules", latent_modules, owner="FineTuneModel: ")
+
+
+def _check_calibration(max_calibration_batches: Any) -> int | None:
+    """``max_calibration_batches`` checked: ``None`` or a positive integer (without
+    ``calibration_data`` it limits nothing, as for an adapter that reads none)."""
+    if max_calibration_batches is None:
+        return None
+    return check_int(
+        "max_calibration_batches", max_calibration_batches, ge=1, owner="FineTuneModel: "
+    )
+
+
+def _resolve_adapter(
+    net: nn.Module, adapter: Any, latent_modules: list[str]
+) -> tuple[nn.Module, Any, dict[str, Tensor]]:
+    """The network and adapter to build on: a peft model taken apart (its base network, its
+    LoRA as a :class:`LoRA` and its trained weights), a ``peft.LoraConfig`` converted, and a
+    network that already holds pyrobayes layers refused."""
+    _refuse_adapted_network(net)
+    peft_weights: dict[str, Tensor] = {}
+    if hasattr(net, "peft_config") and hasattr(net, "unload"):
+        net, adapter, peft_weights = _peft_to_pyrobayes(net, adapter)
+    elif adapter is not None and type(adapter).__name__ == "LoraConfig":
+        adapter = LoRA.from_peft(adapter)
+    if adapter is None and not latent_modules:
+        raise ValueError(
+            "FineTuneModel needs something to be Bayesian about: pass adapter=LoRAXS(...) or "
+            "LoRA(...), or latent_modules=[...] naming nn.Linear modules."
+        )
+    return net, adapter, peft_weights
+
+
+def _refuse_adapted_network(net: nn.Module) -> None:
+    """Refuse a network an earlier :class:`FineTuneModel` adapted (it changes its network in
+    place): its adapter, latent and member-norm layers would be taken for pretrained ones."""
+    from .signorm import MemberNorm  # (signorm imports this module)
+
+    found: list[str] = []
+    for path, m in net.named_modules():
+        inside = any(path.startswith(f + ".") for f in found)
+        if not inside and isinstance(m, (LoRALinear, LoRAXSLinear, BatchedLinear, MemberNorm)):
+            found.append(path)
+    if found:
+        listed = ", ".join(f"{p!r} ({type(net.get_submodule(p)).__name__})" for p in found[:3])
+        raise ValueError(
+            f"FineTuneModel: the network already holds pyrobayes layers ({listed}"
+            f"{' ...' if len(found) > 3 else ''}): an earlier FineTuneModel was built on it, and "
+            "FineTuneModel modifies the network it is given in place. Build each model from a "
+            "fresh copy of the pretrained network (copy.deepcopy(net) before the first model, "
+            "or load it again with from_pretrained)."
+        )
 
 
 class FineTuneModel(DrawForward, nn.Module):
@@ -96,8 +173,11 @@ class FineTuneModel(DrawForward, nn.Module):
         are latent (``latent_modules``, σN member heads) or adapted: a composite head such as
         RoBERTa's ``classifier`` with ``latent_modules=["classifier.out_proj"]`` trains
         ``classifier.dense``.
-    latent_modules : list of str
-        ``nn.Linear`` modules whose weight and bias become latent sites instead.
+    latent_modules : list of str or str
+        ``nn.Linear`` modules whose weight and bias become latent sites instead (full paths; a
+        single string is one path). A plain ``nn.Linear`` only: a subclass with a forward of
+        its own, a parametrized layer (``weight_norm``) and an adapted layer or a module inside
+        one are refused.
     obs_scale : float or "learn", optional
         Only with ``likelihood="gaussian"`` (any other likelihood refuses it; default σ = 1):
         σ of the Gaussian likelihood, or ``"learn"``: :math:`σ = \operatorname{softplus}(ρ)`
@@ -111,13 +191,19 @@ class FineTuneModel(DrawForward, nn.Module):
         (batches from :func:`~pyrobayes.models.encode_multiple_choice`; pass
         ``likelihood=MultipleChoice(normalize="length")`` to normalise).
     calibration_data : iterable of batches, optional
-        Input batches for the W-SVD input covariance (padding masked by ``attention_mask``).
+        Input batches for the W-SVD input covariance (padding masked by ``attention_mask``);
+        every targeted layer must receive at least two unmasked input rows (one with
+        ``LoRAXS(moment="second")``), else the layer is named in an error.
     max_calibration_batches : int, optional
-        Use at most this many calibration batches.
+        Use at most this many calibration batches (a positive integer).
     label_key : str
         Key of the targets in dict batches.
     train_backbone_mode : bool
         Keep dropout active in the backbone during fitting (default off: deterministic network).
+        Normalisation layers that track running statistics (BatchNorm) stay in eval mode even
+        then: they normalise with their pretrained statistics and never update them, since the
+        backbone is frozen and its statistics are not saved with a posterior (a σN ensemble's
+        member norms, :class:`~pyrobayes.models.SigmaNorm`, keep statistics of their own).
     output_key : int, str or callable, optional
         Where the prediction (logits, or the Gaussian mean) is in what the network returns:
         ``out[output_key]`` (a tuple's index or a mapping's key), ``getattr(out, output_key)``,
@@ -142,7 +228,7 @@ class FineTuneModel(DrawForward, nn.Module):
         prior_scale: float = 1.0,
         num_data: int | None = None,
         trainable_modules: Sequence[str] | str = "auto",
-        latent_modules: Sequence[str] = (),
+        latent_modules: Sequence[str] | str = (),
         obs_scale: float | str | None = None,
         choice_token_ids: Sequence[int] | None = None,
         calibration_data: Iterable[Any] | None = None,
@@ -158,17 +244,9 @@ class FineTuneModel(DrawForward, nn.Module):
         prior_scale = check_real("prior_scale", prior_scale, gt=0, owner="FineTuneModel: ")
         if num_data is not None:
             num_data = check_int("num_data", num_data, ge=1, owner="FineTuneModel: ")
-        peft_weights: dict[str, Tensor] = {}
-        if hasattr(net, "peft_config") and hasattr(net, "unload"):
-            explicit = adapter if isinstance(adapter, (LoRA, LoRAXS)) else None
-            net, adapter, peft_weights = _peft_to_pyrobayes(net, explicit)
-        elif adapter is not None and type(adapter).__name__ == "LoraConfig":
-            adapter = LoRA.from_peft(adapter)
-        if adapter is None and not latent_modules:
-            raise ValueError(
-                "FineTuneModel needs something to be Bayesian about: pass adapter=LoRAXS(...) or "
-                "LoRA(...), or latent_modules=[...] naming nn.Linear modules."
-            )
+        trainable_modules, latent_paths = _check_module_arguments(trainable_modules, latent_modules)
+        max_calibration_batches = _check_calibration(max_calibration_batches)
+        net, adapter, peft_weights = _resolve_adapter(net, adapter, latent_paths)
         if output_key is not None and not (
             callable(output_key) or isinstance(output_key, (int, str))
         ):
@@ -192,11 +270,11 @@ class FineTuneModel(DrawForward, nn.Module):
             p.requires_grad_(False)
         if train_backbone_mode:
             _refuse_checkpointing(net)
-        net.train(train_backbone_mode)
+        _set_backbone_mode(net, train_backbone_mode)
         self.net = net
 
         specs = self._make_sites(
-            adapter, latent_modules, calibration_data, max_calibration_batches, peft_weights
+            adapter, latent_paths, calibration_data, max_calibration_batches, peft_weights
         )
         self.latent_sites: dict[str, SiteSpec] = {s.site: s for s in specs}
         if len(self.latent_sites) != len(specs):
@@ -234,7 +312,7 @@ class FineTuneModel(DrawForward, nn.Module):
                 max_calibration_batches=max_calibration_batches,
             )
         if latent_modules:
-            specs += make_latent(net, list(latent_modules))
+            specs += make_latent(net, latent_modules)
         # adapter weights are sampled, never trained in place
         for m in net.modules():
             if isinstance(m, (LoRALinear, LoRAXSLinear)):
@@ -276,10 +354,8 @@ class FineTuneModel(DrawForward, nn.Module):
         auto = isinstance(trainable_modules, str) and trainable_modules == "auto"
         if auto:
             names = task_head_modules(self.net)
-        elif isinstance(trainable_modules, str):
-            names = [trainable_modules]
         else:
-            names = list(trainable_modules)
+            names = module_path_list("trainable_modules", trainable_modules, also="'auto', ")
         chosen: dict[str, nn.Parameter] = {}
         module_paths = [n for n, _ in self.net.named_modules() if n]
         for target in names:
@@ -319,7 +395,7 @@ class FineTuneModel(DrawForward, nn.Module):
                         chosen[full] = p
         return chosen
 
-    def make_latent(self, modules: Sequence[str]) -> list[str]:
+    def make_latent(self, modules: Sequence[str] | str) -> list[str]:
         r"""Make point-estimated ``nn.Linear`` modules (a trained task head) latent, post hoc.
 
         The post-hoc form of ``latent_modules=``: each module's trained weight and bias become
@@ -339,16 +415,24 @@ class FineTuneModel(DrawForward, nn.Module):
 
         Parameters
         ----------
-        modules : list of str
+        modules : list of str or str
             Paths of ``nn.Linear`` modules whose every parameter is a point parameter
-            (``trainable_modules``; the Hugging Face head by default).
+            (``trainable_modules``; the Hugging Face head by default); a single string is one
+            path.
 
         Returns
         -------
         list of str
             The new sites, in order.
+
+        Raises
+        ------
+        ValueError, TypeError
+            A path that is not a point-estimated plain ``nn.Linear`` (see
+            :func:`~pyrobayes.models.adapters.make_latent`), or one named twice. Every path is
+            checked before any module is converted, so a refused call changes nothing.
         """
-        paths = [modules] if isinstance(modules, str) else list(modules)
+        paths = module_path_list("modules", modules, owner="FineTuneModel.make_latent: ")
         for path in paths:
             names: list[str] = []
             with contextlib.suppress(AttributeError):  # no such module: refused below
@@ -416,7 +500,7 @@ class FineTuneModel(DrawForward, nn.Module):
         self.training = mode
         if mode and self.train_backbone_mode:
             _refuse_checkpointing(self.net)
-        self.net.train(mode and self.train_backbone_mode)
+        _set_backbone_mode(self.net, mode and self.train_backbone_mode)
         return self
 
     # ------------------------------------------------------------------ evaluation

@@ -148,3 +148,16 @@ def _refuse_checkpointing(net: nn.Module) -> None:
             "train_backbone_mode=False (the backbone in eval mode, where Hugging Face models "
             "do not checkpoint)."
         )
+
+
+def _set_backbone_mode(net: nn.Module, mode: bool) -> None:
+    """Put the frozen backbone in training ``mode`` (dropout active) or eval mode, keeping every
+    normalisation layer that tracks running statistics (BatchNorm, InstanceNorm with
+    ``track_running_stats``) in eval mode: in training mode it would update its statistics
+    from every fit step's S-fold expanded batch, changing the frozen network, and those
+    statistics are not saved with a posterior. It normalises with its pretrained statistics."""
+    net.train(mode)
+    if mode:
+        for module in net.modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
+                module.eval()

@@ -1,6 +1,12 @@
 """A ``peft.PeftModel`` with LoRA layers taken apart for :class:`~pyrobayes.models.FineTuneModel`:
 its base network, its LoRA config as a pyrobayes :class:`~pyrobayes.models.LoRA`, and its
-trained weights."""
+trained weights.
+
+A peft model whose function the import could not keep is refused by name rather than imported
+changed: several active adapters (their updates add up), adapter layers disabled
+(``disable_adapter_layers``) or merged into the base weights (``merge_adapter``), and the
+``LoraConfig`` settings :meth:`~pyrobayes.models.LoRA.from_peft` refuses (``lora_bias``,
+``trainable_token_indices``, DoRA, rsLoRA, per-module ranks)."""
 
 from __future__ import annotations
 
@@ -14,42 +20,118 @@ from torch import Tensor, nn
 from .adapters import LoRA, find_target_modules
 
 
-def _peft_to_pyrobayes(net: Any, explicit: Any = None) -> tuple[nn.Module, LoRA, dict[str, Tensor]]:
+def _lora_layers(net: Any) -> list[tuple[str, Any]]:
+    """The peft LoRA layers of ``net`` (modules with a ``lora_A`` ``ModuleDict``), by name."""
+    return [
+        (name, module)
+        for name, module in net.named_modules()
+        if isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+    ]
+
+
+def _check_peft_model(net: Any) -> str:
+    """The one active adapter of the peft model ``net``, or a ``ValueError`` saying why its
+    function cannot be imported as it is (and what to do).
+
+    Raises
+    ------
+    ValueError
+        ``net`` is peft's tuner (``peft_model.base_model``) rather than the ``PeftModel``; more
+        than one adapter is active; the adapter layers are disabled; an adapter is merged into
+        the base weights (``merge_adapter``); the active adapter is not LoRA.
+    """
+    kind = type(net).__name__
+    active = getattr(net, "active_adapter", None)
+    if not isinstance(active, str):
+        raise ValueError(
+            f"FineTuneModel: net is a peft {kind} (the tuner a PeftModel wraps, "
+            "peft_model.base_model), not a PeftModel; pass the PeftModel itself (what "
+            "peft.get_peft_model or PeftModel.from_pretrained returns)."
+        )
+    layers = _lora_layers(net)
+    names = sorted(
+        {a for _, m in layers for a in getattr(m, "active_adapters", ())}
+        | set(getattr(net, "active_adapters", None) or [active])
+    )
+    if len(names) > 1:
+        raise ValueError(
+            f"FineTuneModel: the peft model has several active adapters {names}, whose updates "
+            "add up; pyrobayes imports one LoRA adapter. Activate one "
+            "(peft_model.set_adapter(name)), or fold them into the base weights "
+            "(peft_model.merge_and_unload()) and build with a fresh adapter=LoRA(...)."
+        )
+    disabled = [name for name, m in layers if getattr(m, "disable_adapters", False)]
+    if disabled:
+        raise ValueError(
+            f"FineTuneModel: the peft model's adapter layers are disabled ({disabled[0]!r}"
+            f"{' ...' if len(disabled) > 1 else ''}: disable_adapter_layers()), so it computes "
+            "the base network, while an import would make the adapter act. Enable them "
+            "(peft_model.base_model.enable_adapter_layers()) to import the adapter, or pass "
+            "peft_model.unload() (the base network) with adapter=LoRA(...) to start afresh."
+        )
+    merged = [name for name, m in layers if getattr(m, "merged", False)]
+    if merged:
+        raise ValueError(
+            f"FineTuneModel: the peft model's adapter is merged into the base weights "
+            f"({merged[0]!r}{' ...' if len(merged) > 1 else ''}: merge_adapter()), and its "
+            "LoRA weights would be imported on top of them, counting the update twice. Call "
+            "peft_model.unmerge_adapter() first, or pass peft_model.merge_and_unload() (the "
+            "adapter folded into the weights) with a fresh adapter=LoRA(...)."
+        )
+    config = net.peft_config[active]
+    if type(config).__name__ != "LoraConfig":
+        raise ValueError(
+            f"FineTuneModel: the peft model's active adapter {active!r} is a "
+            f"{type(config).__name__}; pyrobayes imports LoRA adapters only. Pass "
+            "peft_model.merge_and_unload() with adapter=LoRA(...) or LoRAXS(...)."
+        )
+    return active
+
+
+def _peft_to_pyrobayes(net: Any, explicit: Any = None) -> tuple[nn.Module, Any, dict[str, Tensor]]:
     """Unwrap a ``peft.PeftModel`` with LoRA layers: base network, LoRA config, trained weights.
 
-    ``net`` is duck-typed (``peft_config``, ``active_adapter``, ``unload``), as the caller checks.
-    The adapter targets exactly the modules peft adapted (its ``layers_to_transform`` and
-    ``exclude_modules`` included); an ``explicit`` adapter may only change which factors are
-    latent (``LoRA(latent="A")``), not the rank, scaling or modules of the trained weights.
+    ``net`` is duck-typed (``peft_config``, ``active_adapter``, ``unload``), as the caller checks,
+    and checked by :func:`_check_peft_model`. The adapter targets exactly the modules peft
+    adapted (its ``layers_to_transform`` and ``exclude_modules`` included); an ``explicit``
+    adapter (a pyrobayes :class:`LoRA` or a ``peft.LoraConfig``) may only change which factors
+    are latent (``LoRA(latent="A")``), not the rank, scaling or modules of the trained weights;
+    any other adapter is refused.
     """
-    config = net.peft_config[net.active_adapter]
-    adapter = LoRA.from_peft(config, scoped=True)
+    active = _check_peft_model(net)
+    adapter = LoRA.from_peft(net.peft_config[active], scoped=True)
+    if explicit is not None and type(explicit).__name__ == "LoraConfig":
+        explicit = LoRA.from_peft(explicit, scoped=True)  # (its scope is compared below)
     weights: dict[str, Tensor] = {}
     prefix = "base_model.model."
-    for name, module in net.named_modules():
-        lora_a = getattr(module, "lora_A", None)
-        if isinstance(lora_a, nn.ModuleDict) and net.active_adapter in lora_a:
-            path = name[len(prefix) :] if name.startswith(prefix) else name
-            lora_b = getattr(module, "lora_B", None)
-            for role, holder in (("lora_A", lora_a), ("lora_B", lora_b)):
-                weight = getattr(holder[net.active_adapter], "weight", None) if holder else None
-                if not isinstance(weight, Tensor):
-                    raise TypeError(
-                        f"FineTuneModel: the peft LoRA layer {name!r} has no {role} weight for "
-                        f"adapter {net.active_adapter!r}; pass a peft model with LoRA layers "
-                        "(or the unloaded base network and adapter=LoRA(...))."
-                    )
-                weights[f"{path}.{role}.weight"] = weight.detach().clone()
+    for name, module in _lora_layers(net):
+        if active not in module.lora_A:
+            continue
+        path = name[len(prefix) :] if name.startswith(prefix) else name
+        lora_b = getattr(module, "lora_B", None)
+        for role, holder in (("lora_A", module.lora_A), ("lora_B", lora_b)):
+            weight = getattr(holder[active], "weight", None) if holder else None
+            if not isinstance(weight, Tensor):
+                raise TypeError(
+                    f"FineTuneModel: the peft LoRA layer {name!r} has no {role} weight for "
+                    f"adapter {active!r}; pass a peft model with LoRA layers "
+                    "(or the unloaded base network and adapter=LoRA(...))."
+                )
+            weights[f"{path}.{role}.weight"] = weight.detach().clone()
     base = net.unload()
     adapted = sorted({name.rsplit(".", 2)[0] for name in weights})
-    if adapted and sorted(find_target_modules(base, adapter.target_modules)) != adapted:
+    if adapted and (
+        adapter.target_modules == "all-linear"  # peft's special value, not a regex
+        or sorted(find_target_modules(base, adapter.target_modules)) != adapted
+    ):
         # peft's layers_to_transform / exclude_modules narrowed its targets: name the paths
         adapter = dataclasses.replace(
             adapter, target_modules="^(" + "|".join(re.escape(p) for p in adapted) + ")$"
         )
+    result: Any = adapter
     if explicit is not None:  # (no LoRA layers left, e.g. merged: nothing trained to fit)
-        adapter = _explicit_peft_adapter(explicit, adapter, base, adapted) if adapted else explicit
-    return base, adapter, weights
+        result = _explicit_peft_adapter(explicit, adapter, base, adapted) if adapted else explicit
+    return base, result, weights
 
 
 def _explicit_peft_adapter(
@@ -69,6 +151,7 @@ def _explicit_peft_adapter(
             f"on {adapted}) and adapter={explicit!r} differs from it, so its trained weights do "
             "not fit. Drop adapter= to keep the peft adapter (LoRA(rank, alpha, the same targets, "
             "latent='A') may change only which factors are latent), or pass net.unload() (the "
-            "base network) with the adapter you want."
+            "base network, the adapter dropped) or net.merge_and_unload() (the trained adapter "
+            "folded into the weights) with the adapter you want."
         )
     return dataclasses.replace(adapter, latent=explicit.latent)
