@@ -6,14 +6,39 @@ reliance on torch's argument validation: both vanish under ``python -O`` or come
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..models.adapters import check_int, check_real
 
-__all__ = ["validate_fit_arguments"]
+__all__ = ["FitArguments", "plain_number", "validate_fit_arguments"]
 
 _OWNER = "fit(): "
+
+
+class FitArguments(NamedTuple):
+    """:func:`pyrobayes.fit`'s counts and rates as plain Python numbers (``None`` where not
+    given): what :func:`validate_fit_arguments` checked, converted from NumPy scalars and
+    one-element tensors, which the seeding, the schedule and the checkpoint's JSON refuse."""
+
+    epochs: int | None
+    num_steps: int | None
+    lr: float | None
+    warmup: int | float
+    seed: int | None
+
+
+def plain_number(value: Any) -> Any:
+    """``value`` as a Python ``int`` when it is an integer of any kind (``int``, a NumPy
+    integer, a one-element integer tensor), else as a ``float`` (a float of any kind); a
+    Python ``int`` or ``float`` as it is. Call it on a value already checked as a number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return float(value)
 
 
 def validate_fit_arguments(
@@ -29,8 +54,9 @@ def validate_fit_arguments(
     patience: Any = None,
     validated: bool = False,
     seed: Any = None,
-) -> None:
-    """Raise on an invalid combination of :func:`pyrobayes.fit` arguments.
+) -> FitArguments:
+    """Raise on an invalid combination of :func:`pyrobayes.fit` arguments; return the counts
+    and rates as plain Python numbers.
 
     Parameters
     ----------
@@ -53,6 +79,13 @@ def validate_fit_arguments(
     seed : int, optional
         An integer in ``0 .. 2**32 - 1`` (NumPy's range, which Pyro's seeding uses).
 
+    Returns
+    -------
+    FitArguments
+        ``epochs``, ``num_steps``, ``lr``, ``warmup`` and ``seed`` as Python numbers (a NumPy
+        integer or a 0-d tensor passes the checks, but Pyro's seeding, the schedule's rounding
+        and the checkpoint's JSON take plain numbers only).
+
     Raises
     ------
     TypeError
@@ -64,13 +97,15 @@ def validate_fit_arguments(
     if epochs is None and num_steps is None:
         raise ValueError(f"{_OWNER}pass epochs=... or optim=Optimization(num_steps=...) (or both).")
     if epochs is not None:
-        check_int("epochs", epochs, ge=0, owner=_OWNER)
+        epochs = check_int("epochs", epochs, ge=0, owner=_OWNER)
     if num_steps is not None:
-        check_int("num_steps", num_steps, ge=0, owner=_OWNER)
+        num_steps = check_int("num_steps", num_steps, ge=0, owner=_OWNER)
     if lr is not None:  # None: the family's default
-        check_real("lr", lr, ge=0, owner=_OWNER)
+        lr = check_real("lr", lr, ge=0, owner=_OWNER)
     check_real("warmup", warmup, ge=0, owner=_OWNER)
-    if seed is not None and check_int("seed", seed, ge=0, owner=_OWNER) >= 2**32:
+    if seed is not None:
+        seed = check_int("seed", seed, ge=0, owner=_OWNER)
+    if seed is not None and seed >= 2**32:
         raise ValueError(
             f"{_OWNER}seed must be at most 2**32 - 1 (the range NumPy's generator, seeded "
             f"with it, takes); got {seed}."
@@ -98,3 +133,4 @@ def validate_fit_arguments(
                 f"{_OWNER}checkpoint_every={checkpoint_every} needs checkpoint_dir=... (the "
                 "folder to write to); without it no checkpoint would be written."
             )
+    return FitArguments(epochs, num_steps, lr, plain_number(warmup), seed)

@@ -51,11 +51,14 @@ import torch
 
 from .fitter import Fitter
 from .selection import Snapshot
+from .settings import check_settings
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointLock",
+    "check_checkpoint",
+    "check_fitter_settings",
     "check_position",
     "clean",
     "holds_run",
@@ -434,6 +437,67 @@ def save_checkpoint(
     return directory / name
 
 
+def check_checkpoint(
+    folder: str | Path,
+    guide: Any,
+    scheduler: Any = None,
+    *,
+    steps_per_epoch: int | None = None,
+) -> dict[str, Any]:
+    """What :func:`load_checkpoint` refuses, checked without restoring anything; returns the
+    checkpoint's ``state.json``.
+
+    In order: ``state.json`` must be readable JSON; the posterior must be of ``guide``'s
+    family (another family first: nothing else matters then); its position must add up
+    (:func:`check_position`, with ``steps_per_epoch`` the batches per epoch of the data the
+    fit resumes with, if known); and ``scheduler`` (the resuming fit's) must be there exactly
+    when the checkpoint holds a schedule's state.
+
+    Raises
+    ------
+    ValueError
+        For an unreadable ``state.json``, a position that does not add up or a schedule that
+        is not the checkpoint's.
+    pyrobayes.io.PosteriorMismatchError
+        When the checkpoint holds another family's posterior.
+    """
+    from ..io import read_header
+    from ..io.compatibility import _check_family
+
+    folder = Path(folder)
+    state_file = folder / "state.json"
+    try:
+        meta = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{state_file} is not readable JSON ({err}); the checkpoint was edited or truncated. "
+            "Restore it, or start a new run with overwrite=True."
+        ) from None
+    if isinstance(meta, dict):  # (check_position names a state.json that is not an object)
+        posterior = folder / "posterior.safetensors"
+        _check_family(posterior, read_header(posterior), guide)
+    check_position(meta, steps_per_epoch, source=state_file)
+    _check_schedule_matches(folder, meta, scheduler)
+    return meta
+
+
+def check_fitter_settings(folder: str | Path, fitter: Fitter) -> None:
+    """Refuse the checkpoint ``folder`` when its fitter ran under other settings than
+    ``fitter``'s (an ``IVON``, ``SWAG``, ``MeanField`` record, ...), before anything is
+    restored (:meth:`Fitter.load_state_dict` refuses the same, but only once the guide's state
+    has been loaded). A fitter without settings has nothing to compare.
+
+    Raises
+    ------
+    ValueError
+        Naming the settings that differ and the record to resume with.
+    """
+    if fitter.settings is None:
+        return
+    state = torch.load(Path(folder) / "fitter.pt", weights_only=True)
+    check_settings(fitter, state.get("settings") if isinstance(state, dict) else None)
+
+
 def load_checkpoint(
     folder: str | Path,
     guide: Any,
@@ -446,26 +510,14 @@ def load_checkpoint(
     """Restore guide, point parameters, fitter, RNG and schedule from the checkpoint ``folder``
     (from :func:`latest`); returns its ``state.json`` and the best snapshot (or None).
 
-    ``state.json`` is checked first (:func:`check_position`, with ``steps_per_epoch`` the
-    batches per epoch of the data the fit resumes with, if known): on a ``ValueError`` nothing
-    has been restored.
+    :func:`check_checkpoint` runs first (the family, the position, with ``steps_per_epoch``
+    the batches per epoch of the data the fit resumes with, if known, and the schedule): on
+    its error nothing has been restored.
     """
-    from ..io import load_state, read_header
-    from ..io.compatibility import _check_family
+    from ..io import load_state
 
     folder = Path(folder)
-    state_file = folder / "state.json"
-    try:
-        meta = json.loads(state_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(
-            f"{state_file} is not readable JSON ({err}); the checkpoint was edited or truncated. "
-            "Restore it, or start a new run with overwrite=True."
-        ) from None
-    check_position(meta, steps_per_epoch, source=state_file)
-    posterior = folder / "posterior.safetensors"  # another family first: nothing else matters
-    _check_family(posterior, read_header(posterior), guide)
-    _check_schedule_matches(folder, meta, scheduler)
+    meta = check_checkpoint(folder, guide, scheduler, steps_per_epoch=steps_per_epoch)
     load_state(guide, folder / "posterior.safetensors", model=model)
     fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))
     set_rng_state(torch.load(folder / "rng.pt", weights_only=True))

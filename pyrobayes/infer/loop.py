@@ -36,11 +36,21 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..batch import check_batches, to_device
-from ..contract import implements
+from ..calibration import POOL_BUFFER, TEMPERATURE_BUFFER, drop_temperature
+from ..contract import bound_model, implements
 from ..fitted_head import forget_fitted_head, record_fitted_head, restore_fitted_head
 from ..user_frame import user_stacklevel
 from .arguments import validate_fit_arguments
-from .checkpoint import CheckpointLock, clean, holds_run, latest, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointLock,
+    check_checkpoint,
+    check_fitter_settings,
+    clean,
+    holds_run,
+    latest,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data_order import DataOrder
 from .data_record import describe_difference, training_data_record
 from .distributed import barrier, broadcast_, spread, world
@@ -51,7 +61,7 @@ from .fit_checks import (
     check_first_batch,
     warn_if_fit_given_back,
 )
-from .fitter import Fitter, make_fitter
+from .fitter import Fitter, check_guide_model, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
 from .schedule import check_schedule, make_scheduler
@@ -87,15 +97,42 @@ class FitResult(NamedTuple):
 
 
 #: Optimizer param-group keys a resume may change or that schedules move (the rate is checked
-#: on its own, with its own message).
-_RATE_KEYS = frozenset({"params", "lr", "initial_lr"})
+#: on its own, with its own message; SWAG's ``swa_lr``, which its SWALR adds to the groups
+#: part-way through the run, with the fit's settings record).
+_RATE_KEYS = frozenset({"params", "lr", "initial_lr", "swa_lr"})
 #: The run record's keys and what they are, for the refusal's message.
 _RUN_KEYS = {
+    "objective": "objective (class, settings)",
     "optimizer": "optimizer (class, per-group settings)",
     "schedule": "learning-rate schedule (kind, warm-up fraction)",
+    "scheduler": "learning-rate scheduler (class, settings)",
     "select_by": "validation criterion (select_by)",
     "seed": "seed",
 }
+#: The records of ``[class, settings]`` and what to call them in a refusal.
+_CLASS_RECORDS = {
+    "objective": "objective",
+    "optimizer": "optimizer",
+    "scheduler": "learning-rate scheduler",
+}
+#: Public attributes of an objective that move while it runs (Pyro's ELBO guesses its
+#: ``max_plate_nesting`` at its first call; MAP keeps its last evaluation's prior constant):
+#: not settings a resume compares.
+_MOVING = frozenset({"max_plate_nesting", "max_iarange_nesting", "prior_constant"})
+#: A scheduler's ``state_dict`` entries that are its progress (or the base rate, checked on its
+#: own), not its settings.
+_PROGRESS = frozenset(
+    {
+        "last_epoch",
+        "_step_count",
+        "_last_lr",
+        "_get_lr_called_within_step",
+        "_is_initial",
+        "verbose",
+        "base_lrs",
+        "T_cur",
+    }
+)
 
 
 def _plain(value: Any) -> bool:
@@ -114,6 +151,149 @@ def _name_of(obj: Any) -> Any:
 
 def _shown(value: Any) -> str:
     return json.dumps(value, separators=(", ", ": "))
+
+
+def _objective_record(objective: Any) -> list[Any]:
+    """The objective's class and plain public settings (``num_particles``, ``kl_weight``, ...):
+    a Pyro ELBO's own for the wrapper that runs it. Taken when the fit builds it, before a
+    step moves anything."""
+    inner = getattr(objective, "elbo", None)
+    if isinstance(inner, pyro.infer.ELBO):
+        objective = inner
+    attributes = getattr(objective, "__dict__", {})
+    settings = {
+        k: v
+        for k, v in sorted(attributes.items())
+        if not k.startswith("_") and k not in _MOVING and _plain(v)
+    }
+    return [_name_of(type(objective)), settings]
+
+
+def _settings_of(state: dict[str, Any]) -> dict[str, Any]:
+    """The plain settings in a scheduler's ``state_dict`` (nested ones, such as a
+    ``SequentialLR``'s schedulers, too), its progress left out."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if key in _PROGRESS:
+            continue
+        if isinstance(value, dict):
+            out[key] = _settings_of(value)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            out[key] = [_settings_of(v) for v in value]
+        elif _plain(value):
+            out[key] = value
+    return out
+
+
+def _scheduler_record(scheduler: Any) -> list[Any] | None:
+    """The built scheduler's class and settings (``StepLR``'s ``step_size`` and ``gamma``, ...):
+    a factory's name alone (``<lambda>``) does not tell two schedules apart."""
+    if scheduler is None:
+        return None
+    state = scheduler.state_dict()
+    return [_name_of(type(scheduler)), _settings_of(state if isinstance(state, dict) else {})]
+
+
+def _comparable(key: str, then: Any, now: Any) -> tuple[Any, Any]:
+    """The run record's entry ``key`` from a checkpoint (``then``) and from this fit (``now``)
+    as compared: an optimizer's groups without the keys schedules move, and an objective's or
+    scheduler's settings only where both records have them (a library update that adds a
+    setting is not another run)."""
+    if key == "optimizer" and isinstance(then, list) and len(then) == 2:
+        then = [then[0], [{k: v for k, v in g.items() if k not in _RATE_KEYS} for g in then[1]]]
+    if key in ("objective", "scheduler") and then is not None and now is not None:
+        if then[0] == now[0]:
+            common = set(then[1]) & set(now[1])
+            then = [then[0], {k: v for k, v in then[1].items() if k in common}]
+            now = [now[0], {k: v for k, v in now[1].items() if k in common}]
+    return then, now
+
+
+def _first_difference(key: str, meaning: str, then: Any, now: Any) -> tuple[str, Any, Any]:
+    """What a refusal names of two differing ``[class, settings]`` records: the classes, or
+    the first setting that differs (``meaning``, ``then`` and ``now`` as they are otherwise)."""
+    noun = _CLASS_RECORDS.get(key)
+    if noun is None or then is None or now is None:
+        return meaning, then, now
+    if then[0] != now[0]:
+        return noun, then[0], now[0]
+    a, b = then[1], now[1]
+    if isinstance(a, dict) and isinstance(b, dict):
+        a, b = [a], [b]
+    if len(a) != len(b):
+        return meaning, then, now
+    return next(
+        (f"{noun} setting {k!r}", x.get(k), y.get(k))
+        for x, y in zip(a, b, strict=True)
+        for k in sorted({*x, *y})
+        if x.get(k) != y.get(k)
+    )
+
+
+def _budget(epochs: Any, num_steps: Any) -> str:
+    """A step budget as ``fit`` takes it: ``epochs=4``, ``optim=Optimization(num_steps=5)``
+    or both."""
+    parts = [] if epochs is None else [f"epochs={epochs}"]
+    if num_steps is not None:
+        parts.append(f"optim=Optimization(num_steps={num_steps})")
+    return ", ".join(parts) or "no budget"
+
+
+def _rate_source(spec: Any) -> tuple[str, str] | None:
+    """Where the fit's rate comes from when not from ``fit(lr=...)``, and how to give it
+    another (a format string of ``lr``): an optimizer built by the caller (an instance or a
+    factory) or a settings record's ``lr``. ``None``: ``fit``'s ``lr`` (or the family's
+    default)."""
+    if spec is None or isinstance(spec, type):
+        return None
+    if isinstance(spec, torch.optim.Optimizer) or callable(spec):
+        return (
+            "the optimizer passed (Optimization(optimizer=...))",
+            "build that optimizer with lr={lr}",
+        )
+    if getattr(spec, "lr", None) is not None:
+        name = type(spec).__name__
+        return f"{name}(lr=...)", f"pass {name}(..., lr={{lr}})"
+    return None
+
+
+def _plain_network(model: Any) -> bool:
+    """Whether ``model`` is a torch network that is neither a FineTuneModel (it has latent
+    sites) nor a Pyro model of its own (a ``PyroModule``): a guide cannot trace it."""
+    return (
+        isinstance(model, torch.nn.Module)
+        and not isinstance(model, pyro.nn.PyroModule)
+        and getattr(model, "latent_sites", None) is None
+    )
+
+
+class _HeldTemperature:
+    """A calibrated temperature (``pb.calibrate``) taken off the guide while the fit may still
+    be refused.
+
+    :func:`~pyrobayes.infer.fitter.make_fitter` drops a temperature (the fit changes the
+    posterior it was fitted for). Taken off first, it is put back as it was when the fit is
+    refused (:meth:`put_back`), and dropped with its warning only once every refusal is past
+    and the fit changes the guide (:meth:`settle`): a fit of no step keeps it.
+    """
+
+    def __init__(self, guide: Any) -> None:
+        self.guide = guide
+        buffers = getattr(guide, "_buffers", None) or {}
+        self.held = {k: buffers.pop(k) for k in (TEMPERATURE_BUFFER, POOL_BUFFER) if k in buffers}
+
+    def put_back(self) -> None:
+        """Return the temperature to the guide, as it was."""
+        held, self.held = self.held, {}
+        if held:
+            self.guide._buffers.update(held)
+
+    def settle(self, changes: bool) -> None:
+        """Past every refusal: drop the temperature (and say so) when the fit ``changes`` the
+        guide, else keep it."""
+        self.put_back()
+        if changes:
+            drop_temperature(self.guide, owner="fit: ")
 
 
 def _device_of(model: Any) -> torch.device | None:
@@ -275,9 +455,19 @@ def fit(
     FileExistsError
         When the checkpoint folder holds another run's checkpoint and neither ``resume`` nor
         ``overwrite`` is set.
+    NotADirectoryError
+        When the checkpoint folder is a file or lies below one.
+    TypeError
+        When the guide was built on a plain torch network (not a FineTuneModel).
     ValueError
-        When a resumed checkpoint was written with other validation data, or with validation
-        data that this call does not pass (or the other way round).
+        When a resumed checkpoint was written with other validation data (other examples, in
+        any batching), or with validation data that this call does not pass (or the other way
+        round); with another objective, optimizer, learning rate, schedule or scheduler
+        (class or settings), training data, seed or ``select_by``; or at a position past this
+        call's ``epochs`` / ``num_steps``. Also for a one-shot iterator as training or
+        validation data that the fit would read more than once. Every refusal comes before
+        the guide is touched: a refused fit leaves it, its fitted state and its calibrated
+        temperature as they were (a fit that takes no step keeps the temperature too).
 
     Notes
     -----
@@ -290,7 +480,7 @@ def fit(
     """
     groups = {"optim": optim, "validation": validation, "checkpoint": checkpoint}
     options = _Options.of({**groups, "progress": progress})
-    validate_fit_arguments(
+    args = validate_fit_arguments(  # plain Python numbers (a NumPy seed passes the checks)
         epochs=epochs,
         num_steps=options.optim.num_steps,
         lr=lr,
@@ -298,13 +488,8 @@ def fit(
         validated=options.validation is not None,
         seed=seed,
     )
-    plan = _Plan.of(data, epochs, options.optim.num_steps)
-    if isinstance(data, Iterator) and epochs is not None and epochs > 1:
-        raise ValueError(
-            f"fit(epochs={epochs}): data is a one-shot iterator ({type(data).__name__}), "
-            "used up by the first epoch. Pass a list of batches or a DataLoader (which every "
-            "epoch iterates afresh), or fit one epoch."
-        )
+    plan = _Plan.of(data, args.epochs, options.optim.num_steps)
+    _refuse_one_shot(data, plan, options.validation)
     if options.validation is not None:
         warn_if_training_data(options.validation.data, data)
     # argument errors before anything is touched (begin() resets what a fitter collects)
@@ -312,8 +497,40 @@ def fit(
     with contextlib.ExitStack() as stack:
         if options.checkpoint is not None and world()[1] == 0:  # only rank 0 writes
             _claim_folder(stack, options.checkpoint)
-        loop = _Loop(model, guide, data, plan, options, lr=lr, seed=seed)
+        loop = _Loop(model, guide, data, plan, options, lr=args.lr, seed=args.seed)
         return loop.run()
+
+
+def _most_epochs(plan: _Plan) -> int | None:
+    """The most epochs ``plan`` starts (``None``: not known before the fit runs)."""
+    by_steps = None
+    if plan.total is not None and plan.steps_per_epoch:
+        by_steps = -(-plan.total // plan.steps_per_epoch)
+    known = [n for n in (plan.epochs, by_steps) if n is not None]
+    return min(known) if known else None
+
+
+def _refuse_one_shot(data: Iterable[Any], plan: _Plan, validation: Validation | None) -> None:
+    """Refuse a one-shot iterator the fit would read again after using it up: training data
+    over several epochs, validation data scored after each of several epochs (the second
+    epoch's validation found it empty, after the first epochs had trained)."""
+    epochs = plan.epochs
+    if isinstance(data, Iterator) and epochs is not None and epochs > 1:
+        raise ValueError(
+            f"fit(epochs={epochs}): data is a one-shot iterator ({type(data).__name__}), "
+            "used up by the first epoch. Pass a list of batches or a DataLoader (which every "
+            "epoch iterates afresh), or fit one epoch."
+        )
+    held_out = validation.data if validation is not None else None
+    most = _most_epochs(plan)
+    if isinstance(held_out, Iterator) and (most is None or most > 1):
+        runs = f"{most} epochs" if most is not None else "an unknown number of epochs"
+        raise ValueError(
+            f"fit(validation=Validation(data)): the validation data is a one-shot iterator "
+            f"({type(held_out).__name__}), which the first epoch's validation uses up, and "
+            f"this fit ({_budget(plan.epochs, plan.num_steps)}) runs {runs}. Pass a list of "
+            "batches or a DataLoader (read afresh after every epoch)."
+        )
 
 
 _FLAT_CHECKED = (
@@ -354,6 +571,7 @@ class _Options(NamedTuple):
 def _claim_folder(stack: contextlib.ExitStack, checkpoint: Checkpointing) -> None:
     """Lock the checkpoint folder, refuse another run's checkpoint, remove leftovers."""
     folder = checkpoint.path
+    _check_folder_path(checkpoint)
     stack.enter_context(CheckpointLock(folder))
     if not checkpoint.resume and not checkpoint.overwrite and holds_run(folder):
         raise FileExistsError(
@@ -364,6 +582,23 @@ def _claim_folder(stack: contextlib.ExitStack, checkpoint: Checkpointing) -> Non
     removed = clean(folder)
     if removed:
         logger.info("Removed what an interrupted fit left in %s: %s", folder, removed)
+
+
+def _check_folder_path(checkpoint: Checkpointing) -> None:
+    """Refuse a checkpoint folder that is a file or lies below one (the folder could not be
+    created: the OS error alone does not say it is the checkpoint folder)."""
+    folder = checkpoint.path
+    for path in (folder, *folder.parents):
+        if not path.exists():
+            continue
+        if path.is_dir():
+            return
+        where = "is a file" if path == folder else f"lies below the file {path}"
+        raise NotADirectoryError(
+            f"fit(checkpoint=Checkpointing(dir={str(checkpoint.dir)!r})): the checkpoint "
+            f"folder {folder} {where}, so it cannot be created there. Pass a folder path for "
+            "the checkpoints (created if missing), e.g. Checkpointing(dir='runs/ckpt')."
+        )
 
 
 def _warn_if_no_epoch_ends(plan: _Plan) -> None:
@@ -426,27 +661,20 @@ class _Loop:
         if self.selection is not None and likelihood is not None:  # before the first epoch
             classification = bool(getattr(likelihood, "is_classification", True))
             check_select_by(self.selection.select_by, classification=classification)
-        self.fitter, self.sched = self._prepare(options.optim, lr)
+        if seed is not None:
+            pyro.set_rng_seed(seed)
+        if self.device is not None:
+            guide.to(self.device)
+        # nothing the guide holds changes before every refusal is past (run(): _settle)
+        self.held = _HeldTemperature(guide)
+        try:
+            self.fitter, self.sched = self._prepare(options.optim, lr)
+            self._check_fitter()
+        except BaseException:
+            self.held.put_back()
+            raise
         self.lr = self.fitter.lr  # the family's default where none was given
-        _warn_if_rate_zero(self.fitter.optimizer, plan)
-        if self.selection is not None:
-            _warn_if_no_epoch_ends(plan)
-        if self.selection is not None and self.fitter.collects_trajectory:
-            warnings.warn(
-                f"fit: validation= selects an epoch and restores the guide's state there, so "
-                f"the {type(self.guide).__name__}'s moments collected after the selected epoch "
-                "are dropped (and an early stop ends the collection). To keep every collected "
-                "iterate, fit it without validation= and choose its start_epoch instead.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-        if isinstance(data, Iterator) and self.fitter.reads_data_at_end and plan.epochs != 0:
-            raise ValueError(
-                f"fit(): data is a one-shot iterator ({type(data).__name__}), and "
-                f"{type(self.fitter).__name__} reads the training data again after training "
-                "(the curvature pass), when training has used it up. Pass a list of batches "
-                "or a DataLoader."
-            )
+        self.rate_source = _rate_source(options.optim.optimizer)
         self.pos = _Position(data_seed=seed)
         self.write = self.ckpt is not None and world()[1] == 0
         self.show = self.progress.show_bar and world()[1] == 0
@@ -458,18 +686,39 @@ class _Loop:
         self.data_size = DataSize(model)
         self.stopped_early = False
 
+    def _check_fitter(self) -> None:
+        """The refusals and warnings that need the fitter (before it begins)."""
+        fitter, plan, data = self.fitter, self.plan, self.data
+        if isinstance(data, Iterator) and fitter.reads_data_at_end and plan.epochs != 0:
+            raise ValueError(
+                f"fit(): data is a one-shot iterator ({type(data).__name__}), and "
+                f"{type(fitter).__name__} reads the training data again after training "
+                "(the curvature pass), when training has used it up. Pass a list of batches "
+                "or a DataLoader."
+            )
+        _warn_if_rate_zero(fitter.optimizer, plan)
+        if self.selection is not None:
+            _warn_if_no_epoch_ends(plan)
+        if self.selection is not None and fitter.collects_trajectory:
+            warnings.warn(
+                f"fit: validation= selects an epoch and restores the guide's state there, so "
+                f"the {type(self.guide).__name__}'s moments collected after the selected epoch "
+                "are dropped (and an early stop ends the collection). To keep every collected "
+                "iterate, fit it without validation= and choose its start_epoch instead.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
     def _prepare(self, optim: Optimization, lr: float | None) -> tuple[Fitter, Any]:
-        """Seed, move, set up the guide, build the fitter and the schedule."""
-        model, guide, data = self.model, self.guide, self.data
-        if self.seed is not None:
-            pyro.set_rng_seed(self.seed)
-        if self.device is not None:
-            guide.to(self.device)
+        """Set up the guide, build the fitter and the schedule (the fitter begins, which resets
+        what a post-hoc family collected, only once every refusal is past: :meth:`run`)."""
+        model, guide = self.model, self.guide
         model.train(True)
+        # before the set-up trace: a guide of another model (the plain network, say) fails in
+        # it with an error of torch's
+        check_guide_model(model, guide, "fit")
         if not guide.sites:  # a guide over a plain Pyro model sets up from its first batch
-            first = to_device(next(iter(data)), self.device)
-            with pyro.poutine.block(), pyro.poutine.trace():
-                guide(first)
+            self._set_up()
         fitter = make_fitter(model, guide, loss=optim.loss, optimizer=optim.optimizer, lr=lr)
         if optim.scheduler is not None and fitter.manages_lr:
             raise ValueError(
@@ -479,7 +728,6 @@ class _Loop:
             )
         validation = self.validation
         fitter.validation_data = validation.data if validation is not None else None
-        fitter.begin(data)
         spec, warmup = optim.scheduler, optim.warmup
         if spec is None and not fitter.manages_lr:  # the family's own (IVON: cosine)
             spec = fitter.default_scheduler
@@ -494,13 +742,44 @@ class _Loop:
                 spec, warmup = None, 0
         sched = make_scheduler(spec, fitter.optimizer, self.plan.total, warmup)
         self.schedule_record = None if sched is None else [_name_of(spec), float(warmup)]
+        # taken as built, before a step moves them (a resume compares them: _check_run)
+        self.scheduler_record = _scheduler_record(sched)
+        self.objective_record = _objective_record(fitter.objective)
         return fitter, sched
+
+    def _set_up(self) -> None:
+        """Set up a guide over a plain Pyro model from the first batch; a guide built on a
+        plain torch network (no FineTuneModel, no Pyro model) is refused naming it."""
+        first = to_device(next(iter(self.data)), self.device)
+        try:
+            with pyro.poutine.block(), pyro.poutine.trace():
+                self.guide(first)
+        except Exception as err:
+            traced = bound_model(self.guide)
+            if not _plain_network(traced):
+                raise
+            raise TypeError(
+                f"fit(model, guide): the {type(self.guide).__name__} was built on a plain torch "
+                f"network ({type(traced).__name__}), not on a pyrobayes FineTuneModel, so it "
+                "has no latent sites and tracing it on a batch failed "
+                f"({type(err).__name__}: {err}). Wrap the network first: "
+                "model = pb.models.FineTuneModel(net, adapter, num_data=N), then build the "
+                "guide on it, guide = pb.posterior(model, family), and fit the two."
+            ) from err
 
     # ------------------------------------------------------------------ the run
     def run(self) -> FitResult:
+        try:  # every refusal before the guide changes (a refused fit leaves it as it was)
+            self._check_shards()
+            found = self._checked_resume()
+        except BaseException:
+            self.held.put_back()
+            raise
         before = forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
-        self._check_shards()
-        self._resume()
+        self.held.settle(changes=found is not None or self._changes_guide())
+        self.fitter.begin(self.data)  # (resets what a post-hoc family collected)
+        if found is not None:
+            self._resume(found)
         pos = self.pos
         if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
             pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -537,6 +816,13 @@ class _Loop:
                 stacklevel=user_stacklevel(),
             )
         return result
+
+    def _changes_guide(self) -> bool:
+        """Whether a new fit changes the guide: it plans a step, or its family fits at its end
+        (Laplace's curvature) or collects an iterate there (SWAG) at zero epochs too."""
+        plan, fitter = self.plan, self.fitter
+        no_step = plan.total == 0 or plan.epochs == 0 or plan.num_steps == 0
+        return not no_step or fitter.reads_data_at_end or fitter.collects_trajectory
 
     def _lower_block_cache(self) -> contextlib.AbstractContextManager[None]:
         """A FineTuneModel's cache of its frozen lower blocks over the training and validation
@@ -714,6 +1000,8 @@ class _Loop:
             "lr": self.lr,
             # the steps the schedule spans (its shape depends on them): None without one
             "schedule_steps": self.plan.total if self.sched is not None else None,
+            # the run's budget, named when a resume asks for less than the position
+            "budget": {"epochs": self.plan.epochs, "num_steps": self.plan.num_steps},
             "run": self._run_record(),
         }
         best = selection.best if selection is not None else None
@@ -722,18 +1010,31 @@ class _Loop:
         save_checkpoint(self.ckpt, self.guide, self.model, self.fitter, meta, best, self.sched)
         pos.saved_at = pos.step
 
-    def _resume(self) -> None:
-        """Continue from the newest checkpoint, when resuming and there is one."""
+    def _checked_resume(self) -> Path | None:
+        """The checkpoint to resume from (``None``: a new fit), with every refusal of the
+        resume made before anything is restored or reset: another family first
+        (:func:`~pyrobayes.infer.checkpoint.check_checkpoint`, with the position and the
+        schedule), the fitter's settings record, then the validation data, the budget, the rate, the training data and the
+        run's settings."""
         found = latest(self.ckpt) if self.resume and self.ckpt is not None else None
         if found is None:
             if self.resume:  # a job that always resumes starts so; a mistyped folder too
                 logger.info("resume: no checkpoint in %s; starting a new fit there", self.ckpt)
-            return
-        saved_meta = _read_meta(found)
-        self._check_validation(saved_meta, found)  # before anything is restored
-        self._check_rate(saved_meta, found)
-        self._check_training_data(saved_meta, found)
-        run = self._run_record()  # before the checkpoint's optimizer state overwrites its own
+            return None
+        meta = check_checkpoint(
+            found, self.guide, self.sched, steps_per_epoch=self.plan.steps_per_epoch
+        )
+        check_fitter_settings(found, self.fitter)
+        self._check_validation(meta, found)
+        self._check_budget(meta, found)
+        self._check_rate(meta, found)
+        self._check_training_data(meta, found)
+        # this fit's record: taken before the checkpoint's optimizer state overwrites its own
+        self._check_run(meta, found, self._run_record())
+        return found
+
+    def _resume(self, found: Path) -> None:
+        """Continue from the checkpoint ``found`` (:meth:`_checked_resume`'s)."""
         meta, saved_best = load_checkpoint(
             found,
             self.guide,
@@ -742,7 +1043,6 @@ class _Loop:
             self.sched,
             steps_per_epoch=self.plan.steps_per_epoch,
         )
-        self._check_run(meta, found, run)  # after the checkpoint's own (family, schedule) ones
         pos = self.pos
         pos.step, pos.epoch, pos.losses = meta["step"], meta["epoch"], list(meta["losses"])
         if "batch" in meta:
@@ -755,6 +1055,35 @@ class _Loop:
             self.selection.best = saved_best
             self.selection.history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", found, pos.step, pos.epoch)
+
+    def _check_budget(self, meta: dict[str, Any], found: Path) -> None:
+        """Refuse a resume from a checkpoint past this fit's budget (``epochs``,
+        ``num_steps``): the fit would take no step and return the longer run's state as the
+        one asked for."""
+        plan = self.plan
+        step, epoch, batch = meta["step"], meta["epoch"], meta.get("batch") or 0
+        beyond = (
+            (plan.total is not None and step > plan.total)
+            or (plan.num_steps is not None and step > plan.num_steps)
+            or (plan.epochs is not None and (epoch, batch) > (plan.epochs, 0))
+        )
+        if not beyond:
+            return
+        then = meta.get("budget")
+        run = (
+            f" (its budget: {_budget(then.get('epochs'), then.get('num_steps'))})"
+            if isinstance(then, dict)
+            else ""
+        )
+        now = _budget(plan.epochs, plan.num_steps)
+        total = f", {plan.total} steps" if plan.total is not None else ""
+        raise ValueError(
+            f"fit({now}): the checkpoint {found} is at step {step} (epoch {epoch}, batch "
+            f"{batch}) of a longer run{run}, past this fit's budget ({now}{total}): resuming "
+            "would take no step and return that run's state, trained further than asked. "
+            "Resume with the run's budget (or a larger one), or start a new fit "
+            "(Checkpointing(..., overwrite=True))."
+        )
 
     def _check_shards(self) -> None:
         """Under ``torch.distributed``, refuse (on every rank) data with another number of
@@ -780,10 +1109,20 @@ class _Loop:
             return
         saved_lr = meta.get("lr")  # absent in checkpoints written before it was recorded
         if saved_lr is not None and float(saved_lr) != float(self.lr):
+            then, source = float(saved_lr), self.rate_source
+            if source is None:
+                raise ValueError(
+                    f"fit(lr={self.lr:g}): the checkpoint {found} was written by a fit with "
+                    f"lr={then:g}, and resuming restores its optimizer with that rate. "
+                    f"Resume with lr={then:g}, or start a new fit at the new rate "
+                    "(Checkpointing(..., overwrite=True))."
+                )
+            setter, fix = source
             raise ValueError(
-                f"fit(lr={self.lr:g}): the checkpoint {found} was written by a fit with "
-                f"lr={float(saved_lr):g}, and resuming restores its optimizer with that rate. "
-                f"Resume with lr={float(saved_lr):g}, or start a new fit at the new rate "
+                f"fit(): the fit's rate is lr={self.lr:g}, set by {setter}, and the checkpoint "
+                f"{found} was written by a fit with lr={then:g}; resuming restores its "
+                f"optimizer with that rate. To resume, {fix.format(lr=f'{then:g}')} (a "
+                "fit(lr=...) beside it is not used), or start a new fit at the new rate "
                 "(Checkpointing(..., overwrite=True))."
             )
         saved_steps = meta.get("schedule_steps")
@@ -809,8 +1148,10 @@ class _Loop:
             for group in optimizer.param_groups
         ]
         record = {
+            "objective": self.objective_record,
             "optimizer": [_name_of(type(optimizer)), groups],
             "schedule": self.schedule_record,
+            "scheduler": self.scheduler_record,
             "select_by": self.selection.select_by if self.selection is not None else None,
             "seed": self.seed,
             "training_data": self._data_record(),
@@ -828,24 +1169,21 @@ class _Loop:
         if now["seed"] is None:
             now["seed"] = saved.get("seed")
         for key, meaning in _RUN_KEYS.items():
-            if key not in saved or saved[key] == now[key]:
+            if key not in saved:  # written before the record had it
                 continue
-            then, there = saved[key], now[key]
-            if key == "optimizer" and then[0] != there[0]:  # another class: name the classes
-                meaning, then, there = "optimizer", then[0], there[0]
-            elif key == "optimizer" and len(then[1]) == len(there[1]):  # the first setting
-                name, then, there = next(
-                    (k, a.get(k), b.get(k))
-                    for a, b in zip(then[1], there[1], strict=True)
-                    for k in sorted({*a, *b})
-                    if a.get(k) != b.get(k)
-                )
-                meaning = f"optimizer setting {name!r}"
+            then, there = _comparable(key, saved[key], now[key])
+            if then == there:
+                continue
+            meaning, then, there = _first_difference(key, meaning, then, there)
+            effect = (
+                "resuming would go on from the run's optimizer state under another objective"
+                if key == "objective"
+                else "resuming restores the run's"
+            )
             raise ValueError(
                 f"fit(): the checkpoint {found} was written by a fit with another {meaning} "
-                f"({_shown(then)} then, {_shown(there)} now), and resuming restores the run's. "
-                "Resume with the run's settings, or start a new fit "
-                "(Checkpointing(..., overwrite=True))."
+                f"({_shown(then)} then, {_shown(there)} now), and {effect}. Resume with the "
+                "run's settings, or start a new fit (Checkpointing(..., overwrite=True))."
             )
 
     def _check_training_data(self, meta: dict[str, Any] | None, found: Path) -> None:
@@ -885,9 +1223,14 @@ class _Loop:
                 "data again (validation=pyrobayes.Validation(data, ...)) to resume it, or its "
                 "validation history and best epoch would be dropped."
             )
-        same = ("examples", "targets_sha256")  # the examples, not how they are batched: the
-        # score is a per-example mean at the guide's validation values
-        if saved is not None and now is not None and any(saved[k] != now[k] for k in same):
+        # the examples, not how they are batched: the score is a per-example mean at the
+        # guide's validation values (a fingerprint written before examples_sha256 has none)
+        same = ("examples", "targets_sha256", "examples_sha256")
+        if (
+            saved is not None
+            and now is not None
+            and any(k in saved and saved[k] != now[k] for k in same)
+        ):
             raise ValueError(
                 f"fit(validation=...): the validation data differ from those of the "
                 f"checkpoint {found} ({_describe(now)} now, {_describe(saved)} then); resume "
@@ -942,19 +1285,12 @@ class _Loop:
         return FitResult(guide, torch.tensor(pos.losses), state)
 
 
-def _read_meta(folder: Path) -> dict[str, Any] | None:
-    """The checkpoint's ``state.json``, or ``None`` when it is not a readable JSON object."""
-    try:
-        meta = json.loads((folder / "state.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
 def _describe(fingerprint: dict[str, Any] | None) -> str:
     if fingerprint is None:
         return "none"
+    examples = fingerprint.get("examples_sha256")
     return (
         f"{fingerprint['batches']} batches, {fingerprint['examples']} examples, targets "
         f"sha256 {fingerprint['targets_sha256'][:12]}"
+        + (f", examples sha256 {examples[:12]}" if examples else "")
     )

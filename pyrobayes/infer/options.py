@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.adapters import check_int, check_real
+from .arguments import plain_number
 from .selection import SELECT_BY
 
 __all__ = [
@@ -94,8 +95,12 @@ class Optimization:
 
     def __post_init__(self) -> None:
         check_real("warmup", self.warmup, ge=0, owner="Optimization(): ")
+        # kept as Python numbers: a NumPy integer or a 0-d tensor passes the checks, but the
+        # schedule's rounding and the checkpoint's JSON take plain numbers only
+        object.__setattr__(self, "warmup", plain_number(self.warmup))
         if self.num_steps is not None:
-            check_int("num_steps", self.num_steps, ge=0, owner="Optimization(): ")
+            steps = check_int("num_steps", self.num_steps, ge=0, owner="Optimization(): ")
+            object.__setattr__(self, "num_steps", steps)
 
 
 @dataclass(frozen=True)
@@ -106,13 +111,17 @@ class Validation:
     guide state and point parameters are restored when training ends, before the family's
     ``fit_end`` (so Laplace fits its curvature at the selected MAP). ``FitResult.state``
     records ``best_epoch`` (0-based) and the ``validation`` history. Checkpoints keep the
-    history and a fingerprint of the data (its batch and example counts and a hash of its
-    targets): a resume with other validation data, or none, is refused.
+    history and a fingerprint of the data (its batch and example counts, a hash of its targets
+    and one of its examples, inputs with targets, in any order: another batching or order of
+    the same examples is the same data): a resume with other validation data, or none, is
+    refused.
 
     Parameters
     ----------
     data : iterable of batches
-        The held-out batches (with targets).
+        The held-out batches (with targets), re-iterable (a list of batches or a
+        ``DataLoader``): they are read after every epoch, so a one-shot iterator is refused by
+        a fit of more than one epoch.
     select_by : {"nll", "accuracy", "rmse"}
         The criterion: predictive NLL (any likelihood), accuracy (classification; ties broken
         by NLL) or RMSE (regression).
@@ -142,7 +151,8 @@ class Validation:
                 f"Validation(select_by=...) must be one of {SELECT_BY}; got {self.select_by!r}."
             )
         if self.patience is not None:
-            check_int("patience", self.patience, ge=1, owner="Validation(): ")
+            patience = check_int("patience", self.patience, ge=1, owner="Validation(): ")
+            object.__setattr__(self, "patience", patience)  # a Python int, as for every count
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,10 @@ class Checkpointing:
     Raises
     ------
     TypeError, ValueError
-        For a missing ``dir``, an ``every`` that is not an integer >= 1, or non-bool flags.
+        For a missing or empty ``dir``, an ``every`` that is not an integer >= 1, or non-bool
+        flags.
+    NotADirectoryError
+        From :func:`pyrobayes.fit`, when ``dir`` is a file or lies below one.
     """
 
     dir: str | Path
@@ -190,8 +203,15 @@ class Checkpointing:
         owner = "Checkpointing(): "
         if not isinstance(self.dir, str | os.PathLike):
             raise TypeError(f"{owner}dir must be a folder path; got {self.dir!r}.")
+        if not str(os.fspath(self.dir)).strip():  # Path("") is ".": the working directory
+            raise ValueError(
+                f"{owner}dir={self.dir!r} is empty, which would write the checkpoints, their "
+                "LATEST pointer and lock into the current working directory. Name a folder for "
+                "them, e.g. Checkpointing(dir='runs/ckpt') (it is created if missing)."
+            )
         if self.every is not None:
-            check_int("every", self.every, ge=1, owner=owner)
+            every = check_int("every", self.every, ge=1, owner=owner)
+            object.__setattr__(self, "every", every)
         _check_flag(owner, "resume", self.resume)
         _check_flag(owner, "overwrite", self.overwrite)
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -136,27 +137,93 @@ def _pooled(measured: dict[str, float], count: int, device: Any) -> dict[str, fl
 
 
 def data_fingerprint(data: Iterable[Any], model: Any = None) -> dict[str, Any]:
-    """A cheap fingerprint of held-out data: batch and example counts and a SHA-256 of the
-    targets (sorted, so a shuffling loader gives the same one).
+    """A fingerprint of held-out data: batch and example counts, a SHA-256 of the targets
+    (sorted, so a shuffling loader gives the same one) and a SHA-256 of the examples (the
+    sorted digests of each example's inputs with its target: another batching or order of the
+    same examples gives the same one, other examples with the same targets another).
 
     Reads every batch once, without the model, under a forked torch RNG (a shuffling loader's
-    draws do not move the fit's random stream). ``model`` supplies the ``label_key``.
+    draws do not move the fit's random stream). ``model`` supplies the ``label_key``. The
+    positions an ``attention_mask`` marks as padding are left out of an example's digest, so a
+    collator's dynamic padding (which depends on the batch an example falls in) is not a change.
     """
     label_key = getattr(model, "label_key", "labels")
-    batches, examples, values = 0, 0, []
+    batches, examples, values, rows = 0, 0, [], []
     with torch.random.fork_rng(devices=[]):
         for batch in data:
             batches += 1
-            _, y = split_batch(batch, label_key)
+            x, y = split_batch(batch, label_key)
             if y is not None:
                 y = torch.as_tensor(y).detach().cpu()
-                examples += int(y.shape[0]) if y.dim() else 1
+                count = int(y.shape[0]) if y.dim() else 1
+                examples += count
                 values.append(y.reshape(-1).double())
+                rows += _example_digests(x, y, count)
     digest = hashlib.sha256()
     if values:
         flat = torch.sort(torch.cat(values)).values.contiguous()
         digest.update(flat.numpy().tobytes())
-    return {"batches": batches, "examples": examples, "targets_sha256": digest.hexdigest()}
+    return {
+        "batches": batches,
+        "examples": examples,
+        "targets_sha256": digest.hexdigest(),
+        "examples_sha256": hashlib.sha256(b"".join(sorted(rows))).hexdigest(),
+    }
+
+
+def _example_digests(inputs: Any, targets: Tensor, count: int) -> list[bytes]:
+    """The SHA-256 digest of each of a batch's ``count`` examples: its slice of every tensor of
+    ``inputs`` (a tensor, or a mapping or tuple of them, read in a fixed order) and of
+    ``targets``, padding positions (``attention_mask == 0``) left out."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != count:
+        mask = None
+    else:
+        mask = mask.detach().cpu().bool()
+    hashers = [hashlib.sha256() for _ in range(count)]
+    for name, tensor in [
+        *_tensors(inputs, "x"),
+        ("y", targets if targets.dim() else targets[None]),
+    ]:
+        for hasher, part in zip(hashers, _example_bytes(tensor, count, mask), strict=True):
+            hasher.update(f"{name}:{len(part)}:".encode())
+            hasher.update(part)
+    return [hasher.digest() for hasher in hashers]
+
+
+def _tensors(value: Any, name: str) -> list[tuple[str, Tensor]]:
+    """The tensors (and NumPy arrays) of a batch's inputs with their paths, in a fixed order
+    (a mapping's by sorted key); anything else (strings, objects) is not read."""
+    if isinstance(value, Tensor):
+        return [(name, value)]
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return [(name, torch.from_numpy(value))]
+    if isinstance(value, Mapping):
+        return [t for key in sorted(value, key=str) for t in _tensors(value[key], f"{name}.{key}")]
+    if isinstance(value, (tuple, list)):
+        return [t for i, item in enumerate(value) for t in _tensors(item, f"{name}[{i}]")]
+    return []
+
+
+def _example_bytes(tensor: Tensor, count: int, mask: Tensor | None) -> list[bytes]:
+    """Each example's slice of ``tensor`` as bytes (with its dtype and shape); a tensor that is
+    not per example (its first dimension is not ``count``) counts whole for every example."""
+    tensor = tensor.detach().cpu()
+    if count == 0:
+        return []
+    if tensor.dim() == 0 or tensor.shape[0] != count:
+        return [_bytes(tensor)] * count
+    if mask is not None and tensor.shape[:2] == mask.shape:
+        return [_bytes(tensor[i][mask[i]]) for i in range(count)]
+    tag = f"{tensor.dtype}{tuple(tensor.shape[1:])}".encode()
+    raw = tensor.reshape(count, -1).contiguous().view(torch.uint8).numpy()
+    return [raw[i].tobytes() + tag for i in range(count)]
+
+
+def _bytes(tensor: Tensor) -> bytes:
+    """``tensor``'s values as bytes, with its dtype and shape."""
+    flat = tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return flat + f"{tensor.dtype}{tuple(tensor.shape)}".encode()
 
 
 class Snapshot:
