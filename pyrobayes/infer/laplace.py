@@ -275,14 +275,16 @@ class LaplaceFitter(Fitter):
         return out
 
     def begin(self, data: Iterable[Any] | None = None) -> None:
+        # refusals first (before training, not after), and before the reset: a refused fit
+        # leaves a fitted posterior as it was
+        if self._alternating:
+            self._model_prior_precision()
+        if self.settings.prior_optimization == "validation":
+            self._require_validation()
         self.guide.reset()
         self.ended = None
         self.prior_precisions = []
         self.map_residuals = []
-        if self._alternating:
-            self._model_prior_precision()  # fail before training, not after
-        if self.settings.prior_optimization == "validation":
-            self._require_validation()  # fail before training, not after
 
     @property
     def _alternating(self) -> bool:

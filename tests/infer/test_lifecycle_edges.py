@@ -111,6 +111,21 @@ def test_a_refused_fit_leaves_a_fitted_laplace_guide_and_its_temperature():
     assert temperature(guide) == t_before
 
 
+def test_a_laplace_fit_refused_by_its_own_settings_leaves_the_fitted_curvature():
+    """Laplace(prior_optimization="validation") without validation data is refused in the
+    fitter's begin, which reset the guide before it checked."""
+    model, data = tiny_problem()
+    guide = pb.posterior(model, "laplace")
+    _quiet_fit(model, guide, data, epochs=2, seed=0)
+    before = _state(guide)
+    assert guide.is_fitted
+    settings = pb.infer.Laplace(prior_optimization="validation")
+    with pytest.raises(ValueError, match="held-out data"):
+        pb.fit(model, guide, data, epochs=1, optim=pb.Optimization(optimizer=settings))
+    assert guide.is_fitted
+    assert _same_state(guide, before)
+
+
 def test_a_refused_resume_leaves_a_fitted_swag_guide_and_its_temperature(tmp_path):
     """A resume refused for another rate ran after the fitter had begun (SWAG's moments reset)
     and after make_fitter had dropped the temperature."""
