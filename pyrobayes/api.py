@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, cast
 
 import torch
+from pyro.nn import PyroModule
+from torch import nn
 
 from .contract import Posterior, PostHoc
+from .fitted_head import HeadChangedWarning, changed_heads, still_as_built
 from .registry import get_guide_class
+from .user_frame import user_stacklevel
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +43,21 @@ def posterior(model: Any, family: str = "meanfield", *, init: Any = None, **kwar
     Raises
     ------
     TypeError
-        When ``init`` is given for a family without a point (not ``PostHoc``), or is not a
-        posterior.
+        When ``model`` is a plain torch network (wrap it in a
+        :class:`~pyrobayes.models.FineTuneModel`), ``family`` is not a name, or ``init`` is
+        given for a family without a point (not ``PostHoc``) or is not a posterior.
     ValueError
         When ``init`` covers other sites (or shapes) than the new guide, was fitted on another
         model (other frozen base weights, or another head), or was never fitted (its point is
-        still the model's initial value at every site).
+        still the model's initial value at every site, or its parameters those it was built
+        with: IBDR's or σN's jittered particles).
+
+    Warns
+    -----
+    HeadChangedWarning
+        When the model's point parameters (the head) changed since ``init`` was fitted or
+        loaded (a later SWAG fit on the same model trained them):
+        :class:`pyrobayes.fitted_head.HeadChangedWarning`.
 
     Examples
     --------
@@ -53,10 +67,30 @@ def posterior(model: Any, family: str = "meanfield", *, init: Any = None, **kwar
     >>> la = pyrobayes.posterior(model, "laplace", init=map_guide)        # doctest: +SKIP
     >>> pyrobayes.fit(model, la, loader, epochs=0)   # curvature at the MAP  # doctest: +SKIP
     """
+    _check_model(model)
     guide = get_guide_class(family)(model, **kwargs)
     if init is not None:
         start_from(guide, init)
     return guide
+
+
+def _check_model(model: Any) -> None:
+    """Refuse a plain torch network (an ``nn.Module`` that is neither a FineTuneModel nor a
+    ``PyroModule``): a guide built on it has no latent sites, and its fit failed inside torch.
+    A Pyro model of the user's own (a function, a ``PyroModule``) is traced on first use."""
+    if (
+        isinstance(model, nn.Module)
+        and not isinstance(model, PyroModule)
+        and getattr(model, "latent_sites", None) is None
+    ):
+        raise TypeError(
+            f"posterior: model is a plain torch network ({type(model).__name__}), which has no "
+            "latent sites to place a posterior over. Wrap it in a pyrobayes.models.FineTuneModel "
+            "(model = pb.models.FineTuneModel(net, pb.models.LoRAXS(rank=..., "
+            "target_modules=[...]), num_data=N)) and pass that model. For a Pyro model of your "
+            "own that samples with pyro.sample, build the guide class on it directly, e.g. "
+            "pb.guides.MeanFieldGuide(model)."
+        )
 
 
 def start_from(guide: Any, init: Any) -> Any:
@@ -104,6 +138,7 @@ def start_from(guide: Any, init: Any) -> Any:
     _check_init_model(guide, init, added)
     values = init.mean()
     _check_init_fitted(init, values)
+    _warn_if_init_head_changed(guide, init, added)
     model: Any = getattr(guide, "model", None)
     with torch.no_grad():
         for site in target:
@@ -176,9 +211,44 @@ def _check_init_model(guide: Any, init: Any, made_latent: set[str] | None = None
         )
 
 
+def _warn_if_init_head_changed(guide: Any, init: Any, made_latent: set[str]) -> None:
+    """Warn (:class:`~pyrobayes.fitted_head.HeadChangedWarning`) when the point parameters of
+    ``init``'s model changed since ``init`` was fitted or loaded: the new post-hoc posterior
+    would start at ``init``'s point beside a head ``init`` was not fitted with. A point
+    parameter the model has made latent since (``made_latent``: the new guide's sites that
+    start at the network's values) is no longer a point parameter, and no change."""
+    specs = getattr(getattr(guide, "model", None), "latent_sites", {})
+    moved = {specs[s].param_name for s in made_latent if s in specs}
+    changed = [n for n in changed_heads(init, getattr(init, "model", None)) if n not in moved]
+    if not changed:
+        return
+    warnings.warn(
+        f"posterior(init=...): the model's point-estimated parameters {changed[:4]} (the head) "
+        f"changed since this {type(init).__name__} was fitted or loaded, by another fit on the "
+        "same model (SWAG, or Laplace with epochs > 0, train the head of the MAP they start "
+        "from) or by pb.load of another posterior into it: the new "
+        f"{type(guide).__name__} starts at the {type(init).__name__}'s point beside a head it "
+        "was not fitted with. Build the post-hoc families before the fit that trains the head "
+        "(SWAG last), give that fit its own copy of the model (copy.deepcopy(model)), or pb.save "
+        f"the {type(init).__name__} after its fit and pb.load it back first to restore its head.",
+        HeadChangedWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 def _check_init_fitted(init: Any, values: dict[str, torch.Tensor]) -> None:
     """An ``init`` whose point is still its model's initial value at every site was never
-    fitted (a fit that moved nothing is indistinguishable, and as useless as a start)."""
+    fitted (a fit that moved nothing is indistinguishable, and as useless as a start); nor was
+    one whose parameters are still those it was built with (IBDR's or σN's jittered particles,
+    away from the model's values: :func:`~pyrobayes.fitted_head.still_as_built`)."""
+    if still_as_built(init):
+        raise ValueError(
+            f"posterior(init=...): the {type(init).__name__} was never fitted (pb.fit) nor "
+            "loaded (pb.load): its parameters are still those it was built with (the model's "
+            "initial values plus its initialisation's jitter). Fit it first "
+            "(pyrobayes.fit(model, init, data, ...)), or build the post-hoc family without "
+            "init= (it then fits its own MAP stage)."
+        )
     model = getattr(init, "model", None)
     site_value = getattr(model, "site_value", None)
     if site_value is None or not values:

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from .metrics._inputs import check_log_probabilities
-from .models.adapters import check_int, check_real
+from .models.adapters import check_flag, check_int, check_real
 from .models.likelihoods import check_class_targets, check_gaussian_targets
 from .user_frame import user_stacklevel
 
@@ -375,7 +375,7 @@ def calibrate(
     val_data: Iterable[Any],
     *,
     num_samples: int = 32,
-    seed: int = 0,
+    seed: int | None = 0,
     bounds: tuple[float, float] = (0.05, 20.0),
     device: str | torch.device | None = None,
     pool: bool = True,
@@ -413,8 +413,9 @@ def calibrate(
         the training data: ``T`` then undoes the fit's over-confidence on the examples it saw).
     num_samples : int
         Posterior draws S of the predictive (1 for a point mass).
-    seed : int
-        Seed of the draws (use the one predictions will use, e.g. 0, predict's default).
+    seed : int or None
+        Seed of the draws (use the one predictions will use, e.g. 0, predict's default;
+        ``None``: the global RNG, as for :func:`pyrobayes.predict`).
     bounds : (float, float)
         The search interval of ``T``; a fit at either end warns (``UserWarning``).
     device : str or torch.device, optional
@@ -436,6 +437,9 @@ def calibrate(
 
     Raises
     ------
+    TypeError
+        ``pool`` or ``all_ranks`` is not ``True`` / ``False``, or ``num_samples`` or ``seed``
+        is not an integer.
     ValueError
         ``val_data`` yields no batches or no labels, ``bounds`` is not ``0 < low < high``, or the
         Gaussian likelihood has no noise scale to temper. Under ``torch.distributed`` an error
@@ -455,6 +459,10 @@ def calibrate(
     reference to the data it was fitted on.
     """
     num_samples = check_int("num_samples", num_samples, ge=1, owner="calibrate: ")
+    if seed is not None:  # (None: the global RNG, as for pb.predict)
+        seed = check_int("seed", seed, owner="calibrate: ")
+    check_flag("pool", pool, owner="calibrate: ")
+    check_flag("all_ranks", all_ranks, owner="calibrate: ")
     low, high = (float(b) for b in bounds)
     if not (0 < low < high and math.isfinite(high)):
         raise ValueError(

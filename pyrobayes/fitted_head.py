@@ -35,6 +35,7 @@ __all__ = [
     "NeverFittedWarning",
     "record_initial_state",
     "warn_if_never_fitted",
+    "still_as_built",
 ]
 
 #: the guide attribute that holds the record (not part of its state: a file's load sets it anew)
@@ -176,6 +177,25 @@ def _at_initial_state(guide: Any) -> bool:
     """``guide``'s parameters are still those :func:`record_initial_state` saw."""
     initial = guide.__dict__.get(_INITIAL)
     return initial is not None and _parameters_digest(guide) == initial
+
+
+def still_as_built(guide: Any) -> bool:
+    """``guide`` was neither fitted by ``pb.fit`` nor loaded by ``pb.load``, and its parameters
+    are still those :func:`record_initial_state` saw when it was built (IBDR's jittered
+    particles, σN's members, before any fit).
+
+    Parameters
+    ----------
+    guide : Any
+        A posterior guide.
+
+    Returns
+    -------
+    bool
+        False for a guide that records no initial state (its family starts at the model's
+        values, which :func:`warn_if_never_fitted` compares instead).
+    """
+    return getattr(guide, _ATTRIBUTE, None) is None and _at_initial_state(guide)
 
 
 def warn_if_never_fitted(guide: Any, model: Any, where: str) -> None:

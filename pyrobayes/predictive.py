@@ -448,6 +448,8 @@ def predict(
     used as given.
     """
     num_samples = check_int("num_samples", num_samples, ge=1, owner="predict: ")
+    if seed is not None:
+        seed = check_int("seed", seed, owner="predict: ")
     if examples_per_forward is not None:
         examples_per_forward = check_int(
             "examples_per_forward", examples_per_forward, ge=1, owner="predict: "

@@ -28,7 +28,34 @@ def register_guide(name: str, cls: type, *, aliases: tuple[str, ...] = ()) -> ty
 
 
 def get_guide_class(name: str) -> type:
-    """The class registered under ``name``."""
+    """The class registered under ``name``.
+
+    Parameters
+    ----------
+    name : str
+        A family name (case-insensitive), e.g. ``"meanfield"``.
+
+    Returns
+    -------
+    type
+
+    Raises
+    ------
+    TypeError
+        When ``name`` is not a string (``None``, a guide class, a number).
+    ValueError
+        When no family is registered under it.
+    """
+    if not isinstance(name, str):
+        if isinstance(name, type):
+            got = f"the class {name.__name__}"
+            hint = f" To build a {name.__name__} directly, call the class: {name.__name__}(model)."
+        else:
+            got, hint = f"{name!r} ({type(name).__name__})", ""
+        raise TypeError(
+            "posterior(model, family): family must be a registered family name (a str), one of "
+            f"{available_guides()}; got {got}.{hint}"
+        )
     try:
         return _REGISTRY[name.lower()]
     except KeyError:

@@ -92,6 +92,38 @@ def forget_pyro_params(name: str) -> None:
         del store[key]
 
 
+def _plain_option(value: Any) -> Any:
+    """``value`` with NumPy scalars and 0-d tensors as Python numbers, inside lists too.
+
+    A guide's options are written to its files' JSON header (:meth:`PosteriorGuide.config`):
+    ``rank=np.int64(3)`` or ``init_scale=torch.tensor(0.02)`` pass the constructor's checks, and
+    are recorded as the ``int`` / ``float`` / ``bool`` they hold. Other values are returned as
+    they are.
+
+    Parameters
+    ----------
+    value : Any
+        One constructor option as given.
+
+    Returns
+    -------
+    Any
+        ``value.item()`` for a NumPy scalar or a 0-d tensor; a tuple, list or dict with its
+        items converted; ``value`` otherwise.
+    """
+    if isinstance(value, Tensor):
+        return value.item() if value.dim() == 0 else value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # np.int64, np.float32, np.bool_, 0-d arrays
+    if isinstance(value, list):
+        return [_plain_option(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain_option(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain_option(v) for k, v in value.items()}
+    return value
+
+
 class PosteriorGuide(AutoGuide):
     """Base class of all pyrobayes posteriors over the latent sites of a model.
 
@@ -135,9 +167,9 @@ class PosteriorGuide(AutoGuide):
                 kind = signature.parameters[name].kind
                 if kind is inspect.Parameter.VAR_KEYWORD:
                     for key, item in value.items():
-                        options.setdefault(key, item)
+                        options.setdefault(key, _plain_option(item))
                 elif kind is not inspect.Parameter.VAR_POSITIONAL:
-                    options.setdefault(name, value)
+                    options.setdefault(name, _plain_option(value))
             init(self, *args, **kw)
 
         recording_init._records_config = True  # type: ignore[attr-defined]

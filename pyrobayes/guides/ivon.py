@@ -182,7 +182,7 @@ class IVONGuide(SitePacking, SitewiseKL):
         if "beta1" in given:
             check_real("beta1", given["beta1"], ge=0, lt=1, owner=owner)
         if "beta2" in given:
-            check_real("beta2", given["beta2"], ge=0, le=1, owner=owner)
+            check_real("beta2", given["beta2"], ge=0, lt=1, owner=owner)
         if "clip_radius" in given:
             check_real("clip_radius", given["clip_radius"], gt=0, owner=owner)
         if "lr" in given:

@@ -120,7 +120,7 @@ class KroneckerIVONGuide(IVONGuide):
         owner = f"{type(self).__name__}: "
         more: dict[str, Any] = {}  # deprecated fit settings: checked here, warned by the base
         if diag_beta2 is not None:
-            more["diag_beta2"] = check_real("diag_beta2", diag_beta2, ge=0, le=1, owner=owner)
+            more["diag_beta2"] = check_real("diag_beta2", diag_beta2, ge=0, lt=1, owner=owner)
         if fisher is not None:
             fisher = "ggn" if fisher == "ggn_last" else fisher
             if fisher not in ("empirical", "mc", "ggn"):

@@ -250,8 +250,7 @@ alternate_map_tol, alternate_lr : optional
         #: fit settings passed to the constructor (deprecated): the fitter's defaults
         self.fit_settings: dict[str, Any] = given
         warn_fit_settings(owner, given, self.fit_settings_class)
-        if link_samples is not None:
-            link_samples = check_int("link_samples", link_samples, ge=1, owner=owner)
+        self.link_samples = link_samples  # checked by its setter
         if prior_structure not in PRIOR_STRUCTURES:
             raise ValueError(
                 f"{owner}prior_structure must be one of {list(PRIOR_STRUCTURES)} (one τ for every "
@@ -262,7 +261,6 @@ alternate_map_tol, alternate_lr : optional
         self.prior_structure = prior_structure
         self.subset = _resolve_subset(model, subset, owner)
         self.pred_type = pred_type
-        self.link_samples = link_samples
         self.structure = structure
         self.prior_precision_spec = prior_precision
         self._temperature = float(temperature)
@@ -339,6 +337,18 @@ alternate_map_tol, alternate_lr : optional
                 "pyrobayes.calibrate (a predictive temperature)."
             )
         self._temperature = float(value)
+
+    @property
+    def link_samples(self) -> int | None:
+        """Draws of the ``"glm"`` classification Monte Carlo (``None``: the ``num_samples`` of
+        :func:`pyrobayes.predict`); may be set after fitting (checked)."""
+        return self._link_samples
+
+    @link_samples.setter
+    def link_samples(self, value: int | None) -> None:
+        if value is not None:
+            value = check_int("link_samples", value, ge=1, owner=f"{type(self).__name__}: ")
+        self._link_samples = value
 
     def config(self) -> dict[str, Any]:
         """The constructor options, with ``pred_type``, ``link_samples`` and ``temperature`` as

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ from torch import Tensor
 from ..fitted_head import record_initial_state
 from ..models.adapters import check_int, check_real
 from ..models.finetune import NOISE_PARAM
+from ..user_frame import user_stacklevel
 from ._fit_options import warn_fit_settings
 from .base import PosteriorGuide
 
@@ -299,6 +301,12 @@ class IBDRGuide(ParticleGuide):
         (:class:`pyrobayes.infer.IBDR`, which documents them); given here they still reach the
         fitter for one release, with a ``DeprecationWarning``, and are not saved with the
         posterior.
+
+    Warns
+    -----
+    UserWarning
+        When K > 1 particles would start identical (``init_scale=0`` and ``scale=0``): identical
+        particles get identical gradients, so they would stay one network.
     """
 
     family = "ibdr"
@@ -365,6 +373,15 @@ class IBDRGuide(ParticleGuide):
             init_scale=init_scale,
             average=average,
         )
+        if self.num_components > 1 and self._init_scale == 0 and self.component_scale == 0:
+            warnings.warn(
+                f"{owner}init_scale=0 and scale=0 start all {self.num_components} particles "
+                "identical (at the model's value): a stationary point of the fit (every particle "
+                "gets the same gradient, and the diversity term's is 0 there), so they stay one "
+                "network. Give init_scale > 0 (default 1e-2) so the particles start distinct.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def config(self) -> dict[str, Any]:
         """The posterior's constructor options (the deprecated fit settings left out)."""

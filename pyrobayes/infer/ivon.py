@@ -81,13 +81,14 @@ class IVON:
     beta1 : float
         Gradient momentum β1 (0.9).
     beta2 : float, optional
-        Hessian EMA β2: ``DEFAULT_BETA2`` = 0.999 for IVON (Shen et al. (2024) use 0.99999 on
+        Hessian EMA β2 ∈ [0, 1) (at 1 ``h`` would never move from ``h0``): ``DEFAULT_BETA2`` =
+        0.999 for IVON (Shen et al. (2024) use 0.99999 on
         runs of 10⁵+ steps; ``h`` forgets ``h0`` only after about ``1/(1−β2)`` steps, so on a
         fine-tuning run of hundreds to thousands of steps 0.99999 leaves ``h`` at ``h0`` and σ
         at its initial value); for Kronecker IVON the EMA of the Kronecker factors (0.99:
         factors are far less noisy than the Price estimate).
     diag_beta2 : float, optional
-        Kronecker IVON's β2 of its diagonal sites (0.99999); IVON uses ``beta2``.
+        Kronecker IVON's β2 ∈ [0, 1) of its diagonal sites (0.99999); IVON uses ``beta2``.
     hess_approx : {"price", "gradsq"}
         Hessian estimator: ``ĝ (θ−m)/σ²`` (default) or ``λ ĝ²``.
     clip_radius : float, optional
@@ -118,7 +119,7 @@ class IVON:
         for name in ("beta2", "diag_beta2"):
             value = getattr(self, name)
             if value is not None:
-                check_real(name, value, ge=0, le=1, owner=owner)
+                check_real(name, value, ge=0, lt=1, owner=owner)
         if self.clip_radius is not None:
             check_real("clip_radius", self.clip_radius, gt=0, owner=owner)
         if self.hess_approx not in ("price", "gradsq"):

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..batch import batch_size, split_batch
 from ..contract import AnalyticKL, Posterior, PostHoc, implements
-from ..models.adapters import check_real
+from ..models.adapters import check_flag, check_int, check_real
 from .distributed import world
 
 logger = logging.getLogger(__name__)
@@ -257,10 +257,8 @@ class ELBO:
     def __init__(
         self, num_particles: int = 1, analytic_kl: bool = True, *, kl_weight: float = 1.0
     ) -> None:
-        if num_particles < 1:
-            raise ValueError(f"Expected num_particles >= 1 but got {num_particles}.")
-        self.num_particles = int(num_particles)
-        self.analytic_kl = analytic_kl
+        self.num_particles = check_int("num_particles", num_particles, ge=1, owner="ELBO: ")
+        self.analytic_kl = check_flag("analytic_kl", analytic_kl, owner="ELBO: ")
         self.kl_weight = check_real("kl_weight", kl_weight, gt=0, owner="ELBO: ")
         self._last_terms: dict[str, Tensor] = {}
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..models.adapters import check_int, check_real
+from ..models.adapters import check_flag, check_int, check_real
 from .arguments import plain_number
 from .selection import SELECT_BY
 
@@ -44,11 +44,6 @@ __all__ = [
     "grouped",
     "progress_bar_default",
 ]
-
-
-def _check_flag(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}{name} must be True or False; got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -212,8 +207,8 @@ class Checkpointing:
         if self.every is not None:
             every = check_int("every", self.every, ge=1, owner=owner)
             object.__setattr__(self, "every", every)
-        _check_flag(owner, "resume", self.resume)
-        _check_flag(owner, "overwrite", self.overwrite)
+        check_flag("resume", self.resume, owner=owner)
+        check_flag("overwrite", self.overwrite, owner=owner)
 
     @property
     def path(self) -> Path:
@@ -257,7 +252,7 @@ class Progress:
 
     def __post_init__(self) -> None:
         if self.bar is not None:
-            _check_flag("Progress(): ", "bar", self.bar)
+            check_flag("bar", self.bar, owner="Progress(): ")
         if self.callback is not None and not callable(self.callback):
             raise TypeError(
                 f"Progress(callback=...) must be callable(step, loss); got {self.callback!r}."

@@ -159,10 +159,14 @@ class BatchedSymmetrizedELBO(ELBO):
     def __init__(
         self, num_particles: int = 1, num_permutations: int | None = None, analytic_kl: bool = True
     ) -> None:
+        owner = f"{type(self).__name__}: "
+        num_particles = check_int("num_particles", num_particles, ge=1, owner=owner)
         super().__init__(num_particles=num_particles, analytic_kl=analytic_kl)
-        if num_permutations is not None and int(num_permutations) < 1:
-            raise ValueError(f"Expected num_permutations >= 1 but got {num_permutations}.")
-        self.num_permutations = None if num_permutations is None else int(num_permutations)
+        self.num_permutations = (
+            None
+            if num_permutations is None
+            else check_int("num_permutations", num_permutations, ge=1, owner=owner)
+        )
         self._terms: dict[str, Tensor] = {}
         self.saturation = SaturationWatch()
 
@@ -220,8 +224,17 @@ class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
     def __init__(self, num_permutations: int | None = None, **kwargs: Any) -> None:
         if kwargs.get("vectorize_particles"):
             raise ValueError("SymmetrizedELBO does not support vectorize_particles=True.")
+        owner = f"{type(self).__name__}: "
+        if "num_particles" in kwargs:  # Pyro's ELBO stores any value (2.5 ran as 2 draws)
+            kwargs["num_particles"] = check_int(
+                "num_particles", kwargs["num_particles"], ge=1, owner=owner
+            )
         super().__init__(**kwargs)
-        self.num_permutations = None if num_permutations is None else int(num_permutations)
+        self.num_permutations = (
+            None
+            if num_permutations is None
+            else check_int("num_permutations", num_permutations, ge=1, owner=owner)
+        )
         self._guide: Any = None
         self.saturation = SaturationWatch()
 

@@ -40,6 +40,7 @@ __all__ = [
     "module_path_list",
     "check_real",
     "check_int",
+    "check_flag",
 ]
 
 
@@ -99,6 +100,18 @@ def check_real(
     ):
         raise ValueError(f"{owner}{name} must be {expected}; got {value!r}.")
     return number
+
+
+def check_flag(name: str, value: Any, *, owner: str = "") -> bool:
+    """``value`` if it is ``True`` or ``False``, or a ``TypeError`` naming the option ``name``:
+    a string such as ``"False"`` is truthy, and ``0``/``None`` would pass as false, choosing a
+    form in silence."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}{name} must be True or False; got {value!r} ({type(value).__name__}). "
+            f"Pass {name}=True or {name}=False."
+        )
+    return value
 
 
 def check_int(name: str, value: Any, *, ge: int | None = None, owner: str = "") -> int:
