@@ -385,3 +385,17 @@ def test_nan_means_of_a_vector_output_name_the_examples_in_regression_terms():
         with pytest.raises(ValueError, match=expected) as info:
             call()
         assert "ECE" not in str(info.value) and "Brier" not in str(info.value)
+
+
+def test_a_nan_ood_mean_of_a_regression_report_names_the_regression_score():
+    """The NaN check of a regression report's OOD means said the 'NLL, ECE and Brier score'
+    would be NaN: a regression has neither of the last two; the OOD score is the variance."""
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randn(6, generator=gen)
+    pred = Prediction(loc=torch.randn(4, 6, generator=gen), scale=1.0, targets=targets)
+    ood_loc = torch.randn(4, 5, generator=gen)
+    ood_loc[:, 2] = float("nan")
+    ood = Prediction(loc=ood_loc, scale=1.0)
+    with pytest.raises(ValueError, match=r"examples \[2\].*OOD variance AUROC") as info:
+        report(pred, targets, ood_probs=ood)
+    assert "ECE" not in str(info.value)

@@ -112,15 +112,22 @@ def check_log_probabilities(log_probs: Tensor, name: str = "log_probs") -> None:
     _check_probabilities(log_probs.exp(), name, what=f"exp({name})")
 
 
-def _check_no_nan(values: Tensor, name: str, *, example_dim: int) -> None:
-    """Raise ``ValueError`` naming the examples where ``values`` holds NaN: the NLL, ECE and
-    Brier score would be NaN beside a finite accuracy (an ``argmax`` skips NaN)."""
+def _check_no_nan(
+    values: Tensor,
+    name: str,
+    *,
+    example_dim: int,
+    scores: str = "the NLL, ECE and Brier score",
+) -> None:
+    """Raise ``ValueError`` naming the examples where ``values`` holds NaN: ``scores`` (a
+    classification's NLL, ECE and Brier score, beside a finite accuracy: an ``argmax`` skips
+    NaN) would be NaN."""
     nan = values.isnan()
     if not bool(nan.any()):
         return
     raise ValueError(
         f"{name} holds NaN at examples {flagged_examples(nan, example_dim)} (of "
-        f"{values.shape[example_dim]}): the NLL, ECE and Brier score would be NaN. Those "
+        f"{values.shape[example_dim]}): {scores} would be NaN. Those "
         "examples' inputs are probably not finite; clean or drop them and predict again."
     )
 

@@ -249,7 +249,7 @@ def _regression_report(
             f"prediction's loc {tuple(loc.shape)}: both are (draws, examples, *event) with the "
             f"same event shape {tuple(loc.shape[2:])}; predict the OOD inputs with the same model."
         )
-    _check_no_nan(ood_loc, "ood_probs.loc", example_dim=1)
+    _check_no_nan(ood_loc, "ood_probs.loc", example_dim=1, scores="the OOD variance AUROC")
     id_variance, id_spread = _predictive_variance(prediction)
     ood_variance, ood_spread = _predictive_variance(ood)
     if id_spread and ood_spread:
