@@ -493,9 +493,10 @@ class LoRA:
         embedding rows, peft's default targets). ``scoped``: the caller resolves which modules
         peft adapted (a peft model's own layers, whose ``unload()`` keeps its trained
         ``modules_to_save`` and biases), so ``layers_to_transform``, ``layers_pattern``,
-        ``exclude_modules``, ``modules_to_save`` and ``bias`` are taken care of; without it
-        they are refused too (name the modules to train beside the adapter in
-        ``FineTuneModel(trainable_modules=[...])``).
+        ``exclude_modules``, ``modules_to_save``, ``bias`` and ``init_lora_weights`` are taken
+        care of; without it they are refused too (name the modules to train beside the adapter
+        in ``FineTuneModel(trainable_modules=[...])``; an initialisation other than peft's
+        default or ``"gaussian"`` is peft's to apply: wrap the network with peft first).
         """
         settings: list[tuple[str, Any]] = [
             ("use_rslora", getattr(config, "use_rslora", False)),
@@ -505,6 +506,10 @@ class LoRA:
             ("lora_bias", getattr(config, "lora_bias", False)),
             ("trainable_token_indices", getattr(config, "trainable_token_indices", None)),
         ]
+        # peft's default initialisation (B = 0, A random; "gaussian" draws A otherwise) is
+        # pyrobayes' own; the others rewrite the base weights (PiSSA, OLoRA, LoftQ), read data
+        # (EVA, CorDA) or start B away from 0 (False): peft applies them when it wraps a model
+        init = getattr(config, "init_lora_weights", True)
         if not scoped:  # a peft model's own modules_to_save and biases are kept by its unload()
             settings += [
                 (name, getattr(config, name, None))
@@ -516,6 +521,8 @@ class LoRA:
                 ("bias", None if bias in (None, "none") else bias),
             ]
         unsupported = [f"{name}={value!r}" for name, value in settings if value]
+        if not scoped and init is not True and init != "gaussian":
+            unsupported.append(f"init_lora_weights={init!r}")
         if unsupported:
             raise ValueError(
                 f"LoRA.from_peft: the LoraConfig sets {', '.join(unsupported)}, which pyrobayes' "

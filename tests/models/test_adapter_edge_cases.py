@@ -493,3 +493,16 @@ def test_lora_xs_on_a_rank_one_weight_names_the_usable_rank():
     with pytest.warns(IneffectiveCoreWarning, match=r"12 of the core's 16 .* rank to 1"):
         FineTuneModel(net, LoRAXS(rank=4, target_modules=["2"]), trainable_modules=[])
     FineTuneModel(_mlp(), LoRAXS(rank=4, target_modules=["2"]), trainable_modules=[])  # silent
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora", False])
+def test_a_lora_config_initialisation_peft_would_apply_is_refused_on_a_plain_network(init):
+    """LoraConfig(init_lora_weights="pissa") on a plain network started from pyrobayes' own
+    initialisation (B = 0, the base weights untouched), not the one asked for."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["0"], init_lora_weights=init)
+    with pytest.raises(ValueError, match="init_lora_weights"):
+        pb.models.LoRA.from_peft(config)
+    for default in (True, "gaussian"):  # pyrobayes' own initialisation: accepted
+        ok = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["0"], init_lora_weights=default)
+        assert pb.models.LoRA.from_peft(ok).rank == 2
