@@ -830,3 +830,24 @@ def test_choosing_shift_section_lists_who_beats_map_ts_by_more_than_the_spread()
     assert "good 3 of 3 (-0.100, -0.090, -0.080)" in seeds and "noisy 1 of 3" in seeds
     assert "map " not in seeds
     assert table in lines and choosing._shift_section(None)[0].startswith("*No dataset-shift")
+
+
+def test_draws_subsets_score_the_predictive_of_their_draws() -> None:
+    """benchmarks/suite/draws.py's NLL of S-draw subsets: all draws give the mixture's NLL,
+    one draw a single draw's, and fewer draws never a lower mean NLL (Jensen)."""
+    paths = list(sys.path)
+    try:
+        draws = _load("draws")
+    finally:
+        sys.path[:] = paths
+    gen = torch.Generator().manual_seed(0)
+    log_probs = torch.log_softmax(3 * torch.randn(8, 5, 3, generator=gen), -1)
+    targets = torch.randint(0, 3, (5,), generator=gen)
+    mixture = torch.logsumexp(log_probs, 0) - math.log(8)
+    exact = float(-mixture.gather(-1, targets[:, None]).mean())
+    whole = draws.subset_nll(log_probs, targets, 8, torch.Generator().manual_seed(1))
+    assert max(abs(v - exact) for v in whole) < 1e-6
+    single = draws.subset_nll(log_probs, targets, 1, torch.Generator().manual_seed(1))
+    per_draw = -log_probs.gather(-1, targets.expand(8, 5)[..., None]).squeeze(-1).mean(1)
+    assert all(min(abs(v - float(d)) for d in per_draw) < 1e-6 for v in single)
+    assert np.mean(single) > exact  # Jensen: -log of a mean of p is below the mean of -log p
