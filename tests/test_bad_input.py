@@ -1914,6 +1914,12 @@ def _laplace_predict(data: Any, pred_type: str = "glm") -> Any:
     return pb.predict(model, guide, data, num_samples=2)
 
 
+def _fit_pyro_elbo(elbo: Any, data: Any) -> Any:
+    model = _model(num_data=ROWS)
+    guide = pb.posterior(model, "meanfield")
+    return pb.fit(model, guide, data, epochs=1, optim=pb.Optimization(loss=elbo))
+
+
 #: a batch of no examples: a ZeroDivisionError in the objective, a "Lower the learning rate"
 #: FloatingPointError under IVON, a reshape error inside torch's distributions in predict
 EMPTY_CASES: list[Case] = [
@@ -1943,6 +1949,19 @@ EMPTY_CASES: list[Case] = [
         lambda: _laplace_predict(_with_empty_batch()[::-1]),
         ValueError,
         "predict: batch 0 holds no examples",
+    ),
+    # a Pyro ELBO skipped pyrobayes' batch split: the empty batch failed in Pyro's trace
+    _case(
+        "empty-batch-fit-pyro-trace-elbo",
+        lambda: _fit_pyro_elbo(pyro.infer.Trace_ELBO(), _with_empty_batch()),
+        ValueError,
+        "training batch holds no examples",
+    ),
+    _case(
+        "empty-batch-fit-pyro-tracegraph-elbo",
+        lambda: _fit_pyro_elbo(pyro.infer.TraceGraph_ELBO(), _with_empty_batch()),
+        ValueError,
+        "training batch holds no examples",
     ),
 ]
 CASES = CASES + EMPTY_CASES

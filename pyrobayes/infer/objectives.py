@@ -360,6 +360,7 @@ class PyroObjective:
         self.elbo = elbo
 
     def loss(self, model: Any, guide: Any, batch: Any) -> Tensor:
+        _check_pyro_batch(model, batch)
         return self.elbo.differentiable_loss(model, guide, batch)
 
 
@@ -371,7 +372,16 @@ class PyroSurrogateObjective:
         self.elbo = elbo
 
     def loss_and_grads(self, model: Any, guide: Any, batch: Any) -> float:
+        _check_pyro_batch(model, batch)
         return float(self.elbo.loss_and_grads(model, guide, batch))
+
+
+def _check_pyro_batch(model: Any, batch: Any) -> None:
+    """A pyrobayes model's training batch checked as pyrobayes' own objectives check it
+    (targets present, as many as the inputs' rows, not empty: Pyro's trace of an empty batch
+    fails in a reshape); a Pyro model of the user's own reads its batches its own way."""
+    if hasattr(model, "label_key") and hasattr(model, "batched_output"):
+        _split_checked(model, batch)
 
 
 def make_objective(spec: Any) -> Any:
