@@ -43,7 +43,8 @@ The temperature is a buffer of the guide (``predictive_temperature``, with
 :func:`pyrobayes.save` / :func:`pyrobayes.load` keep it. A later fit of the guide
 (:func:`pyrobayes.fit`, a fitter of :func:`pyrobayes.infer.make_fitter`, or
 :func:`pyrobayes.infer.laplace.fit_laplace`) removes it with a warning
-(:func:`drop_temperature`): it was fitted for the posterior the fit replaces.
+(:func:`drop_temperature`): it was fitted for the posterior the fit replaces. A ``pb.fit`` that
+is refused, or takes no step on a trained family, leaves it as it was.
 """
 
 from __future__ import annotations

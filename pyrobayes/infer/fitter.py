@@ -608,5 +608,8 @@ def make_fitter(model: Any, guide: Any, **kwargs: Any) -> Fitter:
     _check_settings_family(guide, kwargs.get("optimizer"))
     fitter = cls(model, guide, **kwargs)  # its own argument errors first (e.g. no sites yet)
     check_guide_model(model, guide, "fit")
-    drop_temperature(guide, owner="fit: ")  # once nothing can refuse the fit any more
+    # pb.fit holds a temperature off the guide until its own refusals are past, and drops it
+    # only for a fit that changes the guide (loop._HeldTemperature): this drop is a hand-driven
+    # fitter's
+    drop_temperature(guide, owner="fit: ")
     return fitter

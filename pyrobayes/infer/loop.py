@@ -508,7 +508,7 @@ class _Loop(ResumeChecks):
             pyro.set_rng_seed(seed)
         if self.device is not None:
             guide.to(self.device)
-        # nothing the guide holds changes before every refusal is past (run(): _settle)
+        # nothing the guide holds changes before every refusal is past (run(): held.settle)
         self.held = _HeldTemperature(guide)
         try:
             self.fitter, self.sched = self._prepare(options.optim, lr)

@@ -831,22 +831,13 @@ class MultipleChoice(Likelihood):
         choice of a ragged batch)."""
         if self.choice_token_ids is None:
             what = "multiple_choice likelihood (continuations)"
-            labels = check_class_targets(
-                targets,
-                params.shape,
-                what=what,
-                classes="choices, the K rows of each example",
-                fix="give each example as many choices as its largest label + 1",
-            )
+            classes = "choices, the K rows of each example"
+            fix = "give each example as many choices as its largest label + 1"
         else:
             what = f"multiple_choice likelihood (choice_token_ids={self.choice_token_ids})"
-            labels = check_class_targets(
-                targets,
-                params.shape,
-                what=what,
-                classes="choices, one per entry of choice_token_ids",
-                fix="add a token to choice_token_ids for each choice",
-            )
+            classes = "choices, one per entry of choice_token_ids"
+            fix = "add a token to choice_token_ids for each choice"
+        labels = check_class_targets(targets, params.shape, what=what, classes=classes, fix=fix)
         check_labelled_choices(params, labels, what)
         return labels
 
