@@ -136,6 +136,11 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     # the same Laplace posterior with laplace-torch's default link (probit) instead of the Monte
     # Carlo GLM: post hoc at the same MAP, only the predictive differs
     "laplace-probit": {**LAPLACE_POSTHOC, "options": {"pred_type": "probit"}},
+    # the trained families with the new head a latent site from the start (an option,
+    # FineTuneModel(latent_modules=[head])): the posterior covers the head, not only the cores
+    "meanfield-hl": {"lr": 1e-2, "family": "meanfield", "head_latent": True},
+    "ivon-hl": {"lr": 0.1, "epochs": 60, "family": "ivon", "head_latent": True},
+    "kron-ivon-hl": {"lr": 0.1, "epochs": 60, "family": "kron-ivon", "head_latent": True},
     "ibdr": {"lr": 1e-2},
     "signorm": {"lr": 1e-2, "adapter": "signorm"},  # a LayerNorm appended (tests/families.py)
 }
@@ -214,6 +219,16 @@ def _mlp_adapter(settings: dict[str, Any], targets: list[str]) -> Any:
     if kind == "signorm":
         return pb.models.SigmaNorm(num_members=2, adapter=adapter)
     return adapter
+
+
+def _head_sites(settings: dict[str, Any], head: str) -> dict[str, list[str]]:
+    """``FineTuneModel``'s keyword arguments for the new head: a point parameter of every fit
+    (``trainable_modules``), or a latent site from the start where a trained row says
+    ``head_latent`` (``latent_modules``: the posterior covers it, the fit trains it; a post-hoc
+    row's ``head_latent`` makes the MAP's head latent after it, run.py)."""
+    if settings.get("head_latent") and settings.get("init") != "map":
+        return {"latent_modules": [head], "trainable_modules": []}
+    return {"trainable_modules": [head]}
 
 
 def _pretrain(net: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, loss: Any) -> None:
@@ -330,7 +345,7 @@ def _shift_task(
             net,
             _mlp_adapter(row, ["0", "2"]),
             num_data=len(x),
-            trainable_modules=["4"],
+            **_head_sites(row, "4"),
         )
 
     return Task(
@@ -436,7 +451,7 @@ def _regression_task(name: str, seed: int, quick: bool, x_np: Any, y_np: Any) ->
             obs_scale="learn",
             prior_scale=1.0,
             num_data=len(tr),
-            trainable_modules=["4"],
+            **_head_sites(settings.get(family, {}), "4"),
         )
 
     settings = {
