@@ -851,3 +851,22 @@ def test_draws_subsets_score_the_predictive_of_their_draws() -> None:
     per_draw = -log_probs.gather(-1, targets.expand(8, 5)[..., None]).squeeze(-1).mean(1)
     assert all(min(abs(v - float(d)) for d in per_draw) < 1e-6 for v in single)
     assert np.mean(single) > exact  # Jensen: -log of a mean of p is below the mean of -log p
+
+
+@pytest.mark.parametrize("task_name", ["digits", "diabetes"])
+def test_a_trained_row_with_head_latent_puts_the_new_head_in_the_posterior(task_name: str) -> None:
+    """``<family>-hl`` rows build the model with the new head a latent site from the start
+    (latent_modules), the family's own row with it a point parameter (trainable_modules); a
+    post-hoc row's head_latent leaves the build alone (run.py makes the MAP's head latent)."""
+    task = _quick_task(task_name)
+    point = task.build_model("kron-ivon")
+    latent = task.build_model("kron-ivon-hl")
+    assert point.head_modules() == ["4"] and latent.head_modules() == []
+    assert not any(n.startswith("4.") for n in latent.point_params)
+    head_sites = [s.param_name for s in latent.latent_sites.values() if s.param_name[:2] == "4."]
+    assert sorted(head_sites) == ["4.bias", "4.weight"]
+    guide = pb.posterior(latent, "kron-ivon")
+    assert sum(p.numel() for p in guide.parameters()) > sum(
+        p.numel() for p in pb.posterior(point, "kron-ivon").parameters()
+    )
+    assert task.build_model("laplace-head").head_modules() == ["4"]
