@@ -11,6 +11,7 @@ from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 from .likelihoods import Categorical, Gaussian, Likelihood, MultipleChoice
 from .multiple_choice import encode_multiple_choice
+from .peft_import import LoRADropoutWarning
 from .permutation import PermutationSpec, UnitLayer
 from .signorm import SigmaNorm, SigmaNormEnsemble
 
@@ -21,6 +22,7 @@ __all__ = [
     "SiteSpec",
     "find_target_modules",
     "IneffectiveCoreWarning",
+    "LoRADropoutWarning",
     "LoRALinear",
     "LoRAXSLinear",
     "BatchedLinear",

@@ -26,6 +26,7 @@ Examples
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -35,10 +36,16 @@ from torch import Tensor, nn
 
 from ..contract import Mixture, implements
 from ..user_frame import user_stacklevel
-from .adapters import _module_aliases, _set_submodule
+from .adapters import LoRA, _module_aliases, _set_submodule
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, is_conv1d
 
-__all__ = ["to_peft", "merged_network", "unwrapped_network", "UntemperedDeployWarning"]
+__all__ = [
+    "to_peft",
+    "merged_network",
+    "unwrapped_network",
+    "UntemperedDeployWarning",
+    "MergeRoundingWarning",
+]
 
 
 def unwrapped_network(model: Any) -> nn.Module:
@@ -205,7 +212,9 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     Returns
     -------
     nn.Module
-        The network (for a Hugging Face model, its class), parameters frozen.
+        The network (for a Hugging Face model, its class), parameters frozen, in eval mode
+        (dropout off, as :func:`pyrobayes.predict` runs it) also for a model built with
+        ``train_backbone_mode=True``: call ``.train()`` on it to train it further.
 
     Raises
     ------
@@ -216,6 +225,11 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
         adapter's base layer computes its weight from a parametrization
         (``torch.nn.utils.parametrize``, ``weight_norm``), where a merged ``ΔW`` would be
         recomputed away: turn it into a plain weight first (the message says how).
+    TypeError
+        An adapter's base layer is an ``nn.Linear`` subclass with a ``forward`` of its own,
+        which need not compute ``x Wᵀ + b``: the adapter adds ``ΔW x`` beside that forward, a
+        merged ``ΔW`` would go through it. Deploy the adapter unmerged (:func:`to_peft` for
+        LoRA) or the model itself.
 
     Warns
     -----
@@ -223,8 +237,14 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
         ``values`` is a calibrated guide (:func:`pyrobayes.calibrate`, temperature ``T ≠ 1``):
         the network has no place for ``T``, so its outputs are untempered; divide its logits
         by ``T`` (a Gaussian likelihood: multiply ``σ`` by ``T``) to apply it.
+    MergeRoundingWarning
+        A half-precision (``bfloat16`` / ``float16``) weight rounds away more than
+        a tenth of its layer's ``ΔW`` (a small update on large weights): the merged network
+        then differs from the adapted one, which adds ``ΔW x`` apart. Merge in float32, or
+        deploy the adapter unmerged (the message says how).
     """
     values = _one_parameter_set(model, values, "merged_network")
+    _check_stock_forward(model)
     net = unwrapped_network(model)
     from .signorm import MemberNorm  # (signorm imports the model, which this module serves)
 
@@ -234,6 +254,7 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
         by_module.setdefault(spec.module_path, {})[spec.kind] = v
     shared = _shared_tensor_ids(net)
     untied: list[str] = []
+    rounded: list[tuple[str, float]] = []
     with torch.no_grad():
         for path, roles in by_module.items():
             layer = model.net.get_submodule(path)
@@ -264,12 +285,99 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
             weight = _plain_weight(base, path)
             if not isinstance(base, nn.Linear):  # GPT-2 Conv1D stores (d_in, d_out)
                 delta = delta.T
-            delta = delta.to(dtype=weight.dtype, device=weight.device)
-            untied += _replace_tensor(base, "weight", weight.detach() + delta, shared, path)
+            delta = delta.to(device=weight.device)
+            merged = weight.detach() + delta.to(weight.dtype)
+            rounded += _rounded_share(path, weight, merged, delta)
+            untied += _replace_tensor(base, "weight", merged, shared, path)
     _untie_in_config(net, untied)
+    _warn_rounded(rounded, model)
     for p in net.parameters():
         p.requires_grad_(False)
-    return net
+    return net.eval()  # a deployed network: no dropout, whatever train_backbone_mode
+
+
+def _check_stock_forward(model: Any) -> None:
+    """Refuse to merge into an adapter's base layer whose ``forward`` is not ``nn.Linear``'s.
+
+    Raises
+    ------
+    TypeError
+        The base layer of an adapted module is an ``nn.Linear`` subclass with a ``forward`` of
+        its own (e.g. one scaling its output or transforming its weight): the adapted layer
+        computes ``base(x) + ΔW x``, the merged one ``base(x)`` with ``W0 + ΔW`` inside, which
+        differ unless that forward is ``x Wᵀ + b``.
+    """
+    for path, layer in model.net.named_modules():
+        if not isinstance(layer, (LoRALinear, LoRAXSLinear)):
+            continue
+        base = layer.base
+        if not isinstance(base, nn.Linear) or type(base).forward is nn.Linear.forward:
+            continue
+        unmerged = (
+            "pyrobayes.models.to_peft(model, values) (peft adds the update beside the layer, "
+            "as here; do not merge_and_unload it) or "
+            if isinstance(layer, LoRALinear)
+            else ""
+        )
+        raise TypeError(
+            f"merged_network: the base layer of {path!r} is a {type(base).__name__}, an "
+            "nn.Linear subclass with a forward of its own, which need not compute x W^T + b: "
+            "the adapter adds ΔW x beside that forward, while a ΔW merged into its weight goes "
+            "through it (a forward that scales its output or transforms its weight changes "
+            "it), so the merged network could differ from the adapted one. Deploy the adapter "
+            f"unmerged: {unmerged}the model itself (pyrobayes.predict(model, guide, ...)). If "
+            "its forward does compute x W^T + b, build the model on a plain nn.Linear holding "
+            "the same weight and bias."
+        )
+
+
+#: A half-precision merge that loses more than this share of ``ΔW`` (relative Frobenius error
+#: of the merged update) to rounding is warned about.
+_ROUNDING_RTOL = 0.1
+
+
+class MergeRoundingWarning(UserWarning):
+    """:func:`merged_network` into half-precision weights (``bfloat16``, ``float16``) that round
+    away much of an adapter's ``ΔW``: a small update on large weights falls below their
+    rounding step, so the merged network differs from the adapted one (which adds ``ΔW x``
+    apart). Merge in float32 (``model.net.float()`` before merging) or deploy the adapter
+    unmerged (:func:`to_peft`)."""
+
+
+def _rounded_share(
+    path: str, weight: Tensor, merged: Tensor, delta: Tensor
+) -> list[tuple[str, float]]:
+    """``[(path, share)]`` when the half-precision ``merged = weight + delta`` keeps ``delta``
+    with a relative error ``share`` above :data:`_ROUNDING_RTOL`, else ``[]``."""
+    if not weight.is_floating_point() or weight.element_size() > 2:
+        return []
+    exact = delta.detach().float()
+    norm = float(exact.norm())
+    if norm == 0.0 or not math.isfinite(norm):
+        return []
+    kept = merged.float() - weight.detach().float()
+    share = float((kept - exact).norm()) / norm
+    return [(path, share)] if share > _ROUNDING_RTOL else []
+
+
+def _warn_rounded(rounded: list[tuple[str, float]], model: Any) -> None:
+    """Warn (:class:`MergeRoundingWarning`) naming the layers whose ``ΔW`` rounding lost."""
+    if not rounded:
+        return
+    listed = ", ".join(f"{p!r} ({share:.0%})" for p, share in rounded[:4])
+    more = f" and {len(rounded) - 4} more" if len(rounded) > 4 else ""
+    lora = isinstance(getattr(model, "adapter", None), LoRA)
+    peft = "pyrobayes.models.to_peft(model, values) or " if lora else ""
+    warnings.warn(
+        f"merged_network: the half-precision weights lose much of the adapter's update ΔW to "
+        f"rounding (relative error of the merged ΔW: {listed}{more}): a small update on large "
+        "weights falls below their rounding step, so the merged network differs from the "
+        "adapted one, which adds ΔW x apart. Merge in float32 (model.net.float() before "
+        f"merged_network; cast the merged network back only if the rounding is acceptable), "
+        f"or deploy the adapter unmerged: {peft}the model itself.",
+        MergeRoundingWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _shared_tensor_ids(net: nn.Module) -> set[int]:
@@ -368,6 +476,8 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any
     Returns
     -------
     peft.PeftModel
+        In eval mode (dropout off, as :func:`pyrobayes.predict` runs the model) also for a
+        model built with ``train_backbone_mode=True``: call ``.train()`` to train it further.
 
     Raises
     ------
@@ -387,8 +497,6 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any
         :func:`merged_network`).
     """
     from peft import LoraConfig, get_peft_model
-
-    from .adapters import LoRA
 
     adapter = model.adapter
     if not isinstance(adapter, LoRA):
@@ -453,4 +561,4 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any
         params = dict(peft_model.named_parameters())
         for k, v in state.items():
             params[k].copy_(v)
-    return peft_model
+    return peft_model.eval()  # a deployed network: no dropout, whatever train_backbone_mode

@@ -49,7 +49,7 @@ from .net_checks import (
     _set_backbone_mode,
     task_head_modules,
 )
-from .peft_import import _peft_to_pyrobayes
+from .peft_import import _peft_to_pyrobayes, _warn_if_dropout
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ def _resolve_adapter(
     if hasattr(net, "peft_config") and hasattr(net, "unload"):
         net, adapter, peft_weights = _peft_to_pyrobayes(net, adapter)
     elif adapter is not None and type(adapter).__name__ == "LoraConfig":
+        _warn_if_dropout(adapter, "adapter=LoraConfig(...)", "pass it with lora_dropout=0")
         adapter = LoRA.from_peft(adapter)
     if adapter is None and not latent_modules:
         raise ValueError(

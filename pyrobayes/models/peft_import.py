@@ -6,18 +6,66 @@ A peft model whose function the import could not keep is refused by name rather 
 changed: several active adapters (their updates add up), adapter layers disabled
 (``disable_adapter_layers``) or merged into the base weights (``merge_adapter``), and the
 ``LoraConfig`` settings :meth:`~pyrobayes.models.LoRA.from_peft` refuses (``lora_bias``,
-``trainable_token_indices``, DoRA, rsLoRA, per-module ranks)."""
+``trainable_token_indices``, DoRA, rsLoRA, per-module ranks), and a LoRA layer on a module
+pyrobayes' LoRA does not adapt (peft's LoRA on an ``nn.Embedding`` or a convolution: only
+``nn.Linear`` and GPT-2's ``Conv1D``), whose trained update the import would drop.
+
+A ``lora_dropout > 0`` is imported with a :class:`LoRADropoutWarning` naming the adapter and the
+value: pyrobayes' LoRA has no dropout, so a fit runs without it (the noise of the posterior over
+the LoRA factors takes its part as the regulariser), while the adapted function at evaluation,
+where peft's dropout is off, is the peft model's. Published adapters commonly carry
+``lora_dropout=0.05``; set ``lora_dropout=0`` in the ``LoraConfig`` (a loaded peft model:
+``peft_model.peft_config[name].lora_dropout = 0``) to import without the warning."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any
 
 from torch import Tensor, nn
 
+from ..user_frame import user_stacklevel
 from .adapters import LoRA, find_target_modules
+from .layers import is_conv1d
+
+__all__ = ["LoRADropoutWarning"]
+
+
+class LoRADropoutWarning(UserWarning):
+    """A peft LoRA adapter imported with ``lora_dropout > 0``, which pyrobayes' LoRA does not
+    apply (it has no dropout): a fit runs without it, the noise of the posterior over the LoRA
+    factors taking its part as the regulariser. The adapted function at evaluation (peft's
+    dropout is off in eval mode) is unchanged. ``lora_dropout=0`` in the ``LoraConfig``
+    silences it."""
+
+
+def _warn_if_dropout(config: Any, what: str, silence: str) -> None:
+    """Warn (:class:`LoRADropoutWarning`) that the ``lora_dropout`` of the peft ``config`` is
+    not applied.
+
+    Parameters
+    ----------
+    config : peft.LoraConfig
+    what : str
+        The adapter, as the message names it (``"the peft LoRA adapter 'default'"``).
+    silence : str
+        How to set its dropout to 0, for the message.
+    """
+    p = getattr(config, "lora_dropout", 0.0)
+    if not isinstance(p, (int, float)) or p <= 0:
+        return
+    warnings.warn(
+        f"FineTuneModel: {what} has lora_dropout={p:g}, which pyrobayes' LoRA does not apply "
+        "(it has no dropout): the fit runs without it, the posterior's sampling noise (under "
+        "MAP, the prior's weight decay) taking its part as the regulariser. The adapted "
+        "function at evaluation "
+        f"(peft's dropout is off in eval mode) is unchanged. To silence this, {silence}.",
+        LoRADropoutWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _lora_layers(net: Any) -> list[tuple[str, Any]]:
@@ -88,6 +136,37 @@ def _check_peft_model(net: Any) -> str:
     return active
 
 
+def _check_adapted_layers(net: Any, active: str) -> None:
+    """Refuse a LoRA layer of the ``active`` adapter on a module pyrobayes' LoRA does not adapt
+    (peft's LoRA on an ``nn.Embedding``, a convolution, a parameter): the import would drop its
+    trained update (an embedding's ``lora_embedding_A`` is no ``lora_A``) or fail on it.
+
+    Raises
+    ------
+    ValueError
+        A layer's base module is neither an ``nn.Linear`` nor GPT-2's ``Conv1D``; the message
+        names its path and type.
+    """
+    prefix = "base_model.model."
+    for name, module in _lora_layers(net):
+        embedding_a = getattr(module, "lora_embedding_A", None)
+        if active not in module.lora_A and not (embedding_a is not None and active in embedding_a):
+            continue
+        get_base = getattr(module, "get_base_layer", None)
+        base = get_base() if callable(get_base) else getattr(module, "base_layer", module)
+        if isinstance(base, nn.Linear) or is_conv1d(base):
+            continue
+        path = name[len(prefix) :] if name.startswith(prefix) else name
+        raise ValueError(
+            f"FineTuneModel: the peft LoRA adapter {active!r} adapts {path!r} (a "
+            f"{type(base).__name__}), but pyrobayes' LoRA adapts nn.Linear layers and "
+            "transformers' GPT-2 Conv1D only, so an import would drop that layer's trained "
+            "update. Pass peft_model.merge_and_unload() (the trained adapter folded into the "
+            "weights) with a fresh adapter=LoRA(...) on linear layers, or train the peft "
+            f"adapter with target_modules leaving {path!r} out."
+        )
+
+
 def _peft_to_pyrobayes(net: Any, explicit: Any = None) -> tuple[nn.Module, Any, dict[str, Tensor]]:
     """Unwrap a ``peft.PeftModel`` with LoRA layers: base network, LoRA config, trained weights.
 
@@ -99,8 +178,15 @@ def _peft_to_pyrobayes(net: Any, explicit: Any = None) -> tuple[nn.Module, Any, 
     any other adapter is refused.
     """
     active = _check_peft_model(net)
+    _check_adapted_layers(net, active)
     adapter = LoRA.from_peft(net.peft_config[active], scoped=True)
+    _warn_if_dropout(
+        net.peft_config[active],
+        f"the peft LoRA adapter {active!r}",
+        f"set peft_model.peft_config[{active!r}].lora_dropout = 0 before importing",
+    )
     if explicit is not None and type(explicit).__name__ == "LoraConfig":
+        _warn_if_dropout(explicit, "adapter=LoraConfig(...)", "pass it with lora_dropout=0")
         explicit = LoRA.from_peft(explicit, scoped=True)  # (its scope is compared below)
     weights: dict[str, Tensor] = {}
     prefix = "base_model.model."

@@ -258,7 +258,7 @@ class InputMoments:
 
 def collect_input_moments(
     net: nn.Module,
-    module_names: list[str],
+    module_names: list[str] | str,
     batches: Iterable[Any],
     forward: Callable[[nn.Module, Any], object],
     mask_fn: Callable[[Any], Tensor | None] | None = None,
@@ -277,8 +277,9 @@ def collect_input_moments(
     ----------
     net : nn.Module
         Network containing the modules.
-    module_names : list of str
-        Names as in ``net.named_modules()``.
+    module_names : list of str or str
+        Names as in ``net.named_modules()``; a single string is one name (never split into
+        its characters).
     batches : Iterable
         Calibration batches.
     forward : Callable[[nn.Module, batch], object]
@@ -298,10 +299,15 @@ def collect_input_moments(
     dict of str to InputMoments
         One accumulator per module name.
     """
+    if isinstance(module_names, str):  # one path, not a sequence of one-letter paths
+        module_names = [module_names]
     named = dict(net.named_modules())
     missing = [name for name in module_names if name not in named]
     if missing:
-        raise ValueError(f"modules not found in net: {missing}")
+        raise ValueError(
+            f"collect_input_moments: module_names {missing} not found in "
+            f"{type(net).__name__}; name modules by their full path, as in net.named_modules()."
+        )
     if max_batches is not None and max_batches < 0:
         raise ValueError(f"max_batches must be >= 0 or None, got {max_batches}")
 
