@@ -527,12 +527,22 @@ def linearized_predict(
         `(1, N, K)` (``"probit"``).
         Regression: ``loc`` `(1, N, *event)` = ``f(x; θ̂)``, ``loc_var`` `(1, N, *event)` =
         ``diag(J Σ Jᵀ)`` and ``scale`` = σ; ``predictive_scale`` is ``sqrt(loc_var + σ²)``.
+
+    Raises
+    ------
+    FloatingPointError
+        Before any network pass, when the posterior precision ``H + τ I`` of a site is not
+        finite or not positive (a Laplace guide's ``check_finite``: the message names the site
+        and the remedy).
     """
     pred_type = guide.pred_type
     if pred_type not in ("glm", "probit"):
         raise ValueError(
             f"linearized_predict: pred_type must be 'glm' or 'probit', got {pred_type!r}."
         )
+    check_finite = getattr(guide, "check_finite", None)  # a non-finite H + τ I: which site
+    if callable(check_finite):  # (else torch's parameter check printed it, or NaN rows)
+        check_finite("predict: ")
     model.train(False)
     dev = model.device
     likelihood = model.likelihood

@@ -499,6 +499,49 @@ alternate_map_tol, alternate_lr : optional
             return (q_out * prec) @ q_out.T
         return KronEigenNormal(self.loc(site), q_in, q_out, prec).to_dense_precision(row_major=True)
 
+    def check_finite(self, owner: str = "predict: ") -> None:
+        """Refuse a posterior whose precision ``H_l + τ_l I`` is not a finite, positive one at
+        some latent site (a curvature, τ or Kronecker eigenbasis holding NaN or inf, set or
+        loaded by hand or overflowed): its covariance, and every predictive, would be NaN.
+
+        One device synchronisation for all the sites; the error path counts the values.
+
+        Parameters
+        ----------
+        owner : str
+            The caller, named first in the message (``"predict: "``).
+
+        Raises
+        ------
+        FloatingPointError
+            Naming each site, what is not finite there, and what to do.
+        """
+        self.require_fitted()
+        latent = self.latent_subset
+        checks = []
+        for site in latent:
+            curv, tau = self.curvature(site), self.site_prior_precision(site)
+            vecs_ok = curv.new_ones((), dtype=torch.bool)  # (DIAG: no eigenbasis)
+            if self.structure == "kron":
+                vecs_ok = torch.isfinite(torch.cat([q.reshape(-1) for q in self.eigvecs(site)]))
+            checks += [torch.isfinite(curv).all(), torch.isfinite(tau) & (tau > 0)]
+            checks += [vecs_ok.all(), ((curv + tau) > 0).all()]
+        flags = torch.stack(checks).reshape(len(latent), 4).tolist() if latent else []
+        problems = [_precision_problem(self, s, f) for s, f in zip(latent, flags, strict=True)]
+        found = [p for p in problems if p is not None]
+        if not found:
+            return
+        raise FloatingPointError(
+            f"{owner}the LaplaceGuide's posterior precision H + τ I is not usable at "
+            f"{len(found)} site(s) ({'; '.join(found[:5])}): its covariance (H + τ I)⁻¹, and so "
+            "the predictive, would be NaN. Refit the posterior at the MAP (pyrobayes.fit(model, "
+            "guide, data, epochs=0)) after checking the training data for non-finite or huge "
+            "inputs (a float16 network: use bfloat16 or float32); for τ, give a finite, larger "
+            "prior precision (guide.set_prior_precision(tau), or pb.posterior(model, "
+            "'laplace', prior_precision=...)); a posterior edited by hand: load the saved file "
+            "again."
+        )
+
     # ------------------------------------------------------------------ guide contract
     def get_posterior(self, site: str) -> dist.TorchDistribution:
         # the fitted posterior is fixed: its draws carry no gradient to the point, whose
@@ -507,6 +550,15 @@ alternate_map_tol, alternate_lr : optional
         self.require_fitted()
         if not self.is_latent(site):
             return dist.Delta(loc, event_dim=loc.dim())
+        try:
+            return self._site_posterior(site, loc)
+        except (ValueError, RuntimeError):  # torch's check of the parameters prints them:
+            self.check_finite(f"{type(self).__name__}.get_posterior({site!r}): ")  # say why
+            raise
+
+    def _site_posterior(self, site: str, loc: Tensor) -> dist.TorchDistribution:
+        """``q`` of the latent ``site`` around ``loc``: diagonal, a bias's dense Gaussian or the
+        Kronecker eigenbasis Gaussian (torch checks its parameters)."""
         prec = self.curvature(site) + self.site_prior_precision(site)
         if self.structure == "diag":
             return dist.Normal(loc, prec.rsqrt()).to_event(loc.dim())
@@ -571,6 +623,26 @@ alternate_map_tol, alternate_lr : optional
             if self.structure == "kron":
                 total += sum(n**2 for n in shape)
         return total
+
+
+def _precision_problem(guide: LaplaceGuide, site: str, flags: list[bool]) -> str | None:
+    """What is wrong with ``site``'s precision (``flags``: its curvature finite, τ finite and
+    > 0, its eigenvectors finite, the precision positive), in words, or ``None``."""
+    curv_ok, tau_ok, vecs_ok, positive = flags
+    if curv_ok and tau_ok and vecs_ok and positive:
+        return None
+    curv, tau = guide.curvature(site), float(guide.site_prior_precision(site))
+    parts = []
+    if not curv_ok:
+        bad = int((~torch.isfinite(curv)).sum())
+        parts.append(f"its curvature holds {bad} of {curv.numel()} values NaN or inf")
+    if not tau_ok:
+        parts.append(f"its prior precision τ is {tau:.4g}, not a finite number > 0")
+    if not vecs_ok:
+        parts.append("its Kronecker eigenvectors hold NaN or inf")
+    if curv_ok and tau_ok and vecs_ok:
+        parts.append(f"H + τ I is not positive (a negative curvature, τ = {tau:.4g})")
+    return f"site {site!r}: {', '.join(parts)}"
 
 
 def _resolve_subset(model: Any, subset: str | Sequence[str], owner: str) -> frozenset[str] | None:

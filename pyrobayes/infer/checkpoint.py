@@ -60,6 +60,7 @@ __all__ = [
     "check_checkpoint",
     "check_fitter_settings",
     "check_position",
+    "check_posterior",
     "clean",
     "holds_run",
     "latest",
@@ -498,6 +499,41 @@ def check_fitter_settings(folder: str | Path, fitter: Fitter) -> None:
     check_settings(fitter, state.get("settings") if isinstance(state, dict) else None)
 
 
+def check_posterior(folder: str | Path, guide: Any, model: Any) -> None:
+    """Refuse the checkpoint ``folder`` when its posterior would not load into ``guide`` and
+    ``model``, before anything is restored or reset (the fitter's ``begin`` resets what a
+    post-hoc family collected; :func:`load_checkpoint`'s load comes after it).
+
+    The checks of :func:`pyrobayes.io.load_state`, without loading: the file's integrity,
+    family, options, sites (another adapter rank), adapter, likelihood, model settings, tensor
+    shapes, point parameters and base weights.
+
+    Parameters
+    ----------
+    folder : path
+        A checkpoint generation (from :func:`latest`).
+    guide : PosteriorGuide
+        The resuming fit's guide.
+    model : FineTuneModel
+        The resuming fit's model.
+
+    Raises
+    ------
+    pyrobayes.io.PosteriorFileError
+        When ``posterior.safetensors`` is unreadable, edited or non-finite.
+    pyrobayes.io.PosteriorMismatchError
+        When it was written for another guide or model; the message names the field and both
+        values.
+    """
+    from ..io import _read_verified
+    from ..io.compatibility import _check_base, _check_loadable
+
+    path = Path(folder) / "posterior.safetensors"
+    header, tensors = _read_verified(path)
+    _check_loadable(path, header, tensors, guide, model)
+    _check_base(path, header, model)
+
+
 def load_checkpoint(
     folder: str | Path,
     guide: Any,
@@ -506,19 +542,22 @@ def load_checkpoint(
     scheduler: Any = None,
     *,
     steps_per_epoch: int | None = None,
+    check_base: bool = True,
 ) -> tuple[dict[str, Any], Snapshot | None]:
     """Restore guide, point parameters, fitter, RNG and schedule from the checkpoint ``folder``
     (from :func:`latest`); returns its ``state.json`` and the best snapshot (or None).
 
     :func:`check_checkpoint` runs first (the family, the position, with ``steps_per_epoch``
     the batches per epoch of the data the fit resumes with, if known, and the schedule): on
-    its error nothing has been restored.
+    its error nothing has been restored. ``check_base=False`` skips the base-weight
+    fingerprint (one pass over the adapted layers' frozen weights) where
+    :func:`check_posterior` has just compared it, as a resuming fit does.
     """
     from ..io import load_state
 
     folder = Path(folder)
     meta = check_checkpoint(folder, guide, scheduler, steps_per_epoch=steps_per_epoch)
-    load_state(guide, folder / "posterior.safetensors", model=model)
+    load_state(guide, folder / "posterior.safetensors", model=model, check_base=check_base)
     fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))
     set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
     if scheduler is not None and (folder / "scheduler.pt").exists():

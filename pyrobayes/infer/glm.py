@@ -33,6 +33,9 @@ def _functional_variance(guide: Any, jac: Mapping[str, Tensor]) -> Tensor:
 def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
     """Mean ``f(x; θ*)`` `(B, C)` and covariance ``J Σ Jᵀ`` `(B, C, C)` of the linearized model."""
     guide.require_fitted()
+    check_finite = getattr(guide, "check_finite", None)  # a non-finite H + τ I, by site
+    if callable(check_finite):
+        check_finite("glm_moments: ")
     values = dict(guide.linearization_point())
     fixed = guide.fixed_point()  # sites outside subset=: held at their MAP, no Jacobian
 

@@ -614,13 +614,15 @@ class _Loop(ResumeChecks):
     def run(self) -> FitResult:
         try:  # every refusal before the guide changes (a refused fit leaves it as it was)
             self._check_shards()
-            found = self._checked_resume()
+            found = self._checked_resume()  # (the checkpoint's posterior fits the guide too)
+            # the fitter's own refusals (Laplace's settings) come before its reset, which
+            # begins the fit: the temperature stays held until then
+            self.fitter.begin(self.data)  # (resets what a post-hoc family collected)
         except BaseException:
             self.held.put_back()
             raise
         before = forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
         self.held.settle(changes=found is not None or self._changes_guide())
-        self.fitter.begin(self.data)  # (resets what a post-hoc family collected)
         if found is not None:
             self._resume(found)
         pos = self.pos
@@ -848,6 +850,7 @@ class _Loop(ResumeChecks):
             self.fitter,
             self.sched,
             steps_per_epoch=self.plan.steps_per_epoch,
+            check_base=False,  # compared by _checked_resume's check_posterior, before begin
         )
         pos = self.pos
         pos.step, pos.epoch, pos.losses = meta["step"], meta["epoch"], list(meta["losses"])

@@ -21,7 +21,7 @@ from typing import Any
 import pyro
 import torch
 
-from .checkpoint import check_checkpoint, check_fitter_settings, latest
+from .checkpoint import check_checkpoint, check_fitter_settings, check_posterior, latest
 from .data_record import describe_difference, training_data_record
 from .distributed import world
 from .selection import Selection, data_fingerprint
@@ -247,8 +247,10 @@ class ResumeChecks:
         """The checkpoint to resume from (``None``: a new fit), with every refusal of the
         resume made before anything is restored or reset: another family first
         (:func:`~pyrobayes.infer.checkpoint.check_checkpoint`, with the position and the
-        schedule), the fitter's settings record, then the validation data, the budget, the rate, the training data and the
-        run's settings."""
+        schedule), a posterior that would not load into the guide and model
+        (:func:`~pyrobayes.infer.checkpoint.check_posterior`), the fitter's settings record,
+        then the validation data, the budget, the rate, the training data and the run's
+        settings."""
         found = latest(self.ckpt) if self.resume and self.ckpt is not None else None
         if found is None:
             if self.resume:  # a job that always resumes starts so; a mistyped folder too
@@ -257,6 +259,7 @@ class ResumeChecks:
         meta = check_checkpoint(
             found, self.guide, self.sched, steps_per_epoch=self.plan.steps_per_epoch
         )
+        check_posterior(found, self.guide, self.model)  # (another adapter rank, guide shape)
         check_fitter_settings(found, self.fitter)
         self._check_validation(meta, found)
         self._check_budget(meta, found)
