@@ -870,3 +870,18 @@ def test_a_trained_row_with_head_latent_puts_the_new_head_in_the_posterior(task_
         p.numel() for p in pb.posterior(point, "kron-ivon").parameters()
     )
     assert task.build_model("laplace-head").head_modules() == ["4"]
+
+
+@pytest.mark.parametrize("task_name", ["digits", "diabetes"])
+def test_a_row_s_model_does_not_depend_on_the_rows_built_before_it(task_name: str) -> None:
+    """Plain LoRA's random A is drawn when the model is built: the regression tasks drew it from
+    whatever the families fitted before had left of the global generator, so one row's numbers
+    depended on the run's family list."""
+    task = _quick_task(task_name)
+    first = task.build_model("meanfield-lora")
+    torch.rand(1000)  # what a family fitted in between consumes
+    second = task.build_model("meanfield-lora")
+    a = first.init_values()
+    b = second.init_values()
+    assert a.keys() == b.keys() and any(v.abs().sum() > 0 for v in a.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -441,8 +441,12 @@ def _regression_task(name: str, seed: int, quick: bool, x_np: Any, y_np: Any) ->
     def build_model(family: str, member: int = 0) -> Any:
         body = mlp()
         body.load_state_dict(state)
+        # seeded for every build, as the classification tasks' build_model is: the adapter's
+        # random parts (plain LoRA's A, IBDR's particle spread) were drawn from whatever the
+        # families fitted before had left of the global generator, so a row depended on which
+        # rows ran before it in the same process
+        torch.manual_seed(1000 * seed + member)
         if member:  # an ensemble member: its own head initialisation
-            torch.manual_seed(1000 * seed + member)
             body[4].reset_parameters()
         return pb.models.FineTuneModel(
             body,
