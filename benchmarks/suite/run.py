@@ -29,7 +29,7 @@ and standard deviation over seeds) against MAP and each anchor are computed by `
 
 Run::
 
-    make bench-suite                                   # digits, mnist, diabetes: 3 seeds, every family
+    make bench-suite                                   # digits, mnist, diabetes: 10 seeds, every family
                                                        # (and autompg: 10 seeds, autompg.json)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite/run.py --tasks polarity --seeds 0 \\
         --families map laplace ivon --out benchmarks/results/suite/polarity.json
