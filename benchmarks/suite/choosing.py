@@ -129,7 +129,13 @@ TRIED: tuple[tuple[str, str], ...] = (
         "SWAG, σN, IBDR and the symmetrized guide",
         "SWAG's documented settings and a constant-SGD rate (docs/methods/swag_laplace.md); "
         "σN's τ/λ and why it is under-confident on digits (docs/methods/signorm.md); IBDR's ρ "
-        "and dual step, so that its controller engages (docs/methods/ibdr.md); the symmetrized "
+        "and dual step, so that its controller engages (docs/methods/ibdr.md), and its "
+        "diversity weight: at α = 0 (the `ibdr-a0` rows, 10 seeds) IBDR is a robust particle "
+        "ensemble level with MAP + TS (digits ΔNLL −.008 ± .008 with its temperature, mnist "
+        "−.005 ± .018), while the default α = 0.02 is under-confident as fitted (T ≈ 0.5 on "
+        "digits) but with its temperature beats MAP + TS on digits (−.026 ± .017) at +1.6 ± "
+        "0.9 pp accuracy and raises the OOD AUROC (+.049 ± .014 against α = 0's +.013 ± .013), "
+        "so α stays 0.02; the symmetrized "
         "bonus, inert on these pretrained networks, so the fit equals mean-field on the same "
         "adapter (docs/methods/symmetrized.md).",
     ),

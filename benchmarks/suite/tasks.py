@@ -142,6 +142,9 @@ MLP_SETTINGS: dict[str, dict[str, Any]] = {
     "ivon-hl": {"lr": 0.1, "epochs": 60, "family": "ivon", "head_latent": True},
     "kron-ivon-hl": {"lr": 0.1, "epochs": 60, "family": "kron-ivon", "head_latent": True},
     "ibdr": {"lr": 1e-2},
+    # IBDR without its diversity term (α = 0: robust particles only; the default is 0.02 with
+    # at least K + 1 classes): does the diversity term earn its under-confidence?
+    "ibdr-a0": {"lr": 1e-2, "family": "ibdr", "optimizer": pb.infer.IBDR(alpha=0.0)},
     "signorm": {"lr": 1e-2, "adapter": "signorm"},  # a LayerNorm appended (tests/families.py)
 }
 #: The regression task's exceptions (none: IBDR's diversity term, which needs class
