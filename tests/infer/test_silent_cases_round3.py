@@ -141,6 +141,19 @@ def _interrupted(folder: Path, family: str, **options: Any) -> None:
         )
 
 
+def _resume(model: Any, guide: Any, data: Any, folder: Path) -> None:
+    """``pb.fit`` resuming from the checkpoints in ``folder``."""
+    pb.fit(
+        model,
+        guide,
+        data,
+        epochs=3,
+        seed=0,
+        checkpoint=pb.Checkpointing(folder, resume=True),
+        progress=False,
+    )
+
+
 @pytest.mark.parametrize(
     "family,options,named",
     [
@@ -165,15 +178,7 @@ def test_a_resume_from_another_adapter_rank_or_guide_shape_leaves_the_fitted_gui
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         with pytest.raises(PosteriorMismatchError, match=named):
-            pb.fit(
-                model,
-                guide,
-                data,
-                epochs=3,
-                seed=0,
-                checkpoint=pb.Checkpointing(tmp_path, resume=True),
-                progress=False,
-            )
+            _resume(model, guide, data, tmp_path)
     assert guide.is_fitted and _same_state(guide, before)
     assert temperature(guide) == t_before
     assert not any("temperature is removed" in str(w.message) for w in record)
@@ -208,13 +213,5 @@ def test_a_resume_onto_another_base_network_is_refused_before_the_guide_changes(
     _quiet_fit(model, guide, data, epochs=4, seed=0)
     before = _state(guide)
     with pytest.raises(PosteriorMismatchError, match="fitted on another base model"):
-        pb.fit(
-            model,
-            guide,
-            data,
-            epochs=3,
-            seed=0,
-            checkpoint=pb.Checkpointing(tmp_path, resume=True),
-            progress=False,
-        )
+        _resume(model, guide, data, tmp_path)
     assert guide.is_fitted and _same_state(guide, before)
