@@ -155,6 +155,7 @@ def _fit_causal_lm(args: argparse.Namespace, path: Path, user: dict[str, Any]) -
 
     try:
         config = causal_lm.resolve_config(user, quick=args.quick)
+        _check_relative_paths(path, config)
         causal_lm.check_inputs(config)  # before --overwrite removes the old run
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
@@ -164,6 +165,36 @@ def _fit_causal_lm(args: argparse.Namespace, path: Path, user: dict[str, Any]) -
     print(causal_lm.format_table(records))
     print(f"run folder: {out}")
     return 0
+
+
+def _check_relative_paths(config_path: Path, config: dict[str, Any]) -> None:
+    """Refuse a relative ``causal_lm.task.path`` or ``causal_lm.model`` that is missing from the
+    current folder (where the job reads it) but sits next to the config file: the user wrote it
+    relative to the config, so the job would stop with "does not exist" after loading.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, both places, and the path to write instead.
+    """
+    here, beside = Path.cwd(), config_path.parent
+    if beside.resolve() == here.resolve():
+        return
+    lm = config["causal_lm"]
+    for key, value in (
+        ("causal_lm.task.path", lm["task"]["path"]),
+        ("causal_lm.model", lm["model"]),
+    ):
+        relative = Path(str(value))
+        if not value or str(value).startswith("~") or relative.is_absolute() or relative.exists():
+            continue
+        if (beside / relative).exists():
+            raise ConfigError(
+                f"Config key {key!r} = {value!r} is read from the current folder ({here}), where "
+                f"it does not exist; relative paths are not read from the config's folder, "
+                f"which holds {beside / relative}. Write {str(beside / relative)!r} (or an "
+                f"absolute path), or run pyrobayes from {beside}."
+            )
 
 
 def _is_causal_lm_run(run_dir: Path) -> bool:

@@ -304,13 +304,30 @@ def test_overwrite_removes_the_old_runs_normalize_json(tmp_path):
     # must not leave the old comparison next to its own metrics
     out = tmp_path / "run"
     (out / "guides").mkdir(parents=True)
-    for name in ("config.json", "metrics.json", "normalize.json"):
+    for name in ("metrics.json", "normalize.json"):
         (out / name).write_text("{}")
+    (out / "config.json").write_text('{"families": ["map"]}')  # a run's
     claim_run_folder(out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["guides"]
     (out / "normalize.json").write_text("{}")  # an interrupted run's only result
     with pytest.raises(RunFolderError, match=r"already holds a run \(normalize.json\)"):
         claim_run_folder(out, overwrite=False)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_whose_config_json_is_not_a_runs_is_refused(tmp_path, overwrite):
+    """--out at a Hugging Face model folder: its config.json counted as a run's file, so
+    --overwrite deleted it (and a new run would have written over it)."""
+    model = tmp_path / "smollm2"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (model / "metrics.json").write_text("{}")
+    with pytest.raises(RunFolderError, match=r"config.json is a model's .*another --out"):
+        claim_run_folder(model, overwrite=overwrite, folder="--out")
+    assert (model / "config.json").is_file() and (model / "metrics.json").is_file()
+    (model / "config.json").write_text("not json")
+    with pytest.raises(RunFolderError, match="not a pyrobayes run's"):
+        claim_run_folder(model, overwrite=overwrite)
 
 
 def test_join_of_an_interrupted_run_lists_only_its_recorded_seeds(tmp_path, caplog):

@@ -323,6 +323,32 @@ def did_you_mean(word: str, options: Sequence[str], prefix: str = "") -> str:
     return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
+#: The section that makes a config the causal-LM job's (``pyrobayes.demo.causal_lm_config``).
+_CAUSAL_LM_SECTION = "causal_lm"
+
+
+def _causal_lm_hint(key: str) -> str:
+    """What to say after an unknown top-level key of a demo config that looks meant for the
+    causal-LM job (a misspelt ``[causal_lm]``, or its ``seeds`` list): the command line read
+    the config as the demo's because it has no ``[causal_lm]`` section."""
+    section = f"[{_CAUSAL_LM_SECTION}]"
+    if key == "seeds":
+        return (
+            f" 'seeds' is a causal-LM job's key (a config with a {section} section); this "
+            "config has none, so it runs the MiniLM demo, which fits one seed: set [training] "
+            f"seed, or add the {section} section (docs/causal_lm.md, 'The job')."
+        )
+    squashed = re.sub(r"[\W_]", "", key.lower())
+    near = difflib.get_close_matches(key.lower(), [_CAUSAL_LM_SECTION], n=1, cutoff=0.7)
+    if squashed not in ("causallm", "causallms") and not near:
+        return ""
+    return (
+        f" A causal-LM job is a config with a section named exactly {section} (and "
+        f"[{_CAUSAL_LM_SECTION}.task]); this config has none, so it was read as the MiniLM "
+        f"demo's. Name the section {section} (docs/causal_lm.md, 'The job')."
+    )
+
+
 def _validate(node: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
     """Raise :class:`ConfigError` on the first unknown key or wrong type under ``node``."""
     for key, value in node.items():
@@ -337,6 +363,7 @@ def _validate(node: dict[str, Any], schema: dict[str, Any], prefix: str = "") ->
                 )
             raise ConfigError(
                 f"Unknown config section {path!r}{hint}. Valid top-level keys: {', '.join(valid)}."
+                f"{_causal_lm_hint(str(key))}"
             )
         expected = schema[key]
         if isinstance(expected, dict):

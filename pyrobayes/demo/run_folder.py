@@ -11,6 +11,7 @@ behind next to the new metrics.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -40,6 +41,31 @@ def run_files(out: str | Path) -> list[Path]:
     return found
 
 
+def _refuse_foreign_config(root: Path, folder: str) -> None:
+    """Refuse ``root`` when its ``config.json`` is not a run's (a run's config names its
+    ``families``): a Hugging Face model folder, say, whose config the run would overwrite (or
+    ``overwrite`` delete)."""
+    path = root / "config.json"
+    if not path.is_file():
+        return
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = None
+    if isinstance(record, dict) and "families" in record:
+        return
+    what = (
+        "a model's (it names a model_type)"
+        if isinstance(record, dict) and "model_type" in record
+        else "not a pyrobayes run's (it names no families)"
+    )
+    raise RunFolderError(
+        f"{folder} {root}: its config.json is {what}; a run there would overwrite it, and "
+        f"replacing a run would delete it. Pass another {folder} (a new folder, or one holding "
+        "only a pyrobayes run)."
+    )
+
+
 def claim_run_folder(
     out: str | Path, overwrite: bool, *, folder: str = "out_dir", replace: str = "overwrite=True"
 ) -> None:
@@ -67,6 +93,7 @@ def claim_run_folder(
             f"{folder} {root}: {taken} is a file, not a folder, so the run cannot be written "
             f"there; pass another {folder} (a new or existing folder)."
         )
+    _refuse_foreign_config(root, folder)
     files = run_files(out)
     if not files:
         return

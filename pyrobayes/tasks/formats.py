@@ -23,6 +23,8 @@ import importlib
 import json
 import logging
 import math
+import re
+import string
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,17 +46,57 @@ __all__ = [
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 
 
+def _read_text(path: Path) -> str:
+    """A task file's text: UTF-8, a leading byte-order mark (as Windows tools write) dropped.
+
+    Raises
+    ------
+    ValueError
+        The file is not UTF-8, naming the file, the line and the byte.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path} is not UTF-8 text: line {line} holds the byte "
+            f"{data[err.start : err.start + 1]!r} ({err.reason}), as a file saved in another "
+            "encoding (e.g. Windows-1252 or Latin-1) does. Save it as UTF-8 (e.g. `iconv -f "
+            "cp1252 -t utf-8`) and read it again."
+        ) from None
+
+
+def _jsonl_records(path: Path, text: str) -> list[Any]:
+    """One record per line of a JSON Lines file, blank lines skipped; a line that is not JSON
+    is named by its line number in the file. Lines end at ``\\n`` only: U+2028 and the other
+    characters ``str.splitlines`` also splits at may sit unescaped inside a JSON string."""
+    out = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path} line {number} is not valid JSON ({err.msg}, column {err.colno}); a "
+                "JSONL file holds one JSON record per line. Fix or remove that line."
+            ) from None
+    return out
+
+
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"multiple-choice task file {path} does not exist.")
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        return _jsonl_records(path, text)
     try:
-        if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
         data = json.loads(text)
     except json.JSONDecodeError as err:
+        lines = " (one JSON record per line is JSON Lines: name the file .jsonl)"
         raise ValueError(
-            f"{path} is not valid JSON{'L' * (path.suffix == '.jsonl')}: {err}"
+            f"{path} is not valid JSON: {err}{lines if err.msg == 'Extra data' else ''}"
         ) from None
     if isinstance(data, Mapping) and isinstance(data.get("examples"), list):
         data = data["examples"]
@@ -91,6 +133,44 @@ def _answer_index(answer: Any, choices: list[str], where: str) -> int:
     )
 
 
+#: ``{name}`` in a template's literal text: a field written as Jinja's ``{{name}}``
+#: (lm-evaluation-harness's ``doc_to_text``), which ``str.format`` prints as the text ``{name}``
+_LITERAL_FIELD = re.compile(r"\{\s*([A-Za-z_]\w*)[^{}\0]*\}")
+_JINJA_FIELD = re.compile(r"(?<!\{)\{\{\s*([A-Za-z_]\w*)\s*\}\}(?!\})")
+
+
+def _template_fields(template: str, names: set[str]) -> set[str]:
+    """The record fields ``template`` names (the part of each replacement field before ``.``
+    or ``[``).
+
+    Raises
+    ------
+    ValueError
+        A template that is not ``str.format``'s (a stray brace), or one that writes a field of
+        the records (``names``) as Jinja's ``{{question}}``: ``str.format`` reads ``{{`` as a
+        literal brace, so every prompt would hold the same text ``{question}``.
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ValueError(
+            f"template {template!r} is not a valid str.format template ({err}); write a "
+            "literal brace as '{{' or '}}'."
+        ) from None
+    literal = "".join(text + ("\0" if name is not None else "") for text, name, _, _ in parsed)
+    jinja = [m.group(1) for m in _LITERAL_FIELD.finditer(literal) if m.group(1) in names]
+    if jinja:
+        fixed = _JINJA_FIELD.sub(lambda m: "{" + m.group(1) + "}", template)
+        raise ValueError(
+            f"template {template!r} writes the field {jinja[0]!r} as Jinja does "
+            f"({{{{{jinja[0]}}}}}, lm-evaluation-harness's doc_to_text), but it is a str.format "
+            f"template, where '{{{{' is a literal brace: every prompt would hold the text "
+            f"{{{jinja[0]}}} instead of the record's {jinja[0]}. Write one brace per side: "
+            f"template = {fixed!r}."
+        )
+    return {re.split(r"[.\[]", name, maxsplit=1)[0] for _, name, _, _ in parsed if name}
+
+
 def read_json_examples(
     path: str | Path,
     *,
@@ -104,13 +184,17 @@ def read_json_examples(
     Parameters
     ----------
     path : str or Path
-        ``.jsonl`` (one record a line) or ``.json`` (a list of records, or ``{"examples": [...]}``).
+        ``.jsonl`` (one record a line; ``.ndjson`` too, any case) or ``.json`` (a list of
+        records, or ``{"examples": [...]}``), UTF-8 (a leading byte-order mark is dropped).
     template : str
         ``str.format`` template over the record's fields; ``{question}`` names ``question_key``.
         Trailing spaces of the rendered prompt are dropped (as :func:`read_bigbench` drops
         those of its output prefix ``"\\nA: "``): the task's delimiter (``" "``) goes between
         the prompt and each choice, so a template ending in ``"Answer: "`` would otherwise put
-        two spaces before every choice.
+        two spaces before every choice. A field written as Jinja's ``{{question}}``
+        (lm-evaluation-harness's ``doc_to_text``; ``str.format`` prints it as the text
+        ``{question}``) and a field the template names that is null in a record (it would
+        print ``None``) are refused.
     question_key, choices_key, answer_key : str
         The record's fields: the question text, the list of choices, the answer (an integer
         index, a digit string, or the right choice's text). A digit string that is one choice's
@@ -122,8 +206,11 @@ def read_json_examples(
     list of MCExample
     """
     path = Path(path)
+    records = _records(path)
+    names = {question_key, "question"}.union(*(r for r in records if isinstance(r, Mapping)))
+    used = _template_fields(template, names)
     out = []
-    for i, record in enumerate(_records(path)):
+    for i, record in enumerate(records):
         where = f"{path} record {i}"
         if not isinstance(record, Mapping):
             raise ValueError(
@@ -140,21 +227,39 @@ def read_json_examples(
         if not isinstance(choices, list):
             raise ValueError(f"{where}: {choices_key!r} must be a list, got {choices!r}.")
         fields = {**record, "question": record[question_key]}
-        try:
-            prompt = template.format(**fields).rstrip(" ")
-        except (KeyError, IndexError, AttributeError) as err:
+        null = sorted(k for k in used if k in fields and fields[k] is None)
+        if null:
             raise ValueError(
-                f"{where}: template {template!r} names a missing field {err}; the record has "
-                f"{sorted(record)}."
-            ) from None
-        except ValueError as err:  # a stray brace or a bad format spec
-            raise ValueError(
-                f"template {template!r} is not a valid str.format template ({err}); write a "
-                "literal brace as '{{' or '}}'."
-            ) from None
-        answer = _answer_index(record[answer_key], choices, where)
-        out.append(MCExample(prompt, tuple(choices), answer, {"source": where}))
+                f"{where}: field(s) {null} of template {template!r} are null, which the prompt "
+                "would read as the text 'None'. Give them a value, or leave the record out."
+            )
+        out.append(_json_example(record, fields, template, choices, answer_key, where))
     return out
+
+
+def _json_example(
+    record: Mapping[str, Any],
+    fields: dict[str, Any],
+    template: str,
+    choices: list[Any],
+    answer_key: str,
+    where: str,
+) -> MCExample:
+    """One JSON record rendered by ``template`` (trailing spaces dropped) as an example."""
+    try:
+        prompt = template.format(**fields).rstrip(" ")
+    except (KeyError, IndexError, AttributeError) as err:
+        raise ValueError(
+            f"{where}: template {template!r} names a missing field {err}; the record has "
+            f"{sorted(record)}."
+        ) from None
+    except ValueError as err:  # a bad format spec
+        raise ValueError(
+            f"template {template!r} is not a valid str.format template ({err}); write a "
+            "literal brace as '{{' or '}}'."
+        ) from None
+    answer = _answer_index(record[answer_key], choices, where)
+    return MCExample(prompt, tuple(choices), answer, {"source": where})
 
 
 class _Pairs(dict):
@@ -297,7 +402,7 @@ def read_bigbench(path: str | Path, *, append_choices: bool | None = False) -> l
     if not path.is_file():
         raise FileNotFoundError(f"BIG-bench task file {path} does not exist.")
     try:
-        task = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_object_pairs)
+        task = json.loads(_read_text(path), object_pairs_hook=_object_pairs)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(task, Mapping) or not isinstance(task.get("examples"), list):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,14 +47,33 @@ SPLITS = ("train", "validation", "test")
 
 def check_fractions(fractions: Sequence[float]) -> tuple[float, float, float]:
     """``(train, validation, test)`` fractions as floats, or a ``ValueError`` unless they are
-    three numbers in [0, 1] summing to 1."""
-    values = tuple(float(f) for f in fractions)
+    three numbers in [0, 1] summing to 1 (in that order: a dict or a string is refused)."""
+    message = (
+        "MultipleChoiceTask: fractions must be three numbers in [0, 1] summing to 1 (train, "
+        f"validation, test), e.g. (0.5, 0.1, 0.4); got {fractions!r}."
+    )
+    if isinstance(fractions, (str, bytes, Mapping)):
+        raise ValueError(message)
+    try:
+        values = tuple(float(f) for f in fractions)
+    except (TypeError, ValueError):
+        raise ValueError(message) from None
     if len(values) != 3 or any(not 0 <= f <= 1 for f in values) or abs(sum(values) - 1) > 1e-9:
-        raise ValueError(
-            f"MultipleChoiceTask: fractions must be three numbers in [0, 1] summing to 1 "
-            f"(train, validation, test); got {list(fractions)!r}."
-        )
+        raise ValueError(message)
     return values[0], values[1], values[2]
+
+
+def _split_seed(split_seed: Any) -> int:
+    """``split_seed`` as an int >= 0 (NumPy integers too), or an error saying why: ``None``
+    would seed ``default_rng`` from the OS, a new split on every run."""
+    hint = " None would draw a different split on every run." if split_seed is None else ""
+    try:
+        return check_int("split_seed", split_seed, ge=0, owner="MultipleChoiceTask: ")
+    except (TypeError, ValueError) as err:
+        raise type(err)(
+            f"{err}{hint} The split is numpy.random.default_rng(split_seed).permutation(N): "
+            "pass an integer >= 0, e.g. split_seed=0."
+        ) from None
 
 
 class MultipleChoiceTask:
@@ -73,7 +92,7 @@ class MultipleChoiceTask:
     delimiter : str
         Between a prompt and a choice (lm-evaluation-harness's ``target_delimiter``).
     seed : int
-        Seeds the few-shot draws.
+        Seeds the few-shot draws (an integer, NumPy's too; a float or None is refused).
     """
 
     def __init__(
@@ -91,11 +110,13 @@ class MultipleChoiceTask:
             raise ValueError(
                 f"MultipleChoiceTask {name!r}: unknown split(s) {unknown}; use {list(SPLITS)}."
             )
-        if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
+        try:  # NumPy integers too (a count read from an array)
+            num_fewshot = check_int("num_fewshot", num_fewshot, ge=0)
+        except (TypeError, ValueError):
             raise ValueError(
                 f"MultipleChoiceTask {name!r}: num_fewshot must be an integer >= 0, got "
                 f"{num_fewshot!r}."
-            )
+            ) from None
         self.splits = {s: list(splits.get(s, [])) for s in SPLITS}
         for s, examples in self.splits.items():
             bad = [e for e in examples if not isinstance(e, MCExample)]
@@ -114,7 +135,8 @@ class MultipleChoiceTask:
         self.num_fewshot = num_fewshot
         self.fewshot_separator = fewshot_separator
         self.delimiter = delimiter
-        self.seed = int(seed)
+        # an integer: int() would make 1.5 and 1.9 one seed, and None no seed at all
+        self.seed = check_int("seed", seed, owner=f"MultipleChoiceTask {name!r}: ")
         #: per encoded split: ``{"questions", "truncated", "max_tokens", "mean_tokens"}`` — how
         #: many of the encoded questions lost prompt tokens to ``max_length``, and how many
         #: (the most and the mean over the truncated ones), from the last :meth:`encode`
@@ -159,16 +181,17 @@ class MultipleChoiceTask:
         ----------
         examples : list of MCExample
         fractions : (train, validation, test)
-            Shares of the examples, summing to 1.
+            Shares of the examples, summing to 1 (a sequence in that order, not a dict).
         split_seed : int
-            Seeds ``numpy.random.default_rng`` for the permutation.
+            Seeds ``numpy.random.default_rng`` for the permutation: an integer >= 0 (NumPy's
+            too); ``None``, which would draw a new split on every run, is refused.
         **kwargs
             As for :class:`MultipleChoiceTask`.
         """
         f_train, f_val, _ = check_fractions(fractions)
         examples = list(examples)
         n = len(examples)
-        order = np.random.default_rng(split_seed).permutation(n)
+        order = np.random.default_rng(_split_seed(split_seed)).permutation(n)
         n_train = int(round(n * f_train))
         n_val = min(int(round(n * f_val)), n - n_train)
         parts = (order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :])
