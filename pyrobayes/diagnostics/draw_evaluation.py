@@ -190,10 +190,13 @@ def evaluate_draws(
         of draws) that yields other examples, or another order, than the first (a shuffling
         loader: pass one with ``shuffle=False``).
     TypeError
-        ``num_samples`` or ``samples_per_forward`` not an integer.
+        ``num_samples``, ``samples_per_forward`` or ``seed`` not an integer (a NumPy integer
+        is one).
     """
     owner = "to_inference_data / diagnose: "
     num_samples = check_int("num_samples", num_samples, ge=1, owner=owner)
+    if seed is not None:  # as pyrobayes.predict (torch's manual_seed refuses a NumPy integer)
+        seed = check_int("seed", seed, owner=owner)
     if samples_per_forward is not None:  # as pyrobayes.predict: < 1 left the per-draw loop empty
         samples_per_forward = check_int(
             "samples_per_forward", samples_per_forward, ge=1, owner=owner

@@ -128,12 +128,14 @@ def to_datatree(
     seed : int, optional
         Seed of the draws and of the posterior-predictive sampling.
     sites : sequence of str, optional
-        Sites to export in full. Default: all, as long as their total ``numel`` is at most
+        Sites to export in full (one site may be named by a ``str``). Default: all, as long
+        as their total ``numel`` is at most
         ``max_site_numel`` (taken in declaration order); the others are exported as per-draw
         Frobenius norms ``<site>_norm`` and named in an INFO log and in the attribute
         ``omitted_sites``.
     max_site_numel : int
-        Budget of exported posterior scalars per draw. It also bounds memory: one
+        Budget of exported posterior scalars per draw, a number >= 0 (``float("inf")``: no
+        budget; ``None`` and negative numbers are refused). It also bounds memory: one
         ``guide.sample_posterior`` call draws at most ``max(S · max_site_numel, numel(θ))``
         scalars, so a very large adapter is drawn a few samples at a time and never kept.
     losses : sequence of float, optional

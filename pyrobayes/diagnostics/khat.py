@@ -30,8 +30,10 @@ import numpy as np
 
 from ..calibration import apply_temperature
 from ..metrics import report
-from ..predictive import Prediction
-from .draw_evaluation import evaluate_draws
+from ..models.adapters import check_int
+from ..predictive import Prediction, predict
+from .draw_evaluation import DrawEvaluation, evaluate_draws
+from .export_attrs import export_predictive
 from .psis import importance_ess, psis_smooth, psis_tail_length
 from .sites import DEFAULT_MAX_SITE_NUMEL
 
@@ -193,17 +195,39 @@ def diagnose(
         The first this-many draws (the same draws as for :math:`\hat k`) give the posterior
         predictive whose calibration is reported (classification likelihoods only), under the
         guide's :func:`pyrobayes.calibrate` temperature as :func:`pyrobayes.predict` applies it
-        (:math:`\hat k` is the posterior's, untouched by it).
+        (:math:`\hat k` is the posterior's, untouched by it). An integer >= 0; 0 reports no
+        calibration. A guide with a linearised predictive (Laplace with ``pred_type`` "glm",
+        its default, or "probit") predicts with the linearised network, not the network at
+        each draw: its calibration is that of ``pyrobayes.predict(model, guide, data,
+        num_samples=num_predictive_samples, seed=seed)`` (one more pass over ``data``; the
+        rows it holds, e.g. the guide's ``link_samples``, in ``num_predictive_samples``).
     samples_per_forward : int, optional
         Draws per forward pass, an integer >= 1 (default: as :func:`pyrobayes.predict`).
 
     Returns
     -------
     Diagnostics
+
+    Raises
+    ------
+    ValueError
+        ``num_bins`` below 1 or ``num_predictive_samples`` below 0 (before any draw is
+        evaluated), data without targets, and what :func:`evaluate_draws` refuses.
+    TypeError
+        ``num_bins`` or ``num_predictive_samples`` not an integer.
     """
+    # checked before the draws are evaluated (a float num_predictive_samples failed deep in the
+    # evaluation, a negative one dropped the calibration silently, num_bins < 1 came last)
+    num_bins = check_int("num_bins", num_bins, ge=1, owner="diagnose: ")
+    num_predictive_samples = check_int(
+        "num_predictive_samples", num_predictive_samples, ge=0, owner="diagnose: "
+    )
+    if iter(data) is data:  # a one-shot iterator: kept for the linearised predictive's pass
+        data = list(data)
     deterministic = bool(guide.is_deterministic)
     if deterministic:
         num_samples = 1
+    linearized, _ = export_predictive(guide)
     ev = evaluate_draws(
         model,
         guide,
@@ -215,35 +239,24 @@ def diagnose(
         pointwise=False,
         predictive=False,
         summarise_omitted=False,
-        num_class_samples=num_predictive_samples,
+        # a linearised predictive's calibration comes from pyrobayes.predict (below)
+        num_class_samples=0 if linearized else num_predictive_samples,
         samples_per_forward=samples_per_forward,
     )
+    num_samples = ev.num_samples  # a mixture's S rounded up to whole rounds of its components
     log_joint = ev.log_joint
     if log_joint is None or ev.log_q is None:
         raise ValueError("diagnose needs targets in the data (the log joint needs y).")
     log_ratios = log_joint - ev.log_q  # (S,)
-    # a mixture of point masses (IBDR's particles, a sigma-N ensemble's members) has no density
-    # against the continuous posterior either: its ratios take K values and the Pareto fit of
-    # their tail reads "bad" (k-hat inf) at ESS = S; undefined, as for MAP
-    point_mixture = getattr(guide, "component_scale", None) == 0
-    if deterministic or point_mixture or not np.isfinite(log_ratios).all():
-        if not (deterministic or point_mixture):
-            logger.warning("Non-finite log importance ratios; k-hat is undefined.")
-        k_hat, ess, ess_raw = math.nan, math.nan, math.nan
-    else:
-        smoothed, k_hat = psis_smooth(log_ratios)
-        ess = importance_ess(smoothed)
-        ess_raw = importance_ess(log_ratios)
+    k_hat, ess, ess_raw = _khat_and_ess(log_ratios, guide, deterministic)
     top = float(np.max(log_ratios))
     log_evidence = top + math.log(float(np.mean(np.exp(log_ratios - top))))
-    calibration: dict[str, float] = {}
-    if ev.class_log_probs is not None and ev.targets is not None:
-        # under the guide's pyrobayes.calibrate temperature, as pyrobayes.predict reports it
-        prediction = apply_temperature(
-            Prediction(log_probs=ev.class_log_probs, targets=ev.targets), guide
+    if linearized and num_predictive_samples and model.likelihood.is_classification:
+        calibration = _linearized_calibration(
+            model, guide, data, num_predictive_samples, seed, num_bins, samples_per_forward
         )
-        calibration = report(prediction, ev.targets, num_bins=num_bins)
-        calibration["num_predictive_samples"] = float(ev.class_log_probs.shape[0])
+    else:
+        calibration = _calibration(ev, guide, num_bins)
     result = Diagnostics(
         khat=float(k_hat),
         interpretation=khat_interpretation(float(k_hat), num_samples),
@@ -265,3 +278,61 @@ def diagnose(
         num_samples,
     )
     return result
+
+
+def _khat_and_ess(
+    log_ratios: np.ndarray, guide: Any, deterministic: bool
+) -> tuple[float, float, float]:
+    """PSIS k-hat, ESS of the smoothed and of the raw weights of ``log_ratios`` (NaN when
+    undefined: a point mass, a mixture of point masses, non-finite ratios)."""
+    # a mixture of point masses (IBDR's particles, a sigma-N ensemble's members) has no density
+    # against the continuous posterior either: its ratios take K values and the Pareto fit of
+    # their tail reads "bad" (k-hat inf) at ESS = S; undefined, as for MAP
+    point_mixture = getattr(guide, "component_scale", None) == 0
+    if deterministic or point_mixture or not np.isfinite(log_ratios).all():
+        if not (deterministic or point_mixture):
+            logger.warning("Non-finite log importance ratios; k-hat is undefined.")
+        return math.nan, math.nan, math.nan
+    smoothed, k_hat = psis_smooth(log_ratios)
+    return k_hat, importance_ess(smoothed), importance_ess(log_ratios)
+
+
+def _calibration(ev: DrawEvaluation, guide: Any, num_bins: int) -> dict[str, float]:
+    """:func:`pyrobayes.metrics.report` of the draws' class log-probabilities (none: ``{}``),
+    under the guide's :func:`pyrobayes.calibrate` temperature, as :func:`pyrobayes.predict`
+    reports it."""
+    if ev.class_log_probs is None or ev.targets is None:
+        return {}
+    prediction = apply_temperature(
+        Prediction(log_probs=ev.class_log_probs, targets=ev.targets), guide
+    )
+    calibration = report(prediction, ev.targets, num_bins=num_bins)
+    calibration["num_predictive_samples"] = float(ev.class_log_probs.shape[0])
+    return calibration
+
+
+def _linearized_calibration(
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    num_samples: int,
+    seed: int | None,
+    num_bins: int,
+    samples_per_forward: int | None,
+) -> dict[str, float]:
+    """:func:`pyrobayes.metrics.report` of :func:`pyrobayes.predict` for a guide whose
+    predictive is the linearised network (a Laplace ``pred_type`` "glm" or "probit"), which
+    the draws of the network do not give (its own draws, or probit's one closed-form row)."""
+    prediction = predict(
+        model,
+        guide,
+        data,
+        num_samples=num_samples,
+        seed=seed,
+        samples_per_forward=samples_per_forward,
+    )
+    if prediction.targets is None:
+        return {}
+    calibration = report(prediction, prediction.targets, num_bins=num_bins)
+    calibration["num_predictive_samples"] = float(prediction.num_samples)
+    return calibration

@@ -75,7 +75,7 @@ def plot_posterior_summary(
     idata: Any,
     path: str | Path,
     *,
-    var_names: list[str] | None = None,
+    var_names: list[str] | str | None = None,
     kind: str = "forest",
     max_rows: int | None = 48,
 ) -> Path:
@@ -88,8 +88,9 @@ def plot_posterior_summary(
     path : str or Path
         Output file; its suffix picks the format (``.png``, ``.pdf``, ``.svg``, ... any that
         matplotlib's ``savefig`` writes; PNG without a suffix).
-    var_names : list of str, optional
-        Variables of the ``posterior`` group to show (default: all).
+    var_names : list of str or str, optional
+        Variables of the ``posterior`` group to show (default: all); one variable may be named
+        by a ``str``, as ArviZ takes it.
     kind : {"forest", "posterior"}
         ``az.plot_forest`` (one row per scalar, compact for matrices) or ``az.plot_posterior``
         (one density panel per scalar).
@@ -112,6 +113,8 @@ def plot_posterior_summary(
     import arviz as az
     import matplotlib.pyplot as plt
 
+    if isinstance(var_names, str):  # as ArviZ reads it (it was split into one-letter names)
+        var_names = [var_names]
     path = Path(path)
     file_format = _file_format(path)
     if max_rows is not None:

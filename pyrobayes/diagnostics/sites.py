@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,12 +42,26 @@ def select_sites(
     shapes : dict
         ``{site: shape}`` of every latent site.
     sites : sequence of str, optional
-    max_site_numel : int
+        Site names; one name may be given as a ``str`` (it was read as a sequence of
+        one-character names).
+    max_site_numel : int or float
+        A number >= 0; ``float("inf")`` keeps every site in full.
 
     Returns
     -------
     chosen, omitted : list of str
+
+    Raises
+    ------
+    KeyError
+        An unknown site.
+    TypeError, ValueError
+        ``max_site_numel`` that is not a number >= 0 (``None``, ``-1``: read as "no limit",
+        they failed in a comparison or summarised every site and drew one draw per pass).
     """
+    _check_max_site_numel(max_site_numel)
+    if isinstance(sites, str):
+        sites = [sites]
     if sites is not None:
         unknown = [s for s in sites if s not in shapes]
         if unknown:
@@ -61,3 +76,21 @@ def select_sites(
         else:
             omitted.append(site)
     return chosen, omitted
+
+
+def _check_max_site_numel(max_site_numel: Any) -> None:
+    """Raise unless ``max_site_numel`` is a number >= 0 (an integer, NumPy's included, or a
+    float such as ``inf``)."""
+    number = isinstance(max_site_numel, numbers.Real) and not isinstance(max_site_numel, bool)
+    if not number:
+        raise TypeError(
+            "to_inference_data / select_sites: max_site_numel must be a number >= 0, the "
+            f"posterior scalars exported per draw; got {max_site_numel!r} "
+            f"({type(max_site_numel).__name__}). Pass float('inf') to export every site in full."
+        )
+    if not max_site_numel >= 0:  # (NaN too)
+        raise ValueError(
+            "to_inference_data / select_sites: max_site_numel must be a number >= 0, the "
+            f"posterior scalars exported per draw; got {max_site_numel!r}. Pass float('inf') "
+            "to export every site in full, 0 to export only their norms."
+        )

@@ -28,6 +28,7 @@ def _as_3d(
         values = values.unsqueeze(0)
     if values.dim() != 3:
         raise ValueError(f"{name} must have shape (S, N, C) or (N, C), got {tuple(values.shape)}")
+    _refuse_no_draws_or_classes(values, name)
     if not values.is_floating_point():
         values = values.to(torch.get_default_dtype())
     if probabilities:
@@ -40,6 +41,21 @@ def _as_3d(
     # at 256 counts, so bin accuracies and ECE came out wrong, and logs of tiny half values
     # underflow
     return values.to(compute_dtype(values.dtype))
+
+
+def _refuse_no_draws_or_classes(values: Tensor, name: str) -> None:
+    """Raise ``ValueError`` for ``(S, N, C)`` ``values`` with no draws (``S = 0``: an empty
+    stack of members) or no classes (``C = 0``): their mean over the draws is NaN, so the ECE
+    and Brier score came out NaN and the NLL failed with "math domain error"."""
+    num_draws, _, num_classes = values.shape
+    if num_draws and num_classes:
+        return
+    what = "no draws (S = 0)" if not num_draws else "no classes (C = 0)"
+    raise ValueError(
+        f"{name} of shape {tuple(values.shape)} holds {what}: a predictive needs at least one "
+        "draw (S, the first dimension of (S, N, C)) and one class (C, the last). Stack at least "
+        "one member's or draw's probabilities (pyrobayes.predict with num_samples >= 1)."
+    )
 
 
 def _sum_tolerance(dtype: torch.dtype) -> float:

@@ -161,6 +161,7 @@ def ece_floor(
     """
     num_bins = check_int("num_bins", num_bins, ge=1, owner="ece_floor: ")
     num_draws = check_int("num_draws", num_draws, ge=2, owner="ece_floor: ")
+    seed = check_int("seed", seed, owner="ece_floor: ")  # a NumPy integer too
     p_bar = mean_probs(probs).double()
     refuse_no_examples(p_bar.shape[0], "ece_floor")
     confidence = p_bar.max(dim=-1).values.cpu()  # the draws come from a CPU generator

@@ -32,7 +32,22 @@ def auroc(scores: Tensor, labels: Tensor) -> float:
     Returns
     -------
     float
+
+    Raises
+    ------
+    TypeError
+        When ``scores`` or ``labels`` is not a tensor (a NumPy array or a list: convert it with
+        ``torch.as_tensor``).
+    ValueError
+        When they are not 1-D of one length, ``scores`` hold NaN, ``labels`` are not 0 or 1, or
+        only one class is present.
     """
+    for name, values in (("scores", scores), ("labels", labels)):
+        if not isinstance(values, Tensor):  # (a NumPy array failed on .dim(), an AttributeError)
+            raise TypeError(
+                f"auroc: {name} must be a torch.Tensor, got {type(values).__name__}; convert it "
+                f"with torch.as_tensor({name})."
+            )
     if scores.dim() != 1 or labels.shape != scores.shape:
         raise ValueError(
             f"scores and labels must be 1-D of equal length, got {tuple(scores.shape)} "
