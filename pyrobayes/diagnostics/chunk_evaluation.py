@@ -83,21 +83,30 @@ class PassOrder:
     inputs (a position-weighted sum of every input tensor per example); a later pass that
     differs raises. Random augmentation or masking of the inputs is a difference too: the
     chunks would be scored on different data.
+
+    The first pass also refuses data whose batches do not all carry targets or all lack them:
+    the log-likelihood (the export's ``log_likelihood`` and ``observed_data``, diagnose's log
+    joint) would cover the labelled batches only. ``owner`` is the function the user called,
+    which the refusals name; ``label_key`` the model's, named in them.
     """
 
-    def __init__(self, passes: int) -> None:
+    def __init__(
+        self, passes: int, owner: str = "to_inference_data", label_key: str = "labels"
+    ) -> None:
         self.batches: list[tuple[Tensor | None, list[Tensor]]] = []
         self.planned = passes
         self.check = passes > 1  # one pass: nothing to check, nothing kept
         self.passes = 0
+        self.owner = owner
+        self.label_key = label_key
+        self.labelled: bool | None = None  # whether batch 0 of the first pass carries targets
 
     def refuse_shuffling(self, data: Any) -> None:
         """Raise before any work when ``data`` is a shuffling ``DataLoader`` and the draws take
         several passes (every later pass would be refused by :meth:`see`)."""
         if self.check and shuffles(data):
             raise ValueError(
-                "to_inference_data / diagnose: data is a DataLoader that shuffles "
-                f"(RandomSampler). {self._why()}"
+                f"{self.owner}: data is a DataLoader that shuffles (RandomSampler). {self._why()}"
             )
 
     def begin(self) -> None:
@@ -111,6 +120,8 @@ class PassOrder:
 
     def see(self, index: int, inputs: Any, y: Tensor | None) -> None:
         """Record batch ``index`` of the first pass, or check it against the first pass's."""
+        if self.first:
+            self._refuse_mixed_targets(index, y is not None)
         if not self.check:
             return
         seen = (None if y is None else y.detach().cpu(), _fingerprint(inputs))
@@ -126,9 +137,26 @@ class PassOrder:
         if self.check and not self.first and count != len(self.batches):
             raise self._reordered(f"{count} batches instead of {len(self.batches)}")
 
+    def _refuse_mixed_targets(self, index: int, labelled: bool) -> None:
+        """Raise when batch ``index`` carries targets and batch 0 does not, or the reverse."""
+        if index == 0:
+            self.labelled = labelled
+            return
+        if labelled == self.labelled:
+            return
+        without, carries = (index, 0) if self.labelled else (0, index)
+        raise ValueError(
+            f"{self.owner}: batch {without} of data carries no targets but batch {carries} "
+            "does; the log-likelihood (to_inference_data's log_likelihood and observed_data, "
+            "diagnose's log joint) must cover every example or none, so data cannot mix "
+            "batches with and without targets. Give every batch its targets ((x, y), or a dict "
+            f"holding the model's label key {self.label_key!r}); or, to export the posterior and "
+            "its predictive only (to_inference_data), give none of them ((x,) or x)."
+        )
+
     def _reordered(self, what: str) -> ValueError:
         return ValueError(
-            f"to_inference_data / diagnose: pass {self.passes} over data yielded other examples, "
+            f"{self.owner}: pass {self.passes} over data yielded other examples, "
             f"or the same in another order, than the first ({what}). {self._why()}"
         )
 
@@ -229,8 +257,8 @@ def evaluate_chunk(
                 chunk.class_log_probs.append(lp)
     if index < 0:
         raise ValueError(
-            "to_inference_data / diagnose: data yielded no batches; pass a non-empty iterable of "
-            "batches (the data set the posterior is evaluated on, e.g. the training loader)."
+            f"{order.owner}: data yielded no batches; pass a non-empty iterable of batches (the "
+            "data set the posterior is evaluated on, e.g. the training loader)."
         )
     order.end(index + 1)
     return chunk._replace(has_targets=has_targets)

@@ -130,6 +130,7 @@ def evaluate_draws(
     temperature: float | None = None,
     training_data: bool = True,
     linearized: bool = False,
+    owner: str = "to_inference_data",
 ) -> DrawEvaluation:
     """Draw S joint samples from ``guide`` and evaluate the model on every batch of ``data``.
 
@@ -177,6 +178,9 @@ def evaluate_draws(
         guide only: the per-draw form of its GLM predictive, what :func:`pyrobayes.predict`
         evaluates for ``pred_type="glm"``). Every result that the likelihood gives is then the
         linearised network's. Default: the network.
+    owner : str
+        The function the user called (``"to_inference_data"``, ``"diagnose"``), which the
+        refusals and warnings name. Default: ``"to_inference_data"``.
 
     Returns
     -------
@@ -188,18 +192,20 @@ def evaluate_draws(
         ``linearized=True`` for a guide that has no linearised predictive; ``num_samples`` or
         ``samples_per_forward`` below 1; a pass over ``data`` after the first (one per chunk
         of draws) that yields other examples, or another order, than the first (a shuffling
-        loader: pass one with ``shuffle=False``).
+        loader: pass one with ``shuffle=False``); ``data`` that mixes batches with targets and
+        batches without (the log-likelihood must cover every example or none), naming the
+        first batch without.
     TypeError
         ``num_samples``, ``samples_per_forward`` or ``seed`` not an integer (a NumPy integer
         is one).
     """
-    owner = "to_inference_data / diagnose: "
-    num_samples = check_int("num_samples", num_samples, ge=1, owner=owner)
+    both = "to_inference_data / diagnose: "  # the integer refusals name both callers
+    num_samples = check_int("num_samples", num_samples, ge=1, owner=both)
     if seed is not None:  # as pyrobayes.predict (torch's manual_seed refuses a NumPy integer)
-        seed = check_int("seed", seed, owner=owner)
+        seed = check_int("seed", seed, owner=both)
     if samples_per_forward is not None:  # as pyrobayes.predict: < 1 left the per-draw loop empty
         samples_per_forward = check_int(
-            "samples_per_forward", samples_per_forward, ge=1, owner=owner
+            "samples_per_forward", samples_per_forward, ge=1, owner=both
         )
     if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"evaluate_draws: temperature must be finite and > 0, got {temperature}.")
@@ -208,8 +214,8 @@ def evaluate_draws(
             f"evaluate_draws: linearized=True needs a guide with a linearised predictive "
             f"(Laplace); {type(guide).__name__} has none. Pass linearized=False."
         )
-    check_fitted_model(model, guide, "to_inference_data")
-    warn_if_never_fitted(guide, model, "to_inference_data")
+    check_fitted_model(model, guide, owner)
+    warn_if_never_fitted(guide, model, owner)
     if iter(data) is data:  # a one-shot iterator: keep its batches for every chunk of draws
         data = list(data)
     model.train(False)
@@ -218,7 +224,8 @@ def evaluate_draws(
     classification = bool(model.likelihood.is_classification)
     out = _Collected(plan)
     linearization = Linearization.of(model, guide) if linearized else None
-    order = PassOrder(-(-plan.num_samples // plan.chunk))  # one pass over data per chunk
+    # one pass over data per chunk of draws
+    order = PassOrder(-(-plan.num_samples // plan.chunk), owner, model.label_key)
     order.refuse_shuffling(data)  # before any work, where it can be told up front
     for start in range(0, plan.num_samples, plan.chunk):
         n = min(plan.chunk, plan.num_samples - start)

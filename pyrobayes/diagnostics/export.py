@@ -38,6 +38,7 @@ mixture (a chain per component: r-hat measures the components' spread, not conve
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -60,6 +61,8 @@ __all__ = [
     "DEFAULT_MAX_SITE_NUMEL",
     "UncalibratedExportWarning",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class UncalibratedExportWarning(UserWarning):
@@ -94,6 +97,18 @@ def _loss_trace(losses: Any) -> np.ndarray:
     return loss.numpy()
 
 
+def _log_without_targets(label_key: str) -> None:
+    """Say (INFO, as the sites summarised by their norm) which groups an export of data
+    without targets leaves out."""
+    logger.info(
+        "to_inference_data: data carries no targets (batches (x,) or x, (x, None), or dicts "
+        "without the model's label key %r), so the export has no log_likelihood nor "
+        "observed_data group and sample_stats has no log_joint, lp nor log_prior (az.loo / "
+        "az.waic need them). Give every batch its targets to export them.",
+        label_key,
+    )
+
+
 def to_datatree(
     model: Any,
     guide: Any,
@@ -122,7 +137,9 @@ def to_datatree(
         The data set (re-iterable, e.g. a DataLoader or a list, when the posterior is larger
         than ``max_site_numel``: it is then traversed once per chunk of draws, and every pass
         must yield the same examples in the same order, else a ``ValueError``: a loader with
-        ``shuffle=False``).
+        ``shuffle=False``). Every batch carries its targets, or none does: data without
+        targets is exported without ``log_likelihood``, ``observed_data`` and
+        ``sample_stats``' ``log_joint``, ``lp`` and ``log_prior`` (said in an INFO log).
     num_samples : int
         S, the number of draws (the ``draw`` dimension; ``chain`` has size 1).
     seed : int, optional
@@ -150,6 +167,13 @@ def to_datatree(
     arviz.InferenceData or xarray.DataTree
         ``InferenceData`` with arviz 0.x, ``DataTree`` with ArviZ >= 1 (the latter path is not
         exercised by the test-suite).
+
+    Raises
+    ------
+    ValueError
+        ``data`` mixes batches with targets and batches without (``log_likelihood`` would
+        cover the labelled examples only), naming the first batch without; a shuffling loader
+        when the draws take several passes; ``data`` yielding no batches.
 
     Warns
     -----
@@ -246,6 +270,8 @@ def to_datatree(
     if ev.pointwise is not None and ev.observed is not None:
         groups["log_likelihood"] = {"obs": chained(ev.pointwise)}
         groups["observed_data"] = {"obs": ev.observed}
+    else:  # data without targets (evaluate_draws refuses data with some)
+        _log_without_targets(model.label_key)
     attrs = export_attrs(model, guide, ev, seed, linearized, temperature_attrs)
     extra: dict[str, Any] = {}
     if losses is not None:

@@ -242,6 +242,7 @@ def diagnose(
         # a linearised predictive's calibration comes from pyrobayes.predict (below)
         num_class_samples=0 if linearized else num_predictive_samples,
         samples_per_forward=samples_per_forward,
+        owner="diagnose",
     )
     num_samples = ev.num_samples  # a mixture's S rounded up to whole rounds of its components
     log_joint = ev.log_joint
