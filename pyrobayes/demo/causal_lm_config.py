@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import re
 import string
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,41 @@ def _check_value(path: str, value: Any, default: Any) -> None:
         )
     if path == "training.device":
         check_device(value)
+    if path == "causal_lm.model" and not value.strip():
+        raise ConfigError(
+            f"Config key 'causal_lm.model' = {value!r} names no model; give a model folder saved "
+            "by save_pretrained (or one holding causal_lm.gguf_file), a Hugging Face model id in "
+            f"the local cache, or {TINY_LLAMA!r} (the config-built test model)."
+        )
+    if path == "adapter.target_modules":
+        _check_target_modules(value)
+
+
+def _check_target_modules(value: str | list[str]) -> None:
+    """Config key ``adapter.target_modules``: a regex that compiles, or a list that names
+    modules (whether they are in the model is :func:`check_inputs`'s, on its skeleton).
+
+    Raises
+    ------
+    ConfigError
+        An invalid regular expression, an empty one, an empty list or a blank name in it.
+    """
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ConfigError(
+                f"Config key 'adapter.target_modules' = {value!r} is not a valid regular "
+                f"expression ({err}); a string is a regex over full module paths (e.g. "
+                r"target_modules = 'model\.layers\.\d+\.self_attn\.(q_proj|v_proj)'), a list "
+                'names modules (e.g. ["q_proj", "v_proj"]).'
+            ) from None
+    if not value or (isinstance(value, list) and not all(name.strip() for name in value)):
+        raise ConfigError(
+            f"Config key 'adapter.target_modules' = {value!r} names no module; give the names "
+            'of the linear modules to adapt, e.g. ["q_proj", "v_proj"], or a regex over full '
+            "module paths."
+        )
 
 
 def _check_optional(path: str, value: Any) -> None:
@@ -287,11 +323,13 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
         An unknown key (named with its path and the nearest valid one), a wrong type or value
         (a count below its minimum, a learning rate or prior scale <= 0, an unknown scheduler,
         a device torch cannot read or this machine lacks), an unknown family, no seeds or a
-        seed listed twice, a ``training.seed`` (the job runs its ``seeds`` list), no task
-        path, fractions that do not sum to 1, a template with a stray brace,
-        ``dtype = "float16"`` (fits overflow), or ``keep = "best"`` with no validation split.
-        What the config names on this machine (model, task file, target modules) is
-        :func:`check_inputs`'s.
+        seed listed twice, a ``training.seed`` (the job runs its ``seeds`` list), an empty
+        ``causal_lm.model``, no task path, fractions that do not sum to 1 or give the train or
+        test split a share of 0, a template with a stray brace or a positional field (``{}``),
+        an empty or invalid ``adapter.target_modules``, a LoRA-XS option (``projection``,
+        ``init_scale``) under ``adapter.kind = "lora"``, ``dtype = "float16"`` (fits
+        overflow), or ``keep = "best"`` with no validation split. What the config names on
+        this machine (model, task file, target modules) is :func:`check_inputs`'s.
     """
     user = copy.deepcopy(user or {})
     if isinstance(user.get("families"), str):
@@ -339,6 +377,17 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
             f"folder, but causal_lm.model = {TINY_LLAMA!r} is built from a config; set "
             "causal_lm.model to the folder holding the GGUF file, or remove gguf_file."
         )
+    _check_splits(user, config)
+    _check_adapter(config["adapter"])
+    return config
+
+
+def _check_splits(user: dict[str, Any], config: dict[str, Any]) -> None:
+    """Refuse fractions that are not three shares summing to 1, the task keys of
+    :func:`_check_task`, and (a task file, which the fractions split) a share of 0 for a split
+    the job needs: train (the fits, the few-shot examples) and test (the table), and validation
+    under ``keep = "best"``. The sizes a nonzero share gives depend on the file (the load's)."""
+    spec = config["causal_lm"]["task"]
     try:
         fractions = check_fractions(spec["fractions"])
     except ValueError:
@@ -347,13 +396,52 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
             f"1 (train, validation, test) but got {spec['fractions']!r}."
         ) from None
     _check_task(user, spec)
-    if config["training"]["keep"] == "best" and spec["format"] != "hf" and fractions[1] == 0:
+    if spec["format"] == "hf":  # a dataset keeps its own splits
+        return
+    empty = [
+        split for split, share in zip(("train", "test"), fractions[::2], strict=True) if share == 0
+    ]
+    if empty:
+        fewshot = spec["num_fewshot"] if "train" in empty else 0
+        raise ConfigError(
+            f"Config key 'causal_lm.task.fractions' = {spec['fractions']!r} (train, validation, "
+            f"test) gives the {' and '.join(empty)} split no questions, but the job fits on the "
+            "train split"
+            + (f" (and causal_lm.task.num_fewshot = {fewshot} draws from it)" if fewshot else "")
+            + " and reports on the test split. Give both a share, e.g. fractions = "
+            "[0.5, 0.1, 0.4]."
+        )
+    if config["training"]["keep"] == "best" and fractions[1] == 0:
         raise ConfigError(
             "Config key 'training.keep' = 'best' selects each fit's epoch on the validation "
             f"split, but causal_lm.task.fractions = {spec['fractions']!r} gives it no questions. "
             'Give the validation split a share (e.g. [0.5, 0.1, 0.4]) or set keep = "last".'
         )
-    return config
+
+
+#: The adapter keys only LoRA-XS (``adapter.kind = "lora_xs"``) reads; LoRA takes none of them.
+_LORA_XS_ONLY = ("projection", "init_scale")
+
+
+def _check_adapter(adapter: dict[str, Any]) -> None:
+    """Refuse a LoRA-XS option (:data:`_LORA_XS_ONLY`) under ``adapter.kind = "lora"`` (the
+    default), which takes rank, alpha and target_modules only, and LoRA-XS's W-SVD projection,
+    which needs input moments the job does not collect."""
+    if adapter["kind"] != "lora":
+        if adapter.get("projection") == "wsvd":  # the job gives the adapter no input moments
+            raise ConfigError(
+                "Config key 'adapter.projection' = 'wsvd' needs input statistics of the adapted "
+                "layers (calibration_data), which the causal-LM job does not collect; it would "
+                'fail after the model loads. Use projection = "svd" (the default).'
+            )
+        return
+    for key in _LORA_XS_ONLY:
+        if key in adapter:
+            raise ConfigError(
+                f"Config key 'adapter.{key}' = {adapter[key]!r} is a LoRA-XS option, read only "
+                "with adapter.kind = 'lora_xs'; adapter.kind = 'lora' takes rank, alpha and "
+                f'target_modules. Set kind = "lora_xs", or remove adapter.{key}.'
+            )
 
 
 #: The task keys only some formats read, and those formats; every other key is read by all.
@@ -394,14 +482,50 @@ def _check_task(user: dict[str, Any], spec: dict[str, Any]) -> None:
             "dataset's."
         )
     if fmt == "json":
-        try:
-            list(string.Formatter().parse(spec["template"]))
-        except ValueError as err:
-            raise ConfigError(
-                f"Config key 'causal_lm.task.template' = {spec['template']!r} is not a "
-                f"str.format template ({err}); fields are {{question}} or another record field, "
-                "and a literal brace is written '{{' or '}}'."
-            ) from None
+        _check_template(spec["template"])
+
+
+def _check_template(template: str) -> None:
+    """Config key ``causal_lm.task.template`` (format json): a ``str.format`` template whose
+    fields are named (each record fills it by name; whether a name is a record field is known
+    only from the file).
+
+    Raises
+    ------
+    ConfigError
+        A stray brace, or a positional field (``{}``, ``{0}``, ``{[0]}``), which no record fills.
+    """
+    try:
+        positional = _positional_fields(template)
+    except ValueError as err:
+        raise ConfigError(
+            f"Config key 'causal_lm.task.template' = {template!r} is not a str.format template "
+            f"({err}); fields are {{question}} or another record field, and a literal brace is "
+            "written '{{' or '}}'."
+        ) from None
+    if positional:
+        raise ConfigError(
+            f"Config key 'causal_lm.task.template' = {template!r} has the positional field "
+            f"{positional[0]!r}, but each record fills the template by field name, so nothing "
+            "fills it. Name the field: {question} (the record's causal_lm.task.question_key "
+            'field) or another record field, e.g. template = "Question: {question}\\nAnswer:"; '
+            "write a literal brace as '{{' or '}}'."
+        )
+
+
+def _positional_fields(template: str) -> list[str]:
+    """The replacement fields of ``template`` (those nested in a format spec too) that
+    ``str.format`` reads as positional arguments, each as written (``"{}"``, ``"{0.x}"``)."""
+    found = []
+    for _, name, spec, _ in string.Formatter().parse(template):
+        if name is None:
+            continue
+        head = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not head or head.isdecimal():
+            found.append("{" + name + "}")
+        if spec:
+            found += _positional_fields(spec)
+    return found
 
 
 def _check_no_training_seed(user: dict[str, Any]) -> None:

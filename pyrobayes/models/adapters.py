@@ -419,6 +419,14 @@ def _checked_targets(value: Any, owner: str) -> Sequence[str] | str:
     """An adapter's ``target_modules``: a regex (str) as it is, a list or tuple of module names
     checked, a set as a sorted list (a fixed order for saved files); anything else refused."""
     if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as err:  # not a ValueError: it escaped as a bare traceback
+            raise ValueError(
+                f"{owner}target_modules {value!r} is a regex over full module paths that does "
+                f"not compile ({err}); escape the special characters (re.escape), or pass a "
+                "list of module names."
+            ) from None
         return value
     if (
         value is None

@@ -265,3 +265,11 @@ def test_collect_input_moments_takes_one_module_path_as_a_string():
     assert list(moments) == ["0.0"] and moments["0.0"].n == 5
     with pytest.raises(ValueError, match=r"collect_input_moments: module_names \['head'\]"):
         collect_input_moments(net, "head", [torch.randn(5, 4)], forward=lambda m, b: m(b))
+
+
+def test_a_target_modules_regex_that_does_not_compile_is_a_value_error_naming_it():
+    """re.error is no ValueError: a bad regex escaped from the adapter as a bare traceback."""
+    with pytest.raises(
+        ValueError, match=r"target_modules 'q_proj\(' is a regex .* does not compile"
+    ):
+        pb.models.LoRA(rank=2, target_modules="q_proj(")
