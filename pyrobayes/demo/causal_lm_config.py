@@ -26,6 +26,7 @@ from .config import (
     check_device,
     check_families,
     check_patience_needs_best,
+    check_target_modules,
     did_you_mean,
     merge_config,
 )
@@ -226,33 +227,8 @@ def _check_value(path: str, value: Any, default: Any) -> None:
             f"the local cache, or {TINY_LLAMA!r} (the config-built test model)."
         )
     if path == "adapter.target_modules":
-        _check_target_modules(value)
-
-
-def _check_target_modules(value: str | list[str]) -> None:
-    """Config key ``adapter.target_modules``: a regex that compiles, or a list that names
-    modules (whether they are in the model is :func:`check_inputs`'s, on its skeleton).
-
-    Raises
-    ------
-    ConfigError
-        An invalid regular expression, an empty one, an empty list or a blank name in it.
-    """
-    if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as err:
-            raise ConfigError(
-                f"Config key 'adapter.target_modules' = {value!r} is not a valid regular "
-                f"expression ({err}); a string is a regex over full module paths (e.g. "
-                r"target_modules = 'model\.layers\.\d+\.self_attn\.(q_proj|v_proj)'), a list "
-                'names modules (e.g. ["q_proj", "v_proj"]).'
-            ) from None
-    if not value or (isinstance(value, list) and not all(name.strip() for name in value)):
-        raise ConfigError(
-            f"Config key 'adapter.target_modules' = {value!r} names no module; give the names "
-            'of the linear modules to adapt, e.g. ["q_proj", "v_proj"], or a regex over full '
-            "module paths."
+        check_target_modules(
+            value, '["q_proj", "v_proj"]', r"'model\.layers\.\d+\.self_attn\.(q_proj|v_proj)'"
         )
 
 

@@ -26,6 +26,7 @@ from . import data as pbdata
 
 __all__ = [
     "CHOICES",
+    "check_target_modules",
     "DEFAULT_CONFIG",
     "OPTIONAL_KEYS",
     "QUICK_OVERRIDES",
@@ -270,20 +271,7 @@ def _check_value(path: str, value: Any) -> None:
     if path == "training.device":
         check_device(value, available=False)
     if path == "adapter.target_modules":
-        if isinstance(value, str):
-            try:
-                re.compile(value)
-            except re.error as err:
-                raise ConfigError(
-                    f"Config key 'adapter.target_modules' = {value!r} is not a valid regular "
-                    f"expression ({err}); a string is a regex over full module paths, a list "
-                    'names modules (e.g. ["query", "value"]).'
-                ) from None
-        elif not value or not all(name.strip() for name in value):
-            raise ConfigError(
-                f"Config key 'adapter.target_modules' = {value!r} names no module; give the "
-                'names of linear modules to adapt, e.g. ["query", "value"].'
-            )
+        check_target_modules(value, '["query", "value"]')
     if path in ("data.train", "data.ood"):
         for spec in [value] if isinstance(value, str) else value:
             parse_data_spec(spec, path)
@@ -509,6 +497,42 @@ def check_inputs(config: dict[str, Any]) -> None:
         _check_model_name(name)
     _check_target_modules(config)
     check_device(str(config["training"]["device"]))
+
+
+def check_target_modules(value: str | list[str], example: str, regex: str = "") -> None:
+    """Config key ``adapter.target_modules``: a regex that compiles, or a list naming modules
+    (whether they are in the model is checked on the model).
+
+    Parameters
+    ----------
+    value : str or list of str
+    example : str
+        A list of module names for the message (``'["query", "value"]'``).
+    regex : str, optional
+        A regex over the model's module paths for the message.
+
+    Raises
+    ------
+    ConfigError
+        An invalid regular expression, an empty one, an empty list or a blank name in it.
+    """
+    such = f" (e.g. {regex})" if regex else ""
+    if isinstance(value, str) and value:
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ConfigError(
+                f"Config key 'adapter.target_modules' = {value!r} is not a valid regular "
+                f"expression ({err}); a string is a regex over full module paths{such}, a "
+                f"list names modules (e.g. {example})."
+            ) from None
+        return
+    if not value or not all(str(name).strip() for name in value):
+        raise ConfigError(
+            f"Config key 'adapter.target_modules' = {value!r} names no module; give the names "
+            f"of the linear modules to adapt, e.g. {example}, or a regex over full module "
+            f"paths{such}."
+        )
 
 
 def check_device(value: str, *, available: bool = True) -> None:
