@@ -67,8 +67,10 @@ def test_a_numpy_integer_seed_is_taken_by_the_export_and_diagnose(seed: Any) -> 
 
 def test_a_float_seed_is_named_by_the_export_and_ece_floor() -> None:
     model, guide, data = _fitted()
-    with pytest.raises(TypeError, match=r"to_inference_data / diagnose: seed must be an integer"):
+    with pytest.raises(TypeError, match=r"^to_inference_data: seed must be an integer"):
         pb.to_inference_data(model, guide, data, num_samples=4, seed=1.0)
+    with pytest.raises(TypeError, match=r"^diagnose: seed must be an integer"):
+        pb.diagnose(model, guide, data, num_samples=4, seed=1.0)
     probs = torch.softmax(torch.randn(2, 10, 3, generator=torch.Generator().manual_seed(0)), -1)
     assert metrics.ece_floor(probs, seed=np.int64(5)) == metrics.ece_floor(probs, seed=5)
     with pytest.raises(TypeError, match=r"ece_floor: seed must be an integer.*pass seed=2"):

@@ -199,13 +199,13 @@ def evaluate_draws(
         ``num_samples``, ``samples_per_forward`` or ``seed`` not an integer (a NumPy integer
         is one).
     """
-    both = "to_inference_data / diagnose: "  # the integer refusals name both callers
-    num_samples = check_int("num_samples", num_samples, ge=1, owner=both)
+    caller = f"{owner}: "  # the function the user called (to_inference_data, diagnose)
+    num_samples = check_int("num_samples", num_samples, ge=1, owner=caller)
     if seed is not None:  # as pyrobayes.predict (torch's manual_seed refuses a NumPy integer)
-        seed = check_int("seed", seed, owner=both)
+        seed = check_int("seed", seed, owner=caller)
     if samples_per_forward is not None:  # as pyrobayes.predict: < 1 left the per-draw loop empty
         samples_per_forward = check_int(
-            "samples_per_forward", samples_per_forward, ge=1, owner=both
+            "samples_per_forward", samples_per_forward, ge=1, owner=caller
         )
     if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"evaluate_draws: temperature must be finite and > 0, got {temperature}.")
