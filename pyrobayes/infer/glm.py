@@ -30,12 +30,23 @@ def _functional_variance(guide: Any, jac: Mapping[str, Tensor]) -> Tensor:
     return guide.functional_covariance(jac)
 
 
+def _check_posterior(guide: Any, owner: str) -> None:
+    """A fitted guide whose posterior precision is usable (a Laplace guide's ``check_finite``
+    names a non-finite ``H + τ I`` by site)."""
+    guide.require_fitted()
+    check_finite = getattr(guide, "check_finite", None)
+    if callable(check_finite):
+        check_finite(owner)
+
+
 def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
     """Mean ``f(x; θ*)`` `(B, C)` and covariance ``J Σ Jᵀ`` `(B, C, C)` of the linearized model."""
-    guide.require_fitted()
-    check_finite = getattr(guide, "check_finite", None)  # a non-finite H + τ I, by site
-    if callable(check_finite):
-        check_finite("glm_moments: ")
+    _check_posterior(guide, "glm_moments: ")
+    return _moments(model, guide, inputs)
+
+
+def _moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
+    """:func:`glm_moments` of a guide already checked (once per prediction, not per batch)."""
     values = dict(guide.linearization_point())
     fixed = guide.fixed_point()  # sites outside subset=: held at their MAP, no Jacobian
 
@@ -85,6 +96,7 @@ def glm_predict(
     if device is not None:
         model.to(device)
         guide.to(device)
+    _check_posterior(guide, "glm_predict: ")
     model.train(False)
     dev = model.device
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
@@ -93,7 +105,7 @@ def glm_predict(
     targets: list[Tensor] = []
     for batch in data:
         inputs, y = split_batch(to_device(batch, dev), model.label_key)
-        mean, cov = glm_moments(model, guide, inputs)
+        mean, cov = _moments(model, guide, inputs)
         if link == "probit":
             if classification:
                 kappa = torch.rsqrt(1.0 + math.pi / 8.0 * torch.diagonal(cov, dim1=-2, dim2=-1))

@@ -415,6 +415,15 @@ def _set_submodule(net: nn.Module, path: str, module: nn.Module) -> None:
         setattr(parent, child, module)
 
 
+def _is_collection(value: Any) -> bool:
+    """``value`` can list names: iterable, and neither ``None``, bytes nor a dict."""
+    return (
+        value is not None
+        and not isinstance(value, (bytes, bytearray, dict))
+        and isinstance(value, Iterable)
+    )
+
+
 def _checked_targets(value: Any, owner: str) -> Sequence[str] | str:
     """An adapter's ``target_modules``: a regex (str) as it is, a list or tuple of module names
     checked, a set as a sorted list (a fixed order for saved files); anything else refused."""
@@ -428,11 +437,7 @@ def _checked_targets(value: Any, owner: str) -> Sequence[str] | str:
                 "list of module names."
             ) from None
         return value
-    if (
-        value is None
-        or isinstance(value, (bytes, bytearray, dict))
-        or not isinstance(value, Iterable)
-    ):
+    if not _is_collection(value):
         raise TypeError(
             f"{owner}target_modules must be a list of module names (each matching a path or "
             "its dot-separated suffix) or a regex over full module paths (str); got "
@@ -866,11 +871,7 @@ def module_path_list(name: str, value: Any, *, owner: str = "", also: str = "") 
     """
     if isinstance(value, str):
         return [value] if value else _root_path_error(name, owner)
-    if (
-        value is None
-        or isinstance(value, (bytes, bytearray, dict))
-        or not isinstance(value, Iterable)
-    ):
+    if not _is_collection(value):
         raise TypeError(
             f"{owner}{name} must be {also}a module path (str) or a list of them ([] for none); "
             f"got {value!r} ({type(value).__name__})."

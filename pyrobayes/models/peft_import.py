@@ -68,6 +68,13 @@ def _warn_if_dropout(config: Any, what: str, silence: str) -> None:
     )
 
 
+def _flagged(layers: list[tuple[str, Any]], attr: str) -> str:
+    """The first of ``layers`` whose ``attr`` is true, quoted (``"'q' ..."`` when more are),
+    or ``""`` when none is."""
+    names = [name for name, m in layers if getattr(m, attr, False)]
+    return f"{names[0]!r}{' ...' if len(names) > 1 else ''}" if names else ""
+
+
 def _lora_layers(net: Any) -> list[tuple[str, Any]]:
     """The peft LoRA layers of ``net`` (modules with a ``lora_A`` ``ModuleDict``), by name."""
     return [
@@ -108,20 +115,20 @@ def _check_peft_model(net: Any) -> str:
             "(peft_model.set_adapter(name)), or fold them into the base weights "
             "(peft_model.merge_and_unload()) and build with a fresh adapter=LoRA(...)."
         )
-    disabled = [name for name, m in layers if getattr(m, "disable_adapters", False)]
+    disabled = _flagged(layers, "disable_adapters")
     if disabled:
         raise ValueError(
-            f"FineTuneModel: the peft model's adapter layers are disabled ({disabled[0]!r}"
-            f"{' ...' if len(disabled) > 1 else ''}: disable_adapter_layers()), so it computes "
+            f"FineTuneModel: the peft model's adapter layers are disabled ({disabled}: "
+            "disable_adapter_layers()), so it computes "
             "the base network, while an import would make the adapter act. Enable them "
             "(peft_model.base_model.enable_adapter_layers()) to import the adapter, or pass "
             "peft_model.unload() (the base network) with adapter=LoRA(...) to start afresh."
         )
-    merged = [name for name, m in layers if getattr(m, "merged", False)]
+    merged = _flagged(layers, "merged")
     if merged:
         raise ValueError(
             f"FineTuneModel: the peft model's adapter is merged into the base weights "
-            f"({merged[0]!r}{' ...' if len(merged) > 1 else ''}: merge_adapter()), and its "
+            f"({merged}: merge_adapter()), and its "
             "LoRA weights would be imported on top of them, counting the update twice. Call "
             "peft_model.unmerge_adapter() first, or pass peft_model.merge_and_unload() (the "
             "adapter folded into the weights) with a fresh adapter=LoRA(...)."
