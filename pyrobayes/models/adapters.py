@@ -24,7 +24,14 @@ import torch
 from torch import nn
 
 from ..user_frame import user_stacklevel
-from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, base_weight_in_out, is_conv1d
+from .layers import (
+    BatchedLinear,
+    LoRALinear,
+    LoRAXSLinear,
+    base_weight_in_out,
+    is_conv1d,
+    user_forward_hooks,
+)
 from .projections import PROJECTIONS, InputMoments, collect_input_moments, project
 
 logger = logging.getLogger(__name__)
@@ -768,6 +775,26 @@ def _warn_if_core_spans_less(path: str, a: torch.Tensor, b: torch.Tensor, adapte
     )
 
 
+def _warn_if_hooked(net: nn.Module, paths: list[str]) -> None:
+    """Warn about targeted layers with forward hooks or pre-hooks: the adapter wraps the layer,
+    so they stay on its frozen base and act on ``W0 x`` alone."""
+    hooked = [p for p in paths if user_forward_hooks(net.get_submodule(p))]
+    if not hooked:
+        return
+    listed = ", ".join(repr(p) for p in hooked[:4]) + (" ..." if len(hooked) > 4 else "")
+    warnings.warn(
+        f"target_modules selects {listed}, with forward hook(s) or pre-hook(s) registered on "
+        f"the layer: the adapter wraps it, so they stay on its frozen base ('{hooked[0]}.base'): "
+        "a forward hook sees (and changes) the base's output W0 x alone, not the adapter's "
+        "update ΔW x added after it, and a pre-hook changes the base's input only. To act on "
+        "the whole adapted layer, remove them before building the model and register them on "
+        f"model.net.get_submodule({hooked[0]!r}) after (pyrobayes.models.merged_network "
+        "refuses to merge a base layer that keeps hooks).",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 def inject_adapter(
     net: nn.Module,
     adapter: LoRA | LoRAXS,
@@ -793,6 +820,7 @@ def inject_adapter(
         )
         return specs
     paths = find_target_modules(net, adapter.target_modules)
+    _warn_if_hooked(net, paths)
     sites: list[SiteSpec] = []
     if calibration_batches is not None:
         _warn_if_unread(adapter)

@@ -37,7 +37,14 @@ from torch import Tensor, nn
 from ..contract import Mixture, implements
 from ..user_frame import user_stacklevel
 from .adapters import LoRA, _module_aliases, _set_submodule
-from .layers import BatchedLinear, LoRALinear, LoRAXSLinear, is_conv1d
+from .layers import (
+    BatchedLinear,
+    LoRALinear,
+    LoRAXSLinear,
+    carry_hooks,
+    is_conv1d,
+    user_forward_hooks,
+)
 
 __all__ = [
     "to_peft",
@@ -52,9 +59,9 @@ def unwrapped_network(model: Any) -> nn.Module:
     """A deep copy of the network with every pyrobayes adapter layer replaced by its base.
 
     The adapter's own submodules (a LoRA-XS ``core``, LoRA's ``lora_A`` / ``lora_B``) go with
-    it; a latent :class:`BatchedLinear` elsewhere becomes an ``nn.Linear`` with its weights. A
-    module registered under several names (``net.dec = net.enc``) is replaced under every name,
-    so the copy keeps it one module.
+    it; a latent :class:`BatchedLinear` elsewhere becomes an ``nn.Linear`` with its weights and
+    the hooks registered on it. A module registered under several names (``net.dec = net.enc``)
+    is replaced under every name, so the copy keeps it one module.
     """
     net = copy.deepcopy(model.net)
     adapters: list[str] = []
@@ -67,6 +74,7 @@ def unwrapped_network(model: Any) -> nn.Module:
         elif isinstance(module, BatchedLinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             plain.weight, plain.bias = module.weight, module.bias
+            carry_hooks(module, plain, share=True)  # (the copy's own, as the rest of the copy)
             _set_submodule(net, path, plain)
     return net
 
@@ -198,6 +206,10 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     module keeping the original values, and a Hugging Face config's ``tie_word_embeddings`` is
     set to ``False`` so that ``from_pretrained`` does not tie them again.
 
+    Hooks registered on the network's modules come with the copy; those on an adapter layer
+    (``model.net.get_submodule(path)`` after the model was built) or on a latent layer are
+    registered on the merged layer that replaces it, which computes the same function.
+
     Parameters
     ----------
     model : FineTuneModel
@@ -224,7 +236,11 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
         (particles, σN ensemble: merge one member), or several draws rather than one; an
         adapter's base layer computes its weight from a parametrization
         (``torch.nn.utils.parametrize``, ``weight_norm``), where a merged ``ΔW`` would be
-        recomputed away: turn it into a plain weight first (the message says how).
+        recomputed away: turn it into a plain weight first (the message says how); an
+        adapter's base layer has forward hooks or pre-hooks (registered on the layer before the
+        model was built), which the adapted layer applies to ``W0 x`` alone and a merged one
+        would apply to ``(W0 + ΔW) x``, or a part of an adapter (``lora_A``, ``lora_B``, a
+        ``core``) has some, which a merged network has no place for.
     TypeError
         An adapter's base layer is an ``nn.Linear`` subclass with a ``forward`` of its own,
         which need not compute ``x Wᵀ + b``: the adapter adds ``ΔW x`` beside that forward, a
@@ -245,7 +261,9 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     """
     values = _one_parameter_set(model, values, "merged_network")
     _check_stock_forward(model)
+    _check_adapter_hooks(model, "merged_network", base=True)
     net = unwrapped_network(model)
+    _carry_adapter_hooks(model, net)
     from .signorm import MemberNorm  # (signorm imports the model, which this module serves)
 
     by_module: dict[str, dict[str, Tensor]] = {}
@@ -265,7 +283,9 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
                     for site, spec in model.latent_sites.items()
                     if spec.module_path == path and site in values
                 }
-                _set_submodule(net, path, layer.merged_norm(member))
+                plain = layer.merged_norm(member)
+                carry_hooks(base, plain, share=True)  # the copy's own hooks on the member norm
+                _set_submodule(net, path, plain)
                 continue
             if isinstance(layer, LoRAXSLinear):
                 delta = layer.delta_weight(roles["core"])  # (d_out, d_in)
@@ -294,6 +314,66 @@ def merged_network(model: Any, values: Mapping[str, Tensor] | Any | None = None)
     for p in net.parameters():
         p.requires_grad_(False)
     return net.eval()  # a deployed network: no dropout, whatever train_backbone_mode
+
+
+def _hook_names(hooks: list[Any]) -> str:
+    """The hooks' names, for a message: ``['scale', 'Recorder']``."""
+    return str([getattr(h, "__qualname__", None) or type(h).__name__ for h in hooks][:4])
+
+
+def _check_adapter_hooks(model: Any, owner: str, *, base: bool) -> None:
+    """Refuse forward hooks / pre-hooks that a deployed network could not apply as the adapted
+    one does: on an adapter's own submodules (``lora_A``, ``lora_B``, a LoRA-XS ``core``),
+    which no deployed network has, and with ``base`` on an adapter's frozen base layer, which
+    sees ``W0 x`` alone (the adapter adds ``ΔW x`` after them) while a merged layer's hooks see
+    ``(W0 + ΔW) x``. Hooks on the adapter layer itself are carried over (its deployed layer
+    computes the same function); hooks on other modules are copied with the network.
+
+    Raises
+    ------
+    ValueError
+        Naming the module the hooks sit on, the adapter layer and what to do.
+    """
+    for path, layer in model.net.named_modules():
+        if not isinstance(layer, (LoRALinear, LoRAXSLinear)):
+            continue
+        for name, inner in layer.named_modules():
+            hooks = user_forward_hooks(inner) if inner is not layer else []
+            if not hooks or (inner is layer.base and not base):
+                continue
+            where = f"{path}.{name}"
+            if inner is layer.base:
+                raise ValueError(
+                    f"{owner}: the frozen base layer {where!r} of the adapted layer {path!r} "
+                    f"has forward hook(s) or pre-hook(s) {_hook_names(hooks)} (registered on "
+                    "the layer before the adapter was built): the adapted layer applies them to "
+                    "the base's part W0 x alone and adds the adapter's ΔW x after them, while a "
+                    "merged layer would apply them to (W0 + ΔW) x, so the merged network would "
+                    "differ from the adapted one. Remove them from the base (their handles' "
+                    f".remove(), or model.net.get_submodule({where!r})._forward_hooks.clear() "
+                    "and ._forward_pre_hooks.clear()) and, to act on the whole layer, register "
+                    f"them on model.net.get_submodule({path!r}), which the merged network "
+                    "keeps; or deploy the adapter unmerged (pyrobayes.models.to_peft for LoRA, "
+                    "whose base layer applies them as here, or the model itself)."
+                )
+            raise ValueError(
+                f"{owner}: {where!r}, a part of the adapted layer {path!r}, has forward "
+                f"hook(s) or pre-hook(s) {_hook_names(hooks)}, which the deployed network "
+                "cannot carry (its adapter's parts are folded into the layer or replaced by "
+                "peft's): it would differ from the adapted one. Remove them (their handles' "
+                f".remove(), or model.net.get_submodule({where!r})._forward_hooks.clear() and "
+                "._forward_pre_hooks.clear()), register them on the whole layer "
+                f"model.net.get_submodule({path!r}) instead, or deploy the model itself."
+            )
+
+
+def _carry_adapter_hooks(model: Any, net: nn.Module) -> None:
+    """Register the hooks of each adapter layer of ``model.net`` on the layer at its path in
+    ``net``, the deployed copy (a merged ``nn.Linear`` or peft's LoRA layer, which compute the
+    same function): copied, so that the deployed network's hooks are its own."""
+    for path, layer in model.net.named_modules():
+        if isinstance(layer, (LoRALinear, LoRAXSLinear)):
+            carry_hooks(layer, net.get_submodule(path))
 
 
 def _check_stock_forward(model: Any) -> None:
@@ -518,6 +598,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any
             "adapter into the one shared layer."
         )
     values = _one_parameter_set(model, values, "to_peft")
+    _check_adapter_hooks(model, "to_peft", base=False)
     net = unwrapped_network(model)
     # the modules trained beside the adapter, which peft must save with it: the point head and
     # the layers made latent (weight and bias sites)
@@ -542,6 +623,7 @@ def to_peft(model: Any, values: Mapping[str, Tensor] | Any | None = None) -> Any
         modules_to_save=heads or None,
     )
     peft_model = get_peft_model(net, config)
+    _carry_adapter_hooks(model, peft_model.get_base_model())
     state = {}
     for site, v in values.items():
         spec = model.latent_sites[site]

@@ -65,6 +65,43 @@ def batched_linear(
     return out.reshape(*x.shape[:-1], weight.shape[-2])  # (S*B, ..., d_out)
 
 
+def _hook_stores(module: nn.Module) -> dict[str, object]:
+    """The hook registries of ``module`` (``_forward_hooks``, ``_forward_pre_hooks``, their
+    ``with_kwargs`` / ``always_called`` companions, backward and state-dict hooks), by name."""
+    return {name: value for name, value in vars(module).items() if "hook" in name}
+
+
+def carry_hooks(src: nn.Module, dst: nn.Module, *, share: bool = False) -> None:
+    """Register the hooks of ``src`` on ``dst`` too, when ``dst`` replaces ``src`` in a network.
+
+    Each registry of ``dst`` takes the entries of ``src``'s (hook ids are unique, so none is
+    overwritten). With ``share``, an empty registry of ``dst`` *becomes* ``src``'s (the same
+    dict), so that a ``RemovableHandle`` the user holds for a hook registered on ``src`` (which
+    leaves the network) still removes it; without it (a copy, as a deployed network) ``dst``
+    gets registries of its own.
+    """
+    for name, value in _hook_stores(src).items():
+        mine = getattr(dst, name, None)
+        if isinstance(value, dict) and isinstance(mine, dict):
+            if share and not mine:
+                setattr(dst, name, value)
+            elif value:
+                mine.update(value)
+        elif name == "_is_full_backward_hook" and src._backward_hooks:
+            setattr(dst, name, value)
+
+
+def user_forward_hooks(module: nn.Module) -> list[object]:
+    """The forward hooks and forward pre-hooks registered on ``module`` itself, less torch's
+    own weight hooks (the older ``weight_norm``, pruning), which recompute its weight and are
+    told apart by the weight not being a stored parameter."""
+    from torch.nn.utils import prune
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return [h for h in hooks if not isinstance(h, (WeightNorm, prune.BasePruningMethod))]
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """Whether ``module`` is transformers' GPT-2 ``Conv1D`` (a linear layer storing its weight
     ``(d_in, d_out)``), told by name so that transformers need not be imported."""
@@ -208,11 +245,15 @@ class BatchedLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> BatchedLinear:
+        """A batched layer holding ``linear``'s weight and bias, which takes over the hooks
+        registered on ``linear`` (forward, pre-forward, backward, state-dict): it replaces
+        ``linear`` in the network, where they would otherwise be dropped in silence."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
+        carry_hooks(linear, new, share=True)
         return new
 
     def forward(self, x: Tensor) -> Tensor:

@@ -454,6 +454,18 @@ def _labelled(row: Mapping[str, Any], question: str, where: str) -> MCExample:
     labels = [str(label) for label in choices["label"]]
     if _unlabelled(row["answerKey"]):
         raise _Unlabelled(f"{where}: answerKey {row['answerKey']!r} is empty (an unlabelled row).")
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if len(labels) != len(texts) or repeated:
+        why = (
+            f"{len(labels)} labels {labels} for {len(texts)} choices"
+            if len(labels) != len(texts)
+            else f"the labels {labels}, of which {repeated} repeat"
+        )
+        raise ValueError(
+            f"{where}: 'choices' has {why}, so answerKey cannot name one choice: each choice "
+            "needs one label of its own (the allenai/ai2_arc layout, 'text' and 'label' of the "
+            "same length). Fix the row or leave it out."
+        )
     key = str(row["answerKey"])
     if key not in labels:
         raise ValueError(f"{where}: answerKey {key!r} is not among the labels {labels}.")

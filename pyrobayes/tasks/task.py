@@ -76,6 +76,40 @@ def _split_seed(split_seed: Any) -> int:
         ) from None
 
 
+def _warn_rounded_splits(
+    name: str, shares: dict[str, float], splits: dict[str, list[MCExample]]
+) -> None:
+    """Log a warning for the splits whose rounded size disagrees with their share: a positive
+    share that got no example (a 0.05 test share of 10 examples), or a share of 0 that got the
+    rounding remainder (the test split takes what train and validation leave)."""
+    n = sum(len(v) for v in splits.values())
+    empty = [s for s in SPLITS if shares[s] > 0 and not splits[s]]
+    unasked = [s for s in SPLITS if shares[s] == 0 and splits[s]]
+    if empty:
+        logger.warning(
+            "MultipleChoiceTask %r: fractions %s give the %s split(s) a share > 0 but none of "
+            "the %d examples (each size is round(N * share)): %s empty. Give more examples or "
+            "a larger share, or a share of 0 to ask for no such split.",
+            name,
+            tuple(shares.values()),
+            " and ".join(empty),
+            n,
+            "it is" if len(empty) == 1 else "they are",
+        )
+    for split in unasked:
+        logger.warning(
+            "MultipleChoiceTask %r: fractions %s give the %s split a share of 0, but it takes "
+            "%d of the %d examples, the rounding remainder of the other splits (each rounded to "
+            "round(N * share)). Leave it out (task.splits[%r] = []) or adjust the shares.",
+            name,
+            tuple(shares.values()),
+            split,
+            len(splits[split]),
+            n,
+            split,
+        )
+
+
 class MultipleChoiceTask:
     """Multiple-choice examples split into train / validation / test.
 
@@ -187,8 +221,16 @@ class MultipleChoiceTask:
             too); ``None``, which would draw a new split on every run, is refused.
         **kwargs
             As for :class:`MultipleChoiceTask`.
+
+        Notes
+        -----
+        Each split's size is rounded (``round(N·f)``; the test split takes the rest), so a
+        small share of few examples can round to none, and the test split can take a rounding
+        remainder of one example although its share is 0: both are reported by a logged
+        warning naming the split, its share and its size. An empty split is refused where it
+        is used (:meth:`encode`).
         """
-        f_train, f_val, _ = check_fractions(fractions)
+        f_train, f_val, f_test = check_fractions(fractions)
         examples = list(examples)
         n = len(examples)
         order = np.random.default_rng(_split_seed(split_seed)).permutation(n)
@@ -199,6 +241,8 @@ class MultipleChoiceTask:
             s: [examples[i] for i in sorted(part.tolist())]
             for s, part in zip(SPLITS, parts, strict=True)
         }
+        shares = dict(zip(SPLITS, (f_train, f_val, f_test), strict=True))
+        _warn_rounded_splits(str(kwargs.get("name", "task")), shares, splits)
         return cls(splits, **kwargs)
 
     @classmethod
