@@ -56,6 +56,7 @@ from .predictive import (
     check_outputs,
     checked_params,
     checked_targets,
+    observation_scale,
 )
 
 logger = logging.getLogger(__name__)
@@ -547,6 +548,7 @@ def linearized_predict(
     dev = model.device
     likelihood = model.likelihood
     classification = likelihood.is_classification
+    scale = None if classification else observation_scale(likelihood)  # before any pass
     monte_carlo = _uses_contrast(model, guide)
     if linearization is not None and linearization.contrast != monte_carlo:
         raise ValueError(
@@ -582,7 +584,7 @@ def linearized_predict(
         )
     return Prediction(
         loc=torch.cat(locs, 1),
-        scale=float(likelihood.obs_scale),
+        scale=scale,
         loc_var=torch.cat(variances, 1),
         targets=target,
     )

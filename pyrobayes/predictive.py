@@ -45,6 +45,7 @@ __all__ = [
     "cat_examples",
     "default_samples_per_forward",
     "check_outputs",
+    "observation_scale",
 ]
 
 
@@ -117,7 +118,7 @@ class Prediction:
         """Wrap stacked per-sample outputs: log-probabilities or Gaussian means."""
         if likelihood.is_classification:
             return cls(log_probs=outputs, targets=targets)
-        return cls(loc=outputs, scale=getattr(likelihood, "obs_scale", None), targets=targets)
+        return cls(loc=outputs, scale=observation_scale(likelihood), targets=targets)
 
     @property
     def num_samples(self) -> int:
@@ -126,6 +127,31 @@ class Prediction:
         if ref is None:
             raise AttributeError("This Prediction holds neither log_probs nor loc.")
         return int(ref.shape[0])
+
+
+def observation_scale(likelihood: Any, where: str = "predict") -> float | None:
+    """A regression likelihood's noise ``σ`` (its ``obs_scale``; ``None``: it has none), refused
+    when not a finite number > 0: a learned ``σ = softplus(ρ)`` whose ``ρ`` is NaN (a file or
+    an edit by hand) gave a prediction with ``scale = nan``, so every NLL and interval of it
+    NaN, with no word of the cause.
+
+    Raises
+    ------
+    FloatingPointError
+        Naming ``where`` (the caller) and the value.
+    """
+    scale = getattr(likelihood, "obs_scale", None)
+    if scale is None:
+        return None
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise FloatingPointError(
+            f"{where}: the Gaussian likelihood's noise σ (obs_scale) is {value}, not a finite "
+            "number > 0, so the predictive's NLL and intervals would be NaN. A learned σ "
+            "(obs_scale='learn') holds it as softplus(likelihood.raw_scale): set raw_scale to a "
+            "finite value, or load the saved model again, and refit."
+        )
+    return value
 
 
 def _equal_weight_samples(guide: Mixture, num_samples: int) -> int:
@@ -537,7 +563,13 @@ def cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:
 
 
 def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str, Tensor]:
-    """``num_samples`` joint draws (one for a point posterior; whole components for a mixture)."""
+    """``num_samples`` joint draws (one for a point posterior; whole components for a mixture),
+    after the guide's ``check_finite`` where it has one (a Laplace guide: a non-finite
+    ``H + τ I`` named by site; a ``+inf`` one passes torch's checks and gives draws without
+    spread)."""
+    check_finite = getattr(guide, "check_finite", None)
+    if callable(check_finite):
+        check_finite("predict: ")
     if guide.is_deterministic:  # the Posterior protocol (contract.py)
         num_samples = 1
     elif implements(guide, Mixture):

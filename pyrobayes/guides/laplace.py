@@ -574,6 +574,23 @@ alternate_map_tol, alternate_lr : optional
         self.require_setup()
         return {s: self.loc(s).detach().clone() for s in self.sites}
 
+    def sample_posterior(
+        self, num_samples: int, *, generator: torch.Generator | None = None
+    ) -> dict[str, Tensor]:
+        """Joint draws ``{site: (num_samples, *shape)}`` (:meth:`PosteriorGuide.sample_posterior`),
+        after :meth:`check_finite` (one device synchronisation per call): a ``+inf`` Kronecker
+        curvature or τ passes torch's check of the parameters (``inf > 0``) and would give draws
+        with no spread there, and an inf eigenvector NaN draws, a wrong ``pred_type="nn"``
+        predictive with no word of the cause.
+
+        Raises
+        ------
+        FloatingPointError
+            When ``H + τ I`` is not finite and positive at some latent site (named).
+        """
+        self.check_finite(f"{type(self).__name__}.sample_posterior: ")
+        return super().sample_posterior(num_samples, generator=generator)
+
     # ------------------------------------------------------------------ linearised predictive
     def linearization_point(self) -> dict[str, Tensor]:
         """``θ_MAP`` per site (detached): where the GLM predictive linearises the network."""

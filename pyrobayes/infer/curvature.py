@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 
 from ..batch import batch_size, compute_dtype, split_batch, to_device, token_mask
 from ..linearized import output_jacobian_rows, output_jacobians
-from ..models.likelihoods import check_gaussian_targets
+from ..models.likelihoods import Categorical, check_gaussian_targets
 from .distributed import all_reduce_sum_
 
 __all__ = ["LaplaceNet", "per_example_ggn_backend"]
@@ -119,6 +120,13 @@ class _Loader:
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
         self.model, self.data, self.device = model, data, device
         self._event_shape: tuple[int, ...] | None = None  # of one example's output, once probed
+        if iter(data) is data:  # a generator: counted (below) and probed, then read: empty
+            raise TypeError(
+                "Laplace: the curvature data is a one-shot iterator "
+                f"({type(data).__name__}), but the fit reads it more than once (laplace-torch "
+                "probes its first batch, then passes over it). Pass a list of batches or a "
+                "DataLoader."
+            )
         dataset: Any = getattr(data, "dataset", None)
         try:
             n = len(dataset)  # None or an unsized dataset: TypeError
@@ -127,6 +135,12 @@ class _Loader:
             count = torch.tensor(sum(batch_size(split_batch(b, model.label_key)[0]) for b in data))
             all_reduce_sum_([count])
             n = int(count)
+        if n == 0:  # laplace-torch's next(iter(loader)) raised a bare StopIteration
+            raise ValueError(
+                "Laplace: the curvature data hold no examples (an empty list or data set): the "
+                "posterior's curvature is a sum over the training examples. Pass the training "
+                "batches."
+            )
         self.dataset = range(n)
 
     def __iter__(self) -> Iterator[Any]:
@@ -135,28 +149,80 @@ class _Loader:
         for index, batch in enumerate(self.data):
             batch = to_device(batch, self.device)
             inputs, y = split_batch(batch, key)
+            y = _check_rows(inputs, y, index, key)
             _check_finite_batch(inputs, y, index)
-            if regression and y is not None:
+            if regression:
                 y = self._regression_targets(inputs, y)
-            elif y is not None:
-                y = _class_targets(y, index)
+            else:
+                y = self._checked_classes(inputs, _class_targets(y, index), index)
             if isinstance(inputs, Tensor):
                 yield inputs, y
             else:
                 rows = torch.empty(batch_size(inputs), 0, device=self.device)
                 yield {_INPUTS: inputs, _ROWS: rows, key: y}
 
-    def _regression_targets(self, inputs: Any, y: Tensor) -> Tensor:
-        """``y`` checked against the output of ``inputs``: ``(B, 1)`` (scalar) or ``(B, *event)``."""
+    def _output_shape(self, inputs: Any) -> tuple[int, ...]:
+        """One example's output shape (the likelihood's parameters), from one probe forward of
+        the first batch (laplace-torch's own probe reads the output width once, too)."""
         model = self.model
-        if self._event_shape is None:  # one probe forward for the output's per-example shape
+        if self._event_shape is None:
             with torch.no_grad():
                 out = model.likelihood.params(
                     model.network_prediction(model._call_net(model.net, inputs)), inputs
                 )
             self._event_shape = tuple(int(n) for n in out.shape[1:])
-        y = check_gaussian_targets(y, (batch_size(inputs), *self._event_shape))
-        return y if self._event_shape else y.unsqueeze(-1)
+        return self._event_shape
+
+    def _regression_targets(self, inputs: Any, y: Tensor) -> Tensor:
+        """``y`` checked against the output of ``inputs``: ``(B, 1)`` (scalar) or ``(B, *event)``."""
+        event = self._output_shape(inputs)
+        y = check_gaussian_targets(y, (batch_size(inputs), *event))
+        return y if event else y.unsqueeze(-1)
+
+    def _checked_classes(self, inputs: Any, y: Tensor, index: int) -> Tensor:
+        """Class labels ``(B,)`` refused outside ``0 .. C-1`` (one synchronisation): laplace-torch's
+        cross-entropy raised an ``IndexError`` ("Target 10 is out of bounds") on the CPU, and a
+        device-side assert, which ends the CUDA context, on a GPU. ``C`` is the categorical
+        head's width; another classification likelihood (its width may vary by batch) is
+        checked for negative labels only."""
+        classes = None
+        if isinstance(self.model.likelihood, Categorical):
+            classes = self._output_shape(inputs)[-1]
+        bad = y < 0 if classes is None else (y < 0) | (y >= classes)
+        if bool(bad.any()):
+            values = sorted(set(y[bad].tolist()))
+            valid = "0 .. C-1" if classes is None else f"0 .. {classes - 1} ({classes} classes)"
+            raise ValueError(
+                f"Laplace: batch {index} of the curvature data has class labels {values[:5]} "
+                f"outside {valid}, in {int(bad.sum())} of {y.shape[0]} rows. Encode the labels "
+                "as 0 .. C-1, or give the network's head one output per class."
+            )
+        return y
+
+
+def _check_rows(inputs: Any, y: Tensor | None, index: int, label_key: str) -> Tensor:
+    """``y``, refused when the batch holds no examples, has no labels, or one label row per
+    example fails: laplace-torch failed on them with a ``ZeroDivisionError``, an
+    ``AttributeError`` on ``None`` or curvlinops' "number of loss terms" message."""
+    where = f"Laplace: batch {index} of the curvature data"
+    size = batch_size(inputs)
+    if size == 0:
+        raise ValueError(
+            f"{where} holds no examples (inputs with a batch size of 0); drop empty batches."
+        )
+    if y is None:
+        raise ValueError(
+            f"{where} carries no labels: the curvature (the GGN of the log-likelihood) is "
+            f"fitted on labelled data. Pass (x, y) batches, or dicts with the model's label key "
+            f"{label_key!r}."
+        )
+    if not isinstance(y, Tensor) or y.dim() == 0 or int(y.shape[0]) != size:
+        got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(
+            f"{where} has labels of shape {got} for {size} examples; pass one label (row) per "
+            "example."
+        )
+    return y
 
 
 def _class_targets(y: Tensor, index: int) -> Tensor:
@@ -439,4 +505,13 @@ def _laplace_likelihood(model: Any) -> tuple[str, float]:
     """laplace-torch's ``likelihood`` and ``sigma_noise`` (a learned σ: its current value)."""
     if model.likelihood.is_classification:
         return "classification", 1.0
-    return "regression", float(getattr(model.likelihood, "obs_scale", 1.0))
+    sigma = float(getattr(model.likelihood, "obs_scale", 1.0))
+    if not (math.isfinite(sigma) and sigma > 0):  # laplace-torch's 1/σ²: an inf or NaN curvature
+        raise FloatingPointError(
+            f"Laplace: the Gaussian likelihood's noise σ (obs_scale) is {sigma}, not a finite "
+            "number > 0; the curvature is the GGN scaled by 1/σ², which would be NaN or inf (and "
+            "τ chosen on it). A learned σ (obs_scale='learn') is softplus(likelihood.raw_scale): "
+            "set raw_scale to a finite value (a σ that collapsed to 0 in training: fix σ, "
+            "Gaussian(obs_scale=...), or regularise the fit) and refit."
+        )
+    return "regression", sigma

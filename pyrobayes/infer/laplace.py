@@ -457,24 +457,35 @@ def tune_prior_precision(
     """``argmax_τ log_marglik(τ)`` over ``log τ ∈ bounds``: a grid then golden-section search
     (``warn``: log a warning when the maximum is at a bound)."""
     lo, hi = bounds
+
+    def value(log_tau: float) -> float:  # NaN or ±inf: never the maximum
+        v = float(log_marglik(math.exp(log_tau)))
+        return v if math.isfinite(v) else -math.inf
+
     xs = torch.linspace(lo, hi, grid, dtype=torch.float64)
-    values = [float(log_marglik(math.exp(float(x)))) for x in xs]
-    finite = [v if math.isfinite(v) else -math.inf for v in values]
+    finite = [value(float(x)) for x in xs]
+    if not any(math.isfinite(v) for v in finite):  # every τ: the search would pick one silently
+        raise FloatingPointError(
+            f"Laplace: the log marginal likelihood is NaN or inf at every τ of the search over "
+            f"log τ in [{lo:g}, {hi:g}], so no prior precision can be chosen by it (the "
+            "curvature or the MAP holds NaN or inf, or a regression's noise σ is 0 or NaN). "
+            "Check the fit, or give a fixed prior precision (prior_precision=<float>)."
+        )
     best = max(range(grid), key=lambda i: finite[i])
     a = float(xs[max(best - 1, 0)])
     b = float(xs[min(best + 1, grid - 1)])
     ratio = (math.sqrt(5.0) - 1.0) / 2.0
     c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = float(log_marglik(math.exp(c))), float(log_marglik(math.exp(d)))
+    fc, fd = value(c), value(d)
     for _ in range(iters):
         if fc >= fd:
             b, d, fd = d, c, fc
             c = b - ratio * (b - a)
-            fc = float(log_marglik(math.exp(c)))
+            fc = value(c)
         else:
             a, c, fc = c, d, fd
             d = a + ratio * (b - a)
-            fd = float(log_marglik(math.exp(d)))
+            fd = value(d)
     x_best, f_best = (c, fc) if fc >= fd else (d, fd)
     if finite[best] > f_best:
         x_best = float(xs[best])
@@ -634,7 +645,6 @@ def _store_kron(guide: Any, la: Any, order: list[str]) -> None:
                 f"Laplace: expected {len(shape)} Kronecker factor(s) for site {s!r} of "
                 f"shape {tuple(shape)}, laplace-torch gave {len(vals)}; please report this."
             )
-        _check_finite_curvature(torch.cat([v.reshape(-1) for v in (*vals, *vecs)]), [s])
         if len(vals) == 1:  # a bias: laplace-torch's one dense factor G (m×m)
             (q_out,), (l_out,) = vecs, vals
             q_in = q_out.new_ones(1, 1)
@@ -643,6 +653,8 @@ def _store_kron(guide: Any, la: Any, order: list[str]) -> None:
             q_out, q_in = vecs
             l_out, l_in = (v.clamp_min(0.0) for v in vals)
             curv = factor * l_out[:, None] * l_in[None, :]
+        # the factors, and their product scaled by 1/(σ² T) (which may overflow), in one check
+        _check_finite_curvature(torch.cat([v.reshape(-1) for v in (*vals, *vecs, curv)]), [s])
         guide.set_curvature(s, curv.detach(), q_out.detach(), q_in.detach())
 
 
@@ -778,7 +790,8 @@ def _check_finite_curvature(values: Tensor, sites: list[str]) -> None:
     if not bool(torch.isfinite(values).all()):
         raise FloatingPointError(
             f"Laplace: the curvature of site(s) {sites[:5]} holds NaN or inf. Check the training "
-            "data for non-finite inputs and the MAP for non-finite values (a diverged fit)."
+            "data for non-finite inputs and the MAP for non-finite values (a diverged fit); for "
+            "a regression, a noise σ near 0 (the curvature is scaled by 1/σ²)."
         )
 
 

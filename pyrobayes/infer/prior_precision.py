@@ -135,6 +135,14 @@ def select_prior_precision(
         guide.set_prior_precision(tau0)
         raise
     finite = [s if math.isfinite(s) else math.inf for s in scores]
+    if not any(math.isfinite(s) for s in scores):  # min() would pick the smallest factor
+        guide.set_prior_precision(tau0)
+        raise FloatingPointError(
+            f"{owner}the held-out NLL is NaN or inf at every factor of the grid "
+            f"{[f'{f:.3g}' for f in grid]} (τ = {tau0:.4g} times each), so none can be chosen; "
+            "τ is left at its value. Check the held-out data (labels the model gives "
+            "probability 0) and the posterior (guide.check_finite()), or pass other factors=."
+        )
     best = min(range(len(grid)), key=lambda i: finite[i])
     tau = tau0 * grid[best]
     guide.set_prior_precision(tau)

@@ -140,10 +140,24 @@ def swag_step(state: SwagState, theta: Tensor) -> SwagState:
 
     Welford's update: ``δ = θ − θ̄``, ``θ̄ ← θ̄ + δ/n``, ``M_2 ← M_2 + δ (θ − θ̄)`` (new ``θ̄``), and
     the deviation ``θ − θ̄`` (new ``θ̄``) enters ``D̂``.
+
+    Raises
+    ------
+    FloatingPointError
+        When ``theta`` holds NaN or inf (one synchronisation per iterate).
     """
     theta = theta.detach().reshape(-1).to(state.mean)
     if theta.shape != state.mean.shape:
         raise ValueError(f"Expected an iterate of shape {tuple(state.mean.shape)}.")
+    bad = ~torch.isfinite(theta)
+    if bool(bad.any()):  # one NaN iterate makes the mean and M_2 NaN for good
+        raise FloatingPointError(
+            f"swag_step: the iterate holds {int(bad.sum())} of {theta.numel()} values NaN or "
+            f"inf (first at coordinate {int(bad.nonzero()[0])}); collecting it would make the "
+            "SWAG mean and variances NaN from now on (the posterior then fails in a Cholesky "
+            "factorisation). The state is unchanged: collect finite iterates (a diverged "
+            "training run: a smaller lr or swa_lr)."
+        )
     n = state.num_collected + 1
     w = 1.0 / n.to(state.mean.dtype)
     delta = theta - state.mean
