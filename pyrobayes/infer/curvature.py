@@ -149,7 +149,7 @@ class _Loader:
         for index, batch in enumerate(self.data):
             batch = to_device(batch, self.device)
             inputs, y = split_batch(batch, key)
-            y = _check_rows(inputs, y, index, key)
+            y = _check_rows(inputs, y, index, key, regression)
             _check_finite_batch(inputs, y, index)
             if regression:
                 y = self._regression_targets(inputs, y)
@@ -200,10 +200,14 @@ class _Loader:
         return y
 
 
-def _check_rows(inputs: Any, y: Tensor | None, index: int, label_key: str) -> Tensor:
-    """``y``, refused when the batch holds no examples, has no labels, or one label row per
-    example fails: laplace-torch failed on them with a ``ZeroDivisionError``, an
-    ``AttributeError`` on ``None`` or curvlinops' "number of loss terms" message."""
+def _check_rows(
+    inputs: Any, y: Tensor | None, index: int, label_key: str, regression: bool
+) -> Tensor:
+    """``y``, refused when the batch holds no examples, has no labels, or (classification) one
+    label per example fails: laplace-torch failed on them with a ``ZeroDivisionError``, an
+    ``AttributeError`` on ``None`` or curvlinops' "number of loss terms" message. Regression
+    targets' shapes are checked against the output by ``check_gaussian_targets``, whose message
+    every path shares."""
     where = f"Laplace: batch {index} of the curvature data"
     size = batch_size(inputs)
     if size == 0:
@@ -216,6 +220,8 @@ def _check_rows(inputs: Any, y: Tensor | None, index: int, label_key: str) -> Te
             f"fitted on labelled data. Pass (x, y) batches, or dicts with the model's label key "
             f"{label_key!r}."
         )
+    if regression and isinstance(y, Tensor):
+        return y
     if not isinstance(y, Tensor) or y.dim() == 0 or int(y.shape[0]) != size:
         got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
         raise ValueError(
