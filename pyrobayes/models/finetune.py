@@ -145,6 +145,79 @@ def _refuse_adapted_network(net: nn.Module) -> None:
         )
 
 
+def _check_tied_sites(
+    net: nn.Module,
+    names: Sequence[str],
+    latent: Iterable[str],
+    point_params: Mapping[str, nn.Parameter],
+    owner: str = "FineTuneModel",
+) -> None:
+    r"""Check the latent sites' tensors ``names`` (parameter names in ``net``) for tied weights:
+    the same ``nn.Parameter`` used by another module too, as a Hugging Face causal LM's output
+    head tied to its input embeddings (``tie_word_embeddings=True``).
+
+    A draw replaces a site's tensor in the site's own module only (its cached slot), so the
+    other module keeps using the stored tensor:
+
+    * tied to a frozen module, that is the last-layer convention (laplace-torch's last-layer
+      Laplace, Daxberger et al. 2021): the features, the embeddings included, stay fixed at
+      their trained values and only the head's use of the weight is latent. Allowed, with a
+      logged note naming both uses;
+    * tied to a point parameter (``trainable_modules`` lists the other module), the tensor
+      would be both trained in place by the optimizer and the site's starting value and
+      prior-centred slot: the tie is broken inside the model in silence (the embeddings move
+      with training, the head follows its draws) and the site's initial value moves with
+      training. Refused;
+    * tied to another latent site, each draw would give the two uses independent values and
+      the prior would count the tensor twice. Refused.
+
+    ``latent`` are all the latent sites' parameter names (``names`` included).
+
+    Raises
+    ------
+    ValueError
+        Naming the site's module, the other module and what to do: leave the other module
+        frozen, or untie the weights before building the model.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    latent = set(latent)
+    for name in names:
+        param = net.get_parameter(name)
+        others = [n for n in aliases.get(id(param), []) if n != name]
+        if not others:
+            continue
+        path = name.rpartition(".")[0]
+        trained = [n for n, p in point_params.items() if p is param and n != name]
+        clash = trained or [n for n in others if n in latent]
+        if clash:
+            other = clash[0].rpartition(".")[0]
+            role = "a point parameter (trainable_modules)" if trained else "another latent site"
+            raise ValueError(
+                f"{owner}: the latent site {name!r} (module {path!r}) is the same tensor as "
+                f"{clash[0]!r} of module {other!r}, {role}: tied weights (an output head tied "
+                "to the input embeddings, tie_word_embeddings=True). A draw replaces the "
+                f"weight in {path!r} only, so the tie would be broken inside the model in "
+                f"silence. Leave {other!r} frozen (out of trainable_modules / latent_modules: "
+                "only the head's use of the weight is then latent, as in last-layer Laplace), "
+                "or untie the weights and build the model from a fresh copy of the network (this "
+                "one was changed in place): "
+                f"net.get_submodule({path!r}).weight = "
+                f"nn.Parameter(net.get_submodule({path!r}).weight.detach().clone()) (and, in a "
+                "Hugging Face model, net.config.tie_word_embeddings = False)."
+            )
+        logger.info(
+            "%s: the latent site %r is the same tensor as the frozen %s (tied weights), which "
+            "keep its stored value in every draw: only its use in module %r is latent (the "
+            "last-layer convention, features fixed; untie the weights to change that).",
+            owner,
+            name,
+            others,
+            path,
+        )
+
+
 class FineTuneModel(DrawForward, nn.Module):
     r"""Pyro model over the adapter (or LoRA-XS core) parameters of a network.
 
@@ -286,6 +359,8 @@ class FineTuneModel(DrawForward, nn.Module):
             {s.module_path for s in specs if s.kind not in ("weight", "bias")},
         )
         self.point_params.update(self._point_lora_factors(specs))
+        names = [s.param_name for s in specs]
+        _check_tied_sites(self.net, names, names, self.point_params)
         if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:
             # a module parameter (moved by .to()), and a point parameter outside the network
             self.register_parameter("likelihood_raw_scale", self.likelihood.raw_scale)
@@ -449,6 +524,10 @@ class FineTuneModel(DrawForward, nn.Module):
                     f"{self.head_modules()}. Pass one of them, or build the model with "
                     'latent_modules=[...] (a LoRA factor: LoRA(latent="AB")).'
                 )
+        new = [n for path in paths for n, _ in self._module_params(path)]
+        remaining = {n: p for n, p in self.point_params.items() if n not in new}
+        latent = [spec.param_name for spec in self.latent_sites.values()] + new
+        _check_tied_sites(self.net, new, latent, remaining, "FineTuneModel.make_latent")
         specs = make_latent(self.net, paths)
         for spec in specs:
             del self.point_params[spec.param_name]
@@ -456,6 +535,10 @@ class FineTuneModel(DrawForward, nn.Module):
         for cache in ("_slot_cache", "_lower_block"):  # they list the sites and point params
             self.__dict__.pop(cache, None)
         return [s.site for s in specs]
+
+    def _module_params(self, path: str) -> list[tuple[str, nn.Parameter]]:
+        """``(full name, parameter)`` of the module at ``path`` of the network."""
+        return [(f"{path}.{n}", p) for n, p in self.net.get_submodule(path).named_parameters()]
 
     def head_modules(self) -> list[str]:
         """The network's modules trained as point parameters beside the adapter (the task head),

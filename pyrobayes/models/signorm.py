@@ -53,6 +53,7 @@ from .adapters import (
     make_latent,
 )
 from .finetune import HEAD_NAMES, FineTuneModel
+from .layers import _hook_stores, carry_hooks, user_forward_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,42 @@ def _is_hf_rms(module: nn.Module) -> bool:
         and isinstance(getattr(module, "variance_epsilon", None), float)
         and isinstance(weight, Tensor)
         and weight.dim() == 1
+    )
+
+
+def _hook_names(hooks: Sequence[object]) -> str:
+    """The hooks' names, for a message: ``['scale', 'Recorder']``."""
+    return str([getattr(h, "__qualname__", None) or type(h).__name__ for h in hooks][:4])
+
+
+def _refuse_recomputed_weight(norm: nn.Module, where: str) -> None:
+    """Refuse a norm layer whose weight torch recomputes at each call (the older
+    ``torch.nn.utils.weight_norm`` and pruning, both forward pre-hooks, or a parametrization).
+
+    A member layer copies the weight once, and the plain layer a member is merged into
+    (:meth:`MemberNorm.merged_norm`) would recompute the pretrained weight over the member's
+    scale; the older ``weight_norm`` also makes the layer impossible to copy.
+
+    Raises
+    ------
+    ValueError
+        Naming the layer (``where``), what recomputes its weight and how to remove it.
+    """
+    from torch.nn.utils import parametrize
+
+    user = user_forward_hooks(norm)
+    recomputing = [h for h in norm._forward_pre_hooks.values() if not any(h is u for u in user)]
+    if not recomputing and not parametrize.is_parametrized(norm):
+        return
+    what = _hook_names(recomputing) if recomputing else "a parametrization"
+    raise ValueError(
+        f"{where} has its weight recomputed at each call by {what} "
+        "(torch.nn.utils.weight_norm, pruning or torch.nn.utils.parametrize): a member norm "
+        "layer copies the weight once, and the plain layer a member is merged into would "
+        "recompute the pretrained weight over the member's scale. Remove it first "
+        "(torch.nn.utils.remove_weight_norm(m), torch.nn.utils.prune.remove(m, 'weight') or "
+        "torch.nn.utils.parametrize.remove_parametrizations(m, 'weight'), which keep the "
+        "current weight), or leave the layer out with norm_modules=[...]."
     )
 
 
@@ -197,6 +234,7 @@ class MemberNorm(nn.Module):
                 f"RMSNorm but got {type(norm).__name__}."
             )
         self.init_logit = check_init_logit(init_logit, "MemberNorm: ")
+        _refuse_recomputed_weight(norm, f"MemberNorm: the {type(norm).__name__}")
         self.is_batch_norm = isinstance(norm, nn.modules.batchnorm._BatchNorm)
         #: "batch", "layer" or "rms"
         self.norm_kind = (
@@ -243,6 +281,9 @@ class MemberNorm(nn.Module):
         template = copy.deepcopy(norm)
         for p in template.parameters():
             p.requires_grad_(False)
+        for registry in _hook_stores(template).values():  # the hooks are the member layer's
+            if isinstance(registry, dict):  # (SigmaNorm.inject carries them to it)
+                registry.clear()
         self._template: tuple[nn.Module] = (template,)
 
     def member_scale(self, gamma: Tensor | None = None) -> Tensor:
@@ -431,7 +472,10 @@ def _select(
 
 def _check_conversion(path: str, original: nn.Module, layer: MemberNorm) -> None:
     """Raise when ``layer`` at its initial values is not ``original`` on a random input (a norm
-    class whose formula differs from the one recognised, e.g. a ``(1 + w)``-scaled RMSNorm)."""
+    class whose formula differs from the one recognised, e.g. a ``(1 + w)``-scaled RMSNorm).
+
+    Both run through ``forward`` itself: the user's hooks on ``original`` (carried over to
+    ``layer`` after the check) neither see the random input nor change the comparison."""
     ref = layer.fixed_scale
     shape = (4, layer.num_features) + ((2, 2) if isinstance(original, nn.BatchNorm2d) else ())
     generator = torch.Generator().manual_seed(0)
@@ -444,7 +488,7 @@ def _check_conversion(path: str, original: nn.Module, layer: MemberNorm) -> None
         layer_mode = layer.training
         layer.eval()
         with torch.no_grad():
-            expected, got = original(x), layer(x)
+            expected, got = original.forward(x), layer.forward(x)
         layer.train(layer_mode)
     finally:
         original.train(mode)
@@ -455,6 +499,30 @@ def _check_conversion(path: str, original: nn.Module, layer: MemberNorm) -> None
             f"SigmaNorm: the member norm layer for {path!r} ({type(original).__name__}) does not "
             f"reproduce it (relative error {error:.2g}); its formula is not a LayerNorm, "
             "BatchNorm or RMSNorm (x/√(mean x² + ε)·w). Leave it out with norm_modules=[...]."
+        )
+
+
+def _carry_norm_hooks(path: str, original: nn.Module, layer: MemberNorm) -> None:
+    """Register the hooks of the norm layer ``original`` on ``layer``, its member layer at
+    ``path`` (shared registries: a handle the user holds still removes its hook).
+
+    The member layer at its initial values computes the pretrained layer's function, so the
+    network keeps the function it had with its hooks, rather than losing them in silence (an
+    observing hook that records activations) or failing the conversion check (a hook that
+    changes the output). A forward hook then sees the member layer's output for every draw
+    at once (the sample-major expanded batch, S·B rows) and the member layer as its module
+    argument; :func:`~pyrobayes.models.merged_network` carries them to the plain layer.
+    """
+    hooks = user_forward_hooks(original)
+    carry_hooks(original, layer, share=True)
+    if hooks:
+        logger.info(
+            "SigmaNorm: the forward hook(s) or pre-hook(s) %s registered on the norm layer %r "
+            "now run on its member layer (%s), which replaces it: they see every member's "
+            "output at once (S·B rows, sample-major) and the MemberNorm as their module.",
+            _hook_names(hooks),
+            path,
+            type(layer).__name__,
         )
 
 
@@ -534,12 +602,14 @@ class SigmaNorm:
             )
         for path in _select(net, self.norm_modules, norms, "norm_modules"):
             original = net.get_submodule(path)
+            _refuse_recomputed_weight(original, f"SigmaNorm: the norm layer {path!r}")
             layer = MemberNorm(original, self.init_logit)
             _check_conversion(path, original, layer)
             for p in layer.parameters():
                 p.requires_grad_(False)  # sampled, never trained in place
             layer.train(net.training)  # the backbone's mode (eval unless train_backbone_mode)
             _set_submodule(net, path, layer)
+            _carry_norm_hooks(path, original, layer)
             C = (layer.num_features,)
             specs.append(SiteSpec(f"{path}.gamma", f"{path}.gamma", path, C, SCALE_KIND))
             specs.append(SiteSpec(f"{path}.beta", f"{path}.beta", path, C, SHIFT_KIND))
