@@ -15,7 +15,9 @@ with a zero-shot row (the base network, no adapter) first. A config (TOML, read 
                            (bigbench), adapter and config (hf), template and field names
                            (json), fractions (bigbench, json), split_seed, num_fewshot,
                            batch_size, num_train / num_val / num_test (0: all of the split)
-    [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules
+    [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules; LoRA-XS
+                           also projection ("svd", "dct", "random"), init_scale and seed
+                           (the random projection's; the same bases for every job seed)
     families, seeds        the families (as LM_FAMILY_SETTINGS, else the demo's
                            FAMILY_SETTINGS, run them) and seeds
     [training] [predict] [export]   as in the demo; predict.samples_per_forward (0: pb.predict's
@@ -242,11 +244,16 @@ def load_base(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     return net.to(getattr(torch, lm["dtype"])).eval(), tokenizer
 
 
-def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
-    """The configured task, split (a file: by ``split_seed``; a dataset: its own splits)."""
-    spec = config["causal_lm"]["task"]
+def check_task_path(spec: dict[str, Any]) -> None:
+    """Config key ``causal_lm.task.path``: a file (bigbench, json) or a path-like dataset
+    folder (hf) that exists; an hf hub id is the load's to find.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, the path and what it should name.
+    """
     path, fmt = expand_path(spec["path"]), spec["format"]
-    options = {"name": Path(path).stem or path, "num_fewshot": int(spec["num_fewshot"])}
     looks_like_path = path.startswith(("/", ".")) or Path(path).suffix in (".json", ".jsonl")
     if (fmt != "hf" or looks_like_path) and not Path(path).exists():
         raise ConfigError(
@@ -260,6 +267,14 @@ def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
             )
             + "."
         )
+
+
+def load_task(config: dict[str, Any]) -> MultipleChoiceTask:
+    """The configured task, split (a file: by ``split_seed``; a dataset: its own splits)."""
+    spec = config["causal_lm"]["task"]
+    path, fmt = expand_path(spec["path"]), spec["format"]
+    options = {"name": Path(path).stem or path, "num_fewshot": int(spec["num_fewshot"])}
+    check_task_path(spec)
     if fmt == "hf":
         if not spec["adapter"]:
             raise ConfigError("causal_lm.task.format = 'hf' needs causal_lm.task.adapter.")
@@ -790,6 +805,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     paths = sorted((run_dir / "guides").glob("*-seed*.safetensors"))
     if not paths:
         raise RunFolderError(f"{run_dir} has no saved posteriors (guides/*-seed*.safetensors).")
+    _check_run_inputs(config, config_path)
     base, tokenizer = load_base(config)
     data = build_data(config, tokenizer)
     metrics, _ = zero_shot(config, base, data)
@@ -829,6 +845,28 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
             }
         )
     return records
+
+
+def _check_run_inputs(config: dict[str, Any], config_path: Path) -> None:
+    """What a run folder's ``config.json`` names on this machine (:func:`check_inputs`: the
+    model, its target modules, the device; and the task file), before the model is loaded:
+    a model or task moved since the run, or a run made on a GPU evaluated without one, was
+    reported by the loader (a hub message about repo ids, or the internet) or after it.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``config_path``, the key and where to set the new place.
+    """
+    try:
+        check_inputs(config)
+        check_task_path(config["causal_lm"]["task"])
+    except ConfigError as err:
+        raise ConfigError(
+            f"{config_path}: {err} (The run folder's config.json names the model, the task "
+            "and the device the run used: if the model or the task file has moved, write its "
+            "new place into config.json; for another device, pass evaluate --device.)"
+        ) from None
 
 
 def compare(

@@ -126,7 +126,15 @@ LM_CHOICES = {
 }
 
 
-_OPTIONAL = {"adapter.projection", "adapter.init_scale", "training.scheduler", "training.warmup"}
+#: The keys the defaults leave unset, typed as the demo's (:data:`OPTIONAL_KEYS`).
+_OPTIONAL = {
+    "adapter.projection",
+    "adapter.init_scale",
+    "adapter.moment",
+    "adapter.seed",
+    "training.scheduler",
+    "training.warmup",
+}
 
 
 _MINIMA = {
@@ -251,6 +259,11 @@ def _check_optional(path: str, value: Any) -> None:
         )
     if path in ("training.warmup", "adapter.init_scale") and value < 0:
         raise ConfigError(f"Config key {path!r} must be >= 0 but got {value!r}.")
+    if path == "adapter.seed" and value < 0:
+        raise ConfigError(
+            f"Config key 'adapter.seed' (seeds LoRA-XS's random projection) must be an integer "
+            f">= 0 but got {value!r}."
+        )
 
 
 def validate_keys(node: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> None:
@@ -303,7 +316,9 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
         ``causal_lm.model``, no task path, fractions that do not sum to 1 or give the train or
         test split a share of 0, a template with a stray brace or a positional field (``{}``),
         an empty or invalid ``adapter.target_modules``, a LoRA-XS option (``projection``,
-        ``init_scale``) under ``adapter.kind = "lora"``, ``dtype = "float16"`` (fits
+        ``init_scale``, ``moment``, ``seed``) under ``adapter.kind = "lora"``, ``projection =
+        "wsvd"`` or ``moment`` (the job collects no input statistics), ``adapter.seed`` but
+        for ``projection = "random"`` (the one that reads it), ``dtype = "float16"`` (fits
         overflow), or ``keep = "best"`` with no validation split. What the config names on
         this machine (model, task file, target modules) is :func:`check_inputs`'s.
     """
@@ -396,19 +411,35 @@ def _check_splits(user: dict[str, Any], config: dict[str, Any]) -> None:
 
 
 #: The adapter keys only LoRA-XS (``adapter.kind = "lora_xs"``) reads; LoRA takes none of them.
-_LORA_XS_ONLY = ("projection", "init_scale")
+_LORA_XS_ONLY = ("projection", "init_scale", "moment", "seed")
 
 
 def _check_adapter(adapter: dict[str, Any]) -> None:
     """Refuse a LoRA-XS option (:data:`_LORA_XS_ONLY`) under ``adapter.kind = "lora"`` (the
-    default), which takes rank, alpha and target_modules only, and LoRA-XS's W-SVD projection,
-    which needs input moments the job does not collect."""
+    default), which takes rank, alpha and target_modules only; LoRA-XS's W-SVD projection and
+    its ``moment``, which need input moments the job does not collect; and ``seed`` under a
+    projection that draws nothing (only ``"random"`` reads it)."""
     if adapter["kind"] != "lora":
         if adapter.get("projection") == "wsvd":  # the job gives the adapter no input moments
             raise ConfigError(
                 "Config key 'adapter.projection' = 'wsvd' needs input statistics of the adapted "
                 "layers (calibration_data), which the causal-LM job does not collect; it would "
                 'fail after the model loads. Use projection = "svd" (the default).'
+            )
+        if "moment" in adapter:
+            raise ConfigError(
+                f"Config key 'adapter.moment' = {adapter['moment']!r} chooses the input "
+                "statistics of LoRA-XS's W-SVD projection (projection = 'wsvd'), which the "
+                "causal-LM job does not offer (it collects no input statistics of the adapted "
+                "layers), so it would be ignored. Remove adapter.moment; the MiniLM demo's "
+                "config (no [causal_lm] section) takes projection = 'wsvd' with moment."
+            )
+        projection = adapter.get("projection", "svd")
+        if "seed" in adapter and projection != "random":
+            raise ConfigError(
+                f"Config key 'adapter.seed' = {adapter['seed']!r} seeds LoRA-XS's random "
+                f"projection, but adapter.projection = {projection!r} draws nothing, so it "
+                'would be ignored. Set projection = "random", or remove adapter.seed.'
             )
         return
     for key in _LORA_XS_ONLY:

@@ -429,16 +429,28 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     _validate(config, _schema())
     if "families" in config:
         check_families(config["families"])
-    adapter = config.get("adapter", {})
-    if adapter.get("kind") == "lora":
-        given = [k for k in _LORA_XS_ONLY if k in adapter]
-        if given:
-            raise ConfigError(
-                f"Config key 'adapter.{given[0]}' is a LoRA-XS option; adapter.kind = 'lora' "
-                "takes rank, alpha and target_modules."
-            )
+    _check_adapter_options(config.get("adapter", {}))
     _check_combinations(merge_config(DEFAULT_CONFIG, config))
     return config
+
+
+def _check_adapter_options(adapter: dict[str, Any]) -> None:
+    """Refuse a LoRA-XS option under ``adapter.kind = "lora"``, and ``adapter.moment`` under a
+    projection other than W-SVD's (the only one that reads it: it would be ignored)."""
+    given = [k for k in _LORA_XS_ONLY if k in adapter]
+    if adapter.get("kind") == "lora" and given:
+        raise ConfigError(
+            f"Config key 'adapter.{given[0]}' is a LoRA-XS option ({given[0]} = "
+            f"{adapter[given[0]]!r}); adapter.kind = 'lora' takes rank, alpha and "
+            f'target_modules. Set kind = "lora_xs", or remove adapter.{given[0]}.'
+        )
+    projection = adapter.get("projection", "svd")
+    if "moment" in adapter and projection != "wsvd":
+        raise ConfigError(
+            f"Config key 'adapter.moment' = {adapter['moment']!r} chooses the input statistics "
+            f"of the W-SVD projection, but adapter.projection = {projection!r} reads none, so "
+            'it would be ignored. Set projection = "wsvd", or remove adapter.moment.'
+        )
 
 
 def _check_combinations(config: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..batch import split_batch
 from ..calibration import apply_temperature
 from ..metrics import report
 from ..models.adapters import check_int
@@ -224,6 +225,7 @@ def diagnose(
     )
     if iter(data) is data:  # a one-shot iterator: kept for the linearised predictive's pass
         data = list(data)
+    _require_targets(model, data)  # before S draws are evaluated over every batch
     deterministic = bool(guide.is_deterministic)
     if deterministic:
         num_samples = 1
@@ -247,7 +249,7 @@ def diagnose(
     num_samples = ev.num_samples  # a mixture's S rounded up to whole rounds of its components
     log_joint = ev.log_joint
     if log_joint is None or ev.log_q is None:
-        raise ValueError("diagnose needs targets in the data (the log joint needs y).")
+        raise ValueError(_no_targets_message(getattr(model, "label_key", "labels")))
     log_ratios = log_joint - ev.log_q  # (S,)
     k_hat, ess, ess_raw = _khat_and_ess(log_ratios, guide, deterministic)
     top = float(np.max(log_ratios))
@@ -279,6 +281,30 @@ def diagnose(
         num_samples,
     )
     return result
+
+
+def _no_targets_message(label_key: str) -> str:
+    """The refusal of unlabelled ``data``: what diagnose needs it for and what to pass."""
+    return (
+        "diagnose: `data` carries no targets (its batches are inputs only: a tensor, (x,), or a "
+        f"dict without {label_key!r}), but diagnose needs labels: k-hat, the ESS and the ELBO "
+        "compare the guide with the posterior p(θ | D), whose log joint sums log p(y | x, θ) "
+        "over the labelled data set. Pass the labelled training data the guide was fitted on, "
+        f"as batches (x, y) or dicts holding the targets under {label_key!r} "
+        "(FineTuneModel's label_key). For predictions on unlabelled inputs use "
+        "pyrobayes.predict(model, guide, data), which needs no labels."
+    )
+
+
+def _require_targets(model: Any, data: Iterable[Any]) -> None:
+    """Refuse ``data`` whose first batch carries no targets, before any draw is evaluated
+    (a batch without targets among labelled ones is :func:`evaluate_draws`'s refusal)."""
+    label_key = getattr(model, "label_key", "labels")
+    first = next(iter(data), None)
+    if first is None:  # no batch: evaluate_draws names the empty data
+        return
+    if split_batch(first, label_key)[1] is None:
+        raise ValueError(_no_targets_message(label_key))
 
 
 def _khat_and_ess(

@@ -170,12 +170,29 @@ def _resolve(probs: Tensor | None, log_probs: Tensor | None) -> tuple[Tensor, Te
 
 
 def _check_labels(labels: Tensor, num_examples: int, num_classes: int) -> Tensor:
+    """``labels`` as ``(N,)`` int64 class indices, or an error that says how to pass them: a
+    one-hot or probability ``(N, C)`` (``labels.argmax(-1)``), float or bool indices
+    (``labels.long()``), a count other than the prediction's, an index outside ``[0, C)``."""
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dim() == 2 and labels.shape == (num_examples, num_classes) and num_classes > 1:
+        raise ValueError(
+            f"labels must be class indices of shape ({num_examples},), got shape "
+            f"{tuple(labels.shape)}: one-hot (or soft) labels, one row per example and one "
+            "column per class. Pass labels.argmax(-1), the index of each row's class."
+        )
     if labels.dim() != 1 or labels.shape[0] != num_examples:
-        raise ValueError(f"labels must have shape ({num_examples},), got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have shape ({num_examples},), one class index per example of the "
+            f"prediction, got {tuple(labels.shape)}"
+            + (" (pass labels.squeeze(-1))" if labels.shape == (num_examples, 1) else "")
+        )
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+        raise TypeError(
+            f"labels must be an integer tensor of class indices, got {labels.dtype}. Pass "
+            "labels.long() (class indices stored as floats or 0/1 booleans); a regression "
+            "prediction (a Gaussian likelihood) is scored with its `loc` (report(pred, y))."
+        )
     labels = labels.long()
     refuse_no_examples(num_examples, "a metric against labels (accuracy, NLL, ECE, Brier)")
     if labels.min() < 0 or labels.max() >= num_classes:

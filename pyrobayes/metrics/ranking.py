@@ -53,15 +53,23 @@ def auroc(scores: Tensor, labels: Tensor) -> float:
             f"scores and labels must be 1-D of equal length, got {tuple(scores.shape)} "
             f"and {tuple(labels.shape)}"
         )
-    if torch.isnan(scores.double()).any():
-        raise ValueError("scores contain NaN")
+    _check_no_nan_scores(scores, "auroc: scores")
+    if labels.is_complex() or not bool(((labels == 0) | (labels == 1)).all()):
+        values = torch.unique(labels.detach().cpu())[:6].tolist()
+        raise ValueError(
+            f"auroc: labels must be 0 (negative, e.g. in-distribution) or 1 (positive, e.g. "
+            f"OOD), got the values {values}. Map them to 0/1, e.g. (labels == positive_class)."
+            "long()."
+        )
     positive = labels.bool()
-    if not torch.equal(positive.long(), labels.long()):
-        raise ValueError("labels must be 0 or 1")
     n_pos = int(positive.sum())
     n_neg = scores.shape[0] - n_pos
     if n_pos == 0 or n_neg == 0:
-        raise ValueError("AUROC needs at least one positive and one negative example")
+        raise ValueError(
+            f"auroc: the labels hold only {'negatives (0)' if n_pos == 0 else 'positives (1)'} "
+            f"({scores.shape[0]} examples); the AUROC needs at least one positive and one "
+            "negative example."
+        )
     from sklearn.metrics import roc_auc_score  # imported here: only AUROC needs scikit-learn
 
     # AUROC depends on the scores' order only: their dense ranks (ties kept) let +-inf through,
@@ -105,6 +113,7 @@ def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:
             )
         if scores.numel() == 0:
             raise ValueError(f"ood_auroc: {name} is empty; the AUROC needs examples of both kinds.")
+        _check_no_nan_scores(scores, f"ood_auroc: {name}")
     # the common type of the two (integer ID scores truncated float OOD scores before)
     dtype = torch.promote_types(id_scores.dtype, ood_scores.dtype)
     scores = torch.cat([id_scores.to(dtype), ood_scores.to(dtype)])
@@ -115,3 +124,18 @@ def ood_auroc(id_scores: Tensor, ood_scores: Tensor) -> float:
         ]
     )
     return auroc(scores, labels)
+
+
+def _check_no_nan_scores(scores: Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming the examples where the 1-D ``scores`` hold NaN (an AUROC
+    ranks the scores, and NaN has no rank)."""
+    nan = torch.isnan(scores.double())
+    if bool(nan.any()):
+        where = nan.nonzero().flatten()
+        shown = where[:10].tolist()
+        raise ValueError(
+            f"{what} hold NaN at examples {shown}{' ...' if where.numel() > 10 else ''} (of "
+            f"{scores.shape[0]}), which has no rank. Those examples' predictions are probably "
+            "not finite (non-finite inputs, or a diverged fit); clean or drop them and score "
+            "again."
+        )

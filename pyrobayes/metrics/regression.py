@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..batch import compute_dtype, flagged_examples
 from ..models.likelihoods import check_gaussian_targets
+from ._inputs import refuse_no_examples
 
 __all__ = [
     "gaussian_rmse",
@@ -36,15 +37,25 @@ def _as_2d_means(means: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _check_means(means: Tensor) -> None:
-    """Raise ``ValueError`` naming the examples (dim 1 of the ``(S, N, *event)`` means) where
-    ``means`` holds NaN: the RMSE and NLL would be NaN."""
-    nan = means.isnan()
-    if not bool(nan.any()):
+    """Raise ``ValueError`` for means of no examples (the RMSE was NaN), and naming the examples
+    (dim 1 of the ``(S, N, *event)`` means) where ``means`` holds NaN (the RMSE and NLL would
+    be NaN) or ±inf (the RMSE inf, and the NLL silently finite: the mixture drops the draw)."""
+    refuse_no_examples(means.shape[1], "a regression metric (RMSE, NLL)")
+    finite = means.isfinite()
+    if bool(finite.all()):
         return
+    nan = means.isnan()
+    if bool(nan.any()):
+        raise ValueError(
+            f"means holds NaN at examples {flagged_examples(nan, 1)} (of {means.shape[1]}): the "
+            "RMSE and NLL would be NaN. Those examples' inputs are probably not finite (or the "
+            "fit diverged); clean or drop them and predict again."
+        )
     raise ValueError(
-        f"means holds NaN at examples {flagged_examples(nan, 1)} (of {means.shape[1]}): the "
-        "RMSE and NLL would be NaN. Those examples' inputs are probably not finite (or the fit "
-        "diverged); clean or drop them and predict again."
+        f"means holds inf at examples {flagged_examples(~finite, 1)} (of {means.shape[1]}): the "
+        "RMSE would be inf, and the NLL of the mixture would leave out the draws at inf "
+        "without a sign. Those examples' inputs are probably not finite or out of the "
+        "network's range (or the fit diverged); clean or drop them and predict again."
     )
 
 
