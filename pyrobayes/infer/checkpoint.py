@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -59,6 +60,7 @@ __all__ = [
     "CheckpointLock",
     "check_checkpoint",
     "check_fitter_settings",
+    "check_fitter_state",
     "check_position",
     "check_posterior",
     "clean",
@@ -438,6 +440,38 @@ def save_checkpoint(
     return directory / name
 
 
+def _load_part(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` of a checkpoint file, refused naming the file
+    when it does not read (truncated, edited, or not torch's format): torch's own error names
+    neither the file nor the checkpoint."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        reason = " ".join(str(err).split())[:160] or type(err).__name__
+        raise ValueError(
+            f"{path} does not read as a checkpoint file ({type(err).__name__}: {reason}); the "
+            "checkpoint was truncated or edited after it was written, and resuming from it "
+            "would restore part of the run. Restore the file, or start a new fit "
+            "(Checkpointing(..., overwrite=True))."
+        ) from None
+
+
+def _check_parts(folder: Path) -> None:
+    """Refuse a generation whose ``rng.pt``, ``scheduler.pt`` or ``best.pt`` does not read
+    (``fitter.pt``: :func:`check_fitter_state`), before anything is restored: each is loaded
+    after the guide's state, when the refusal would come too late."""
+    rng = _load_part(folder / "rng.pt")
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor):
+        raise ValueError(
+            f"{folder / 'rng.pt'} holds no random-number state (a dict with 'torch'); the "
+            "checkpoint was edited. Restore it, or start a new fit "
+            "(Checkpointing(..., overwrite=True))."
+        )
+    for name in ("scheduler.pt", "best.pt"):
+        if (folder / name).exists():
+            _load_part(folder / name)
+
+
 def check_checkpoint(
     folder: str | Path,
     guide: Any,
@@ -451,14 +485,15 @@ def check_checkpoint(
     In order: ``state.json`` must be readable JSON; the posterior must be of ``guide``'s
     family (another family first: nothing else matters then); its position must add up
     (:func:`check_position`, with ``steps_per_epoch`` the batches per epoch of the data the
-    fit resumes with, if known); and ``scheduler`` (the resuming fit's) must be there exactly
-    when the checkpoint holds a schedule's state.
+    fit resumes with, if known); ``scheduler`` (the resuming fit's) must be there exactly
+    when the checkpoint holds a schedule's state; and ``rng.pt``, ``scheduler.pt`` and
+    ``best.pt`` must read.
 
     Raises
     ------
     ValueError
-        For an unreadable ``state.json``, a position that does not add up or a schedule that
-        is not the checkpoint's.
+        For an unreadable ``state.json``, a position that does not add up, a schedule that
+        is not the checkpoint's, or a checkpoint file that does not read (named).
     pyrobayes.io.PosteriorMismatchError
         When the checkpoint holds another family's posterior.
     """
@@ -479,6 +514,7 @@ def check_checkpoint(
         _check_family(posterior, read_header(posterior), guide)
     check_position(meta, steps_per_epoch, source=state_file)
     _check_schedule_matches(folder, meta, scheduler)
+    _check_parts(folder)
     return meta
 
 
@@ -497,6 +533,48 @@ def check_fitter_settings(folder: str | Path, fitter: Fitter) -> None:
         return
     state = torch.load(Path(folder) / "fitter.pt", weights_only=True)
     check_settings(fitter, state.get("settings") if isinstance(state, dict) else None)
+
+
+def check_fitter_state(folder: str | Path, fitter: Fitter) -> None:
+    """Refuse the checkpoint ``folder`` when its ``fitter.pt`` would not load into ``fitter``,
+    before anything is restored or reset (the fitter's ``begin`` resets what a post-hoc
+    family collected; :meth:`Fitter.load_state_dict` comes after it and after the guide's
+    load): the settings record (:func:`check_fitter_settings`'s check), then the optimizer's
+    parameter groups, whose number and sizes must be this fit's (torch refuses another
+    layout only in the load, with "a parameter group that doesn't match the size").
+
+    Raises
+    ------
+    ValueError
+        Naming the file, the settings or the group and both parameter counts, and the fix.
+    """
+    path = Path(folder) / "fitter.pt"
+    state = _load_part(path)
+    saved = state.get("optimizer") if isinstance(state, dict) else None
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise ValueError(
+            f"{path} holds no optimizer state (a dict with 'optimizer' and its "
+            "'param_groups'); the checkpoint was edited or written by something else. Restore "
+            "it, or start a new fit (Checkpointing(..., overwrite=True))."
+        )
+    if fitter.settings is not None:
+        check_settings(fitter, state.get("settings"))
+    then = [len(g["params"]) for g in groups]
+    now = [len(g["params"]) for g in fitter.optimizer.param_groups]
+    if then == now:
+        return
+    raise ValueError(
+        f"fit(): the checkpoint {path} holds the state of an optimizer over {sum(then)} "
+        f"parameter tensor(s) in {len(then)} group(s) ({then}), but this fit's "
+        f"{type(fitter.optimizer).__name__} steps {sum(now)} in {len(now)} ({now}): the "
+        "optimizer passed (Optimization(optimizer=...)) or the parameters the fit trains "
+        "(the guide's, the model's trainable_modules) are not the run's, and its state would "
+        "not load. Resume with the run's optimizer and model, or start a new fit "
+        "(Checkpointing(..., overwrite=True))."
+    )
 
 
 def check_posterior(folder: str | Path, guide: Any, model: Any) -> None:
@@ -558,13 +636,13 @@ def load_checkpoint(
     folder = Path(folder)
     meta = check_checkpoint(folder, guide, scheduler, steps_per_epoch=steps_per_epoch)
     load_state(guide, folder / "posterior.safetensors", model=model, check_base=check_base)
-    fitter.load_state_dict(torch.load(folder / "fitter.pt", weights_only=True))
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
+    fitter.load_state_dict(_load_part(folder / "fitter.pt"))
+    set_rng_state(_load_part(folder / "rng.pt"))
     if scheduler is not None and (folder / "scheduler.pt").exists():
-        scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        scheduler.load_state_dict(_load_part(folder / "scheduler.pt"))
     best = None
     if (folder / "best.pt").exists():
-        best = Snapshot.from_dict(torch.load(folder / "best.pt", weights_only=True))
+        best = Snapshot.from_dict(_load_part(folder / "best.pt"))
     return meta, best
 
 

@@ -3,7 +3,9 @@
 - :class:`Divergence`: the loss rose far above its first value (``DivergenceWarning``);
 - :func:`warn_if_fit_given_back`: an ELBO's data term climbed back towards its start;
 - :class:`DataSize`: the first epoch's examples against the model's ``num_data``;
-- :func:`check_first_batch`: the likelihood's and the fitter's checks of the first batch.
+- :func:`check_first_batch`: the likelihood's and the fitter's checks of the first batch;
+- :func:`check_ranks_agree`: under ``torch.distributed``, every rank runs the same fit (or
+  every rank stops with the one that refused it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 
 from ..batch import batch_size, split_batch
 from ..user_frame import user_stacklevel
@@ -26,6 +29,7 @@ __all__ = [
     "Divergence",
     "DivergenceWarning",
     "check_first_batch",
+    "check_ranks_agree",
     "warn_if_fit_given_back",
 ]
 
@@ -215,3 +219,53 @@ def check_first_batch(model: Any, fitter: Any, batch: Any) -> None:
     check_inputs = getattr(fitter, "check_input_scale", None)
     if check_inputs is not None:
         check_inputs(inputs)
+
+
+def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None = None) -> None:
+    """Under ``torch.distributed``, make every rank refuse the fit when one refuses it or when
+    the ranks' fits differ (a no-op in one process). Every rank calls it once, at the same
+    point, with this rank's ``record`` (the settings every rank must share: family, fitter and
+    its settings, rate, budget, the step it resumes from, ...; JSON values) or the ``error``
+    that refused the fit here.
+
+    Without it a rank that refused the fit (a resume it could not read), or one that ran
+    another number of steps, another family or another resume position, left the others
+    waiting in an all-reduce (gloo times out after 30 minutes), and ranks with another rate
+    drifted apart without a word (rank 0's state is the one saved).
+
+    Raises
+    ------
+    RuntimeError
+        On the ranks that did not refuse, naming the rank that did and its error (the rank
+        that refused returns here, and raises its own error).
+    ValueError
+        When the records differ: naming the first differing setting and every rank's value.
+    """
+    size = world()[0]
+    if size == 1:
+        return
+    mine = (record, None if error is None else f"{type(error).__name__}: {error}")
+    gathered: list[Any] = [None] * size
+    torch_dist.all_gather_object(gathered, mine)
+    if error is not None:
+        return
+    refused = [(rank, why) for rank, (_, why) in enumerate(gathered) if why is not None]
+    if refused:
+        rank, why = refused[0]
+        raise RuntimeError(
+            f"fit(): rank {rank} of {size} refused the fit ({why}); every rank stops with it "
+            "(the others would wait for it in the first all-reduce). Fix that rank's fit."
+        )
+    records = [r or {} for r, _ in gathered]
+    for key in dict.fromkeys(k for r in records for k in r):  # (rank 0's order first)
+        values = [r.get(key) for r in records]
+        if any(v != values[0] for v in values[1:]):
+            shown = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values[:8]))
+            raise ValueError(
+                f"fit(): under torch.distributed every rank must run the same fit, but the "
+                f"ranks differ in {key} ({shown}): the ranks all-reduce every step, so another "
+                "budget, family or resume position leaves a rank waiting for steps the others "
+                "never take, and another rate or setting makes the ranks' parameters drift "
+                "apart (rank 0's are the ones saved). Launch every rank with the same fit "
+                "arguments (and, to resume, a checkpoint folder every rank can read)."
+            )

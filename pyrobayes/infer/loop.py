@@ -13,7 +13,10 @@ minibatch (a ``DistributedSampler``; the model's ``num_data`` is the *global* N,
 ``N/B``-scaled loss is an unbiased estimate), gradients are averaged over ranks (closure-driven
 optimizers such as IVON all-reduce their own statistics), the logged loss is the mean over ranks,
 and only rank 0 writes checkpoints and shows the progress bar. With equal per-rank batch sizes, R
-ranks on batches of B equal one process on the union batch of R·B (tested with gloo).
+ranks on batches of B equal one process on the union batch of R·B (tested with gloo). Every rank
+must run the same fit: before the fitter begins, the ranks compare their family, settings, rate,
+budget and resume position, and a rank that refuses the fit stops them all
+(:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import time
 import warnings
@@ -55,6 +59,7 @@ from .fit_checks import (
     Divergence,
     DivergenceWarning,
     check_first_batch,
+    check_ranks_agree,
     warn_if_fit_given_back,
 )
 from .fitter import Fitter, check_guide_model, make_fitter
@@ -614,7 +619,7 @@ class _Loop(ResumeChecks):
     def run(self) -> FitResult:
         try:  # every refusal before the guide changes (a refused fit leaves it as it was)
             self._check_shards()
-            found = self._checked_resume()  # (the checkpoint's posterior fits the guide too)
+            found = self._agreed_resume()  # (the checkpoint's posterior fits the guide too)
             # the fitter's own refusals (Laplace's settings) come before its reset, which
             # begins the fit: the temperature stays held until then
             self.fitter.begin(self.data)  # (resets what a post-hoc family collected)
@@ -864,6 +869,39 @@ class _Loop(ResumeChecks):
             self.selection.best = saved_best
             self.selection.history = list(meta.get("validation", []))
         logger.info("Resumed from %s at step %d (epoch %d)", found, pos.step, pos.epoch)
+
+    def _agreed_resume(self) -> Path | None:
+        """:meth:`_checked_resume`, then, under ``torch.distributed``, the ranks' agreement
+        (:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`): a rank's refusal stops every
+        rank, and so do ranks whose fits differ (:meth:`_rank_record`)."""
+        try:
+            found = self._checked_resume()
+        except Exception as err:
+            check_ranks_agree(None, err)
+            raise
+        check_ranks_agree(self._rank_record(found))
+        return found
+
+    def _rank_record(self, found: Path | None) -> dict[str, Any] | None:
+        """What every rank of a distributed fit must share (``None`` in one process): the run
+        record but its seed and data (each rank's own shard), the family, fitter, settings,
+        rate and budget, and the step it resumes from (0: a new fit)."""
+        if world()[0] == 1:
+            return None
+        run = self._run_record()
+        run.pop("seed", None)
+        run.pop("training_data", None)
+        step = json.loads((found / "state.json").read_text())["step"] if found else 0
+        return {
+            "guide": type(self.guide).__name__,
+            "fitter": type(self.fitter).__name__,
+            "settings": repr(self.fitter.settings),
+            "lr": self.lr,
+            "epochs": self.plan.epochs,
+            "num_steps": self.plan.num_steps,
+            "the step resumed from": step,
+            **run,
+        }
 
     def _check_shards(self) -> None:
         """Under ``torch.distributed``, refuse (on every rank) data with another number of

@@ -21,7 +21,7 @@ from typing import Any
 import pyro
 import torch
 
-from .checkpoint import check_checkpoint, check_fitter_settings, check_posterior, latest
+from .checkpoint import check_checkpoint, check_fitter_state, check_posterior, latest
 from .data_record import describe_difference, training_data_record
 from .distributed import world
 from .selection import Selection, data_fingerprint
@@ -248,7 +248,8 @@ class ResumeChecks:
         resume made before anything is restored or reset: another family first
         (:func:`~pyrobayes.infer.checkpoint.check_checkpoint`, with the position and the
         schedule), a posterior that would not load into the guide and model
-        (:func:`~pyrobayes.infer.checkpoint.check_posterior`), the fitter's settings record,
+        (:func:`~pyrobayes.infer.checkpoint.check_posterior`), the fitter's settings record
+        and optimizer groups (:func:`~pyrobayes.infer.checkpoint.check_fitter_state`),
         then the validation data, the budget, the rate, the training data and the run's
         settings."""
         found = latest(self.ckpt) if self.resume and self.ckpt is not None else None
@@ -260,7 +261,7 @@ class ResumeChecks:
             found, self.guide, self.sched, steps_per_epoch=self.plan.steps_per_epoch
         )
         check_posterior(found, self.guide, self.model)  # (another adapter rank, guide shape)
-        check_fitter_settings(found, self.fitter)
+        check_fitter_state(found, self.fitter)  # (its settings, its optimizer's groups)
         self._check_validation(meta, found)
         self._check_budget(meta, found)
         self._check_rate(meta, found)
