@@ -69,7 +69,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu and not integration" $(PYTEST_ARGS)
 
 test-slow: $(STAMP) data
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadscope -m slow $(PYTEST_ARGS)
 
 demo: $(STAMP) data
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pyrobayes demo

@@ -100,11 +100,15 @@ def _model(seed: int, projection: str, calibration: DataLoader) -> FineTuneModel
 
 
 def _head_only_optimizer(guide: LaplaceGuide, lr: float):
-    """Adam over the head alone: the cores stay at their N(0, 1e-5²) init (no adapter)."""
+    """Adam over the head alone: the cores stay at their N(0, 1e-5²) init (no adapter). The
+    cores sit in a group of learning rate 0 (Adam's step is then exactly 0), since a fit refuses
+    an optimizer that leaves out parameters it trains."""
 
     def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         cores = {id(p) for p in guide.parameters()}
-        return torch.optim.Adam([p for p in params if id(p) not in cores], lr=lr)
+        head = [p for p in params if id(p) not in cores]
+        frozen = [p for p in params if id(p) in cores]
+        return torch.optim.Adam([{"params": head}, {"params": frozen, "lr": 0.0}], lr=lr)
 
     return make
 
