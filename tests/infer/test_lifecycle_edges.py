@@ -20,34 +20,15 @@ import pyrobayes as pb
 from pyrobayes.calibration import temperature
 from pyrobayes.infer.checkpoint import latest
 from pyrobayes.testing import tiny_problem
-
-
-class _Kill(Exception):
-    """Raised from the progress callback: a fit interrupted at a given step."""
-
-
-def _killer(at: int):
-    def callback(step: int, loss: float) -> None:
-        if step == at:
-            raise _Kill
-
-    return callback
-
-
-def _quiet_fit(*args: Any, **kwargs: Any) -> pb.FitResult:
-    """A set-up fit whose warnings (a diverging tiny problem, Laplace's notes) are not the
-    point of the test."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return pb.fit(*args, **kwargs)
+from tests.infer.lifecycle import Kill, killer, quiet_fit, same_state, state
 
 
 def _interrupted(folder: Path, family: str = "map", *, epochs: int = 3, at: int = 4, **kw):
     """A checkpointed fit of ``family`` killed after step ``at`` (a checkpoint at every step)."""
     model, data = tiny_problem()
     guide = pb.posterior(model, family)
-    progress = pb.Progress(bar=False, callback=_killer(at))
-    with pytest.raises(_Kill), warnings.catch_warnings():
+    progress = pb.Progress(bar=False, callback=killer(at))
+    with pytest.raises(Kill), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pb.fit(
             model,
@@ -71,15 +52,6 @@ def _resume(folder: Path, family: str = "map", *, epochs: int = 3, **kw) -> pb.F
     return pb.fit(model, guide, data, epochs=epochs, seed=0, checkpoint=checkpoint, **kw)
 
 
-def _state(guide: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
-
-
-def _same_state(guide: Any, before: dict[str, torch.Tensor]) -> bool:
-    now = guide.state_dict()
-    return now.keys() == before.keys() and all(torch.equal(now[k], v) for k, v in before.items())
-
-
 def _calibrate(model: Any, guide: Any) -> float:
     """Calibrate ``guide`` on held-out data (a temperature at its bound warns: not the point)."""
     with warnings.catch_warnings():
@@ -100,14 +72,14 @@ def test_a_refused_fit_leaves_a_fitted_laplace_guide_and_its_temperature():
     calibrated temperature."""
     model, data = tiny_problem()
     guide = pb.posterior(model, "laplace")
-    _quiet_fit(model, guide, data, epochs=2, seed=0)
+    quiet_fit(model, guide, data, epochs=2, seed=0)
     t_before = _calibrate(model, guide)
-    before = _state(guide)
+    before = state(guide)
     assert t_before != 1.0 and guide.is_fitted
     with pytest.raises(ValueError, match="one-shot iterator"):
         pb.fit(model, guide, iter(data), epochs=1)
     assert guide.is_fitted
-    assert _same_state(guide, before)
+    assert same_state(guide, before)
     assert temperature(guide) == t_before
 
 
@@ -116,14 +88,14 @@ def test_a_laplace_fit_refused_by_its_own_settings_leaves_the_fitted_curvature()
     fitter's begin, which reset the guide before it checked."""
     model, data = tiny_problem()
     guide = pb.posterior(model, "laplace")
-    _quiet_fit(model, guide, data, epochs=2, seed=0)
-    before = _state(guide)
+    quiet_fit(model, guide, data, epochs=2, seed=0)
+    before = state(guide)
     assert guide.is_fitted
     settings = pb.infer.Laplace(prior_optimization="validation")
     with pytest.raises(ValueError, match="held-out data"):
         pb.fit(model, guide, data, epochs=1, optim=pb.Optimization(optimizer=settings))
     assert guide.is_fitted
-    assert _same_state(guide, before)
+    assert same_state(guide, before)
 
 
 def test_a_refused_resume_leaves_a_fitted_swag_guide_and_its_temperature(tmp_path):
@@ -132,9 +104,9 @@ def test_a_refused_resume_leaves_a_fitted_swag_guide_and_its_temperature(tmp_pat
     _interrupted(tmp_path, "swag")
     model, data = tiny_problem()
     guide = pb.posterior(model, "swag")
-    _quiet_fit(model, guide, data, epochs=4, seed=0)
+    quiet_fit(model, guide, data, epochs=4, seed=0)
     t_before = _calibrate(model, guide)
-    before = _state(guide)
+    before = state(guide)
     collected = int(guide.swag_num_collected)
     assert collected > 0 and t_before != 1.0
     with pytest.raises(ValueError, match=r"lr=0\.01"):
@@ -148,14 +120,14 @@ def test_a_refused_resume_leaves_a_fitted_swag_guide_and_its_temperature(tmp_pat
             checkpoint=pb.Checkpointing(tmp_path, resume=True),
         )
     assert int(guide.swag_num_collected) == collected and guide.is_fitted
-    assert _same_state(guide, before)
+    assert same_state(guide, before)
     assert temperature(guide) == t_before
 
 
 def test_a_fit_of_no_step_keeps_the_temperature_as_its_warning_says():
     model, data = tiny_problem()
     guide = pb.posterior(model, "map")
-    _quiet_fit(model, guide, data, epochs=3, seed=0)
+    quiet_fit(model, guide, data, epochs=3, seed=0)
     t_before = _calibrate(model, guide)
     with pytest.warns(UserWarning, match="no optimizer step was taken") as record:
         pb.fit(model, guide, data, epochs=0)
@@ -278,7 +250,7 @@ def test_numpy_and_tensor_integers_are_taken_as_the_ints_they_are(tmp_path):
     def run(**kw: Any) -> torch.Tensor:
         model, data = tiny_problem()
         guide = pb.posterior(model, "ivon")
-        return _quiet_fit(model, guide, data, progress=False, **kw).losses
+        return quiet_fit(model, guide, data, progress=False, **kw).losses
 
     expected = run(epochs=2, seed=3)
     assert torch.equal(run(epochs=2, seed=np.int64(3)), expected)

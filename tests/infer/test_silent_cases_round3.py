@@ -20,19 +20,7 @@ from pyrobayes.infer.glm import glm_moments
 from pyrobayes.io import PosteriorMismatchError
 from pyrobayes.models import LoRAXS
 from pyrobayes.testing import tiny_problem
-
-
-class _Kill(Exception):
-    """Raised from the progress callback: a fit interrupted at a given step."""
-
-
-def _quiet_fit(*args: Any, **kwargs: Any) -> pb.FitResult:
-    """A set-up fit whose warnings (a diverging tiny problem, Laplace's notes) are not the
-    point of the test."""
-    kwargs.setdefault("progress", False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return pb.fit(*args, **kwargs)
+from tests.infer.lifecycle import Kill, quiet_fit, same_state, state
 
 
 def _calibrate(model: Any, guide: Any) -> float:
@@ -45,15 +33,6 @@ def _calibrate(model: Any, guide: Any) -> float:
     return temperature(guide)
 
 
-def _state(guide: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
-
-
-def _same_state(guide: Any, before: dict[str, torch.Tensor]) -> bool:
-    now = guide.state_dict()
-    return now.keys() == before.keys() and all(torch.equal(now[k], v) for k, v in before.items())
-
-
 # ---------------------------------------------------------------- 1. a refused Laplace begin
 def test_a_laplace_fit_refused_by_its_settings_keeps_the_calibrated_temperature():
     """LaplaceFitter.begin refuses prior_optimization="validation" without validation data
@@ -61,9 +40,9 @@ def test_a_laplace_fit_refused_by_its_settings_keeps_the_calibrated_temperature(
     forgotten the fitted head's record just before begin: the refused fit lost both."""
     model, data = tiny_problem()
     guide = pb.posterior(model, "laplace")
-    _quiet_fit(model, guide, data, epochs=2, seed=0)
+    quiet_fit(model, guide, data, epochs=2, seed=0)
     t_before = _calibrate(model, guide)
-    before, head = _state(guide), getattr(guide, _ATTRIBUTE)
+    before, head = state(guide), getattr(guide, _ATTRIBUTE)
     assert t_before != 1.0 and guide.is_fitted and head is not None
     settings = pb.infer.Laplace(prior_optimization="validation")
     with warnings.catch_warnings(record=True) as record:
@@ -72,7 +51,7 @@ def test_a_laplace_fit_refused_by_its_settings_keeps_the_calibrated_temperature(
             pb.fit(model, guide, data, epochs=1, optim=pb.Optimization(optimizer=settings))
     assert not any("temperature is removed" in str(w.message) for w in record)
     assert temperature(guide) == t_before
-    assert guide.is_fitted and _same_state(guide, before)
+    assert guide.is_fitted and same_state(guide, before)
     assert getattr(guide, _ATTRIBUTE) is head
 
 
@@ -80,7 +59,7 @@ def test_a_laplace_fit_refused_by_its_settings_keeps_the_calibrated_temperature(
 def _fitted_laplace(structure: str) -> tuple[Any, Any, list[Any]]:
     model, data = tiny_problem()
     guide = pb.posterior(model, "laplace", structure=structure)
-    _quiet_fit(model, guide, data, epochs=0)
+    quiet_fit(model, guide, data, epochs=0)
     return model, guide, data
 
 
@@ -124,13 +103,13 @@ def _interrupted(folder: Path, family: str, **options: Any) -> None:
 
     def killer(step: int, loss: float) -> None:
         if step == 4:
-            raise _Kill
+            raise Kill
 
     rank3 = None if options else (lambda _: LoRAXS(rank=3, target_modules=["0", "2"]))
     model, data = tiny_problem(adapter=rank3)
     guide = pb.posterior(model, family, **options)
-    with pytest.raises(_Kill):
-        _quiet_fit(
+    with pytest.raises(Kill):
+        quiet_fit(
             model,
             guide,
             data,
@@ -171,15 +150,15 @@ def test_a_resume_from_another_adapter_rank_or_guide_shape_leaves_the_fitted_gui
     _interrupted(tmp_path, family, **options)
     model, data = tiny_problem()
     guide = pb.posterior(model, family)
-    _quiet_fit(model, guide, data, epochs=4, seed=0)
+    quiet_fit(model, guide, data, epochs=4, seed=0)
     t_before = _calibrate(model, guide)
-    before = _state(guide)
+    before = state(guide)
     assert guide.is_fitted and t_before != 1.0
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         with pytest.raises(PosteriorMismatchError, match=named):
             _resume(model, guide, data, tmp_path)
-    assert guide.is_fitted and _same_state(guide, before)
+    assert guide.is_fitted and same_state(guide, before)
     assert temperature(guide) == t_before
     assert not any("temperature is removed" in str(w.message) for w in record)
 
@@ -190,7 +169,7 @@ def test_a_resume_onto_another_base_network_is_refused_before_the_guide_changes(
 
     def killer(step: int, loss: float) -> None:
         if step == 4:
-            raise _Kill
+            raise Kill
 
     def shifted(net: torch.nn.Module) -> torch.nn.Module:
         with torch.no_grad():
@@ -198,8 +177,8 @@ def test_a_resume_onto_another_base_network_is_refused_before_the_guide_changes(
         return net
 
     model, data = tiny_problem(net=shifted)
-    with pytest.raises(_Kill):
-        _quiet_fit(
+    with pytest.raises(Kill):
+        quiet_fit(
             model,
             pb.posterior(model, "swag"),
             data,
@@ -210,8 +189,8 @@ def test_a_resume_onto_another_base_network_is_refused_before_the_guide_changes(
         )
     model, data = tiny_problem()
     guide = pb.posterior(model, "swag")
-    _quiet_fit(model, guide, data, epochs=4, seed=0)
-    before = _state(guide)
+    quiet_fit(model, guide, data, epochs=4, seed=0)
+    before = state(guide)
     with pytest.raises(PosteriorMismatchError, match="fitted on another base model"):
         _resume(model, guide, data, tmp_path)
-    assert guide.is_fitted and _same_state(guide, before)
+    assert guide.is_fitted and same_state(guide, before)

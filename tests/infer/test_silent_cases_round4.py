@@ -14,36 +14,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.testing import tiny_problem
-
-
-class _Kill(Exception):
-    """Raised from the progress callback: a fit interrupted at a given step."""
-
-
-def _killer(at: int):
-    def callback(step: int, loss: float) -> None:
-        if step == at:
-            raise _Kill
-
-    return callback
-
-
-def _quiet_fit(*args: Any, **kwargs: Any) -> pb.FitResult:
-    """A set-up fit whose warnings (a diverging tiny problem, Laplace's notes) are not the
-    point of the test."""
-    kwargs.setdefault("progress", False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return pb.fit(*args, **kwargs)
-
-
-def _state(guide: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in guide.state_dict().items()}
-
-
-def _same_state(guide: Any, before: dict[str, torch.Tensor]) -> bool:
-    now = guide.state_dict()
-    return now.keys() == before.keys() and all(torch.equal(now[k], v) for k, v in before.items())
+from tests.infer.lifecycle import Kill, killer, quiet_fit, same_state, state
 
 
 # ---------------------------------------------------------------- 1. another optimizer layout
@@ -54,8 +25,8 @@ def test_a_resume_whose_optimizer_steps_other_tensors_leaves_the_guide(tmp_path,
     guide's load, and torch refused it without naming either side."""
     extra = torch.nn.Parameter(torch.zeros(3))
     model, data = tiny_problem()
-    with pytest.raises(_Kill):
-        _quiet_fit(
+    with pytest.raises(Kill):
+        quiet_fit(
             model,
             pb.posterior(model, family),
             data,
@@ -63,12 +34,12 @@ def test_a_resume_whose_optimizer_steps_other_tensors_leaves_the_guide(tmp_path,
             seed=0,
             optim=pb.Optimization(optimizer=lambda ps: torch.optim.Adam([*ps, extra], lr=0.01)),
             checkpoint=pb.Checkpointing(tmp_path, every=1),
-            progress=pb.Progress(bar=False, callback=_killer(4)),
+            progress=pb.Progress(bar=False, callback=killer(4)),
         )
     model, data = tiny_problem()
     guide = pb.posterior(model, family)
-    _quiet_fit(model, guide, data, epochs=4, seed=0)
-    before = _state(guide)
+    quiet_fit(model, guide, data, epochs=4, seed=0)
+    before = state(guide)
     head = {k: v.detach().clone() for k, v in model.point_params.items()}
     with pytest.raises(ValueError, match=r"over 5 parameter tensor\(s\).*Adam steps 4"):
         pb.fit(
@@ -81,7 +52,7 @@ def test_a_resume_whose_optimizer_steps_other_tensors_leaves_the_guide(tmp_path,
             checkpoint=pb.Checkpointing(tmp_path, resume=True),
             progress=False,
         )
-    assert getattr(guide, "is_fitted", True) and _same_state(guide, before)
+    assert getattr(guide, "is_fitted", True) and same_state(guide, before)
     assert all(torch.equal(model.point_params[k], v) for k, v in head.items())
 
 
@@ -89,8 +60,8 @@ def test_a_resume_whose_optimizer_steps_other_tensors_leaves_the_guide(tmp_path,
 def _checkpointed(folder: Path) -> None:
     """A MAP fit interrupted after step 3, checkpointed at every step (at step 2 last)."""
     model, data = tiny_problem()
-    with pytest.raises(_Kill):
-        _quiet_fit(
+    with pytest.raises(Kill):
+        quiet_fit(
             model,
             pb.posterior(model, "map"),
             data,
@@ -98,7 +69,7 @@ def _checkpointed(folder: Path) -> None:
             lr=0.01,
             seed=0,
             checkpoint=pb.Checkpointing(folder, every=1),
-            progress=pb.Progress(bar=False, callback=_killer(3)),
+            progress=pb.Progress(bar=False, callback=killer(3)),
         )
 
 
@@ -199,21 +170,21 @@ def test_a_truncated_checkpoint_file_is_refused_by_name_before_the_guide_changes
         "optim": pb.Optimization(scheduler="cosine"),
     }
     model, data = tiny_problem()
-    with pytest.raises(_Kill):
-        _quiet_fit(
+    with pytest.raises(Kill):
+        quiet_fit(
             model,
             pb.posterior(model, "swag"),
             data,
             checkpoint=pb.Checkpointing(tmp_path, every=1),
-            progress=pb.Progress(bar=False, callback=_killer(4)),
+            progress=pb.Progress(bar=False, callback=killer(4)),
             **run,
         )
     part = latest(tmp_path) / name
     part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
     model, data = tiny_problem()
     guide = pb.posterior(model, "swag")
-    _quiet_fit(model, guide, data, epochs=4, seed=0)
-    before, collected = _state(guide), int(guide.swag_num_collected)
+    quiet_fit(model, guide, data, epochs=4, seed=0)
+    before, collected = state(guide), int(guide.swag_num_collected)
     with pytest.raises(ValueError, match=rf"{name} does not read as a checkpoint file"):
-        _quiet_fit(model, guide, data, checkpoint=pb.Checkpointing(tmp_path, resume=True), **run)
-    assert int(guide.swag_num_collected) == collected and _same_state(guide, before)
+        quiet_fit(model, guide, data, checkpoint=pb.Checkpointing(tmp_path, resume=True), **run)
+    assert int(guide.swag_num_collected) == collected and same_state(guide, before)
