@@ -122,14 +122,32 @@ def flagged_examples(flags: Tensor | list[int], example_dim: int = 0) -> str:
 
 def batch_size(inputs: Any) -> int:
     """Number of examples in ``inputs`` (the leading size of its first tensor; a
-    multiple-choice batch ``(B, K, L)`` has B examples)."""
+    multiple-choice batch ``(B, K, L)`` has B examples).
+
+    Raises
+    ------
+    TypeError
+        When ``inputs`` holds no tensor with a batch dim: a 0-dim tensor, an empty tuple, a
+        dict of Python lists or of scalars.
+    """
     if isinstance(inputs, Tensor):
+        if inputs.dim() == 0:  # (shape[0] was an IndexError)
+            raise TypeError(
+                f"Cannot tell the batch size of a 0-dim tensor ({inputs!r}): the batch's "
+                "inputs are one value, not a batch of examples. Pass inputs with a leading "
+                "batch dim, shape (B, ...) (a single example x as x.unsqueeze(0))."
+            )
         return int(inputs.shape[0])
     if isinstance(inputs, Mapping):
         for v in inputs.values():
             if isinstance(v, Tensor) and v.dim() > 0:
                 return int(v.shape[0])
     if isinstance(inputs, (tuple, list)):
+        if not inputs:  # (inputs[0] was an IndexError)
+            raise TypeError(
+                f"Cannot tell the batch size of an empty {type(inputs).__name__}: the batch "
+                "has no inputs. Pass (x, y) batches whose x is a tensor (or a tuple of tensors)."
+            )
         return batch_size(inputs[0])
     if isinstance(inputs, Mapping) and any(isinstance(v, list) for v in inputs.values()):
         raise TypeError(

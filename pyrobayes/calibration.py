@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .contract import Posterior
 from .metrics._inputs import check_log_probabilities
 from .models.adapters import check_flag, check_int, check_real
 from .models.likelihoods import check_class_targets, check_gaussian_targets
@@ -108,6 +109,9 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
 
     Raises
     ------
+    TypeError
+        When ``guide`` is not a torch module, or ``pool`` is not ``True`` / ``False`` (a
+        string such as ``"False"`` is truthy).
     ValueError
         When ``value`` is not a finite number > 0 (:func:`checked_temperature`).
     """
@@ -122,6 +126,7 @@ def set_temperature(guide: Any, value: float | None, *, pool: bool = True) -> No
         buffers.pop(POOL_BUFFER, None)
         return
     value = checked_temperature(value, "set_temperature")
+    check_flag("pool", pool, owner="set_temperature: ")
     device = next((b.device for b in guide.buffers()), None)
     if device is None:
         device = next((p.device for p in guide.parameters()), torch.device("cpu"))
@@ -205,9 +210,12 @@ def apply_temperature(prediction: Any, guide_or_value: Any, *, pool: bool | None
     Raises
     ------
     TypeError, ValueError
-        A temperature that is not a finite real number > 0 (:func:`checked_temperature`), or
-        a prediction tempered already (a second ``T`` would compound the first).
+        A temperature that is not a finite real number > 0 (:func:`checked_temperature`), a
+        ``pool`` that is not ``None``, ``True`` or ``False``, or a prediction tempered already
+        (a second ``T`` would compound the first).
     """
+    if pool is not None:  # (a string such as "False" is truthy: it chose a form in silence)
+        check_flag("pool", pool, owner="apply_temperature: ")
     if not isinstance(guide_or_value, torch.nn.Module):  # a number (any real, or a tensor)
         value = checked_temperature(guide_or_value, "apply_temperature")
         pool = True if pool is None else pool
@@ -439,8 +447,9 @@ def calibrate(
     Raises
     ------
     TypeError
-        ``pool`` or ``all_ranks`` is not ``True`` / ``False``, or ``num_samples`` or ``seed``
-        is not an integer.
+        ``pool`` or ``all_ranks`` is not ``True`` / ``False``, ``num_samples`` or ``seed``
+        is not an integer, ``bounds`` is not a pair of numbers, or ``model`` and ``guide``
+        are passed the other way round.
     ValueError
         ``val_data`` yields no batches or no labels, ``bounds`` is not ``0 < low < high``, or the
         Gaussian likelihood has no noise scale to temper. Under ``torch.distributed`` an error
@@ -464,11 +473,8 @@ def calibrate(
         seed = check_int("seed", seed, owner="calibrate: ")
     check_flag("pool", pool, owner="calibrate: ")
     check_flag("all_ranks", all_ranks, owner="calibrate: ")
-    low, high = (float(b) for b in bounds)
-    if not (0 < low < high and math.isfinite(high)):
-        raise ValueError(
-            f"calibrate: bounds must be two finite numbers 0 < low < high, got {bounds!r}."
-        )
+    low, high = _checked_bounds(bounds, "calibrate")
+    _check_not_swapped(model, guide)
     size = _world_size() if all_ranks else 1
     previous = guide._buffers.get(TEMPERATURE_BUFFER) if hasattr(guide, "_buffers") else None
     was_pooled = pooled(guide)
@@ -505,6 +511,52 @@ def calibrate(
     if size == 1 and pred.log_probs is not None and pred.targets is not None:
         _warn_if_few_classes(value, pred.targets, int(pred.log_probs.shape[-1]))
     return value
+
+
+def _checked_bounds(bounds: Any, owner: str) -> tuple[float, float]:
+    """``bounds`` as ``(low, high)``: two finite real numbers ``0 < low < high`` (a pair of
+    Python or NumPy numbers, or a two-element tensor).
+
+    Raises
+    ------
+    TypeError
+        When ``bounds`` is not a pair of real numbers (a single number, a string, three
+        numbers), naming ``owner``'s ``bounds``.
+    ValueError
+        When they are not finite or not ``0 < low < high``.
+    """
+    usage = f"{owner}: bounds must be two finite numbers 0 < low < high, e.g. (0.05, 20.0)"
+    values: list[float] | None = None
+    if not isinstance(bounds, (str, bytes, Mapping)):
+        try:
+            items = list(bounds)
+            if len(items) == 2 and not any(isinstance(b, (bool, str, bytes)) for b in items):
+                values = [float(b) for b in items]
+        except (TypeError, ValueError, RuntimeError):  # not iterable, or not numbers
+            values = None
+    if values is None:
+        raise TypeError(f"{usage}; got {bounds!r} ({type(bounds).__name__}).")
+    low, high = values
+    if not (0 < low < high and math.isfinite(high)):
+        raise ValueError(f"{usage}; got {bounds!r}.")
+    return low, high
+
+
+def _check_not_swapped(model: Any, guide: Any) -> None:
+    """Refuse ``calibrate(guide, model, ...)``: the posterior passed as the model (and the
+    model as the guide) failed deep inside ``predict`` on a missing attribute."""
+    model_like = getattr(guide, "latent_sites", None) is not None
+    if isinstance(model, Posterior) and model_like:
+        raise TypeError(
+            f"calibrate: the arguments are the other way round (got a {type(model).__name__} "
+            f"posterior as model and a {type(guide).__name__} as guide); call "
+            "pyrobayes.calibrate(model, guide, val_data)."
+        )
+    if getattr(guide, "_buffers", None) is None:
+        raise TypeError(
+            f"calibrate: guide must be a pyrobayes posterior (pyrobayes.posterior(model, "
+            f"family)), a torch module that holds the temperature; got {type(guide).__name__}."
+        )
 
 
 def _warn_if_few_classes(value: float, labels: Tensor, num_classes: int) -> None:
@@ -656,6 +708,8 @@ def fit_temperature(
 
     Raises
     ------
+    TypeError
+        ``bounds`` is not a pair of numbers.
     ValueError
         No targets, targets that do not match the prediction (class labels ``(N,)`` or
         ``(N, 1)``; regression targets shaped like one draw of ``loc``, ``(N, *event)``, and
@@ -668,11 +722,7 @@ def fit_temperature(
         raise ValueError("fit_temperature: the prediction has no targets; pass targets=.")
     targets = _checked_targets(prediction, targets, "fit_temperature")
     _refuse_tempered(prediction, "fit_temperature", "fit T on")
-    low, high = (float(b) for b in bounds)
-    if not (0 < low < high and math.isfinite(high)):
-        raise ValueError(
-            f"fit_temperature: bounds must be two finite numbers 0 < low < high, got {bounds!r}."
-        )
+    low, high = _checked_bounds(bounds, "fit_temperature")
     size = _world_size() if all_ranks else 1
     value, _, at_bound = _fit(prediction, targets, low, high, pool=pool, size=size)
     if at_bound is not None:

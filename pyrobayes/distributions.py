@@ -57,6 +57,51 @@ def _as_tensor(x: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
 
+def _checked_nonnegative(
+    x: torch.Tensor | float, like: torch.Tensor, name: str, owner: str, *, positive: bool
+) -> torch.Tensor:
+    """``x`` as a tensor like ``like``, every entry finite and > 0 (``positive``) or >= 0.
+
+    Raises
+    ------
+    ValueError
+        Naming ``owner``'s argument ``name`` and its offending values: a negative scale
+        squared silently to a positive one, and 0 or NaN gave a NaN divergence.
+    """
+    value = _as_tensor(x, like)
+    detached = value.detach()
+    bad = ~torch.isfinite(detached) | ((detached <= 0) if positive else (detached < 0))
+    if bool(bad.any()):
+        what = "> 0" if positive else ">= 0"
+        raise ValueError(
+            f"{owner}: {name} must be finite and {what}; got {detached[bad].flatten()[:4].tolist()}"
+            f"{' ...' if int(bad.sum()) > 4 else ''}."
+        )
+    return value
+
+
+def _check_symmetric(F: torch.Tensor, name: str, size: int) -> None:
+    """Refuse a factor that is not a finite symmetric ``size × size`` matrix: ``eigh`` reads
+    its lower triangle only, so an asymmetric (e.g. upper-triangular) factor gave another
+    posterior."""
+    if F.dim() < 2 or F.shape[-2:] != (size, size):
+        raise ValueError(
+            f"KronEigenNormal.from_factors: {name} must end in ({size}, {size}) for loc's "
+            f"(m, n) = its last two dims; got shape {tuple(F.shape)}."
+        )
+    if not bool(torch.isfinite(F.detach()).all()):
+        raise ValueError(f"KronEigenNormal.from_factors: {name} holds NaN or inf values.")
+    scale = F.detach().abs().amax().clamp_min(torch.finfo(F.dtype).tiny)
+    gap = (F.detach() - F.detach().mT).abs().amax()
+    if not bool(gap <= 1e-4 * scale):
+        raise ValueError(
+            f"KronEigenNormal.from_factors: {name} must be symmetric (a K-FAC factor such as "
+            f"aᵀa / N), but |{name} - {name}ᵀ| reaches {float(gap):.3g} of its largest entry "
+            f"{float(scale):.3g}; torch.linalg.eigh would read its lower triangle only. Pass "
+            f"the symmetric factor (({name} + {name}.mT) / 2 if the asymmetry is round-off)."
+        )
+
+
 class MatrixNormal(TorchDistribution):
     r"""Matrix normal distribution ``X ~ MN(M, U, V)`` over ``m × n`` matrices.
 
@@ -199,7 +244,8 @@ class MatrixNormal(TorchDistribution):
             Prior standard deviation ``s`` (scalar or broadcastable to ``batch_shape``).
         """
         m, n = self.event_shape
-        s2 = _as_tensor(prior_scale, self.loc).pow(2)
+        owner = f"{type(self).__name__}.kl_to_isotropic"
+        s2 = _checked_nonnegative(prior_scale, self.loc, "prior_scale", owner, positive=True).pow(2)
         tr = self.row_scale_tril.pow(2).sum((-2, -1)) * self.col_scale_tril.pow(2).sum((-2, -1))
         mm = self.loc.pow(2).sum((-2, -1))
         return 0.5 * ((tr + mm) / s2 - m * n + m * n * s2.log() - self.log_det_covariance())
@@ -349,15 +395,35 @@ class KronEigenNormal(TorchDistribution):
             Absolute prior precision ``λδ`` (scalar or broadcastable to the batch shape).
         damping : {"exact", "factored"}
             Damping scheme.
+
+        Raises
+        ------
+        ValueError
+            ``A`` or ``G`` not a finite symmetric matrix of loc's ``n`` or ``m`` (``eigh``
+            would read one triangle), ``num_data`` not
+            finite and > 0 (0 allowed for ``"exact"``), ``prior_precision`` negative or not
+            finite, or an unknown ``damping``.
         """
+        owner = "KronEigenNormal.from_factors"
+        if damping not in ("exact", "factored"):
+            raise ValueError(f"damping must be 'exact' or 'factored', got {damping!r}")
+        lam = float(num_data)
+        if not (math.isfinite(lam) and (lam > 0 or (lam == 0 and damping == "exact"))):
+            raise ValueError(
+                f"{owner}: num_data must be a finite number > 0 (>= 0 for damping='exact'), "
+                f"the effective sample size λ; got {num_data!r}."
+            )
+        pp = _checked_nonnegative(prior_precision, loc, "prior_precision", owner, positive=False)
+        if loc.dim() < 2:
+            raise ValueError("loc must be at least 2-dimensional (..., m, n)")
+        _check_symmetric(A, "A", loc.shape[-1])
+        _check_symmetric(G, "G", loc.shape[-2])
         a, Q_A = torch.linalg.eigh(A)
         g, Q_G = torch.linalg.eigh(G)
         a, g = a.clamp_min(0.0), g.clamp_min(0.0)
-        lam = float(num_data)
-        pp = _as_tensor(prior_precision, loc)
         if damping == "exact":
             P = lam * g.unsqueeze(-1) * a.unsqueeze(-2) + pp[..., None, None]
-        elif damping == "factored":
+        else:  # "factored"
             m, n = loc.shape[-2:]
             delta = pp / lam
             tiny = torch.finfo(a.dtype).tiny
@@ -366,8 +432,6 @@ class KronEigenNormal(TorchDistribution):
             g_d = g + (sd / pi)[..., None]
             a_d = a + (pi * sd)[..., None]
             P = lam * g_d.unsqueeze(-1) * a_d.unsqueeze(-2)
-        else:
-            raise ValueError(f"damping must be 'exact' or 'factored', got {damping!r}")
         return cls(loc, Q_A, Q_G, P, validate_args=validate_args)
 
     # ----------------------------------------------------------------- helpers
@@ -427,7 +491,8 @@ class KronEigenNormal(TorchDistribution):
             Prior standard deviation ``s`` (scalar or broadcastable to ``batch_shape``).
         """
         m, n = self.event_shape
-        s2 = _as_tensor(prior_scale, self.loc).pow(2)
+        owner = f"{type(self).__name__}.kl_to_isotropic"
+        s2 = _checked_nonnegative(prior_scale, self.loc, "prior_scale", owner, positive=True).pow(2)
         tr = self.precision_eig.reciprocal().sum((-2, -1))
         mm = self.loc.pow(2).sum((-2, -1))
         return 0.5 * ((tr + mm) / s2 - m * n + m * n * s2.log() - self.log_det_covariance())

@@ -6,6 +6,7 @@ as long as they honour the contract in :mod:`pyrobayes.guides.base`.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any
 
@@ -33,7 +34,7 @@ def get_guide_class(name: str) -> type:
     Parameters
     ----------
     name : str
-        A family name (case-insensitive), e.g. ``"meanfield"``.
+        A family name (case-insensitive, surrounding spaces ignored), e.g. ``"meanfield"``.
 
     Returns
     -------
@@ -44,7 +45,7 @@ def get_guide_class(name: str) -> type:
     TypeError
         When ``name`` is not a string (``None``, a guide class, a number).
     ValueError
-        When no family is registered under it.
+        When no family is registered under it (naming the closest registered names).
     """
     if not isinstance(name, str):
         if isinstance(name, type):
@@ -56,12 +57,12 @@ def get_guide_class(name: str) -> type:
             "posterior(model, family): family must be a registered family name (a str), one of "
             f"{available_guides()}; got {got}.{hint}"
         )
-    try:
-        return _REGISTRY[name.lower()]
-    except KeyError:
-        raise ValueError(
-            f"Unknown posterior family {name!r}. Available: {available_guides()}."
-        ) from None
+    key = name.strip().lower()
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    close = difflib.get_close_matches(key, list(_REGISTRY), n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(f"Unknown posterior family {name!r}.{hint} Available: {available_guides()}.")
 
 
 def available_guides() -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -29,11 +30,17 @@ logger = logging.getLogger(__name__)
 
 
 def _as_numpy_1d(values: Tensor | np.ndarray, name: str) -> np.ndarray:
-    """Copy ``values`` to a 1-D float64 NumPy array, rejecting NaN and ``+inf``."""
+    """Copy ``values`` to a 1-D float64 NumPy array, rejecting complex values, NaN and
+    ``+inf``."""
     if isinstance(values, Tensor):
+        if values.is_complex():  # (a cast to float drops the imaginary part with a warning)
+            raise TypeError(f"{name} must be real, got a {values.dtype} tensor")
         array = values.detach().to("cpu", torch.float64).numpy().copy()
     else:
-        array = np.array(values, dtype=np.float64, copy=True)
+        raw = np.asarray(values)
+        if np.iscomplexobj(raw):
+            raise TypeError(f"{name} must be real, got complex values ({raw.dtype})")
+        array = np.array(raw, dtype=np.float64, copy=True)
     if array.ndim != 1:
         raise ValueError(f"{name} must be 1-D (one entry per draw), got shape {array.shape}")
     if array.size == 0:
@@ -61,17 +68,50 @@ def psis_tail_length(num_draws: int, r_eff: float = 1.0) -> int:
     -------
     int
         The tail length :math:`M`.
+
+    Raises
+    ------
+    TypeError
+        ``num_draws`` is not an integer, or ``r_eff`` not a real number.
+    ValueError
+        ``num_draws < 1``, or ``r_eff`` is not finite and > 0.
     """
+    if not isinstance(num_draws, numbers.Integral) or isinstance(num_draws, bool):
+        raise TypeError(
+            f"num_draws must be an integer, the number of draws; got {num_draws!r} "
+            f"({type(num_draws).__name__})"
+        )
     if num_draws < 1:
         raise ValueError(f"num_draws must be positive, got {num_draws}")
-    if not r_eff > 0:
-        raise ValueError(f"r_eff must be positive, got {r_eff}")
+    r_eff = _checked_r_eff(r_eff)
     return int(math.ceil(min(num_draws / 5.0, 3.0 * math.sqrt(num_draws / r_eff))))
+
+
+def _checked_r_eff(r_eff: object) -> float:
+    """``r_eff`` as a float: a finite real number > 0 (an infinite one gave a tail of no draws,
+    so a k-hat of ``inf`` that read as an unreliable proposal)."""
+    value = None
+    if not isinstance(r_eff, (bool, str, bytes)):
+        try:
+            value = float(r_eff)  # type: ignore[arg-type]  # (NumPy scalars, 1-element tensors)
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+    if value is None:
+        raise TypeError(
+            f"r_eff must be a finite number > 0 (effective sample size / S; 1 for independent "
+            f"draws), got {r_eff!r} ({type(r_eff).__name__})"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"r_eff must be a finite number > 0 (effective sample size / S; 1 for independent "
+            f"draws), got {r_eff!r}"
+        )
+    return value
 
 
 def _psis(log_ratios: np.ndarray, r_eff: float) -> tuple[np.ndarray, float]:
     """PSIS on a validated float64 1-D array: normalised smoothed log-weights and k-hat."""
-    psis_tail_length(log_ratios.size, r_eff)  # validates r_eff
+    r_eff = _checked_r_eff(r_eff)
     finite = log_ratios[np.isfinite(log_ratios)]
     if log_ratios.size == 1:  # one draw: no tail to fit (arviz.psislw indexes past it)
         return log_ratios - log_ratios, math.inf
@@ -129,6 +169,14 @@ def psis_smooth(
         input's dtype and device).
     k_hat : float
         Estimated Pareto shape :math:`\hat k`.
+
+    Raises
+    ------
+    TypeError
+        Complex ``log_ratios``, or an ``r_eff`` that is not a real number.
+    ValueError
+        ``log_ratios`` not 1-D, empty, with NaN or ``+inf``, or ``-inf`` everywhere; ``r_eff``
+        not finite and > 0 (an infinite one leaves no tail to fit).
     """
     array = _as_numpy_1d(log_ratios, "log_ratios")
     log_weights, k_hat = _psis(array, r_eff)
