@@ -24,6 +24,7 @@ from ..models.adapters import check_int, check_real
 from ._fit_options import warn_fit_settings
 from .base import SitewiseKL
 from .joint import SitePacking
+from .meanfield import check_site_value
 
 __all__ = ["IVONGuide", "state_dtype_for"]
 
@@ -235,12 +236,30 @@ class IVONGuide(SitePacking, SitewiseKL):
         return dist.Normal(loc.to(dtype), self.scale(site).to(dtype)).to_event(loc.dim())
 
     def set_site(self, site: str, *, loc: Tensor | None = None, hess: Tensor | None = None) -> None:
-        """Overwrite ``m`` and/or ``h`` at ``site`` (tests, warm starts)."""
+        """Overwrite ``m`` and/or ``h`` at ``site`` (tests, warm starts).
+
+        Raises
+        ------
+        ValueError
+            When a value is not of the site's shape (or a scalar), is not finite, or ``h``
+            has ``h + δ <= 0`` (σ = (λ(h + δ))^{-1/2} undefined); the guide is left as it was.
+        """
+        owner = f"{type(self).__name__}.set_site"
         with torch.no_grad():
             if loc is not None:
-                self.loc_param(site).copy_(loc)
+                loc = check_site_value(owner, site, "loc", loc, self.loc_param(site))
             if hess is not None:
+                hess = check_site_value(owner, site, "hess", hess, self.hess(site))
+                if not bool((hess + self.weight_decay).gt(0).all()):
+                    raise ValueError(
+                        f"{owner}: hess at site {site!r} must have h + weight_decay > 0 "
+                        f"(weight_decay = {self.weight_decay:g}), so that σ = "
+                        f"(ess·(h + weight_decay))^(-1/2) is finite; got a minimum h of "
+                        f"{float(hess.min()):g}."
+                    )
                 self.hess(site).copy_(hess)
+            if loc is not None:
+                self.loc_param(site).copy_(loc)
 
     def is_kron(self, site: str) -> bool:
         """Whether ``site`` has a Kronecker-factored curvature (never, here)."""

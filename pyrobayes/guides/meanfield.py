@@ -119,6 +119,14 @@ class MeanFieldGuide(SitewiseKL):
         # its dtype): Adam moves softplus⁻¹(σ) ≈ −4.6 by about lr a step, below bfloat16's
         # spacing of 0.031 there, so σ would never move
         init = init.detach().to(compute_dtype(init.dtype))
+        tiny = torch.finfo(init.dtype).tiny
+        if self._init_scale < tiny:  # σ = 0 or subnormal: the KL's gradient −1/σ overflows
+            raise ValueError(
+                f"{type(self).__name__}: init_scale={self._init_scale:g} is below the smallest "
+                f"normal {str(init.dtype).removeprefix('torch.')} number ({tiny:.3g}) that site {site!r}'s scales are kept "
+                "in, so σ starts at 0 or subnormal and the KL's gradient −1/σ is infinite at "
+                f"the first step; pass init_scale >= {tiny:.3g} (1e-2 is the default)."
+            )
         loc = init.clone() if self._init_loc == "model" else init.new_zeros(init.shape)
         self._add_param("locs", site, loc)
         scale = init.new_full(init.shape, self._init_scale)
@@ -131,13 +139,30 @@ class MeanFieldGuide(SitewiseKL):
     def set_site(
         self, site: str, *, loc: Tensor | None = None, scale: Tensor | None = None
     ) -> None:
-        """Overwrite q's parameters at ``site`` (post-hoc fitters and tests)."""
+        """Overwrite q's parameters at ``site`` (post-hoc fitters and tests).
+
+        Raises
+        ------
+        ValueError
+            When a value is not of the site's shape (or a scalar), is not finite, or a scale
+            is not > 0 where it is kept (the guide is left as it was).
+        """
+        owner = f"{type(self).__name__}.set_site"
         with torch.no_grad():
+            target = self.loc_param(site)
             if loc is not None:
-                self.loc_param(site).copy_(loc)
+                loc = check_site_value(owner, site, "loc", loc, target)
             if scale is not None:
+                scale = check_site_value(owner, site, "scale", scale, target)
                 raw = transform_to(self.scale_constraint).inv(scale)
+                if not bool(self._scale_transform()(raw.to(target.dtype)).gt(0).all()):
+                    raise ValueError(
+                        f"{owner}: scale at site {site!r} must be > 0 (and not underflow to 0 "
+                        f"in {target.dtype}); got a minimum of {float(scale.min()):g}."
+                    )
                 self._raw_param("scales", site).copy_(raw)
+            if loc is not None:
+                target.copy_(loc)
 
     def scale(self, site: str) -> Tensor:
         return attrgetter(site)(self.scales)
@@ -287,6 +312,37 @@ class MeanFieldGuide(SitewiseKL):
         if shared_quad is not None:
             total = total + (shared_quad / shared_count).log() * (0.5 * shared_count)
         return draws, total + const
+
+
+def check_site_value(owner: str, site: str, name: str, value: Any, like: Tensor) -> Tensor:
+    """``value`` as a finite tensor of ``like``'s shape (a scalar is broadcast), for a setter.
+
+    Parameters
+    ----------
+    owner : str
+        The method, e.g. ``"MeanFieldGuide.set_site"``, that messages start with.
+    site, name : str
+        The site and the argument (``"loc"``, ``"scale"``, ``"hess"``), named in the messages.
+    value : Tensor or number
+        What the caller passed.
+    like : Tensor
+        The site's tensor it will be copied into.
+
+    Raises
+    ------
+    ValueError
+        When ``value`` has another shape (``copy_`` would broadcast a row or column over the
+        site silently) or a non-finite entry.
+    """
+    tensor = torch.as_tensor(value, device=like.device)
+    if tensor.dim() and tuple(tensor.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{owner}: {name} at site {site!r} must have the site's shape {tuple(like.shape)} "
+            f"(or be a scalar); got {tuple(tensor.shape)}, which would be broadcast over it."
+        )
+    if not bool(tensor.isfinite().all()):
+        raise ValueError(f"{owner}: {name} at site {site!r} has non-finite entries.")
+    return tensor.to(like.dtype).expand(like.shape)
 
 
 def _second_moment(loc: Tensor, scale: Tensor, prior_loc: float) -> Tensor:

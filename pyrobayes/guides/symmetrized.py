@@ -139,6 +139,7 @@ class SymmetrizedGuide(PosteriorGuide):
         self.base_family = str(getattr(base_cls, "family", base))
         self.num_permutations = int(given.get("num_permutations", 16))
         self.spec = PermutationSpec.from_model(model)
+        _check_nontrivial(self.spec, self.base_family)
         self.sites = dict(base_guide.sites)
         missing = sorted(self.spec.sites - set(self.sites))
         if missing:
@@ -393,6 +394,27 @@ def _infonce(diff: Tensor, num: int) -> Tensor:
     """``−log mean_k exp(diff_k)`` per row; exactly 0 when every ``diff_k`` is 0."""
     top = diff.max(dim=1, keepdim=True).values.detach().clamp_min(0)
     return -(top.squeeze(1) + (diff - top).exp().sum(1).div(num).log())
+
+
+def _check_nontrivial(spec: PermutationSpec, base: str) -> None:
+    """Refuse a group of one element: ``q_G = q`` and ``I_K = 0``, so nothing is symmetrized.
+
+    Raises
+    ------
+    ValueError
+        When every unit layer of ``spec`` has a single unit (LoRA of rank 1, hidden layers
+        one unit wide), naming them.
+    """
+    if spec.order > 1:
+        return
+    names = [u.name for u in spec.layers]
+    raise ValueError(
+        f"SymmetrizedGuide: every unit layer of the model has a single unit ({names[:3]}"
+        f"{'...' if len(names) > 3 else ''}: LoRA of rank 1 or hidden layers one unit wide), "
+        "so its permutation group holds only the identity: q_G would be the base q and I_K = 0 "
+        f"at every step, a plain {base!r} fit under another name. Use LoRA(rank=r) with r >= 2 "
+        f"(or wider latent hidden layers), or fit pb.posterior(model, {base!r}) directly."
+    )
 
 
 def _check_base(base_cls: type, name: str) -> None:

@@ -578,6 +578,7 @@ class IVONOptimizer(torch.optim.Optimizer):
         curvature), written back to the guide's tensors and the point parameters."""
         hp, state, m, D = self.hyper, flat["state"], flat["m"], self._n_extra + self._n_diag
         t, lr, momentum = state["step"], self.param_groups[0]["lr"], state["momentum"]
+        before = (m.clone(), momentum.clone(), state["hess"].clone())  # undone if it goes bad
         ivon_step_(
             m[:D],
             momentum[:D],
@@ -597,9 +598,41 @@ class IVONOptimizer(torch.optim.Optimizer):
         )
         if self.curvature is not None:
             self.curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
+        bad = self._unusable_state(flat)
+        if bad:  # undone: the guide's tensors and the optimizer's state stay as before the step
+            for now, then in zip((m, momentum, state["hess"]), before, strict=True):
+                now.copy_(then)
+            self._refuse()
+            raise FloatingPointError(
+                f"IVON's update at step {t} left the Hessian estimate h non-finite or h + δ <= 0, "
+                f"or the mean m non-finite, in {', '.join(bad)}; the step was undone, so the "
+                "guide keeps its values from before it. Lower hess_init (now "
+                f"{hp['hess_init']:g}) or the learning rate (a non-finite m: pass clip_radius "
+                "to pb.infer.IVON)."
+            )
         state["step"] = t + 1
         torch._foreach_copy_(flat["targets"], flat["views"])
         self._record(flat)
+
+    def _unusable_state(self, flat: dict[str, Any]) -> list[str]:
+        """The sites and point parameters whose updated ``m`` is not finite or whose ``h`` is
+        not finite or has ``h + δ <= 0`` (σ = (λ(h + δ))^{-1/2} would be NaN, 0 or inf); one
+        device sync when all are usable."""
+        m, hess, D = flat["m"], flat["state"]["hess"], self._n_extra + self._n_diag
+        bad_h = ~((hess + flat["delta"]) > 0) | hess.isinf()
+        bad_m = ~m.isfinite()
+        if not bool(bad_h.any() | bad_m.any()):
+            return []
+        bad = bad_m.clone()
+        bad[:D] |= bad_h
+        return self._names_where(bad)
+
+    def _names_where(self, flags: Tensor) -> list[str]:
+        """The sites and point parameters with a set entry in the flat ``flags``."""
+        names = [f"point parameter {i} {tuple(p.shape)}" for i, p in enumerate(self.extras)]
+        names += [f"site {site}" for site in self._sites]
+        parts = flags.split(self._extra_numels + self._numels)
+        return [n for n, f in zip(names, parts, strict=True) if bool(f.any())]
 
     def _non_finite(self, grad: Tensor) -> list[str]:
         """The sites and point parameters whose part of the flat ``grad`` is not finite."""
