@@ -771,10 +771,14 @@ class _Loop(ResumeChecks):
         try:
             value = self.fitter.step(to_device(batch, self.device))
         except FloatingPointError as err:
+            # the generic advice only where the fitter's message gives none of its own (IVON's
+            # names hess_init, a mean-field scale has no say there)
+            advice = (
+                "" if "lower" in str(err).lower() else " Lower the learning rate or the init_scale"
+            )
+            kept = f" The last checkpoint in {self.ckpt} is intact." if self.ckpt else ""
             raise FloatingPointError(
-                f"{err} (fit step {pos.step}, epoch {pos.epoch}). Lower the learning rate or "
-                "the init_scale"
-                + (f"; the last checkpoint in {self.ckpt} is intact." if self.ckpt else ".")
+                f"{err} (fit step {pos.step}, epoch {pos.epoch}).{advice}{kept}"
             ) from None
         pos.losses.append(value)
         if self.reporter is not None:  # kept as tensors: no device sync per step
