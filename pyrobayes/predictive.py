@@ -650,7 +650,12 @@ def _predict_batches(
             parts = []
             for start in range(0, num_samples, chunk):
                 sub = {k: v[start : start + chunk] for k, v in values.items()}
-                params = model.batched_output(inputs, sub)  # (s, B, ...)
+                try:  # no cost unless raised
+                    params = model.batched_output(inputs, sub)  # (s, B, ...)
+                except (RuntimeError, ValueError) as err:
+                    if type(err) not in (RuntimeError, ValueError):  # OOM and the like: as is
+                        raise
+                    raise _forward_error(err, index, inputs) from err
                 # before the likelihood's distribution (whose validation gives a raw dump)
                 check_outputs(params, classification, where=f"batch {index}:", inputs=inputs)
                 if start == 0:  # the raw parameters, before their log-softmax
@@ -668,6 +673,29 @@ def _predict_batches(
                 out = torch.log_softmax(out.mean(0, keepdim=True), dim=-1)
             outputs.append(out)
     return outputs, targets
+
+
+def _forward_error(err: RuntimeError | ValueError, index: int, inputs: Any) -> Exception:
+    """``err``, raised by the network's forward on batch ``index``, as one that names the batch
+    and its input shapes (torch's "mat1 and mat2 shapes cannot be multiplied" names neither),
+    its original message kept."""
+    if isinstance(inputs, Tensor):
+        shapes = f"input shape {tuple(inputs.shape)}"
+    elif isinstance(inputs, Mapping):
+        shapes = "input shapes " + ", ".join(
+            f"{k}: {tuple(v.shape)}" for k, v in inputs.items() if isinstance(v, Tensor)
+        )
+    elif isinstance(inputs, (tuple, list)):
+        shapes = "input shapes " + ", ".join(
+            str(tuple(v.shape)) for v in inputs if isinstance(v, Tensor)
+        )
+    else:
+        shapes = f"inputs of type {type(inputs).__name__}"
+    return type(err)(
+        f"predict: batch {index} ({shapes}): the network's forward failed: {err}. Check that "
+        "batch against the earlier ones (a loader whose input width, dtype or keys change "
+        "between batches), or run the network on it alone to see where it fails."
+    )
 
 
 def check_not_empty(inputs: Any, where: str) -> int:

@@ -91,7 +91,7 @@ def test_a_value_that_cannot_run_is_a_config_error(user, words):
         {"training": {"device": "cuda:1"}},  # parses (availability: check_inputs)
         {"model": {"num_labels": 5}},  # the fine-grained VADER task
         {"data": {"ood": ["vader:tweets", "chatterbot"], "train": "vader:amazonReviewSnippets"}},
-        {"adapter": {"init_scale": 0.0}},
+        {"adapter": {"kind": "lora_xs", "init_scale": 0.0}},  # a LoRA-XS option needs the kind
     ],
     ids=str,
 )

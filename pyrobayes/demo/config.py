@@ -435,13 +435,16 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_adapter_options(adapter: dict[str, Any]) -> None:
-    """Refuse a LoRA-XS option under ``adapter.kind = "lora"``, and ``adapter.moment`` under a
-    projection other than W-SVD's (the only one that reads it: it would be ignored)."""
+    """Refuse a LoRA-XS option under ``adapter.kind = "lora"`` (given, or the default kind when
+    the config names none), and ``adapter.moment`` under a projection other than W-SVD's (the
+    only one that reads it: it would be ignored)."""
     given = [k for k in _LORA_XS_ONLY if k in adapter]
-    if adapter.get("kind") == "lora" and given:
+    kind = adapter.get("kind", DEFAULT_CONFIG["adapter"]["kind"])
+    if kind == "lora" and given:
+        how = "" if "kind" in adapter else " (the default: the config sets no adapter.kind)"
         raise ConfigError(
             f"Config key 'adapter.{given[0]}' is a LoRA-XS option ({given[0]} = "
-            f"{adapter[given[0]]!r}); adapter.kind = 'lora' takes rank, alpha and "
+            f"{adapter[given[0]]!r}); adapter.kind = 'lora'{how} takes rank, alpha and "
             f'target_modules. Set kind = "lora_xs", or remove adapter.{given[0]}.'
         )
     projection = adapter.get("projection", "svd")

@@ -751,7 +751,8 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     RunFolderError
         No ``config.json``, or no saved posteriors.
     ConfigError
-        The run's ``config.json`` does not fit the schema.
+        The run's ``config.json`` does not fit the schema, or what it names is not on this
+        machine (the model, its target modules, the device): checked before anything loads.
     """
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -764,16 +765,20 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise RunFolderError(f"{run_dir} has no config.json; is it a pyrobayes run folder?")
-    config = validate_config(read_json(config_path))
+    config = _run_config(config_path)
     paths = {p.stem: p for p in (run_dir / "guides").glob("*.safetensors")}
     if not paths:
         raise RunFolderError(
             f"{run_dir} has no saved posteriors ({run_dir / 'guides'}/*.safetensors): the run "
             "finished no family, or this is not a run folder. Re-run it with `pyrobayes fit`."
         )
+    if device:
+        check_device(device)
+        config["training"]["device"] = device
+    _check_run_inputs(config, config_path)
     order = [f for f in config.get("families", []) if f in paths]
     order += sorted(set(paths) - set(order))
-    device = device or config["training"]["device"]
+    device = config["training"]["device"]
     loaders = build_data(config, _load_tokenizer(config))
     records = []
     for family in order:
@@ -791,6 +796,42 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
             }
         )
     return records
+
+
+def _run_config(config_path: Path) -> dict[str, Any]:
+    """A run folder's ``config.json``, checked against the schema (a hand-edited one, or one
+    whose data file has moved), its errors naming the file.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``config_path`` and the key.
+    """
+    try:
+        return validate_config(read_json(config_path))
+    except ConfigError as err:
+        raise ConfigError(f"{config_path}: {err}") from None
+
+
+def _check_run_inputs(config: dict[str, Any], config_path: Path) -> None:
+    """What a run folder's ``config.json`` names on this machine (:func:`check_inputs`: the
+    model, its target modules, the device), before the data and the model are loaded: a model
+    moved since the run was reported by the tokenizer's loader (a hub message about repo ids,
+    or the internet), and a run made on a GPU evaluated without one only after loading.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``config_path``, the key and where to set the new place.
+    """
+    try:
+        check_inputs(config)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{config_path}: {err} (The run folder's config.json names the model and the "
+            "device the run used: if the model has moved, write its new place into "
+            "config.json; for another device, pass evaluate --device.)"
+        ) from None
 
 
 def compare_metrics(

@@ -15,6 +15,7 @@ running update.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, ClassVar, NamedTuple
 
 import pyro.distributions as dist
@@ -23,12 +24,13 @@ from torch import Tensor
 
 from ..batch import compute_dtype
 from ..models.adapters import check_int, check_real
+from ..user_frame import user_stacklevel
 from ._fit_options import warn_fit_settings
 from .joint import JointGaussianGuide
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SWAGGuide", "SwagState", "swag_posterior", "VAR_FLOOR"]
+__all__ = ["SWAGGuide", "SwagState", "swag_posterior", "VAR_FLOOR", "DegenerateSWAGWarning"]
 
 #: floor of the diagonal variance (Maddox et al., 2019)
 VAR_FLOOR = 1e-30
@@ -81,14 +83,32 @@ class SwagState(NamedTuple):
         return self.deviations[self.rank - k :].T
 
 
+class DegenerateSWAGWarning(UserWarning):
+    """A SWAG posterior built from fewer than two collected iterates: it has no spread."""
+
+
 def swag_posterior(state: SwagState, scale: float = 0.5) -> dist.LowRankMultivariateNormal:
     r"""``N(θ̄, s Σ_diag + s D̂ D̂ᵀ/(K−1))`` as a ``LowRankMultivariateNormal`` over ``d``.
 
-    ``K`` is the number of stored deviations (``K − 1`` is floored at 1); with fewer than two
-    collected iterates the covariance is degenerate (a warning is logged).
+    ``K`` is the number of stored deviations (``K − 1`` is floored at 1).
+
+    Warns
+    -----
+    DegenerateSWAGWarning
+        Fewer than two collected iterates: the covariance is (floored) zero, so every draw is
+        the mean, a point estimate reported as a posterior.
     """
-    if int(state.num_collected) < 2:
-        logger.warning("SWAG posterior from %d iterate(s) is degenerate.", int(state.num_collected))
+    n = int(state.num_collected)
+    if n < 2:
+        warnings.warn(
+            f"SWAG posterior from {n} collected iterate(s) has no spread (its covariance is "
+            "zero: every draw is the mean, a point estimate). Train for more epochs after "
+            "start_epoch, or collect earlier or more often: a smaller start_epoch, "
+            "collect_every or collect_every_steps in pb.infer.SWAG(...) (pb.fit(..., "
+            "optim=pb.Optimization(optimizer=pb.infer.SWAG(start_epoch=...)))).",
+            DegenerateSWAGWarning,
+            stacklevel=user_stacklevel(),
+        )
     k = state.num_deviations
     factor = state.deviation_matrix * (scale / max(k - 1, 1)) ** 0.5
     if k == 0:

@@ -218,6 +218,72 @@ def _check_tied_sites(
         )
 
 
+def _one_name_per_tensor(
+    net: nn.Module, chosen: dict[str, nn.Parameter]
+) -> dict[str, nn.Parameter]:
+    r"""``chosen`` with one entry per ``nn.Parameter``: a tensor that two chosen modules share
+    (tied weights, e.g. ``trainable_modules=["embed_tokens", "lm_head"]`` with
+    ``tie_word_embeddings=True``) is kept under its first name in network order, once.
+
+    Listed twice it would reach the optimizer twice, which steps it twice per iteration
+    (torch warns "duplicate parameters"), and be stored twice in a saved posterior.
+    """
+    order = {n: i for i, (n, _) in enumerate(net.named_parameters(remove_duplicate=False))}
+    kept: dict[int, str] = {}
+    for name, param in chosen.items():
+        first = kept.get(id(param))
+        if first is None or order.get(name, math.inf) < order.get(first, math.inf):
+            kept[id(param)] = name
+    dropped = sorted(n for n, p in chosen.items() if kept[id(p)] != n)
+    if dropped:
+        logger.info(
+            "FineTuneModel: the point parameters %s are tied to (the same tensor as) %s, which "
+            "is trained once, under that name.",
+            dropped,
+            sorted({kept[id(chosen[n])] for n in dropped}),
+        )
+    return {n: p for n, p in chosen.items() if kept[id(p)] == n}
+
+
+def _check_tied_adapter_bases(
+    net: nn.Module, adapted: Iterable[str], point_params: Mapping[str, nn.Parameter]
+) -> None:
+    r"""Refuse an adapted layer whose frozen base weight is the same tensor as a point
+    parameter: a LoRA / LoRA-XS target tied to a trained module (an output head tied to the
+    input embeddings, ``tie_word_embeddings=True``, with the embeddings in
+    ``trainable_modules``). The optimizer would train the adapter's "frozen" base in place,
+    and LoRA-XS's bases, computed once from it, would go stale.
+
+    Raises
+    ------
+    ValueError
+        Naming the adapted module, the trained module and what to do.
+    """
+    trained = {id(p): n for n, p in point_params.items()}
+    for path in sorted(adapted):
+        base = getattr(net.get_submodule(path), "base", None)
+        if not isinstance(base, nn.Module):
+            continue
+        for pname, param in base.named_parameters():
+            other = trained.get(id(param))
+            if other is None:
+                continue
+            module = other.rpartition(".")[0]
+            raise ValueError(
+                f"FineTuneModel: the adapted module {path!r} (target_modules) is built on the "
+                f"frozen weight {f'{path}.{pname}'!r}, which is the same tensor as {other!r} of "
+                f"module {module!r}, a point parameter (trainable_modules): tied weights (an "
+                "output head tied to the input embeddings, tie_word_embeddings=True). The "
+                "optimizer would train the adapter's frozen base weight in place (and LoRA-XS's "
+                f"bases, computed from it, would go stale). Freeze {module!r} (remove it from "
+                f"trainable_modules), leave {path!r} out of target_modules, or untie the "
+                "weights and build the model from a fresh copy of the network (this one was "
+                f"changed in place): net.get_submodule({path!r}).{pname} = nn.Parameter("
+                f"net.get_submodule({path!r}).{pname}.detach().clone()) (and, in a Hugging "
+                "Face model, net.config.tie_word_embeddings = False)."
+            )
+
+
 class FineTuneModel(DrawForward, nn.Module):
     r"""Pyro model over the adapter (or LoRA-XS core) parameters of a network.
 
@@ -353,11 +419,13 @@ class FineTuneModel(DrawForward, nn.Module):
         self.latent_sites: dict[str, SiteSpec] = {s.site: s for s in specs}
         if len(self.latent_sites) != len(specs):
             raise RuntimeError("Duplicate site names; please report this as a pyrobayes bug.")
+        adapted = {s.module_path for s in specs if s.kind not in ("weight", "bias")}
         self.point_params: dict[str, nn.Parameter] = self._select_point_params(
             trainable_modules,
             {s.module_path for s in specs if s.kind in ("weight", "bias")},
-            {s.module_path for s in specs if s.kind not in ("weight", "bias")},
+            adapted,
         )
+        _check_tied_adapter_bases(self.net, adapted, self.point_params)
         self.point_params.update(self._point_lora_factors(specs))
         names = [s.param_name for s in specs]
         _check_tied_sites(self.net, names, names, self.point_params)
@@ -469,7 +537,7 @@ class FineTuneModel(DrawForward, nn.Module):
                     if full not in chosen:
                         p.requires_grad_(True)
                         chosen[full] = p
-        return chosen
+        return _one_name_per_tensor(self.net, chosen)
 
     def make_latent(self, modules: Sequence[str] | str) -> list[str]:
         r"""Make point-estimated ``nn.Linear`` modules (a trained task head) latent, post hoc.
@@ -517,7 +585,8 @@ class FineTuneModel(DrawForward, nn.Module):
                 # a point LoRA factor (LoRA(latent="A")'s B) is the adapter's choice, not a head
                 if not isinstance(parent, LoRALinear):
                     names = [f"{path}.{n}" for n, _ in module.named_parameters()]
-            if not names or any(n not in self.point_params for n in names):
+            point = {id(p) for p in self.point_params.values()}  # a tied one under one name
+            if not names or any(id(self.net.get_parameter(n)) not in point for n in names):
                 raise ValueError(
                     f"FineTuneModel.make_latent: {path!r} is not a point-estimated module (its "
                     f"parameters must all be point parameters); the point-estimated modules are "

@@ -78,6 +78,8 @@ def test_single_token_choices_read_one_position(arch, side, monkeypatch):
     torch.testing.assert_close(gathered[0, 1], plain[1, last, [5, 6, 7]], rtol=0, atol=1e-6)
 
 
+# a one-step fit: SWAG collects one iterate (no spread), enough for this plumbing check
+@pytest.mark.filterwarnings("ignore::pyrobayes.guides.lowrank.DegenerateSWAGWarning")
 @pytest.mark.parametrize(("family", "adapter_name", "arch"), CASES)
 def test_gathered_head_equals_full_head_for_every_family(family, adapter_name, arch, monkeypatch):
     model, batch = causal_lm_problem(
