@@ -542,16 +542,24 @@ def _checked_bounds(bounds: Any, owner: str) -> tuple[float, float]:
     return low, high
 
 
-def _check_not_swapped(model: Any, guide: Any) -> None:
-    """Refuse ``calibrate(guide, model, ...)``: the posterior passed as the model (and the
-    model as the guide) failed deep inside ``predict`` on a missing attribute."""
+def check_not_swapped(model: Any, guide: Any, owner: str, call: str) -> None:
+    """Refuse ``owner(guide, model, ...)``: the posterior passed as the model (and the model as
+    the guide) failed deep inside the predictive on a missing attribute (``label_key``).
+
+    ``call`` is the right call, for the message (``"pyrobayes.predict(model, guide, data)"``).
+    """
     model_like = getattr(guide, "latent_sites", None) is not None
     if isinstance(model, Posterior) and model_like:
         raise TypeError(
-            f"calibrate: the arguments are the other way round (got a {type(model).__name__} "
-            f"posterior as model and a {type(guide).__name__} as guide); call "
-            "pyrobayes.calibrate(model, guide, val_data)."
+            f"{owner}: the arguments are the other way round (got a {type(model).__name__} "
+            f"posterior as model and a {type(guide).__name__} as guide); call {call}."
         )
+
+
+def _check_not_swapped(model: Any, guide: Any) -> None:
+    """:func:`check_not_swapped` for :func:`calibrate`, which also needs a guide that holds
+    the temperature (a torch module)."""
+    check_not_swapped(model, guide, "calibrate", "pyrobayes.calibrate(model, guide, val_data)")
     if getattr(guide, "_buffers", None) is None:
         raise TypeError(
             f"calibrate: guide must be a pyrobayes posterior (pyrobayes.posterior(model, "

@@ -31,7 +31,7 @@ from .batch import (
     split_batch,
     to_device,
 )
-from .calibration import apply_temperature
+from .calibration import apply_temperature, check_not_swapped
 from .contract import LinearizedPredictive, Mixture, bound_model, implements
 from .fitted_head import warn_if_head_changed, warn_if_never_fitted
 from .models.adapters import check_int
@@ -369,6 +369,7 @@ def check_fitted_model(model: Any, guide: Any, where: str) -> None:
         differing_point_params,
     )
 
+    check_not_swapped(model, guide, where, f"pyrobayes.{where}(model, guide, data)")
     bound = bound_model(guide)
     if bound is model:
         warn_if_head_changed(guide, model, where)

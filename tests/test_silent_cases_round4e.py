@@ -53,6 +53,21 @@ def test_calibrate_with_model_and_guide_swapped_says_so(fitted_map):
         pb.calibrate(guide, model, loader)
 
 
+def test_predict_and_diagnose_with_model_and_guide_swapped_say_so(fitted_map):
+    # before: the same AttributeError on 'label_key' from inside predict
+    model, guide, loader = fitted_map
+    with pytest.raises(
+        TypeError,
+        match=r"predict: the arguments are the other way round.*"
+        r"pyrobayes\.predict\(model, guide, data\)",
+    ):
+        pb.predict(guide, model, loader)
+    with pytest.raises(TypeError, match=r"diagnose: the arguments are the other way round"):
+        pb.diagnose(guide, model, loader)
+    with pytest.raises(TypeError, match=r"to_datatree: the arguments are the other way round"):
+        pb.to_inference_data(guide, model, loader)
+
+
 @pytest.mark.parametrize("flag", ["no", "False", 0, None])
 def test_set_temperature_refuses_a_pool_that_is_not_a_bool(fitted_map, flag):
     # before: pool="no" (truthy) stored the pooled form in silence, 0 / None the per-draw one

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..calibration import check_not_swapped
 from .arviz_adapter import to_arviz
 from .draw_evaluation import DrawEvaluation, evaluate_draws, num_components
 from .export_attrs import export_attrs, export_predictive, export_temperature
@@ -224,6 +225,7 @@ def to_datatree(
     >>> idata = pyrobayes.to_inference_data(model, guide, test_loader, num_samples=200)  # doctest: +SKIP
     >>> az.loo(idata)                                                                    # doctest: +SKIP
     """
+    check_not_swapped(model, guide, "to_datatree", "pyrobayes.to_datatree(model, guide, data)")
     tempered, temperature_attrs, uncalibrated = export_temperature(model, guide)
     linearized, other_predictive = export_predictive(guide)
     ev = evaluate_draws(

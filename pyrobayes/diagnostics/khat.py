@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..batch import split_batch
-from ..calibration import apply_temperature
+from ..calibration import apply_temperature, check_not_swapped
 from ..metrics import report
 from ..models.adapters import check_int
 from ..predictive import Prediction, predict
@@ -217,6 +217,7 @@ def diagnose(
     TypeError
         ``num_bins`` or ``num_predictive_samples`` not an integer.
     """
+    check_not_swapped(model, guide, "diagnose", "pyrobayes.diagnose(model, guide, data)")
     # checked before the draws are evaluated (a float num_predictive_samples failed deep in the
     # evaluation, a negative one dropped the calibration silently, num_bins < 1 came last)
     num_bins = check_int("num_bins", num_bins, ge=1, owner="diagnose: ")
