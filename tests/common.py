@@ -334,3 +334,26 @@ def teacher_mlp(
     net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
     model = FineTuneModel(net, LoRAXS(rank=2, target_modules=["0", "2"]), num_data=num_data)
     return model, x, y
+
+
+class TiedNet(nn.Module):
+    """Embeddings, a hidden layer and an output head tied to the embeddings
+    (``tie_word_embeddings=True``); ``forward`` takes ``(B, 3)`` token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x).mean(1))))
+
+
+def tied_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four batches of 10 (token ids ``(10, 3)``, labels in 0..9) for :class:`TiedNet`."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 10, (40, 3), generator=gen), torch.randint(0, 10, (40,), generator=gen)
+    return [(x[i : i + 10], y[i : i + 10]) for i in range(0, 40, 10)]

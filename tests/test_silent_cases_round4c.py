@@ -35,37 +35,16 @@ from pyrobayes.demo.config import DEFAULT_CONFIG, ConfigError, resolve_config
 from pyrobayes.guides import SWAGGuide
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
 from pyrobayes.models.adapters import adapter_from_dict
-from tests.common import mlp_problem, tensor_loader
+from tests.common import TiedNet, mlp_problem, tensor_loader, tied_data
 
 # ------------------------------------------------------------------------------------------------
 # Tied weights: point parameters, adapters
 # ------------------------------------------------------------------------------------------------
 
 
-class _TiedNet(nn.Module):
-    """Embeddings, a hidden layer and an output head tied to the embeddings."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(10, 8)
-        self.mid = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 10, bias=False)
-        self.head.weight = self.emb.weight  # tie_word_embeddings=True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mid(self.emb(x).mean(1))))
-
-
-def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 10, (40, 3), generator=gen), torch.randint(0, 10, (40,), generator=gen)
-    return [(x[i : i + 10], y[i : i + 10]) for i in range(0, 40, 10)]
-
-
 def _tied_model(trainable: list[str]) -> FineTuneModel:
     return FineTuneModel(
-        _TiedNet(), LoRA(rank=2, target_modules=["mid"]), num_data=40, trainable_modules=trainable
+        TiedNet(), LoRA(rank=2, target_modules=["mid"]), num_data=40, trainable_modules=trainable
     )
 
 
@@ -84,15 +63,15 @@ def test_a_tied_weight_named_twice_takes_one_optimizer_step_per_iteration(tmp_pa
         guide = pb.posterior(model, "map")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # torch's "duplicate parameters" before the fix
-            pb.fit(model, guide, _data(), epochs=2, lr=0.05)
+            pb.fit(model, guide, tied_data(), epochs=2, lr=0.05)
         return model, guide
 
     model, guide = fitted(["emb", "head"])
     once, _ = fitted(["emb"])  # the same tensor, named once
-    assert not torch.equal(model.net.emb.weight, _TiedNet().emb.weight)  # it was trained
+    assert not torch.equal(model.net.emb.weight, TiedNet().emb.weight)  # it was trained
     # before: stepped twice per iteration, so it moved away from the one-name fit
     torch.testing.assert_close(model.net.emb.weight, once.net.emb.weight)
-    x, _ = _data()[0]
+    x, _ = tied_data()[0]
     # a posterior file of it loads into a model built the same way
     pb.save(guide, tmp_path / "tied.safetensors")
     other = _tied_model(["head", "emb"])
@@ -117,16 +96,16 @@ def test_an_adapter_on_a_layer_tied_to_a_point_parameter_is_refused(adapter):
         r"parameter \(trainable_modules\).*Freeze 'emb'.*leave 'head' out of target_modules.*"
         r"untie the weights",
     ):
-        FineTuneModel(_TiedNet(), adapter, num_data=40, trainable_modules=["emb"])
+        FineTuneModel(TiedNet(), adapter, num_data=40, trainable_modules=["emb"])
 
 
 def test_an_adapter_on_a_layer_tied_to_frozen_embeddings_keeps_them_frozen():
-    net = _TiedNet()
+    net = TiedNet()
     emb = net.emb.weight.detach().clone()
     model = FineTuneModel(
         net, LoRA(rank=2, target_modules=["head"]), num_data=40, trainable_modules=["mid"]
     )
-    pb.fit(model, pb.posterior(model, "map"), _data(), epochs=2)
+    pb.fit(model, pb.posterior(model, "map"), tied_data(), epochs=2)
     assert torch.equal(net.emb.weight, emb)
 
 

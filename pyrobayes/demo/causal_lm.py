@@ -92,6 +92,7 @@ from .config import (
     check_device,
     check_families,
     check_hub_model,
+    check_run_inputs,
 )
 from .pipeline import (
     FAMILY_SETTINGS,
@@ -805,7 +806,12 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     paths = sorted((run_dir / "guides").glob("*-seed*.safetensors"))
     if not paths:
         raise RunFolderError(f"{run_dir} has no saved posteriors (guides/*-seed*.safetensors).")
-    _check_run_inputs(config, config_path)
+
+    def checks() -> None:
+        check_inputs(config)
+        check_task_path(config["causal_lm"]["task"])
+
+    check_run_inputs(config_path, checks, names="the model, the task file")
     base, tokenizer = load_base(config)
     data = build_data(config, tokenizer)
     metrics, _ = zero_shot(config, base, data)
@@ -845,28 +851,6 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
             }
         )
     return records
-
-
-def _check_run_inputs(config: dict[str, Any], config_path: Path) -> None:
-    """What a run folder's ``config.json`` names on this machine (:func:`check_inputs`: the
-    model, its target modules, the device; and the task file), before the model is loaded:
-    a model or task moved since the run, or a run made on a GPU evaluated without one, was
-    reported by the loader (a hub message about repo ids, or the internet) or after it.
-
-    Raises
-    ------
-    ConfigError
-        Naming ``config_path``, the key and where to set the new place.
-    """
-    try:
-        check_inputs(config)
-        check_task_path(config["causal_lm"]["task"])
-    except ConfigError as err:
-        raise ConfigError(
-            f"{config_path}: {err} (The run folder's config.json names the model, the task "
-            "and the device the run used: if the model or the task file has moved, write its "
-            "new place into config.json; for another device, pass evaluate --device.)"
-        ) from None
 
 
 def compare(

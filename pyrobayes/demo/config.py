@@ -14,7 +14,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -492,6 +492,32 @@ def _offline() -> bool:
     """Whether the Hugging Face hub is off (``HF_HUB_OFFLINE``; the command line's default)."""
     flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     return any(flag.strip().upper() in {"1", "ON", "YES", "TRUE"} for flag in flags)
+
+
+def check_run_inputs(
+    config_path: Path, checks: Callable[[], None], names: str = "the model"
+) -> None:
+    """Run ``checks``, a job's checks of what a run folder's ``config.json`` names on this
+    machine (the model, its target modules, the device; a causal-LM job's task file), before
+    anything is loaded, their refusal prefixed by ``config_path`` and what to do: a model moved
+    since the run was reported by the loader (a hub message about repo ids, or the internet),
+    and a run made on a GPU evaluated without one only after loading. ``names`` says what the
+    config names besides the device, for the message.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``config_path``, the key and where to set the new place.
+    """
+    try:
+        checks()
+    except ConfigError as err:
+        moved = names.replace(", ", " or ")
+        raise ConfigError(
+            f"{config_path}: {err} (The run folder's config.json names {names} and the device "
+            f"the run used: if {moved} has moved, write its new place into config.json; for "
+            "another device, pass evaluate --device.)"
+        ) from None
 
 
 def check_inputs(config: dict[str, Any]) -> None:

@@ -53,6 +53,7 @@ from .config import (
     check_families,
     check_hub_model,
     check_inputs,
+    check_run_inputs,
     parse_data_spec,
     resolve_config,
     validate_config,
@@ -775,7 +776,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
     if device:
         check_device(device)
         config["training"]["device"] = device
-    _check_run_inputs(config, config_path)
+    check_run_inputs(config_path, lambda: check_inputs(config))
     order = [f for f in config.get("families", []) if f in paths]
     order += sorted(set(paths) - set(order))
     device = config["training"]["device"]
@@ -811,27 +812,6 @@ def _run_config(config_path: Path) -> dict[str, Any]:
         return validate_config(read_json(config_path))
     except ConfigError as err:
         raise ConfigError(f"{config_path}: {err}") from None
-
-
-def _check_run_inputs(config: dict[str, Any], config_path: Path) -> None:
-    """What a run folder's ``config.json`` names on this machine (:func:`check_inputs`: the
-    model, its target modules, the device), before the data and the model are loaded: a model
-    moved since the run was reported by the tokenizer's loader (a hub message about repo ids,
-    or the internet), and a run made on a GPU evaluated without one only after loading.
-
-    Raises
-    ------
-    ConfigError
-        Naming ``config_path``, the key and where to set the new place.
-    """
-    try:
-        check_inputs(config)
-    except ConfigError as err:
-        raise ConfigError(
-            f"{config_path}: {err} (The run folder's config.json names the model and the "
-            "device the run used: if the model has moved, write its new place into "
-            "config.json; for another device, pass evaluate --device.)"
-        ) from None
 
 
 def compare_metrics(

@@ -14,6 +14,7 @@ from torch import nn
 import pyrobayes as pb
 from pyrobayes.models import FineTuneModel, LoRA, SigmaNormEnsemble
 from pyrobayes.models.signorm import MemberNorm
+from tests.common import TiedNet, tied_data
 
 # ------------------------------------------------------------------------------------------------
 # σN: hooks registered on a norm layer before the conversion
@@ -112,25 +113,6 @@ def test_a_norm_whose_weight_torch_recomputes_is_refused_by_name():
 # ------------------------------------------------------------------------------------------------
 
 
-class _TiedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(10, 8)
-        self.mid = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 10, bias=False)
-        self.head.weight = self.emb.weight  # tie_word_embeddings=True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mid(self.emb(x).mean(1))))
-
-
-def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 10, (40, 3), generator=gen), torch.randint(0, 10, (40,), generator=gen)
-    return [(x[i : i + 10], y[i : i + 10]) for i in range(0, 40, 10)]
-
-
 def test_a_latent_head_tied_to_trained_embeddings_is_refused():
     # before: emb.weight was trained as a point parameter while the head's draws replaced the
     # same tensor in the head only, and the site's starting value moved with the training
@@ -139,21 +121,21 @@ def test_a_latent_head_tied_to_trained_embeddings_is_refused():
         match=r"latent site 'head\.weight' \(module 'head'\) is the same tensor as 'emb\.weight' "
         r"of module 'emb', a point parameter.*Leave 'emb' frozen.*untie the weights",
     ):
-        FineTuneModel(_TiedNet(), latent_modules=["head"], trainable_modules=["emb", "mid"])
+        FineTuneModel(TiedNet(), latent_modules=["head"], trainable_modules=["emb", "mid"])
 
 
 def test_a_latent_head_tied_to_frozen_embeddings_is_last_layer_and_says_so(caplog):
-    net = _TiedNet()
+    net = TiedNet()
     emb = net.emb.weight.detach().clone()
     with caplog.at_level(logging.INFO, logger="pyrobayes.models.finetune"):
         model = FineTuneModel(net, latent_modules=["head"], trainable_modules=["mid"], num_data=40)
     assert "'head.weight' is the same tensor as the frozen ['emb.weight']" in caplog.text
     guide = pb.posterior(model, "map")
-    pb.fit(model, guide, _data(), epochs=2)
+    pb.fit(model, guide, tied_data(), epochs=2)
     assert torch.equal(net.emb.weight, emb)  # the features' embeddings stay at their values
     head = guide.mean()["head.weight"]
     assert not torch.equal(head, emb)
-    x = _data()[0][0]
+    x = tied_data()[0][0]
     with torch.no_grad():
         features = torch.tanh(net.mid(emb[x].mean(1)))
         torch.testing.assert_close(model.output(x, guide.mean()), features @ head.T)
@@ -161,7 +143,7 @@ def test_a_latent_head_tied_to_frozen_embeddings_is_last_layer_and_says_so(caplo
 
 def test_make_latent_refuses_a_head_tied_to_a_point_embedding_and_changes_nothing():
     model = FineTuneModel(
-        _TiedNet(), LoRA(rank=2, target_modules=["mid"]), trainable_modules=["emb", "head"]
+        TiedNet(), LoRA(rank=2, target_modules=["mid"]), trainable_modules=["emb", "head"]
     )
     before = dict(model.point_params)
     with pytest.raises(ValueError, match=r"make_latent: the latent site 'head\.weight'.*'emb'"):
