@@ -6,7 +6,7 @@ unconditionally.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -19,6 +19,7 @@ __all__ = [
     "all_reduce_sum_",
     "all_reduce_grads_",
     "barrier",
+    "staging_device",
 ]
 
 
@@ -29,13 +30,36 @@ def world() -> tuple[int, int]:
     return 1, 0
 
 
+def staging_device(tensor: Tensor, backend: str) -> torch.device | None:
+    """The device a collective of ``backend`` needs ``tensor`` on, when not its own: the
+    current CUDA device for a CPU tensor under NCCL alone (which reduces CUDA tensors only;
+    torch's "No backend type associated with device type cpu"), else ``None``. A group with a
+    CPU backend beside NCCL (``"cpu:gloo,cuda:nccl"``) takes CPU tensors as they are."""
+    if tensor.device.type != "cpu" or "nccl" not in backend or "gloo" in backend:
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _collective_(tensor: Tensor, run: Callable[[Tensor], object]) -> None:
+    """``run(tensor)``, an in-place collective, on the device the group's backend needs
+    (:func:`staging_device`; a CPU count or metric sum under NCCL), written back in place."""
+    stage = staging_device(tensor, str(torch_dist.get_backend()))
+    if stage is None:
+        run(tensor)
+        return
+    with torch.no_grad():
+        staged = tensor.detach().to(stage)
+        run(staged)
+        tensor.copy_(staged)
+
+
 def broadcast_(tensors: Sequence[Tensor]) -> None:
     """Copy rank 0's values into every rank in place (as DDP does when it wraps a module)."""
     if world()[0] == 1:
         return
     with torch.no_grad():
         for t in tensors:
-            torch_dist.broadcast(t.data, src=0)
+            _collective_(t.data, lambda x: torch_dist.broadcast(x, src=0))
 
 
 def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
@@ -44,7 +68,7 @@ def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
     if size == 1:
         return
     for t in tensors:
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        _collective_(t, lambda x: torch_dist.all_reduce(x, op=torch_dist.ReduceOp.SUM))
         t.div_(size)
 
 
@@ -53,7 +77,7 @@ def all_reduce_sum_(tensors: Sequence[Tensor]) -> None:
     if world()[0] == 1:
         return
     for t in tensors:
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        _collective_(t, lambda x: torch_dist.all_reduce(x, op=torch_dist.ReduceOp.SUM))
 
 
 def spread(value: int) -> tuple[int, int]:
@@ -61,7 +85,7 @@ def spread(value: int) -> tuple[int, int]:
     if world()[0] == 1:
         return value, value
     both = torch.tensor([value, -value], dtype=torch.int64)
-    torch_dist.all_reduce(both, op=torch_dist.ReduceOp.MAX)
+    _collective_(both, lambda x: torch_dist.all_reduce(x, op=torch_dist.ReduceOp.MAX))
     return -int(both[1]), int(both[0])
 
 

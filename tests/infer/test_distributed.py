@@ -315,3 +315,19 @@ def test_ranks_with_different_numbers_of_batches_are_refused_on_every_rank(tmp_p
     for rank in range(2):
         raised = torch.load(tmp_path / f"uneven{rank}.pt", weights_only=True)["raised"]
         assert "different numbers of batches per epoch (5 to 6" in raised, raised
+
+
+def test_cpu_tensors_are_staged_on_the_gpu_for_nccl_alone(monkeypatch):
+    """Every distributed fit all-reduces a CPU tensor (the shards' batch counts, a calibration
+    or validation sum); NCCL reduces CUDA tensors only ("No backend type associated with device
+    type cpu"), so under NCCL alone those go through the current CUDA device, while gloo and a
+    group with a CPU backend beside NCCL take them as they are. (The NCCL run itself needs two
+    GPUs: still to be checked on one.)"""
+    from pyrobayes.infer.distributed import staging_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cpu = torch.zeros(2)
+    assert staging_device(cpu, "nccl") == torch.device("cuda", 1)
+    assert staging_device(cpu, "gloo") is None
+    assert staging_device(cpu, "cpu:gloo,cuda:nccl") is None
+    assert staging_device(torch.zeros(2, device="meta"), "nccl") is None  # not a CPU tensor
