@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "POSTERIOR_METHODS",
     "Posterior",
     "AnalyticKL",
     "PostHoc",
@@ -109,6 +110,21 @@ class Posterior(Protocol):
     def num_posterior_parameters(self) -> int:
         """Numbers stored to describe q (what a saved posterior holds, less bookkeeping)."""
         ...
+
+
+#: The methods of :class:`Posterior`, which :func:`pyrobayes.register_guide` requires of a class
+#: (its attributes ``family``, ``sites``, ... may be set by the constructor, so are not checked).
+POSTERIOR_METHODS: tuple[str, ...] = (
+    "get_posterior",
+    "rsample",
+    "sample_posterior",
+    "log_prob",
+    "mean",
+    "median",
+    "validation_values",
+    "config",
+    "num_posterior_parameters",
+)
 
 
 @runtime_checkable

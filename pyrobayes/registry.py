@@ -16,16 +16,86 @@ _REGISTRY: dict[str, type] = {}
 
 
 def register_guide(name: str, cls: type, *, aliases: tuple[str, ...] = ()) -> type:
-    """Register ``cls`` under ``name`` (lower-case, unique; ``KeyError`` on collision)."""
-    for key in (name, *aliases):
-        if not re.fullmatch(r"[a-z][a-z0-9_-]*", key):
-            raise ValueError(f"Expected a lower-case guide name like 'kron-ivon' but got {key!r}.")
+    """Register ``cls`` under ``name`` and its ``aliases``.
+
+    Parameters
+    ----------
+    name : str
+        A lower-case family name, e.g. ``"kron-ivon"``.
+    cls : type
+        The guide class (not an instance): it must define the methods of
+        :class:`pyrobayes.contract.Posterior` (inheriting
+        :class:`~pyrobayes.guides.PosteriorGuide` is the easy way).
+    aliases : tuple of str
+        More names for the same class (a tuple of names, not one string).
+
+    Returns
+    -------
+    type
+        ``cls``, so it can decorate a class definition.
+
+    Raises
+    ------
+    TypeError
+        For a name that is not a string, ``aliases`` given as one string, a ``cls`` that is not a
+        class, or a class missing some of the contract's methods (named).
+    ValueError
+        For a name that is not lower-case letters, digits, ``-`` and ``_``.
+    KeyError
+        When a name is already registered to another class. Nothing is registered unless every
+        name is valid and free.
+    """
+    keys = _checked_names(name, aliases)
+    _check_guide_class(name, cls)
+    for key in keys:
         if key in _REGISTRY and _REGISTRY[key] is not cls:
             raise KeyError(
-                f"Guide name {key!r} is already registered to {_REGISTRY[key].__name__}."
+                f"Guide name {key!r} is already registered to {_REGISTRY[key].__name__}; "
+                f"register {getattr(cls, '__name__', cls)} under another name."
             )
+    for key in keys:
         _REGISTRY[key] = cls
     return cls
+
+
+def _checked_names(name: Any, aliases: Any) -> tuple[str, ...]:
+    """``(name, *aliases)``, each a lower-case family name (raises naming the bad one)."""
+    if isinstance(aliases, str):  # ("a", *"abc") would register "a", "b" and "c"
+        raise TypeError(
+            f"register_guide({name!r}, ...): aliases must be a tuple of names, got the string "
+            f"{aliases!r}; pass aliases=({aliases!r},)."
+        )
+    try:
+        keys = (name, *aliases)
+    except TypeError:
+        raise TypeError(
+            f"register_guide({name!r}, ...): aliases must be a tuple of names; got {aliases!r}."
+        ) from None
+    for key in keys:
+        if not isinstance(key, str) or not re.fullmatch(r"[a-z][a-z0-9_-]*", key):
+            raise (ValueError if isinstance(key, str) else TypeError)(
+                f"register_guide: expected a lower-case guide name like 'kron-ivon' but got {key!r}."
+            )
+    return keys
+
+
+def _check_guide_class(name: str, cls: Any) -> None:
+    """Refuse a ``cls`` that is not a class, or lacks methods of the guide contract."""
+    from .contract import POSTERIOR_METHODS
+
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"register_guide({name!r}, cls): cls must be the guide class, not an instance "
+            f"({type(cls).__name__} object {cls!r}); pass the class itself, e.g. type(guide)."
+        )
+    missing = [m for m in POSTERIOR_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"register_guide({name!r}, {cls.__name__}): the class lacks the guide contract's "
+            f"methods {missing} (pyrobayes.contract.Posterior). Inherit "
+            "pyrobayes.guides.PosteriorGuide, or define them; pyrobayes.testing.check_family "
+            "checks the result."
+        )
 
 
 def get_guide_class(name: str) -> type:

@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import tempfile
 import traceback
 import warnings
@@ -240,11 +241,16 @@ def check_family(
         When ``raise_on_failure`` and a check failed; its message names the failing checks.
     ValueError
         An unknown check name, an empty ``checks``, or ``checks`` without the ``"setup"`` /
-        ``"fit"`` the others need.
+        ``"fit"`` the others need; ``epochs`` < 1, ``lr`` not a finite number > 0, or
+        ``num_draws`` < 1000 (the tolerances rest on the central limit theorem: fewer draws
+        would fail a correct family).
     TypeError
-        ``checks`` is one string rather than a sequence of names.
+        ``checks`` is one string rather than a sequence of names; ``family`` is a name or a
+        built guide rather than a class or a factory; a count that is not an integer.
+        (``options`` with a factory, which never sees them, is a ``ValueError``.)
     """
     _check_checks(checks)
+    epochs, lr, num_draws = _check_arguments(family, options, epochs, lr, num_draws)
     kit = _Kit(family, dict(options or {}), adapter, net, epochs, lr, optimizer, num_draws)
     report = ConformanceReport(kit.name)
     for name in CHECKS:
@@ -265,6 +271,49 @@ def check_family(
     if raise_on_failure and not report.passed:
         raise ConformanceError(report)
     return report
+
+
+#: the fewest draws the statistical checks' tolerances hold for (the module docstring)
+_MIN_DRAWS = 1000
+
+
+def _check_arguments(
+    family: Any, options: Any, epochs: Any, lr: Any, num_draws: Any
+) -> tuple[int, float, int]:
+    """Refuse a ``family`` the kit cannot build guides with and settings under which a correct
+    family would fail (no fit, too few draws): each failure would be reported against the
+    family. Returns ``(epochs, lr, num_draws)`` as Python numbers."""
+    from .models.adapters import check_int, check_real
+
+    owner = "check_family: "
+    if isinstance(family, str):
+        raise TypeError(
+            f"{owner}family must be a guide class or a factory model -> guide, got the name "
+            f"{family!r}; pass the class, e.g. pyrobayes.registry.get_guide_class({family!r})."
+        )
+    if isinstance(family, nn.Module) or not callable(family):
+        what = "a built guide" if isinstance(family, nn.Module) else "not callable"
+        raise TypeError(
+            f"{owner}family must be a guide class or a factory model -> guide; got a "
+            f"{type(family).__name__} instance ({what}). Pass its class, e.g. "
+            "check_family(type(guide), options=...): the kit builds guides on its own problems."
+        )
+    if options and not isinstance(family, type):  # a factory is called as family(model)
+        raise ValueError(
+            f"{owner}options={dict(options)!r} go with a guide class; the factory "
+            f"{getattr(family, '__name__', family)!r} is called as family(model) and would "
+            "never see them. Pass them inside it, e.g. lambda model: MyGuide(model, **options)."
+        )
+    epochs = check_int("epochs", epochs, ge=1, owner=owner)
+    lr = check_real("lr", lr, gt=0, owner=owner)
+    num_draws = check_int("num_draws", num_draws, ge=1, owner=owner)
+    if num_draws < _MIN_DRAWS:
+        raise ValueError(
+            f"{owner}num_draws={num_draws} is too few: the contract, log_prob and rsample "
+            f"checks' 5-standard-error tolerances need at least {_MIN_DRAWS} draws (with fewer "
+            f"a correct family fails them). Pass num_draws >= {_MIN_DRAWS} (default 4000)."
+        )
+    return epochs, lr, num_draws
 
 
 def _check_checks(checks: Sequence[str]) -> None:
@@ -292,6 +341,23 @@ def _check_checks(checks: Sequence[str]) -> None:
             f"check_family: checks {list(checks)} need {lacking} (the others run on the guide "
             f"they build and fit); pass checks={wanted}."
         )
+
+
+def _free_name(cls: type) -> str:
+    """A registry name for an unregistered ``cls``: the first of its ``family`` and its
+    lower-cased class name that is a valid name no other class holds, else
+    ``"conformance-<class name>"``."""
+    from .registry import _REGISTRY
+
+    lowered = cls.__name__.lower()
+    for name in (getattr(cls, "family", ""), lowered):
+        valid = isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", name)
+        if valid and _REGISTRY.get(name, cls) is cls:
+            return name
+    name = "conformance-" + re.sub(r"[^a-z0-9_-]+", "-", lowered)
+    while _REGISTRY.get(name, cls) is not cls:
+        name += "-"
+    return name
 
 
 def _perturb(tensors: Any) -> None:
@@ -392,7 +458,8 @@ class _Kit:
     @contextlib.contextmanager
     def _registered(self) -> Iterator[str]:
         """The guide's registry name; an unregistered class is registered for the check only
-        (under its ``family``, else its lower-cased class name) and removed after it."""
+        (under its ``family``, else, or when that name is another class's, e.g. a subclass's
+        inherited one, under a name made of its class name) and removed after it."""
         from .registry import _REGISTRY, family_of, register_guide
 
         cls = type(self.guide)
@@ -403,7 +470,7 @@ class _Kit:
         if known is not None:
             yield known
             return
-        name = getattr(cls, "family", "") or cls.__name__.lower()
+        name = _free_name(cls)
         register_guide(name, cls)
         try:
             yield name

@@ -16,6 +16,7 @@ closure-driven one included, so one schedule works for all.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -109,7 +110,9 @@ def make_scheduler(
     Raises
     ------
     TypeError
-        When a factory returns something without ``step()`` and ``state_dict()``.
+        When a factory returns something without ``step()`` and ``state_dict()``, or whose
+        ``step`` needs an argument (``ReduceLROnPlateau``'s metric): ``fit`` calls
+        ``step()`` after every optimizer step.
     """
     num_warmup = check_schedule(spec, total_steps, warmup)
     if spec is None or total_steps == 0 or (spec == CONSTANT and not num_warmup):
@@ -128,6 +131,7 @@ def make_scheduler(
             "fit(scheduler=...) factory must return a torch.optim.lr_scheduler.LRScheduler "
             f"(with step() and state_dict()); got {type(scheduler).__name__}."
         )
+    _check_steps_without_arguments(scheduler)
     other = getattr(scheduler, "optimizer", optimizer)
     if other is not optimizer:  # it would schedule that one: the fit's rate never changes
         raise ValueError(
@@ -136,3 +140,23 @@ def make_scheduler(
             "argument, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, ...)."
         )
     return scheduler
+
+
+def _check_steps_without_arguments(scheduler: Any) -> None:
+    """Refuse a scheduler whose ``step`` needs an argument: ``fit`` calls ``scheduler.step()``
+    after every optimizer step, so ``ReduceLROnPlateau.step(metrics)`` would fail there, after
+    the first step changed the guide."""
+    try:
+        params = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = [p.name for p in params if p.kind in positional and p.default is p.empty]
+    if needed:
+        raise TypeError(
+            f"fit(scheduler=...) factory returned a {type(scheduler).__name__}, whose step() "
+            f"needs {needed} (e.g. ReduceLROnPlateau's validation metric); fit calls step() "
+            "with no argument after every optimizer step. Use a scheduler stepped by the step "
+            "count (a name, LambdaLR, OneCycleLR, ...); to act on a validation score, use "
+            "validation=pb.Validation(data, patience=...)."
+        )
