@@ -719,7 +719,15 @@ class MultipleChoice(Likelihood):
                     "with pyrobayes.models.encode_multiple_choice, or pass choice_token_ids for "
                     "single-token answers."
                 )
-            positions, valid = continuation_targets(cmask.reshape(-1, length))
+            if int(ids.shape[1]) < 2:
+                raise ValueError(
+                    f"multiple_choice likelihood (continuations): input_ids {tuple(ids.shape)} "
+                    "hold K = 1 choice per example; a softmax over one choice is always 1 "
+                    "(nothing to learn, no uncertainty). Give each example its K >= 2 choices "
+                    "(encode_multiple_choice), or use the scores of one continuation directly."
+                )
+            attention, choices = _scoring_masks(inputs, ids, self.normalize == "chars")
+            positions, valid = continuation_targets(cmask.reshape(-1, length), attention, choices)
             return positions - 1, valid, length
         if ids.dim() != 2:
             raise ValueError(
@@ -848,6 +856,38 @@ class MultipleChoice(Likelihood):
         if self.choice_token_ids is None:
             return {"name": self.name, "normalize": self.normalize}
         return {"name": self.name, "choice_token_ids": self.choice_token_ids}
+
+
+def _scoring_masks(
+    inputs: Mapping[str, Any], ids: Tensor, chars: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """The ``attention_mask`` ``(B, K, L)`` (``None`` when absent or of another layout, e.g. a
+    4D mask) and the ``choice_mask`` ``(B, K)`` of a continuation batch; ``choice_mask`` and
+    (``chars``: ``normalize="chars"``) ``continuation_chars`` are checked for their shapes (no
+    synchronisation)."""
+    what = "multiple_choice likelihood (continuations)"
+    rows, k_choices = int(ids.shape[0]), int(ids.shape[1])
+    attention = inputs.get("attention_mask")
+    if not isinstance(attention, Tensor) or attention.shape != ids.shape:
+        attention = None
+    choices = inputs.get("choice_mask")
+    if choices is not None and (
+        not isinstance(choices, Tensor) or tuple(choices.shape) != (rows, k_choices)
+    ):
+        shape = tuple(choices.shape) if isinstance(choices, Tensor) else type(choices).__name__
+        raise ValueError(
+            f"{what}: choice_mask must be a (B, K) = {(rows, k_choices)} tensor (1 on each "
+            f"example's real choices) but is {shape}; a mask of another shape would be "
+            "broadcast over the wrong choices. encode_multiple_choice(..., ragged=True) builds it."
+        )
+    counts = inputs.get("continuation_chars") if chars else None
+    if isinstance(counts, Tensor) and counts.numel() != rows * k_choices:
+        raise ValueError(
+            f"{what}: continuation_chars must hold the characters of each of the "
+            f"{rows} x {k_choices} choices, shape (B, K) = {(rows, k_choices)}, but has shape "
+            f"{tuple(counts.shape)}; encode_multiple_choice adds it."
+        )
+    return attention, choices
 
 
 def check_labelled_choices(scores: Tensor, labels: Tensor, what: str) -> None:

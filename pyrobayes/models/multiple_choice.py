@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -176,14 +177,26 @@ def last_positions(attention_mask: Tensor | None, rows: int, length: int, device
     return length - 1 - torch.argmax(mask.flip(-1).to(torch.long), dim=-1)
 
 
-def continuation_targets(continuation_mask: Tensor) -> tuple[Tensor, Tensor]:
+def continuation_targets(
+    continuation_mask: Tensor,
+    attention_mask: Tensor | None = None,
+    choice_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Positions of each row's continuation tokens, padded to the longest continuation.
+
+    The checks of the masks cost one synchronisation together (the longest continuation is
+    read with them).
 
     Parameters
     ----------
     continuation_mask : Tensor `(R, L)`
         Nonzero on continuation tokens; never at position 0 (a continuation is scored given at
         least one token before it).
+    attention_mask : Tensor `(R, L)`, optional
+        Nonzero on real tokens; a continuation token must be one (a padding token is no part
+        of a choice).
+    choice_mask : Tensor `(B, K)`, optional
+        Nonzero on the real choices of a ragged batch (``R = B·K``); every example needs one.
 
     Returns
     -------
@@ -192,28 +205,64 @@ def continuation_targets(continuation_mask: Tensor) -> tuple[Tensor, Tensor]:
         first position. The head reads position ``t - 1``.
     valid : Tensor `(R, P)` bool
         Whether a slot holds a continuation token.
+
+    Raises
+    ------
+    ValueError
+        When a row's continuation starts at position 0, a row has no continuation token, a
+        continuation token is padding (``attention_mask`` 0), or an example has no real choice.
     """
     mask = continuation_mask.bool()
     rows, length = mask.shape
-    if bool(mask[:, 0].any()):
-        raise ValueError(
-            "continuation_mask marks position 0 of a row: a continuation is scored given the "
-            "tokens before it, so each choice needs at least one prompt token (a BOS token or "
-            "a non-empty prompt) before its continuation."
-        )
     counts = mask.sum(-1)
-    if bool((counts == 0).any()):
-        raise ValueError(
-            "continuation_mask: a row has no continuation token; every choice needs at least "
-            "one token (check for empty choices or a max_length that truncated them)."
-        )
-    num = int(counts.max())
+    none = torch.zeros((), dtype=torch.bool, device=mask.device)
+    padding = none
+    if attention_mask is not None:
+        padding = (mask & ~attention_mask.reshape(rows, length).bool().to(mask.device)).any()
+    unchosen = none
+    if choice_mask is not None:
+        unchosen = (~choice_mask.bool().any(-1)).any().to(mask.device)
+    checks = [mask[:, 0].any(), (counts == 0).any(), padding, unchosen, counts.max()]
+    # one synchronisation for every check and the longest continuation
+    flags = torch.stack([check.to(torch.long) for check in checks]).tolist()
+    _check_continuation_flags(*(bool(flag) for flag in flags[:4]))
+    num = int(flags[4])
     arange = torch.arange(length, device=mask.device)
     key = torch.where(mask, arange, arange + length)  # continuation tokens first, in order
     positions = key.argsort(dim=-1)[:, :num]
     valid = torch.gather(mask, 1, positions)
     positions = torch.where(valid, positions, positions[:, :1])
     return positions, valid
+
+
+def _check_continuation_flags(first: bool, empty: bool, padding: bool, unchosen: bool) -> None:
+    """The ``ValueError`` of :func:`continuation_targets`' first failed check, if any."""
+    if first:
+        raise ValueError(
+            "continuation_mask marks position 0 of a row: a continuation is scored given the "
+            "tokens before it, so each choice needs at least one prompt token (a BOS token or "
+            "a non-empty prompt) before its continuation."
+        )
+    if empty:
+        raise ValueError(
+            "continuation_mask: a row has no continuation token; every choice needs at least "
+            "one token (check for empty choices or a max_length that truncated them)."
+        )
+    if padding:
+        raise ValueError(
+            "multiple_choice likelihood: continuation_mask marks a padding token "
+            "(attention_mask 0) as part of a choice, so the padding's log-probability would be "
+            "added to that choice's score. Mark only the choice's own tokens (a mask built as "
+            "'every position after the prompt' covers right padding too): "
+            "continuation_mask & attention_mask, or encode_multiple_choice."
+        )
+    if unchosen:
+        raise ValueError(
+            "multiple_choice likelihood: choice_mask marks no real choice for an example (a "
+            "row of zeros), so every choice would score -inf and its probabilities be NaN. "
+            "Give each example at least one choice_mask 1 (encode_multiple_choice(..., "
+            "ragged=True) builds it), or drop the example."
+        )
 
 
 def continuation_scores(
@@ -314,6 +363,33 @@ def _as_choice_lists(prompts: Sequence[str], choices: Any, ragged: bool = False)
             "of choices (padded choices masked out by 'choice_mask'), or group prompts by size."
         )
     return _checked_texts(lists)
+
+
+def _warn_double_whitespace(prompts: list[str], lists: list[list[str]], delimiter: str) -> None:
+    """Warn (once per call) when a row's text ``prompt + delimiter + choice`` holds whitespace on
+    both sides of a join: a prompt ending in a space before a delimiter (or choice) starting
+    with whitespace, or a delimiter ending in a space before a choice starting with whitespace.
+
+    The row then reads ``"Answer:  yes"``: the tokens are scored after a whitespace token that
+    a BPE tokenizer would have attached to the next word, text the model rarely saw, which
+    shifts every choice's score (lm-evaluation-harness warns on the same)."""
+    for b, (prompt, options) in enumerate(zip(prompts, lists, strict=True)):
+        for k, choice in enumerate(options):
+            pieces = [piece for piece in (prompt, delimiter, choice) if piece]
+            if any(
+                left[-1] in " \t" and right[0].isspace()
+                for left, right in zip(pieces, pieces[1:], strict=False)
+            ):
+                warnings.warn(
+                    f"encode_multiple_choice: prompt {b} + delimiter {delimiter!r} + choice {k} "
+                    f"reads {(prompt[-12:] + delimiter + choice[:12])!r}: whitespace on both "
+                    "sides of a join, so each choice is scored after an extra whitespace token. "
+                    "Drop the prompt's trailing spaces (prompt.rstrip(' ')) and the choices' "
+                    "leading ones (choice.lstrip()), and let the delimiter (' ') separate them.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                return
 
 
 def _checked_texts(lists: list[list[str]]) -> list[list[str]]:
@@ -534,6 +610,13 @@ def encode_multiple_choice(
         Fewer than two choices, lists of different sizes, an answer outside ``[0, K)``, or a
         choice that does not fit in ``max_length``.
 
+    Warns
+    -----
+    UserWarning
+        When a row's text has whitespace on both sides of a join (``"Answer: "`` then the
+        delimiter ``" "``, or a choice with a leading space after it): every choice would be
+        scored after an extra whitespace token.
+
     Examples
     --------
     >>> batch = encode_multiple_choice(tok, ["The ground is wet because"],
@@ -557,6 +640,7 @@ def encode_multiple_choice(
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None)
     pad = 0 if pad is None else int(pad)
+    _warn_double_whitespace(prompts, lists, delimiter)
     rows = _tokenize_rows(tokenizer, prompts, lists, delimiter, max_length)
     num, k_choices = len(rows), len(rows[0])
     input_ids, attention, cont_mask = _pad_rows(rows, pad, padding_side)
