@@ -174,10 +174,50 @@ class DrawForward:
     def batched_output(self, inputs: Any, values: Mapping[str, Tensor]) -> Tensor:
         """Likelihood parameters for S parameter sets in ONE forward: ``(S, B, ...)``.
 
-        ``values[site]`` has shape ``(S, *site_shape)``. The input batch is expanded S-fold
-        (sample-major) and each adapter layer applies its own sample to its slice.
+        ``values[site]`` has shape ``(S, *site_shape)``, one entry per latent site. The input
+        batch is expanded S-fold (sample-major) and each adapter layer applies its own sample
+        to its slice.
+
+        Raises
+        ------
+        ValueError
+            When ``values`` names a site the model does not have, leaves one of its sites
+            out (the network would run at the value its slot holds), or holds a value that is
+            not ``(S, *site_shape)`` (e.g. one draw without its sample axis).
         """
+        self._check_draws(values)
         return self._batched(inputs, values)
+
+    def _check_draws(self, values: Mapping[str, Tensor]) -> None:
+        """Refuse ``values`` that are not ``{site: (S, *site_shape)}`` for every latent site
+        (shapes only: no synchronisation)."""
+        owner = f"{type(self).__name__}.batched_output"
+        sites = self.latent_sites
+        unknown = [s for s in values if s not in sites]
+        missing = [s for s in sites if s not in values]
+        if unknown or missing:
+            raise ValueError(
+                f"{owner}: values must hold one entry per latent site of the model "
+                f"({sorted(sites)[:6]}{', ...' if len(sites) > 6 else ''}); "
+                + (f"{unknown[:3]} are not latent sites; " if unknown else "")
+                + (
+                    f"{missing[:3]} are missing (the network would run at the values their "
+                    "slots hold, not at a draw); "
+                    if missing
+                    else ""
+                )
+                + "pass e.g. guide.sample_posterior(S)."
+            )
+        for site, value in values.items():
+            shape = tuple(sites[site].shape)
+            got = tuple(value.shape) if isinstance(value, Tensor) else None
+            if got is None or len(got) != len(shape) + 1 or got[1:] != shape:
+                raise ValueError(
+                    f"{owner}: values[{site!r}] has shape {got}, but the site has shape "
+                    f"{shape}: a value must be (S, *{shape}), S draws along a leading sample "
+                    "axis (one draw: value.unsqueeze(0); one draw without the axis would be "
+                    "read as draws along its first dimension)."
+                )
 
     def _batched(
         self,

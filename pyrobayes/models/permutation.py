@@ -15,6 +15,7 @@ member ``(site, axis)`` of layer ``l``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import permutations as all_orderings
@@ -415,6 +416,16 @@ def _mlp_unit_layers(model: Any, net: nn.Module, specs: Mapping[str, Any]) -> li
     for parent_path, parent in net.named_modules():
         if not isinstance(parent, nn.Sequential):
             continue
+        if type(parent).forward is not nn.Sequential.forward:
+            paths = [f"{parent_path}.{n}" if parent_path else n for n, _ in parent.named_children()]
+            if sum(p in latent for p in paths) >= 2:
+                _left_out(
+                    parent_path or "<net>",
+                    f"is a {type(parent).__name__}, an nn.Sequential subclass with its own "
+                    "forward, whose children need not run one after the other (a residual "
+                    "connection)",
+                )
+            continue
         children = list(parent.named_children())
         for i, (name, module) in enumerate(children):
             path = f"{parent_path}.{name}" if parent_path else name
@@ -432,6 +443,10 @@ def _mlp_unit_layers(model: Any, net: nn.Module, specs: Mapping[str, Any]) -> li
             if successor is None or int(successor[1].in_features) != width:
                 continue
             if not all(_unitwise(m, width, point_ids, p) for p, m in between):
+                continue
+            hooked = _hooked_on_units((path, module), between, successor)
+            if hooked is not None:
+                _left_out(path, f"has its hidden units seen by a hook on {hooked!r}")
                 continue
             members = [(latent[path]["weight"], 0)]
             if "bias" in latent[path]:
@@ -468,3 +483,32 @@ def _unitwise(module: nn.Module, width: int, point_ids: set[int], path: str) -> 
                 )
         return True
     return False
+
+
+def _hooked_on_units(
+    first: tuple[str, nn.Module],
+    between: Sequence[tuple[str, nn.Module]],
+    successor: tuple[str, nn.Module],
+) -> str | None:
+    """The path of a module whose hooks see the hidden units between ``first`` and
+    ``successor`` (a forward hook of ``first``, any hook of a module between, a pre-hook of
+    ``successor``), or ``None``: a hook may treat the units differently."""
+    seen: list[tuple[tuple[str, nn.Module], tuple[str, ...]]] = [(first, ("_forward_hooks",))]
+    seen += [(b, ("_forward_pre_hooks", "_forward_hooks")) for b in between]
+    seen.append((successor, ("_forward_pre_hooks",)))
+    for (path, module), kinds in seen:
+        if any(getattr(module, kind, None) for kind in kinds):
+            return path
+    return None
+
+
+def _left_out(path: str, why: str) -> None:
+    """Warn that the units after the latent layer(s) at ``path`` are left out of the group."""
+    warnings.warn(
+        f"PermutationSpec.from_model: {path!r} {why}, so permuting the hidden units there may "
+        "change the network's function; those units are left out of the symmetry group. "
+        "Remove the hook (or use a plain nn.Sequential) to have them symmetrized, or check a "
+        "hand-built spec with spec.check_function(model, inputs, values).",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -79,7 +80,25 @@ def _as_float64(weight_in_out: Tensor) -> Tensor:
         )
     if not weight_in_out.is_floating_point():
         raise TypeError(f"weight_in_out must be floating point, got {weight_in_out.dtype}")
-    return weight_in_out.detach().to(torch.float64)
+    w = weight_in_out.detach().to(torch.float64)
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(
+            f"weight_in_out (the base layer's weight W0, shape {tuple(w.shape)}, "
+            f"{weight_in_out.dtype}) holds {bad} non-finite (NaN or inf) entries, so no "
+            "projection of it is defined (the SVD fails, the DCT and random factors are NaN). "
+            "The pretrained weights are corrupt, e.g. overflowed in a cast to float16: load "
+            "them again (in float32 or bfloat16), or leave this layer out of target_modules."
+        )
+    return w
+
+
+def _check_generator(generator: object) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}; "
+            "for a seed, pass generator=torch.Generator().manual_seed(seed)."
+        )
 
 
 def _check_rank(rank: int, upper: int, name: str = "rank", what: str = "min(d_in, d_out)") -> int:
@@ -115,6 +134,29 @@ def _sym_sqrt_pair(covariance: Tensor) -> tuple[Tensor, Tensor, int]:
     sqrt_cov = (eigvecs * root) @ eigvecs.T
     inv_sqrt_cov = (eigvecs / root) @ eigvecs.T
     return sqrt_cov, inv_sqrt_cov, n_clamped
+
+
+def _check_covariance(cov: Tensor, given: torch.dtype) -> None:
+    """Refuse a float64 ``cov`` that is not a covariance: asymmetric, or with a negative
+    eigenvalue, beyond the rounding of its ``given`` dtype (``sqrt(eps)`` relative)."""
+    tol = math.sqrt(torch.finfo(given).eps)
+    scale = float(cov.abs().max())
+    asym = float((cov - cov.T).abs().max())
+    if asym > tol * scale:
+        raise ValueError(
+            f"covariance is not symmetric (largest |C - C^T| = {asym:.3g} against entries up to "
+            f"{scale:.3g}): pass the input covariance Sigma_xx (or InputMoments), e.g. "
+            "collect_input_moments(net, [name], batches, forward)[name]"
+        )
+    eigvals = torch.linalg.eigvalsh(0.5 * (cov + cov.T))
+    lowest, top = float(eigvals[0]), float(eigvals.abs().max())
+    if lowest < -tol * top:
+        raise ValueError(
+            f"covariance is not positive semi-definite (smallest eigenvalue {lowest:.3g}, "
+            f"largest |eigenvalue| {top:.3g}): a covariance has no negative eigenvalues. Pass "
+            "the input covariance Sigma_xx (not, e.g., a precision or a difference of "
+            "matrices), or InputMoments from collect_input_moments"
+        )
 
 
 def _check_moment(moment: str) -> str:
@@ -344,12 +386,30 @@ def collect_input_moments(
             handle.remove()
         for mod, flag in training.items():
             mod.training = flag
+    _check_finite_moments(moments, n_batches)
     logger.debug(
         "collected input moments over %d batches: %s",
         n_batches,
         {name: m.n for name, m in moments.items()},
     )
     return moments
+
+
+def _check_finite_moments(moments: dict[str, InputMoments], n_batches: int) -> None:
+    """Refuse moments whose inputs held NaN or inf, naming the modules (one check each)."""
+    bad = [
+        name
+        for name, m in moments.items()
+        if m.mean is not None
+        and m.m2 is not None
+        and not (bool(torch.isfinite(m.mean).all()) and bool(torch.isfinite(m.m2).all()))
+    ]
+    if bad:
+        raise ValueError(
+            f"collect_input_moments: the inputs of module(s) {bad} held NaN or inf in the "
+            f"{n_batches} calibration batches, so their input covariance is undefined. Check "
+            "the calibration data (and the layers below these modules, e.g. a float16 overflow)."
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,12 +504,27 @@ def wsvd_projection(
         raise ValueError(
             f"covariance must have shape (d_in, d_in) = ({d_in}, {d_in}), got {tuple(cov.shape)}"
         )
+    given = cov.dtype if cov.is_floating_point() else torch.float64
     cov = cov.to(device=w.device, dtype=torch.float64)
     if not torch.isfinite(cov).all():
-        raise ValueError("covariance contains non-finite values")
+        raise ValueError(
+            "covariance contains non-finite values (NaN or inf): the calibration inputs of "
+            "this layer hold NaN or inf; check the calibration data (and the layers below)"
+        )
+    _check_covariance(cov, given)
 
     sqrt_cov, inv_sqrt_cov, n_clamped = _sym_sqrt_pair(cov)
-    if n_clamped:
+    if n_clamped == d_in:
+        warnings.warn(
+            f"wsvd_projection: the input covariance of this layer is zero (all {d_in} "
+            "eigenvalues below 1e-10): its calibration inputs do not vary, so W-SVD has no "
+            "input statistics to weight by and returns the plain SVD projection. Pass "
+            "calibration data whose examples differ (or moment='second' for inputs with a "
+            "constant offset), or use projection='svd'.",
+            UserWarning,
+            stacklevel=2,
+        )
+    elif n_clamped:
         logger.debug("W-SVD: clamped %d of %d eigenvalues of Sigma_xx", n_clamped, d_in)
     w_tilde = w.T @ sqrt_cov  # (d_out, d_in)
     u_t, s_t, vh_t = torch.linalg.svd(w_tilde, full_matrices=False)
@@ -577,6 +652,7 @@ def haar_stiefel(
         Float64 ``(n, r)`` matrix.
     """
     r = _check_rank(r, n, name="r", what="n")
+    _check_generator(generator)
     sample_device = generator.device if generator is not None else device
     g = torch.randn(n, r, generator=generator, dtype=torch.float64, device=sample_device)
     q, r_qr = torch.linalg.qr(g, mode="reduced")
@@ -665,6 +741,7 @@ def project(
         raise ValueError(f"unknown projection method {method!r}; valid methods are {PROJECTIONS}")
     w = _as_float64(weight_in_out)
     _check_rank(rank, min(w.shape))
+    _check_generator(generator)
     if method == "svd":
         out = svd_projection(weight_in_out, rank)
     elif method == "wsvd":
