@@ -22,6 +22,8 @@ import hashlib
 import html
 import io
 import logging
+import math
+import numbers
 import os
 import re
 import tarfile
@@ -67,6 +69,8 @@ VADER_DOMAINS: dict[str, int] = {
 VADER_FINE_EDGES: tuple[float, float, float, float] = (-2.0, -0.5, 0.5, 2.0)
 #: Minimum ``|rating|`` kept by ``task="binary"``.
 VADER_BINARY_MARGIN = 0.5
+#: The rating scale is ``[-VADER_RATING_BOUND, VADER_RATING_BOUND]``.
+VADER_RATING_BOUND = 4.0
 
 _VADER_VERSION = "3.3.2"
 _VADER_SDIST = f"vaderSentiment-{_VADER_VERSION}.tar.gz"
@@ -177,18 +181,27 @@ class TextDataset:
         sizes = list(sizes)
         if not sizes:
             raise ValueError("sizes must not be empty")
-        if all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+        # NumPy / torch integers are sizes too (as floats they read as fractions above 1)
+        if all(_is_integer(s) for s in sizes):
             counts = [int(s) for s in sizes]
             if min(counts) < 0 or sum(counts) > n:
                 raise ValueError(f"sizes {counts} must be >= 0 and sum to at most {n}")
             return counts
         fracs = [float(s) for s in sizes]
         total = sum(fracs)
-        if min(fracs) < 0 or total > 1 + 1e-9:
+        if not all(math.isfinite(f) and f >= 0 for f in fracs) or total > 1 + 1e-9:
             raise ValueError(f"fractions {fracs} must be >= 0 and sum to at most 1")
         counts = [int(f * n) for f in fracs]
         if abs(total - 1) <= 1e-9:
             counts[-1] = n - sum(counts[:-1])
+        empty = [i for i, (f, c) in enumerate(zip(fracs, counts, strict=True)) if f > 0 and c == 0]
+        if empty:
+            raise ValueError(
+                f"TextDataset.split: the fraction(s) {[fracs[i] for i in empty]} of part(s) "
+                f"{empty} leave them empty: {self.name or 'the data set'} has {n} item(s) "
+                f"(fractions {fracs} give sizes {counts}). Pass larger fractions, absolute "
+                "sizes (integers), or 0 for a part that is meant to be empty."
+            )
         return counts
 
     def subset(self, n: int, seed: int = 0) -> TextDataset:
@@ -217,6 +230,13 @@ class TextDataset:
         if self.labels is None or not self.num_classes:
             return []
         return torch.bincount(self.labels, minlength=self.num_classes).tolist()
+
+
+def _is_integer(value: Any) -> bool:
+    """An integer (Python, NumPy or a 0-d integer tensor), not a ``bool``."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,7 +272,9 @@ def _clean_text(text: str) -> str:
 
 
 def _parse_ground_truth(raw: bytes, source: str) -> tuple[list[str], list[float]]:
-    """Parse ``id <TAB> mean rating <TAB> text`` lines (CRLF, no header)."""
+    """Parse ``id <TAB> mean rating <TAB> text`` lines (CRLF, no header); a line without a
+    rating in ``[-4, 4]`` (NaN, infinite, another scale) or without text is skipped, counted in
+    a logged warning."""
     texts: list[str] = []
     ratings: list[float] = []
     bad = 0
@@ -264,6 +286,9 @@ def _parse_ground_truth(raw: bytes, source: str) -> tuple[list[str], list[float]
             rating = float(fields[1])
         except (IndexError, ValueError):
             bad += 1
+            continue
+        if not -VADER_RATING_BOUND <= rating <= VADER_RATING_BOUND:  # NaN, inf, another scale
+            bad += 1  # (NaN fell in no bucket: "fine" labelled it neutral, "binary" dropped it)
             continue
         text = _clean_text(fields[2]) if len(fields) == 3 else ""
         if not text:
@@ -388,7 +413,8 @@ def load_vader(
         (a ``RuntimeError``) neither the archive nor the extracted files are in the cache; the
         message gives the command that fetches the archive.
     RuntimeError
-        The archive does not match the pinned sha256.
+        The archive does not match the pinned sha256, or the cached ground-truth file holds no
+        rated snippet (damaged, or of another format).
     """
     if domain not in VADER_DOMAINS:
         raise ValueError(f"unknown VADER domain {domain!r}; valid: {', '.join(VADER_DOMAINS)}")
@@ -397,6 +423,13 @@ def load_vader(
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     path = _ensure_vader(root)[domain]
     texts, ratings = _parse_ground_truth(path.read_bytes(), str(path))
+    if not texts:  # an emptied or overwritten cache file, or one of another format
+        raise RuntimeError(
+            f"load_vader: {path} holds no rated snippet (id <TAB> rating in [-4, 4] <TAB> "
+            f"text lines); the cached file is damaged or of another format. Delete "
+            f"{path.parent} and call load_vader again: it re-extracts the files from "
+            f"{_VADER_SDIST} in {root}. Without the archive: {_download_hint(root)}"
+        )
     if len(texts) != VADER_DOMAINS[domain]:
         logger.warning("%s: %d snippets, expected %d", path, len(texts), VADER_DOMAINS[domain])
     r = torch.tensor(ratings, dtype=torch.float64)

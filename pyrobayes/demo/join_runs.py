@@ -12,8 +12,9 @@ The inputs must be the same job: their configs equal apart from ``seeds`` and th
 seed in two inputs, and their zero-shot rows (the base network on the same test split) equal
 within :data:`~pyrobayes.demo.pipeline.DRIFT_TOLERANCE`.
 
-An interrupted input (its config lists seeds that its ``metrics.json`` has no record of) adds
-only the seeds it recorded, and a logged warning names the missing (family, seed): the joined
+An interrupted input (its config lists seeds that its ``metrics.json`` has no record of, for
+some or all of the families) adds only the seeds it recorded for every family, and a logged
+warning names the missing (family, seed): the joined
 ``config.json`` lists the seeds whose records and posteriors it holds, so a missing seed can be
 fitted in its own folder and joined in.
 """
@@ -68,16 +69,23 @@ def _recorded_seeds(
     are left out of the join, with a logged warning naming the missing (family, seed)."""
     have = {(r["family"], r.get("seed")) for r in records}
     listed = [int(s) for s in config["seeds"]]
-    missing = [f"{f}@seed{s}" for s in listed for f in config["families"] if (f, s) not in have]
-    present = [s for s in listed if any((f, s) in have for f in config["families"])]
+    families = config["families"]
+    missing = [f"{f}@seed{s}" for s in listed for f in families if (f, s) not in have]
+    # a seed with some families recorded: joined, its config would list it while lacking the
+    # rest, and fitting it again in its own folder (as advised) was refused as a duplicate
+    present = [s for s in listed if all((f, s) in have for f in families)]
+    partial = [s for s in listed if s not in present and any((f, s) in have for f in families)]
     if missing:
         logger.warning(
             "join: %s has no metrics.json record of %s (an interrupted run?); the joined run "
-            "takes seeds %s from it. Fit a missing seed in its own folder (pyrobayes fit "
+            "takes seeds %s from it%s. Fit a missing seed in its own folder (pyrobayes fit "
             "CONFIG --seeds S) and join that folder too.",
             run_dir,
             ", ".join(missing),
             present,
+            f" (not the recorded families of seed(s) {partial}, which lack the others)"
+            if partial
+            else "",
         )
     return present
 
@@ -118,6 +126,7 @@ def join_runs(
     runs = [_read_run(d) for d in inputs]
     first_config, first_records = runs[0]
     seeds: list[int] = []
+    taken: list[list[int]] = []  # per input, the seeds it adds
     for run_dir, (config, records) in zip(inputs, runs, strict=True):
         if _job(config) != _job(first_config):
             raise RunFolderError(
@@ -132,6 +141,7 @@ def join_runs(
                 "must come from one run."
             )
         seeds += present
+        taken.append(present)
         zero = [r for r in records if r["family"] == "zero-shot"]
         # the base network on the same test split, in another process: equal up to rounding
         drifts = compare_metrics(
@@ -153,8 +163,8 @@ def join_runs(
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     joined: list[dict[str, Any]] = [r for r in first_records if r["family"] == "zero-shot"]
-    for run_dir, (_, records) in zip(inputs, runs, strict=True):
-        fitted = [r for r in records if r["family"] != "zero-shot"]
+    for run_dir, (_, records), present in zip(inputs, runs, taken, strict=True):
+        fitted = [r for r in records if r["family"] != "zero-shot" and r.get("seed") in present]
         joined += fitted
         for r in fitted:  # the files of the recorded fits only (not an interrupted fit's)
             name = f"{r['family']}-seed{r['seed']}"

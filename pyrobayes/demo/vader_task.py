@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import random
 import sys
 from pathlib import Path
@@ -61,8 +62,16 @@ def write_vader_multiple_choice(
     Raises
     ------
     ValueError
-        When a class has fewer than ``per_class`` sentences.
+        When a class has fewer than ``per_class`` sentences, or ``per_class`` is not an integer
+        >= 1.
     """
+    if isinstance(per_class, bool) or not isinstance(per_class, numbers.Integral) or per_class < 1:
+        # 0 wrote an empty task file; a negative one failed in random.sample
+        raise ValueError(
+            f"write_vader_multiple_choice: per_class must be an integer >= 1, the sentences "
+            f"drawn per class; got {per_class!r}."
+        )
+    per_class = int(per_class)
     data = load_vader(domain, task="fine", cache=cache)
     labels = [] if data.labels is None else data.labels.tolist()
     rng = random.Random(seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..batch import batch_size, split_batch
 from ..contract import LinearizedPredictive, Mixture, implements
 from ..fitted_head import warn_if_never_fitted
 from ..models.adapters import check_int
@@ -186,6 +188,15 @@ def evaluate_draws(
     -------
     DrawEvaluation
 
+    Warns
+    -----
+    UserWarning
+        Before the draws are gathered, when the S draws' kept site values, pointwise
+        log-likelihoods and predictive draws would take more than
+        :data:`MEMORY_WARNING_BYTES` (4 GiB), with the size and what to pass instead. The
+        number of examples is that of a list of batches or a ``DataLoader``'s data set, else
+        of the first pass over ``data``.
+
     Raises
     ------
     ValueError
@@ -227,6 +238,7 @@ def evaluate_draws(
     # one pass over data per chunk of draws
     order = PassOrder(-(-plan.num_samples // plan.chunk), owner, model.label_key)
     order.refuse_shuffling(data)  # before any work, where it can be told up front
+    _warn_if_large(plan, _known_size(data, model.label_key), pointwise, predictive, owner)
     for start in range(0, plan.num_samples, plan.chunk):
         n = min(plan.chunk, plan.num_samples - start)
         values = _draw(guide, n, plan.components, generator, model.device)
@@ -236,9 +248,75 @@ def evaluate_draws(
         wanted = Wanted(
             pointwise, predictive, keep_class, samples_per_forward, temperature, linearization
         )
-        out.add_chunk(evaluate_chunk(model, data, values, n, wanted, pp_seed, order))
-        del values
+        chunk = evaluate_chunk(model, data, values, n, wanted, pp_seed, order)
+        if start == 0 and _known_size(data, model.label_key) is None:  # now told by a pass
+            _warn_if_large(plan, _chunk_size(chunk), pointwise, predictive, owner)
+        out.add_chunk(chunk)
+        del values, chunk
     return out.result(model if training_data else None)
+
+
+#: Above this many bytes, the S draws' kept sites and per-example results that
+#: :func:`evaluate_draws` holds in memory (before any copy an export makes) are warned of.
+MEMORY_WARNING_BYTES = 4 * 2**30
+
+
+def _known_size(data: Iterable[Any], label_key: str) -> tuple[int, int] | None:
+    """``(examples, target scalars per example)`` of ``data`` without a pass over it: a list of
+    batches, or a ``DataLoader`` over a sized data set (1 target scalar assumed); else None."""
+    if isinstance(data, (list, tuple)):
+        examples, per_example = 0, 1
+        for batch in data:
+            try:
+                inputs, y = split_batch(batch, label_key)
+                examples += batch_size(inputs)
+            except (TypeError, ValueError):  # refused, with its reason, by the pass itself
+                return None
+            if y is not None and y.dim() > 1 and y.shape[0]:
+                per_example = max(per_example, int(y[0].numel()))
+        return examples, per_example
+    dataset: Any = getattr(data, "dataset", None)
+    try:
+        return len(dataset), 1
+    except TypeError:  # no data set, or an unsized (iterable) one
+        return None
+
+
+def _chunk_size(chunk: Chunk) -> tuple[int, int] | None:
+    """``(examples, scalars per example)`` as the first chunk's pass found them."""
+    if chunk.observed:
+        first = chunk.observed[0]
+        per_example = int(first[0].numel()) if first.dim() > 1 and len(first) else 1
+        return sum(int(y.shape[0]) for y in chunk.observed), per_example
+    if chunk.predictive:
+        first = chunk.predictive[0]
+        per_example = int(first[0, 0].numel()) if first.dim() > 1 and first.shape[1] else 1
+        return sum(int(p.shape[1]) for p in chunk.predictive), per_example
+    return None
+
+
+def _warn_if_large(
+    plan: _DrawPlan, size: tuple[int, int] | None, pointwise: bool, predictive: bool, owner: str
+) -> None:
+    """Warn, before the draws' results are gathered, when the S draws' kept sites and
+    per-example results (``(S, N)`` pointwise log-likelihoods and ``(S, N, ...)`` predictive
+    draws, 8 bytes a value) would take more than :data:`MEMORY_WARNING_BYTES`."""
+    examples, per_example = size if size is not None else (0, 1)
+    s = plan.num_samples
+    sites = s * plan.kept_numel * 8
+    per_draw = examples * ((8 if pointwise else 0) + (8 * per_example if predictive else 0))
+    total = sites + s * per_draw
+    if total <= MEMORY_WARNING_BYTES:
+        return
+    warnings.warn(
+        f"{owner}: num_samples={s} draws on {examples} examples will hold about "
+        f"{total / 2**30:.1f} GiB in memory ({sites / 2**30:.1f} GiB of kept site values, "
+        f"{s * per_draw / 2**30:.1f} GiB of pointwise log-likelihoods and predictive draws), "
+        "before the copy the export makes. Pass fewer num_samples, a subset of the data, "
+        "pointwise=False / predictive=False where they are not needed, or fewer sites.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class _DrawPlan(NamedTuple):
@@ -249,6 +327,7 @@ class _DrawPlan(NamedTuple):
     components: int
     chosen: list[str]
     omitted: list[str]
+    kept_numel: int = 0  # scalars of the chosen sites per draw
 
     @classmethod
     def of(
@@ -289,7 +368,8 @@ class _DrawPlan(NamedTuple):
                 )
                 num_samples = rounded
             chunk = max(components, chunk - chunk % components)
-        return cls(num_samples, chunk, components, chosen, omitted)
+        kept = sum(site_numel(shapes[s]) for s in chosen)
+        return cls(num_samples, chunk, components, chosen, omitted, kept)
 
 
 def _draw(

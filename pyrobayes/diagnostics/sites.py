@@ -43,7 +43,7 @@ def select_sites(
         ``{site: shape}`` of every latent site.
     sites : sequence of str, optional
         Site names; one name may be given as a ``str`` (it was read as a sequence of
-        one-character names).
+        one-character names), and any iterable of names (a generator) is read once.
     max_site_numel : int or float
         A number >= 0; ``float("inf")`` keeps every site in full.
 
@@ -63,6 +63,8 @@ def select_sites(
     if isinstance(sites, str):
         sites = [sites]
     if sites is not None:
+        # a one-shot iterable (a generator) was consumed by the check below: none was chosen
+        sites = list(sites)
         unknown = [s for s in sites if s not in shapes]
         if unknown:
             raise KeyError(f"Unknown sites {unknown}; the latent sites are {list(shapes)}.")

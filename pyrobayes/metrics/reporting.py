@@ -66,7 +66,9 @@ def report(
     dict of str to float
         Keys ``accuracy``, ``nll``, ``ece``, ``ece_bins`` (the number of bins), ``brier``,
         ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
-        ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi``. Regression:
+        ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi`` (NaN when either
+        prediction is one draw, whose mutual information is 0 by construction; with a
+        ``UserWarning`` when only one of them is). Regression:
         ``rmse`` and ``nll`` (:func:`regression_report`), and with ``ood_probs`` also
         ``auroc_variance``, the AUROC of the predictive variance (NaN, with a ``UserWarning``,
         when either prediction has no epistemic spread: one draw and no ``loc_var``, so every
@@ -138,10 +140,32 @@ def report(
             )
             result["auroc_mi"] = math.nan
         else:
-            result["auroc_mi"] = ood_auroc(mutual_information(probs), mutual_information(ood))
+            result["auroc_mi"] = _auroc_mi(probs, ood)
     _warn_if_not_its_targets(probs_or_prediction, labels)  # once the labels are valid
     logger.debug("metrics report: %s", result)
     return result
+
+
+def _auroc_mi(probs: Tensor, ood: Tensor) -> float:
+    """The OOD AUROC of the mutual information; NaN when either side is one draw (S = 1, a
+    point prediction), whose mutual information is 0 at every example by construction (the
+    AUROC said only which side had draws: 0 or 1, or 0.5 for two point predictions). NaN
+    quietly for two point predictions (a MAP has no epistemic part), with a ``UserWarning``
+    when only one side is a point (the sets were predicted differently)."""
+    if probs.shape[0] > 1 and ood.shape[0] > 1:
+        return ood_auroc(mutual_information(probs), mutual_information(ood))
+    if probs.shape[0] == 1 and ood.shape[0] == 1:
+        return math.nan
+    warnings.warn(
+        f"report: the prediction has {probs.shape[0]} draw(s) and ood_probs {ood.shape[0]}: a "
+        "one-draw (point) prediction has mutual information 0 at every example, so the "
+        "MI-based OOD AUROC is not available (auroc_mi is NaN). Predict both sets with the "
+        "posterior's draws (num_samples > 1) for auroc_mi; auroc_entropy and auroc_maxprob "
+        "do not need them.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return math.nan
 
 
 def _warn_if_not_its_targets(prediction: Any, labels: Any) -> None:

@@ -94,7 +94,8 @@ def extract_bigbench(
     sdist : path
         ``bigbench-1.0.0.tar.gz`` (``pip download --no-deps bigbench==1.0.0`` with pip ≤ 24.2).
     tasks : sequence of str
-        Task folders under ``benchmark_tasks`` (``"goal_step_wikihow/step_inference"``).
+        Task folders under ``benchmark_tasks`` (``"goal_step_wikihow/step_inference"``); one
+        task may be given as a ``str``.
     root : path, optional
         The cache (default :func:`pyrobayes.demo.data.cache_dir`).
     sha256 : str or None
@@ -113,6 +114,8 @@ def extract_bigbench(
         The digest differs, no task is named, or the archive has no ``task.json`` for a task.
     """
     sdist = Path(sdist)
+    if isinstance(tasks, str):  # one task, not a sequence of one-character task names
+        tasks = [tasks]
     if not sdist.is_file():
         raise FileNotFoundError(
             f"extract_bigbench: {sdist} does not exist; run `make lm-data` (it downloads "
