@@ -10,21 +10,7 @@ from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
-
-
-class _TiedNet(nn.Module):
-    """An embedding and an output layer sharing one weight (GPT-2's ``wte`` / ``lm_head``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.mid = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 10, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mid(self.emb(x).mean(1))))
-
+from tests.common import TiedNet
 
 # ------------------------------------------------------------------------------------------------
 # merged_network and tied weights
@@ -33,7 +19,7 @@ class _TiedNet(nn.Module):
 
 @pytest.mark.parametrize("kind", ["lora", "loraxs", "latent"])
 def test_merged_network_unties_a_weight_shared_with_another_module(kind):
-    net = _TiedNet()
+    net = TiedNet()
     emb = net.emb.weight.detach().clone()
     if kind == "latent":
         model = FineTuneModel(net, latent_modules=["head"], num_data=10, trainable_modules=[])
@@ -441,7 +427,7 @@ def test_a_point_head_tied_to_the_embeddings_saves_a_posterior_that_loads(tmp_pa
     def build() -> FineTuneModel:
         torch.manual_seed(0)
         return FineTuneModel(
-            _TiedNet(),
+            TiedNet(),
             LoRA(rank=2, target_modules=["mid"]),
             num_data=40,
             trainable_modules=["head"],
