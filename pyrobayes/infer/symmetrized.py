@@ -35,6 +35,7 @@ from torch import Tensor
 from ..contract import AnalyticKL, implements
 from ..contract import Symmetrized as SymmetrizedPosterior
 from ..models.adapters import check_int
+from ..user_frame import user_stacklevel
 from .meanfield import MeanField
 from .objectives import ELBO, register_objective, scaled_log_likelihood
 
@@ -124,7 +125,7 @@ class SaturationWatch:
             "distinct; the bonus acts only while q is as wide as the distance between units. "
             "See docs/methods/symmetrized.md.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 
