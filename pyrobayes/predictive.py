@@ -36,6 +36,7 @@ from .contract import LinearizedPredictive, Mixture, bound_model, implements
 from .fitted_head import warn_if_head_changed, warn_if_never_fitted
 from .models.adapters import check_int
 from .models.sharing import reuse_within_batch
+from .user_frame import user_stacklevel
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +333,7 @@ def warn_if_rows_differ(data: Any, where: str) -> None:
             f"{size % data.batch_size} of its {size} examples are not predicted (and not "
             "scored). Predict on a loader with drop_last=False.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if shuffles(data):
         warnings.warn(
@@ -341,7 +342,7 @@ def warn_if_rows_differ(data: Any, where: str) -> None:
             "pred.targets (collected in the same order), not the dataset's labels, or predict "
             "on a loader with shuffle=False.",
             ShuffledDataWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -24,6 +24,7 @@ from ..contract import LinearizedPredictive, Mixture, implements
 from ..fitted_head import warn_if_never_fitted
 from ..models.adapters import check_int
 from ..predictive import cat_examples, check_fitted_model
+from ..user_frame import user_stacklevel
 from .chunk_evaluation import Chunk, Linearization, PassOrder, Wanted, evaluate_chunk
 from .sites import DEFAULT_MAX_SITE_NUMEL, select_sites, site_numel, site_shapes
 
@@ -315,7 +316,7 @@ def _warn_if_large(
         "before the copy the export makes. Pass fewer num_samples, a subset of the data, "
         "pointwise=False / predictive=False where they are not needed, or fewer sites.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

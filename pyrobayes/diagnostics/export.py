@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ..calibration import check_not_swapped
+from ..user_frame import user_stacklevel
 from .arviz_adapter import to_arviz
 from .draw_evaluation import DrawEvaluation, evaluate_draws, num_components
 from .export_attrs import export_attrs, export_predictive, export_temperature
@@ -242,9 +243,9 @@ def to_datatree(
         linearized=linearized,
     )
     if other_predictive:
-        warnings.warn(other_predictive, UserWarning, stacklevel=2)
+        warnings.warn(other_predictive, UserWarning, stacklevel=user_stacklevel())
     if uncalibrated:
-        warnings.warn(uncalibrated, UncalibratedExportWarning, stacklevel=2)
+        warnings.warn(uncalibrated, UncalibratedExportWarning, stacklevel=user_stacklevel())
     shapes = site_shapes(model, guide)
 
     chains = num_components(guide)

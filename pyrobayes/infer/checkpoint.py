@@ -50,6 +50,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from ..user_frame import user_stacklevel
 from .fitter import Fitter
 from .selection import Snapshot
 from .settings import check_settings
@@ -121,7 +122,7 @@ class CheckpointLock:
                     f"No file locking on this platform: {self.directory} is not protected "
                     "against a second fit writing to it at the same time.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
         except OSError:
             handle.seek(0)

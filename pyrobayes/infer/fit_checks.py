@@ -77,7 +77,7 @@ class Divergence:
             f"the learning rate (lr={self.lr:g} now)."
         )
         logger.warning(message)
-        warnings.warn(message, DivergenceWarning, stacklevel=4)
+        warnings.warn(message, DivergenceWarning, stacklevel=user_stacklevel())
 
 
 #: The ELBO's data term gave its fit back when its mean over the last tenth of the run is more
@@ -118,7 +118,7 @@ def warn_if_fit_given_back(terms: dict[str, list[torch.Tensor]], model: Any) -> 
         "earlier on held-out data (validation=pb.Validation(...))."
     )
     logger.warning(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
 
 class DataSize:

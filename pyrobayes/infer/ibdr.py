@@ -49,6 +49,7 @@ from torch import Tensor
 from ..batch import batch_size
 from ..contract import Mixture, implements
 from ..models.adapters import check_real
+from ..user_frame import user_stacklevel
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .diversity import diversity_loss
 from .fitter import Fitter, register_fitter
@@ -482,7 +483,7 @@ class IBDRFitter(Fitter):
             f"(cost={self.cost_kind!r}; the radius is now {self.radius:.3g}). The dual "
             "controller does not act; see docs/methods/ibdr.md, 'The dual controller at the defaults'.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     # ------------------------------------------------------------------ reporting and state

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..batch import batch_size
 from ..models.adapters import check_int, check_real
+from ..user_frame import user_stacklevel
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import _float_leaves, split_training_batch
@@ -764,7 +765,7 @@ class IVONFitter(Fitter):
             "on raw features in the hundreds it diverges or over-fits. Standardize the inputs "
             "(per feature: (x − mean) / sd over the training set).",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     def end(self, data: Iterable[Any] | None = None) -> None:
@@ -836,7 +837,7 @@ def warn_if_shapeless(optimizer: IVONOptimizer) -> bool:
         "transformer's LoRA factors, docs/methods/ivon.md); keep it if an isotropic posterior "
         "is what you want.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
     return True
 

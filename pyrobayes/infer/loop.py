@@ -208,7 +208,7 @@ def _earlier_keywords(fit: Callable[..., FitResult]) -> Callable[..., FitResult]
                 "fit(device=...) is deprecated and will be removed in the next release: move "
                 "the model first (model.to(device)); fit runs where its parameters are.",
                 DeprecationWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
             model.to(device)
         if old:  # the old flat spelling: checked as it was, then folded into the groups

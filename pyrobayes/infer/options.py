@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.adapters import check_flag, check_int, check_real
+from ..user_frame import user_stacklevel
 from .arguments import plain_number
 from .selection import SELECT_BY
 
@@ -357,6 +358,6 @@ def upgrade_keywords(old: dict[str, Any], groups: dict[str, Any]) -> dict[str, A
         "fit(): these keywords are deprecated and will be removed in the next release; "
         "pass instead " + "; ".join(spellings) + ".",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
     return {**dict.fromkeys(groups), **out}

@@ -28,6 +28,7 @@ from torch import Tensor
 from .. import metrics
 from ..batch import split_batch
 from ..calibration import labelled_prediction
+from ..user_frame import user_stacklevel
 from .distributed import all_reduce_sum_, world
 
 __all__ = [
@@ -57,7 +58,7 @@ def warn_if_training_data(validation_data: Iterable[Any], data: Iterable[Any]) -
             "stopping then follow the training fit. Pass held-out batches, e.g. a split made "
             "with torch.utils.data.random_split.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..guides.lowrank import VAR_FLOOR, SwagState, swag_posterior
 from ..models.adapters import check_int, check_real
+from ..user_frame import user_stacklevel
 from .fitter import Fitter
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class SWAGFitter(Fitter):
             "(pyrobayes.fit(..., checkpoint=pyrobayes.Checkpointing(dir, resume=True)))."
         )
         logger.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=2)
+        warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
     def _collect(self) -> None:
         self.guide.set_state(swag_step(self.guide.state, self.guide.iterate()))

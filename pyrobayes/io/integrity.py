@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..user_frame import user_stacklevel
 from .format import _HASH_FIELD, _SIGNATURE_FIELD, PosteriorFileError, UnverifiedSignatureWarning
 
 
@@ -69,7 +70,7 @@ def _check_signature(
                 "was not checked: a header or tensor edited and re-hashed would go unnoticed. "
                 "Pass key= (the bytes it was saved with) to verify it.",
                 UnverifiedSignatureWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return
     secret = _check_key(key, "pb.load")

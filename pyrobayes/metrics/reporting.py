@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..user_frame import user_stacklevel
 from ._inputs import _as_3d, _check_no_nan, _pooled, _unpack
 from .calibration import calibration_error
 from .classification import accuracy, brier_score, nll
@@ -136,7 +137,7 @@ def report(
                 "spread left, so mutual information and the MI-based OOD AUROC are not "
                 "available (auroc_mi and mutual_information are NaN, not 0 and 0.5).",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
             result["auroc_mi"] = math.nan
         else:
@@ -163,7 +164,7 @@ def _auroc_mi(probs: Tensor, ood: Tensor) -> float:
         "posterior's draws (num_samples > 1) for auroc_mi; auroc_entropy and auroc_maxprob "
         "do not need them.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
     return math.nan
 
@@ -186,7 +187,7 @@ def _warn_if_not_its_targets(prediction: Any, labels: Any) -> None:
             "loader gave the examples (a shuffling loader reorders them): score against "
             "pred.targets, or predict on a loader that does not shuffle.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -247,7 +248,7 @@ def _regression_report(
             "bins of the classification calibration error (ECE), and a regression report has "
             "none (rmse and nll). Leave num_bins out for regression.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     result = regression_report(prediction.loc, targets, _predictive_scale(prediction))
     if ood is None:
@@ -285,7 +286,7 @@ def _regression_report(
             "example, so it cannot tell OOD inputs apart and auroc_variance is NaN (not 0.5). "
             "Predict with a posterior's draws (num_samples > 1) or a linearised predictive.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         result["auroc_variance"] = math.nan
     logger.debug("metrics report: %s", result)

@@ -255,7 +255,7 @@ def _skipped_warning(target_modules: Any, skipped: list[str], more: str = "") ->
             f"{' ...' if len(skipped) > 6 else ''}, which no adapter supports (only "
             f"{_SUPPORTED}): left as they are.{more}",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -326,7 +326,7 @@ def _by_names(targets: list[str], net: nn.Module, modules: _Found, candidates: _
             f"target_modules entries {', '.join(listed)} match no module of "
             f"{type(net).__name__} and are ignored; only the other entries are adapted.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return chosen
 
@@ -684,7 +684,7 @@ def _warn_if_unread(adapter: LoRA | LoRAXS) -> None:
         "ignored. Temperature scaling on held-out data is pb.calibrate(model, guide, val_data), "
         "after the fit.",
         UserWarning,
-        stacklevel=5,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch import batch_size, compute_dtype, flagged_examples
+from ..user_frame import user_stacklevel
 from .adapters import check_int, check_real
 from .multiple_choice import (
     NORMALIZATIONS,
@@ -562,7 +563,7 @@ class Gaussian(Likelihood):
             "((y − mean) / sd, undone after predict), or start σ near their scale: "
             f"likelihood=pb.models.Gaussian('learn', init_scale={spread:.3g}).",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     @property

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import compute_dtype
+from ..user_frame import user_stacklevel
 
 __all__ = [
     "encode_multiple_choice",
@@ -387,7 +388,7 @@ def _warn_double_whitespace(prompts: list[str], lists: list[list[str]], delimite
                     "Drop the prompt's trailing spaces (prompt.rstrip(' ')) and the choices' "
                     "leading ones (choice.lstrip()), and let the delimiter (' ') separate them.",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
                 return
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..user_frame import user_stacklevel
+
 __all__ = ["UnitLayer", "PermutationSpec"]
 
 #: modules that act unit-wise (elementwise) on their input: they commute with a unit permutation
@@ -510,5 +512,5 @@ def _left_out(path: str, why: str) -> None:
         "Remove the hook (or use a plain nn.Sequential) to have them symmetrized, or check a "
         "hand-built spec with spec.check_function(model, inputs, values).",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )

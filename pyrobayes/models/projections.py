@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..user_frame import user_stacklevel
+
 __all__ = [
     "PROJECTIONS",
     "MOMENTS",
@@ -522,7 +524,7 @@ def wsvd_projection(
             "calibration data whose examples differ (or moment='second' for inputs with a "
             "constant offset), or use projection='svd'.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     elif n_clamped:
         logger.debug("W-SVD: clamped %d of %d eigenvalues of Sigma_xx", n_clamped, d_in)
