@@ -125,6 +125,35 @@ class ParticleGuide(PosteriorGuide):
         # the particles start away from the model's values: record them as built, so that a
         # guide predicted without a fit is told (pyrobayes.fitted_head.warn_if_never_fitted)
         record_initial_state(self)
+        self._warn_if_identical()
+
+    def _jitter_remedy(self) -> str | None:
+        """How to make the particles start distinct, or ``None`` when the options ask for no
+        jitter at all (that case is the subclass's own warning, at construction)."""
+        if self._init_scale == 0:
+            return None
+        return f"raise init_scale (now {self._init_scale:g}) above the sites' rounding"
+
+    def _warn_if_identical(self) -> None:
+        """Warn when K > 1 particles start identical at every site although the options asked
+        for a jitter: it rounded away (a value whose dtype cannot resolve it, e.g. ``1.0 + 1e-3``
+        in bfloat16), or it applies to no site. Identical particles get identical gradients,
+        so the mixture silently stays one network. Checked once, at set-up."""
+        remedy = self._jitter_remedy()
+        if self.num_components < 2 or remedy is None or not self.sites:
+            return
+        with torch.no_grad():
+            if not all(bool((v == v[:1]).all()) for v in self.validation_values().values()):
+                return
+        dtypes = sorted({str(self.loc(s).dtype) for s in self.sites})
+        warnings.warn(
+            f"{type(self).__name__}: all {self.num_components} particles start identical at "
+            f"every site (dtypes {dtypes}) although the options ask for distinct starts: the "
+            "jitter rounded away or applies to no site. Identical particles get identical "
+            f"gradients and stay one network; {remedy}.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _setup_site(self, site: str, init: Tensor) -> None:
         init = init.detach()

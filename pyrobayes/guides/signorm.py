@@ -180,6 +180,17 @@ class SigmaNormGuide(ParticleGuide):
             locs = locs + self._init_scale * torch.randn_like(locs)
         self._add_param("locs", site, locs)
 
+    def _jitter_remedy(self) -> str | None:
+        """How to make the members start distinct (``None``: the options ask for identical
+        starts, warned of at construction)."""
+        if not (self.init_noise or self._init_scale) and self.head_init == "copy":
+            return None
+        return (
+            f"give init_noise > 0 (now {self.init_noise:g}) on member norm layers, member heads "
+            f"(heads=[...], head_init='reinit'; now {self.head_init!r}) or init_scale > 0 "
+            f"(now {self._init_scale:g})"
+        )
+
     def _fan_in(self, site: str, init: Tensor) -> int:
         if init.dim() == 2:
             return int(init.shape[1])

@@ -281,6 +281,25 @@ class IBDRLoss:
         return data + self.prior_term(model, locs)
 
 
+def _gradient_norm(grads: list[Tensor]) -> float:
+    """``‖g‖`` over the particles' gradients (finite, checked), as a Python float.
+
+    The squares of large finite gradients overflow their dtype (float32 beyond ~1.8e19, float16
+    beyond 256), which would make the norm ``inf``, the clip 0, the radius ``0·inf = NaN`` and
+    λ jump silently to ``lam_min``; that rare case is recomputed rescaled, in float64.
+    """
+    norm = float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    )
+    if math.isfinite(norm) or not grads:
+        return norm
+    peak = max(float(g.detach().abs().max()) for g in grads if g.numel())
+    if peak == 0.0 or not math.isfinite(peak):
+        return norm
+    parts = [torch.linalg.vector_norm(g.detach().to(torch.float64) / peak) for g in grads]
+    return peak * float(torch.linalg.vector_norm(torch.stack(parts)))
+
+
 class IBDRFitter(Fitter):
     r"""The two-pass distributionally robust step of IBDR, with the dual variable λ (Pham et
     al., 2025).
@@ -419,9 +438,14 @@ class IBDRFitter(Fitter):
         # (a trainable head) is not in the transport cost Σ_k ‖θ'_k − θ_k‖²
         ascent = self._particle_params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ascent]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        clip = min(1.0, self.max_grad_norm / (float(norm) + 1e-12))
+        norm = _gradient_norm(grads)
+        clip = min(1.0, self.max_grad_norm / (norm + 1e-12))
         step = clip / (2.0 * self.lam)
+        shift = step * norm  # ‖θ' − θ‖ over all particles (the same on every rank)
+        limit = min(torch.finfo(p.dtype).max for p in ascent)  # the particles' dtype
+        if not (math.isfinite(shift * shift) and step <= limit and shift <= limit):
+            what = f"its length {shift:.3g} overflows the particles' dtype (max {limit:.3g})"
+            raise FloatingPointError(self._ascent_message(shift, what))
         saved = [p.detach().clone() for p in ascent]
         with torch.no_grad():  # ascent: θ' = θ + clip(g) / (2λ)
             for p, g in zip(ascent, grads, strict=True):
@@ -438,24 +462,56 @@ class IBDRFitter(Fitter):
         IBDRLoss.prior_term(model, locs).backward()
         if distributed:
             all_reduce_grads_(params)
-        self._check_grads()
+        try:
+            self._check_grads()
+        except FloatingPointError as error:  # at θ', not θ: say which setting sent it there
+            raise FloatingPointError(self._ascent_message(shift, str(error))) from error
         # the transport cost and the dual step
-        shift = step * float(norm)  # ‖θ' − θ‖ over all particles (the same on every rank)
+        cost = self._transport_cost(probs, probs_adv, shift, distributed)
+        lam_lr = self.lam_lr if self.lam_lr is not None else float(optim.param_groups[0]["lr"])
+        lam = self._dual_step(cost, lam_lr)  # checked before the update: a refusal moves nothing
+        optim.step()
+        self.lam = lam
+        self.cost = cost
+        self.radius = shift
+        self._watch_bound()
+        return value
+
+    def _transport_cost(
+        self, probs: Tensor | None, probs_adv: Tensor | None, shift: float, distributed: bool
+    ) -> float:
+        """The step's transport cost c: ``"function"`` from the averaged predictive
+        probabilities at θ and θ', else ``‖θ' − θ‖² / K``."""
         if self.cost_kind == "function" and probs is not None and probs_adv is not None:
             distance = (probs_adv - probs).norm(dim=-1).mean().to(torch.float64).reshape(1)
             if distributed:  # the mean over the union batch, then the same cost on every rank
                 all_reduce_mean_([distance])
             raw = float(distance)
-            cost = math.exp(max(0.0, raw - self.rho) / FUNCTION_COST_TEMPERATURE) * raw
-        else:
-            cost = shift**2 / mixture.num_components
-        optim.step()
-        lam_lr = self.lam_lr if self.lam_lr is not None else float(optim.param_groups[0]["lr"])
-        self.lam = min(self.lam_max, max(self.lam_min, self.lam - lam_lr * (self.rho - cost)))
-        self.cost = cost
-        self.radius = shift
-        self._watch_bound()
-        return value
+            return math.exp(max(0.0, raw - self.rho) / FUNCTION_COST_TEMPERATURE) * raw
+        return shift * shift / cast(Mixture, self.guide).num_components
+
+    def _ascent_message(self, shift: float, what: str) -> str:
+        """The refusal of a robust step whose ascent left the region where the loss is finite."""
+        return (
+            f"IBDR: the robust step's ascent θ' = θ + clip(g)/(2λ) (λ = {self.lam:g}, "
+            f"lam_min = {self.lam_min:g}, max_grad_norm = {self.max_grad_norm:g}, radius "
+            f"{shift:.3g}) failed at step {self.num_steps}: {what}. The particles and λ were "
+            "left as they were and not updated; shorten the ascent (raise lam / lam_min, or "
+            "lower max_grad_norm or rho)."
+        )
+
+    def _dual_step(self, cost: float, lam_lr: float) -> float:
+        """``clip(λ − η_λ (ρ − c), λ_min, λ_max)``; a non-finite cost (or ``η_λ·0 = ∞·0``)
+        is refused by name, not clipped to a bound (Python's ``max`` drops a NaN silently)."""
+        moved = self.lam - lam_lr * (self.rho - cost)
+        if not math.isfinite(cost) or math.isnan(moved):
+            raise FloatingPointError(
+                f"IBDR: the dual step λ ← λ − η_λ (ρ − c) is not a number at step "
+                f"{self.num_steps} (transport cost c = {cost}, cost={self.cost_kind!r}, rho = "
+                f"{self.rho:g}, lam_lr = {lam_lr:g}); the particles and λ = {self.lam:g} were "
+                "not updated. Pass a finite lam_lr (rho=0 switches the robust step off)."
+            )
+        return min(self.lam_max, max(self.lam_min, moved))
 
     def _watch_bound(self) -> None:
         """Count the consecutive steps λ ended at a bound of its interval; warn once at

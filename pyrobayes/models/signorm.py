@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..user_frame import user_stacklevel
 from .adapters import (
     LoRA,
     LoRAXS,
@@ -467,7 +469,50 @@ def _select(
             f"{what}={selector!r} matched no module of {type(net).__name__}. Candidates: "
             f"{candidates[:12]}{' ...' if len(candidates) > 12 else ''}."
         )
+    if not isinstance(selector, str):
+        _warn_unmatched(what, list(selector), candidates, type(net).__name__)
     return chosen
+
+
+def _warn_unmatched(what: str, entries: list[str], paths: list[str], owner: str) -> None:
+    """Warn of the list entries that match none of ``paths`` while others do (a typo, or a
+    layer of a kind σN does not take): without a word they would be left out silently."""
+    unmatched = [t for t in entries if not any(p == t or p.endswith("." + t) for p in paths)]
+    if not unmatched or len(unmatched) == len(entries):
+        return
+    warnings.warn(
+        f"{what} entries {unmatched} match no candidate of {owner} and are ignored; only the "
+        f"other entries are taken. Candidates: {paths[:12]}{' ...' if len(paths) > 12 else ''}.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+#: norm-like layers σN does not convert (left as they are under ``norm_modules="all"``, said)
+_UNCONVERTED_NORMS = (
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.batchnorm._BatchNorm,
+)
+
+
+def _log_unconverted(net: nn.Module) -> None:
+    """Log the norm layers ``norm_modules="all"`` leaves out (GroupNorm, InstanceNorm,
+    BatchNorm3d, ...): their scales stay shared by every member."""
+    left = [
+        f"{n} ({type(m).__name__})"
+        for n, m in net.named_modules()
+        if n and isinstance(m, _UNCONVERTED_NORMS) and not is_norm(m)
+    ]
+    if left:
+        logger.warning(
+            "SigmaNorm(norm_modules='all'): %d norm layer(s) of a kind σN does not convert stay "
+            "shared by every member: %s%s (it converts LayerNorm, BatchNorm1d/2d and RMSNorm).",
+            len(left),
+            left[:8],
+            " ..." if len(left) > 8 else "",
+        )
 
 
 def _check_conversion(path: str, original: nn.Module, layer: MemberNorm) -> None:
@@ -600,6 +645,8 @@ class SigmaNorm:
                 f"SigmaNorm: {type(net).__name__} has no LayerNorm / BatchNorm / RMSNorm layer "
                 "to turn into member norm layers. Insert one, or use another family."
             )
+        if self.norm_modules == "all":
+            _log_unconverted(net)
         for path in _select(net, self.norm_modules, norms, "norm_modules"):
             original = net.get_submodule(path)
             _refuse_recomputed_weight(original, f"SigmaNorm: the norm layer {path!r}")
@@ -735,6 +782,8 @@ def scale_sites(model: Any, regularized: Sequence[str] | str = "all") -> list[st
         raise ValueError(
             f"regularized={regularized!r} matches no member norm layer; they are {paths}."
         )
+    if not isinstance(regularized, str):
+        _warn_unmatched("regularized", list(regularized), paths, "the member norm layers")
     return [sites[p] for p in chosen]
 
 
