@@ -44,7 +44,9 @@ def posterior(model: Any, family: str = "meanfield", *, init: Any = None, **kwar
     ------
     TypeError
         When ``model`` is a plain torch network (wrap it in a
-        :class:`~pyrobayes.models.FineTuneModel`), ``family`` is not a name, or ``init`` is
+        :class:`~pyrobayes.models.FineTuneModel`) or not a model at all (``None``, a string:
+        the arguments swapped, a class, a posterior, an object that cannot be called),
+        ``family`` is not a name, or ``init`` is
         given for a family without a point (not ``PostHoc``) or is not a posterior.
     ValueError
         When ``init`` covers other sites (or shapes) than the new guide, was fitted on another
@@ -75,9 +77,12 @@ def posterior(model: Any, family: str = "meanfield", *, init: Any = None, **kwar
 
 
 def _check_model(model: Any) -> None:
-    """Refuse a plain torch network (an ``nn.Module`` that is neither a FineTuneModel nor a
-    ``PyroModule``): a guide built on it has no latent sites, and its fit failed inside torch.
-    A Pyro model of the user's own (a function, a ``PyroModule``) is traced on first use."""
+    """Refuse what is not a model: ``None``, a name, a class, a posterior, anything that cannot
+    be called (:func:`_check_model_kind`), and a plain torch network (an ``nn.Module`` that is
+    neither a FineTuneModel nor a ``PyroModule``): a guide built on it has no latent sites, and
+    its fit failed inside torch. A Pyro model of the user's own (a function, a ``PyroModule``)
+    is traced on first use."""
+    _check_model_kind(model)
     if (
         isinstance(model, nn.Module)
         and not isinstance(model, PyroModule)
@@ -91,6 +96,44 @@ def _check_model(model: Any) -> None:
             "own that samples with pyro.sample, build the guide class on it directly, e.g. "
             "pb.guides.MeanFieldGuide(model)."
         )
+
+
+def _check_model_kind(model: Any) -> None:
+    """Refuse a ``model`` that is not one: the guide was built on it all the same (``None``, a
+    family name, the model's class, a posterior) and the error came at the fit, as
+    ``'NoneType' object has no attribute 'train'`` or a tensor printed as the message.
+
+    Raises
+    ------
+    TypeError
+        Naming what was passed and what to pass instead.
+    """
+    usage = (
+        "pass the model first and the family name second: pyrobayes.posterior(model, "
+        '"meanfield", ...), with model a pyrobayes.models.FineTuneModel (or a Pyro model of your '
+        "own)."
+    )
+    if model is None:
+        raise TypeError(f"posterior: model is None; {usage}")
+    if isinstance(model, str):
+        raise TypeError(
+            f"posterior: model is the string {model!r}, not a model (are the arguments in the "
+            f"wrong order?); {usage}"
+        )
+    if isinstance(model, type):
+        raise TypeError(
+            f"posterior: model is the class {model.__name__}, not a model built from it; "
+            f"build the model first (model = {model.__name__}(...)) and {usage}"
+        )
+    if isinstance(model, Posterior):
+        raise TypeError(
+            f"posterior: model is a posterior ({type(model).__name__}), not a model; build the "
+            "new posterior on the model that posterior was built on (pyrobayes.posterior(model, "
+            "family)), or start a post-hoc family at it with init=: pyrobayes.posterior(model, "
+            '"laplace", init=guide).'
+        )
+    if not callable(model):
+        raise TypeError(f"posterior: model is a {type(model).__name__}, not a model; {usage}")
 
 
 def start_from(guide: Any, init: Any) -> Any:

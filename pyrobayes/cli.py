@@ -36,6 +36,7 @@ else:  # Python 3.10: the tomli backport (same API)
 
 import torch
 
+from .demo.config import QUICK_OVERRIDES
 from .demo.data import DataUnavailableError
 from .demo.pipeline import (
     DRIFT_TOLERANCE,
@@ -53,6 +54,8 @@ from .demo.run_folder import claim_run_folder
 from .io import PosteriorFileError, PosteriorMismatchError
 
 __all__ = ["main"]
+
+logger = logging.getLogger(__name__)
 
 #: Set to 1 (or any value but 0 / empty) to print the traceback of an error the command line
 #: reports as ``pyrobayes <command>: error: <message>``.
@@ -116,15 +119,64 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_fit(args: argparse.Namespace) -> int:
-    path = Path(args.config)
+def _read_config(path: Path) -> dict[str, Any]:
+    """The TOML config at ``path``.
+
+    Raises
+    ------
+    ConfigError
+        When ``path`` does not exist, is a folder, or is not UTF-8 TOML (the message names
+        the path; a folder and a binary file were reported as ``[Errno 21] Is a directory``
+        and a bare ``'utf-8' codec can't decode ...``).
+    """
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir():
+        inside = sorted(str(p) for p in path.glob("*.toml"))[:3]
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise ConfigError(f"config file {path} is a folder; pass the TOML file itself{hint}.")
     with path.open("rb") as f:
         try:
-            user = tomllib.load(f)
+            return tomllib.load(f)
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path} is not valid TOML: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{path} is not a UTF-8 text file ({err.reason} at byte {err.start}), so not a "
+                "TOML config; pass the config's .toml file."
+            ) from None
+
+
+def _warn_quick_overridden(user: dict[str, Any]) -> None:
+    """Log (WARNING) the keys of :data:`~pyrobayes.demo.config.QUICK_OVERRIDES` the config sets
+    to other values: ``--quick`` applies under the config's values, so those keep the
+    config's size (a config with ``epochs = 50`` ran 50 epochs under ``--quick``, silently)."""
+    kept = _overridden(user, QUICK_OVERRIDES)
+    if kept:
+        logger.warning(
+            "--quick does not shrink %s: the config's own values win over --quick's sizes. "
+            "Remove these keys from the config for the quick run.",
+            ", ".join(kept),
+        )
+
+
+def _overridden(user: dict[str, Any], quick: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"key = config's value (--quick: value)"`` for every key both set, to other values."""
+    out = []
+    for key, value in quick.items():
+        if key not in user:
+            continue
+        if isinstance(value, dict):
+            if isinstance(user[key], dict):
+                out += _overridden(user[key], value, f"{prefix}{key}.")
+        elif user[key] != value:
+            out.append(f"{prefix}{key} = {user[key]!r} (--quick: {value!r})")
+    return out
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    user = _read_config(path)
     if args.device:
         training = user.setdefault("training", {})
         if isinstance(training, dict):  # otherwise resolve_config names the wrong type
@@ -143,6 +195,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         check_inputs(config)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+    if args.quick:
+        _warn_quick_overridden(user)
     out = _out_dir(args.out, path.stem)
     _claim_out(out, args.overwrite)
     records = run(config, out, progress_bar=not args.no_progress)
@@ -207,17 +261,19 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     metrics_path = run_dir / "metrics.json"
     if run_dir.is_dir() and not metrics_path.exists():  # before the (slow) recomputation
         raise RunFolderError(f"{run_dir} has no metrics.json to compare the metrics with.")
+    # read (and so check) the saved metrics before the slow recomputation, not after it
+    saved = read_json(metrics_path) if metrics_path.is_file() else None
     if _is_causal_lm_run(run_dir):
         from .demo import causal_lm
 
         records = causal_lm.evaluate(run_dir, device=args.device)
         print(causal_lm.format_table(records))
-        saved = read_json(metrics_path)
+        saved = read_json(metrics_path) if saved is None else saved
         drifts = causal_lm.compare(saved, records, tolerance=args.tolerance)
     else:
         records = evaluate(run_dir, device=args.device)
         _print_records(records, None)
-        saved = read_json(metrics_path)
+        saved = read_json(metrics_path) if saved is None else saved
         drifts = compare_metrics(saved, records, tolerance=args.tolerance)
     if drifts:
         print(
@@ -252,6 +308,28 @@ def _seeds(text: str) -> list[int]:
     if not seeds:
         raise argparse.ArgumentTypeError("expected at least one seed, e.g. --seeds 0")
     return seeds
+
+
+class _Once(argparse.Action):
+    """Store a list-valued option, refusing the option given twice: ``--seeds 1 --seeds 2`` ran
+    seed 2 alone (argparse keeps the last), where a list of both was meant."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        previous = getattr(namespace, self.dest, None)
+        if previous is not None:
+            joined = ",".join(str(v) for v in [*previous, *values])
+            raise argparse.ArgumentError(
+                self,
+                f"given twice ({previous} and {values}); only the last would run. Give one "
+                f"comma-separated list: {option_string} {joined}",
+            )
+        setattr(namespace, self.dest, values)
 
 
 def _device(text: str) -> str:
@@ -305,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument(
         "--seeds",
         type=_seeds,
+        action=_Once,
         help="causal-LM configs: run these comma-separated seeds instead of the config's "
         "(e.g. one process per seed, joined with `pyrobayes join`)",
     )

@@ -46,7 +46,15 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .batch import batch_size, compute_dtype, slice_examples, split_batch, to_device
+from .batch import (
+    batch_size,
+    check_batches,
+    compute_dtype,
+    slice_examples,
+    split_batch,
+    to_device,
+)
+from .models.adapters import check_int
 from .predictive import (
     CPU_MAX_ROWS_PER_FORWARD,
     Prediction,
@@ -334,6 +342,25 @@ def _chunks(
             yield out, jac, (y if last else None), last
 
 
+def _check_data(model: Any, data: Any, examples_per_forward: int | None, owner: str) -> int | None:
+    """``examples_per_forward`` checked (``None`` or an integer >= 1: ``0`` was taken for the
+    default and a negative count gave no chunk at all, reported as data without batches) and
+    ``data`` an iterable of batches (:func:`pyrobayes.batch.check_batches`: a single
+    ``(inputs, targets)`` pair was read as two batches).
+
+    Raises
+    ------
+    TypeError
+        ``examples_per_forward`` not an integer, or ``data`` not an iterable of batches.
+    ValueError
+        ``examples_per_forward`` below 1.
+    """
+    check_batches(data, owner, model.label_key)
+    if examples_per_forward is None:
+        return None
+    return check_int("examples_per_forward", examples_per_forward, ge=1, owner=f"{owner}: ")
+
+
 def _draw_deltas(guide: Any, num_samples: int, seed: int | None, dev: torch.device) -> Tensor:
     """``θ_s − θ̂`` `(S, d)` of the Monte Carlo predictive's draws over the sites laid flat, in
     site order (``S = guide.link_samples`` when set, else ``num_samples``)."""
@@ -419,7 +446,9 @@ def linearize(
     covariance (e.g. another prior precision) without a network pass.
 
     Returns ``None`` once the Jacobians held would exceed ``max_bytes`` (``J`` holds
-    ``N · K · d`` numbers for ``N`` examples, ``K`` outputs and ``d`` posterior dimensions)."""
+    ``N · K · d`` numbers for ``N`` examples, ``K`` outputs and ``d`` posterior dimensions).
+    ``examples_per_forward`` and ``data`` are checked as by :func:`linearized_predict`."""
+    examples_per_forward = _check_data(model, data, examples_per_forward, "linearize")
     model.train(False)
     contrast = _uses_contrast(model, guide)
     kept: list[_Chunk] = []
@@ -535,12 +564,19 @@ def linearized_predict(
         Before any network pass, when the posterior precision ``H + τ I`` of a site is not
         finite or not positive (a Laplace guide's ``check_finite``: the message names the site
         and the remedy).
+    ValueError
+        An ``examples_per_forward`` below 1, or ``data`` that yields no batch.
+    TypeError
+        An ``examples_per_forward`` that is not an integer, or ``data`` that is not an iterable
+        of batches (a single ``(inputs, targets)`` pair, a tensor, a dict, a Dataset).
     """
     pred_type = guide.pred_type
     if pred_type not in ("glm", "probit"):
         raise ValueError(
             f"linearized_predict: pred_type must be 'glm' or 'probit', got {pred_type!r}."
         )
+    if linearization is None:  # (else data is not read)
+        examples_per_forward = _check_data(model, data, examples_per_forward, "predict")
     check_finite = getattr(guide, "check_finite", None)  # a non-finite H + τ I: which site
     if callable(check_finite):  # (else torch's parameter check printed it, or NaN rows)
         check_finite("predict: ")

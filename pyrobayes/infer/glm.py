@@ -9,6 +9,7 @@ batch output and is kept for comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..batch import split_batch, to_device
+from ..batch import check_batches, split_batch, to_device
+from ..models.adapters import check_int
 from ..predictive import Prediction
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,19 @@ def _check_posterior(guide: Any, owner: str) -> None:
 
 
 def glm_moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
-    """Mean ``f(x; θ*)`` `(B, C)` and covariance ``J Σ Jᵀ`` `(B, C, C)` of the linearized model."""
+    """Mean ``f(x; θ*)`` `(B, C)` and covariance ``J Σ Jᵀ`` `(B, C, C)` of the linearized model.
+
+    The network is evaluated in eval mode (dropout off: in train mode every call drew another
+    dropout mask, so ``f`` and ``J`` were those of a random sub-network); a model in train mode
+    is put back in train mode afterwards.
+    """
     _check_posterior(guide, "glm_moments: ")
-    return _moments(model, guide, inputs)
+    training = bool(getattr(model, "training", False))
+    model.train(False)
+    try:
+        return _moments(model, guide, inputs)
+    finally:
+        model.train(training)
 
 
 def _moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
@@ -70,6 +82,33 @@ def _moments(model: Any, guide: Any, inputs: Any) -> tuple[Tensor, Tensor]:
     return mean.detach(), _functional_variance(guide, {s: j.detach() for s, j in jac.items()})
 
 
+def _link_outputs(
+    mean: Tensor,
+    cov: Tensor,
+    link: str,
+    classification: bool,
+    num_samples: int,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor | None]:
+    """One batch's outputs under ``link`` from ``f(x; θ*)`` `(B, C)` and ``J Σ Jᵀ`` `(B, C, C)`:
+    the probit log-probabilities `(1, B, C)`, a regression's mean `(1, B[, C])` with its
+    linearized variance (else ``None``), or ``num_samples`` Monte Carlo draws."""
+    if link == "probit":
+        var = torch.diagonal(cov, dim1=-2, dim2=-1)
+        if classification:
+            kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
+            return torch.log_softmax(kappa * mean, -1).unsqueeze(0).detach(), None
+        # the exact Gaussian predictive: its mean and the variance of the linearized mean
+        return mean.squeeze(-1).unsqueeze(0).detach(), var.squeeze(-1).unsqueeze(0).detach()
+    c = cov.shape[-1]
+    jitter = 1e-10 * torch.eye(c, dtype=cov.dtype, device=cov.device)
+    chol = torch.linalg.cholesky(cov + jitter)
+    eps = torch.randn((num_samples, *mean.shape), generator=generator, dtype=mean.dtype)
+    logits = mean + torch.einsum("bce,sbe->sbc", chol, eps.to(mean.device))
+    out = torch.log_softmax(logits, -1) if classification else logits.squeeze(-1)
+    return out.detach(), None
+
+
 def glm_predict(
     model: Any,
     guide: Any,
@@ -85,14 +124,29 @@ def glm_predict(
     ``f(x) ~ N(f(x; θ*), J Σ Jᵀ)``. Classification: ``link="probit"`` returns one "sample"
     ``log softmax(f / sqrt(1 + π/8 diag(JΣJᵀ)))``; ``link="mc"`` returns ``num_samples`` draws of
     ``log softmax(f)`` (average the probabilities, as every pyrobayes metric does). Regression:
-    ``"probit"`` returns the mean (``loc (1, N)``), ``"mc"`` draws of the latent mean.
+    ``"probit"`` returns the exact Gaussian predictive, the mean ``f(x; θ*)`` (``loc (1, N)``)
+    and the variance of the linearized mean ``diag(J Σ Jᵀ)`` (``loc_var``; ``predictive_scale``
+    is ``sqrt(loc_var + σ²)``); ``"mc"`` returns ``num_samples`` draws of the latent mean.
 
     Returns
     -------
     Prediction
+
+    Raises
+    ------
+    ValueError
+        An unknown ``link``, ``num_samples`` < 1 with ``link="mc"``, or ``data`` that yields no
+        batch.
+    TypeError
+        A ``num_samples`` that is not an integer (``link="mc"``), or ``data`` that is not an
+        iterable of batches (a single ``(inputs, targets)`` batch, a tensor, a dict, a Dataset:
+        :func:`pyrobayes.batch.check_batches`).
     """
     if link not in ("probit", "mc"):
         raise ValueError(f"Expected link 'probit' or 'mc' but got {link!r}.")
+    if link == "mc":  # the Monte Carlo draws of the linearized outputs
+        num_samples = check_int("num_samples", num_samples, ge=1, owner="glm_predict: ")
+    check_batches(data, "glm_predict", model.label_key)
     if device is not None:
         model.to(device)
         guide.to(device)
@@ -102,27 +156,24 @@ def glm_predict(
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     classification = model.likelihood.is_classification
     outputs: list[Tensor] = []
+    variances: list[Tensor] = []
     targets: list[Tensor] = []
     for batch in data:
         inputs, y = split_batch(to_device(batch, dev), model.label_key)
         mean, cov = _moments(model, guide, inputs)
-        if link == "probit":
-            if classification:
-                kappa = torch.rsqrt(1.0 + math.pi / 8.0 * torch.diagonal(cov, dim1=-2, dim2=-1))
-                out = torch.log_softmax(kappa * mean, -1).unsqueeze(0)
-            else:
-                out = mean.squeeze(-1).unsqueeze(0)
-        else:
-            c = cov.shape[-1]
-            jitter = 1e-10 * torch.eye(c, dtype=cov.dtype, device=cov.device)
-            chol = torch.linalg.cholesky(cov + jitter)
-            eps = torch.randn((num_samples, *mean.shape), generator=generator, dtype=mean.dtype).to(
-                dev
-            )
-            logits = mean + torch.einsum("bce,sbe->sbc", chol, eps)
-            out = torch.log_softmax(logits, -1) if classification else logits.squeeze(-1)
+        out, var = _link_outputs(mean, cov, link, classification, num_samples, generator)
+        if var is not None:
+            variances.append(var)
         outputs.append(out.detach())
         if y is not None:
             targets.append(y)
+    if not outputs:
+        raise ValueError(
+            "glm_predict: data yielded no batches; pass a non-empty iterable of batches (a "
+            "DataLoader over a non-empty data set, or a list holding at least one batch)."
+        )
     target = torch.cat(targets, 0) if targets else None
-    return Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
+    pred = Prediction.from_outputs(torch.cat(outputs, 1), target, model.likelihood)
+    if variances:
+        pred = dataclasses.replace(pred, loc_var=torch.cat(variances, 1))
+    return pred
