@@ -160,18 +160,11 @@ def _warn_quick_overridden(user: dict[str, Any]) -> None:
         )
 
 
-def _overridden(user: dict[str, Any], quick: dict[str, Any], prefix: str = "") -> list[str]:
+def _overridden(user: dict[str, Any], quick: dict[str, Any]) -> list[str]:
     """``"key = config's value (--quick: value)"`` for every key both set, to other values."""
-    out = []
-    for key, value in quick.items():
-        if key not in user:
-            continue
-        if isinstance(value, dict):
-            if isinstance(user[key], dict):
-                out += _overridden(user[key], value, f"{prefix}{key}.")
-        elif user[key] != value:
-            out.append(f"{prefix}{key} = {user[key]!r} (--quick: {value!r})")
-    return out
+    from .demo.causal_lm_config import differing_keys
+
+    return [f"{k} = {mine!r} (--quick: {q!r})" for k, mine, q in differing_keys(user, quick)]
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:

@@ -548,19 +548,27 @@ def _check_no_training_seed(user: dict[str, Any]) -> None:
         )
 
 
-def _replaced(user: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> list[str]:
-    """``"key = user's value -> override"`` for every key the user set that ``overrides``
-    changes."""
-    out = []
+def differing_keys(
+    user: dict[str, Any], overrides: dict[str, Any], prefix: str = ""
+) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, user's value, override's value)`` for every key both nested dicts set,
+    to other values."""
+    out: list[tuple[str, Any, Any]] = []
     for key, value in overrides.items():
         if key not in user:
             continue
         if isinstance(value, dict):
             if isinstance(user[key], dict):
-                out += _replaced(user[key], value, f"{prefix}{key}.")
+                out += differing_keys(user[key], value, f"{prefix}{key}.")
         elif user[key] != value:
-            out.append(f"{prefix}{key} = {user[key]!r} -> {value!r}")
+            out.append((f"{prefix}{key}", user[key], value))
     return out
+
+
+def _replaced(user: dict[str, Any], overrides: dict[str, Any]) -> list[str]:
+    """``"key = user's value -> override"`` for every key the user set that ``overrides``
+    changes."""
+    return [f"{k} = {mine!r} -> {theirs!r}" for k, mine, theirs in differing_keys(user, overrides)]
 
 
 def expand_path(path: str) -> str:
