@@ -651,7 +651,8 @@ def run(
     What the config names on this machine is checked (:func:`check_inputs`) before the folder
     is written. A run that fails before its first result (a task file that cannot be read, a
     fit that diverges at once) removes the files it wrote, so the folder takes the corrected
-    run without ``overwrite``.
+    run without ``overwrite``; one that fails or is interrupted later keeps its records and
+    logs a warning naming those and the (family, seed) fits it did not reach.
 
     Returns
     -------
@@ -669,10 +670,36 @@ def run(
     (out / "config.json").write_text(json.dumps(config, indent=2))
     try:
         return _run(config, out, progress_bar)
-    except Exception:
-        if not (out / "metrics.json").exists():  # failed before any result: leave no run behind
+    except BaseException as err:  # an interrupt too: say what the folder holds
+        if (out / "metrics.json").exists():
+            _log_partial_run(out, config, err)
+        elif isinstance(err, Exception):  # failed before any result: leave no run behind
             _remove_run(out, made)
         raise
+
+
+def _log_partial_run(out: Path, config: dict[str, Any], err: BaseException) -> None:
+    """Log (WARNING) what a job that stopped after its first result left in ``out``: the
+    (family, seed) records of ``metrics.json``, the one it stopped at and those never fitted
+    (the folder has no ``table.md``; its ``config.json`` lists every family and seed)."""
+    try:
+        records = json.loads((out / "metrics.json").read_text())
+        done = {(r["family"], r.get("seed")) for r in records}
+    except (OSError, ValueError, TypeError, KeyError):
+        done = set()
+    wanted = [(f, int(s)) for s in config["seeds"] for f in config["families"]]
+    fitted = [f"{f}@seed{s}" for f, s in wanted if (f, s) in done]
+    left = [f"{f}@seed{s}" for f, s in wanted if (f, s) not in done]
+    logger.warning(
+        "causal-LM job stopped at %s (%s): %s/metrics.json holds %s; not fitted: %s. Evaluate "
+        "or join what was fitted, fit the rest in another folder (pyrobayes fit CONFIG --seeds "
+        "S --out NEW) and join it, or run the job again with --overwrite.",
+        left[0] if left else "the table",
+        f"{type(err).__name__}: {err}" if str(err) else type(err).__name__,
+        out,
+        ", ".join(fitted) or "no fitted family",
+        ", ".join(left) or "none",
+    )
 
 
 def _remove_run(out: Path, made: Sequence[Path]) -> None:

@@ -66,8 +66,26 @@ def _recorded_seeds(
 ) -> list[int]:
     """The seeds of ``config`` that ``records`` hold a family's record of, in its order. An
     interrupted run (the job writes ``metrics.json`` after every family) lacks the rest: they
-    are left out of the join, with a logged warning naming the missing (family, seed)."""
+    are left out of the join, with a logged warning naming the missing (family, seed). So is a
+    seed whose recorded fit lost its posterior file (``guides/<family>-seed<seed>.safetensors``
+    deleted or never copied): joined, the folder held a record that no posterior backs."""
     have = {(r["family"], r.get("seed")) for r in records}
+    lost = sorted(
+        (f, s)
+        for f, s in have
+        if s is not None and f != "zero-shot" and not (run_dir / _guide(f, s)).is_file()
+    )
+    if lost:
+        logger.warning(
+            "join: %s's metrics.json records %s, but the posterior file(s) %s are missing; "
+            "seed(s) %s are left out of the join. Restore the file(s), or fit the seed in its "
+            "own folder (pyrobayes fit CONFIG --seeds S) and join that folder instead.",
+            run_dir,
+            ", ".join(f"{f}@seed{s}" for f, s in lost),
+            ", ".join(_guide(f, s) for f, s in lost),
+            sorted({s for _, s in lost}),
+        )
+        have -= set(lost)
     listed = [int(s) for s in config["seeds"]]
     families = config["families"]
     missing = [f"{f}@seed{s}" for s in listed for f in families if (f, s) not in have]
@@ -88,6 +106,37 @@ def _recorded_seeds(
             else "",
         )
     return present
+
+
+def _guide(family: str, seed: Any) -> str:
+    """A fit's posterior file, relative to its run folder."""
+    return f"guides/{family}-seed{seed}.safetensors"
+
+
+def _copy_seed_free(
+    inputs: Sequence[Path], configs: Sequence[dict[str, Any]], taken: Sequence[list[int]], out: Path
+) -> None:
+    """Copy the files that are not per (family, seed): the zero-shot diagram and the normalize
+    comparison from the first input; the ArviZ export and the comparison plot (both of a job's
+    first seed) from the input that gives the joined run its first seed, and only when that
+    seed is its own first one. An interrupted first input whose first seed is left out of the
+    join holds an export of a fit that the joined folder does not (it was copied anyway)."""
+    for name in ("plots/reliability_zero-shot.png", "normalize.json"):
+        if (inputs[0] / name).is_file():
+            shutil.copy2(inputs[0] / name, out / name)
+    source = next(i for i, present in enumerate(taken) if present)
+    first_seed = int(configs[source]["seeds"][0])
+    if taken[source][0] != first_seed:
+        logger.warning(
+            "join: %s's posterior.nc and plots/compare.png are of seed %d, which is not joined; "
+            "the joined folder has neither (pyrobayes evaluate does not need them).",
+            inputs[source],
+            first_seed,
+        )
+        return
+    for name in ("plots/compare.png", "posterior.nc"):
+        if (inputs[source] / name).is_file():
+            shutil.copy2(inputs[source] / name, out / name)
 
 
 def join_runs(
@@ -167,16 +216,11 @@ def join_runs(
         fitted = [r for r in records if r["family"] != "zero-shot" and r.get("seed") in present]
         joined += fitted
         for r in fitted:  # the files of the recorded fits only (not an interrupted fit's)
-            name = f"{r['family']}-seed{r['seed']}"
-            for file in (f"guides/{name}.safetensors", f"plots/reliability_{name}.png"):
+            plot = f"plots/reliability_{r['family']}-seed{r['seed']}.png"
+            for file in (_guide(r["family"], r["seed"]), plot):
                 if (run_dir / file).is_file():
                     shutil.copy2(run_dir / file, out / file)
-    # the first run's seed-independent files: the zero-shot diagram, the first seed's
-    # comparison plot, the ArviZ export and the normalize comparison
-    seed_free = ("plots/reliability_zero-shot.png", "plots/compare.png", "posterior.nc")
-    for name in (*seed_free, "normalize.json"):
-        if (inputs[0] / name).is_file():
-            shutil.copy2(inputs[0] / name, out / name)
+    _copy_seed_free(inputs, [config for config, _ in runs], taken, out)
     config = {**first_config, "seeds": seeds}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "metrics.json").write_text(json.dumps(joined, indent=2))

@@ -778,6 +778,7 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
         config["training"]["device"] = device
     check_run_inputs(config_path, lambda: check_inputs(config))
     order = [f for f in config.get("families", []) if f in paths]
+    _warn_unfitted(run_dir, [f for f in config.get("families", []) if f not in paths])
     order += sorted(set(paths) - set(order))
     device = config["training"]["device"]
     loaders = build_data(config, _load_tokenizer(config))
@@ -797,6 +798,25 @@ def evaluate(run_dir: str | Path, *, device: str | None = None) -> list[dict[str
             }
         )
     return records
+
+
+def _warn_unfitted(run_dir: Path, families: Sequence[str]) -> None:
+    """Log (WARNING) the families of a run's ``config.json`` that have no saved posterior (an
+    interrupted run, or one a family failed in): :func:`evaluate` checks only what was fitted,
+    and its "no drift" said nothing of the families the run never finished."""
+    if not families:
+        return
+    logger.warning(
+        "evaluate: %s lists %s in config.json's families, but %s has no saved posterior for "
+        "them (%s): the run was interrupted or failed before fitting them; only the fitted "
+        "families are checked. Fit the run again (pyrobayes fit CONFIG --out %s --overwrite) "
+        "for every family.",
+        run_dir,
+        ", ".join(families),
+        run_dir,
+        ", ".join(f"guides/{f}.safetensors" for f in families),
+        run_dir,
+    )
 
 
 def _run_config(config_path: Path) -> dict[str, Any]:
