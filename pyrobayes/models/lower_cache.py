@@ -35,7 +35,9 @@ output is more than its hidden states or whose hidden states are not ``(rows, to
 (XLNet's are tokens first), a block of the stack that runs more than once in a forward or a
 lower block that runs after a later one (ALBERT's shared layer groups and inner layers: the
 output of block ``i_0 - 1`` at its first call is then not the input of block ``i_0``; also a
-stack holding one module twice), data over :data:`MAX_BYTES` of hidden states, or a batch
+stack holding one module twice), data over :data:`MAX_BYTES` of hidden states, data reaching
+past the position at which the network's rotary frequencies change (``longrope``, ``dynamic``
+scaling: an entry's would be its example's, the plain forward's its batch's; INFO), or a batch
 holding an example the pass did not see.
 :func:`pyrobayes.models.sharing.unshared` turns it off.
 """
@@ -52,7 +54,7 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LowerBlockCache", "MAX_BYTES", "GROUP_TOKENS", "stubbed_below"]
+__all__ = ["LowerBlockCache", "MAX_BYTES", "GROUP_TOKENS", "stubbed_below", "rope_length_limit"]
 
 #: Largest cache (bytes of stored hidden states); larger data run every block in every epoch.
 MAX_BYTES = 2**30
@@ -77,6 +79,53 @@ _LEFT = (
 
 #: Why a block whose hidden states are not laid out as the token ids is not cached.
 _LAYOUT = "the block's hidden states are not (rows, tokens, ...) (XLNet's are tokens first)"
+
+
+def rope_length_limit(net: nn.Module) -> int | None:
+    """The longest forward (its largest position id + 1) over which ``net``'s rotary embeddings
+    keep their frequencies, or ``None`` when they never change with the forward.
+
+    transformers' ``longrope`` (Phi-3 and Phi-3.5 128k, Phi-4-mini) takes its short or long
+    factors by the largest position id of each forward, past ``original_max_position_embeddings``,
+    and ``dynamic`` NTK scaling grows its frequencies past ``max_position_embeddings``: a prompt
+    run alone, or an example run on its own tokens, then gets other frequencies than in the
+    full rows of its batch. Unknown limits are 0 (never the same).
+
+    Parameters
+    ----------
+    net : nn.Module
+
+    Returns
+    -------
+    int or None
+    """
+    limits: list[int] = []
+    for module in net.modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = list(kind.items()) if isinstance(kind, dict) else [(None, kind)]
+        for layer_type, name in kinds:
+            if not isinstance(name, str):
+                continue
+            if name == "longrope":
+                params = getattr(getattr(module, "config", None), "rope_parameters", None)
+                params = params if isinstance(params, dict) else {}
+                if layer_type is not None and isinstance(params.get(layer_type), dict):
+                    params = params[layer_type]
+                limit = params.get("original_max_position_embeddings")
+            elif "dynamic" in name:
+                limit = getattr(module, "original_max_seq_len", None)
+            else:
+                continue
+            limits.append(limit if isinstance(limit, int) else 0)
+    return min(limits) if limits else None
+
+
+def _span(one: Mapping[str, Tensor]) -> int:
+    """An example's largest position id + 1 (its length without ``position_ids``)."""
+    pos = one.get("position_ids")
+    if isinstance(pos, Tensor) and pos.numel():
+        return int(pos.max()) + 1
+    return int(one["input_ids"].shape[1])
 
 
 class _Stop(Exception):
@@ -155,6 +204,9 @@ class LowerBlockCache:
                         return False
                 if tokens * width > self.max_bytes:
                     return self._off(f"the data's hidden states exceed {self.max_bytes} bytes")
+        why = _rope_refusal(self.net, examples.values())
+        if why is not None:
+            return self._off(why, logging.INFO)
         if left:
             self.causal = self._attends_causally(examples.values(), device)
             if not self.causal:
@@ -332,6 +384,23 @@ class LowerBlockCache:
         for (i, a, n), entry in zip(rows, found, strict=True):
             hidden[i, a : a + n] = entry
         return hidden if self.structure is None else (hidden, *self.structure)
+
+
+def _rope_refusal(net: nn.Module, examples: Iterable[Mapping[str, Tensor]]) -> str | None:
+    """Why entries computed on each example's own tokens would not be the plain forward's: an
+    example past the length at which ``net``'s rotary frequencies change (the plain forward's
+    depend on the longest row of its batch, an entry's on its example), or ``None``."""
+    limit = rope_length_limit(net)
+    if limit is None:
+        return None
+    longest = max((_span(one) for one in examples), default=0)
+    if longest <= limit:
+        return None  # every forward, batch or entry, keeps the short frequencies
+    return (
+        f"{type(net).__name__}'s rotary frequencies change past position {limit} (longrope or "
+        f"dynamic scaling) and the data reaches position {longest - 1}: they would depend on "
+        "the other rows of a batch"
+    )
 
 
 def _order_refusal(order: Sequence[int], first: int) -> str | None:

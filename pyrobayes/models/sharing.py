@@ -29,7 +29,11 @@ choice, and this module runs that work once:
   tensor (shared by the batch or the row's: the leading size cannot tell, :func:`_expand`).
 
 Both are on by default wherever they apply (the prompt states in prediction, with gradients off)
-and fall back silently to the plain computation otherwise; inside :func:`reuse_within_batch`
+and fall back to the plain computation otherwise; a network that cannot share prompts (no
+key/value cache, ``logits_to_keep`` or ``position_ids``) and a batch whose rows reach past the
+length at which the network's rotary frequencies change (``longrope``, ``dynamic``: the prompts
+alone would be rotated otherwise than in the full rows) are logged once per network (INFO).
+Inside :func:`reuse_within_batch`
 (``pyrobayes.predict`` opens it) the lower layers' output of a batch is kept for all its chunks
 of draws. In a fit the frozen lower blocks' output is kept per example across epochs
 (:mod:`pyrobayes.models.lower_cache`). :func:`unshared` turns everything off (for reference
@@ -50,7 +54,7 @@ from torch import Tensor, nn
 
 from ..batch import compute_dtype
 from .layers import BatchedLinear, _AdapterBase
-from .lower_cache import stubbed_below
+from .lower_cache import rope_length_limit, stubbed_below
 from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
 from .net_call import _RowsMismatch
 
@@ -151,10 +155,42 @@ def _prefix_layout(inputs: Mapping[str, Any]) -> dict[str, Tensor] | None:
     }
 
 
+#: Why prompts are not shared for a network, per network, each reason logged once (INFO).
+_TOLD: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _tell(net: nn.Module, why: str) -> None:
+    """Log (INFO, once per network and reason) that ``net``'s prompts run in the full rows."""
+    told = _TOLD.setdefault(net, set())
+    if why not in told:
+        told.add(why)
+        logger.info(
+            "sharing: %s scores every choice from its full row (no shared prompt): %s",
+            type(net).__name__,
+            why,
+        )
+
+
+def _network_refusal(net: nn.Module) -> str | None:
+    """Why ``net`` cannot run the shared prompts (no key/value cache, no per-row head gather,
+    an argument the shared passes need), or ``None``."""
+    if _cache_argument(net) is None:
+        return "its forward takes no key/value cache (cache or past_key_values)"
+    from . import likelihoods  # the prompt path yields the gathered head's output only
+
+    if not likelihoods.head_positions_supported(net):
+        return "its head does not gather per-row positions (logits_to_keep)"
+    for name in ("use_cache", "position_ids", "attention_mask"):
+        if not accepts_argument(net, name):
+            return f"its forward takes no {name}"
+    return None
+
+
 def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
     """Whether :func:`prefix_shared_logits` may apply: sharing on, gradients off (prediction), a
     continuation likelihood, a ``(R, K, L)`` batch of known keys and a network taking a
-    key/value cache and gathering its head per row."""
+    key/value cache and gathering its head per row (where it does not, the reason is logged
+    once per network)."""
     if not sharing_enabled() or not getattr(likelihood, "continuations", False):
         return False
     if torch.is_grad_enabled():
@@ -167,14 +203,26 @@ def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
         return False
     if not isinstance(inputs.get("attention_mask"), Tensor):
         return False
-    if _cache_argument(net) is None:
+    why = _network_refusal(net)
+    if why is not None:
+        _tell(net, why)
         return False
-    from . import likelihoods  # the prompt path yields the gathered head's output only
+    return True
 
-    if not likelihoods.head_positions_supported(net):
-        return False
-    return all(
-        accepts_argument(net, name) for name in ("use_cache", "position_ids", "attention_mask")
+
+def _rope_refusal(net: nn.Module, layout: Mapping[str, Tensor]) -> str | None:
+    """Why the shared passes would rotate the batch's keys and queries otherwise than its full
+    rows do (rotary frequencies chosen by each forward's largest position id: ``longrope``,
+    ``dynamic``; the prompt pass stops at the prompts'), or ``None``."""
+    limit = rope_length_limit(net)
+    if limit is None:
+        return None
+    longest = int(torch.maximum(layout["prompt_pos"].max(), layout["cont_pos"].max())) + 1
+    if longest <= limit:
+        return None  # every pass, shared or full, keeps the short frequencies
+    return (
+        f"its rotary frequencies change past position {limit} (longrope or dynamic scaling) "
+        f"and the batch reaches position {longest - 1}: the prompts alone would get others"
     )
 
 
@@ -284,6 +332,10 @@ def prefix_shared_logits(
         return None  # one parameter set per choice row: a prompt row would have K of them
     layout = _prefix_layout(inputs)
     if layout is None:
+        return None
+    why = _rope_refusal(net, layout)
+    if why is not None:
+        _tell(net, why)
         return None
     num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
     # lower blocks shared: the network runs on sample 0's rows, expanded S-fold at block i0
@@ -454,7 +506,7 @@ def tokens_per_draw(
     tokens = None
     if prefix_applies(net, likelihood, inputs):
         layout = _prefix_layout(inputs)
-        if layout is not None:
+        if layout is not None and _rope_refusal(net, layout) is None:
             tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
     if lower is None or _lower_declined(lower, int(ids.shape[0]), 2):
         return tokens  # (lower blocks known not to be shared for this network)
