@@ -194,3 +194,22 @@ def test_classifier_evaluate_names_the_families_an_interrupted_run_never_fitted(
     assert "lists meanfield, laplace in config.json's families" in caplog.text
     assert "guides/meanfield.safetensors, guides/laplace.safetensors" in caplog.text
     assert "--overwrite" in caplog.text
+
+
+def test_a_run_file_rewrite_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    """The jobs rewrite metrics.json after every fit; written in place, an interrupt or a full
+    disk mid-write truncated it and every record was lost. Now a temporary file is moved into
+    place, so a failure before the move leaves the previous file whole and no temporary file."""
+    from pyrobayes.demo import run_folder
+
+    path = tmp_path / "metrics.json"
+    run_folder.write_json(path, [{"family": "map", "seed": 0}])
+
+    def fail(src, dst):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(run_folder.os, "replace", fail)
+    with pytest.raises(OSError, match="No space left"):
+        run_folder.write_json(path, [{"family": "map", "seed": 0}, {"family": "ivon", "seed": 0}])
+    assert json.loads(path.read_text()) == [{"family": "map", "seed": 0}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]

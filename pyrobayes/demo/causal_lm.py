@@ -107,7 +107,7 @@ from .pipeline import (
     reliability_plot,
     uses_validation,
 )
-from .run_folder import claim_run_folder, run_files
+from .run_folder import claim_run_folder, run_files, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -667,7 +667,7 @@ def run(
     made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_json(out / "config.json", config)
     try:
         return _run(config, out, progress_bar)
     except BaseException as err:  # an interrupt too: say what the folder holds
@@ -765,8 +765,8 @@ def _run(config: dict[str, Any], out: Path, progress_bar: bool) -> list[dict[str
             if not exported and not guide.is_deterministic:
                 loaders = {"test": data["test"]}
                 exported = export_posterior(out, model, guide, loaders, config, result.losses)
-            (out / "metrics.json").write_text(json.dumps(records, indent=2))
-    (out / "metrics.json").write_text(json.dumps(records, indent=2))
+            write_json(out / "metrics.json", records)
+    write_json(out / "metrics.json", records)
     (out / "table.md").write_text(format_table(records))
     first = [r for r in records if r["seed"] in (None, config["seeds"][0])]
     comparison_plot(out, first, mean_probs)

@@ -30,7 +30,7 @@ from typing import Any
 
 from .causal_lm import format_table, is_causal_lm_config
 from .pipeline import DRIFT_TOLERANCE, RunFolderError, compare_metrics, read_json
-from .run_folder import claim_run_folder
+from .run_folder import claim_run_folder, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +222,8 @@ def join_runs(
                     shutil.copy2(run_dir / file, out / file)
     _copy_seed_free(inputs, [config for config, _ in runs], taken, out)
     config = {**first_config, "seeds": seeds}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "metrics.json").write_text(json.dumps(joined, indent=2))
+    write_json(out / "config.json", config)
+    write_json(out / "metrics.json", joined)
     (out / "table.md").write_text(format_table(joined))
     logger.info("joined %d run folders (seeds %s) into %s", len(inputs), seeds, out)
     return joined

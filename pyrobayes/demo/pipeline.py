@@ -58,7 +58,7 @@ from .config import (
     resolve_config,
     validate_config,
 )
-from .run_folder import RunFolderError, claim_run_folder
+from .run_folder import RunFolderError, claim_run_folder, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def run(
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     config["families"] = families
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_json(out / "config.json", config)
     device = config["training"]["device"]
     loaders = build_data(config, _load_tokenizer(config))
     records = []
@@ -433,7 +433,7 @@ def run(
         _plots(out, family, pred)
         if not exported and not guide.is_deterministic:
             exported = _export(out, model, guide, loaders, config, result.losses)
-        (out / "metrics.json").write_text(json.dumps(records, indent=2))
+        write_json(out / "metrics.json", records)
     (out / "table.md").write_text(format_table(records))
     _comparison_plot(out, records, mean_probs)
     return records

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["RUN_FILES", "RUN_GLOBS", "RunFolderError", "claim_run_folder", "run_files"]
+__all__ = [
+    "RUN_FILES",
+    "RUN_GLOBS",
+    "RunFolderError",
+    "claim_run_folder",
+    "run_files",
+    "write_json",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +37,18 @@ RUN_GLOBS = ("guides/*.safetensors", "plots/*.png")
 class RunFolderError(ValueError):
     """A run folder that cannot be used: no config, posteriors or metrics to evaluate, or, for
     a new run, the files of another run."""
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` as indented JSON to ``path`` atomically: into a temporary file beside it,
+    then ``os.replace``, so an interrupt or a full disk mid-write leaves the previous file whole
+    (a job rewrites ``metrics.json`` after every fit: a truncated one lost every record)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(value, indent=2))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def run_files(out: str | Path) -> list[Path]:
