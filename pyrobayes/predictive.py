@@ -565,19 +565,19 @@ def cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:
 
 
 def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str, Tensor]:
-    """``num_samples`` joint draws (one for a point posterior; whole components for a mixture),
-    after the guide's ``check_finite`` where it has one (a Laplace guide: a non-finite
-    ``H + τ I`` named by site; a ``+inf`` one passes torch's checks and gives draws without
-    spread)."""
-    check_finite = getattr(guide, "check_finite", None)
-    if callable(check_finite):
-        check_finite("predict: ")
+    """``num_samples`` joint draws (one for a point posterior; whole components for a mixture).
+    A guide's own refusal of its posterior (a Laplace guide's ``sample_posterior`` runs its
+    ``check_finite``: a non-finite ``H + τ I`` named by site) is named as predict's."""
     if guide.is_deterministic:  # the Posterior protocol (contract.py)
         num_samples = 1
     elif implements(guide, Mixture):
         num_samples = _equal_weight_samples(cast(Mixture, guide), num_samples)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-    return cast(dict[str, Tensor], guide.sample_posterior(num_samples, generator=generator))
+    try:
+        draws = guide.sample_posterior(num_samples, generator=generator)
+    except FloatingPointError as err:
+        raise FloatingPointError(f"predict: {err}") from None
+    return cast(dict[str, Tensor], draws)
 
 
 def _as_draws(model: Any, values: Any) -> Any:
