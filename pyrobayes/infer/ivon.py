@@ -520,7 +520,8 @@ class IVONOptimizer(torch.optim.Optimizer):
 
     def _run_closure(self, closure: Callable[[], Tensor], step: int) -> Tensor:
         """The closure's loss (the mean over ranks); the point parameters are restored if it
-        raises, and the Kronecker statistics record during it."""
+        raises (and the Kronecker statistics it recorded dropped: their layer outputs would
+        keep the forward's graph alive), and the Kronecker statistics record during it."""
         curvature = self.curvature
         if curvature is not None:
             curvature.start(step)
@@ -529,6 +530,8 @@ class IVONOptimizer(torch.optim.Optimizer):
                 loss = closure()
         except BaseException:
             self._restore()
+            if curvature is not None:
+                curvature.undo()
             raise
         finally:
             self._sigma = None
@@ -541,10 +544,13 @@ class IVONOptimizer(torch.optim.Optimizer):
         return loss
 
     def _refuse(self) -> None:
-        """Leave everything as before the step: the point parameters at their means, no grads."""
+        """Leave everything as before the step: the point parameters at their means, no grads,
+        the curvature's factors as they were and its recorded statistics dropped."""
         self._restore()
         for p in self.extras:
             p.grad = None
+        if self.curvature is not None:
+            self.curvature.undo()
 
     def _statistics(self, flat: dict[str, Any], prec: Tensor) -> tuple[Tensor, Tensor]:
         """``(ĝ, ĥ)`` over ``[point | diagonal | Kronecker]`` (ĥ over the first two) from the
@@ -576,7 +582,12 @@ class IVONOptimizer(torch.optim.Optimizer):
 
     def _update(self, flat: dict[str, Any], grad: Tensor, hhat: Tensor) -> None:
         """Algorithm 1's update of ``m``, ``h`` and the momentum (the Kronecker block's by its
-        curvature), written back to the guide's tensors and the point parameters."""
+        curvature), written back to the guide's tensors and the point parameters.
+
+        A step that leaves ``m`` or ``h`` unusable is undone: ``m``, ``h``, the momentum and the
+        curvature's factors and decompositions stay as before it (the factors' EMA is applied
+        only once the step is kept, :meth:`KronCurvature.commit
+        <pyrobayes.infer.kron.KronCurvature.commit>`)."""
         hp, state, m, D = self.hyper, flat["state"], flat["m"], self._n_extra + self._n_diag
         t, lr, momentum = state["step"], self.param_groups[0]["lr"], state["momentum"]
         before = (m.clone(), momentum.clone(), state["hess"].clone())  # undone if it goes bad
@@ -611,6 +622,8 @@ class IVONOptimizer(torch.optim.Optimizer):
                 f"{hp['hess_init']:g}) or the learning rate (a non-finite m: pass clip_radius "
                 "to pb.infer.IVON)."
             )
+        if self.curvature is not None:
+            self.curvature.commit()
         state["step"] = t + 1
         torch._foreach_copy_(flat["targets"], flat["views"])
         self._record(flat)

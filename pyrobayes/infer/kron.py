@@ -125,6 +125,10 @@ class KronCurvature:
         self.G_acc: dict[str, Tensor] = {}
         self.recording = self.capture = self.recorded = False
         self.mask: Tensor | None = None
+        #: the step's factor EMA, ``(factors, Â/Ĝ)``, applied when the step is kept (:meth:`commit`)
+        self._pending: tuple[list[Tensor], list[Tensor]] | None = None
+        #: ``(tensors, copies)``: what a re-decomposition step changed, put back by :meth:`undo`
+        self._saved: tuple[list[Tensor], list[Tensor]] | None = None
         self._row_masks: dict[Any, tuple[Tensor, int]] = {}
         self._scales: dict[Any, Tensor] = {}
         self.hooks = []
@@ -158,6 +162,7 @@ class KronCurvature:
         """Before the closure of step ``step``: record the factor statistics every ``T_stats``."""
         settings = self.settings
         self.records, self.G_acc, self.mask, self._row_masks = {}, {}, None, {}
+        self._pending = self._saved = None
         self.recording = self.recorded = step % settings.T_stats == 0
         self.capture = self.recording and settings.fisher == "empirical"
 
@@ -209,9 +214,16 @@ class KronCurvature:
                     self.G_acc[site] = term + self.G_acc[site] if site in self.G_acc else term
 
     def step_(self, m: Tensor, momentum: Tensor, grad: Tensor, step: int, lr: float) -> None:
-        """Update the factors (when recorded), re-decompose every ``T_inv`` steps, then the
-        mean step of every run in place on the block's flat ``m`` and ``momentum``."""
-        guide, hp = self.guide, self.hyper
+        """The mean step of every run in place on the block's flat ``m`` and ``momentum``, after
+        re-decomposing the factors every ``T_inv`` steps.
+
+        The factors' EMA (when recorded) waits for :meth:`commit` (the optimizer's check that
+        the step is usable) unless this step re-decomposes them: then it is applied now and the
+        factors and decompositions it changes are kept for :meth:`undo`. A step that only moves
+        the factors thus costs no copy; a re-decomposition step copies ``O(d²)`` next to its
+        ``O(d³)`` ``eigh``.
+        """
+        guide = self.guide
         if self.recorded:
             hats, rows = self._estimates()
             if world()[0] > 1:
@@ -222,10 +234,15 @@ class KronCurvature:
                 h if h.dtype == F_.dtype else h.to(F_.dtype)
                 for h, F_ in zip(hats, factors, strict=True)
             ]
-            torch._foreach_lerp_(factors, hats, 1.0 - hp["beta2"])
+            self._pending = (factors, hats)
         self.records, self.G_acc = {}, {}
         if (step + 1) % self.settings.T_inv == 0 or step == 0:
+            changed = [t for site in self.sites for pair in guide.eigen(site) for t in pair]
+            changed += self._pending[0] if self._pending is not None else []
+            self._saved = (changed, [t.clone() for t in changed])
+            self._apply_ema()
             guide.refresh()
+        hp = self.hyper
         for sites, a, b, shape in self.runs:
             basis = guide.basis(sites)
             stack = (len(sites), *shape)
@@ -247,6 +264,26 @@ class KronCurvature:
                 debias=hp["debias"],
                 rescale_lr=hp["rescale_lr"],
             )
+
+    def commit(self) -> None:
+        """The step was kept: apply its factor EMA ``F ← β2 F + (1−β2) F̂`` (if still pending)."""
+        self._apply_ema()
+        self._saved = None
+
+    def undo(self) -> None:
+        """The step was refused (or never reached :meth:`step_`): drop its statistics and its
+        pending factor EMA, and put back the factors and decompositions a re-decomposition step
+        changed, so the guide's factors are exactly as before the step."""
+        if self._saved is not None:
+            torch._foreach_copy_(*self._saved)
+        self.records, self.G_acc, self._pending, self._saved = {}, {}, None, None
+
+    def _apply_ema(self) -> None:
+        """``F ← β2 F + (1−β2) F̂`` in place for the pending factors."""
+        if self._pending is not None:
+            factors, hats = self._pending
+            self._pending = None
+            torch._foreach_lerp_(factors, hats, 1.0 - self.hyper["beta2"])
 
     # ------------------------------------------------------------------ statistics
     def _estimates(self) -> tuple[list[Tensor], list[int]]:
