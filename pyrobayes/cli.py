@@ -9,7 +9,9 @@ built at the fitted MAP; it prints the comparison table and writes ``plots/compa
 posteriors, recomputes their metrics and compares them with the run's ``metrics.json``.
 
 An ``--out`` folder that already holds a run (its ``config.json``, ``metrics.json``, posteriors)
-is refused unless ``--overwrite`` is given, which removes that run's files first.
+is refused unless ``--overwrite`` is given, which removes that run's files first. A run that
+fails or is interrupted (Ctrl-C) before its first result removes what it wrote, so the same
+command starts it again; one stopped later keeps the families it completed.
 
 Exit status: 0 on success, 1 when ``evaluate`` finds drift, 2 on a usage, config or run-folder
 error, or on an error the library reports about its input after the config check (a model or
@@ -427,7 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         # message is the library's; anything else (a bug) keeps its traceback
         return _report(args.command, err, hint=True)
     except KeyboardInterrupt:
-        print("interrupted; completed families are saved in the run folder", file=sys.stderr)
+        saved = (
+            "; the families completed before it are saved in the run folder (a run interrupted "
+            "before its first result removed its files: the same command starts it again)"
+            if args.command in ("demo", "fit")
+            else ""
+        )
+        print(f"pyrobayes {args.command}: interrupted{saved}", file=sys.stderr)
         return 130
 
 

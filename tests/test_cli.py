@@ -486,7 +486,7 @@ def test_the_library_run_refuses_a_finished_run_too(tmp_path, monkeypatch, job):
     # rule: a folder holding another run is refused before anything is loaded or written, and
     # overwrite=True removes that run's files first
     from pyrobayes.demo import causal_lm, pipeline
-    from pyrobayes.demo.run_folder import RunFolderError
+    from pyrobayes.demo.run_folder import RunFolderError, run_files
 
     module = pipeline if job == "pipeline" else causal_lm
     user = {"families": ["map"]}
@@ -496,10 +496,11 @@ def test_the_library_run_refuses_a_finished_run_too(tmp_path, monkeypatch, job):
     out = tmp_path / "run"
     files = _finished_run(out)
     loader = "build_data" if job == "pipeline" else "load_base"
-    seen = []
+    seen, written = [], []
 
     def stop(*args, **kwargs):  # the first loading step: record the folder, go no further
         seen.append(sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()))
+        written.append(json.loads((out / "config.json").read_text())["families"])
         raise KeyboardInterrupt
 
     monkeypatch.setattr(module, loader, stop)
@@ -510,7 +511,10 @@ def test_the_library_run_refuses_a_finished_run_too(tmp_path, monkeypatch, job):
     with pytest.raises(KeyboardInterrupt):
         module.run(config, out, progress_bar=False, overwrite=True)
     assert seen == [["config.json"]]  # the old run's files gone, the new config written
-    assert json.loads((out / "config.json").read_text())["families"] == ["map"]
+    assert written == [["map"]]
+    # interrupted before its first result, the new run removed its config too (it computed
+    # nothing): the folder holds no run, so the same call starts again without overwrite
+    assert run_files(out) == []
 
 
 @pytest.mark.parametrize(

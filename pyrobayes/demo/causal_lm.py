@@ -42,7 +42,8 @@ configured values it replaces (:data:`QUICK_OVERRIDES`).
 Config mistakes are :class:`~pyrobayes.demo.config.ConfigError` naming the key:
 :func:`resolve_config` checks the schema, bounds and combinations, :func:`check_inputs` what the
 config names on this machine (before :func:`run` writes the folder); a run that fails before its
-first result removes what it wrote.
+first result (an error, or an interrupt: Ctrl-C) removes what it wrote, so the same command
+runs it again in that folder.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ from .pipeline import (
     reliability_plot,
     uses_validation,
 )
-from .run_folder import claim_run_folder, run_files, write_json
+from .run_folder import claim_run_folder, remove_unfinished_run, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -649,10 +650,11 @@ def run(
         folder is refused (``RunFolderError``) before the model is loaded.
 
     What the config names on this machine is checked (:func:`check_inputs`) before the folder
-    is written. A run that fails before its first result (a task file that cannot be read, a
-    fit that diverges at once) removes the files it wrote, so the folder takes the corrected
-    run without ``overwrite``; one that fails or is interrupted later keeps its records and
-    logs a warning naming those and the (family, seed) fits it did not reach.
+    is written. A run that fails or is interrupted (Ctrl-C) before its first result (a task
+    file that cannot be read, a fit that diverges at once) removes the files it wrote, so the
+    folder takes the same or the corrected run without ``overwrite``; one that fails or is
+    interrupted later keeps its records and logs a warning naming those and the (family, seed)
+    fits it did not reach.
 
     Returns
     -------
@@ -673,8 +675,8 @@ def run(
     except BaseException as err:  # an interrupt too: say what the folder holds
         if (out / "metrics.json").exists():
             _log_partial_run(out, config, err)
-        elif isinstance(err, Exception):  # failed before any result: leave no run behind
-            _remove_run(out, made)
+        else:  # failed or interrupted before any result: leave no run behind
+            remove_unfinished_run(out, made, "causal-LM job", err)
         raise
 
 
@@ -700,17 +702,6 @@ def _log_partial_run(out: Path, config: dict[str, Any], err: BaseException) -> N
         ", ".join(fitted) or "no fitted family",
         ", ".join(left) or "none",
     )
-
-
-def _remove_run(out: Path, made: Sequence[Path]) -> None:
-    """Remove what a run that failed before its first result wrote into ``out`` (the folder
-    held no run before it: :func:`claim_run_folder`), so the corrected config can use it."""
-    for file in run_files(out):  # normalize.json among them (RUN_FILES)
-        file.unlink(missing_ok=True)
-    for folder in reversed(made):  # the folders this run made, if left empty
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-    logger.warning("causal-LM job failed before its first result; removed its files in %s", out)
 
 
 def _run(config: dict[str, Any], out: Path, progress_bar: bool) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ from .config import (
     resolve_config,
     validate_config,
 )
-from .run_folder import RunFolderError, claim_run_folder, write_json
+from .run_folder import RunFolderError, claim_run_folder, remove_unfinished_run, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -392,7 +392,10 @@ def run(
     """Run every family of ``config`` and write the run folder; returns the metric records.
 
     ``overwrite=True`` replaces a run already in ``out_dir`` (its files are removed first);
-    without it such a folder is refused before anything is fitted.
+    without it such a folder is refused before anything is fitted. A run that fails or is
+    interrupted (Ctrl-C) before its first result removes the files it wrote, so the same (or
+    the corrected) run takes the folder without ``overwrite``; one stopped later keeps the
+    families ``metrics.json`` records.
 
     Raises
     ------
@@ -409,10 +412,24 @@ def run(
     check_inputs(config)
     out = Path(out_dir)
     claim_run_folder(out, overwrite)
+    made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
     config["families"] = families
     write_json(out / "config.json", config)
+    try:
+        return _run_families(config, families, out, progress_bar)
+    except BaseException as err:  # an interrupt (Ctrl-C) too
+        if not (out / "metrics.json").exists():  # no result yet: leave no run behind
+            remove_unfinished_run(out, made, "demo job", err)
+        raise
+
+
+def _run_families(
+    config: dict[str, Any], families: Sequence[str], out: Path, progress_bar: bool
+) -> list[dict[str, Any]]:
+    """:func:`run` in a claimed folder holding the config: fit, evaluate and save each family
+    (``metrics.json`` rewritten after each), then the table and the comparison plot."""
     device = config["training"]["device"]
     loaders = build_data(config, _load_tokenizer(config))
     records = []

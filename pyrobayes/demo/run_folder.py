@@ -6,7 +6,9 @@
 ``guides/*.safetensors`` and ``plots/*.png``. A folder that already holds such
 files belongs to another run: it is refused unless the caller asks to replace it, and then that
 run's files are removed first, so no posterior of a family the new run does not fit is left
-behind next to the new metrics.
+behind next to the new metrics. A run that stops before its first result (an error, or an
+interrupt: Ctrl-C) removes what it wrote (:func:`remove_unfinished_run`), so the same command
+starts it again in that folder.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ __all__ = [
     "RUN_GLOBS",
     "RunFolderError",
     "claim_run_folder",
+    "remove_unfinished_run",
     "run_files",
     "write_json",
 ]
@@ -129,3 +133,37 @@ def claim_run_folder(
     logger.warning("%s: replacing the run in %s", replace, root)
     for file in files:
         file.unlink()
+
+
+def remove_unfinished_run(out: Path, made: Sequence[Path], job: str, err: BaseException) -> None:
+    """Remove what a run that stopped before its first result wrote into ``out``.
+
+    ``out`` held no run before it (:func:`claim_run_folder` refused one, or ``overwrite``
+    removed it), and a run with no ``metrics.json`` computed nothing a user could keep, so its
+    ``config.json`` alone would only make the same command (or the corrected config) refused
+    until ``overwrite``: an interrupt (Ctrl-C) is treated as an error is.
+
+    Parameters
+    ----------
+    out : Path
+        The run folder.
+    made : sequence of Path
+        The folders the run created (``out``, ``guides``, ``plots``), removed if left empty.
+    job : str
+        The job the logged warning names (``"demo job"``, ``"causal-LM job"``).
+    err : BaseException
+        What stopped the run (a ``KeyboardInterrupt`` is worded as an interrupt).
+    """
+    for file in run_files(out):  # normalize.json among them (RUN_FILES)
+        file.unlink(missing_ok=True)
+    for folder in reversed(made):  # the folders this run made, if left empty
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    how = "was interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    logger.warning(
+        "%s %s before its first result; removed its files in %s, so the same command starts "
+        "it again there.",
+        job,
+        how,
+        out,
+    )
