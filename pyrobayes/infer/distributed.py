@@ -80,15 +80,6 @@ def all_reduce_sum_(tensors: Sequence[Tensor]) -> None:
         _collective_(t, lambda x: torch_dist.all_reduce(x, op=torch_dist.ReduceOp.SUM))
 
 
-def spread(value: int) -> tuple[int, int]:
-    """``(min, max)`` of an integer over the ranks (``(value, value)`` in one process)."""
-    if world()[0] == 1:
-        return value, value
-    both = torch.tensor([value, -value], dtype=torch.int64)
-    _collective_(both, lambda x: torch_dist.all_reduce(x, op=torch_dist.ReduceOp.MAX))
-    return -int(both[1]), int(both[0])
-
-
 def barrier() -> None:
     """Wait until every process reaches this point (e.g. rank 0's last checkpoint is written)."""
     if world()[0] > 1:

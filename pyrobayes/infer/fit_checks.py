@@ -25,6 +25,7 @@ from .distributed import world
 logger = logging.getLogger("pyrobayes.infer.loop")  # the fit's log, as before the split
 
 __all__ = [
+    "BATCHES_PER_EPOCH",
     "DataSize",
     "Divergence",
     "DivergenceWarning",
@@ -221,17 +222,24 @@ def check_first_batch(model: Any, fitter: Any, batch: Any) -> None:
         check_inputs(inputs)
 
 
-def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None = None) -> None:
-    """Under ``torch.distributed``, make every rank refuse the fit when one refuses it or when
-    the ranks' fits differ (a no-op in one process). Every rank calls it once, at the same
-    point, with this rank's ``record`` (the settings every rank must share: family, fitter and
-    its settings, rate, budget, the step it resumes from, ...; JSON values) or the ``error``
-    that refused the fit here.
+#: The key of a rank's record (:func:`check_ranks_agree`) holding its data's batches per epoch
+#: (-1: no ``len()``), compared before the other settings.
+BATCHES_PER_EPOCH = "batches per epoch"
 
-    Without it a rank that refused the fit (a resume it could not read), or one that ran
-    another number of steps, another family or another resume position, left the others
-    waiting in an all-reduce (gloo times out after 30 minutes), and ranks with another rate
-    drifted apart without a word (rank 0's state is the one saved).
+
+def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None = None) -> None:
+    """Under ``torch.distributed``, make every rank refuse the fit when one refuses it (or
+    fails before it) or when the ranks' fits differ (a no-op in one process). Every rank calls
+    it once, as the fit's first collective, with this rank's ``record`` (the settings every
+    rank must share: its batches per epoch, family, fitter and its settings, rate, budget, the
+    step it resumes from, ...; JSON values) or the ``error`` that stopped the fit here (a
+    refused resume, or any error before the agreement: its data, its checkpoint folder).
+
+    Without it a rank that refused the fit (a resume it could not read) or failed before it
+    (data only that rank holds), or one that ran another number of steps, another family or
+    another resume position, left the others waiting in an all-reduce (gloo times out after
+    30 minutes), and ranks with another rate drifted apart without a word (rank 0's state is
+    the one saved).
 
     Raises
     ------
@@ -239,7 +247,8 @@ def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None
         On the ranks that did not refuse, naming the rank that did and its error (the rank
         that refused returns here, and raises its own error).
     ValueError
-        When the records differ: naming the first differing setting and every rank's value.
+        When the records differ: the ranks' batches per epoch (:data:`BATCHES_PER_EPOCH`)
+        first, then naming the first differing setting and every rank's value.
     """
     size = world()[0]
     if size == 1:
@@ -257,6 +266,7 @@ def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None
             "(the others would wait for it in the first all-reduce). Fix that rank's fit."
         )
     records = [r or {} for r, _ in gathered]
+    _check_shards([r.get(BATCHES_PER_EPOCH) for r in records])
     for key in dict.fromkeys(k for r in records for k in r):  # (rank 0's order first)
         values = [r.get(key) for r in records]
         if any(v != values[0] for v in values[1:]):
@@ -269,3 +279,17 @@ def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None
                 "apart (rank 0's are the ones saved). Launch every rank with the same fit "
                 "arguments (and, to resume, a checkpoint folder every rank can read)."
             )
+
+
+def _check_shards(per_epoch: list[int | None]) -> None:
+    """Refuse ranks whose data have other numbers of batches per epoch (-1: no ``len()``): the
+    ranks all-reduce every step, so the longer rank would wait for a step the shorter never
+    takes (gloo times out after 30 minutes)."""
+    counts = [n for n in per_epoch if n is not None]
+    if counts and min(counts) != max(counts):
+        raise ValueError(
+            f"fit(): under torch.distributed the ranks' data have different numbers of "
+            f"batches per epoch ({min(counts)} to {max(counts)}; -1: no len()), but every step "
+            "all-reduces over the ranks. Give each rank a DistributedSampler over the same "
+            "dataset (it pads the shards to equal sizes) and the same batch size."
+        )

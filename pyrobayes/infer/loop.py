@@ -14,8 +14,9 @@ minibatch (a ``DistributedSampler``; the model's ``num_data`` is the *global* N,
 optimizers such as IVON all-reduce their own statistics), the logged loss is the mean over ranks,
 and only rank 0 writes checkpoints and shows the progress bar. With equal per-rank batch sizes, R
 ranks on batches of B equal one process on the union batch of R·B (tested with gloo). Every rank
-must run the same fit: before the fitter begins, the ranks compare their family, settings, rate,
-budget and resume position, and a rank that refuses the fit stops them all
+must run the same fit: before the fitter begins, the ranks compare their batches per epoch,
+family, settings, rate, budget and resume position, and a rank that refuses the fit (or fails
+before it: its data, its checkpoint folder) stops them all, in one gather
 (:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`).
 """
 
@@ -53,8 +54,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .data_order import DataOrder
-from .distributed import barrier, broadcast_, spread, world
+from .distributed import barrier, broadcast_, world
 from .fit_checks import (
+    BATCHES_PER_EPOCH,
     DataSize,
     Divergence,
     DivergenceWarning,
@@ -73,7 +75,7 @@ from .run_record import (
     record_objective,
     record_scheduler,
 )
-from .schedule import check_schedule, make_scheduler
+from .schedule import check_schedule, make_scheduler, warn_if_no_warmup_step
 from .selection import Selection, check_select_by, warn_if_training_data
 
 logger = logging.getLogger(__name__)
@@ -327,6 +329,31 @@ def fit(
     a ``DeprecationWarning`` naming the new spelling.
     """
     groups = {"optim": optim, "validation": validation, "checkpoint": checkpoint}
+    with contextlib.ExitStack() as stack:
+        try:
+            loop = _start(stack, model, guide, data, groups, progress, epochs, lr, seed)
+        except Exception as err:  # every rank stops with this one (the others wait in run())
+            check_ranks_agree(None, err)
+            raise
+        return loop.run()
+
+
+def _start(
+    stack: contextlib.ExitStack,
+    model: Any,
+    guide: Any,
+    data: Iterable[Any],
+    groups: dict[str, Any],
+    progress: Progress | bool | None,
+    epochs: int | None,
+    lr: float | None,
+    seed: int | None,
+) -> _Loop:
+    """:func:`fit`'s checks of its arguments, its checkpoint folder claimed (rank 0) and the
+    loop built: everything before the ranks' agreement, whose errors :func:`fit` hands to the
+    agreement (:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`) so that under
+    ``torch.distributed`` a rank's own error (its data, a folder only rank 0 claims) stops
+    every rank instead of leaving them waiting in the agreement's collective."""
     options = _Options.of({**groups, "progress": progress})
     args = validate_fit_arguments(  # plain Python numbers (a NumPy seed passes the checks)
         epochs=epochs,
@@ -342,11 +369,9 @@ def fit(
         warn_if_training_data(options.validation.data, data)
     # argument errors before anything is touched (begin() resets what a fitter collects)
     check_schedule(options.optim.scheduler, plan.total, options.optim.warmup)
-    with contextlib.ExitStack() as stack:
-        if options.checkpoint is not None and world()[1] == 0:  # only rank 0 writes
-            _claim_folder(stack, options.checkpoint)
-        loop = _Loop(model, guide, data, plan, options, lr=args.lr, seed=args.seed)
-        return loop.run()
+    if options.checkpoint is not None and world()[1] == 0:  # only rank 0 writes
+        _claim_folder(stack, options.checkpoint)
+    return _Loop(model, guide, data, plan, options, lr=args.lr, seed=args.seed)
 
 
 def _most_epochs(plan: _Plan) -> int | None:
@@ -588,6 +613,8 @@ class _Loop(ResumeChecks):
                     spec,
                 )
                 spec, warmup = None, 0
+        if optim.warmup:  # the user's warm-up (a family's default may round to 0 silently)
+            warn_if_no_warmup_step(spec, self.plan.total, warmup)
         sched = make_scheduler(spec, fitter.optimizer, self.plan.total, warmup)
         self.schedule_record = None if sched is None else [qualified_name(spec), float(warmup)]
         # taken as built, before a step moves them (a resume compares them: _check_run)
@@ -618,7 +645,6 @@ class _Loop(ResumeChecks):
     # ------------------------------------------------------------------ the run
     def run(self) -> FitResult:
         try:  # every refusal before the guide changes (a refused fit leaves it as it was)
-            self._check_shards()
             found = self._agreed_resume()  # (the checkpoint's posterior fits the guide too)
             # the fitter's own refusals (Laplace's settings) come before its reset, which
             # begins the fit: the temperature stays held until then
@@ -876,14 +902,16 @@ class _Loop(ResumeChecks):
 
     def _agreed_resume(self) -> Path | None:
         """:meth:`_checked_resume`, then, under ``torch.distributed``, the ranks' agreement
-        (:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`): a rank's refusal stops every
-        rank, and so do ranks whose fits differ (:meth:`_rank_record`)."""
+        (:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`, the fit's first collective): a
+        rank's refusal or error here or before (:func:`fit`) stops every rank, and so do ranks
+        whose fits differ (:meth:`_rank_record`: their batches per epoch first)."""
         try:
             found = self._checked_resume()
+            record = self._rank_record(found)
         except Exception as err:
             check_ranks_agree(None, err)
             raise
-        check_ranks_agree(self._rank_record(found))
+        check_ranks_agree(record)
         return found
 
     def _rank_record(self, found: Path | None) -> dict[str, Any] | None:
@@ -896,7 +924,9 @@ class _Loop(ResumeChecks):
         run.pop("seed", None)
         run.pop("training_data", None)
         step = json.loads((found / "state.json").read_text())["step"] if found else 0
+        per_epoch = self.plan.steps_per_epoch
         return {
+            BATCHES_PER_EPOCH: -1 if per_epoch is None else per_epoch,
             "guide": type(self.guide).__name__,
             "fitter": type(self.fitter).__name__,
             "settings": repr(self.fitter.settings),
@@ -906,22 +936,6 @@ class _Loop(ResumeChecks):
             "the step resumed from": step,
             **run,
         }
-
-    def _check_shards(self) -> None:
-        """Under ``torch.distributed``, refuse (on every rank) data with another number of
-        batches per epoch on some rank: the ranks all-reduce every step, so the longer rank
-        would wait for a step the shorter never takes (gloo times out after 30 minutes)."""
-        if world()[0] == 1:
-            return
-        per_epoch = self.plan.steps_per_epoch
-        low, high = spread(-1 if per_epoch is None else per_epoch)
-        if low != high:
-            raise ValueError(
-                f"fit(): under torch.distributed the ranks' data have different numbers of "
-                f"batches per epoch ({low} to {high}; -1: no len()), but every step all-reduces "
-                "over the ranks. Give each rank a DistributedSampler over the same dataset (it "
-                "pads the shards to equal sizes) and the same batch size."
-            )
 
     # ------------------------------------------------------------------ the result
     def _result(self) -> FitResult:

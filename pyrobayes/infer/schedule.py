@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["SCHEDULES", "check_schedule", "make_scheduler"]
+from ..user_frame import user_stacklevel
+
+__all__ = ["SCHEDULES", "check_schedule", "make_scheduler", "warn_if_no_warmup_step"]
 
 #: The named schedules and the ``transformers.optimization`` factory that builds each
 #: (``factory(optimizer, num_warmup_steps, num_training_steps)``, a ``LambdaLR``).
@@ -94,6 +97,43 @@ def check_schedule(
             f"fit(warmup={warmup}) covers the whole run of {total_steps} steps; use fewer."
         )
     return num_warmup
+
+
+def warn_if_no_warmup_step(
+    spec: str | Callable[[torch.optim.Optimizer], Any] | None,
+    total_steps: int | None,
+    warmup: float,
+) -> None:
+    """Warn when a warm-up the user asked for as a fraction of the run rounds to 0 steps.
+
+    ``fit(optim=Optimization(warmup=0.05))`` over a 9-step run is ``round(0.45) = 0`` steps
+    (:func:`check_schedule`), so the schedule starts at the full rate as if no warm-up had been
+    asked for. Call it for a user's ``warmup`` only: a family's default (IVON's 10 % of the run)
+    may round to 0 in a short fit without a word.
+
+    Warns
+    -----
+    UserWarning
+        Naming the argument, the run's steps and the smallest fraction that gives one step.
+    """
+    if not 0 < warmup < 1 or not isinstance(spec, str) or not total_steps:
+        return
+    if check_schedule(spec, total_steps, warmup):
+        return
+    if total_steps > 1:
+        remedy = (
+            f"Give the warm-up in steps (warmup=1 or more), or a fraction of at least "
+            f"{1 / total_steps:.3g} (one step of this run), or warmup=0 for none."
+        )
+    else:
+        remedy = "A 1-step run has no room for a warm-up: pass warmup=0."
+    warnings.warn(
+        f"fit(optim=Optimization(warmup={warmup:g})): {warmup:g} of this run's {total_steps} "
+        f"steps rounds to 0 warm-up steps, so the {spec!r} schedule starts at the full "
+        f"learning rate with no warm-up. {remedy}",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def make_scheduler(

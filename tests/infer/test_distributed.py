@@ -318,8 +318,8 @@ def test_ranks_with_different_numbers_of_batches_are_refused_on_every_rank(tmp_p
 
 
 def test_cpu_tensors_are_staged_on_the_gpu_for_nccl_alone(monkeypatch):
-    """Every distributed fit all-reduces a CPU tensor (the shards' batch counts, a calibration
-    or validation sum); NCCL reduces CUDA tensors only ("No backend type associated with device
+    """Distributed fits all-reduce CPU tensors (Laplace's example count, a calibration or
+    validation sum); NCCL reduces CUDA tensors only ("No backend type associated with device
     type cpu"), so under NCCL alone those go through the current CUDA device, while gloo and a
     group with a CPU backend beside NCCL take them as they are. (The NCCL run itself needs two
     GPUs: still to be checked on one.)"""
