@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
 from typing import Any, ClassVar
 
 import pyro.distributions as dist
@@ -43,6 +45,9 @@ from .base import PosteriorGuide
 from .meanfield import MeanFieldGuide
 
 __all__ = ["SymmetrizedGuide", "INERT_LOG_RATIO"]
+
+#: the block of :meth:`SymmetrizedGuide.recording_calls` once the first forward was checked
+_NO_CHECK = nullcontext()
 
 #: log(1e-8): a permuted copy of q below this log density ratio at θ₀ carries no usable gradient.
 INERT_LOG_RATIO = math.log(1e-8)
@@ -213,6 +218,43 @@ class SymmetrizedGuide(PosteriorGuide):
             raise NotImplementedError(f"{type(self.base).__name__} has no closed-form KL.")
         return self.base.rsample_with_kl(num_samples, model)
 
+    # ------------------------------------------------------------------ the network's calls
+    def recording_calls(self, model: Any = None) -> AbstractContextManager[None]:
+        """A block that notes, during the first network forward of a fit (run inside it), the
+        hidden units whose modules a parent calls outside their ``nn.Sequential``, and leaves
+        them out of the group.
+
+        A parent that calls a Sequential's children itself (a residual connection around part
+        of it, or one child used elsewhere as well) breaks the permutation symmetry the spec
+        read from the structure (:meth:`PermutationSpec.record_calls`). The objectives run the
+        likelihood's forward inside this block; the record is settled when it closes or, on
+        the Pyro path, by the first :meth:`infonce` after the model trace. Those units are
+        then left out of :attr:`spec` with a ``UserWarning`` (``ValueError`` when none are
+        left). After the first completed block it is a shared no-op: no hooks, no cost per
+        step.
+
+        Parameters
+        ----------
+        model : FineTuneModel, optional
+            The fit's model (its ``net``); default the guide's.
+        """
+        if self.__dict__.get("_calls_checked") or "_call_record" in self.__dict__:
+            return _NO_CHECK
+        net = getattr(model, "net", None)
+        return _CallCheck(self, self.model.net if net is None else net)
+
+    def _settle_calls(self) -> None:
+        """Close an open :meth:`recording_calls` record and drop the unit layers it caught."""
+        record = self.__dict__.pop("_call_record", None)
+        if record is None:
+            return
+        stray = record.close()
+        self.__dict__["_calls_checked"] = True
+        if stray:
+            self.spec = self.spec.without_stray(stray)
+            _check_nontrivial(self.spec, self.base_family)
+            self.__dict__.pop("_permuted_cache", None)
+
     # ------------------------------------------------------------------ the symmetrization
     def permuted_log_prob(self, values: Mapping[str, Tensor], perms: list[Tensor]) -> Tensor:
         r"""``log q(h_k·θ_s)`` for draws ``values[site]: (S, *shape)`` → ``(S, K)``.
@@ -311,6 +353,8 @@ class SymmetrizedGuide(PosteriorGuide):
             base's fit bit for bit, and a resumed fit (the global state is checkpointed) draws
             the same permutations.
         """
+        if "_call_record" in self.__dict__:  # the first forward ran: its record first
+            self._settle_calls()
         device = next(iter(values.values())).device
         if perms is None:
             num = self.num_permutations if num_permutations is None else int(num_permutations)
@@ -370,6 +414,32 @@ class SymmetrizedGuide(PosteriorGuide):
         device = next(iter(values.values())).device
         lq = self.permuted_log_prob(values, self.spec.enumerate(device))
         return torch.logsumexp(lq, dim=1) - self.spec.log_order
+
+
+class _CallCheck:
+    """The block of :meth:`SymmetrizedGuide.recording_calls` on the first forward: opens the
+    spec's call record on entry; on exit settles it, or closes it unsettled when the forward
+    raised (the next forward is checked instead). A class, not a generator, so that a warning
+    it gives points at the user's line."""
+
+    def __init__(self, guide: SymmetrizedGuide, net: torch.nn.Module) -> None:
+        self.guide, self.net = guide, net
+
+    def __enter__(self) -> None:
+        self.guide.__dict__["_call_record"] = self.guide.spec.record_calls(self.net)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if kind is None:
+            self.guide._settle_calls()
+            return
+        record = self.guide.__dict__.pop("_call_record", None)
+        if record is not None:
+            record.close()
 
 
 def _identities(perms: list[Tensor]) -> Tensor:

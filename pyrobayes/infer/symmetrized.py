@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,14 @@ def _check_guide(guide: Any, owner: str) -> None:
         )
 
 
+def _recording_calls(guide: Any, model: Any) -> AbstractContextManager[None]:
+    """The guide's :meth:`~pyrobayes.guides.SymmetrizedGuide.recording_calls` block (the
+    first forward's check of the symmetry's structure), or a no-op for another implementation
+    of the protocol."""
+    record = getattr(guide, "recording_calls", None)
+    return nullcontext() if record is None else record(model)
+
+
 class BatchedSymmetrizedELBO(ELBO):
     r"""Negative ``L_K`` on the batched path: ``−(N/B) Σ_b mean_s log p(y_b|θ_s) + KL − I_K``
     (the symmetrized ELBO of Gelberg et al., 2024, Sec. 4).
@@ -182,7 +191,8 @@ class BatchedSymmetrizedELBO(ELBO):
         if values is None or kl is None:
             values = guide.rsample(self.num_particles)
             kl = (guide.log_prob(values) - model.log_prior(values)).mean()
-        nll = -scaled_log_likelihood(model, values, batch)
+        with _recording_calls(guide, model):  # the first forward only (a no-op after)
+            nll = -scaled_log_likelihood(model, values, batch)
         info = guide.infonce(values, self.num_permutations).mean()
         if torch.is_grad_enabled():  # a training evaluation
             num = self.num_permutations or guide.num_permutations
@@ -249,15 +259,18 @@ class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
 
     def loss(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> float:
         self._with_guide(guide)
-        return super().loss(model, guide, *args, **kwargs)
+        with _recording_calls(guide, model):  # settled by the first particle's infonce
+            return super().loss(model, guide, *args, **kwargs)
 
     def differentiable_loss(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Any:
         self._with_guide(guide)
-        return super().differentiable_loss(model, guide, *args, **kwargs)
+        with _recording_calls(guide, model):  # settled by the first particle's infonce
+            return super().differentiable_loss(model, guide, *args, **kwargs)
 
     def loss_and_grads(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> float:
         self._with_guide(guide)
-        return super().loss_and_grads(model, guide, *args, **kwargs)
+        with _recording_calls(guide, model):  # settled by the first particle's infonce
+            return super().loss_and_grads(model, guide, *args, **kwargs)
 
     def _differentiable_loss_particle(self, model_trace: Any, guide_trace: Any) -> Any:
         loss, surrogate = super()._differentiable_loss_particle(model_trace, guide_trace)

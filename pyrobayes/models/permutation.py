@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from ..user_frame import user_stacklevel
 
-__all__ = ["UnitLayer", "PermutationSpec"]
+__all__ = ["UnitLayer", "PermutationSpec", "CallRecord"]
 
 #: modules that act unit-wise (elementwise) on their input: they commute with a unit permutation
 _UNITWISE = (
@@ -67,11 +68,20 @@ class UnitLayer:
         n, the number of units.
     members : tuple of (str, int)
         ``(site, axis)``: the axis of the site's tensor (no sample axis) indexed by the units.
+    sequential : str or None
+        For hidden units found in an ``nn.Sequential`` (:meth:`PermutationSpec.from_model`):
+        its module path (``""``: the network itself), whose forward must be what runs
+        ``modules``; ``None`` for a LoRA rank axis or a hand-built layer.
+    modules : tuple of str
+        The module paths that carry the units: the layer whose outputs they are, the
+        unit-wise modules after it and the next latent layer, which reads them.
     """
 
     name: str
     size: int
     members: tuple[tuple[str, int], ...]
+    sequential: str | None = None
+    modules: tuple[str, ...] = ()
 
 
 class PermutationSpec:
@@ -112,7 +122,9 @@ class PermutationSpec:
           (activations, dropout) or a parameter-free / constant-affine ``nn.LayerNorm`` between
           them, make the outputs of the first hidden units: rows of its ``weight`` and ``bias``,
           columns of the next ``weight``. The network's input and output units are never
-          permuted;
+          permuted. The structure alone cannot tell whether a parent module calls the
+          Sequential's children itself (a residual connection around part of it): the
+          symmetrized fit checks that on its first forward (:meth:`record_calls`);
         * **LoRA rank axes**: rows of ``lora_A`` with the columns of ``lora_B`` of every adapted
           layer.
 
@@ -363,6 +375,123 @@ class PermutationSpec:
             )
         return worst
 
+    # ------------------------------------------------------------------ the network's calls
+    def record_calls(self, net: nn.Module) -> CallRecord:
+        """Start noting which unit layers' modules run outside their ``nn.Sequential``.
+
+        A parent module may call a Sequential's children itself (``h = self.seq[0](x);
+        h = self.seq[1](h) + x``, or ``self.seq[2]`` on another input as well): the structure
+        is a symmetric chain, but the function is not invariant under permuting its units.
+        Run one forward of ``net`` (a training batch), then :meth:`CallRecord.close` the
+        record (it removes its hooks) and pass what it returns to :meth:`without_stray`.
+
+        Parameters
+        ----------
+        net : nn.Module
+            The network the spec was built on (``model.net``).
+
+        Returns
+        -------
+        CallRecord
+            Forward pre-hooks on the Sequentials and the modules that carry the units of
+            the layers :meth:`from_model` found there (none for LoRA rank axes).
+        """
+        return CallRecord(self, net)
+
+    def without_stray(self, stray: Mapping[str, str]) -> PermutationSpec:
+        """This spec without the unit layers in ``stray`` (:meth:`CallRecord.close`), each
+        named in a ``UserWarning``; ``self`` when ``stray`` is empty.
+
+        Raises
+        ------
+        ValueError
+            When no unit layer is left: the model has no permutation symmetry.
+        """
+        if not stray:
+            return self
+        for layer in self.layers:
+            if layer.name in stray:
+                _left_out(
+                    layer.name,
+                    f"has its hidden units in the nn.Sequential {layer.sequential or '<net>'!r}, "
+                    f"but {stray[layer.name]!r} runs outside that Sequential's forward (a "
+                    "parent that calls the Sequential's children itself, e.g. around a "
+                    "residual connection, or calls one of them elsewhere as well)",
+                    fix="Call the nn.Sequential itself in the parent's forward (and nothing "
+                    "in it elsewhere) to have them symmetrized",
+                    owner="PermutationSpec (the network's first forward)",
+                )
+        kept = [u for u in self.layers if u.name not in stray]
+        if not kept:
+            raise ValueError(
+                f"PermutationSpec: the modules of every unit layer ({sorted(stray)[:3]}) run "
+                "outside their nn.Sequential, so no permutation of their units is known to "
+                "leave the network's function unchanged: there is nothing to symmetrize over. "
+                "Call each nn.Sequential itself in its parent's forward, or fit the base family "
+                "directly."
+            )
+        return PermutationSpec(kept)
+
+
+class CallRecord:
+    """Forward pre-hooks that note the unit layers whose modules run outside their
+    ``nn.Sequential`` (:meth:`PermutationSpec.record_calls`).
+
+    A Sequential's own forward calls only its children, in order; a call of one of them while
+    that forward is not running comes from elsewhere (the parent's forward), which may treat
+    the units differently.
+
+    Attributes
+    ----------
+    stray : dict
+        ``{unit layer name: path of the first of its modules called outside}``.
+    """
+
+    def __init__(self, spec: PermutationSpec, net: nn.Module) -> None:
+        self.stray: dict[str, str] = {}
+        self._running: dict[str, int] = {}  # Sequential path → forwards of it under way
+        self._handles: list[RemovableHandle] = []
+        watched: dict[str, list[tuple[str, str]]] = {}  # module → [(unit layer, Sequential)]
+        for layer in spec.layers:
+            if layer.sequential is None:
+                continue
+            self._running[layer.sequential] = 0
+            for path in layer.modules:
+                watched.setdefault(path, []).append((layer.name, layer.sequential))
+        try:
+            for path in self._running:
+                self._watch_sequential(path, net.get_submodule(path))
+            for path, owners in watched.items():
+                self._watch_member(path, net.get_submodule(path), owners)
+        except BaseException:
+            self.close()
+            raise
+
+    def _watch_sequential(self, path: str, module: nn.Module) -> None:
+        def enter(_module: nn.Module, _args: Any) -> None:
+            self._running[path] += 1
+
+        def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+            self._running[path] -= 1
+
+        self._handles.append(module.register_forward_pre_hook(enter))
+        self._handles.append(module.register_forward_hook(leave, always_call=True))
+
+    def _watch_member(self, path: str, module: nn.Module, owners: list[tuple[str, str]]) -> None:
+        def called(_module: nn.Module, _args: Any) -> None:
+            for name, sequential in owners:
+                if not self._running[sequential]:
+                    self.stray.setdefault(name, path)
+
+        self._handles.append(module.register_forward_pre_hook(called))
+
+    def close(self) -> dict[str, str]:
+        """Remove the hooks; return :attr:`stray`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return dict(self.stray)
+
 
 def _select_per_element(x: Tensor, perm: Tensor, dim: int) -> Tensor:
     """``out[k] = x[k].index_select(dim − 1, perm[k])`` for ``x`` `(K, ...)`, one index_select."""
@@ -454,7 +583,8 @@ def _mlp_unit_layers(model: Any, net: nn.Module, specs: Mapping[str, Any]) -> li
             if "bias" in latent[path]:
                 members.append((latent[path]["bias"], 0))
             members.append((latent[successor[0]]["weight"], 1))
-            layers.append(UnitLayer(path, width, tuple(members)))
+            chain = (path, *(p for p, _ in between), successor[0])
+            layers.append(UnitLayer(path, width, tuple(members), parent_path, chain))
     return layers
 
 
@@ -504,13 +634,17 @@ def _hooked_on_units(
     return None
 
 
-def _left_out(path: str, why: str) -> None:
+def _left_out(
+    path: str,
+    why: str,
+    fix: str = "Remove the hook (or use a plain nn.Sequential) to have them symmetrized",
+    owner: str = "PermutationSpec.from_model",
+) -> None:
     """Warn that the units after the latent layer(s) at ``path`` are left out of the group."""
     warnings.warn(
-        f"PermutationSpec.from_model: {path!r} {why}, so permuting the hidden units there may "
+        f"{owner}: {path!r} {why}, so permuting the hidden units there may "
         "change the network's function; those units are left out of the symmetry group. "
-        "Remove the hook (or use a plain nn.Sequential) to have them symmetrized, or check a "
-        "hand-built spec with spec.check_function(model, inputs, values).",
+        f"{fix}, or check a hand-built spec with spec.check_function(model, inputs, values).",
         UserWarning,
         stacklevel=user_stacklevel(),
     )
