@@ -738,8 +738,28 @@ class MultipleChoice(Likelihood):
             )
         rows = int(ids.shape[0])
         mask = inputs.get("attention_mask")
-        last = last_positions(mask if isinstance(mask, Tensor) else None, rows, length, ids.device)
+        mask = mask if isinstance(mask, Tensor) else None
+        if mask is not None and mask.device.type == "cpu":  # no synchronisation on a device
+            self._refuse_empty_rows(mask.reshape(rows, length))
+        last = last_positions(mask, rows, length, ids.device)
         return last.unsqueeze(-1), None, length
+
+    def _refuse_empty_rows(self, mask: Tensor) -> None:
+        """Refuse rows of a ``(B, L)`` CPU ``attention_mask`` without a real token: the last
+        real position of such a row is undefined, so :func:`last_positions` would read the
+        answer at its last position, a padding token. On a device the check would cost a
+        synchronisation per batch, so it runs where batches are still on the CPU."""
+        empty = ~mask.bool().any(-1)
+        if not bool(empty.any()):
+            return
+        raise ValueError(
+            f"multiple_choice likelihood (choice_token_ids={self.choice_token_ids}): the "
+            f"attention_mask of examples {flagged_examples(empty)} (of {empty.shape[0]}) is all "
+            "zeros, so their answer tokens would be read at a padding position. Give each "
+            "example at least one real token (an empty prompt encodes to none with a tokenizer "
+            "that adds no BOS token; a max_length truncation must leave the prompt a token), or "
+            "drop those examples."
+        )
 
     def rows_per_output(self, inputs: Any) -> int | None:
         """``K`` for continuations (choice k of example b is scored on row ``b·K + k`` alone)."""

@@ -100,22 +100,117 @@ def _attends_fully(config: Any) -> bool:
     )
 
 
+def _alibi_from_mask(config: Any) -> bool:
+    """Whether the network builds its ALiBi position biases from the 2D attention mask (BLOOM,
+    Falcon with ``alibi``), so that it takes no 4D mask."""
+    return getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", None) is True
+
+
+def _eager_wide_dtype(net: nn.Module) -> torch.dtype | None:
+    """The dtype of ``net``'s eager attention when its mask's minimum overflows the float32
+    softmax (float64), else ``None`` (another attention, or a dtype whose minimum stays finite)."""
+    config = getattr(net, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "eager":
+        return None
+    getter = getattr(net, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else None
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        return None
+    if torch.finfo(weight.dtype).min >= torch.finfo(torch.float32).min:
+        return None  # the mask's minimum stays finite in the float32 softmax: no NaN
+    return weight.dtype
+
+
+def _mask_refusal(config: Any) -> str | None:
+    """Why a network of ``config`` takes no 4D mask without the left padding's NaN, or ``None``."""
+    if _alibi_from_mask(config):
+        return (
+            "it builds its ALiBi position biases from the 2D attention_mask, so it takes no 4D mask"
+        )
+    if not _attends_fully(config):
+        return (
+            "it has sliding-window or chunked attention layers, which one 4D mask cannot describe"
+        )
+    return None
+
+
+def eager_mask_refusal(net: nn.Module, attention_mask: Any) -> str | None:
+    """Why :func:`eager_attention_mask` refuses these rows (some start with padding, and the
+    network's float64 eager attention takes no safe 4D mask for them), or ``None``.
+
+    Parameters
+    ----------
+    net : nn.Module
+    attention_mask : Tensor `(R, L)` or None
+        Nonzero on real tokens.
+
+    Returns
+    -------
+    str or None
+        The reason, in words that follow "cannot hand it a mask without such rows: ".
+    """
+    if _eager_wide_dtype(net) is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        return None
+    why = _mask_refusal(getattr(net, "config", None))
+    if why is None or bool(attention_mask[:, 0].bool().all()):
+        return None  # no left padding: every real query sees the first token
+    return why
+
+
+def attend_trailing_padding(net: nn.Module, attention_mask: Tensor) -> Tensor:
+    """``attention_mask`` with the padding after each row's last real token marked real, where
+    ``net``'s eager attention in float64 has sliding-window or chunked layers; otherwise
+    ``attention_mask`` itself.
+
+    A right-padding query more than a window past the row's last real token sees no key, so
+    eager attention gives it NaN (see :func:`eager_attention_mask`), which the next layer spreads
+    to every real token of the row. Marked real, it sees the padding keys of its window; no real
+    query attends to a key after it (causal attention), so the real tokens' outputs are those
+    of the network's own mask, in every layer and with a key/value cache (transformers builds
+    each layer's mask from the 2D one).
+
+    Parameters
+    ----------
+    net : nn.Module
+    attention_mask : Tensor `(R, L)`
+        Nonzero on real tokens; the queries are its last columns (a cached pass).
+
+    Returns
+    -------
+    Tensor `(R, L)`
+        Of ``attention_mask``'s dtype.
+    """
+    if _eager_wide_dtype(net) is None or _attends_fully(getattr(net, "config", None)):
+        return attention_mask
+    real = attention_mask.bool()
+    after = real.flip(-1).cumsum(-1).flip(-1) == 0  # no real token at or after the position
+    return (real | after).to(attention_mask.dtype)
+
+
 def eager_attention_mask(net: nn.Module, attention_mask: Any) -> Tensor | None:
-    r"""A 4D attention mask for a Hugging Face causal LM whose eager attention would return NaN
-    on left-padded rows, or ``None`` when the network's own mask is safe.
+    r"""An attention mask for a Hugging Face causal LM whose eager attention would return NaN
+    on padded rows, or ``None`` when the network's own mask is safe.
 
     The eager attention of transformers adds a mask holding ``finfo(dtype).min`` at the masked
-    keys and takes the softmax in float32. In float64 that minimum overflows to ``-inf``, so the
-    query at a left-padding position, which sees no real key, gets a softmax over ``-inf`` only:
-    NaN. The next layer multiplies that position's value by an attention weight of exactly 0 at
-    every real query, and :math:`0 \cdot \mathrm{NaN} = \mathrm{NaN}` reaches every real token.
+    keys and takes the softmax in float32. In float64 that minimum overflows to ``-inf``, so a
+    query that sees no real key gets a softmax over ``-inf`` only: NaN. The next layer
+    multiplies that position's value by an attention weight of exactly 0 at every real query,
+    and :math:`0 \cdot \mathrm{NaN} = \mathrm{NaN}` reaches every real token. Such queries are
+    the left padding, and with sliding-window or chunked layers also the right padding more
+    than a window past the row's last real token.
 
-    The mask returned, of shape ``(R, 1, L, L)`` in the network's dtype (additive: 0 where query
-    ``i`` attends key ``j``, the dtype's minimum elsewhere), is the causal padding mask the
-    network would build, :math:`j \le i` and ``attention_mask[j] = 1``, with each query that sees
-    no key attending to itself instead. Real queries attend exactly as before (their rows are
-    unchanged), so their outputs are those of the network's own mask; padding queries get finite
-    outputs that no real query reads.
+    On left-padded rows the mask returned, of shape ``(R, 1, L, L)`` in the network's dtype
+    (additive: 0 where query ``i`` attends key ``j``, the dtype's minimum elsewhere), is the
+    causal padding mask the network would build, :math:`j \le i` and ``attention_mask[j] = 1``,
+    with each query that sees no key attending to itself instead. Real queries attend exactly
+    as before (their rows are unchanged), so their outputs are those of the network's own mask;
+    padding queries get finite outputs that no real query reads. On rows that all start with a
+    real token, a network with sliding-window or chunked layers gets the ``(R, L)`` mask of
+    :func:`attend_trailing_padding` (the right padding marked real), which transformers turns
+    into each layer's mask.
 
     Parameters
     ----------
@@ -127,38 +222,38 @@ def eager_attention_mask(net: nn.Module, attention_mask: Any) -> Tensor | None:
 
     Returns
     -------
-    Tensor `(R, 1, L, L)` or None
+    Tensor `(R, 1, L, L)`, Tensor `(R, L)` or None
         ``None`` when the network's own mask has no fully masked row it would turn into NaN.
 
     Raises
     ------
     ValueError
-        When the mask is needed but the network has sliding-window or chunked attention layers.
+        When a row starts with padding and the network has sliding-window or chunked attention
+        layers, or builds its ALiBi biases from the 2D mask (BLOOM), so that it takes no 4D mask
+        for them (:func:`eager_mask_refusal`).
     """
-    config = getattr(net, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "eager":
+    dtype = _eager_wide_dtype(net)
+    if dtype is None or not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
         return None
-    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
-        return None
-    getter = getattr(net, "get_input_embeddings", None)
-    embeddings = getter() if callable(getter) else None
-    weight = getattr(embeddings, "weight", None)
-    if not isinstance(weight, Tensor) or not weight.is_floating_point():
-        return None
-    dtype = weight.dtype
-    if torch.finfo(dtype).min >= torch.finfo(torch.float32).min:
-        return None  # the mask's minimum stays finite in the float32 softmax: no NaN
     real = attention_mask.bool()
-    if bool(real[:, 0].all()):
-        return None  # every query sees the first token: no fully masked row
-    if not _attends_fully(config):
+    config = getattr(net, "config", None)
+    if bool(real[:, 0].all()):  # no left padding: only right padding past a window sees no key
+        return None if _attends_fully(config) else attend_trailing_padding(net, attention_mask)
+    why = _mask_refusal(config)
+    if why is not None:
+        fix = (
+            "Pad on the right"
+            if _alibi_from_mask(config)  # transformers has no sdpa attention for BLOOM
+            else "Load it with attn_implementation='sdpa' (where transformers has it), pad on "
+            "the right"
+        )
         raise ValueError(
             f"multiple_choice likelihood: {type(net).__name__} runs eager attention in {dtype} "
             "on left-padded rows, whose padding queries see no key; transformers' eager "
             "attention then returns NaN (its float32 softmax overflows the float64 mask), and "
-            "the network has sliding-window or chunked layers that pyrobayes cannot rebuild a "
-            "safe mask for. Load the model with attn_implementation='sdpa', pad on the right "
-            "(encode_multiple_choice(..., padding_side='right')) or run it in float32."
+            f"pyrobayes cannot hand it a mask without such rows: {why}. {fix} "
+            "(encode_multiple_choice(..., padding_side='right'): each row then scores as it "
+            "would alone) or run the network in float32."
         )
     length = int(real.shape[-1])
     arange = torch.arange(length, device=real.device)
@@ -490,6 +585,17 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return context[: len(context) - extra] if extra > 0 else context
 
 
+def _leading_specials(tokenizer: Any, prompt: str, context: list[int], limit: int) -> list[int]:
+    """The ids the tokenizer puts before ``prompt``'s text (a BOS token; ``[]`` for none or when
+    they would fill ``limit``): the head of ``context`` that the encoding without special tokens
+    lacks, where the rest of ``context`` is that encoding."""
+    plain = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    extra = len(context) - len(plain)
+    if extra <= 0 or extra >= limit or context[extra:] != plain:
+        return []
+    return context[:extra]
+
+
 def _tokenize_rows(
     tokenizer: Any,
     prompts: list[str],
@@ -514,14 +620,21 @@ def _tokenize_rows(
                     f"encode_multiple_choice: choice {k} of prompt {b} ({choice!r}) encodes to "
                     "no tokens."
                 )
-            ids = context + cont
-            if max_length is not None:
-                ids = ids[-max_length:]
-            num_cont = min(len(cont), len(ids) - 1)
+            ids, lead = context + cont, []
+            if max_length is not None and len(ids) > max_length:
+                lead = _leading_specials(tokenizer, prompt, context, max_length)
+                ids = lead + ids[len(ids) - max_length + len(lead) :]
+            num_cont = min(len(cont), len(ids) - max(1, len(lead)))
             if num_cont < len(cont) or len(ids) < 2:
                 raise ValueError(
                     f"encode_multiple_choice: choice {k} of prompt {b} does not fit in "
-                    f"max_length={max_length} with a prompt token before it; raise max_length."
+                    f"max_length={max_length} "
+                    + (
+                        f"after the tokenizer's leading special tokens {lead}"
+                        if lead
+                        else "with a prompt token before it"
+                    )
+                    + "; raise max_length."
                 )
             row.append((ids, num_cont))
         rows.append(row)
@@ -581,7 +694,11 @@ def encode_multiple_choice(
         Index of the right choice per prompt, in ``[0, K)``; becomes ``labels``. Integers
         only: float answers are refused, not truncated.
     max_length : int, optional
-        Longest row in tokens; longer rows lose prompt tokens from the left.
+        Longest row in tokens; longer rows lose prompt tokens from the left (as
+        lm-evaluation-harness does) but keep the tokens the tokenizer puts before the text: with
+        a tokenizer that adds a BOS token (LLaMA, SmolLM2) a cut row is BOS followed by its last
+        ``max_length - 1`` tokens, the start of sequence the model was trained with. A choice
+        that does not fit after them is refused.
     padding_side : {"left", "right"}
     delimiter : str
         Put before each choice (lm-evaluation-harness's ``target_delimiter``).

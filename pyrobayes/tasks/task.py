@@ -18,9 +18,12 @@ depend on nothing but the seed, the split and the position, so re-reading the ta
 another batch first changes nothing. Questions that appear in two splits (the same prompt and
 choices) are counted and reported by a logged warning when the task is built.
 
-Truncation. :meth:`MultipleChoiceTask.encode` with ``max_length`` counts the questions whose
-longest row (few-shot prompt, question and choice) is cut from the left, and by how many tokens,
-in :attr:`MultipleChoiceTask.truncation` (and a logged message).
+Truncation. :meth:`MultipleChoiceTask.encode` with ``max_length`` cuts a row longer than
+``max_length`` tokens (few-shot prompt, question and choice) from the left, as lm-evaluation-harness
+does, but keeps the tokens the tokenizer puts before the text (the BOS token of a LLaMA or
+SmolLM2 tokenizer): the row is the BOS token, then the last ``max_length - 1`` tokens, the start
+of sequence a model trained with BOS always saw first. It counts the questions whose longest row
+is cut, and by how many tokens, in :attr:`MultipleChoiceTask.truncation` (and a logged message).
 """
 
 from __future__ import annotations
@@ -298,6 +301,7 @@ class MultipleChoiceTask:
         *,
         batch_size: int = 8,
         limit: int | None = None,
+        max_length: int | None = None,
         **encode_kwargs: Any,
     ) -> list[dict[str, Tensor]]:
         """Batches of ``split`` for :class:`~pyrobayes.models.MultipleChoice`.
@@ -314,8 +318,16 @@ class MultipleChoiceTask:
             Questions per batch.
         limit : int, optional
             Use the first ``limit`` examples only (an integer >= 1; None: every example).
+        max_length : int, optional
+            Longest row in tokens (None: no limit). A longer row loses prompt tokens from the
+            left (lm-evaluation-harness's truncation), the few-shot examples first, but keeps the
+            tokens the tokenizer puts before the text: with a tokenizer that adds a BOS token
+            (LLaMA, SmolLM2: ``add_bos_token``) the row is BOS followed by its last
+            ``max_length - 1`` tokens, so the model sees the start of sequence it was trained
+            with. The choice itself is never cut (a choice that does not fit is refused).
+            :attr:`truncation` counts the questions cut.
         **encode_kwargs
-            ``max_length``, ``padding_side``, ``position_ids`` for ``encode_multiple_choice``.
+            ``padding_side``, ``position_ids`` for ``encode_multiple_choice``.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
@@ -334,7 +346,6 @@ class MultipleChoiceTask:
                 f"MultipleChoiceTask {self.name!r}: split {split!r} is empty; change the split "
                 "fractions or give that split data."
             )
-        max_length = encode_kwargs.get("max_length")
         cuts: list[int] = []
         batches = []
         for start in range(0, count, batch_size):
@@ -342,17 +353,17 @@ class MultipleChoiceTask:
             chunk = [examples[i] for i in idx]
             prompts = [self.prompt(split, i) for i in idx]
             ragged = len({len(e.choices) for e in chunk}) > 1
-            batches.append(
-                encode_multiple_choice(
-                    tokenizer,
-                    prompts,
-                    [list(e.choices) for e in chunk],
-                    [e.answer for e in chunk],
-                    delimiter=self.delimiter,
-                    ragged=ragged,
-                    **encode_kwargs,
-                )
+            batch = encode_multiple_choice(
+                tokenizer,
+                prompts,
+                [list(e.choices) for e in chunk],
+                [e.answer for e in chunk],
+                delimiter=self.delimiter,
+                ragged=ragged,
+                max_length=max_length,
+                **encode_kwargs,
             )
+            batches.append(batch)
             if max_length is not None:
                 cuts += [
                     self._overflow(tokenizer, p, e.choices, int(max_length))
@@ -368,7 +379,8 @@ class MultipleChoiceTask:
         if cut:
             logger.info(
                 "MultipleChoiceTask %r: %d of %d %s questions are longer than max_length=%s "
-                "tokens and lose prompt tokens from the left (up to %d, mean %.1f).",
+                "tokens and lose prompt tokens from the left, after the tokenizer's BOS token if it "
+                "adds one (up to %d, mean %.1f).",
                 self.name,
                 len(cut),
                 count,
