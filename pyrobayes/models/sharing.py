@@ -19,20 +19,25 @@ choice, and this module runs that work once:
   in layers ``i ≥ i_0`` of a network's stack of blocks (the demo's MiniLM adapts layers 3–5 of
   6), the embeddings and blocks ``< i_0`` see the same input under every draw. The network then
   runs on the B un-expanded rows and a forward pre-hook on block ``i_0`` expands its hidden
-  states (and every per-row argument) S-fold, sample-major, as :func:`pyrobayes.batch.
-  expand_samples` would have done at the input. Where that is not the unshared computation
-  the plain forward runs, and the reason is logged once per network (INFO): a block of the
-  stack that runs more than once in a forward, or a lower block after a later one (ALBERT's
-  shared layer groups and inner layers), a stack holding one module twice, an output that
-  loses the S-fold rows (a pooled head indexing with the un-expanded ``input_ids``: LLaMA's
-  and Qwen2's sequence classifiers), or a one-row batch whose blocks take another one-row
-  tensor (shared by the batch or the row's: the leading size cannot tell, :func:`_expand`).
+  states (and every per-row argument: BLOOM's ALiBi biases of ``rows·heads`` entries too)
+  S-fold, sample-major, as :func:`pyrobayes.batch.expand_samples` would have done at the
+  input. Where that is not the unshared computation the plain forward runs, and the reason is
+  logged once per network (INFO): a block of the stack that runs more than once in a forward,
+  or a lower block after a later one (ALBERT's shared layer groups and inner layers), a stack
+  holding one module twice, an output that loses the S-fold rows (a pooled head indexing with
+  the un-expanded ``input_ids``: LLaMA's and Qwen2's sequence classifiers), a one-row batch
+  whose blocks take another one-row tensor (shared by the batch or the row's: the leading size
+  cannot tell, :func:`_expand`), or a batch with as many rows as MPT has heads (its per-head
+  ALiBi biases, shared by the batch, would be taken for the rows', :func:`_bias_refusal`).
 
 Both are on by default wherever they apply (the prompt states in prediction, with gradients off)
 and fall back to the plain computation otherwise; a network that cannot share prompts (no
 key/value cache, ``logits_to_keep`` or ``position_ids``) and a batch whose rows reach past the
 length at which the network's rotary frequencies change (``longrope``, ``dynamic``: the prompts
-alone would be rotated otherwise than in the full rows) are logged once per network (INFO).
+alone would be rotated otherwise than in the full rows) or whose prompts of different lengths,
+left-padded for the prompt pass, would give NaN in float64 eager attention with sliding-window
+layers (:func:`~pyrobayes.models.multiple_choice.eager_mask_refusal`) are logged once per
+network (INFO).
 Inside :func:`reuse_within_batch`
 (``pyrobayes.predict`` opens it) the lower layers' output of a batch is kept for all its chunks
 of draws. In a fit the frozen lower blocks' output is kept per example across epochs
@@ -55,7 +60,13 @@ from torch import Tensor, nn
 from ..batch import compute_dtype
 from .layers import BatchedLinear, _AdapterBase
 from .lower_cache import rope_length_limit, stubbed_below
-from .multiple_choice import SCORE_KEYS, accepts_argument, eager_attention_mask
+from .multiple_choice import (
+    SCORE_KEYS,
+    accepts_argument,
+    attend_trailing_padding,
+    eager_attention_mask,
+    eager_mask_refusal,
+)
 from .net_call import _RowsMismatch
 
 logger = logging.getLogger(__name__)
@@ -210,6 +221,23 @@ def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
     return True
 
 
+def _layout_refusal(net: nn.Module, layout: Mapping[str, Tensor]) -> str | None:
+    """Why the shared passes would not give the full rows' outputs for ``layout``
+    (:func:`_rope_refusal`), or could not run: float64 eager attention whose left-padded prompts
+    would give NaN (:func:`~pyrobayes.models.multiple_choice.eager_mask_refusal`; the prompts
+    are left-padded whatever the batch's padding side); ``None`` when they apply."""
+    why = _rope_refusal(net, layout)
+    if why is not None:
+        return why
+    eager = eager_mask_refusal(net, layout["prompt_mask"])
+    if eager is None:
+        return None
+    return (
+        "its eager attention in float64 would give NaN on the prompts of different lengths, "
+        f"left-padded for the prompt pass, and {eager}"
+    )
+
+
 def _rope_refusal(net: nn.Module, layout: Mapping[str, Tensor]) -> str | None:
     """Why the shared passes would rotate the batch's keys and queries otherwise than its full
     rows do (rotary frequencies chosen by each forward's largest position id: ``longrope``,
@@ -269,12 +297,21 @@ def _output_head(net: nn.Module, body: nn.Module) -> nn.Module | None:
 def _check_head(
     net: nn.Module, head: nn.Module, hidden: Tensor, kwargs: dict[str, Any]
 ) -> Tensor | None:
-    """``None`` when ``net`` called with ``kwargs`` (its last position kept) gives ``head`` of
+    r"""``None`` when ``net`` called with ``kwargs`` (its last position kept) gives ``head`` of
     the decoder's last ``hidden`` state, else those logits (a network that scales or caps its
-    logits); the finding is kept per network."""
+    logits); the finding is kept per network.
+
+    A soft cap :math:`c \tanh(z / c)` (Gemma-2's ``final_logit_softcapping``) moves logits
+    :math:`|z| \ll c` by :math:`|z|^3 / 3c^2` only (5e-5 at :math:`|z| = 0.5`, :math:`c = 30`),
+    below the comparison's tolerance on small logits: a configured cap is never plain."""
     logits = net(**kwargs, use_cache=False, logits_to_keep=1).logits[:, -1]
     plain = head(hidden)
-    same = logits.shape == plain.shape and torch.allclose(logits, plain, rtol=1e-4, atol=1e-4)
+    capped = getattr(getattr(net, "config", None), "final_logit_softcapping", None) is not None
+    same = (
+        not capped
+        and logits.shape == plain.shape
+        and torch.allclose(logits, plain, rtol=1e-4, atol=1e-4)
+    )
     _PLAIN_HEAD[net] = bool(same)
     if not same:
         logger.info(
@@ -333,7 +370,7 @@ def prefix_shared_logits(
     layout = _prefix_layout(inputs)
     if layout is None:
         return None
-    why = _rope_refusal(net, layout)
+    why = _layout_refusal(net, layout)
     if why is not None:
         _tell(net, why)
         return None
@@ -482,6 +519,8 @@ def _continuation_pass(
     mask = torch.cat(
         [layout["prompt_mask"][:num].repeat_interleave(k_choices, 0), flat("cont_mask")], dim=1
     )
+    # float64 eager sliding-window layers: padding slots past a window would see no key (NaN)
+    mask = attend_trailing_padding(model, mask)
     return model(
         input_ids=flat("cont_ids"),
         attention_mask=mask,
@@ -506,7 +545,7 @@ def tokens_per_draw(
     tokens = None
     if prefix_applies(net, likelihood, inputs):
         layout = _prefix_layout(inputs)
-        if layout is not None and _rope_refusal(net, layout) is None:
+        if layout is not None and _layout_refusal(net, layout) is None:
             tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
     if lower is None or _lower_declined(lower, int(ids.shape[0]), 2):
         return tokens  # (lower blocks known not to be shared for this network)
@@ -563,7 +602,9 @@ def first_adapted_block(
 #: forward, or a lower block after a later one (ALBERT's shared layer groups): never shared;
 #: ``"rows"`` the network's output does not keep the expanded rows (a pooled head indexing with
 #: the un-expanded ``input_ids``): not for S > 1; ``"one_row"`` a one-row batch's block
-#: arguments are ambiguous (see :func:`_ambiguous`): not for one row and S > 1.
+#: arguments are ambiguous (see :func:`_ambiguous`): not for one row and S > 1; ``"size=R"`` a
+#: batch of R rows whose block arguments are ambiguous (see :func:`_bias_refusal`): not for R rows
+#: and S > 1.
 _DECLINED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
@@ -577,6 +618,8 @@ def _refusal(block: nn.Module, rows: int, num_samples: int) -> str | None:
         return reasons["rows"]
     if num_samples > 1 and rows == 1 and "one_row" in reasons:
         return reasons["one_row"]
+    if num_samples > 1 and f"size={rows}" in reasons:
+        return reasons[f"size={rows}"]
     return None
 
 
@@ -595,10 +638,17 @@ def _decline(block: nn.Module, kind: str, why: str) -> Exception:
         logger.info(
             "sharing: the layers below %s run for every draw%s: %s",
             type(block).__name__,
-            {"order": "", "rows": " (S > 1)", "one_row": " on one-row batches"}[kind],
+            _scope(kind),
             why,
         )
     return _RowsMismatch(why)
+
+
+def _scope(kind: str) -> str:
+    """The batches a decline of ``kind`` applies to, as the log line says it."""
+    if kind.startswith("size="):
+        return f" on batches of {kind.removeprefix('size=')} rows"
+    return {"order": "", "rows": " (S > 1)", "one_row": " on one-row batches"}[kind]
 
 
 def _hidden_states(args: tuple, kwargs: Mapping[str, Any]) -> Any:
@@ -617,8 +667,43 @@ def _ambiguous(value: Any, hidden: Any) -> bool:
     return False
 
 
-def _expand(value: Any, rows: int, num_samples: int) -> Any:
-    """Sample-major S-fold copy of every tensor (of two or more dims) holding ``rows`` rows.
+#: Block keywords whose tensor holds ``k`` entries per row, row-major: ``(rows·k, ...)``, row
+#: ``r``'s at ``r·k … r·k + k − 1``. BLOOM's ALiBi biases (Press et al., 2022) ``alibi``,
+#: ``(rows·heads, 1, L)`` (transformers' ``build_alibi_tensor`` flattens ``(rows, heads)``):
+#: the S-fold sample-major rows' is the whole tensor repeated S times.
+_ROW_MAJOR_KEYWORDS = frozenset({"alibi"})
+
+
+def _bias_refusal(kwargs: Mapping[str, Any], rows: int) -> str | None:
+    """Why a block's arguments cannot be expanded for ``rows`` rows, or ``None``: a 3-d
+    ``position_bias`` of ``rows`` leading entries may be MPT's per-head ALiBi biases
+    ``(heads, 1, max_seq_len)``, shared by the batch (a network with as many heads as the batch
+    has rows), or a bias per row; the leading size cannot tell."""
+    bias = kwargs.get("position_bias")
+    if isinstance(bias, Tensor) and bias.dim() == 3 and int(bias.shape[0]) == rows:
+        return (
+            f"its 3-d position_bias {tuple(bias.shape)} has as many entries as the batch has "
+            "rows: per-head biases shared by the batch (MPT's ALiBi) or the rows', the leading "
+            "size cannot tell"
+        )
+    return None
+
+
+def _expand_arguments(
+    args: tuple, kwargs: Mapping[str, Any], rows: int, num_samples: int
+) -> tuple[tuple, dict[str, Any]]:
+    """A block's arguments for the S-fold rows (:func:`_expand`); the tensors of
+    :data:`_ROW_MAJOR_KEYWORDS` by their ``rows·k`` entries."""
+    expanded = {
+        k: _expand(v, rows, num_samples, per_row=k in _ROW_MAJOR_KEYWORDS)
+        for k, v in kwargs.items()
+    }
+    return _expand(args, rows, num_samples), expanded
+
+
+def _expand(value: Any, rows: int, num_samples: int, per_row: bool = False) -> Any:
+    """Sample-major S-fold copy of every tensor (of two or more dims) holding ``rows`` rows
+    (with ``per_row``, ``rows·k`` entries, ``k`` per row, row-major).
 
     A block's tensor arguments either carry the batch's rows (hidden states, attention masks,
     per-row positions and rotary embeddings) or are shared by the batch (DeBERTa's relative
@@ -627,18 +712,21 @@ def _expand(value: Any, rows: int, num_samples: int) -> Any:
     one-row tensor (:func:`_ambiguous`). With ``rows > 1`` a tensor shared by the batch is
     copied only if it holds exactly ``rows`` entries (DeBERTa's ``rel_embeddings`` of
     ``2·position_buckets`` rows: harmless, its layers read the first ``2·position_buckets``,
-    sample 0's copy).
+    sample 0's copy). A block keyword whose tensor is known to hold ``k`` entries per row,
+    row-major (``per_row``: BLOOM's ALiBi biases, :data:`_ROW_MAJOR_KEYWORDS`), is repeated
+    whole: sample ``s``'s row ``r`` is then entry block ``s·rows + r``, as in the expanded batch.
     """
     if isinstance(value, Tensor):
-        if value.dim() >= 2 and int(value.shape[0]) == rows:
+        size = int(value.shape[0]) if value.dim() >= 2 else 0
+        if size == rows or (per_row and size > 0 and size % rows == 0):
             return (
                 value.unsqueeze(0).expand(num_samples, *value.shape).reshape(-1, *value.shape[1:])
             )
         return value
     if isinstance(value, tuple):
-        return tuple(_expand(v, rows, num_samples) for v in value)
+        return tuple(_expand(v, rows, num_samples, per_row) for v in value)
     if isinstance(value, list):
-        return [_expand(v, rows, num_samples) for v in value]
+        return [_expand(v, rows, num_samples, per_row) for v in value]
     return value
 
 
@@ -710,14 +798,16 @@ def lower_layers_shared(
         in_order(module)
         if rows == 1 and num_samples > 1:
             hidden = _hidden_states(args, kwargs)
-            if _ambiguous(args, hidden) or _ambiguous(tuple(kwargs.values()), hidden):
+            known = {k: v for k, v in kwargs.items() if k not in _ROW_MAJOR_KEYWORDS}
+            if _ambiguous(args, hidden) or _ambiguous(tuple(known.values()), hidden):
                 raise refuse(
                     "one_row",
                     "a one-row tensor argument may be shared by the batch or be the row's",
                 )
-        return _expand(args, rows, num_samples), {
-            k: _expand(v, rows, num_samples) for k, v in kwargs.items()
-        }
+        why = _bias_refusal(kwargs, rows) if num_samples > 1 else None
+        if why is not None:
+            raise refuse(f"size={rows}", why)
+        return _expand_arguments(args, kwargs, rows, num_samples)
 
     def record(module: nn.Module, args: tuple, output: Any) -> None:
         if recorded is not None:
