@@ -5,7 +5,9 @@
 - :class:`DataSize`: the first epoch's examples against the model's ``num_data``;
 - :func:`check_first_batch`: the likelihood's and the fitter's checks of the first batch;
 - :func:`check_ranks_agree`: under ``torch.distributed``, every rank runs the same fit (or
-  every rank stops with the one that refused it).
+  every rank stops with the one that refused it);
+- :func:`check_ranks_started`: ... and every rank stops with one that failed after that
+  agreement, before the first step.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "DivergenceWarning",
     "check_first_batch",
     "check_ranks_agree",
+    "check_ranks_started",
     "warn_if_fit_given_back",
 ]
 
@@ -253,18 +256,9 @@ def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None
     size = world()[0]
     if size == 1:
         return
-    mine = (record, None if error is None else f"{type(error).__name__}: {error}")
-    gathered: list[Any] = [None] * size
-    torch_dist.all_gather_object(gathered, mine)
-    if error is not None:
+    gathered = _gather_errors(record, error, "refused the fit", "the first all-reduce")
+    if gathered is None:
         return
-    refused = [(rank, why) for rank, (_, why) in enumerate(gathered) if why is not None]
-    if refused:
-        rank, why = refused[0]
-        raise RuntimeError(
-            f"fit(): rank {rank} of {size} refused the fit ({why}); every rank stops with it "
-            "(the others would wait for it in the first all-reduce). Fix that rank's fit."
-        )
     records = [r or {} for r, _ in gathered]
     _check_shards([r.get(BATCHES_PER_EPOCH) for r in records])
     for key in dict.fromkeys(k for r in records for k in r):  # (rank 0's order first)
@@ -279,6 +273,60 @@ def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None
                 "apart (rank 0's are the ones saved). Launch every rank with the same fit "
                 "arguments (and, to resume, a checkpoint folder every rank can read)."
             )
+
+
+#: Where the other ranks waited for a rank that failed as the fit started (before
+#: :func:`check_ranks_started`).
+_STARTED_WAIT = "rank 0's broadcast of the parameters or the first step's all-reduce"
+
+
+def check_ranks_started(error: BaseException | None = None) -> None:
+    """Under ``torch.distributed``, make every rank stop when one failed between the ranks'
+    agreement (:func:`check_ranks_agree`) and the fit's first step (a no-op in one process).
+    Every rank calls it once per fit, as the fit's second collective, with ``None`` or the
+    ``error`` that stopped it there: the fitter's ``begin`` (its refusals), the resume's load
+    of the checkpoint (a file this rank cannot read), the data order, the lower-block cache.
+
+    Without it the other ranks waited for the failed one in rank 0's broadcast of the
+    parameters, or in the first step's all-reduce, until gloo's timeout (30 minutes).
+
+    Raises
+    ------
+    RuntimeError
+        On the ranks that did not fail, naming the rank that did and its error (the rank that
+        failed returns here, and raises its own error).
+    """
+    if world()[0] > 1:
+        _gather_errors(None, error, "failed as the fit started", _STARTED_WAIT)
+
+
+def _gather_errors(
+    record: Any, error: BaseException | None, failed: str, waited_in: str
+) -> list[Any] | None:
+    """Every rank's ``(record, error text)``, gathered in one collective; ``None`` on a rank
+    that passed an ``error`` (it raises its own).
+
+    Raises
+    ------
+    RuntimeError
+        On the other ranks, when a rank passed an error: naming that rank, what it did
+        (``failed``), its error, and the collective the others would have waited in
+        (``waited_in``).
+    """
+    size = world()[0]
+    mine = (record, None if error is None else f"{type(error).__name__}: {error}")
+    gathered: list[Any] = [None] * size
+    torch_dist.all_gather_object(gathered, mine)
+    if error is not None:
+        return None
+    refused = [(rank, why) for rank, (_, why) in enumerate(gathered) if why is not None]
+    if refused:
+        rank, why = refused[0]
+        raise RuntimeError(
+            f"fit(): rank {rank} of {size} {failed} ({why}); every rank stops with it (the "
+            f"others would wait for it in {waited_in}). Fix that rank's fit."
+        )
+    return gathered
 
 
 def _check_shards(per_epoch: list[int | None]) -> None:

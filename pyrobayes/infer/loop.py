@@ -17,7 +17,10 @@ ranks on batches of B equal one process on the union batch of R·B (tested with 
 must run the same fit: before the fitter begins, the ranks compare their batches per epoch,
 family, settings, rate, budget and resume position, and a rank that refuses the fit (or fails
 before it: its data, its checkpoint folder) stops them all, in one gather
-(:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`).
+(:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`); so does a rank that fails after it,
+before the first step (the fitter's ``begin``, the checkpoint's load, the lower-block cache),
+in a second gather (:func:`~pyrobayes.infer.fit_checks.check_ranks_started`). The steps add no
+collective of their own.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from .fit_checks import (
     DivergenceWarning,
     check_first_batch,
     check_ranks_agree,
+    check_ranks_started,
     warn_if_fit_given_back,
 )
 from .fitter import Fitter, check_guide_model, make_fitter
@@ -646,35 +650,19 @@ class _Loop(ResumeChecks):
     def run(self) -> FitResult:
         try:  # every refusal before the guide changes (a refused fit leaves it as it was)
             found = self._agreed_resume()  # (the checkpoint's posterior fits the guide too)
-            # the fitter's own refusals (Laplace's settings) come before its reset, which
-            # begins the fit: the temperature stays held until then
-            self.fitter.begin(self.data)  # (resets what a post-hoc family collected)
         except BaseException:
             self.held.put_back()
             raise
-        before = forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
-        self.held.settle(changes=found is not None or self._changes_guide())
-        if found is not None:
-            self._resume(found)
-        pos = self.pos
-        if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
-            pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        self.order = DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
-        if world()[0] > 1:
-            broadcast_(self.fitter.broadcast_tensors())
-        self.bar = tqdm(
-            total=self.plan.total,
-            initial=pos.step,
-            disable=not self.show,
-            desc=type(self.guide).__name__,
-        )
-        self.start = time.perf_counter()
-        try:
-            with self._lower_block_cache():
-                self._epochs()
-        finally:
-            self.order.restore()
-            self.bar.close()
+        with contextlib.ExitStack() as ends:  # the data order, the bar, the lower-block cache
+            try:
+                before = self._begin(found, ends)
+            except Exception as err:  # every rank stops with this one (the others wait below)
+                check_ranks_started(err)
+                raise
+            check_ranks_started()  # (once per fit: the steps gather nothing)
+            if world()[0] > 1:
+                broadcast_(self.fitter.broadcast_tensors())
+            self._epochs()
         # rank 0 wrote the last checkpoint: no rank returns (and, say, resumes from the folder
         # in its next fit) before the write is complete
         barrier()
@@ -692,6 +680,40 @@ class _Loop(ResumeChecks):
                 stacklevel=user_stacklevel(),
             )
         return result
+
+    def _begin(self, found: Path | None, ends: contextlib.ExitStack) -> Any:
+        """Begin the agreed fit: the fitter begins, the checkpoint ``found`` is loaded, the
+        data order, the bar and the lower-block cache are set up (undone by ``ends``); returns
+        the guide's fitted head before (:meth:`run`'s). A rank's error here reaches the others
+        through :meth:`run`'s gather (:func:`~pyrobayes.infer.fit_checks.check_ranks_started`),
+        before any collective of the fit's: nothing here is one."""
+        try:  # the fitter's own refusals (Laplace's settings) come before its reset, which
+            # begins the fit: the temperature stays held until then
+            self.fitter.begin(self.data)  # (resets what a post-hoc family collected)
+        except BaseException:
+            self.held.put_back()
+            raise
+        before = forget_fitted_head(self.guide)  # the head is this fit's to train until it ends
+        self.held.settle(changes=found is not None or self._changes_guide())
+        if found is not None:
+            self._resume(found)
+        pos = self.pos
+        if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
+            pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self.order = DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
+        ends.callback(self.order.restore)
+        self.bar = tqdm(
+            total=self.plan.total,
+            initial=pos.step,
+            disable=not self.show,
+            desc=type(self.guide).__name__,
+        )
+        ends.callback(self.bar.close)
+        self.start = time.perf_counter()
+        # (it reads only the frozen blocks below the adapted ones, which the broadcast of the
+        # guide's and trainable parameters leaves alone)
+        ends.enter_context(self._lower_block_cache())
+        return before
 
     def _changes_guide(self) -> bool:
         """Whether a new fit changes the guide: it plans a step, or its family fits at its end
