@@ -26,6 +26,7 @@ predicts, reports ``log_prob`` and saves as its base ``q``; only the objective c
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -36,6 +37,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import batch_size, slice_examples, split_batch
 from ..contract import AnalyticKL, implements
 from ..models.adapters import check_int, check_real
 from ..models.permutation import PermutationSpec
@@ -46,8 +48,14 @@ from .meanfield import MeanFieldGuide
 
 __all__ = ["SymmetrizedGuide", "INERT_LOG_RATIO"]
 
+logger = logging.getLogger(__name__)
+
 #: the block of :meth:`SymmetrizedGuide.recording_calls` once the first forward was checked
 _NO_CHECK = nullcontext()
+
+#: rows of the first batch on which each unit layer's symmetry is measured (a few forwards of
+#: them, once per fit): enough for a residual or a stray weight to move some output
+CHECK_ROWS = 8
 
 #: log(1e-8): a permuted copy of q below this log density ratio at θ₀ carries no usable gradient.
 INERT_LOG_RATIO = math.log(1e-8)
@@ -219,41 +227,87 @@ class SymmetrizedGuide(PosteriorGuide):
         return self.base.rsample_with_kl(num_samples, model)
 
     # ------------------------------------------------------------------ the network's calls
-    def recording_calls(self, model: Any = None) -> AbstractContextManager[None]:
-        """A block that notes, during the first network forward of a fit (run inside it), the
-        hidden units whose modules a parent calls outside their ``nn.Sequential``, and leaves
-        them out of the group.
+    def recording_calls(self, model: Any = None, batch: Any = None) -> AbstractContextManager[None]:
+        """A block that checks, on the first network forward of a fit (run inside it), the
+        symmetry of the hidden units the structure suggests, and leaves those that break it
+        out of the group.
 
-        A parent that calls a Sequential's children itself (a residual connection around part
-        of it, or one child used elsewhere as well) breaks the permutation symmetry the spec
-        read from the structure (:meth:`PermutationSpec.record_calls`). The objectives run the
-        likelihood's forward inside this block; the record is settled when it closes or, on
-        the Pyro path, by the first :meth:`infonce` after the model trace. Those units are
-        then left out of :attr:`spec` with a ``UserWarning`` (``ValueError`` when none are
-        left). After the first completed block it is a shared no-op: no hooks, no cost per
-        step.
+        Two things can break it where the structure cannot tell: a parent that calls a
+        Sequential's children itself (a residual connection around part of it, or one child
+        used elsewhere as well; :meth:`PermutationSpec.record_calls`), and a parent that uses
+        their weights without calling them (``F.linear(h, self.seq[2].weight)``). With
+        ``batch``, the output on its first :data:`CHECK_ROWS` rows at the posterior mean is
+        compared with the output after permuting each such unit layer's units
+        (:meth:`PermutationSpec.layer_changes`), which settles both: a layer is kept iff the
+        output agrees to round-off (a parent that runs the children in their own order keeps
+        its units). Without ``batch``, the record of the calls alone decides.
+
+        The objectives run the likelihood's forward inside this block; the check runs when it
+        closes or, on the Pyro path, at the first :meth:`infonce` after the model trace. The
+        units left out are named in a ``UserWarning`` (``ValueError`` when none are left).
+        After the first completed block it is a shared no-op: no hooks, no cost per step.
 
         Parameters
         ----------
         model : FineTuneModel, optional
             The fit's model (its ``net``); default the guide's.
+        batch : Any, optional
+            The batch of that forward (the model's; its targets are not read).
         """
         if self.__dict__.get("_calls_checked") or "_call_record" in self.__dict__:
             return _NO_CHECK
-        net = getattr(model, "net", None)
-        return _CallCheck(self, self.model.net if net is None else net)
+        return _CallCheck(self, self.model if getattr(model, "net", None) is None else model, batch)
 
     def _settle_calls(self) -> None:
-        """Close an open :meth:`recording_calls` record and drop the unit layers it caught."""
+        """Close an open :meth:`recording_calls` record, measure the symmetry on its batch and
+        drop the unit layers that break it."""
         record = self.__dict__.pop("_call_record", None)
         if record is None:
             return
         stray = record.close()
+        model, batch = self.__dict__.pop("_call_batch", (self.model, None))
         self.__dict__["_calls_checked"] = True
-        if stray:
-            self.spec = self.spec.without_stray(stray)
+        if batch is None:  # nothing to measure on: the record of the calls alone
+            spec = self.spec.without_stray(stray)
+        else:
+            changes = self._first_batch_changes(model, batch)
+            kept = sorted(n for n in stray if n in changes and changes[n][0] <= changes[n][1])
+            if kept:
+                logger.debug(
+                    "symmetrized: %s run outside their Sequential but measure as a "
+                    "symmetry (%s): kept",
+                    kept,
+                    {n: changes[n] for n in kept},
+                )
+            spec = self.spec.without_changed(changes, stray)
+        if spec is not self.spec:
+            self.spec = spec
             _check_nontrivial(self.spec, self.base_family)
             self.__dict__.pop("_permuted_cache", None)
+
+    def _first_batch_changes(self, model: Any, batch: Any) -> dict[str, tuple[float, float]]:
+        """:meth:`PermutationSpec.layer_changes` of the unit layers found in an
+        ``nn.Sequential`` on the batch's first :data:`CHECK_ROWS` rows, at the posterior mean.
+
+        A LoRA rank axis (or a hand-built layer) is not measured: its symmetry is the adapter's
+        own algebra, ``B A = (B Pᵀ)(P A)``, which no parent module sees, and a network has one
+        per adapted module (two forwards of a transformer per block)."""
+        names = [u.name for u in self.spec.layers if u.sequential is not None]
+        if not names:
+            return {}
+        inputs, _ = split_batch(batch, getattr(model, "label_key", "labels"))
+        try:
+            size = batch_size(inputs)
+        except TypeError:  # no leading batch dim to slice: the inputs as they are
+            size = 0
+        if size > CHECK_ROWS:
+            inputs = slice_examples(inputs, 0, CHECK_ROWS, size)
+        generator = torch.Generator().manual_seed(0)  # the same cycles on every fit
+        if isinstance(self.base, MeanFieldGuide) and self.base._plain_normal():
+            values = {s: self.base.loc(s).detach() for s in self.sites}  # no scales computed
+        else:
+            values = self.base.mean()
+        return self.spec.layer_changes(model, inputs, values, names=names, generator=generator)
 
     # ------------------------------------------------------------------ the symmetrization
     def permuted_log_prob(self, values: Mapping[str, Tensor], perms: list[Tensor]) -> Tensor:
@@ -418,15 +472,16 @@ class SymmetrizedGuide(PosteriorGuide):
 
 class _CallCheck:
     """The block of :meth:`SymmetrizedGuide.recording_calls` on the first forward: opens the
-    spec's call record on entry; on exit settles it, or closes it unsettled when the forward
-    raised (the next forward is checked instead). A class, not a generator, so that a warning
-    it gives points at the user's line."""
+    spec's call record on entry; on exit settles it (the check on ``batch``), or closes it
+    unsettled when the forward raised (the next forward is checked instead). A class, not a
+    generator, so that a warning it gives points at the user's line."""
 
-    def __init__(self, guide: SymmetrizedGuide, net: torch.nn.Module) -> None:
-        self.guide, self.net = guide, net
+    def __init__(self, guide: SymmetrizedGuide, model: Any, batch: Any) -> None:
+        self.guide, self.model, self.batch = guide, model, batch
 
     def __enter__(self) -> None:
-        self.guide.__dict__["_call_record"] = self.guide.spec.record_calls(self.net)
+        self.guide.__dict__["_call_record"] = self.guide.spec.record_calls(self.model.net)
+        self.guide.__dict__["_call_batch"] = (self.model, self.batch)
 
     def __exit__(
         self,
@@ -437,6 +492,7 @@ class _CallCheck:
         if kind is None:
             self.guide._settle_calls()
             return
+        self.guide.__dict__.pop("_call_batch", None)
         record = self.guide.__dict__.pop("_call_record", None)
         if record is not None:
             record.close()

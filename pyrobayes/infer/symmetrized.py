@@ -138,12 +138,12 @@ def _check_guide(guide: Any, owner: str) -> None:
         )
 
 
-def _recording_calls(guide: Any, model: Any) -> AbstractContextManager[None]:
+def _recording_calls(guide: Any, model: Any, batch: Any) -> AbstractContextManager[None]:
     """The guide's :meth:`~pyrobayes.guides.SymmetrizedGuide.recording_calls` block (the
-    first forward's check of the symmetry's structure), or a no-op for another implementation
-    of the protocol."""
+    first forward's check of the symmetry, measured on ``batch``), or a no-op for another
+    implementation of the protocol."""
     record = getattr(guide, "recording_calls", None)
-    return nullcontext() if record is None else record(model)
+    return nullcontext() if record is None else record(model, batch=batch)
 
 
 class BatchedSymmetrizedELBO(ELBO):
@@ -191,7 +191,7 @@ class BatchedSymmetrizedELBO(ELBO):
         if values is None or kl is None:
             values = guide.rsample(self.num_particles)
             kl = (guide.log_prob(values) - model.log_prior(values)).mean()
-        with _recording_calls(guide, model):  # the first forward only (a no-op after)
+        with _recording_calls(guide, model, batch):  # the first forward only (a no-op after)
             nll = -scaled_log_likelihood(model, values, batch)
         info = guide.infonce(values, self.num_permutations).mean()
         if torch.is_grad_enabled():  # a training evaluation
@@ -259,17 +259,17 @@ class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
 
     def loss(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> float:
         self._with_guide(guide)
-        with _recording_calls(guide, model):  # settled by the first particle's infonce
+        with _recording_calls(guide, model, _model_batch(args, kwargs)):  # settled by infonce
             return super().loss(model, guide, *args, **kwargs)
 
     def differentiable_loss(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Any:
         self._with_guide(guide)
-        with _recording_calls(guide, model):  # settled by the first particle's infonce
+        with _recording_calls(guide, model, _model_batch(args, kwargs)):  # settled by infonce
             return super().differentiable_loss(model, guide, *args, **kwargs)
 
     def loss_and_grads(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> float:
         self._with_guide(guide)
-        with _recording_calls(guide, model):  # settled by the first particle's infonce
+        with _recording_calls(guide, model, _model_batch(args, kwargs)):  # settled by infonce
             return super().loss_and_grads(model, guide, *args, **kwargs)
 
     def _differentiable_loss_particle(self, model_trace: Any, guide_trace: Any) -> Any:
@@ -280,6 +280,12 @@ class SymmetrizedELBO(pyro.infer.TraceMeanField_ELBO):
         if torch.is_grad_enabled():
             self.saturation.update(guide, self.num_permutations or guide.num_permutations)
         return loss - float(info.detach()), surrogate - info
+
+
+def _model_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The batch of a Pyro loss call ``loss(model, guide, batch)`` (``None`` when there is
+    none: the symmetry check then reads the record of the network's calls alone)."""
+    return args[0] if args else kwargs.get("batch")
 
 
 register_objective("symmetrized-elbo", BatchedSymmetrizedELBO)
