@@ -10,25 +10,38 @@ posteriors, recomputes their metrics and compares them with the run's ``metrics.
 
 An ``--out`` folder that already holds a run (its ``config.json``, ``metrics.json``, posteriors)
 is refused unless ``--overwrite`` is given, which removes that run's files first. A run that
-fails or is interrupted (Ctrl-C) before its first result removes what it wrote, so the same
-command starts it again; one stopped later keeps the families it completed.
+fails or is interrupted (Ctrl-C, or SIGTERM: a cluster scheduler's pre-emption, ``kill``,
+``timeout``) before its first result removes what it wrote, so the same command starts it
+again; one stopped later keeps the families it completed. A run killed before its first result
+by SIGKILL (the OOM killer), which no handler sees, leaves its ``config.json``: the same
+command (the same config) takes that folder over, with a logged warning; another config is
+refused there unless ``--overwrite``.
+
+While a command runs, SIGTERM is handled as Ctrl-C is: the handler (installed by :func:`main`
+in the main thread, not by the library, and the previous one restored when it returns; none
+where SIGTERM is ignored) raises :class:`Terminated`, a ``KeyboardInterrupt``.
 
 Exit status: 0 on success, 1 when ``evaluate`` finds drift, 2 on a usage, config or run-folder
 error, or on an error the library reports about its input after the config check (a model or
 file that cannot be read, a value the fit refuses): ``pyrobayes <command>: error: <message>``,
 no traceback (``PYROBAYES_TRACEBACK=1`` in the environment prints it too), 130 when
-interrupted.
+interrupted (Ctrl-C), 143 (128 + 15, as for a process SIGTERM kills) when terminated.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 if sys.version_info >= (3, 11):
@@ -55,7 +68,7 @@ from .demo.pipeline import (
 from .demo.run_folder import claim_run_folder
 from .io import PosteriorFileError, PosteriorMismatchError
 
-__all__ = ["main"]
+__all__ = ["Terminated", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +84,9 @@ TOML config), join RUN_DIR... (causal-LM runs of one job), evaluate RUN_DIR
 _EPILOG = f"""\
 exit status: 0 on success, 1 when evaluate finds drift, 2 on a usage, config or
 run-folder error or an error the library reports about its input (a model or
-file that cannot be read), 130 when interrupted. Errors print
+file that cannot be read), 130 when interrupted (Ctrl-C), 143 when terminated
+(SIGTERM, handled as Ctrl-C: a run stopped before its first result removes its
+files; the same command takes over a run SIGKILL stopped then). Errors print
 "pyrobayes <command>: error: <message>" without a traceback; set
 {TRACEBACK_ENV}=1 in the environment to print the traceback as well.
 """
@@ -83,10 +98,11 @@ def _out_dir(arg: str | None, name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _claim_out(out: Path, overwrite: bool) -> None:
+def _claim_out(out: Path, overwrite: bool, config: dict[str, Any]) -> None:
     """The run folder rule of :func:`pyrobayes.demo.run_folder.claim_run_folder`, worded for
-    the command line (before the model and data are loaded)."""
-    claim_run_folder(out, overwrite, folder="--out", replace="--overwrite")
+    the command line (before the model and data are loaded): ``config`` takes over an
+    unfinished run of the same config."""
+    claim_run_folder(out, overwrite, folder="--out", replace="--overwrite", config=config)
 
 
 def _print_records(records: list[dict[str, Any]], out: Path | None) -> None:
@@ -115,7 +131,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     config = resolve_config(user, quick=args.quick or args.smoke)
     check_inputs(config)
     out = _out_dir(args.out, "demo")
-    _claim_out(out, args.overwrite)
+    _claim_out(out, args.overwrite, config)
     records = run(config, out, progress_bar=not args.no_progress)
     _print_records(records, out)
     return 0
@@ -193,7 +209,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if args.quick:
         _warn_quick_overridden(user)
     out = _out_dir(args.out, path.stem)
-    _claim_out(out, args.overwrite)
+    _claim_out(out, args.overwrite, config)
     records = run(config, out, progress_bar=not args.no_progress)
     _print_records(records, out)
     return 0
@@ -209,7 +225,7 @@ def _fit_causal_lm(args: argparse.Namespace, path: Path, user: dict[str, Any]) -
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     out = _out_dir(args.out, path.stem)
-    _claim_out(out, args.overwrite)
+    _claim_out(out, args.overwrite, config)
     records = causal_lm.run(config, out, progress_bar=not args.no_progress)
     print(causal_lm.format_table(records))
     print(f"run folder: {out}")
@@ -411,6 +427,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received while a command runs (a cluster scheduler's pre-emption, ``kill``,
+    ``timeout``): a ``KeyboardInterrupt``, so the jobs handle it as Ctrl-C (a run stopped
+    before its first result removes what it wrote)."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated(f"signal {signum} (SIGTERM)")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Raise :class:`Terminated` in the main thread on SIGTERM inside the block, and restore the
+    previous handler after it. Nothing is installed off the main thread (Python runs signal
+    handlers there only) or where SIGTERM is ignored (a parent asked for that)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:  # None: a handler not installed from Python, which cannot be put back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -420,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        return int(args.func(args))
+        with _sigterm_as_interrupt():
+            return int(args.func(args))
     except (ConfigError, RunFolderError, PosteriorFileError, PosteriorMismatchError) as err:
         return _report(args.command, err)
     except (ValueError, OSError, DataUnavailableError) as err:
@@ -428,15 +474,25 @@ def main(argv: list[str] | None = None) -> int:
         # hub id that cannot be loaded, a file it cannot read, a value a fit refuses): the
         # message is the library's; anything else (a bug) keeps its traceback
         return _report(args.command, err, hint=True)
-    except KeyboardInterrupt:
-        saved = (
-            "; the families completed before it are saved in the run folder (a run interrupted "
-            "before its first result removed its files: the same command starts it again)"
-            if args.command in ("demo", "fit")
-            else ""
-        )
-        print(f"pyrobayes {args.command}: interrupted{saved}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        return _report_interrupt(args.command, err)
+
+
+def _report_interrupt(command: str, err: KeyboardInterrupt) -> int:
+    """Print ``pyrobayes <command>: interrupted`` (``terminated (SIGTERM)`` for
+    :class:`Terminated`) and return its exit status: 130, or 143 = 128 + 15 for SIGTERM (as
+    for a process the signal kills)."""
+    saved = (
+        "; the families completed before it are saved in the run folder (a run stopped "
+        "before its first result removed its files: the same command starts it again)"
+        if command in ("demo", "fit")
+        else ""
+    )
+    if isinstance(err, Terminated):
+        print(f"pyrobayes {command}: terminated (SIGTERM){saved}", file=sys.stderr)
+        return 128 + signal.SIGTERM.value
+    print(f"pyrobayes {command}: interrupted{saved}", file=sys.stderr)
+    return 130
 
 
 def _report(command: str, err: BaseException, *, hint: bool = False) -> int:

@@ -654,7 +654,9 @@ def run(
     file that cannot be read, a fit that diverges at once) removes the files it wrote, so the
     folder takes the same or the corrected run without ``overwrite``; one that fails or is
     interrupted later keeps its records and logs a warning naming those and the (family, seed)
-    fits it did not reach.
+    fits it did not reach. A run killed before its first result (SIGKILL), which leaves its
+    ``config.json``, is taken over by a run of the same config
+    (:func:`~pyrobayes.demo.run_folder.claim_run_folder`).
 
     Returns
     -------
@@ -663,9 +665,9 @@ def run(
     """
     out = Path(out_dir)
     if not overwrite:  # refuse another run's folder before anything is checked or loaded
-        claim_run_folder(out, overwrite)
+        claim_run_folder(out, overwrite, config=config)
     check_inputs(config)
-    claim_run_folder(out, overwrite)
+    claim_run_folder(out, overwrite, config=config)
     made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)

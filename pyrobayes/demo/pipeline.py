@@ -395,7 +395,9 @@ def run(
     without it such a folder is refused before anything is fitted. A run that fails or is
     interrupted (Ctrl-C) before its first result removes the files it wrote, so the same (or
     the corrected) run takes the folder without ``overwrite``; one stopped later keeps the
-    families ``metrics.json`` records.
+    families ``metrics.json`` records. A run killed before its first result (SIGKILL), which
+    leaves its ``config.json``, is taken over by a run of the same config
+    (:func:`~pyrobayes.demo.run_folder.claim_run_folder`).
 
     Raises
     ------
@@ -411,11 +413,11 @@ def run(
     families = check_families(list(families or config["families"]))
     check_inputs(config)
     out = Path(out_dir)
-    claim_run_folder(out, overwrite)
+    config["families"] = families  # the config.json of the run (an unfinished one's is compared)
+    claim_run_folder(out, overwrite, config=config)
     made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
     (out / "guides").mkdir(parents=True, exist_ok=True)
     (out / "plots").mkdir(exist_ok=True)
-    config["families"] = families
     write_json(out / "config.json", config)
     try:
         return _run_families(config, families, out, progress_bar)

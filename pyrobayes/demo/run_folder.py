@@ -7,8 +7,10 @@
 files belongs to another run: it is refused unless the caller asks to replace it, and then that
 run's files are removed first, so no posterior of a family the new run does not fit is left
 behind next to the new metrics. A run that stops before its first result (an error, or an
-interrupt: Ctrl-C) removes what it wrote (:func:`remove_unfinished_run`), so the same command
-starts it again in that folder.
+interrupt: Ctrl-C, or SIGTERM on the command line) removes what it wrote
+(:func:`remove_unfinished_run`), so the same command starts it again in that folder. One killed
+then (SIGKILL: the OOM killer), which can remove nothing, leaves its ``config.json`` and no
+``metrics.json``: :func:`claim_run_folder` lets a run of the same config take that folder over.
 """
 
 from __future__ import annotations
@@ -92,9 +94,21 @@ def _refuse_foreign_config(root: Path, folder: str) -> None:
 
 
 def claim_run_folder(
-    out: str | Path, overwrite: bool, *, folder: str = "out_dir", replace: str = "overwrite=True"
+    out: str | Path,
+    overwrite: bool,
+    *,
+    folder: str = "out_dir",
+    replace: str = "overwrite=True",
+    config: dict[str, Any] | None = None,
 ) -> None:
     """Make ``out`` a folder a new run may write, or refuse.
+
+    A folder holding an unfinished run (its ``config.json`` and no ``metrics.json``: a run
+    killed before its first result by SIGKILL, as the OOM killer sends, which leaves no handler
+    the chance to remove it) is taken over by a new run of the same ``config``: nothing was
+    computed that the run would keep, and the same config cannot mix two runs. Its files are
+    removed, with a logged warning. An unfinished run of another config is refused like any
+    other run unless ``overwrite``.
 
     Parameters
     ----------
@@ -105,11 +119,15 @@ def claim_run_folder(
     folder, replace : str
         How the caller names the folder and the replacing option in the error message
         (``"--out"`` and ``"--overwrite"`` on the command line).
+    config : dict, optional
+        The config the new run writes as ``config.json`` (:func:`write_json`); compared with
+        an unfinished run's after the same JSON round trip. None: no run is taken over.
 
     Raises
     ------
     RunFolderError
-        ``out`` holds another run's files and ``overwrite`` is false.
+        ``out`` holds another run's files (an unfinished run's of another config included) and
+        ``overwrite`` is false.
     """
     root = Path(out)
     taken = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
@@ -121,6 +139,8 @@ def claim_run_folder(
     _refuse_foreign_config(root, folder)
     files = run_files(out)
     if not files:
+        return
+    if not overwrite and config is not None and _take_over(root, files, config, folder, replace):
         return
     if not overwrite:
         listed = ", ".join(str(f.relative_to(root)) for f in files[:4])
@@ -135,13 +155,76 @@ def claim_run_folder(
         file.unlink()
 
 
+def _canonical_json(value: Any) -> str | None:
+    """``value`` as :func:`write_json` writes it, read back, then dumped with sorted keys (None
+    when JSON cannot hold it): tuples are lists and keys strings on both sides, and a NaN
+    equals itself."""
+    try:
+        return json.dumps(json.loads(json.dumps(value)), sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
+def _differing_keys(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The dotted keys both configs set to values that differ after the JSON round trip."""
+    from .causal_lm_config import differing_keys
+
+    new = json.loads(json.dumps(config))
+    return [
+        key
+        for key, mine, theirs in differing_keys(saved, new)
+        if _canonical_json(mine) != _canonical_json(theirs)
+    ]
+
+
+def _take_over(
+    root: Path, files: Sequence[Path], config: dict[str, Any], folder: str, replace: str
+) -> bool:
+    """Whether ``root`` holds an unfinished run (its ``config.json``, no ``metrics.json``) of
+    ``config``; if so its files are removed. False for a run with a result (or no config).
+
+    Raises
+    ------
+    RunFolderError
+        The unfinished run's config is another config.
+    """
+    path = root / "config.json"
+    if path not in files or root / "metrics.json" in files:
+        return False
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        saved = None
+    if saved is None or _canonical_json(saved) != _canonical_json(config):
+        keys = _differing_keys(saved, config) if isinstance(saved, dict) else []
+        more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+        which = f" (they differ in {', '.join(keys[:4])}{more})" if keys else ""
+        raise RunFolderError(
+            f"{folder} {root} holds only an unfinished run (its config.json, no metrics.json: "
+            f"it stopped before its first result) of another config{which}; a new run there "
+            f"would mix the two. Pass {replace} to replace it, or another {folder}."
+        )
+    listed = ", ".join(str(f.relative_to(root)) for f in files)
+    logger.warning(
+        "%s %s holds an unfinished run of the same config (no metrics.json: it was killed "
+        "before its first result, e.g. by SIGKILL); taking it over: removed %s.",
+        folder,
+        root,
+        listed,
+    )
+    for file in files:
+        file.unlink()
+    return True
+
+
 def remove_unfinished_run(out: Path, made: Sequence[Path], job: str, err: BaseException) -> None:
     """Remove what a run that stopped before its first result wrote into ``out``.
 
     ``out`` held no run before it (:func:`claim_run_folder` refused one, or ``overwrite``
     removed it), and a run with no ``metrics.json`` computed nothing a user could keep, so its
     ``config.json`` alone would only make the same command (or the corrected config) refused
-    until ``overwrite``: an interrupt (Ctrl-C) is treated as an error is.
+    until ``overwrite``: an interrupt (Ctrl-C, or SIGTERM, which the command line raises as a
+    ``KeyboardInterrupt``) is treated as an error is.
 
     Parameters
     ----------
