@@ -584,7 +584,8 @@ class IVONOptimizer(torch.optim.Optimizer):
         """Algorithm 1's update of ``m``, ``h`` and the momentum (the Kronecker block's by its
         curvature), written back to the guide's tensors and the point parameters.
 
-        A step that leaves ``m`` or ``h`` unusable is undone: ``m``, ``h``, the momentum and the
+        A step that leaves ``m`` or ``h`` unusable, or whose Kronecker factor estimates ``Â``,
+        ``Ĝ`` are not finite, is undone: ``m``, ``h``, the momentum and the
         curvature's factors and decompositions stay as before it (the factors' EMA is applied
         only once the step is kept, :meth:`KronCurvature.commit
         <pyrobayes.infer.kron.KronCurvature.commit>`)."""
@@ -610,36 +611,73 @@ class IVONOptimizer(torch.optim.Optimizer):
         )
         if self.curvature is not None:
             self.curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
-        bad = self._unusable_state(flat)
-        if bad:  # undone: the guide's tensors and the optimizer's state stay as before the step
+        bad, factors = self._unusable_state(flat)
+        if bad or factors:  # undone: the guide and the optimizer's state stay as before the step
             for now, then in zip((m, momentum, state["hess"]), before, strict=True):
                 now.copy_(then)
             self._refuse()
-            raise FloatingPointError(
-                f"IVON's update at step {t} left the Hessian estimate h non-finite or h + δ <= 0, "
-                f"or the mean m non-finite, in {', '.join(bad)}; the step was undone, so the "
-                "guide keeps its values from before it. Lower hess_init (now "
-                f"{hp['hess_init']:g}) or the learning rate (a non-finite m: pass clip_radius "
-                "to pb.infer.IVON)."
-            )
+            raise FloatingPointError(self._refusal(t, bad, factors))
         if self.curvature is not None:
             self.curvature.commit()
         state["step"] = t + 1
         torch._foreach_copy_(flat["targets"], flat["views"])
         self._record(flat)
 
-    def _unusable_state(self, flat: dict[str, Any]) -> list[str]:
+    def _unusable_state(self, flat: dict[str, Any]) -> tuple[list[str], list[str]]:
         """The sites and point parameters whose updated ``m`` is not finite or whose ``h`` is
-        not finite or has ``h + δ <= 0`` (σ = (λ(h + δ))^{-1/2} would be NaN, 0 or inf); one
-        device sync when all are usable."""
+        not finite or has ``h + δ <= 0`` (σ = (λ(h + δ))^{-1/2} would be NaN, 0 or inf), and
+        the Kronecker factor estimates of the step that are not finite
+        (:meth:`KronCurvature.estimates_unusable
+        <pyrobayes.infer.kron.KronCurvature.estimates_unusable>`, folded into the same flag);
+        one device sync when all are usable."""
         m, hess, D = flat["m"], flat["state"]["hess"], self._n_extra + self._n_diag
         bad_h = ~((hess + flat["delta"]) > 0) | hess.isinf()
         bad_m = ~m.isfinite()
-        if not bool(bad_h.any() | bad_m.any()):
-            return []
+        flag = bad_h.any() | bad_m.any()
+        factors = None if self.curvature is None else self.curvature.estimates_unusable()
+        if factors is not None:
+            flag = flag.logical_or(factors.to(flag.device))
+        if not bool(flag):
+            return [], []
         bad = bad_m.clone()
         bad[:D] |= bad_h
-        return self._names_where(bad)
+        names = self._names_where(bad)
+        return names, [] if factors is None else self.curvature.non_finite_estimates()
+
+    def _refusal(self, step: int, bad: list[str], factors: list[str]) -> str:
+        """The message of a refused update: ``bad`` sites' ``m`` or ``h`` were unusable,
+        ``factors`` names the Kronecker factor estimates that were not finite."""
+        undone = "the step was undone, so the guide keeps its values from before it."
+        parts = []
+        if factors:
+            dtype = self.guide.state_dtype
+            parts.append(
+                f"Kronecker IVON's factor estimates at step {step} are not finite: "
+                f"{', '.join(factors)} (kept, they would surface only at the factors' next "
+                f"re-decomposition, as NaN means); {undone}"
+            )
+            if any("input factor" in f for f in factors):
+                limit = torch.finfo(dtype).max
+                parts.append(
+                    "A is the mean of a aᵀ over the rows a of the layer's input, summed in "
+                    f"{str(dtype).removeprefix('torch.')}, which overflows once Σ a² passes "
+                    f"{limit:.2g} (inputs of about {math.sqrt(limit):.2g}): check the inputs "
+                    "(standardize the features; look for inf/NaN or huge values in the batch)."
+                )
+            if any("output-gradient factor" in f for f in factors):
+                parts.append(
+                    "G is built from the loss's gradients at the layer's outputs, which blow up "
+                    "when the fit diverges: lower the learning rate, or pass clip_radius to "
+                    "pb.infer.KronIVON to bound the steps."
+                )
+        if bad:
+            parts.append(
+                f"IVON's update at step {step} left the Hessian estimate h non-finite or "
+                f"h + δ <= 0, or the mean m non-finite, in {', '.join(bad)}; {undone} Lower "
+                f"hess_init (now {self.hyper['hess_init']:g}) or the learning rate (a "
+                "non-finite m: pass clip_radius to pb.infer.IVON)."
+            )
+        return " ".join(parts)
 
     def _names_where(self, flags: Tensor) -> list[str]:
         """The sites and point parameters with a set entry in the flat ``flags``."""

@@ -129,6 +129,10 @@ class KronCurvature:
         self._pending: tuple[list[Tensor], list[Tensor]] | None = None
         #: ``(tensors, copies)``: what a re-decomposition step changed, put back by :meth:`undo`
         self._saved: tuple[list[Tensor], list[Tensor]] | None = None
+        #: nonzero when one of the step's estimates is not finite (:meth:`estimates_unusable`);
+        #: None when the step recorded none
+        self._found: Tensor | None = None
+        self._ones: dict[torch.device, Tensor] = {}  # the unit scale of _non_finite_flag
         self._row_masks: dict[Any, tuple[Tensor, int]] = {}
         self._scales: dict[Any, Tensor] = {}
         self.hooks = []
@@ -162,7 +166,7 @@ class KronCurvature:
         """Before the closure of step ``step``: record the factor statistics every ``T_stats``."""
         settings = self.settings
         self.records, self.G_acc, self.mask, self._row_masks = {}, {}, None, {}
-        self._pending = self._saved = None
+        self._pending = self._saved = self._found = None
         self.recording = self.recorded = step % settings.T_stats == 0
         self.capture = self.recording and settings.fisher == "empirical"
 
@@ -235,8 +239,12 @@ class KronCurvature:
                 for h, F_ in zip(hats, factors, strict=True)
             ]
             self._pending = (factors, hats)
+            self._found = self._non_finite_flag(hats)
         self.records, self.G_acc = {}, {}
-        if (step + 1) % self.settings.T_inv == 0 or step == 0:
+        redecompose = (step + 1) % self.settings.T_inv == 0 or step == 0
+        if redecompose and (self._found is None or not bool(self._found)):
+            # a non-finite estimate is refused (estimates_unusable) and never decomposed: the
+            # eigh of a NaN factor returns NaN, or raises on some backends, before any check
             changed = [t for site in self.sites for pair in guide.eigen(site) for t in pair]
             changed += self._pending[0] if self._pending is not None else []
             self._saved = (changed, [t.clone() for t in changed])
@@ -265,10 +273,33 @@ class KronCurvature:
                 rescale_lr=hp["rescale_lr"],
             )
 
+    def estimates_unusable(self) -> Tensor | None:
+        """A one-element tensor, nonzero when some factor estimate ``Â``, ``Ĝ`` of this step is
+        not finite (None when the step recorded none), for the optimizer to fold into its own
+        check: no device sync here.
+
+        The factors are read only when they are re-decomposed, every ``T_inv`` steps: a
+        non-finite estimate kept by the EMA would surface only there, steps later, as NaN means.
+        """
+        return self._found
+
+    def non_finite_estimates(self) -> list[str]:
+        """The step's estimates that are not finite, named by factor and site (one device
+        sync: for the refusal's message)."""
+        if self._found is None or self._pending is None:
+            return []
+        kinds = ("input factor A", "output-gradient factor G")
+        finite = [bool(h.isfinite().all()) for h in self._pending[1]]
+        return [
+            f"the {kinds[j % 2]} of site {self.sites[j // 2]}"
+            for j, ok in enumerate(finite)
+            if not ok
+        ]
+
     def commit(self) -> None:
         """The step was kept: apply its factor EMA ``F ← β2 F + (1−β2) F̂`` (if still pending)."""
         self._apply_ema()
-        self._saved = None
+        self._saved = self._found = None
 
     def undo(self) -> None:
         """The step was refused (or never reached :meth:`step_`): drop its statistics and its
@@ -277,6 +308,31 @@ class KronCurvature:
         if self._saved is not None:
             torch._foreach_copy_(*self._saved)
         self.records, self.G_acc, self._pending, self._saved = {}, {}, None, None
+        self._found = None
+
+    def _non_finite_flag(self, hats: list[Tensor]) -> Tensor:
+        """One element, nonzero when some entry of ``hats`` is inf or NaN, without a sync.
+
+        The fused check ``torch.amp.GradScaler`` runs on the gradients every step (as the
+        fitter's gradient check does); it also multiplies them by the scale, here 1, which
+        leaves every value as it was. Unlike a sum of the entries it cannot overflow, so a
+        finite estimate is never flagged.
+        """
+        flags = []
+        for device in dict.fromkeys(h.device for h in hats):  # one flag per device, in order
+            group = [h for h in hats if h.device == device]
+            one = self._ones.get(device)
+            if one is None:
+                one = self._ones[device] = torch.ones(1, device=device)
+            found = torch.zeros(1, device=device)
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+            except (RuntimeError, NotImplementedError):  # a backend without the fused check
+                found = torch.stack([~h.isfinite().all() for h in group]).any().float().view(1)
+            flags.append(found)
+        if len(flags) == 1:
+            return flags[0]
+        return torch.stack([f.to(flags[0].device) for f in flags]).sum(0)
 
     def _apply_ema(self) -> None:
         """``F ← β2 F + (1−β2) F̂`` in place for the pending factors."""
