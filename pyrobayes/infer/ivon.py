@@ -588,40 +588,53 @@ class IVONOptimizer(torch.optim.Optimizer):
         ``Ĝ`` are not finite, is undone: ``m``, ``h``, the momentum and the
         curvature's factors and decompositions stay as before it (the factors' EMA is applied
         only once the step is kept, :meth:`KronCurvature.commit
-        <pyrobayes.infer.kron.KronCurvature.commit>`)."""
+        <pyrobayes.infer.kron.KronCurvature.commit>`). An exception raised during the update
+        (e.g. the re-decomposition's ``eigh`` failing, ``torch.linalg.LinAlgError``) undoes it
+        the same way before it propagates, so the state is never half a step."""
         hp, state, m, D = self.hyper, flat["state"], flat["m"], self._n_extra + self._n_diag
         t, lr, momentum = state["step"], self.param_groups[0]["lr"], state["momentum"]
         before = (m.clone(), momentum.clone(), state["hess"].clone())  # undone if it goes bad
-        ivon_step_(
-            m[:D],
-            momentum[:D],
-            state["hess"],
-            grad[:D],
-            hhat,
-            t,
-            lr=lr,
-            hess_init=hp["hess_init"],
-            beta1=hp["beta1"],
-            beta2=hp["diag_beta2"],
-            weight_decay=flat["delta"],
-            clip_radius=hp["clip_radius"],
-            debias=hp["debias"],
-            rescale_lr=hp["rescale_lr"],
-            prior_loc=flat["prior_loc"],
-        )
-        if self.curvature is not None:
-            self.curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
-        bad, factors = self._unusable_state(flat)
+        try:  # free unless it raises (Python 3.11's zero-cost exceptions)
+            ivon_step_(
+                m[:D],
+                momentum[:D],
+                state["hess"],
+                grad[:D],
+                hhat,
+                t,
+                lr=lr,
+                hess_init=hp["hess_init"],
+                beta1=hp["beta1"],
+                beta2=hp["diag_beta2"],
+                weight_decay=flat["delta"],
+                clip_radius=hp["clip_radius"],
+                debias=hp["debias"],
+                rescale_lr=hp["rescale_lr"],
+                prior_loc=flat["prior_loc"],
+            )
+            if self.curvature is not None:  # its eigh may raise (LinAlgError) on some backends
+                self.curvature.step_(m[D:], momentum[D:], grad[D:], t, lr)
+            bad, factors = self._unusable_state(flat)
+        except BaseException:  # half a step: undone as a refused one, then re-raised
+            self._undo(flat, before)
+            raise
         if bad or factors:  # undone: the guide and the optimizer's state stay as before the step
-            for now, then in zip((m, momentum, state["hess"]), before, strict=True):
-                now.copy_(then)
-            self._refuse()
+            self._undo(flat, before)
             raise FloatingPointError(self._refusal(t, bad, factors))
         if self.curvature is not None:
             self.curvature.commit()
         state["step"] = t + 1
         torch._foreach_copy_(flat["targets"], flat["views"])
         self._record(flat)
+
+    def _undo(self, flat: dict[str, Any], before: tuple[Tensor, Tensor, Tensor]) -> None:
+        """Put ``m``, the momentum and ``h`` back to ``before`` (their copies from before the
+        update), then :meth:`_refuse` (the point parameters at those means, the curvature's
+        factors and decompositions as they were)."""
+        state = flat["state"]
+        for now, then in zip((flat["m"], state["momentum"], state["hess"]), before, strict=True):
+            now.copy_(then)
+        self._refuse()
 
     def _unusable_state(self, flat: dict[str, Any]) -> tuple[list[str], list[str]]:
         """The sites and point parameters whose updated ``m`` is not finite or whose ``h`` is

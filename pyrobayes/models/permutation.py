@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from ..batch import compute_dtype
 from ..user_frame import user_stacklevel
 
 __all__ = ["UnitLayer", "PermutationSpec", "CallRecord"]
@@ -322,6 +323,8 @@ class PermutationSpec:
 
         The symmetrized family targets an invariant posterior; a prior that treats units
         differently (per-unit scales) breaks that (Gelberg et al., 2024, Sec. 3).
+        ``log p`` is evaluated in :func:`~pyrobayes.batch.compute_dtype` (float32 for a half
+        model): a float16 sum of a 256 × 256 layer's ``log p`` is ``-inf``.
         """
         self.check_model(model)
         sites = sorted(self.sites)
@@ -332,8 +335,9 @@ class PermutationSpec:
             perms = self.sample(num_checks, device=device)
             moved = self.act(theta, perms)
             for s in sites:
-                before = priors[s].log_prob(theta[s][0])
-                after = priors[s].log_prob(moved[s][0])
+                dtype = compute_dtype(theta[s].dtype)  # the permutation is exact in any dtype
+                before = priors[s].log_prob(theta[s][0].to(dtype))
+                after = priors[s].log_prob(moved[s][0].to(dtype))
                 gap = float((after - before).abs().max())
                 if not gap <= rtol * max(1.0, float(before.abs())):
                     raise ValueError(
