@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import pyrobayes as pb
+import pyrobayes.infer.ivon as ivon
 import pyrobayes.infer.kron as kron
 from pyrobayes.infer import make_fitter
 from pyrobayes.models import FineTuneModel, PermutationSpec
@@ -34,9 +35,16 @@ def _raise_runtime(*args: Any, **kwargs: Any) -> Any:
 
 #: ``(step, what raises, the error)``: the re-decomposition's ``eigh`` (after ``ivon_step_`` and
 #: the factors' EMA have run), or the Kronecker mean step of a step without re-decomposition.
+def _raise_reduce(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("the all-reduce of the step's statistics failed (a rank went away)")
+
+
 _FAILURES = {
     "eigh-at-re-decomposition": (3, (torch.linalg, "eigh"), _raise_linalg),
     "kron-mean-step": (2, (kron, "mean_step_"), _raise_runtime),
+    # before the update: the point parameters were left at their perturbed draw and the
+    # Kronecker layers' recorded statistics kept until the next step
+    "statistics-all-reduce": (2, (ivon, "all_reduce_mean_"), _raise_reduce),
 }
 
 

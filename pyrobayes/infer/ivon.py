@@ -493,7 +493,11 @@ class IVONOptimizer(torch.optim.Optimizer):
         if not math.isfinite(float(loss)):
             self._refuse()
             return loss
-        grad, hhat = self._statistics(flat, prec)
+        try:  # (a failing all-reduce, a closure that drew no sample)
+            grad, hhat = self._statistics(flat, prec)
+        except BaseException:
+            self._refuse()  # the point parameters back at their means, the records dropped
+            raise
         if not bool(grad.isfinite().all()):  # refused before anything is updated
             self._refuse()
             raise FloatingPointError(
@@ -540,7 +544,11 @@ class IVONOptimizer(torch.optim.Optimizer):
         loss = loss.detach().reshape(())
         if world()[0] > 1:  # every rank sees the same value, so all stop on a NaN together
             loss = loss.clone()
-            all_reduce_mean_([loss])
+            try:
+                all_reduce_mean_([loss])
+            except BaseException:
+                self._refuse()
+                raise
         return loss
 
     def _refuse(self) -> None:
