@@ -29,7 +29,7 @@ from .sharing import (
     first_adapted_block,
     lower_inputs,
     lower_layers_shared,
-    prefix_applies,
+    prefix_plan,
     prefix_shared_logits,
     reusing_within_batch,
     sharing_enabled,
@@ -73,9 +73,17 @@ class DrawForward:
         check_positions = getattr(self.likelihood, "check_positions", None)
         if check_positions is not None:
             check_positions(inputs, self.net)
-        shared = prefix_shared_logits(
-            self.net, self.likelihood, inputs, self._draws_in_net(), self._first_adapted()
-        )
+        layout = self._prompt_layout(inputs)
+        shared = None
+        if layout is not None:
+            shared = prefix_shared_logits(
+                self.net,
+                self.likelihood,
+                inputs,
+                self._draws_in_net(),
+                self._first_adapted(),
+                layout,
+            )
         if shared is not None:
             return shared
         lower = self.__dict__.get("_lower_rows")  # set by _lower_shared
@@ -109,12 +117,13 @@ class DrawForward:
             params[name] = value
         if overrides:
             params.update(overrides)
-        cached = None if "_lower_rows" in self.__dict__ else self._cached_lower(inputs)
-        if cached is None:
-            out = self._functional(inputs, params)
-        else:
-            with stubbed_below(cached[0], cached[1]):
+        with self._planning_prompts(inputs):
+            cached = None if "_lower_rows" in self.__dict__ else self._cached_lower(inputs)
+            if cached is None:
                 out = self._functional(inputs, params)
+            else:
+                with stubbed_below(cached[0], cached[1]):
+                    out = self._functional(inputs, params)
         if isinstance(out, TokenLogProbs):  # the shared prompts' scored continuations
             return self.likelihood.params(out, inputs)  # type: ignore[arg-type]
         return self.likelihood.params(self.network_prediction(out), inputs)
@@ -232,8 +241,9 @@ class DrawForward:
             _check_output_rows(out, 1, num_rows, type(self).__name__)
             return out.unsqueeze(0)
         expanded = expand_samples(inputs, num_samples)
-        shared = self._lower_shared(inputs, expanded, values, overrides, num_samples)
-        out = self.output(expanded, values, overrides) if shared is None else shared
+        with self._planning_prompts(expanded):  # one prompt plan for both tries
+            shared = self._lower_shared(inputs, expanded, values, overrides, num_samples)
+            out = self.output(expanded, values, overrides) if shared is None else shared
         _check_output_rows(out, num_samples, num_rows, type(self).__name__)
         return out.reshape(num_samples, num_rows, *out.shape[1:])
 
@@ -247,20 +257,22 @@ class DrawForward:
     ) -> Tensor | None:
         """:meth:`output` of the S-fold ``expanded`` batch with the network's blocks below the
         first adapted one run once on the un-expanded rows (``sharing``), or ``None`` where
-        that does not apply (or the network's output does not keep the expanded rows)."""
+        that does not apply (or the network's output does not keep the expanded rows). The
+        prompt-sharing path shares them itself where it runs; where it declines the batch
+        (:func:`~pyrobayes.models.sharing.prefix_plan`) the full rows share them here."""
         if (
             not sharing_enabled()
             or not isinstance(inputs, Mapping)
             or "_lower_rows" in self.__dict__
         ):
             return None
-        if prefix_applies(self.net, self.likelihood, expanded):
-            return None  # the prompt-sharing path runs the choices instead
         found = self._first_adapted()
         if found is None:
             return None
+        if self._prompt_layout(expanded) is not None:
+            return None  # the prompt-sharing path runs the choices instead
         rows = batch_size(inputs) * (self.likelihood.rows_per_output(inputs) or 1)
-        cached = self._cached_lower(inputs)  # the fit's per-example memory of the lower blocks
+        cached = self._lower_cache_output(inputs)  # the fit's memory of the lower blocks
         self.__dict__["_lower_rows"] = (rows, num_samples)
         key = tuple(sorted(self.latent_sites))
         memo = batch_memo(inputs, ("lower", key))  # the chunks of one batch in pb.predict
@@ -316,13 +328,51 @@ class DrawForward:
     def _cached_lower(self, inputs: Any) -> tuple[list[nn.Module], Any] | None:
         """``(lower blocks, their output for inputs)`` from the fit's lower-block cache, or
         ``None`` outside :meth:`caching_lower_blocks` or where it does not apply."""
+        if self.__dict__.get("_lower_cache") is None or not sharing_enabled():
+            return None
+        if self._prompt_layout(inputs) is not None:
+            return None  # prompts and continuations run as rows of their own
+        return self._lower_cache_output(inputs)
+
+    def _lower_cache_output(self, inputs: Any) -> tuple[list[nn.Module], Any] | None:
+        """:meth:`_cached_lower` of the full rows of ``inputs`` (whether or not their prompts
+        would be shared)."""
         cache = self.__dict__.get("_lower_cache")
         if cache is None or not sharing_enabled():
             return None
-        if prefix_applies(self.net, self.likelihood, inputs):
-            return None  # prompts and continuations run as rows of their own
         output = cache.output(self.likelihood.network_inputs(inputs, self.net))
         return None if output is None else (cache.below, output)
+
+    @contextlib.contextmanager
+    def _planning_prompts(self, inputs: Any) -> Iterator[None]:
+        """Within the block, :meth:`_prompt_layout` of ``inputs`` is computed once, when first
+        asked (its checks read the batch: one synchronisation with the device per batch, for
+        the lower-block cache, the lower-block sharing and the prompt path alike). A nested
+        block on the same inputs keeps the outer one's plan."""
+        held = self.__dict__.get("_prompt_plan")
+        if held is not None and held["inputs"] is inputs:
+            yield
+            return
+        self.__dict__["_prompt_plan"] = {"inputs": inputs}
+        try:
+            yield
+        finally:
+            if held is None:
+                self.__dict__.pop("_prompt_plan", None)
+            else:
+                self.__dict__["_prompt_plan"] = held
+
+    def _prompt_layout(self, inputs: Any) -> dict[str, Tensor] | None:
+        """:func:`~pyrobayes.models.sharing.prefix_plan` of ``inputs``: the layout the
+        prompt-sharing path runs them with, ``None`` when it will not run for them (computed
+        once inside :meth:`_planning_prompts`)."""
+        held = self.__dict__.get("_prompt_plan")
+        if held is None or held["inputs"] is not inputs:
+            return prefix_plan(self.net, self.likelihood, inputs)
+        if "layout" not in held:
+            held["layout"] = prefix_plan(self.net, self.likelihood, inputs)
+        layout: dict[str, Tensor] | None = held["layout"]
+        return layout
 
     def tokens_per_draw(self, inputs: Any) -> int | None:
         """Token positions one more draw costs on ``inputs`` in prediction, the work

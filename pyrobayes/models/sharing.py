@@ -37,7 +37,8 @@ length at which the network's rotary frequencies change (``longrope``, ``dynamic
 alone would be rotated otherwise than in the full rows) or whose prompts of different lengths,
 left-padded for the prompt pass, would give NaN in float64 eager attention with sliding-window
 layers (:func:`~pyrobayes.models.multiple_choice.eager_mask_refusal`) are logged once per
-network (INFO).
+network (INFO). Where the prompts of a batch are not shared, its full rows still share the
+layers below the first adapted one (:func:`prefix_plan` tells which, once per batch).
 Inside :func:`reuse_within_batch`
 (``pyrobayes.predict`` opens it) the lower layers' output of a batch is kept for all its chunks
 of draws. In a fit the frozen lower blocks' output is kept per example across epochs
@@ -75,6 +76,7 @@ __all__ = [
     "unshared",
     "sharing_enabled",
     "prefix_applies",
+    "prefix_plan",
     "prefix_shared_logits",
     "TokenLogProbs",
     "block_stack",
@@ -221,6 +223,46 @@ def prefix_applies(net: nn.Module, likelihood: Any, inputs: Any) -> bool:
     return True
 
 
+def prefix_plan(net: nn.Module, likelihood: Any, inputs: Any) -> dict[str, Tensor] | None:
+    """The prompt and continuation layout :func:`prefix_shared_logits` runs ``inputs`` with, or
+    ``None`` when it will not share their prompts: :func:`prefix_applies` is false, the choices
+    of a question do not share their prompt, or the shared passes would not give the full rows'
+    outputs for this batch (:func:`_layout_refusal`, logged once per network). The layers below
+    the first adapted block are then shared by the full rows instead
+    (:func:`lower_layers_shared`).
+
+    Reading the layout synchronises with the device (its checks read the batch's values):
+    compute it once per batch and hand it to :func:`prefix_shared_logits` (``layout``).
+
+    Parameters
+    ----------
+    net : nn.Module
+    likelihood : MultipleChoice
+    inputs : dict of str to Tensor
+        A (sample-expanded) ``(R, K, L)`` batch.
+
+    Returns
+    -------
+    dict of str to Tensor or None
+    """
+    if not prefix_applies(net, likelihood, inputs):
+        return None
+    return _checked_layout(net, inputs)
+
+
+def _checked_layout(net: nn.Module, inputs: Mapping[str, Any]) -> dict[str, Tensor] | None:
+    """:func:`_prefix_layout` of ``inputs``, or ``None`` where it is ``None`` or
+    :func:`_layout_refusal` refuses it (the reason logged once per network)."""
+    layout = _prefix_layout(inputs)
+    if layout is None:
+        return None
+    why = _layout_refusal(net, layout)
+    if why is not None:
+        _tell(net, why)
+        return None
+    return layout
+
+
 def _layout_refusal(net: nn.Module, layout: Mapping[str, Tensor]) -> str | None:
     """Why the shared passes would not give the full rows' outputs for ``layout``
     (:func:`_rope_refusal`), or could not run: float64 eager attention whose left-padded prompts
@@ -328,6 +370,7 @@ def prefix_shared_logits(
     inputs: Any,
     num_samples: int = 1,
     lower: tuple[nn.ModuleList, int] | None = None,
+    layout: Mapping[str, Tensor] | None = None,
 ) -> Tensor | TokenLogProbs | None:
     r"""Head outputs at the positions a multiple-choice likelihood reads, with each prompt run
     once and its key/value cache shared by its K choices; ``None`` where this does not apply.
@@ -350,6 +393,9 @@ def prefix_shared_logits(
         (:func:`first_adapted_block`): the blocks below ``i0`` then run the prompts and the
         continuations once for the S draws (on sample 0's rows; :func:`lower_layers_shared`
         expands them at block ``i0``), and their key/value cache holds those rows only.
+    layout : dict of str to Tensor, optional
+        :func:`prefix_plan` of ``inputs`` when the caller computed it (not computed again: no
+        second synchronisation with the device).
 
     Returns
     -------
@@ -363,16 +409,12 @@ def prefix_shared_logits(
         ``None`` when the batch has other keys, the network is not a cached causal LM, or the
         choices of a question do not share their prompt tokens.
     """
-    if not prefix_applies(net, likelihood, inputs):
+    if layout is None and not prefix_applies(net, likelihood, inputs):
         return None
     if int(inputs["input_ids"].shape[0]) % num_samples:
         return None  # one parameter set per choice row: a prompt row would have K of them
-    layout = _prefix_layout(inputs)
+    layout = _checked_layout(net, inputs) if layout is None else layout
     if layout is None:
-        return None
-    why = _layout_refusal(net, layout)
-    if why is not None:
-        _tell(net, why)
         return None
     num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
     # lower blocks shared: the network runs on sample 0's rows, expanded S-fold at block i0
@@ -536,18 +578,25 @@ def tokens_per_draw(
     """Token positions one more draw costs on ``inputs`` once the shared work is done: the
     prompts and continuations of :func:`prefix_shared_logits`, or every token, scaled by the
     share of blocks at or above the first adapted one when the lower ones are shared;
-    ``None`` when nothing is shared (the plain rows' tokens, then)."""
+    ``None`` when nothing is shared (the plain rows' tokens, then).
+
+    The lower blocks are looked up as the forward shares them: on the R prompts when the
+    prompts are shared (:func:`prefix_shared_logits`), else on the network's rows (R·K for K
+    choices a row each, ``likelihood.rows_per_output``), whose known refusals
+    (:func:`_refusal`: a batch of as many rows as MPT has heads, say) are per row count."""
     if not sharing_enabled() or not isinstance(inputs, Mapping):
         return None
     ids = inputs.get("input_ids")
-    if not isinstance(ids, Tensor):
+    if not isinstance(ids, Tensor) or ids.dim() == 0:
         return None
-    tokens = None
-    if prefix_applies(net, likelihood, inputs):
-        layout = _prefix_layout(inputs)
-        if layout is not None and _layout_refusal(net, layout) is None:
-            tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
-    if lower is None or _lower_declined(lower, int(ids.shape[0]), 2):
+    tokens, rows = None, int(ids.shape[0])
+    layout = prefix_plan(net, likelihood, inputs)
+    if layout is not None:
+        tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
+    else:
+        per_output = getattr(likelihood, "rows_per_output", None)
+        rows *= (per_output(inputs) if callable(per_output) else None) or 1
+    if lower is None or _lower_declined(lower, rows, 2):
         return tokens  # (lower blocks known not to be shared for this network)
     blocks, first = lower
     tokens = int(ids.numel()) if tokens is None else tokens
