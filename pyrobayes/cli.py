@@ -101,7 +101,8 @@ def _out_dir(arg: str | None, name: str) -> Path:
 def _claim_out(out: Path, overwrite: bool, config: dict[str, Any]) -> None:
     """The run folder rule of :func:`pyrobayes.demo.run_folder.claim_run_folder`, worded for
     the command line (before the model and data are loaded): ``config`` takes over an
-    unfinished run of the same config."""
+    unfinished run of the same config, and a folder another live run holds is refused (the
+    job holds the lock while it runs: :func:`pyrobayes.demo.run_folder.claimed_run_folder`)."""
     claim_run_folder(out, overwrite, folder="--out", replace="--overwrite", config=config)
 
 

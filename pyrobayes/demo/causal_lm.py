@@ -108,7 +108,7 @@ from .pipeline import (
     reliability_plot,
     uses_validation,
 )
-from .run_folder import claim_run_folder, remove_unfinished_run, write_json
+from .run_folder import claim_run_folder, claimed_run_folder, remove_unfinished_run, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -656,7 +656,9 @@ def run(
     interrupted later keeps its records and logs a warning naming those and the (family, seed)
     fits it did not reach. A run killed before its first result (SIGKILL), which leaves its
     ``config.json``, is taken over by a run of the same config
-    (:func:`~pyrobayes.demo.run_folder.claim_run_folder`).
+    (:func:`~pyrobayes.demo.run_folder.claim_run_folder`). The job holds ``out_dir``'s lock
+    until it returns (:func:`~pyrobayes.demo.run_folder.claimed_run_folder`): another run
+    started there meanwhile is refused (``RunFolderError``).
 
     Returns
     -------
@@ -667,19 +669,16 @@ def run(
     if not overwrite:  # refuse another run's folder before anything is checked or loaded
         claim_run_folder(out, overwrite, config=config)
     check_inputs(config)
-    claim_run_folder(out, overwrite, config=config)
-    made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
-    (out / "guides").mkdir(parents=True, exist_ok=True)
-    (out / "plots").mkdir(exist_ok=True)
-    write_json(out / "config.json", config)
-    try:
-        return _run(config, out, progress_bar)
-    except BaseException as err:  # an interrupt too: say what the folder holds
-        if (out / "metrics.json").exists():
-            _log_partial_run(out, config, err)
-        else:  # failed or interrupted before any result: leave no run behind
-            remove_unfinished_run(out, made, "causal-LM job", err)
-        raise
+    with claimed_run_folder(out, overwrite, config=config) as made:  # held until it ends
+        write_json(out / "config.json", config)
+        try:
+            return _run(config, out, progress_bar)
+        except BaseException as err:  # an interrupt too: say what the folder holds
+            if (out / "metrics.json").exists():
+                _log_partial_run(out, config, err)
+            else:  # failed or interrupted before any result: leave no run behind
+                remove_unfinished_run(out, made, "causal-LM job", err)
+            raise
 
 
 def _log_partial_run(out: Path, config: dict[str, Any], err: BaseException) -> None:

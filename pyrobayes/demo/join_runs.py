@@ -30,7 +30,7 @@ from typing import Any
 
 from .causal_lm import format_table, is_causal_lm_config
 from .pipeline import DRIFT_TOLERANCE, RunFolderError, compare_metrics, read_json
-from .run_folder import claim_run_folder, write_json
+from .run_folder import claimed_run_folder, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,10 @@ def join_runs(
     out_dir : path
         The joined run folder (not one of ``run_dirs``).
     overwrite : bool
-        Replace a run already in ``out_dir``; without it such a folder is refused.
+        Replace a run already in ``out_dir``; without it such a folder is refused, except one
+        that the same join left without its ``metrics.json`` (killed while copying), which is
+        taken over. ``out_dir`` is locked while the join writes it
+        (:func:`~pyrobayes.demo.run_folder.claimed_run_folder`).
 
     Returns
     -------
@@ -164,7 +167,8 @@ def join_runs(
     ------
     RunFolderError
         Fewer than two inputs, an input that is not a causal-LM run folder, inputs of different
-        jobs, a seed in two inputs, zero-shot rows that differ, or ``out_dir`` among the inputs.
+        jobs, a seed in two inputs, zero-shot rows that differ, ``out_dir`` among the inputs,
+        or another run writing in ``out_dir``.
     """
     inputs = [Path(d) for d in run_dirs]
     out = Path(out_dir)
@@ -208,10 +212,27 @@ def join_runs(
             f"none of {[str(d) for d in inputs]} holds a fitted family's record in metrics.json; "
             "there is nothing to join."
         )
-    claim_run_folder(out, overwrite, folder="out", replace="overwrite")
-    (out / "guides").mkdir(parents=True, exist_ok=True)
-    (out / "plots").mkdir(exist_ok=True)
-    joined: list[dict[str, Any]] = [r for r in first_records if r["family"] == "zero-shot"]
+    config = {**first_config, "seeds": seeds}
+    # the config first: a join killed while copying leaves it, and the same join takes over
+    with claimed_run_folder(out, overwrite, folder="out", replace="overwrite", config=config):
+        write_json(out / "config.json", config)
+        joined = _copy_fits(inputs, runs, taken, out)
+        _copy_seed_free(inputs, [c for c, _ in runs], taken, out)
+        write_json(out / "metrics.json", joined)
+        (out / "table.md").write_text(format_table(joined))
+    logger.info("joined %d run folders (seeds %s) into %s", len(inputs), seeds, out)
+    return joined
+
+
+def _copy_fits(
+    inputs: Sequence[Path],
+    runs: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]],
+    taken: Sequence[list[int]],
+    out: Path,
+) -> list[dict[str, Any]]:
+    """Copy the posterior and the reliability diagram of every joined (family, seed) into
+    ``out``; the joined records (the first input's zero-shot row, then the joined fits')."""
+    joined = [r for r in runs[0][1] if r["family"] == "zero-shot"]
     for run_dir, (_, records), present in zip(inputs, runs, taken, strict=True):
         fitted = [r for r in records if r["family"] != "zero-shot" and r.get("seed") in present]
         joined += fitted
@@ -220,10 +241,4 @@ def join_runs(
             for file in (_guide(r["family"], r["seed"]), plot):
                 if (run_dir / file).is_file():
                     shutil.copy2(run_dir / file, out / file)
-    _copy_seed_free(inputs, [config for config, _ in runs], taken, out)
-    config = {**first_config, "seeds": seeds}
-    write_json(out / "config.json", config)
-    write_json(out / "metrics.json", joined)
-    (out / "table.md").write_text(format_table(joined))
-    logger.info("joined %d run folders (seeds %s) into %s", len(inputs), seeds, out)
     return joined

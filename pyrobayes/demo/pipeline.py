@@ -58,7 +58,7 @@ from .config import (
     resolve_config,
     validate_config,
 )
-from .run_folder import RunFolderError, claim_run_folder, remove_unfinished_run, write_json
+from .run_folder import RunFolderError, claimed_run_folder, remove_unfinished_run, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,9 @@ def run(
     the corrected) run takes the folder without ``overwrite``; one stopped later keeps the
     families ``metrics.json`` records. A run killed before its first result (SIGKILL), which
     leaves its ``config.json``, is taken over by a run of the same config
-    (:func:`~pyrobayes.demo.run_folder.claim_run_folder`).
+    (:func:`~pyrobayes.demo.run_folder.claim_run_folder`). The run holds ``out_dir``'s lock
+    until it returns (:func:`~pyrobayes.demo.run_folder.claimed_run_folder`): another run
+    started there meanwhile is refused.
 
     Raises
     ------
@@ -405,7 +407,8 @@ def run(
         ``config`` does not fit the schema, a family is unknown, or the model or device it
         names is not on this machine (:func:`check_inputs`; before anything is written).
     RunFolderError
-        ``out_dir`` holds another run and ``overwrite`` is false (before anything is written).
+        ``out_dir`` holds another run and ``overwrite`` is false, or another live run is
+        writing there (before anything is written).
     """
     if families is not None and isinstance(families, str):
         families = [families]
@@ -414,17 +417,14 @@ def run(
     check_inputs(config)
     out = Path(out_dir)
     config["families"] = families  # the config.json of the run (an unfinished one's is compared)
-    claim_run_folder(out, overwrite, config=config)
-    made = [d for d in (out, out / "guides", out / "plots") if not d.exists()]
-    (out / "guides").mkdir(parents=True, exist_ok=True)
-    (out / "plots").mkdir(exist_ok=True)
-    write_json(out / "config.json", config)
-    try:
-        return _run_families(config, families, out, progress_bar)
-    except BaseException as err:  # an interrupt (Ctrl-C) too
-        if not (out / "metrics.json").exists():  # no result yet: leave no run behind
-            remove_unfinished_run(out, made, "demo job", err)
-        raise
+    with claimed_run_folder(out, overwrite, config=config) as made:  # held until it ends
+        write_json(out / "config.json", config)
+        try:
+            return _run_families(config, families, out, progress_bar)
+        except BaseException as err:  # an interrupt (Ctrl-C) too
+            if not (out / "metrics.json").exists():  # no result yet: leave no run behind
+                remove_unfinished_run(out, made, "demo job", err)
+            raise
 
 
 def _run_families(

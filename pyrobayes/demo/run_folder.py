@@ -11,22 +11,37 @@ interrupt: Ctrl-C, or SIGTERM on the command line) removes what it wrote
 (:func:`remove_unfinished_run`), so the same command starts it again in that folder. One killed
 then (SIGKILL: the OOM killer), which can remove nothing, leaves its ``config.json`` and no
 ``metrics.json``: :func:`claim_run_folder` lets a run of the same config take that folder over.
+
+A job holds the folder for its whole life (:func:`claimed_run_folder`): an exclusive advisory
+lock (``fcntl.flock``) on the folder itself, which the OS releases when the process dies, SIGKILL
+included. A claim refuses a folder another live run holds, so the same command started twice on
+one folder does not take the first one's files over while it runs. The lock is on the folder's
+own descriptor, not on a file in it: nothing is added to the folder (a lock file left by SIGKILL,
+or listed next to the run's files), and nothing has to be removed at release.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "RUN_FILES",
     "RUN_GLOBS",
     "RunFolderError",
     "claim_run_folder",
+    "claimed_run_folder",
     "remove_unfinished_run",
     "run_files",
     "write_json",
@@ -38,6 +53,8 @@ logger = logging.getLogger(__name__)
 RUN_FILES = ("config.json", "metrics.json", "table.md", "posterior.nc", "normalize.json")
 #: the patterns of a run folder's per-family files
 RUN_GLOBS = ("guides/*.safetensors", "plots/*.png")
+#: how often a lock is taken again on a folder removed (and made again) while it was being locked
+_LOCK_TRIES = 5
 
 
 class RunFolderError(ValueError):
@@ -108,7 +125,10 @@ def claim_run_folder(
     the chance to remove it) is taken over by a new run of the same ``config``: nothing was
     computed that the run would keep, and the same config cannot mix two runs. Its files are
     removed, with a logged warning. An unfinished run of another config is refused like any
-    other run unless ``overwrite``.
+    other run unless ``overwrite``. A folder another live run holds (:func:`claimed_run_folder`)
+    is refused whatever it holds: that run is still writing there. The folder is locked while
+    it is checked, so a run starting meanwhile does not lose its files to this claim; a job
+    claims its folder through :func:`claimed_run_folder`, which keeps the lock.
 
     Parameters
     ----------
@@ -127,17 +147,78 @@ def claim_run_folder(
     ------
     RunFolderError
         ``out`` holds another run's files (an unfinished run's of another config included) and
-        ``overwrite`` is false.
+        ``overwrite`` is false, or another live run (this process's other job included) holds
+        ``out``.
     """
     root = Path(out)
+    _refuse_file_in_path(root, folder)
+    if not root.is_dir():  # nothing to claim (and nothing made: the job makes it)
+        return
+    with _folder_lock(root, folder):
+        _claim(root, overwrite, folder, replace, config)
+
+
+@contextmanager
+def claimed_run_folder(
+    out: str | Path,
+    overwrite: bool,
+    *,
+    folder: str = "out_dir",
+    replace: str = "overwrite=True",
+    config: dict[str, Any] | None = None,
+) -> Iterator[list[Path]]:
+    """Claim ``out`` for a job (:func:`claim_run_folder`) and hold it until the job ends.
+
+    ``out``, ``out/guides`` and ``out/plots`` are made, and the folder's lock is held from
+    before the claim to the end of the ``with`` block, so no other run claims (or takes over)
+    the folder while the job writes it; the OS releases it if the process dies. The same
+    process can run a job again on the folder once the block is left. Where the OS has no
+    ``fcntl.flock`` (Windows) or the file system refuses it, the folder is used unlocked
+    (logged once at DEBUG).
+
+    Parameters
+    ----------
+    out, overwrite, folder, replace, config
+        As :func:`claim_run_folder`.
+
+    Yields
+    ------
+    list of Path
+        The folders the job made (of ``out``, ``guides``, ``plots``): what
+        :func:`remove_unfinished_run` removes if left empty.
+
+    Raises
+    ------
+    RunFolderError
+        As :func:`claim_run_folder`, before anything is written.
+    """
+    root = Path(out)
+    _refuse_file_in_path(root, folder)
+    made = [d for d in (root, root / "guides", root / "plots") if not d.exists()]
+    root.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(root, folder):
+        _claim(root, overwrite, folder, replace, config)
+        (root / "guides").mkdir(exist_ok=True)
+        (root / "plots").mkdir(exist_ok=True)
+        yield made
+
+
+def _refuse_file_in_path(root: Path, folder: str) -> None:
+    """Refuse ``root`` when it, or a folder above it, is a file."""
     taken = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
     if taken is not None:
         raise RunFolderError(
             f"{folder} {root}: {taken} is a file, not a folder, so the run cannot be written "
             f"there; pass another {folder} (a new or existing folder)."
         )
+
+
+def _claim(
+    root: Path, overwrite: bool, folder: str, replace: str, config: dict[str, Any] | None
+) -> None:
+    """:func:`claim_run_folder` on a folder whose lock the caller holds."""
     _refuse_foreign_config(root, folder)
-    files = run_files(out)
+    files = run_files(root)
     if not files:
         return
     if not overwrite and config is not None and _take_over(root, files, config, folder, replace):
@@ -153,6 +234,109 @@ def claim_run_folder(
     logger.warning("%s: replacing the run in %s", replace, root)
     for file in files:
         file.unlink()
+
+
+@contextmanager
+def _folder_lock(root: Path, folder: str) -> Iterator[None]:
+    """Hold the exclusive lock of the folder ``root`` (made if missing) for the block."""
+    fd = _lock(root, folder)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock (it belongs to this open file description)
+
+
+def _lock(root: Path, folder: str) -> int | None:
+    """Open ``root`` and take its exclusive lock without waiting; the descriptor holding it,
+    or None where the OS cannot lock it. A folder removed (and made again) between the open
+    and the lock, as a run that stopped before its first result removes its folder, is
+    opened again: the lock must be on the folder at ``root``, not on a removed one.
+
+    Raises
+    ------
+    RunFolderError
+        Another open of the folder (another process, or another job of this one) holds it.
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        _log_unlocked("fcntl.flock is not available on this platform")
+        return None
+    for _ in range(_LOCK_TRIES):
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:  # removed since the mkdir: make it again
+            continue
+        except OSError as err:  # a folder this user cannot open (no read permission)
+            _log_unlocked(f"{type(err).__name__}: {err}")
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            _refuse_held(root, folder)
+        except OSError as err:  # a file system without flock (ENOLCK, ENOSYS, EBADF...)
+            os.close(fd)
+            _log_unlocked(f"{type(err).__name__}: {err}")
+            return None
+        if _same_folder(fd, root):
+            return fd
+        os.close(fd)
+    raise RunFolderError(
+        f"{folder} {root} was removed and made again {_LOCK_TRIES} times while this run locked "
+        f"it: another program is replacing it. Pass another {folder}."
+    )
+
+
+def _same_folder(fd: int, root: Path) -> bool:
+    """Whether the open folder ``fd`` is still the one at ``root``."""
+    try:
+        now = os.stat(root)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _refuse_held(root: Path, folder: str) -> None:
+    """Raise the error for a folder whose lock another run holds, naming its process when
+    ``/proc/locks`` (Linux) shows it."""
+    pid = _lock_holder(root)
+    if pid == os.getpid():
+        who = f"another job of this process (pid {pid})"
+    else:
+        who = f"process {pid}" if pid else "another process"
+    raise RunFolderError(
+        f"{folder} {root}: another run is writing there ({who} holds the folder's lock); a run "
+        f"there would take over or overwrite its files. Wait for that run to end (or stop it), "
+        f"or pass another {folder}."
+    )
+
+
+def _lock_holder(root: Path) -> int | None:
+    """The pid holding the flock of the folder ``root``, from ``/proc/locks`` (None where that
+    cannot tell: not Linux, or a pid of another pid namespace)."""
+    try:
+        info = os.stat(root)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> 0 EOF"
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == device:
+            return int(fields[4]) or None
+    return None
+
+
+@functools.cache
+def _log_unlocked(reason: str) -> None:
+    """Log (DEBUG, once per reason) that run folders are used without a lock."""
+    logger.debug(
+        "run folders are not locked (%s): a second run started on a folder while the first "
+        "writes it is not refused.",
+        reason,
+    )
 
 
 def _canonical_json(value: Any) -> str | None:
