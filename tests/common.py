@@ -357,3 +357,23 @@ def tied_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 10, (40, 3), generator=gen), torch.randint(0, 10, (40,), generator=gen)
     return [(x[i : i + 10], y[i : i + 10]) for i in range(0, 40, 10)]
+
+
+def init_gloo_rank(rank: int, init_file: str, dtype: str, seconds: float = 15.0) -> None:
+    """Join a two-rank gloo group in a spawned test process, in the test session's default
+    ``dtype`` (its name, e.g. ``"float64"``: tests/conftest.py), on one thread, with a short
+    timeout: a rank left waiting fails the test in ``seconds`` instead of hanging it for gloo's
+    30 minutes."""
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    torch.set_default_dtype(getattr(torch, dtype))
+    torch.set_num_threads(1)
+    torch_dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=seconds),
+    )

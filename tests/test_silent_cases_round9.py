@@ -22,6 +22,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.cli import main
+from tests.common import init_gloo_rank
 
 
 # ---------------------------------------------------------------- 1. an interrupted job
@@ -135,22 +136,13 @@ def _rank_case(rank: int, case: str, folder: Path) -> str:
 
 
 def _early_error_worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
-    """One gloo rank running every case of :func:`_rank_case`. A short timeout: a rank left waiting fails the test in seconds instead of
-    hanging it for gloo's 30 minutes."""
-    import datetime
+    """One gloo rank running every case of :func:`_rank_case` (a short timeout: a rank left
+    waiting fails the test in seconds instead of hanging it for gloo's 30 minutes)."""
     import os
 
     import torch.distributed as torch_dist
 
-    torch.set_default_dtype(getattr(torch, dtype))  # the test session's (tests/conftest.py)
-    torch.set_num_threads(1)
-    torch_dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=15),
-    )
+    init_gloo_rank(rank, init_file, dtype, seconds=15)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (a guide of another model's warnings, say)

@@ -15,7 +15,6 @@ step for the next fit.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import warnings
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 import pyrobayes as pb
+from tests.common import init_gloo_rank
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -124,15 +124,7 @@ def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
     """One gloo rank running every case of :func:`_rank_case`, its results saved as
     ``after<rank>.pt``. A short timeout: a rank left waiting fails the test in seconds instead
     of hanging it for gloo's 30 minutes."""
-    torch.set_default_dtype(getattr(torch, dtype))  # the test session's (tests/conftest.py)
-    torch.set_num_threads(1)
-    torch_dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=15),
-    )
+    init_gloo_rank(rank, init_file, dtype, seconds=15)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -14,6 +14,7 @@ import torch
 
 import pyrobayes as pb
 from pyrobayes.testing import tiny_problem
+from tests.common import init_gloo_rank
 from tests.infer.lifecycle import Kill, killer, quiet_fit, same_state, state
 
 
@@ -98,20 +99,11 @@ def _rank_fit(rank: int, case: str, folder: Path) -> str:
 def _ranks_worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
     """One gloo rank running every case of :func:`_rank_fit` in turn (a short timeout: a rank
     left waiting fails the test instead of hanging it for gloo's 30 minutes)."""
-    import datetime
     import os
 
     import torch.distributed as torch_dist
 
-    torch.set_default_dtype(getattr(torch, dtype))  # the test session's (tests/conftest.py)
-    torch.set_num_threads(1)
-    torch_dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=20),
-    )
+    init_gloo_rank(rank, init_file, dtype, seconds=20)
     try:
         results = {
             c: _rank_fit(rank, c, Path(folder)) for c in ("lr", "epochs", "resume", "refused")

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import warnings
 
-import pyro
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import pyrobayes as pb
 from pyrobayes.infer import BatchedSymmetrizedELBO, SymmetrizedELBO
 from pyrobayes.models import FineTuneModel, PermutationSpec
+from tests.models.symmetry_helpers import spread_guide, sym_batch
 
 #: float64 round-off of a true symmetry: a permutation only reorders sums of 6 terms of size
 #: O(1), a few ulps (measured 6e-17 to 1.1e-16); 1e-10 leaves a wide margin and is 1e9 below
@@ -77,22 +76,6 @@ def _model(
     ).double()
 
 
-def _batch() -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randint(
-        0, 3, (12,), generator=g
-    )
-
-
-def _guide(model: FineTuneModel):
-    pyro.clear_param_store()
-    guide = pb.posterior(model, "symmetrized", init_scale=1.0)
-    with torch.no_grad():  # a spread-out q, so that I_K is far from 0 and from log K
-        for site in guide.sites:
-            guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
-    return guide
-
-
 def _change(model: FineTuneModel, spec: PermutationSpec, layer: str) -> float:
     """``max |f(x; h·θ) − f(x; θ)|`` for a random permutation of ``layer``'s units only, at the
     network's own values (measured independently of ``layer_changes``)."""
@@ -101,7 +84,7 @@ def _change(model: FineTuneModel, spec: PermutationSpec, layer: str) -> float:
     i = [u.name for u in spec.layers].index(layer)
     perms[i] = torch.randperm(spec.layers[i].size, generator=torch.Generator().manual_seed(3))[None]
     moved = spec.act({s: v.unsqueeze(0) for s, v in values.items()}, perms)
-    x = _batch()[0]
+    x = sym_batch()[0]
     with torch.no_grad():
         before = model.output(x, values)
         after = model.output(x, {s: v[0, 0] for s, v in moved.items()})
@@ -112,7 +95,7 @@ def _record(model: FineTuneModel, spec: PermutationSpec) -> dict[str, str]:
     """What the record of the network's calls alone catches on one forward."""
     record = spec.record_calls(model.net)
     with torch.no_grad():
-        model.net(_batch()[0])
+        model.net(sym_batch()[0])
     return record.close()
 
 
@@ -124,32 +107,32 @@ def test_weights_used_without_a_call_are_left_out_on_the_first_batch(how: str) -
     assert _change(model, spec, "seq.0") > BROKEN  # not a symmetry (measured 0.41 to 0.61)
     assert _change(model, spec, "mlp.0") <= ROUNDOFF  # a true one
     assert _record(model, spec) == {}  # no call outside the Sequential: the record sees nothing
-    guide = _guide(model)
+    guide = spread_guide(model)
     # before: no warning, and I_K averaged over permutations of seq.0's units too
     with pytest.warns(UserWarning, match=r"'seq.0' has its hidden units.*changes the network's"):
-        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, _batch())
+        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, sym_batch())
     assert [u.name for u in guide.spec.layers] == ["mlp.0"]
     with warnings.catch_warnings():  # checked once: later steps do not warn
         warnings.simplefilter("error")
-        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, _batch())
+        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, sym_batch())
 
 
 def test_the_pyro_path_measures_on_its_batch_before_its_first_i_k() -> None:
     model = _model("linear")
-    guide = _guide(model)
+    guide = spread_guide(model)
     with pytest.warns(UserWarning, match=r"'seq.0' has its hidden units.*F.linear"):
-        SymmetrizedELBO(num_permutations=8).differentiable_loss(model, guide, _batch())
+        SymmetrizedELBO(num_permutations=8).differentiable_loss(model, guide, sym_batch())
     assert [u.name for u in guide.spec.layers] == ["mlp.0"]
 
 
 def test_no_symmetry_left_is_an_error_naming_the_layer() -> None:
     model = _model("bias", latent=("seq.0", "seq.3"))
-    guide = _guide(model)
+    guide = spread_guide(model)
     with (
         pytest.warns(UserWarning, match="'seq.0' has its hidden units"),
         pytest.raises(ValueError, match=r"every unit layer \(\['seq.0'\]\).*Call each nn.Seq"),
     ):
-        BatchedSymmetrizedELBO().loss(model, guide, _batch())
+        BatchedSymmetrizedELBO().loss(model, guide, sym_batch())
 
 
 @pytest.mark.parametrize("how", IN_ORDER)
@@ -158,9 +141,9 @@ def test_children_run_in_their_own_order_keep_their_units_and_losses(how: str) -
     spec = PermutationSpec.from_model(model)
     assert _change(model, spec, "seq.0") <= ROUNDOFF  # a true symmetry
     assert _record(model, spec) == {"seq.0": "seq.0"}  # which the record alone dropped
-    checked, unchecked = _guide(model), _guide(model)
+    checked, unchecked = spread_guide(model), spread_guide(model)
     unchecked.__dict__["_calls_checked"] = True  # the structure's group, no check
-    batch = _batch()
+    batch = sym_batch()
     with warnings.catch_warnings():  # before: "'seq.0' has its hidden units ..." and dropped
         warnings.simplefilter("error")
         for _ in range(2):
@@ -181,9 +164,9 @@ def test_the_check_leaves_the_random_stream_and_the_modes_as_they_were() -> None
     model.train()
     modes = {name: m.training for name, m in model.net.named_modules()}
     assert modes["seq.2"]  # the dropout is on in the fit
-    checked, unchecked = _guide(model), _guide(model)
+    checked, unchecked = spread_guide(model), spread_guide(model)
     unchecked.__dict__["_calls_checked"] = True
-    batch = _batch()
+    batch = sym_batch()
     losses = []
     for guide in (checked, unchecked):
         torch.manual_seed(5)
@@ -197,7 +180,7 @@ def test_layer_changes_measures_each_layer_alone_against_its_roundoff_tolerance(
     model = _model("linear")
     spec = PermutationSpec.from_model(model)
     values = model.init_values()
-    x = _batch()[0][:8]
+    x = sym_batch()[0][:8]
     changes = spec.layer_changes(model, x, values, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         scale = float(model.output(x, values).abs().max())
@@ -213,11 +196,11 @@ def test_layer_changes_measures_each_layer_alone_against_its_roundoff_tolerance(
 def test_without_a_batch_the_record_of_the_calls_decides() -> None:
     """A caller of recording_calls that passes no batch: the record alone, as before."""
     model = _model("loop")
-    guide = _guide(model)
+    guide = spread_guide(model)
     with (
         pytest.warns(UserWarning, match="'seq.0' runs outside"),
         guide.recording_calls(model),
         torch.no_grad(),
     ):
-        model.output(_batch()[0], model.init_values())
+        model.output(sym_batch()[0], model.init_values())
     assert [u.name for u in guide.spec.layers] == ["mlp.0"]

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import pyrobayes as pb
 from pyrobayes.infer import BatchedSymmetrizedELBO, SymmetrizedELBO
 from pyrobayes.models import FineTuneModel, PermutationSpec
+from tests.models.symmetry_helpers import spread_guide, sym_batch
 
 #: float64 round-off of the kept (true) symmetry: a permutation only reorders sums of 6 terms
 #: of size O(1), a few ulps (measured 1e-16 to 2e-16); 1e-10 leaves a wide margin and is still
@@ -63,22 +63,6 @@ def _model(how: str, latent: tuple[str, ...] = ("mlp.0", "mlp.2", "seq.0", "seq.
     return FineTuneModel(net, latent_modules=list(latent), num_data=12).double()
 
 
-def _batch() -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randint(
-        0, 3, (12,), generator=g
-    )
-
-
-def _guide(model: FineTuneModel):
-    pyro.clear_param_store()
-    guide = pb.posterior(model, "symmetrized", init_scale=1.0)
-    with torch.no_grad():  # a spread-out q, so that I_K is far from 0 and from log K
-        for site in guide.sites:
-            guide.base.loc_param(site).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
-    return guide
-
-
 def _change(model: FineTuneModel, spec: PermutationSpec, layer: str) -> float:
     """``max |f(x; h·θ) − f(x; θ)|`` for a random permutation of ``layer``'s units only."""
     values = {
@@ -89,7 +73,7 @@ def _change(model: FineTuneModel, spec: PermutationSpec, layer: str) -> float:
     i = [u.name for u in spec.layers].index(layer)
     perms[i] = torch.randperm(spec.layers[i].size, generator=torch.Generator().manual_seed(3))[None]
     moved = spec.act({s: v.unsqueeze(0) for s, v in values.items()}, perms)
-    x = _batch()[0]
+    x = sym_batch()[0]
     with torch.no_grad():
         before = model.output(x, values)
         after = model.output(x, {s: v[0, 0] for s, v in moved.items()})
@@ -107,15 +91,15 @@ def test_units_a_parent_runs_itself_are_left_out_on_the_first_forward(how: str) 
     assert [u.name for u in spec.layers] == ["mlp.0", "seq.0"]
     assert _change(model, spec, "seq.0") > BROKEN  # not a symmetry (measured 0.61 to 0.95)
     assert _change(model, spec, "mlp.0") <= ROUNDOFF  # a true one
-    guide = _guide(model)
+    guide = spread_guide(model)
     # before: no warning, and I_K averaged over permutations of seq.0's units too
     with pytest.warns(UserWarning, match=r"'seq.0' has its hidden units in the nn.Sequential "):
-        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, _batch())
+        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, sym_batch())
     assert [u.name for u in guide.spec.layers] == ["mlp.0"]
     assert _hooks(model.net) == 0  # the record's hooks are gone
     with warnings.catch_warnings():  # checked once: later steps neither warn nor hook
         warnings.simplefilter("error")
-        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, _batch())
+        BatchedSymmetrizedELBO(num_permutations=8).loss(model, guide, sym_batch())
     assert _hooks(model.net) == 0
 
 
@@ -124,18 +108,18 @@ def test_the_pyro_path_leaves_them_out_before_its_first_i_k() -> None:
     on the same draws (both checked; agreement to float64 round-off of the two KL formulas, as
     in tests/infer/test_symmetrized.py), not the loss over the unchecked group."""
     model = _model("residual")
-    batch = _batch()
-    guide = _guide(model)
+    batch = sym_batch()
+    guide = spread_guide(model)
     pyro.set_rng_seed(6)
     with pytest.warns(UserWarning, match=r"'seq.0' has its hidden units.*'seq.0' runs outside"):
         pyro_loss = SymmetrizedELBO(num_permutations=8).differentiable_loss(model, guide, batch)
     assert [u.name for u in guide.spec.layers] == ["mlp.0"]
     assert _hooks(model.net) == 0
-    checked = _guide(model)
+    checked = spread_guide(model)
     with pytest.warns(UserWarning, match="'seq.0' has its hidden units"):
         pyro.set_rng_seed(6)
         loss = BatchedSymmetrizedELBO(num_permutations=8).loss(model, checked, batch)
-    unchecked = _guide(model)
+    unchecked = spread_guide(model)
     unchecked.__dict__["_calls_checked"] = True  # as before the fix: the structure's group
     pyro.set_rng_seed(6)
     wrong = BatchedSymmetrizedELBO(num_permutations=8).loss(model, unchecked, batch)
@@ -146,19 +130,19 @@ def test_the_pyro_path_leaves_them_out_before_its_first_i_k() -> None:
 
 def test_no_symmetry_left_is_an_error_naming_the_module() -> None:
     model = _model("residual", latent=("seq.0", "seq.2"))
-    guide = _guide(model)
+    guide = spread_guide(model)
     with (
         pytest.warns(UserWarning, match="'seq.0' has its hidden units"),
         pytest.raises(ValueError, match=r"every unit layer \(\['seq.0'\]\).*Call each nn.Seq"),
     ):
-        BatchedSymmetrizedELBO().loss(model, guide, _batch())
+        BatchedSymmetrizedELBO().loss(model, guide, sym_batch())
     assert _hooks(model.net) == 0
 
 
 def test_a_forward_that_raises_removes_the_hooks_and_the_next_one_is_checked() -> None:
     model = _model("residual")
-    guide = _guide(model)
-    x, y = _batch()
+    guide = spread_guide(model)
+    x, y = sym_batch()
     with pytest.raises(RuntimeError):  # 5 input features where the network takes 4
         BatchedSymmetrizedELBO().loss(model, guide, (torch.randn(12, 5, dtype=x.dtype), y))
     assert _hooks(model.net) == 0
@@ -173,9 +157,9 @@ def test_a_parent_that_calls_the_sequential_keeps_its_units_and_its_losses(how: 
     """A regression guard: the check neither warns nor changes a bit of the loss there."""
     model = _model(how)
     assert _change(model, PermutationSpec.from_model(model), "seq.0") <= ROUNDOFF
-    checked, unchecked = _guide(model), _guide(model)
+    checked, unchecked = spread_guide(model), spread_guide(model)
     unchecked.__dict__["_calls_checked"] = True
-    batch = _batch()
+    batch = sym_batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(2):
