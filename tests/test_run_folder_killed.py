@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -26,16 +25,7 @@ import pytest
 from pyrobayes.cli import main
 from pyrobayes.demo.run_folder import RunFolderError, claim_run_folder, run_files, write_json
 from tests.test_causal_lm_job import write_config, write_task
-
-
-def _job_config(tmp_path: Path, job: str) -> Path:
-    """A one-family TOML config of ``job`` ("pipeline": the main job; "causal_lm")."""
-    text = 'families = ["map"]\n'
-    if job == "causal_lm":
-        text += f"[causal_lm.task]\npath = {json.dumps(str(tmp_path / 'task.json'))}\n"
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return path
+from tests.test_silent_cases_round9 import _job_config
 
 
 def _module_and_loader(job: str):
