@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any, ClassVar
@@ -49,6 +49,10 @@ from .meanfield import MeanFieldGuide
 __all__ = ["SymmetrizedGuide", "INERT_LOG_RATIO"]
 
 logger = logging.getLogger(__name__)
+
+#: merges one process's ``{unit layer: (change, tolerance)}`` with the other processes'
+#: (:meth:`SymmetrizedGuide.recording_calls`)
+Agreement = Callable[[dict[str, tuple[float, float]]], dict[str, tuple[float, float]]]
 
 #: the block of :meth:`SymmetrizedGuide.recording_calls` once the first forward was checked
 _NO_CHECK = nullcontext()
@@ -227,7 +231,9 @@ class SymmetrizedGuide(PosteriorGuide):
         return self.base.rsample_with_kl(num_samples, model)
 
     # ------------------------------------------------------------------ the network's calls
-    def recording_calls(self, model: Any = None, batch: Any = None) -> AbstractContextManager[None]:
+    def recording_calls(
+        self, model: Any = None, batch: Any = None, *, agree: Agreement | None = None
+    ) -> AbstractContextManager[None]:
         """A block that checks, on the first network forward of a fit (run inside it), the
         symmetry of the hidden units the structure suggests, and leaves those that break it
         out of the group.
@@ -236,11 +242,11 @@ class SymmetrizedGuide(PosteriorGuide):
         Sequential's children itself (a residual connection around part of it, or one child
         used elsewhere as well; :meth:`PermutationSpec.record_calls`), and a parent that uses
         their weights without calling them (``F.linear(h, self.seq[2].weight)``). With
-        ``batch``, the output on its first :data:`CHECK_ROWS` rows at the posterior mean is
-        compared with the output after permuting each such unit layer's units
-        (:meth:`PermutationSpec.layer_changes`), which settles both: a layer is kept iff the
-        output agrees to round-off (a parent that runs the children in their own order keeps
-        its units). Without ``batch``, the record of the calls alone decides.
+        ``batch``, the output on its first :data:`CHECK_ROWS` rows at the posterior mean and
+        at one draw of q is compared with the output after permuting each such unit layer's
+        units (:meth:`PermutationSpec.layer_changes`), which settles both: a layer is kept iff
+        the output agrees to round-off at both (a parent that runs the children in their own
+        order keeps its units). Without ``batch``, the record of the calls alone decides.
 
         The objectives run the likelihood's forward inside this block; the check runs when it
         closes or, on the Pyro path, at the first :meth:`infonce` after the model trace. The
@@ -253,10 +259,17 @@ class SymmetrizedGuide(PosteriorGuide):
             The fit's model (its ``net``); default the guide's.
         batch : Any, optional
             The batch of that forward (the model's; its targets are not read).
+        agree : callable, optional
+            Merges this process's measurements ``{layer: (change, tolerance)}`` with the other
+            processes' (each measures on its own first batch) into the ones every process
+            decides by: the fit passes
+            :func:`pyrobayes.infer.symmetrized.agree_across_ranks` (one all-reduce under
+            ``torch.distributed``). Default: this process's own.
         """
         if self.__dict__.get("_calls_checked") or "_call_record" in self.__dict__:
             return _NO_CHECK
-        return _CallCheck(self, self.model if getattr(model, "net", None) is None else model, batch)
+        model = self.model if getattr(model, "net", None) is None else model
+        return _CallCheck(self, model, batch, agree)
 
     def _settle_calls(self) -> None:
         """Close an open :meth:`recording_calls` record, measure the symmetry on its batch and
@@ -265,12 +278,14 @@ class SymmetrizedGuide(PosteriorGuide):
         if record is None:
             return
         stray = record.close()
-        model, batch = self.__dict__.pop("_call_batch", (self.model, None))
+        model, batch, agree = self.__dict__.pop("_call_batch", (self.model, None, None))
         self.__dict__["_calls_checked"] = True
         if batch is None:  # nothing to measure on: the record of the calls alone
             spec = self.spec.without_stray(stray)
         else:
             changes = self._first_batch_changes(model, batch)
+            if agree is not None:  # every rank's measurements, the same on every rank
+                changes = agree(changes)
             kept = sorted(n for n in stray if n in changes and changes[n][0] <= changes[n][1])
             if kept:
                 logger.debug(
@@ -287,14 +302,20 @@ class SymmetrizedGuide(PosteriorGuide):
 
     def _first_batch_changes(self, model: Any, batch: Any) -> dict[str, tuple[float, float]]:
         """:meth:`PermutationSpec.layer_changes` of the unit layers found in an
-        ``nn.Sequential`` on the batch's first :data:`CHECK_ROWS` rows, at the posterior mean.
+        ``nn.Sequential`` on the batch's first :data:`CHECK_ROWS` rows, the worse of two
+        measurements (:meth:`PermutationSpec.worse_change`).
 
+        The measurements are at the posterior mean and at one draw of q on the measured
+        layers' sites (:meth:`_check_draw`): at the mean alone, a layer whose units are
+        identical there (a zero-initialised head, constant rows) moves nothing when permuted,
+        and a parent that breaks the symmetry (``F.linear(h, seq[2].weight)``) went unseen.
         A LoRA rank axis (or a hand-built layer) is not measured: its symmetry is the adapter's
         own algebra, ``B A = (B Pᵀ)(P A)``, which no parent module sees, and a network has one
         per adapted module (two forwards of a transformer per block)."""
-        names = [u.name for u in self.spec.layers if u.sequential is not None]
-        if not names:
+        layers = [u for u in self.spec.layers if u.sequential is not None]
+        if not layers:
             return {}
+        names = [u.name for u in layers]
         inputs, _ = split_batch(batch, getattr(model, "label_key", "labels"))
         try:
             size = batch_size(inputs)
@@ -302,12 +323,36 @@ class SymmetrizedGuide(PosteriorGuide):
             size = 0
         if size > CHECK_ROWS:
             inputs = slice_examples(inputs, 0, CHECK_ROWS, size)
-        generator = torch.Generator().manual_seed(0)  # the same cycles on every fit
         if isinstance(self.base, MeanFieldGuide) and self.base._plain_normal():
             values = {s: self.base.loc(s).detach() for s in self.sites}  # no scales computed
         else:
             values = self.base.mean()
-        return self.spec.layer_changes(model, inputs, values, names=names, generator=generator)
+        drawn = {**values, **self._check_draw({s for u in layers for s, _ in u.members})}
+        changes = [
+            self.spec.layer_changes(  # the same cycles on every fit and for both values
+                model, inputs, theta, names=names, generator=torch.Generator().manual_seed(0)
+            )
+            for theta in (values, drawn)
+        ]
+        return {n: self.spec.worse_change(c, changes[1][n]) for n, c in changes[0].items()}
+
+    def _check_draw(self, sites: set[str]) -> dict[str, Tensor]:
+        """One draw of q over ``sites`` from a private generator (a fixed seed), without
+        gradients; the global random stream is not read, so the fit's draws stay as they were.
+
+        A mean-field base draws ``μ + σ ε`` with ``ε`` from a CPU generator; another base's
+        :meth:`~pyrobayes.guides.base.PosteriorGuide.sample_posterior` runs on a forked RNG."""
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            if not (isinstance(self.base, MeanFieldGuide) and self.base._plain_normal()):
+                draw = self.base.sample_posterior(1, generator=generator)
+                return {s: draw[s][0] for s in sorted(sites)}
+            out = {}
+            for site in sorted(sites):  # a fixed order: the same draw on every fit and rank
+                loc, scale = self.base._loc_scale(site)
+                noise = torch.randn(loc.shape, generator=generator, dtype=loc.dtype)
+                out[site] = loc.detach() + scale.detach() * noise.to(loc.device)
+        return out
 
     # ------------------------------------------------------------------ the symmetrization
     def permuted_log_prob(self, values: Mapping[str, Tensor], perms: list[Tensor]) -> Tensor:
@@ -476,12 +521,14 @@ class _CallCheck:
     unsettled when the forward raised (the next forward is checked instead). A class, not a
     generator, so that a warning it gives points at the user's line."""
 
-    def __init__(self, guide: SymmetrizedGuide, model: Any, batch: Any) -> None:
-        self.guide, self.model, self.batch = guide, model, batch
+    def __init__(
+        self, guide: SymmetrizedGuide, model: Any, batch: Any, agree: Agreement | None
+    ) -> None:
+        self.guide, self.model, self.batch, self.agree = guide, model, batch, agree
 
     def __enter__(self) -> None:
         self.guide.__dict__["_call_record"] = self.guide.spec.record_calls(self.model.net)
-        self.guide.__dict__["_call_batch"] = (self.model, self.batch)
+        self.guide.__dict__["_call_batch"] = (self.model, self.batch, self.agree)
 
     def __exit__(
         self,

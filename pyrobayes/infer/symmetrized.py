@@ -36,7 +36,9 @@ from torch import Tensor
 from ..contract import AnalyticKL, implements
 from ..contract import Symmetrized as SymmetrizedPosterior
 from ..models.adapters import check_int
+from ..models.permutation import PermutationSpec
 from ..user_frame import user_stacklevel
+from .distributed import all_reduce_sum_, world
 from .meanfield import MeanField
 from .objectives import ELBO, register_objective, scaled_log_likelihood
 
@@ -140,10 +142,38 @@ def _check_guide(guide: Any, owner: str) -> None:
 
 def _recording_calls(guide: Any, model: Any, batch: Any) -> AbstractContextManager[None]:
     """The guide's :meth:`~pyrobayes.guides.SymmetrizedGuide.recording_calls` block (the
-    first forward's check of the symmetry, measured on ``batch``), or a no-op for another
-    implementation of the protocol."""
+    first forward's check of the symmetry, measured on ``batch`` and agreed by the ranks,
+    :func:`agree_across_ranks`), or a no-op for another implementation of the protocol."""
     record = getattr(guide, "recording_calls", None)
-    return nullcontext() if record is None else record(model, batch=batch)
+    return nullcontext() if record is None else record(model, batch=batch, agree=agree_across_ranks)
+
+
+def agree_across_ranks(changes: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Under ``torch.distributed``, per unit layer the worst of every rank's measurement
+    ``(change, tolerance)`` (:meth:`~pyrobayes.models.PermutationSpec.worse_change`), the same
+    on every rank; ``changes`` itself in one process.
+
+    Each rank measures the symmetry on its own first batch: an asymmetry that only some ranks'
+    rows expose would otherwise leave the ranks with different groups, so different ``I_K``
+    whose all-reduced gradients mix two objectives. One all-reduce, once per fit: a sum of a
+    ``(world, layers, 2)`` table in which each rank fills its own row, so that every rank
+    receives every row (a NaN stays in its rank's row). None in one process.
+    """
+    size, rank = world()
+    if size == 1 or not changes:
+        return changes
+    names = sorted(changes)  # the same layers on every rank: the spec is the model's
+    table = torch.zeros(size, len(names), 2, dtype=torch.float64)
+    table[rank] = torch.tensor([changes[n] for n in names], dtype=torch.float64)
+    all_reduce_sum_([table])
+    rows = table.tolist()
+    agreed = {}
+    for i, name in enumerate(names):
+        worst = changes[name]
+        for row in rows:
+            worst = PermutationSpec.worse_change(worst, (row[i][0], row[i][1]))
+        agreed[name] = worst
+    return agreed
 
 
 class BatchedSymmetrizedELBO(ELBO):

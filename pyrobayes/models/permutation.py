@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import permutations as all_orderings
 from itertools import product
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -337,6 +337,8 @@ class PermutationSpec:
             for s in sites:
                 dtype = compute_dtype(theta[s].dtype)  # the permutation is exact in any dtype
                 before = priors[s].log_prob(theta[s][0].to(dtype))
+                if not bool(before.isfinite().all()):
+                    _unevaluable_prior(model, s, priors[s], before, dtype)
                 after = priors[s].log_prob(moved[s][0].to(dtype))
                 gap = float((after - before).abs().max())
                 if not gap <= rtol * max(1.0, float(before.abs())):
@@ -439,6 +441,14 @@ class PermutationSpec:
                 gap = (out - ref).abs().masked_fill(out == ref, 0.0)  # equal infinities: 0
                 changes[layer.name] = (float(gap.max()), tolerance)
         return changes
+
+    @staticmethod
+    def worse_change(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+        """Of two measurements ``(change, tolerance)`` of one unit layer
+        (:meth:`layer_changes`: other values, another batch), the one that speaks more against
+        the symmetry: a broken one (``change > tolerance`` or NaN) before a kept one, then the
+        larger ``change / tolerance``; so the layer is kept iff both keep it."""
+        return max(a, b, key=_against_symmetry)
 
     # ------------------------------------------------------------------ the network's calls
     def record_calls(self, net: nn.Module) -> CallRecord:
@@ -613,6 +623,34 @@ def _left_out_stray(layer: UnitLayer, called: str, measured: str = "") -> None:
         "in it elsewhere) to have them symmetrized",
         owner="PermutationSpec (the network's first forward)",
     )
+
+
+def _unevaluable_prior(
+    model: Any, site: str, prior: Any, log_p: Tensor, dtype: torch.dtype
+) -> NoReturn:
+    """Raise ``ValueError``: ``prior``'s ``log_prob`` of its own draw of ``site`` is ``log_p``,
+    non-finite (in ``dtype``, :func:`~pyrobayes.batch.compute_dtype`), so no permutation can be
+    compared with it (the difference of two non-finite values is NaN or undefined)."""
+    value = float(log_p.detach().reshape(-1)[~log_p.isfinite().reshape(-1)][0])
+    raise ValueError(
+        f"PermutationSpec.check_prior: the prior's log-density of site {site!r} cannot be "
+        f"evaluated: {type(model).__name__}.site_prior({site!r}) "
+        f"({type(prior).__name__}) gives log_prob {value} at its own draw (non-finite in "
+        f"{str(dtype).removeprefix('torch.')}), so neither its invariance under the unit "
+        "permutations nor the ELBO's prior term can be computed. Make site_prior return a "
+        "distribution with a finite log-density at its draws (a positive scale in the normal "
+        "range of the dtype, a support that holds the draws), e.g. FineTuneModel's own iid "
+        "N(0, prior_scale²)."
+    )
+
+
+def _against_symmetry(change: tuple[float, float]) -> tuple[bool, float]:
+    """The sort key of :meth:`PermutationSpec.worse_change`: ``(broken, change / tolerance)``
+    (``inf`` for a NaN change or a broken one of tolerance 0, 0 for no change)."""
+    value, tolerance = change
+    if not value <= tolerance:
+        return True, math.inf if math.isnan(value) or tolerance <= 0 else value / tolerance
+    return False, value / tolerance if tolerance > 0 else 0.0
 
 
 def _random_cycle(size: int, generator: torch.Generator | None) -> Tensor:
