@@ -30,7 +30,7 @@ from typing import Any
 
 from .causal_lm import format_table, is_causal_lm_config
 from .pipeline import DRIFT_TOLERANCE, RunFolderError, compare_metrics, read_json
-from .run_folder import claimed_run_folder, write_json
+from .run_folder import claimed_run_folder, remove_unfinished_run, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,10 @@ def join_runs(
         Replace a run already in ``out_dir``; without it such a folder is refused, except one
         that the same join left without its ``metrics.json`` (killed while copying), which is
         taken over. ``out_dir`` is locked while the join writes it
-        (:func:`~pyrobayes.demo.run_folder.claimed_run_folder`).
+        (:func:`~pyrobayes.demo.run_folder.claimed_run_folder`). A join that fails (or is
+        interrupted) before it writes ``metrics.json`` removes what it wrote
+        (:func:`~pyrobayes.demo.run_folder.remove_unfinished_run`), so the folder takes
+        another join without ``overwrite``.
 
     Returns
     -------
@@ -214,11 +217,19 @@ def join_runs(
         )
     config = {**first_config, "seeds": seeds}
     # the config first: a join killed while copying leaves it, and the same join takes over
-    with claimed_run_folder(out, overwrite, folder="out", replace="overwrite", config=config):
+    with claimed_run_folder(
+        out, overwrite, folder="out", replace="overwrite", config=config
+    ) as made:
         write_json(out / "config.json", config)
-        joined = _copy_fits(inputs, runs, taken, out)
-        _copy_seed_free(inputs, [c for c, _ in runs], taken, out)
-        write_json(out / "metrics.json", joined)
+        try:
+            joined = _copy_fits(inputs, runs, taken, out)
+            _copy_seed_free(inputs, [c for c, _ in runs], taken, out)
+            write_json(out / "metrics.json", joined)
+        except BaseException as err:  # a missing or unreadable file, a full disk, Ctrl-C
+            # no metrics.json: leave no half-joined run that refuses a join of other seeds
+            if not (out / "metrics.json").exists():
+                remove_unfinished_run(out, made, "join", err)
+            raise
         (out / "table.md").write_text(format_table(joined))
     logger.info("joined %d run folders (seeds %s) into %s", len(inputs), seeds, out)
     return joined
