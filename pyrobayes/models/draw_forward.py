@@ -26,6 +26,7 @@ from .net_call import _call, _functional_call, _num_samples, _RowsMismatch
 from .sharing import (
     TokenLogProbs,
     batch_memo,
+    batch_prefix_plan,
     first_adapted_block,
     lower_inputs,
     lower_layers_shared,
@@ -76,13 +77,17 @@ class DrawForward:
         layout = self._prompt_layout(inputs)
         shared = None
         if layout is not None:
+            draws = self._draws_in_net()
+            plan = self.__dict__.get("_prompt_plan") or {}  # _batched's: S copies of its rows
+            expanded = plan.get("inputs") is inputs and plan.get("copies") == draws
             shared = prefix_shared_logits(
                 self.net,
                 self.likelihood,
                 inputs,
-                self._draws_in_net(),
+                draws,
                 self._first_adapted(),
                 layout,
+                copies=expanded and plan.get("source") is not None,
             )
         if shared is not None:
             return shared
@@ -241,7 +246,8 @@ class DrawForward:
             _check_output_rows(out, 1, num_rows, type(self).__name__)
             return out.unsqueeze(0)
         expanded = expand_samples(inputs, num_samples)
-        with self._planning_prompts(expanded):  # one prompt plan for both tries
+        # one prompt plan for both tries, from the un-expanded rows' (once per batch in predict)
+        with self._planning_prompts(expanded, inputs, num_samples):
             shared = self._lower_shared(inputs, expanded, values, overrides, num_samples)
             out = self.output(expanded, values, overrides) if shared is None else shared
         _check_output_rows(out, num_samples, num_rows, type(self).__name__)
@@ -344,16 +350,19 @@ class DrawForward:
         return None if output is None else (cache.below, output)
 
     @contextlib.contextmanager
-    def _planning_prompts(self, inputs: Any) -> Iterator[None]:
+    def _planning_prompts(self, inputs: Any, source: Any = None, copies: int = 1) -> Iterator[None]:
         """Within the block, :meth:`_prompt_layout` of ``inputs`` is computed once, when first
         asked (its checks read the batch: one synchronisation with the device per batch, for
-        the lower-block cache, the lower-block sharing and the prompt path alike). A nested
-        block on the same inputs keeps the outer one's plan."""
+        the lower-block cache, the lower-block sharing and the prompt path alike). ``inputs``
+        that are the un-expanded ``source`` expanded ``copies``-fold get the layout of
+        ``source``, expanded (:func:`~pyrobayes.models.sharing.batch_prefix_plan`: inside
+        :func:`~pyrobayes.models.sharing.reuse_within_batch`, once for all the chunks of draws
+        of a batch). A nested block on the same inputs keeps the outer one's plan."""
         held = self.__dict__.get("_prompt_plan")
         if held is not None and held["inputs"] is inputs:
             yield
             return
-        self.__dict__["_prompt_plan"] = {"inputs": inputs}
+        self.__dict__["_prompt_plan"] = {"inputs": inputs, "source": source, "copies": copies}
         try:
             yield
         finally:
@@ -369,7 +378,11 @@ class DrawForward:
         held = self.__dict__.get("_prompt_plan")
         if held is None or held["inputs"] is not inputs:
             return prefix_plan(self.net, self.likelihood, inputs)
-        if "layout" not in held:
+        if "layout" not in held and held["source"] is not None:
+            held["layout"] = batch_prefix_plan(
+                self.net, self.likelihood, held["source"], held["copies"]
+            )
+        elif "layout" not in held:
             held["layout"] = prefix_plan(self.net, self.likelihood, inputs)
         layout: dict[str, Tensor] | None = held["layout"]
         return layout

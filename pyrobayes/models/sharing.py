@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import compute_dtype
+from ..batch import compute_dtype, expand_samples
 from .layers import BatchedLinear, _AdapterBase
 from .lower_cache import rope_length_limit, stubbed_below
 from .multiple_choice import (
@@ -77,6 +77,7 @@ __all__ = [
     "sharing_enabled",
     "prefix_applies",
     "prefix_plan",
+    "batch_prefix_plan",
     "prefix_shared_logits",
     "TokenLogProbs",
     "block_stack",
@@ -250,6 +251,47 @@ def prefix_plan(net: nn.Module, likelihood: Any, inputs: Any) -> dict[str, Tenso
     return _checked_layout(net, inputs)
 
 
+def batch_prefix_plan(
+    net: nn.Module, likelihood: Any, inputs: Any, copies: int = 1
+) -> dict[str, Tensor] | None:
+    """:func:`prefix_plan` of ``inputs`` expanded ``copies``-fold, sample-major
+    (:func:`~pyrobayes.batch.expand_samples`), from the layout of the un-expanded ``inputs``.
+
+    The layout is row-wise (each row's prompt and continuation are found from that row alone;
+    the widths are the longest row's), so that of S copies of the rows is S copies of theirs.
+    Inside :func:`reuse_within_batch` it is computed once per batch (kept in its
+    :func:`batch_memo`): the chunks of draws of :func:`pyrobayes.predict`, each a fresh
+    expansion, and the chunk sizing (:func:`tokens_per_draw`) share its synchronisations with
+    the device.
+
+    Parameters
+    ----------
+    net : nn.Module
+    likelihood : MultipleChoice
+    inputs : dict of str to Tensor
+        The un-expanded ``(B, K, L)`` batch (the same object for every chunk of a batch).
+    copies : int
+        The draws the batch is expanded for.
+
+    Returns
+    -------
+    dict of str to Tensor or None
+        As :func:`prefix_plan` of the expanded batch.
+    """
+    if not prefix_applies(net, likelihood, inputs):
+        return None
+    memo = batch_memo(inputs, ("prompts", id(net), id(likelihood)))
+    if memo is not None and "layout" in memo:
+        layout: dict[str, Tensor] | None = memo["layout"]
+    else:
+        layout = _checked_layout(net, inputs)
+        if memo is not None:
+            memo["layout"] = layout
+    if layout is None or copies == 1:
+        return layout
+    return {name: expand_samples(value, copies) for name, value in layout.items()}
+
+
 def _checked_layout(net: nn.Module, inputs: Mapping[str, Any]) -> dict[str, Tensor] | None:
     """:func:`_prefix_layout` of ``inputs``, or ``None`` where it is ``None`` or
     :func:`_layout_refusal` refuses it (the reason logged once per network)."""
@@ -371,6 +413,7 @@ def prefix_shared_logits(
     num_samples: int = 1,
     lower: tuple[nn.ModuleList, int] | None = None,
     layout: Mapping[str, Tensor] | None = None,
+    copies: bool = False,
 ) -> Tensor | TokenLogProbs | None:
     r"""Head outputs at the positions a multiple-choice likelihood reads, with each prompt run
     once and its key/value cache shared by its K choices; ``None`` where this does not apply.
@@ -396,6 +439,10 @@ def prefix_shared_logits(
     layout : dict of str to Tensor, optional
         :func:`prefix_plan` of ``inputs`` when the caller computed it (not computed again: no
         second synchronisation with the device).
+    copies : bool
+        ``inputs`` are known to be ``num_samples`` sample-major copies of their first rows
+        (the caller expanded them: :func:`~pyrobayes.batch.expand_samples`), so they are not
+        compared (a synchronisation with the device per tensor of the batch).
 
     Returns
     -------
@@ -419,7 +466,7 @@ def prefix_shared_logits(
     num, k_choices = (int(n) for n in inputs["input_ids"].shape[:2])
     # lower blocks shared: the network runs on sample 0's rows, expanded S-fold at block i0
     draws = num_samples if lower is not None and num_samples > 1 else 1
-    if draws > 1 and not _sample_copies(inputs, draws):
+    if draws > 1 and not (copies or _sample_copies(inputs, draws)):
         draws = 1  # rows of different examples (per-row parameter sets): nothing to share
     if draws > 1 and lower is not None and _lower_declined(lower, num // draws, draws):
         draws = 1  # known not to apply to this network (logged once)
@@ -590,7 +637,7 @@ def tokens_per_draw(
     if not isinstance(ids, Tensor) or ids.dim() == 0:
         return None
     tokens, rows = None, int(ids.shape[0])
-    layout = prefix_plan(net, likelihood, inputs)
+    layout = batch_prefix_plan(net, likelihood, inputs)  # the forwards' own, in pb.predict
     if layout is not None:
         tokens = layout["prompt_ids"].numel() + layout["cont_ids"][..., 1:].numel()
     else:
@@ -885,7 +932,8 @@ def lower_layers_shared(
 @contextlib.contextmanager
 def reuse_within_batch() -> Iterator[None]:
     """Within the block, calls on the same inputs object (the chunks of draws of one batch in
-    :func:`pyrobayes.predict`) compute the layers below the first adapted one only once.
+    :func:`pyrobayes.predict`) compute the layers below the first adapted one, and the prompt
+    layout (:func:`batch_prefix_plan`), only once.
 
     The parameters of those layers must not change inside the block (prediction).
     """
@@ -905,14 +953,16 @@ def reusing_within_batch() -> bool:
 def batch_memo(inputs: Any, key: Any) -> dict[str, Any] | None:
     """The memory of work shared by the calls on ``inputs`` under ``key`` inside
     :func:`reuse_within_batch` (created on first use), or ``None`` outside it or with sharing
-    off."""
+    off. The keys of one inputs object are kept together; another inputs object clears them
+    (one batch at a time)."""
     memo = getattr(_STATE, "memo", None)
     if memo is None or not sharing_enabled():
         return None
     entry = memo.get(key)
     if entry is None or entry["inputs"] is not inputs:
+        if any(held["inputs"] is not inputs for held in memo.values()):
+            memo.clear()  # one batch at a time (the keys of this one are kept together)
         entry = {"inputs": inputs}  # holds the inputs: their id is not reused meanwhile
-        memo.clear()  # one batch at a time
         memo[key] = entry
     return entry
 
