@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from ..batch import batch_size, compute_dtype, split_batch, to_device, token_mask
 from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.likelihoods import Categorical, check_gaussian_targets
-from .distributed import all_reduce_sum_
+from .distributed import all_reduce_sum_, world
+from .fit_checks import gather_rank_errors
 
 __all__ = ["LaplaceNet", "per_example_ggn_backend"]
 
@@ -115,51 +116,97 @@ class _Loader:
     Regression targets are checked against the network output (``check_gaussian_targets``: a
     scalar output takes ``(B,)`` or ``(B, 1)``, a ``(B, D)`` output ``(B, D)``, anything else
     raises) and passed as laplace-torch wants them, ``(B, 1)`` or ``(B, D)``.
+
+    Under ``torch.distributed`` the curvature pass all-reduces every batch's curvature, so a
+    batch refused on one rank would leave the others waiting in that all-reduce (until gloo's
+    timeout, 30 minutes): there every rank checks all its batches first, and the ranks gather
+    the outcomes in one collective (:meth:`_checked_on_every_rank`) before the pass.
     """
 
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
         self.model, self.data, self.device = model, data, device
         self._event_shape: tuple[int, ...] | None = None  # of one example's output, once probed
-        if iter(data) is data:  # a generator: counted (below) and probed, then read: empty
-            raise TypeError(
-                "Laplace: the curvature data is a one-shot iterator "
-                f"({type(data).__name__}), but the fit reads it more than once (laplace-torch "
-                "probes its first batch, then passes over it). Pass a list of batches or a "
-                "DataLoader."
-            )
-        dataset: Any = getattr(data, "dataset", None)
-        try:
-            n = len(dataset)  # None or an unsized dataset: TypeError
-        except TypeError:  # counted: this rank's share, summed over ranks (a sampler's
-            # dataset is the whole set already)
-            count = torch.tensor(sum(batch_size(split_batch(b, model.label_key)[0]) for b in data))
-            all_reduce_sum_([count])
-            n = int(count)
+        if world()[0] > 1:
+            n = self._checked_on_every_rank()
+        else:
+            _refuse_one_shot(data)
+            n = self._num_examples()
         if n == 0:  # laplace-torch's next(iter(loader)) raised a bare StopIteration
-            raise ValueError(
-                "Laplace: the curvature data hold no examples (an empty list or data set): the "
-                "posterior's curvature is a sum over the training examples. Pass the training "
-                "batches."
-            )
+            raise ValueError(_NO_EXAMPLES)
         self.dataset = range(n)
 
+    def _num_examples(self) -> int:
+        """N: the length of the data's ``dataset`` (a sampler's is the whole set already), else
+        the examples counted (one process)."""
+        try:
+            return len(getattr(self.data, "dataset", None))  # type: ignore[arg-type]
+        except TypeError:  # None or an unsized dataset: counted
+            key = self.model.label_key
+            return sum(batch_size(split_batch(b, key)[0]) for b in self.data)
+
+    def _checked_on_every_rank(self) -> int:
+        """N under ``torch.distributed``, once every rank checked all its batches (the checks
+        of :meth:`__iter__`, each batch once more) and the ranks gathered the outcomes in one
+        collective: a rank that refused its data (a batch, or data that are empty or a
+        one-shot iterator) raises its own error, every other rank a ``RuntimeError`` naming it.
+        N is the ``dataset``'s length, else the ranks' examples summed.
+
+        Raises
+        ------
+        ValueError
+            When the ranks hold other numbers of batches (the pass all-reduces every batch).
+        """
+        failed, waited_in = "refused its curvature data", "the curvature pass's all-reduces"
+        remedy = "Fix that rank's training data (every rank's share must pass these checks)."
+        try:
+            _refuse_one_shot(self.data)
+            batches = examples = 0
+            for index, batch in enumerate(self.data):
+                examples += batch_size(self._checked(index, batch)[0])
+                batches += 1
+            if examples == 0:  # this rank's: laplace-torch would probe a batch it does not have
+                raise ValueError(_NO_EXAMPLES)
+        except Exception as err:
+            gather_rank_errors(None, err, failed, waited_in, caller="Laplace", remedy=remedy)
+            raise
+        outcome = gather_rank_errors(
+            (batches, examples), None, failed, waited_in, caller="Laplace", remedy=remedy
+        )
+        counts = [record for record, _ in outcome or []]
+        if len({b for b, _ in counts}) > 1:
+            shown = ", ".join(f"rank {i}: {b}" for i, (b, _) in enumerate(counts[:8]))
+            raise ValueError(
+                f"Laplace: under torch.distributed the ranks' curvature data hold different "
+                f"numbers of batches ({shown}), but the curvature pass all-reduces every "
+                "batch's curvature over the ranks. Give each rank a DistributedSampler over "
+                "the same dataset (it pads the shards to equal sizes) and the same batch size."
+            )
+        dataset: Any = getattr(self.data, "dataset", None)
+        try:
+            return len(dataset)  # (a sampler's dataset is the whole set already)
+        except TypeError:  # None or an unsized dataset: the ranks' shares summed
+            return sum(e for _, e in counts)
+
     def __iter__(self) -> Iterator[Any]:
-        regression = not self.model.likelihood.is_classification
-        key = self.model.label_key
         for index, batch in enumerate(self.data):
-            batch = to_device(batch, self.device)
-            inputs, y = split_batch(batch, key)
-            y = _check_rows(inputs, y, index, key, regression)
-            _check_finite_batch(inputs, y, index)
-            if regression:
-                y = self._regression_targets(inputs, y)
-            else:
-                y = self._checked_classes(inputs, _class_targets(y, index), index)
+            inputs, y = self._checked(index, batch)
             if isinstance(inputs, Tensor):
                 yield inputs, y
             else:
                 rows = torch.empty(batch_size(inputs), 0, device=self.device)
-                yield {_INPUTS: inputs, _ROWS: rows, key: y}
+                yield {_INPUTS: inputs, _ROWS: rows, self.model.label_key: y}
+
+    def _checked(self, index: int, batch: Any) -> tuple[Any, Tensor]:
+        """Batch ``index``'s inputs (on the device) and its checked targets, as laplace-torch
+        wants them."""
+        regression = not self.model.likelihood.is_classification
+        key = self.model.label_key
+        inputs, y = split_batch(to_device(batch, self.device), key)
+        y = _check_rows(inputs, y, index, key, regression)
+        _check_finite_batch(inputs, y, index)
+        if regression:
+            return inputs, self._regression_targets(inputs, y)
+        return inputs, self._checked_classes(inputs, _class_targets(y, index), index)
 
     def _output_shape(self, inputs: Any) -> tuple[int, ...]:
         """One example's output shape (the likelihood's parameters), from one probe forward of
@@ -198,6 +245,24 @@ class _Loader:
                 "as 0 .. C-1, or give the network's head one output per class."
             )
         return y
+
+
+_NO_EXAMPLES = (
+    "Laplace: the curvature data hold no examples (an empty list or data set): the "
+    "posterior's curvature is a sum over the training examples. Pass the training batches."
+)
+
+
+def _refuse_one_shot(data: Iterable[Any]) -> None:
+    """Refuse a one-shot iterator (a generator): laplace-torch probes its first batch, then
+    passes over it, which would find it used up."""
+    if iter(data) is data:
+        raise TypeError(
+            "Laplace: the curvature data is a one-shot iterator "
+            f"({type(data).__name__}), but the fit reads it more than once (laplace-torch "
+            "probes its first batch, then passes over it). Pass a list of batches or a "
+            "DataLoader."
+        )
 
 
 def _check_rows(

@@ -7,7 +7,9 @@
 - :func:`check_ranks_agree`: under ``torch.distributed``, every rank runs the same fit (or
   every rank stops with the one that refused it);
 - :func:`check_ranks_started`: ... and every rank stops with one that failed after that
-  agreement, before the first step.
+  agreement, before the first step;
+- :func:`check_checkpoint_written`: ... and with rank 0 when it failed to write a checkpoint;
+- :func:`gather_rank_errors`: the one gather behind them (and Laplace's curvature pass).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ __all__ = [
     "DataSize",
     "Divergence",
     "DivergenceWarning",
+    "check_checkpoint_written",
     "check_first_batch",
     "check_ranks_agree",
     "check_ranks_started",
+    "gather_rank_errors",
     "warn_if_fit_given_back",
 ]
 
@@ -256,7 +260,7 @@ def check_ranks_agree(record: dict[str, Any] | None, error: BaseException | None
     size = world()[0]
     if size == 1:
         return
-    gathered = _gather_errors(record, error, "refused the fit", "the first all-reduce")
+    gathered = gather_rank_errors(record, error, "refused the fit", "the first all-reduce")
     if gathered is None:
         return
     records = [r or {} for r, _ in gathered]
@@ -297,21 +301,59 @@ def check_ranks_started(error: BaseException | None = None) -> None:
         failed returns here, and raises its own error).
     """
     if world()[0] > 1:
-        _gather_errors(None, error, "failed as the fit started", _STARTED_WAIT)
+        gather_rank_errors(None, error, "failed as the fit started", _STARTED_WAIT)
 
 
-def _gather_errors(
-    record: Any, error: BaseException | None, failed: str, waited_in: str
-) -> list[Any] | None:
-    """Every rank's ``(record, error text)``, gathered in one collective; ``None`` on a rank
-    that passed an ``error`` (it raises its own).
+#: Where the other ranks waited for rank 0 when its checkpoint's write failed (before
+#: :func:`check_checkpoint_written`), and what to do then.
+_WRITE_WAIT = "the next step's all-reduce or the fit's closing barrier"
+_WRITE_REMEDY = (
+    "The folder keeps the last checkpoint written before (a failed write leaves none of its "
+    "files): make the folder writable on rank 0 (free disk space, its permissions) and resume "
+    "from it with pb.Checkpointing(..., resume=True)."
+)
+
+
+def check_checkpoint_written(error: BaseException | None = None) -> None:
+    """Under ``torch.distributed``, make every rank stop when rank 0 failed to write a
+    checkpoint (a no-op in one process). Every rank calls it once per checkpoint, after rank 0's
+    write, with ``None`` or the ``error`` of that write (a full disk, a permission error; only
+    rank 0 writes). One gather per checkpoint: nothing per step of a fit that writes none.
+
+    Without it rank 0 raised its error while the other ranks went on into the next step's
+    all-reduce (or the fit's closing barrier) and waited there until gloo's timeout (30
+    minutes), after which the group is broken.
 
     Raises
     ------
     RuntimeError
-        On the other ranks, when a rank passed an error: naming that rank, what it did
-        (``failed``), its error, and the collective the others would have waited in
-        (``waited_in``).
+        On the ranks that did not fail, naming rank 0 and its error (rank 0 returns here, and
+        raises its own error).
+    """
+    if world()[0] > 1:
+        failed = "failed to write a checkpoint"
+        gather_rank_errors(None, error, failed, _WRITE_WAIT, remedy=_WRITE_REMEDY)
+
+
+def gather_rank_errors(
+    record: Any,
+    error: BaseException | None,
+    failed: str,
+    waited_in: str,
+    *,
+    caller: str = "fit()",
+    remedy: str = "Fix that rank's fit.",
+) -> list[Any] | None:
+    """Every rank's ``(record, error text)``, gathered in one collective (every rank calls it
+    at the same point, under ``torch.distributed`` only); ``None`` on a rank that passed an
+    ``error`` (it raises its own).
+
+    Raises
+    ------
+    RuntimeError
+        On the other ranks, when a rank passed an error: naming ``caller``, that rank, what it
+        did (``failed``), its error, the collective the others would have waited in
+        (``waited_in``) and what to do (``remedy``).
     """
     size = world()[0]
     mine = (record, None if error is None else f"{type(error).__name__}: {error}")
@@ -323,8 +365,8 @@ def _gather_errors(
     if refused:
         rank, why = refused[0]
         raise RuntimeError(
-            f"fit(): rank {rank} of {size} {failed} ({why}); every rank stops with it (the "
-            f"others would wait for it in {waited_in}). Fix that rank's fit."
+            f"{caller}: rank {rank} of {size} {failed} ({why}); every rank stops with it (the "
+            f"others would wait for it in {waited_in}). {remedy}"
         )
     return gathered
 

@@ -20,7 +20,8 @@ before it: its data, its checkpoint folder) stops them all, in one gather
 (:func:`~pyrobayes.infer.fit_checks.check_ranks_agree`); so does a rank that fails after it,
 before the first step (the fitter's ``begin``, the checkpoint's load, the lower-block cache),
 in a second gather (:func:`~pyrobayes.infer.fit_checks.check_ranks_started`). The steps add no
-collective of their own.
+collective of their own; a checkpoint adds one gather, which stops every rank with rank 0 when
+its write fails (:func:`~pyrobayes.infer.fit_checks.check_checkpoint_written`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from .fit_checks import (
     DataSize,
     Divergence,
     DivergenceWarning,
+    check_checkpoint_written,
     check_first_batch,
     check_ranks_agree,
     check_ranks_started,
@@ -553,7 +555,9 @@ class _Loop(ResumeChecks):
         self.lr = self.fitter.lr  # the family's default where none was given
         self.rate_source = find_rate_source(options.optim.optimizer)
         self.pos = _Position(data_seed=seed)
-        self.write = self.ckpt is not None and world()[1] == 0
+        # every rank takes part in a checkpoint (its outcome's gather); rank 0 alone writes it
+        self.checkpoints = self.ckpt is not None
+        self.write = self.checkpoints and world()[1] == 0
         self.show = self.progress.show_bar and world()[1] == 0
         self.reporter = (
             self.fitter.objective if implements(self.fitter.objective, ReportsTerms) else None
@@ -749,7 +753,7 @@ class _Loop(ResumeChecks):
                 trained_on = self._train_epoch()
                 self.data_size.finish(trained_on)  # the first epoch's count, checked once
                 if not trained_on:  # num_steps reached inside the epoch
-                    if self.write and pos.saved_at != pos.step:
+                    if self.checkpoints and pos.saved_at != pos.step:
                         self._checkpoint(epoch_end_done=False)
                     return
             self._end_epoch()
@@ -841,7 +845,7 @@ class _Loop(ResumeChecks):
             self._show()
         if self.progress.callback is not None:
             self.progress.callback(pos.step, value)
-        if self.write and self.every and pos.step % self.every == 0:
+        if self.checkpoints and self.every and pos.step % self.every == 0:
             self._checkpoint(epoch_end_done=False)
 
     def _show(self) -> None:
@@ -870,11 +874,26 @@ class _Loop(ResumeChecks):
             logger.info("epoch %d validation: %s", pos.epoch, measured)
         pos.epoch += 1
         pos.in_epoch = 0
-        if self.write:
+        if self.checkpoints:
             self._checkpoint(epoch_end_done=True)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, epoch_end_done: bool) -> None:
+        """Rank 0 writes a checkpoint (:meth:`_write_checkpoint`); under ``torch.distributed``
+        every rank then learns its outcome in one gather, so a failed write (a full disk, a
+        permission error) stops every rank with rank 0's error instead of leaving the others
+        in the next step's all-reduce (:func:`~pyrobayes.infer.fit_checks.check_checkpoint_written`).
+        A failed write leaves the folder's last checkpoint as it was (:func:`save_checkpoint`)."""
+        try:
+            if self.write:
+                self._write_checkpoint(epoch_end_done)
+        except Exception as err:
+            check_checkpoint_written(err)
+            raise
+        check_checkpoint_written()
+        self.pos.saved_at = self.pos.step
+
+    def _write_checkpoint(self, epoch_end_done: bool) -> None:
         pos, selection = self.pos, self.selection
         meta = {
             "step": pos.step,
@@ -896,7 +915,6 @@ class _Loop(ResumeChecks):
         if self.ckpt is None:  # called only when writing checkpoints
             raise RuntimeError("fit(): no checkpoint folder to write to.")
         save_checkpoint(self.ckpt, self.guide, self.model, self.fitter, meta, best, self.sched)
-        pos.saved_at = pos.step
 
     def _resume(self, found: Path) -> None:
         """Continue from the checkpoint ``found`` (:meth:`_checked_resume`'s)."""
@@ -939,7 +957,8 @@ class _Loop(ResumeChecks):
     def _rank_record(self, found: Path | None) -> dict[str, Any] | None:
         """What every rank of a distributed fit must share (``None`` in one process): the run
         record but its seed and data (each rank's own shard), the family, fitter, settings,
-        rate and budget, and the step it resumes from (0: a new fit)."""
+        rate and budget, the step it resumes from (0: a new fit) and its checkpoints (whether
+        it writes any, and every how many steps: every rank gathers each one's outcome)."""
         if world()[0] == 1:
             return None
         run = self._run_record()
@@ -956,6 +975,8 @@ class _Loop(ResumeChecks):
             "epochs": self.plan.epochs,
             "num_steps": self.plan.num_steps,
             "the step resumed from": step,
+            # every rank gathers rank 0's outcome of each checkpoint: the same ones on every rank
+            "checkpoints (written, every)": [self.checkpoints, self.every],
             **run,
         }
 
