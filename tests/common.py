@@ -377,3 +377,36 @@ def init_gloo_rank(rank: int, init_file: str, dtype: str, seconds: float = 15.0)
         world_size=2,
         timeout=datetime.timedelta(seconds=seconds),
     )
+
+
+def fake_lm_run(folder: Any, seed: int) -> Any:
+    """A causal-LM run folder of one seed with the files a fit writes (``config.json``,
+    ``metrics.json``, the posterior and its plot; a join copies the posterior's bytes without
+    reading them). Returns ``folder`` (a ``pathlib.Path``)."""
+    from pyrobayes.demo.run_folder import write_json
+
+    (folder / "guides").mkdir(parents=True)
+    (folder / "plots").mkdir()
+    config = {"causal_lm": {"model": "tiny"}, "families": ["map"], "seeds": [seed]}
+    write_json(folder / "config.json", {**config, "training": {"device": "cpu"}})
+    metrics = {"accuracy": 0.5, "ece": 0.1, "nll": 0.7, "brier": 0.3}
+    records = [{"family": "zero-shot", "seed": None, **metrics}]
+    write_json(folder / "metrics.json", [*records, {"family": "map", "seed": seed, **metrics}])
+    (folder / f"guides/map-seed{seed}.safetensors").write_bytes(b"posterior")
+    (folder / f"plots/reliability_map-seed{seed}.png").write_bytes(b"png")
+    return folder
+
+
+def run_two_gloo_ranks(worker: Any, folder: Any, name: str) -> list[dict[str, Any]]:
+    """Spawn ``worker(rank, init_file, folder, dtype)`` on two processes (each joins the gloo
+    group with :func:`init_gloo_rank` and saves its results as ``<name><rank>.pt`` in
+    ``folder``) and return both ranks' results; skips where torch has no ``torch.distributed``."""
+    import pytest
+    import torch.distributed as torch_dist
+    import torch.multiprocessing as mp
+
+    if not torch_dist.is_available():
+        pytest.skip("torch.distributed is not available in this torch build")
+    dtype = str(torch.get_default_dtype()).removeprefix("torch.")
+    mp.spawn(worker, args=(str(folder / "init"), str(folder), dtype), nprocs=2, join=True)
+    return [torch.load(folder / f"{name}{r}.pt", weights_only=True) for r in range(2)]

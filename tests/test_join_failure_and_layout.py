@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +23,11 @@ import pyrobayes as pb
 from pyrobayes.batch import expand_samples
 from pyrobayes.demo import run_folder
 from pyrobayes.demo.join_runs import join_runs
-from pyrobayes.demo.run_folder import run_files, write_json
+from pyrobayes.demo.run_folder import run_files
 from pyrobayes.models import FineTuneModel, LoRA, MultipleChoice, sharing
 from pyrobayes.models.multiple_choice import encode_multiple_choice
 from pyrobayes.models.sharing import batch_prefix_plan, prefix_plan, reuse_within_batch, unshared
-from tests.common import tiny_llama
+from tests.common import fake_lm_run, tiny_llama
 from tests.models.test_multiple_choice import PROMPTS, CharTokenizer
 
 pytestmark = [pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")]
@@ -48,21 +47,6 @@ RAGGED = [
 
 
 # ---------------------------------------------------------------------- join
-def _fake_run(folder: Path, seed: int) -> Path:
-    """A causal-LM run folder of one seed (files as a fit writes them; a join copies the
-    posterior's bytes without reading them)."""
-    (folder / "guides").mkdir(parents=True)
-    (folder / "plots").mkdir()
-    config = {"causal_lm": {"model": "tiny"}, "families": ["map"], "seeds": [seed]}
-    write_json(folder / "config.json", {**config, "training": {"device": "cpu"}})
-    metrics = {"accuracy": 0.5, "ece": 0.1, "nll": 0.7, "brier": 0.3}
-    records = [{"family": "zero-shot", "seed": None, **metrics}]
-    write_json(folder / "metrics.json", [*records, {"family": "map", "seed": seed, **metrics}])
-    (folder / f"guides/map-seed{seed}.safetensors").write_bytes(b"posterior")
-    (folder / f"plots/reliability_map-seed{seed}.png").write_bytes(b"png")
-    return folder
-
-
 @pytest.mark.parametrize(
     ("exists", "error"),
     [
@@ -79,7 +63,7 @@ def test_a_join_whose_copy_fails_removes_what_it_wrote(
     config.json nor copied file (nor the folders it made), so a join of other seeds into the
     same folder is not refused. Before, config.json and the first posterior were left, and the
     other join was refused as "an unfinished run ... of another config"."""
-    runs = [_fake_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
+    runs = [fake_lm_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
     out = tmp_path / "joined"
     if exists:  # a folder the user made, holding a file of theirs: kept, with the folder
         out.mkdir()
@@ -107,7 +91,7 @@ def test_a_join_whose_copy_fails_removes_what_it_wrote(
     else:
         assert not out.exists()
     monkeypatch.undo()
-    joined = join_runs([runs[0], _fake_run(tmp_path / "s2", 2)], out)  # other seeds: taken
+    joined = join_runs([runs[0], fake_lm_run(tmp_path / "s2", 2)], out)  # other seeds: taken
     assert [r["seed"] for r in joined] == [None, 0, 2]
     assert json.loads((out / "config.json").read_text())["seeds"] == [0, 2]
 
@@ -115,7 +99,7 @@ def test_a_join_whose_copy_fails_removes_what_it_wrote(
 def test_a_join_that_fails_after_its_metrics_keeps_them(tmp_path, monkeypatch):
     """A failure once metrics.json is written (the table's) keeps the joined run: its records
     and posteriors are whole."""
-    runs = [_fake_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
+    runs = [fake_lm_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
     out = tmp_path / "joined"
 
     def failing_table(records):

@@ -32,8 +32,8 @@ from pyrobayes.demo.run_folder import (
     claim_run_folder,
     claimed_run_folder,
     run_files,
-    write_json,
 )
+from tests.common import fake_lm_run
 
 pytestmark = pytest.mark.skipif(run_folder.fcntl is None, reason="no fcntl.flock (Windows)")
 
@@ -154,27 +154,12 @@ def test_a_folder_replaced_while_it_is_locked_is_locked_again(tmp_path, monkeypa
     assert len(calls) == 2  # locked twice: the removed folder, then the one at the path
 
 
-def _fake_run(folder: Path, seed: int) -> Path:
-    """A causal-LM run folder of one seed (files as a fit writes them; the posterior's bytes
-    are not read by a join)."""
-    (folder / "guides").mkdir(parents=True)
-    (folder / "plots").mkdir()
-    config = {"causal_lm": {"model": "tiny"}, "families": ["map"], "seeds": [seed]}
-    write_json(folder / "config.json", {**config, "training": {"device": "cpu"}})
-    metrics = {"accuracy": 0.5, "ece": 0.1, "nll": 0.7, "brier": 0.3}
-    records = [{"family": "zero-shot", "seed": None, **metrics}]
-    write_json(folder / "metrics.json", [*records, {"family": "map", "seed": seed, **metrics}])
-    (folder / f"guides/map-seed{seed}.safetensors").write_bytes(b"posterior")
-    (folder / f"plots/reliability_map-seed{seed}.png").write_bytes(b"png")
-    return folder
-
-
 def test_a_join_killed_while_copying_is_taken_over_by_the_same_join(tmp_path, monkeypatch, caplog):
     """A join stopped after copying the fits (as SIGKILL would: nothing removed) leaves its
     config.json, so the same join takes the folder over and completes; another join (other
     seeds) is refused as an unfinished run of another config. Before, the config was written
     after the copies, and the same join was refused ("already holds a run (guides/...)")."""
-    runs = [_fake_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
+    runs = [fake_lm_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
     out = tmp_path / "joined"
 
     def killed(*args, **kwargs):
@@ -190,7 +175,7 @@ def test_a_join_killed_while_copying_is_taken_over_by_the_same_join(tmp_path, mo
     assert "metrics.json" not in left
     monkeypatch.undo()
     with pytest.raises(RunFolderError, match=r"unfinished run .* of another config"):
-        join_runs([runs[0], _fake_run(tmp_path / "s2", 2)], out)
+        join_runs([runs[0], fake_lm_run(tmp_path / "s2", 2)], out)
     with caplog.at_level(logging.WARNING, logger=run_folder.__name__):
         joined = join_runs(runs, out)
     assert "taking it over" in caplog.text
@@ -201,7 +186,7 @@ def test_a_join_killed_while_copying_is_taken_over_by_the_same_join(tmp_path, mo
 def test_a_join_into_a_folder_a_running_job_holds_is_refused(tmp_path):
     """join_runs enters the folder's lock as the jobs do: a join into a folder a job of this
     process holds is refused, and writes nothing there."""
-    runs = [_fake_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
+    runs = [fake_lm_run(tmp_path / f"s{seed}", seed) for seed in (0, 1)]
     out = tmp_path / "joined"
     start = time.monotonic()
     with claimed_run_folder(out, False):

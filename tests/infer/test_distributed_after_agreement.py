@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 
 import pyrobayes as pb
-from tests.common import init_gloo_rank
+from tests.common import init_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -144,12 +143,7 @@ def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' results of :func:`_worker` (one spawn for the module's tests)."""
-    if not torch_dist.is_available():
-        pytest.skip("torch.distributed is not available in this torch build")
-    tmp = tmp_path_factory.mktemp("after")
-    dtype = str(torch.get_default_dtype()).removeprefix("torch.")
-    mp.spawn(_worker, args=(str(tmp / "init"), str(tmp), dtype), nprocs=2, join=True)
-    return [torch.load(tmp / f"after{r}.pt", weights_only=True) for r in range(2)]
+    return run_two_gloo_ranks(_worker, tmp_path_factory.mktemp("after"), "after")
 
 
 def test_an_error_on_one_rank_after_the_agreement_stops_every_rank(ranks):

@@ -28,10 +28,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 
 import pyrobayes as pb
-from tests.common import init_gloo_rank
+from tests.common import init_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -237,12 +236,7 @@ def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' results of :func:`_worker` (one spawn for the module's tests)."""
-    if not torch_dist.is_available():
-        pytest.skip("torch.distributed is not available in this torch build")
-    tmp = tmp_path_factory.mktemp("pass")
-    dtype = str(torch.get_default_dtype()).removeprefix("torch.")
-    mp.spawn(_worker, args=(str(tmp / "init"), str(tmp), dtype), nprocs=2, join=True)
-    return [torch.load(tmp / f"pass{r}.pt", weights_only=True) for r in range(2)]
+    return run_two_gloo_ranks(_worker, tmp_path_factory.mktemp("pass"), "pass")
 
 
 def test_an_error_in_the_curvature_pass_on_one_rank_stops_every_rank(ranks):
