@@ -375,14 +375,7 @@ def per_example_ggn_backend() -> type:
             # half-precision sites (a bf16 network): the factors go on in float32, since their
             # eigendecomposition (torch.linalg.eigh) has no half-precision kernel
             factors = [f for fs in kron.kfacs for f in fs]
-            if any(f.dtype == torch.float16 and not bool(f.isfinite().all()) for f in factors):
-                raise FloatingPointError(
-                    "Laplace: the Kronecker (K-FAC) factors of this float16 network overflowed "
-                    "(a sum of squared activations past float16's largest value, 65504), which "
-                    "laplace-torch's eigendecomposition would turn into a zero curvature. Fit "
-                    "the posterior on a bfloat16 or float32 copy of the network "
-                    "(model.to(torch.bfloat16) before pb.fit), or use structure='diag'."
-                )
+            half16 = any(f.dtype == torch.float16 for f in factors)
             if any(compute_dtype(f.dtype) != f.dtype for f in factors):
                 upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
                 kron = type(kron)(upcast)
@@ -391,6 +384,16 @@ def per_example_ggn_backend() -> type:
             # summed over ranks as laplace-torch sums them over batches (H += H_batch), so every
             # rank holds the curvature of one process whose batches are the ranks' shares
             all_reduce_sum_([loss, *(f for factors in kron.kfacs for f in factors)])
+            # checked after the sum (an inf on any rank is an inf on every rank), so that every
+            # rank refuses together instead of one leaving the others in the all-reduce
+            if half16 and not all(bool(f.isfinite().all()) for fs in kron.kfacs for f in fs):
+                raise FloatingPointError(
+                    "Laplace: the Kronecker (K-FAC) factors of this float16 network overflowed "
+                    "(a sum of squared activations past float16's largest value, 65504), which "
+                    "laplace-torch's eigendecomposition would turn into a zero curvature. Fit "
+                    "the posterior on a bfloat16 or float32 copy of the network "
+                    "(model.to(torch.bfloat16) before pb.fit), or use structure='diag'."
+                )
             return loss, kron
 
         def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:

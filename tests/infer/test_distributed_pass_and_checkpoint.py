@@ -89,6 +89,28 @@ def _pass_case(rank: int, case: str) -> str:
     return f"{float(guide.prior_precision):.12g}"
 
 
+def _float16_case(rank: int) -> str:
+    """A float16 network's Kronecker Laplace where only rank 1's inputs (size ~40 on 300
+    examples) make its K-FAC input factor pass float16's 65504; rank 0's (size ~1) do not."""
+    from torch import nn
+
+    from pyrobayes.models import FineTuneModel, LoRAXS
+
+    torch.manual_seed(0)
+    x, y = torch.randn(300, 4) * (40.0 if rank == 1 else 1.0), torch.arange(300) % 3
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).to(torch.float16)
+    model = FineTuneModel(
+        net, LoRAXS(rank=3, target_modules=["0"]), num_data=600, trainable_modules=["2"]
+    )
+    guide = pb.posterior(model, "laplace", structure="kron")
+    data = [(x[i : i + 30].to(torch.float16), y[i : i + 30]) for i in range(0, 300, 30)]
+    try:
+        pb.fit(model, guide, data, epochs=0, progress=False)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "fitted"
+
+
 class _FullDisk:
     """``_write_generation`` that writes the first ``good`` generations, then fails part way
     through the next (its first file written) as a full disk does."""
@@ -226,6 +248,8 @@ def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
             results["checkpoint"] = _checkpoint_case(rank, Path(folder))
             results["collectives"] = _collectives(rank, Path(folder))
             results["alone"] = _checkpointing_on_rank_0_alone(rank, Path(folder))
+            results["float16"] = _float16_case(rank)
+            results["after float16"] = _pass_case(rank, "ok")
         torch.save(results, os.path.join(folder, f"pass{rank}.pt"))
         torch_dist.barrier()
     finally:
@@ -293,3 +317,15 @@ def test_ranks_that_checkpoint_differently_are_refused_on_every_rank(ranks):
     for rank in ranks:
         told = "ranks differ in checkpoints (written, every) (rank 0: [True, 1], rank 1: [False,"
         assert told in rank["alone"], rank["alone"]
+
+
+def test_a_float16_overflow_on_one_rank_stops_every_rank(ranks):
+    """Only rank 1's K-FAC factor overflows float16: the check runs after the factors' sum over
+    the ranks (an inf on one rank is an inf in the sum), so both ranks refuse with the cause,
+    and a later pass runs on both. Before, rank 1 refused before its batch's all-reduce and
+    rank 0 waited in it until gloo's timeout."""
+    for rank in range(2):
+        got = ranks[rank]["float16"]
+        assert got.startswith("FloatingPointError: Laplace: the Kronecker (K-FAC) factors of "
+                              "this float16 network overflowed"), (rank, got)  # fmt: skip
+    assert ranks[0]["after float16"] == ranks[1]["after float16"] == ranks[0]["ok"]
