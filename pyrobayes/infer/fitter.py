@@ -40,6 +40,7 @@ from .symmetrized import Symmetrized
 
 __all__ = [
     "check_guide_model",
+    "flag_non_finite",
     "Fitter",
     "SVIFitter",
     "FITTERS",
@@ -47,6 +48,26 @@ __all__ = [
     "make_fitter",
     "trainable_parameters",
 ]
+
+
+def flag_non_finite(
+    tensors: Sequence[torch.Tensor], found: torch.Tensor, one: torch.Tensor
+) -> torch.Tensor:
+    """Set ``found`` (one element, 0 on entry) nonzero when some entry of ``tensors`` is inf or
+    NaN, without a device sync; returns ``found``.
+
+    One fused kernel over all of them: the check ``torch.amp.GradScaler`` runs every step (it
+    also multiplies them by the scale ``one``, 1, which leaves every value as it was). Unlike a
+    sum of the entries it cannot overflow, so finite tensors are never flagged. Where the fused
+    kernel does not apply (sparse tensors, tensors on several devices, a backend without it),
+    one ``isfinite`` per tensor.
+    """
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, one)
+    except (RuntimeError, NotImplementedError):
+        bad = [~(t.coalesce().values() if t.is_sparse else t).isfinite().all() for t in tensors]
+        found.copy_(torch.stack([b.to(found.device) for b in bad]).any().view(1))
+    return found
 
 
 def trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
@@ -335,24 +356,13 @@ class Fitter:
         return value
 
     def _check_grads(self) -> None:
-        """Raise ``FloatingPointError`` if any gradient is non-finite.
-
-        One fused kernel over all gradients: the check ``torch.amp.GradScaler`` runs every step
-        (it also multiplies them by the scale, here 1, which leaves every value as it was).
-        """
+        """Raise ``FloatingPointError`` if any gradient is non-finite (:func:`flag_non_finite`:
+        one fused kernel over all gradients, one host read)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return
         found, one = self._check_buffers(grads[0].device)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-            finite = not found.item()
-        except (RuntimeError, NotImplementedError):  # sparse gradients, several devices
-            found.zero_()
-            finite = all(
-                bool((g.coalesce().values() if g.is_sparse else g).isfinite().all()) for g in grads
-            )
-        if finite:
+        if not flag_non_finite(grads, found, one).item():
             return
         found.zero_()  # the flag stays 0 between steps (the check only ever sets it)
         bad = {id(p) for p in self.params if p.grad is not None and not p.grad.isfinite().all()}

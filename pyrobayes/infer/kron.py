@@ -28,7 +28,7 @@ from torch import Tensor
 from ..batch import token_mask
 from ..models.adapters import check_int
 from .distributed import all_reduce_mean_, world
-from .fitter import register_fitter
+from .fitter import flag_non_finite, register_fitter
 from .ivon import IVON, IVONFitter, mean_step_
 
 __all__ = ["KronIVON", "KronCurvature", "KronIVONFitter", "kron_precondition"]
@@ -311,28 +311,13 @@ class KronCurvature:
         self._found = None
 
     def _non_finite_flag(self, hats: list[Tensor]) -> Tensor:
-        """One element, nonzero when some entry of ``hats`` is inf or NaN, without a sync.
-
-        The fused check ``torch.amp.GradScaler`` runs on the gradients every step (as the
-        fitter's gradient check does); it also multiplies them by the scale, here 1, which
-        leaves every value as it was. Unlike a sum of the entries it cannot overflow, so a
-        finite estimate is never flagged.
-        """
-        flags = []
-        for device in dict.fromkeys(h.device for h in hats):  # one flag per device, in order
-            group = [h for h in hats if h.device == device]
-            one = self._ones.get(device)
-            if one is None:
-                one = self._ones[device] = torch.ones(1, device=device)
-            found = torch.zeros(1, device=device)
-            try:
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-            except (RuntimeError, NotImplementedError):  # a backend without the fused check
-                found = torch.stack([~h.isfinite().all() for h in group]).any().float().view(1)
-            flags.append(found)
-        if len(flags) == 1:
-            return flags[0]
-        return torch.stack([f.to(flags[0].device) for f in flags]).sum(0)
+        """One element, nonzero when some entry of ``hats`` is inf or NaN, without a sync
+        (:func:`~pyrobayes.infer.fitter.flag_non_finite`, the fitter's gradient check)."""
+        device = hats[0].device
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones(1, device=device)
+        return flag_non_finite(hats, torch.zeros(1, device=device), one)
 
     def _apply_ema(self) -> None:
         """``F ← β2 F + (1−β2) F̂`` in place for the pending factors."""

@@ -295,3 +295,20 @@ def test_an_ivon_record_lr_beside_the_fit_lr_warns_and_is_the_fitters_rate():
         warnings.simplefilter("error")  # the same rate twice, or the record's alone: no warning
         assert pb.infer.make_fitter(model, guide, optimizer=pb.infer.IVON(lr=0.05)).lr == 0.05
         pb.infer.make_fitter(model, guide, lr=0.05, optimizer=pb.infer.IVON(lr=0.05))
+
+
+def test_flag_non_finite_flags_inf_and_nan_only_on_both_paths():
+    """The fused check (dense tensors of one device) and its fallback (a sparse tensor, which
+    the fused kernel refuses) flag an inf or a NaN and nothing else: entries of 3e38 whose sum
+    overflows float32 are finite, so not flagged."""
+    from pyrobayes.infer.fitter import flag_non_finite
+
+    huge = torch.full((4,), 3e38, dtype=torch.float32)
+    for bad in (float("inf"), float("nan")):
+        spoiled = huge.clone()
+        spoiled[2] = bad
+        for tensors in ([huge, spoiled], [huge, spoiled.to_sparse()]):
+            found = flag_non_finite(tensors, torch.zeros(1), torch.ones(1))
+            assert float(found) != 0.0, (bad, tensors[1].layout)
+    for tensors in ([huge, huge], [huge, huge.to_sparse()]):
+        assert float(flag_non_finite(tensors, torch.zeros(1), torch.ones(1))) == 0.0
