@@ -221,9 +221,19 @@ def _claim(
     files = run_files(root)
     if not files:
         return
-    if not overwrite and config is not None and _take_over(root, files, config, folder, replace):
-        return
-    if not overwrite:
+    if (
+        not overwrite
+        and config is not None
+        and _unfinished_run_of(root, files, config, folder, replace)
+    ):
+        logger.warning(
+            "%s %s holds an unfinished run of the same config (no metrics.json: it was killed "
+            "before its first result, e.g. by SIGKILL); taking it over: removed %s.",
+            folder,
+            root,
+            ", ".join(str(f.relative_to(root)) for f in files),
+        )
+    elif not overwrite:
         listed = ", ".join(str(f.relative_to(root)) for f in files[:4])
         more = f" and {len(files) - 4} more" if len(files) > 4 else ""
         raise RunFolderError(
@@ -231,7 +241,8 @@ def _claim(
             f"overwrite its metrics, config and posteriors. Pass {replace} to replace that run, "
             f"or another {folder}."
         )
-    logger.warning("%s: replacing the run in %s", replace, root)
+    else:
+        logger.warning("%s: replacing the run in %s", replace, root)
     for file in files:
         file.unlink()
 
@@ -361,11 +372,11 @@ def _differing_keys(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
     ]
 
 
-def _take_over(
+def _unfinished_run_of(
     root: Path, files: Sequence[Path], config: dict[str, Any], folder: str, replace: str
 ) -> bool:
     """Whether ``root`` holds an unfinished run (its ``config.json``, no ``metrics.json``) of
-    ``config``; if so its files are removed. False for a run with a result (or no config).
+    ``config``, which a new run takes over. False for a run with a result (or no config).
 
     Raises
     ------
@@ -388,16 +399,6 @@ def _take_over(
             f"it stopped before its first result) of another config{which}; a new run there "
             f"would mix the two. Pass {replace} to replace it, or another {folder}."
         )
-    listed = ", ".join(str(f.relative_to(root)) for f in files)
-    logger.warning(
-        "%s %s holds an unfinished run of the same config (no metrics.json: it was killed "
-        "before its first result, e.g. by SIGKILL); taking it over: removed %s.",
-        folder,
-        root,
-        listed,
-    )
-    for file in files:
-        file.unlink()
     return True
 
 

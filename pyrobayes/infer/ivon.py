@@ -533,9 +533,7 @@ class IVONOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         except BaseException:
-            self._restore()
-            if curvature is not None:
-                curvature.undo()
+            self._refuse()
             raise
         finally:
             self._sigma = None
