@@ -35,6 +35,7 @@ from ..user_frame import user_stacklevel
 from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .meanfield import MeanField
 from .objectives import MAP, SurrogateObjective, is_variational, make_objective
+from .rank_errors import nan_grads_, nan_share, raise_kept, run_shared, shared_copy
 from .settings import check_settings, settings_record
 from .symmetrized import Symmetrized
 
@@ -310,6 +311,7 @@ class Fitter:
             _refuse_float16_adam(self.optimizer, self.model, self.guide)
         value = self._update(batch)
         if not math.isfinite(value):
+            raise_kept(f"step {self.num_steps}")  # one rank's error: every rank stops with it
             raise FloatingPointError(
                 f"Non-finite loss ({value}) at step {self.num_steps}; parameters were not updated."
             )
@@ -337,18 +339,26 @@ class Fitter:
         optim.zero_grad(set_to_none=True)
         distributed = world()[0] > 1
         if surrogate:  # the gradients are there already; the update waits for the check
-            mean = torch.tensor(objective.loss_and_grads(model, guide, batch))
+            mean = run_shared(
+                lambda: torch.tensor(
+                    objective.loss_and_grads(model, guide, batch), dtype=torch.float64
+                ),
+                nan_share,
+            )
             loss = None
         else:
-            loss = objective.loss(model, guide, batch)
-            mean = loss.detach().clone() if distributed else loss
+            device = self.params[0].device if self.params else None
+            loss = run_shared(
+                lambda: objective.loss(model, guide, batch), lambda: nan_share(device)
+            )
+            mean = shared_copy(loss) if distributed else loss
         if distributed:
             all_reduce_mean_([mean])
         value = mean.item()  # float(mean) without its detach: the same number
         if not math.isfinite(value):
             return value
         if loss is not None:
-            loss.backward()
+            run_shared(loss.backward, lambda: nan_grads_(self.params))
         if distributed:
             all_reduce_grads_(self.params)
         self._check_grads()
@@ -365,6 +375,7 @@ class Fitter:
         if not flag_non_finite(grads, found, one).item():
             return
         found.zero_()  # the flag stays 0 between steps (the check only ever sets it)
+        raise_kept(f"step {self.num_steps}'s backward")  # one rank's error: all stop with it
         bad = {id(p) for p in self.params if p.grad is not None and not p.grad.isfinite().all()}
         raise FloatingPointError(
             f"Non-finite gradient at step {self.num_steps} in {', '.join(self._names(bad))}; "

@@ -54,6 +54,7 @@ from .distributed import all_reduce_grads_, all_reduce_mean_, world
 from .diversity import diversity_loss
 from .fitter import Fitter, register_fitter
 from .objectives import split_training_batch
+from .rank_errors import nan_grads_, nan_share, run_shared, shared_copy
 
 logger = logging.getLogger(__name__)
 
@@ -413,16 +414,20 @@ class IBDRFitter(Fitter):
                 noise[site] = eps.to(loc.device)
         # pass 1: g = ∇L_B at θ = μ + σε (the data term only: the prior is outside the inner max)
         optim.zero_grad(set_to_none=True)
-        data, probs = self._data_term(self._values(locs, noise), batch)
+        # one rank's error shares NaN through the step's all-reduces, then every rank stops
+        data, probs = run_shared(
+            lambda: self._data_term(self._values(locs, noise), batch),
+            lambda: (nan_share(params[0].device), None),
+        )
         prior = IBDRLoss.prior_term(model, locs)
-        mean = (data + prior).detach().clone()
+        mean = shared_copy(data + prior) if distributed else (data + prior).detach().clone()
         if distributed:
             all_reduce_mean_([mean])
         value = float(mean)
         if not math.isfinite(value):
             return value
         if self.rho == 0.0:  # a zero radius: θ' = θ, the plain (non-robust) particle step
-            (data + prior).backward()
+            run_shared((data + prior).backward, lambda: nan_grads_(params))
             if distributed:
                 all_reduce_grads_(params)
             self._check_grads()
@@ -430,7 +435,7 @@ class IBDRFitter(Fitter):
             self.cost = 0.0
             self.radius = 0.0
             return value
-        data.backward()
+        run_shared(data.backward, lambda: nan_grads_(params))
         if distributed:
             all_reduce_grads_(params)
         self._check_grads()
@@ -453,8 +458,9 @@ class IBDRFitter(Fitter):
         # pass 2: g' at θ'; then restore θ and add the prior's gradient at μ
         optim.zero_grad(set_to_none=True)
         try:
-            data_adv, probs_adv = self._data_term(self._values(locs, noise), batch)
-            data_adv.backward()
+            probs_adv = run_shared(
+                lambda: self._adversarial_pass(locs, noise, batch), lambda: nan_grads_(params)
+            )
         finally:
             with torch.no_grad():
                 for p, s in zip(ascent, saved, strict=True):
@@ -476,6 +482,15 @@ class IBDRFitter(Fitter):
         self.radius = shift
         self._watch_bound()
         return value
+
+    def _adversarial_pass(
+        self, locs: Mapping[str, Tensor], noise: Mapping[str, Tensor], batch: Any
+    ) -> Tensor | None:
+        """The data term's gradient at θ' (accumulated in ``.grad``); returns its predictive
+        probabilities (for the function-space transport cost)."""
+        data_adv, probs_adv = self._data_term(self._values(locs, noise), batch)
+        data_adv.backward()
+        return probs_adv
 
     def _transport_cost(
         self, probs: Tensor | None, probs_adv: Tensor | None, shift: float, distributed: bool

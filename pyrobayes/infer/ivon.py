@@ -36,6 +36,7 @@ from ..user_frame import user_stacklevel
 from .distributed import all_reduce_mean_, world
 from .fitter import Fitter, register_fitter
 from .objectives import _float_leaves, split_training_batch
+from .rank_errors import nan_share, run_shared, shared_copy
 
 __all__ = [
     "IVON",
@@ -530,8 +531,8 @@ class IVONOptimizer(torch.optim.Optimizer):
         if curvature is not None:
             curvature.start(step)
         try:
-            with torch.enable_grad():
-                loss = closure()
+            with torch.enable_grad():  # one rank's error: a NaN share, then every rank stops
+                loss = run_shared(closure, nan_share)
         except BaseException:
             self._refuse()
             raise
@@ -541,7 +542,7 @@ class IVONOptimizer(torch.optim.Optimizer):
                 curvature.stop()
         loss = loss.detach().reshape(())
         if world()[0] > 1:  # every rank sees the same value, so all stop on a NaN together
-            loss = loss.clone()
+            loss = shared_copy(loss)
             try:
                 all_reduce_mean_([loss])
             except BaseException:

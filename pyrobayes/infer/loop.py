@@ -73,6 +73,7 @@ from .fit_checks import (
 from .fitter import Fitter, check_guide_model, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
+from .rank_errors import keep_for_ranks
 from .run_record import (
     ResumeChecks,
     budget_text,
@@ -792,7 +793,10 @@ class _Loop(ResumeChecks):
             if pos.epoch == 0:
                 self.data_size.see(batch)
                 if seen == 1 and pos.step == 0:  # a fresh fit's first batch
-                    check_first_batch(self.model, self.fitter, batch)
+                    try:
+                        check_first_batch(self.model, self.fitter, batch)
+                    except Exception as error:  # one rank's: its step shares NaN, all stop
+                        keep_for_ranks(error)
             if seen <= pos.in_epoch:  # resumed mid-epoch: done already
                 continue
             if num_steps is not None and pos.step >= num_steps:
