@@ -407,11 +407,7 @@ class IBDRFitter(Fitter):
         model, params, optim = self.model, self.params, self.optimizer
         distributed = world()[0] > 1
         locs = mixture.component_locs()
-        noise: dict[str, Tensor] = {}
-        if mixture.component_scale > 0:  # ε_k, the same in both passes
-            for site, loc in locs.items():
-                eps = torch.randn(loc.shape, generator=self.generator, dtype=loc.dtype)
-                noise[site] = eps.to(loc.device)
+        noise = self._noise(locs, mixture.component_scale)
         # pass 1: g = ∇L_B at θ = μ + σε (the data term only: the prior is outside the inner max)
         optim.zero_grad(set_to_none=True)
         # one rank's error shares NaN through the step's all-reduces, then every rank stops
@@ -482,6 +478,15 @@ class IBDRFitter(Fitter):
         self.radius = shift
         self._watch_bound()
         return value
+
+    def _noise(self, locs: Mapping[str, Tensor], component_scale: float) -> dict[str, Tensor]:
+        """ε_k per site, the same in both passes (none when the components are points)."""
+        noise: dict[str, Tensor] = {}
+        if component_scale > 0:
+            for site, loc in locs.items():
+                eps = torch.randn(loc.shape, generator=self.generator, dtype=loc.dtype)
+                noise[site] = eps.to(loc.device)
+        return noise
 
     def _adversarial_pass(
         self, locs: Mapping[str, Tensor], noise: Mapping[str, Tensor], batch: Any

@@ -87,6 +87,9 @@ from .selection import Selection, check_select_by, warn_if_training_data
 
 logger = logging.getLogger(__name__)
 
+#: What :meth:`_Loop._fetched` yields in place of a batch this rank failed to fetch.
+_UNFETCHED = object()
+
 __all__ = ["DivergenceWarning", "FitResult", "fit"]
 
 
@@ -788,8 +791,10 @@ class _Loop(ResumeChecks):
         pos, num_steps, per_epoch = self.pos, self.plan.num_steps, self.plan.steps_per_epoch
         self.order.set_epoch(pos.epoch)
         seen = 0
-        for batch in self.data:
+        for batch in self._fetched():
             seen += 1
+            if batch is _UNFETCHED:  # this rank's error, kept: the step shares NaN, all stop
+                self._step(None)
             if pos.epoch == 0:
                 self.data_size.see(batch)
                 if seen == 1 and pos.step == 0:  # a fresh fit's first batch
@@ -820,6 +825,23 @@ class _Loop(ResumeChecks):
                 "data the run was started with."
             )
         return True
+
+    def _fetched(self) -> Iterator[Any]:
+        """The data's batches. Under ``torch.distributed`` an error fetching one on this rank
+        (an unreadable file of its shard) is kept and :data:`_UNFETCHED` is yielded, whose step
+        shares NaN in the step's all-reduce, so every rank stops with that error
+        (:mod:`~pyrobayes.infer.rank_errors`); in one process it is raised as it is."""
+        batches = iter(self.data)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as error:
+                keep_for_ranks(error)
+                yield _UNFETCHED
+                return
+            yield batch
 
     def _step(self, batch: Any) -> None:
         """One optimizer step and its bookkeeping."""

@@ -25,8 +25,8 @@ from tests.common import init_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
-#: (family, where rank 1 fails): the forward or the backward of its 3rd training forward, or
-#: its first batch's check before the first step
+#: (family, where rank 1 fails): the forward or the backward of its 3rd training forward, its
+#: first batch's check before the first step, or fetching its 3rd batch from the data
 CASES = [
     ("map", "forward"),
     ("map", "backward"),
@@ -38,6 +38,8 @@ CASES = [
     ("ibdr", "forward"),
     ("ibdr", "backward"),
     ("map", "first batch"),
+    ("map", "fetch"),
+    ("ivon", "fetch"),
 ]
 #: rank 1's own error
 OWN = "RuntimeError: out of memory (rank 1's "
@@ -67,6 +69,22 @@ def _fault(model: Any, where: str) -> None:
     layer.register_forward_hook(hook)
 
 
+class _Unreadable:
+    """Batches whose 3rd raises when fetched (a shard's unreadable file)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        for i, batch in enumerate(self.batches):
+            if i == 2:
+                raise RuntimeError("out of memory (rank 1's fetch, injected)")
+            yield batch
+
+
 def _rank_case(rank: int, family: str, where: str) -> str:
     """This rank's fit of ``family`` (rank 1 failing at ``where``; ``"ok"``: no rank fails):
     what it raised, ``"<type>: <message>"``, or the fitted head's first value."""
@@ -86,6 +104,8 @@ def _rank_case(rank: int, family: str, where: str) -> str:
             raise RuntimeError("out of memory (rank 1's first batch, injected)")
 
         loop.check_first_batch = failing_check
+    if rank == 1 and where == "fetch":
+        data = _Unreadable(data)
     try:
         pb.fit(model, guide, data, epochs=2, lr=0.01, seed=0, progress=False)
     except Exception as err:
