@@ -90,6 +90,8 @@ import pyro.optim
 import torch
 from torch import Tensor, nn
 
+from .rng import seed_forked
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CHECKS", "ConformanceError", "ConformanceReport", "check_family", "tiny_problem"]
@@ -384,7 +386,7 @@ def _quiet() -> Iterator[None]:
 def _seeded(seed: int, draw: Callable[[], Any]) -> Any:
     """``draw()`` without gradients on the global RNG seeded with ``seed``, restored after."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
+        seed_forked(seed)  # the CPU's, which the fork restores (not every GPU's)
         return draw()
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..batch import batch_size, slice_examples, split_batch, to_device
 from ..models.sharing import reuse_within_batch
 from ..predictive import checked_targets, default_samples_per_forward, shuffles
+from ..rng import seed_forked
 from .sites import DEFAULT_MAX_SITE_NUMEL
 
 
@@ -237,7 +238,7 @@ def evaluate_chunk(
     order.begin()
     with torch.no_grad(), torch.random.fork_rng(devices=devices), reuse:
         if pp_seed is not None:
-            torch.manual_seed(pp_seed)
+            seed_forked(pp_seed, dev)  # the forked generators only (not every GPU's)
         index = -1
         for index, batch in enumerate(data):
             inputs, y = split_batch(to_device(batch, dev), model.label_key)

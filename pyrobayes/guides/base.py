@@ -48,6 +48,8 @@ from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 from torch.distributions import kl_divergence
 
+from ..rng import seed_forked
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["PosteriorGuide", "SitewiseKL", "unique_pyro_name", "forget_pyro_params"]
@@ -315,9 +317,10 @@ class PosteriorGuide(AutoGuide):
                 return self.rsample(num_samples)
             # torch distributions do not take generators: run their sampler on a forked RNG
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-            devices = [self.device] if self.device.type == "cuda" else []
+            device = self.device
+            devices = [device] if device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+                seed_forked(seed, device)  # the forked generators only (not every GPU's)
                 return self.rsample(num_samples)
 
     def log_prob(self, values: Mapping[str, Tensor]) -> Tensor:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from ..rng import seed_forked
+
 __all__ = ["describe_difference", "training_data_record"]
 
 
@@ -90,7 +92,7 @@ def _sample_digest(items: Any, size: int) -> str | None:
             for index in sorted({0, size // 2, size - 1}):
                 random.seed(index)
                 np.random.seed(index)
-                torch.manual_seed(index)
+                seed_forked(index)  # the CPU's, which the fork restores (not every GPU's)
                 _update(digest, items[index])
     except (IndexError, KeyError, TypeError, NotImplementedError):  # not indexable by position
         return None
