@@ -662,6 +662,9 @@ class MultipleChoice(Likelihood):
     """
 
     name = "multiple_choice"
+    #: Whether a ``choice_token_ids`` batch on a device has passed :meth:`_refuse_empty_rows`
+    #: (later device batches are not checked: each check reads the mask on the host).
+    _checked_on_device: bool = False
 
     def __init__(
         self, choice_token_ids: Sequence[int] | None = None, *, normalize: str = "none"
@@ -739,18 +742,22 @@ class MultipleChoice(Likelihood):
         rows = int(ids.shape[0])
         mask = inputs.get("attention_mask")
         mask = mask if isinstance(mask, Tensor) else None
-        if mask is not None and mask.device.type == "cpu":  # no synchronisation on a device
+        if mask is not None and (mask.device.type == "cpu" or not self._checked_on_device):
             self._refuse_empty_rows(mask.reshape(rows, length))
         last = last_positions(mask, rows, length, ids.device)
         return last.unsqueeze(-1), None, length
 
     def _refuse_empty_rows(self, mask: Tensor) -> None:
-        """Refuse rows of a ``(B, L)`` CPU ``attention_mask`` without a real token: the last
-        real position of such a row is undefined, so :func:`last_positions` would read the
-        answer at its last position, a padding token. On a device the check would cost a
-        synchronisation per batch, so it runs where batches are still on the CPU."""
+        """Refuse rows of a ``(B, L)`` ``attention_mask`` without a real token: the last real
+        position of such a row is undefined, so :func:`last_positions` would read the answer at
+        its last position, a padding token.
+
+        A CPU mask is checked on every forward (no synchronisation); a mask on a device once,
+        on the first batch this likelihood sees there that passes (one synchronisation, not one
+        per step)."""
         empty = ~mask.bool().any(-1)
-        if not bool(empty.any()):
+        if not bool(empty.any()):  # on a device: the one synchronisation
+            self._checked_on_device |= mask.device.type != "cpu"
             return
         raise ValueError(
             f"multiple_choice likelihood (choice_token_ids={self.choice_token_ids}): the "
