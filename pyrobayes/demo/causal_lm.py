@@ -72,6 +72,7 @@ from ..models.adapters import adapter_from_dict, find_target_modules
 from ..models.sharing import block_stack, prefix_shared_logits, sharing_enabled
 from ..models.signorm import SigmaNorm, is_norm
 from ..predictive import Prediction, predict
+from ..rng import seed_forked
 from ..tasks import (
     MultipleChoiceTask,
     read_bigbench,
@@ -211,10 +212,9 @@ def _tiny_llama() -> tuple[torch.nn.Module, Any]:
     byte-level ByT5 tokenizer, which needs no files (vocabulary 384 covers its ids)."""
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
-    state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    net = LlamaForCausalLM(
-        LlamaConfig(
+    with torch.random.fork_rng(devices=[]):
+        seed_forked(0)  # the CPU's only: the model is built there (no GPU's generator moves)
+        config = LlamaConfig(
             vocab_size=384,
             hidden_size=32,
             intermediate_size=64,
@@ -224,8 +224,7 @@ def _tiny_llama() -> tuple[torch.nn.Module, Any]:
             max_position_embeddings=512,
             pad_token_id=0,
         )
-    )
-    torch.random.set_rng_state(state)
+        net = LlamaForCausalLM(config)
     return net, ByT5Tokenizer()
 
 
