@@ -32,7 +32,7 @@ import functools
 import math
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.likelihoods import Categorical, check_gaussian_targets
 from .distributed import all_reduce_sum_, world
 from .fit_checks import gather_rank_errors
+from .rank_errors import PASS_REMEDY, nan_share, raise_kept, run_shared, shared_copy
 
 __all__ = ["LaplaceNet", "per_example_ggn_backend"]
 
@@ -368,6 +369,21 @@ def per_example_ggn_backend() -> type:
 
     class PerExampleGGN(CurvlinopsGGN):
         def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+            # under torch.distributed a rank whose batch fails (an out-of-memory error) shares
+            # NaN factors in this batch's all-reduce instead, and every rank stops with its error
+            local = run_shared(lambda: self._local_kron(x, y, N, **kwargs), lambda: None)
+            loss, kron, half16 = local or (None, _nan_kron(self.params), False)
+            factors = [f for fs in kron.kfacs for f in fs]
+            # under torch.distributed each rank holds its share of the batch: the factors are
+            # summed over ranks as laplace-torch sums them over batches (H += H_batch), so every
+            # rank holds the curvature of one process whose batches are the ranks' shares
+            loss = _summed_over_ranks(loss, factors, "K-FAC")
+            if half16:  # checked after the sum: an inf on any rank is an inf on every rank
+                _refuse_float16_overflow(factors)
+            return loss, kron
+
+        def _local_kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any, bool]:
+            """This rank's ``(loss, K-FAC)`` of the batch and whether its factors were float16."""
             # token batches: the K-FAC input factors over the real tokens only (padding and a
             # ragged batch's padded choice rows are not data; laplace-torch's KFAC counts them)
             with _real_token_kfac(self.model, x, sys.modules[CurvlinopsGGN.__module__]):
@@ -380,26 +396,13 @@ def per_example_ggn_backend() -> type:
                 upcast: Any = [[f.float() for f in factors] for factors in kron.kfacs]
                 kron = type(kron)(upcast)
                 loss = loss.float()
-            # under torch.distributed each rank holds its share of the batch: the factors are
-            # summed over ranks as laplace-torch sums them over batches (H += H_batch), so every
-            # rank holds the curvature of one process whose batches are the ranks' shares
-            all_reduce_sum_([loss, *(f for factors in kron.kfacs for f in factors)])
-            # checked after the sum (an inf on any rank is an inf on every rank), so that every
-            # rank refuses together instead of one leaving the others in the all-reduce
-            if half16 and not all(bool(f.isfinite().all()) for fs in kron.kfacs for f in fs):
-                raise FloatingPointError(
-                    "Laplace: the Kronecker (K-FAC) factors of this float16 network overflowed "
-                    "(a sum of squared activations past float16's largest value, 65504), which "
-                    "laplace-torch's eigendecomposition would turn into a zero curvature. Fit "
-                    "the posterior on a bfloat16 or float32 copy of the network "
-                    "(model.to(torch.bfloat16) before pb.fit), or use structure='diag'."
-                )
-            return loss, kron
+            return loss, kron, half16
 
         def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-            loss, diag = self._local_diag(x, y, **kwargs)
-            all_reduce_sum_([loss, diag])  # a sum over examples: exact under any sharding
-            return loss, diag
+            local = run_shared(lambda: self._local_diag(x, y, **kwargs), lambda: None)
+            loss, diag = local or (None, _nan_diag(self.params))
+            # a sum over examples: exact under any sharding
+            return _summed_over_ranks(loss, [diag], "diagonal GGN"), diag
 
         def _local_diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
             wrapper: Any = self.model
@@ -438,6 +441,64 @@ def per_example_ggn_backend() -> type:
             return loss.detach(), diag.detach()
 
     return PerExampleGGN
+
+
+def _summed_over_ranks(loss: Tensor | None, curvature: list[Tensor], what: str) -> Tensor:
+    """A batch's ``loss`` and ``curvature`` summed over the ranks in place (one all-reduce each,
+    as before): a no-op in one process. ``loss`` is ``None`` on a rank whose part of the batch
+    failed (:func:`~pyrobayes.infer.rank_errors.run_shared` kept its error): its share is NaN,
+    so the summed loss is NaN on every rank, and every rank then stops with that rank's error
+    (:func:`~pyrobayes.infer.rank_errors.raise_kept`) instead of waiting in this all-reduce
+    until gloo's timeout. The loss is summed in float64 (a failing rank cannot know the dtype
+    of the others' loss) and returned in its own dtype; reading it is one host sync per batch.
+    """
+    if world()[0] == 1:
+        assert loss is not None  # (run_shared raises in one process)
+        return loss
+    total = nan_share(curvature[0].device) if loss is None else shared_copy(loss)
+    all_reduce_sum_([total, *curvature])
+    if not math.isfinite(float(total)):  # the same sum on every rank: all stop here together
+        raise_kept(f"Laplace's curvature pass ({what} of a batch)", remedy=PASS_REMEDY)
+    assert loss is not None  # (a failed rank's sum is NaN: raise_kept raised its own error)
+    return total.to(loss.dtype)
+
+
+def _refuse_float16_overflow(factors: list[Tensor]) -> None:
+    """Refuse K-FAC factors of a float16 network that overflowed (checked after their sum over
+    the ranks, so that every rank refuses together instead of one leaving the others in the
+    all-reduce)."""
+    if not all(bool(f.isfinite().all()) for f in factors):
+        raise FloatingPointError(
+            "Laplace: the Kronecker (K-FAC) factors of this float16 network overflowed "
+            "(a sum of squared activations past float16's largest value, 65504), which "
+            "laplace-torch's eigendecomposition would turn into a zero curvature. Fit "
+            "the posterior on a bfloat16 or float32 copy of the network "
+            "(model.to(torch.bfloat16) before pb.fit), or use structure='diag'."
+        )
+
+
+def _nan_diag(params: Sequence[Tensor]) -> Tensor:
+    """A failing rank's share of a batch's diagonal GGN (:func:`_summed_over_ranks`): NaN, one
+    entry per parameter, in their dtype (the diagonal's)."""
+    size = sum(p.numel() for p in params)
+    return torch.full((size,), math.nan, dtype=params[0].dtype, device=params[0].device)
+
+
+def _nan_kron(params: Iterable[Tensor]) -> Any:
+    """A failing rank's share of a batch's K-FAC (:func:`_summed_over_ranks`): NaN factors of the
+    shapes laplace-torch's curvlinops backend gives ``params`` (``G ⊗ A`` for a weight, ``A``
+    over its flattened input dimensions; one ``1×1`` factor for a ``1×1`` weight; one dense
+    ``G`` for a bias), in the dtype the pass sums them in (:func:`compute_dtype`)."""
+    from laplace.utils import Kron
+
+    kfacs: Any = []  # (laplace-torch types its factors loosely)
+    for p in params:
+        dtype = compute_dtype(p.dtype)
+        sizes = [p.shape[0]] if p.dim() == 1 else [p.shape[0], math.prod(p.shape[1:])]
+        if sizes == [1, 1]:
+            sizes = [1]
+        kfacs.append([torch.full((n, n), math.nan, dtype=dtype, device=p.device) for n in sizes])
+    return Kron(kfacs)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from .curvature import (
     _Loader,
     per_example_ggn_backend,
 )
+from .distributed import all_reduce_sum_, world
 from .evidence import (
     effective_parameters,
     eigen_coordinates,
@@ -55,6 +56,7 @@ from .evidence import (
 )
 from .fitter import Fitter
 from .glm import glm_moments, glm_predict
+from .rank_errors import PASS_REMEDY, raise_kept, run_shared
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +428,34 @@ class LaplaceFitter(Fitter):
         whole-data MAP objective ``−Σ_i log p(y_i|θ) − log p(θ)`` (the batches' objectives
         weighted by ``B/N``) and ``τ θ`` its prior term's gradient (0 at the MAP, where the data
         term's gradient equals ``−τ θ``). The point parameters' gradients count in the numerator.
+
+        Under ``torch.distributed`` the ranks' weighted gradients are summed (one all-reduce), so
+        ``∇U`` is that of the union of the shards and every rank gets the same residual: the
+        refits' stopping test and rate halving (:meth:`_refit_map`) take the same decision on
+        every rank, which keeps their steps' all-reduces in step. A rank whose pass fails shares
+        NaN there, and every rank stops with its error.
         """
+        model = self.model
+        device = self.params[0].device if self.params else model.device
+        size = sum(p.numel() for p in self.params)
+        grad = run_shared(
+            lambda: self._local_objective_grad(data),
+            lambda: torch.full((size,), math.nan, dtype=torch.float64, device=device),
+        )
+        if world()[0] > 1:
+            all_reduce_sum_([grad])
+            if not bool(grad.isfinite().all()):  # the same sum on every rank: all stop together
+                raise_kept("Laplace (alternate)'s check of the refitted MAP", remedy=PASS_REMEDY)
+        tau = float(model.prior_scale) ** -2
+        prior = math.sqrt(
+            sum(float((tau * self.guide.loc(s).detach()).square().sum()) for s in self.guide.sites)
+        )
+        total = float(grad.square().sum().sqrt())
+        return total / max(prior, torch.finfo(torch.float64).tiny)
+
+    def _local_objective_grad(self, data: Iterable[Any]) -> Tensor:
+        """This rank's ``Σ_batches (B/N) ∇ loss`` over ``data`` (:meth:`map_residual`), flat in
+        float64 on the first parameter's device."""
         model = self.model
         num_data = float(model.num_data)
         grads = [torch.zeros_like(p) for p in self.params]
@@ -438,12 +467,9 @@ class LaplaceFitter(Fitter):
             for g, part in zip(grads, parts, strict=True):
                 if part is not None:
                     g.add_(part, alpha=weight)
-        tau = float(model.prior_scale) ** -2
-        prior = math.sqrt(
-            sum(float((tau * self.guide.loc(s).detach()).square().sum()) for s in self.guide.sites)
-        )
-        total = math.sqrt(sum(float(g.square().sum()) for g in grads))
-        return total / max(prior, torch.finfo(torch.float64).tiny)
+        device = grads[0].device if grads else model.device
+        flat = [g.reshape(-1).to(device, torch.float64) for g in grads]
+        return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def tune_prior_precision(

@@ -32,6 +32,7 @@ from ..linearized import linearize, linearized_predict
 from ..models.adapters import check_int
 from ..predictive import Prediction
 from .distributed import all_reduce_sum_, world
+from .rank_errors import PASS_REMEDY, raise_kept, run_shared
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,11 @@ def select_prior_precision(
     try:
         # the linearised predictive's network passes (f(x; θ̂), J(x)) do not depend on τ: run
         # them once for the whole grid when they fit in memory
-        predict_fn = _cached_predict(model, guide, val_data, device, predict_kwargs)
+        # (under torch.distributed a rank whose passes fail keeps its error and shares NaN in
+        # the first grid point's all-reduce, where every rank stops with it: _held_out_nll)
+        predict_fn = run_shared(
+            lambda: _cached_predict(model, guide, val_data, device, predict_kwargs), lambda: None
+        )
         for factor in grid:
             guide.set_prior_precision(tau0 * factor)
             scores.append(
@@ -240,21 +245,27 @@ def _held_out_nll(
     ``predict_fn`` where given (else :func:`pyrobayes.predict`)."""
     from ..metrics import report
 
-    pred = labelled_prediction(
-        model,
-        guide,
-        val_data,
-        owner=owner,
-        why="the prior precision is chosen by the held-out NLL",
-        predict_fn=predict_fn,
-        **predict_kwargs,
-    )
-    nll = float(report(pred, pred.targets)["nll"])
+    def local() -> tuple[int, float]:
+        pred = labelled_prediction(
+            model,
+            guide,
+            val_data,
+            owner=owner,
+            why="the prior precision is chosen by the held-out NLL",
+            predict_fn=predict_fn,
+            **predict_kwargs,
+        )
+        return int(pred.targets.shape[0]), float(report(pred, pred.targets)["nll"])
+
     if world()[0] == 1:
-        return nll
+        return local()[1]
     # under torch.distributed: the NLL of the union of the ranks' shards (a count-weighted sum
-    # of their means), the same on every rank, so every rank picks the same τ
-    count = int(pred.targets.shape[0])
+    # of their means), the same on every rank, so every rank picks the same τ. A rank whose
+    # shard fails (empty, unlabelled, an out-of-memory error) shares NaN, and every rank stops
+    # with its error rather than waiting in this all-reduce
+    count, nll = run_shared(local, lambda: (0, math.nan))
     sums = torch.tensor([count, count * nll], dtype=torch.float64)
     all_reduce_sum_([sums])
+    if not bool(sums.isfinite().all()):  # the same sums on every rank: all decide alike
+        raise_kept("the held-out NLL", caller="select_prior_precision()", remedy=PASS_REMEDY)
     return float(sums[1] / sums[0])

@@ -35,11 +35,14 @@ __all__ = [
 
 T = TypeVar("T")
 
+#: What the ranks that did not fail are told to do outside a step.
+PASS_REMEDY = "Fix that rank's error (e.g. its data, or the memory it ran out of) and run it again."
+
 #: The error this process's rank kept for the step's all-reduce (at most one: the first).
 _kept: list[Exception] = []
 
-#: What the ranks that did not fail are told to do.
-_REMEDY = (
+#: What the ranks that did not fail a step are told to do.
+_STEP_REMEDY = (
     "The fit stopped before updating the parameters at this step; the last checkpoint is "
     "intact. Fix that rank's error (e.g. its batch, or the memory it ran out of) and resume."
 )
@@ -87,7 +90,7 @@ def kept_error() -> Exception | None:
     return _kept[0] if _kept else None
 
 
-def raise_kept(at: str) -> None:
+def raise_kept(at: str, *, caller: str = "fit()", remedy: str | None = None) -> None:
     """Stop every rank with the error one of them kept, or return if none kept one.
 
     Every rank calls it at the same point: where a value the ranks all-reduced came out
@@ -97,7 +100,11 @@ def raise_kept(at: str) -> None:
     Parameters
     ----------
     at : str
-        Where in the step, for the message (e.g. ``"step 12's forward"``).
+        Where, for the message (e.g. ``"step 12"``, ``"Laplace's curvature pass"``).
+    caller : str
+        The call the others' message names.
+    remedy : str, optional
+        What to do, for the others' message; by default that of an error during a step.
 
     Raises
     ------
@@ -110,9 +117,10 @@ def raise_kept(at: str) -> None:
         return
     error = _kept[0] if _kept else None
     _kept.clear()
-    gather_rank_errors(
-        None, error, f"raised an error in {at}", "that step's all-reduce", remedy=_REMEDY
-    )
+    failed = f"raised an error in {at}"
+    waited_in = f"the all-reduce of {at}"
+    fix = _STEP_REMEDY if remedy is None else remedy
+    gather_rank_errors(None, error, failed, waited_in, caller=caller, remedy=fix)
     if error is not None:
         raise error
 

@@ -30,6 +30,7 @@ from ..batch import split_batch
 from ..calibration import labelled_prediction
 from ..user_frame import user_stacklevel
 from .distributed import all_reduce_sum_, world
+from .rank_errors import PASS_REMEDY, raise_kept, run_shared
 
 __all__ = [
     "SELECT_BY",
@@ -134,6 +135,29 @@ def _pooled(measured: dict[str, float], count: int, device: Any) -> dict[str, fl
     pooled = {k: float(v) / total for k, v in zip(names, sums[1:].tolist(), strict=True)}
     if "rmse" in pooled:
         pooled["rmse"] = math.sqrt(pooled["rmse"])
+    return pooled
+
+
+def _measure_on_every_rank(
+    model: Any, guide: Any, data: Iterable[Any], select_by: str, epoch: int
+) -> dict[str, float]:
+    """:func:`_measure` :func:`_pooled` over the ranks (under ``torch.distributed``). A rank
+    whose scoring fails (its held-out shard is empty or unlabelled, an out-of-memory error)
+    shares NaN metrics in the pooling's all-reduce instead of leaving the others waiting in it
+    (until gloo's timeout, 30 minutes), and every rank then stops with its error. Its share has
+    the metrics of the model's likelihood (:func:`_measure`'s: ``accuracy`` and ``nll`` for a
+    classifier, ``nll`` and ``rmse`` for a regression), so the all-reduced sizes match."""
+    likelihood = getattr(model, "likelihood", None)
+    names = (
+        ("accuracy", "nll") if getattr(likelihood, "is_classification", True) else ("nll", "rmse")
+    )
+    measured, count = run_shared(
+        lambda: _measure(model, guide, data, select_by),
+        lambda: (dict.fromkeys(names, math.nan), 0),
+    )
+    pooled = _pooled(measured, count, model.device)
+    if not all(math.isfinite(v) for v in pooled.values()):  # the same on every rank
+        raise_kept(f"the validation of epoch {epoch}", remedy=PASS_REMEDY)
     return pooled
 
 
@@ -280,9 +304,10 @@ class Selection:
         Under ``torch.distributed`` every rank scores its shard and every rank records the metrics
         of the union of the shards (:func:`_pooled`), so all agree on the history and the best.
         """
-        measured, count = _measure(model, guide, self.data, self.select_by)
         if world()[0] > 1:
-            measured = _pooled(measured, count, model.device)
+            measured = _measure_on_every_rank(model, guide, self.data, self.select_by, epoch)
+        else:
+            measured, _ = _measure(model, guide, self.data, self.select_by)
         key = _key(measured, self.select_by)
         self.history.append({"epoch": epoch, "key": list(key), **measured})
         if self.best_index() == len(self.history) - 1:
