@@ -305,24 +305,29 @@ def continuation_targets(
     Raises
     ------
     ValueError
-        When a row's continuation starts at position 0, a row has no continuation token, a
-        continuation token is padding (``attention_mask`` 0), or an example has no real choice.
+        When a row's continuation starts at position 0 or right after padding (no real token
+        before it), a row has no continuation token, a continuation token is padding
+        (``attention_mask`` 0), or an example has no real choice.
     """
     mask = continuation_mask.bool()
     rows, length = mask.shape
     counts = mask.sum(-1)
     none = torch.zeros((), dtype=torch.bool, device=mask.device)
-    padding = none
+    padding = after_padding = none
     if attention_mask is not None:
-        padding = (mask & ~attention_mask.reshape(rows, length).bool().to(mask.device)).any()
+        real = attention_mask.reshape(rows, length).bool().to(mask.device)
+        padding = (mask & ~real).any()
+        # a continuation's first token right after a left-padded row's padding (an empty
+        # prompt): the head would read its score at a padding position
+        after_padding = (mask[:, 1:] & ~mask[:, :-1] & ~real[:, :-1]).any()
     unchosen = none
     if choice_mask is not None:
         unchosen = (~choice_mask.bool().any(-1)).any().to(mask.device)
-    checks = [mask[:, 0].any(), (counts == 0).any(), padding, unchosen, counts.max()]
+    checks = [mask[:, 0].any(), (counts == 0).any(), padding, after_padding, unchosen]
     # one synchronisation for every check and the longest continuation
-    flags = torch.stack([check.to(torch.long) for check in checks]).tolist()
-    _check_continuation_flags(*(bool(flag) for flag in flags[:4]))
-    num = int(flags[4])
+    flags = torch.stack([check.to(torch.long) for check in [*checks, counts.max()]]).tolist()
+    _check_continuation_flags(*(bool(flag) for flag in flags[:5]))
+    num = int(flags[5])
     arange = torch.arange(length, device=mask.device)
     key = torch.where(mask, arange, arange + length)  # continuation tokens first, in order
     positions = key.argsort(dim=-1)[:, :num]
@@ -331,7 +336,9 @@ def continuation_targets(
     return positions, valid
 
 
-def _check_continuation_flags(first: bool, empty: bool, padding: bool, unchosen: bool) -> None:
+def _check_continuation_flags(
+    first: bool, empty: bool, padding: bool, after_padding: bool, unchosen: bool
+) -> None:
     """The ``ValueError`` of :func:`continuation_targets`' first failed check, if any."""
     if first:
         raise ValueError(
@@ -351,6 +358,13 @@ def _check_continuation_flags(first: bool, empty: bool, padding: bool, unchosen:
             "added to that choice's score. Mark only the choice's own tokens (a mask built as "
             "'every position after the prompt' covers right padding too): "
             "continuation_mask & attention_mask, or encode_multiple_choice."
+        )
+    if after_padding:
+        raise ValueError(
+            "continuation_mask: a row's continuation starts right after padding (a "
+            "left-padded row with an empty prompt), so its first token would be scored from a "
+            "padding position. A continuation is scored given the tokens before it: give each "
+            "choice at least one prompt token (a BOS token or a non-empty prompt)."
         )
     if unchosen:
         raise ValueError(
