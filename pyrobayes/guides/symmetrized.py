@@ -162,6 +162,13 @@ class SymmetrizedGuide(PosteriorGuide):
         if missing:
             raise RuntimeError(f"Permuted sites {missing[:3]} are not latent; please report.")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The base class's state without the scratch buffers of :meth:`_relative_log_prob`
+        (a copy or pickle allocates its own when it evaluates ``I_K``)."""
+        state = super().__getstate__()
+        state.pop("_workspace", None)
+        return state
+
     def _setup_sites(self, inits: Mapping[str, Tensor]) -> None:
         # the base allocates the parameters; the sites are copied from it in __init__
         pass
@@ -367,13 +374,13 @@ class SymmetrizedGuide(PosteriorGuide):
         num = int(perms[0].shape[0])
         if isinstance(self.base, MeanFieldGuide) and self.base._plain_normal():
             inverse = self.spec.inverse(perms)
+            members = self._permuted_members()
             total = None
             for site in self.sites:
                 loc, scale = self.base._loc_scale(site)
                 v = values[site].unsqueeze(1)  # (S, 1, *shape)
-                if site in self.spec.sites:
-                    loc = self.spec.act_on_params(loc, site, inverse)  # (K, *shape)
-                    scale = self.spec.act_on_params(scale, site, inverse)
+                if site in members:  # (K, *shape) each
+                    loc, scale = _gather_params((loc, scale), members[site], inverse, num)
                 z = (v - loc) / scale
                 lp = -0.5 * z.square() - scale.log() - 0.5 * math.log(2 * math.pi)
                 lp = lp.flatten(2).sum(-1) if lp.dim() > 2 else lp
@@ -387,24 +394,33 @@ class SymmetrizedGuide(PosteriorGuide):
         flat = {s: v.reshape(num_draws * num, *v.shape[2:]) for s, v in moved.items()}
         return self.base.log_prob(flat).reshape(num_draws, num)
 
-    def _relative_log_prob(self, values: Mapping[str, Tensor], perms: list[Tensor]) -> Tensor:
+    def _relative_log_prob(
+        self,
+        values: Mapping[str, Tensor],
+        perms: list[Tensor],
+        inverse: list[Tensor] | None = None,
+    ) -> Tensor:
         """``log q(h_k·θ_s)`` up to a term that is the same for every element of G ``(S, K)``.
 
         Mean-field: ``−½ Σ_p ((θ_p − (h⁻¹·μ)_p) (h⁻¹·σ⁻¹)_p)²`` over the permuted sites, μ and
-        1/σ gathered per site (``Σ log σ`` and the sites no unit layer acts on are the same for
-        every h and cancel in ``I_K``). Other bases: the full :meth:`permuted_log_prob`.
+        1/σ gathered per site by one index (:func:`_gather_params`; ``Σ log σ`` and the sites no
+        unit layer acts on are the same for every h and cancel in ``I_K``). ``inverse``: the
+        elements' inverses when the caller has them (default ``argsort`` of ``perms``). Other
+        bases: the full :meth:`permuted_log_prob`.
         """
         if not (isinstance(self.base, MeanFieldGuide) and self.base._plain_normal()):
             return self.permuted_log_prob(values, perms)
-        inverse = self.spec.inverse(perms)
+        num = int(perms[0].shape[0])
+        if inverse is None:
+            inverse = self.spec.inverse(perms)
+        work = None  # the CPU pass without a graph reuses its buffers
+        if not torch.is_grad_enabled() and next(iter(values.values())).device.type == "cpu":
+            work = self.__dict__.setdefault("_workspace", _Workspace())
         total = None
-        for site in self._permuted_sites():
+        for site, members in self._permuted_members().items():
             loc, scale = self.base._loc_scale(site)
-            inv_scale = scale.reciprocal()
-            v = values[site].unsqueeze(1)  # (S, 1, *shape)
-            loc_k = self.spec.act_on_params(loc, site, inverse)  # (K, *shape), gathers of views
-            inv_k = self.spec.act_on_params(inv_scale, site, inverse)
-            sq = ((v - loc_k) * inv_k).square().flatten(2).sum(-1)  # (S, K)
+            loc_k, inv_k = _gather_params((loc, scale.reciprocal()), members, inverse, num, work)
+            sq = _squared_distances(values[site], loc_k, inv_k)  # (S, K)
             total = sq if total is None else total + sq
         if total is None:
             raise ValueError(
@@ -412,10 +428,21 @@ class SymmetrizedGuide(PosteriorGuide):
             )
         return -0.5 * total
 
-    def _permuted_sites(self) -> list[str]:
+    def _permuted_members(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        """``{site: ((unit layer index, axis), ...)}`` of the sites the spec permutes, in the
+        guide's site order (cached until the spec changes)."""
         cached = self.__dict__.get("_permuted_cache")
         if cached is None:
-            cached = [s for s in self.sites if s in self.spec.sites]
+            cached = {
+                site: tuple(
+                    (index, axis)
+                    for index, layer in enumerate(self.spec.layers)
+                    for member, axis in layer.members
+                    if member == site
+                )
+                for site in self.sites
+                if site in self.spec.sites
+            }
             self.__dict__["_permuted_cache"] = cached
         return cached
 
@@ -455,6 +482,7 @@ class SymmetrizedGuide(PosteriorGuide):
         if "_call_record" in self.__dict__:  # the first forward ran: its record first
             self._settle_calls()
         device = next(iter(values.values())).device
+        inverse = None
         if perms is None:
             num = self.num_permutations if num_permutations is None else int(num_permutations)
             if num == 1:
@@ -469,25 +497,44 @@ class SymmetrizedGuide(PosteriorGuide):
             perms = [
                 torch.cat([i, d]) for i, d in zip(self.spec.identity(device), drawn, strict=True)
             ]
+            inverse = _inverse_permutations(perms)  # drawn: permutations, no sort needed
         num = int(perms[0].shape[0])
-        if torch.is_grad_enabled():
-            # inert (every permuted copy below 1e-8 of θ₀'s weight, or underflowing to 0): I_K
-            # is log K to (K − 1)·1e-8 and its gradient is dropped, so the graph over the K·D
-            # terms is not built and the fit is the base's bit for bit (a sub-1e-8 gradient
-            # still changes the rounding of every step, which a long fit amplifies)
-            with torch.no_grad():
-                lq = self._relative_log_prob(values, perms)
-            diff = lq - lq[:, :1]
-            if self._note_saturation(diff, _identities(perms)):
-                first = values[next(iter(self.sites))]
-                anchor = first.reshape(first.shape[0], -1)[:, 0] * 0.0  # in the graph, grad 0
-                return _infonce(diff, num) + anchor
-            lq = self._relative_log_prob(values, perms)  # (S, K); column 0 is θ₀ itself
-            return _infonce(lq - lq[:, :1], num)
-        lq = self._relative_log_prob(values, perms)
+        lq, inert = self._log_ratios(values, perms, inverse)  # (S, K); column 0 is θ₀ itself
         diff = lq - lq[:, :1]
-        self._note_saturation(diff, _identities(perms))
+        if inert and torch.is_grad_enabled():
+            # inert (every permuted copy below 1e-8 of θ₀'s weight, or underflowing to 0): I_K
+            # is log K to (K − 1)·1e-8 and its gradient is dropped, so no backward runs over
+            # the K·D terms and the fit is the base's bit for bit (a sub-1e-8 gradient still
+            # changes the rounding of every step, which a long fit amplifies)
+            first = values[next(iter(self.sites))]
+            anchor = first.reshape(first.shape[0], -1)[:, 0] * 0.0  # in the graph, grad 0
+            return _infonce(diff.detach(), num) + anchor
         return _infonce(diff, num)
+
+    def _log_ratios(
+        self, values: Mapping[str, Tensor], perms: list[Tensor], inverse: list[Tensor] | None
+    ) -> tuple[Tensor, bool]:
+        """:meth:`_relative_log_prob` of ``perms`` and whether ``I_K`` is inert there
+        (:meth:`_note_saturation`), computing the K·D terms once in the common case.
+
+        With gradients on, the graph over the K·D terms is needed only when ``I_K`` is active.
+        Whether it is changes rarely from one step to the next, so the last evaluation's state
+        picks the pass: after an inert one, a pass without the graph (enough when inert; an
+        active ``I_K`` then takes a second, differentiable pass), after an active one the
+        differentiable pass at once (dropped when inert). The same values either way.
+        """
+        ids = _identities(perms)
+        if not torch.is_grad_enabled():
+            lq = self._relative_log_prob(values, perms, inverse)
+            return lq, self._note_saturation(lq - lq[:, :1], ids)
+        if self.__dict__.get("last_saturation", (True, 0.0))[0]:
+            with torch.no_grad():
+                lq = self._relative_log_prob(values, perms, inverse)
+            if self._note_saturation(lq - lq[:, :1], ids):
+                return lq, True
+            return self._relative_log_prob(values, perms, inverse), False
+        lq = self._relative_log_prob(values, perms, inverse)
+        return lq, self._note_saturation(lq - lq[:, :1], ids)
 
     def _note_saturation(self, diff: Tensor, identity: Tensor) -> bool:
         """Record whether ``I_K`` is inert at these log-ratios ``(S, K)`` (the return value):
@@ -500,8 +547,13 @@ class SymmetrizedGuide(PosteriorGuide):
         0, so they are left out."""
         detached = diff.detach()
         others = detached[:, 1:].masked_fill(identity[1:].to(diff.device), -math.inf)
-        underflow = not bool((others - detached.max(dim=1, keepdim=True).values).exp().any())
-        nearest = float(others.max()) if others.numel() else 0.0
+        if others.numel():
+            weights = (others - detached.max(dim=1, keepdim=True).values).exp()
+            # one read to the host per step (a device sync), not one per number
+            flags = torch.stack([weights.any().to(others.dtype), others.max()]).tolist()
+            underflow, nearest = not flags[0], float(flags[1])
+        else:
+            underflow, nearest = True, 0.0
         # inert: every copy weighs < e^-18.4 = 1e-8 against θ₀, so log K − I_K and I_K's
         # gradient are below (K − 1)·1e-8 relative to the data term's
         inert = underflow or nearest < INERT_LOG_RATIO
@@ -551,6 +603,138 @@ def _identities(perms: list[Tensor]) -> Tensor:
     return torch.stack(
         [(p == torch.arange(p.shape[1], device=p.device)).all(dim=1) for p in perms]
     ).all(dim=0)
+
+
+def _inverse_permutations(perms: list[Tensor]) -> list[Tensor]:
+    """The inverse elements of ``perms`` (per layer ``(K, n_l)``, each row a permutation) by one
+    scatter per layer: what ``argsort`` gives, without the sort."""
+    out = []
+    for perm in perms:
+        positions = torch.arange(perm.shape[1], device=perm.device).expand_as(perm)
+        out.append(torch.empty_like(perm).scatter_(1, perm, positions))
+    return out
+
+
+class _Workspace:
+    """Flat buffers reused from one evaluation to the next by the pass without a graph on a
+    CPU (:meth:`SymmetrizedGuide._relative_log_prob`), one per role, grown to the largest
+    site's K·D: a fresh K·D-sized tensor per site and step costs its page faults each time
+    (glibc returns large blocks to the system when they are freed), more than the arithmetic
+    on it. Not on a GPU, whose caching allocator already reuses the memory."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Tensor] = {}
+
+    def take(self, role: str, numel: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A flat ``(numel,)`` buffer of ``role`` with ``like``'s device and ``dtype`` (default
+        ``like``'s), its old content undefined."""
+        dtype = like.dtype if dtype is None else dtype
+        buf = self.buffers.get(role)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != like.device:
+            buf = torch.empty(numel, dtype=dtype, device=like.device)
+            self.buffers[role] = buf
+        return buf[:numel]
+
+
+def _gather_params(
+    params: tuple[Tensor, ...],
+    members: tuple[tuple[int, int], ...],
+    inverse: list[Tensor],
+    num: int,
+    work: _Workspace | None = None,
+) -> tuple[Tensor, ...]:
+    """``h_k⁻¹·p`` for each per-site tensor ``p`` of ``params`` (one site's, no sample axis) →
+    ``(K, *shape)`` each.
+
+    ``members``: the ``(unit layer, axis)`` pairs acting on the site; ``inverse``: per layer the
+    inverse elements ``(K, n_l)``. One axis: one ``index_select`` of the K·n slices along it.
+    Several (the middle weight of an MLP: rows and columns): one flat index of the K·D entries,
+    built by broadcasting and shared by every tensor of ``params``, then one ``index_select``
+    of the flattened tensor each (no per-k copies or transposes). With ``work`` (no graph),
+    the results and the index are written into its buffers.
+    """
+    shape = params[0].shape
+    size = num * params[0].numel()
+    if len(members) == 1:
+        layer, axis = members[0]
+        index = inverse[layer].reshape(-1)
+        split = (*shape[:axis], num, shape[axis], *shape[axis + 1 :])
+        merged = (*shape[:axis], num * shape[axis], *shape[axis + 1 :])
+        out = [
+            p.index_select(axis, index)
+            if work is None
+            else torch.index_select(
+                p, axis, index, out=work.take(f"param{i}", size, p).view(merged)
+            )
+            for i, p in enumerate(params)
+        ]
+        return tuple(o.view(split).movedim(axis, 0) for o in out)
+    flat = _flat_index(shape, members, inverse, num, work)
+    return tuple(
+        (
+            p.reshape(-1).index_select(0, flat)
+            if work is None
+            else torch.index_select(p.reshape(-1), 0, flat, out=work.take(f"param{i}", size, p))
+        ).view(num, *shape)
+        for i, p in enumerate(params)
+    )
+
+
+def _squared_distances(v: Tensor, loc_k: Tensor, inv_k: Tensor) -> Tensor:
+    """``Σ_p ((θ_s − μ'_k) / σ'_k)²_p`` per draw and element ``(S, K)`` for draws ``v``
+    ``(S, *shape)`` and gathered ``loc_k``, ``inv_k`` ``(K, *shape)`` (fresh tensors or
+    workspace buffers of :func:`_gather_params`, free to overwrite).
+
+    Without a graph to build (no gradients, or none asked of these tensors) the K·D terms are
+    computed in place in ``loc_k``'s storage (one draw): the same operations on the same
+    values, so the same bits, without the three further K·D-sized temporaries of the
+    differentiable form."""
+    needs_graph = torch.is_grad_enabled() and (
+        v.requires_grad or loc_k.requires_grad or inv_k.requires_grad
+    )
+    if needs_graph:
+        return ((v.unsqueeze(1) - loc_k) * inv_k).square().flatten(2).sum(-1)
+    if v.shape[0] == 1:  # θ − μ' into μ''s storage: (K, *shape), then a leading draw axis
+        z = torch.sub(v, loc_k, out=loc_k).unsqueeze(0)
+    else:
+        z = v.unsqueeze(1) - loc_k
+    return z.mul_(inv_k).square_().flatten(2).sum(-1)
+
+
+def _flat_index(
+    shape: torch.Size,
+    members: tuple[tuple[int, int], ...],
+    inverse: list[Tensor],
+    num: int,
+    work: _Workspace | None = None,
+) -> Tensor:
+    """``(K·D,)``: the flat position in a contiguous tensor of ``shape`` of entry ``[k, *i]`` of
+    ``h_k⁻¹·p``: per axis the unit layer's inverse element ``inverse[l][k, i_a]`` when one acts
+    on it, else ``i_a``, times the axis's stride (the last, full-sized sum into ``work``)."""
+    acting = {axis: layer for layer, axis in members}
+    device = inverse[0].device
+    parts = []
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        size = int(shape[axis])
+        view = [1] * (len(shape) + 1)
+        view[axis + 1] = size
+        if axis in acting:
+            view[0] = num
+            parts.append((inverse[acting[axis]] * stride).view(view))
+        else:
+            parts.append((torch.arange(size, device=device) * stride).view(view))
+        stride *= size
+    last = parts.pop()  # the leading axis: the other parts first, at their smaller size
+    rest = parts[0]
+    for part in parts[1:]:
+        rest = rest + part
+    full = (num, *shape)
+    if work is None:
+        return (rest + last).expand(full).reshape(-1)
+    out = work.take("index", num * stride, last, torch.long)
+    torch.add(rest.expand(full), last.expand(full), out=out.view(full))
+    return out
 
 
 def _side_generator(device: torch.device) -> torch.Generator:
