@@ -290,6 +290,13 @@ class Fitter:
         )
 
     # ------------------------------------------------------------------ the step API
+    def check_begin(self) -> None:
+        """Raise what :meth:`begin` would refuse, changing nothing (none here).
+
+        :func:`pyrobayes.fit` calls it before the ranks' agreement under ``torch.distributed``,
+        so that one rank's refusal stops every rank before any of them begins (and resets its
+        guide); in one process a refused fit leaves the guide as it was either way."""
+
     def begin(self, data: Iterable[Any] | None = None) -> None:
         """Called once before the first step (a family resets what it collects here)."""
 

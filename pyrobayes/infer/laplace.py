@@ -276,13 +276,16 @@ class LaplaceFitter(Fitter):
             out["prior_precision_start"] = float(self.prior_precisions[0])
         return out
 
-    def begin(self, data: Iterable[Any] | None = None) -> None:
-        # refusals first (before training, not after), and before the reset: a refused fit
-        # leaves a fitted posterior as it was
+    def check_begin(self) -> None:
+        """Refuse an alternation without the model's prior scale, or a held-out choice of τ
+        without held-out data (before training, not after it)."""
         if self._alternating:
             self._model_prior_precision()
         if self.settings.prior_optimization == "validation":
             self._require_validation()
+
+    def begin(self, data: Iterable[Any] | None = None) -> None:
+        self.check_begin()  # before the reset: a refused fit leaves a fitted posterior as it was
         self.guide.reset()
         self.ended = None
         self.prior_precisions = []

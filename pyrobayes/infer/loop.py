@@ -974,6 +974,7 @@ class _Loop(ResumeChecks):
         try:
             found = self._checked_resume()
             record = self._rank_record(found)
+            self.fitter.check_begin()  # its refusals before any rank begins (resets its guide)
         except Exception as err:
             check_ranks_agree(None, err)
             raise

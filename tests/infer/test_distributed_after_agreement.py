@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
 #: each case's failing rank: its error comes after the agreement, before the first step
 CASES = {
-    "begin": 1,  # LaplaceFitter.begin refuses: rank 1's model lost its prior_scale
+    "begin": 1,  # LaplaceFitter.check_begin refuses: rank 1's model lost its prior_scale
     "resume": 0,  # rank 0 cannot read the checkpoint when it loads it (load_checkpoint)
     "cache": 1,  # rank 1 fails to build the lower-block cache (an out-of-memory, say)
 }
@@ -67,6 +67,10 @@ def _rank_case(rank: int, case: str, folder: Path) -> str:
         family = "laplace"
         run["optim"] = pb.Optimization(optimizer=pb.infer.Laplace(prior_optimization="alternate"))
     guide = pb.posterior(model, family)
+    kept = None
+    if case == "begin":  # a fitted posterior first, which the refused fit must leave alone
+        pb.fit(model, guide, data, **run)
+        kept = {k: v.clone() for k, v in guide.state_dict().items()}
     if case == "begin" and bad:
         model.prior_scale = None  # what LaplaceFitter.begin refuses (and no rank record holds)
     if case == "cache":
@@ -82,6 +86,9 @@ def _rank_case(rank: int, case: str, folder: Path) -> str:
     try:
         pb.fit(model, guide, data, **run)
     except Exception as err:
+        if kept is not None:  # the guide as it was (no rank began: none reset its posterior)
+            now = guide.state_dict()
+            assert now.keys() == kept.keys() and all(torch.equal(now[k], kept[k]) for k in kept)
         return f"{type(err).__name__}: {err}"
     finally:
         loop.load_checkpoint = load
@@ -154,7 +161,9 @@ def test_an_error_on_one_rank_after_the_agreement_stops_every_rank(ranks):
     for case, bad in CASES.items():
         mine, other = ranks[bad][case], ranks[1 - bad][case]
         assert mine.startswith(OWN[case]), (case, mine)
-        stopped = f"RuntimeError: fit(): rank {bad} of 2 failed as the fit started ({mine})"
+        # the fitter's own refusals (begin's) come before the agreement, so no rank begins
+        what = "refused the fit" if case == "begin" else "failed as the fit started"
+        stopped = f"RuntimeError: fit(): rank {bad} of 2 {what} ({mine})"
         assert other.startswith(stopped), (case, other)
     for case in ("ok", "write", "ok again"):  # a number (no error), the same on both ranks
         float(ranks[0][case])
