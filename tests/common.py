@@ -410,3 +410,37 @@ def run_two_gloo_ranks(worker: Any, folder: Any, name: str) -> list[dict[str, An
     dtype = str(torch.get_default_dtype()).removeprefix("torch.")
     mp.spawn(worker, args=(str(folder / "init"), str(folder), dtype), nprocs=2, join=True)
     return [torch.load(folder / f"{name}{r}.pt", weights_only=True) for r in range(2)]
+
+
+def run_gloo_rank(
+    rank: int,
+    init_file: str,
+    folder: str,
+    dtype: str,
+    name: str,
+    cases: Any,
+    *,
+    seconds: float = 15.0,
+) -> None:
+    """The body of a rank spawned by :func:`run_two_gloo_ranks`: join the group
+    (:func:`init_gloo_rank`, a short timeout: a rank left waiting fails the test in ``seconds``
+    instead of hanging it for gloo's 30 minutes), run ``cases(rank)`` with warnings ignored and
+    save its results as ``<name><rank>.pt`` in ``folder``, then leave without gloo's
+    interpreter teardown (see tests/infer/test_distributed.py)."""
+    import contextlib
+    import os
+    import warnings
+
+    import torch.distributed as torch_dist
+
+    init_gloo_rank(rank, init_file, dtype, seconds)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = cases(rank)
+        torch.save(results, os.path.join(folder, f"{name}{rank}.pt"))
+        with contextlib.suppress(RuntimeError):  # a group a case broke: each saved its own
+            torch_dist.barrier()
+    finally:
+        torch_dist.destroy_process_group()
+    os._exit(0)

@@ -15,8 +15,6 @@ step for the next fit.
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 import torch.distributed as torch_dist
 
 import pyrobayes as pb
-from tests.common import init_gloo_rank, run_two_gloo_ranks
+from tests.common import run_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -126,25 +124,19 @@ def _collectives(rank: int, num_steps: int) -> list[int]:
     return [counts[name] for name in COUNTED]
 
 
+def _cases(rank: int, folder: Path) -> dict[str, Any]:
+    """This rank's results: a good fit first (the imports paid on both ranks at once), then
+    each case, then a good fit again (the ranks are still in step; "write" leaves the
+    checkpoint that "resume" continues), and the collectives of good fits."""
+    cases = ["ok", "begin", "cache", "write", "resume", "ok again"]
+    results: dict[str, Any] = {c: _rank_case(rank, c, folder) for c in cases}
+    results["collectives"] = {n: _collectives(rank, n) for n in (2, 6)}
+    return results
+
+
 def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
-    """One gloo rank running every case of :func:`_rank_case`, its results saved as
-    ``after<rank>.pt``. A short timeout: a rank left waiting fails the test in seconds instead
-    of hanging it for gloo's 30 minutes."""
-    init_gloo_rank(rank, init_file, dtype, seconds=15)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # a good fit first (the imports paid on both ranks at once), then each case, then a
-            # good fit again: the ranks are still in step; "write" leaves the checkpoint that
-            # "resume" continues
-            cases = ["ok", "begin", "cache", "write", "resume", "ok again"]
-            results: dict[str, Any] = {c: _rank_case(rank, c, Path(folder)) for c in cases}
-            results["collectives"] = {n: _collectives(rank, n) for n in (2, 6)}
-        torch.save(results, os.path.join(folder, f"after{rank}.pt"))
-        torch_dist.barrier()
-    finally:
-        torch_dist.destroy_process_group()
-    os._exit(0)  # without gloo's interpreter teardown (see tests/infer/test_distributed.py)
+    """One gloo rank running :func:`_cases`, saved as ``after<rank>.pt``."""
+    run_gloo_rank(rank, init_file, folder, dtype, "after", lambda r: _cases(r, Path(folder)))
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,14 @@ cases after it).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as torch_dist
 
 import pyrobayes as pb
-from tests.common import init_gloo_rank, run_two_gloo_ranks
+from tests.common import run_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -185,33 +182,29 @@ def _epoch_validation(rank: int, case: str = "uneven") -> Any:
     return _outcome(run)
 
 
+def _cases(rank: int) -> dict[str, Any]:
+    """This rank's results (the error cases last, each family's own: without its fix a case
+    breaks the group)."""
+    out: dict[str, Any] = {}
+    out["alternate"] = _alternate(rank)
+    out["select"] = _select(rank)
+    out["validation fit"] = _validation_fit(rank)
+    out["select empty"] = _select(rank, "empty")
+    out["validation unlabelled"] = _validation_fit(rank, "unlabelled")
+    out["select after"] = _select(rank)
+    out["epoch validation unlabelled"] = _epoch_validation(rank, "unlabelled")
+    out["epoch validation"] = _epoch_validation(rank)
+    out["alternate oom"] = _alternate(rank, fail=True)
+    for structure in ("diag", "kron"):
+        out[f"{structure} ok"] = _curvature(rank, structure, fail=False)
+        out[f"{structure} oom"] = _curvature(rank, structure, fail=True)
+        out[f"{structure} after"] = _curvature(rank, structure, fail=False)
+    return out
+
+
 def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
-    """One gloo rank running every case, its results saved as ``steps<rank>.pt``."""
-    init_gloo_rank(rank, init_file, dtype, seconds=TIMEOUT)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out: dict[str, Any] = {}
-            # (the error cases last, each family's own: without its fix a case breaks the group)
-            out["alternate"] = _alternate(rank)
-            out["select"] = _select(rank)
-            out["validation fit"] = _validation_fit(rank)
-            out["select empty"] = _select(rank, "empty")
-            out["validation unlabelled"] = _validation_fit(rank, "unlabelled")
-            out["select after"] = _select(rank)
-            out["epoch validation unlabelled"] = _epoch_validation(rank, "unlabelled")
-            out["epoch validation"] = _epoch_validation(rank)
-            out["alternate oom"] = _alternate(rank, fail=True)
-            for structure in ("diag", "kron"):
-                out[f"{structure} ok"] = _curvature(rank, structure, fail=False)
-                out[f"{structure} oom"] = _curvature(rank, structure, fail=True)
-                out[f"{structure} after"] = _curvature(rank, structure, fail=False)
-        torch.save(out, os.path.join(folder, f"steps{rank}.pt"))
-        with contextlib.suppress(RuntimeError):  # (a group a case broke: each saved its own)
-            torch_dist.barrier()
-    finally:
-        torch_dist.destroy_process_group()
-    os._exit(0)  # without gloo's interpreter teardown (see tests/infer/test_distributed.py)
+    """One gloo rank running :func:`_cases`, saved as ``steps<rank>.pt``."""
+    run_gloo_rank(rank, init_file, folder, dtype, "steps", _cases, seconds=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import contextlib
 import errno
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as torch_dist
 
 import pyrobayes as pb
-from tests.common import init_gloo_rank, run_two_gloo_ranks
+from tests.common import run_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -237,24 +236,22 @@ def _collectives(rank: int, folder: Path) -> dict[str, Any]:
     return out
 
 
+def _cases(rank: int, folder: Path) -> dict[str, Any]:
+    """This rank's results of every case."""
+    cases = ["ok", *PASS_CASES, "uneven", "ok again"]
+    results: dict[str, Any] = {c: _pass_case(rank, c) for c in cases}
+    results["checkpoint"] = _checkpoint_case(rank, folder)
+    results["collectives"] = _collectives(rank, folder)
+    results["alone"] = _checkpointing_on_rank_0_alone(rank, folder)
+    results["float16"] = _float16_case(rank)
+    results["after float16"] = _pass_case(rank, "ok")
+    return results
+
+
 def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
-    """One gloo rank running every case, its results saved as ``pass<rank>.pt``."""
-    init_gloo_rank(rank, init_file, dtype, seconds=TIMEOUT)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cases = ["ok", *PASS_CASES, "uneven", "ok again"]
-            results: dict[str, Any] = {c: _pass_case(rank, c) for c in cases}
-            results["checkpoint"] = _checkpoint_case(rank, Path(folder))
-            results["collectives"] = _collectives(rank, Path(folder))
-            results["alone"] = _checkpointing_on_rank_0_alone(rank, Path(folder))
-            results["float16"] = _float16_case(rank)
-            results["after float16"] = _pass_case(rank, "ok")
-        torch.save(results, os.path.join(folder, f"pass{rank}.pt"))
-        torch_dist.barrier()
-    finally:
-        torch_dist.destroy_process_group()
-    os._exit(0)  # without gloo's interpreter teardown (see tests/infer/test_distributed.py)
+    """One gloo rank running :func:`_cases`, saved as ``pass<rank>.pt``."""
+    cases = lambda r: _cases(r, Path(folder))  # noqa: E731
+    run_gloo_rank(rank, init_file, folder, dtype, "pass", cases, seconds=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

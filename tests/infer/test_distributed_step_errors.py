@@ -12,16 +12,13 @@ RuntimeError naming it, and both stay in step for the next fit. A good step gain
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as torch_dist
 
 import pyrobayes as pb
-from tests.common import init_gloo_rank, run_two_gloo_ranks
+from tests.common import run_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -115,21 +112,18 @@ def _rank_case(rank: int, family: str, where: str) -> str:
     return f"{float(model.point_params['4.weight'].flatten()[0]):.12g}"
 
 
+def _cases(rank: int) -> dict[str, Any]:
+    """This rank's results: a good fit, every case, and a good fit again."""
+    results = {"ok": _rank_case(rank, "map", "ok")}
+    for family, where in CASES:
+        results[f"{family} {where}"] = _rank_case(rank, family, where)
+    results["ok again"] = _rank_case(rank, "map", "ok")
+    return results
+
+
 def _worker(rank: int, init_file: str, folder: str, dtype: str) -> None:
-    """One gloo rank running every case, its results saved as ``steps<rank>.pt``."""
-    init_gloo_rank(rank, init_file, dtype, seconds=TIMEOUT)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            results = {"ok": _rank_case(rank, "map", "ok")}
-            for family, where in CASES:
-                results[f"{family} {where}"] = _rank_case(rank, family, where)
-            results["ok again"] = _rank_case(rank, "map", "ok")
-        torch.save(results, os.path.join(folder, f"steps{rank}.pt"))
-        torch_dist.barrier()
-    finally:
-        torch_dist.destroy_process_group()
-    os._exit(0)  # without gloo's interpreter teardown (see tests/infer/test_distributed.py)
+    """One gloo rank running :func:`_cases`, saved as ``steps<rank>.pt``."""
+    run_gloo_rank(rank, init_file, folder, dtype, "steps", _cases, seconds=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
