@@ -27,7 +27,6 @@ __all__ = [
     "run_shared",
     "raise_kept",
     "keep_for_ranks",
-    "kept_error",
     "shared_copy",
     "nan_share",
     "nan_grads_",
@@ -83,11 +82,6 @@ def keep_for_ranks(error: Exception) -> None:
         raise error
     if not _kept:
         _kept.append(error)
-
-
-def kept_error() -> Exception | None:
-    """The error this rank kept for the current step, if any (the step shares NaN)."""
-    return _kept[0] if _kept else None
 
 
 def raise_kept(at: str, *, caller: str = "fit()", remedy: str | None = None) -> None:
