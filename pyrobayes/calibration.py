@@ -479,33 +479,18 @@ def calibrate(
     previous = guide._buffers.get(TEMPERATURE_BUFFER) if hasattr(guide, "_buffers") else None
     was_pooled = pooled(guide)
     set_temperature(guide, None)  # fit against the uncalibrated predictive
-    failure: Exception | None = None
     try:
-        pred = labelled_prediction(
-            model,
-            guide,
-            val_data,
-            owner="calibrate: ",
-            why="temperature scaling fits T to held-out labels",
-            num_samples=num_samples,
-            seed=seed,
-            device=device,
-            **predict_kwargs,
-        )
-        if pred.log_probs is None and pred.scale is None:
-            raise ValueError(
-                "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; "
-                "build the model with obs_scale=<float> or 'learn'."
-            )
-    except Exception as err:  # (every rank learns of it before the objective's all-reduce)
-        failure = err
-    if size > 1:
-        failure = _agree_on_failure(failure, _collective_device(model))
-    if failure is not None:
+        # under torch.distributed a rank whose prediction fails shares a NaN count in the
+        # count's all-reduce (the one the objective needs anyway), and every rank stops there
+        kwargs = {"num_samples": num_samples, "seed": seed, "device": device, **predict_kwargs}
+        pred = _on_every_rank(size, lambda: _held_out_prediction(model, guide, val_data, **kwargs))
+        targets = None if pred is None else pred.targets
+        count = _examples_of_all_ranks(targets, size, _collective_device(model), "calibrate")
+    except Exception:
         if previous is not None:
             set_temperature(guide, float(previous), pool=was_pooled)
-        raise failure
-    value, count, at_bound = _fit(pred, pred.targets, low, high, pool=pool, size=size)
+        raise
+    value, at_bound = _fit(pred, pred.targets, low, high, pool=pool, size=size)
     set_temperature(guide, value, pool=pool)
     _warn_if_poorly_determined(value, count, at_bound, bounds, pred.log_probs is not None, size)
     if size == 1 and pred.log_probs is not None and pred.targets is not None:
@@ -582,18 +567,83 @@ def _warn_if_few_classes(value: float, labels: Tensor, num_classes: int) -> None
     )
 
 
-def _agree_on_failure(failure: Exception | None, device: torch.device) -> Exception | None:
-    """Under ``torch.distributed``: this rank's ``failure``, or, when only another rank
-    failed, an error saying so, so that every rank raises before the objective's all-reduce."""
-    flag = [0.0 if failure is None else 1.0]
-    failed = torch.tensor(flag, dtype=torch.float64, device=device)
-    _all_reduce_mean(failed)
-    if failure is None and float(failed) > 0:
-        return ValueError(
-            "calibrate: another rank's held-out data failed (its error is raised there); "
-            "under torch.distributed every rank fits T together, so none goes on."
+def _held_out_prediction(model: Any, guide: Any, val_data: Iterable[Any], **kwargs: Any) -> Any:
+    """:func:`calibrate`'s prediction on ``val_data`` (:func:`labelled_prediction`), refused
+    when a Gaussian likelihood has no noise scale to temper."""
+    pred = labelled_prediction(
+        model,
+        guide,
+        val_data,
+        owner="calibrate: ",
+        why="temperature scaling fits T to held-out labels",
+        **kwargs,
+    )
+    if pred.log_probs is None and pred.scale is None:
+        raise ValueError(
+            "calibrate: the Gaussian likelihood has no noise scale (obs_scale) to temper; "
+            "build the model with obs_scale=<float> or 'learn'."
         )
-    return failure
+    return pred
+
+
+def _on_every_rank(size: int, compute: Callable[[], Any]) -> Any:
+    """``compute()``; with ``size > 1`` (the ranks fit ``T`` together) an error it raises is kept
+    for :func:`_examples_of_all_ranks` and ``None`` is returned instead
+    (:func:`~pyrobayes.infer.rank_errors.run_shared`)."""
+    if size == 1:
+        return compute()
+    from .infer.rank_errors import run_shared  # (function-local: infer imports this module)
+
+    return run_shared(compute, lambda: None)
+
+
+def _examples_of_all_ranks(
+    targets: Tensor | None, size: int, device: torch.device, owner: str
+) -> int:
+    """The number of examples ``T`` is fitted on, all ranks together: with ``size > 1`` one
+    all-reduce, the one the objective's count needs anyway.
+
+    ``targets`` is ``None`` on a rank whose part failed (:func:`_on_every_rank` kept its error):
+    it shares NaN, so the sum is NaN on every rank and every rank stops there, instead of the
+    others waiting in the objective's all-reduce (until gloo's timeout, 30 minutes).
+
+    Raises
+    ------
+    Exception
+        On the rank that failed: its own error.
+    ValueError
+        On the other ranks: naming that rank and its error (``owner``'s ``ValueError``, as in
+        one process).
+    """
+    count = math.nan if targets is None else float(targets.numel())
+    if size == 1:
+        return int(count)
+    total = torch.tensor([count], dtype=torch.float64, device=device)
+    _all_reduce_mean(total)
+    if not math.isfinite(float(total)):  # the same sum on every rank: all stop here together
+        _stop_every_rank(owner, failed_here=targets is None)
+    return round(float(total) * size)
+
+
+def _stop_every_rank(owner: str, failed_here: bool) -> None:
+    """Raise the error a rank kept for :func:`_examples_of_all_ranks`: its own on that rank
+    (``failed_here``), a ``ValueError`` naming it on the others."""
+    from .infer.rank_errors import raise_kept
+
+    remedy = (
+        "Under torch.distributed every rank fits T together, so none goes on when another "
+        "rank's held-out data failed: fix that rank's data (or the memory it ran out of) and "
+        f"call {owner} again on every rank."
+    )
+    try:
+        raise_kept(f"{owner}'s held-out data", caller=owner, remedy=remedy)
+    except RuntimeError as err:
+        if failed_here:  # this rank's own error (e.g. out of memory)
+            raise
+        raise ValueError(str(err)) from None
+    raise RuntimeError(  # (a count is finite on a rank that kept no error)
+        f"{owner}: the ranks' held-out example counts summed to NaN, but no rank kept an error."
+    )
 
 
 def _warn_if_poorly_determined(
@@ -723,16 +773,17 @@ def fit_temperature(
         ``(N, 1)``; regression targets shaped like one draw of ``loc``, ``(N, *event)``, and
         finite), ``bounds`` not ``0 < low < high``, or a prediction tempered already
         (``Prediction.temperature``: a calibrated guide's, which :func:`calibrate` removes
-        before it predicts).
+        before it predicts). Under ``torch.distributed`` (``all_ranks``) an error on one rank
+        is raised on every rank (none is left waiting in the objective's all-reduce).
     """
-    targets = prediction.targets if targets is None else targets
-    if targets is None or targets.numel() == 0:
-        raise ValueError("fit_temperature: the prediction has no targets; pass targets=.")
-    targets = _checked_targets(prediction, targets, "fit_temperature")
-    _refuse_tempered(prediction, "fit_temperature", "fit T on")
-    low, high = _checked_bounds(bounds, "fit_temperature")
     size = _world_size() if all_ranks else 1
-    value, _, at_bound = _fit(prediction, targets, low, high, pool=pool, size=size)
+    # under torch.distributed a rank whose arguments are refused shares a NaN count in the
+    # count's all-reduce (the one the objective needs anyway), and every rank stops there
+    checked = _on_every_rank(size, lambda: _fit_arguments(prediction, targets, bounds))
+    device = _collective_device(prediction)
+    _examples_of_all_ranks(None if checked is None else checked[0], size, device, "fit_temperature")
+    targets, low, high = checked  # (None only on a rank that failed: it raised above)
+    value, at_bound = _fit(prediction, targets, low, high, pool=pool, size=size)
     if at_bound is not None:
         logger.warning(
             "fit_temperature: T = %.4g is at the %s end of bounds=%s; widen bounds if the "
@@ -742,6 +793,17 @@ def fit_temperature(
             bounds,
         )
     return value
+
+
+def _fit_arguments(prediction: Any, targets: Any, bounds: Any) -> tuple[Tensor, float, float]:
+    """:func:`fit_temperature`'s checked ``(targets, low, high)`` (its Raises)."""
+    targets = prediction.targets if targets is None else targets
+    if targets is None or targets.numel() == 0:
+        raise ValueError("fit_temperature: the prediction has no targets; pass targets=.")
+    targets = _checked_targets(prediction, targets, "fit_temperature")
+    _refuse_tempered(prediction, "fit_temperature", "fit T on")
+    low, high = _checked_bounds(bounds, "fit_temperature")
+    return targets, low, high
 
 
 def min_examples(*, classification: bool) -> int:
@@ -774,19 +836,14 @@ def _collective_device(prediction_or_model: Any) -> torch.device:
 
 def _fit(
     prediction: Any, targets: Tensor, low: float, high: float, *, pool: bool, size: int
-) -> tuple[float, int, str | None]:
-    """``(T, n, at_bound)``: the NLL-minimising ``T`` in ``[low, high]``, the number of
-    examples it was fitted on (all ranks), and ``"lower"`` / ``"upper"`` when ``T`` ended at
-    that end of the interval (else ``None``). ``size > 1``: the objective is the NLL summed
-    over the ranks' examples divided by their total count, all-reduced inside the objective,
-    so every rank evaluates the same values, takes the same steps and returns the same ``T``.
+) -> tuple[float, str | None]:
+    """``(T, at_bound)``: the NLL-minimising ``T`` in ``[low, high]``, and ``"lower"`` /
+    ``"upper"`` when ``T`` ended at that end of the interval (else ``None``). ``size > 1``: the
+    objective is the NLL summed over the ranks' examples divided by their total count,
+    all-reduced inside the objective, so every rank evaluates the same values, takes the same
+    steps and returns the same ``T``.
     """
     device = _collective_device(prediction)
-    count = int(targets.numel())
-    if size > 1:
-        total = torch.tensor([float(count)], dtype=torch.float64, device=device)
-        _all_reduce_mean(total)
-        count = round(float(total) * size)
 
     def objective(log_t: float) -> float:
         terms = _nll_terms(prediction, targets, math.exp(log_t), pool=pool)
@@ -809,7 +866,7 @@ def _fit(
     elif value != 1.0 and abs(log_t - math.log(high)) < 1e-6:
         at_bound = "upper"
     logger.info("calibrate: T = %.4f, validation NLL %.4f -> %.4f", value, before, after)
-    return value, count, at_bound
+    return value, at_bound
 
 
 def _world_size() -> int:

@@ -6,7 +6,8 @@ Small MLPs with adapters and random data (``mlp_problem``), and their batches, a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -444,3 +445,33 @@ def run_gloo_rank(
     finally:
         torch_dist.destroy_process_group()
     os._exit(0)
+
+
+#: the collectives :func:`counting_collectives` counts (looked up on ``torch.distributed``
+#: per call)
+COUNTED = ("all_gather_object", "broadcast", "all_reduce", "barrier")
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """The calls of each collective of :data:`COUNTED` made within the block (in a spawned
+    rank: ``torch.distributed``'s functions are replaced by counting ones until it ends)."""
+    import torch.distributed as torch_dist
+
+    counts = dict.fromkeys(COUNTED, 0)
+    originals = {name: getattr(torch_dist, name) for name in COUNTED}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COUNTED:
+        setattr(torch_dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch_dist, name, original)

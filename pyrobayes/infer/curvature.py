@@ -32,7 +32,7 @@ import functools
 import math
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,14 @@ from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.likelihoods import Categorical, check_gaussian_targets
 from .distributed import all_reduce_sum_, world
 from .fit_checks import gather_rank_errors
-from .rank_errors import PASS_REMEDY, nan_share, raise_kept, run_shared, shared_copy
+from .rank_errors import (
+    PASS_REMEDY,
+    keep_for_ranks,
+    nan_share,
+    raise_kept,
+    run_shared,
+    shared_copy,
+)
 
 __all__ = ["LaplaceNet", "per_example_ggn_backend"]
 
@@ -72,6 +79,15 @@ class LaplaceNet(nn.Module):
         return self._model[0]
 
     def forward(self, x: Any) -> Tensor:
+        if _probe_due and not torch.is_grad_enabled():  # laplace-torch's probe of a shared pass
+            loader, retried = _probe_due[0]
+            if loader.model is self.pyro_model:
+                _probe_due.clear()
+                return loader.probe(self._likelihood_params, x, retried)
+        return self._likelihood_params(x)
+
+    def _likelihood_params(self, x: Any) -> Tensor:
+        """The likelihood's parameters for the batch ``x`` (see :class:`LaplaceNet`)."""
         model = self._model[0]
         inputs = _network_inputs(x, model.label_key)
         prediction = model.network_prediction(model._call_net(self.net, inputs))
@@ -121,12 +137,21 @@ class _Loader:
     Under ``torch.distributed`` the curvature pass all-reduces every batch's curvature, so a
     batch refused on one rank would leave the others waiting in that all-reduce (until gloo's
     timeout, 30 minutes): there every rank checks all its batches first, and the ranks gather
-    the outcomes in one collective (:meth:`_checked_on_every_rank`) before the pass.
+    the outcomes in one collective (:meth:`_checked_on_every_rank`) before the pass. What still
+    fails on one rank inside laplace-torch's ``fit`` but outside the backend's per-batch calls
+    (reading or moving a batch, laplace-torch's probe forward of the first example,
+    :meth:`probe`; an out-of-memory error, a loader's worker) is kept for the pass's next
+    all-reduce: the rank hands laplace-torch an empty batch in its place, the backend shares
+    NaN for it, and every rank stops there with that error (:func:`_summed_over_ranks`).
     """
 
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
         self.model, self.data, self.device = model, data, device
         self._event_shape: tuple[int, ...] | None = None  # of one example's output, once probed
+        #: the times laplace-torch began to read the batches (its probe's read, then its pass)
+        self._reads = 0
+        #: whether this rank kept an error for the pass's next all-reduce (torch.distributed)
+        self._failed = False
         if world()[0] > 1:
             n = self._checked_on_every_rank()
         else:
@@ -189,13 +214,72 @@ class _Loader:
             return sum(e for _, e in counts)
 
     def __iter__(self) -> Iterator[Any]:
-        for index, batch in enumerate(self.data):
-            inputs, y = self._checked(index, batch)
-            if isinstance(inputs, Tensor):
-                yield inputs, y
-            else:
-                rows = torch.empty(batch_size(inputs), 0, device=self.device)
-                yield {_INPUTS: inputs, _ROWS: rows, self.model.label_key: y}
+        shared = world()[0] > 1
+        if shared:  # laplace-torch reads the first batch for its probe, then the pass
+            self._reads += 1
+            _probe_due[:] = [(self, False)] if self._reads == 1 else []
+        batches: Iterator[Any] | None = None
+        index = 0
+        while not self._failed:
+            try:
+                batches = iter(self.data) if batches is None else batches
+                batch = next(batches, _END)
+                if batch is _END:
+                    return
+                item = self._laplace_batch(index, batch)
+            except Exception as error:
+                if not shared:
+                    raise
+                keep_for_ranks(error)  # the backend shares NaN for the batch below
+                self._failed = True
+                break
+            yield item
+            index += 1
+        yield self._failed_batch()
+        # laplace-torch went on past the failed batch: its backend took no all-reduce that
+        # stops every rank (not per_example_ggn_backend's); the ranks stop here instead
+        raise_kept("Laplace's curvature pass", remedy=PASS_REMEDY)
+
+    def _laplace_batch(self, index: int, batch: Any) -> Any:
+        """Batch ``index`` checked, as laplace-torch reads it: ``(X, y)``, or the dict form."""
+        inputs, y = self._checked(index, batch)
+        if isinstance(inputs, Tensor):
+            return inputs, y
+        rows = torch.empty(batch_size(inputs), 0, device=self.device)
+        return {_INPUTS: inputs, _ROWS: rows, self.model.label_key: y}
+
+    def probe(self, forward: Callable[[Any], Tensor], x: Any, retried: bool) -> Tensor:
+        """laplace-torch's probe of the output width, ``forward(x)`` on the first batch, under
+        ``torch.distributed``: an error is kept for the pass's first all-reduce (and an output
+        of NaN returned in its place) instead of leaving the other ranks waiting there.
+
+        A ``TypeError`` or ``AttributeError`` of the probe's first example (``retried`` false)
+        is raised, as laplace-torch then probes the whole batch (:class:`LaplaceNet` calls this
+        again for that).
+        """
+        if self._failed:  # (the probe's read of the first batch failed)
+            return self._failed_output()
+        try:
+            return forward(x)
+        except Exception as error:
+            if isinstance(x, Tensor) and isinstance(error, TypeError | AttributeError):
+                if not retried:
+                    _probe_due[:] = [(self, True)]
+                    raise
+            keep_for_ranks(error)
+            self._failed = True
+            return self._failed_output()
+
+    def _failed_output(self) -> Tensor:
+        """A failed probe's output: NaN, one example of laplace-torch's output shape, so that
+        its check of the regression targets' dimensions passes."""
+        return torch.full((1, *(self._event_shape or (1,))), math.nan, device=self.device)
+
+    def _failed_batch(self) -> tuple[Tensor, Tensor]:
+        """The empty ``(X, y)`` a rank that kept an error hands laplace-torch for its next batch:
+        the backend shares NaN for it without reading it (:func:`run_shared`)."""
+        empty = self._failed_output()[:0]
+        return empty, empty
 
     def _checked(self, index: int, batch: Any) -> tuple[Any, Tensor]:
         """Batch ``index``'s inputs (on the device) and its checked targets, as laplace-torch
@@ -247,6 +331,13 @@ class _Loader:
             )
         return y
 
+
+#: the end of a rank's batches (``next``'s default)
+_END = object()
+#: the :class:`_Loader` whose probe laplace-torch's ``fit`` runs next under
+#: ``torch.distributed`` (set at its first read, cleared by the probe or by the pass's read),
+#: and whether that probe is its retry with the whole first batch
+_probe_due: list[tuple[_Loader, bool]] = []
 
 _NO_EXAMPLES = (
     "Laplace: the curvature data hold no examples (an empty list or data set): the "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as torch_dist
 
 import pyrobayes as pb
-from tests.common import run_gloo_rank, run_two_gloo_ranks
+from tests.common import COUNTED, counting_collectives, run_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -93,34 +93,15 @@ def _rank_case(rank: int, case: str, folder: Path) -> str:
     return f"{float(model.point_params['4.weight'].flatten()[0]):.12g}"
 
 
-#: the collectives :func:`_collectives` counts (looked up on ``torch.distributed`` per call)
-COUNTED = ("all_gather_object", "broadcast", "all_reduce", "barrier")
-
-
 def _collectives(rank: int, num_steps: int) -> list[int]:
     """The calls of each collective of :data:`COUNTED` in a good MAP fit of ``num_steps``."""
     from pyrobayes.testing import tiny_problem
 
     model, data = tiny_problem()
     data = [(x[rank::2], y[rank::2]) for x, y in data]
-    counts = dict.fromkeys(COUNTED, 0)
-    originals = {name: getattr(torch_dist, name) for name in COUNTED}
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in COUNTED:
-        setattr(torch_dist, name, counting(name))
-    try:
+    with counting_collectives() as counts:
         optim = pb.Optimization(num_steps=num_steps)
         pb.fit(model, pb.posterior(model, "map"), data, optim=optim, seed=0, progress=False)
-    finally:
-        for name, original in originals.items():
-            setattr(torch_dist, name, original)
     return [counts[name] for name in COUNTED]
 
 

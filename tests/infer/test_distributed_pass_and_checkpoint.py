@@ -16,7 +16,6 @@ gather; the collectives of a good fit grow by one gather per checkpoint and per 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as torch_dist
 
 import pyrobayes as pb
-from tests.common import run_gloo_rank, run_two_gloo_ranks
+from tests.common import counting_collectives, run_gloo_rank, run_two_gloo_ranks
 
 pytestmark = pytest.mark.integration  # every test spawns two gloo ranks
 
@@ -178,32 +177,6 @@ def _checkpointing_on_rank_0_alone(rank: int, folder: Path) -> str:
     return "nothing"
 
 
-#: the collectives :func:`_collectives` counts (looked up on ``torch.distributed`` per call)
-COUNTED = ("all_gather_object", "broadcast", "all_reduce", "barrier")
-
-
-@contextlib.contextmanager
-def _counting() -> Iterator[dict[str, int]]:
-    """The calls of each collective of :data:`COUNTED` made within the block."""
-    counts = dict.fromkeys(COUNTED, 0)
-    originals = {name: getattr(torch_dist, name) for name in COUNTED}
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in COUNTED:
-        setattr(torch_dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(torch_dist, name, original)
-
-
 def _collectives(rank: int, folder: Path) -> dict[str, Any]:
     """The collectives of good fits: MAP fits of 6 steps without and with checkpoints (written
     at 2 epoch ends, and every 4 steps: 3 writes, counted on rank 0), and a post-hoc Laplace."""
@@ -223,14 +196,14 @@ def _collectives(rank: int, folder: Path) -> dict[str, Any]:
         ckpt = pb.Checkpointing(folder / "counted", every=4) if name == "checkpointed" else None
         loop.save_checkpoint = counted_save
         try:
-            with _counting() as counts:
+            with counting_collectives() as counts:
                 pb.fit(model, pb.posterior(model, "map"), data, checkpoint=ckpt, **run)
         finally:
             loop.save_checkpoint = plain
         out[name] = dict(counts)
     out["writes"] = writes[0]
     model, data = _share(rank)
-    with _counting() as counts:
+    with counting_collectives() as counts:
         pb.fit(model, pb.posterior(model, "laplace", structure="diag"), data, epochs=0)
     out["laplace"] = dict(counts)
     return out
