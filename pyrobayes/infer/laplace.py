@@ -546,6 +546,14 @@ def fit_laplace(
     _import_laplace()
     from laplace import Laplace as LaplaceTorch
 
+    if backend is not None and world()[0] > 1:
+        raise ValueError(
+            f"fit_laplace(backend={getattr(backend, '__name__', backend)!r}): under "
+            "torch.distributed the curvature of each rank's shard must be summed over the "
+            "ranks, which only the default backend (per_example_ggn_backend) does: with "
+            "another, each rank would fit the posterior of its own shard. Leave backend unset, "
+            "or fit in one process."
+        )
     guide.require_setup()
     drop_temperature(guide, owner="fit_laplace: ")  # fitted for the posterior this replaces
     net = model.net
