@@ -240,6 +240,30 @@ def _unreachable_reason(module: nn.Module, path: str, net: nn.Module) -> str | N
     return None
 
 
+#: Modules (``module.qualname`` of a class in the module's MRO) that call their linear children
+#: on sequence-first hidden states ``(T, B, d)``: Longformer's and LED's self-attention
+#: transpose the batch's ``(B, T, d)`` before their projections, FSMT keeps ``(T, B, d)``
+#: throughout. An adapter there sees the sample-major rows on axis 1, not 0.
+_SEQUENCE_FIRST_PARENTS = frozenset(
+    {
+        "transformers.models.longformer.modeling_longformer.LongformerSelfAttention",
+        "transformers.models.led.modeling_led.LEDEncoderSelfAttention",
+        "transformers.models.fsmt.modeling_fsmt.Attention",
+    }
+)
+
+
+def _sequence_first(net: nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` is called on sequence-first inputs ``(T, B, d)``: its
+    parent is one of :data:`_SEQUENCE_FIRST_PARENTS` (or a subclass). A draw per row must then
+    act on axis 1 (:func:`~pyrobayes.models.layers.rows_first`): on axis 0 the S draws would
+    split the positions instead, silently when the length is a multiple of S."""
+    parent_path = path.rpartition(".")[0]
+    parent = net.get_submodule(parent_path) if parent_path else net
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(parent).__mro__}
+    return not names.isdisjoint(_SEQUENCE_FIRST_PARENTS)
+
+
 def _inside_adapter(module_paths: list[str], adapter_paths: list[str]) -> bool:
     return any(p.startswith(a + ".") for p in module_paths for a in adapter_paths)
 
@@ -331,9 +355,48 @@ def _by_names(targets: list[str], net: nn.Module, modules: _Found, candidates: _
     return chosen
 
 
-def _no_match_hint(net: nn.Module, target_modules: Any) -> str:
-    """More for the "matched no linear module" error: peft's ``"all-linear"``, which is no
-    regex here, and a network that is itself the one linear layer (no path to name)."""
+#: Leaf names of attention query and value projections, by architecture family: BERT's (and
+#: ELECTRA's, RoBERTa's ...), DistilBERT's and XLM's (FlauBERT), LLaMA-likes' (EuroBERT),
+#: DeBERTa-v2's, Funnel's, MPNet's. And of fused query-key-value projections: ModernBERT's,
+#: Phi-3's, GPT-NeoX's, GPT-2's, DeBERTa's.
+_QUERY_VALUE_NAMES = (
+    ("query", "value"),
+    ("q_lin", "v_lin"),
+    ("q_proj", "v_proj"),
+    ("query_proj", "value_proj"),
+    ("q_head", "v_head"),
+    ("q", "v"),
+)
+_FUSED_QKV_NAMES = ("Wqkv", "qkv_proj", "query_key_value", "c_attn", "in_proj")
+
+
+def _attention_hint(net: nn.Module, leaf_names: Sequence[str]) -> str:
+    """The targets naming ``net``'s attention query and value projections (peft's default
+    choice), or its fused query-key-value projection, among ``leaf_names``; ``""`` if none."""
+    names = set(leaf_names)
+    for query, value in _QUERY_VALUE_NAMES:
+        if query in names and value in names:
+            return (
+                f" {type(net).__name__} names its attention query and value projections "
+                f"{query!r} and {value!r}: target_modules=[{query!r}, {value!r}] adapts them"
+                + (" (what ['query', 'value'] adapts on BERT)." if query != "query" else ".")
+            )
+    fused = [name for name in _FUSED_QKV_NAMES if name in names]
+    if fused:
+        return (
+            f" {type(net).__name__} computes attention queries, keys and values in one "
+            f"projection, {fused[0]!r}: target_modules=[{fused[0]!r}] adapts it (the update "
+            "then acts on all three)."
+        )
+    return ""
+
+
+def _no_match_hint(net: nn.Module, target_modules: Any, leaf_names: Sequence[str] = ()) -> str:
+    """More for the "matched no linear module" error: the network's attention projections
+    (:func:`_attention_hint`), peft's ``"all-linear"``, which is no regex here, and a network
+    that is itself the one linear layer (no path to name)."""
+    if target_modules != "all-linear" and not _is_adaptable(net):
+        return _attention_hint(net, leaf_names)
     if target_modules == "all-linear":
         return (
             " 'all-linear' is peft's special value (every linear layer but the output layer), "
@@ -401,7 +464,7 @@ def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> 
             f"{type(net).__name__}. Candidate module names: {leaf_names} "
             f"(full paths, e.g. {names[:4]}). Pass some of these, or a regex over full paths."
             + as_regex
-            + _no_match_hint(net, target_modules)
+            + _no_match_hint(net, target_modules, leaf_names)
         )
     for _, paths in chosen:
         for path in paths:
@@ -666,6 +729,7 @@ def _inject_lora(net: nn.Module, adapter: LoRA, paths: list[str]) -> list[SiteSp
     for path in paths:
         layer = LoRALinear(net.get_submodule(path), adapter.rank, scaling=adapter.scaling)
         layer.lora_A.module_path = layer.lora_B.module_path = path  # named by its errors
+        layer.sequence_first = _sequence_first(net, path)
         _set_submodule(net, path, layer)
         for role in adapter.latent_roles:
             shape = tuple(getattr(layer, role).weight.shape)
@@ -864,6 +928,7 @@ def inject_adapter(
             base, down, up, scaling=adapter.scaling, init_scale=adapter.init_scale
         )
         xs_layer.core.module_path = path  # named by its errors
+        xs_layer.sequence_first = _sequence_first(net, path)
         _set_submodule(net, path, xs_layer)
         sites.append(SiteSpec(f"{path}.core", f"{path}.core.weight", path, (rank, rank), "core"))
     return sites
@@ -1018,6 +1083,7 @@ def make_latent(net: nn.Module, module_paths: Sequence[str] | str) -> list[SiteS
     for path in paths:
         layer = BatchedLinear.from_linear(net.get_submodule(path))  # type: ignore[arg-type]
         layer.module_path = path
+        layer.sequence_first = _sequence_first(net, path)
         _set_submodule(net, path, layer)
         for role in ("weight", "bias"):
             p = getattr(layer, role)

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["batched_linear", "LoRAXSLinear", "LoRALinear", "BatchedLinear", "base_weight_in_out"]
+__all__ = [
+    "batched_linear",
+    "LoRAXSLinear",
+    "LoRALinear",
+    "BatchedLinear",
+    "base_weight_in_out",
+    "rows_first",
+]
 
 
 def batched_linear(
@@ -122,8 +129,23 @@ def base_weight_in_out(base: nn.Module) -> Tensor:
     )
 
 
+def rows_first(x: Tensor, sequence_first: bool) -> Tensor:
+    """``x`` with the batch's rows on its leading axis: a sequence-first input ``(T, S·B, ...)``
+    transposed to ``(S·B, T, ...)`` (a view; the same call transposes an output back)."""
+    return x.transpose(0, 1) if sequence_first and x.dim() >= 3 else x
+
+
 class _AdapterBase(nn.Module):
-    """A frozen base map plus a low-rank update; ``self.base`` is never trained."""
+    """A frozen base map plus a low-rank update; ``self.base`` is never trained.
+
+    ``sequence_first``: the network calls the layer on sequence-first inputs ``(T, S·B, d)``
+    (Longformer's self-attention transposes its hidden states before its projections), so the
+    update is computed on the view whose leading axis holds the sample-major rows, where each
+    row's draw applies (:func:`batched_linear`); set by
+    :func:`~pyrobayes.models.adapters.inject_adapter`.
+    """
+
+    sequence_first: bool = False
 
     def __init__(self, base: nn.Module, scaling: float) -> None:
         super().__init__()
@@ -178,12 +200,14 @@ class LoRAXSLinear(_AdapterBase):
 
     def forward(self, x: Tensor) -> Tensor:
         result = self.base(x)
+        x = rows_first(x, self.sequence_first)
         h = F.linear(x.to(self.down.dtype), self.down)  # (..., r), shared across samples
         # (..., r); per-sample cores on a sample-major expanded batch. The core's values may
         # come in another dtype than the bases (float32 draws for a bf16 network), as LoRA's
         # factors may: computed in theirs, cast back (no-ops when the dtypes agree)
         h = self.core(h.to(self.core.weight.dtype)).to(self.up.dtype)
-        return result + (self.scaling * F.linear(h, self.up)).to(result.dtype)
+        delta = (self.scaling * F.linear(h, self.up)).to(result.dtype)
+        return result + rows_first(delta, self.sequence_first)
 
     def delta_weight(self, core: Tensor | None = None) -> Tensor:
         """``ΔW = (α/r) up · core · down`` in torch orientation `(d_out, d_in)`."""
@@ -223,9 +247,9 @@ class LoRALinear(_AdapterBase):
 
     def forward(self, x: Tensor) -> Tensor:
         result = self.base(x)
-        x = x.to(self.lora_A.weight.dtype)
+        x = rows_first(x, self.sequence_first).to(self.lora_A.weight.dtype)
         delta = self.lora_B(self.lora_A(x))  # (..., d_out); per-sample A, B on an expanded batch
-        return result + (self.scaling * delta).to(result.dtype)
+        return result + rows_first((self.scaling * delta).to(result.dtype), self.sequence_first)
 
     def delta_weight(self, lora_A: Tensor | None = None, lora_B: Tensor | None = None) -> Tensor:
         """``ΔW = (α/r) B_lora A_lora`` `(d_out, d_in)`."""
@@ -238,10 +262,13 @@ class BatchedLinear(nn.Linear):
     """``nn.Linear`` whose weight and bias may carry a leading sample axis (latent layers).
 
     ``module_path`` names the adapted (or latent) module in the network, for errors; set by
-    :func:`~pyrobayes.models.adapters.inject_adapter` and ``make_latent``.
+    :func:`~pyrobayes.models.adapters.inject_adapter` and ``make_latent``. ``sequence_first``
+    (set by ``make_latent``): the network calls the layer on ``(T, S·B, d)`` inputs, as an
+    adapter layer's (:class:`LoRALinear`).
     """
 
     module_path: str = ""
+    sequence_first: bool = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> BatchedLinear:
@@ -257,4 +284,6 @@ class BatchedLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return batched_linear(x, self.weight, self.bias, module_path=self.module_path)
+        x = rows_first(x, self.sequence_first)
+        out = batched_linear(x, self.weight, self.bias, module_path=self.module_path)
+        return rows_first(out, self.sequence_first)

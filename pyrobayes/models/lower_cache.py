@@ -28,7 +28,9 @@ last one, or the scored continuations). A bidirectional encoder computes the pad
 states from the real tokens, and its head may read them (BERT, ELECTRA and DistilBERT pool
 position 0, a padding token under left padding): zeros there would fit another function than
 the plain forward computes, so left padding on it runs the plain forward (logged at INFO,
-once). It falls back to the plain forward otherwise too: other batch keys, left padding without
+once). So does padded data on a network whose lower blocks read the padding (ConvBERT's
+span-based convolution: probed once, on the first padded row, against its real tokens alone;
+INFO). It falls back to the plain forward otherwise too: other batch keys, left padding without
 positions, a 4-d attention mask, dropout in the backbone (``train_backbone_mode``), a trainable
 or pyrobayes module (an adapter, a σNorm member) that runs before block ``i_0``, a block whose
 output is more than its hidden states or whose hidden states are not ``(rows, tokens, ...)``
@@ -74,6 +76,14 @@ _LEFT = (
     "left padding on a network that does not attend causally (a bidirectional encoder): its "
     "padding's hidden states are computed from the real tokens and may be read (BERT pools "
     "position 0)"
+)
+
+
+#: Why data with padding on a network whose lower blocks read the padding runs the plain forward.
+_PADDING = (
+    "the lower blocks' output at an example's real tokens changes with the padding after them "
+    "(ConvBERT's span-based convolution reads it): entries computed without padding would fit "
+    "another function than the padded batches compute"
 )
 
 
@@ -128,6 +138,15 @@ def _span(one: Mapping[str, Tensor]) -> int:
     return int(one["input_ids"].shape[1])
 
 
+class _Probe:
+    """A padded row of the data (its token-aligned inputs, mask included), the run of its real
+    tokens, the key of its entry and, once run, its output at the cut."""
+
+    def __init__(self, row: dict[str, Tensor], start: int, length: int, key: bytes) -> None:
+        self.row, self.start, self.length, self.key = row, start, length, key
+        self.hidden: Tensor | None = None
+
+
 class _Stop(Exception):
     """Raised by the hook on the last lower block: the rest of the forward is not needed."""
 
@@ -167,6 +186,7 @@ class LowerBlockCache:
         #: whether the network attends causally (probed where the data holds left padding)
         self.causal: bool | None = None
         self._told: set[str] = set()  # the reasons a batch ran the plain forward, logged once
+        self._probed: Tensor | None = None  # the probe forward's hidden states at the cut
 
     # ------------------------------------------------------------------ building
     def build(
@@ -182,6 +202,7 @@ class LowerBlockCache:
             return self._off("the backbone is in training mode (dropout)")
         examples: dict[bytes, dict[str, Tensor]] = {}
         width, tokens, left = None, 0, False
+        probe: _Probe | None = None  # the first padded row, and its output at the cut
         for data in datasets:
             for batch in data:
                 net_inputs = network_inputs(batch)
@@ -195,13 +216,19 @@ class LowerBlockCache:
                     left = left or a > 0
                     one = {k: v[i : i + 1, a : a + n] for k, v in host.items()}
                     key = _key(one)
+                    if probe is None and n < int(host["input_ids"].shape[1]):
+                        probe = _Probe(_padded_row(net_inputs, i), a, n, key)
                     if key not in examples:
                         examples[key] = one
                         tokens += n
-                if width is None:
-                    width = self._width(examples, device)
+                if width is None:  # the probe forward runs on the padded row where there is one
+                    width = self._width(
+                        probe.row if probe else next(iter(examples.values())), device
+                    )
                     if width is None:
                         return False
+                    if probe is not None:
+                        probe.hidden, self._probed = self._probed, None
                 if tokens * width > self.max_bytes:
                     return self._off(f"the data's hidden states exceed {self.max_bytes} bytes")
         why = _rope_refusal(self.net, examples.values())
@@ -218,15 +245,14 @@ class LowerBlockCache:
                 return self._off(_LAYOUT)
             for j, (key, _) in enumerate(group):
                 self.entries[key] = hidden[j]
+        if probe is not None and self._reads_padding(probe, device):
+            return self._off(_PADDING, logging.INFO)
         return bool(self.entries)
 
-    def _width(
-        self, examples: Mapping[bytes, Mapping[str, Tensor]], device: torch.device
-    ) -> int | None:
-        """Bytes per token of the entries (from a probe forward of one example), or ``None``
-        when the cache does not apply to the network (what runs before the cut, or blocks that
-        do not run once each, in order)."""
-        one = next(iter(examples.values()))
+    def _width(self, one: Mapping[str, Tensor], device: torch.device) -> int | None:
+        """Bytes per token of the entries (from a probe forward of one row, ``one``: kept in
+        ``_probed``), or ``None`` when the cache does not apply to the network (what runs
+        before the cut, or blocks that do not run once each, in order)."""
         if len({id(block) for block in self.blocks}) != len(self.blocks):
             self._off("the stack of blocks holds one module twice")
             return None
@@ -262,6 +288,7 @@ class LowerBlockCache:
         if hidden.dim() < 2 or tuple(hidden.shape[:2]) != tuple(one["input_ids"].shape):
             self._off(_LAYOUT)
             return None
+        self._probed = hidden.detach()
         return int(hidden[0, 0].numel()) * hidden.element_size()
 
     def _run(self, inputs: Mapping[str, Tensor], device: torch.device | None = None) -> Any:
@@ -326,6 +353,27 @@ class LowerBlockCache:
         if not changed or not isinstance(plain, Tensor) or not isinstance(other, Tensor):
             return False
         return bool(torch.equal(plain[:, : n - 1], other[:, : n - 1]))
+
+    def _reads_padding(self, probe: _Probe, device: torch.device) -> bool:
+        """Whether the lower blocks' output at the real tokens of the padded row of ``probe``
+        differs from its entry's, computed on those tokens alone, by more than rounding: more
+        than ``sqrt(eps)`` of the entry's scale (float32: 3.5e-4; padded and unpadded forwards
+        differ by at most 5e-7 of it on BERT, DistilBERT, ELECTRA, (XLM-)RoBERTa, MPNet,
+        ModernBERT, DeBERTa, MobileBERT and EuroBERT, while ConvBERT's span-based convolution,
+        which reads the padding, moves it by 0.4 of it). The padded row's output is the probe
+        forward's (:meth:`_width`) where it ran on that row: no forward of its own."""
+        full = probe.hidden
+        if full is None:  # the first batch had no padding: one forward of the row
+            output = self._run(probe.row, device)
+            full = output[0] if isinstance(output, tuple) else output
+        alone = self.entries.get(probe.key)
+        if not isinstance(full, Tensor) or alone is None or not alone.is_floating_point():
+            return True
+        full = full[0, probe.start : probe.start + probe.length].to(alone.device)
+        if full.shape != alone.shape:
+            return True
+        tol = torch.finfo(alone.dtype).eps ** 0.5 * max(1.0, float(alone.abs().max()))
+        return bool((full - alone).abs().max() > tol)
 
     def _refusal(self, ran: list[nn.Module], output: Any) -> str | None:
         """Why the cache does not apply: a pyrobayes or trained module runs before the cut, or
@@ -484,6 +532,11 @@ def _rows(net_inputs: Any) -> list[tuple[int, int, int]] | None:
         (i, int(a), int(n))
         for i, (a, n) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True))
     ]
+
+
+def _padded_row(net_inputs: Mapping[str, Any], i: int) -> dict[str, Tensor]:
+    """Row ``i`` of the batch's token-aligned inputs, its padding and mask included (host)."""
+    return {k: v[i : i + 1].detach().cpu() for k, v in net_inputs.items() if k in _KEYS}
 
 
 def _host(net_inputs: Mapping[str, Any]) -> dict[str, Tensor]:
