@@ -586,7 +586,8 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     encoded without special tokens are dropped, so the continuation follows the prompt's own
     tokens, as in lm-evaluation-harness. Tokenizers that append nothing (LLaMA, GPT-2) are
     unchanged (the encoding without special tokens is only computed when a special id ends
-    the encoding)."""
+    the encoding). A BOS token the tokenizer puts before the text is kept even where it is
+    also the end-of-sequence id (OPT's ``</s>``) and ends the encoding of an empty prompt."""
     context = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     special = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -596,6 +597,9 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
         return context
     plain = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     extra = _trailing(context, special) - _trailing(plain, special)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and int(context[0]) == int(bos) and plain[:1] != context[:1]:
+        extra = min(extra, len(context) - 1)  # the BOS before the text is not after it
     return context[: len(context) - extra] if extra > 0 else context
 
 

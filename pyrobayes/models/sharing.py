@@ -25,7 +25,8 @@ choice, and this module runs that work once:
   logged once per network (INFO): a block of the stack that runs more than once in a forward,
   or a lower block after a later one (ALBERT's shared layer groups and inner layers), a stack
   holding one module twice, an output that loses the S-fold rows (a pooled head indexing with
-  the un-expanded ``input_ids``: LLaMA's and Qwen2's sequence classifiers), a one-row batch
+  the un-expanded ``input_ids``: LLaMA's and Qwen2's sequence classifiers) or a forward that
+  fails on them (GPTBigCode reshapes its last hidden states to its input's shape), a one-row batch
   whose blocks take another one-row tensor (shared by the batch or the row's: the leading size
   cannot tell, :func:`_expand`), or a batch with as many rows as MPT has heads (its per-head
   ALiBi biases, shared by the batch, would be taken for the rows', :func:`_bias_refusal`).
@@ -826,6 +827,12 @@ def _expand(value: Any, rows: int, num_samples: int, per_row: bool = False) -> A
     return value
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a device out-of-memory error (no reason to stop sharing: the plain
+    forward needs more memory, not less)."""
+    return isinstance(err, torch.OutOfMemoryError)
+
+
 @contextlib.contextmanager
 def lower_layers_shared(
     blocks: Sequence[nn.Module],
@@ -844,8 +851,10 @@ def lower_layers_shared(
     later calls fall back on entry: a block of the stack runs more than once, or a block of
     ``below`` after a later block (ALBERT's layer groups and inner layers: the lower blocks'
     output at the cut is not the first adapted block's input), or the network's output loses
-    the expanded rows (a head that reads the un-expanded inputs), or a one-row batch whose block
-    arguments cannot be told to carry the row or not (:func:`_expand`).
+    the expanded rows (a head that reads the un-expanded inputs), or fails on them once the
+    first adapted block took them (a ``RuntimeError``: GPTBigCode views its last hidden states
+    to the shape of its un-expanded ``input_ids``), or a one-row batch whose block arguments
+    cannot be told to carry the row or not (:func:`_expand`).
 
     Parameters
     ----------
@@ -875,6 +884,7 @@ def lower_layers_shared(
     position = {id(block): i for i, block in enumerate(stack)}
     ran: list[int] = []  # the stack's blocks called so far in this forward
     declined: list[bool] = []
+    expanded: list[bool] = []  # the first adapted block took the S-fold rows
 
     def refuse(kind: str, why: str) -> Exception:
         declined.append(True)
@@ -903,6 +913,7 @@ def lower_layers_shared(
         why = _bias_refusal(kwargs, rows) if num_samples > 1 else None
         if why is not None:
             raise refuse(f"size={rows}", why)
+        expanded.append(True)
         return _expand_arguments(args, kwargs, rows, num_samples)
 
     def record(module: nn.Module, args: tuple, output: Any) -> None:
@@ -924,6 +935,11 @@ def lower_layers_shared(
                 if not declined and num_samples > 1:  # raised by the caller: rows lost
                     _decline(key, "rows", "the network's output does not keep the S-fold rows")
                 raise
+            except RuntimeError as err:  # on the S-fold rows: the plain forward runs instead
+                if declined or not expanded or num_samples == 1 or _out_of_memory(err):
+                    raise  # (where it fails of its own, it raises again)
+                why = f"the network's forward fails on the S-fold rows: {err}"
+                raise _decline(key, "rows", why) from err
     finally:
         for handle in handles:
             handle.remove()
