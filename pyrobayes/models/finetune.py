@@ -43,10 +43,13 @@ from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 from .likelihoods import Gaussian, Likelihood, OutputKey, make_likelihood
 from .net_checks import (
     HEAD_NAMES,
+    PADDING_CHECKS,
     _check_pad_token,
+    _check_pooled_padding,
     _check_problem_type,
     _refuse_checkpointing,
     _set_backbone_mode,
+    pools_last_non_pad,
     task_head_modules,
 )
 from .peft_import import _peft_to_pyrobayes, _warn_if_dropout
@@ -405,6 +408,8 @@ class FineTuneModel(DrawForward, nn.Module):
         self.likelihood = _make_likelihood(likelihood, obs_scale, choice_token_ids)
         _check_problem_type(net, self.likelihood)
         _check_pad_token(net)
+        # forwards left whose padding is checked against the head's pad token id
+        self._padding_checks = PADDING_CHECKS if pools_last_non_pad(net) else 0
 
         for p in net.parameters():
             p.requires_grad_(False)
@@ -657,6 +662,15 @@ class FineTuneModel(DrawForward, nn.Module):
         return self
 
     # ------------------------------------------------------------------ evaluation
+    def _run(self, inputs: Any) -> Any:
+        """The network on ``inputs`` (:class:`DrawForward`'s), the first padded batch of a
+        classifier that finds the padding by its token id checked against its pad token id
+        (:func:`~pyrobayes.models.net_checks._check_pooled_padding`)."""
+        if self._padding_checks:
+            passed = _check_pooled_padding(self.net, inputs)
+            self._padding_checks = 0 if passed else self._padding_checks - 1
+        return super()._run(inputs)
+
     def log_likelihood(self, params: Tensor, targets: Tensor) -> Tensor:
         """Pointwise ``log p(y_i | θ_s)``: params ``(S, B, ...)`` → ``(S, B)``.
 

@@ -3,24 +3,35 @@
 :func:`task_head_modules`, the modules ``trainable_modules="auto"`` point-estimates, and the
 refusals of a network the model cannot run as asked: a sequence classifier without a pad token,
 a regression or multi-label head under the categorical likelihood, and gradient checkpointing
-under a training backbone.
+under a training backbone. And one check of the batches, on the first forwards: a sequence
+classifier that finds the padding by its token id, given batches padded with another id
+(:func:`_check_pooled_padding`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Mapping
+from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
+from ..batch import flagged_examples
 from .likelihoods import MULTI_LABEL_ADVICE, Categorical, Likelihood
 
-__all__ = ["HEAD_NAMES", "task_head_modules"]
+__all__ = ["HEAD_NAMES", "pools_last_non_pad", "task_head_modules"]
 
 #: Module names treated as the task head of Hugging Face models (trained as point estimates by
 #: ``trainable_modules="auto"``, besides the modules a task model adds outside its base model:
 #: :func:`task_head_modules`).
 HEAD_NAMES = ("classifier", "score", "qa_outputs", "pre_classifier")
+
+#: Forwards of a :func:`pools_last_non_pad` classifier whose batch is checked by
+#: :func:`_check_pooled_padding` until one holding padding passes (one host synchronisation
+#: each): data without padding in so many batches has rows of one length.
+PADDING_CHECKS = 16
 
 
 def task_head_modules(net: nn.Module) -> list[str]:
@@ -71,40 +82,119 @@ def task_head_modules(net: nn.Module) -> list[str]:
     return [n for n, _ in net.named_modules() if n in chosen]
 
 
-def _check_pad_token(net: nn.Module) -> None:
-    """Refuse a sequence classifier that pools at the last non-pad token but has no pad token.
-
-    Such a Hugging Face classifier (GPT-2, LLaMA, Qwen2, Mistral, ... ``ForSequenceClassification``:
-    transformers' ``GenericForSequenceClassification`` and the classes that raise "Cannot handle
-    batch sizes > 1 if no padding token is defined") runs only one row at a time without
-    ``config.pad_token_id``, while every draw of a posterior runs S·B rows.
-    """
-    cls = type(net)
-    if not cls.__name__.endswith("ForSequenceClassification"):
-        return
+def _text_config(net: nn.Module) -> tuple[Any, str]:
+    """The config a Hugging Face classifier reads ``pad_token_id`` from (its text config in a
+    multimodal one) and how a message names it; ``(None, "")`` without a config."""
     config = getattr(net, "config", None)
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if callable(get_text) else config
-    if config is None or getattr(text, "pad_token_id", 0) is not None:
-        return
-    pools_last = False
+    return text, "net.config" if text is config else "net.config.get_text_config()"
+
+
+def pools_last_non_pad(net: nn.Module) -> bool:
+    """Whether ``net`` is a Hugging Face sequence classifier that reads each row at its last
+    token whose id is not ``config.pad_token_id`` (GPT-2, LLaMA, Qwen2, Mistral, ...
+    ``ForSequenceClassification``: transformers' ``GenericForSequenceClassification`` and the
+    classes that raise "Cannot handle batch sizes > 1 if no padding token is defined"), which
+    finds the padding by its token ids, not by the attention mask."""
+    cls = type(net)
+    if not cls.__name__.endswith("ForSequenceClassification"):
+        return False
     with contextlib.suppress(ImportError):
         from transformers.modeling_layers import GenericForSequenceClassification
 
-        pools_last = isinstance(net, GenericForSequenceClassification)
-    if not pools_last:
-        with contextlib.suppress(OSError, TypeError):
-            pools_last = "no padding token" in inspect.getsource(cls.forward)
-    if not pools_last:
+        if isinstance(net, GenericForSequenceClassification):
+            return True
+    with contextlib.suppress(OSError, TypeError):
+        return "no padding token" in inspect.getsource(cls.forward)
+    return False
+
+
+def _check_pad_token(net: nn.Module) -> None:
+    """Refuse a sequence classifier that pools at the last non-pad token but has no pad token
+    (:func:`pools_last_non_pad`): it runs only one row at a time without
+    ``config.pad_token_id``, while every draw of a posterior runs S·B rows."""
+    text, where = _text_config(net)
+    if text is None or getattr(text, "pad_token_id", 0) is not None:
         return
-    where = "net.config" if text is config else "net.config.get_text_config()"
+    if not pools_last_non_pad(net):
+        return
     raise ValueError(
-        f"FineTuneModel: {cls.__name__} reads each sequence's last non-pad token, and its "
+        f"FineTuneModel: {type(net).__name__} reads each sequence's last non-pad token, and its "
         f"{where}.pad_token_id is None, so transformers runs one row at a time only ('Cannot "
         "handle batch sizes > 1 if no padding token is defined'); every posterior draw runs S·B "
         f"rows, even for batches of one. Set {where}.pad_token_id = tokenizer.pad_token_id (a "
         "tokenizer without a pad token: tokenizer.pad_token = tokenizer.eos_token, and "
         f"{where}.pad_token_id = tokenizer.eos_token_id) before building the model."
+    )
+
+
+def _check_pooled_padding(net: nn.Module, inputs: Any) -> bool:
+    """Refuse a batch whose padding a :func:`pools_last_non_pad` classifier would read.
+
+    Such a head pools each row at its last token whose id is not ``pad_token_id`` (the last
+    position with ``inputs_embeds``). A batch padded with another id (a tokenizer whose pad
+    token is not the one the config names, e.g. ``pad_token_id`` set to the EOS id while the
+    collator pads with ``tokenizer.pad_token_id``) is then read at a padding position under
+    right padding: each padded row scores as its last padding token, not as itself, and the
+    fit's lower-block cache, whose padded positions hold zeros, computes yet another
+    function. Rows without padding, and left padding (the last position is real), are read
+    where they should be.
+
+    Parameters
+    ----------
+    net : nn.Module
+        The classifier (:func:`pools_last_non_pad`).
+    inputs : Any
+        The network's keyword arguments; a dict with a 2-d ``attention_mask`` is checked.
+
+    Returns
+    -------
+    bool
+        Whether the batch was checked and holds padding (later batches, padded by the same
+        collator, need no check).
+
+    Raises
+    ------
+    ValueError
+        Naming the rows, the ids found where the head reads and what to set.
+    """
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] == 0:
+        return False
+    ids = inputs.get("input_ids")
+    text, where = _text_config(net)
+    pad = getattr(text, "pad_token_id", None)
+    if isinstance(ids, Tensor) and (pad is None or ids.shape != mask.shape):
+        return False  # no pad token: transformers refuses the batch itself
+    padded = mask == 0
+    if not bool(padded.any()):  # a synchronisation, until a batch with padding passed
+        return False
+    if isinstance(ids, Tensor):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        read = (positions * (ids != pad)).argmax(-1)  # transformers' own choice
+    else:  # inputs_embeds: the last position
+        read = torch.full(mask.shape[:1], mask.shape[1] - 1, device=mask.device)
+    wrong = padded.gather(1, read[:, None]).squeeze(1) & ~padded.all(1)
+    if not bool(wrong.any()):
+        return True
+    rows = flagged_examples(wrong)
+    if isinstance(ids, Tensor):
+        found = sorted(set(ids.gather(1, read[:, None]).squeeze(1)[wrong].tolist()))
+        what = f"padded with token id(s) {found[:4]}, and {where}.pad_token_id is {pad}"
+        fix = (
+            f"Set {where}.pad_token_id to the id the batches are padded with "
+            "(tokenizer.pad_token_id, the collator's), or pad with its id"
+        )
+    else:
+        what = "given as inputs_embeds, where transformers reads the last position"
+        fix = "Pass input_ids, or pad on the left (tokenizer.padding_side = 'left')"
+    raise ValueError(
+        f"FineTuneModel: {type(net).__name__} reads each row at its last token whose id is not "
+        f"{where}.pad_token_id, and in rows {rows} of the batch (its S-fold copy under S "
+        "draws) that token is padding "
+        f"(attention_mask 0): the rows are {what}, so each would be scored as its padding, "
+        f"not as itself. {fix}."
     )
 
 

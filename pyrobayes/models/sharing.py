@@ -853,7 +853,8 @@ def lower_layers_shared(
     output at the cut is not the first adapted block's input), or the network's output loses
     the expanded rows (a head that reads the un-expanded inputs), or fails on them once the
     first adapted block took them (a ``RuntimeError``: GPTBigCode views its last hidden states
-    to the shape of its un-expanded ``input_ids``), or a one-row batch whose block arguments
+    to the shape of its un-expanded ``input_ids``; an ``IndexError``: GPT-NeoX's sequence
+    classifier indexes its logits by them), or a one-row batch whose block arguments
     cannot be told to carry the row or not (:func:`_expand`).
 
     Parameters
@@ -935,7 +936,7 @@ def lower_layers_shared(
                 if not declined and num_samples > 1:  # raised by the caller: rows lost
                     _decline(key, "rows", "the network's output does not keep the S-fold rows")
                 raise
-            except RuntimeError as err:  # on the S-fold rows: the plain forward runs instead
+            except (RuntimeError, IndexError) as err:  # on the S-fold rows: the plain forward runs
                 if declined or not expanded or num_samples == 1 or _out_of_memory(err):
                     raise  # (where it fails of its own, it raises again)
                 why = f"the network's forward fails on the S-fold rows: {err}"
