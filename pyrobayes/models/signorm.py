@@ -125,6 +125,17 @@ def _is_hf_rms(module: nn.Module) -> bool:
     )
 
 
+def _norm_like(module: nn.Module) -> bool:
+    """A module named like a norm layer (``*Norm``, ``*Norm1d``, ...) that :func:`is_norm` does
+    not recognise, for a refusal's message."""
+    name = type(module).__name__
+    return (
+        "Norm" in name
+        and not is_norm(module)
+        and isinstance(getattr(module, "weight", None), Tensor)
+    )
+
+
 def _hook_names(hooks: Sequence[object]) -> str:
     """The hooks' names, for a message: ``['scale', 'Recorder']``."""
     return str([getattr(h, "__qualname__", None) or type(h).__name__ for h in hooks][:4])
@@ -641,9 +652,16 @@ class SigmaNorm:
             specs += inject_adapter(net, self.adapter, **adapter_kwargs)
         norms = [n for n, m in net.named_modules() if n and is_norm(m)]
         if not norms:
+            others = sorted({type(m).__name__ for m in net.modules() if _norm_like(m)})
+            seen = (
+                f" (its {', '.join(others)} computes another formula or keeps its ε elsewhere, "
+                "e.g. Gemma's (1 + w)-scaled RMSNorm)"
+                if others
+                else ""
+            )
             raise ValueError(
                 f"SigmaNorm: {type(net).__name__} has no LayerNorm / BatchNorm / RMSNorm layer "
-                "to turn into member norm layers. Insert one, or use another family."
+                f"σN can convert into member norm layers{seen}. Insert one, or use another family."
             )
         if self.norm_modules == "all":
             _log_unconverted(net)

@@ -530,3 +530,23 @@ def test_members_that_start_identical_are_warned_of():
         warnings.simplefilter("error")  # any source of difference: silent
         pb.posterior(model, "signorm", init_noise=0.0)  # heads re-initialised per member
         pb.posterior(model, "signorm", head_init="copy")  # norm scales perturbed
+
+
+def test_a_network_whose_norms_sigma_n_cannot_convert_is_refused_naming_them():
+    """Gemma's RMSNorm scales by (1 + w) and keeps its ε as ``eps``: σN converts none of its
+    norms, and the refusal names the class it found instead of saying the network has none."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GemmaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    net = transformers.GemmaForSequenceClassification(config)
+    with pytest.raises(ValueError, match=r"its GemmaRMSNorm computes another formula"):
+        pb.models.FineTuneModel(net, pb.models.SigmaNorm(), num_data=8)
