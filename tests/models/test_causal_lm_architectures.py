@@ -298,9 +298,8 @@ def test_an_empty_prompt_keeps_a_bos_that_is_also_the_eos():
     torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
 
 
-def test_a_failure_of_the_network_itself_still_reaches_the_user():
-    """The fallback on a forward that fails on the S-fold rows runs the plain rows, which raise
-    a failure of the network's own (here a block that always fails) as it is."""
+def _adapted_above_block_0() -> tuple[Any, FineTuneModel]:
+    """A three-block tied LLaMA with LoRA on blocks 1 and 2 (block 0 shared by the draws)."""
     net = _net("llama_tied", num_hidden_layers=3)
     model = FineTuneModel(
         net,
@@ -308,6 +307,13 @@ def test_a_failure_of_the_network_itself_still_reaches_the_user():
         likelihood=MultipleChoice(),
         trainable_modules=[],
     )
+    return net, model
+
+
+def test_a_failure_of_the_network_itself_still_reaches_the_user():
+    """The fallback on a forward that fails on the S-fold rows runs the plain rows, which raise
+    a failure of the network's own (here a block that always fails) as it is."""
+    net, model = _adapted_above_block_0()
 
     def fail(module, args):
         raise RuntimeError("block 2 cannot run")
@@ -322,13 +328,7 @@ def test_an_out_of_memory_error_on_the_s_fold_rows_keeps_the_sharing():
     """A device out-of-memory error in an upper block (on the S-fold rows) propagates as it is
     and leaves the lower layers shared: the plain forward needs more memory, not less, so no
     reason to decline (before, any RuntimeError there turned the sharing off for the network)."""
-    net = _net("llama_tied", num_hidden_layers=3)
-    model = FineTuneModel(
-        net,
-        LoRA(rank=2, target_modules=r".*layers\.[12]\.self_attn\.(q_proj|v_proj)"),
-        likelihood=MultipleChoice(),
-        trainable_modules=[],
-    )
+    net, model = _adapted_above_block_0()
     found = model._first_adapted()
     assert found is not None and found[1] == 1
     calls = [0]
