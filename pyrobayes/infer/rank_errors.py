@@ -24,6 +24,7 @@ from .distributed import world
 from .fit_checks import gather_rank_errors
 
 __all__ = [
+    "PASS_REMEDY",
     "run_shared",
     "raise_kept",
     "keep_for_ranks",
@@ -37,14 +38,14 @@ T = TypeVar("T")
 #: What the ranks that did not fail are told to do outside a step.
 PASS_REMEDY = "Fix that rank's error (e.g. its data, or the memory it ran out of) and run it again."
 
-#: The error this process's rank kept for the step's all-reduce (at most one: the first).
-_kept: list[Exception] = []
-
 #: What the ranks that did not fail a step are told to do.
 _STEP_REMEDY = (
     "The fit stopped before updating the parameters at this step; the last checkpoint is "
     "intact. Fix that rank's error (e.g. its batch, or the memory it ran out of) and resume."
 )
+
+#: The error this process's rank kept for the step's all-reduce (at most one: the first).
+_kept: list[Exception] = []
 
 
 def run_shared(compute: Callable[[], T], share_instead: Callable[[], T]) -> T:

@@ -827,12 +827,6 @@ def _expand(value: Any, rows: int, num_samples: int, per_row: bool = False) -> A
     return value
 
 
-def _out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is a device out-of-memory error (no reason to stop sharing: the plain
-    forward needs more memory, not less)."""
-    return isinstance(err, torch.OutOfMemoryError)
-
-
 @contextlib.contextmanager
 def lower_layers_shared(
     blocks: Sequence[nn.Module],
@@ -937,7 +931,8 @@ def lower_layers_shared(
                     _decline(key, "rows", "the network's output does not keep the S-fold rows")
                 raise
             except (RuntimeError, IndexError) as err:  # on the S-fold rows: the plain forward runs
-                if declined or not expanded or num_samples == 1 or _out_of_memory(err):
+                oom = isinstance(err, torch.OutOfMemoryError)  # (plain needs more, not less)
+                if declined or not expanded or num_samples == 1 or oom:
                     raise  # (where it fails of its own, it raises again)
                 why = f"the network's forward fails on the S-fold rows: {err}"
                 raise _decline(key, "rows", why) from err
