@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from . import deploy, signorm
 from .accounting import count_parameters
-from .adapters import IneffectiveCoreWarning, LoRA, LoRAXS, SiteSpec, find_target_modules
+from .adapters import (
+    IneffectiveCoreWarning,
+    LoRA,
+    LoRAXS,
+    SiteSpec,
+    attention_target_modules,
+    find_target_modules,
+)
 from .deploy import merged_network, to_peft
 from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
@@ -21,6 +28,7 @@ __all__ = [
     "LoRAXS",
     "SiteSpec",
     "find_target_modules",
+    "attention_target_modules",
     "IneffectiveCoreWarning",
     "LoRADropoutWarning",
     "LoRALinear",

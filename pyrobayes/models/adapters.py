@@ -41,6 +41,7 @@ __all__ = [
     "LoRA",
     "LoRAXS",
     "find_target_modules",
+    "attention_target_modules",
     "IneffectiveCoreWarning",
     "inject_adapter",
     "make_latent",
@@ -370,33 +371,96 @@ _QUERY_VALUE_NAMES = (
 _FUSED_QKV_NAMES = ("Wqkv", "qkv_proj", "query_key_value", "c_attn", "in_proj")
 
 
-def _attention_hint(net: nn.Module, leaf_names: Sequence[str]) -> str:
-    """The targets naming ``net``'s attention query and value projections (peft's default
-    choice), or its fused query-key-value projection, among ``leaf_names``; ``""`` if none."""
-    names = set(leaf_names)
-    for query, value in _QUERY_VALUE_NAMES:
-        if query in names and value in names:
-            return (
-                f" {type(net).__name__} names its attention query and value projections "
-                f"{query!r} and {value!r}: target_modules=[{query!r}, {value!r}] adapts them"
-                + (" (what ['query', 'value'] adapts on BERT)." if query != "query" else ".")
-            )
-    fused = [name for name in _FUSED_QKV_NAMES if name in names]
-    if fused:
-        return (
-            f" {type(net).__name__} computes attention queries, keys and values in one "
-            f"projection, {fused[0]!r}: target_modules=[{fused[0]!r}] adapts it (the update "
-            "then acts on all three)."
+def attention_target_modules(net: nn.Module) -> list[str]:
+    """The leaf names of ``net``'s attention query and value projections, or of its fused
+    query-key-value projections: the modules a LoRA or LoRA-XS adapter without
+    ``target_modules`` adapts (peft's default choice per architecture, Hu et al. 2022, Sec. 7.1;
+    found here from the names, so an architecture peft's table does not list is covered too).
+
+    Every query/value pair whose two names both name linear layers of ``net`` counts (an
+    encoder-decoder or a vision-text model may use two conventions), and every fused
+    projection. ``[]`` when there is none (an MLP, a convolutional network).
+
+    Parameters
+    ----------
+    net : nn.Module
+
+    Returns
+    -------
+    list of str
+        Leaf names, e.g. ``["query", "value"]`` (BERT), ``["q_proj", "v_proj"]`` (LLaMA),
+        ``["c_attn"]`` (GPT-2), ``["query_key_value"]`` (GPT-NeoX).
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> attention = nn.Module()
+    >>> attention.q_proj, attention.k_proj, attention.v_proj = (nn.Linear(4, 4) for _ in "qkv")
+    >>> attention_target_modules(nn.ModuleDict({"attn": attention, "mlp": nn.Linear(4, 4)}))
+    ['q_proj', 'v_proj']
+    """
+    names = _adaptable_leaf_names(net)
+    pairs = [name for pair in _QUERY_VALUE_NAMES if set(pair) <= names for name in pair]
+    return pairs + [name for name in _FUSED_QKV_NAMES if name in names]
+
+
+def _adaptable_leaf_names(net: nn.Module) -> set[str]:
+    """The last path components of ``net``'s linear layers an adapter could act on."""
+    return {
+        path.rsplit(".", 1)[-1]
+        for module, paths in _module_aliases(net).values()
+        if _is_adaptable(module)
+        for path in paths
+        if _unreachable_reason(module, path, net) is None
+    }
+
+
+def _default_targets(net: nn.Module) -> list[str]:
+    """:func:`attention_target_modules`, logged; an error when ``net`` has none."""
+    names = attention_target_modules(net)
+    if not names:
+        leaf_names = sorted(_adaptable_leaf_names(net))
+        raise ValueError(
+            f"target_modules was not given, and {type(net).__name__} has no attention query "
+            f"and value projections pyrobayes recognises (by name: "
+            f"{', '.join('/'.join(pair) for pair in _QUERY_VALUE_NAMES)}, or a fused "
+            f"{'/'.join(_FUSED_QKV_NAMES)}), which are what the default adapts. Name the "
+            f"modules to adapt: target_modules=[...] from its linear layers {leaf_names[:12]}"
+            f"{' ...' if len(leaf_names) > 12 else ''} (a list of names, each matching a path "
+            "or its dot-separated suffix, or a regex over full paths)."
         )
-    return ""
+    logger.info(
+        "target_modules not given: adapting %s's attention projections %s.",
+        type(net).__name__,
+        names,
+    )
+    return names
 
 
-def _no_match_hint(net: nn.Module, target_modules: Any, leaf_names: Sequence[str] = ()) -> str:
+def _attention_hint(net: nn.Module) -> str:
+    """The default's targets (:func:`attention_target_modules`) named for an error whose
+    targets matched nothing; ``""`` if ``net`` has none."""
+    found = attention_target_modules(net)
+    if not found:
+        return ""
+    fused = [name for name in found if name in _FUSED_QKV_NAMES]
+    what = (
+        f"computes attention queries, keys and values in one projection, {fused[0]!r}"
+        if fused == found
+        else f"names its attention query and value projections {found}"
+    )
+    return (
+        f" {type(net).__name__} {what}: target_modules={found!r} adapts them (leave "
+        "target_modules out for exactly these)."
+    )
+
+
+def _no_match_hint(net: nn.Module, target_modules: Any) -> str:
     """More for the "matched no linear module" error: the network's attention projections
     (:func:`_attention_hint`), peft's ``"all-linear"``, which is no regex here, and a network
     that is itself the one linear layer (no path to name)."""
     if target_modules != "all-linear" and not _is_adaptable(net):
-        return _attention_hint(net, leaf_names)
+        return _attention_hint(net)
     if target_modules == "all-linear":
         return (
             " 'all-linear' is peft's special value (every linear layer but the output layer), "
@@ -413,11 +477,13 @@ def _no_match_hint(net: nn.Module, target_modules: Any, leaf_names: Sequence[str
     return ""
 
 
-def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> list[str]:
+def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str | None) -> list[str]:
     """Paths of the linear modules of ``net`` that ``target_modules`` selects.
 
     A list matches a module whose path equals an entry or ends with ``"." + entry`` (peft's rule);
-    a string is a regular expression that must match the whole path. A module registered under
+    a string is a regular expression that must match the whole path; ``None`` (an adapter's
+    default) selects the attention query and value projections,
+    :func:`attention_target_modules`. A module registered under
     several names (``net.dec = net.enc``) is selected when any of its names matches and is
     returned once, under its first name (the one ``named_modules()`` gives); the adapter layer
     then replaces it under every name.
@@ -425,7 +491,8 @@ def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> 
     Raises
     ------
     ValueError
-        When nothing matches (the message lists the candidate module names); when a list entry
+        When nothing matches (the message lists the candidate module names; for ``None``, when
+        ``net`` has no attention projection pyrobayes recognises by name); when a list entry
         names only modules of a type no adapter supports (a Conv2d, an Embedding, a container:
         only ``nn.Linear`` and GPT-2 ``Conv1D``); when a selected linear layer could never act
         (``nn.MultiheadAttention.out_proj``, which its attention never calls).
@@ -446,6 +513,8 @@ def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> 
         and not isinstance(m, (LoRALinear, LoRAXSLinear))
         and not _inside_adapter(paths, adapter_paths)
     ]
+    if target_modules is None:
+        target_modules = _default_targets(net)
     if isinstance(target_modules, str):
         chosen = _by_regex(target_modules, modules, candidates)
     else:
@@ -464,7 +533,7 @@ def find_target_modules(net: nn.Module, target_modules: Sequence[str] | str) -> 
             f"{type(net).__name__}. Candidate module names: {leaf_names} "
             f"(full paths, e.g. {names[:4]}). Pass some of these, or a regex over full paths."
             + as_regex
-            + _no_match_hint(net, target_modules, leaf_names)
+            + _no_match_hint(net, target_modules)
         )
     for _, paths in chosen:
         for path in paths:
@@ -494,9 +563,12 @@ def _is_collection(value: Any) -> bool:
     )
 
 
-def _checked_targets(value: Any, owner: str) -> Sequence[str] | str:
-    """An adapter's ``target_modules``: a regex (str) as it is, a list or tuple of module names
-    checked, a set as a sorted list (a fixed order for saved files); anything else refused."""
+def _checked_targets(value: Any, owner: str) -> Sequence[str] | str | None:
+    """An adapter's ``target_modules``: ``None`` (the default: the attention projections), a
+    regex (str) as it is, a list or tuple of module names checked, a set as a sorted list (a
+    fixed order for saved files); anything else refused."""
+    if value is None:
+        return None
     if isinstance(value, str):
         try:
             re.compile(value)
@@ -529,8 +601,11 @@ class LoRA:
         r, the adapter rank.
     alpha : float, optional
         Scaling numerator; defaults to ``rank`` (scaling 1).
-    target_modules : list of str or str
-        Module names (suffix match) or a regex over full module paths.
+    target_modules : list of str or str, optional
+        Module names (suffix match) or a regex over full module paths. By default the
+        network's attention query and value projections, found by their names
+        (:func:`attention_target_modules`: ``query``/``value`` on BERT, ``q_proj``/``v_proj``
+        on LLaMA, the fused ``c_attn`` on GPT-2, ...), as Hu et al. (2022, Sec. 7.1) adapt.
     latent : {"AB", "A"}
         Which factors are latent sites. ``"AB"`` (default): both, ``q(A, B)`` (Bayes by
         Backprop over the adapter, Blundell et al. 2015). ``"A"``: only ``A``; every ``B`` is a
@@ -542,7 +617,7 @@ class LoRA:
 
     rank: int = 8
     alpha: float | None = None
-    target_modules: Sequence[str] | str = field(default_factory=lambda: ["query", "value"])
+    target_modules: Sequence[str] | str | None = None
     latent: str = "AB"
     kind: str = field(default="lora", init=False)
 
@@ -619,11 +694,13 @@ class LoRA:
                 "fresh adapter."
             )
         targets = config.target_modules
-        if targets is None:
+        if targets is None:  # peft's per-architecture table is not always the attention's
             raise ValueError(
                 "LoRA.from_peft: the LoraConfig has target_modules=None (peft picks defaults "
-                "per architecture when it wraps a model); name the modules, e.g. "
-                "target_modules=['query', 'value'], or pass the peft-wrapped model itself."
+                "per model type when it wraps a model, e.g. q_proj, v_proj, fc1 and fc2 on "
+                "Phi); name the modules, or pass the peft-wrapped model itself. pyrobayes' "
+                "LoRA() without target_modules adapts the attention query and value "
+                "projections found by name (pyrobayes.models.adapters.attention_target_modules)."
             )
         if isinstance(targets, set):
             targets = sorted(targets)
@@ -634,9 +711,7 @@ class LoRA:
             "kind": self.kind,
             "rank": self.rank,
             "alpha": self.alpha,
-            "target_modules": self.target_modules
-            if isinstance(self.target_modules, str)
-            else list(self.target_modules),
+            "target_modules": _targets_to_dict(self.target_modules),
         }
         if self.latent != "AB":  # files saved before the option (both latent) still match
             out["latent"] = self.latent
@@ -658,8 +733,9 @@ class LoRAXS:
     projection : {"svd", "wsvd", "dct", "random"}
         How the frozen bases are built from W0 (see :mod:`pyrobayes.models.projections`).
         ``"wsvd"`` needs input statistics: pass ``calibration_data`` to ``FineTuneModel``.
-    target_modules : list of str or str
-        Module names (suffix match) or a regex over full module paths.
+    target_modules : list of str or str, optional
+        Module names (suffix match) or a regex over full module paths; by default the
+        network's attention query and value projections (:func:`attention_target_modules`).
     init_scale : float
         Initial core entries are drawn from N(0, init_scale²) (1e-5: the pretrained function).
     moment : {"centered", "second"}
@@ -671,7 +747,7 @@ class LoRAXS:
     rank: int = 8
     alpha: float | None = None
     projection: str = "svd"
-    target_modules: Sequence[str] | str = field(default_factory=lambda: ["query", "value"])
+    target_modules: Sequence[str] | str | None = None
     init_scale: float = 1e-5
     moment: str = "centered"
     seed: int = 0
@@ -701,13 +777,16 @@ class LoRAXS:
             "rank": self.rank,
             "alpha": self.alpha,
             "projection": self.projection,
-            "target_modules": self.target_modules
-            if isinstance(self.target_modules, str)
-            else list(self.target_modules),
+            "target_modules": _targets_to_dict(self.target_modules),
             "init_scale": self.init_scale,
             "moment": self.moment,
             "seed": self.seed,
         }
+
+
+def _targets_to_dict(targets: Sequence[str] | str | None) -> list[str] | str | None:
+    """``target_modules`` as a saved file holds it (a list, a regex, or ``None``)."""
+    return targets if targets is None or isinstance(targets, str) else list(targets)
 
 
 def adapter_from_dict(config: dict[str, Any]) -> Any:

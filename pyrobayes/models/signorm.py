@@ -629,7 +629,7 @@ class SigmaNorm:
         self.init_logit = check_init_logit(self.init_logit, "SigmaNorm: ")
 
     @property
-    def target_modules(self) -> Sequence[str] | str:
+    def target_modules(self) -> Sequence[str] | str | None:
         """The inner adapter's targets (what LoRA / LoRA-XS code paths read)."""
         return self.adapter.target_modules if self.adapter is not None else []
 

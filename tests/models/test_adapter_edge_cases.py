@@ -310,7 +310,7 @@ def _mlp() -> nn.Sequential:
 @pytest.mark.parametrize(
     ("targets", "error", "match"),
     [
-        (None, TypeError, r"target_modules must be a list of module names .* got None"),
+        (1.5, TypeError, r"target_modules must be a list of module names .* got 1\.5"),
         ([0], TypeError, r"target_modules entries must be module paths \(str\); got 0 \(int\)"),
         (["0", None], TypeError, r"target_modules entries .* got None"),
         (b"0", TypeError, r"target_modules must be .* got b'0'"),

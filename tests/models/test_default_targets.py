@@ -1,0 +1,134 @@
+"""An adapter without ``target_modules`` adapts the network's attention query and value
+projections, found by name, on every architecture (not only BERT's ``query`` / ``value``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import pyrobayes as pb
+from pyrobayes.models import FineTuneModel, LoRA, LoRAXS
+from pyrobayes.models.adapters import adapter_from_dict, attention_target_modules
+
+transformers = pytest.importorskip("transformers")
+peft_constants = pytest.importorskip("peft.utils.constants")
+
+#: the predictions here come from a network as built, on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::pyrobayes.fitted_head.NeverFittedWarning")
+
+SMALL = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _net(model_type: str) -> nn.Module:
+    """A tiny Hugging Face model of ``model_type`` built from its config (width 16)."""
+    t = transformers
+    built = {
+        "bert": lambda: t.BertModel(t.BertConfig(**SMALL, hidden_size=16, intermediate_size=32)),
+        "llama": lambda: t.LlamaForCausalLM(
+            t.LlamaConfig(**SMALL, hidden_size=16, intermediate_size=32)
+        ),
+        "gpt2": lambda: t.GPT2LMHeadModel(
+            t.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2)
+        ),
+        "gpt_neox": lambda: t.GPTNeoXForCausalLM(
+            t.GPTNeoXConfig(**SMALL, hidden_size=16, intermediate_size=32)
+        ),
+        "opt": lambda: t.OPTForCausalLM(
+            t.OPTConfig(
+                vocab_size=64,
+                hidden_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                ffn_dim=32,
+                word_embed_proj_dim=16,
+            )
+        ),  # fmt: skip
+        "t5": lambda: t.T5ForConditionalGeneration(
+            t.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        ),
+        "bart": lambda: t.BartForConditionalGeneration(
+            t.BartConfig(
+                vocab_size=64,
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+            )
+        ),  # fmt: skip
+        "deberta-v2": lambda: t.DebertaV2Model(
+            t.DebertaV2Config(**SMALL, hidden_size=16, intermediate_size=32)
+        ),
+        "codegen": lambda: t.CodeGenForCausalLM(
+            t.CodeGenConfig(vocab_size=64, n_embd=16, n_layer=2, n_head=2, rotary_dim=4)
+        ),
+        "bloom": lambda: t.BloomForCausalLM(
+            t.BloomConfig(vocab_size=64, hidden_size=16, n_layer=2, n_head=2)
+        ),
+    }
+    torch.manual_seed(0)
+    return built[model_type]()
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["bert", "llama", "gpt2", "gpt_neox", "opt", "t5", "bart", "deberta-v2", "codegen", "bloom"],
+)
+def test_the_default_adapts_what_peft_adapts_by_default(model_type) -> None:
+    """peft's table of default targets per model type is the oracle (its entries for these
+    architectures are their attention query / value or fused projections)."""
+    expected = peft_constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[model_type]
+    net = _net(model_type)
+    assert attention_target_modules(net) == expected
+    model = FineTuneModel(net, LoRAXS(rank=2), num_data=8)
+    adapted = {s.module_path for s in model.latent_sites.values()}
+    paths = {p for p, m in _net(model_type).named_modules() if p.rsplit(".", 1)[-1] in expected}
+    assert adapted == paths and adapted
+
+
+def test_the_default_logs_what_it_adapts_and_equals_the_names_given(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="pyrobayes.models.adapters"):
+        default = FineTuneModel(_net("llama"), LoRA(rank=2), num_data=8)
+    assert "adapting LlamaForCausalLM's attention projections ['q_proj', 'v_proj']" in caplog.text
+    named = FineTuneModel(
+        _net("llama"), LoRA(rank=2, target_modules=["q_proj", "v_proj"]), num_data=8
+    )
+    assert {k: v.shape for k, v in default.latent_sites.items()} == {
+        k: v.shape for k, v in named.latent_sites.items()
+    }
+
+
+def test_a_network_without_attention_projections_is_told_to_name_its_modules() -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"target_modules was not given.*Sequential.*\['0', '2'\]"):
+        FineTuneModel(net, LoRA(rank=2), num_data=8)
+
+
+def test_a_saved_default_adapter_reloads_onto_the_same_modules(tmp_path) -> None:
+    model = FineTuneModel(_net("gpt2"), LoRAXS(rank=2), num_data=8)
+    assert model.adapter.to_dict()["target_modules"] is None
+    guide = pb.posterior(model, "map")
+    pb.save(guide, tmp_path / "posterior.safetensors")
+    other = FineTuneModel(_net("gpt2"), LoRAXS(rank=2), num_data=8)
+    reloaded = pb.load(tmp_path / "posterior.safetensors", other)
+    assert list(reloaded.model.latent_sites) == list(model.latent_sites)
+    for name, tensor in guide.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], tensor, rtol=0, atol=0)
+    again = adapter_from_dict(model.adapter.to_dict())
+    assert again.target_modules is None and again == model.adapter
+
+
+def test_a_peft_config_without_targets_is_still_refused_with_the_default_named() -> None:
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match=r"target_modules=None.*fc1 and fc2 on Phi.*LoRA\(\)"):
+        LoRA.from_peft(peft.LoraConfig(r=2, lora_alpha=4))
+
+
+def test_an_explicit_name_that_matches_nothing_names_the_default() -> None:
+    with pytest.raises(ValueError, match=r"target_modules=\['c_attn'\] adapts them"):
+        FineTuneModel(_net("gpt2"), LoRA(rank=2, target_modules=["query", "value"]), num_data=8)
