@@ -15,7 +15,8 @@ with a zero-shot row (the base network, no adapter) first. A config (TOML, read 
                            (bigbench), adapter and config (hf), template and field names
                            (json), fractions (bigbench, json), split_seed, num_fewshot,
                            batch_size, num_train / num_val / num_test (0: all of the split)
-    [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules; LoRA-XS
+    [adapter]              kind ("lora" or "lora_xs"), rank, alpha, target_modules (unset: the
+                           model's attention query / value projections, found by name); LoRA-XS
                            also projection ("svd", "dct", "random"), init_scale and seed
                            (the random projection's; the same bases for every job seed)
     families, seeds        the families (as LM_FAMILY_SETTINGS, else the demo's
@@ -199,7 +200,7 @@ def _skeleton(config: dict[str, Any]) -> torch.nn.Module | None:
 def _check_targets(config: dict[str, Any], net: torch.nn.Module) -> None:
     """``adapter.target_modules`` must select some linear module of ``net``."""
     try:
-        find_target_modules(net, config["adapter"]["target_modules"])
+        find_target_modules(net, config["adapter"].get("target_modules"))
     except ValueError as err:
         raise ConfigError(f"Config key 'adapter.target_modules': {err}") from None
 
@@ -415,7 +416,9 @@ def _settings(family: str) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k != "adapter"}
 
 
-def member_norm_paths(net: torch.nn.Module, target_modules: Sequence[str] | str) -> list[str]:
+def member_norm_paths(
+    net: torch.nn.Module, target_modules: Sequence[str] | str | None
+) -> list[str]:
     """The norm layers (LLaMA's ``RMSNorm``) inside the decoder blocks that hold a module of
     ``target_modules``: the σN members' own layers in this job. The blocks below the first
     adapted one keep their pretrained norms, so they stay shared by every member (one backward
@@ -457,9 +460,7 @@ def build_model(
     ``family``'s own where :data:`LM_FAMILY_SETTINGS` gives an ``adapter`` callable (σN: member
     norm layers around it, :func:`member_norm_paths`)."""
     torch.manual_seed(seed)
-    adapter: Any = adapter_from_dict(
-        {**config["adapter"], "target_modules": config["adapter"]["target_modules"]}
-    )
+    adapter: Any = adapter_from_dict(dict(config["adapter"]))
     transform = LM_FAMILY_SETTINGS.get(family or "", {}).get("adapter")
     if transform is not None:
         adapter = transform(adapter, base)

@@ -79,7 +79,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
             "num_test": 0,
         },
     },
-    "adapter": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
+    # adapter.target_modules unset: the model's attention query / value projections, found by
+    # name (q_proj/v_proj on LLaMA, query_key_value on GPT-NeoX, c_attn on GPT-2, ...)
+    "adapter": {"kind": "lora", "rank": 8, "alpha": 16.0},
     "prior_scale": 1.0,
     "families": ["map", "laplace"],
     "seeds": [0],
@@ -128,6 +130,7 @@ LM_CHOICES = {
 
 #: The keys the defaults leave unset, typed as the demo's (:data:`OPTIONAL_KEYS`).
 _OPTIONAL = {
+    "adapter.target_modules",
     "adapter.projection",
     "adapter.init_scale",
     "adapter.moment",
@@ -195,8 +198,6 @@ def _check_value(path: str, value: Any, default: Any) -> None:
         ok = isinstance(value, list) and all(
             isinstance(v, kinds) and not isinstance(v, bool) for v in value
         )
-        if path == "adapter.target_modules" and isinstance(value, str):
-            ok = True
     else:
         ok = isinstance(value, type(default))
     if not ok and isinstance(default, list) and isinstance(value, list):  # name the element
@@ -234,14 +235,26 @@ def _check_value(path: str, value: Any, default: Any) -> None:
             "by save_pretrained (or one holding causal_lm.gguf_file), a Hugging Face model id in "
             f"the local cache, or {TINY_LLAMA!r} (the config-built test model)."
         )
-    if path == "adapter.target_modules":
-        check_target_modules(
-            value, '["q_proj", "v_proj"]', r"'model\.layers\.\d+\.self_attn\.(q_proj|v_proj)'"
+
+
+def _check_targets_key(value: Any) -> None:
+    """``adapter.target_modules``: a regex or a list of module names (unset: the attention's)."""
+    if not isinstance(value, (str, list)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(
+            f"Config key 'adapter.target_modules' must be a string (a regex over full module "
+            f'paths) or a list of module names like ["q_proj", "v_proj"], but got {value!r}; '
+            "leave it out to adapt the model's attention query and value projections."
         )
+    check_target_modules(
+        value, '["q_proj", "v_proj"]', r"'model\.layers\.\d+\.self_attn\.(q_proj|v_proj)'"
+    )
 
 
 def _check_optional(path: str, value: Any) -> None:
     """The keys the defaults leave unset (:data:`_OPTIONAL`): the demo's types and choices."""
+    if path == "adapter.target_modules":
+        _check_targets_key(value)
+        return
     types = OPTIONAL_KEYS[path]
     ok = any(
         isinstance(value, (int, float)) and math.isfinite(value)

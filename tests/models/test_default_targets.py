@@ -132,3 +132,19 @@ def test_a_peft_config_without_targets_is_still_refused_with_the_default_named()
 def test_an_explicit_name_that_matches_nothing_names_the_default() -> None:
     with pytest.raises(ValueError, match=r"target_modules=\['c_attn'\] adapts them"):
         FineTuneModel(_net("gpt2"), LoRA(rank=2, target_modules=["query", "value"]), num_data=8)
+
+
+def test_the_causal_lm_job_adapts_the_attention_of_any_decoder_by_default() -> None:
+    """The multiple-choice job leaves ``adapter.target_modules`` unset: LLaMA's q_proj/v_proj
+    as before, GPT-NeoX's fused query_key_value (the old default, q_proj/v_proj, matched none)."""
+    from pyrobayes.demo import causal_lm
+    from pyrobayes.demo.pipeline import ConfigError
+
+    config = causal_lm.resolve_config({"families": ["map"], "causal_lm": {"task": {"path": "t"}}})
+    assert "target_modules" not in config["adapter"]
+    for model_type, names in (("llama", {"q_proj", "v_proj"}), ("gpt_neox", {"query_key_value"})):
+        net = _net(model_type)
+        model = causal_lm.build_model(config, net, num_data=8, seed=0)
+        assert {s.module_path.rsplit(".", 1)[-1] for s in model.latent_sites.values()} == names
+    with pytest.raises(ConfigError, match=r"'adapter.target_modules' must be a string .* got 3"):
+        causal_lm.resolve_config({"families": ["map"], "adapter": {"target_modules": 3}})
