@@ -51,7 +51,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "rank": 8,
         "alpha": 16.0,
         # the top half of MiniLM's layers: backward stops at the first adapted layer, which
-        # halves a training step on CPU (all layers: target_modules = ["query", "value"])
+        # halves a training step on CPU (all layers: target_modules = ["query", "value"]); with
+        # another model.name and no target_modules of the user's, the model's attention query
+        # and value projections, found by name (resolve_config)
         "target_modules": r"bert\.encoder\.layer\.[345]\.attention\.self\.(query|value)",
     },
     "prior_scale": 1.0,
@@ -704,6 +706,8 @@ def resolve_config(user: dict[str, Any] | None = None, *, quick: bool = False) -
         for key in _LORA_XS_ONLY:
             config["adapter"].pop(key, None)
     config = merge_config(config, user)
+    if config["model"]["name"] != "minilm" and "target_modules" not in user.get("adapter", {}):
+        del config["adapter"]["target_modules"]  # MiniLM's own paths: the attention's instead
     check_patience_needs_best(user, config)
     return config
 

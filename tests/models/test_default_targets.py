@@ -148,3 +148,33 @@ def test_the_causal_lm_job_adapts_the_attention_of_any_decoder_by_default() -> N
         assert {s.module_path.rsplit(".", 1)[-1] for s in model.latent_sites.values()} == names
     with pytest.raises(ConfigError, match=r"'adapter.target_modules' must be a string .* got 3"):
         causal_lm.resolve_config({"families": ["map"], "adapter": {"target_modules": 3}})
+
+
+def _distilbert_folder(path) -> str:
+    """A saved tiny DistilBERT classifier with a word-piece tokenizer (no download)."""
+    t = transformers
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "film"]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    t.DistilBertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    config = t.DistilBertConfig(
+        vocab_size=len(vocab), dim=16, n_layers=2, n_heads=2, hidden_dim=32, num_labels=2
+    )
+    t.DistilBertForSequenceClassification(config).save_pretrained(path)
+    return str(path)
+
+
+def test_the_classification_job_adapts_another_models_attention_by_default(tmp_path) -> None:
+    """``pyrobayes fit``'s default targets are MiniLM's own paths; with another ``model.name``
+    and no ``adapter.target_modules`` it adapts that model's attention (DistilBERT's q_lin and
+    v_lin: MiniLM's regex matched none of its modules)."""
+    from pyrobayes.demo import config as demo_config
+    from pyrobayes.demo.pipeline import build_model
+
+    assert "target_modules" in demo_config.resolve_config({})["adapter"]  # MiniLM's paths kept
+    config = demo_config.resolve_config({"model": {"name": _distilbert_folder(tmp_path)}})
+    assert "target_modules" not in config["adapter"]
+    model, _ = build_model(config, num_data=8)
+    adapted = {s.module_path.rsplit(".", 1)[-1] for s in model.latent_sites.values()}
+    assert adapted == {"q_lin", "v_lin"}
+    named = {"model": {"name": str(tmp_path)}, "adapter": {"target_modules": ["q_lin"]}}
+    assert demo_config.resolve_config(named)["adapter"]["target_modules"] == ["q_lin"]
