@@ -357,9 +357,12 @@ def _by_names(targets: list[str], net: nn.Module, modules: _Found, candidates: _
 
 
 #: Leaf names of attention query and value projections, by architecture family: BERT's (and
-#: ELECTRA's, RoBERTa's ...), DistilBERT's and XLM's (FlauBERT), LLaMA-likes' (EuroBERT),
-#: DeBERTa-v2's, Funnel's, MPNet's. And of fused query-key-value projections: ModernBERT's,
-#: Phi-3's, GPT-NeoX's, GPT-2's, DeBERTa's.
+#: ELECTRA's, RoBERTa's, ViT's ...), DistilBERT's and XLM's (FlauBERT), LLaMA-likes' (EuroBERT,
+#: CLIP, Whisper), DeBERTa-v2's, Funnel's, MPNet's and T5's, Meta's reference LLaMA's, and the
+#: ``to_q`` / ``to_v`` of diffusers and many hand-written attentions. And of fused
+#: query-key-value projections: ModernBERT's and MPT's, Phi-3's and CodeGen's, GPT-NeoX's,
+#: BLOOM's and Falcon's, GPT-2's, DeBERTa's, timm's and torchvision's Swin ``qkv``,
+#: InternLM2's, Baichuan's, and ``to_qkv``.
 _QUERY_VALUE_NAMES = (
     ("query", "value"),
     ("q_lin", "v_lin"),
@@ -367,8 +370,20 @@ _QUERY_VALUE_NAMES = (
     ("query_proj", "value_proj"),
     ("q_head", "v_head"),
     ("q", "v"),
+    ("wq", "wv"),
+    ("to_q", "to_v"),
 )
-_FUSED_QKV_NAMES = ("Wqkv", "qkv_proj", "query_key_value", "c_attn", "in_proj")
+_FUSED_QKV_NAMES = (
+    "Wqkv",
+    "qkv_proj",
+    "query_key_value",
+    "c_attn",
+    "in_proj",
+    "qkv",
+    "wqkv",
+    "W_pack",
+    "to_qkv",
+)
 
 
 def attention_target_modules(net: nn.Module) -> list[str]:
@@ -420,6 +435,17 @@ def _default_targets(net: nn.Module) -> list[str]:
     names = attention_target_modules(net)
     if not names:
         leaf_names = sorted(_adaptable_leaf_names(net))
+        fused_parameter = next(
+            (p for p, m in net.named_modules() if isinstance(m, nn.MultiheadAttention)), None
+        )
+        mha = (
+            f" Its attention {fused_parameter!r} is an nn.MultiheadAttention, whose query, key "
+            "and value projection is one parameter (in_proj_weight), not a layer an adapter "
+            "can wrap, and whose out_proj it never calls: adapt the linear layers around it "
+            "(nn.TransformerEncoderLayer's feed-forward 'linear1' and 'linear2')."
+            if fused_parameter is not None
+            else ""
+        )
         raise ValueError(
             f"target_modules was not given, and {type(net).__name__} has no attention query "
             f"and value projections pyrobayes recognises (by name: "
@@ -427,7 +453,7 @@ def _default_targets(net: nn.Module) -> list[str]:
             f"{'/'.join(_FUSED_QKV_NAMES)}), which are what the default adapts. Name the "
             f"modules to adapt: target_modules=[...] from its linear layers {leaf_names[:12]}"
             f"{' ...' if len(leaf_names) > 12 else ''} (a list of names, each matching a path "
-            "or its dot-separated suffix, or a regex over full paths)."
+            "or its dot-separated suffix, or a regex over full paths)." + mha
         )
     logger.info(
         "target_modules not given: adapting %s's attention projections %s.",

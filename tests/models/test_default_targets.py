@@ -178,3 +178,39 @@ def test_the_classification_job_adapts_another_models_attention_by_default(tmp_p
     assert adapted == {"q_lin", "v_lin"}
     named = {"model": {"name": str(tmp_path)}, "adapter": {"target_modules": ["q_lin"]}}
     assert demo_config.resolve_config(named)["adapter"]["target_modules"] == ["q_lin"]
+
+
+class _Attention(nn.Module):
+    """A hand-written attention whose projections are named ``names`` (Linear 8 -> 8 each)."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        for name in names:
+            self.add_module(name, nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (("qkv", "proj"), ["qkv"]),  # timm's ViT, torchvision's Swin
+        (("wq", "wk", "wv", "wo"), ["wq", "wv"]),  # Meta's reference LLaMA
+        (("to_q", "to_k", "to_v", "to_out"), ["to_q", "to_v"]),  # diffusers, hand-written
+        (("to_qkv", "to_out"), ["to_qkv"]),
+        (("q", "k", "v", "o"), ["q", "v"]),  # T5, MPNet
+        (("q_proj", "k_proj", "v_proj", "qkv"), ["q_proj", "v_proj", "qkv"]),  # two conventions
+        (("q_proj", "k_proj"), []),  # a query without its value is no pair
+    ],
+)
+def test_the_default_finds_the_usual_names_of_hand_written_attentions(names, expected) -> None:
+    net = nn.ModuleDict({"attn": _Attention(*names), "mlp": nn.Linear(8, 8)})
+    assert attention_target_modules(net) == expected
+
+
+def test_multihead_attention_is_named_with_the_layers_to_adapt_instead() -> None:
+    """nn.TransformerEncoderLayer's attention has no projection layer an adapter can wrap."""
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    net = nn.Sequential(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False))
+    with pytest.raises(ValueError, match=r"nn\.MultiheadAttention.*in_proj_weight.*'linear1'"):
+        FineTuneModel(net, LoRA(rank=2), num_data=8)
+    model = FineTuneModel(net, LoRA(rank=2, target_modules=["linear1", "linear2"]), num_data=8)
+    assert len(model.latent_sites) == 8  # 2 layers x 2 linears x (A, B)
