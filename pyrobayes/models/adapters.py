@@ -223,22 +223,52 @@ def _module_aliases(net: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
     return found
 
 
-def _unreachable_reason(module: nn.Module, path: str, net: nn.Module) -> str | None:
-    """Why an adapter on the linear ``module`` at ``path`` could never act, or ``None``.
+#: Modules (``module.qualname`` of a class in the module's MRO) that read some linear children's
+#: ``weight`` and ``bias`` themselves and never call them: torchvision's Swin attention passes
+#: ``qkv`` and ``proj`` to its ``shifted_window_attention`` (``F.linear`` on the tensors).
+_READ_DIRECTLY = {
+    "torchvision.models.swin_transformer.ShiftedWindowAttention": ("qkv", "proj"),
+}
 
-    ``nn.MultiheadAttention`` reads ``out_proj.weight`` / ``.bias`` itself (``F.multi_head_
-    attention_forward``) and never calls ``out_proj``, so a layer put there is never run.
+
+def _read_directly(path: str, net: nn.Module) -> str | None:
+    """How the parent of the linear layer at ``path`` reads its ``weight`` without calling it,
+    or ``None`` when it calls it.
+
+    ``nn.MultiheadAttention`` reads ``out_proj.weight`` / ``.bias`` itself
+    (``F.multi_head_attention_forward``); torchvision's Swin attention its ``qkv`` and ``proj``
+    (:data:`_READ_DIRECTLY`). A layer put there is never run, and a latent weight there holds
+    S draws the reader cannot take.
     """
     parent_path, _, child = path.rpartition(".")
     parent = net.get_submodule(parent_path) if parent_path else net
     if child == "out_proj" and isinstance(parent, nn.MultiheadAttention):
         return (
             f"{path!r} is the output projection of the nn.MultiheadAttention {parent_path!r}, "
-            "which reads out_proj.weight and out_proj.bias directly and never calls out_proj, "
-            "so an adapter there could never act. Leave it out of target_modules (a regex over "
-            "full paths can skip it), or adapt the linear layers around the attention"
+            "which reads out_proj.weight and out_proj.bias directly and never calls out_proj"
         )
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(parent).__mro__}
+    for reader, children in _READ_DIRECTLY.items():
+        if reader in names and child in children:
+            return (
+                f"{path!r} is the {child} projection of {type(parent).__name__} "
+                f"{parent_path!r} (torchvision), which passes {child}.weight and {child}.bias "
+                "to F.linear itself and never calls the layer"
+            )
     return None
+
+
+def _unreachable_reason(module: nn.Module, path: str, net: nn.Module) -> str | None:
+    """Why an adapter on the linear ``module`` at ``path`` could never act, or ``None``
+    (:func:`_read_directly`)."""
+    how = _read_directly(path, net)
+    if how is None:
+        return None
+    return (
+        f"{how}, so an adapter there could never act. Leave it out of target_modules (a regex "
+        "over full paths can skip it), or adapt the linear layers around the attention (a "
+        "block's MLP)"
+    )
 
 
 #: Modules (``module.qualname`` of a class in the module's MRO) that call their linear children
@@ -1137,6 +1167,13 @@ def _latent_candidate(net: nn.Module, path: str) -> nn.Linear:
             "Turn it into a plain weight first: torch.nn.utils.parametrize."
             f"remove_parametrizations(net.get_submodule({path!r}), 'weight') (the older "
             "torch.nn.utils.weight_norm: torch.nn.utils.remove_weight_norm)."
+        )
+    how = _read_directly(path, net)
+    if how is not None:
+        raise ValueError(
+            f"latent_modules: {how}, so S draws of a latent weight there would reach a function "
+            f"that takes one matrix. Remove {path!r} from latent_modules, or make latent the "
+            "linear layers around the attention (a block's MLP, the head)."
         )
     if type(module).forward is not nn.Linear.forward:
         raise TypeError(

@@ -49,6 +49,7 @@ from .net_checks import (
     _check_problem_type,
     _refuse_checkpointing,
     _set_backbone_mode,
+    _warn_if_output_frozen_at_zero,
     pools_last_non_pad,
     task_head_modules,
 )
@@ -432,6 +433,7 @@ class FineTuneModel(DrawForward, nn.Module):
         )
         _check_tied_adapter_bases(self.net, adapted, self.point_params)
         self.point_params.update(self._point_lora_factors(specs))
+        _warn_if_output_frozen_at_zero(self.net, self.point_params)
         names = [s.param_name for s in specs]
         _check_tied_sites(self.net, names, names, self.point_params)
         if isinstance(self.likelihood, Gaussian) and self.likelihood.raw_scale is not None:

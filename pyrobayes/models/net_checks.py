@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import flagged_examples
+from ..user_frame import user_stacklevel
+from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
 from .likelihoods import MULTI_LABEL_ADVICE, Categorical, Likelihood
 
 __all__ = ["HEAD_NAMES", "pools_last_non_pad", "task_head_modules"]
@@ -195,6 +198,44 @@ def _check_pooled_padding(net: nn.Module, inputs: Any) -> bool:
         "draws) that token is padding "
         f"(attention_mask 0): the rows are {what}, so each would be scored as its padding, "
         f"not as itself. {fix}."
+    )
+
+
+def _warn_if_output_frozen_at_zero(net: nn.Module, point_params: Mapping[str, Tensor]) -> None:
+    """Warn when the network's last ``nn.Linear`` (its output layer, in module order) is frozen
+    with an all-zero weight: the output is then its bias for every input and every draw.
+
+    torchvision initialises a new classification head to zeros (``VisionTransformer``'s
+    ``heads.head``, ``SwinTransformer``'s ``head``) and names it so that
+    ``trainable_modules="auto"`` (:func:`task_head_modules`) does not find it: left frozen,
+    the adapter's updates never reach the output, and the fit learns nothing (a uniform
+    predictive, a loss that does not move). Latent and adapted layers are not frozen."""
+    inside = (LoRALinear, LoRAXSLinear)  # an adapted layer's frozen base and factors
+    adapters = [path + "." for path, m in net.named_modules() if isinstance(m, inside)]
+    linears = [
+        (path, m)
+        for path, m in net.named_modules()
+        if isinstance(m, nn.Linear)
+        and not isinstance(m, BatchedLinear)
+        and not path.startswith(tuple(adapters))
+    ]
+    if not linears:
+        return
+    path, head = linears[-1]
+    trained = {id(p) for p in point_params.values()}
+    if any(id(p) in trained for p in head.parameters()) or bool(head.weight.any()):
+        return
+    warnings.warn(
+        f"FineTuneModel: the network's last linear layer {path!r} ({head}), its output layer, "
+        "is frozen with an all-zero weight (as torchvision initialises a new classification "
+        "head), so the network's output is its bias for every input and every draw: the "
+        "adapter cannot reach it and a fit learns nothing. Train it as a point estimate, "
+        f"trainable_modules=[{path!r}] (trainable_modules='auto' takes the modules named "
+        f"{list(HEAD_NAMES)} and the layers a Hugging Face task model adds), or make it latent "
+        f"(latent_modules=[{path!r}]); build the model from a fresh copy of the network (this "
+        "one was changed in place).",
+        UserWarning,
+        stacklevel=user_stacklevel(),
     )
 
 
