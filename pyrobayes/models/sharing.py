@@ -97,8 +97,21 @@ _STATE = threading.local()
 _PREFIX_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", *SCORE_KEYS, "labels"})
 
 #: Network arguments that feed the embeddings and the blocks (sliced to the un-expanded rows when
-#: the lower layers are shared; anything else, e.g. ``logits_to_keep``, is read above the blocks).
-_LOWER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+#: the lower layers are shared; anything else, e.g. ``logits_to_keep``, is read above the blocks):
+#: token ids and their masks, and the inputs of audio and vision networks (Wav2Vec2's and
+#: HuBERT's waveforms ``input_values``, Whisper's log-mel ``input_features``, an image
+#: classifier's ``pixel_values``). Left S-fold, a waveform met its mask cut to the B rows in the
+#: feature encoder's padding (an ``IndexError`` before the first adapted block: no fallback).
+_LOWER_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "position_ids",
+    "inputs_embeds",
+    "input_values",
+    "input_features",
+    "pixel_values",
+)
 
 
 @contextlib.contextmanager

@@ -118,7 +118,7 @@ def is_norm(module: nn.Module) -> bool:
 def _is_hf_rms(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (
-        type(module).__name__.endswith("RMSNorm")
+        type(module).__name__.endswith(("RMSNorm", "T5LayerNorm"))  # T5, MT5, UMT5, LongT5
         and isinstance(getattr(module, "variance_epsilon", None), float)
         and isinstance(weight, Tensor)
         and weight.dim() == 1
@@ -532,6 +532,13 @@ def _check_conversion(path: str, original: nn.Module, layer: MemberNorm) -> None
 
     Both run through ``forward`` itself: the user's hooks on ``original`` (carried over to
     ``layer`` after the check) neither see the random input nor change the comparison."""
+    if getattr(original, "data_format", None) == "channels_first":
+        raise ValueError(
+            f"SigmaNorm: the norm layer {path!r} ({type(original).__name__}) normalises the "
+            "channels of a (B, C, H, W) map (data_format='channels_first'), and σN's member "
+            "norm the last axis. Leave it out with norm_modules=[...] (e.g. ConvNeXt's "
+            r"channels-last norms, r'.*layers\.\d+\.layernorm')."
+        )
     ref = layer.fixed_scale
     shape = (4, layer.num_features) + ((2, 2) if isinstance(original, nn.BatchNorm2d) else ())
     generator = torch.Generator().manual_seed(0)
