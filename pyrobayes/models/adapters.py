@@ -465,17 +465,6 @@ def _default_targets(net: nn.Module) -> list[str]:
     names = attention_target_modules(net)
     if not names:
         leaf_names = sorted(_adaptable_leaf_names(net))
-        fused_parameter = next(
-            (p for p, m in net.named_modules() if isinstance(m, nn.MultiheadAttention)), None
-        )
-        mha = (
-            f" Its attention {fused_parameter!r} is an nn.MultiheadAttention, whose query, key "
-            "and value projection is one parameter (in_proj_weight), not a layer an adapter "
-            "can wrap, and whose out_proj it never calls: adapt the linear layers around it "
-            "(nn.TransformerEncoderLayer's feed-forward 'linear1' and 'linear2')."
-            if fused_parameter is not None
-            else ""
-        )
         raise ValueError(
             f"target_modules was not given, and {type(net).__name__} has no attention query "
             f"and value projections pyrobayes recognises (by name: "
@@ -483,7 +472,7 @@ def _default_targets(net: nn.Module) -> list[str]:
             f"{'/'.join(_FUSED_QKV_NAMES)}), which are what the default adapts. Name the "
             f"modules to adapt: target_modules=[...] from its linear layers {leaf_names[:12]}"
             f"{' ...' if len(leaf_names) > 12 else ''} (a list of names, each matching a path "
-            "or its dot-separated suffix, or a regex over full paths)." + mha
+            "or its dot-separated suffix, or a regex over full paths)." + _unwrappable_hint(net)
         )
     logger.info(
         "target_modules not given: adapting %s's attention projections %s.",
@@ -491,6 +480,27 @@ def _default_targets(net: nn.Module) -> list[str]:
         names,
     )
     return names
+
+
+def _unwrappable_hint(net: nn.Module) -> str:
+    """Why ``net``'s attention has no projection an adapter can wrap, when it has one: an
+    ``nn.MultiheadAttention`` (one in-projection parameter), or projections the attention reads
+    without calling them (:func:`_read_directly`); ``""`` otherwise."""
+    for path, module in net.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            return (
+                f" Its attention {path!r} is an nn.MultiheadAttention, whose query, key and "
+                "value projection is one parameter (in_proj_weight), not a layer an adapter can "
+                "wrap, and whose out_proj it never calls: adapt the linear layers around it "
+                "(nn.TransformerEncoderLayer's feed-forward 'linear1' and 'linear2')."
+            )
+        how = _read_directly(path, net) if _is_adaptable(module) else None
+        if how is not None:
+            return (
+                f" Its attention's projections cannot be adapted: {how}. Adapt the linear "
+                "layers around the attention (a block's MLP)."
+            )
+    return ""
 
 
 def _attention_hint(net: nn.Module) -> str:

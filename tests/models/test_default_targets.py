@@ -214,3 +214,12 @@ def test_multihead_attention_is_named_with_the_layers_to_adapt_instead() -> None
         FineTuneModel(net, LoRA(rank=2), num_data=8)
     model = FineTuneModel(net, LoRA(rank=2, target_modules=["linear1", "linear2"]), num_data=8)
     assert len(model.latent_sites) == 8  # 2 layers x 2 linears x (A, B)
+
+
+def test_an_attention_that_reads_its_projections_itself_is_named_by_the_default() -> None:
+    """torchvision's Swin names its fused projection ``qkv`` but passes its weight to F.linear
+    itself: the default does not pick it and says why."""
+    torchvision = pytest.importorskip("torchvision")
+    net = torchvision.models.swin_t(num_classes=3)
+    with pytest.raises(ValueError, match=r"'features\.1\.0\.attn\.qkv' is the qkv projection.*MLP"):
+        FineTuneModel(net, LoRA(rank=2), num_data=8)
