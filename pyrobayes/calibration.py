@@ -486,11 +486,12 @@ def calibrate(
         pred = _on_every_rank(size, lambda: _held_out_prediction(model, guide, val_data, **kwargs))
         targets = None if pred is None else pred.targets
         count = _examples_of_all_ranks(targets, size, _collective_device(model), "calibrate")
+        fitted = _fit(pred, pred.targets, low, high, pool=pool, size=size, owner="calibrate")
     except Exception:
         if previous is not None:
             set_temperature(guide, float(previous), pool=was_pooled)
         raise
-    value, at_bound = _fit(pred, pred.targets, low, high, pool=pool, size=size)
+    value, at_bound = fitted
     set_temperature(guide, value, pool=pool)
     _warn_if_poorly_determined(value, count, at_bound, bounds, pred.log_probs is not None, size)
     if size == 1 and pred.log_probs is not None and pred.targets is not None:
@@ -783,7 +784,9 @@ def fit_temperature(
     device = _collective_device(prediction)
     _examples_of_all_ranks(None if checked is None else checked[0], size, device, "fit_temperature")
     targets, low, high = checked  # (None only on a rank that failed: it raised above)
-    value, at_bound = _fit(prediction, targets, low, high, pool=pool, size=size)
+    value, at_bound = _fit(
+        prediction, targets, low, high, pool=pool, size=size, owner="fit_temperature"
+    )
     if at_bound is not None:
         logger.warning(
             "fit_temperature: T = %.4g is at the %s end of bounds=%s; widen bounds if the "
@@ -835,24 +838,43 @@ def _collective_device(prediction_or_model: Any) -> torch.device:
 
 
 def _fit(
-    prediction: Any, targets: Tensor, low: float, high: float, *, pool: bool, size: int
+    prediction: Any,
+    targets: Tensor,
+    low: float,
+    high: float,
+    *,
+    pool: bool,
+    size: int,
+    owner: str,
 ) -> tuple[float, str | None]:
     """``(T, at_bound)``: the NLL-minimising ``T`` in ``[low, high]``, and ``"lower"`` /
     ``"upper"`` when ``T`` ended at that end of the interval (else ``None``). ``size > 1``: the
     objective is the NLL summed over the ranks' examples divided by their total count,
     all-reduced inside the objective, so every rank evaluates the same values, takes the same
-    steps and returns the same ``T``.
+    steps and returns the same ``T``; an error in one rank's part of it stops every rank in
+    that all-reduce (:func:`_stop_in_objective`, ``owner``'s), where the others waited until
+    gloo's timeout (30 minutes) before.
     """
     device = _collective_device(prediction)
 
-    def objective(log_t: float) -> float:
+    def local(log_t: float) -> Tensor:  # this rank's (NLL sum, count)
         terms = _nll_terms(prediction, targets, math.exp(log_t), pool=pool)
+        return torch.stack([terms.sum(), terms.new_tensor(float(terms.numel()))]).to(device)
+
+    def objective(log_t: float) -> float:
         if size == 1:
-            return float(terms.mean())
+            return float(_nll_terms(prediction, targets, math.exp(log_t), pool=pool).mean())
         # (Σ_rank NLL sum, Σ_rank count) in one all-reduce; all_reduce_mean_ divides both by
-        # the world size, which their ratio does not see
-        both = torch.stack([terms.sum(), terms.new_tensor(float(terms.numel()))]).to(device)
+        # the world size, which their ratio does not see. A rank whose part raises (an
+        # out-of-memory error) shares a NaN count instead (:func:`_on_every_rank`): a count
+        # is finite on every other rank, so a NaN sum of the counts means a rank failed, and
+        # every rank stops there (a NaN NLL alone is no error: the search goes on as before)
+        both = _on_every_rank(size, lambda: local(log_t))
+        if both is None:
+            both = torch.full((2,), math.nan, dtype=torch.float64, device=device)
         _all_reduce_mean(both)
+        if not math.isfinite(float(both[1])):  # the same sum on every rank: all stop here
+            _stop_in_objective(owner)
         return float(both[0] / both[1])
 
     log_t = _minimise(objective, math.log(low), math.log(high))
@@ -867,6 +889,24 @@ def _fit(
         at_bound = "upper"
     logger.info("calibrate: T = %.4f, validation NLL %.4f -> %.4f", value, before, after)
     return value, at_bound
+
+
+def _stop_in_objective(owner: str) -> None:
+    """Raise the error a rank kept in :func:`_fit`'s objective: its own on that rank, a
+    ``RuntimeError`` naming it on the others (one gather, on this failure path only)."""
+    from .infer.rank_errors import raise_kept
+
+    remedy = (
+        "Under torch.distributed every rank fits T together, so none goes on when another "
+        "rank's temperature objective failed: fix that rank's error (e.g. the memory it ran "
+        f"out of: fewer held-out examples or num_samples per rank) and call {owner} again on "
+        "every rank."
+    )
+    raise_kept(f"{owner}'s temperature objective", caller=owner, remedy=remedy)
+    raise RuntimeError(  # (a count is finite on a rank that kept no error)
+        f"{owner}: the ranks' held-out example counts summed to NaN in the temperature "
+        "objective, but no rank kept an error."
+    )
 
 
 def _world_size() -> int:

@@ -142,7 +142,10 @@ class _Loader:
     (reading or moving a batch, laplace-torch's probe forward of the first example,
     :meth:`probe`; an out-of-memory error, a loader's worker) is kept for the pass's next
     all-reduce: the rank hands laplace-torch an empty batch in its place, the backend shares
-    NaN for it, and every rank stops there with that error (:func:`_summed_over_ranks`).
+    NaN for it, and every rank stops there with that error (:func:`_summed_over_ranks`). So
+    is the read that should end a read after the batches every rank checked (made before the
+    last batch's all-reduce: :meth:`_check_ended`) and a read that ends before them, and an
+    error after the check but before laplace-torch's first read (:meth:`stop_unread`).
     """
 
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
@@ -152,6 +155,8 @@ class _Loader:
         self._reads = 0
         #: whether this rank kept an error for the pass's next all-reduce (torch.distributed)
         self._failed = False
+        #: the batches every rank holds, once checked (torch.distributed; else ``None``)
+        self._batches: int | None = None
         if world()[0] > 1:
             n = self._checked_on_every_rank()
         else:
@@ -199,6 +204,7 @@ class _Loader:
             (batches, examples), None, failed, waited_in, caller="Laplace", remedy=remedy
         )
         counts = [record for record, _ in outcome or []]
+        self._batches = batches
         if len({b for b, _ in counts}) > 1:
             shown = ", ".join(f"rank {i}: {b}" for i, (b, _) in enumerate(counts[:8]))
             raise ValueError(
@@ -225,8 +231,12 @@ class _Loader:
                 batches = iter(self.data) if batches is None else batches
                 batch = next(batches, _END)
                 if batch is _END:
-                    return
+                    if self._batches is None or index >= self._batches:
+                        return
+                    raise ValueError(self._changed(f"ended after {index} batches"))
                 item = self._laplace_batch(index, batch)
+                if index + 1 == self._batches:  # the last: the read that ends it before its
+                    self._check_ended(batches)  # all-reduce, where all stop on its error
             except Exception as error:
                 if not shared:
                     raise
@@ -234,11 +244,55 @@ class _Loader:
                 self._failed = True
                 break
             yield item
+            if index + 1 == self._batches:
+                return
             index += 1
         yield self._failed_batch()
         # laplace-torch went on past the failed batch: its backend took no all-reduce that
         # stops every rank (not per_example_ggn_backend's); the ranks stop here instead
         raise_kept("Laplace's curvature pass", remedy=PASS_REMEDY)
+
+    def stop_unread(self, error: Exception, params: Sequence[Tensor], structure: str) -> None:
+        """Under ``torch.distributed``, stop every rank with ``error``, raised on this rank after
+        the data's gather (:meth:`_checked_on_every_rank`) but before laplace-torch read a batch
+        (its ``_init_H`` out of memory, in its constructor or its ``fit``): the other ranks wait
+        in the pass's first all-reduce, so this rank shares NaN there in the backend's place
+        (:func:`_summed_over_ranks`, the curvature of ``params`` in ``structure``, ``"kron"``
+        or ``"diag"``) and raises ``error``, the others a ``RuntimeError`` naming it. Returns
+        in one process, or once laplace-torch began to read (the pass shares its own errors).
+        """
+        if world()[0] == 1 or self._reads:
+            return
+        keep_for_ranks(error)
+        if structure == "kron":
+            shares = [f for fs in _nan_kron(params).kfacs for f in fs]
+        else:
+            shares = [_nan_diag(params)]
+        _summed_over_ranks(None, shares, "K-FAC" if structure == "kron" else "diagonal GGN")
+
+    def _check_ended(self, batches: Iterator[Any]) -> None:
+        """The read that should end a read of the data after its last batch, made (under
+        ``torch.distributed``) before that batch's all-reduce: made after it, its error (an
+        unreadable file at the end of the shard) left the other ranks past the pass, waiting
+        for this rank elsewhere until gloo's timeout.
+
+        Raises
+        ------
+        ValueError
+            When the data yield a batch past those they held when checked.
+        """
+        if next(batches, _END) is not _END:
+            raise ValueError(self._changed(f"yielded more than {self._batches} batches"))
+
+    def _changed(self, what: str) -> str:
+        """The error of data whose read in the curvature pass ``what`` (under
+        ``torch.distributed``), after holding :attr:`_batches` batches when checked."""
+        return (
+            f"Laplace: this rank's curvature data {what} when laplace-torch read them, but "
+            f"held {self._batches} when checked before the pass; the pass all-reduces every "
+            "batch over the ranks, so every rank must read the same number. Pass data that "
+            "yield the same batches every time they are read (a list, or a DataLoader)."
+        )
 
     def _laplace_batch(self, index: int, batch: Any) -> Any:
         """Batch ``index`` checked, as laplace-torch reads it: ``(X, y)``, or the dict form."""

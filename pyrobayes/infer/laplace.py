@@ -541,11 +541,11 @@ def fit_laplace(
     :func:`per_example_ggn_backend`, is laplace-torch's own (curvlinops GGN) with the diagonal
     from per-example Jacobians (the same diagonal GGN, without a Jacobian of the whole batch).
     ``settings`` (:class:`Laplace`): the τ search's bounds (default: those given to the guide,
-    deprecated, else :class:`Laplace`'s).
+    deprecated, else :class:`Laplace`'s). Under ``torch.distributed`` an error on one rank
+    before laplace-torch reads a batch (its ``_init_H`` out of memory) stops every rank in the
+    pass's first all-reduce (:meth:`~pyrobayes.infer.curvature._Loader.stop_unread`).
     """
     _import_laplace()
-    from laplace import Laplace as LaplaceTorch
-
     if backend is not None and world()[0] > 1:
         raise ValueError(
             f"fit_laplace(backend={getattr(backend, '__name__', backend)!r}): under "
@@ -559,31 +559,24 @@ def fit_laplace(
     net = model.net
     specs = model.latent_sites
     flags = {name: p.requires_grad for name, p in net.named_parameters()}
-    saved = {s: net.get_parameter(specs[s].param_name).detach().clone() for s in guide.sites}
+    saved: dict[str, Tensor] = {}
     was_training = model.training
     model.train(False)
     try:
         for p in net.parameters():
             p.requires_grad_(False)
-        site_of = _load_point(model, guide)
-        wrapper = LaplaceNet(model)
-        order = [site_of[id(p)] for p in wrapper.parameters() if p.requires_grad]
-        kind, sigma = _laplace_likelihood(model)
-        la = LaplaceTorch(
-            wrapper,
-            kind,
-            subset_of_weights="all",
-            hessian_structure=guide.structure,
-            sigma_noise=sigma,
-            prior_precision=1.0,
-            temperature=guide.temperature,
-            dict_key_x=_ROWS,
-            dict_key_y=model.label_key,
-            backend=per_example_ggn_backend() if backend is None else backend,
-        )
-        # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
-        with _no_exit("fitting the curvature"):
-            la.fit(_Loader(model, data, model.device))  # type: ignore[arg-type]
+        # first: under torch.distributed the curvature data's one gather (every rank checks its
+        # batches), so that what fails on one rank after it, before laplace-torch reads a batch
+        # (its _init_H out of memory), stops every rank in the pass's first all-reduce
+        loader = _Loader(model, data, model.device)
+        try:
+            saved.update(
+                {s: net.get_parameter(specs[s].param_name).detach().clone() for s in guide.sites}
+            )
+            la, order = _fitted_curvature(model, guide, loader, backend)
+        except Exception as error:
+            loader.stop_unread(error, _curvature_params(model, guide), guide.structure)
+            raise
         if guide.structure == "diag":
             _store_diag(guide, la, order)
         else:
@@ -611,6 +604,45 @@ def fit_laplace(
         for name, p in net.named_parameters():
             p.requires_grad_(flags[name])
         model.train(was_training)
+
+
+def _fitted_curvature(
+    model: Any, guide: Any, loader: _Loader, backend: Any
+) -> tuple[Any, list[str]]:
+    """laplace-torch's Laplace of ``guide``'s structure fitted over ``loader`` at the guide's
+    point (:func:`_load_point`), and the site of each of its parameters, in order
+    (:func:`fit_laplace`'s, which restores the network)."""
+    from laplace import Laplace as LaplaceTorch
+
+    site_of = _load_point(model, guide)
+    wrapper = LaplaceNet(model)
+    order = [site_of[id(p)] for p in wrapper.parameters() if p.requires_grad]
+    kind, sigma = _laplace_likelihood(model)
+    la = LaplaceTorch(
+        wrapper,
+        kind,
+        subset_of_weights="all",
+        hessian_structure=guide.structure,
+        sigma_noise=sigma,
+        prior_precision=1.0,
+        temperature=guide.temperature,
+        dict_key_x=_ROWS,
+        dict_key_y=model.label_key,
+        backend=per_example_ggn_backend() if backend is None else backend,
+    )
+    # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
+    with _no_exit("fitting the curvature"):
+        la.fit(loader)  # type: ignore[arg-type]
+    return la, order
+
+
+def _curvature_params(model: Any, guide: Any) -> list[Tensor]:
+    """The tensors laplace-torch takes the curvature of (its ``params``, whatever the network's
+    ``requires_grad`` flags are now): the latent sites' (those :func:`_load_point` makes
+    require grad), in the network's parameter order."""
+    net, specs = model.net, model.latent_sites
+    ids = {id(net.get_parameter(specs[s].param_name)) for s in guide.sites if guide.is_latent(s)}
+    return [p for p in net.parameters() if id(p) in ids]
 
 
 def _load_point(model: Any, guide: Any) -> dict[int, str]:

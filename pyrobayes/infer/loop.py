@@ -93,6 +93,18 @@ _UNFETCHED = object()
 __all__ = ["DivergenceWarning", "FitResult", "fit"]
 
 
+def _ended_early(fetched: int, per_epoch: int, epoch: int) -> str:
+    """The error of a rank whose data ended after ``fetched`` of their ``per_epoch`` batches
+    (``len()``) in ``epoch``, under ``torch.distributed``."""
+    return (
+        f"fit(): this rank's data yielded {fetched} batches in epoch {epoch}, but their len() "
+        f"gives {per_epoch}; under torch.distributed every rank takes len() steps an epoch, "
+        "all-reduced over the ranks, so the others would wait for this rank's missing steps. "
+        "Make len() count the batches the data yield (a DistributedSampler gives every rank "
+        "the same number)."
+    )
+
+
 class FitResult(NamedTuple):
     """What :func:`fit` returns.
 
@@ -830,18 +842,54 @@ class _Loop(ResumeChecks):
         """The data's batches. Under ``torch.distributed`` an error fetching one on this rank
         (an unreadable file of its shard) is kept and :data:`_UNFETCHED` is yielded, whose step
         shares NaN in the step's all-reduce, so every rank stops with that error
-        (:mod:`~pyrobayes.infer.rank_errors`); in one process it is raised as it is."""
-        batches = iter(self.data)
+        (:mod:`~pyrobayes.infer.rank_errors`); in one process it is raised as it is.
+
+        With a ``len()`` (every rank's the same: :func:`check_ranks_agree`) the read that ends
+        the epoch is made under ``torch.distributed`` before the epoch's last step
+        (:meth:`_check_ended`), and data that end before their ``len()`` are this rank's error:
+        made after the last step, that read's error (or a rank's data ending early) left the
+        other ranks past the epoch's end, in another collective, until gloo's timeout.
+        """
+        per_epoch = self.plan.steps_per_epoch if world()[0] > 1 else None
+        batches, fetched = iter(self.data), 0
         while True:
             try:
                 batch = next(batches)
             except StopIteration:
+                if per_epoch is None or fetched >= per_epoch:
+                    return
+                keep_for_ranks(ValueError(_ended_early(fetched, per_epoch, self.pos.epoch)))
+                yield _UNFETCHED
                 return
             except Exception as error:
                 keep_for_ranks(error)
                 yield _UNFETCHED
                 return
+            fetched += 1
+            if fetched == per_epoch:  # the epoch's last batch: its end read before its step
+                self._check_ended(batches, per_epoch)
+                yield batch
+                return
             yield batch
+
+    def _check_ended(self, batches: Iterator[Any], per_epoch: int) -> None:
+        """The read that should end the epoch after its ``per_epoch`` batches, under
+        ``torch.distributed``: an error it raises, or a batch past ``len()``, is kept for the
+        epoch's last step (:func:`~pyrobayes.infer.rank_errors.keep_for_ranks`)."""
+        try:
+            extra = next(batches, _UNFETCHED)
+        except Exception as error:
+            keep_for_ranks(error)
+            return
+        if extra is not _UNFETCHED:
+            keep_for_ranks(
+                ValueError(
+                    f"fit(): this rank's data yielded more than the {per_epoch} batches its "
+                    f"len() gives per epoch (epoch {self.pos.epoch}); under torch.distributed "
+                    "every rank takes len() steps an epoch, all-reduced over the ranks. Make "
+                    "len() count the batches the data yield."
+                )
+            )
 
     def _step(self, batch: Any) -> None:
         """One optimizer step and its bookkeeping."""
