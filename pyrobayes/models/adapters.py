@@ -286,11 +286,15 @@ _SEQUENCE_FIRST_PARENTS = frozenset(
 
 def _sequence_first(net: nn.Module, path: str) -> bool:
     """Whether the module at ``path`` is called on sequence-first inputs ``(T, B, d)``: its
-    parent is one of :data:`_SEQUENCE_FIRST_PARENTS` (or a subclass). A draw per row must then
-    act on axis 1 (:func:`~pyrobayes.models.layers.rows_first`): on axis 0 the S draws would
+    parent is one of :data:`_SEQUENCE_FIRST_PARENTS` (or a subclass), or torch's
+    ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` built with
+    ``batch_first=False`` (torch's default: its ``linear1`` / ``linear2`` and norms see
+    ``(T, B, d)``). A draw per row must then act on axis 1 (:func:`~pyrobayes.models.layers.rows_first`): on axis 0 the S draws would
     split the positions instead, silently when the length is a multiple of S."""
     parent_path = path.rpartition(".")[0]
     parent = net.get_submodule(parent_path) if parent_path else net
+    if isinstance(parent, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not parent.self_attn.batch_first  # torch's default: (T, B, d) throughout
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(parent).__mro__}
     return not names.isdisjoint(_SEQUENCE_FIRST_PARENTS)
 

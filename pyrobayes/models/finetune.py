@@ -49,6 +49,7 @@ from .net_checks import (
     _check_problem_type,
     _refuse_checkpointing,
     _set_backbone_mode,
+    _unfuse_transformer_layers,
     _warn_if_output_frozen_at_zero,
     pools_last_non_pad,
     task_head_modules,
@@ -425,6 +426,7 @@ class FineTuneModel(DrawForward, nn.Module):
         self.latent_sites: dict[str, SiteSpec] = {s.site: s for s in specs}
         if len(self.latent_sites) != len(specs):
             raise RuntimeError("Duplicate site names; please report this as a pyrobayes bug.")
+        _unfuse_transformer_layers(self.net)  # nn.TransformerEncoderLayer's fused kernel
         adapted = {s.module_path for s in specs if s.kind not in ("weight", "bias")}
         self.point_params: dict[str, nn.Parameter] = self._select_point_params(
             trainable_modules,
@@ -605,6 +607,7 @@ class FineTuneModel(DrawForward, nn.Module):
         latent = [spec.param_name for spec in self.latent_sites.values()] + new
         _check_tied_sites(self.net, new, latent, remaining, "FineTuneModel.make_latent")
         specs = make_latent(self.net, paths)
+        _unfuse_transformer_layers(self.net)
         for spec in specs:
             del self.point_params[spec.param_name]
         self.latent_sites.update({s.site: s for s in specs})

@@ -476,11 +476,27 @@ def check_gaussian_targets(
             output = f"the {what}, one scalar per example for {rows} examples (shape {expected})"
         raise ValueError(
             f"Gaussian likelihood: targets of shape {_shape(shape)} do not match {output}; pass "
-            f"targets of shape {expected}."
+            f"targets of shape {expected}.{_one_target_hint(shape, per_batch)}"
         )
     if finite and targets.is_floating_point() and not bool(targets.isfinite().all()):
         _raise_non_finite(targets, batch_dim)
     return targets
+
+
+def _one_target_hint(shape: tuple[int, ...], per_batch: tuple[int, ...]) -> str:
+    """What a ``(B, D)`` output met with one scalar target per example (``shape`` ``(B,)`` or
+    ``(B, 1)``) is read as: D means, not a mean and a scale (the likelihood's σ is one number,
+    so a network that predicts its own, heteroscedastic regression, is not supported); ``""``
+    for other shapes."""
+    if len(per_batch) != 2 or shape not in ((per_batch[0],), (per_batch[0], 1)):
+        return ""
+    return (
+        f" The Gaussian likelihood reads the output's {per_batch[1]} columns as the means of a "
+        f"{per_batch[1]}-vector target, with one σ for every example (obs_scale, fixed or "
+        "'learn'): a scale predicted by the network (heteroscedastic regression, a (mean, "
+        "log σ) pair per example) is not supported. For one scalar target per example, return "
+        "a (B, 1) or (B,) output."
+    )
 
 
 def _raise_non_finite(targets: Tensor, batch_dim: int) -> NoReturn:

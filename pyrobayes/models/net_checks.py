@@ -292,3 +292,33 @@ def _set_backbone_mode(net: nn.Module, mode: bool) -> None:
         for module in net.modules():
             if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
                 module.eval()
+
+
+def _unfuse_transformer_layers(net: nn.Module) -> None:
+    """Turn off torch's fused inference path in every ``nn.TransformerEncoderLayer`` (and the
+    nested-tensor path of every ``nn.TransformerEncoder``) that holds an adapted, latent or
+    member layer.
+
+    In eval mode a batch-first ``nn.TransformerEncoderLayer`` gathers its children's
+    ``linear1.weight`` / ``norm1.weight`` ... for one fused kernel
+    (``torch._transformer_encoder_layer_fwd``), and an ``nn.TransformerEncoder`` given a
+    ``src_key_padding_mask`` gathers its first layer's for a nested tensor, reading the weights
+    instead of calling the layers: an adapter layer, which keeps its weight in its frozen
+    ``base``, failed there with an ``AttributeError`` (blamed on the adapted layer), and a
+    latent layer's S draws would have reached the fused kernel. The unfused path (the layer's
+    own ``forward`` of modules, used in training mode) computes the same function.
+    ``activation_relu_or_gelu`` and ``use_nested_tensor`` are the flags torch's own checks read
+    first (:mod:`torch.nn.modules.transformer`); the network's math is left as it is.
+    """
+    from .signorm import MemberNorm  # (signorm imports the modules that import this one)
+
+    ours = (LoRALinear, LoRAXSLinear, BatchedLinear, MemberNorm)
+    for module in net.modules():
+        if not isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+            continue
+        if not any(isinstance(m, ours) for m in module.modules()):
+            continue
+        if isinstance(module, nn.TransformerEncoderLayer):
+            module.activation_relu_or_gelu = 0
+        else:
+            module.use_nested_tensor = False

@@ -48,6 +48,7 @@ from .adapters import (
     LoRA,
     LoRAXS,
     SiteSpec,
+    _sequence_first,
     _set_submodule,
     check_int,
     check_real,
@@ -55,7 +56,7 @@ from .adapters import (
     make_latent,
 )
 from .finetune import HEAD_NAMES, FineTuneModel
-from .layers import _hook_stores, carry_hooks, user_forward_hooks
+from .layers import _hook_stores, carry_hooks, rows_first, user_forward_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,10 @@ class MemberNorm(nn.Module):
     """
 
     fixed_scale: Tensor
+    #: the network calls the layer on sequence-first inputs ``(T, S·B, d)`` (the norms of a
+    #: ``batch_first=False`` ``nn.TransformerEncoderLayer``): each draw applies to axis 1
+    #: (:func:`~pyrobayes.models.layers.rows_first`); set by :meth:`SigmaNorm.inject`
+    sequence_first: bool = False
 
     def __init__(self, norm: nn.Module, init_logit: float = 0.0) -> None:
         super().__init__()
@@ -305,6 +310,10 @@ class MemberNorm(nn.Module):
         return self.fixed_scale * torch.sigmoid(gamma)
 
     def forward(self, x: Tensor) -> Tensor:
+        out = self._forward(rows_first(x, self.sequence_first))
+        return rows_first(out, self.sequence_first)
+
+    def _forward(self, x: Tensor) -> Tensor:
         gamma: Tensor = self.gamma
         beta: Tensor = self.beta
         sizes = {int(t.shape[0]) for t in (gamma, beta) if t.dim() == 2}
@@ -676,6 +685,7 @@ class SigmaNorm:
             original = net.get_submodule(path)
             _refuse_recomputed_weight(original, f"SigmaNorm: the norm layer {path!r}")
             layer = MemberNorm(original, self.init_logit)
+            layer.sequence_first = _sequence_first(net, path)
             _check_conversion(path, original, layer)
             for p in layer.parameters():
                 p.requires_grad_(False)  # sampled, never trained in place
