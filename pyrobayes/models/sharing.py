@@ -943,7 +943,7 @@ def lower_layers_shared(
                 if not declined and num_samples > 1:  # raised by the caller: rows lost
                     _decline(key, "rows", "the network's output does not keep the S-fold rows")
                 raise
-            except (RuntimeError, IndexError) as err:  # on the S-fold rows: the plain forward runs
+            except (RuntimeError, IndexError, AssertionError) as err:  # S-fold rows: plain runs
                 oom = isinstance(err, torch.OutOfMemoryError)  # (plain needs more, not less)
                 if declined or not expanded or num_samples == 1 or oom:
                     raise  # (where it fails of its own, it raises again)

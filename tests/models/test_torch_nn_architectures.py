@@ -514,3 +514,30 @@ def test_sigma_norm_members_of_a_sequence_first_encoder_layer_act_on_their_rows(
         batched, each = model.batched_output(inputs, values), _per_draw(model, inputs, values)
     torch.testing.assert_close(batched, each, rtol=0, atol=1e-10)
     assert float((each[0] - each[1]).abs().max()) > 1e-3
+
+
+class _AssertingPool(Encoder):
+    """:class:`Encoder` whose pooling asserts that its mask holds a row per hidden state (a
+    user's shape check, as torch's attention makes with ``assert``)."""
+
+    def forward(self, input_ids: torch.Tensor, src_key_padding_mask: Any = None) -> torch.Tensor:
+        h = self.norm(self.enc(self.emb(input_ids), src_key_padding_mask=src_key_padding_mask))
+        assert src_key_padding_mask.shape[0] == h.shape[0], "one mask row per hidden state"
+        keep = (~src_key_padding_mask).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+def test_an_assertion_above_the_shared_lower_blocks_runs_the_plain_forward() -> None:
+    """The lower blocks run once on the B rows; a head that reads the (cut) mask again meets
+    the S-fold hidden states. A RuntimeError there already fell back to the plain forward; a
+    shape check written as ``assert`` stopped the forward instead."""
+    torch.manual_seed(0)
+    net = _AssertingPool().double().eval()
+    model = FineTuneModel(
+        net, LoRAXS(rank=2, target_modules=["enc.layers.1.linear1"]), num_data=ROWS,
+        trainable_modules=[],
+    )  # fmt: skip
+    inputs, values = _padded_tokens(), _draws(model, 3)
+    with torch.no_grad():
+        batched, each = model.batched_output(inputs, values), _per_draw(model, inputs, values)
+    torch.testing.assert_close(batched, each, rtol=0, atol=1e-10)
