@@ -24,6 +24,8 @@ __all__ = [
     "check_batches",
     "flagged_examples",
     "slice_examples",
+    "detached",
+    "check_not_meta",
 ]
 
 
@@ -84,15 +86,78 @@ def _rebuilt(obj: tuple[Any, ...] | list[Any], items: Iterable[Any]) -> Any:
 
 
 def to_device(obj: Any, device: torch.device | str | None) -> Any:
-    """Move every tensor in a (nested) batch to ``device`` (a namedtuple stays one)."""
+    """Move every tensor in a (nested) batch to ``device`` (a namedtuple stays one).
+
+    Raises
+    ------
+    ValueError
+        For a tensor on the ``meta`` device (shapes without values), moved anywhere else.
+    """
     if device is None:
         return obj
     if isinstance(obj, Tensor):
+        if obj.is_meta and torch.device(device).type != "meta":
+            raise ValueError(_meta_message(obj))
         return obj.to(device, non_blocking=True)
     if isinstance(obj, Mapping):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (tuple, list)):
         return _rebuilt(obj, (to_device(v, device) for v in obj))
+    return obj
+
+
+def _meta_message(tensor: Tensor) -> str:
+    return (
+        f"A batch holds a tensor on the 'meta' device ({tensor.dtype}, shape "
+        f"{tuple(tensor.shape)}): it has a shape but no values, so nothing can be computed "
+        "from it. Build the batches' tensors on a real device (not under "
+        "torch.device('meta') or with device='meta'), e.g. torch.randn(..., device='cpu')."
+    )
+
+
+def check_not_meta(obj: Any) -> None:
+    """Refuse a (nested) batch holding a tensor on the ``meta`` device, which a computation on
+    it fails at with an error of torch's that does not name the batch.
+
+    Raises
+    ------
+    ValueError
+        Naming the tensor's dtype and shape.
+    """
+    if isinstance(obj, Tensor):
+        if obj.is_meta:
+            raise ValueError(_meta_message(obj))
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            check_not_meta(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            check_not_meta(value)
+
+
+def _requires_grad(obj: Any) -> bool:
+    if isinstance(obj, Tensor):
+        return obj.requires_grad
+    if isinstance(obj, Mapping):
+        return any(_requires_grad(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(_requires_grad(v) for v in obj)
+    return False
+
+
+def detached(obj: Any) -> Any:
+    """``obj`` itself, or, when a tensor in it requires grad, a copy of the (nested) batch
+    with every tensor detached (a namedtuple stays one). A fit's gradients are the
+    parameters'; a batch's ``requires_grad`` tensors (the leaves of a user's own graph)
+    would take the backward pass into them and have it accumulate their ``.grad``."""
+    if not _requires_grad(obj):
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    if isinstance(obj, Mapping):
+        return {k: detached(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return _rebuilt(obj, (detached(v) for v in obj))
     return obj
 
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from tqdm.auto import tqdm
 
 from .batch import (
@@ -309,10 +309,18 @@ class ShuffledDataWarning(UserWarning):
     not the dataset's (``pred.targets`` follows it too)."""
 
 
+#: Samplers that draw the examples in a random order (a weighted one also with replacement)
+_DRAWN = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)
+
+
 def shuffles(data: Any) -> bool:
     """Whether ``data`` is a ``DataLoader`` that draws its examples in a random order (a
-    ``RandomSampler``): each pass over it yields another order."""
-    return isinstance(data, DataLoader) and isinstance(data.sampler, RandomSampler)
+    ``RandomSampler``, ``WeightedRandomSampler`` or ``SubsetRandomSampler``, as its sampler or
+    its batch sampler's): each pass over it yields another order."""
+    if not isinstance(data, DataLoader):
+        return False
+    inner = getattr(data.batch_sampler, "sampler", None)
+    return isinstance(data.sampler, _DRAWN) or isinstance(inner, _DRAWN)
 
 
 def warn_if_rows_differ(data: Any, where: str) -> None:
@@ -336,11 +344,19 @@ def warn_if_rows_differ(data: Any, where: str) -> None:
             stacklevel=user_stacklevel(),
         )
     if shuffles(data):
+        sampler: Any = data.sampler
+        if not isinstance(sampler, _DRAWN):
+            sampler = getattr(data.batch_sampler, "sampler", None)
+        drawn = (
+            " drawn with replacement (some examples twice, others not at all)"
+            if isinstance(sampler, WeightedRandomSampler) and sampler.replacement
+            else ""
+        )
         warnings.warn(
-            f"{where}: data is a DataLoader that shuffles (RandomSampler), so the prediction's "
-            "rows come in this pass's random order, not the dataset's. Score it against "
-            "pred.targets (collected in the same order), not the dataset's labels, or predict "
-            "on a loader with shuffle=False.",
+            f"{where}: data is a DataLoader that shuffles ({type(sampler).__name__}), so the "
+            f"prediction's rows come in this pass's random order{drawn}, not the dataset's. "
+            "Score it against pred.targets (collected in the same order), not the dataset's "
+            "labels, or predict on a loader with shuffle=False (a SequentialSampler).",
             ShuffledDataWarning,
             stacklevel=user_stacklevel(),
         )

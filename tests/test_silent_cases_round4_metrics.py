@@ -107,12 +107,11 @@ LABELS = torch.tensor([0, 1, 1])
     ("labels", "error", "fix"),
     [
         (LABELS.float(), TypeError, "labels.long()"),
-        (LABELS.bool(), TypeError, "labels.long()"),
         (torch.nn.functional.one_hot(LABELS, 2), ValueError, "labels.argmax(-1)"),
         (torch.nn.functional.one_hot(LABELS, 2).float(), ValueError, "labels.argmax(-1)"),
         (LABELS[:, None], ValueError, "labels.squeeze(-1)"),
     ],
-    ids=["float", "bool", "one-hot", "soft", "column"],
+    ids=["float", "one-hot", "soft", "column"],
 )
 def test_labels_in_another_form_are_refused_saying_how_to_pass_them(
     labels: torch.Tensor, error: type, fix: str
@@ -127,6 +126,13 @@ def test_integer_labels_of_any_width_are_still_taken() -> None:
     expected = metrics.nll(PROBS, LABELS)
     for dtype in (torch.int32, torch.uint8, torch.int16):
         assert metrics.nll(PROBS, LABELS.to(dtype)) == pytest.approx(expected)
+
+
+def test_boolean_labels_are_classes_0_and_1_as_the_fit_takes_them() -> None:
+    """A fit takes bool labels as classes 0 and 1 (the categorical likelihood), and
+    ``pred.targets`` keeps their dtype: ``report(pred, pred.targets)`` refused them."""
+    for call in (metrics.nll, metrics.accuracy, metrics.ece, metrics.brier_score):
+        assert call(PROBS, LABELS.bool()) == pytest.approx(call(PROBS, LABELS))
 
 
 # ------------------------------------------------------------------------ auroc's refusals

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from ..calibration import check_not_swapped
 from ..user_frame import user_stacklevel
@@ -109,6 +110,26 @@ def _log_without_targets(label_key: str) -> None:
         "az.waic need them). Give every batch its targets to export them.",
         label_key,
     )
+
+
+def _warn_if_examples_dropped(data: Any) -> None:
+    """Warn when a ``DataLoader`` with ``drop_last=True`` leaves examples out of the export
+    (``log_likelihood``, and ``log_joint``, summed over the examples exported)."""
+    if not isinstance(data, DataLoader) or not data.drop_last or not data.batch_size:
+        return
+    dropped = data.batch_size
+    try:
+        size = len(data.dataset)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset: nothing to count
+        return
+    if size % dropped:
+        warnings.warn(
+            f"to_inference_data: data is a DataLoader with drop_last=True, so the last "
+            f"{size % dropped} of its {size} examples are left out of the export "
+            "(log_likelihood, log_joint). Export with a loader with drop_last=False.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def to_datatree(
@@ -227,6 +248,7 @@ def to_datatree(
     >>> az.loo(idata)                                                                    # doctest: +SKIP
     """
     check_not_swapped(model, guide, "to_datatree", "pyrobayes.to_datatree(model, guide, data)")
+    _warn_if_examples_dropped(data)
     tempered, temperature_attrs, uncalibrated = export_temperature(model, guide)
     linearized, other_predictive = export_predictive(guide)
     ev = evaluate_draws(

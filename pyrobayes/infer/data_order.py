@@ -8,10 +8,13 @@ uninterrupted run saw.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+
+from ..user_frame import user_stacklevel
 
 __all__ = ["DataOrder", "mix_seed"]
 
@@ -63,3 +66,40 @@ class DataOrder:
     def restore(self) -> None:
         for obj, generator in self._saved:
             obj.generator = generator
+
+    def unseeded(self) -> list[str]:
+        """The class names of the loader's samplers whose order :meth:`set_epoch` cannot set:
+        neither a ``SequentialSampler`` nor a ``BatchSampler`` (which follows its own
+        sampler), with no ``generator`` to replace and no ``set_epoch`` (a custom sampler
+        drawing from torch's global RNG, or from a NumPy generator of its own). An iterable
+        dataset's loader has none: the dataset yields its batches in an order of its own."""
+        if self.loader is None or isinstance(self.loader.dataset, IterableDataset):
+            return []
+        return [
+            type(sampler).__name__
+            for sampler in self.samplers
+            if not isinstance(sampler, (SequentialSampler, BatchSampler))
+            and not hasattr(sampler, "generator")
+            and not callable(getattr(sampler, "set_epoch", None))
+        ]
+
+    def warn_if_unseeded(self, epoch: int, done: int) -> None:
+        """Warn, for a fit resumed after ``done`` batches of ``epoch``, when the loader's order
+        is not the fit's to set (:meth:`unseeded`): the resumed epoch skips the first ``done``
+        batches of a new order, so some examples are seen twice in it and others not at all,
+        and the run is not the uninterrupted one."""
+        names = self.unseeded()
+        if not names or done == 0:
+            return
+        batches = f"{done} batch{'es' if done != 1 else ''}"
+        warnings.warn(
+            f"fit: resumed after {batches} of epoch {epoch}, but the DataLoader's sampler "
+            f"({', '.join(names)}) has no generator that fit can seed (nor set_epoch), so if it "
+            f"draws a random order the resumed epoch skips the first {batches} of another "
+            "order than the interrupted run's: some examples are seen twice in this epoch, "
+            "others not at all, and the run is not the uninterrupted one. Give the sampler a "
+            "torch.Generator attribute named generator that it draws its order from (as "
+            "RandomSampler(dataset, generator=...) does), or resume from an epoch's end.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from ..batch import batch_size, split_batch
+from ..batch import batch_size, check_not_meta, split_batch
 from ..user_frame import user_stacklevel
 from .distributed import world
 
@@ -216,7 +216,10 @@ class DataSize:
 
 def check_first_batch(model: Any, fitter: Any, batch: Any) -> None:
     """The checks of a fresh fit's first batch, where the likelihood or the fitter has one: the
-    targets against a learned Gaussian σ's start, the inputs' scale against IVON's ``h0``."""
+    targets against a learned Gaussian σ's start, the inputs' scale against IVON's ``h0``; a
+    batch on the ``meta`` device is refused (:func:`~pyrobayes.batch.check_not_meta`: on the
+    CPU the fit uses the batches as given, and torch's error there names no batch)."""
+    check_not_meta(batch)
     try:
         inputs, targets = split_batch(batch, getattr(model, "label_key", "labels"))
     except (TypeError, ValueError):  # the step reports a malformed batch itself

@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..batch import check_batches, to_device
+from ..batch import check_batches, detached, to_device
 from ..calibration import POOL_BUFFER, TEMPERATURE_BUFFER, drop_temperature
 from ..contract import bound_model, implements
 from ..fitted_head import forget_fitted_head, record_fitted_head, restore_fitted_head
@@ -722,6 +722,8 @@ class _Loop(ResumeChecks):
             pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self.order = DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
         ends.callback(self.order.restore)
+        if found is not None and not self._batches_done():  # resumed inside an epoch
+            self.order.warn_if_unseeded(pos.epoch, pos.in_epoch)
         self.bar = tqdm(
             total=self.plan.total,
             initial=pos.step,
@@ -895,7 +897,7 @@ class _Loop(ResumeChecks):
         """One optimizer step and its bookkeeping."""
         pos = self.pos
         try:
-            value = self.fitter.step(to_device(batch, self.device))
+            value = self.fitter.step(to_device(detached(batch), self.device))
         except FloatingPointError as err:
             # the generic advice only where the fitter's message gives none of its own (IVON's
             # names hess_init, a mean-field scale has no say there)

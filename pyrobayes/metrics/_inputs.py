@@ -187,10 +187,10 @@ def _check_labels(labels: Tensor, num_examples: int, num_classes: int) -> Tensor
             f"prediction, got {tuple(labels.shape)}"
             + (" (pass labels.squeeze(-1))" if labels.shape == (num_examples, 1) else "")
         )
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+    if labels.is_floating_point() or labels.is_complex():  # (bool: classes 0 and 1, as fit's)
         raise TypeError(
             f"labels must be an integer tensor of class indices, got {labels.dtype}. Pass "
-            "labels.long() (class indices stored as floats or 0/1 booleans); a regression "
+            "labels.long() (class indices stored as floats); a regression "
             "prediction (a Gaussian likelihood) is scored with its `loc` (report(pred, y))."
         )
     labels = labels.long()
