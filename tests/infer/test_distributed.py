@@ -282,7 +282,9 @@ def test_laplace_curvature_is_summed_over_ranks(tmp_path: Path) -> None:
             torch.testing.assert_close(r0[key], r1[key], rtol=0, atol=0, msg=f"ranks: {key}")
             # the same sums in another order (the ranks' shares reduced pairwise): float64
             # round-off, amplified by the eigendecomposition of the Kronecker factors
-            torch.testing.assert_close(r0[key], value, rtol=1e-7, atol=1e-9, msg=key)
+            torch.testing.assert_close(
+                r0[key], value, rtol=1e-7, atol=1e-9, msg=lambda m, key=key: f"{key}: {m}"
+            )
 
 
 def _unsplit_laplace(rank: int) -> dict[str, list[str]]:
