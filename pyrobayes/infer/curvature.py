@@ -157,6 +157,11 @@ class _Loader:
         self._failed = False
         #: the batches every rank holds, once checked (torch.distributed; else ``None``)
         self._batches: int | None = None
+        #: this rank's examples and every rank's, once checked (torch.distributed)
+        self._examples = (0, 0)
+        #: the laplace-torch ``Laplace`` fitted over this loader (:func:`fit_laplace` sets it):
+        #: its observation counts are made every rank's at the end of a shared pass
+        self.laplace: Any = None
         if world()[0] > 1:
             n = self._checked_on_every_rank()
         else:
@@ -205,6 +210,7 @@ class _Loader:
         )
         counts = [record for record, _ in outcome or []]
         self._batches = batches
+        self._examples = (examples, sum(e for _, e in counts))
         if len({b for b, _ in counts}) > 1:
             shown = ", ".join(f"rank {i}: {b}" for i, (b, _) in enumerate(counts[:8]))
             raise ValueError(
@@ -245,12 +251,31 @@ class _Loader:
                 break
             yield item
             if index + 1 == self._batches:
+                self._count_every_rank()
                 return
             index += 1
         yield self._failed_batch()
         # laplace-torch went on past the failed batch: its backend took no all-reduce that
         # stops every rank (not per_example_ggn_backend's); the ranks stop here instead
         raise_kept("Laplace's curvature pass", remedy=PASS_REMEDY)
+
+    def _count_every_rank(self) -> None:
+        """At the end of a pass under ``torch.distributed``: laplace-torch's observation
+        counts (``n_obs``; ``n_obs_examples`` for K-FAC-reduce) made every rank's.
+
+        laplace-torch (0.5 on) counts the observations of the batches it read, this rank's
+        share, and divides the Kronecker input factors, which the pass sums over the ranks, by
+        that count (``KronLaplace.fit``): W ranks' factors came out W times one process's (2×
+        on two ranks). Each example is one observation here (:class:`LaplaceNet` returns one
+        row of outputs per example), so the other ranks' examples are added. A laplace-torch
+        without the counts is left as it is."""
+        if self.laplace is None:
+            return
+        local, total = self._examples
+        for name in ("n_obs", "n_obs_examples"):
+            count = getattr(self.laplace, name, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                setattr(self.laplace, name, count + total - local)
 
     def stop_unread(self, error: Exception, params: Sequence[Tensor], structure: str) -> None:
         """Under ``torch.distributed``, stop every rank with ``error``, raised on this rank after

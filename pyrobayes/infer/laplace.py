@@ -630,6 +630,7 @@ def _fitted_curvature(
         dict_key_y=model.label_key,
         backend=per_example_ggn_backend() if backend is None else backend,
     )
+    loader.laplace = la  # (its observation counts: every rank's at the end of a shared pass)
     # laplace-torch annotates a DataLoader; it iterates the loader and reads len(.dataset)
     with _no_exit("fitting the curvature"):
         la.fit(loader)  # type: ignore[arg-type]
