@@ -30,6 +30,7 @@ from .layers import (
     LoRAXSLinear,
     base_weight_in_out,
     is_conv1d,
+    torch_layer_sequence_first,
     user_forward_hooks,
 )
 from .projections import PROJECTIONS, InputMoments, collect_input_moments, project
@@ -247,7 +248,7 @@ def _read_directly(path: str, net: nn.Module) -> str | None:
             f"{path!r} is the output projection of the nn.MultiheadAttention {parent_path!r}, "
             "which reads out_proj.weight and out_proj.bias directly and never calls out_proj"
         )
-    names = {f"{c.__module__}.{c.__qualname__}" for c in type(parent).__mro__}
+    names = _class_names(parent)
     for reader, children in _READ_DIRECTLY.items():
         if reader in names and child in children:
             return (
@@ -293,10 +294,14 @@ def _sequence_first(net: nn.Module, path: str) -> bool:
     split the positions instead, silently when the length is a multiple of S."""
     parent_path = path.rpartition(".")[0]
     parent = net.get_submodule(parent_path) if parent_path else net
-    if isinstance(parent, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return not parent.self_attn.batch_first  # torch's default: (T, B, d) throughout
-    names = {f"{c.__module__}.{c.__qualname__}" for c in type(parent).__mro__}
-    return not names.isdisjoint(_SEQUENCE_FIRST_PARENTS)
+    if torch_layer_sequence_first(parent):
+        return True
+    return not _class_names(parent).isdisjoint(_SEQUENCE_FIRST_PARENTS)
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    """``module.qualname`` of every class in ``module``'s MRO (a subclass counts as its base)."""
+    return {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
 
 
 def _inside_adapter(module_paths: list[str], adapter_paths: list[str]) -> bool:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from ..batch import batch_size, expand_samples, split_batch
 from .adapters import SiteSpec
+from .layers import torch_layer_sequence_first
 from .likelihoods import Likelihood, OutputKey, network_output
 from .lower_cache import LowerBlockCache, stubbed_below
 from .net_call import _call, _functional_call, _num_samples, _RowsMismatch
@@ -95,7 +96,7 @@ class DrawForward:
         net_inputs = self.likelihood.network_inputs(inputs, self.net)
         if lower is None or not isinstance(net_inputs, Mapping):
             return _call(self.net, net_inputs)
-        out = _call(self.net, _lower_net_inputs(self.net, net_inputs, *lower))
+        out = _call(self.net, lower_inputs(self.net, net_inputs, *lower))
         if int(self.network_prediction(out).shape[0]) != lower[0] * lower[1]:
             raise _RowsMismatch  # a head that reads the (un-expanded) inputs again
         return out
@@ -273,7 +274,9 @@ class DrawForward:
         ):
             return None
         found = self._first_adapted()
-        if found is None or _sequence_first_block(found[0][found[1]]):
+        # a sequence-first stack's block arguments hold the positions on their leading axis,
+        # which the sharing expands: its S-fold rows would be copies of positions
+        if found is None or torch_layer_sequence_first(found[0][found[1]]):
             return None
         if self._prompt_layout(expanded) is not None:
             return None  # the prompt-sharing path runs the choices instead
@@ -403,44 +406,6 @@ class DrawForward:
             cached = (key, first_adapted_block(self.net, names))
             self.__dict__["_lower_block"] = cached
         return cached[1]
-
-
-def _sequence_first_block(block: nn.Module) -> bool:
-    """Whether ``block`` takes its hidden states sequence-first, ``(T, B, d)``: an
-    ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` built with
-    ``batch_first=False`` (torch's default). The lower-block sharing expands a block's
-    arguments along their leading axis (:func:`~pyrobayes.models.sharing.lower_layers_shared`),
-    which there holds the positions: the hidden states were left at B rows beside their S-fold
-    ``src_key_padding_mask`` (torch's shape assertion stopped the forward), or, with as many
-    positions as rows, copied along the positions. Such a stack runs the plain forward."""
-    if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return not block.self_attn.batch_first
-    return False
-
-
-def _lower_net_inputs(
-    net: nn.Module, net_inputs: Mapping[str, Any], rows: int, num_samples: int
-) -> dict[str, Any]:
-    """The S-fold expanded ``net_inputs`` (``num_samples`` copies of ``rows`` rows) with the
-    arguments that feed the blocks below the first adapted one cut to the un-expanded rows
-    (:func:`~pyrobayes.models.sharing.lower_inputs`).
-
-    A Hugging Face model's arguments are known by name (``input_ids``, ``attention_mask``,
-    ``pixel_values``, ...). A plain network's keywords are its author's own (a
-    ``src_key_padding_mask`` passed through an ``nn.TransformerEncoder``, a second input):
-    every tensor of the S-fold rows is cut, so that the lower blocks see the rows of one
-    draw throughout. Before, such a mask stayed S-fold beside cut token ids, and torch's
-    shape check in the lower blocks stopped the forward (an ``AssertionError``, which no
-    fallback takes). One used above the blocks then meets the S-fold hidden states, fails
-    on their rows, and the plain forward runs (:func:`~pyrobayes.models.sharing.lower_layers_shared`).
-    """
-    cut = lower_inputs(net_inputs, rows)
-    if getattr(net, "base_model_prefix", None) is not None:
-        return cut
-    return {
-        k: v[:rows] if isinstance(v, Tensor) and v.dim() and v.shape[0] == rows * num_samples else v
-        for k, v in cut.items()
-    }
 
 
 def _check_output_rows(out: Tensor, num_samples: int, num_rows: int, owner: str) -> None:

@@ -129,6 +129,15 @@ def base_weight_in_out(base: nn.Module) -> Tensor:
     )
 
 
+def torch_layer_sequence_first(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``
+    built with ``batch_first=False`` (torch's default): it takes its hidden states and calls its
+    ``linear1`` / ``linear2`` and norms sequence-first, ``(T, B, d)``."""
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not module.self_attn.batch_first
+    return False
+
+
 def rows_first(x: Tensor, sequence_first: bool) -> Tensor:
     """``x`` with the batch's rows on its leading axis: a sequence-first input ``(T, S·B, ...)``
     transposed to ``(S·B, T, ...)`` (a view; the same call transposes an output back)."""

@@ -992,10 +992,25 @@ def batch_memo(inputs: Any, key: Any) -> dict[str, Any] | None:
     return entry
 
 
-def lower_inputs(net_inputs: Mapping[str, Any], rows: int) -> dict[str, Any]:
-    """``net_inputs`` of a sample-expanded batch with the arguments that feed the lower layers cut
-    to the first ``rows`` rows (sample 0's: every sample's are the same rows)."""
-    return {
-        k: v[:rows] if k in _LOWER_INPUTS and isinstance(v, Tensor) and v.dim() > 0 else v
-        for k, v in net_inputs.items()
-    }
+def lower_inputs(
+    net: nn.Module, net_inputs: Mapping[str, Any], rows: int, num_samples: int
+) -> dict[str, Any]:
+    """``net_inputs`` of a sample-expanded batch (``num_samples`` copies of ``rows`` rows) with
+    the arguments that feed the lower layers cut to the first ``rows`` rows (sample 0's: every
+    sample's are the same rows).
+
+    A Hugging Face model's arguments are known by name (:data:`_LOWER_INPUTS`). A plain
+    network's keywords are its author's own (a ``src_key_padding_mask`` passed through an
+    ``nn.TransformerEncoder``, a second input): every tensor of the S·B rows is cut, so that
+    the lower blocks see one draw's rows throughout (left S-fold, such a mask met the cut
+    token ids in torch's shape check). One read above the blocks then meets the S-fold hidden
+    states, fails on their rows, and the plain forward runs (:func:`lower_layers_shared`)."""
+    named = getattr(net, "base_model_prefix", None) is not None
+    expanded = rows * num_samples
+
+    def cut(key: str, value: Any) -> bool:
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            return False
+        return key in _LOWER_INPUTS if named else int(value.shape[0]) == expanded
+
+    return {k: v[:rows] if cut(k, v) else v for k, v in net_inputs.items()}
