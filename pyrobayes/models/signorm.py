@@ -55,7 +55,7 @@ from .adapters import (
     inject_adapter,
     make_latent,
 )
-from .finetune import HEAD_NAMES, FineTuneModel
+from .finetune import HEAD_NAMES, FineTuneModel, task_head_modules
 from .layers import _hook_stores, carry_hooks, rows_first, user_forward_hooks
 
 logger = logging.getLogger(__name__)
@@ -618,8 +618,10 @@ class SigmaNorm:
         Which norm layers become member layers: all, module names (suffix match) or a regex
         over full paths.
     heads : "auto" or list of str
-        ``nn.Linear`` modules replicated per member; ``"auto"`` takes the Hugging Face task head
-        (``classifier``, ``score``, ...; its ``nn.Linear`` leaves) when there is one.
+        ``nn.Linear`` modules replicated per member; ``"auto"`` takes the task head that
+        ``FineTuneModel(trainable_modules="auto")`` trains (``classifier``, ``score``, ..., and
+        the modules a Hugging Face task model adds beside its base model, such as BART's
+        ``classification_head``; their ``nn.Linear`` leaves) when there is one.
     adapter : LoRA or LoRAXS, optional
         An adapter injected first (σN on the norm layers together with LoRA / LoRA-XS).
     init_logit : float
@@ -703,7 +705,9 @@ class SigmaNorm:
 
     def _head_paths(self, net: nn.Module) -> list[str]:  # noqa: D102
         if self.heads == "auto":
-            heads = [n for n, _ in net.named_modules() if n.rsplit(".", 1)[-1] in HEAD_NAMES]
+            # the modules trainable_modules="auto" takes: classifier, score, ... and what a
+            # Hugging Face task model adds beside its base model (BART's classification_head)
+            heads = task_head_modules(net)
             paths = []
             for head in heads:
                 module = net.get_submodule(head)
@@ -716,7 +720,8 @@ class SigmaNorm:
             paths = [p for p in paths if not any(p.startswith(h + ".") for h in paths if h != p)]
             if not paths:  # (an explicit heads=[] is a choice: said nothing)
                 logger.warning(
-                    "SigmaNorm(heads='auto') found no head (a linear module named one of %s): "
+                    "SigmaNorm(heads='auto') found no head (a linear module named one of %s, or "
+                    "a layer a Hugging Face task model adds beside its base model): "
                     "the members share the network's output layer, so only their norm layers "
                     "differ (and head_init has nothing to act on). Pass heads=[<path of the "
                     "output layer>] to give each member its own.",

@@ -17,6 +17,7 @@ from torch import nn
 
 import pyrobayes as pb
 from pyrobayes.models import FineTuneModel, LoRAXS
+from pyrobayes.models.finetune import task_head_modules
 from pyrobayes.models.sharing import block_stack, unshared
 
 transformers = pytest.importorskip("transformers")
@@ -278,3 +279,18 @@ def test_sigma_norm_converts_t5s_rms_norms_exactly() -> None:
     with torch.no_grad():
         after = model.output(inputs, model.init_values())
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["bart", "t5"])
+def test_sigma_norm_auto_heads_are_the_task_head_trainable_auto_trains(arch: str) -> None:
+    """BART's, mBART's and T5's sequence classifiers keep their head in ``classification_head``
+    (dense + out_proj), a name outside ``HEAD_NAMES``: ``SigmaNorm(heads="auto")`` found no head
+    and warned, so the members shared one head, while ``trainable_modules="auto"`` (the
+    layers a task model adds beside its base model) did train it. Both now take that head."""
+    torch.manual_seed(0)
+    net = _net(arch).eval()
+    expected = {"classification_head.dense", "classification_head.out_proj"}
+    assert set(task_head_modules(net)) == {"classification_head"}
+    model = FineTuneModel(net, pb.models.SigmaNorm(num_members=2), num_data=3)
+    heads = {site.rsplit(".", 1)[0] for site in model.latent_sites if "classification_head" in site}
+    assert heads == expected, list(model.latent_sites)
