@@ -1119,6 +1119,15 @@ def _shift_section(shift: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _laplace_torch_versions(tasks: dict[str, dict[str, Any]]) -> str:
+    """The laplace-torch version each task's anchors ran with, e.g. ``0.5.1 (digits, mnist)``."""
+    by_version: dict[str, list[str]] = {}
+    for name, task in tasks.items():
+        version = task.get("source", {}).get("laplace_torch", "0.3")
+        by_version.setdefault(version, []).append(name)
+    return "; ".join(f"{v} ({', '.join(names)})" for v, names in sorted(by_version.items()))
+
+
 def page(
     tasks: dict[str, dict[str, Any]],
     sources: dict[str, str],
@@ -1157,7 +1166,9 @@ def page(
         "MAP network (Daxberger et al. 2021), its GLM predictive with the probit link; "
         "`laplace-torch+ts` adds a temperature, `laplace-torch-gs` picks the prior precision by "
         '`method="gridsearch"` on the calibration split instead, as laplace-torch\'s README '
-        "example does on a validation loader (classification; MLP tasks).",
+        "example does on a validation loader (classification; MLP tasks). laplace-torch "
+        + _laplace_torch_versions(tasks)
+        + ".",
         "",
         "Every task has three disjoint splits: **train** (the fine-tuning data), **calibration** "
         "(every choice made after or during a fit: temperatures, laplace-torch's grid search, "

@@ -360,6 +360,8 @@ def latest_tasks(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dic
                 },
             )
             task["source"].setdefault("git", data.get("git"))
+            # runs before 2026-12-07 did not record it: they ran laplace-torch 0.3
+            task["source"].setdefault("laplace_torch", data.get("laplace_torch", "0.3"))
             # results written before the pooled form tempered every draw (pool=False)
             task["source"].setdefault("temperature", data.get("temperature", "per draw"))
             if name not in found or data["date"] >= found[name][0]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -669,6 +670,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **provenance("benchmarks/suite/run.py", argv),
         "torch": torch.__version__,
         "pyro": pyro.__version__,
+        # the laplace-torch anchors' version: 0.5 reset its grid-search metric between prior
+        # precisions (0.3's accumulated over the grid, so laplace-torch-gs picked the grid's top)
+        "laplace_torch": importlib.metadata.version("laplace-torch"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}",
         "threads": args.threads,
         "loadavg_start": os.getloadavg(),
