@@ -94,7 +94,7 @@ class DrawForward:
             return shared
         lower = self.__dict__.get("_lower_rows")  # set by _lower_shared
         net_inputs = self.likelihood.network_inputs(inputs, self.net)
-        if lower is None or not isinstance(net_inputs, Mapping):
+        if lower is None:
             return _call(self.net, net_inputs)
         out = _call(self.net, lower_inputs(self.net, net_inputs, *lower))
         if int(self.network_prediction(out).shape[0]) != lower[0] * lower[1]:
@@ -267,11 +267,7 @@ class DrawForward:
         that does not apply (or the network's output does not keep the expanded rows). The
         prompt-sharing path shares them itself where it runs; where it declines the batch
         (:func:`~pyrobayes.models.sharing.prefix_plan`) the full rows share them here."""
-        if (
-            not sharing_enabled()
-            or not isinstance(inputs, Mapping)
-            or "_lower_rows" in self.__dict__
-        ):
+        if not sharing_enabled() or "_lower_rows" in self.__dict__:
             return None
         found = self._first_adapted()
         # a sequence-first stack's block arguments hold the positions on their leading axis,

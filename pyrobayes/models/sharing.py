@@ -665,22 +665,70 @@ def tokens_per_draw(
 
 
 # ---------------------------------------------------------------------- lower layers
-def block_stack(net: nn.Module) -> nn.ModuleList | None:
-    """The network's stack of blocks: the longest ``nn.ModuleList`` of identical module types."""
-    best: nn.ModuleList | None = None
-    for module in net.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+def block_stack(
+    net: nn.Module, param_names: Sequence[str] | None = None
+) -> nn.ModuleList | nn.Sequential | None:
+    """The network's stack of blocks: the longest list of two or more modules of one type that
+    each have a forward, held in an ``nn.ModuleList`` or in an ``nn.Sequential`` that chains
+    them (its own forward: block ``i`` takes block ``i - 1``'s output; torchvision's
+    ``VisionTransformer`` keeps its encoder blocks in ``encoder.layers``, ResNet and Swin the
+    blocks of their stages in plain ``nn.Sequential`` containers). A subclass of
+    ``nn.Sequential`` with a forward of its own is not known to chain its members and is not a
+    stack.
+
+    Parameters
+    ----------
+    net : nn.Module
+    param_names : list of str, optional
+        Names (in ``net``) of the parameters that change with the draw: the longest of the
+        stacks holding every one of them in its blocks (of equal lengths, the outermost), so that
+        a longer list elsewhere (Wav2Vec2's convolutional feature encoder, longer than a small
+        transformer's layer list; a mixture of experts' per-layer experts) is not taken for it.
+        ``None``: the longest stack (of equal lengths, the first in ``net.modules()``).
+
+    Returns
+    -------
+    nn.ModuleList or nn.Sequential or None
+    """
+    best: nn.ModuleList | nn.Sequential | None = None
+    for path, module in net.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or not _is_stack(module):
+            continue
+        if best is not None and len(module) <= len(best):
+            continue
+        if param_names is not None and not _holds(module, path, param_names):
+            continue
+        best = module
     return best
+
+
+def _is_stack(module: nn.ModuleList | nn.Sequential) -> bool:
+    """Whether ``module`` holds two or more modules of one type, each with a forward of its own
+    (not a list of lists), in an ``nn.ModuleList`` or a chaining ``nn.Sequential``."""
+    if isinstance(module, nn.Sequential) and type(module).forward is not nn.Sequential.forward:
+        return False  # its own forward: the members may not run as a chain
+    kinds = {type(member) for member in module}
+    if len(module) < 2 or len(kinds) != 1:
+        return False
+    return next(iter(kinds)).forward is not nn.Module.forward
+
+
+def _holds(stack: nn.Module, path: str, param_names: Sequence[str]) -> bool:
+    """Whether every name of ``param_names`` is a parameter's inside a block of ``stack``, the
+    module at ``path`` in the network."""
+    prefixes = tuple(
+        f"{path}.{name}." if path else f"{name}." for name, _ in stack.named_children()
+    )
+    return bool(param_names) and all(name.startswith(prefixes) for name in param_names)
 
 
 def first_adapted_block(
     net: nn.Module, param_names: Sequence[str]
 ) -> tuple[nn.ModuleList, int] | None:
-    """``net``'s stack of blocks and the index of the first block holding one of
-    ``param_names``, or ``None`` when they are not all in blocks above the first (nothing to
-    share).
+    """``net``'s stack of blocks holding ``param_names`` (:func:`block_stack`; the blocks of an
+    ``nn.Sequential`` in an ``nn.ModuleList`` of their own, not attached to ``net``) and the
+    index of the first block holding one of them, or ``None`` when no stack holds them all or
+    they are not all in blocks above the first (nothing to share).
 
     Parameters
     ----------
@@ -688,8 +736,8 @@ def first_adapted_block(
     param_names : list of str
         Names (in ``net``) of the parameters that change with the draw.
     """
-    blocks = block_stack(net)
-    if blocks is None or not param_names:
+    blocks = block_stack(net, param_names) if param_names else None
+    if blocks is None:
         return None
     if len({id(block) for block in blocks}) != len(blocks):
         logger.debug("sharing: %s's stack of blocks holds one module twice", type(net).__name__)
@@ -704,7 +752,9 @@ def first_adapted_block(
             return None  # a site outside the blocks (embeddings, head): nothing below it
         indices.append(owner[0])
     first = min(indices)
-    return (blocks, first) if first > 0 else None
+    if first == 0:
+        return None
+    return (blocks if isinstance(blocks, nn.ModuleList) else nn.ModuleList(blocks)), first
 
 
 #: Why the lower layers are not shared below a first adapted block (weakly keyed by that block:
@@ -992,9 +1042,7 @@ def batch_memo(inputs: Any, key: Any) -> dict[str, Any] | None:
     return entry
 
 
-def lower_inputs(
-    net: nn.Module, net_inputs: Mapping[str, Any], rows: int, num_samples: int
-) -> dict[str, Any]:
+def lower_inputs(net: nn.Module, net_inputs: Any, rows: int, num_samples: int) -> Any:
     """``net_inputs`` of a sample-expanded batch (``num_samples`` copies of ``rows`` rows) with
     the arguments that feed the lower layers cut to the first ``rows`` rows (sample 0's: every
     sample's are the same rows).
@@ -1004,13 +1052,22 @@ def lower_inputs(
     ``nn.TransformerEncoder``, a second input): every tensor of the S·B rows is cut, so that
     the lower blocks see one draw's rows throughout (left S-fold, such a mask met the cut
     token ids in torch's shape check). One read above the blocks then meets the S-fold hidden
-    states, fails on their rows, and the plain forward runs (:func:`lower_layers_shared`)."""
+    states, fails on their rows, and the plain forward runs (:func:`lower_layers_shared`).
+    Positional inputs (a tensor, a tuple or a list: the images of torchvision's ``(x, y)``
+    batches) are a plain network's too: every tensor of the S·B rows is cut."""
     named = getattr(net, "base_model_prefix", None) is not None
     expanded = rows * num_samples
 
-    def cut(key: str, value: Any) -> bool:
+    def cut(key: str | None, value: Any) -> bool:
         if not isinstance(value, Tensor) or value.dim() == 0:
             return False
-        return key in _LOWER_INPUTS if named else int(value.shape[0]) == expanded
+        if named and key is not None:
+            return key in _LOWER_INPUTS
+        return int(value.shape[0]) == expanded
 
+    if isinstance(net_inputs, Tensor):
+        return net_inputs[:rows] if cut(None, net_inputs) else net_inputs
+    if isinstance(net_inputs, (tuple, list)):
+        values = [v[:rows] if cut(None, v) else v for v in net_inputs]
+        return tuple(values) if isinstance(net_inputs, tuple) else values
     return {k: v[:rows] if cut(k, v) else v for k, v in net_inputs.items()}
