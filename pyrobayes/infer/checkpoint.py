@@ -7,7 +7,8 @@ A checkpoint folder holds::
                          rng.pt                 torch (CPU and CUDA), Python and NumPy RNG states
                          scheduler.pt           the learning-rate schedule, if any
                          best.pt                the best validated snapshot, if any
-                         state.json             step, epoch, batches done, losses, validation
+                         state.json             step, epoch, batches done (and the last one's
+                                                SHA-256, compared on resume), losses, validation
     <dir>/LATEST         "ckpt-000007": the newest *complete* generation
     <dir>/.lock          held (an OS file lock) while a fit writes here
 

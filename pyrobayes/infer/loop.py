@@ -21,7 +21,9 @@ before it: its data, its checkpoint folder) stops them all, in one gather
 before the first step (the fitter's ``begin``, the checkpoint's load, the lower-block cache),
 in a second gather (:func:`~pyrobayes.infer.fit_checks.check_ranks_started`). The steps add no
 collective of their own; a checkpoint adds one gather, which stops every rank with rank 0 when
-its write fails (:func:`~pyrobayes.infer.fit_checks.check_checkpoint_written`).
+its write fails (:func:`~pyrobayes.infer.fit_checks.check_checkpoint_written`). Over data
+without ``len()`` each epoch's end adds an all-reduce and a gather, which stop every rank when
+the ranks' data did not end together (:func:`~pyrobayes.infer.rank_errors.check_ended_together`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from typing import Any, NamedTuple
 
 import pyro
 import torch
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..batch import check_batches, detached, to_device
@@ -57,7 +58,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .data_order import DataOrder
+from .data_order import DataOrder, batch_digest
 from .distributed import barrier, broadcast_, world
 from .fit_checks import (
     BATCHES_PER_EPOCH,
@@ -73,7 +74,7 @@ from .fit_checks import (
 from .fitter import Fitter, check_guide_model, make_fitter
 from .objectives import ReportsTerms
 from .options import Checkpointing, Optimization, Progress, Validation, upgrade_keywords
-from .rank_errors import keep_for_ranks
+from .rank_errors import check_ended_together, keep_for_ranks
 from .run_record import (
     ResumeChecks,
     budget_text,
@@ -209,6 +210,8 @@ class _Position:
     losses: list[float] = field(default_factory=list)
     data_seed: int | None = None
     saved_at: int | None = None  # the step of the last checkpoint written or resumed from
+    # the digest of the batch the checkpoint resumed from took last (in_epoch-th of epoch)
+    replayed: str | None = None
 
 
 def _earlier_keywords(fit: Callable[..., FitResult]) -> Callable[..., FitResult]:
@@ -281,8 +284,12 @@ def fit(
         (``DistributedSampler``); the originals are put back at the end. Epoch ``e``'s order is
         thus a function of ``(seed, e)`` alone, and a run resumed mid-epoch skips exactly the
         batches already done (without ``seed`` the data seed is drawn from torch's RNG once and
-        saved in the checkpoint). Other iterables must yield the same batches each pass for an
-        exact resume.
+        saved in the checkpoint). Data other than a list or tuple of batches (an
+        ``IterableDataset``, a re-iterable generator) are read on torch's, Python's and NumPy's
+        global generators seeded from the data seed and the epoch (the fit's own draws kept
+        apart), and a dataset's ``set_epoch(epoch)`` is called before each epoch, so data that
+        shuffle with either resume exactly too; a resume that replays another batch than the
+        interrupted run took warns.
     epochs : int, optional
         Train for this many passes over ``data`` (or pass a step budget,
         ``optim=Optimization(num_steps=...)``; with both, whichever ends first).
@@ -315,7 +322,9 @@ def fit(
         fit; lower ``lr``.
     UserWarning
         When ``validation``'s data are ``data`` itself (or a loader over the same dataset):
-        selection and early stopping would follow the training fit.
+        selection and early stopping would follow the training fit. At a resume inside an
+        epoch, when the data replay another batch there than the interrupted run took (their
+        order comes from a generator of their own that fit does not seed).
 
     Raises
     ------
@@ -582,6 +591,7 @@ class _Loop(ResumeChecks):
         self.divergence = Divergence(self.lr)
         self.data_size = DataSize(model)
         self.stopped_early = False
+        self.last_batch: Any = None  # the last batch stepped on (a checkpoint's digest)
 
     def _check_fitter(self) -> None:
         """The refusals and warnings that need the fitter (before it begins)."""
@@ -718,12 +728,11 @@ class _Loop(ResumeChecks):
         if found is not None:
             self._resume(found)
         pos = self.pos
-        if pos.data_seed is None and isinstance(self.data, DataLoader):  # as a loader would
+        # (a list or tuple of batches draws nothing: no data seed, as before)
+        if pos.data_seed is None and not isinstance(self.data, (list, tuple)):
             pos.data_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self.order = DataOrder(self.data, 0 if pos.data_seed is None else pos.data_seed)
         ends.callback(self.order.restore)
-        if found is not None and not self._batches_done():  # resumed inside an epoch
-            self.order.warn_if_unseeded(pos.epoch, pos.in_epoch)
         self.bar = tqdm(
             total=self.plan.total,
             initial=pos.step,
@@ -734,7 +743,8 @@ class _Loop(ResumeChecks):
         self.start = time.perf_counter()
         # (it reads only the frozen blocks below the adapted ones, which the broadcast of the
         # guide's and trainable parameters leaves alone)
-        ends.enter_context(self._lower_block_cache())
+        self.order.read(ends.enter_context, self._lower_block_cache())
+        self.order.end_reads()  # (the read-ahead's streams: each epoch seeds its own)
         return before
 
     def _changes_guide(self) -> bool:
@@ -768,7 +778,10 @@ class _Loop(ResumeChecks):
             if self._stops_early():
                 return
             if not self._batches_done():  # else: resumed after the last batch, before the end
-                trained_on = self._train_epoch()
+                try:
+                    trained_on = self._train_epoch()
+                finally:
+                    self.order.end_reads()
                 self.data_size.finish(trained_on)  # the first epoch's count, checked once
                 if not trained_on:  # num_steps reached inside the epoch
                     if self.checkpoints and pos.saved_at != pos.step:
@@ -817,6 +830,8 @@ class _Loop(ResumeChecks):
                     except Exception as error:  # one rank's: its step shares NaN, all stop
                         keep_for_ranks(error)
             if seen <= pos.in_epoch:  # resumed mid-epoch: done already
+                if seen == pos.in_epoch:
+                    self._check_replayed(batch)
                 continue
             if num_steps is not None and pos.step >= num_steps:
                 return False
@@ -850,14 +865,25 @@ class _Loop(ResumeChecks):
         the epoch is made under ``torch.distributed`` before the epoch's last step
         (:meth:`_check_ended`), and data that end before their ``len()`` are this rank's error:
         made after the last step, that read's error (or a rank's data ending early) left the
-        other ranks past the epoch's end, in another collective, until gloo's timeout.
+        other ranks past the epoch's end, in another collective, until gloo's timeout. Without a
+        ``len()`` the ranks check that their data ended together where each one's ended, and
+        where the step budget is spent (:func:`~pyrobayes.infer.rank_errors.check_ended_together`).
+
+        Every read is made on the data's own random streams (:meth:`DataOrder.read`).
         """
-        per_epoch = self.plan.steps_per_epoch if world()[0] > 1 else None
-        batches, fetched = iter(self.data), 0
+        size, read = world()[0], self.order.read
+        per_epoch = self.plan.steps_per_epoch if size > 1 else None
+        unsized = size > 1 and self.plan.steps_per_epoch is None
+        batches, fetched = read(iter, self.data), 0
         while True:
+            if unsized and self._budget_spent(fetched):
+                yield from self._read_past_budget(batches, fetched)
+                return
             try:
-                batch = next(batches)
+                batch = read(next, batches)
             except StopIteration:
+                if unsized:
+                    check_ended_together(fetched, self.pos.epoch, device=self._share_device())
                 if per_epoch is None or fetched >= per_epoch:
                     return
                 keep_for_ranks(ValueError(_ended_early(fetched, per_epoch, self.pos.epoch)))
@@ -874,12 +900,49 @@ class _Loop(ResumeChecks):
                 return
             yield batch
 
+    def _budget_spent(self, fetched: int) -> bool:
+        """Whether the step budget is spent once ``fetched`` batches of the epoch are read (the
+        ones a resume skips aside)."""
+        num_steps, pos = self.plan.num_steps, self.pos
+        return num_steps is not None and pos.step >= num_steps and fetched >= pos.in_epoch
+
+    def _read_past_budget(self, batches: Iterator[Any], fetched: int) -> Iterator[Any]:
+        """The read past a spent step budget, under ``torch.distributed`` without ``len()``: a
+        batch (yielded, then :meth:`_train_epoch` ends the fit inside the epoch) or the
+        epoch's end (its end work follows). The ranks check that they agree
+        (:func:`~pyrobayes.infer.rank_errors.check_ended_together`): a rank that went to its
+        epoch's end work would wait there for ranks that ended the fit."""
+        try:
+            batch, error = self.order.read(next, batches, _UNFETCHED), None
+        except Exception as err:
+            batch, error = _UNFETCHED, err
+        more = batch is not _UNFETCHED
+        epoch, device = self.pos.epoch, self._share_device()
+        check_ended_together(fetched, epoch, more=more, error=error, device=device)
+        if more:
+            yield batch
+
+    def _share_device(self) -> torch.device | None:
+        """Where a step shares its loss (the fitter's parameters' device)."""
+        params = self.fitter.params
+        return params[0].device if params else None
+
+    def _check_replayed(self, batch: Any) -> None:
+        """A resumed epoch's last batch skipped: warn when it is not the one the interrupted
+        run took last (:meth:`DataOrder.warn_if_replay_differs`; rank 0's data only, whose
+        batch the checkpoint records)."""
+        pos = self.pos
+        recorded, pos.replayed = pos.replayed, None
+        if recorded is None or world()[1] != 0 or batch_digest(batch) == recorded:
+            return
+        self.order.warn_if_replay_differs(self.data, pos.epoch, pos.in_epoch)
+
     def _check_ended(self, batches: Iterator[Any], per_epoch: int) -> None:
         """The read that should end the epoch after its ``per_epoch`` batches, under
         ``torch.distributed``: an error it raises, or a batch past ``len()``, is kept for the
         epoch's last step (:func:`~pyrobayes.infer.rank_errors.keep_for_ranks`)."""
         try:
-            extra = next(batches, _UNFETCHED)
+            extra = self.order.read(next, batches, _UNFETCHED)
         except Exception as error:
             keep_for_ranks(error)
             return
@@ -909,6 +972,7 @@ class _Loop(ResumeChecks):
                 f"{err} (fit step {pos.step}, epoch {pos.epoch}).{advice}{kept}"
             ) from None
         pos.losses.append(value)
+        self.last_batch = batch  # (a reference: its digest is taken by a checkpoint only)
         if self.reporter is not None:  # kept as tensors: no device sync per step
             for name, term in self.reporter.terms().items():
                 self.terms.setdefault(name, []).append(term)
@@ -962,7 +1026,8 @@ class _Loop(ResumeChecks):
         A failed write leaves the folder's last checkpoint as it was (:func:`save_checkpoint`)."""
         try:
             if self.write:
-                self._write_checkpoint(epoch_end_done)
+                with self.order.outside_reads():  # (the fit's own states: a resume replays)
+                    self._write_checkpoint(epoch_end_done)
         except Exception as err:
             check_checkpoint_written(err)
             raise
@@ -977,6 +1042,8 @@ class _Loop(ResumeChecks):
             "batch": pos.in_epoch,
             "epoch_end_done": epoch_end_done,
             "data_seed": pos.data_seed,
+            # the epoch's last batch taken, which a resume compares with the one it replays
+            "batch_sha256": batch_digest(self.last_batch) if pos.in_epoch else None,
             "losses": pos.losses,
             "validation": selection.history if selection is not None else [],
             "validation_data": self._val_fingerprint(),
@@ -1010,6 +1077,7 @@ class _Loop(ResumeChecks):
         elif self.plan.steps_per_epoch:  # the earlier layout: derived from the step
             pos.in_epoch = pos.step - pos.epoch * self.plan.steps_per_epoch
         pos.data_seed = meta.get("data_seed", pos.data_seed)
+        pos.replayed = meta.get("batch_sha256") if pos.in_epoch else None
         pos.saved_at = pos.step
         if self.selection is not None:
             self.selection.best = saved_best

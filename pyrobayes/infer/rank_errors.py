@@ -15,16 +15,18 @@ where they happen.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as torch_dist
 from torch import Tensor
 
-from .distributed import world
+from .distributed import all_reduce_sum_, world
 from .fit_checks import gather_rank_errors
 
 __all__ = [
     "PASS_REMEDY",
+    "check_ended_together",
     "run_shared",
     "raise_kept",
     "keep_for_ranks",
@@ -139,3 +141,99 @@ def nan_grads_(params: Sequence[Tensor]) -> None:
                 p.grad = torch.full_like(p, float("nan"))
             else:
                 p.grad.fill_(float("nan"))
+
+
+#: What ranks whose data (without ``len()``) end at different steps are told to do.
+_EQUAL_BATCHES = (
+    "Give every rank the same number of batches per epoch: a DataLoader over a map-style "
+    "dataset with a DistributedSampler (its shards are padded to equal sizes; or "
+    "drop_last=True), whose len() fit then compares before the first step, or an iterable "
+    "dataset that yields as many batches on every rank."
+)
+
+
+def _ended_text(batches: int, epoch: int) -> str:
+    """What a rank whose data ended after ``batches`` of ``epoch`` tells the others."""
+    return (
+        f"ValueError: fit(): this rank's data (without a len()) ended after {batches} batches "
+        f"in epoch {epoch} while another rank's went on; under torch.distributed every step "
+        f"all-reduces over the ranks, so every rank must take as many steps. {_EQUAL_BATCHES}"
+    )
+
+
+def check_ended_together(
+    batches: int,
+    epoch: int,
+    *,
+    more: bool = False,
+    error: Exception | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Under ``torch.distributed``, for data without ``len()``: check that every rank's data
+    ended the epoch together (a no-op in one process).
+
+    A rank calls it where its data ended after ``batches`` batches of ``epoch`` (the read
+    that raised ``StopIteration``), or, once the fit's step budget is spent, after the read
+    past it (``more``: it yielded a batch; ``error``: it raised). A rank whose data ended
+    before the others' would go on to the epoch's end (its validation, its checkpoint's
+    gather, the next epoch's steps) while they wait in the next step's all-reduce: a hang
+    until gloo's timeout (30 minutes), or steps of two epochs all-reduced together. Here it
+    shares NaN in an all-reduce shaped as a step's loss (one float64), which meets the loss
+    all-reduce of a rank still in a step (that rank then gathers the ranks' errors,
+    :func:`raise_kept`), and then takes part in that gather, with a record saying it ended.
+    When every rank's data ended (or every one's went on past the budget), every rank is
+    here and nothing is raised. Two collectives per epoch, none per step.
+
+    Raises
+    ------
+    Exception
+        ``error``, on the rank that passed it (after the gather).
+    RuntimeError
+        When another rank raised an error (at its read, or in its step), naming it.
+    ValueError
+        When the ranks' data did not end together, naming the ranks.
+    """
+    size = world()[0]
+    if size == 1:
+        if error is not None:
+            raise error
+        return
+    all_reduce_sum_([nan_share(device)])  # (its value is not read: every rank's share is NaN)
+    if error is not None:
+        text: str | None = f"{type(error).__name__}: {error}"
+    else:
+        text = None if more else _ended_text(batches, epoch)
+    gathered: list[Any] = [None] * size
+    torch_dist.all_gather_object(gathered, ({"ended": not more, "batches": batches}, text))
+    if error is not None:
+        raise error
+    _raise_uneven(gathered, epoch)
+
+
+def _raise_uneven(gathered: list[Any], epoch: int) -> None:
+    """:func:`check_ended_together`'s verdict over every rank's ``(record, error text)``:
+    another rank's error (a record of ``None``: a rank in a step's gather), or ranks whose
+    data did not end together."""
+    size = len(gathered)
+    for rank, (record, why) in enumerate(gathered):
+        if why is not None and not (isinstance(record, dict) and record["ended"]):
+            raise RuntimeError(
+                f"fit(): rank {rank} of {size} raised an error in epoch {epoch} ({why}); every "
+                f"rank stops with it (the others would wait for it in the next all-reduce). "
+                f"{PASS_REMEDY}"
+            )
+    states = [
+        "went on to a step" if r is None else "ended" if r["ended"] else "went on"
+        for r, _ in gathered
+    ]
+    if len(set(states)) == 1:
+        return
+    shown = ", ".join(
+        f"rank {i}: {state}" + (f" after {r['batches']} batches" if r is not None else "")
+        for i, (state, (r, _)) in enumerate(zip(states, gathered, strict=True))
+    )
+    raise ValueError(
+        f"fit(): under torch.distributed the ranks' data (without a len()) did not end "
+        f"together in epoch {epoch} ({shown}); every step all-reduces over the ranks, so a "
+        f"rank whose data end first would wait for the others' steps. {_EQUAL_BATCHES}"
+    )
