@@ -4,6 +4,8 @@
 - :func:`warn_if_fit_given_back`: an ELBO's data term climbed back towards its start;
 - :class:`DataSize`: the first epoch's examples against the model's ``num_data``;
 - :func:`check_first_batch`: the likelihood's and the fitter's checks of the first batch;
+- :func:`watching_reach`: around a fresh fit's first step, the modules holding latent sites or
+  trained parameters whose output the loss's gradient never reaches;
 - :func:`check_ranks_agree`: under ``torch.distributed``, every rank runs the same fit (or
   every rank stops with the one that refused it);
 - :func:`check_ranks_started`: ... and every rank stops with one that failed after that
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
@@ -39,6 +42,7 @@ __all__ = [
     "check_ranks_started",
     "gather_rank_errors",
     "warn_if_fit_given_back",
+    "watching_reach",
 ]
 
 
@@ -386,3 +390,115 @@ def _check_shards(per_epoch: list[int | None]) -> None:
             "all-reduces over the ranks. Give each rank a DistributedSampler over the same "
             "dataset (it pads the shards to equal sizes) and the same batch size."
         )
+
+
+def _watched_modules(model: Any) -> dict[str, list[str]]:
+    """The modules of ``model.net`` holding its latent sites or trained point parameters, by
+    path, each with the names of what it holds (an adapter's point factor, LoRA's ``lora_B``
+    under ``latent="A"``, counts for its adapted layer)."""
+    held: dict[str, list[str]] = {}
+    for site, spec in getattr(model, "latent_sites", {}).items():
+        held.setdefault(spec.module_path, []).append(site)
+    sites = sorted(held, key=len, reverse=True)
+    net = getattr(model, "net", None)
+    if not isinstance(net, torch.nn.Module):
+        return held
+    paths = {id(p): path for path, m in net.named_modules() for p in m.parameters(False)}
+    for name, param in getattr(model, "point_params", {}).items():
+        path = paths.get(id(param))
+        if path is None or not param.requires_grad:  # (the likelihood's σ: no module)
+            continue
+        inside = [m for m in sites if path == m or path.startswith(m + ".")]
+        held.setdefault(inside[0] if inside else path, []).append(name)
+    return held
+
+
+class _ReachProbe(torch.autograd.Function):
+    """Identity on a module's output (a copy) whose backward hands the output's gradient to
+    ``record``. A tensor hook on the output itself does not fire when the network changes the
+    output in place (Wav2Vec2's classifier zeroes the padding of its projector's output with
+    an ``index_put_``), and neither does a hook on its ``grad_fn``; the copy's node does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, record: Any) -> torch.Tensor:  # noqa: D102
+        ctx.record = record
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        ctx.record(grad)
+        return grad, None
+
+
+@contextlib.contextmanager
+def watching_reach(model: Any) -> Iterator[None]:
+    """Within the block (a fresh fit's first step), record for every module holding latent
+    sites or trained point parameters whether the loss's gradient reaches its output; on
+    leaving it without an error, warn (rank 0) naming the modules it never reached.
+
+    The gradient at a module's output is the data term's alone (a prior or KL acts on the
+    parameters, not on an output), so a module it does not reach is one whose values never
+    reach the prediction: the forward does not run it, or runs it where the output is not read
+    (Longformer's last-layer query/value: its classifier reads the ``[CLS]`` token, whose
+    output attends globally through ``query_global``/``value_global``). A fit leaves such
+    values at their start, latent ones at the prior, silently. No forward is added: forward
+    hooks pass the step's outputs through :class:`_ReachProbe` (a copy of each watched output,
+    in this step only) and record one flag per module on the device, read with one
+    synchronisation at the end. A module whose output is not a tensor (or a tuple or list of
+    them) is not judged."""
+    net = getattr(model, "net", None)
+    held = _watched_modules(model) if world()[1] == 0 else {}
+    if not held or not isinstance(net, torch.nn.Module):
+        yield
+        return
+    flags: dict[str, torch.Tensor] = {}
+    unjudged: set[str] = set()
+
+    def watch(path: str) -> Any:
+        def record(grad: torch.Tensor) -> None:
+            hit = grad.ne(0).any()
+            flags[path] = hit if path not in flags else flags[path] | hit
+
+        def probe(tensor: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                return _ReachProbe.apply(tensor, record)
+            return tensor
+
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+            if isinstance(out, torch.Tensor):
+                return probe(out)
+            if isinstance(out, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in out):
+                return type(out)(probe(t) for t in out)
+            unjudged.add(path)
+            return None
+
+        return hook
+
+    modules = dict(net.named_modules())
+    handles = [modules[p].register_forward_hook(watch(p)) for p in held if p in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    hits = torch.stack(list(flags.values())).tolist() if flags else []  # one synchronisation
+    reached = {p for p, hit in zip(flags, hits, strict=True) if hit} | unjudged
+    unreached = [p for p in held if p in modules and p not in reached] if flags else []
+    if unreached:
+        _warn_unreached(model, unreached)
+
+
+def _warn_unreached(model: Any, unreached: list[str]) -> None:
+    shown = ", ".join(repr(p) for p in unreached[:6]) + (" ..." if len(unreached) > 6 else "")
+    message = (
+        f"fit(): in the first step the loss's gradient never reached the output of "
+        f"{len(unreached)} module(s) of {type(model.net).__name__} holding latent or trained "
+        f"values: {shown}. Their values do not reach the prediction (the forward does not "
+        "run them, or runs them where the output is not read: Longformer's last-layer "
+        "query/value, whose [CLS] token attends globally through query_global/value_global), "
+        "so the fit leaves them at their start, latent ones at the prior. Leave them out of "
+        "target_modules / latent_modules (a mixture-of-experts expert the first batch routes "
+        "no token to gets no gradient either: then ignore this)."
+    )
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())

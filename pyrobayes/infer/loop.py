@@ -70,6 +70,7 @@ from .fit_checks import (
     check_ranks_agree,
     check_ranks_started,
     warn_if_fit_given_back,
+    watching_reach,
 )
 from .fitter import Fitter, check_guide_model, make_fitter
 from .objectives import ReportsTerms
@@ -835,7 +836,9 @@ class _Loop(ResumeChecks):
                 continue
             if num_steps is not None and pos.step >= num_steps:
                 return False
-            self._step(batch)
+            # a fresh fit's first step: the modules whose output its gradient never reaches
+            with watching_reach(self.model) if pos.step == 0 else contextlib.nullcontext():
+                self._step(batch)
             if num_steps is not None and pos.step >= num_steps and per_epoch is not None:
                 if pos.in_epoch < per_epoch:  # ends inside the epoch: no next batch to fetch
                     return False
