@@ -423,19 +423,20 @@ def member_norm_paths(
     ``target_modules``: the σN members' own layers in this job. The blocks below the first
     adapted one keep their pretrained norms, so they stay shared by every member (one backward
     stop, one lower pass per batch), and so does the final norm under the frozen head."""
-    blocks = block_stack(net)
+    adapted = find_target_modules(net, target_modules)
+    blocks = block_stack(net, adapted) if adapted else None  # the stack holding the adapters
     if blocks is None:
         raise ValueError(
-            f"signorm: {type(net).__name__} has no stack of decoder blocks to place member norm "
-            "layers in; fit pyrobayes.models.SigmaNorm(norm_modules=...) with pyrobayes.fit."
+            f"signorm: {type(net).__name__} has no stack of decoder blocks holding the adapted "
+            f"modules to place member norm layers in; fit pyrobayes.models.SigmaNorm("
+            "norm_modules=...) with pyrobayes.fit."
         )
     stack = next(name for name, module in net.named_modules() if module is blocks)
-    adapted = find_target_modules(net, target_modules)
-    indices = sorted(
-        {int(p[len(stack) + 1 :].split(".", 1)[0]) for p in adapted if p.startswith(stack + ".")}
-    )
+    names = [name for name, _ in blocks.named_children()]  # (an nn.Sequential's may be words)
+    held = {p[len(stack) + 1 :].split(".", 1)[0] for p in adapted if p.startswith(stack + ".")}
+    indices = [i for i, name in enumerate(names) if name in held]
     paths = [
-        f"{stack}.{i}.{name}"
+        f"{stack}.{names[i]}.{name}"
         for i in indices
         for name, module in blocks[i].named_modules()
         if name and is_norm(module)

@@ -50,6 +50,7 @@ from .net_checks import (
     _refuse_checkpointing,
     _set_backbone_mode,
     _unfuse_transformer_layers,
+    _unwrap_network,
     _warn_if_output_frozen_at_zero,
     pools_last_non_pad,
     task_head_modules,
@@ -111,9 +112,11 @@ def _check_calibration(max_calibration_batches: Any) -> int | None:
 def _resolve_adapter(
     net: nn.Module, adapter: Any, latent_modules: list[str]
 ) -> tuple[nn.Module, Any, dict[str, Tensor]]:
-    """The network and adapter to build on: a peft model taken apart (its base network, its
-    LoRA as a :class:`LoRA` and its trained weights), a ``peft.LoraConfig`` converted, and a
-    network that already holds pyrobayes layers refused."""
+    """The network and adapter to build on: the network inside a ``torch.compile`` or data
+    parallel wrapper (:func:`~pyrobayes.models.net_checks._unwrap_network`), a peft model taken
+    apart (its base network, its LoRA as a :class:`LoRA` and its trained weights), a
+    ``peft.LoraConfig`` converted, and a network that already holds pyrobayes layers refused."""
+    net = _unwrap_network(net)
     _refuse_adapted_network(net)
     peft_weights: dict[str, Tensor] = {}
     if hasattr(net, "peft_config") and hasattr(net, "unload"):
@@ -297,7 +300,10 @@ class FineTuneModel(DrawForward, nn.Module):
     net : nn.Module
         A Hugging Face model, a plain ``nn.Module``, or a ``peft.PeftModel`` with LoRA adapters
         (its trained LoRA weights become the starting point). Modified in place: targeted
-        modules are replaced by pyrobayes adapter layers; all original weights are frozen.
+        modules are replaced by pyrobayes adapter layers; all original weights are frozen
+        (whatever their ``requires_grad``: ``trainable_modules`` decides what trains). A
+        network inside ``torch.compile``'s, ``nn.DataParallel``'s or
+        ``DistributedDataParallel``'s wrapper is run unwrapped, with a warning.
     adapter : LoRA or LoRAXS or peft.LoraConfig, optional
         Which adapter to inject. ``None`` with ``latent_modules`` gives a Bayesian network over
         whole linear layers (e.g. a small MLP).

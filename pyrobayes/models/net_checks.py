@@ -3,15 +3,17 @@
 :func:`task_head_modules`, the modules ``trainable_modules="auto"`` point-estimates, and the
 refusals of a network the model cannot run as asked: a sequence classifier without a pad token,
 a regression or multi-label head under the categorical likelihood, and gradient checkpointing
-under a training backbone. And one check of the batches, on the first forwards: a sequence
-classifier that finds the padding by its token id, given batches padded with another id
-(:func:`_check_pooled_padding`).
+under a training backbone. A network handed over inside ``torch.compile``'s or data
+parallelism's wrapper is taken out of it, with a warning (:func:`_unwrap_network`). And one
+check of the batches, on the first forwards: a sequence classifier that finds the padding by
+its token id, given batches padded with another id (:func:`_check_pooled_padding`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -83,6 +85,71 @@ def task_head_modules(net: nn.Module) -> list[str]:
                 continue
             chosen.add(name)
     return [n for n, _ in net.named_modules() if n in chosen]
+
+
+def _wrapper_of(net: nn.Module) -> tuple[nn.Module, str, str] | None:
+    """``(wrapped network, how to reach it, why it is not used)`` when ``net`` is a wrapper
+    :func:`_unwrap_network` takes apart, else ``None``."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if isinstance(optimized, type) and isinstance(net, optimized):
+        why = (
+            "pyrobayes swaps each draw's adapter values into the network's modules and places "
+            "forward hooks on them (Laplace's K-FAC, the lower-block cache, calibration), which "
+            "a compiled graph does not follow (torch ignores hooks added after compiling: "
+            "torch._dynamo.config.skip_nnmodule_hook_guards), and the draws' shapes change with "
+            "S, recompiling"
+        )
+        return net.get_submodule("_orig_mod"), "net._orig_mod", why
+    if isinstance(net, (DataParallel, DistributedDataParallel)):
+        why = (
+            "it would split each forward's S·B rows, the batch copied once per draw, across "
+            "devices apart from the draws they belong to, and it hides the wrapped model's "
+            "config from FineTuneModel's checks (its pad token, problem_type) and adds "
+            "'module.' to every name a posterior file holds. pb.fit runs on several GPUs "
+            "itself: launch with torchrun and call torch.distributed.init_process_group()"
+        )
+        return net.module, "net.module", why
+    return None
+
+
+def _unwrap_network(net: nn.Module) -> nn.Module:
+    """The network inside the wrappers a user may apply before handing it to
+    :class:`~pyrobayes.models.FineTuneModel`, which runs that network itself: ``torch.compile``'s
+    ``OptimizedModule`` (``net._orig_mod``) and ``nn.DataParallel`` /
+    ``DistributedDataParallel`` (``net.module``), nested ones too, with a warning naming each.
+
+    Left wrapped, a compiled network failed in K-FAC Laplace (the adapted layers' input
+    statistics never recorded: their hooks were not run) and a compiled Hugging Face BERT
+    failed in tracing; a ``DataParallel`` one ran, with its module paths prefixed by
+    ``module.`` and the checks that read the Hugging Face config skipped in silence (a
+    regression head accepted under the categorical likelihood, batches padded with another id
+    than the pad token scored at their padding). The wrapped network is modified in place, as
+    any network given to the model is.
+
+    Parameters
+    ----------
+    net : nn.Module
+
+    Returns
+    -------
+    nn.Module
+        ``net`` itself when it is not such a wrapper.
+    """
+    found = _wrapper_of(net)
+    while found is not None:
+        inner, where, why = found
+        warnings.warn(
+            f"FineTuneModel: the network is wrapped in {type(net).__name__}; pyrobayes runs the "
+            f"network it wraps ({where}) instead, unwrapped: {why}. Pass {where} to silence "
+            "this.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        net, found = inner, _wrapper_of(inner)
+    return net
 
 
 def _text_config(net: nn.Module) -> tuple[Any, str]:
