@@ -9,6 +9,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import compute_dtype
 from .base import PosteriorGuide
 
 __all__ = ["DeltaGuide"]
@@ -33,7 +34,10 @@ class DeltaGuide(PosteriorGuide):
         super().__init__(model)
 
     def _setup_site(self, site: str, init: Tensor) -> None:
-        self._add_param("locs", site, init.detach().clone())
+        # a half-precision site keeps θ̂ in float32 (the network runs it in its dtype): an Adam
+        # step of lr ≈ 1e-4 on |θ| ≈ 0.1 is below half of bfloat16's spacing there, so a
+        # bfloat16 θ̂ never moved (LoRA's A at lr 1e-4: 0.0 in bfloat16, 2e-3 in float32)
+        self._add_param("locs", site, init.detach().to(compute_dtype(init.dtype)).clone())
 
     def get_posterior(self, site: str) -> dist.TorchDistribution:
         loc = self.loc(site)

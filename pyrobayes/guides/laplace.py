@@ -275,7 +275,7 @@ alternate_map_tol, alternate_lr : optional
         if not self._index:
             self.register_buffer("lap_prior_precision", init.new_ones((), dtype=dtype))
             self.register_buffer("lap_fitted", torch.zeros((), dtype=torch.bool))
-        self._add_param("locs", site, init.detach().clone())
+        self._add_param("locs", site, init.detach().to(dtype).clone())  # (as MAP's: float32)
         i = len(self._index)
         self._index[site] = i
         shape = init.shape

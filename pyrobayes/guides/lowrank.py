@@ -243,7 +243,8 @@ optimizer : optional
 
     # ------------------------------------------------------------------ set-up
     def _setup_site(self, site: str, init: Tensor) -> None:
-        self._add_param("locs", site, init.detach().clone())
+        # (float32 on a half-precision site, as MAP's: its SGD iterates would round away)
+        self._add_param("locs", site, init.detach().to(compute_dtype(init.dtype)).clone())
 
     @property
     def scale(self) -> float:

@@ -23,6 +23,7 @@ import pyro.distributions as dist
 import torch
 from torch import Tensor
 
+from ..batch import compute_dtype
 from ..fitted_head import record_initial_state
 from ..models.adapters import check_int, check_real
 from ..models.finetune import NOISE_PARAM
@@ -156,7 +157,7 @@ class ParticleGuide(PosteriorGuide):
         )
 
     def _setup_site(self, site: str, init: Tensor) -> None:
-        init = init.detach()
+        init = init.detach().to(compute_dtype(init.dtype))  # (float32 on a half-precision site)
         locs = init.unsqueeze(0).repeat(self.num_components, *([1] * init.dim()))
         if self._init_scale > 0:
             locs = locs + self._init_scale * torch.randn_like(locs)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..batch import compute_dtype
 from ..models.adapters import check_real
 from ..models.signorm import SCALE_KIND, STATS_KIND, scale_sites
 from ..user_frame import user_stacklevel
@@ -166,7 +167,7 @@ class SigmaNormGuide(ParticleGuide):
         return self.num_components
 
     def _setup_site(self, site: str, init: Tensor) -> None:
-        init = init.detach()
+        init = init.detach().to(compute_dtype(init.dtype))  # (float32 on a half-precision site)
         members = self.num_components
         locs = init.unsqueeze(0).repeat(members, *([1] * init.dim()))
         kind = self._kinds.get(site)
