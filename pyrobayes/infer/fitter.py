@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..batch import compute_dtype
 from ..calibration import drop_temperature
 from ..contract import bound_model, implements
 from ..user_frame import user_stacklevel
@@ -79,10 +80,107 @@ def trainable_parameters(model: Any, guide: Any) -> list[torch.nn.Parameter]:
     return params
 
 
+class _PointMasters:
+    r"""Master copies, in the compute dtype, of a half-precision network's trained point
+    parameters (its own ``nn.Parameter``\ s, e.g. a head) in float16 or bfloat16.
+
+    The fit's optimizer steps the masters; the network's parameter holds its master rounded to
+    its dtype before every forward of a step (:meth:`push`) and takes the gradient from the
+    backward, which :meth:`grads_in` hands to the master in float32. Stepped in place in
+    bfloat16, an Adam step below half of its spacing rounds away (2⁻¹¹ ≈ 4.9e-4 at ``|w|`` near
+    0.1: every step of ``lr`` ≤ 2e-4), so the head never moved; the masters are the
+    mixed-precision training of Micikevicius et al. (2018), "Mixed Precision Training" (ICLR).
+    A master stays valid while its parameter holds it rounded: a parameter written elsewhere
+    (a checkpoint's posterior loaded, a distributed broadcast, ``set_site``) to another value
+    is re-read (:meth:`pull`). Empty (every method a no-op) when no point parameter is half.
+    """
+
+    def __init__(self, model: Any, guide: Any, params: Sequence[torch.nn.Parameter]) -> None:
+        guide_ids = {id(p) for p in guide.parameters()}
+        named = {id(p): n for n, p in getattr(model, "point_params", {}).items()}
+        half = [
+            p
+            for p in params
+            if id(p) in named and id(p) not in guide_ids and compute_dtype(p.dtype) != p.dtype
+        ]
+        self.names = [named[id(p)] for p in half]
+        self.params: list[torch.nn.Parameter] = half
+        self.masters = [
+            torch.nn.Parameter(p.detach().to(compute_dtype(p.dtype)), p.requires_grad) for p in half
+        ]
+        self._of = {id(p): m for p, m in zip(half, self.masters, strict=True)}
+        self._versions: list[int | None] = [p._version for p in half]
+
+    def stepped(self, params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """``params`` with each half-precision point parameter replaced by its master."""
+        return [self._of.get(id(p), p) for p in params]
+
+    def names_of_masters(self) -> dict[int, str]:
+        """``{id(master): the point parameter's name}``."""
+        return {id(m): n for m, n in zip(self.masters, self.names, strict=True)}
+
+    def push(self) -> None:
+        """Write each master, rounded to its parameter's dtype, into the network's parameter."""
+        if not self.params:  # (a float32 network: not even the no_grad context, 2 µs a call)
+            return
+        with torch.no_grad():
+            for i, (p, m) in enumerate(zip(self.params, self.masters, strict=True)):
+                p.copy_(m)
+                self._versions[i] = p._version
+
+    def pull(self) -> None:
+        """Re-read the master of each parameter written elsewhere since :meth:`push` to a value
+        other than its master rounded (one comparison per such parameter, none otherwise)."""
+        if not self.params:
+            return
+        with torch.no_grad():
+            for i, (p, m) in enumerate(zip(self.params, self.masters, strict=True)):
+                if p._version != self._versions[i]:
+                    if not torch.equal(m.to(p.dtype), p):
+                        m.copy_(p)
+                    self._versions[i] = p._version
+
+    def grads_in(self) -> None:
+        """Hand the network's parameters' gradients to their masters, in the master's dtype
+        (added to a gradient the master holds), and drop them from the parameters."""
+        if not self.params:
+            return
+        for p, m in zip(self.params, self.masters, strict=True):
+            grad, p.grad = p.grad, None
+            if grad is not None:
+                m.grad = grad.to(m.dtype) if m.grad is None else m.grad.add_(grad)
+
+    def drop_grads(self) -> None:
+        """Drop the network's parameters' gradients (the optimizer zeroes its masters')."""
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{name: master}`` (cloned), after :meth:`pull`."""
+        self.pull()
+        return {n: m.detach().clone() for n, m in zip(self.names, self.masters, strict=True)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Restore :meth:`state_dict`'s masters: each one whose rounding is the value its
+        parameter holds (the checkpoint's point parameters are loaded first) is kept, any other
+        re-read from its parameter; a checkpoint without them (one written before the masters,
+        or by a float32 network) re-reads them all."""
+        saved = state or {}
+        for i, (name, m) in enumerate(zip(self.names, self.masters, strict=True)):
+            value = saved.get(name)
+            if isinstance(value, torch.Tensor) and value.shape == m.shape:
+                m.copy_(value)
+            self._versions[i] = None  # compared with the parameter by the pull below
+        self.pull()
+
+
 def _refuse_float16_adam(optimizer: torch.optim.Optimizer, model: Any, guide: Any) -> None:
     """Refuse float16 parameters under an optimizer whose ``eps`` rounds to 0 in float16 (Adam's
     1e-8 is below float16's smallest subnormal, 6e-8): its squared-gradient average of a small
-    gradient underflows too, so the first step divides by 0 and writes inf or NaN into them."""
+    gradient underflows too, so the first step divides by 0 and writes inf or NaN into them.
+    The network's float16 point parameters are stepped through float32 masters
+    (:class:`_PointMasters`) unless the optimizer was passed built over them."""
     names = {id(p): n for n, p in getattr(model, "point_params", {}).items()}
     names.update({id(p): f"the guide's {n}" for n, p in guide.named_parameters()})
     for group in optimizer.param_groups:
@@ -97,7 +195,9 @@ def _refuse_float16_adam(optimizer: torch.optim.Optimizer, model: Any, guide: An
                 f"and {type(optimizer).__name__}'s eps = {eps:g} rounds to 0 in float16, so its "
                 "first step divides by zero and writes inf/NaN into them (whatever the learning "
                 "rate). Fit a bfloat16 or float32 copy of the network (net.to(torch.bfloat16) "
-                "before building the model), or pass an optimizer with eps >= 1e-4."
+                "before building the model), or pass an optimizer with eps >= 1e-4, or its class "
+                "or a factory params -> Optimizer rather than a built one (the fit then steps "
+                "float32 masters of the network's float16 point parameters)."
             )
 
 
@@ -123,7 +223,10 @@ class Fitter:
         The resolved objective.
     optimizer : torch.optim.Optimizer
     params : list of Parameter
-        What the optimizer updates: the guide's trainable parameters and the model's point ones.
+        What the fit trains: the guide's trainable parameters and the model's point ones. A
+        float16 or bfloat16 point parameter is stepped through a float32 master copy (the
+        optimizer holds the master; the network's parameter holds it rounded, and its gradient
+        reaches the master in float32), unless the optimizer was passed built.
     num_steps : int
         Updates applied so far.
     manages_lr : bool
@@ -202,6 +305,11 @@ class Fitter:
                 "training examples."
             )
         self.params = trainable_parameters(model, guide)
+        #: float32 masters of the half-precision point parameters, which the optimizer steps in
+        #: their place (:class:`_PointMasters`; none for an optimizer passed built over them)
+        self._masters = _PointMasters(
+            model, guide, () if isinstance(optimizer, torch.optim.Optimizer) else self.params
+        )
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
         self._grad_check: tuple[torch.Tensor, torch.Tensor] | None = None  # _check_buffers
@@ -233,10 +341,16 @@ class Fitter:
         trains (the guide's and the model's point parameters), and its own rate is the fit's:
         an ``lr`` given beside it is not used (warned), and :attr:`lr` reads the optimizer's."""
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [p for p in self.params if id(p) not in held]
+        missing = [p for p in self._masters.stepped(self.params) if id(p) not in held]
         if missing:
             names = {id(p): f"guide.{n}" for n, p in self.guide.named_parameters()}
             names.update({id(p): f"model.{n}" for n, p in self.model.named_parameters()})
+            names.update(
+                {
+                    i: f"model.{n} (its float32 master)"
+                    for i, n in self._masters.names_of_masters().items()
+                }
+            )
             listed = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in missing]
             raise ValueError(
                 f"{type(self).__name__}: the optimizer passed does not hold {len(missing)} of "
@@ -273,14 +387,15 @@ class Fitter:
         return torch.optim.Adam(params, lr=lr)
 
     def _build_optimizer(self, spec: Any, lr: float) -> torch.optim.Optimizer:
+        params = self._masters.stepped(self.params)  # the half point parameters' masters
         if spec is None:
-            return self.default_optimizer(self.params, lr)
+            return self.default_optimizer(params, lr)
         if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
             # every concrete optimizer takes lr (the abstract base takes a defaults dict)
             optimizer_class: Callable[..., torch.optim.Optimizer] = spec
-            return optimizer_class(self.params, lr=lr)
+            return optimizer_class(params, lr=lr)
         if isinstance(spec, torch.optim.Optimizer) or callable(spec):
-            built = spec if isinstance(spec, torch.optim.Optimizer) else spec(self.params)
+            built = spec if isinstance(spec, torch.optim.Optimizer) else spec(params)
             if isinstance(built, torch.optim.Optimizer):
                 self._adopt_optimizer(built)
             return built
@@ -316,6 +431,7 @@ class Fitter:
             raise RuntimeError(f"{type(self).__name__}.step() after end(): {self.ended}")
         if self.num_steps == 0:  # before the first update only (a post-hoc fit takes none)
             _refuse_float16_adam(self.optimizer, self.model, self.guide)
+        self._masters.pull()  # a point parameter written since the last step: its new value
         value = self._update(batch)
         if not math.isfinite(value):
             raise_kept(f"step {self.num_steps}")  # one rank's error: every rank stops with it
@@ -331,19 +447,25 @@ class Fitter:
         optim = self.optimizer
         model, guide, objective = self.model, self.guide, self.objective
         surrogate = implements(objective, SurrogateObjective)
+        masters = self._masters
         if getattr(optim, "needs_closure", False):
 
             def closure() -> torch.Tensor:
-                optim.zero_grad(set_to_none=True)
+                self._zero_grad()
+                masters.push()  # the masters as the optimizer left them (IVON's perturbed)
                 if surrogate:  # back-propagates itself
-                    return torch.tensor(objective.loss_and_grads(model, guide, batch))
-                loss = objective.loss(model, guide, batch)
-                loss.backward()
+                    loss = torch.tensor(objective.loss_and_grads(model, guide, batch))
+                else:
+                    loss = objective.loss(model, guide, batch)
+                    loss.backward()
+                masters.grads_in()
                 return loss
 
-            # torch types the closure as returning float; closures return the loss tensor
-            return float(optim.step(closure))  # type: ignore[arg-type]
-        optim.zero_grad(set_to_none=True)
+            try:  # torch types the closure as returning float; closures return the loss tensor
+                return float(optim.step(closure))  # type: ignore[arg-type]
+            finally:
+                masters.push()  # the masters as the step left them (IVON's restored means)
+        self._zero_grad()
         distributed = world()[0] > 1
         if surrogate:  # the gradients are there already; the update waits for the check
             mean = run_shared(
@@ -369,8 +491,21 @@ class Fitter:
         if distributed:
             all_reduce_grads_(self.params)
         self._check_grads()
-        optim.step()
+        self._optimizer_step()
         return value
+
+    def _zero_grad(self) -> None:
+        """Drop the gradients of the optimizer's parameters and of the network's half-precision
+        point parameters (whose masters the optimizer holds)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._masters.drop_grads()
+
+    def _optimizer_step(self) -> None:
+        """The optimizer's step on the gradients of the backward: the half-precision point
+        parameters' go to their float32 masters first, which the network then holds rounded."""
+        self._masters.grads_in()
+        self.optimizer.step()
+        self._masters.push()
 
     def _check_grads(self) -> None:
         """Raise ``FloatingPointError`` if any gradient is non-finite (:func:`flag_non_finite`:
@@ -434,11 +569,14 @@ class Fitter:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything the fitter owns: the optimizer state, the step count, the fit's settings
-        (:attr:`settings`, when the family has any) and the family's own counters (the guide's
-        state is saved with the guide)."""
+        (:attr:`settings`, when the family has any), the float32 masters of a half-precision
+        network's point parameters (``"point_masters"``, only then: the network holds them
+        rounded) and the family's own counters (the guide's state is saved with the guide)."""
         state = {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
         if self.settings is not None:
             state["settings"] = settings_record(self.settings)
+        if self._masters.params:  # rounded in the network, so not re-derivable from it
+            state["point_masters"] = self._masters.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -447,6 +585,7 @@ class Fitter:
             check_settings(self, state.get("settings"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
+        self._masters.load_state_dict(state.get("point_masters"))
 
     def broadcast_tensors(self) -> Sequence[torch.Tensor]:
         """What rank 0 broadcasts at the start of a distributed fit: the trainable parameters,

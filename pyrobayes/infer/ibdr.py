@@ -409,7 +409,7 @@ class IBDRFitter(Fitter):
         locs = mixture.component_locs()
         noise = self._noise(locs, mixture.component_scale)
         # pass 1: g = ∇L_B at θ = μ + σε (the data term only: the prior is outside the inner max)
-        optim.zero_grad(set_to_none=True)
+        self._zero_grad()
         # one rank's error shares NaN through the step's all-reduces, then every rank stops
         data, probs = run_shared(
             lambda: self._data_term(self._values(locs, noise), batch),
@@ -427,7 +427,7 @@ class IBDRFitter(Fitter):
             if distributed:
                 all_reduce_grads_(params)
             self._check_grads()
-            optim.step()
+            self._optimizer_step()
             self.cost = 0.0
             self.radius = 0.0
             return value
@@ -452,7 +452,7 @@ class IBDRFitter(Fitter):
             for p, g in zip(ascent, grads, strict=True):
                 p.add_(g, alpha=step)
         # pass 2: g' at θ'; then restore θ and add the prior's gradient at μ
-        optim.zero_grad(set_to_none=True)
+        self._zero_grad()  # the point parameters' pass-1 gradients too
         try:
             probs_adv = run_shared(
                 lambda: self._adversarial_pass(locs, noise, batch), lambda: nan_grads_(params)
@@ -472,7 +472,7 @@ class IBDRFitter(Fitter):
         cost = self._transport_cost(probs, probs_adv, shift, distributed)
         lam_lr = self.lam_lr if self.lam_lr is not None else float(optim.param_groups[0]["lr"])
         lam = self._dual_step(cost, lam_lr)  # checked before the update: a refusal moves nothing
-        optim.step()
+        self._optimizer_step()
         self.lam = lam
         self.cost = cost
         self.radius = shift
