@@ -175,6 +175,27 @@ class _PointMasters:
         self.pull()
 
 
+def _warn_half_points_in_place(model: Any, guide: Any) -> None:
+    """Warn when an optimizer passed built will step the network's bfloat16 point parameters in
+    place (float16 ones under Adam are refused at the first step): the fit cannot give them
+    float32 masters (:class:`_PointMasters`), and a step below half of bfloat16's spacing
+    rounds away (every step of ``lr`` <= 2e-4 at ``|w|`` near 0.1)."""
+    half = _PointMasters(model, guide, list(getattr(model, "point_params", {}).values()))
+    if not half.names or all(p.dtype == torch.float16 for p in half.params):
+        return
+    shown = ", ".join(half.names[:4]) + (" ..." if len(half.names) > 4 else "")
+    warnings.warn(
+        f"fit(): the optimizer passed built steps the network's half-precision point "
+        f"parameters ({shown}) in place, in their dtype, where a step below half the dtype's "
+        "spacing rounds away (bfloat16: every step of lr <= 2e-4 at |w| near 0.1), so they may "
+        "not move. Pass the optimizer's class or a factory params -> Optimizer instead "
+        "(optim=pb.Optimization(optimizer=torch.optim.AdamW) or a lambda over its params): "
+        "the fit then steps float32 masters of them.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 def _refuse_float16_adam(optimizer: torch.optim.Optimizer, model: Any, guide: Any) -> None:
     """Refuse float16 parameters under an optimizer whose ``eps`` rounds to 0 in float16 (Adam's
     1e-8 is below float16's smallest subnormal, 6e-8): its squared-gradient average of a small
@@ -307,9 +328,10 @@ class Fitter:
         self.params = trainable_parameters(model, guide)
         #: float32 masters of the half-precision point parameters, which the optimizer steps in
         #: their place (:class:`_PointMasters`; none for an optimizer passed built over them)
-        self._masters = _PointMasters(
-            model, guide, () if isinstance(optimizer, torch.optim.Optimizer) else self.params
-        )
+        built = isinstance(optimizer, torch.optim.Optimizer)
+        self._masters = _PointMasters(model, guide, () if built else self.params)
+        if built:
+            _warn_half_points_in_place(model, guide)
         self.optimizer = self._build_optimizer(optimizer, lr)
         self.num_steps = 0
         self._grad_check: tuple[torch.Tensor, torch.Tensor] | None = None  # _check_buffers

@@ -175,3 +175,21 @@ def test_a_float16_network_under_adam_fits_its_head_through_the_masters() -> Non
     head = model.point_params["2.weight"].detach()
     assert head.dtype == torch.float16 and bool(head.isfinite().all())
     assert float((head.float() - start.float()).abs().median()) > 1e-3
+
+
+def test_an_optimizer_passed_built_over_a_bfloat16_head_warns() -> None:
+    """A built optimizer holds the network's bfloat16 head itself, which the fit cannot give a
+    float32 master: it warns, naming the head and the remedy; a class or factory does not."""
+    import warnings
+
+    model = _model(torch.bfloat16)
+    guide = pb.posterior(model, "map")
+    built = torch.optim.Adam(pb.infer.trainable_parameters(model, guide), lr=1e-4)
+    with pytest.warns(UserWarning, match=r"passed built steps .*2\.weight.*float32 masters"):
+        pb.fit(model, guide, _data(torch.bfloat16), epochs=1, progress=False,
+               optim=pb.Optimization(optimizer=built))  # fmt: skip
+    model = _model(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pb.fit(model, pb.posterior(model, "map"), _data(torch.bfloat16), epochs=1,
+               progress=False, optim=pb.Optimization(optimizer=torch.optim.Adam))  # fmt: skip
