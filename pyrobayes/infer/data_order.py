@@ -6,7 +6,8 @@ uninterrupted run saw. Data that draw their order (or an augmentation) from the 
 generators as they are read (an ``IterableDataset`` that shuffles with ``torch.randperm`` or
 ``random.shuffle``, a re-iterable generator of batches) read them from streams of their own,
 seeded from the seed and the epoch too (:meth:`DataOrder.read`); what a resume replays is
-checked against the interrupted run's last batch (:func:`batch_digest`).
+checked against the interrupted run's last batch
+(:func:`~pyrobayes.infer.data_record.batch_digest`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..user_frame import user_stacklevel
-from .data_record import _update
 
-__all__ = ["DataOrder", "batch_digest", "mix_seed"]
+__all__ = ["DataOrder", "mix_seed"]
 
 T = TypeVar("T")
 
@@ -34,14 +34,6 @@ def mix_seed(*parts: object) -> int:
     """A 63-bit seed from ``parts``, the same on every machine and Python (not ``hash``)."""
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def batch_digest(batch: Any) -> str:
-    """SHA-256 of a batch's content (tensors by dtype, shape and bytes; as the training data's
-    record reads its examples, :mod:`~pyrobayes.infer.data_record`)."""
-    digest = hashlib.sha256()
-    _update(digest, batch)
-    return digest.hexdigest()
 
 
 def _data_name(data: Any) -> str:

@@ -102,6 +102,15 @@ def _sample_digest(items: Any, size: int) -> str | None:
     return digest.hexdigest()
 
 
+def batch_digest(batch: Any) -> str:
+    """SHA-256 of a batch's content (tensors by dtype, shape and bytes, as the record reads its
+    examples): what a checkpoint keeps of the epoch's last batch, which a resume compares with
+    the batch it replays there."""
+    digest = hashlib.sha256()
+    _update(digest, batch)
+    return digest.hexdigest()
+
+
 def _update(digest: Any, value: Any) -> None:
     """Feed ``value``'s content to ``digest``: tensors and arrays by dtype, shape and bytes,
     mappings by sorted key, sequences in order, scalars and strings by ``repr``; any other

@@ -96,14 +96,9 @@ class _PointMasters:
     """
 
     def __init__(self, model: Any, guide: Any, params: Sequence[torch.nn.Parameter]) -> None:
-        guide_ids = {id(p) for p in guide.parameters()}
-        named = {id(p): n for n, p in getattr(model, "point_params", {}).items()}
-        half = [
-            p
-            for p in params
-            if id(p) in named and id(p) not in guide_ids and compute_dtype(p.dtype) != p.dtype
-        ]
-        self.names = [named[id(p)] for p in half]
+        found = _half_points(model, guide, params)
+        half = [p for _, p in found]
+        self.names = [n for n, _ in found]
         self.params: list[torch.nn.Parameter] = half
         self.masters = [
             torch.nn.Parameter(p.detach().to(compute_dtype(p.dtype)), p.requires_grad) for p in half
@@ -175,15 +170,30 @@ class _PointMasters:
         self.pull()
 
 
+def _half_points(
+    model: Any, guide: Any, params: Sequence[torch.nn.Parameter]
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of each of ``params`` that is a float16 or bfloat16 point
+    parameter of ``model`` (not the guide's)."""
+    guide_ids = {id(p) for p in guide.parameters()}
+    named = {id(p): n for n, p in getattr(model, "point_params", {}).items()}
+    return [
+        (named[id(p)], p)
+        for p in params
+        if id(p) in named and id(p) not in guide_ids and compute_dtype(p.dtype) != p.dtype
+    ]
+
+
 def _warn_half_points_in_place(model: Any, guide: Any) -> None:
     """Warn when an optimizer passed built will step the network's bfloat16 point parameters in
     place (float16 ones under Adam are refused at the first step): the fit cannot give them
     float32 masters (:class:`_PointMasters`), and a step below half of bfloat16's spacing
     rounds away (every step of ``lr`` <= 2e-4 at ``|w|`` near 0.1)."""
-    half = _PointMasters(model, guide, list(getattr(model, "point_params", {}).values()))
-    if not half.names or all(p.dtype == torch.float16 for p in half.params):
+    half = _half_points(model, guide, list(getattr(model, "point_params", {}).values()))
+    if not half or all(p.dtype == torch.float16 for _, p in half):
         return
-    shown = ", ".join(half.names[:4]) + (" ..." if len(half.names) > 4 else "")
+    names = [n for n, _ in half]
+    shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
     warnings.warn(
         f"fit(): the optimizer passed built steps the network's half-precision point "
         f"parameters ({shown}) in place, in their dtype, where a step below half the dtype's "

@@ -58,7 +58,8 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .data_order import DataOrder, batch_digest
+from .data_order import DataOrder
+from .data_record import batch_digest
 from .distributed import barrier, broadcast_, world
 from .fit_checks import (
     BATCHES_PER_EPOCH,
