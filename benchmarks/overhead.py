@@ -22,6 +22,10 @@ Two adapters, measured in one run:
   longest choice, left padded; predict only).
 * **minilm_demo** - the demo's MiniLM: LoRA-XS r=8 on ``query``/``value`` of layers 3-5 of 6 only
   (``pyrobayes.demo.pipeline``), batch 16 x 64 tokens; predict only, S = 16.
+* **tv_vit** - a config-built torchvision ``VisionTransformer`` (64 x 64 images, 8 x 8 patches,
+  6 blocks in ``encoder.layers``, width 128, MLP 256), LoRA-XS r=8 on the MLPs of blocks 4-5, a
+  point-estimated head, ``(x, y)`` batches of 16 bare image tensors; predict only, S = 16, the
+  lower blocks shared as in minilm_demo (torchvision's ``nn.Sequential`` of blocks).
 
 (b) predict with S=16. ``pb.predict(..., samples_per_forward=k)`` for k in {1, 4, 16} against
 the two plain ways to run the network S times (S forwards at batch B; one forward at batch S*B
@@ -48,7 +52,8 @@ inside ``sharing.unshared()`` (every block in every step); a fresh model per fit
 the timed call; paired per round.
 
 (d) minilm_demo: ``pb.predict`` at S = 16 (the blocks below layer 3 once per batch for all draws
-and chunks) against the plain ways of (b) and ``pb.predict`` inside ``sharing.unshared()``.
+and chunks) against the plain ways of (b) and ``pb.predict`` inside ``sharing.unshared()``;
+tv_vit the same, the blocks below block 4 once per batch.
 
 Timing: ``time.perf_counter`` (CUDA synchronised), one warm-up, variants interleaved round-robin,
 medians over repeats. ``torch.set_num_threads(2)`` unless ``--threads``.
@@ -67,6 +72,8 @@ Run::
         --out benchmarks/results/overhead_minilm_demo_t1.json          # lower layers shared
     .venv/bin/python benchmarks/overhead.py --only minilm_demo_fit \
         --out benchmarks/results/overhead_minilm_demo_fit.json         # the fit's lower-block cache
+    .venv/bin/python benchmarks/overhead.py --only tv_vit --threads 1 \
+        --out benchmarks/results/overhead_tv_vit_t1.json               # image blocks shared
 """
 
 from __future__ import annotations
@@ -231,6 +238,36 @@ def build_minilm(
         b["labels"] = torch.randint(0, 2, (batch,), device=device)
         batches.append(b)
     return {"name": "minilm", "model": model, "batches": batches, "num_data": num_data}
+
+
+def build_tv_vit(device: torch.device, num_batches: int) -> dict[str, Any]:
+    """Case tv_vit: a config-built torchvision ViT, LoRA-XS on the MLPs of its top 2 blocks."""
+    import torchvision
+
+    torch.manual_seed(0)
+    net = torchvision.models.VisionTransformer(
+        image_size=64, patch_size=8, num_layers=6, num_heads=4, hidden_dim=128, mlp_dim=256,
+        num_classes=10,
+    )  # fmt: skip
+    nn.init.normal_(net.heads.head.weight, std=0.1)  # torchvision's new head is zeros
+    batch = 16
+    num_data = batch * 100
+    model = FineTuneModel(
+        net,
+        LoRAXS(rank=8, target_modules=r".*encoder_layer_(4|5)\.mlp\.(0|3)"),
+        prior_scale=PRIOR_SCALE,
+        num_data=num_data,
+        trainable_modules=["heads"],
+    ).to(device)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            torch.randn(batch, 3, 64, 64, generator=g).to(device),
+            torch.randint(0, 10, (batch,), generator=g).to(device),
+        )
+        for _ in range(num_batches)
+    ]
+    return {"name": "tv_vit", "model": model, "batches": batches, "num_data": num_data}
 
 
 # ------------------------------------------------------------------------------------ plain code
@@ -698,7 +735,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument(
         "--only",
-        choices=["mlp", "minilm", "llama", "llama_smol", "minilm_demo", "minilm_demo_fit"],
+        choices=[
+            "mlp",
+            "minilm",
+            "llama",
+            "llama_smol",
+            "minilm_demo",
+            "minilm_demo_fit",
+            "tv_vit",
+        ],  # fmt: skip
         default=None,
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -762,6 +807,12 @@ def main() -> None:
         print(f"[minilm_demo] predict: S={NUM_SAMPLES} ...", flush=True)
         pred_res = predict_case(setup, 1, 2 if q else 5, device)
         results["cases"]["minilm_demo"] = {"predict": pred_res}
+
+    if args.only in (None, "tv_vit") and not args.fit_only:
+        setup = build_tv_vit(device, 4)
+        setup.update(shared=True)
+        print(f"[tv_vit] predict: S={NUM_SAMPLES} ...", flush=True)
+        results["cases"]["tv_vit"] = {"predict": predict_case(setup, 1, 2 if q else 5, device)}
 
     if args.only in (None, "minilm_demo_fit"):
         results["cases"]["minilm_demo_fit"] = demo_fit_case(2 if q else 5, 2 if q else 3, device)

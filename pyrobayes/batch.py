@@ -19,6 +19,7 @@ __all__ = [
     "to_device",
     "expand_samples",
     "batch_size",
+    "image_tokens",
     "token_mask",
     "compute_dtype",
     "check_batches",
@@ -174,6 +175,27 @@ def expand_samples(inputs: Any, num_samples: int) -> Any:
     if isinstance(inputs, (tuple, list)):
         return _rebuilt(inputs, (expand_samples(v, num_samples) for v in inputs))
     return inputs
+
+
+#: Pixels per work unit of an image: one 16 x 16 patch, a ViT-B/16 token (196 per 224² image).
+PIXELS_PER_TOKEN = 256
+
+
+def image_tokens(inputs: Any) -> int | None:
+    """Work units of a batch of images: ``B · max(1, H·W / 256)``, one per 16 × 16 patch (a
+    ViT-B/16's tokens, Dosovitskiy et al. 2021), for a floating ``(B, C, H, W)`` tensor given
+    as the inputs, first in a tuple, or as ``pixel_values``; ``None`` for other inputs.
+
+    Sizing a forward by its images alone takes a 224² image for one row, as cheap as an MLP's;
+    its per-row work is that of a 196-token sequence."""
+    if isinstance(inputs, Mapping):
+        inputs = inputs.get("pixel_values")
+    elif isinstance(inputs, (tuple, list)) and inputs:
+        inputs = inputs[0]
+    if not isinstance(inputs, Tensor) or inputs.dim() != 4 or not inputs.is_floating_point():
+        return None
+    height, width = int(inputs.shape[-2]), int(inputs.shape[-1])
+    return int(inputs.shape[0]) * max(1, height * width // PIXELS_PER_TOKEN)
 
 
 def flagged_examples(flags: Tensor | list[int], example_dim: int = 0) -> str:

@@ -28,6 +28,7 @@ from .batch import (
     check_batches,
     compute_dtype,
     flagged_examples,
+    image_tokens,
     split_batch,
     to_device,
 )
@@ -176,10 +177,11 @@ CPU_MAX_ROWS_PER_FORWARD = 1024
 
 
 def _rows(inputs: Any) -> int:
-    """Work units of one copy of a batch: examples × sequence length for token inputs."""
+    """Work units of one copy of a batch: examples × sequence length for token inputs, ×
+    16² patches for images (:func:`~pyrobayes.batch.image_tokens`)."""
     if isinstance(inputs, dict) and isinstance(inputs.get("input_ids"), torch.Tensor):
         return int(inputs["input_ids"].numel())
-    return max(1, batch_size(inputs))
+    return image_tokens(inputs) or max(1, batch_size(inputs))
 
 
 def default_samples_per_forward(

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import compute_dtype, expand_samples
+from ..batch import batch_size, compute_dtype, expand_samples, image_tokens
 from .layers import BatchedLinear, _AdapterBase
 from .lower_cache import rope_length_limit, stubbed_below
 from .multiple_choice import (
@@ -637,15 +637,23 @@ def tokens_per_draw(
     net: nn.Module, likelihood: Any, inputs: Any, lower: tuple[nn.ModuleList, int] | None
 ) -> int | None:
     """Token positions one more draw costs on ``inputs`` once the shared work is done: the
-    prompts and continuations of :func:`prefix_shared_logits`, or every token, scaled by the
-    share of blocks at or above the first adapted one when the lower ones are shared;
-    ``None`` when nothing is shared (the plain rows' tokens, then).
+    prompts and continuations of :func:`prefix_shared_logits`, or every token (an image's
+    patches: :func:`~pyrobayes.batch.image_tokens`), scaled by the share of blocks at or
+    above the first adapted one when the lower ones are shared; ``None`` when nothing is
+    shared (the plain rows' tokens, then).
 
     The lower blocks are looked up as the forward shares them: on the R prompts when the
     prompts are shared (:func:`prefix_shared_logits`), else on the network's rows (R·K for K
     choices a row each, ``likelihood.rows_per_output``), whose known refusals
     (:func:`_refusal`: a batch of as many rows as MPT has heads, say) are per row count."""
-    if not sharing_enabled() or not isinstance(inputs, Mapping):
+    if not sharing_enabled():
+        return None
+    images = image_tokens(inputs)
+    if images is not None:  # the lower blocks on the B images, once for every draw
+        if lower is None or _lower_declined(lower, batch_size(inputs), 2):
+            return None
+        return _upper_share(images, lower)
+    if not isinstance(inputs, Mapping):
         return None
     ids = inputs.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() == 0:
@@ -659,8 +667,13 @@ def tokens_per_draw(
         rows *= (per_output(inputs) if callable(per_output) else None) or 1
     if lower is None or _lower_declined(lower, rows, 2):
         return tokens  # (lower blocks known not to be shared for this network)
+    return _upper_share(int(ids.numel()) if tokens is None else tokens, lower)
+
+
+def _upper_share(tokens: int, lower: tuple[nn.ModuleList, int]) -> int:
+    """``tokens`` scaled by the share of ``lower``'s blocks at or above the first adapted one
+    (rounded up): the work a draw adds once the blocks below run for all draws."""
     blocks, first = lower
-    tokens = int(ids.numel()) if tokens is None else tokens
     return max(1, -(-tokens * (len(blocks) - first) // len(blocks)))
 
 

@@ -206,3 +206,32 @@ def test_positional_inputs_are_cut_to_one_draws_rows():
     assert isinstance(cut, tuple) and torch.equal(cut[0], x[:2]) and cut[1] is other
     assert torch.equal(lower_inputs(net, [x], 2, 3)[0], x[:2])
     assert torch.equal(lower_inputs(net, {"x": x}, 2, 3)["x"], x[:2])
+
+
+def test_predict_sizes_its_chunks_of_draws_by_an_images_patches_not_by_one_row():
+    """On CPU, ``pb.predict`` puts as many draws in one forward as keep it within 1,024 work
+    units. An image counted as one row (an MLP's) put all 16 draws of 8 images of 224² in one
+    forward of 128 ViT images (a 197-token sequence each: attention maps of 0.9 GB at ViT-B's 12
+    heads); counted by its 16 × 16 patches (196 each) it is one draw per forward. With the
+    lower blocks shared, a draw adds only the blocks at or above the first adapted one."""
+    from pyrobayes.batch import image_tokens
+    from pyrobayes.predictive import default_samples_per_forward
+
+    cpu = torch.device("cpu")
+    images = torch.zeros(8, 3, 224, 224)
+    assert image_tokens(images) == 8 * 196
+    assert image_tokens({"pixel_values": images}) == 8 * 196
+    assert image_tokens((images, torch.zeros(8))) == 8 * 196
+    assert image_tokens(torch.zeros(8, 3, 8, 8)) == 8  # at least one unit per image
+    assert image_tokens(torch.zeros(8, 64)) is None  # not an image batch
+    assert image_tokens({"input_ids": torch.zeros(8, 5, dtype=torch.long)}) is None
+    assert default_samples_per_forward(16, cpu, images) == 1
+    assert default_samples_per_forward(16, cpu, {"pixel_values": images}) == 1
+    assert default_samples_per_forward(16, cpu, torch.zeros(8, 64)) == 16  # rows, as before
+
+    model = _tv_vit()  # 6 blocks, LoRA on blocks 4-5: a draw adds 2/6 of the blocks' work
+    x = torch.zeros(8, 3, 32, 32, dtype=torch.float64)  # 4 units (patches of 16²) per image
+    assert model.tokens_per_draw(x) == -(-8 * 4 * 2 // 6)
+    with unshared():
+        assert model.tokens_per_draw(x) is None
+    assert default_samples_per_forward(16, cpu, x, model) == 16  # 11 units a draw: all 16
