@@ -62,7 +62,7 @@ from torch import Tensor
 from .contract import Posterior
 from .metrics._inputs import check_log_probabilities
 from .models.adapters import check_flag, check_int, check_real
-from .models.likelihoods import check_class_targets, check_gaussian_targets
+from .models.likelihoods import check_binary_targets, check_class_targets, check_gaussian_targets
 from .user_frame import user_stacklevel
 
 logger = logging.getLogger(__name__)
@@ -314,6 +314,8 @@ def _checked_targets(prediction: Any, targets: Any, owner: str) -> Tensor:
             check_log_probabilities(prediction.log_probs, "prediction.log_probs")
         except ValueError as err:
             raise ValueError(f"{owner}: {err}") from None
+        if prediction.log_probs.dim() == 4:  # multi-label: (S, N, L, 2), 0/1 targets (N, L)
+            return check_binary_targets(targets, prediction.log_probs.shape[1:-1], what=owner)
         return check_class_targets(targets, prediction.log_probs.shape[1:], what=owner)
     loc = prediction.loc
     if loc is None:
@@ -341,9 +343,11 @@ def _nll_terms(prediction: Any, targets: Tensor, value: float | Tensor, *, pool:
         lp = prediction.log_probs.detach().to(torch.float64)
         if pool:
             lp = _pooled_log_probs(lp)
-        tempered = torch.log_softmax(lp / t, dim=-1)  # (S, N, C)
-        y = targets.to(lp.device).long().reshape(1, -1, 1).expand(lp.shape[0], -1, 1)
-        picked = tempered.gather(-1, y).squeeze(-1)  # (S, N)
+        tempered = torch.log_softmax(lp / t, dim=-1)  # (S, N, C), multi-label (S, N, L, 2)
+        y = targets.to(lp.device).long().reshape(1, *tempered.shape[1:-1], 1)
+        picked = tempered.gather(-1, y.expand(*tempered.shape[:-1], 1)).squeeze(-1)
+        if picked.dim() == 3:  # multi-label: an example's label vector, its labels' sum
+            picked = picked.sum(-1)  # (S, N)
         return -(torch.logsumexp(picked, dim=0) - math.log(lp.shape[0]))
     loc = prediction.loc.detach().to(torch.float64)
     loc = loc.reshape(loc.shape[0], -1)

@@ -18,7 +18,11 @@ multiple-choice likelihood (not the vocabulary), or the D regression means. Unde
   draw costs one ``J(x)(θ_s − θ̂)`` product once ``J`` is formed, and the Monte Carlo NLL
   ``−log p̄`` is biased upwards by about ``Var(p)/(2 S p̄²)`` (Jensen), so S is not tied to the
   network draws of the sampled predictives;
-- classification, ``pred_type="probit"``: ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))``.
+- classification, ``pred_type="probit"``: ``softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))``;
+- multi-label classification (a :class:`~pyrobayes.models.Bernoulli` likelihood): the same per
+  label with the sigmoid, ``σ(f_l / sqrt(1 + π/8 · v_l))`` (probit; MacKay 1992, exact for
+  the probit link and within about 0.02 of the logistic-Gaussian integral) or the Monte Carlo
+  average of ``σ`` of the logits' draws, without contrasts (a sigmoid is not shift-invariant).
 
 How ``J`` is formed. Each example of a chunk gets its own copy of ``θ̂`` (the sample-batched
 forward of :mod:`pyrobayes.models.layers` gives row ``b`` the copy ``b``), so the gradient of
@@ -36,6 +40,7 @@ buffers of the batched backward passes (up to K times a training step's backward
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -55,6 +60,7 @@ from .batch import (
     to_device,
 )
 from .models.adapters import check_int
+from .models.likelihoods import bernoulli_log_probs
 from .predictive import (
     CPU_MAX_ROWS_PER_FORWARD,
     Prediction,
@@ -301,9 +307,17 @@ class Linearization:
     chunks: list[_Chunk]
 
 
-def _uses_contrast(model: Any, guide: Any) -> bool:
-    """Whether ``guide``'s linearised predictive is the Monte Carlo one (contrasted Jacobians)."""
+def _uses_monte_carlo(model: Any, guide: Any) -> bool:
+    """Whether ``guide``'s linearised predictive is the Monte Carlo one (classification)."""
     return bool(model.likelihood.is_classification and guide.pred_type == "glm")
+
+
+def _uses_contrast(model: Any, guide: Any) -> bool:
+    """Whether ``guide``'s linearised predictive uses contrasted Jacobians ``J_k − J_K``: the
+    Monte Carlo one of a softmax, which a shift common to the logits leaves unchanged (not of a
+    multi-label likelihood, whose per-label logits are each read as they are)."""
+    multi_label = bool(getattr(model.likelihood, "multi_label", False))
+    return _uses_monte_carlo(model, guide) and not multi_label
 
 
 def _chunks(
@@ -415,21 +429,26 @@ def _chunk_predictive(
     jac: dict[str, Tensor],
     deltas: Tensor | None,
     classification: bool,
+    multi_label: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk's predictive from ``f(x; θ̂)`` and ``J(x)``: the Monte Carlo log-probabilities
     `(S, b, K)` (``deltas`` = the draws' ``θ_s − θ̂``), the probit ones `(1, b, K)`, or the
-    regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``)."""
+    regression mean `(1, b, *event)` with the variance of ``f_lin`` (else ``None``).
+    ``multi_label``: the K outputs are per-label logits, and the log-probabilities
+    ``log (1 − p, p)`` per label, `(S, b, K, 2)` (the probit per label,
+    ``σ(f / sqrt(1 + π/8 · v))``)."""
+    link = bernoulli_log_probs if multi_label else functools.partial(torch.log_softmax, dim=-1)
     dtype = _linear_dtype(out, jac)
     out, jac = out.to(dtype), {s: j.to(dtype) for s, j in jac.items()}
     mean = out.reshape(out.shape[0], -1)  # (b, K)
     if deltas is not None:  # (the Monte Carlo predictive)
         _, shifts = linear_shifts(out, jac, deltas)
         logits = mean.unsqueeze(0) + shifts.reshape(deltas.shape[0], *mean.shape)
-        return torch.log_softmax(logits, -1), None
+        return link(logits), None
     var = torch.diagonal(guide.functional_covariance(jac), dim1=-2, dim2=-1)  # (b, K)
     if classification:  # probit (MacKay 1992)
         kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
-        return torch.log_softmax(kappa * mean, -1).unsqueeze(0), None
+        return link(kappa * mean).unsqueeze(0), None
     return out.unsqueeze(0), var.reshape(1, *out.shape)
 
 
@@ -489,6 +508,7 @@ def _batch_predictives(
         :func:`_chunks`): the posterior's draws or covariance are not finite.
     """
     classification = likelihood.is_classification
+    multi_label = bool(getattr(likelihood, "multi_label", False))
     check_targets = getattr(likelihood, "check_targets", None)
     locs: list[Tensor] = []
     variances: list[Tensor] = []
@@ -497,7 +517,7 @@ def _batch_predictives(
     part_vars: list[Tensor] = []
     outs: list[Tensor] = []  # f(x; θ̂) of the batch's chunks
     for out, jac, y, last in chunks:
-        part, var = _chunk_predictive(guide, out, jac, deltas, classification)
+        part, var = _chunk_predictive(guide, out, jac, deltas, classification, multi_label)
         where = f"batch {len(locs)}:"
         check_outputs(part, classification, where=where, offset=sum(p.shape[1] for p in parts))
         parts.append(part)
@@ -585,12 +605,13 @@ def linearized_predict(
     likelihood = model.likelihood
     classification = likelihood.is_classification
     scale = None if classification else observation_scale(likelihood)  # before any pass
-    monte_carlo = _uses_contrast(model, guide)
-    if linearization is not None and linearization.contrast != monte_carlo:
+    monte_carlo = _uses_monte_carlo(model, guide)
+    contrast = _uses_contrast(model, guide)
+    if linearization is not None and linearization.contrast != contrast:
         raise ValueError(
             "linearized_predict: the linearization was formed for another predictive "
             f"(contrast={linearization.contrast}, the guide's pred_type {pred_type!r} needs "
-            f"{monte_carlo}); call linearize() again after changing pred_type."
+            f"{contrast}); call linearize() again after changing pred_type."
         )
     deltas = _draw_deltas(guide, num_samples, seed, dev) if monte_carlo else None
     chunks: Iterable[_Chunk] = (
@@ -600,7 +621,7 @@ def linearized_predict(
             model,
             guide,
             data,
-            contrast=monte_carlo,
+            contrast=contrast,
             examples_per_forward=examples_per_forward,
             progress_bar=progress_bar,
         )

@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from .batch import (
     batch_size,
     check_batches,
-    compute_dtype,
     flagged_examples,
     image_tokens,
     split_batch,
@@ -58,7 +57,10 @@ class Prediction:
     Attributes
     ----------
     log_probs : Tensor `(S, N, C)` or None
-        Classification: per-sample log class probabilities.
+        Classification: per-sample log class probabilities. Multi-label classification (a
+        :class:`~pyrobayes.models.Bernoulli` likelihood): `(S, N, L, 2)`, per label
+        ``log (1 − p, p)`` with ``p`` the probability of a 1 (:attr:`multi_label`;
+        :attr:`label_probs` is the predictive ``p̄`` `(N, L)`).
     loc : Tensor `(S, N, ...)` or None
         Regression: per-sample predictive means.
     scale : float or None
@@ -68,7 +70,8 @@ class Prediction:
         it in closed form (the linearised Laplace predictive: ``diag(J Σ Jᵀ)``); the predictive
         is then ``N(loc, loc_var + σ²)`` per sample (:attr:`predictive_scale`).
     targets : Tensor `(N, ...)` or None
-        Regression targets in the shape of ``loc[0]`` (``(N,)`` for a scalar output).
+        Regression targets in the shape of ``loc[0]`` (``(N,)`` for a scalar output); class
+        labels ``(N,)``; multi-label 0/1 targets ``(N, L)``.
     pooled_draws : int or None
         Classification under a pooled temperature (:func:`pyrobayes.calibrate`'s default):
         the number of posterior draws averaged into the one row of ``log_probs`` before
@@ -112,8 +115,24 @@ class Prediction:
 
     @property
     def mean_probs(self) -> Tensor:
-        """Posterior-predictive probabilities ``p̄`` `(N, C)` (probabilities averaged)."""
+        """Posterior-predictive probabilities ``p̄`` `(N, C)` (probabilities averaged; multi-label:
+        `(N, L, 2)`)."""
         return self.probs.mean(0)
+
+    @property
+    def multi_label(self) -> bool:
+        """Whether this is a multi-label prediction: ``log_probs`` `(S, N, L, 2)`."""
+        return self.log_probs is not None and self.log_probs.dim() == 4
+
+    @property
+    def label_probs(self) -> Tensor:
+        """Multi-label: the predictive probability of a 1 per label, ``p̄`` `(N, L)`."""
+        if not self.multi_label:
+            raise AttributeError(
+                "label_probs is a multi-label prediction's (likelihood='bernoulli', log_probs "
+                "(S, N, L, 2)); use mean_probs for class probabilities."
+            )
+        return self.mean_probs[..., 1]
 
     @classmethod
     def from_outputs(cls, outputs: Tensor, targets: Tensor | None, likelihood: Any) -> Prediction:
@@ -685,8 +704,7 @@ def _predict_batches(
                         where = f"predict: batch {index}"
                         targets.append(checked_targets(check_targets, params, y, where))
                 if classification:  # in float32 at least (bf16 rounds log-probabilities)
-                    logits = model.likelihood.dist(params).logits
-                    params = torch.log_softmax(logits, -1, dtype=compute_dtype(logits.dtype))
+                    params = model.likelihood.class_log_probs(params)  # multi-label: (.., L, 2)
                 parts.append(params)
             out = torch.cat(parts, 0)
             if average_logits:  # log_softmax(mean_s log_softmax_s) = log_softmax(mean_s logits_s)

@@ -308,9 +308,9 @@ def _evaluate_batch(
                 parts_pw.append(tll.reshape(s_here, tll.shape[1], -1).sum(-1).double())
         if wanted.predictive:
             parts_pp.append(tempered.sample().cpu())
-        if wanted.keep_class > s0:
-            logits = likelihood_dist.logits[: wanted.keep_class - s0]
-            parts_lp.append(torch.log_softmax(logits, dim=-1).cpu())
+        if wanted.keep_class > s0:  # (multi-label: log (1 − p, p) per label, (s, B, L, 2))
+            kept = params[: wanted.keep_class - s0]
+            parts_lp.append(model.likelihood.class_log_probs(kept).cpu())
     return (
         torch.cat(parts_ll, 0).cpu() if parts_ll else None,  # (n, B)
         torch.cat(parts_pw, 0).cpu() if parts_pw else None,  # (n, B)
@@ -348,7 +348,10 @@ def _draw_params(
 def _tempered(likelihood: Any, params: Tensor, untempered: Any, value: float) -> Any:
     """One draw's likelihood under ``pyrobayes.calibrate``'s ``T``, as ``pyrobayes.predict``
     tempers a draw: ``Categorical(log_softmax(log p / T))`` for a classifier, σ → T σ for a
-    Gaussian (:func:`pyrobayes.calibration.apply_temperature`)."""
+    Gaussian (:func:`pyrobayes.calibration.apply_temperature`); a multi-label likelihood's
+    per-label logits divided by ``T`` (the same as its pairs ``log (1 − p, p)`` tempered)."""
+    if getattr(likelihood, "multi_label", False):
+        return dist.Bernoulli(logits=params / value).to_event(1)
     if likelihood.is_classification:
         log_probs = torch.log_softmax(untempered.logits, dim=-1)
         return dist.Categorical(logits=torch.log_softmax(log_probs / value, dim=-1))

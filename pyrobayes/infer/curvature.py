@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ..batch import batch_size, compute_dtype, split_batch, to_device, token_mask
 from ..linearized import output_jacobian_rows, output_jacobians
-from ..models.likelihoods import Categorical, check_gaussian_targets
+from ..models.likelihoods import Categorical, check_binary_targets, check_gaussian_targets
 from .distributed import all_reduce_sum_, world
 from .fit_checks import gather_rank_errors
 from .rank_errors import (
@@ -151,6 +151,7 @@ class _Loader:
     def __init__(self, model: Any, data: Iterable[Any], device: torch.device) -> None:
         self.model, self.data, self.device = model, data, device
         self._event_shape: tuple[int, ...] | None = None  # of one example's output, once probed
+        self._output_dtype: torch.dtype | None = None  # of the outputs, probed with the shape
         #: the times laplace-torch began to read the batches (its probe's read, then its pass)
         self._reads = 0
         #: whether this rank kept an error for the pass's next all-reduce (torch.distributed)
@@ -370,6 +371,8 @@ class _Loader:
         _check_finite_batch(inputs, y, index)
         if regression:
             return inputs, self._regression_targets(inputs, y)
+        if getattr(self.model.likelihood, "multi_label", False):
+            return inputs, self._binary_targets(inputs, y, index)
         return inputs, self._checked_classes(inputs, _class_targets(y, index), index)
 
     def _output_shape(self, inputs: Any) -> tuple[int, ...]:
@@ -382,7 +385,17 @@ class _Loader:
                     model.network_prediction(model._call_net(model.net, inputs)), inputs
                 )
             self._event_shape = tuple(int(n) for n in out.shape[1:])
+            self._output_dtype = out.dtype if out.is_floating_point() else None
         return self._event_shape
+
+    def _binary_targets(self, inputs: Any, y: Tensor, index: int) -> Tensor:
+        """Multi-label 0/1 targets ``(B, L)`` checked against the output of ``inputs``
+        (:func:`check_binary_targets`), in the output's dtype: laplace-torch's Bernoulli loss,
+        ``BCEWithLogitsLoss``, takes float targets of the logits' shape."""
+        event = self._output_shape(inputs)
+        what = f"Laplace: batch {index} of the curvature data"
+        y = check_binary_targets(y, (batch_size(inputs), *event), what=what)
+        return y.to(self._output_dtype or torch.get_default_dtype())
 
     def _regression_targets(self, inputs: Any, y: Tensor) -> Tensor:
         """``y`` checked against the output of ``inputs``: ``(B, 1)`` (scalar) or ``(B, *event)``."""
@@ -586,31 +599,40 @@ def per_example_ggn_backend() -> type:
                 return super().diag(x, y, **kwargs)
             model = wrapper.pyro_model
             classification = model.likelihood.is_classification
+            # a softmax's rows are contrasted (J_k − J_K); a multi-label likelihood's logits are
+            # independent Bernoulli logits, each weighted by its own p(1 − p)
+            multi_label = bool(getattr(model.likelihood, "multi_label", False))
+            contrast = classification and not multi_label
             inputs = _network_inputs(x, model.label_key)
             point = {s: p.detach() for s, p in zip(sites, self.params, strict=True)}
             size = batch_size(inputs)
-            rows: Iterator[tuple[int, dict[str, Tensor]]]
-            if model.likelihood.rows_per_output(inputs) is not None:
-                # one network row per output: one backward pass gives all K rows (the copies
-                # alone are B·K·d, so nothing to stream); handed on as one chunk
-                out, jac = output_jacobians(model, inputs, point)
-                if classification:  # the contrasts J_k − J_K, k < K, that the sum expects
-                    jac = {s: j[:, :-1] - j[:, -1:] for s, j in jac.items()}
-                rows = iter([(0, {s: j.movedim(1, 0) for s, j in jac.items()})])
-            else:
-                # Σ_k J_k − J_K: softmax's Λ annihilates a shift common to the K rows
-                out, rows = output_jacobian_rows(
-                    model, inputs, point, contrast=classification, outputs_per_pass=4
-                )
+            out, rows = _jacobian_rows(model, inputs, point, contrast)
             if classification and out.dim() != 2:  # laplace-torch's cross-entropy: (B, K)
                 return super().diag(x, y, **kwargs)
-            diag = _streamed_diag_ggn(out, rows, point, sites, classification)
+            weights = torch.sigmoid(out).mul(torch.sigmoid(-out)) if multi_label else None
+            diag = _streamed_diag_ggn(out, rows, point, sites, contrast, weights)
             if not classification:
                 out = out.reshape(size, -1) if out.dim() == 1 else out  # LaplaceNet's (B, 1)
             loss = self.factor * self.lossfunc(out, y)
             return loss.detach(), diag.detach()
 
     return PerExampleGGN
+
+
+def _jacobian_rows(
+    model: Any, inputs: Any, point: dict[str, Tensor], contrast: bool
+) -> tuple[Tensor, Iterator[tuple[int, dict[str, Tensor]]]]:
+    """``f(x; θ̂)`` and its Jacobian rows ``(k0, {site: (k, B, *shape)})`` in chunks of outputs
+    (:func:`~pyrobayes.linearized.output_jacobian_rows`); ``contrast``: the rows ``J_k − J_K``,
+    ``k < K``, a softmax's (its Λ annihilates a shift common to the K rows)."""
+    if model.likelihood.rows_per_output(inputs) is None:
+        return output_jacobian_rows(model, inputs, point, contrast=contrast, outputs_per_pass=4)
+    # one network row per output: one backward pass gives all K rows (the copies alone are
+    # B·K·d, so nothing to stream); handed on as one chunk
+    out, jac = output_jacobians(model, inputs, point)
+    if contrast:  # the contrasts J_k − J_K, k < K, that the sum expects
+        jac = {s: j[:, :-1] - j[:, -1:] for s, j in jac.items()}
+    return out, iter([(0, {s: j.movedim(1, 0) for s, j in jac.items()})])
 
 
 def _summed_over_ranks(loss: Tensor | None, curvature: list[Tensor], what: str) -> Tensor:
@@ -748,10 +770,13 @@ def _streamed_diag_ggn(
     point: Mapping[str, Tensor],
     sites: list[str],
     classification: bool,
+    weights: Tensor | None = None,
 ) -> Tensor:
     r"""The diagonal GGN accumulated from Jacobian rows as they come (never all ``K`` at once).
 
-    Regression: ``Σ_i Σ_k J_{ik}²``. Classification (``rows`` the contrasts ``J_{ik} − J_{iK}``
+    Regression: ``Σ_i Σ_k J_{ik}²``; with ``weights`` ``w`` ``(B, K)`` (a multi-label
+    likelihood's ``p(1 − p)``, the diagonal Hessian of its negative log-likelihood in the
+    logits), ``Σ_i Σ_k w_{ik} J_{ik}²``. Classification (``rows`` the contrasts ``J_{ik} − J_{iK}``
     for ``k < K``, the K-th zero): per example the ``p_i``-weighted sum of squared deviations
     ``Σ_k p_{ik} (J_{ik} − Σ_j p_{ij} J_{ij})²``, merged chunk by chunk with the pairwise update
     of Chan, Golub & LeVeque (1983, "Algorithms for computing the sample variance", eq. 2.1,
@@ -762,9 +787,15 @@ def _streamed_diag_ggn(
     """
     diag = {s: point[s].new_zeros(point[s].shape) for s in sites}
     if not classification:
-        for _, chunk in rows:
+        for k0, chunk in rows:
             for s in sites:
-                diag[s] += chunk[s].square().sum((0, 1))
+                if weights is None:
+                    diag[s] += chunk[s].square().sum((0, 1))
+                    continue
+                count = chunk[s].shape[0]
+                diag[s] += torch.einsum(
+                    "cb,cb...->...", weights[:, k0 : k0 + count].T, chunk[s].square()
+                )
         return torch.cat([diag[s].reshape(-1) for s in sites])
     probs = torch.softmax(out, -1)  # (B, K)
     size = probs.shape[0]
@@ -808,6 +839,8 @@ def _site_names(wrapper: Any, params: Iterable[Tensor]) -> list[str] | None:
 
 def _laplace_likelihood(model: Any) -> tuple[str, float]:
     """laplace-torch's ``likelihood`` and ``sigma_noise`` (a learned σ: its current value)."""
+    if getattr(model.likelihood, "multi_label", False):  # BCEWithLogitsLoss, one per label
+        return "bernoulli", 1.0
     if model.likelihood.is_classification:
         return "classification", 1.0
     sigma = float(getattr(model.likelihood, "obs_scale", 1.0))

@@ -10,6 +10,7 @@ batch output and is kept for comparison.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from ..batch import check_batches, split_batch, to_device
 from ..models.adapters import check_int
+from ..models.likelihoods import bernoulli_log_probs
 from ..predictive import Prediction
 
 logger = logging.getLogger(__name__)
@@ -89,15 +91,20 @@ def _link_outputs(
     classification: bool,
     num_samples: int,
     generator: torch.Generator | None,
+    multi_label: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One batch's outputs under ``link`` from ``f(x; θ*)`` `(B, C)` and ``J Σ Jᵀ`` `(B, C, C)`:
     the probit log-probabilities `(1, B, C)`, a regression's mean `(1, B[, C])` with its
-    linearized variance (else ``None``), or ``num_samples`` Monte Carlo draws."""
+    linearized variance (else ``None``), or ``num_samples`` Monte Carlo draws. ``multi_label``:
+    per-label sigmoids, log-probabilities ``log (1 − p, p)`` `(S, B, C, 2)`."""
+    to_log_probs = (
+        bernoulli_log_probs if multi_label else functools.partial(torch.log_softmax, dim=-1)
+    )
     if link == "probit":
         var = torch.diagonal(cov, dim1=-2, dim2=-1)
         if classification:
             kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
-            return torch.log_softmax(kappa * mean, -1).unsqueeze(0).detach(), None
+            return to_log_probs(kappa * mean).unsqueeze(0).detach(), None
         # the exact Gaussian predictive: its mean and the variance of the linearized mean
         return mean.squeeze(-1).unsqueeze(0).detach(), var.squeeze(-1).unsqueeze(0).detach()
     c = cov.shape[-1]
@@ -105,7 +112,7 @@ def _link_outputs(
     chol = torch.linalg.cholesky(cov + jitter)
     eps = torch.randn((num_samples, *mean.shape), generator=generator, dtype=mean.dtype)
     logits = mean + torch.einsum("bce,sbe->sbc", chol, eps.to(mean.device))
-    out = torch.log_softmax(logits, -1) if classification else logits.squeeze(-1)
+    out = to_log_probs(logits) if classification else logits.squeeze(-1)
     return out.detach(), None
 
 
@@ -155,13 +162,16 @@ def glm_predict(
     dev = model.device
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     classification = model.likelihood.is_classification
+    multi_label = bool(getattr(model.likelihood, "multi_label", False))
     outputs: list[Tensor] = []
     variances: list[Tensor] = []
     targets: list[Tensor] = []
     for batch in data:
         inputs, y = split_batch(to_device(batch, dev), model.label_key)
         mean, cov = _moments(model, guide, inputs)
-        out, var = _link_outputs(mean, cov, link, classification, num_samples, generator)
+        out, var = _link_outputs(
+            mean, cov, link, classification, num_samples, generator, multi_label
+        )
         if var is not None:
             variances.append(var)
         outputs.append(out.detach())

@@ -215,12 +215,14 @@ class IBDRLoss:
     ) -> tuple[Tensor, Tensor | None]:
         """``(L_B(θ), p̄)``: the data part of the objective at particles ``values[site]:
         (K, *shape)`` and, for a classification likelihood, the probabilities of the averaged
-        logits ``(B, C)`` (detached; the function-space cost uses them)."""
+        logits ``(B, C)`` (a multi-label likelihood: each label's ``σ`` of the averaged logits
+        ``(B, L)``; detached; the function-space cost uses them)."""
         inputs, targets = split_training_batch(model, batch)
         params = model.batched_output(inputs, values)  # (K, B, ...)
         size = batch_size(inputs)
         scale = (model.num_data or size) / size
         classification = bool(model.likelihood.is_classification)
+        multi_label = bool(getattr(model.likelihood, "multi_label", False))
         if self.kind == "logits":
             averaged = params.mean(0, keepdim=True)
             nll = -model.log_likelihood(averaged, targets).sum()
@@ -229,7 +231,12 @@ class IBDRLoss:
         total = scale * nll
         # the normalised logits Categorical(logits=params).logits, without its argument check
         # (a non-finite forward then reaches the fitter's FloatingPointError, not a ValueError)
-        logits = params - params.logsumexp(-1, keepdim=True) if classification else None
+        # (none for a multi-label likelihood: its logits are per label, not over classes)
+        logits = (
+            params - params.logsumexp(-1, keepdim=True)
+            if classification and not multi_label
+            else None
+        )
         # a ragged multiple-choice batch: the term is defined per question with at least K + 1
         # real choices (its padded choices add zero coordinates, which leave U's cosines as they
         # are); the others get none, whatever batch they fall in
@@ -252,8 +259,9 @@ class IBDRLoss:
         if self.alpha > 0 and (rows is None or bool(rows.any())):
             if logits is None:
                 raise ValueError(
-                    f"IBDR's diversity term needs class probabilities, but the likelihood is "
-                    f"{model.likelihood.name!r}. Use alpha=0 for a non-categorical likelihood."
+                    f"IBDR's diversity term needs class probabilities (one class per example), "
+                    f"but the likelihood is {model.likelihood.name!r}. Use alpha=0 for a "
+                    "non-categorical likelihood."
                 )
             labels = model.likelihood.check_targets(params, targets)
             taken = logits if rows is None else logits[:, rows]
@@ -263,6 +271,8 @@ class IBDRLoss:
         mean_probs = None
         if logits is not None:
             mean_probs = torch.softmax(logits.detach().mean(0), dim=-1)
+        elif multi_label:  # each label's probability of a 1, (B, L)
+            mean_probs = torch.sigmoid(params.detach().mean(0))
         return total, mean_probs
 
     @staticmethod
@@ -335,9 +345,12 @@ class IBDRFitter(Fitter):
         else:
             self.settings = IBDR(**getattr(guide, "fit_settings", {}))
         classification = bool(model.likelihood.is_classification)
+        # the diversity term spreads the particles' class-probability vectors over the wrong
+        # classes (one class per example): a multi-label likelihood has none, and gets α = 0
+        categorical = classification and not getattr(model.likelihood, "multi_label", False)
         alpha = self.settings.alpha
         #: α in effect (``IBDR.alpha``; ``None``: 0.02 with class probabilities, else 0)
-        self.alpha = (0.02 if classification else 0.0) if alpha is None else float(alpha)
+        self.alpha = (0.02 if categorical else 0.0) if alpha is None else float(alpha)
         super().__init__(model, guide, optimizer=optimizer, **kwargs)
         self._refuse_variational(
             "IBDR minimises its interactive objective with a two-pass robust step (IBDRLoss)."
@@ -359,10 +372,11 @@ class IBDRFitter(Fitter):
         #: consecutive steps λ ended at lam_min or lam_max (the warning of _watch_bound)
         self.pinned = 0
         if isinstance(self.objective, IBDRLoss) and self.objective.alpha > 0:
-            if not classification:
+            if not categorical:
                 raise ValueError(
-                    "IBDR's diversity term (alpha > 0) needs a classification likelihood, not "
-                    f"{model.likelihood.name!r}; pass optimizer=pb.infer.IBDR(alpha=0)."
+                    "IBDR's diversity term (alpha > 0) needs a one-class-per-example "
+                    f"classification likelihood, not {model.likelihood.name!r}; pass "
+                    "optimizer=pb.infer.IBDR(alpha=0)."
                 )
         if self.cost_kind == "function" and not classification:
             raise ValueError(

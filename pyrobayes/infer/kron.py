@@ -446,12 +446,20 @@ def _output_hessian_roots(likelihood: Any, params: Tensor) -> list[Tensor]:
             v[..., k] = 1.0 / likelihood.obs_scale
             out.append(v.reshape(params.shape))
         return out
+    if getattr(likelihood, "multi_label", False):  # Bernoulli per label: diag(p (1 − p))
+        root = (torch.sigmoid(params.detach()) * torch.sigmoid(-params.detach())).sqrt()
+        out = []
+        for k in range(params.shape[-1]):
+            v = torch.zeros_like(root)
+            v[..., k] = root[..., k]
+            out.append(v)
+        return out
     if name in ("categorical", "multiple_choice"):
         p = params.detach().softmax(-1)
         eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)
         return [p[..., k : k + 1].sqrt() * (eye[k] - p) for k in range(p.shape[-1])]
     raise NotImplementedError(
-        f"fisher='ggn' supports gaussian and categorical likelihoods, not {name!r}; "
+        f"fisher='ggn' supports gaussian, categorical and bernoulli likelihoods, not {name!r}; "
         "use fisher='empirical' or 'mc'."
     )
 

@@ -90,6 +90,9 @@ def _measure(
     model.train(True)
     count = int(pred.targets.shape[0])
     check_select_by(select_by, classification=pred.log_probs is not None)
+    if pred.multi_label:  # label-wise (Hamming) accuracy; NLL of each example's label vector
+        measured = metrics.multilabel_report(pred, pred.targets)
+        return {"nll": measured["nll"], "accuracy": measured["accuracy"]}, count
     if pred.log_probs is not None:
         nll = metrics.nll(None, pred.targets, log_probs=pred.log_probs)
         return {"nll": nll, "accuracy": metrics.accuracy(pred.probs, pred.targets)}, count

@@ -13,6 +13,10 @@ object with a ``probs`` attribute (and optionally ``log_probs``), such as a pred
 and a regression prediction (``loc`` and ``scale``, as :func:`pyrobayes.predict` returns for a
 Gaussian likelihood), for which it reports :func:`regression_report`.
 
+Multi-label classifiers (a Bernoulli likelihood: ``probs`` of a 1 per label ``(S, N, L)``,
+0/1 targets ``(N, L)``) have their own metrics (:mod:`pyrobayes.metrics.multilabel`), and
+:func:`report` of a multi-label prediction is :func:`multilabel_report`.
+
 Tensors go in; per-example quantities come back as tensors of shape ``(N,)`` and aggregate
 metrics as Python floats.
 """
@@ -22,6 +26,16 @@ from __future__ import annotations
 from .calibration import CalibrationError, calibration_error, ece, ece_floor
 from .classification import accuracy, brier_score, mean_probs, nll, predictive_log_probs
 from .diversity import disagreement, pairwise_kl
+from .multilabel import (
+    hamming_accuracy,
+    mean_binary_entropy,
+    multilabel_brier,
+    multilabel_calibration_error,
+    multilabel_mutual_information,
+    multilabel_nll,
+    multilabel_report,
+    subset_accuracy,
+)
 from .ranking import auroc, ood_auroc
 from .regression import gaussian_nll, gaussian_rmse, regression_report
 from .reporting import report
@@ -39,8 +53,15 @@ __all__ = [
     "expected_entropy",
     "gaussian_nll",
     "gaussian_rmse",
+    "hamming_accuracy",
     "max_prob_score",
+    "mean_binary_entropy",
     "mean_probs",
+    "multilabel_brier",
+    "multilabel_calibration_error",
+    "multilabel_mutual_information",
+    "multilabel_nll",
+    "multilabel_report",
     "mutual_information",
     "nll",
     "ood_auroc",
@@ -49,4 +70,5 @@ __all__ = [
     "predictive_log_probs",
     "regression_report",
     "report",
+    "subset_accuracy",
 ]

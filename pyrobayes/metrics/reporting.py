@@ -19,6 +19,7 @@ from ..user_frame import user_stacklevel
 from ._inputs import _as_3d, _check_no_nan, _pooled, _unpack
 from .calibration import calibration_error
 from .classification import accuracy, brier_score, nll
+from .multilabel import multilabel_report
 from .ranking import ood_auroc
 from .regression import _noise_scale, regression_report
 from .uncertainty import max_prob_score, mutual_information, predictive_entropy
@@ -69,7 +70,8 @@ def report(
         ``entropy`` (mean predictive entropy), ``mutual_information`` (mean), and with
         ``ood_probs`` also ``auroc_entropy``, ``auroc_maxprob``, ``auroc_mi`` (NaN when either
         prediction is one draw, whose mutual information is 0 by construction; with a
-        ``UserWarning`` when only one of them is). Regression:
+        ``UserWarning`` when only one of them is). A multi-label prediction (``log_probs``
+        ``(S, N, L, 2)``, a Bernoulli likelihood): :func:`multilabel_report`. Regression:
         ``rmse`` and ``nll`` (:func:`regression_report`), and with ``ood_probs`` also
         ``auroc_variance``, the AUROC of the predictive variance (NaN, with a ``UserWarning``,
         when either prediction has no epistemic spread: one draw and no ``loc_var``, so every
@@ -96,6 +98,10 @@ def report(
             "report: labels is None (a prediction's targets are None when its batches carried "
             "none). Predict on labelled batches, (x, y) or a dict with the model's label_key, "
             "or pass the labels explicitly: report(pred, y)."
+        )
+    if _is_multi_label(probs_or_prediction):
+        return multilabel_report(
+            probs_or_prediction, labels, ood_probs=ood_probs, num_bins=num_bins
         )
     if _is_regression(probs_or_prediction):
         regression = _regression_report(probs_or_prediction, labels, ood_probs, num_bins)
@@ -194,6 +200,15 @@ def _warn_if_not_its_targets(prediction: Any, labels: Any) -> None:
 def _squeezed(values: Tensor) -> Tensor:
     """``values`` without a trailing singleton dimension (``(N, 1)`` targets are ``(N,)``)."""
     return values.squeeze(-1) if values.dim() > 1 and values.shape[-1] == 1 else values
+
+
+def _is_multi_label(prediction: Any) -> bool:
+    """Whether ``prediction`` is a multi-label one: ``log_probs`` (or a probability tensor)
+    ``(S, N, L, 2)``, a pair ``(1 − p, p)`` per label (a Bernoulli likelihood)."""
+    values = (
+        prediction if isinstance(prediction, Tensor) else getattr(prediction, "log_probs", None)
+    )
+    return isinstance(values, Tensor) and values.dim() == 4 and values.shape[-1] == 2
 
 
 def _is_regression(prediction: Any) -> bool:

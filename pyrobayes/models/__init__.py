@@ -16,7 +16,7 @@ from .adapters import (
 from .deploy import merged_network, to_peft
 from .finetune import FineTuneModel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
-from .likelihoods import Categorical, Gaussian, Likelihood, MultipleChoice
+from .likelihoods import Bernoulli, Categorical, Gaussian, Likelihood, MultipleChoice
 from .multiple_choice import encode_multiple_choice
 from .peft_import import LoRADropoutWarning
 from .permutation import PermutationSpec, UnitLayer
@@ -37,6 +37,7 @@ __all__ = [
     "Likelihood",
     "Categorical",
     "Gaussian",
+    "Bernoulli",
     "MultipleChoice",
     "encode_multiple_choice",
     "merged_network",

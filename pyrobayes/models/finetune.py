@@ -307,7 +307,9 @@ class FineTuneModel(DrawForward, nn.Module):
     adapter : LoRA or LoRAXS or peft.LoraConfig, optional
         Which adapter to inject. ``None`` with ``latent_modules`` gives a Bayesian network over
         whole linear layers (e.g. a small MLP).
-    likelihood : {"categorical", "gaussian", "multiple_choice"} or Likelihood
+    likelihood : {"categorical", "gaussian", "multiple_choice", "bernoulli"} or Likelihood
+        ``"bernoulli"`` (alias ``"multilabel"``): multi-label classification, a logit and a 0/1
+        target per label.
     prior_scale : float
         ``s_p`` of the isotropic prior ``N(0, s_p² I)`` on every latent site.
     num_data : int, optional

@@ -7,7 +7,8 @@ set inside a Pyro plate and S samples at once in the batched path.
 Targets are checked against the parameters by ``check_targets`` (for the Gaussian likelihood,
 :func:`check_gaussian_targets`: one rule used by the batched log-likelihood, the Pyro program,
 prediction, the metrics and the Laplace loader; for class labels, :func:`check_class_targets`:
-integer labels in range, one per example).
+integer labels in range, one per example; for multi-label 0/1 targets,
+:func:`check_binary_targets`: one 0/1 per label and example).
 """
 
 from __future__ import annotations
@@ -41,12 +42,15 @@ __all__ = [
     "Likelihood",
     "Categorical",
     "Gaussian",
+    "Bernoulli",
     "MultipleChoice",
     "make_likelihood",
     "network_output",
     "OutputKey",
     "check_gaussian_targets",
     "check_class_targets",
+    "check_binary_targets",
+    "bernoulli_log_probs",
     "check_example_rows",
     "MULTI_LABEL_ADVICE",
 ]
@@ -120,8 +124,14 @@ class Likelihood:
     """Base class: ``params(output, inputs)`` then ``dist(params)`` with event shape of one target."""
 
     name: str = "base"
-    #: True when the predictive is a probability vector over classes.
+    #: True when the predictive is a probability vector over classes: :func:`pyrobayes.predict`
+    #: returns log-probabilities (``Prediction.log_probs``), not means.
     is_classification: bool = True
+    #: True when the targets are a 0/1 per label (multi-label classification, :class:`Bernoulli`):
+    #: the predictive is then a probability vector over ``{0, 1}`` per label, log-probabilities
+    #: ``(..., L, 2)`` (:meth:`class_log_probs`), and an example's log-likelihood the sum over
+    #: its labels; the logits are not shift-invariant as a softmax's are.
+    multi_label: bool = False
 
     def network_inputs(self, inputs: Any, net: nn.Module) -> Any:
         """The inputs ``net`` is called with (here: ``inputs``; a likelihood that reads only some
@@ -150,6 +160,13 @@ class Likelihood:
         """``targets`` in the shape ``dist(params)`` scores, or a ``ValueError`` (here: as given)."""
         return targets
 
+    def class_log_probs(self, params: Tensor) -> Tensor:
+        """A classifier's log-probabilities from its parameters ``params`` ``(*lead, C)``, in
+        float32 at least: the log-softmax over the classes (here). :class:`Bernoulli` returns
+        ``(*lead, L, 2)``, ``log (1 − p, p)`` per label."""
+        logits = self.dist(params).logits
+        return torch.log_softmax(logits, -1, dtype=compute_dtype(logits.dtype))
+
     def check_params(self, params: Tensor) -> None:
         """Refuse parameters ``params`` (the network's raw outputs as :meth:`params` returns
         them, never their log-softmax) that the likelihood cannot read as its parameters, with a
@@ -168,11 +185,11 @@ def _categorical_log_prob(logits: Tensor, targets: Tensor) -> Tensor:
     return log_probs.gather(-1, index).squeeze(-1)
 
 
-#: What to do instead of multi-label classification, which no likelihood here models.
+#: What to do with a value per class for each example under a one-class-per-example likelihood.
 MULTI_LABEL_ADVICE = (
     "For one-hot rows (exactly one 1 per example) pass the class indices, y.argmax(-1); for "
-    "multi-label data, fit one binary classifier per label (num_labels=2, labels "
-    "y[:, k].long()), or one classifier over the label combinations that occur."
+    "multi-label data (a 0/1 per label, any number of 1s per example) pass "
+    "likelihood='bernoulli' (one sigmoid per label; the network returns a logit per label)."
 )
 
 
@@ -189,7 +206,7 @@ def check_class_targets(
     Labels must be an integer (or bool) tensor of shape ``(B,)``, ``(B, 1)`` or ``(*lead, B)``
     (per-sample labels) with values in ``0 .. C-1``. A float tensor is refused rather than
     truncated (``0.7`` is no class); so are labels out of range and another batch size, and
-    ``(B, C)`` labels, a value per class (multi-label targets: not supported). Explicit
+    ``(B, C)`` labels, a value per class (multi-label targets: :class:`Bernoulli`'s). Explicit
     checks (no ``assert``, no torch argument validation), so they hold under ``python -O``; the
     range costs one reduction and one synchronisation.
 
@@ -234,8 +251,8 @@ def check_class_targets(
         raise ValueError(
             f"{what}: labels of shape {_shape(shape)} hold a value per class for each of the "
             f"{rows} examples (logits {_shape(out)}): multi-hot (multi-label) targets, or "
-            "one-hot / soft labels. Multi-label classification (a 0/1 per class) is not "
-            f"supported: the {what} takes one class index per example. {MULTI_LABEL_ADVICE}"
+            f"one-hot / soft labels; the {what} takes one class index per example. "
+            f"{MULTI_LABEL_ADVICE}"
         )
     if targets.is_floating_point() or targets.is_complex():
         raise ValueError(
@@ -386,6 +403,137 @@ class Categorical(Likelihood):
 
     def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
         return _categorical_log_prob(params, self.check_targets(params, targets))
+
+
+def _bernoulli_log_prob(logits: Tensor, targets: Tensor) -> Tensor:
+    """``Σ_l log p(y_l | z_l)`` per example: ``−BCEWithLogits`` summed over the labels, in
+    float32 at least (as :func:`_categorical_log_prob`)."""
+    dtype = compute_dtype(logits.dtype)
+    z = logits.to(dtype)
+    y = targets.to(dtype).expand(z.shape)
+    return -F.binary_cross_entropy_with_logits(z, y, reduction="none").sum(-1)
+
+
+def bernoulli_log_probs(logits: Tensor) -> Tensor:
+    """``log (1 − σ(z), σ(z))`` ``(*lead, L, 2)`` of per-label logits ``z`` ``(*lead, L)``, in
+    float32 at least: a softmax over ``(0, z)`` per label, so a temperature divides both by
+    ``T`` and ``log p(1) − log p(0) = z`` holds exactly (no ``log(1 − p)`` from a rounded
+    ``p``)."""
+    z = logits.to(compute_dtype(logits.dtype))
+    return torch.stack((F.logsigmoid(-z), F.logsigmoid(z)), -1)
+
+
+def check_binary_targets(
+    targets: Tensor, logits_shape: Sequence[int], *, what: str = "Bernoulli likelihood"
+) -> Tensor:
+    """Multi-label targets checked against per-label logits of shape ``(*lead, B, L)``.
+
+    Targets are a 0/1 per label and example, shape ``(B, L)`` (or the full ``(*lead, B, L)``,
+    per-sample targets), of a float, integer or bool dtype; ``(B,)`` is taken for ``L = 1``.
+    Values other than 0 and 1 (a soft label, a class index, -100, NaN) are refused: one
+    reduction and one synchronisation, as :func:`check_class_targets`' range check.
+
+    Parameters
+    ----------
+    targets : Tensor
+    logits_shape : sequence of int
+        Shape of the logits, ``(*lead, B, L)``.
+    what : str
+        The likelihood (or function), as named in the messages.
+
+    Returns
+    -------
+    Tensor
+        ``targets`` in the logits' per-example shape (a ``(B,)`` for one label as ``(B, 1)``),
+        their dtype kept.
+
+    Raises
+    ------
+    TypeError
+        When ``targets`` is not a tensor.
+    ValueError
+        For a complex dtype, a shape that does not match the logits (both named), or a value
+        other than 0 and 1.
+    """
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{what}: targets must be a tensor of 0/1 labels, got {type(targets)}.")
+    out = tuple(int(n) for n in logits_shape)
+    if len(out) < 2:
+        raise ValueError(
+            f"{what}: logits of shape {_shape(out)} have no batch dim before the labels; the "
+            "network must return one logit per label, (B, L)."
+        )
+    per_batch = out[-2:]
+    shape = tuple(int(n) for n in targets.shape)
+    if shape == (per_batch[0],) and per_batch[1] == 1:
+        targets = targets.unsqueeze(-1)
+    elif shape not in (per_batch, out):
+        hint = (
+            " Class indices (one per example) belong to likelihood='categorical'."
+            if shape == (per_batch[0],)
+            else ""
+        )
+        raise ValueError(
+            f"{what}: targets of shape {_shape(shape)} do not match the logits {_shape(out)}, "
+            f"one logit per label for {per_batch[0]} examples and {per_batch[1]} labels; pass "
+            f"targets of shape {_shape(per_batch)}, a 0/1 per example and label.{hint}"
+        )
+    if targets.is_complex():
+        raise ValueError(f"{what}: targets have dtype {targets.dtype}; pass 0/1 labels.")
+    if targets.dtype != torch.bool:
+        bad = (targets != 0) & (targets != 1)  # NaN is neither
+        if bool(bad.any()):
+            raise ValueError(
+                f"{what}: targets must be 0 or 1 (a 0/1 per label) but hold "
+                f"{int(bad.sum())} other values of {targets.numel()} (examples "
+                f"{flagged_examples(bad, bad.dim() - 2)}). Soft "
+                "labels, NaN or -100 (Hugging Face's ignore index) are not taken: binarise "
+                "the labels (y > 0.5), or drop those examples."
+            )
+    return targets
+
+
+class Bernoulli(Likelihood):
+    r"""Multi-label classification: ``y_l ~ Bernoulli(σ(f_l(x; θ)))`` independently per label.
+
+    The network returns one logit per label, ``(B, L)``; targets are a 0/1 per label ``(B, L)``
+    (float, integer or bool; :func:`check_binary_targets`). An example's log-likelihood is the
+    joint over its labels, ``Σ_l [y_l log σ(f_l) + (1 − y_l) log σ(−f_l)]`` (minus
+    ``BCEWithLogits`` summed over the labels), so the data plate stays over examples.
+
+    It is a classifier (:attr:`is_classification`: :func:`pyrobayes.predict` returns
+    log-probabilities) with :attr:`multi_label` set: the predictive is a distribution over
+    ``{0, 1}`` per label, ``log_probs`` of shape ``(S, N, L, 2)`` holding
+    ``log (1 − p, p)`` (:meth:`class_log_probs`), and its metrics are the multi-label ones
+    (:func:`pyrobayes.metrics.multilabel_report`). Also known as ``"multilabel"``.
+    """
+
+    name = "bernoulli"
+    multi_label = True
+
+    def params(self, output: Tensor, inputs: Any) -> Tensor:
+        check_example_rows(output, inputs, "Bernoulli likelihood")
+        if output.dim() < 2:
+            raise ValueError(
+                f"Bernoulli likelihood: the network returned an output of shape "
+                f"{_shape(output.shape)}; it must return one logit per label, (B, L) (a (B, 1) "
+                "output for a single binary label)."
+            )
+        return output
+
+    def dist(self, params: Tensor) -> dist.TorchDistribution:
+        return dist.Bernoulli(logits=params).to_event(1)
+
+    def class_log_probs(self, params: Tensor) -> Tensor:
+        """``log (1 − p, p)`` per label, ``(*lead, L, 2)`` (:func:`bernoulli_log_probs`)."""
+        return bernoulli_log_probs(params)
+
+    def check_targets(self, params: Tensor, targets: Tensor) -> Tensor:
+        """:func:`check_binary_targets` against the logits ``params`` ``(*lead, B, L)``."""
+        return check_binary_targets(targets, params.shape)
+
+    def log_prob(self, params: Tensor, targets: Tensor) -> Tensor:
+        return _bernoulli_log_prob(params, self.check_targets(params, targets))
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -975,10 +1123,17 @@ def check_labelled_choices(scores: Tensor, labels: Tensor, what: str) -> None:
 
 
 def make_likelihood(spec: str | Likelihood, **kwargs: Any) -> Likelihood:
-    """Resolve ``"categorical"``, ``"gaussian"`` or ``"multiple_choice"`` (or pass an instance)."""
+    """Resolve ``"categorical"``, ``"gaussian"``, ``"multiple_choice"`` or ``"bernoulli"``
+    (multi-label classification) (or pass an instance)."""
     if isinstance(spec, Likelihood):
         return spec
-    table = {"categorical": Categorical, "gaussian": Gaussian, "multiple_choice": MultipleChoice}
+    table: dict[str, Callable[..., Likelihood]] = {
+        "categorical": Categorical,
+        "gaussian": Gaussian,
+        "multiple_choice": MultipleChoice,
+        "bernoulli": Bernoulli,
+        "multilabel": Bernoulli,
+    }
     if spec not in table:
         raise ValueError(f"Expected likelihood in {sorted(table)} but got {spec!r}.")
     return table[spec](**kwargs)

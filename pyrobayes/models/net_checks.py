@@ -2,11 +2,12 @@
 
 :func:`task_head_modules`, the modules ``trainable_modules="auto"`` point-estimates, and the
 refusals of a network the model cannot run as asked: a sequence classifier without a pad token,
-a regression or multi-label head under the categorical likelihood, and gradient checkpointing
-under a training backbone. A network handed over inside ``torch.compile``'s or data
-parallelism's wrapper is taken out of it, with a warning (:func:`_unwrap_network`). And one
-check of the batches, on the first forwards: a sequence classifier that finds the padding by
-its token id, given batches padded with another id (:func:`_check_pooled_padding`).
+a regression or multi-label head under the categorical likelihood (multi-label:
+``likelihood="bernoulli"``), and gradient checkpointing under a training backbone. A network
+handed over inside ``torch.compile``'s or data parallelism's wrapper is taken out of it, with
+a warning (:func:`_unwrap_network`). And one check of the batches, on the first forwards: a
+sequence classifier that finds the padding by its token id, given batches padded with another
+id (:func:`_check_pooled_padding`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from ..batch import flagged_examples
 from ..user_frame import user_stacklevel
 from .layers import BatchedLinear, LoRALinear, LoRAXSLinear
-from .likelihoods import MULTI_LABEL_ADVICE, Categorical, Likelihood
+from .likelihoods import Categorical, Likelihood
 
 __all__ = ["HEAD_NAMES", "pools_last_non_pad", "task_head_modules"]
 
@@ -307,23 +308,26 @@ def _warn_if_output_frozen_at_zero(net: nn.Module, point_params: Mapping[str, Te
 
 
 def _check_problem_type(net: nn.Module, likelihood: Likelihood) -> None:
-    """Refuse a Hugging Face multi-label classifier, or a regression head, under the
-    categorical likelihood."""
+    """Refuse a Hugging Face multi-label classifier or a regression head under the categorical
+    likelihood, and a regression head under the multi-label (Bernoulli) one: each names the
+    likelihood that reads the head's outputs as they are meant."""
     problem = getattr(getattr(net, "config", None), "problem_type", None)
-    if problem == "regression" and isinstance(likelihood, Categorical):
+    if problem == "regression" and (
+        isinstance(likelihood, Categorical) or getattr(likelihood, "multi_label", False)
+    ):
         raise ValueError(
             "FineTuneModel: the network's config.problem_type is 'regression' (its outputs "
-            "are real-valued targets), but the likelihood is categorical, which reads them as "
-            "class logits. Pass likelihood='gaussian' (with obs_scale=... or 'learn'), or "
-            "build a classifier (problem_type='single_label_classification' or None)."
+            f"are real-valued targets), but the likelihood is {likelihood.name}, which reads "
+            "them as class logits. Pass likelihood='gaussian' (with obs_scale=... or 'learn'), "
+            "or build a classifier (problem_type='single_label_classification' or None)."
         )
     if problem == "multi_label_classification" and isinstance(likelihood, Categorical):
         raise ValueError(
-            f"FineTuneModel: the network's config.problem_type is {problem!r}, but the "
-            "categorical likelihood models one class per example (a softmax over classes); "
-            "multi-label classification (a 0/1 target per class) is not supported. "
-            f"{MULTI_LABEL_ADVICE} Build such a classifier with problem_type="
-            "'single_label_classification' (or None)."
+            f"FineTuneModel: the network's config.problem_type is {problem!r} (a 0/1 target "
+            "per label, any number of 1s per example), but the categorical likelihood models "
+            "one class per example (a softmax over classes). Pass likelihood='bernoulli' "
+            "(a sigmoid per label, as the model's own BCEWithLogitsLoss), or build a "
+            "single-label classifier with problem_type='single_label_classification' (or None)."
         )
 
 
