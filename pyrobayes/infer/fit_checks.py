@@ -163,23 +163,51 @@ class DataSize:
 
     def count_pass(self, data: Iterable[Any]) -> None:
         """Count one pass over ``data`` and check it (:meth:`finish`): a post-hoc fit that took
-        no epoch (Laplace at a MAP, ``epochs=0``) under ``torch.distributed``, whose curvature
-        pass sums over ranks, so a loader not split per rank counts every example R times.
-        Only the batches are read (no forward); a one-shot iterator is not counted."""
-        if self.done or self.count or self.size == 1 or isinstance(data, Iterator):
+        no epoch (Laplace at a MAP, ``epochs=0``), whose curvature sums over the examples
+        ``data`` holds, not over ``num_data``: a subset, or the validation split passed by
+        mistake, gives the curvature of other data than the MAP's objective weighed its prior
+        against; under ``torch.distributed`` a loader not split per rank counts every example
+        R times. In one process nothing is read twice: a list or tuple of batches is counted,
+        a ``DataLoader`` sized by its sampler (:func:`_examples_per_pass`), other data not.
+        Under ``torch.distributed`` the batches are read (no forward); a one-shot iterator is
+        never counted."""
+        if self.done or self.count or isinstance(data, Iterator):
             return
-        for batch in data:
-            self.see(batch)
-        self.finish(what="the training data's pass")
+        if self.size == 1:
+            counted = _examples_per_pass(data, self.label_key)
+            if counted is None:
+                self.done = True
+                return
+            self.count = counted
+        else:
+            for batch in data:
+                self.see(batch)
+        self.finish(what="the training data's pass", posthoc=True)
 
-    def finish(self, complete: bool = True, what: str = "the first epoch") -> None:
+    def finish(
+        self, complete: bool = True, what: str = "the first epoch", posthoc: bool = False
+    ) -> None:
         """After the first epoch's batches (or the fit's, if it ends inside that epoch:
-        ``complete`` false, when only an excess can be told)."""
+        ``complete`` false, when only an excess can be told); ``posthoc``: after a post-hoc
+        fit's pass (a Laplace curvature at the MAP), whose data should be the MAP's."""
         if self.done:
             return
         self.done = True
         seen = self.count * self.size
         if self.rank != 0 or seen == 0:  # seen 0: resumed after the first epoch
+            return
+        if complete and 2 * seen < self.num_data and posthoc:
+            self._warn(
+                f"fit(): {what} yielded {seen} examples, but the model's num_data is "
+                f"{self.num_data}. A post-hoc Laplace sums its curvature over exactly the "
+                "examples it is given and reads their number as the data's, so a subset of the "
+                "training set, or held-out data passed in its place, gives the curvature (and "
+                "the prior precision chosen by the evidence) of other data than the MAP was "
+                "fitted to. Pass the "
+                "training data the MAP was fitted on (held-out data go to "
+                "validation=pb.Validation(...)); if the curvature of a subset is meant, "
+                "ignore this warning."
+            )
             return
         if complete and 2 * seen < self.num_data:
             self._warn(
@@ -216,6 +244,30 @@ class DataSize:
     def _warn(message: str) -> None:
         logger.warning(message)
         warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+
+
+def _examples_per_pass(data: Iterable[Any], label_key: str) -> int | None:
+    """The examples one pass over ``data`` yields, where telling costs no read of the data:
+    the batches of a list or tuple counted (held in memory), a ``DataLoader``'s from its batch
+    sampler (its sampler's length, less the remainder ``drop_last`` drops); ``None`` for other
+    data (an ``IterableDataset``, a custom batch sampler, an iterable of the user's)."""
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+    if isinstance(data, (list, tuple)):
+        try:
+            return sum(batch_size(split_batch(b, label_key)[0]) for b in data)
+        except (TypeError, ValueError):  # a batch whose size cannot be told: no check
+            return None
+    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
+        return None
+    sampler = data.batch_sampler
+    if type(sampler) is not BatchSampler:
+        return None
+    try:
+        examples = len(sampler.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return examples - examples % sampler.batch_size if sampler.drop_last else examples
 
 
 def check_first_batch(model: Any, fitter: Any, batch: Any) -> None:
