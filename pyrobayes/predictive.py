@@ -553,8 +553,10 @@ def predict(
             ),
             guide,
         )
+    one_draw = False  # of a posterior with spread: its mutual information is 0 by construction
     if values is None:
         values = _posterior_draws(guide, num_samples, seed)
+        one_draw = not guide.is_deterministic and len(next(iter(values.values()))) == 1
     else:
         values = _as_draws(model, values)
         check_values(model, values)
@@ -577,7 +579,16 @@ def predict(
     prediction = Prediction.from_outputs(joined, target, model.likelihood)
     if average_logits and len(next(iter(values.values()))) > 1:
         prediction = dataclasses.replace(prediction, pooled_by=_LOGIT_AVERAGE)
+    elif one_draw and model.likelihood.is_classification:
+        prediction = dataclasses.replace(prediction, pooled_by=_ONE_DRAW)
     return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
+
+
+#: :attr:`Prediction.pooled_by` of one draw of a posterior with spread (``num_samples=1``)
+_ONE_DRAW = (
+    "one draw of a posterior with spread (num_samples=1), whose spread across draws the "
+    "mutual information measures; predict with num_samples >= 2"
+)
 
 
 #: :attr:`Prediction.pooled_by` of a mixture's logit average

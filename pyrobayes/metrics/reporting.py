@@ -90,8 +90,9 @@ def report(
     (``pyrobayes.calibration.set_temperature(guide, None)``) or calibrate with ``pool=False``
     (a temperature per draw keeps the draws). The same holds for the other one-row predictives
     of a posterior with spread, which carry ``pooled_by``: Laplace's probit predictive
-    (``pred_type="probit"``; ``"glm"`` keeps Monte Carlo draws) and a mixture's logit average
-    (``average="logits"``; ``"probs"`` keeps the draws).
+    (``pred_type="probit"``; ``"glm"`` keeps Monte Carlo draws), a mixture's logit average
+    (``average="logits"``; ``"probs"`` keeps the draws) and one draw of a posterior with spread
+    (``pyrobayes.predict(..., num_samples=1)``; a point posterior's one draw keeps its 0).
     """
     if labels is None:  # pb.predict over batches without targets: pred.targets is None
         raise ValueError(
