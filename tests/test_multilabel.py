@@ -227,13 +227,28 @@ def test_arviz_export_has_each_examples_log_likelihood() -> None:
     assert bool((ll < 0).all())
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("structure", "num_data"), [("diag", 40), ("kron", 1)])
-def test_laplace_curvature_is_the_dense_bernoulli_ggn(structure: str, num_data: int) -> None:
+def test_laplace_curvature_is_the_dense_bernoulli_ggn(
+    structure: str, num_data: int, device: str
+) -> None:
     """Laplace's precision over a LoRA-XS core against the GGN formed densely here:
     ``Σ_n J_nᵀ diag(p_n (1 − p_n)) J_n + τ I`` with ``J_n`` the Jacobian of the example's L
     logits in the core (``torch.func.jacrev``). The diagonal structure keeps its diagonal
     exactly; K-FAC is exact for one example (its two factors are then the GGN's own: one
-    input to the core, shared by the L outputs)."""
+    input to the core, shared by the L outputs). On CUDA with ``-m gpu``."""
     from pyrobayes.guides import LaplaceGuide
     from pyrobayes.infer.laplace import fit_laplace
 
@@ -246,13 +261,14 @@ def test_laplace_curvature_is_the_dense_bernoulli_ggn(structure: str, num_data: 
         num_data=num_data,
         trainable_modules=[],
     ).double()
+    model.to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(num_data, 5, generator=g, dtype=torch.float64)
-    y = (torch.rand(num_data, 3, generator=g) < 0.5).double()
+    x = torch.randn(num_data, 5, generator=g, dtype=torch.float64).to(device)
+    y = (torch.rand(num_data, 3, generator=g) < 0.5).double().to(device)
     guide = LaplaceGuide(model, structure=structure, prior_precision=tau)
     site = next(iter(guide.sites))
     with torch.no_grad():
-        guide.loc(site).copy_(0.5 * torch.randn(rank, rank, dtype=torch.float64))
+        guide.loc(site).copy_(0.5 * torch.randn(rank, rank, dtype=torch.float64, device=device))
     fit_laplace(model, guide, [(x, y)])
     core = guide.loc(site).detach()
 
@@ -262,7 +278,8 @@ def test_laplace_curvature_is_the_dense_bernoulli_ggn(structure: str, num_data: 
     jac = torch.func.jacrev(logits)(core).reshape(num_data, 3, rank * rank)
     f = logits(core)
     weight = torch.sigmoid(f) * torch.sigmoid(-f)  # (N, L): the BCE's Hessian in the logits
-    dense = torch.einsum("nlp,nl,nlq->pq", jac, weight, jac) + tau * torch.eye(rank * rank)
+    eye = torch.eye(rank * rank, dtype=torch.float64, device=device)
+    dense = torch.einsum("nlp,nl,nlq->pq", jac, weight, jac) + tau * eye
     ours = guide.posterior_precision(site).double()
     assert (dense.diagonal() - tau).max() > 100 * tau  # the data term is seen, not just τI
     if structure == "kron":
