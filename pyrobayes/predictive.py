@@ -553,13 +553,7 @@ def predict(
             ),
             guide,
         )
-    one_draw = False  # of a posterior with spread: its mutual information is 0 by construction
-    if values is None:
-        values = _posterior_draws(guide, num_samples, seed)
-        one_draw = not guide.is_deterministic and len(next(iter(values.values()))) == 1
-    else:
-        values = _as_draws(model, values)
-        check_values(model, values)
+    values, one_draw = _draws_for(model, guide, values, num_samples, seed)
     values = {k: v.detach().to(dev) for k, v in values.items()}
     # a Mixture may ask for the softmax of its draws' averaged logits (the released IBDR code)
     average_logits = (
@@ -577,10 +571,12 @@ def predict(
     target = torch.cat(targets, 0) if targets else None
     joined = cat_examples(outputs, model.likelihood.is_classification)
     prediction = Prediction.from_outputs(joined, target, model.likelihood)
+    one_row: str | None = None  # why the prediction is one row without the draws' spread
     if average_logits and len(next(iter(values.values()))) > 1:
-        prediction = dataclasses.replace(prediction, pooled_by=_LOGIT_AVERAGE)
-    elif one_draw and model.likelihood.is_classification:
-        prediction = dataclasses.replace(prediction, pooled_by=_ONE_DRAW)
+        one_row = _LOGIT_AVERAGE
+    else:
+        one_row = _ONE_DRAW if one_draw and model.likelihood.is_classification else None
+    prediction = dataclasses.replace(prediction, pooled_by=one_row)
     return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
 
 
@@ -610,6 +606,20 @@ def cat_examples(outputs: list[Tensor], classification: bool) -> Tensor:
         pad = torch.nn.functional.pad
         outputs = [pad(o, (0, width - o.shape[-1]), value=-math.inf) for o in outputs]
     return torch.cat(outputs, 1)
+
+
+def _draws_for(
+    model: Any, guide: Any, values: Any, num_samples: int, seed: int | None
+) -> tuple[dict[str, Tensor], bool]:
+    """``predict``'s draws: ``values`` checked (one parameter set as one draw), else the
+    guide's; and whether they are one draw of a posterior with spread (whose mutual
+    information is 0 by construction)."""
+    if values is not None:
+        values = _as_draws(model, values)
+        check_values(model, values)
+        return values, False
+    draws = _posterior_draws(guide, num_samples, seed)
+    return draws, not guide.is_deterministic and len(next(iter(draws.values()))) == 1
 
 
 def _posterior_draws(guide: Any, num_samples: int, seed: int | None) -> dict[str, Tensor]:
