@@ -294,6 +294,8 @@ class MemberNorm(nn.Module):
             self.running_var = nn.Parameter(stats_var.detach().clone().to(w.dtype))
         #: ``(mean, unbiased variance)`` `(S, C)` of the last training-mode forward's slices
         self.batch_statistics: tuple[Tensor, Tensor] | None = None
+        #: the values per channel and member those statistics were computed over
+        self.batch_count = 0
         # a frozen copy of the pretrained layer, not a submodule (no state-dict keys): the
         # template of merged_norm's plain layer
         template = copy.deepcopy(norm)
@@ -352,6 +354,7 @@ class MemberNorm(nn.Module):
                 count = xs.numel() // (num_samples * self.num_features)
                 unbiased = var.detach() * (count / max(count - 1, 1))
                 self.batch_statistics = (mean.detach(), unbiased)
+                self.batch_count = count
         else:
             # statistics, not parameters: no gradient reaches them
             mean = running[0].detach().expand(num_samples, -1)
