@@ -84,7 +84,14 @@ def check_schedule(
             f"optimizer -> LRScheduler; got {spec!r}."
         )
     if spec == CONSTANT and (not warmup or warmup >= 1):
-        return int(warmup)  # needs no length: nothing decays
+        # needs no length, nothing decays; but a warm-up of the whole run, where it is known,
+        # never reaches the rate (20 steps of warm-up=100 end at 0.2 α): refused as below
+        if total_steps and warmup >= total_steps:
+            raise ValueError(
+                f"fit(warmup={warmup}) covers the whole run of {total_steps} steps, so the "
+                "learning rate would never reach its value; use fewer."
+            )
+        return int(warmup)
     if total_steps is None:
         raise ValueError(
             f"fit(scheduler={spec!r}) needs the number of steps: pass "

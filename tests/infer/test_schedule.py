@@ -133,6 +133,12 @@ def test_bad_schedules_are_named():
         pb.fit(
             prob.model, guide, data, epochs=1, optim=pb.Optimization(scheduler="cosine", warmup=4)
         )
+    # "constant" too, where the run's length is known: its rate never reached α (warm-up=100
+    # over 20 steps ended at 0.2 α, in silence)
+    with pytest.raises(ValueError, match="whole run of 4 steps, so the learning rate"):
+        pb.fit(
+            prob.model, guide, data, epochs=1, optim=pb.Optimization(scheduler="constant", warmup=4)
+        )
     with pytest.raises(ValueError, match="number of steps .* or a fraction"):  # not 1 step
         pb.fit(
             prob.model, guide, data, epochs=1, optim=pb.Optimization(scheduler="cosine", warmup=1.5)
