@@ -497,7 +497,9 @@ def calibrate(
         raise
     value, at_bound = fitted
     set_temperature(guide, value, pool=pool)
-    _warn_if_poorly_determined(value, count, at_bound, bounds, pred.log_probs is not None, size)
+    _warn_if_poorly_determined(
+        value, count, at_bound, bounds, pred.log_probs is not None, size, pred.multi_label
+    )
     if size == 1 and pred.log_probs is not None and pred.targets is not None:
         _warn_if_few_classes(value, pred.targets, int(pred.log_probs.shape[-1]))
     return value
@@ -658,15 +660,20 @@ def _warn_if_poorly_determined(
     bounds: tuple[float, float],
     classification: bool,
     size: int,
+    multi_label: bool = False,
 ) -> None:
     """:func:`calibrate`'s warnings: too few held-out examples (:func:`min_examples`), or ``T``
-    at an end of ``bounds``."""
+    at an end of ``bounds``. ``count`` is of the held-out targets' values: examples, a
+    regression's target values, or a multi-label prediction's (example, label) pairs, each a
+    binary prediction that ``T`` tempers."""
     needed = min_examples(classification=classification)
     if count < needed:
         what = "example" if classification else "target value"
+        what = "binary prediction" if multi_label else what
+        pairs = " (example × label pairs)" if multi_label else ""
         _warn(
             f"calibrate: T = {value:.4g} was fitted on {count} held-out {what}"
-            f"{'' if count == 1 else 's'}"
+            f"{'' if count == 1 else 's'}{pairs}"
             f"{' (all ranks)' if size > 1 else ''}, fewer than {needed}: T is poorly determined "
             "(its standard error in log T exceeds 1/3, a factor of 2 either way at two "
             "standard errors). Calibrate on a larger held-out split."

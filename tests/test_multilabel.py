@@ -286,3 +286,15 @@ def test_laplace_curvature_is_the_dense_bernoulli_ggn(
         torch.testing.assert_close(ours, dense, rtol=1e-6, atol=1e-8)
     else:
         torch.testing.assert_close(ours.diagonal(), dense.diagonal(), rtol=1e-6, atol=1e-8)
+
+
+def test_calibrate_counts_a_multi_label_split_in_binary_predictions() -> None:
+    """``pb.calibrate``'s small-sample warning counts the held-out targets' values: for
+    multi-label data the (example, label) pairs, each a binary prediction T tempers. The
+    message said "examples" for them (7 examples × 3 labels read as 21 examples)."""
+    model, batches = _problem(num_data=64)
+    guide = pb.posterior(model, "map")
+    pb.fit(model, guide, batches, epochs=3, lr=1e-2)
+    held_out = [(batches[0][0][:7], batches[0][1][:7])]
+    with pytest.warns(UserWarning, match=r"21 held-out binary predictions \(example × label"):
+        pb.calibrate(model, guide, held_out)
