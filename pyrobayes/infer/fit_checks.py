@@ -145,13 +145,18 @@ class DataSize:
     else (a batch is refused only when it alone exceeds N).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, guide: Any = None) -> None:
         num_data = getattr(model, "num_data", None)
         self.num_data = num_data if isinstance(num_data, int) else 0  # 0: nothing to check
+        #: an IVON guide's ``ess`` set apart from ``num_data``: its prior's weight, 1/ess, in
+        #: num_data's place (None: the prior weighs 1/num_data)
+        ess = getattr(guide, "ess", None)
+        given = isinstance(ess, (int, float)) and ess > 0 and ess != self.num_data
+        self.ess: float | None = float(ess) if given else None  # type: ignore[arg-type]
         self.label_key: str = getattr(model, "label_key", "labels")
         self.size, self.rank = world()
         self.count = 0
-        self.done = not self.num_data
+        self.done = not (self.num_data or self.ess)
 
     def see(self, batch: Any) -> None:
         if self.done:
@@ -196,6 +201,9 @@ class DataSize:
         seen = self.count * self.size
         if self.rank != 0 or seen == 0:  # seen 0: resumed after the first epoch
             return
+        if self.ess is not None:  # IVON's prior weighs 1/ess: num_data does not enter the fit
+            self._check_ess(seen, what)
+            return
         if complete and 2 * seen < self.num_data and posthoc:
             self._warn(
                 f"fit(): {what} yielded {seen} examples, but the model's num_data is "
@@ -239,6 +247,23 @@ class DataSize:
                 "rank (a post-hoc Laplace sums its curvature over ranks)."
             )
         self._warn(message)
+
+    def _check_ess(self, seen: int, what: str) -> None:
+        """Warn when an IVON guide's ``ess`` (its prior's weight is 1/ess) is below the
+        examples a pass yields: the posterior is then ``seen/ess`` times too wide, as with
+        ``num_data`` the batch size (an ``ess`` above the data's size narrows it on purpose,
+        e.g. the IVON-LoRA recipe's 1e7, and passes)."""
+        assert self.ess is not None
+        if seen <= self.ess + self.size - 1:
+            return
+        self._warn(
+            f"fit(): {what} yielded {seen} examples, but the guide's ess is {self.ess:g}. ess "
+            "is IVON's effective sample size: its prior weighs 1/ess of the mean "
+            f"log-likelihood, {seen / self.ess:.3g}x what the data's size gives, and the "
+            "posterior is that much too wide (often the batch size passed as ess). Pass "
+            "ess=len(train_set), or leave it out (the model's num_data); an ess above the "
+            "data's size narrows the posterior on purpose and is not warned about."
+        )
 
     @staticmethod
     def _warn(message: str) -> None:

@@ -591,7 +591,7 @@ class _Loop(ResumeChecks):
         )
         self.terms: dict[str, list[torch.Tensor]] = {}
         self.divergence = Divergence(self.lr)
-        self.data_size = DataSize(model)
+        self.data_size = DataSize(model, guide)
         self.stopped_early = False
         self.last_batch: Any = None  # the last batch stepped on (a checkpoint's digest)
 
