@@ -298,3 +298,13 @@ def test_calibrate_counts_a_multi_label_split_in_binary_predictions() -> None:
     held_out = [(batches[0][0][:7], batches[0][1][:7])]
     with pytest.warns(UserWarning, match=r"21 held-out binary predictions \(example × label"):
         pb.calibrate(model, guide, held_out)
+
+
+def test_sigma_norm_tau_sweep_refuses_a_multi_label_model_by_name() -> None:
+    """``tau_sweep`` scores one class per example; on a multi-label model it failed inside
+    torch (``gather(): Expected dtype int32/int64``) after fitting the first τ."""
+    from pyrobayes.infer.signorm import tau_sweep
+
+    model, batches = _problem("signorm")
+    with pytest.raises(ValueError, match="tau_sweep scores one class per example.*'bernoulli'"):
+        tau_sweep(lambda: model, batches, batches, taus=(0.5,), epochs=1)

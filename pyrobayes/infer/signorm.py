@@ -426,6 +426,16 @@ def tau_sweep(
     rows: list[dict[str, float]] = []
     for tau in taus:
         model = make_model()
+        likelihood = getattr(model, "likelihood", None)
+        if not getattr(likelihood, "is_classification", False) or getattr(
+            likelihood, "multi_label", False
+        ):
+            raise ValueError(
+                "tau_sweep scores one class per example (accuracy, NLL, ECE and the members' "
+                "disagreement of a categorical or multiple-choice predictive), but make_model's "
+                f"likelihood is {getattr(likelihood, 'name', likelihood)!r}. Fit σN at each τ "
+                "with pb.fit and score it with pb.metrics.report instead."
+            )
         guide = get_guide_class("signorm")(model, **guide_options)
         settings = SigmaNormDiversity(tau=float(tau), **diversity)
         optim = Optimization(optimizer=settings)
