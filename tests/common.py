@@ -12,12 +12,26 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyrobayes.models import FineTuneModel, LoRAXS
 from tests import families
+
+#: ``"cpu"`` in every run, ``"cuda"`` with ``-m gpu`` on a machine with a GPU (parametrize a
+#: device-dependent test over it)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
 
 
 @dataclass

@@ -22,19 +22,8 @@ from pyrobayes.models import FineTuneModel, LoRA, MultipleChoice
 from pyrobayes.models.multiple_choice import encode_multiple_choice
 from pyrobayes.models.sharing import unshared
 from pyrobayes.testing import tiny_problem
-from tests.common import tiny_llama
+from tests.common import DEVICES, tiny_llama
 from tests.models.test_multiple_choice import PROMPTS, CharTokenizer
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
-]
 
 
 def _float32_problem(device: str) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -21,7 +21,7 @@ from pyrobayes.models.likelihoods import (
     make_likelihood,
 )
 from tests import families
-from tests.common import mlp, tiny_bert
+from tests.common import DEVICES, mlp, tiny_bert
 
 
 def _problem(family: str | None = None, num_data: int = 64, noise: float = 0.3):
@@ -225,18 +225,6 @@ def test_arviz_export_has_each_examples_log_likelihood() -> None:
     values = {s: v.unsqueeze(0) for s, v in guide.mean().items()} if False else None
     del values
     assert bool((ll < 0).all())
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)
