@@ -97,7 +97,8 @@ def select_prior_precision(
     Raises
     ------
     TypeError
-        ``guide`` is not a Laplace posterior.
+        ``guide`` is not a Laplace posterior, or ``val_data`` is a one-shot iterator (a
+        generator), which the grid would use up.
     ValueError
         The guide is calibrated, ``factors`` holds a non-positive number, or ``val_data`` has
         no batches or no labels.
@@ -105,6 +106,11 @@ def select_prior_precision(
     owner = "select_prior_precision: "
     _check_guide(guide, owner)
     check_int("num_samples", num_samples, ge=1, owner=owner)
+    if iter(val_data) is val_data:  # a generator: used up after the first grid point's pass
+        raise TypeError(
+            f"{owner}val_data is a one-shot iterator ({type(val_data).__name__}), but it is "
+            "read for every τ of the grid. Pass a list of batches or a DataLoader."
+        )
     grid = [float(f) for f in factors]
     if not grid or not all(math.isfinite(f) and f > 0 for f in grid):
         raise ValueError(f"{owner}factors must be finite numbers > 0, got {list(factors)!r}.")

@@ -97,6 +97,9 @@ def test_selection_refuses_what_it_cannot_use() -> None:
         select_prior_precision(model, guide, held_out, factors=(0.0, 1.0))
     with pytest.raises(ValueError, match="no batches"):
         select_prior_precision(model, guide, [])
+    # a generator: the first grid point's pass used it up ("yielded no batches" before)
+    with pytest.raises(TypeError, match="one-shot iterator .* read for every τ of the grid"):
+        select_prior_precision(model, guide, iter(held_out))
     assert guide.prior_precision == pytest.approx(1.0)  # a failed selection leaves τ as it was
     pb.calibrate(model, guide, held_out)
     with pytest.raises(ValueError, match="Select τ first, then call pyrobayes.calibrate"):
