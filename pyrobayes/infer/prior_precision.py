@@ -51,6 +51,16 @@ LINEARIZATION_MAX_BYTES = 2**30
 _LINEARIZED_OPTIONS = frozenset({"examples_per_forward", "progress_bar", "samples_per_forward"})
 
 
+def _refuse_one_shot(val_data: Iterable[Any], owner: str) -> None:
+    """Refuse a one-shot iterator (a generator): the grid reads ``val_data`` once per τ, so the
+    first grid point's pass would use it up."""
+    if iter(val_data) is val_data:
+        raise TypeError(
+            f"{owner}val_data is a one-shot iterator ({type(val_data).__name__}), but it is "
+            "read for every τ of the grid. Pass a list of batches or a DataLoader."
+        )
+
+
 def select_prior_precision(
     model: Any,
     guide: Any,
@@ -106,11 +116,7 @@ def select_prior_precision(
     owner = "select_prior_precision: "
     _check_guide(guide, owner)
     check_int("num_samples", num_samples, ge=1, owner=owner)
-    if iter(val_data) is val_data:  # a generator: used up after the first grid point's pass
-        raise TypeError(
-            f"{owner}val_data is a one-shot iterator ({type(val_data).__name__}), but it is "
-            "read for every τ of the grid. Pass a list of batches or a DataLoader."
-        )
+    _refuse_one_shot(val_data, owner)
     grid = [float(f) for f in factors]
     if not grid or not all(math.isfinite(f) and f > 0 for f in grid):
         raise ValueError(f"{owner}factors must be finite numbers > 0, got {list(factors)!r}.")
