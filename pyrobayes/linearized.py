@@ -40,7 +40,6 @@ buffers of the batched backward passes (up to K times a training step's backward
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -60,7 +59,7 @@ from .batch import (
     to_device,
 )
 from .models.adapters import check_int
-from .models.likelihoods import bernoulli_log_probs
+from .models.likelihoods import logits_log_probs
 from .predictive import (
     CPU_MAX_ROWS_PER_FORWARD,
     Prediction,
@@ -437,18 +436,17 @@ def _chunk_predictive(
     ``multi_label``: the K outputs are per-label logits, and the log-probabilities
     ``log (1 − p, p)`` per label, `(S, b, K, 2)` (the probit per label,
     ``σ(f / sqrt(1 + π/8 · v))``)."""
-    link = bernoulli_log_probs if multi_label else functools.partial(torch.log_softmax, dim=-1)
     dtype = _linear_dtype(out, jac)
     out, jac = out.to(dtype), {s: j.to(dtype) for s, j in jac.items()}
     mean = out.reshape(out.shape[0], -1)  # (b, K)
     if deltas is not None:  # (the Monte Carlo predictive)
         _, shifts = linear_shifts(out, jac, deltas)
         logits = mean.unsqueeze(0) + shifts.reshape(deltas.shape[0], *mean.shape)
-        return link(logits), None
+        return logits_log_probs(logits, multi_label), None
     var = torch.diagonal(guide.functional_covariance(jac), dim1=-2, dim2=-1)  # (b, K)
     if classification:  # probit (MacKay 1992)
         kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
-        return link(kappa * mean).unsqueeze(0), None
+        return logits_log_probs(kappa * mean, multi_label).unsqueeze(0), None
     return out.unsqueeze(0), var.reshape(1, *out.shape)
 
 

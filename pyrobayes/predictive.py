@@ -571,12 +571,11 @@ def predict(
     target = torch.cat(targets, 0) if targets else None
     joined = cat_examples(outputs, model.likelihood.is_classification)
     prediction = Prediction.from_outputs(joined, target, model.likelihood)
-    one_row: str | None = None  # why the prediction is one row without the draws' spread
+    # why the prediction is one row without the draws' spread (report's mutual information)
     if average_logits and len(next(iter(values.values()))) > 1:
-        one_row = _LOGIT_AVERAGE
-    else:
-        one_row = _ONE_DRAW if one_draw and model.likelihood.is_classification else None
-    prediction = dataclasses.replace(prediction, pooled_by=one_row)
+        prediction = dataclasses.replace(prediction, pooled_by=_LOGIT_AVERAGE)
+    elif one_draw and model.likelihood.is_classification:
+        prediction = dataclasses.replace(prediction, pooled_by=_ONE_DRAW)
     return apply_temperature(prediction, guide)  # pb.calibrate's T (none: unchanged)
 
 

@@ -182,7 +182,7 @@ LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "adapter.init_scale": (0.0, True),
 }
 #: ``data.train`` / ``data.ood`` specs: ``vader:<domain>`` (labelled) or ``chatterbot`` (OOD).
-DATA_SPECS: tuple[str, ...] = (*(f"vader:{d}" for d in pbdata.VADER_DOMAINS), "chatterbot")
+KNOWN_DATA: tuple[str, ...] = (*(f"vader:{d}" for d in pbdata.VADER_DOMAINS), "chatterbot")
 #: The class counts of a VADER training set: ``task="binary"`` and ``task="fine"``.
 _VADER_NUM_LABELS = (2, 5)
 #: LoRA-XS options that plain LoRA (``adapter.kind = "lora"``) does not take.
@@ -281,7 +281,7 @@ def _check_value(path: str, value: Any) -> None:
             raise ConfigError(
                 "Config key 'data.train' = 'chatterbot' names an unlabelled corpus (an OOD set); "
                 "train on a labelled one: "
-                f"{', '.join(repr(s) for s in DATA_SPECS if s.startswith('vader:'))}."
+                f"{', '.join(repr(s) for s in KNOWN_DATA if s.startswith('vader:'))}."
             )
 
 
@@ -301,8 +301,8 @@ def parse_data_spec(spec: str, path: str | None = None) -> tuple[str, str]:
     what = "an unknown VADER domain" if spec.startswith("vader:") else "not a data set of this job"
     where = f"Config key {path!r}: " if path else "Data spec "
     raise ConfigError(
-        f"{where}{spec!r} is {what}{did_you_mean(spec, DATA_SPECS)}. Use one of "
-        f"{', '.join(repr(s) for s in DATA_SPECS)} (files are not read; the VADER corpora and "
+        f"{where}{spec!r} is {what}{did_you_mean(spec, KNOWN_DATA)}. Use one of "
+        f"{', '.join(repr(s) for s in KNOWN_DATA)} (files are not read; the VADER corpora and "
         "chatterbot-corpus are the job's data)."
     )
 
@@ -420,7 +420,7 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     ConfigError
         An unknown key at any depth (naming its path and the nearest valid key), a wrong type,
         a value outside its bounds or choices (:data:`MINIMA`, :data:`LOWER_BOUNDS`,
-        :data:`CHOICES`), an unknown data spec (:data:`DATA_SPECS`), a device string torch does
+        :data:`CHOICES`), an unknown data spec (:data:`KNOWN_DATA`), a device string torch does
         not parse, an unknown family, or keys that do not fit together (``model.num_labels``
         and a VADER ``data.train``, ``training.warmup`` without ``training.scheduler``). What
         the config names on this machine (the model, the device) is :func:`check_inputs`'s.

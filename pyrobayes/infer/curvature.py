@@ -43,7 +43,7 @@ from ..linearized import output_jacobian_rows, output_jacobians
 from ..models.likelihoods import Categorical, check_binary_targets, check_gaussian_targets
 from ..user_frame import user_stacklevel
 from .distributed import all_reduce_sum_, world
-from .fit_checks import gather_rank_errors
+from .fit_checks import gather_rank_errors, loader_pass_size
 from .rank_errors import (
     PASS_REMEDY,
     keep_for_ranks,
@@ -444,21 +444,13 @@ def _warn_if_dropping(data: Iterable[Any]) -> None:
     examples: a training loader's setting, under which every pass leaves its last examples out
     of the curvature (on 249 examples in batches of 50, the curvature was 0.77 of the full
     pass's and the linearised predictive 25% wider, in silence)."""
-    from torch.utils.data import BatchSampler, DataLoader
-
-    sampler = data.batch_sampler if isinstance(data, DataLoader) else None
-    if type(sampler) is not BatchSampler or not sampler.drop_last:
-        return
-    try:
-        size = len(sampler.sampler)  # type: ignore[arg-type]
-    except TypeError:
-        return
-    dropped = size % sampler.batch_size
-    if dropped:
+    sizes = loader_pass_size(data)
+    if sizes is not None and sizes[0] > sizes[1]:
+        sampled, kept = sizes
         warnings.warn(
             f"Laplace: the curvature data is a DataLoader with drop_last=True, so the last "
-            f"{dropped} of its {size} examples are left out of the curvature (and of the "
-            "evidence that chooses τ) in every pass. Fit the curvature on a loader with "
+            f"{sampled - kept} of its {sampled} examples are left out of the curvature (and of "
+            "the evidence that chooses τ) in every pass. Fit the curvature on a loader with "
             "drop_last=False (its order does not matter).",
             UserWarning,
             stacklevel=user_stacklevel(),

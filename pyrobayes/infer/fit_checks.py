@@ -150,9 +150,9 @@ class DataSize:
         self.num_data = num_data if isinstance(num_data, int) else 0  # 0: nothing to check
         #: an IVON guide's ``ess`` set apart from ``num_data``: its prior's weight, 1/ess, in
         #: num_data's place (None: the prior weighs 1/num_data)
-        ess = getattr(guide, "ess", None)
-        given = isinstance(ess, (int, float)) and ess > 0 and ess != self.num_data
-        self.ess: float | None = float(ess) if given else None  # type: ignore[arg-type]
+        ess: Any = getattr(guide, "ess", None)
+        given = isinstance(ess, (int, float)) and 0 < ess != self.num_data
+        self.ess: float | None = float(ess) if given else None
         self.label_key: str = getattr(model, "label_key", "labels")
         self.size, self.rank = world()
         self.count = 0
@@ -202,7 +202,7 @@ class DataSize:
         if self.rank != 0 or seen == 0:  # seen 0: resumed after the first epoch
             return
         if self.ess is not None:  # IVON's prior weighs 1/ess: num_data does not enter the fit
-            self._check_ess(seen, what)
+            self._check_ess(self.ess, seen, what)
             return
         if complete and 2 * seen < self.num_data and posthoc:
             self._warn(
@@ -248,18 +248,17 @@ class DataSize:
             )
         self._warn(message)
 
-    def _check_ess(self, seen: int, what: str) -> None:
+    def _check_ess(self, ess: float, seen: int, what: str) -> None:
         """Warn when an IVON guide's ``ess`` (its prior's weight is 1/ess) is below the
         examples a pass yields: the posterior is then ``seen/ess`` times too wide, as with
         ``num_data`` the batch size (an ``ess`` above the data's size narrows it on purpose,
         e.g. the IVON-LoRA recipe's 1e7, and passes)."""
-        assert self.ess is not None
-        if seen <= self.ess + self.size - 1:
+        if seen <= ess + self.size - 1:
             return
         self._warn(
-            f"fit(): {what} yielded {seen} examples, but the guide's ess is {self.ess:g}. ess "
+            f"fit(): {what} yielded {seen} examples, but the guide's ess is {ess:g}. ess "
             "is IVON's effective sample size: its prior weighs 1/ess of the mean "
-            f"log-likelihood, {seen / self.ess:.3g}x what the data's size gives, and the "
+            f"log-likelihood, {seen / ess:.3g}x what the data's size gives, and the "
             "posterior is that much too wide (often the batch size passed as ess). Pass "
             "ess=len(train_set), or leave it out (the model's num_data); an ess above the "
             "data's size narrows the posterior on purpose and is not warned about."
@@ -274,25 +273,33 @@ class DataSize:
 def _examples_per_pass(data: Iterable[Any], label_key: str) -> int | None:
     """The examples one pass over ``data`` yields, where telling costs no read of the data:
     the batches of a list or tuple counted (held in memory), a ``DataLoader``'s from its batch
-    sampler (its sampler's length, less the remainder ``drop_last`` drops); ``None`` for other
-    data (an ``IterableDataset``, a custom batch sampler, an iterable of the user's)."""
-    from torch.utils.data import BatchSampler, DataLoader, IterableDataset
-
+    sampler (:func:`loader_pass_size`); ``None`` for other data."""
     if isinstance(data, (list, tuple)):
         try:
             return sum(batch_size(split_batch(b, label_key)[0]) for b in data)
         except (TypeError, ValueError):  # a batch whose size cannot be told: no check
             return None
+    sizes = loader_pass_size(data)
+    return None if sizes is None else sizes[1]
+
+
+def loader_pass_size(data: Any) -> tuple[int, int] | None:
+    """``(sampled, yielded)``: the examples a ``DataLoader``'s sampler draws per pass and those
+    its batches hold, fewer by the remainder ``drop_last`` drops; ``None`` where its batch
+    sampler is not torch's (an ``IterableDataset``, a custom batch sampler) or other data."""
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None
     sampler = data.batch_sampler
     if type(sampler) is not BatchSampler:
         return None
     try:
-        examples = len(sampler.sampler)  # type: ignore[arg-type]
+        sampled = len(sampler.sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
-    return examples - examples % sampler.batch_size if sampler.drop_last else examples
+    dropped = sampled % sampler.batch_size if sampler.drop_last else 0
+    return sampled, sampled - dropped
 
 
 def check_first_batch(model: Any, fitter: Any, batch: Any) -> None:

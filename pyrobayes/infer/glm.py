@@ -10,7 +10,6 @@ batch output and is kept for comparison.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -21,7 +20,7 @@ from torch import Tensor
 
 from ..batch import check_batches, split_batch, to_device
 from ..models.adapters import check_int
-from ..models.likelihoods import bernoulli_log_probs
+from ..models.likelihoods import logits_log_probs
 from ..predictive import Prediction
 
 logger = logging.getLogger(__name__)
@@ -97,14 +96,11 @@ def _link_outputs(
     the probit log-probabilities `(1, B, C)`, a regression's mean `(1, B[, C])` with its
     linearized variance (else ``None``), or ``num_samples`` Monte Carlo draws. ``multi_label``:
     per-label sigmoids, log-probabilities ``log (1 − p, p)`` `(S, B, C, 2)`."""
-    to_log_probs = (
-        bernoulli_log_probs if multi_label else functools.partial(torch.log_softmax, dim=-1)
-    )
     if link == "probit":
         var = torch.diagonal(cov, dim1=-2, dim2=-1)
         if classification:
             kappa = torch.rsqrt(1.0 + math.pi / 8.0 * var)
-            return to_log_probs(kappa * mean).unsqueeze(0).detach(), None
+            return logits_log_probs(kappa * mean, multi_label).unsqueeze(0).detach(), None
         # the exact Gaussian predictive: its mean and the variance of the linearized mean
         return mean.squeeze(-1).unsqueeze(0).detach(), var.squeeze(-1).unsqueeze(0).detach()
     c = cov.shape[-1]
@@ -112,7 +108,7 @@ def _link_outputs(
     chol = torch.linalg.cholesky(cov + jitter)
     eps = torch.randn((num_samples, *mean.shape), generator=generator, dtype=mean.dtype)
     logits = mean + torch.einsum("bce,sbe->sbc", chol, eps.to(mean.device))
-    out = to_log_probs(logits) if classification else logits.squeeze(-1)
+    out = logits_log_probs(logits, multi_label) if classification else logits.squeeze(-1)
     return out.detach(), None
 
 

@@ -37,7 +37,8 @@ from torch import Tensor
 from ..batch import batch_size
 from ..contract import Mixture, implements
 from ..models.adapters import check_real
-from ..models.signorm import diversity, scale_sites, update_statistics
+from ..models.signorm import diversity, member_norms, scale_sites, update_statistics
+from .distributed import all_reduce_sum_, world
 from .fitter import SVIFitter
 from .objectives import register_objective, scaled_log_likelihood, split_training_batch
 
@@ -244,32 +245,34 @@ def pool_batch_statistics(net: Any) -> None:
     (``N = Σ n_r``). The forward itself normalises with its rank's share's statistics, as
     torch's ``BatchNorm`` under ``DistributedDataParallel`` does without ``SyncBatchNorm``.
     A no-op in one process."""
-    from ..models.signorm import member_norms
-    from .distributed import all_reduce_sum_, world
-
     if world()[0] == 1:
         return
-    layers = [m for m in member_norms(net).values() if m.batch_statistics is not None]
-    if not layers:
+    recorded = [
+        (layer, layer.batch_statistics, layer.batch_count)
+        for layer in member_norms(net).values()
+        if layer.batch_statistics is not None
+    ]
+    if not recorded:
         return
     parts: list[Tensor] = []
-    for layer in layers:
-        mean, var = (t.double() for t in layer.batch_statistics)  # type: ignore[union-attr]
-        n = float(layer.batch_count)
+    for _, (mean, var), count in recorded:
+        mean, var, n = mean.double(), var.double(), float(count)
         parts += [mean * n, var * (n - 1) + mean.square() * n, mean.new_full((1,), n)]
     flat = torch.cat([t.reshape(-1) for t in parts])
     all_reduce_sum_([flat])
     offset = 0
-    for layer in layers:
-        mean, _ = layer.batch_statistics  # type: ignore[misc]
+    for layer, (mean, _), _ in recorded:
         size = mean.numel()
         total, squares = flat[offset : offset + size], flat[offset + size : offset + 2 * size]
-        count = flat[offset + 2 * size]  # (on the device: no host read)
+        count_all = flat[offset + 2 * size]  # (on the device: no host read)
         offset += 2 * size + 1
-        pooled = total / count
-        var = (squares - count * pooled.square()) / (count - 1.0).clamp_min(1.0)
+        pooled = total / count_all
+        var_all = (squares - count_all * pooled.square()) / (count_all - 1.0).clamp_min(1.0)
         shape, dtype = mean.shape, mean.dtype
-        layer.batch_statistics = (pooled.reshape(shape).to(dtype), var.reshape(shape).to(dtype))
+        layer.batch_statistics = (
+            pooled.reshape(shape).to(dtype),
+            var_all.reshape(shape).to(dtype),
+        )
 
 
 class _MaskSites(Messenger):

@@ -51,6 +51,7 @@ __all__ = [
     "check_class_targets",
     "check_binary_targets",
     "bernoulli_log_probs",
+    "logits_log_probs",
     "check_example_rows",
     "MULTI_LABEL_ADVICE",
 ]
@@ -421,6 +422,13 @@ def bernoulli_log_probs(logits: Tensor) -> Tensor:
     ``p``)."""
     z = logits.to(compute_dtype(logits.dtype))
     return torch.stack((F.logsigmoid(-z), F.logsigmoid(z)), -1)
+
+
+def logits_log_probs(logits: Tensor, multi_label: bool) -> Tensor:
+    """Log-probabilities of a classifier's logits: ``log_softmax`` over the last axis, or with
+    ``multi_label`` per-label :func:`bernoulli_log_probs` ``(..., L, 2)`` (a linearised
+    predictive's draws or probit-scaled logits)."""
+    return bernoulli_log_probs(logits) if multi_label else torch.log_softmax(logits, -1)
 
 
 def check_binary_targets(

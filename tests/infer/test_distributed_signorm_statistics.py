@@ -80,7 +80,7 @@ def test_pooled_statistics_are_the_whole_batchs(monkeypatch):
     """The pooling arithmetic, two ranks simulated in one process: the shares' ``(n, mean,
     unbiased variance)`` give the whole batch's mean and unbiased variance (float64, summed in
     another order: 1e-12)."""
-    import pyrobayes.infer.distributed as distributed
+    import pyrobayes.infer.signorm as signorm
 
     model, batches = _problem()
     model.double().net.train(True)
@@ -94,14 +94,14 @@ def test_pooled_statistics_are_the_whole_batchs(monkeypatch):
     (whole, _), *shares = stats
     assert [n for _, n in shares] == [5, 11]
 
-    monkeypatch.setattr(distributed, "world", lambda: (2, 0))
+    monkeypatch.setattr(signorm, "world", lambda: (2, 0))
     flats: list[torch.Tensor] = []  # each rank's buffer, before the all-reduce
-    monkeypatch.setattr(distributed, "all_reduce_sum_", lambda ts: flats.append(ts[0].clone()))
+    monkeypatch.setattr(signorm, "all_reduce_sum_", lambda ts: flats.append(ts[0].clone()))
     for statistics, count in shares:
         norm.batch_statistics, norm.batch_count = statistics, count
         pool_batch_statistics(model.net)
     total = flats[0] + flats[1]
-    monkeypatch.setattr(distributed, "all_reduce_sum_", lambda ts: ts[0].copy_(total))
+    monkeypatch.setattr(signorm, "all_reduce_sum_", lambda ts: ts[0].copy_(total))
     norm.batch_statistics, norm.batch_count = shares[0]
     pool_batch_statistics(model.net)
     assert norm.batch_statistics is not None
